@@ -1,0 +1,150 @@
+"""The side-channel wire contract: versioned msgspec Structs.
+
+Every message on the side channel is one of the tagged Structs below,
+msgpack-encoded by :mod:`handshake.codec`. Nothing on the wire is pickled.
+Decoding is strict: unknown fields, wrong types and missing fields are
+rejected with an error that names the field.
+
+Units: addresses and lengths are bytes; ``block_size`` is tokens per block;
+``num_blocks`` is blocks per region.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change to the Structs in this module."""
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+"""Largest message (bytes) a server or client accepts; larger input is refused."""
+
+
+class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered memory region holding KV blocks.
+
+    Attributes:
+        base_addr: start address of the region (bytes, process virtual address
+            or device pointer).
+        length: region length in bytes.
+        device_id: NIXL device id (GPU index for VRAM, 0 for DRAM).
+        layer_start: first model layer whose KV lives in this region.
+        num_layers: number of layers whose KV lives in this region
+            (all layers for a cross-layer region).
+        kv_index: 0 for K, 1 for V, -1 when K and V share the region.
+    """
+
+    base_addr: int
+    length: int
+    device_id: int = 0
+    layer_start: int = 0
+    num_layers: int = 1
+    kv_index: int = -1
+
+
+class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How one worker's KV cache sits in memory.
+
+    A block id ``b`` occupies bytes ``[r.base_addr + b * block_stride,
+    r.base_addr + b * block_stride + block_len)`` of every region ``r``.
+
+    Attributes:
+        kv_layout: vLLM KV cache layout name over logical [L, B, H, N, C]
+            (e.g. ``"LBHNC"`` layer-compact, ``"BLHNC"`` cross-layer).
+        attn_layout: ``"HND"`` or ``"NHD"``: order of heads and tokens inside
+            one layer's page of a block.
+        dtype: KV cache element dtype name (e.g. ``"bfloat16"``).
+        num_layers: attention layers of the model.
+        num_kv_heads: KV heads held by this rank.
+        head_dim: elements per head.
+        block_size: tokens per block.
+        num_blocks: blocks in each region.
+        block_len: bytes one block occupies in one region (one descriptor).
+        block_stride: bytes between consecutive blocks in one region.
+        mem_type: NIXL memory type, ``"DRAM"`` or ``"VRAM"``.
+        regions: the registered regions, in a fixed order both peers agree on.
+    """
+
+    kv_layout: str
+    attn_layout: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    block_len: int
+    block_stride: int
+    mem_type: str
+    regions: list[KVRegion]
+
+
+class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything a peer needs to pull from one worker (one tp_rank).
+
+    Attributes:
+        engine_id: the vLLM engine id of the worker's engine.
+        tp_rank: tensor-parallel rank of the worker.
+        tp_size: tensor-parallel size of the engine.
+        agent_name: NIXL agent name (unique per process incarnation).
+        agent_metadata: opaque NIXL agent metadata (``get_agent_metadata()``).
+        metadata_digest: SHA-256 of ``agent_metadata``, checked before the
+            metadata reaches NIXL.
+        compat_hash: hash of what must match between peers (vLLM version,
+            model, dtype, kv heads, head size, layers, cache dtype, backend).
+        layout: the KV memory description.
+    """
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    agent_name: str
+    agent_metadata: bytes
+    metadata_digest: bytes
+    compat_hash: str
+    layout: KVLayoutDesc
+
+
+class MetadataRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="metadata_request"):
+    """Ask a server for one rank's :class:`AgentInfo`.
+
+    Attributes:
+        protocol_version: the sender's :data:`PROTOCOL_VERSION`.
+        tp_rank: the rank whose info is wanted.
+        requester_engine_id: engine id of the asking side (for logs).
+        compat_hash: the asking side's compatibility hash; a mismatch is
+            refused by the server with an ``ErrorReply`` naming the field.
+    """
+
+    protocol_version: int
+    tp_rank: int
+    requester_engine_id: str
+    compat_hash: str
+
+
+class MetadataReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="metadata_reply"):
+    """Answer to :class:`MetadataRequest`."""
+
+    protocol_version: int
+    info: AgentInfo
+
+
+class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):
+    """A request the server refused.
+
+    Attributes:
+        code: machine-readable reason (``"malformed"``, ``"version"``,
+            ``"incompatible"``, ``"unknown_rank"``, ``"too_large"``,
+            ``"auth"``).
+        field: the offending field (``""`` when not about one field).
+        message: human-readable explanation that names the fix.
+    """
+
+    protocol_version: int
+    code: str
+    field: str
+    message: str
+
+
+Message = MetadataRequest | MetadataReply | ErrorReply
+"""Every message that travels on the side channel."""

@@ -1,0 +1,124 @@
+"""Typed p2pkv configuration from ``kv_connector_extra_config`` and the environment.
+
+Every key of ``kv_connector_extra_config`` must be a field of
+:class:`P2pKvConfig`; an unknown key or a value of the wrong type is refused
+with a :class:`ConfigError` that names the key and the fix. Environment
+variables ``P2PKV_<FIELD>`` (upper case) override the defaults; the extra
+config overrides the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A p2pkv setting is unknown or has a bad value; the message names it."""
+
+
+class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """p2pkv settings.
+
+    Attributes:
+        side_channel_host: address this engine's side channel binds to and
+            advertises to peers; ``""`` picks the host's primary IP (the pod
+            IP), never loopback unless that is all there is.
+        side_channel_port: base TCP port of the side channel; tp_rank ``r``
+            of data-parallel rank ``d`` listens on ``port + d * tp_size + r``.
+        lease_s: seconds a prefill engine holds a finished request's blocks
+            for a decode engine to pull them before releasing them anyway.
+        handshake_timeout_s: seconds one side-channel request may take.
+        handshake_retries: side-channel attempts before a pull is failed.
+        transfer_timeout_s: seconds a NIXL READ may stay in flight before
+            its blocks are reported as load errors.
+        secret: shared secret; when set, every side-channel message is
+            HMAC-SHA256 signed and verified (both peers must use the same).
+        kv_layout: KV cache layout requested from vLLM: ``"BLHNC"``
+            (cross-layer blocks, one descriptor per block for all layers;
+            vLLM falls back to the backend's own when it cannot), ``"LBHNC"``
+            (layer-compact, what vLLM's NixlConnector asks for), or
+            ``"auto"`` (ask for nothing).
+        nixl_backends: NIXL backends to create (``["UCX"]``).
+        nixl_progress_thread: run NIXL's progress thread (one core busy per
+            agent; lower latency on idle engines).
+        nixl_num_threads: worker threads of the UCX backend (0: NIXL default).
+        stats_file: when set, every finished pull appends one JSON line
+            (request id, peer, bytes, descriptors, seconds) to this file.
+    """
+
+    side_channel_host: str = ""
+    side_channel_port: int = 5600
+    lease_s: float = 120.0
+    handshake_timeout_s: float = 5.0
+    handshake_retries: int = 3
+    transfer_timeout_s: float = 60.0
+    secret: str = ""
+    kv_layout: Literal["BLHNC", "LBHNC", "auto"] = "BLHNC"
+    nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
+    nixl_progress_thread: bool = False
+    nixl_num_threads: int = 0
+    stats_file: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.side_channel_port < 65536:
+            raise ConfigError(
+                f"side_channel_port={self.side_channel_port} is not a TCP port; "
+                "use 1..65535 in kv_connector_extra_config or P2PKV_SIDE_CHANNEL_PORT"
+            )
+        for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.handshake_retries < 1:
+            raise ConfigError(f"handshake_retries must be >= 1, got {self.handshake_retries}")
+        if not self.nixl_backends:
+            raise ConfigError('nixl_backends must name at least one backend, e.g. ["UCX"]')
+
+
+_FIELDS = P2pKvConfig.__struct_fields__
+
+
+def _from_env(environ: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in _FIELDS:
+        raw = environ.get(f"P2PKV_{name.upper()}")
+        if raw is None:
+            continue
+        if name == "nixl_backends":
+            out[name] = [b.strip() for b in raw.split(",") if b.strip()]
+        else:
+            out[name] = raw
+    return out
+
+
+def load_config(
+    extra_config: dict[str, Any] | None, environ: dict[str, str] | None = None
+) -> P2pKvConfig:
+    """Build the config from ``kv_connector_extra_config`` and ``P2PKV_*`` env vars.
+
+    Args:
+        extra_config: the ``kv_connector_extra_config`` dict (may be None).
+        environ: environment mapping; defaults to ``os.environ``.
+
+    Returns:
+        The validated :class:`P2pKvConfig`.
+
+    Raises:
+        ConfigError: an unknown key, a value of the wrong type or out of range;
+            the message names the key.
+    """
+    environ = dict(os.environ) if environ is None else environ
+    merged: dict[str, Any] = _from_env(environ)
+    for key, value in (extra_config or {}).items():
+        if key not in _FIELDS:
+            raise ConfigError(
+                f"unknown p2pkv setting {key!r} in kv_connector_extra_config; "
+                f"known settings: {', '.join(_FIELDS)}"
+            )
+        merged[key] = value
+    try:
+        return msgspec.convert(merged, P2pKvConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"bad p2pkv setting: {exc} (in kv_connector_extra_config or P2PKV_*)") from exc

@@ -1,0 +1,189 @@
+"""``P2pKvConnector``: the vLLM ``KVConnectorBase_V1`` entry point (role dispatch only).
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "P2pKvConnector",
+                           "kv_connector_module_path": "p2pkv.connector",
+                           "kv_role": "kv_both"}'
+
+Scheduler-side calls go to :class:`p2pkv.scheduler.SchedulerSide`,
+worker-side calls to :class:`p2pkv.worker.WorkerSide`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from p2pkv.config import P2pKvConfig, load_config
+from p2pkv.metadata import P2pKvMetadata
+from p2pkv.scheduler import SchedulerSide
+from p2pkv.worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("p2pkv.connector")
+
+
+def compat_hash(vllm_config: VllmConfig) -> str:
+    """Hash of what prefill and decode must share to exchange KV byte for byte.
+
+    Covers the vLLM minor version, the model architecture and its attention
+    shape (layers, KV heads, head size), the model and cache dtypes and the
+    attention backend's cache layout family. Block size, HND/NHD and TP size
+    are negotiated at handshake instead.
+    """
+    import vllm
+
+    mc = vllm_config.model_config
+    pc = vllm_config.parallel_config
+    fields = {
+        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+        "architectures": list(getattr(mc.hf_config, "architectures", None) or []),
+        "num_layers": mc.get_num_layers(pc),
+        "total_num_kv_heads": mc.get_total_num_kv_heads(),
+        "head_size": mc.get_head_size(),
+        "dtype": str(mc.dtype),
+        "cache_dtype": vllm_config.cache_config.cache_dtype,
+        "use_mla": bool(mc.use_mla),
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def side_channel_host(config: P2pKvConfig) -> str:
+    """The host this engine's side channel binds to and advertises."""
+    if config.side_channel_host:
+        return config.side_channel_host
+    from vllm.utils.network_utils import get_ip
+
+    return get_ip()
+
+
+def _attn_layout(kv_layout: str) -> str:
+    return "NHD" if kv_layout.endswith("NHC") else "HND"
+
+
+class P2pKvConnector(KVConnectorBase_V1):
+    """Peer-to-peer KV pulls over NIXL for prefill/decode disaggregation.
+
+    ``kv_transfer_params`` are wire-compatible with vLLM's NixlConnector.
+    Settings come from ``kv_connector_extra_config`` (see
+    :class:`p2pkv.config.P2pKvConfig`).
+
+    Raises:
+        p2pkv.config.ConfigError: a bad setting (names the key).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.config = load_config(ktc.kv_connector_extra_config)
+        self.engine_id: str = str(ktc.engine_id)
+        pc = vllm_config.parallel_config
+        self.tp_size = pc.tensor_parallel_size
+        base_port = self.config.side_channel_port + pc.data_parallel_index * self.tp_size
+        host = side_channel_host(self.config)
+        block_size = vllm_config.cache_config.block_size
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.engine_id, self.config, block_size, host,
+                                           base_port, self.tp_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            mc = vllm_config.model_config
+            tp_rank = get_tensor_model_parallel_rank()
+            kv_layout = vllm_config.cache_config.kv_cache_layout or "LBHNC"
+            cache_dtype = vllm_config.cache_config.cache_dtype
+            model_info = {
+                "kv_layout": kv_layout,
+                "attn_layout": _attn_layout(kv_layout),
+                "dtype": str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype,
+                "num_kv_heads": mc.get_num_kv_heads(pc),
+                "head_dim": mc.get_head_size(),
+                "block_size": block_size,
+            }
+            self.worker = WorkerSide(self.engine_id, self.config, tp_rank, self.tp_size, host,
+                                     base_port + tp_rank, compat_hash(vllm_config), model_info)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Ask for cross-layer blocks (``BLHNC``) unless configured otherwise.
+
+        vLLM falls back to the attention backend's own layout (and logs it)
+        when the backend cannot use the one asked for; the worker then
+        describes whatever layout it got.
+        """
+        if vllm_config.model_config is None or vllm_config.model_config.use_mla:
+            return None
+        ktc = vllm_config.kv_transfer_config
+        layout = load_config(ktc.kv_connector_extra_config if ktc else None).kv_layout
+        return None if layout == "auto" else layout
+
+    # ---- worker side ---------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, P2pKvMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    # ---- scheduler side ------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)

@@ -1,0 +1,1 @@
+"""Launching engines: ``vllm serve`` command lines, child processes, health waits."""

@@ -1,0 +1,45 @@
+"""What the scheduler side tells the worker side each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from p2pkv.params import RemotePrefill
+
+
+@dataclass(frozen=True)
+class RecvTask:
+    """One pull a decode worker must run.
+
+    Attributes:
+        request_id: the local (decode engine) request id.
+        local_block_ids: local blocks to fill, in token order.
+        remote_block_ids: the prefill engine's blocks to read, paired with
+            ``local_block_ids`` (same length).
+        remote: where to pull from.
+        report: report the request in ``finished_recving`` when done (False
+            for notify-only tasks: nothing to load, or the request is gone).
+    """
+
+    request_id: str
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    remote: RemotePrefill
+    report: bool = True
+
+
+@dataclass
+class P2pKvMetadata(KVConnectorMetadata):
+    """Per-step connector metadata.
+
+    Attributes:
+        recv: pulls to start (decode side).
+        send_leases: prefill request id → ``time.monotonic()`` deadline (seconds)
+            after which its held blocks are released even without a
+            notification (prefill side).
+    """
+
+    recv: list[RecvTask] = field(default_factory=list)
+    send_leases: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,142 @@
+"""``kv_transfer_params`` encode/decode, wire-compatible with vLLM's NixlConnector.
+
+The proxy sends ``{"do_remote_decode": true}`` to a prefill engine; the
+prefill engine answers with the params a decode engine needs to pull the
+request's KV (:func:`make_prefill_response_params`); the proxy passes those on
+to the decode engine, which parses them with :func:`parse_remote_prefill`.
+The key names and meanings are those of vLLM's NixlConnector, so existing
+proxies and routers work unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class KVTransferParamsError(ValueError):
+    """``kv_transfer_params`` are malformed; the message names the key."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a decode engine pulls one request's prompt KV from.
+
+    Attributes:
+        engine_id: the prefill engine's engine_id.
+        request_id: the request id on the prefill engine (sent back in the
+            completion notification so it frees the right blocks).
+        host: the prefill engine's side-channel host.
+        port: the prefill engine's side-channel base port.
+        block_ids: the prefill engine's block ids holding the prompt, in
+            token order (KV cache group 0).
+        tp_size: the prefill engine's tensor-parallel size.
+        num_tokens: prompt tokens whose KV the prefill engine computed
+            (0 when the sender did not say).
+    """
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    block_ids: tuple[int, ...]
+    tp_size: int
+    num_tokens: int = 0
+
+
+def _require(params: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in params or params[key] is None:
+        raise KVTransferParamsError(
+            f"kv_transfer_params.{key} is missing; a decode request needs the params "
+            "the prefill engine returned (pass them through unchanged)"
+        )
+    value = params[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise KVTransferParamsError(
+            f"kv_transfer_params.{key} has type {type(value).__name__}, expected "
+            f"{getattr(kind, '__name__', kind)}"
+        )
+    return value
+
+
+def _flat_block_ids(raw: Any) -> tuple[int, ...]:
+    """Accept ``[ids...]`` or NixlConnector's per-group ``[[ids...], ...]``."""
+    if not isinstance(raw, list | tuple):
+        raise KVTransferParamsError("kv_transfer_params.remote_block_ids must be a list")
+    if raw and isinstance(raw[0], list | tuple):
+        if len(raw) != 1:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_block_ids has {len(raw)} KV cache groups; "
+                "p2pkv supports models with one KV cache group"
+            )
+        raw = raw[0]
+    ids = []
+    for b in raw:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_block_ids holds {b!r}; block ids are ints >= 0"
+            )
+        ids.append(b)
+    return tuple(ids)
+
+
+def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
+    """True when a decode engine should pull this request's KV from a prefill engine."""
+    return bool(params) and bool(params.get("do_remote_prefill"))
+
+
+def wants_remote_decode(params: dict[str, Any] | None) -> bool:
+    """True when a prefill engine should hold this request's KV for a decode engine."""
+    return bool(params) and bool(params.get("do_remote_decode"))
+
+
+def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
+    """Parse the params a decode engine received.
+
+    Raises:
+        KVTransferParamsError: a key is missing or has a wrong type.
+    """
+    port = _require(params, "remote_port", int)
+    if not 0 < port < 65536:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port")
+    return RemotePrefill(
+        engine_id=str(_require(params, "remote_engine_id", str)),
+        request_id=str(_require(params, "remote_request_id", str)),
+        host=str(_require(params, "remote_host", str)),
+        port=port,
+        block_ids=_flat_block_ids(_require(params, "remote_block_ids", (list, tuple))),
+        tp_size=int(params.get("tp_size") or 1),
+        num_tokens=int(params.get("remote_num_tokens") or 0),
+    )
+
+
+def make_prefill_response_params(
+    *,
+    engine_id: str,
+    request_id: str,
+    host: str,
+    port: int,
+    block_ids: list[int],
+    tp_size: int,
+    num_tokens: int,
+    expiry_time: float | None,
+) -> dict[str, Any]:
+    """The params a prefill engine returns with a finished request (NixlConnector keys).
+
+    ``remote_block_ids`` is a list per KV cache group, as NixlConnector sends it.
+    """
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [list(block_ids)],
+        "remote_engine_id": engine_id,
+        "remote_request_id": request_id,
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": tp_size,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": num_tokens,
+        "remote_blocks_expiry_time": expiry_time,
+        "transfer_mode": "pull",
+    }

@@ -1,0 +1,148 @@
+"""Scheduler-side connector state: pulls to schedule (decode), blocks to hold (prefill)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from p2pkv.config import P2pKvConfig
+from p2pkv.metadata import P2pKvMetadata, RecvTask
+from p2pkv.params import (
+    KVTransferParamsError,
+    RemotePrefill,
+    make_prefill_response_params,
+    parse_remote_prefill,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("p2pkv.scheduler")
+
+
+class SchedulerSide:
+    """The connector's scheduler-side half.
+
+    Args:
+        engine_id: this engine's id (returned to decode engines).
+        config: p2pkv settings.
+        block_size: tokens per block of this engine.
+        side_channel_host: host decode engines reach this engine's side channel on.
+        side_channel_port: base side-channel port of this engine (rank 0).
+        tp_size: this engine's tensor-parallel size.
+    """
+
+    def __init__(
+        self,
+        engine_id: str,
+        config: P2pKvConfig,
+        block_size: int,
+        side_channel_host: str,
+        side_channel_port: int,
+        tp_size: int,
+    ) -> None:
+        self.engine_id = engine_id
+        self.config = config
+        self.block_size = block_size
+        self.host = side_channel_host
+        self.port = side_channel_port
+        self.tp_size = tp_size
+        self._recv: list[RecvTask] = []
+        self._leases: dict[str, float] = {}
+
+    # ---- decode side -------------------------------------------------
+    def _remote(self, request: Request) -> RemotePrefill | None:
+        params = request.kv_transfer_params
+        try:
+            return parse_remote_prefill(params)
+        except KVTransferParamsError as exc:
+            logger.error(
+                "p2pkv: request %s: %s; prefilling it locally instead", request.request_id, exc
+            )
+            params["do_remote_prefill"] = False
+            return None
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Prompt tokens to load from the prefill engine (all of them), asynchronously."""
+        if not wants_remote_prefill(request.kv_transfer_params) or self._remote(request) is None:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Record the pull for a request whose local blocks were just allocated."""
+        params = request.kv_transfer_params
+        if not wants_remote_prefill(params):
+            return
+        remote = self._remote(request)
+        if remote is None:
+            return
+        params["do_remote_prefill"] = False  # a second call (more blocks) must not pull again
+        local: list[int] = []
+        remote_ids: tuple[int, ...] = ()
+        if num_external_tokens > 0:
+            all_ids = list(blocks.get_block_ids()[0])
+            unhashed = list(blocks.get_unhashed_block_ids())
+            n_cached = len(all_ids) - len(unhashed)
+            remote_ids = remote.block_ids[n_cached : n_cached + len(unhashed)]
+            local = unhashed[: len(remote_ids)]
+        self._recv.append(
+            RecvTask(
+                request_id=request.request_id,
+                local_block_ids=tuple(local),
+                remote_block_ids=tuple(remote_ids),
+                remote=remote,
+                report=num_external_tokens > 0,
+            )
+        )
+
+    # ---- both ----------------------------------------------------------
+    def build_connector_meta(self) -> P2pKvMetadata:
+        """Hand this step's new pulls and leases to the workers, then forget them."""
+        meta = P2pKvMetadata(recv=self._recv, send_leases=self._leases)
+        self._recv, self._leases = [], {}
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Hold a prefilled request's blocks for a decode engine and say where they are.
+
+        Returns:
+            ``(hold, params)``: ``hold`` is True when the blocks stay allocated
+            until the decode side's notification or the lease (``lease_s``)
+            ends; ``params`` are the NixlConnector-compatible
+            ``kv_transfer_params`` for the decode engine.
+        """
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params):
+            # Finished (aborted) before its blocks were allocated: tell the
+            # prefill engine it can free its copy now.
+            remote = self._remote(request)
+            if remote is not None:
+                params["do_remote_prefill"] = False
+                self._recv.append(RecvTask(request.request_id, (), (), remote, report=False))
+            return False, None
+        if not wants_remote_decode(params):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted on the prefill side: free the blocks now
+        if not block_ids:
+            return False, None
+        self._leases[request.request_id] = time.monotonic() + self.config.lease_s
+        return True, make_prefill_response_params(
+            engine_id=self.engine_id,
+            request_id=request.request_id,
+            host=self.host,
+            port=self.port,
+            block_ids=block_ids,
+            tp_size=self.tp_size,
+            num_tokens=request.num_computed_tokens,
+            expiry_time=time.time() + self.config.lease_s,
+        )

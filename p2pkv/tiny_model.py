@@ -1,0 +1,124 @@
+"""Write a tiny random-weight Llama model that vLLM loads offline.
+
+Models cannot be downloaded on the machines p2pkv is tested on, so the demo,
+the tests and the benchmarks use a small Llama-architecture checkpoint made
+here from a fixed seed: a byte-level tokenizer (256 byte tokens plus
+``<s>``, ``</s>``, ``<unk>``) saved with ``tokenizers`` and random weights
+saved as safetensors by ``transformers``. vLLM's own loader reads it.
+
+The weights are drawn with a large ``initializer_range`` so attention is far
+from uniform: the next-token distribution depends strongly on the KV cache,
+which makes a corrupted or skipped KV transfer visible in tokens and
+logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the tiny model.
+
+    Attributes:
+        num_layers: decoder layers (each one attention layer, so KV layers).
+        hidden_size: model width (elements).
+        num_heads: attention heads.
+        num_kv_heads: KV heads (GQA when smaller than ``num_heads``).
+        intermediate_size: MLP width (elements).
+        max_position_embeddings: longest sequence (tokens).
+        initializer_range: standard deviation of the random weights.
+        seed: torch seed; the same seed gives bit-identical weights.
+    """
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_position_embeddings: int = 4096
+    initializer_range: float = 0.08
+    seed: int = 0
+
+
+def _byte_tokenizer_files(out: Path) -> int:
+    """Write a byte-level BPE tokenizer (no merges) to ``out``; returns vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": 4096,
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
+    return len(vocab)
+
+
+def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
+    """Create the tiny model directory (idempotent: an existing one is kept).
+
+    Args:
+        out_dir: directory to write ``config.json``, ``model.safetensors`` and
+            the tokenizer files into.
+        spec: model shape; defaults to :class:`TinyModelSpec()`.
+
+    Returns:
+        The model directory as a :class:`~pathlib.Path`.
+
+    Raises:
+        ImportError: when ``torch`` or ``transformers`` is not installed.
+    """
+    spec = spec or TinyModelSpec()
+    out = Path(out_dir)
+    marker = out / "p2pkv_tiny_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == spec.__dict__:
+        return out
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab_size = _byte_tokenizer_files(out)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    marker.write_text(json.dumps(spec.__dict__))
+    return out

@@ -1,0 +1,390 @@
+"""Worker-side orchestration: register KV memory, serve metadata, pull, notify, release.
+
+Decode side: each :class:`~p2pkv.metadata.RecvTask` waits for the peer's
+handshake (run on a background thread, once per prefill rank), then becomes
+one NIXL READ of coalesced descriptors with a completion notification, polled
+in :meth:`WorkerSide.get_finished`. Failures mark the local blocks in
+:meth:`WorkerSide.get_block_ids_with_load_errors` and still report the
+request as finished receiving, so vLLM recomputes or fails it per
+``kv_load_failure_policy``.
+
+Prefill side: blocks of finished requests are held until the decode side's
+notification arrives or the lease expires, whichever first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from handshake import AgentInfo, HandshakeServer, KVLayoutDesc, KVRegion, compute_digest, fetch_agent_info
+from p2pkv.config import P2pKvConfig
+from p2pkv.layout import KVLayout, Segment, describe_torch_kv_caches
+from p2pkv.metadata import P2pKvMetadata, RecvTask
+from p2pkv.plan import build_descriptors, coalesce_runs
+from p2pkv.transfer import NixlTransferAgent, PullHandle, unique_agent_name
+
+logger = logging.getLogger("p2pkv.worker")
+
+NOTIF_DONE = b"p2pkv:done:"
+
+
+@dataclass
+class _Peer:
+    """A prefill rank this worker pulls from."""
+
+    info: AgentInfo
+    agent_name: str
+    segments: list[Segment]
+
+
+@dataclass
+class _Pull:
+    task: RecvTask
+    handle: PullHandle | None
+    started: float
+    peer_key: tuple[str, int]
+
+
+@dataclass
+class _Pending:
+    tasks: list[RecvTask] = field(default_factory=list)
+    future: Future | None = None
+
+
+class PullRefused(RuntimeError):
+    """A pull cannot run against this peer (incompatible layouts, TP sizes)."""
+
+
+def layout_desc(layout: KVLayout, *, kv_layout: str, attn_layout: str, dtype: str,
+                num_kv_heads: int, head_dim: int, block_size: int, mem_type: str) -> KVLayoutDesc:
+    """The wire form of a :class:`KVLayout` (see :class:`handshake.KVLayoutDesc`)."""
+    return KVLayoutDesc(
+        kv_layout=kv_layout,
+        attn_layout=attn_layout,
+        dtype=dtype,
+        num_layers=layout.num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_blocks=layout.num_blocks,
+        block_len=layout.segments[0].length,
+        block_stride=layout.segments[0].block_stride,
+        mem_type=mem_type,
+        regions=[
+            KVRegion(
+                base_addr=s.addr,
+                length=layout.num_blocks * s.block_stride,
+                layer_start=s.layer_start,
+                num_layers=s.num_layers,
+                kv_index=s.kv_index,
+            )
+            for s in layout.segments
+        ],
+    )
+
+
+def remote_segments(desc: KVLayoutDesc) -> list[Segment]:
+    """Rebuild a peer's segments from its typed layout fields (never from its bytes)."""
+    return [
+        Segment(r.base_addr, desc.block_len, desc.block_stride, r.layer_start, r.num_layers, r.kv_index)
+        for r in desc.regions
+    ]
+
+
+def check_compatible(local: KVLayoutDesc, remote: KVLayoutDesc) -> None:
+    """Refuse a peer whose blocks cannot be copied byte for byte into ours.
+
+    Raises:
+        PullRefused: names the field and both sides' values.
+    """
+    for name in ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "attn_layout",
+                 "block_len"):
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if mine != theirs:
+            raise PullRefused(
+                f"prefill and decode differ in {name}: prefill has {theirs!r}, decode has "
+                f"{mine!r}; run both engines with the same {name}"
+            )
+    if len(local.regions) != len(remote.regions):
+        raise PullRefused(
+            f"prefill KV layout {remote.kv_layout} ({len(remote.regions)} segments per block) "
+            f"differs from decode {local.kv_layout} ({len(local.regions)}); use the same "
+            "kv_layout on both engines"
+        )
+
+
+class WorkerSide:
+    """The connector's worker-side half for one tp_rank.
+
+    Args:
+        engine_id: this engine's id.
+        config: p2pkv settings.
+        tp_rank: this worker's tensor-parallel rank.
+        tp_size: this engine's tensor-parallel size.
+        side_channel_host: address the side-channel server binds to.
+        side_channel_port: this rank's side-channel port.
+        compat_hash: what peers must match (see :func:`p2pkv.connector.compat_hash`).
+        model_info: ``dtype``, ``num_kv_heads``, ``head_dim``, ``block_size``,
+            ``kv_layout``, ``attn_layout`` of this engine.
+    """
+
+    def __init__(self, engine_id: str, config: P2pKvConfig, tp_rank: int, tp_size: int,
+                 side_channel_host: str, side_channel_port: int, compat_hash: str,
+                 model_info: dict[str, Any]) -> None:
+        self.engine_id = engine_id
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.host = side_channel_host
+        self.port = side_channel_port
+        self.compat_hash = compat_hash
+        self.model_info = model_info
+        self.agent: NixlTransferAgent | None = None
+        self.server: HandshakeServer | None = None
+        self.layout: KVLayout | None = None
+        self.desc: KVLayoutDesc | None = None
+        self._secret = config.secret.encode() if config.secret else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2pkv-handshake")
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._pending: dict[tuple[str, int], _Pending] = {}
+        self._pulls: list[_Pull] = []
+        self._leases: dict[str, float] = {}
+        self._early_notifs: dict[str, float] = {}
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._closed = False
+
+    # ---- setup -----------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+        """Register this worker's KV tensors with NIXL and start serving metadata.
+
+        Args:
+            kv_caches: layer name → KV tensor (any of vLLM's layouts).
+            num_blocks: blocks per layer.
+        """
+        first = next(iter(kv_caches.values()))
+        mem_type = "VRAM" if first.is_cuda else "DRAM"
+        device_id = (first.device.index or 0) if first.is_cuda else 0
+        self.layout = describe_torch_kv_caches(kv_caches, num_blocks)
+        self.agent = NixlTransferAgent(
+            unique_agent_name(self.engine_id, self.tp_rank),
+            self.config.nixl_backends,
+            self.config.nixl_progress_thread,
+            self.config.nixl_num_threads,
+        )
+        self.agent.register(self.layout.regions, mem_type, device_id)
+        self.desc = layout_desc(self.layout, mem_type=mem_type, **self.model_info)
+        meta = self.agent.metadata()
+        info = AgentInfo(
+            engine_id=self.engine_id,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            agent_name=self.agent.name,
+            agent_metadata=meta,
+            metadata_digest=compute_digest(meta),
+            compat_hash=self.compat_hash,
+            layout=self.desc,
+        )
+        self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=self._secret)
+        self.server.set_info(info)
+        self.server.start()
+        logger.info(
+            "p2pkv: rank %d registered %d %s region(s), %d segment(s) per block (%s), "
+            "%d B per block; side channel on %s:%d",
+            self.tp_rank, len(self.layout.regions), mem_type, len(self.layout.segments),
+            "cross-layer" if self.layout.cross_layer else "per-layer",
+            self.layout.block_bytes, self.host, self.server.port,
+        )
+
+    # ---- decode side ------------------------------------------------------
+    def start_load_kv(self, meta: P2pKvMetadata) -> None:
+        """Take this step's new pulls and leases."""
+        self._leases.update(meta.send_leases)
+        for task in meta.recv:
+            self._queue(task)
+
+    def _peer_key(self, task: RecvTask) -> tuple[str, int]:
+        if task.remote.tp_size != self.tp_size:
+            raise PullRefused(
+                f"prefill tp_size={task.remote.tp_size} differs from decode tp_size={self.tp_size}; "
+                "run both engines with the same tensor-parallel size"
+            )
+        return (task.remote.engine_id, self.tp_rank)
+
+    def _queue(self, task: RecvTask) -> None:
+        try:
+            key = self._peer_key(task)
+        except PullRefused as exc:
+            self._fail(task, f"refused: {exc}")
+            return
+        if key in self._peers:
+            self._start_pull(task, key)
+            return
+        pending = self._pending.setdefault(key, _Pending())
+        pending.tasks.append(task)
+        if pending.future is None:
+            pending.future = self._executor.submit(
+                fetch_agent_info,
+                task.remote.host,
+                task.remote.port + key[1],
+                key[1],
+                self.engine_id,
+                self.compat_hash,
+                secret=self._secret,
+                timeout_s=self.config.handshake_timeout_s,
+                retries=self.config.handshake_retries,
+            )
+
+    def _progress_handshakes(self) -> None:
+        for key, pending in list(self._pending.items()):
+            if pending.future is None or not pending.future.done():
+                continue
+            del self._pending[key]
+            try:
+                info: AgentInfo = pending.future.result()
+                assert self.agent is not None and self.desc is not None
+                check_compatible(self.desc, info.layout)
+                name = self.agent.add_peer(info)
+                self._peers[key] = _Peer(info, name, remote_segments(info.layout))
+                logger.info("p2pkv: handshake with %s rank %d done (agent %s)", key[0], key[1], name)
+            except Exception as exc:  # noqa: BLE001 - every failure fails the waiting pulls
+                for task in pending.tasks:
+                    self._fail(task, f"handshake with {task.remote.host}:{task.remote.port + key[1]} failed: {exc}")
+                continue
+            for task in pending.tasks:
+                self._start_pull(task, key)
+
+    def _start_pull(self, task: RecvTask, key: tuple[str, int]) -> None:
+        peer = self._peers[key]
+        assert self.agent is not None and self.layout is not None
+        notif = NOTIF_DONE + task.remote.request_id.encode()
+        try:
+            if not task.local_block_ids:
+                self.agent.send_notif(peer.agent_name, notif)
+                if task.report:
+                    self._finished_recving.add(task.request_id)
+                return
+            loc, rem, lengths = coalesce_runs(
+                task.local_block_ids, task.remote_block_ids,
+                self.layout.num_blocks, peer.info.layout.num_blocks,
+            )
+            local_descs = build_descriptors(self.layout.segments, loc, lengths)
+            remote_descs = build_descriptors(peer.segments, rem, lengths)
+            handle = self.agent.start_read(peer.agent_name, local_descs, remote_descs, notif)
+        except Exception as exc:  # noqa: BLE001
+            self._drop_peer(key)
+            self._fail(task, f"pull from {peer.agent_name} could not start: {exc}")
+            return
+        self._pulls.append(_Pull(task, handle, time.monotonic(), key))
+
+    def _fail(self, task: RecvTask, why: str) -> None:
+        logger.error(
+            "p2pkv: pull failed request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
+            task.request_id, task.remote.request_id, task.remote.host, task.remote.port,
+            len(task.local_block_ids), why,
+        )
+        self._load_errors.update(task.local_block_ids)
+        if task.report:
+            self._finished_recving.add(task.request_id)
+
+    def _drop_peer(self, key: tuple[str, int]) -> None:
+        peer = self._peers.pop(key, None)
+        if peer is not None and self.agent is not None:
+            self.agent.remove_peer(peer.agent_name)
+
+    def _poll_pulls(self) -> None:
+        assert self.agent is not None
+        still: list[_Pull] = []
+        now = time.monotonic()
+        for pull in self._pulls:
+            assert pull.handle is not None
+            try:
+                done = self.agent.poll(pull.handle)
+            except Exception as exc:  # noqa: BLE001
+                self._drop_peer(pull.peer_key)
+                self._fail(pull.task, str(exc))
+                continue
+            if done:
+                self._record(pull, now)
+                if pull.task.report:
+                    self._finished_recving.add(pull.task.request_id)
+            elif now - pull.started > self.config.transfer_timeout_s:
+                self.agent.cancel(pull.handle)
+                self._fail(pull.task, f"READ still in flight after {self.config.transfer_timeout_s} s")
+            else:
+                still.append(pull)
+        self._pulls = still
+
+    def _record(self, pull: _Pull, now: float) -> None:
+        assert pull.handle is not None
+        seconds = now - pull.started
+        logger.debug("p2pkv: pulled request=%s bytes=%d descriptors=%d seconds=%.6f",
+                     pull.task.request_id, pull.handle.num_bytes, pull.handle.num_descriptors, seconds)
+        if self.config.stats_file:
+            record = {
+                "request_id": pull.task.request_id,
+                "remote_request_id": pull.task.remote.request_id,
+                "peer": pull.handle.peer,
+                "blocks": len(pull.task.local_block_ids),
+                "bytes": pull.handle.num_bytes,
+                "descriptors": pull.handle.num_descriptors,
+                "seconds": seconds,
+            }
+            with open(self.config.stats_file, "a", encoding="utf-8") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    # ---- prefill side -----------------------------------------------------
+    def _released(self) -> set[str]:
+        assert self.agent is not None
+        now = time.monotonic()
+        for msg in self.agent.get_notifs():
+            if msg.startswith(NOTIF_DONE):
+                self._early_notifs[msg[len(NOTIF_DONE):].decode(errors="replace")] = now
+        done = {rid for rid in self._early_notifs if rid in self._leases}
+        expired = {rid for rid, t in self._leases.items() if t <= now and rid not in done}
+        for rid in expired:
+            logger.warning("p2pkv: lease of request %s expired before a decode engine pulled it; "
+                           "releasing its blocks", rid)
+        for rid in done | expired:
+            self._leases.pop(rid, None)
+            self._early_notifs.pop(rid, None)
+        # Forget notifications for requests never leased here (after a lease's time).
+        for rid, t in list(self._early_notifs.items()):
+            if now - t > self.config.lease_s:
+                del self._early_notifs[rid]
+        return done | expired
+
+    # ---- per step -----------------------------------------------------------
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """``(finished_sending, finished_recving)`` request ids since the last call."""
+        if self.agent is None:
+            return set(), set()
+        self._progress_handshakes()
+        self._poll_pulls()
+        recving, self._finished_recving = self._finished_recving, set()
+        return self._released(), recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local block ids whose pull failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Close the side channel, drop peers, deregister memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.server is not None:
+            self.server.close()
+        if self.agent is not None:
+            for pull in self._pulls:
+                if pull.handle is not None:
+                    self.agent.cancel(pull.handle)
+            self._pulls.clear()
+            self.agent.close()
