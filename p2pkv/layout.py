@@ -148,6 +148,11 @@ def _page_bytes(info: TensorInfo, block_dim: int) -> int:
 
 def _tensor_segments(info: TensorInfo, layer: int, num_blocks: int) -> list[Segment]:
     """Segments of one layer tensor: 1, or 2 when a leading K/V dim of 2 precedes blocks."""
+    if num_blocks == 2 and info.shape[:2] == (2, 2):
+        raise LayoutError(
+            f"layer {info.name}: shape {info.shape} is ambiguous with num_blocks=2 (K/V dim or "
+            "block dim first?); give the KV cache more blocks"
+        )
     if len(info.shape) >= 2 and info.shape[0] == num_blocks:
         return [
             Segment(
@@ -188,6 +193,7 @@ def _merge(segments: list[Segment]) -> list[Segment]:
             and prev.addr + prev.length == seg.addr
             and prev.kv_index == seg.kv_index
             and prev.layer_start + prev.num_layers == seg.layer_start
+            and prev.length + seg.length <= seg.block_stride
         ):
             out[-1] = Segment(
                 addr=prev.addr,

@@ -175,7 +175,7 @@ class NixlTransferAgent:
             self._peers.discard(name)
             try:
                 self._agent.remove_remote_agent(name)
-            except Exception as exc:  # noqa: BLE001 - best effort on a dead peer
+            except Exception as exc:
                 logger.warning("p2pkv: remove_remote_agent(%s) failed: %s", name, exc)
 
     def start_read(
@@ -236,7 +236,7 @@ class NixlTransferAgent:
     def _release(self, handle: object) -> None:
         try:
             self._agent.release_xfer_handle(handle)
-        except Exception as exc:  # noqa: BLE001 - releasing a broken handle
+        except Exception as exc:
             logger.debug("p2pkv: release_xfer_handle failed: %s", exc)
 
     def send_notif(self, peer: str, msg: bytes) -> None:
@@ -267,6 +267,6 @@ class NixlTransferAgent:
         for descs in self._reg_descs:
             try:
                 self._agent.deregister_memory(descs)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 logger.warning("p2pkv: deregister_memory failed: %s", exc)
         self._reg_descs.clear()

@@ -252,7 +252,7 @@ class WorkerSide:
                 name = self.agent.add_peer(info)
                 self._peers[key] = _Peer(info, name, remote_segments(info.layout))
                 logger.info("p2pkv: handshake with %s rank %d done (agent %s)", key[0], key[1], name)
-            except Exception as exc:  # noqa: BLE001 - every failure fails the waiting pulls
+            except Exception as exc:
                 for task in pending.tasks:
                     self._fail(task, f"handshake with {task.remote.host}:{task.remote.port + key[1]} failed: {exc}")
                 continue
@@ -276,7 +276,7 @@ class WorkerSide:
             local_descs = build_descriptors(self.layout.segments, loc, lengths)
             remote_descs = build_descriptors(peer.segments, rem, lengths)
             handle = self.agent.start_read(peer.agent_name, local_descs, remote_descs, notif)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._drop_peer(key)
             self._fail(task, f"pull from {peer.agent_name} could not start: {exc}")
             return
@@ -305,7 +305,7 @@ class WorkerSide:
             assert pull.handle is not None
             try:
                 done = self.agent.poll(pull.handle)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self._drop_peer(pull.peer_key)
                 self._fail(pull.task, str(exc))
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -80,19 +81,13 @@ def stop_children(children: list[Child], grace_s: float = 15.0) -> None:
     """SIGTERM every child's process group, then SIGKILL what is left after ``grace_s``."""
     for child in children:
         if child.proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
     deadline = time.monotonic() + grace_s
     for child in children:
         remaining = max(0.1, deadline - time.monotonic())
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             child.proc.wait(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.proc.pid, signal.SIGKILL)  # also reaps engine-core grandchildren
-        except (ProcessLookupError, PermissionError):
-            pass
         child.proc.wait()

@@ -1,0 +1,232 @@
+"""The side-channel client: fetch one remote rank's AgentInfo."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from handshake._net import configure_socket, tcp_endpoint
+from handshake.codec import decode, encode, verify_agent_info
+from handshake.errors import (
+    AuthenticationError,
+    HandshakeError,
+    HandshakeTimeoutError,
+    IncompatiblePeerError,
+    MalformedMessageError,
+    MetadataDigestError,
+    RemoteRefusedError,
+)
+from handshake.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    AgentInfo,
+    ErrorReply,
+    MetadataReply,
+    MetadataRequest,
+)
+
+__all__ = ["HandshakeClient", "fetch_agent_info"]
+
+logger = logging.getLogger("p2pkv.handshake")
+
+
+def fetch_agent_info(
+    host: str,
+    port: int,
+    tp_rank: int,
+    requester_engine_id: str,
+    compat_hash: str,
+    secret: bytes | None = None,
+    timeout_s: float = 5.0,
+    retries: int = 3,
+    backoff_s: float = 0.2,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> AgentInfo:
+    """Ask the handshake server at ``host:port`` for rank ``tp_rank``'s info.
+
+    Each attempt uses a fresh DEALER socket (linger 0) and waits up to
+    ``timeout_s`` for the reply. Only timeouts are retried, after
+    ``backoff_s * 2**(attempt - 1)`` seconds; every other error is final.
+
+    Args:
+        host: server host name or address.
+        port: server TCP port.
+        tp_rank: the remote tensor-parallel rank whose info is wanted.
+        requester_engine_id: this engine's id (shown in the server's logs).
+        compat_hash: this engine's compatibility hash; must equal the server's.
+        secret: shared HMAC key (bytes), or ``None`` when not authenticating.
+        timeout_s: time to wait for a reply per attempt (seconds).
+        retries: total number of attempts (>= 1).
+        backoff_s: first pause between attempts (seconds), doubled each time.
+        max_message_bytes: largest accepted reply (bytes).
+
+    Returns:
+        The verified :class:`AgentInfo` (rank, compat hash and metadata
+        digest checked).
+
+    Raises:
+        HandshakeTimeoutError: no reply after ``retries`` attempts.
+        RemoteRefusedError: the server answered with an ``ErrorReply``
+            (``code`` e.g. ``"incompatible"``, ``"unknown_rank"``, ``"auth"``).
+        AuthenticationError: the reply's HMAC is missing or wrong.
+        ProtocolVersionError: the server speaks another protocol version.
+        IncompatiblePeerError: the reply is for another rank or compat hash.
+        MetadataDigestError: the agent metadata does not match its digest.
+        MalformedMessageError, MessageTooLargeError: the reply is invalid.
+        ValueError: bad arguments.
+    """
+    if retries < 1:
+        raise ValueError(f"retries is the total number of attempts and must be >= 1, got {retries}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
+    endpoint = tcp_endpoint(host, port)
+    request = MetadataRequest(
+        protocol_version=PROTOCOL_VERSION,
+        tp_rank=tp_rank,
+        requester_engine_id=requester_engine_id,
+        compat_hash=compat_hash,
+    )
+    frames = encode(request, secret)
+    ctx = zmq.Context()
+    try:
+        for attempt in range(1, retries + 1):
+            if attempt > 1:
+                time.sleep(backoff_s * 2 ** (attempt - 2))
+            reply = _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes)
+            if reply is not None:
+                return _check_reply(reply, endpoint, tp_rank, compat_hash, secret, max_message_bytes)
+            logger.debug("no handshake reply from %s (attempt %d/%d)", endpoint, attempt, retries)
+    finally:
+        ctx.term()
+    raise HandshakeTimeoutError(
+        f"no reply from the handshake server at {host}:{port} for tp_rank {tp_rank} after "
+        f"{retries} attempt(s) of {timeout_s:g} s each; check that the prefill engine is up "
+        f"and that its side-channel port {port} is reachable from this host "
+        "(host name, firewall, port number)",
+        field="",
+    )
+
+
+def _exchange(
+    ctx: zmq.Context,
+    host: str,
+    endpoint: str,
+    frames: list[bytes],
+    timeout_s: float,
+    max_message_bytes: int,
+) -> list[bytes] | None:
+    """Send one request on a fresh socket; the reply frames, or None on timeout."""
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        configure_socket(sock, host, max_message_bytes)
+        try:
+            sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            raise HandshakeError(
+                f"cannot connect to {endpoint}: {exc}; pass a valid host and port",
+                field="host",
+                code="config",
+            ) from exc
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
+            return None
+        return sock.recv_multipart(zmq.NOBLOCK)
+    finally:
+        sock.close(linger=0)
+
+
+def _check_reply(
+    frames: list[bytes],
+    endpoint: str,
+    tp_rank: int,
+    compat_hash: str,
+    secret: bytes | None,
+    max_message_bytes: int,
+) -> AgentInfo:
+    try:
+        msg = decode(frames, secret, max_message_bytes)
+    except AuthenticationError as exc:
+        refusal = _unsigned_auth_refusal(frames, max_message_bytes)
+        if refusal is not None:
+            raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint) from exc
+        raise AuthenticationError(f"reply from {endpoint}: {exc.message}", field=exc.field) from exc
+    except HandshakeError as exc:
+        raise type(exc)(f"reply from {endpoint}: {exc.message}", field=exc.field, code=exc.code) from exc
+    if isinstance(msg, ErrorReply):
+        raise RemoteRefusedError(msg.code, msg.field, msg.message, endpoint=endpoint)
+    if not isinstance(msg, MetadataReply):
+        raise MalformedMessageError(
+            f"reply from {endpoint} has type {type(msg).__name__}, expected 'metadata_reply'; "
+            "check that the port is a p2pkv handshake side channel",
+            field="type",
+        )
+    info = msg.info
+    if info.tp_rank != tp_rank:
+        raise IncompatiblePeerError(
+            f"reply from {endpoint}: info.tp_rank is {info.tp_rank} but tp_rank {tp_rank} was "
+            "asked for; the server is misbehaving, restart the prefill engine",
+            field="info.tp_rank",
+        )
+    if info.compat_hash != compat_hash:
+        raise IncompatiblePeerError(
+            f"reply from {endpoint}: info.compat_hash is {info.compat_hash[:128]!r} but this side has "
+            f"{compat_hash!r}; run the same vLLM version, model, dtype and KV cache configuration "
+            "on both sides",
+            field="info.compat_hash",
+        )
+    try:
+        verify_agent_info(info)
+    except MetadataDigestError as exc:
+        raise MetadataDigestError(f"reply from {endpoint}: {exc.message}", field=exc.field) from None
+    return info
+
+
+def _unsigned_auth_refusal(frames: list[bytes], max_message_bytes: int) -> ErrorReply | None:
+    """An unsigned ``auth`` ErrorReply, trusted only to explain the failure."""
+    try:
+        msg = decode(frames[:1], None, max_message_bytes)
+    except HandshakeError:
+        return None
+    if isinstance(msg, ErrorReply) and msg.code == "auth":
+        return msg
+    return None
+
+
+@dataclass(frozen=True)
+class HandshakeClient:
+    """Connection settings for one remote engine's side channel.
+
+    ``fetch(tp_rank)`` is :func:`fetch_agent_info` with these settings;
+    units and errors are the same.
+    """
+
+    host: str
+    port: int
+    requester_engine_id: str
+    compat_hash: str
+    secret: bytes | None = None
+    timeout_s: float = 5.0
+    retries: int = 3
+    backoff_s: float = 0.2
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+    def fetch(self, tp_rank: int) -> AgentInfo:
+        """Fetch and verify the :class:`AgentInfo` of remote rank ``tp_rank``."""
+        return fetch_agent_info(
+            self.host,
+            self.port,
+            tp_rank,
+            self.requester_engine_id,
+            self.compat_hash,
+            secret=self.secret,
+            timeout_s=self.timeout_s,
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            max_message_bytes=self.max_message_bytes,
+        )

@@ -1,0 +1,245 @@
+"""Wire encoding of side-channel messages: msgpack frames with optional HMAC.
+
+A message is a list of ZMQ frames:
+
+* frame 0: the msgpack encoding (msgspec, strict) of one
+  :data:`~handshake.messages.Message`;
+* frame 1, only when a shared secret is configured:
+  ``HMAC-SHA256(secret, frame 0)`` (32 bytes).
+
+:func:`decode` checks, in this order, the frame count, the size, the HMAC
+(constant-time compare) and only then parses the payload, so unauthenticated
+or oversized input never reaches the msgpack decoder. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Sequence
+
+import msgspec
+
+from handshake.errors import (
+    AuthenticationError,
+    HandshakeError,
+    MalformedMessageError,
+    MessageTooLargeError,
+    MetadataDigestError,
+    ProtocolVersionError,
+)
+from handshake.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    AgentInfo,
+    ErrorReply,
+    Message,
+)
+
+__all__ = [
+    "MAC_BYTES",
+    "compute_digest",
+    "decode",
+    "encode",
+    "error_from_exception",
+    "sign",
+    "verify_agent_info",
+]
+
+MAC_BYTES = 32
+"""Length (bytes) of the HMAC-SHA256 frame."""
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message, strict=True)
+_PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_NAMED_FIELD_RE = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]*)`")
+
+_MAX_FIELD_CHARS = 256
+_MAX_TEXT_CHARS = 2048
+
+Frame = bytes | bytearray | memoryview
+
+
+def sign(payload: bytes, secret: bytes) -> bytes:
+    """Return ``HMAC-SHA256(secret, payload)`` (32 bytes)."""
+    return hmac.new(secret, payload, hashlib.sha256).digest()
+
+
+def encode(msg: Message, secret: bytes | None = None) -> list[bytes]:
+    """Encode ``msg`` into ZMQ frames.
+
+    Args:
+        msg: the message to send.
+        secret: shared HMAC key (bytes); when set (non-empty), a second frame
+            carries the payload's HMAC-SHA256.
+
+    Returns:
+        ``[payload]`` or ``[payload, mac]``.
+
+    Raises:
+        MalformedMessageError: ``msg`` cannot be encoded (e.g. an int
+            outside the 64-bit range).
+    """
+    try:
+        payload = _ENCODER.encode(msg)
+    except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+        raise MalformedMessageError(
+            f"cannot encode {type(msg).__name__}: {exc}; fix the field values before sending"
+        ) from exc
+    if secret:
+        return [payload, sign(payload, secret)]
+    return [payload]
+
+
+def decode(
+    frames: Sequence[Frame],
+    secret: bytes | None = None,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> Message:
+    """Decode ZMQ frames into a message, strictly.
+
+    Args:
+        frames: the frames as received (without any ROUTER identity frame).
+        secret: shared HMAC key (bytes); when set the HMAC frame is required.
+        max_message_bytes: largest accepted total size of all frames (bytes).
+
+    Returns:
+        The decoded :data:`~handshake.messages.Message`.
+
+    Raises:
+        MalformedMessageError: wrong frame count, empty payload, invalid
+            msgpack, unknown/missing field or wrong type (``field`` is the
+            dotted path of the offending field when msgspec names one).
+        MessageTooLargeError: the frames exceed ``max_message_bytes``.
+        AuthenticationError: the HMAC frame is missing or wrong.
+        ProtocolVersionError: the message carries another protocol version.
+    """
+    expected = 2 if secret else 1
+    total = sum(len(f) for f in frames)
+    if total > max_message_bytes:
+        raise MessageTooLargeError(
+            f"message is {total} bytes (all frames), over the {max_message_bytes}-byte limit; "
+            "send less agent metadata or raise max_message_bytes on both peers",
+            field="frames",
+        )
+    if len(frames) == 0:
+        raise MalformedMessageError(
+            "message has no frames; send [payload] or [payload, hmac]", field="frames"
+        )
+    if secret and len(frames) == 1:
+        raise AuthenticationError(
+            "message has no HMAC frame but this side requires one; "
+            "configure the same shared secret on both peers",
+            field="hmac",
+        )
+    if not secret and len(frames) == 2 and len(frames[1]) == MAC_BYTES:
+        raise AuthenticationError(
+            "message carries an HMAC frame but this side has no shared secret; "
+            "configure the same shared secret on both peers",
+            field="hmac",
+        )
+    if len(frames) != expected:
+        hint = f"send exactly {expected} frame(s): payload" + (" and HMAC" if secret else "")
+        raise MalformedMessageError(
+            f"message has {len(frames)} frames, expected {expected}; {hint}", field="frames"
+        )
+    payload = bytes(frames[0])
+    if secret:
+        mac = bytes(frames[1])
+        if not hmac.compare_digest(mac, sign(payload, secret)):
+            raise AuthenticationError(
+                "HMAC frame does not match the payload; configure the same shared secret on both peers",
+                field="hmac",
+            )
+    if not payload:
+        raise MalformedMessageError("payload frame is empty; send a msgpack-encoded message", field="payload")
+    return _decode_payload(payload)
+
+
+def _decode_payload(payload: bytes) -> Message:
+    try:
+        msg = _DECODER.decode(payload)
+    except msgspec.ValidationError as exc:
+        _raise_if_other_version(payload, exc)
+        field = _field_from_error(str(exc))
+        raise MalformedMessageError(
+            f"invalid message: {exc}; fix field {field or '<message>'!r} to match "
+            f"protocol version {PROTOCOL_VERSION}",
+            field=field,
+        ) from exc
+    except Exception as exc:  # msgspec.DecodeError and anything odd: never crash the caller
+        raise MalformedMessageError(
+            f"payload is not valid msgpack: {exc}; send one msgpack-encoded message per payload frame",
+            field="payload",
+        ) from exc
+    # ErrorReply keeps its shape across versions so refusals stay readable.
+    if not isinstance(msg, ErrorReply) and msg.protocol_version != PROTOCOL_VERSION:
+        raise _version_error(msg.protocol_version)
+    return msg
+
+
+def _version_error(theirs: object) -> ProtocolVersionError:
+    return ProtocolVersionError(
+        f"peer sent protocol_version {theirs!r}, this side speaks side-channel protocol "
+        f"version {PROTOCOL_VERSION}; run the same p2pkv version on prefill and decode",
+        field="protocol_version",
+    )
+
+
+def _raise_if_other_version(payload: bytes, cause: Exception) -> None:
+    """Report a version mismatch rather than the schema error it caused."""
+    try:
+        loose = msgspec.msgpack.decode(payload)
+    except Exception:
+        return
+    if isinstance(loose, dict):
+        version = loose.get("protocol_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version != PROTOCOL_VERSION:
+            raise _version_error(version) from cause
+
+
+def _field_from_error(text: str) -> str:
+    """Dotted field path from a msgspec error text (``""`` if none)."""
+    path = ""
+    match = _PATH_RE.search(text)
+    if match:
+        path = match.group("path").lstrip(".")
+    named = _NAMED_FIELD_RE.search(text)
+    if named:
+        path = f"{path}.{named.group('name')}" if path else named.group("name")
+    return path
+
+
+def compute_digest(agent_metadata: bytes) -> bytes:
+    """SHA-256 (32 bytes) of NIXL agent metadata bytes."""
+    return hashlib.sha256(agent_metadata).digest()
+
+
+def verify_agent_info(info: AgentInfo) -> None:
+    """Check that ``info.metadata_digest`` is the SHA-256 of ``info.agent_metadata``.
+
+    Raises:
+        MetadataDigestError: the digest does not match.
+    """
+    if not hmac.compare_digest(info.metadata_digest, compute_digest(info.agent_metadata)):
+        raise MetadataDigestError(
+            f"info.metadata_digest of {info.engine_id[:64]!r} rank {info.tp_rank} is not the "
+            "SHA-256 of its agent_metadata (corrupted or tampered); re-publish the AgentInfo "
+            "with metadata_digest=compute_digest(agent_metadata)",
+            field="info.metadata_digest",
+        )
+
+
+def error_from_exception(exc: HandshakeError) -> ErrorReply:
+    """The :class:`ErrorReply` a server sends for ``exc``.
+
+    ``field`` and ``message`` are truncated (to 256 and 2048 characters) so a
+    refusal never echoes a large request back.
+    """
+    return ErrorReply(
+        protocol_version=PROTOCOL_VERSION,
+        code=exc.code,
+        field=exc.field[:_MAX_FIELD_CHARS],
+        message=exc.message[:_MAX_TEXT_CHARS],
+    )

@@ -1,0 +1,274 @@
+"""The side-channel server: serves each local rank's AgentInfo over ZMQ."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from types import TracebackType
+
+import zmq
+
+from handshake._net import configure_socket, tcp_address, tcp_endpoint
+from handshake.codec import decode, encode, error_from_exception, verify_agent_info
+from handshake.errors import (
+    HandshakeBindError,
+    HandshakeError,
+    IncompatiblePeerError,
+    MalformedMessageError,
+    UnknownRankError,
+)
+from handshake.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    AgentInfo,
+    Message,
+    MetadataReply,
+    MetadataRequest,
+)
+
+__all__ = ["HandshakeServer"]
+
+logger = logging.getLogger("p2pkv.handshake")
+
+_JOIN_TIMEOUT_S = 2.0
+
+
+class HandshakeServer:
+    """Serves :class:`AgentInfo` per ``tp_rank`` on a ZMQ ROUTER socket.
+
+    Each request is answered with exactly one reply: a
+    :class:`~handshake.messages.MetadataReply` or an
+    :class:`~handshake.messages.ErrorReply` naming the offending field. Bad
+    input never stops the server. Serving happens in a daemon thread that
+    polls with a timeout, so :meth:`close` returns within about
+    ``poll_interval_s``.
+
+    Args:
+        host: interface address to bind (``"0.0.0.0"``, ``"127.0.0.1"``,
+            an IPv6 literal, ...).
+        port: TCP port; ``0`` picks a free ephemeral port (see :attr:`port`).
+        compat_hash: this engine's compatibility hash; requests carrying
+            another one are refused with code ``"incompatible"``.
+        secret: shared HMAC key (bytes); when set, requests must carry a valid
+            HMAC frame and replies carry one.
+        max_message_bytes: largest accepted request (bytes).
+        poll_interval_s: how often (seconds) the serving thread checks for
+            :meth:`close`.
+
+    Attributes:
+        stats: counters: ``"served"``, ``"refused"`` and
+            ``"refused_<code>"`` per refusal code.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        compat_hash: str,
+        secret: bytes | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        poll_interval_s: float = 0.1,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
+        if max_message_bytes <= 0:
+            raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
+        self._host = host
+        self._port = port
+        self._compat_hash = compat_hash
+        self._secret = secret or None
+        self._max_message_bytes = max_message_bytes
+        self._poll_ms = max(1, int(poll_interval_s * 1000))
+        self._infos: dict[int, AgentInfo] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.stats: dict[str, int] = {"served": 0, "refused": 0}
+
+    @property
+    def host(self) -> str:
+        """The bound interface address."""
+        return self._host
+
+    @property
+    def port(self) -> int:
+        """The TCP port: the actual one after :meth:`start` (also for ``port=0``)."""
+        return self._port
+
+    @property
+    def endpoint(self) -> str:
+        """``tcp://host:port`` of the listening socket."""
+        return tcp_endpoint(self._host, self._port)
+
+    def set_info(self, info: AgentInfo) -> None:
+        """Publish (or replace) the :class:`AgentInfo` of ``info.tp_rank``.
+
+        May be called before or after :meth:`start`, from any thread.
+
+        Raises:
+            MetadataDigestError: ``info.metadata_digest`` does not match
+                ``info.agent_metadata``.
+            IncompatiblePeerError: ``info.compat_hash`` differs from the
+                server's ``compat_hash``.
+        """
+        verify_agent_info(info)
+        if info.compat_hash != self._compat_hash:
+            raise IncompatiblePeerError(
+                f"AgentInfo for rank {info.tp_rank} has compat_hash {info.compat_hash!r} but the "
+                f"server was created with {self._compat_hash!r}; build both from the same config",
+                field="compat_hash",
+            )
+        with self._lock:
+            self._infos[info.tp_rank] = info
+
+    def start(self) -> None:
+        """Bind the ROUTER socket and start serving in a daemon thread.
+
+        Raises:
+            HandshakeBindError: (an ``OSError``) the address cannot be bound,
+                e.g. the port is in use; the message names ``host:port``.
+            RuntimeError: already started or closed.
+        """
+        if self._closed:
+            raise RuntimeError("HandshakeServer is closed; create a new one")
+        if self._thread is not None:
+            raise RuntimeError(f"HandshakeServer already serving on {self.endpoint}")
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            configure_socket(sock, self._host, self._max_message_bytes)
+            if self._port == 0:
+                self._port = sock.bind_to_random_port(tcp_address(self._host))
+            else:
+                sock.bind(self.endpoint)
+        except zmq.ZMQBaseError as exc:
+            sock.close(linger=0)
+            ctx.term()
+            raise HandshakeBindError(
+                f"cannot bind the handshake side channel to {self._host}:{self._port}: {exc}; "
+                "pick a free side-channel port (or 0 for an ephemeral one), stop the process "
+                "holding it, or check that the host address belongs to this machine",
+                errno=getattr(exc, "errno", None),
+            ) from exc
+        self._ctx, self._sock = ctx, sock
+        self._thread = threading.Thread(target=self._serve, name=f"p2pkv-handshake:{self._port}", daemon=True)
+        self._thread.start()
+        logger.info("handshake server listening on %s", self.endpoint)
+
+    def close(self) -> None:
+        """Stop serving and release the socket; idempotent.
+
+        Joins the serving thread (at most 2 s), then closes the socket and the
+        ZMQ context. Safe to call when never started.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=_JOIN_TIMEOUT_S)
+            if thread.is_alive():  # pragma: no cover - the loop polls with a timeout
+                logger.warning("handshake server thread did not stop within %.1f s", _JOIN_TIMEOUT_S)
+                return
+        elif self._sock is not None:
+            self._sock.close(linger=0)
+        self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def __enter__(self) -> HandshakeServer:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- serving thread ---------------------------------------------------
+
+    def _serve(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not sock.poll(self._poll_ms, zmq.POLLIN):
+                        continue
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                except zmq.ZMQError as exc:
+                    if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                        break
+                    logger.error("handshake server receive failed: %s", exc)
+                    self._stop.wait(self._poll_ms / 1000)
+                    continue
+                reply = self._respond(frames[1:])
+                try:
+                    sock.send_multipart([frames[0], *reply], zmq.NOBLOCK)
+                except zmq.ZMQError as exc:  # peer gone or its queue full: drop
+                    logger.debug("handshake reply dropped: %s", exc)
+        finally:
+            sock.close(linger=0)
+
+    def _respond(self, body: list[bytes]) -> list[bytes]:
+        """Reply frames for one request; never raises."""
+        try:
+            msg = decode(body, self._secret, self._max_message_bytes)
+            info = self._lookup(msg)
+            frames = encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=info), self._secret)
+        except HandshakeError as exc:
+            return self._refuse(exc)
+        except Exception as exc:  # a bug must not stop the server
+            logger.exception("handshake server failed on a request")
+            return self._refuse(
+                HandshakeError(f"internal server error: {exc!r}; see the server log", code="internal")
+            )
+        self.stats["served"] += 1
+        return frames
+
+    def _lookup(self, msg: Message) -> AgentInfo:
+        if not isinstance(msg, MetadataRequest):
+            raise MalformedMessageError(
+                f"server accepts only messages with type 'metadata_request', got "
+                f"{type(msg).__name__}; send a MetadataRequest",
+                field="type",
+            )
+        requester = msg.requester_engine_id[:64]
+        if msg.compat_hash != self._compat_hash:
+            raise IncompatiblePeerError(
+                f"requester {requester!r} has compat_hash {msg.compat_hash[:128]!r} but this server has "
+                f"{self._compat_hash!r}; run the same vLLM version, model, dtype and KV cache "
+                "configuration on prefill and decode",
+                field="compat_hash",
+            )
+        with self._lock:
+            info = self._infos.get(msg.tp_rank)
+            known = sorted(self._infos)
+        if info is None:
+            raise UnknownRankError(
+                f"no AgentInfo for tp_rank {msg.tp_rank} (requested by {requester!r}); this server "
+                f"has ranks {known}; check the tensor-parallel sizes and that the rank has started",
+                field="tp_rank",
+            )
+        return info
+
+    def _refuse(self, exc: HandshakeError) -> list[bytes]:
+        reply = error_from_exception(exc)
+        self.stats["refused"] += 1
+        key = f"refused_{reply.code}"
+        self.stats[key] = self.stats.get(key, 0) + 1
+        logger.warning("handshake request refused (%s, field %r): %s", reply.code, reply.field, reply.message)
+        # An "auth" refusal goes unsigned: the requester does not share our key.
+        return encode(reply, None if reply.code == "auth" else self._secret)

@@ -1,0 +1,196 @@
+"""Test helpers: sample AgentInfo and a handshake server in its own process.
+
+Used by the side-channel tests and by tests of code that talks to a side
+channel. Imports neither vllm nor torch. The parent and the server process
+talk over a ``multiprocessing`` pipe with msgpack-encoded bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+from multiprocessing.connection import Connection
+from types import TracebackType
+
+import msgspec
+
+from handshake.codec import compute_digest
+from handshake.messages import MAX_MESSAGE_BYTES, AgentInfo, KVLayoutDesc, KVRegion
+from handshake.server import HandshakeServer
+
+__all__ = ["ServerProcess", "make_agent_info"]
+
+
+def make_agent_info(
+    tp_rank: int = 0,
+    *,
+    engine_id: str = "prefill-engine",
+    compat_hash: str = "compat-test",
+    tp_size: int = 1,
+    agent_metadata: bytes | None = None,
+) -> AgentInfo:
+    """A self-consistent :class:`AgentInfo` (valid digest) for tests."""
+    metadata = agent_metadata if agent_metadata is not None else b"nixl-agent-metadata-%d" % tp_rank
+    num_blocks, block_len = 16, 4096
+    layout = KVLayoutDesc(
+        kv_layout="LBHNC",
+        attn_layout="HND",
+        dtype="bfloat16",
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        num_blocks=num_blocks,
+        block_len=block_len,
+        block_stride=block_len,
+        mem_type="DRAM",
+        regions=[
+            KVRegion(
+                base_addr=0x7F00_0000_0000 + i * num_blocks * block_len,
+                length=num_blocks * block_len,
+                layer_start=i // 2,
+                num_layers=1,
+                kv_index=i % 2,
+            )
+            for i in range(4)
+        ],
+    )
+    return AgentInfo(
+        engine_id=engine_id,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        agent_name=f"{engine_id}-rank{tp_rank}",
+        agent_metadata=metadata,
+        metadata_digest=compute_digest(metadata),
+        compat_hash=compat_hash,
+        layout=layout,
+    )
+
+
+def _serve_child(
+    conn: Connection,
+    host: str,
+    compat_hash: str,
+    infos: list[bytes],
+    secret: bytes | None,
+    max_message_bytes: int,
+    log_level: int,
+) -> None:
+    """Entry point of the server process: serve until the parent says stop."""
+    logging.getLogger("p2pkv.handshake").setLevel(log_level)
+    decoder = msgspec.msgpack.Decoder(AgentInfo)
+    server = HandshakeServer(host, 0, compat_hash, secret=secret, max_message_bytes=max_message_bytes)
+    try:
+        for raw in infos:
+            server.set_info(decoder.decode(raw))
+        server.start()
+    except Exception as exc:
+        conn.send_bytes(msgspec.msgpack.encode({"error": repr(exc)}))
+        return
+    conn.send_bytes(msgspec.msgpack.encode({"port": server.port}))
+    try:
+        conn.recv_bytes()  # "stop", or EOFError when the parent is gone
+    except (EOFError, OSError):
+        pass
+    finally:
+        server.close()
+    with contextlib.suppress(OSError):
+        conn.send_bytes(msgspec.msgpack.encode({"stats": server.stats}))
+
+
+class ServerProcess:
+    """A :class:`HandshakeServer` on an ephemeral port in a spawned process.
+
+    Args:
+        compat_hash: the server's compatibility hash.
+        infos: the AgentInfo to publish (one per rank).
+        secret: shared HMAC key (bytes) or ``None``.
+        max_message_bytes: the server's request size limit (bytes).
+        host: interface to bind.
+        start_timeout_s: how long (seconds) to wait for the server to listen.
+        log_level: level of the ``p2pkv.handshake`` logger in the child.
+
+    Raises (from :meth:`start`):
+        RuntimeError: the server did not start within ``start_timeout_s``.
+    """
+
+    def __init__(
+        self,
+        compat_hash: str,
+        infos: list[AgentInfo],
+        *,
+        secret: bytes | None = None,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        host: str = "127.0.0.1",
+        start_timeout_s: float = 30.0,
+        log_level: int = logging.ERROR,
+    ) -> None:
+        self.host = host
+        self.port = 0
+        self.stats: dict[str, int] = {}
+        self._timeout_s = start_timeout_s
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        payloads = [msgspec.msgpack.encode(info) for info in infos]
+        self._proc = ctx.Process(
+            target=_serve_child,
+            args=(child_conn, host, compat_hash, payloads, secret, max_message_bytes, log_level),
+            name="p2pkv-handshake-test-server",
+            daemon=True,
+        )
+        self._child_conn = child_conn
+        self._closed = False
+
+    def start(self) -> ServerProcess:
+        """Spawn the process and wait until it listens; returns ``self``."""
+        self._proc.start()
+        self._child_conn.close()
+        if not self._conn.poll(self._timeout_s):
+            self.close()
+            raise RuntimeError(f"handshake test server did not start within {self._timeout_s} s")
+        try:
+            reply = msgspec.msgpack.decode(self._conn.recv_bytes())
+        except (EOFError, OSError):
+            self.close()
+            raise RuntimeError(
+                f"handshake test server process exited (code {self._proc.exitcode}) before listening"
+            ) from None
+        if "error" in reply:
+            self.close()
+            raise RuntimeError(f"handshake test server failed to start: {reply['error']}")
+        self.port = reply["port"]
+        return self
+
+    def is_alive(self) -> bool:
+        """Whether the server process is still running."""
+        return self._proc.is_alive()
+
+    def close(self, timeout_s: float = 5.0) -> dict[str, int]:
+        """Stop the server and the process; returns the server's ``stats``."""
+        if self._proc.pid is None or self._closed:
+            return self.stats
+        self._closed = True
+        try:
+            self._conn.send_bytes(b"stop")
+            if self._conn.poll(timeout_s):
+                self.stats = msgspec.msgpack.decode(self._conn.recv_bytes()).get("stats", {})
+        except (EOFError, OSError):
+            pass
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout_s)
+        self._conn.close()
+        return self.stats
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,64 @@
+"""Config and kv_transfer_params: bad input gets an error that names the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pkv.config import ConfigError, load_config
+from p2pkv.params import (
+    KVTransferParamsError,
+    make_prefill_response_params,
+    parse_remote_prefill,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
+
+
+def test_config_defaults_env_and_extra_config() -> None:
+    cfg = load_config(None, environ={})
+    assert cfg.side_channel_port == 5600 and cfg.kv_layout == "BLHNC" and not cfg.nixl_progress_thread
+    cfg = load_config({"lease_s": 5}, environ={"P2PKV_LEASE_S": "9", "P2PKV_NIXL_BACKENDS": "UCX, GDS"})
+    assert cfg.lease_s == 5.0 and cfg.nixl_backends == ["UCX", "GDS"]
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"lease": 5}, "lease"),
+    ({"side_channel_port": 70000}, "side_channel_port"),
+    ({"side_channel_port": "abc"}, "side_channel_port"),
+    ({"lease_s": 0}, "lease_s"),
+    ({"kv_layout": "XYZ"}, "kv_layout"),
+    ({"handshake_retries": 0}, "handshake_retries"),
+])
+def test_config_errors_name_the_field(extra, field) -> None:
+    with pytest.raises(ConfigError, match=field):
+        load_config(extra, environ={})
+
+
+def test_params_round_trip_nixl_compatible() -> None:
+    out = make_prefill_response_params(engine_id="e1", request_id="r1", host="10.0.0.2", port=5600,
+                                       block_ids=[4, 5, 9], tp_size=1, num_tokens=70, expiry_time=None)
+    for key in ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_block_ids",
+                "remote_host", "remote_port", "remote_request_id", "tp_size"):
+        assert key in out
+    assert out["remote_block_ids"] == [[4, 5, 9]]  # a list per KV cache group, as NixlConnector sends
+    assert wants_remote_prefill(out) and not wants_remote_decode(out)
+    rp = parse_remote_prefill(out)
+    assert rp.block_ids == (4, 5, 9) and rp.port == 5600 and rp.num_tokens == 70
+    assert parse_remote_prefill({**out, "remote_block_ids": [1, 2]}).block_ids == (1, 2)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"remote_port": None}, "remote_port"),
+    ({"remote_port": "5600"}, "remote_port"),
+    ({"remote_port": 0}, "remote_port"),
+    ({"remote_engine_id": 3}, "remote_engine_id"),
+    ({"remote_block_ids": [[1], [2]]}, "remote_block_ids"),
+    ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
+    ({"remote_block_ids": "1,2"}, "remote_block_ids"),
+    ({"remote_host": None}, "remote_host"),
+])
+def test_bad_params_name_the_key(change, field) -> None:
+    good = make_prefill_response_params(engine_id="e1", request_id="r1", host="h", port=5600,
+                                        block_ids=[1], tp_size=1, num_tokens=1, expiry_time=None)
+    with pytest.raises(KVTransferParamsError, match=field):
+        parse_remote_prefill({**good, **change})

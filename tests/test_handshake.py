@@ -1,0 +1,259 @@
+"""End-to-end tests of the side channel: a real server process, real sockets."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from handshake import (
+    PROTOCOL_VERSION,
+    AgentInfo,
+    AuthenticationError,
+    ErrorReply,
+    HandshakeBindError,
+    HandshakeServer,
+    HandshakeTimeoutError,
+    IncompatiblePeerError,
+    MetadataDigestError,
+    MetadataReply,
+    MetadataRequest,
+    RemoteRefusedError,
+    decode,
+    encode,
+    fetch_agent_info,
+)
+from handshake.testing import ServerProcess, make_agent_info
+
+HOST = "127.0.0.1"
+COMPAT = "compat-test"
+SECRET = b"shared-secret"
+LIMIT = 4096  # small server limit (bytes) so oversized requests are cheap
+INFOS = [make_agent_info(0, tp_size=2), make_agent_info(1, tp_size=2)]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    with ServerProcess(COMPAT, INFOS, max_message_bytes=LIMIT) as proc:
+        yield proc
+        assert proc.is_alive()
+
+
+@pytest.fixture(scope="module")
+def secret_server() -> Iterator[ServerProcess]:
+    with ServerProcess(COMPAT, INFOS, secret=SECRET) as proc:
+        yield proc
+        assert proc.is_alive()
+
+
+def fetch(port: int, tp_rank: int = 0, **kwargs: object) -> AgentInfo:
+    args: dict = {"compat_hash": COMPAT, "timeout_s": 5.0, "retries": 1}
+    args.update(kwargs)
+    return fetch_agent_info(HOST, port, tp_rank, "decode-engine", **args)
+
+
+def raw_exchange(port: int, frames: list[bytes], timeout_s: float = 5.0) -> list[bytes] | None:
+    """Send raw frames on a DEALER socket; the reply frames or None on timeout."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    try:
+        sock.connect(f"tcp://{HOST}:{port}")
+        sock.send_multipart(frames)
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        return sock.recv_multipart()
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def request(**overrides: object) -> MetadataRequest:
+    fields: dict = {
+        "protocol_version": PROTOCOL_VERSION,
+        "tp_rank": 0,
+        "requester_engine_id": "d",
+        "compat_hash": COMPAT,
+    }
+    fields.update(overrides)
+    return MetadataRequest(**fields)
+
+
+def request_dict(**overrides: object) -> bytes:
+    fields: dict = {"type": "metadata_request", **msgspec.structs.asdict(request())}
+    fields.update(overrides)
+    return msgspec.msgpack.encode({k: v for k, v in fields.items() if v is not None})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+# -- round trips ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_round_trip(server: ServerProcess, rank: int) -> None:
+    assert fetch(server.port, rank) == INFOS[rank]
+
+
+def test_round_trip_with_secret(secret_server: ServerProcess) -> None:
+    assert fetch(secret_server.port, secret=SECRET) == INFOS[0]
+
+
+@pytest.mark.parametrize("secret", [b"wrong-secret", None], ids=["wrong", "missing"])
+def test_wrong_secret_refused_then_still_serving(secret_server: ServerProcess, secret: bytes | None) -> None:
+    with pytest.raises((AuthenticationError, RemoteRefusedError)) as info:
+        fetch(secret_server.port, secret=secret)
+    assert info.value.code == "auth"
+    assert "secret" in str(info.value)
+    assert fetch(secret_server.port, secret=SECRET) == INFOS[0]
+
+
+def test_secret_against_open_server_refused(server: ServerProcess) -> None:
+    with pytest.raises(RemoteRefusedError) as info:
+        fetch(server.port, secret=SECRET)
+    assert (info.value.code, info.value.field) == ("auth", "hmac")
+
+
+def test_client_raises_typed_refusals(server: ServerProcess) -> None:
+    with pytest.raises(RemoteRefusedError) as info:
+        fetch(server.port, compat_hash="other-hash")
+    assert (info.value.code, info.value.field) == ("incompatible", "compat_hash")
+    assert "other-hash" in str(info.value) and COMPAT in str(info.value)
+    with pytest.raises(RemoteRefusedError) as info:
+        fetch(server.port, 7)
+    assert (info.value.code, info.value.field) == ("unknown_rank", "tp_rank")
+    assert "[0, 1]" in str(info.value)
+
+
+# -- bad requests: typed refusal naming the field, then still serving -----
+
+BAD_REQUESTS = {
+    "wrong_version": (
+        [encode(request(protocol_version=PROTOCOL_VERSION + 1))[0]],
+        "version",
+        "protocol_version",
+    ),
+    "wrong_version_other_schema": (
+        [msgspec.msgpack.encode({"type": "hello_v9", "protocol_version": 9, "x": 1})],
+        "version",
+        "protocol_version",
+    ),
+    "wrong_compat_hash": ([encode(request(compat_hash="nope"))[0]], "incompatible", "compat_hash"),
+    "unknown_rank": ([encode(request(tp_rank=5))[0]], "unknown_rank", "tp_rank"),
+    "unknown_extra_field": ([request_dict(bogus=1)], "malformed", "bogus"),
+    "wrong_field_type": ([request_dict(tp_rank="zero")], "malformed", "tp_rank"),
+    "missing_field": ([request_dict(compat_hash=None)], "malformed", "compat_hash"),
+    "unknown_type_tag": ([request_dict(type="shutdown")], "malformed", "type"),
+    "reply_as_request": (
+        encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=INFOS[0])),
+        "malformed",
+        "type",
+    ),
+    "truncated_msgpack": ([encode(request())[0][:-5]], "malformed", "payload"),
+    "garbage_bytes": ([b"\xc1\xff\x00garbage\x93"], "malformed", "payload"),
+    "empty_frame": ([b""], "malformed", "payload"),
+    "extra_frames": ([encode(request())[0], b"x", b"y"], "malformed", "frames"),
+    "second_frame_not_hmac": ([encode(request())[0], b"x"], "malformed", "frames"),
+    "oversized": ([encode(request(requester_engine_id="x" * (LIMIT + 10)))[0]], "too_large", "frames"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_refused_then_still_serving(server: ServerProcess, case: str) -> None:
+    frames, code, field = BAD_REQUESTS[case]
+    reply = raw_exchange(server.port, frames)
+    assert reply is not None, "server did not answer"
+    msg = decode(reply)
+    assert isinstance(msg, ErrorReply)
+    assert (msg.code, msg.field) == (code, field)
+    assert msg.protocol_version == PROTOCOL_VERSION
+    assert field in msg.message
+    if code == "version":
+        assert str(PROTOCOL_VERSION) in msg.message
+    assert fetch(server.port) == INFOS[0]
+
+
+def test_grossly_oversized_frame_dropped_then_still_serving(server: ServerProcess) -> None:
+    # Over twice the limit: libzmq drops it (ZMQ_MAXMSGSIZE) before buffering.
+    assert raw_exchange(server.port, [b"\x00" * (4 * LIMIT)], timeout_s=0.5) is None
+    assert server.is_alive()
+    assert fetch(server.port) == INFOS[0]
+
+
+# -- client side -----------------------------------------------------------
+
+
+def test_timeout_when_nothing_listens() -> None:
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(HandshakeTimeoutError) as info:
+        fetch_agent_info(HOST, port, 0, "d", COMPAT, timeout_s=0.3, retries=3, backoff_s=0.05)
+    assert time.monotonic() - start < 10
+    text = str(info.value)
+    assert f"{HOST}:{port}" in text and "3 attempt" in text and "0.3 s" in text
+    assert "prefill engine is up" in text
+
+
+# -- in-process server lifecycle -------------------------------------------
+
+
+def test_close_idempotent_leaves_no_thread() -> None:
+    baseline = threading.active_count()
+    server = HandshakeServer(HOST, 0, COMPAT)
+    server.set_info(INFOS[0])
+    server.start()
+    assert server.port != 0
+    assert f"p2pkv-handshake:{server.port}" in {t.name for t in threading.enumerate()}
+    assert fetch(server.port) == INFOS[0]
+    start = time.monotonic()
+    server.close()
+    server.close()
+    assert time.monotonic() - start < 2.5
+    assert threading.active_count() == baseline
+    with pytest.raises(RuntimeError):
+        server.start()
+    HandshakeServer(HOST, 0, COMPAT).close()  # never started: fine
+
+
+def test_set_info_after_start_and_stats(caplog: pytest.LogCaptureFixture) -> None:
+    with HandshakeServer(HOST, 0, COMPAT) as server:
+        with (
+            caplog.at_level(logging.WARNING, logger="p2pkv.handshake"),
+            pytest.raises(RemoteRefusedError) as info,
+        ):
+            fetch(server.port, 1)
+        assert info.value.code == "unknown_rank"
+        assert any("unknown_rank" in r.getMessage() for r in caplog.records)
+        server.set_info(INFOS[1])
+        assert fetch(server.port, 1) == INFOS[1]
+        assert server.stats == {"served": 1, "refused": 1, "refused_unknown_rank": 1}
+
+
+def test_set_info_validates() -> None:
+    server = HandshakeServer(HOST, 0, COMPAT)
+    with pytest.raises(MetadataDigestError) as info:
+        server.set_info(msgspec.structs.replace(INFOS[0], agent_metadata=b"tampered"))
+    assert info.value.field == "info.metadata_digest"
+    with pytest.raises(IncompatiblePeerError):
+        server.set_info(make_agent_info(0, compat_hash="other"))
+    server.close()
+
+
+def test_bind_failure_names_host_and_port() -> None:
+    with HandshakeServer(HOST, 0, COMPAT) as first:
+        second = HandshakeServer(HOST, first.port, COMPAT)
+        with pytest.raises(HandshakeBindError) as info:
+            second.start()
+        assert isinstance(info.value, OSError)
+        assert f"{HOST}:{first.port}" in str(info.value)
+        second.close()

@@ -1,0 +1,93 @@
+"""layout and plan: block ids map to exactly the bytes torch indexing selects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pkv.layout import LayoutError, describe_kv_caches, describe_torch_kv_caches, tensor_info
+from p2pkv.plan import PlanError, build_descriptors, coalesce_runs
+from tests.kvsynth import LAYOUTS, block_bytes, make_kv_caches
+
+
+def _read(base: torch.Tensor, addr: int, length: int) -> bytes:
+    raw = base.view(-1).view(torch.uint8).numpy()
+    off = addr - base.data_ptr()
+    assert off >= 0 and off + length <= raw.size
+    return raw[off:off + length].tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=st.sampled_from(LAYOUTS), layers=st.integers(1, 5), blocks=st.integers(3, 12),
+       heads=st.integers(1, 3), block_size=st.sampled_from([1, 4, 16]), head_dim=st.sampled_from([2, 8]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]))
+def test_block_ranges_equal_torch_indexing(layout, layers, blocks, heads, block_size, head_dim, dtype) -> None:
+    base, views = make_kv_caches(layout, layers, blocks, heads, block_size, head_dim, dtype)
+    kv = describe_torch_kv_caches(views, blocks)
+    assert kv.cross_layer == (layout == "BLHNC" or (layers == 1 and layout != "KV_SPLIT"))
+    expected_segments = 1 if layout == "BLHNC" else layers * (2 if layout == "KV_SPLIT" else 1)
+    assert len(kv.segments) == expected_segments
+    for b in range(blocks):
+        got = b"".join(_read(base, addr, n) for addr, n in kv.block_ranges(b))
+        assert got == block_bytes(views, layout, b)
+    assert kv.regions[0].addr == base.untyped_storage().data_ptr()
+
+
+def test_layouts_refused_with_a_reason() -> None:
+    t = torch.zeros(4, 3, 8)[:, :, ::2]  # pages not contiguous
+    with pytest.raises(LayoutError, match="not contiguous"):
+        describe_kv_caches([tensor_info("l0", t)], 4)
+    with pytest.raises(LayoutError, match="no block dim"):
+        describe_kv_caches([tensor_info("l0", torch.zeros(3, 5, 8))], 4)
+    with pytest.raises(LayoutError, match="different page sizes"):
+        describe_kv_caches([tensor_info("a", torch.zeros(4, 8)), tensor_info("b", torch.zeros(4, 16))], 4)
+    with pytest.raises(LayoutError, match="no KV cache"):
+        describe_kv_caches([], 4)
+    with pytest.raises(LayoutError, match="outside"):
+        describe_torch_kv_caches({"a": torch.zeros(4, 8)}, 4).block_ranges(4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 63), st.integers(0, 63)), max_size=40, unique_by=lambda t: t[0]))
+def test_coalescing_covers_exactly_the_blocks(pairs) -> None:
+    local = [p[0] for p in pairs]
+    remote = [p[1] for p in pairs]
+    ls, rs, lengths = coalesce_runs(local, remote, 64, 64)
+    got = [(int(l0) + k, int(r0) + k) for l0, r0, n in zip(ls, rs, lengths, strict=True) for k in range(n)]
+    assert got == list(zip(local, remote, strict=True))
+    runs = 1 + sum(1 for i in range(1, len(local)) if local[i] != local[i - 1] + 1 or remote[i] != remote[i - 1] + 1)
+    assert len(lengths) == (runs if local else 0)
+
+
+def test_plan_rejects_bad_ids() -> None:
+    with pytest.raises(PlanError, match="outside"):
+        coalesce_runs([0, 64], [0, 1], 64, 64)
+    with pytest.raises(PlanError, match="remote block id -1"):
+        coalesce_runs([0], [-1], 64, 64)
+    with pytest.raises(PlanError, match="repeat"):
+        coalesce_runs([3, 3], [1, 2], 64, 64)
+    with pytest.raises(PlanError, match="pair up"):
+        coalesce_runs([1, 2], [1], 64, 64)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_descriptors_cover_the_same_bytes_as_blocks(layout) -> None:
+    base, views = make_kv_caches(layout, 3, 16, 2, 4, 8)
+    kv = describe_torch_kv_caches(views, 16)
+    local = [2, 3, 4, 9, 15]
+    ls, _, lengths = coalesce_runs(local, [0, 1, 2, 5, 6], 16, 16)
+    descs = build_descriptors(kv.segments, ls, lengths)
+    assert descs.dtype == np.uint64 and descs.shape[1] == 3
+    # Cross-layer and layer-compact layouts coalesce runs; one descriptor per run per segment.
+    assert descs.shape[0] == len(kv.segments) * len(lengths)
+    got = sorted(_read(base, int(a), int(n)) for a, n, _ in descs)
+    want = []
+    for seg in kv.segments:
+        for l0, n in zip(ls, lengths, strict=True):
+            want.append(_read(base, seg.addr + int(l0) * seg.block_stride, int(n) * seg.length))
+    assert got == sorted(want)
+    total = sum(len(block_bytes(views, layout, b)) for b in local)
+    assert int(descs[:, 1].sum()) == total
