@@ -1,0 +1,13 @@
+"""``python -m p2pkv.proxy --prefill HOST:PORT --decode HOST:PORT``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from p2pkv.proxy.server import add_arguments, main
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="p2pkv proxy", description=__doc__)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
