@@ -44,7 +44,12 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         nixl_backends: NIXL backends to create (``["UCX"]``).
         nixl_progress_thread: run NIXL's progress thread (one core busy per
             agent; lower latency on idle engines).
-        nixl_num_threads: worker threads of the UCX backend (0: NIXL default).
+        nixl_num_threads: worker threads of the backends (0: NIXL default).
+        ucx_error_handling_mode: UCX endpoint error handling, ``"peer"``
+            (detects dead peers; NIXL's default) or ``"none"`` (lets UCX use
+            shared-memory transports; a dead peer is then noticed only by
+            timeouts); ``""`` keeps NIXL's default.
+        ucx_num_workers: UCX workers per agent (0: NIXL default).
         stats_file: when set, every finished pull appends one JSON line
             (request id, peer, bytes, descriptors, seconds) to this file.
     """
@@ -60,7 +65,18 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_thread: bool = False
     nixl_num_threads: int = 0
+    ucx_error_handling_mode: Literal["", "peer", "none"] = ""
+    ucx_num_workers: int = 0
     stats_file: str = ""
+
+    def backend_params(self) -> dict[str, dict[str, str]]:
+        """NIXL backend init parameters these settings ask for."""
+        ucx: dict[str, str] = {}
+        if self.ucx_error_handling_mode:
+            ucx["ucx_error_handling_mode"] = self.ucx_error_handling_mode
+        if self.ucx_num_workers > 0:
+            ucx["num_workers"] = str(self.ucx_num_workers)
+        return {"UCX": ucx} if ucx else {}
 
     def __post_init__(self) -> None:
         if not 0 < self.side_channel_port < 65536:

@@ -137,6 +137,11 @@ class P2pKvConnector(KVConnectorBase_V1):
         layout = load_config(ktc.kv_connector_extra_config if ktc else None).kv_layout
         return None if layout == "auto" else layout
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: registered NIXL memory does not follow vLLM's sleep-mode remap (vLLM >= 0.33)."""
+        return False
+
     # ---- worker side ---------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None

@@ -23,6 +23,7 @@ reads the integers off torch tensors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,6 +229,45 @@ def describe_kv_caches(tensors: list[TensorInfo], num_blocks: int) -> KVLayout:
         raise LayoutError("no KV cache tensors to register (is the model attention-free?)")
     if num_blocks <= 0:
         raise LayoutError(f"num_blocks must be > 0, got {num_blocks}")
+    try:
+        return _describe_per_layer(tensors, num_blocks)
+    except LayoutError as per_layer_error:
+        union = _block_union(tensors, num_blocks)
+        if union is None:
+            raise per_layer_error from None
+        return union
+
+
+def _block_union(tensors: list[TensorInfo], num_blocks: int) -> KVLayout | None:
+    """Block-outermost layouts whose per-layer pages interleave (e.g. ``BHLNC``).
+
+    Each layer's page of a block is not contiguous on its own, but all layers'
+    pages of one block together tile one contiguous range: that range is one
+    segment. Returns None when they do not.
+    """
+    if any(t.shape[0] != num_blocks for t in tensors) or len({t.strides[0] for t in tensors}) != 1:
+        return None
+    itemsize = tensors[0].itemsize
+    block_stride = tensors[0].strides[0] * itemsize
+    lo = min(t.data_ptr for t in tensors)
+    hi = max(t.data_ptr + (sum((n - 1) * st for n, st in zip(t.shape[1:], t.strides[1:], strict=True)) + 1)
+             * t.itemsize for t in tensors)
+    total = sum(math.prod(t.shape[1:]) * t.itemsize for t in tensors)
+    if hi - lo != total or total > block_stride or len({t.storage_ptr for t in tensors}) != 1:
+        return None
+    info = tensors[0]
+    if lo < info.storage_ptr or lo + (num_blocks - 1) * block_stride + total > info.storage_ptr + info.storage_nbytes:
+        return None
+    return KVLayout(
+        num_blocks=num_blocks,
+        num_layers=len(tensors),
+        regions=(Region(info.storage_ptr, info.storage_nbytes),),
+        segments=(Segment(lo, total, block_stride, 0, len(tensors)),),
+    )
+
+
+def _describe_per_layer(tensors: list[TensorInfo], num_blocks: int) -> KVLayout:
+    """Every layer's page of a block is contiguous: one segment per layer (then merged)."""
     raw: list[Segment] = []
     regions: dict[int, Region] = {}
     for layer, info in enumerate(tensors):

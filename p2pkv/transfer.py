@@ -83,7 +83,9 @@ class NixlTransferAgent:
         name: agent name (see :func:`unique_agent_name`).
         backends: NIXL backends to create, e.g. ``["UCX"]``.
         progress_thread: run NIXL's progress thread.
-        num_threads: UCX worker threads (0: NIXL default).
+        num_threads: backend worker threads (0: NIXL default).
+        backend_params: extra init parameters per backend, e.g.
+            ``{"UCX": {"ucx_error_handling_mode": "none", "num_workers": "2"}}``.
 
     Raises:
         TransferError: NIXL is not installed or the agent cannot be created.
@@ -95,15 +97,21 @@ class NixlTransferAgent:
         backends: Sequence[str] = ("UCX",),
         progress_thread: bool = False,
         num_threads: int = 0,
+        backend_params: dict[str, dict[str, str]] | None = None,
     ) -> None:
         nixl_agent, nixl_agent_config = load_nixl()
-        conf = nixl_agent_config(
-            enable_prog_thread=progress_thread,
-            backends=list(backends),
-            num_threads=num_threads,
-        )
+        conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         self.name = name
         self._agent = nixl_agent(name, conf)
+        for backend in backends:
+            if backend not in self._agent.plugin_list:
+                continue
+            params = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+            params.update((backend_params or {}).get(backend, {}))
+            try:
+                self._agent.create_backend(backend, params)
+            except Exception as exc:
+                raise TransferError(f"NIXL backend {backend} rejected parameters {params}: {exc}") from exc
         missing = [b for b in backends if b not in self._agent.backends]
         if missing:
             raise TransferError(

@@ -176,6 +176,7 @@ class WorkerSide:
             self.config.nixl_backends,
             self.config.nixl_progress_thread,
             self.config.nixl_num_threads,
+            self.config.backend_params(),
         )
         self.agent.register(self.layout.regions, mem_type, device_id)
         self.desc = layout_desc(self.layout, mem_type=mem_type, **self.model_info)

@@ -62,3 +62,11 @@ def test_bad_params_name_the_key(change, field) -> None:
                                         block_ids=[1], tp_size=1, num_tokens=1, expiry_time=None)
     with pytest.raises(KVTransferParamsError, match=field):
         parse_remote_prefill({**good, **change})
+
+
+def test_ucx_settings_become_backend_params() -> None:
+    cfg = load_config({"ucx_error_handling_mode": "none", "ucx_num_workers": 2}, environ={})
+    assert cfg.backend_params() == {"UCX": {"ucx_error_handling_mode": "none", "num_workers": "2"}}
+    assert load_config(None, environ={}).backend_params() == {}
+    with pytest.raises(ConfigError, match="ucx_error_handling_mode"):
+        load_config({"ucx_error_handling_mode": "sometimes"}, environ={})

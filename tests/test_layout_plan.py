@@ -91,3 +91,57 @@ def test_descriptors_cover_the_same_bytes_as_blocks(layout) -> None:
     assert got == sorted(want)
     total = sum(len(block_bytes(views, layout, b)) for b in local)
     assert int(descs[:, 1].sum()) == total
+
+
+# vLLM 0.32's KVCacheLayout family: stride permutations over logical [L, B, H, N, C].
+KV_CACHE_LAYOUTS = {
+    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
+}
+
+
+def _logical(order: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor allocated in physical ``order``, viewed as logical ``shape``; plus the
+    same view over each element's physical index."""
+    phys_shape = [shape[d] for d in order]
+    inverse = [order.index(d) for d in range(len(order))]
+    phys = torch.zeros(phys_shape, dtype=dtype)
+    index = torch.arange(phys.numel()).view(phys_shape)
+    return phys.permute(inverse), index.permute(inverse)
+
+
+def _selected_bytes(index: torch.Tensor, itemsize: int, base_ptr: int) -> set[int]:
+    idx = index.reshape(-1).tolist()
+    return {base_ptr + i * itemsize + k for i in idx for k in range(itemsize)}
+
+
+def _range_bytes(ranges: list[tuple[int, int]]) -> set[int]:
+    return {a + k for a, n in ranges for k in range(n)}
+
+
+@pytest.mark.parametrize("name", list(KV_CACHE_LAYOUTS))
+def test_kv_cache_layout_family(name) -> None:
+    L, B, H, N, C = 3, 5, 2, 4, 6
+    logical, index = _logical(KV_CACHE_LAYOUTS[name], (L, B, H, N, C), torch.bfloat16)
+    views = {f"l{i}": logical[i] for i in range(L)}
+    if name == "LHBNC":  # a block's bytes are spread over H separate runs per layer
+        with pytest.raises(LayoutError, match="not contiguous"):
+            describe_torch_kv_caches(views, B)
+        return
+    kv = describe_torch_kv_caches(views, B)
+    assert len(kv.segments) == (1 if name.startswith("B") else L)
+    assert kv.cross_layer == name.startswith("B")
+    base = logical.untyped_storage().data_ptr()
+    for b in range(B):
+        assert _range_bytes(kv.block_ranges(b)) == _selected_bytes(index[:, b], 2, base)
+
+
+def test_mla_latent_cache() -> None:
+    """MLA: one latent vector per token, no heads: per-layer [B, N, C]."""
+    L, B, N, C = 4, 6, 8, 10
+    base = torch.zeros(L, B, N, C, dtype=torch.float16)
+    index = torch.arange(base.numel()).view(L, B, N, C)
+    kv = describe_torch_kv_caches({f"l{i}": base[i] for i in range(L)}, B)
+    assert len(kv.segments) == L
+    for b in range(B):
+        assert _range_bytes(kv.block_ranges(b)) == _selected_bytes(index[:, b], 2, base.data_ptr())

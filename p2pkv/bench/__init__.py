@@ -1,0 +1,12 @@
+"""Benchmarks of p2pkv's KV transfer path (``p2pkv bench ...``).
+
+* :mod:`p2pkv.bench.synth`: synthetic KV caches shaped like a real model's
+  and synthetic block placements shaped like a real allocator's.
+* :mod:`p2pkv.bench.transfer`: ``p2pkv bench transfer``, a two-process NIXL
+  pull benchmark against an in-process memcpy of the same bytes.
+* :mod:`p2pkv.bench.report`: human table, JSON, plot and target checks.
+
+Nothing here is imported by the connector itself.
+"""
+
+from __future__ import annotations
