@@ -24,8 +24,9 @@ from typing import Any
 from handshake import AgentInfo, HandshakeServer, KVLayoutDesc, KVRegion, compute_digest, fetch_agent_info
 from p2pkv.config import P2pKvConfig
 from p2pkv.layout import KVLayout, Segment, describe_torch_kv_caches
+from p2pkv.leases import LeaseTable
 from p2pkv.metadata import P2pKvMetadata, RecvTask
-from p2pkv.plan import build_descriptors, coalesce_runs
+from p2pkv.plan import PlanError, build_descriptors, coalesce_runs
 from p2pkv.transfer import NixlTransferAgent, PullHandle, unique_agent_name
 
 logger = logging.getLogger("p2pkv.worker")
@@ -153,10 +154,11 @@ class WorkerSide:
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._pulls: list[_Pull] = []
-        self._leases: dict[str, float] = {}
+        self._leases = LeaseTable()
         self._early_notifs: dict[str, float] = {}
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        self._retried: set[str] = set()
         self._closed = False
 
     # ---- setup -----------------------------------------------------------
@@ -205,7 +207,8 @@ class WorkerSide:
     # ---- decode side ------------------------------------------------------
     def start_load_kv(self, meta: P2pKvMetadata) -> None:
         """Take this step's new pulls and leases."""
-        self._leases.update(meta.send_leases)
+        for request_id, deadline in meta.send_leases.items():
+            self._leases.hold(request_id, deadline)
         for task in meta.recv:
             self._queue(task)
 
@@ -276,12 +279,26 @@ class WorkerSide:
             )
             local_descs = build_descriptors(self.layout.segments, loc, lengths)
             remote_descs = build_descriptors(peer.segments, rem, lengths)
+        except PlanError as exc:
+            self._fail(task, f"bad block ids: {exc}")
+            return
+        try:
             handle = self.agent.start_read(peer.agent_name, local_descs, remote_descs, notif)
         except Exception as exc:
             self._drop_peer(key)
-            self._fail(task, f"pull from {peer.agent_name} could not start: {exc}")
+            self._retry_or_fail(task, f"pull from {peer.agent_name} could not start: {exc}")
             return
         self._pulls.append(_Pull(task, handle, time.monotonic(), key))
+
+    def _retry_or_fail(self, task: RecvTask, why: str) -> None:
+        """After a peer failure: re-handshake and try once more (the prefill engine may
+        have restarted under the same engine_id); fail the pull the second time."""
+        if task.request_id in self._retried:
+            self._fail(task, why)
+            return
+        logger.warning("p2pkv: %s; re-handshaking and retrying request %s once", why, task.request_id)
+        self._retried.add(task.request_id)
+        self._queue(task)
 
     def _fail(self, task: RecvTask, why: str) -> None:
         logger.error(
@@ -290,6 +307,7 @@ class WorkerSide:
             len(task.local_block_ids), why,
         )
         self._load_errors.update(task.local_block_ids)
+        self._retried.discard(task.request_id)
         if task.report:
             self._finished_recving.add(task.request_id)
 
@@ -308,9 +326,10 @@ class WorkerSide:
                 done = self.agent.poll(pull.handle)
             except Exception as exc:
                 self._drop_peer(pull.peer_key)
-                self._fail(pull.task, str(exc))
+                self._retry_or_fail(pull.task, str(exc))
                 continue
             if done:
+                self._retried.discard(pull.task.request_id)
                 self._record(pull, now)
                 if pull.task.report:
                     self._finished_recving.add(pull.task.request_id)
@@ -341,20 +360,20 @@ class WorkerSide:
 
     # ---- prefill side -----------------------------------------------------
     def _released(self) -> set[str]:
+        """Held requests to free now: notified by every decode reader, or lease expired."""
         assert self.agent is not None
         now = time.monotonic()
         for msg in self.agent.get_notifs():
             if msg.startswith(NOTIF_DONE):
                 self._early_notifs[msg[len(NOTIF_DONE):].decode(errors="replace")] = now
-        done = {rid for rid in self._early_notifs if rid in self._leases}
-        expired = {rid for rid, t in self._leases.items() if t <= now and rid not in done}
+        done = {rid for rid in list(self._early_notifs) if self._leases.release(rid)}
+        for rid in done:
+            del self._early_notifs[rid]
+        expired = set(self._leases.pop_expired())
         for rid in expired:
             logger.warning("p2pkv: lease of request %s expired before a decode engine pulled it; "
                            "releasing its blocks", rid)
-        for rid in done | expired:
-            self._leases.pop(rid, None)
-            self._early_notifs.pop(rid, None)
-        # Forget notifications for requests never leased here (after a lease's time).
+        # A notification for a request not (yet) leased here is kept one lease long.
         for rid, t in list(self._early_notifs.items()):
             if now - t > self.config.lease_s:
                 del self._early_notifs[rid]

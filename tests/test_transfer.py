@@ -42,8 +42,9 @@ def make_worker(engine_id: str, port: int, **cfg) -> WorkerSide:
     return WorkerSide(engine_id, config, 0, 1, "127.0.0.1", port, "test-compat", model_info("x"))
 
 
-def prefill_main(layout: str, port: int, lease_ids: list[str], out: mp.Queue, stop: mp.Event) -> None:
-    _, views = make_kv_caches(layout, seed=1, **SHAPE)
+def prefill_main(layout: str, port: int, lease_ids: list[str], out: mp.Queue, stop: mp.Event,
+                 seed: int = 1) -> None:
+    _, views = make_kv_caches(layout, seed=seed, **SHAPE)
     worker = make_worker("prefill-engine", port)
     worker.model_info = model_info(layout)
     worker.register_kv_caches(views, NUM_BLOCKS)
@@ -152,3 +153,47 @@ def test_unreachable_prefill_marks_blocks_failed() -> None:
         assert run_until_received(worker, "d-1", timeout_s=20) == {5, 6, 7}
     finally:
         worker.shutdown()
+
+
+def _start_prefill(ctx, port: int, leases: list[str], seed: int):
+    out, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=prefill_main, args=("BLHNC", port, leases, out, stop, seed))
+    proc.start()
+    assert out.get(timeout=60) == "ready"
+    return proc, out, stop
+
+
+def test_restarted_prefill_is_used_again_without_restarting_decode() -> None:
+    """Kill the prefill process, start a new one (new NIXL agent, same engine_id and port):
+    the decode worker notices the dead peer, re-handshakes and pulls from the new one."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    _, views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
+    worker = make_worker("decode-engine", free_port())
+    worker.model_info = model_info("BLHNC")
+    worker.register_kv_caches(views, NUM_BLOCKS)
+    first, out1, _ = _start_prefill(ctx, port, ["req-1"], seed=1)
+    second = None
+    try:
+        worker.start_load_kv(P2pKvMetadata(recv=[task("d-1", "req-1", port, [1, 2], [3, 4])]))
+        assert run_until_received(worker, "d-1") == set()
+        assert out1.get(timeout=30) == ["req-1"]
+        old_agent = next(iter(worker._peers.values())).agent_name
+        first.kill()
+        first.join(timeout=20)
+        second, out2, stop2 = _start_prefill(ctx, port, ["req-9"], seed=2)
+        worker.start_load_kv(P2pKvMetadata(recv=[task("d-9", "req-9", port, [10, 11, 12], [20, 21, 22])]))
+        assert run_until_received(worker, "d-9") == set()
+        _, expected = make_kv_caches("BLHNC", seed=2, **SHAPE)
+        for lb, rb in ((10, 20), (11, 21), (12, 22)):
+            assert block_bytes(views, "BLHNC", lb) == block_bytes(expected, "BLHNC", rb)
+        assert next(iter(worker._peers.values())).agent_name != old_agent
+        assert out2.get(timeout=30) == ["req-9"]
+        stop2.set()
+    finally:
+        worker.shutdown()
+        for proc in (first, second):
+            if proc is not None:
+                proc.join(timeout=20)
+                if proc.is_alive():
+                    proc.kill()
