@@ -42,7 +42,9 @@ def pair(tiny_model, tmp_path_factory):
     stats = logs / "pulls.jsonl"
     p = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                   aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,
-                  decode_extra_config={"stats_file": str(stats)}, max_model_len=1024)
+                  decode_extra_config={"stats_file": str(stats), "handshake_timeout_s": 1.0,
+                                       "handshake_retries": 1},
+                  max_model_len=1024)
     p.start(timeout_s=900)
     try:
         yield p, stats
@@ -129,6 +131,24 @@ def test_negative_control_wrong_kv_changes_output(pair, client) -> None:
     ref_c = complete(client, p.url("aggregated"), c, max_tokens=8)
     assert right.token_ids == ref_a.token_ids and max_logprob_diff(right, ref_a) <= LOGPROB_TOLERANCE
     assert wrong.token_ids != ref_c.token_ids or max_logprob_diff(wrong, ref_c) > 100 * LOGPROB_TOLERANCE
+
+
+def test_failed_pull_is_reported_not_hung(pair, client) -> None:
+    """Params pointing at a side channel where nothing listens: the pull fails, vLLM is
+    told (kv_load_failure_policy=fail by default), the request ends with an error instead
+    of garbage or a hang, and the decode engine keeps serving."""
+    p, _ = pair
+    params = _prefill(client, p.url("prefill"), "z" * 50)
+    (dead_port,) = free_ports(1)
+    bad = {**params, "remote_port": dead_port, "remote_engine_id": "no-such-engine"}
+    body = {"model": "model", "prompt": "z" * 50, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": bad}
+    resp = client.post(f"{p.url('decode')}/v1/completions", json=body)
+    assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
+    ok = complete(client, p.url("proxy"), "still serving?", max_tokens=4)
+    assert ok.token_ids == complete(client, p.url("aggregated"), "still serving?", max_tokens=4).token_ids
+    # The real params still work; pulling with them also releases the prefill's held blocks.
+    assert _decode(client, p.url("decode"), "z" * 50, params).token_ids == \
+        complete(client, p.url("aggregated"), "z" * 50, max_tokens=8).token_ids
 
 
 def test_prefill_holds_no_blocks_after_requests(pair, client) -> None:
