@@ -40,6 +40,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("p2pkv.connector")
 
 
+class P2pKvConnectorMetadata(P2pKvMetadata, KVConnectorMetadata):
+    """:class:`~p2pkv.metadata.P2pKvMetadata` as the ``KVConnectorMetadata`` vLLM passes on."""
+
+
 def compat_hash(vllm_config: VllmConfig) -> str:
     """Hash of what prefill and decode must share to exchange KV byte for byte.
 
@@ -187,7 +191,8 @@ class P2pKvConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return self.scheduler.build_connector_meta()
+        meta = self.scheduler.build_connector_meta()
+        return P2pKvConnectorMetadata(recv=meta.recv, send_leases=meta.send_leases)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None

@@ -1,10 +1,13 @@
-"""What the scheduler side tells the worker side each step."""
+"""What the scheduler side tells the worker side each step.
+
+Plain dataclasses, importable without vLLM (the worker side and its tests
+stay light); :mod:`p2pkv.connector` hands vLLM a subclass that is also a
+``KVConnectorMetadata``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from p2pkv.params import RemotePrefill
 
@@ -31,7 +34,7 @@ class RecvTask:
 
 
 @dataclass
-class P2pKvMetadata(KVConnectorMetadata):
+class P2pKvMetadata:
     """Per-step connector metadata.
 
     Attributes:
