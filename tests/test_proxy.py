@@ -1,167 +1,293 @@
-"""The proxy against fake engines (real HTTP on 127.0.0.1): protocol, errors, round-robin."""
+"""The proxy against fake engines, all real HTTP on 127.0.0.1: protocol, streaming, errors, health, metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
+import socket
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
 
-from p2pkv.proxy.app import create_app
-from p2pkv.proxy.server import normalize_url
-from tests.conftest import free_ports
+from p2pkv.proxy import PREFILL_PARAMS, create_app
 
-PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]],
-          "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "r", "tp_size": 1}
-
-
-def fake_prefill(seen: list[dict], name: str, with_params: bool = True, status: int = 200) -> FastAPI:
-    app = FastAPI()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        seen.append({"engine": name, "body": await request.json(), "rid": request.headers.get("x-request-id")})
-        if status != 200:
-            return JSONResponse({"error": "bad prompt"}, status_code=status)
-        out = {"choices": [{"text": "x"}]}
-        if with_params:
-            out["kv_transfer_params"] = PARAMS
-        return out
-
-    @app.get("/health")
-    async def health():
-        return {}
-
-    return app
+KV_PARAMS: dict[str, Any] = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]],
+                             "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "<id>",
+                             "tp_size": 1}
+CHUNKS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
+          b'data: {"choices": [{"text": "c"}]}\n\n', b"data: [DONE]\n\n"]
+ERROR_BODY = {"object": "error", "message": "prompt too long", "type": "BadRequestError", "code": 400}
 
 
-def fake_decode(seen: list[dict]) -> FastAPI:
-    app = FastAPI()
+class FakeEngine:
+    """A fake prefill or decode engine recording each request; ``mode`` picks how it answers completions.
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    Modes: ``ok``; ``no_params`` (prefill answer without kv_transfer_params);
+    ``400`` / ``500``; ``sleep`` (answers after 1.5 s); ``slow_stream`` (a
+    chunk every 20 ms for 10 s, appending the count sent to ``closed_after``
+    if the stream is cut short); ``broken_stream`` (dies after one chunk).
+    """
+
+    def __init__(self, name: str, role: str) -> None:
+        self.name, self.role, self.mode, self.healthy = name, role, "ok", True
+        self.seen: list[dict[str, Any]] = []
+        self.closed_after: list[int] = []
+        self.app = FastAPI()
+        self.app.post("/v1/completions")(self.completion)
+        self.app.post("/v1/chat/completions")(self.completion)
+        self.app.get("/health")(self.health)
+        self.app.get("/v1/models")(self.models)
+
+    def reset(self) -> None:
+        self.seen.clear()
+        self.closed_after.clear()
+        self.mode, self.healthy = "ok", True
+
+    async def completion(self, request: Request) -> Any:
         body = await request.json()
-        seen.append({"engine": "decode", "body": body, "rid": request.headers.get("x-request-id")})
+        self.seen.append({"path": request.url.path, "body": body, "rid": request.headers.get("x-request-id"),
+                          "auth": request.headers.get("authorization")})
+        if self.mode in ("400", "500"):
+            return JSONResponse(ERROR_BODY, status_code=int(self.mode))
+        if self.mode == "sleep":
+            await asyncio.sleep(1.5)
+        if self.role == "prefill":
+            extra = {} if self.mode == "no_params" else {"kv_transfer_params": KV_PARAMS}
+            return {"id": "p", "choices": [{"text": "x"}], **extra}
         if body.get("stream"):
-            async def gen():
-                for i in range(3):
-                    yield f"data: chunk{i}\n\n".encode()
-                yield b"data: [DONE]\n\n"
-            return StreamingResponse(gen(), media_type="text/event-stream")
-        return {"choices": [{"text": "decoded"}]}
+            gen = self.slow() if self.mode == "slow_stream" else self.chunks()
+            return StreamingResponse(gen, media_type="text/event-stream")
+        return {"id": "d", "choices": [{"text": "decoded"}]}
 
-    @app.get("/health")
-    async def health():
-        return {}
+    async def chunks(self) -> Any:
+        for chunk in CHUNKS:
+            yield chunk
+            await asyncio.sleep(0.01)
+            if self.mode == "broken_stream":
+                raise RuntimeError("engine died mid-stream (expected by the test)")
 
-    return app
+    async def slow(self) -> Any:
+        sent = 0
+        try:
+            for sent in range(1, 501):  # noqa: B007
+                yield b'data: {"choices": [{"text": "t"}]}\n\n'
+                await asyncio.sleep(0.02)
+        finally:
+            if sent < 500:
+                self.closed_after.append(sent)
+
+    async def health(self) -> Any:
+        return JSONResponse({}, status_code=200 if self.healthy else 503)
+
+    async def models(self, request: Request) -> Any:
+        return {"object": "list", "data": [{"id": "tiny", "owned_by": self.name}],
+                "auth": request.headers.get("authorization")}
 
 
 class Served:
-    def __init__(self, app: FastAPI, port: int) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    """An ASGI app served by uvicorn (lifespan on) in a daemon thread on an ephemeral 127.0.0.1 port."""
+
+    def __init__(self, app: Any) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
+                                                    lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
         while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
             time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=5)
 
 
+@dataclass
+class Stack:
+    p1: FakeEngine
+    p2: FakeEngine
+    d: FakeEngine
+    proxy: str  # [p1, p2] -> [d]
+    dead_decode: str  # [p1] -> [refused]
+    short_timeout: str  # [p1] -> [d], 0.5 s timeout
+    refused: str  # bound, never listening: connections are refused
+    prefill_urls: list[str]
+
+    def prefills(self) -> list[dict[str, Any]]:
+        return self.p1.seen + self.p2.seen
+
+
+@pytest.fixture(scope="module")
+def servers():
+    p1, p2, d = FakeEngine("p1", "prefill"), FakeEngine("p2", "prefill"), FakeEngine("d", "decode")
+    refusing = socket.socket()
+    refusing.bind(("127.0.0.1", 0))
+    refused = f"http://127.0.0.1:{refusing.getsockname()[1]}"
+    engines = [Served(e.app) for e in (p1, p2, d)]
+    u1, u2, ud = (s.url for s in engines)
+    proxies = [Served(create_app([u1, u2], [ud], 10.0)), Served(create_app([u1], [refused], 10.0)),
+               Served(create_app([u1], [ud], 0.5))]
+    yield Stack(p1, p2, d, *(s.url for s in proxies), refused, [u1, u2])
+    for s in proxies + engines:
+        s.stop()
+    refusing.close()
+
+
 @pytest.fixture
-def stack():
-    seen: list[dict] = []
-    p1, p2, d, px, dead = free_ports(5)
-    servers = [Served(fake_prefill(seen, "p1"), p1), Served(fake_prefill(seen, "p2"), p2),
-               Served(fake_decode(seen), d)]
-    app = create_app([f"http://127.0.0.1:{p1}", f"http://127.0.0.1:{p2}"], [f"http://127.0.0.1:{d}"], 10.0)
-    servers.append(Served(app, px))
-    yield f"http://127.0.0.1:{px}", seen, dead
-    for s in servers:
-        s.stop()
+def stack(servers: Stack) -> Stack:
+    for e in (servers.p1, servers.p2, servers.d):
+        e.reset()
+    return servers
 
 
-def test_protocol_round_robin_and_request_id(stack) -> None:
-    url, seen, _ = stack
+@pytest.fixture
+def client():
+    with httpx.Client(timeout=10) as c:
+        yield c
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of sample ``name`` with ``labels`` in a Prometheus exposition (0 if absent)."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def test_protocol_round_robin_request_id_and_auth(stack: Stack, client: httpx.Client) -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": 7, "stream_options": {"include_usage": True}}
-    with httpx.Client(timeout=10) as c:
-        for _ in range(2):
-            r = c.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "abc"})
-            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
-    prefills = [s for s in seen if s["engine"] != "decode"]
-    decodes = [s for s in seen if s["engine"] == "decode"]
-    assert [s["engine"] for s in prefills] == ["p1", "p2"]
-    for s in prefills:
-        assert s["body"]["max_tokens"] == 1 and s["body"]["stream"] is False
-        assert "stream_options" not in s["body"]
+    headers = {"X-Request-Id": "abc", "Authorization": "Bearer k"}
+    for _ in range(2):
+        r = client.post(f"{stack.proxy}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+        assert r.headers["x-request-id"] == "abc"
+    assert len(stack.p1.seen) == len(stack.p2.seen) == 1  # round-robin alternates
+    expected_prefill = {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False,
+                        "kv_transfer_params": PREFILL_PARAMS}
+    for s in stack.prefills():
+        assert s["body"] == expected_prefill
         assert s["body"]["kv_transfer_params"]["do_remote_decode"] is True
-    for s in decodes:
-        assert s["body"]["max_tokens"] == 7 and s["body"]["kv_transfer_params"] == PARAMS
-    assert {s["rid"] for s in seen} == {"abc"}
+    assert [s["body"] for s in stack.d.seen] == [{**body, "kv_transfer_params": KV_PARAMS}] * 2
+    assert {(s["rid"], s["auth"]) for s in stack.prefills() + stack.d.seen} == {("abc", "Bearer k")}
 
 
-def test_streaming_relays_chunks_in_order(stack) -> None:
-    url, _, _ = stack
-    with httpx.Client(timeout=10) as c, c.stream("POST", f"{url}/v1/completions",
-                                                 json={"prompt": "hi", "stream": True}) as r:
+def test_chat_caps_max_completion_tokens_and_generates_request_id(stack: Stack, client: httpx.Client) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 9}
+    r = client.post(f"{stack.proxy}/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    (pre,) = stack.prefills()
+    (dec,) = stack.d.seen
+    assert pre["path"] == dec["path"] == "/v1/chat/completions"
+    assert pre["body"]["max_tokens"] == pre["body"]["max_completion_tokens"] == 1
+    assert dec["body"] == {**body, "kv_transfer_params": KV_PARAMS}
+    assert re.fullmatch(r"[0-9a-f]{32}", pre["rid"]) and pre["rid"] == dec["rid"] == r.headers["x-request-id"]
+    assert pre["auth"] is None
+
+
+def test_streaming_relays_sse_chunks_in_order(stack: Stack, client: httpx.Client) -> None:
+    body = {"prompt": "hi", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", f"{stack.proxy}/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_raw())
+    assert raw == b"".join(CHUNKS)
+    (pre,) = stack.prefills()
+    assert pre["body"]["stream"] is False and "stream_options" not in pre["body"]
+    assert stack.d.seen[0]["body"] == {**body, "kv_transfer_params": KV_PARAMS}
+
+
+def test_client_disconnect_closes_the_decode_stream(stack: Stack, client: httpx.Client) -> None:
+    stack.d.mode = "slow_stream"
+    with client.stream("POST", f"{stack.proxy}/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 3:
+                break
+    deadline = time.monotonic() + 5
+    while not stack.d.closed_after and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stack.d.closed_after and stack.d.closed_after[0] < 100
+
+
+def test_decode_dying_mid_stream_ends_with_an_error_event(stack: Stack, client: httpx.Client) -> None:
+    stack.d.mode = "broken_stream"
+    with client.stream("POST", f"{stack.proxy}/v1/completions", json={"prompt": "hi", "stream": True}) as r:
         lines = [line for line in r.iter_lines() if line]
-    assert lines == ["data: chunk0", "data: chunk1", "data: chunk2", "data: [DONE]"]
+    assert lines[0] == CHUNKS[0].decode().strip()
+    error = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert error["stage"] == "decode" and error["backend"] in error["message"] and error["code"] == 502
 
 
-def test_errors_name_the_backend(stack) -> None:
-    url, _, dead = stack
-    with httpx.Client(timeout=10) as c:
-        assert c.post(f"{url}/v1/completions", content=b"not json").status_code == 400
-        metrics = c.get(f"{url}/metrics").text
-        assert "p2pkv_proxy_requests_total" in metrics
-    bad = create_app([f"http://127.0.0.1:{dead}"], [f"http://127.0.0.1:{dead}"], 2.0)
-    (port,) = free_ports(1)
-    s = Served(bad, port)
-    try:
-        with httpx.Client(timeout=10) as c:
-            r = c.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"})
-            assert r.status_code == 502 and str(dead) in r.json()["error"]["message"]
-            assert c.get(f"http://127.0.0.1:{port}/health").status_code == 503
-    finally:
-        s.stop()
+def test_prefill_4xx_is_passed_through(stack: Stack, client: httpx.Client) -> None:
+    stack.p1.mode = stack.p2.mode = "400"
+    r = client.post(f"{stack.proxy}/v1/completions", json={"prompt": "x" * 100})
+    assert r.status_code == 400 and r.json() == ERROR_BODY
+    assert not stack.d.seen
 
 
-def test_prefill_without_params_and_prefill_4xx() -> None:
-    seen: list[dict] = []
-    p_noparams, p_400, d, px1, px2 = free_ports(5)
-    servers = [Served(fake_prefill(seen, "a", with_params=False), p_noparams),
-               Served(fake_prefill(seen, "b", status=400), p_400), Served(fake_decode(seen), d)]
-    servers.append(Served(create_app([f"http://127.0.0.1:{p_noparams}"], [f"http://127.0.0.1:{d}"]), px1))
-    servers.append(Served(create_app([f"http://127.0.0.1:{p_400}"], [f"http://127.0.0.1:{d}"]), px2))
-    try:
-        with httpx.Client(timeout=10) as c:
-            r = c.post(f"http://127.0.0.1:{px1}/v1/completions", json={"prompt": "x"})
-            assert r.status_code == 502 and "kv_transfer_params" in r.json()["error"]["message"]
-            r = c.post(f"http://127.0.0.1:{px2}/v1/completions", json={"prompt": "x"})
-            assert r.status_code == 400
-        assert not [s for s in seen if s["engine"] == "decode"]
-    finally:
-        for s in servers:
-            s.stop()
+def test_prefill_without_kv_params_explains(stack: Stack, client: httpx.Client) -> None:
+    stack.p1.mode = stack.p2.mode = "no_params"
+    r = client.post(f"{stack.proxy}/v1/completions", json={"prompt": "x"})
+    err = r.json()["error"]
+    assert r.status_code == 502 and err["stage"] == "prefill"
+    assert "kv_transfer_params" in err["message"] and "kv_role" in err["message"]
+    assert err["backend"] in stack.prefill_urls and err["backend"] in err["message"]
+    assert not stack.d.seen
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    ("127.0.0.1:8100", "http://127.0.0.1:8100"), ("http://host:80", "http://host:80"),
-    ("[::1]:9000", "http://[::1]:9000"),
-])
-def test_normalize_url(value, expected) -> None:
-    assert normalize_url(value) == expected
+def test_prefill_5xx_and_timeout_name_the_backend(stack: Stack, client: httpx.Client) -> None:
+    stack.p1.mode = stack.p2.mode = "500"
+    r = client.post(f"{stack.proxy}/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 502 and "HTTP 500" in r.json()["error"]["message"]
+    stack.p1.mode = "sleep"
+    r = client.post(f"{stack.short_timeout}/v1/completions", json={"prompt": "x"})
+    err = r.json()["error"]
+    assert r.status_code == 504 and "--timeout" in err["message"] and err["backend"] in err["message"]
+    assert not stack.d.seen
 
 
-@pytest.mark.parametrize("value", ["host", "host:0", "host:99999", ":80"])
-def test_normalize_url_rejects(value) -> None:
-    with pytest.raises(ValueError, match="--decode"):
-        normalize_url(value, "--decode")
+def test_dead_decode_gives_502_naming_it(stack: Stack, client: httpx.Client) -> None:
+    r = client.post(f"{stack.dead_decode}/v1/completions", json={"prompt": "x"})
+    err = r.json()["error"]
+    assert r.status_code == 502 and err["stage"] == "decode" and stack.refused in err["message"]
+    assert len(stack.p1.seen) == 1
+    metrics = client.get(f"{stack.dead_decode}/metrics").text
+    assert metric(metrics, "p2pkv_proxy_errors_total", stage="decode") >= 1
+    assert metric(metrics, "p2pkv_proxy_requests_total", endpoint="/v1/completions", status="502") >= 1
+
+
+def test_health_reports_each_backend(stack: Stack, client: httpx.Client) -> None:
+    r = client.get(f"{stack.proxy}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    assert [b["role"] for b in r.json()["backends"]] == ["prefill", "prefill", "decode"]
+    r = client.get(f"{stack.dead_decode}/health")
+    assert r.status_code == 503
+    assert [(b["url"], b["status"]) for b in r.json()["backends"]][1] == (stack.refused, "down")
+    stack.d.healthy = False
+    assert client.get(f"{stack.proxy}/health").status_code == 503
+
+
+def test_models_come_from_the_first_decode(stack: Stack, client: httpx.Client) -> None:
+    r = client.get(f"{stack.proxy}/v1/models", headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200 and r.json()["data"][0]["owned_by"] == "d" and r.json()["auth"] == "Bearer k"
+
+
+def test_metrics_count_requests_and_time_stages(stack: Stack, client: httpx.Client) -> None:
+    assert client.post(f"{stack.proxy}/v1/completions", content=b"not json").status_code == 400
+    assert client.post(f"{stack.proxy}/v1/completions", json={"prompt": "x"}).status_code == 200
+    r = client.get(f"{stack.proxy}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    assert metric(text, "p2pkv_proxy_requests_total", endpoint="/v1/completions", status="200") >= 1
+    assert metric(text, "p2pkv_proxy_requests_total", endpoint="/v1/completions", status="400") >= 1
+    for name in ("prefill", "decode", "overhead"):
+        assert metric(text, f"p2pkv_proxy_{name}_seconds_count") >= 1

@@ -1,4 +1,4 @@
-"""``python -m p2pkv.proxy --prefill HOST:PORT --decode HOST:PORT``."""
+"""``python -m p2pkv.proxy --prefill HOST:PORT ... --decode HOST:PORT ...``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from p2pkv.proxy.server import add_arguments, main
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="p2pkv proxy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m p2pkv.proxy",
+                                     description="The p2pkv OpenAI-compatible prefill/decode proxy.")
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

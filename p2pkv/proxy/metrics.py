@@ -6,24 +6,38 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 @dataclass
 class ProxyMetrics:
-    """Counters and histograms (seconds) of one proxy app."""
+    """Counters and histograms (seconds) of one proxy app, on their own registry.
+
+    Attributes:
+        requests: ``p2pkv_proxy_requests_total{endpoint, status}``, the status the client got.
+        errors: ``p2pkv_proxy_errors_total{stage}``, backend failures (5xx,
+            unreachable, timeout, bad answer, broken stream) by ``prefill`` /
+            ``decode``; a backend's 4xx passed through to the client is not one.
+        prefill_seconds: prefill request round trip.
+        decode_seconds: decode request sent to its last byte relayed.
+        overhead_seconds: time the proxy itself adds per request: handler
+            time minus the time spent waiting on engines (to the decode's
+            response headers when streaming).
+    """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
     def __post_init__(self) -> None:
         r = self.registry
-        self.requests = Counter("p2pkv_proxy_requests", "Requests by endpoint and status",
+        self.requests = Counter("p2pkv_proxy_requests", "Client requests by endpoint and returned HTTP status",
                                 ["endpoint", "status"], registry=r)
-        self.errors = Counter("p2pkv_proxy_errors", "Upstream failures by stage", ["stage"], registry=r)
-        self.prefill_seconds = Histogram("p2pkv_proxy_prefill_seconds", "Prefill round trip (s)",
+        self.errors = Counter("p2pkv_proxy_errors", "Backend failures by stage (prefill, decode)", ["stage"],
+                              registry=r)
+        self.prefill_seconds = Histogram("p2pkv_proxy_prefill_seconds", "Prefill request round trip (seconds)",
                                          buckets=_BUCKETS, registry=r)
         self.decode_seconds = Histogram("p2pkv_proxy_decode_seconds",
-                                        "Decode request to last byte (s)", buckets=_BUCKETS, registry=r)
+                                        "Decode request sent to last byte relayed (seconds)", buckets=_BUCKETS,
+                                        registry=r)
         self.overhead_seconds = Histogram("p2pkv_proxy_overhead_seconds",
-                                          "Time spent in the proxy itself per request (s)",
+                                          "Time the proxy itself adds per request, engine waits excluded (seconds)",
                                           buckets=_BUCKETS, registry=r)

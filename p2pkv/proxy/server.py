@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 
 _HOSTPORT = re.compile(r"^(?:(https?)://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(\d{1,5})/?$")
 
@@ -28,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill engines (round-robin)")
     parser.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT",
                         help="decode engines (round-robin)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="upstream timeout (seconds)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="timeout of each request to an engine, in seconds (default 300)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -41,7 +43,10 @@ def main(args: argparse.Namespace) -> int:
         prefill = [normalize_url(v, "--prefill") for v in args.prefill]
         decode = [normalize_url(v, "--decode") for v in args.decode]
     except ValueError as exc:
-        print(f"p2pkv proxy: {exc}")
+        print(f"p2pkv proxy: {exc}", file=sys.stderr)
+        return 2
+    if not args.timeout > 0:
+        print(f"p2pkv proxy: --timeout {args.timeout}: must be > 0 seconds", file=sys.stderr)
         return 2
     app = create_app(prefill, decode, timeout_s=args.timeout)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
