@@ -1,4 +1,4 @@
-"""The ``p2pkv`` command: ``demo``, ``launch``, ``proxy``, ``make-tiny-model``."""
+"""The ``p2pkv`` command: ``demo``, ``launch``, ``proxy``, ``make-tiny-model``, ``bench``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,75 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _token_list(text: str) -> tuple[int, ...]:
+    """``"1024,4k,16k"`` → ``(1024, 4096, 16384)``."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+    return tuple(out)
+
+
+def _add_bench_transfer_arguments(p: argparse.ArgumentParser) -> None:
+    from p2pkv.bench.synth import ITEMSIZES
+    from p2pkv.bench.transfer import TransferBenchOptions
+
+    d = TransferBenchOptions()
+    p.add_argument("--layers", type=int, default=d.shape.num_layers, help="attention layers")
+    p.add_argument("--kv-heads", type=int, default=d.shape.num_kv_heads, help="KV heads")
+    p.add_argument("--head-dim", type=int, default=d.shape.head_dim, help="elements per head")
+    p.add_argument("--dtype", default=d.shape.dtype, choices=list(ITEMSIZES), help="KV cache dtype")
+    p.add_argument("--block-size", type=int, default=d.shape.block_size, help="tokens per block")
+    p.add_argument("--num-blocks", type=int, default=0, help="blocks per cache (0: auto within --max-mem-gib)")
+    p.add_argument("--requests", type=int, default=d.requests, help="timed requests per size and method")
+    p.add_argument("--tokens", type=_token_list, default=d.tokens,
+                   help="tokens per request, a comma-separated list (1024,4k,16k)")
+    p.add_argument("--seed", type=int, default=d.seed, help="block placement seed")
+    p.add_argument("--fragmentation", type=int, default=d.fragmentation, metavar="MAX_RUN",
+                   help="longest run of consecutive block ids per allocation (1: all scattered, 0: contiguous)")
+    p.add_argument("--progress-thread", action="store_true", help="NIXL progress thread on every agent")
+    p.add_argument("--num-threads", type=int, default=0, help="UCX backend threads (0: NIXL default)")
+    p.add_argument("--ucx-error-handling-mode", choices=["", "peer", "none"], default="",
+                   help="UCX endpoint error handling ('': NIXL default)")
+    p.add_argument("--ucx-num-workers", type=int, default=0, help="UCX workers per agent (0: NIXL default)")
+    p.add_argument("--memcpy-threads", type=int, default=0, help="torch threads for memcpy (0: torch default)")
+    p.add_argument("--max-mem-gib", type=float, default=d.max_mem_gib,
+                   help="memory per process (GiB): two KV caches plus about 0.75 GiB")
+    p.add_argument("--no-verify", action="store_true", help="skip the byte-exact check of one pull per method")
+    p.add_argument("--host", default=d.host, help="side-channel address")
+    p.add_argument("--prefill-poll-ms", type=float, default=d.prefill_poll_ms,
+                   help="how often the prefill process progresses NIXL without a progress thread (ms)")
+    p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+    p.add_argument("--plot", metavar="PNG", help="write a plot here (needs matplotlib: p2pkv[bench])")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _cmd_bench_transfer(args: argparse.Namespace) -> int:
+    from p2pkv.bench import report
+    from p2pkv.bench.synth import KVShape
+    from p2pkv.bench.transfer import TransferBenchOptions, run_transfer_bench
+
+    try:
+        shape = KVShape(args.layers, args.kv_heads, args.head_dim, args.dtype, args.block_size)
+        opts = TransferBenchOptions(
+            shape=shape, tokens=tuple(args.tokens), requests=args.requests, num_blocks=args.num_blocks,
+            seed=args.seed, fragmentation=args.fragmentation, progress_thread=args.progress_thread,
+            num_threads=args.num_threads, ucx_error_handling_mode=args.ucx_error_handling_mode,
+            ucx_num_workers=args.ucx_num_workers, memcpy_threads=args.memcpy_threads, max_mem_gib=args.max_mem_gib,
+            verify=not args.no_verify, host=args.host, prefill_poll_ms=args.prefill_poll_ms, quiet=args.quiet)
+        result = run_transfer_bench(opts)
+    except ValueError as exc:
+        print(f"p2pkv bench transfer: {exc}", file=sys.stderr)
+        return 2
+    print(report.format_table(result))
+    if args.json:
+        report.write_json(result, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot and report.plot(result, args.plot):
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0 if all(m["verified"] is not False for r in result["results"] for m in r["methods"].values()) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``p2pkv`` command."""
     parser = argparse.ArgumentParser(prog="p2pkv", description=__doc__)
@@ -96,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     proxy = sub.add_parser("proxy", help="the OpenAI-compatible P/D proxy")
     add_arguments(proxy)
     proxy.set_defaults(func=_cmd_proxy)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    transfer = bench_sub.add_parser(
+        "transfer", help="KV block pulls over NIXL between two processes vs memcpy (cross-layer vs per-layer)")
+    _add_bench_transfer_arguments(transfer)
+    transfer.set_defaults(func=_cmd_bench_transfer)
     return parser
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 LAYOUTS = ("LBHNC", "BLHNC", "KV_SPLIT")
 """Layouts :func:`make_kv_caches` can build."""
@@ -28,6 +30,10 @@ GiB = 1 << 30
 """Bytes in one GiB."""
 
 _PATTERN_CHUNK_WORDS = 8 << 20  # 64 MiB of int64 words per fill step
+
+ITEMSIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+             "int8": 1, "uint8": 1}
+"""Cache dtypes :class:`KVShape` accepts (torch names) → bytes per element (torch is imported lazily)."""
 
 
 @dataclass(frozen=True)
@@ -52,18 +58,20 @@ class KVShape:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
-            raise ValueError(f"unknown torch dtype {self.dtype!r} (try bfloat16, float16, float32)")
+        if self.dtype not in ITEMSIZES:
+            raise ValueError(f"unsupported cache dtype {self.dtype!r}; one of {', '.join(ITEMSIZES)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The cache's torch dtype."""
+        import torch
+
         return getattr(torch, self.dtype)
 
     @property
     def itemsize(self) -> int:
         """Bytes per element."""
-        return torch.empty(0, dtype=self.torch_dtype).element_size()
+        return ITEMSIZES[self.dtype]
 
     @property
     def page_bytes(self) -> int:
@@ -84,6 +92,15 @@ class KVShape:
         """Blocks that hold ``tokens`` tokens."""
         return math.ceil(tokens / self.block_size)
 
+    def key(self) -> str:
+        """The geometry as one string, e.g. ``32:8:128:bfloat16:16`` (peers must agree on it)."""
+        return f"{self.num_layers}:{self.num_kv_heads}:{self.head_dim}:{self.dtype}:{self.block_size}"
+
+    def model_info(self, layout: str) -> dict[str, str | int]:
+        """``WorkerSide.model_info`` / ``layout_desc`` keywords of a synthetic cache in ``layout``."""
+        return {"kv_layout": layout, "attn_layout": "HND", "dtype": self.dtype, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "block_size": self.block_size}
+
     def label(self) -> str:
         """Short human description, e.g. ``32 layers x 8 KV heads x 128 head_dim bfloat16, 16 tokens/block``."""
         return (f"{self.num_layers} layers x {self.num_kv_heads} KV heads x {self.head_dim} head_dim "
@@ -95,7 +112,7 @@ LLAMA3_8B = KVShape()
 
 
 def make_kv_caches(layout: str, num_layers: int = 4, num_blocks: int = 64, num_heads: int = 2,
-                   block_size: int = 32, head_dim: int = 16, dtype: torch.dtype = torch.float32,
+                   block_size: int = 32, head_dim: int = 16, dtype: torch.dtype | None = None,
                    fill: float | Literal["pattern"] | None = None,
                    seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One allocation plus per-layer views in a vLLM layout.
@@ -107,6 +124,7 @@ def make_kv_caches(layout: str, num_layers: int = 4, num_blocks: int = 64, num_h
     ``2 * head_dim`` (K and V side by side) for the first two.
 
     Args:
+        dtype: element dtype (``None``: float32).
         fill: ``None``: standard normal values (seeded; allocates a float32
             copy, so only for small caches); a number: that value
             everywhere; ``"pattern"``: :func:`fill_pattern_` (cheap, any size).
@@ -116,6 +134,9 @@ def make_kv_caches(layout: str, num_layers: int = 4, num_blocks: int = 64, num_h
         ``(storage, kv_caches)``: the whole allocation (for byte checks) and
         layer name → view.
     """
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     shape_hnc = (num_heads, block_size, 2 * head_dim)
     if layout == "LBHNC":
         base = torch.empty((num_layers, num_blocks, *shape_hnc), dtype=dtype)
@@ -147,6 +168,8 @@ def make_shaped_kv_caches(layout: str, shape: KVShape, num_blocks: int,
 
 
 def _words(base: torch.Tensor) -> torch.Tensor:
+    import torch
+
     raw = base.view(-1).view(torch.uint8)
     if raw.numel() % 8:
         raise ValueError(f"pattern fill needs a multiple of 8 bytes, got {raw.numel()}")
@@ -164,6 +187,8 @@ def fill_pattern_(base: torch.Tensor, seed: int) -> None:
     Touches every page (no lazily mapped zero pages left) at about memory
     bandwidth, in 64 MiB steps so no temporary copy is made.
     """
+    import torch
+
     words = _words(base)
     off = pattern_offset(seed)
     for lo in range(0, words.numel(), _PATTERN_CHUNK_WORDS):
@@ -184,12 +209,16 @@ def pattern_bytes(offset: int, length: int, seed: int) -> torch.Tensor:
     """
     if offset % 8 or length % 8:
         raise ValueError(f"pattern ranges are whole int64 words, got offset {offset} length {length}")
+    import torch
+
     lo = offset // 8 + pattern_offset(seed)
     return torch.arange(lo, lo + length // 8, dtype=torch.int64).view(torch.uint8)
 
 
 def block_bytes(views: dict[str, torch.Tensor], layout: str, block_id: int) -> bytes:
     """All bytes of one block over every layer (K and V), in a fixed order."""
+    import torch
+
     chunks = []
     for view in views.values():
         page = view[:, block_id] if layout == "KV_SPLIT" else view[block_id]
@@ -250,3 +279,80 @@ def make_placements(seed: int, tokens: int, shape: KVShape, num_blocks: int, req
         (allocate_blocks(rng, num_blocks, count, max_run), allocate_blocks(rng, num_blocks, count, max_run))
         for _ in range(requests)
     ]
+
+
+def size_cache(shape: KVShape, tokens: tuple[int, ...], requests: int, num_blocks: int, max_mem_bytes: int,
+               caches: int = 2) -> tuple[int, list[int], list[str]]:
+    """Blocks per cache so ``caches`` caches fit ``max_mem_bytes`` and hold the requests.
+
+    Args:
+        shape: KV geometry.
+        tokens: request sizes (tokens).
+        requests: requests per size; ``num_blocks=0`` asks for room for all of
+            the largest size at once (else requests reuse blocks).
+        num_blocks: blocks asked for (0: automatic); shrunk to the budget.
+        max_mem_bytes: bytes all ``caches`` caches may take together.
+        caches: caches held at once.
+
+    Returns:
+        ``(num_blocks, token sizes whose requests fit, warnings)``.
+
+    Raises:
+        ValueError: not even the smallest request fits.
+    """
+    warnings = []
+    max_blocks = max(0, max_mem_bytes) // (caches * shape.block_bytes)
+    num_blocks = num_blocks or min(shape.blocks_for(max(tokens)) * requests, max_blocks)
+    if num_blocks > max_blocks:
+        warnings.append(f"--num-blocks {num_blocks} needs {caches * num_blocks * shape.block_bytes / GiB:.2f} GiB "
+                        f"for {caches} caches; shrunk to {max_blocks} blocks to stay within the memory budget")
+        num_blocks = max_blocks
+    num_blocks = max(num_blocks, 4)
+    fits = [t for t in tokens if shape.blocks_for(t) <= num_blocks]
+    for t in sorted(set(tokens) - set(fits)):
+        warnings.append(f"skipping {t} tokens: {shape.blocks_for(t)} blocks do not fit a cache of {num_blocks} "
+                        f"blocks ({num_blocks * shape.block_bytes / GiB:.2f} GiB) within the memory budget")
+    if not fits:
+        raise ValueError("no requested token size fits in memory; raise --max-mem-gib or lower --tokens")
+    return num_blocks, fits, warnings
+
+
+def run_ranges(segs: list[tuple[int, int, int]], dst_starts: np.ndarray, src_starts: np.ndarray,
+               lengths: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(dst_offset, src_offset, nbytes)`` byte ranges of block runs over segments.
+
+    Args:
+        segs: ``(offset, block_stride, length)`` bytes of each segment,
+            relative to its allocation; blocks must touch (stride == length).
+        dst_starts, src_starts, lengths: runs from :func:`p2pkv.plan.coalesce_runs`.
+    """
+    out = []
+    for off, stride, length in segs:
+        if stride != length:
+            raise ValueError(f"segment blocks do not touch (stride {stride} B, length {length} B)")
+        out.extend((off + int(a) * stride, off + int(b) * stride, int(n) * length)
+                   for a, b, n in zip(dst_starts, src_starts, lengths, strict=True))
+    return out
+
+
+def ranges_equal(dst: torch.Tensor, ranges: list[tuple[int, int, int]], src: torch.Tensor | None,
+                 seed: int, chunk_bytes: int = 64 << 20) -> bool:
+    """True when every destination range equals its source range, byte for byte.
+
+    Args:
+        dst: uint8 view of the destination allocation.
+        ranges: from :func:`run_ranges`.
+        src: uint8 view of the source allocation, or ``None`` when the source
+            is a :func:`fill_pattern_` allocation of ``seed`` in another process.
+        seed: the source pattern's seed (when ``src`` is None).
+        chunk_bytes: compare this many bytes at a time (bounds temporaries).
+    """
+    import torch
+
+    for d, s, n in ranges:
+        for k in range(0, n, chunk_bytes):
+            m = min(chunk_bytes, n - k)
+            want = src[s + k:s + k + m] if src is not None else pattern_bytes(s + k, m, seed)
+            if not torch.equal(dst[d + k:d + k + m], want):
+                return False
+    return True
