@@ -261,7 +261,7 @@ class WorkerSide:
                     self._fail(task, f"handshake with {task.remote.host}:{task.remote.port + key[1]} failed: {exc}")
                 continue
             for task in pending.tasks:
-                self._start_pull(task, key)
+                self._queue(task)  # not _start_pull: a failed start drops the peer for the rest
 
     def _start_pull(self, task: RecvTask, key: tuple[str, int]) -> None:
         peer = self._peers[key]
