@@ -52,6 +52,7 @@ from handshake.codec import compute_digest, decode, encode, verify_agent_info
 from handshake.errors import (
     AuthenticationError,
     HandshakeBindError,
+    HandshakeCancelledError,
     HandshakeError,
     HandshakeTimeoutError,
     IncompatiblePeerError,
@@ -82,6 +83,7 @@ __all__ = [
     "AuthenticationError",
     "ErrorReply",
     "HandshakeBindError",
+    "HandshakeCancelledError",
     "HandshakeClient",
     "HandshakeError",
     "HandshakeServer",

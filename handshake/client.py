@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from handshake._net import configure_socket, tcp_endpoint
 from handshake.codec import decode, encode, verify_agent_info
 from handshake.errors import (
     AuthenticationError,
+    HandshakeCancelledError,
     HandshakeError,
     HandshakeTimeoutError,
     IncompatiblePeerError,
@@ -44,6 +46,7 @@ def fetch_agent_info(
     retries: int = 3,
     backoff_s: float = 0.2,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
+    cancel: threading.Event | None = None,
 ) -> AgentInfo:
     """Ask the handshake server at ``host:port`` for rank ``tp_rank``'s info.
 
@@ -62,6 +65,8 @@ def fetch_agent_info(
         retries: total number of attempts (>= 1).
         backoff_s: first pause between attempts (seconds), doubled each time.
         max_message_bytes: largest accepted reply (bytes).
+        cancel: when set (by another thread), the wait ends within 0.1 s
+            and :class:`HandshakeCancelledError` is raised.
 
     Returns:
         The verified :class:`AgentInfo` (rank, compat hash and metadata
@@ -76,6 +81,7 @@ def fetch_agent_info(
         IncompatiblePeerError: the reply is for another rank or compat hash.
         MetadataDigestError: the agent metadata does not match its digest.
         MalformedMessageError, MessageTooLargeError: the reply is invalid.
+        HandshakeCancelledError: ``cancel`` was set.
         ValueError: bad arguments.
     """
     if retries < 1:
@@ -93,14 +99,18 @@ def fetch_agent_info(
     ctx = zmq.Context()
     try:
         for attempt in range(1, retries + 1):
-            if attempt > 1:
+            if attempt > 1 and cancel is not None and cancel.wait(backoff_s * 2 ** (attempt - 2)):
+                break
+            if attempt > 1 and cancel is None:
                 time.sleep(backoff_s * 2 ** (attempt - 2))
-            reply = _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes)
+            reply = _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel)
             if reply is not None:
                 return _check_reply(reply, endpoint, tp_rank, compat_hash, secret, max_message_bytes)
             logger.debug("no handshake reply from %s (attempt %d/%d)", endpoint, attempt, retries)
     finally:
         ctx.term()
+    if cancel is not None and cancel.is_set():
+        raise HandshakeCancelledError(f"handshake with {host}:{port} cancelled (shutting down)")
     raise HandshakeTimeoutError(
         f"no reply from the handshake server at {host}:{port} for tp_rank {tp_rank} after "
         f"{retries} attempt(s) of {timeout_s:g} s each; check that the prefill engine is up "
@@ -117,8 +127,9 @@ def _exchange(
     frames: list[bytes],
     timeout_s: float,
     max_message_bytes: int,
+    cancel: threading.Event | None = None,
 ) -> list[bytes] | None:
-    """Send one request on a fresh socket; the reply frames, or None on timeout."""
+    """Send one request on a fresh socket; the reply frames, or None on timeout or cancel."""
     sock = ctx.socket(zmq.DEALER)
     try:
         configure_socket(sock, host, max_message_bytes)
@@ -134,9 +145,13 @@ def _exchange(
             sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             return None
-        if not sock.poll(max(1, int(timeout_s * 1000)), zmq.POLLIN):
-            return None
-        return sock.recv_multipart(zmq.NOBLOCK)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or (cancel is not None and cancel.is_set()):
+                return None
+            if sock.poll(max(1, int(min(left, 0.1) * 1000)), zmq.POLLIN):
+                return sock.recv_multipart(zmq.NOBLOCK)
     finally:
         sock.close(linger=0)
 

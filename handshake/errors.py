@@ -84,6 +84,12 @@ class HandshakeTimeoutError(HandshakeError, TimeoutError):
     code = "timeout"
 
 
+class HandshakeCancelledError(HandshakeError):
+    """The caller cancelled the handshake (e.g. the worker is shutting down)."""
+
+    code = "cancelled"
+
+
 class UnknownRankError(HandshakeError):
     """The server holds no :class:`~handshake.messages.AgentInfo` for the
     requested ``tp_rank``."""

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from p2pkv.layout import KVLayout, Segment, describe_torch_kv_caches
 from p2pkv.leases import LeaseTable
 from p2pkv.metadata import P2pKvMetadata, RecvTask
 from p2pkv.plan import PlanError, build_descriptors, coalesce_runs
-from p2pkv.transfer import NixlTransferAgent, PullHandle, unique_agent_name
+from p2pkv.transfer import NixlTransferAgent, PullHandle, TransferError, unique_agent_name
 
 logger = logging.getLogger("p2pkv.worker")
 
@@ -49,6 +50,7 @@ class _Pull:
     handle: PullHandle | None
     started: float
     peer_key: tuple[str, int]
+    peer: _Peer
 
 
 @dataclass
@@ -150,7 +152,8 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         self.desc: KVLayoutDesc | None = None
         self._secret = config.secret.encode() if config.secret else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2pkv-handshake")
+        self._stop = threading.Event()
+        self._handshake_threads: list[threading.Thread] = []
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._pulls: list[_Pull] = []
@@ -232,17 +235,28 @@ class WorkerSide:
         pending = self._pending.setdefault(key, _Pending())
         pending.tasks.append(task)
         if pending.future is None:
-            pending.future = self._executor.submit(
-                fetch_agent_info,
-                task.remote.host,
-                task.remote.port + key[1],
-                key[1],
-                self.engine_id,
-                self.compat_hash,
-                secret=self._secret,
-                timeout_s=self.config.handshake_timeout_s,
-                retries=self.config.handshake_retries,
-            )
+            pending.future = self._start_handshake(task.remote.host, task.remote.port + key[1], key[1])
+
+    def _start_handshake(self, host: str, port: int, tp_rank: int) -> Future:
+        """Fetch a peer's AgentInfo on its own daemon thread (one per peer, so an
+        unreachable prefill engine does not delay handshakes with the others);
+        :meth:`shutdown` cancels it within 0.1 s."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fetch_agent_info(
+                    host, port, tp_rank, self.engine_id, self.compat_hash, secret=self._secret,
+                    timeout_s=self.config.handshake_timeout_s, retries=self.config.handshake_retries,
+                    cancel=self._stop))
+            except BaseException as exc:  # delivered to _progress_handshakes
+                future.set_exception(exc)
+
+        self._handshake_threads = [t for t in self._handshake_threads if t.is_alive()]
+        thread = threading.Thread(target=run, name=f"p2pkv-handshake-{host}:{port}", daemon=True)
+        self._handshake_threads.append(thread)
+        thread.start()
+        return future
 
     def _progress_handshakes(self) -> None:
         for key, pending in list(self._pending.items()):
@@ -269,7 +283,7 @@ class WorkerSide:
         notif = NOTIF_DONE + task.remote.request_id.encode()
         try:
             if not task.local_block_ids:
-                self.agent.send_notif(peer.agent_name, notif)
+                self._notify(peer, notif)
                 if task.report:
                     self._finished_recving.add(task.request_id)
                 return
@@ -283,12 +297,12 @@ class WorkerSide:
             self._fail(task, f"bad block ids: {exc}")
             return
         try:
-            handle = self.agent.start_read(peer.agent_name, local_descs, remote_descs, notif)
+            handle = self.agent.start_read(peer.agent_name, local_descs, remote_descs, b"")
         except Exception as exc:
             self._drop_peer(key)
             self._retry_or_fail(task, f"pull from {peer.agent_name} could not start: {exc}")
             return
-        self._pulls.append(_Pull(task, handle, time.monotonic(), key))
+        self._pulls.append(_Pull(task, handle, time.monotonic(), key, peer))
 
     def _retry_or_fail(self, task: RecvTask, why: str) -> None:
         """After a peer failure: re-handshake and try once more (the prefill engine may
@@ -299,6 +313,21 @@ class WorkerSide:
         logger.warning("p2pkv: %s; re-handshaking and retrying request %s once", why, task.request_id)
         self._retried.add(task.request_id)
         self._queue(task)
+
+    def _notify(self, peer: _Peer, msg: bytes) -> None:
+        """Tell the prefill worker it may free a request's blocks.
+
+        Sent after the READ is seen done, not attached to the READ: a READ with a
+        notification completes only once the prefill side progresses NIXL, which
+        would tie the decode's pull latency to the prefill engine's step time. A
+        notification that cannot be sent is logged; the prefill lease frees the
+        blocks instead.
+        """
+        assert self.agent is not None
+        try:
+            self.agent.send_notif(peer.agent_name, msg)
+        except TransferError as exc:
+            logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
 
     def _fail(self, task: RecvTask, why: str) -> None:
         logger.error(
@@ -325,12 +354,16 @@ class WorkerSide:
             try:
                 done = self.agent.poll(pull.handle)
             except Exception as exc:
-                self._drop_peer(pull.peer_key)
+                # Drop the peer only if it is still the one this READ used: a late failure
+                # from a dead incarnation must not tear down its replacement.
+                if self._peers.get(pull.peer_key) is pull.peer:
+                    self._drop_peer(pull.peer_key)
                 self._retry_or_fail(pull.task, str(exc))
                 continue
             if done:
                 self._retried.discard(pull.task.request_id)
                 self._record(pull, now)
+                self._notify(pull.peer, NOTIF_DONE + pull.task.remote.request_id.encode())
                 if pull.task.report:
                     self._finished_recving.add(pull.task.request_id)
             elif now - pull.started > self.config.transfer_timeout_s:
@@ -363,7 +396,12 @@ class WorkerSide:
         """Held requests to free now: notified by every decode reader, or lease expired."""
         assert self.agent is not None
         now = time.monotonic()
-        for msg in self.agent.get_notifs():
+        try:
+            notifs = self.agent.get_notifs()
+        except Exception as exc:  # a broken peer must not lose this step's results
+            logger.warning("p2pkv: reading NIXL notifications failed: %s", exc)
+            notifs = []
+        for msg in notifs:
             if msg.startswith(NOTIF_DONE):
                 self._early_notifs[msg[len(NOTIF_DONE):].decode(errors="replace")] = now
         done = {rid for rid in list(self._early_notifs) if self._leases.release(rid)}
@@ -399,7 +437,10 @@ class WorkerSide:
         if self._closed:
             return
         self._closed = True
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._stop.set()
+        for thread in self._handshake_threads:
+            thread.join(timeout=2.0)
+        self._handshake_threads.clear()
         if self.server is not None:
             self.server.close()
         if self.agent is not None:

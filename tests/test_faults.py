@@ -33,9 +33,8 @@ import pytest
 import zmq
 
 from handshake import PROTOCOL_VERSION, MetadataReply, encode, fetch_agent_info
-from p2pkv.faults import FaultyNixlAgent, InjectedFault, inject, restore
+from p2pkv.faults import FaultyNixlAgent, inject, restore
 from p2pkv.metadata import P2pKvMetadata
-from p2pkv.transfer import TransferError
 from p2pkv.worker import WorkerSide
 from tests.kvsynth import make_kv_caches
 from tests.p2p_harness import LAYOUT, DecodeSide, PrefillProc, free_port, notify_task, pull_task, shape
@@ -227,9 +226,6 @@ def test_start_fault_in_a_batch_waiting_for_its_handshake(prefill: PrefillProc, 
         assert_bytes(decode, prefill, local, remote)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG worker.py _poll_pulls: a READ started on the peer's previous connection that fails after the "
-    "re-handshake calls _drop_peer(key), which drops the NEW peer and so fails the pulls just retried on it"))
 def test_stale_failure_keeps_the_new_peer(prefill: PrefillProc, decode: DecodeSide) -> None:
     """Pulls A and B in flight; B's READ fails: the peer is dropped (its NIXL connection removed) and
     B is retried on a fresh handshake. A's failure (its READ died with the old connection) surfaces
@@ -274,9 +270,6 @@ def test_stuck_read_times_out_as_load_error(prefill: PrefillProc) -> None:
 
 
 # ---- notifications -------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=TransferError, reason=(
-    "BUG worker.py _start_pull: send_notif's TransferError is not caught (only PlanError is); it escapes "
-    "start_load_kv (peer known) or get_finished (after a handshake), and the tasks queued after it are lost"))
 @pytest.mark.parametrize("peer_known", [False, True], ids=["new_peer", "known_peer"])
 def test_notify_only_send_failure_is_contained(prefill: PrefillProc, decode: DecodeSide, peer_known: bool) -> None:
     """An aborted request's notify-only task whose ``send_notif`` fails: the prefill side falls
@@ -309,9 +302,6 @@ def test_notify_only_task_releases_the_prefill_lease(prefill: PrefillProc, decod
     assert rid not in decode.finished and decode.take_errors() == set()
 
 
-@pytest.mark.xfail(strict=True, raises=InjectedFault, reason=(
-    "BUG worker.py get_finished: an exception from get_new_notifs (in _released) escapes get_finished, "
-    "and the finished_recving set already taken out of the worker is lost"))
 def test_notification_poll_failure_does_not_escape_get_finished(prefill: PrefillProc, decode: DecodeSide) -> None:
     inject(decode.worker, "get_new_notifs", 1, times=None)
     local, remote = [5, 6], [6, 7]
@@ -495,9 +485,6 @@ def test_shutdown_is_idempotent_and_leaves_no_threads(prefill: PrefillProc) -> N
     assert _new_threads(before) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG worker.py shutdown: executor.shutdown(wait=False) cannot stop a handshake already running; its "
-    "non-daemon thread p2pkv-handshake_0 lives up to handshake_retries x handshake_timeout_s longer"))
 def test_shutdown_during_a_handshake_leaves_no_threads() -> None:
     before = set(threading.enumerate())
     d = DecodeSide(64, handshake_timeout_s=3.0, handshake_retries=1)
@@ -513,7 +500,7 @@ def test_shutdown_during_a_handshake_leaves_no_threads() -> None:
             left = _new_threads(before)
     finally:
         for t in threading.enumerate():  # let the handshake finish so later tests start clean
-            if t not in before and t.name.startswith("p2pkv-handshake_"):
+            if t not in before and t.name.startswith("p2pkv-handshake"):
                 t.join(10)
     assert left == [], f"alive after shutdown: {[t.name for t in left]}"
 
