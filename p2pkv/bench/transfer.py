@@ -92,8 +92,9 @@ class TransferBenchOptions:
         verify: compare one pulled request per method with its source, byte for byte.
         host: side-channel address (loopback by default).
         prefill_poll_ms: how often the prefill process progresses NIXL (drains
-            notifications) without a progress thread; a READ with a
-            notification completes only once the prefill side has progressed.
+            notifications) without a progress thread. Pulls are READs without
+            a notification (sent after completion, as the worker does), so
+            their completion does not wait for the prefill side.
         quiet: no progress lines on stderr.
         argv: command line to record in the results.
     """
@@ -272,10 +273,12 @@ class _Decode:
             return time.perf_counter() - t0
         side = self.sides[_PEER[method]]
         t0 = time.perf_counter()
-        handle = self.agent.start_read(side.peer, plan["local"], plan["remote"], _NOTIF)
+        handle = self.agent.start_read(side.peer, plan["local"], plan["remote"], b"")
         while not self.agent.poll(handle):
             pass
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.agent.send_notif(side.peer, _NOTIF)  # as WorkerSide does: after the READ, off the timed path
+        return seconds
 
     def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None]:
         """Scrub a request's destination, pull it, compare with the source: ``(seconds, equal)``."""
