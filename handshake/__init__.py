@@ -40,6 +40,10 @@ Integrity
     server checks it on :meth:`HandshakeServer.set_info` and the client checks
     it (and the rank and compat hash) before returning.
 
+Besides metadata requests, a prefill worker's server takes
+:class:`LeaseHeartbeat` messages: a decode engine names the prefill request
+ids it still has queued, and the worker extends their leases.
+
 Refusal codes (:class:`ErrorReply` ``code`` / :class:`HandshakeError` ``code``):
 ``malformed``, ``version``, ``incompatible``, ``unknown_rank``,
 ``too_large``, ``auth``, ``internal``.
@@ -47,7 +51,7 @@ Refusal codes (:class:`ErrorReply` ``code`` / :class:`HandshakeError` ``code``):
 
 from __future__ import annotations
 
-from handshake.client import HandshakeClient, fetch_agent_info
+from handshake.client import HandshakeClient, fetch_agent_info, send_heartbeat
 from handshake.codec import compute_digest, decode, encode, verify_agent_info
 from handshake.errors import (
     AuthenticationError,
@@ -68,8 +72,10 @@ from handshake.messages import (
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,
+    HeartbeatReply,
     KVLayoutDesc,
     KVRegion,
+    LeaseHeartbeat,
     Message,
     MetadataReply,
     MetadataRequest,
@@ -88,9 +94,11 @@ __all__ = [
     "HandshakeError",
     "HandshakeServer",
     "HandshakeTimeoutError",
+    "HeartbeatReply",
     "IncompatiblePeerError",
     "KVLayoutDesc",
     "KVRegion",
+    "LeaseHeartbeat",
     "MalformedMessageError",
     "Message",
     "MessageTooLargeError",
@@ -104,5 +112,6 @@ __all__ = [
     "decode",
     "encode",
     "fetch_agent_info",
+    "send_heartbeat",
     "verify_agent_info",
 ]

@@ -22,10 +22,13 @@ from handshake.errors import (
     RemoteRefusedError,
 )
 from handshake.messages import (
+    MAX_HEARTBEAT_IDS,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,
+    HeartbeatReply,
+    LeaseHeartbeat,
     MetadataReply,
     MetadataRequest,
 )
@@ -245,3 +248,51 @@ class HandshakeClient:
             backoff_s=self.backoff_s,
             max_message_bytes=self.max_message_bytes,
         )
+
+
+def send_heartbeat(
+    host: str,
+    port: int,
+    request_ids: list[str],
+    requester_engine_id: str,
+    extend_s: float,
+    secret: bytes | None = None,
+    timeout_s: float = 1.0,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+) -> int:
+    """Ask a prefill worker to extend the leases of ``request_ids`` to ``extend_s`` from now.
+
+    One attempt (a heartbeat is repeated anyway); ids are sent in chunks of
+    :data:`~handshake.messages.MAX_HEARTBEAT_IDS`.
+
+    Returns:
+        How many ids the server took.
+
+    Raises:
+        HandshakeTimeoutError: no reply within ``timeout_s`` seconds.
+        RemoteRefusedError: the server refused (e.g. it holds no leases).
+        HandshakeError: any other failure (bad reply, authentication).
+    """
+    endpoint = tcp_endpoint(host, port)
+    accepted = 0
+    ctx = zmq.Context()
+    try:
+        for start in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS):
+            msg = LeaseHeartbeat(protocol_version=PROTOCOL_VERSION, requester_engine_id=requester_engine_id,
+                                 request_ids=request_ids[start:start + MAX_HEARTBEAT_IDS], extend_s=extend_s)
+            reply = _exchange(ctx, host, endpoint, encode(msg, secret), timeout_s, max_message_bytes)
+            if reply is None:
+                raise HandshakeTimeoutError(f"no heartbeat reply from {host}:{port} within {timeout_s:g} s")
+            if (refusal := _unsigned_auth_refusal(reply, max_message_bytes)) is not None:
+                raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint)
+            answer = decode(reply, secret, max_message_bytes)
+            if isinstance(answer, ErrorReply):
+                raise RemoteRefusedError(answer.code, answer.field, answer.message, endpoint=endpoint)
+            if not isinstance(answer, HeartbeatReply):
+                raise MalformedMessageError(f"{endpoint} answered a heartbeat with {type(answer).__name__}",
+                                            field="type")
+            accepted += answer.accepted
+    finally:
+        ctx.term()
+    return accepted
+

@@ -11,6 +11,8 @@ Units: addresses and lengths are bytes; ``block_size`` is tokens per block;
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 PROTOCOL_VERSION = 1
@@ -146,5 +148,33 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="e
     message: str
 
 
-Message = MetadataRequest | MetadataReply | ErrorReply
+MAX_HEARTBEAT_IDS = 4096
+"""Most request ids one :class:`LeaseHeartbeat` may carry."""
+
+
+class LeaseHeartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_heartbeat"):
+    """Ask a prefill worker to keep holding requests a decode engine still has queued.
+
+    Attributes:
+        protocol_version: the sender's :data:`PROTOCOL_VERSION`.
+        requester_engine_id: the decode engine's id (for logs).
+        request_ids: prefill-side request ids (``remote_request_id``) whose
+            leases to extend; ids not held are ignored.
+        extend_s: new lease length from now (seconds).
+    """
+
+    protocol_version: int
+    requester_engine_id: str
+    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
+    extend_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+
+
+class HeartbeatReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="heartbeat_reply"):
+    """Answer to :class:`LeaseHeartbeat`: how many ids were taken for extension."""
+
+    protocol_version: int
+    accepted: int
+
+
+Message = MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HeartbeatReply
 """Every message that travels on the side channel."""

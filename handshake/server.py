@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 import zmq
@@ -21,6 +22,8 @@ from handshake.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AgentInfo,
+    HeartbeatReply,
+    LeaseHeartbeat,
     Message,
     MetadataReply,
     MetadataRequest,
@@ -55,8 +58,13 @@ class HandshakeServer:
         poll_interval_s: how often (seconds) the serving thread checks for
             :meth:`close`.
 
+        on_heartbeat: called (on the server thread) with the request ids and
+            the lease length (seconds) of each :class:`LeaseHeartbeat`; a
+            server without it refuses heartbeats. It must be quick and
+            thread-safe (e.g. put on a queue).
+
     Attributes:
-        stats: counters: ``"served"``, ``"refused"`` and
+        stats: counters: ``"served"``, ``"refused"``, ``"heartbeats"`` and
             ``"refused_<code>"`` per refusal code.
     """
 
@@ -68,6 +76,7 @@ class HandshakeServer:
         secret: bytes | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 0.1,
+        on_heartbeat: Callable[[list[str], float], None] | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
@@ -86,6 +95,7 @@ class HandshakeServer:
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._on_heartbeat = on_heartbeat
         self.stats: dict[str, int] = {"served": 0, "refused": 0}
 
     @property
@@ -226,8 +236,11 @@ class HandshakeServer:
         """Reply frames for one request; never raises."""
         try:
             msg = decode(body, self._secret, self._max_message_bytes)
-            info = self._lookup(msg)
-            frames = encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=info), self._secret)
+            if isinstance(msg, LeaseHeartbeat):
+                frames = encode(self._heartbeat(msg), self._secret)
+            else:
+                info = self._lookup(msg)
+                frames = encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=info), self._secret)
         except HandshakeError as exc:
             return self._refuse(exc)
         except Exception as exc:  # a bug must not stop the server
@@ -238,10 +251,21 @@ class HandshakeServer:
         self.stats["served"] += 1
         return frames
 
+    def _heartbeat(self, msg: LeaseHeartbeat) -> HeartbeatReply:
+        if self._on_heartbeat is None:
+            raise MalformedMessageError(
+                "this server holds no leases (lease_heartbeat is for prefill workers); "
+                "send heartbeats to the prefill engine's side channel",
+                field="type",
+            )
+        self._on_heartbeat(list(msg.request_ids), float(msg.extend_s))
+        self.stats["heartbeats"] = self.stats.get("heartbeats", 0) + 1
+        return HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids))
+
     def _lookup(self, msg: Message) -> AgentInfo:
         if not isinstance(msg, MetadataRequest):
             raise MalformedMessageError(
-                f"server accepts only messages with type 'metadata_request', got "
+                f"server accepts only messages with type 'metadata_request' or 'lease_heartbeat', got "
                 f"{type(msg).__name__}; send a MetadataRequest",
                 field="type",
             )

@@ -30,6 +30,9 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             of data-parallel rank ``d`` listens on ``port + d * tp_size + r``.
         lease_s: seconds a prefill engine holds a finished request's blocks
             for a decode engine to pull them before releasing them anyway.
+        heartbeat_interval_s: how often (seconds) a decode engine asks the
+            prefill engines to extend the leases of requests still queued
+            here; 0 turns heartbeats off. Must be below ``lease_s``.
         handshake_timeout_s: seconds one side-channel request may take.
         handshake_retries: side-channel attempts before a pull is failed.
         transfer_timeout_s: seconds a NIXL READ may stay in flight before
@@ -57,6 +60,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channel_host: str = ""
     side_channel_port: int = 5600
     lease_s: float = 120.0
+    heartbeat_interval_s: float = 20.0
     handshake_timeout_s: float = 5.0
     handshake_retries: int = 3
     transfer_timeout_s: float = 60.0
@@ -87,6 +91,11 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.heartbeat_interval_s < self.lease_s:
+            raise ConfigError(
+                f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 and below "
+                f"lease_s={self.lease_s} (0 turns heartbeats off)"
+            )
         if self.handshake_retries < 1:
             raise ConfigError(f"handshake_retries must be >= 1, got {self.handshake_retries}")
         if not self.nixl_backends:

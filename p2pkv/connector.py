@@ -178,11 +178,17 @@ class P2pKvConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
 
     # ---- scheduler side ------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:

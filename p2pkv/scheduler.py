@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import P2pKvConfig
+from p2pkv.heartbeat import HeartbeatBatch, HeartbeatSender
 from p2pkv.metadata import P2pKvMetadata, RecvTask
 from p2pkv.params import (
     KVTransferParamsError,
@@ -53,6 +54,38 @@ class SchedulerSide:
         self.tp_size = tp_size
         self._recv: list[RecvTask] = []
         self._leases: dict[str, float] = {}
+        self._queued: dict[str, RemotePrefill] = {}
+        self._next_heartbeat = 0.0
+        self.heartbeats = HeartbeatSender(engine_id, config.secret.encode() if config.secret else None,
+                                          timeout_s=min(1.0, config.handshake_timeout_s))
+
+    # ---- decode side: heartbeats for queued requests -------------------
+    def on_new_request(self, request: Request) -> None:
+        """Track a request whose KV waits on a prefill engine, for heartbeats."""
+        if wants_remote_prefill(request.kv_transfer_params) and self.config.heartbeat_interval_s > 0:
+            remote = self._remote(request)
+            if remote is not None:
+                self._queued[request.request_id] = remote
+
+    def send_heartbeats(self, now: float | None = None) -> int:
+        """Every ``heartbeat_interval_s``: extend the prefill leases of queued requests.
+
+        Returns:
+            The number of batches queued for sending (one per prefill rank).
+        """
+        now = time.monotonic() if now is None else now
+        if not self._queued or now < self._next_heartbeat:
+            return 0
+        self._next_heartbeat = now + self.config.heartbeat_interval_s
+        by_peer: dict[tuple[str, int, int], list[str]] = {}
+        for remote in self._queued.values():
+            by_peer.setdefault((remote.host, remote.port, remote.tp_size), []).append(remote.request_id)
+        batches = 0
+        for (host, port, tp_size), ids in by_peer.items():
+            for rank in range(tp_size):
+                self.heartbeats.submit(HeartbeatBatch(host, port + rank, tuple(ids), self.config.lease_s))
+                batches += 1
+        return batches
 
     # ---- decode side -------------------------------------------------
     def _remote(self, request: Request) -> RemotePrefill | None:
@@ -84,6 +117,7 @@ class SchedulerSide:
         if remote is None:
             return
         params["do_remote_prefill"] = False  # a second call (more blocks) must not pull again
+        self._queued.pop(request.request_id, None)
         local: list[int] = []
         remote_ids: tuple[int, ...] = ()
         if num_external_tokens > 0:
@@ -105,6 +139,7 @@ class SchedulerSide:
     # ---- both ----------------------------------------------------------
     def build_connector_meta(self) -> P2pKvMetadata:
         """Hand this step's new pulls and leases to the workers, then forget them."""
+        self.send_heartbeats()
         meta = P2pKvMetadata(recv=self._recv, send_leases=self._leases)
         self._recv, self._leases = [], {}
         return meta
@@ -121,6 +156,7 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        self._queued.pop(request.request_id, None)
         if wants_remote_prefill(params):
             # Finished (aborted) before its blocks were allocated: tell the
             # prefill engine it can free its copy now.
@@ -146,3 +182,7 @@ class SchedulerSide:
             num_tokens=request.num_computed_tokens,
             expiry_time=time.time() + self.config.lease_s,
         )
+
+    def shutdown(self) -> None:
+        """Stop the heartbeat thread. Idempotent."""
+        self.heartbeats.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -153,6 +154,7 @@ class WorkerSide:
         self.desc: KVLayoutDesc | None = None
         self._secret = config.secret.encode() if config.secret else None
         self._stop = threading.Event()
+        self._heartbeats: queue.SimpleQueue[tuple[list[str], float]] = queue.SimpleQueue()
         self._handshake_threads: list[threading.Thread] = []
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._pending: dict[tuple[str, int], _Pending] = {}
@@ -196,7 +198,8 @@ class WorkerSide:
             compat_hash=self.compat_hash,
             layout=self.desc,
         )
-        self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=self._secret)
+        self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=self._secret,
+                                      on_heartbeat=self._on_heartbeat)
         self.server.set_info(info)
         self.server.start()
         logger.info(
@@ -392,6 +395,19 @@ class WorkerSide:
                 fh.write(json.dumps(record) + "\n")
 
     # ---- prefill side -----------------------------------------------------
+    def _on_heartbeat(self, request_ids: list[str], extend_s: float) -> None:
+        """Side-channel thread: a decode engine still has these requests queued."""
+        self._heartbeats.put((request_ids, min(extend_s, self.config.lease_s)))
+
+    def _apply_heartbeats(self) -> None:
+        while True:
+            try:
+                request_ids, extend_s = self._heartbeats.get_nowait()
+            except queue.Empty:
+                return
+            for rid in request_ids:
+                self._leases.extend(rid, extend_s)
+
     def _released(self) -> set[str]:
         """Held requests to free now: notified by every decode reader, or lease expired."""
         assert self.agent is not None
@@ -407,6 +423,7 @@ class WorkerSide:
         done = {rid for rid in list(self._early_notifs) if self._leases.release(rid)}
         for rid in done:
             del self._early_notifs[rid]
+        self._apply_heartbeats()
         expired = set(self._leases.pop_expired())
         for rid in expired:
             logger.warning("p2pkv: lease of request %s expired before a decode engine pulled it; "

@@ -1,0 +1,105 @@
+"""Lease heartbeats: a decode engine keeps prefill leases alive for requests still queued."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from handshake import HandshakeServer, RemoteRefusedError, send_heartbeat
+from p2pkv.config import ConfigError, P2pKvConfig, load_config
+from p2pkv.metadata import P2pKvMetadata
+from p2pkv.params import make_prefill_response_params
+from p2pkv.scheduler import SchedulerSide
+from p2pkv.worker import WorkerSide
+from tests.kvsynth import make_kv_caches
+from tests.test_transfer import NUM_BLOCKS, SHAPE, free_port, model_info
+
+
+def test_heartbeat_round_trip_and_refusal() -> None:
+    got: list[tuple[list[str], float]] = []
+    with HandshakeServer("127.0.0.1", 0, "h", on_heartbeat=lambda ids, s: got.append((ids, s))) as srv:
+        assert send_heartbeat("127.0.0.1", srv.port, ["a", "b"], "decode", 30.0) == 2
+        assert got == [(["a", "b"], 30.0)]
+    with HandshakeServer("127.0.0.1", 0, "h") as srv, pytest.raises(RemoteRefusedError, match="holds no leases"):
+        send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 30.0)
+    with HandshakeServer("127.0.0.1", 0, "h", secret=b"k", on_heartbeat=lambda ids, s: None) as srv:
+        assert send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"k") == 1
+        with pytest.raises(RemoteRefusedError):
+            send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"wrong")
+
+
+def test_heartbeat_interval_must_be_below_lease() -> None:
+    with pytest.raises(ConfigError, match="heartbeat_interval_s"):
+        load_config({"lease_s": 10, "heartbeat_interval_s": 10}, environ={})
+    assert load_config({"heartbeat_interval_s": 0}, environ={}).heartbeat_interval_s == 0
+
+
+def _prefill_worker(lease_s: float) -> WorkerSide:
+    port = free_port()
+    cfg = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, lease_s=lease_s,
+                      heartbeat_interval_s=0)
+    worker = WorkerSide("prefill-engine", cfg, 0, 1, "127.0.0.1", port, "test-compat", model_info("BLHNC"))
+    _, views = make_kv_caches("BLHNC", **SHAPE)
+    worker.register_kv_caches(views, NUM_BLOCKS)
+    return worker
+
+
+def test_heartbeats_keep_a_lease_until_they_stop() -> None:
+    worker = _prefill_worker(lease_s=0.6)
+    try:
+        assert worker.server is not None
+        port = worker.server.port
+        worker.start_load_kv(P2pKvMetadata(send_leases={"kept": time.monotonic() + 0.6,
+                                                        "dropped": time.monotonic() + 0.6}))
+        released: list[str] = []
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:  # 3x the lease, heartbeats every 0.2 s
+            send_heartbeat("127.0.0.1", port, ["kept", "unknown"], "decode", 0.6)
+            for _ in range(4):
+                released += sorted(worker.get_finished()[0])
+                time.sleep(0.05)
+        assert released == ["dropped"]
+        end = time.monotonic() + 3.0
+        while "kept" not in released and time.monotonic() < end:
+            released += sorted(worker.get_finished()[0])
+            time.sleep(0.05)
+        assert released == ["dropped", "kept"]  # expired once heartbeats stopped
+    finally:
+        worker.shutdown()
+
+
+def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
+    got: list[list[str]] = []
+    event = threading.Event()
+
+    def on_heartbeat(ids: list[str], extend_s: float) -> None:
+        got.append(sorted(ids))
+        event.set()
+
+    with HandshakeServer("127.0.0.1", 0, "h", on_heartbeat=on_heartbeat) as srv:
+        cfg = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=5.0)
+        sched = SchedulerSide("decode-engine", cfg, 32, "127.0.0.1", 5600, 1)
+        reqs = []
+        for i in range(3):
+            params = make_prefill_response_params(engine_id="p", request_id=f"prefill-{i}", host="127.0.0.1",
+                                                  port=srv.port, block_ids=[1], tp_size=1, num_tokens=5,
+                                                  expiry_time=None)
+            reqs.append(SimpleNamespace(request_id=f"decode-{i}", kv_transfer_params=params))
+            sched.on_new_request(reqs[-1])
+        sched.on_new_request(SimpleNamespace(request_id="plain", kv_transfer_params=None))
+        # request 0 got its blocks (pull scheduled), request 1 was aborted while queued
+        sched._queued.pop("decode-0")
+        sched.request_finished(reqs[1], [])
+        assert sched.send_heartbeats(now=100.0) == 1
+        assert event.wait(5.0)
+        assert got == [["prefill-2"]]
+        assert sched.send_heartbeats(now=101.0) == 0  # not before the interval
+        assert sched.send_heartbeats(now=106.0) == 1
+        sched.shutdown()
+        assert sched.heartbeats.failed == 0 and sched.heartbeats.sent == 2
+        # The aborted request produced a notify-only task for its prefill engine.
+        meta = sched.build_connector_meta()
+        assert [(t.request_id, t.local_block_ids, t.report) for t in meta.recv] == [("decode-1", (), False)]
