@@ -32,7 +32,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             for a decode engine to pull them before releasing them anyway.
         heartbeat_interval_s: how often (seconds) a decode engine asks the
             prefill engines to extend the leases of requests still queued
-            here; 0 turns heartbeats off. Must be below ``lease_s``.
+            here; 0 turns heartbeats off; unset means ``lease_s / 4``. Must
+            be below ``lease_s``.
         handshake_timeout_s: seconds one side-channel request may take.
         handshake_retries: side-channel attempts before a pull is failed.
         transfer_timeout_s: seconds a NIXL READ may stay in flight before
@@ -60,7 +61,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channel_host: str = ""
     side_channel_port: int = 5600
     lease_s: float = 120.0
-    heartbeat_interval_s: float = 20.0
+    heartbeat_interval_s: float | None = None
     handshake_timeout_s: float = 5.0
     handshake_retries: int = 3
     transfer_timeout_s: float = 60.0
@@ -72,6 +73,11 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ucx_error_handling_mode: Literal["", "peer", "none"] = ""
     ucx_num_workers: int = 0
     stats_file: str = ""
+
+    @property
+    def heartbeat_every_s(self) -> float:
+        """The heartbeat period in force (seconds; 0 = off)."""
+        return self.lease_s / 4 if self.heartbeat_interval_s is None else self.heartbeat_interval_s
 
     def backend_params(self) -> dict[str, dict[str, str]]:
         """NIXL backend init parameters these settings ask for."""
@@ -91,7 +97,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if not 0 <= self.heartbeat_interval_s < self.lease_s:
+        if self.heartbeat_interval_s is not None and not 0 <= self.heartbeat_interval_s < self.lease_s:
             raise ConfigError(
                 f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 and below "
                 f"lease_s={self.lease_s} (0 turns heartbeats off)"

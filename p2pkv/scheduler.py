@@ -62,13 +62,13 @@ class SchedulerSide:
     # ---- decode side: heartbeats for queued requests -------------------
     def on_new_request(self, request: Request) -> None:
         """Track a request whose KV waits on a prefill engine, for heartbeats."""
-        if wants_remote_prefill(request.kv_transfer_params) and self.config.heartbeat_interval_s > 0:
+        if wants_remote_prefill(request.kv_transfer_params) and self.config.heartbeat_every_s > 0:
             remote = self._remote(request)
             if remote is not None:
                 self._queued[request.request_id] = remote
 
     def send_heartbeats(self, now: float | None = None) -> int:
-        """Every ``heartbeat_interval_s``: extend the prefill leases of queued requests.
+        """Every ``heartbeat_every_s``: extend the prefill leases of queued requests.
 
         Returns:
             The number of batches queued for sending (one per prefill rank).
@@ -76,7 +76,7 @@ class SchedulerSide:
         now = time.monotonic() if now is None else now
         if not self._queued or now < self._next_heartbeat:
             return 0
-        self._next_heartbeat = now + self.config.heartbeat_interval_s
+        self._next_heartbeat = now + self.config.heartbeat_every_s
         by_peer: dict[tuple[str, int, int], list[str]] = {}
         for remote in self._queued.values():
             by_peer.setdefault((remote.host, remote.port, remote.tp_size), []).append(remote.request_id)

@@ -34,7 +34,8 @@ def test_heartbeat_round_trip_and_refusal() -> None:
 def test_heartbeat_interval_must_be_below_lease() -> None:
     with pytest.raises(ConfigError, match="heartbeat_interval_s"):
         load_config({"lease_s": 10, "heartbeat_interval_s": 10}, environ={})
-    assert load_config({"heartbeat_interval_s": 0}, environ={}).heartbeat_interval_s == 0
+    assert load_config({"heartbeat_interval_s": 0}, environ={}).heartbeat_every_s == 0
+    assert load_config({"lease_s": 8}, environ={}).heartbeat_every_s == 2.0
 
 
 def _prefill_worker(lease_s: float) -> WorkerSide:
