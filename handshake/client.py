@@ -259,14 +259,17 @@ def send_heartbeat(
     secret: bytes | None = None,
     timeout_s: float = 1.0,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
-) -> int:
+    cancel: threading.Event | None = None,
+) -> HeartbeatReply:
     """Ask a prefill worker to extend the leases of ``request_ids`` to ``extend_s`` from now.
 
     One attempt (a heartbeat is repeated anyway); ids are sent in chunks of
-    :data:`~handshake.messages.MAX_HEARTBEAT_IDS`.
+    :data:`~handshake.messages.MAX_HEARTBEAT_IDS`. ``cancel`` ends the wait
+    early (raises :class:`HandshakeCancelledError`).
 
     Returns:
-        How many ids the server took.
+        A :class:`HeartbeatReply` summing every chunk's answer: ``accepted``
+        ids and the ids whose lease had already ``expired``.
 
     Raises:
         HandshakeTimeoutError: no reply within ``timeout_s`` seconds.
@@ -274,13 +277,15 @@ def send_heartbeat(
         HandshakeError: any other failure (bad reply, authentication).
     """
     endpoint = tcp_endpoint(host, port)
-    accepted = 0
+    accepted, expired = 0, []
     ctx = zmq.Context()
     try:
         for start in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS):
             msg = LeaseHeartbeat(protocol_version=PROTOCOL_VERSION, requester_engine_id=requester_engine_id,
                                  request_ids=request_ids[start:start + MAX_HEARTBEAT_IDS], extend_s=extend_s)
-            reply = _exchange(ctx, host, endpoint, encode(msg, secret), timeout_s, max_message_bytes)
+            reply = _exchange(ctx, host, endpoint, encode(msg, secret), timeout_s, max_message_bytes, cancel)
+            if reply is None and cancel is not None and cancel.is_set():
+                raise HandshakeCancelledError(f"heartbeat to {host}:{port} cancelled (shutting down)")
             if reply is None:
                 raise HandshakeTimeoutError(f"no heartbeat reply from {host}:{port} within {timeout_s:g} s")
             if (refusal := _unsigned_auth_refusal(reply, max_message_bytes)) is not None:
@@ -292,7 +297,8 @@ def send_heartbeat(
                 raise MalformedMessageError(f"{endpoint} answered a heartbeat with {type(answer).__name__}",
                                             field="type")
             accepted += answer.accepted
+            expired += answer.expired
     finally:
         ctx.term()
-    return accepted
+    return HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, expired=expired)
 

@@ -170,10 +170,18 @@ class LeaseHeartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
 
 
 class HeartbeatReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="heartbeat_reply"):
-    """Answer to :class:`LeaseHeartbeat`: how many ids were taken for extension."""
+    """Answer to :class:`LeaseHeartbeat`.
+
+    Attributes:
+        accepted: how many ids were taken for extension.
+        expired: the asked-for ids whose lease already ran out on this
+            worker (their blocks may have been reused): a pull of them that
+            just finished must be treated as failed.
+    """
 
     protocol_version: int
     accepted: int
+    expired: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(default_factory=list)
 
 
 Message = MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HeartbeatReply

@@ -59,9 +59,9 @@ class HandshakeServer:
             :meth:`close`.
 
         on_heartbeat: called (on the server thread) with the request ids and
-            the lease length (seconds) of each :class:`LeaseHeartbeat`; a
-            server without it refuses heartbeats. It must be quick and
-            thread-safe (e.g. put on a queue).
+            the lease length (seconds) of each :class:`LeaseHeartbeat`; it
+            returns the ids whose lease already expired (or None). A server
+            without it refuses heartbeats. It must be quick and thread-safe.
 
     Attributes:
         stats: counters: ``"served"``, ``"refused"``, ``"heartbeats"`` and
@@ -76,7 +76,7 @@ class HandshakeServer:
         secret: bytes | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 0.1,
-        on_heartbeat: Callable[[list[str], float], None] | None = None,
+        on_heartbeat: Callable[[list[str], float], list[str] | None] | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
@@ -258,9 +258,10 @@ class HandshakeServer:
                 "send heartbeats to the prefill engine's side channel",
                 field="type",
             )
-        self._on_heartbeat(list(msg.request_ids), float(msg.extend_s))
+        expired = self._on_heartbeat(list(msg.request_ids), float(msg.extend_s)) or []
         self.stats["heartbeats"] = self.stats.get("heartbeats", 0) + 1
-        return HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids))
+        return HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
+                              expired=list(expired))
 
     def _lookup(self, msg: Message) -> AgentInfo:
         if not isinstance(msg, MetadataRequest):

@@ -23,7 +23,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from handshake import AgentInfo, HandshakeServer, KVLayoutDesc, KVRegion, compute_digest, fetch_agent_info
+from handshake import (
+    AgentInfo,
+    HandshakeServer,
+    KVLayoutDesc,
+    KVRegion,
+    compute_digest,
+    fetch_agent_info,
+    send_heartbeat,
+)
 from p2pkv.config import P2pKvConfig
 from p2pkv.layout import KVLayout, Segment, describe_torch_kv_caches
 from p2pkv.leases import LeaseTable
@@ -52,6 +60,7 @@ class _Pull:
     started: float
     peer_key: tuple[str, int]
     peer: _Peer
+    done: float = 0.0
 
 
 @dataclass
@@ -156,6 +165,10 @@ class WorkerSide:
         self._stop = threading.Event()
         self._heartbeats: queue.SimpleQueue[tuple[list[str], float]] = queue.SimpleQueue()
         self._handshake_threads: list[threading.Thread] = []
+        self._confirming: dict[tuple[str, int], list[_Pull]] = {}
+        self._confirms: dict[tuple[str, int], tuple[Future, list[_Pull]]] = {}
+        self._expired_lock = threading.Lock()
+        self._expired_recent: dict[str, float] = {}
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._pulls: list[_Pull] = []
@@ -244,19 +257,24 @@ class WorkerSide:
         """Fetch a peer's AgentInfo on its own daemon thread (one per peer, so an
         unreachable prefill engine does not delay handshakes with the others);
         :meth:`shutdown` cancels it within 0.1 s."""
+        return self._in_thread(
+            f"p2pkv-handshake-{host}:{port}", fetch_agent_info, host, port, tp_rank, self.engine_id,
+            self.compat_hash, secret=self._secret, timeout_s=self.config.handshake_timeout_s,
+            retries=self.config.handshake_retries, cancel=self._stop)
+
+    def _in_thread(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        """Run a side-channel call on a daemon thread; its result arrives in the Future.
+        Every such call takes ``cancel=self._stop``, so :meth:`shutdown` ends it quickly."""
         future: Future = Future()
 
         def run() -> None:
             try:
-                future.set_result(fetch_agent_info(
-                    host, port, tp_rank, self.engine_id, self.compat_hash, secret=self._secret,
-                    timeout_s=self.config.handshake_timeout_s, retries=self.config.handshake_retries,
-                    cancel=self._stop))
-            except BaseException as exc:  # delivered to _progress_handshakes
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # delivered to the step that polls the future
                 future.set_exception(exc)
 
         self._handshake_threads = [t for t in self._handshake_threads if t.is_alive()]
-        thread = threading.Thread(target=run, name=f"p2pkv-handshake-{host}:{port}", daemon=True)
+        thread = threading.Thread(target=run, name=name, daemon=True)
         self._handshake_threads.append(thread)
         thread.start()
         return future
@@ -365,16 +383,48 @@ class WorkerSide:
                 continue
             if done:
                 self._retried.discard(pull.task.request_id)
-                self._record(pull, now)
-                self._notify(pull.peer, NOTIF_DONE + pull.task.remote.request_id.encode())
-                if pull.task.report:
-                    self._finished_recving.add(pull.task.request_id)
+                pull.done = now
+                self._confirming.setdefault(pull.peer_key, []).append(pull)
             elif now - pull.started > self.config.transfer_timeout_s:
                 self.agent.cancel(pull.handle)
                 self._fail(pull.task, f"READ still in flight after {self.config.transfer_timeout_s} s")
             else:
                 still.append(pull)
         self._pulls = still
+
+    def _progress_confirmations(self) -> None:
+        """Fence finished READs: ask each prefill rank (one batch per rank, off the engine
+        thread) whether any of the pulled requests' leases had already expired, in which
+        case vLLM may have reused those blocks and the pull must count as failed."""
+        for key, (future, pulls) in list(self._confirms.items()):
+            if not future.done():
+                continue
+            del self._confirms[key]
+            try:
+                expired = set(future.result().expired)
+            except Exception as exc:
+                for pull in pulls:
+                    self._fail(pull.task, f"could not confirm that the prefill engine still held the blocks: {exc}")
+                continue
+            for pull in pulls:
+                if pull.task.remote.request_id in expired:
+                    self._fail(pull.task, "the prefill lease expired before the pull finished; its blocks may "
+                                          "have been reused (raise lease_s or check the lease heartbeats)")
+                    continue
+                self._record(pull, pull.done)
+                self._notify(pull.peer, NOTIF_DONE + pull.task.remote.request_id.encode())
+                if pull.task.report:
+                    self._finished_recving.add(pull.task.request_id)
+        for key, pulls in list(self._confirming.items()):
+            if key in self._confirms:
+                continue
+            del self._confirming[key]
+            remote = pulls[0].task.remote
+            ids = [p.task.remote.request_id for p in pulls]
+            self._confirms[key] = (self._in_thread(
+                f"p2pkv-confirm-{remote.host}:{remote.port + key[1]}", send_heartbeat,
+                remote.host, remote.port + key[1], ids, self.engine_id, 10.0, secret=self._secret,
+                timeout_s=self.config.handshake_timeout_s, cancel=self._stop), pulls)
 
     def _record(self, pull: _Pull, now: float) -> None:
         assert pull.handle is not None
@@ -395,9 +445,12 @@ class WorkerSide:
                 fh.write(json.dumps(record) + "\n")
 
     # ---- prefill side -----------------------------------------------------
-    def _on_heartbeat(self, request_ids: list[str], extend_s: float) -> None:
-        """Side-channel thread: a decode engine still has these requests queued."""
+    def _on_heartbeat(self, request_ids: list[str], extend_s: float) -> list[str]:
+        """Side-channel thread: a decode engine still has these requests queued, or has
+        just pulled them; returns those whose lease already expired here."""
         self._heartbeats.put((request_ids, min(extend_s, self.config.lease_s)))
+        with self._expired_lock:
+            return [rid for rid in request_ids if rid in self._expired_recent]
 
     def _apply_heartbeats(self) -> None:
         while True:
@@ -425,6 +478,12 @@ class WorkerSide:
             del self._early_notifs[rid]
         self._apply_heartbeats()
         expired = set(self._leases.pop_expired())
+        with self._expired_lock:
+            for rid in expired:
+                self._expired_recent[rid] = now
+            horizon = now - 10 * self.config.lease_s  # remembered for late pulls' confirmations
+            for rid in [r for r, t in self._expired_recent.items() if t < horizon]:
+                del self._expired_recent[rid]
         for rid in expired:
             logger.warning("p2pkv: lease of request %s expired before a decode engine pulled it; "
                            "releasing its blocks", rid)
@@ -441,6 +500,7 @@ class WorkerSide:
             return set(), set()
         self._progress_handshakes()
         self._poll_pulls()
+        self._progress_confirmations()
         recving, self._finished_recving = self._finished_recving, set()
         return self._released(), recving
 

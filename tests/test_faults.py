@@ -32,7 +32,15 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from handshake import PROTOCOL_VERSION, MetadataReply, encode, fetch_agent_info
+from handshake import (
+    PROTOCOL_VERSION,
+    HeartbeatReply,
+    LeaseHeartbeat,
+    MetadataReply,
+    encode,
+    fetch_agent_info,
+)
+from handshake import decode as decode_message
 from p2pkv.faults import FaultyNixlAgent, inject, restore
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.worker import WorkerSide
@@ -388,9 +396,14 @@ def test_side_channel_fault_fails_the_pull_cleanly(prefill: PrefillProc, case: s
 def test_fake_side_channel_with_a_prompt_real_reply_pulls(prefill: PrefillProc) -> None:
     """Control for ``late``: the same replayed reply, sent in time, makes a working pull."""
     frames = real_reply(prefill)
+    confirm = encode(HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=1), None)
+
+    def respond(body: list[bytes]) -> list[bytes]:  # metadata, then the pull's lease confirmation
+        return confirm if isinstance(decode_message(body, None), LeaseHeartbeat) else frames
+
     d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_retries=ZMQ_RETRIES)
     try:
-        with fake_side_channel(lambda body: frames) as (port, _):
+        with fake_side_channel(respond) as (port, _):
             local, remote = [11, 12, 13], [1, 2, 3]
             _, _, errors, _ = pull(d, prefill, local, remote, engine_port=port, engine="fake-prompt")
         assert errors == set()

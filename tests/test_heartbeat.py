@@ -21,12 +21,12 @@ from tests.test_transfer import NUM_BLOCKS, SHAPE, free_port, model_info
 def test_heartbeat_round_trip_and_refusal() -> None:
     got: list[tuple[list[str], float]] = []
     with HandshakeServer("127.0.0.1", 0, "h", on_heartbeat=lambda ids, s: got.append((ids, s))) as srv:
-        assert send_heartbeat("127.0.0.1", srv.port, ["a", "b"], "decode", 30.0) == 2
+        assert send_heartbeat("127.0.0.1", srv.port, ["a", "b"], "decode", 30.0).accepted == 2
         assert got == [(["a", "b"], 30.0)]
     with HandshakeServer("127.0.0.1", 0, "h") as srv, pytest.raises(RemoteRefusedError, match="holds no leases"):
         send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 30.0)
     with HandshakeServer("127.0.0.1", 0, "h", secret=b"k", on_heartbeat=lambda ids, s: None) as srv:
-        assert send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"k") == 1
+        assert send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"k").accepted == 1
         with pytest.raises(RemoteRefusedError):
             send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"wrong")
 
@@ -104,3 +104,45 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
         # The aborted request produced a notify-only task for its prefill engine.
         meta = sched.build_connector_meta()
         assert [(t.request_id, t.local_block_ids, t.report) for t in meta.recv] == [("decode-1", (), False)]
+
+
+def test_pull_after_the_lease_expired_is_fenced() -> None:
+    """The prefill lease runs out before the decode engine pulls: the READ itself succeeds
+    (the bytes are still there), but the blocks may have been reused, so the pull must be
+    reported as failed; a pull within its lease succeeds and is released by notification."""
+    from tests.test_transfer import make_worker, task
+
+    prefill = _prefill_worker(lease_s=0.3)
+    _, views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
+    decode = make_worker("decode-engine", free_port())
+    decode.model_info = model_info("BLHNC")
+    decode.register_kv_caches(views, NUM_BLOCKS)
+    try:
+        assert prefill.server is not None
+        port = prefill.server.port
+        now = time.monotonic()
+        prefill.start_load_kv(P2pKvMetadata(send_leases={"late": now + 0.3, "on-time": now + 30}))
+        released: list[str] = []
+        while "late" not in released and time.monotonic() < now + 5:
+            released += sorted(prefill.get_finished()[0])
+            time.sleep(0.02)
+        assert released == ["late"]
+        decode.start_load_kv(P2pKvMetadata(recv=[task("d-late", "late", port, [1, 2], [3, 4]),
+                                                 task("d-ok", "on-time", port, [5], [6])]))
+        errors: set[int] = set()
+        finished: set[str] = set()
+        end = time.monotonic() + 20
+        while finished != {"d-late", "d-ok"} and time.monotonic() < end:
+            finished |= decode.get_finished()[1]
+            errors |= decode.get_block_ids_with_load_errors()
+            released += sorted(prefill.get_finished()[0])
+            time.sleep(0.01)
+        assert finished == {"d-late", "d-ok"}
+        assert errors == {1, 2}
+        while "on-time" not in released and time.monotonic() < end:
+            released += sorted(prefill.get_finished()[0])
+            time.sleep(0.01)
+        assert released == ["late", "on-time"]
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
