@@ -148,8 +148,15 @@ class NixlTransferAgent:
         self._mem_type = mem_type
 
     def metadata(self) -> bytes:
-        """This agent's NIXL metadata, to publish on the side channel."""
-        return self._agent.get_agent_metadata()
+        """This agent's NIXL metadata, to publish on the side channel.
+
+        Raises:
+            TransferError: NIXL could not produce it.
+        """
+        try:
+            return self._agent.get_agent_metadata()
+        except Exception as exc:
+            raise TransferError(f"NIXL get_agent_metadata of {self.name} failed: {exc}") from exc
 
     def add_peer(self, info: AgentInfo) -> str:
         """Verify a peer's metadata digest, then load it into NIXL.
