@@ -69,6 +69,11 @@ class _Pending:
     future: Future | None = None
 
 
+def _failure_kind(exc: BaseException) -> str:
+    """``disconnect`` when NIXL says the peer went away, else ``transfer``."""
+    return "disconnect" if "DISCONNECT" in str(exc).upper() else "transfer"
+
+
 class PullRefused(RuntimeError):
     """A pull cannot run against this peer (incompatible layouts, TP sizes)."""
 
@@ -243,7 +248,7 @@ class WorkerSide:
         try:
             key = self._peer_key(task)
         except PullRefused as exc:
-            self._fail(task, f"refused: {exc}")
+            self._fail(task, f"refused: {exc}", "refused")
             return
         if key in self._peers:
             self._start_pull(task, key)
@@ -293,7 +298,8 @@ class WorkerSide:
                 logger.info("p2pkv: handshake with %s rank %d done (agent %s)", key[0], key[1], name)
             except Exception as exc:
                 for task in pending.tasks:
-                    self._fail(task, f"handshake with {task.remote.host}:{task.remote.port + key[1]} failed: {exc}")
+                    self._fail(task, f"handshake with {task.remote.host}:{task.remote.port + key[1]} failed: {exc}",
+                               "refused" if isinstance(exc, PullRefused) else "handshake")
                 continue
             for task in pending.tasks:
                 self._queue(task)  # not _start_pull: a failed start drops the peer for the rest
@@ -315,21 +321,21 @@ class WorkerSide:
             local_descs = build_descriptors(self.layout.segments, loc, lengths)
             remote_descs = build_descriptors(peer.segments, rem, lengths)
         except PlanError as exc:
-            self._fail(task, f"bad block ids: {exc}")
+            self._fail(task, f"bad block ids: {exc}", "bad_block_ids")
             return
         try:
             handle = self.agent.start_read(peer.agent_name, local_descs, remote_descs, b"")
         except Exception as exc:
             self._drop_peer(key)
-            self._retry_or_fail(task, f"pull from {peer.agent_name} could not start: {exc}")
+            self._retry_or_fail(task, f"pull from {peer.agent_name} could not start: {exc}", _failure_kind(exc))
             return
         self._pulls.append(_Pull(task, handle, time.monotonic(), key, peer))
 
-    def _retry_or_fail(self, task: RecvTask, why: str) -> None:
+    def _retry_or_fail(self, task: RecvTask, why: str, kind: str) -> None:
         """After a peer failure: re-handshake and try once more (the prefill engine may
         have restarted under the same engine_id); fail the pull the second time."""
         if task.request_id in self._retried:
-            self._fail(task, why)
+            self._fail(task, why, kind)
             return
         logger.warning("p2pkv: %s; re-handshaking and retrying request %s once", why, task.request_id)
         self._retried.add(task.request_id)
@@ -350,10 +356,16 @@ class WorkerSide:
         except TransferError as exc:
             logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
 
-    def _fail(self, task: RecvTask, why: str) -> None:
+    def _fail(self, task: RecvTask, why: str, kind: str) -> None:
+        """Report a pull as failed: its local blocks become load errors, the request finishes.
+
+        ``kind`` is the failure type in the log line: ``handshake``,
+        ``refused``, ``bad_block_ids``, ``disconnect``, ``transfer``,
+        ``timeout``, ``lease_expired`` or ``unconfirmed``.
+        """
         logger.error(
-            "p2pkv: pull failed request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
-            task.request_id, task.remote.request_id, task.remote.host, task.remote.port,
+            "p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
+            kind, task.request_id, task.remote.request_id, task.remote.host, task.remote.port,
             len(task.local_block_ids), why,
         )
         self._load_errors.update(task.local_block_ids)
@@ -379,7 +391,7 @@ class WorkerSide:
                 # from a dead incarnation must not tear down its replacement.
                 if self._peers.get(pull.peer_key) is pull.peer:
                     self._drop_peer(pull.peer_key)
-                self._retry_or_fail(pull.task, str(exc))
+                self._retry_or_fail(pull.task, str(exc), _failure_kind(exc))
                 continue
             if done:
                 self._retried.discard(pull.task.request_id)
@@ -387,7 +399,7 @@ class WorkerSide:
                 self._confirming.setdefault(pull.peer_key, []).append(pull)
             elif now - pull.started > self.config.transfer_timeout_s:
                 self.agent.cancel(pull.handle)
-                self._fail(pull.task, f"READ still in flight after {self.config.transfer_timeout_s} s")
+                self._fail(pull.task, f"READ still in flight after {self.config.transfer_timeout_s} s", "timeout")
             else:
                 still.append(pull)
         self._pulls = still
@@ -404,12 +416,14 @@ class WorkerSide:
                 expired = set(future.result().expired)
             except Exception as exc:
                 for pull in pulls:
-                    self._fail(pull.task, f"could not confirm that the prefill engine still held the blocks: {exc}")
+                    self._fail(pull.task, f"could not confirm that the prefill engine still held the blocks: {exc}",
+                               "unconfirmed")
                 continue
             for pull in pulls:
                 if pull.task.remote.request_id in expired:
                     self._fail(pull.task, "the prefill lease expired before the pull finished; its blocks may "
-                                          "have been reused (raise lease_s or check the lease heartbeats)")
+                                          "have been reused (raise lease_s or check the lease heartbeats)",
+                               "lease_expired")
                     continue
                 self._record(pull, pull.done)
                 self._notify(pull.peer, NOTIF_DONE + pull.task.remote.request_id.encode())
