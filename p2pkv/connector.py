@@ -22,9 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from p2pkv.config import P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
+from p2pkv.metrics import P2pKvPromMetrics, P2pKvStats
 from p2pkv.scheduler import SchedulerSide
 from p2pkv.worker import WorkerSide
 
@@ -174,6 +176,24 @@ class P2pKvConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
         return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This worker's pull statistics since the last step (None when there are none)."""
+        if self.worker is None:
+            return None
+        data = self.worker.take_stats()
+        return None if data is None else P2pKvStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """Rebuild shipped stats in vLLM's logger process."""
+        return P2pKvStats(data=data) if data is not None else P2pKvStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
+        """p2pkv's Prometheus metrics on the engine's ``/metrics`` (see :mod:`p2pkv.metrics`)."""
+        return P2pKvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -37,6 +37,7 @@ from p2pkv.layout import KVLayout, Segment, describe_torch_kv_caches
 from p2pkv.leases import LeaseTable
 from p2pkv.metadata import P2pKvMetadata, RecvTask
 from p2pkv.plan import PlanError, build_descriptors, coalesce_runs
+from p2pkv.stats import empty_stats, is_empty
 from p2pkv.transfer import NixlTransferAgent, PullHandle, TransferError, unique_agent_name
 
 logger = logging.getLogger("p2pkv.worker")
@@ -67,6 +68,7 @@ class _Pull:
 class _Pending:
     tasks: list[RecvTask] = field(default_factory=list)
     future: Future | None = None
+    started: float = field(default_factory=time.monotonic)
 
 
 def _failure_kind(exc: BaseException) -> str:
@@ -182,6 +184,7 @@ class WorkerSide:
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._retried: set[str] = set()
+        self._stats = empty_stats()
         self._closed = False
 
     # ---- setup -----------------------------------------------------------
@@ -295,6 +298,7 @@ class WorkerSide:
                 check_compatible(self.desc, info.layout)
                 name = self.agent.add_peer(info)
                 self._peers[key] = _Peer(info, name, remote_segments(info.layout))
+                self._stats["handshake_seconds"].append(time.monotonic() - pending.started)
                 logger.info("p2pkv: handshake with %s rank %d done (agent %s)", key[0], key[1], name)
             except Exception as exc:
                 for task in pending.tasks:
@@ -370,6 +374,7 @@ class WorkerSide:
         )
         self._load_errors.update(task.local_block_ids)
         self._retried.discard(task.request_id)
+        self._stats["failures"][kind] = self._stats["failures"].get(kind, 0) + 1
         if task.report:
             self._finished_recving.add(task.request_id)
 
@@ -443,6 +448,9 @@ class WorkerSide:
     def _record(self, pull: _Pull, now: float) -> None:
         assert pull.handle is not None
         seconds = now - pull.started
+        self._stats["pull_bytes"].append(pull.handle.num_bytes)
+        self._stats["pull_seconds"].append(seconds)
+        self._stats["pull_descriptors"].append(pull.handle.num_descriptors)
         logger.debug("p2pkv: pulled request=%s bytes=%d descriptors=%d seconds=%.6f",
                      pull.task.request_id, pull.handle.num_bytes, pull.handle.num_descriptors, seconds)
         if self.config.stats_file:
@@ -505,6 +513,8 @@ class WorkerSide:
         for rid, t in list(self._early_notifs.items()):
             if now - t > self.config.lease_s:
                 del self._early_notifs[rid]
+        self._stats["leases_expired"] += len(expired)
+        self._stats["leases_notified"] += len(done)
         return done | expired
 
     # ---- per step -----------------------------------------------------------
@@ -517,6 +527,13 @@ class WorkerSide:
         self._progress_confirmations()
         recving, self._finished_recving = self._finished_recving, set()
         return self._released(), recving
+
+    def take_stats(self) -> dict | None:
+        """Pull statistics since the last call (see :mod:`p2pkv.stats`), or None if none."""
+        if is_empty(self._stats):
+            return None
+        stats, self._stats = self._stats, empty_stats()
+        return stats
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call."""

@@ -70,3 +70,20 @@ def test_ucx_settings_become_backend_params() -> None:
     assert load_config(None, environ={}).backend_params() == {}
     with pytest.raises(ConfigError, match="ucx_error_handling_mode"):
         load_config({"ucx_error_handling_mode": "sometimes"}, environ={})
+
+
+def test_connector_stats_aggregate_and_reduce() -> None:
+    from p2pkv.metrics import P2pKvStats
+
+    a = P2pKvStats(data={"pull_bytes": [100], "pull_seconds": [0.5], "pull_descriptors": [2],
+                         "handshake_seconds": [], "leases_expired": 1, "leases_notified": 0,
+                         "failures": {"timeout": 1}})
+    b = P2pKvStats(data={"pull_bytes": [300], "pull_seconds": [1.5], "pull_descriptors": [4],
+                         "handshake_seconds": [0.01], "leases_expired": 0, "leases_notified": 2,
+                         "failures": {"timeout": 2, "handshake": 1}})
+    assert P2pKvStats().is_empty() and not a.is_empty()
+    agg = a.aggregate(b)
+    assert agg.data["pull_bytes"] == [100, 300] and agg.data["failures"] == {"timeout": 3, "handshake": 1}
+    red = agg.reduce()
+    assert red["pulls"] == 2 and red["failures"] == 4 and red["leases_expired"] == 1
+    assert red["GB_per_s"] == round(400 / 2.0 / 1e9, 3) and red["avg_pull_ms"] == 1000.0

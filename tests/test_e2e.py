@@ -151,6 +151,27 @@ def test_failed_pull_is_reported_not_hung(pair, client) -> None:
         complete(client, p.url("aggregated"), "z" * 50, max_tokens=8).token_ids
 
 
+def _metric(client: httpx.Client, url: str, name: str) -> float:
+    text = client.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_pull_metrics_on_the_engines_metrics_endpoint(pair, client) -> None:
+    """Pull statistics travel through vLLM's connector stats to each engine's /metrics."""
+    p, stats = pair
+    complete(client, p.url("proxy"), "metrics please", max_tokens=2)
+    pulled = sum(r["bytes"] for r in read_pull_stats(stats))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _metric(client, p.url("decode"), "p2pkv:pull_bytes_total") < pulled:
+        time.sleep(0.5)
+    assert _metric(client, p.url("decode"), "p2pkv:pull_bytes_total") == pulled
+    assert _metric(client, p.url("decode"), "p2pkv:pulls_total") == len(read_pull_stats(stats))
+    assert _metric(client, p.url("decode"), "p2pkv:handshake_seconds_count") >= 1
+    assert _metric(client, p.url("decode"), "p2pkv:pull_failures_total") >= 1  # the unreachable-peer test
+    assert _metric(client, p.url("prefill"), "p2pkv:leases_notified_total") >= len(read_pull_stats(stats))
+
+
 def test_prefill_holds_no_blocks_after_requests(pair, client) -> None:
     p, _ = pair
     complete(client, p.url("proxy"), "one more request", max_tokens=4)
