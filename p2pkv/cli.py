@@ -54,6 +54,12 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         pair.stop()
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from p2pkv.doctor import main
+
+    return main(args.side_channel_host, args.side_channel_port, args.seconds, args.json)
+
+
 def _cmd_proxy(args: argparse.Namespace) -> int:
     from p2pkv.proxy.server import main
 
@@ -159,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dtype", default="float32")
     launch.add_argument("--log-dir", default=".p2pkv/logs")
     launch.set_defaults(func=_cmd_launch)
+
+    doctor = sub.add_parser("doctor", help="check NIXL/UCX, RDMA, GPU, the side-channel port, a loopback pull")
+    doctor.add_argument("--side-channel-host", default="127.0.0.1")
+    doctor.add_argument("--side-channel-port", type=int, default=5600)
+    doctor.add_argument("--seconds", type=float, default=1.0, help="length of the loopback pull test")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.set_defaults(func=_cmd_doctor)
 
     from p2pkv.proxy.server import add_arguments
 
