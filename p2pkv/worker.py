@@ -57,7 +57,7 @@ class _Peer:
 @dataclass
 class _Pull:
     task: RecvTask
-    handle: PullHandle | None
+    handle: PullHandle
     started: float
     peer_key: tuple[str, int]
     peer: _Peer
@@ -388,7 +388,6 @@ class WorkerSide:
         still: list[_Pull] = []
         now = time.monotonic()
         for pull in self._pulls:
-            assert pull.handle is not None
             try:
                 done = self.agent.poll(pull.handle)
             except Exception as exc:
@@ -446,7 +445,6 @@ class WorkerSide:
                 timeout_s=self.config.handshake_timeout_s, cancel=self._stop), pulls)
 
     def _record(self, pull: _Pull, now: float) -> None:
-        assert pull.handle is not None
         seconds = now - pull.started
         self._stats["pull_bytes"].append(pull.handle.num_bytes)
         self._stats["pull_seconds"].append(seconds)
@@ -553,7 +551,6 @@ class WorkerSide:
             self.server.close()
         if self.agent is not None:
             for pull in self._pulls:
-                if pull.handle is not None:
-                    self.agent.cancel(pull.handle)
+                self.agent.cancel(pull.handle)
             self._pulls.clear()
             self.agent.close()
