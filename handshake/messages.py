@@ -15,7 +15,7 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any incompatible change to the Structs in this module."""
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -65,6 +65,8 @@ class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         block_stride: bytes between consecutive blocks in one region.
         mem_type: NIXL memory type, ``"DRAM"`` or ``"VRAM"``.
         regions: the registered regions, in a fixed order both peers agree on.
+        total_num_kv_heads: the model's KV heads over all ranks (0: unknown).
+        is_mla: an MLA latent cache (no head split across ranks).
     """
 
     kv_layout: str
@@ -79,6 +81,8 @@ class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_stride: int
     mem_type: str
     regions: list[KVRegion]
+    total_num_kv_heads: int = 0
+    is_mla: bool = False
 
 
 class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -56,6 +56,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ucx_num_workers: UCX workers per agent (0: NIXL default).
         stats_file: when set, every finished pull appends one JSON line
             (request id, peer, bytes, descriptors, seconds) to this file.
+        staging_mib: staging memory (MiB, on the KV cache's device) a
+            decode worker allocates, on its first pull from a peer with
+            another block size, HND/NHD order or TP size, to receive whole
+            remote blocks before the fixup; pulls wait when it is full.
     """
 
     side_channel_host: str = ""
@@ -73,6 +77,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ucx_error_handling_mode: Literal["", "peer", "none"] = ""
     ucx_num_workers: int = 0
     stats_file: str = ""
+    staging_mib: int = 256
 
     @property
     def heartbeat_every_s(self) -> float:
@@ -102,6 +107,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 and below "
                 f"lease_s={self.lease_s} (0 turns heartbeats off)"
             )
+        if self.staging_mib < 1:
+            raise ConfigError(f"staging_mib must be >= 1 (MiB), got {self.staging_mib}")
         if self.handshake_retries < 1:
             raise ConfigError(f"handshake_retries must be >= 1, got {self.handshake_retries}")
         if not self.nixl_backends:

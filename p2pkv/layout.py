@@ -333,3 +333,20 @@ def describe_torch_kv_caches(kv_caches: dict[str, Any], num_blocks: int) -> KVLa
         seen.add(key)
         infos.append(info)
     return describe_kv_caches(infos, num_blocks)
+
+
+def detect_attn_layout(tensor: Any, num_heads: int, block_size: int) -> str | None:
+    """``"HND"`` or ``"NHD"`` read off a KV tensor's strides, or None when they cannot tell.
+
+    The dims after the block dim that have ``num_heads`` and ``block_size``
+    elements are found by size; the one with the larger stride is outer.
+    None when the sizes are equal, a size is 1, or either dim is missing.
+    """
+    if num_heads == block_size or num_heads <= 1 or block_size <= 1:
+        return None
+    shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    heads = [d for d in range(1, len(shape)) if shape[d] == num_heads]
+    tokens = [d for d in range(1, len(shape)) if shape[d] == block_size]
+    if len(heads) != 1 or len(tokens) != 1:
+        return None
+    return "HND" if strides[heads[0]] > strides[tokens[0]] else "NHD"

@@ -24,6 +24,14 @@ class RecvTask:
         remote: where to pull from.
         report: report the request in ``finished_recving`` when done (False
             for notify-only tasks: nothing to load, or the request is gone).
+        first_token: prompt position (tokens) of the first slot of
+            ``local_block_ids[0]`` (a multiple of the local block size; > 0
+            when the decode engine had a prefix cached).
+        num_tokens: prompt tokens whose KV exists on the prefill side; the
+            pull moves tokens ``[first_token, num_tokens)``.
+            ``remote_block_ids`` then covers the prompt from token 0 in the
+            prefill engine's block size. -1: the two id lists pair up block
+            for block (same block size on both sides).
     """
 
     request_id: str
@@ -31,6 +39,8 @@ class RecvTask:
     remote_block_ids: tuple[int, ...]
     remote: RemotePrefill
     report: bool = True
+    first_token: int = 0
+    num_tokens: int = -1
 
 
 @dataclass

@@ -119,20 +119,23 @@ class SchedulerSide:
         params["do_remote_prefill"] = False  # a second call (more blocks) must not pull again
         self._queued.pop(request.request_id, None)
         local: list[int] = []
-        remote_ids: tuple[int, ...] = ()
+        first_token = 0
         if num_external_tokens > 0:
             all_ids = list(blocks.get_block_ids()[0])
             unhashed = list(blocks.get_unhashed_block_ids())
-            n_cached = len(all_ids) - len(unhashed)
-            remote_ids = remote.block_ids[n_cached : n_cached + len(unhashed)]
-            local = unhashed[: len(remote_ids)]
+            first_token = (len(all_ids) - len(unhashed)) * self.block_size
+            local = unhashed
+        # The whole remote list goes along: the worker maps tokens to blocks once
+        # it knows the prefill engine's block size (it may differ from ours).
         self._recv.append(
             RecvTask(
                 request_id=request.request_id,
                 local_block_ids=tuple(local),
-                remote_block_ids=tuple(remote_ids),
+                remote_block_ids=tuple(remote.block_ids) if local else (),
                 remote=remote,
                 report=num_external_tokens > 0,
+                first_token=first_token,
+                num_tokens=len(request.prompt_token_ids or ()),
             )
         )
 

@@ -16,28 +16,33 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from handshake import (
     AgentInfo,
     HandshakeServer,
     KVLayoutDesc,
-    KVRegion,
     compute_digest,
     fetch_agent_info,
     send_heartbeat,
 )
 from p2pkv.config import P2pKvConfig
-from p2pkv.layout import KVLayout, Segment, describe_torch_kv_caches
-from p2pkv.leases import LeaseTable
+from p2pkv.holds import PrefillHolds
+from p2pkv.layout import KVLayout, Segment, describe_torch_kv_caches, detect_attn_layout
 from p2pkv.metadata import P2pKvMetadata, RecvTask
+from p2pkv.negotiate import PeerPlan, PullRefused, layout_desc, plan_peer, remote_segments, total_heads
 from p2pkv.plan import PlanError, build_descriptors, coalesce_runs
+from p2pkv.receive import direct_pairs, staged_read
+from p2pkv.stager import Stage, Stager
+from p2pkv.staging import StagingFull
 from p2pkv.stats import empty_stats, is_empty
+from p2pkv.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
 from p2pkv.transfer import NixlTransferAgent, PullHandle, TransferError, unique_agent_name
 
 logger = logging.getLogger("p2pkv.worker")
@@ -47,11 +52,28 @@ NOTIF_DONE = b"p2pkv:done:"
 
 @dataclass
 class _Peer:
-    """A prefill rank this worker pulls from."""
+    """A prefill rank this worker pulls from (or only notifies)."""
 
     info: AgentInfo
     agent_name: str
     segments: list[Segment]
+    plan: PeerPlan
+
+
+@dataclass
+class _Group:
+    """One request's pull: a READ from each prefill rank it reads (one when TP sizes match)."""
+
+    task: RecvTask
+    started: float
+    notify: list[tuple[tuple[str, int], int]]
+    parts: int = 0
+    confirmed: int = 0
+    failed: bool = False
+    num_bytes: int = 0
+    num_descriptors: int = 0
+    done: float = 0.0
+    peers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -61,6 +83,8 @@ class _Pull:
     started: float
     peer_key: tuple[str, int]
     peer: _Peer
+    group: _Group
+    stage: Stage | None = None
     done: float = 0.0
 
 
@@ -74,68 +98,6 @@ class _Pending:
 def _failure_kind(exc: BaseException) -> str:
     """``disconnect`` when NIXL says the peer went away, else ``transfer``."""
     return "disconnect" if "DISCONNECT" in str(exc).upper() else "transfer"
-
-
-class PullRefused(RuntimeError):
-    """A pull cannot run against this peer (incompatible layouts, TP sizes)."""
-
-
-def layout_desc(layout: KVLayout, *, kv_layout: str, attn_layout: str, dtype: str,
-                num_kv_heads: int, head_dim: int, block_size: int, mem_type: str) -> KVLayoutDesc:
-    """The wire form of a :class:`KVLayout` (see :class:`handshake.KVLayoutDesc`)."""
-    return KVLayoutDesc(
-        kv_layout=kv_layout,
-        attn_layout=attn_layout,
-        dtype=dtype,
-        num_layers=layout.num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        block_size=block_size,
-        num_blocks=layout.num_blocks,
-        block_len=layout.segments[0].length,
-        block_stride=layout.segments[0].block_stride,
-        mem_type=mem_type,
-        regions=[
-            KVRegion(
-                base_addr=s.addr,
-                length=layout.num_blocks * s.block_stride,
-                layer_start=s.layer_start,
-                num_layers=s.num_layers,
-                kv_index=s.kv_index,
-            )
-            for s in layout.segments
-        ],
-    )
-
-
-def remote_segments(desc: KVLayoutDesc) -> list[Segment]:
-    """Rebuild a peer's segments from its typed layout fields (never from its bytes)."""
-    return [
-        Segment(r.base_addr, desc.block_len, desc.block_stride, r.layer_start, r.num_layers, r.kv_index)
-        for r in desc.regions
-    ]
-
-
-def check_compatible(local: KVLayoutDesc, remote: KVLayoutDesc) -> None:
-    """Refuse a peer whose blocks cannot be copied byte for byte into ours.
-
-    Raises:
-        PullRefused: names the field and both sides' values.
-    """
-    for name in ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "attn_layout",
-                 "block_len"):
-        mine, theirs = getattr(local, name), getattr(remote, name)
-        if mine != theirs:
-            raise PullRefused(
-                f"prefill and decode differ in {name}: prefill has {theirs!r}, decode has "
-                f"{mine!r}; run both engines with the same {name}"
-            )
-    if len(local.regions) != len(remote.regions):
-        raise PullRefused(
-            f"prefill KV layout {remote.kv_layout} ({len(remote.regions)} segments per block) "
-            f"differs from decode {local.kv_layout} ({len(local.regions)}); use the same "
-            "kv_layout on both engines"
-        )
 
 
 class WorkerSide:
@@ -170,17 +132,17 @@ class WorkerSide:
         self.desc: KVLayoutDesc | None = None
         self._secret = config.secret.encode() if config.secret else None
         self._stop = threading.Event()
-        self._heartbeats: queue.SimpleQueue[tuple[list[str], float]] = queue.SimpleQueue()
         self._handshake_threads: list[threading.Thread] = []
         self._confirming: dict[tuple[str, int], list[_Pull]] = {}
         self._confirms: dict[tuple[str, int], tuple[Future, list[_Pull]]] = {}
-        self._expired_lock = threading.Lock()
-        self._expired_recent: dict[str, float] = {}
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._pulls: list[_Pull] = []
-        self._leases = LeaseTable()
-        self._early_notifs: dict[str, float] = {}
+        self._holds = PrefillHolds(config.lease_s)
+        self._leases = self._holds.leases
+        self._early_notifs = self._holds.notifs
+        self._stager: Stager | None = None
+        self._staging_wait: list[RecvTask] = []
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._retried: set[str] = set()
@@ -207,7 +169,12 @@ class WorkerSide:
             self.config.backend_params(),
         )
         self.agent.register(self.layout.regions, mem_type, device_id)
-        self.desc = layout_desc(self.layout, mem_type=mem_type, **self.model_info)
+        info = dict(self.model_info)
+        detected = detect_attn_layout(first, int(info["num_kv_heads"]), int(info["block_size"]))
+        if detected is not None:
+            info["attn_layout"] = detected
+        self.desc = layout_desc(self.layout, mem_type=mem_type, **info)
+        self._stager = Stager(self.agent, kv_caches, self.layout, self.desc, self.config.staging_mib * 2**20)
         meta = self.agent.metadata()
         info = AgentInfo(
             engine_id=self.engine_id,
@@ -236,30 +203,41 @@ class WorkerSide:
         """Take this step's new pulls and leases."""
         for request_id, deadline in meta.send_leases.items():
             self._leases.hold(request_id, deadline)
-        for task in meta.recv:
+        waiting, self._staging_wait = self._staging_wait, []
+        for task in [*waiting, *meta.recv]:
             self._queue(task)
 
-    def _peer_key(self, task: RecvTask) -> tuple[str, int]:
-        if task.remote.tp_size != self.tp_size:
-            raise PullRefused(
-                f"prefill tp_size={task.remote.tp_size} differs from decode tp_size={self.tp_size}; "
-                "run both engines with the same tensor-parallel size"
-            )
-        return (task.remote.engine_id, self.tp_rank)
+    def _topology(self, task: RecvTask) -> tuple[list[RankRead], list[int]]:
+        """The prefill ranks this rank reads (with head slices) and notifies for ``task``.
+
+        Raises:
+            PullRefused: the heads cannot be mapped between the two TP sizes.
+        """
+        assert self.desc is not None
+        heads = total_heads(self.desc, self.tp_size)
+        try:
+            args = (self.tp_rank, self.tp_size, task.remote.tp_size, heads, self.desc.is_mla)
+            return read_plan(*args), notify_ranks(*args)
+        except TopologyError as exc:
+            raise PullRefused(f"prefill tp_size={task.remote.tp_size}, decode tp_size={self.tp_size}: {exc}") from exc
 
     def _queue(self, task: RecvTask) -> None:
         try:
-            key = self._peer_key(task)
+            reads, notify = self._topology(task)
         except PullRefused as exc:
             self._fail(task, f"refused: {exc}", "refused")
             return
-        if key in self._peers:
-            self._start_pull(task, key)
+        engine = task.remote.engine_id
+        keys = sorted({(engine, r.remote_rank) for r in reads} | {(engine, r) for r in notify})
+        missing = [k for k in keys if k not in self._peers]
+        if not missing:
+            self._start_group(task, reads, notify)
             return
-        pending = self._pending.setdefault(key, _Pending())
-        pending.tasks.append(task)
-        if pending.future is None:
-            pending.future = self._start_handshake(task.remote.host, task.remote.port + key[1], key[1])
+        for key in missing:
+            pending = self._pending.setdefault(key, _Pending())
+            if pending.future is None:
+                pending.future = self._start_handshake(task.remote.host, task.remote.port + key[1], key[1])
+        self._pending[missing[0]].tasks.append(task)  # re-queued when it is done; waits for the rest then
 
     def _start_handshake(self, host: str, port: int, tp_rank: int) -> Future:
         """Fetch a peer's AgentInfo on its own daemon thread (one per peer, so an
@@ -295,45 +273,99 @@ class WorkerSide:
             try:
                 info: AgentInfo = pending.future.result()
                 assert self.agent is not None and self.desc is not None
-                check_compatible(self.desc, info.layout)
+                plan = plan_peer(self.desc, self.tp_rank, self.tp_size, info.layout, key[1], info.tp_size)
                 name = self.agent.add_peer(info)
-                self._peers[key] = _Peer(info, name, remote_segments(info.layout))
+                self._peers[key] = _Peer(info, name, remote_segments(info.layout), plan)
                 self._stats["handshake_seconds"].append(time.monotonic() - pending.started)
-                logger.info("p2pkv: handshake with %s rank %d done (agent %s)", key[0], key[1], name)
+                logger.info("p2pkv: handshake with %s rank %d done (agent %s, %s)", key[0], key[1], name,
+                            "direct" if plan.direct else f"staged + fixup: {plan.reason}")
             except Exception as exc:
                 for task in pending.tasks:
                     self._fail(task, f"handshake with {task.remote.host}:{task.remote.port + key[1]} failed: {exc}",
                                "refused" if isinstance(exc, PullRefused) else "handshake")
                 continue
             for task in pending.tasks:
-                self._queue(task)  # not _start_pull: a failed start drops the peer for the rest
+                self._queue(task)  # not _start_group: a failed start drops the peer for the rest
 
-    def _start_pull(self, task: RecvTask, key: tuple[str, int]) -> None:
-        peer = self._peers[key]
-        assert self.agent is not None and self.layout is not None
-        notif = NOTIF_DONE + task.remote.request_id.encode()
+    def _start_group(self, task: RecvTask, reads: list[RankRead], notify: list[int]) -> None:
+        engine = task.remote.engine_id
+        args = (self.tp_size, task.remote.tp_size, total_heads(self.desc, self.tp_size), self.desc.is_mla)
+        group = _Group(task, time.monotonic(), [((engine, r), notifiers_of(r, *args)) for r in notify])
+        parts: list[tuple[tuple[str, int], _Peer, np.ndarray, np.ndarray, Stage | None]] = []
         try:
-            if not task.local_block_ids:
-                self._notify(peer, notif)
-                if task.report:
-                    self._finished_recving.add(task.request_id)
+            for read in reads:
+                key = (engine, read.remote_rank)
+                part = self._plan_part(task, key, self._peers[key], read)
+                if part is None:  # no room in staging yet: wait for pulls in flight to finish
+                    self._release_parts(parts)
+                    self._staging_wait.append(task)
+                    return
+                if part[1].size:
+                    parts.append((key, self._peers[key], *part))
+        except (PlanError, StagingFull) as exc:
+            self._release_parts(parts)
+            self._fail(task, f"bad block ids: {exc}" if isinstance(exc, PlanError) else str(exc),
+                       "bad_block_ids" if isinstance(exc, PlanError) else "staging")
+            return
+        if not parts:  # nothing to load (or a notify-only task)
+            self._notify_group(group)
+            if task.report:
+                self._finished_recving.add(task.request_id)
+            return
+        group.parts = len(parts)
+        for i, (key, peer, local_descs, remote_descs, stage) in enumerate(parts):
+            try:
+                handle = self.agent.start_read(peer.agent_name, local_descs, remote_descs, b"")
+            except Exception as exc:
+                self._release_parts(parts[i:])
+                self._abandon(group)
+                self._drop_peer(key)
+                self._retry_or_fail(task, f"pull from {peer.agent_name} could not start: {exc}", _failure_kind(exc))
                 return
-            loc, rem, lengths = coalesce_runs(
-                task.local_block_ids, task.remote_block_ids,
-                self.layout.num_blocks, peer.info.layout.num_blocks,
-            )
-            local_descs = build_descriptors(self.layout.segments, loc, lengths)
-            remote_descs = build_descriptors(peer.segments, rem, lengths)
-        except PlanError as exc:
-            self._fail(task, f"bad block ids: {exc}", "bad_block_ids")
-            return
-        try:
-            handle = self.agent.start_read(peer.agent_name, local_descs, remote_descs, b"")
-        except Exception as exc:
-            self._drop_peer(key)
-            self._retry_or_fail(task, f"pull from {peer.agent_name} could not start: {exc}", _failure_kind(exc))
-            return
-        self._pulls.append(_Pull(task, handle, time.monotonic(), key, peer))
+            self._pulls.append(_Pull(task, handle, time.monotonic(), key, peer, group, stage))
+
+    def _plan_part(self, task: RecvTask, key: tuple[str, int], peer: _Peer,
+                   read: RankRead) -> tuple[np.ndarray, np.ndarray, Stage | None] | None:
+        """Descriptors for one prefill rank's share of a pull (None: staging is full for now).
+
+        Raises:
+            PlanError: bad block ids.
+            StagingFull: the pull can never fit in staging.
+        """
+        assert self.layout is not None and self._stager is not None and self.desc is not None
+        remote = peer.info.layout
+        if peer.plan.direct:
+            local_ids, remote_ids = direct_pairs(task, self.desc.block_size)
+            loc, rem, lengths = coalesce_runs(local_ids, remote_ids, self.layout.num_blocks, remote.num_blocks)
+            return (build_descriptors(self.layout.segments, loc, lengths),
+                    build_descriptors(peer.segments, rem, lengths), None)
+        read_plan_ = staged_read(task, self.desc.block_size, remote.block_size)
+        n = len(read_plan_.remote_block_ids)
+        coalesce_runs(read_plan_.dst_block_ids, read_plan_.dst_block_ids, self.layout.num_blocks,
+                      self.layout.num_blocks)  # validates the local ids
+        stage = self._stager.reserve(read_plan_, peer.segments) if n else None
+        if n and stage is None:
+            return None
+        if not n:
+            empty = np.zeros((0, 3), dtype=np.uint64)
+            return empty, empty, None
+        loc, rem, lengths = coalesce_runs(np.arange(n), read_plan_.remote_block_ids, n, remote.num_blocks)
+        return (build_descriptors(stage.segments, loc, lengths), build_descriptors(peer.segments, rem, lengths),
+                stage)
+
+    def _release_parts(self, parts: list) -> None:
+        for part in parts:
+            if part[-1] is not None and self._stager is not None:
+                self._stager.release(part[-1])
+
+    def _abandon(self, group: _Group) -> None:
+        """Stop a failed group's other READs and give their staging back."""
+        group.failed = True
+        for pull in [p for p in self._pulls if p.group is group]:
+            self.agent.cancel(pull.handle)
+            if pull.stage is not None:
+                self._stager.release(pull.stage)
+        self._pulls = [p for p in self._pulls if p.group is not group]
 
     def _retry_or_fail(self, task: RecvTask, why: str, kind: str) -> None:
         """After a peer failure: re-handshake and try once more (the prefill engine may
@@ -345,27 +377,36 @@ class WorkerSide:
         self._retried.add(task.request_id)
         self._queue(task)
 
-    def _notify(self, peer: _Peer, msg: bytes) -> None:
-        """Tell the prefill worker it may free a request's blocks.
+    def _notify_group(self, group: _Group) -> None:
+        """Tell every prefill rank this rank answers for that it may free the request's blocks.
 
-        Sent after the READ is seen done, not attached to the READ: a READ with a
-        notification completes only once the prefill side progresses NIXL, which
-        would tie the decode's pull latency to the prefill engine's step time. A
+        Sent after the READs are seen done and fenced, not attached to them: a READ
+        with a notification completes only once the prefill side progresses NIXL,
+        which would tie the decode's pull latency to the prefill engine's step time.
+        The message carries how many decode ranks will notify that prefill rank. A
         notification that cannot be sent is logged; the prefill lease frees the
         blocks instead.
         """
         assert self.agent is not None
-        try:
-            self.agent.send_notif(peer.agent_name, msg)
-        except TransferError as exc:
-            logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
+        rid = group.task.remote.request_id
+        for key, notifiers in group.notify:
+            peer = self._peers.get(key)
+            if peer is None:
+                logger.warning("p2pkv: cannot notify %s rank %d about %s (peer gone); its lease frees the blocks",
+                               key[0], key[1], rid)
+                continue
+            msg = NOTIF_DONE + f"{rid}|{self.engine_id}:{self.tp_rank}:{notifiers}".encode()
+            try:
+                self.agent.send_notif(peer.agent_name, msg)
+            except TransferError as exc:
+                logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
 
     def _fail(self, task: RecvTask, why: str, kind: str) -> None:
         """Report a pull as failed: its local blocks become load errors, the request finishes.
 
         ``kind`` is the failure type in the log line: ``handshake``,
-        ``refused``, ``bad_block_ids``, ``disconnect``, ``transfer``,
-        ``timeout``, ``lease_expired`` or ``unconfirmed``.
+        ``refused``, ``bad_block_ids``, ``staging``, ``disconnect``,
+        ``transfer``, ``timeout``, ``lease_expired`` or ``unconfirmed``.
         """
         logger.error(
             "p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
@@ -384,10 +425,11 @@ class WorkerSide:
             self.agent.remove_peer(peer.agent_name)
 
     def _poll_pulls(self) -> None:
-        assert self.agent is not None
-        still: list[_Pull] = []
+        assert self.agent is not None and self._stager is not None
         now = time.monotonic()
-        for pull in self._pulls:
+        for pull in list(self._pulls):
+            if pull not in self._pulls:
+                continue  # abandoned with its group during this loop
             try:
                 done = self.agent.poll(pull.handle)
             except Exception as exc:
@@ -395,18 +437,29 @@ class WorkerSide:
                 # from a dead incarnation must not tear down its replacement.
                 if self._peers.get(pull.peer_key) is pull.peer:
                     self._drop_peer(pull.peer_key)
+                self._pulls.remove(pull)
+                if pull.stage is not None:
+                    self._stager.release(pull.stage)
+                self._abandon(pull.group)
                 self._retry_or_fail(pull.task, str(exc), _failure_kind(exc))
                 continue
             if done:
+                self._pulls.remove(pull)
                 self._retried.discard(pull.task.request_id)
-                pull.done = now
+                pull.done = pull.group.done = now
+                pull.group.num_bytes += pull.handle.num_bytes
+                pull.group.num_descriptors += pull.handle.num_descriptors
+                pull.group.peers.append(pull.handle.peer)
+                if pull.stage is not None:
+                    try:
+                        self._stager.fixup(pull.stage, pull.peer.info.layout, pull.peer.plan.read)
+                    finally:
+                        self._stager.release(pull.stage)
                 self._confirming.setdefault(pull.peer_key, []).append(pull)
             elif now - pull.started > self.config.transfer_timeout_s:
-                self.agent.cancel(pull.handle)
+                self._abandon(pull.group)
                 self._fail(pull.task, f"READ still in flight after {self.config.transfer_timeout_s} s", "timeout")
-            else:
-                still.append(pull)
-        self._pulls = still
+        self._stager.poll_releases()
 
     def _progress_confirmations(self) -> None:
         """Fence finished READs: ask each prefill rank (one batch per rank, off the engine
@@ -420,19 +473,28 @@ class WorkerSide:
                 expired = set(future.result().expired)
             except Exception as exc:
                 for pull in pulls:
-                    self._fail(pull.task, f"could not confirm that the prefill engine still held the blocks: {exc}",
-                               "unconfirmed")
+                    if not pull.group.failed:
+                        self._abandon(pull.group)
+                        self._fail(pull.task, "could not confirm that the prefill engine still held the "
+                                              f"blocks: {exc}", "unconfirmed")
                 continue
             for pull in pulls:
+                group = pull.group
+                if group.failed:
+                    continue
                 if pull.task.remote.request_id in expired:
+                    self._abandon(group)
                     self._fail(pull.task, "the prefill lease expired before the pull finished; its blocks may "
                                           "have been reused (raise lease_s or check the lease heartbeats)",
                                "lease_expired")
                     continue
-                self._record(pull, pull.done)
-                self._notify(pull.peer, NOTIF_DONE + pull.task.remote.request_id.encode())
-                if pull.task.report:
-                    self._finished_recving.add(pull.task.request_id)
+                group.confirmed += 1
+                if group.confirmed < group.parts:
+                    continue
+                self._record(group)
+                self._notify_group(group)
+                if group.task.report:
+                    self._finished_recving.add(group.task.request_id)
         for key, pulls in list(self._confirming.items()):
             if key in self._confirms:
                 continue
@@ -444,76 +506,36 @@ class WorkerSide:
                 remote.host, remote.port + key[1], ids, self.engine_id, 10.0, secret=self._secret,
                 timeout_s=self.config.handshake_timeout_s, cancel=self._stop), pulls)
 
-    def _record(self, pull: _Pull, now: float) -> None:
-        seconds = now - pull.started
-        self._stats["pull_bytes"].append(pull.handle.num_bytes)
+    def _record(self, group: _Group) -> None:
+        """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
+        task, seconds = group.task, group.done - group.started
+        self._stats["pull_bytes"].append(group.num_bytes)
         self._stats["pull_seconds"].append(seconds)
-        self._stats["pull_descriptors"].append(pull.handle.num_descriptors)
+        self._stats["pull_descriptors"].append(group.num_descriptors)
         logger.debug("p2pkv: pulled request=%s bytes=%d descriptors=%d seconds=%.6f",
-                     pull.task.request_id, pull.handle.num_bytes, pull.handle.num_descriptors, seconds)
+                     task.request_id, group.num_bytes, group.num_descriptors, seconds)
         if self.config.stats_file:
-            record = {
-                "request_id": pull.task.request_id,
-                "remote_request_id": pull.task.remote.request_id,
-                "peer": pull.handle.peer,
-                "blocks": len(pull.task.local_block_ids),
-                "bytes": pull.handle.num_bytes,
-                "descriptors": pull.handle.num_descriptors,
-                "seconds": seconds,
-            }
+            record = {"request_id": task.request_id, "remote_request_id": task.remote.request_id,
+                      "peer": ",".join(group.peers), "blocks": len(task.local_block_ids),
+                      "bytes": group.num_bytes, "descriptors": group.num_descriptors, "seconds": seconds}
             with open(self.config.stats_file, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
 
     # ---- prefill side -----------------------------------------------------
     def _on_heartbeat(self, request_ids: list[str], extend_s: float) -> list[str]:
-        """Side-channel thread: a decode engine still has these requests queued, or has
-        just pulled them; returns those whose lease already expired here."""
-        self._heartbeats.put((request_ids, min(extend_s, self.config.lease_s)))
-        with self._expired_lock:
-            return [rid for rid in request_ids if rid in self._expired_recent]
-
-    def _apply_heartbeats(self) -> None:
-        while True:
-            try:
-                request_ids, extend_s = self._heartbeats.get_nowait()
-            except queue.Empty:
-                return
-            for rid in request_ids:
-                self._leases.extend(rid, extend_s)
+        """Side-channel thread: see :meth:`p2pkv.holds.PrefillHolds.on_heartbeat`."""
+        return self._holds.on_heartbeat(request_ids, extend_s)
 
     def _released(self) -> set[str]:
         """Held requests to free now: notified by every decode reader, or lease expired."""
         assert self.agent is not None
-        now = time.monotonic()
         try:
             notifs = self.agent.get_notifs()
         except Exception as exc:  # a broken peer must not lose this step's results
             logger.warning("p2pkv: reading NIXL notifications failed: %s", exc)
             notifs = []
-        for msg in notifs:
-            if msg.startswith(NOTIF_DONE):
-                self._early_notifs[msg[len(NOTIF_DONE):].decode(errors="replace")] = now
-        done = {rid for rid in list(self._early_notifs) if self._leases.release(rid)}
-        for rid in done:
-            del self._early_notifs[rid]
-        self._apply_heartbeats()
-        expired = set(self._leases.pop_expired())
-        with self._expired_lock:
-            for rid in expired:
-                self._expired_recent[rid] = now
-            horizon = now - 10 * self.config.lease_s  # remembered for late pulls' confirmations
-            for rid in [r for r, t in self._expired_recent.items() if t < horizon]:
-                del self._expired_recent[rid]
-        for rid in expired:
-            logger.warning("p2pkv: lease of request %s expired before a decode engine pulled it; "
-                           "releasing its blocks", rid)
-        # A notification for a request not (yet) leased here is kept one lease long.
-        for rid, t in list(self._early_notifs.items()):
-            if now - t > self.config.lease_s:
-                del self._early_notifs[rid]
-        self._stats["leases_expired"] += len(expired)
-        self._stats["leases_notified"] += len(done)
-        return done | expired
+        return self._holds.released([m[len(NOTIF_DONE):].decode(errors="replace") for m in notifs
+                                     if m.startswith(NOTIF_DONE)], self._stats)
 
     # ---- per step -----------------------------------------------------------
     def get_finished(self) -> tuple[set[str], set[str]]:

@@ -129,16 +129,19 @@ def test_pull_moves_exactly_the_requested_blocks(prefill) -> None:
 
 
 @pytest.mark.parametrize("prefill", ["LBHNC"], indirect=True)
-def test_incompatible_layout_is_refused_and_reported(prefill) -> None:
+def test_incompatible_model_shape_is_refused_and_reported(prefill, caplog) -> None:
+    """A peer whose model shape differs (here head_dim) is refused at handshake, before any READ."""
     _, port, _ = prefill
-    _, views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
+    _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port())
-    worker.model_info = model_info("BLHNC")
+    worker.model_info = {**model_info("LBHNC"), "head_dim": 8}
     worker.register_kv_caches(views, NUM_BLOCKS)
     try:
         worker.start_load_kv(P2pKvMetadata(recv=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
         assert run_until_received(worker, "d-1") == {1, 2}
         assert torch.count_nonzero(next(iter(views.values()))) == 0
+        assert worker._peers == {}
+        assert "kind=refused" in caplog.text and "head_dim: prefill has 16, decode has 8" in caplog.text
     finally:
         worker.shutdown()
 
