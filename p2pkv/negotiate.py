@@ -80,13 +80,18 @@ class PeerPlan:
         read: the head slice to read (:func:`p2pkv.topology.read_plan`).
         direct: True when remote blocks are byte-identical to local ones
             (same block size, HND/NHD order and heads): READ straight into
-            the local blocks, runs coalesced. False: READ whole remote
-            blocks into staging, then fix up on the device.
-        reason: why the pull is staged (``""`` when direct).
+            the local blocks, runs coalesced. False: see ``paged``.
+        paged: (not ``direct``) same block size and order, and each page's
+            head slice is contiguous on both sides (HND, or all heads): READ
+            every page's slice straight into the local page, one descriptor
+            per block and page, no staging. False with ``direct`` False:
+            READ whole remote blocks into staging, then fix up on the device.
+        reason: why the pull is not direct (``""`` when direct).
     """
 
     read: RankRead
     direct: bool
+    paged: bool = False
     reason: str = ""
 
 
@@ -150,7 +155,27 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
              if getattr(local, name) != getattr(remote, name)]
     if remote_tp != local_tp:
         diffs.append(f"tp_size {remote_tp}→{local_tp}")
-    return PeerPlan(read, direct=False, reason=", ".join(diffs) or "segment layout")
+    whole = local.num_kv_heads == remote.num_kv_heads == read.num_heads
+    paged = local.block_size == remote.block_size and local.attn_layout == remote.attn_layout and (
+        local.attn_layout == "HND" or whole or local.is_mla)
+    return PeerPlan(read, direct=False, paged=paged, reason=", ".join(diffs) or "segment layout")
+
+
+def page_slices(desc: KVLayoutDesc, segments: list[Segment], head_start: int, num_heads: int) -> list[Segment]:
+    """Per-page segments covering heads ``[head_start, head_start + num_heads)`` of every page.
+
+    For :attr:`PeerPlan.paged` pulls; valid where a page's head slice is
+    contiguous (HND order, or all heads). The lists built for the two
+    peers pair up page by page.
+    """
+    page, hb = page_bytes(desc), head_bytes(desc)
+    heads_all = desc.num_kv_heads if not desc.is_mla else 1
+    if num_heads == heads_all:
+        offset, length = 0, page
+    else:
+        offset, length = head_start * desc.block_size * hb, num_heads * desc.block_size * hb
+    return [Segment(seg.addr + q * page + offset, length, seg.block_stride, seg.layer_start + q, 1, seg.kv_index)
+            for seg in segments for q in range(seg.length // page)]
 
 
 def check_compatible(local: KVLayoutDesc, remote: KVLayoutDesc) -> None:

@@ -36,7 +36,15 @@ from p2pkv.config import P2pKvConfig
 from p2pkv.holds import PrefillHolds
 from p2pkv.layout import KVLayout, Segment, describe_torch_kv_caches, detect_attn_layout
 from p2pkv.metadata import P2pKvMetadata, RecvTask
-from p2pkv.negotiate import PeerPlan, PullRefused, layout_desc, plan_peer, remote_segments, total_heads
+from p2pkv.negotiate import (
+    PeerPlan,
+    PullRefused,
+    layout_desc,
+    page_slices,
+    plan_peer,
+    remote_segments,
+    total_heads,
+)
 from p2pkv.plan import PlanError, build_descriptors, coalesce_runs
 from p2pkv.receive import direct_pairs, staged_read
 from p2pkv.stager import Stage, Stager
@@ -58,6 +66,8 @@ class _Peer:
     agent_name: str
     segments: list[Segment]
     plan: PeerPlan
+    local_slices: list[Segment] = field(default_factory=list)
+    remote_slices: list[Segment] = field(default_factory=list)
 
 
 @dataclass
@@ -275,10 +285,16 @@ class WorkerSide:
                 assert self.agent is not None and self.desc is not None
                 plan = plan_peer(self.desc, self.tp_rank, self.tp_size, info.layout, key[1], info.tp_size)
                 name = self.agent.add_peer(info)
-                self._peers[key] = _Peer(info, name, remote_segments(info.layout), plan)
+                peer = self._peers[key] = _Peer(info, name, remote_segments(info.layout), plan)
+                if plan.paged:
+                    r = plan.read
+                    peer.local_slices = page_slices(self.desc, list(self.layout.segments), r.local_head_start,
+                                                    r.num_heads)
+                    peer.remote_slices = page_slices(info.layout, peer.segments, r.remote_head_start, r.num_heads)
                 self._stats["handshake_seconds"].append(time.monotonic() - pending.started)
                 logger.info("p2pkv: handshake with %s rank %d done (agent %s, %s)", key[0], key[1], name,
-                            "direct" if plan.direct else f"staged + fixup: {plan.reason}")
+                            "direct" if plan.direct else
+                            f"{'per-page head slices' if plan.paged else 'staged + fixup'}: {plan.reason}")
             except Exception as exc:
                 for task in pending.tasks:
                     self._fail(task, f"handshake with {task.remote.host}:{task.remote.port + key[1]} failed: {exc}",
@@ -334,9 +350,12 @@ class WorkerSide:
         """
         assert self.layout is not None and self._stager is not None and self.desc is not None
         remote = peer.info.layout
-        if peer.plan.direct:
+        if peer.plan.direct or peer.plan.paged:
             local_ids, remote_ids = direct_pairs(task, self.desc.block_size)
             loc, rem, lengths = coalesce_runs(local_ids, remote_ids, self.layout.num_blocks, remote.num_blocks)
+            if peer.plan.paged:
+                return (build_descriptors(peer.local_slices, loc, lengths),
+                        build_descriptors(peer.remote_slices, rem, lengths), None)
             return (build_descriptors(self.layout.segments, loc, lengths),
                     build_descriptors(peer.segments, rem, lengths), None)
         read_plan_ = staged_read(task, self.desc.block_size, remote.block_size)
@@ -405,7 +424,7 @@ class WorkerSide:
         """Report a pull as failed: its local blocks become load errors, the request finishes.
 
         ``kind`` is the failure type in the log line: ``handshake``,
-        ``refused``, ``bad_block_ids``, ``staging``, ``disconnect``,
+        ``refused``, ``bad_block_ids``, ``staging``, ``fixup``, ``disconnect``,
         ``transfer``, ``timeout``, ``lease_expired`` or ``unconfirmed``.
         """
         logger.error(
@@ -453,6 +472,10 @@ class WorkerSide:
                 if pull.stage is not None:
                     try:
                         self._stager.fixup(pull.stage, pull.peer.info.layout, pull.peer.plan.read)
+                    except Exception as exc:  # never let one request's fixup take the engine down
+                        self._abandon(pull.group)
+                        self._fail(pull.task, f"fixup after the READ failed: {exc!r}", "fixup")
+                        continue
                     finally:
                         self._stager.release(pull.stage)
                 self._confirming.setdefault(pull.peer_key, []).append(pull)

@@ -1,0 +1,76 @@
+"""End to end with engines of different block sizes: real vLLM engines, p2pkv on both.
+
+Two engines run p2pkv in ``kv_both`` mode, one with 32-token blocks, one
+with 64-token blocks (vLLM's CPU attention needs multiples of 32), so each
+can prefill for the other: block 32 → 64 (prefill block smaller) and block
+64 → 32 (prefill block larger, which vLLM's own NixlConnector does not
+support). The decoded tokens must equal what the prefill engine produces
+on its own for the same prompt, and the prefill engine must free its
+blocks.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from p2pkv.demo import LOGPROB_TOLERANCE, Answer, complete, max_logprob_diff, read_pull_stats, wait_blocks_released
+from p2pkv.deploy.engines import EngineSpec
+from p2pkv.deploy.processes import start_child, stop_children, wait_healthy
+from tests.conftest import free_ports
+
+pytestmark = pytest.mark.engines
+
+PROMPTS = {
+    "32 -> 64": ("e32", "d64", "Block sizes differ: the decode engine re-blocks what it pulls. " * 3),
+    "64 -> 32": ("d64", "e32", "A larger prefill block is split over smaller decode blocks here. " * 3),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("hetero-logs")
+    p32, p64, s32, s64 = free_ports(4)
+    specs = {}
+    for name, port, side, block in (("e32", p32, s32, 32), ("d64", p64, s64, 64)):
+        specs[name] = EngineSpec(name=name, model=str(tiny_model), port=port, role="prefill", side_channel_port=side,
+                                 side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
+                                 extra_config={"stats_file": str(logs / f"{name}.jsonl"), "staging_mib": 16},
+                                 env={"UCX_NET_DEVICES": "lo"})
+    children = [start_child(s.name, s.command(), s.environment(), logs, f"http://127.0.0.1:{s.port}/health")
+                for s in specs.values()]
+    try:
+        wait_healthy(children, 900)
+        yield {n: f"http://127.0.0.1:{s.port}" for n, s in specs.items()}, logs
+    finally:
+        stop_children(children)
+
+
+def _pd(client: httpx.Client, prefill: str, decode: str, prompt: str, max_tokens: int) -> Answer:
+    body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    params = client.post(f"{prefill}/v1/completions", json=body).json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
+            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params}
+    resp = client.post(f"{decode}/v1/completions", json=body)
+    resp.raise_for_status()
+    choice = resp.json()["choices"][0]
+    return Answer(choice["text"], choice["token_ids"], choice["logprobs"]["token_logprobs"])
+
+
+@pytest.mark.parametrize("row", list(PROMPTS))
+def test_tokens_equal_across_block_sizes(engines, row) -> None:
+    urls, logs = engines
+    prefill, decode, prompt = PROMPTS[row]
+    with httpx.Client(timeout=300.0) as client:
+        pulls_before = len(read_pull_stats(logs / f"{decode}.jsonl"))
+        pd = _pd(client, urls[prefill], urls[decode], prompt, max_tokens=12)
+        ref = complete(client, urls[prefill], prompt, max_tokens=12)
+        assert pd.token_ids == ref.token_ids
+        assert max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
+        pulls = read_pull_stats(logs / f"{decode}.jsonl")[pulls_before:]
+        assert len(pulls) == 1 and pulls[0]["bytes"] > 0
+        decode_block = 64 if decode == "d64" else 32
+        assert pulls[0]["blocks"] == -(-len(prompt.encode()) // decode_block)
+        assert wait_blocks_released(client, urls[prefill], timeout_s=30) == 0.0

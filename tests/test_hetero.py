@@ -1,0 +1,226 @@
+"""Heterogeneous prefill/decode pairs with real NIXL agents in two processes.
+
+The prefill process runs one :class:`p2pkv.worker.WorkerSide` per prefill
+tp_rank; this process runs one per decode tp_rank. Every prefill cache is
+filled with position-coded values: the element of (layer, token, global
+head, element) holds a unique int32 code, in the prefill side's block
+size, HND/NHD order and head split. After the pull every decode rank's
+blocks must hold, for every prompt token, exactly the codes of its own
+heads in its own block size and order, everything else zero; and every
+prefill rank must release the request on notifications alone.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from p2pkv.config import P2pKvConfig
+from p2pkv.metadata import P2pKvMetadata, RecvTask
+from p2pkv.params import RemotePrefill
+from p2pkv.topology import heads_per_rank, rank_first_head
+from p2pkv.worker import WorkerSide
+
+LAYERS, HEAD_DIM, NUM_BLOCKS = 2, 4, 40
+
+
+@dataclass(frozen=True)
+class Side:
+    """One engine's KV shape: block size, HND/NHD, TP size, total KV heads, MLA."""
+
+    block_size: int
+    attn_layout: str = "HND"
+    tp_size: int = 1
+    num_kv_heads: int = 4
+    is_mla: bool = False
+    cross_layer: bool = False
+
+    def heads(self) -> int:
+        return 1 if self.is_mla else self.num_kv_heads
+
+    def rank_heads(self, rank: int) -> list[int]:
+        first = rank_first_head(rank, self.heads(), self.tp_size)
+        return list(range(first, first + heads_per_rank(self.heads(), self.tp_size)))
+
+
+def consecutive_free_ports(n: int) -> int:
+    """A base port such that ``base .. base + n - 1`` are free on 127.0.0.1 right now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no run of free ports")
+
+
+def code(layer: int, token: int, head: int, elem: int) -> int:
+    return 1 + ((layer * 8 + head) * 4096 + token) * HEAD_DIM + elem
+
+
+def make_cache(side: Side, rank: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Zeroed int32 storage and per-layer float32 views ``[blocks, H, N, D]`` or ``[blocks, N, H, D]``."""
+    h, n = len(side.rank_heads(rank)), side.block_size
+    page = (h, n, HEAD_DIM) if side.attn_layout == "HND" else (n, h, HEAD_DIM)
+    if side.cross_layer:
+        base = torch.zeros((NUM_BLOCKS, LAYERS, *page), dtype=torch.int32)
+        views = {f"layer.{li}": base[:, li].view(torch.float32) for li in range(LAYERS)}
+    else:
+        base = torch.zeros((LAYERS, NUM_BLOCKS, *page), dtype=torch.int32)
+        views = {f"layer.{li}": base[li].view(torch.float32) for li in range(LAYERS)}
+    return base, views
+
+
+def fill(side: Side, rank: int, views: dict[str, torch.Tensor], block_ids: list[int], tokens: int) -> None:
+    """Write the codes of ``tokens`` prompt tokens into ``block_ids`` (this rank's heads)."""
+    for li, view in enumerate(views.values()):
+        ints = view.view(torch.int32)
+        for t in range(tokens):
+            b, s = block_ids[t // side.block_size], t % side.block_size
+            for j, g in enumerate(side.rank_heads(rank)):
+                row = torch.tensor([code(li, t, g, e) for e in range(HEAD_DIM)], dtype=torch.int32)
+                if side.attn_layout == "HND":
+                    ints[b, j, s] = row
+                else:
+                    ints[b, s, j] = row
+
+
+def model_info(side: Side, rank: int) -> dict:
+    return {"kv_layout": "BLHNC" if side.cross_layer else "LBHNC", "attn_layout": side.attn_layout,
+            "dtype": "float32", "num_kv_heads": len(side.rank_heads(rank)), "head_dim": HEAD_DIM,
+            "block_size": side.block_size, "total_num_kv_heads": side.heads(), "is_mla": side.is_mla}
+
+
+def make_workers(engine: str, side: Side, base_port: int) -> list[tuple[WorkerSide, torch.Tensor, dict]]:
+    out = []
+    for rank in range(side.tp_size):
+        config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=base_port, staging_mib=4)
+        worker = WorkerSide(engine, config, rank, side.tp_size, "127.0.0.1", base_port + rank, "compat",
+                            model_info(side, rank))
+        base, views = make_cache(side, rank)
+        worker.register_kv_caches(views, NUM_BLOCKS)
+        out.append((worker, base, views))
+    return out
+
+
+def prefill_main(side: Side, port: int, block_ids: list[int], tokens: int, rid: str, out: mp.Queue,
+                 stop: mp.Event) -> None:
+    workers = make_workers("prefill", side, port)
+    for rank, (worker, _, views) in enumerate(workers):
+        fill(side, rank, views, block_ids, tokens)
+        worker.start_load_kv(P2pKvMetadata(send_leases={rid: time.monotonic() + 120}))
+    out.put("ready")
+    deadline = time.monotonic() + 120
+    while not stop.is_set() and time.monotonic() < deadline:
+        for rank, (worker, _, _) in enumerate(workers):
+            sending, _ = worker.get_finished()
+            if sending:
+                out.put((rank, sorted(sending), worker.take_stats()["leases_expired"]))
+        time.sleep(0.002)
+    for worker, _, _ in workers:
+        worker.shutdown()
+
+
+ROWS = {  # name: (prefill, decode, how the decode ranks pull)
+    "block 16 -> 32": (Side(16), Side(32), "staged"),
+    "block 16 -> 64": (Side(16), Side(64), "staged"),
+    "block 64 -> 16": (Side(64), Side(16), "staged"),
+    "block 32 -> 16": (Side(32), Side(16), "staged"),
+    "HND -> NHD": (Side(16, "HND"), Side(16, "NHD"), "staged"),
+    "NHD -> HND": (Side(16, "NHD"), Side(16, "HND"), "staged"),
+    "TP 1 -> 2": (Side(16, tp_size=1), Side(16, tp_size=2), "paged"),
+    "TP 2 -> 1": (Side(16, tp_size=2), Side(16, tp_size=1), "paged"),
+    "TP 2 -> 1, NHD": (Side(16, "NHD", tp_size=2), Side(16, "NHD", tp_size=1), "staged"),
+    "TP 2 block 32 HND -> TP 1 block 16 NHD": (Side(32, "HND", tp_size=2), Side(16, "NHD", tp_size=1), "staged"),
+    "cross-layer -> layer-compact": (Side(16, cross_layer=True), Side(16), "paged"),
+    "cross-layer block 16 -> layer-compact block 32": (Side(16, cross_layer=True), Side(32), "staged"),
+    "GQA 2 heads TP 4 (replicated) -> TP 1, block 16 -> 32": (
+        Side(16, tp_size=4, num_kv_heads=2), Side(32, tp_size=1, num_kv_heads=2), "staged"),
+    "GQA 2 heads TP 1 -> TP 4 (replicated), NHD": (
+        Side(16, "NHD", num_kv_heads=2), Side(16, "NHD", tp_size=4, num_kv_heads=2), "staged"),
+    "GQA 2 heads TP 1 -> TP 4 (replicated), HND": (
+        Side(16, num_kv_heads=2), Side(16, tp_size=4, num_kv_heads=2), "paged"),
+    "MLA TP 2 -> TP 1": (Side(32, "NHD", tp_size=2, is_mla=True), Side(32, "NHD", is_mla=True), "direct"),
+    "MLA TP 2 -> TP 1, block 32 -> 16": (Side(32, "NHD", tp_size=2, is_mla=True), Side(16, "NHD", is_mla=True),
+                                         "staged"),
+}
+
+
+def mode(worker: WorkerSide) -> set[str]:
+    """How ``worker`` pulls from the prefill ranks it reads."""
+    return {"direct" if p.plan.direct else "paged" if p.plan.paged else "staged"
+            for p in worker._peers.values() if p.plan.read.num_heads}
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_every_token_lands_in_the_right_slot_of_the_right_rank(row: str) -> None:
+    prefill_side, decode_side, how = ROWS[row]
+    tokens, first_token = 150, 0
+    rng = np.random.default_rng(len(row))
+    remote_ids = [int(b) for b in rng.permutation(NUM_BLOCKS)[: -(-tokens // prefill_side.block_size)]]
+    local_ids = [int(b) for b in rng.permutation(NUM_BLOCKS)[: -(-tokens // decode_side.block_size)]]
+    prefill_port = consecutive_free_ports(prefill_side.tp_size)
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=prefill_main, args=(prefill_side, prefill_port, remote_ids, tokens, "req", out, stop))
+    proc.start()
+    decoders = []
+    try:
+        assert out.get(timeout=60) == "ready"
+        decoders = make_workers("decode", decode_side, consecutive_free_ports(decode_side.tp_size))
+        remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), prefill_side.tp_size)
+        task = RecvTask("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
+                        num_tokens=tokens)
+        for worker, _, _ in decoders:
+            worker.start_load_kv(P2pKvMetadata(recv=[task]))
+        pending = set(range(len(decoders)))
+        deadline = time.monotonic() + 60
+        while pending and time.monotonic() < deadline:
+            for rank in list(pending):
+                _, recving = decoders[rank][0].get_finished()
+                if "d-req" in recving:
+                    assert decoders[rank][0].get_block_ids_with_load_errors() == set(), f"rank {rank} failed"
+                    pending.discard(rank)
+            time.sleep(0.002)
+        assert not pending, f"decode ranks {pending} never finished"
+        assert all(mode(w) == {how} for w, _, _ in decoders), [mode(w) for w, _, _ in decoders]
+        for rank, (_, base, _) in enumerate(decoders):
+            expected, views = make_cache(decode_side, rank)
+            fill(decode_side, rank, views, local_ids, tokens)
+            assert torch.equal(base, expected), f"decode rank {rank}: blocks differ from the position codes"
+        released: dict[int, list[str]] = {}
+        end = time.monotonic() + 20
+        while len(released) < prefill_side.tp_size and time.monotonic() < end:
+            try:
+                rank, ids, expired = out.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            assert expired == 0
+            released[rank] = ids
+        assert released == {r: ["req"] for r in range(prefill_side.tp_size)}
+    finally:
+        for worker, _, _ in decoders:
+            worker.shutdown()
+        stop.set()
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
