@@ -80,7 +80,13 @@ def side_channel_host(config: P2pKvConfig) -> str:
     return get_ip()
 
 
-def _attn_layout(kv_layout: str) -> str:
+def _attn_layout(kv_layout: str, use_mla: bool = False) -> str:
+    """Order inside one layer's page: ``HND``, ``NHD``, or ``CPU`` for vLLM's CPU attention
+    (per head, K stored ``[head_dim, block_size]`` then V ``[block_size, head_dim]``)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and not use_mla:
+        return "CPU"
     return "NHD" if kv_layout.endswith("NHC") else "HND"
 
 
@@ -120,11 +126,13 @@ class P2pKvConnector(KVConnectorBase_V1):
             cache_dtype = vllm_config.cache_config.cache_dtype
             model_info = {
                 "kv_layout": kv_layout,
-                "attn_layout": _attn_layout(kv_layout),
+                "attn_layout": _attn_layout(kv_layout, bool(mc.use_mla)),
                 "dtype": str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype,
                 "num_kv_heads": mc.get_num_kv_heads(pc),
                 "head_dim": mc.get_head_size(),
                 "block_size": block_size,
+                "total_num_kv_heads": mc.get_total_num_kv_heads(),
+                "is_mla": bool(mc.use_mla),
             }
             self.worker = WorkerSide(self.engine_id, self.config, tp_rank, self.tp_size, host,
                                      base_port + tp_rank, compat_hash(vllm_config), model_info)

@@ -22,6 +22,12 @@ from handshake import KVLayoutDesc, KVRegion
 from p2pkv.layout import KVLayout, Segment
 from p2pkv.topology import RankRead, TopologyError, heads_per_rank, read_plan
 
+HEAD_MAJOR = frozenset({"HND", "CPU"})
+"""Page orders whose heads are outermost, so a head slice is one contiguous range.
+
+``CPU`` is vLLM's CPU attention page: per head, K as ``[head_dim, block_size]``
+(token-minor) followed by V as ``[block_size, head_dim]``."""
+
 INTERLEAVED_LAYOUTS = frozenset({"BHLNC", "BNLHC", "BHNLC", "BNHLC"})
 """Block-outermost layouts whose layers interleave inside a block: no per-layer page to fix up."""
 
@@ -140,6 +146,10 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
                    and [r.num_layers for r in local.regions] == [r.num_layers for r in remote.regions])
     if same_blocks or read.num_heads == 0:
         return PeerPlan(read, direct=True)
+    if "CPU" in (local.attn_layout, remote.attn_layout) and local.attn_layout != remote.attn_layout:
+        raise PullRefused(f"prefill attn_layout={remote.attn_layout}, decode attn_layout={local.attn_layout}: vLLM's "
+                          "CPU attention pages (K stored transposed) pair only with CPU attention pages; run both "
+                          "engines on the same platform")
     for side, desc in (("prefill", remote), ("decode", local)):
         if desc.kv_layout in INTERLEAVED_LAYOUTS:
             raise PullRefused(f"{side} kv_layout={desc.kv_layout} interleaves layers inside a block, which p2pkv "
@@ -157,7 +167,7 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
         diffs.append(f"tp_size {remote_tp}→{local_tp}")
     whole = local.num_kv_heads == remote.num_kv_heads == read.num_heads
     paged = local.block_size == remote.block_size and local.attn_layout == remote.attn_layout and (
-        local.attn_layout == "HND" or whole or local.is_mla)
+        local.attn_layout in HEAD_MAJOR or whole or local.is_mla)
     return PeerPlan(read, direct=False, paged=paged, reason=", ".join(diffs) or "segment layout")
 
 

@@ -67,6 +67,7 @@ class Stager:
                  desc: KVLayoutDesc, capacity: int) -> None:
         first = next(iter(kv_caches.values()))
         self.device = first.device
+        self.cache_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[first.element_size()]
         self.agent, self.layout, self.desc = agent, layout, desc
         self.arena = StagingArena(capacity)
         self._buffer: torch.Tensor | None = None
@@ -128,30 +129,62 @@ class Stager:
         from p2pkv.fixup import PageFormat, fixup_pages
 
         rp, lp = page_bytes(remote), page_bytes(self.desc)
-        dtype = _elem_dtype(head_bytes(self.desc), rp, lp, *(g.page_stride for g in self._local_groups),
-                            *(g.block_stride for g in self._local_groups), *(s.length for s in stage.segments))
+        if self.desc.attn_layout == "CPU":  # rows of one element: the view must be the cache's own dtype
+            dtype = self.cache_dtype
+        else:
+            dtype = _elem_dtype(head_bytes(self.desc), rp, lp, *(g.page_stride for g in self._local_groups),
+                                *(g.block_stride for g in self._local_groups), *(s.length for s in stage.segments))
         isz = torch.empty(0, dtype=dtype).element_size()
         buf = self._area().view(dtype)
         src_groups = page_groups(stage.segments, rp)
         n_src = len(stage.read.remote_block_ids)
-        src_fmt = PageFormat(remote.attn_layout, remote.num_kv_heads if not remote.is_mla else 1,
-                             remote.block_size, head_bytes(remote) // isz)
-        dst_fmt = PageFormat(self.desc.attn_layout, self.desc.num_kv_heads if not self.desc.is_mla else 1,
-                             self.desc.block_size, head_bytes(self.desc) // isz)
         ids = torch.tensor(stage.read.dst_block_ids, dtype=torch.int64, device=self.device)
+        moves = _moves(remote, self.desc, read, isz, PageFormat)
         for lo, hi, sg, lg in _overlaps(src_groups, self._local_groups):
             src = page_view(buf, self._buffer.data_ptr(), sg, n_src, rp)[lo - sg.start:hi - sg.start]
             base_ptr, base = self._base_for(lg)
             dst = page_view(base.view(dtype), base_ptr, lg, self.layout.num_blocks, lp)[lo - lg.start:hi - lg.start]
-            fixup_pages(src, src_fmt, dst, dst_fmt, ids, stage.read.num_tokens,
-                        src_token_offset=stage.read.src_token_offset, src_head_start=read.remote_head_start,
-                        dst_head_start=read.local_head_start, num_heads=read.num_heads)
+            for (s0, s1, src_fmt), (d0, d1, dst_fmt), heads in moves:
+                fixup_pages(src[..., s0:s1], src_fmt, dst[..., d0:d1], dst_fmt, ids, stage.read.num_tokens,
+                            src_token_offset=stage.read.src_token_offset, src_head_start=heads[0],
+                            dst_head_start=heads[1], num_heads=heads[2])
 
     def _base_for(self, group: PageGroup) -> tuple[int, torch.Tensor]:
         for ptr, base in self._bases.items():
             if ptr <= group.addr < ptr + base.numel():
                 return ptr, base
         raise ValueError(f"no KV cache allocation holds address {group.addr:#x}")
+
+
+def _moves(remote: KVLayoutDesc, local: KVLayoutDesc, read: RankRead, isz: int,
+           page_format: Any) -> list[tuple[tuple[int, int, Any], tuple[int, int, Any], tuple[int, int, int]]]:
+    """The fixup calls one page pair needs: ``((src_lo, src_hi, src_fmt), (dst_lo, dst_hi, dst_fmt), heads)``.
+
+    ``[lo, hi)`` are element ranges inside a page; ``heads`` is ``(src_head_start,
+    dst_head_start, num_heads)``. One call for HND/NHD pages. vLLM's CPU pages
+    hold, per head, K transposed (``[head_dim, block_size]``) then V
+    (``[block_size, head_dim]``): two calls per head, K as ``head_dim`` rows of
+    one element per token, V as one row of ``head_dim`` elements per token.
+    """
+    if local.attn_layout != "CPU":
+        src_fmt = page_format(remote.attn_layout, remote.num_kv_heads if not remote.is_mla else 1,
+                              remote.block_size, head_bytes(remote) // isz)
+        dst_fmt = page_format(local.attn_layout, local.num_kv_heads if not local.is_mla else 1,
+                              local.block_size, head_bytes(local) // isz)
+        return [((0, src_fmt.page_elems, src_fmt), (0, dst_fmt.page_elems, dst_fmt),
+                 (read.remote_head_start, read.local_head_start, read.num_heads))]
+    dim = head_bytes(local) // isz // 2
+    out = []
+    for i in range(read.num_heads):
+        hs, hd = read.remote_head_start + i, read.local_head_start + i
+        for part in (0, 1):
+            sides = []
+            for head, n in ((hs, remote.block_size), (hd, local.block_size)):
+                lo = head * 2 * n * dim + part * n * dim
+                fmt = page_format("HND", dim, n, 1) if part == 0 else page_format("HND", 1, n, dim)
+                sides.append((lo, lo + n * dim, fmt))
+            out.append((sides[0], sides[1], (0, 0, None)))
+    return out
 
 
 def _overlaps(a: list[PageGroup], b: list[PageGroup]) -> list[tuple[int, int, PageGroup, PageGroup]]:

@@ -181,7 +181,7 @@ class WorkerSide:
         self.agent.register(self.layout.regions, mem_type, device_id)
         info = dict(self.model_info)
         detected = detect_attn_layout(first, int(info["num_kv_heads"]), int(info["block_size"]))
-        if detected is not None:
+        if detected is not None and info.get("attn_layout") != "CPU":
             info["attn_layout"] = detected
         self.desc = layout_desc(self.layout, mem_type=mem_type, **info)
         self._stager = Stager(self.agent, kv_caches, self.layout, self.desc, self.config.staging_mib * 2**20)

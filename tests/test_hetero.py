@@ -77,17 +77,24 @@ def code(layer: int, token: int, head: int, elem: int) -> int:
     return 1 + ((layer * 8 + head) * 4096 + token) * HEAD_DIM + elem
 
 
-def make_cache(side: Side, rank: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Zeroed int32 storage and per-layer float32 views ``[blocks, H, N, D]`` or ``[blocks, N, H, D]``."""
+def make_cache(side: Side, rank: int, device: str = "cpu", block_ids: list[int] | None = None,
+               tokens: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """int32 storage and per-layer float32 views ``[blocks, *page]`` on ``device``, zero except the
+    codes of ``tokens`` prompt tokens in ``block_ids`` when given."""
     h, n = len(side.rank_heads(rank)), side.block_size
-    page = (h, n, HEAD_DIM) if side.attn_layout == "HND" else (n, h, HEAD_DIM)
+    page = {"HND": (h, n, HEAD_DIM), "NHD": (n, h, HEAD_DIM), "CPU": (h, n, 2 * HEAD_DIM)}[side.attn_layout]
+    shape = (NUM_BLOCKS, LAYERS, *page) if side.cross_layer else (LAYERS, NUM_BLOCKS, *page)
+    base = torch.zeros(shape, dtype=torch.int32)
+    if block_ids is not None:
+        fill(side, rank, _views(base, side), block_ids, tokens)
+    base = base.to(device)
+    return base, _views(base, side)
+
+
+def _views(base: torch.Tensor, side: Side) -> dict[str, torch.Tensor]:
     if side.cross_layer:
-        base = torch.zeros((NUM_BLOCKS, LAYERS, *page), dtype=torch.int32)
-        views = {f"layer.{li}": base[:, li].view(torch.float32) for li in range(LAYERS)}
-    else:
-        base = torch.zeros((LAYERS, NUM_BLOCKS, *page), dtype=torch.int32)
-        views = {f"layer.{li}": base[li].view(torch.float32) for li in range(LAYERS)}
-    return base, views
+        return {f"layer.{li}": base[:, li].view(torch.float32) for li in range(LAYERS)}
+    return {f"layer.{li}": base[li].view(torch.float32) for li in range(LAYERS)}
 
 
 def fill(side: Side, rank: int, views: dict[str, torch.Tensor], block_ids: list[int], tokens: int) -> None:
@@ -100,8 +107,13 @@ def fill(side: Side, rank: int, views: dict[str, torch.Tensor], block_ids: list[
                 row = torch.tensor([code(li, t, g, e) for e in range(HEAD_DIM)], dtype=torch.int32)
                 if side.attn_layout == "HND":
                     ints[b, j, s] = row
-                else:
+                elif side.attn_layout == "NHD":
                     ints[b, s, j] = row
+                else:  # vLLM CPU attention: per head K as [head_dim, block_size], then V as [block_size, head_dim]
+                    head = ints[b, j].reshape(-1)
+                    n = side.block_size
+                    head[: n * HEAD_DIM].view(HEAD_DIM, n)[:, s] = row
+                    head[n * HEAD_DIM:].view(n, HEAD_DIM)[s] = -row
 
 
 def model_info(side: Side, rank: int) -> dict:
@@ -110,23 +122,23 @@ def model_info(side: Side, rank: int) -> dict:
             "block_size": side.block_size, "total_num_kv_heads": side.heads(), "is_mla": side.is_mla}
 
 
-def make_workers(engine: str, side: Side, base_port: int) -> list[tuple[WorkerSide, torch.Tensor, dict]]:
+def make_workers(engine: str, side: Side, base_port: int, device: str = "cpu", block_ids: list[int] | None = None,
+                 tokens: int = 0) -> list[tuple[WorkerSide, torch.Tensor, dict]]:
     out = []
     for rank in range(side.tp_size):
         config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=base_port, staging_mib=4)
         worker = WorkerSide(engine, config, rank, side.tp_size, "127.0.0.1", base_port + rank, "compat",
                             model_info(side, rank))
-        base, views = make_cache(side, rank)
+        base, views = make_cache(side, rank, device, block_ids, tokens)
         worker.register_kv_caches(views, NUM_BLOCKS)
         out.append((worker, base, views))
     return out
 
 
-def prefill_main(side: Side, port: int, block_ids: list[int], tokens: int, rid: str, out: mp.Queue,
+def prefill_main(side: Side, port: int, block_ids: list[int], tokens: int, rid: str, device: str, out: mp.Queue,
                  stop: mp.Event) -> None:
-    workers = make_workers("prefill", side, port)
-    for rank, (worker, _, views) in enumerate(workers):
-        fill(side, rank, views, block_ids, tokens)
+    workers = make_workers("prefill", side, port, device, block_ids, tokens)
+    for worker, _, _ in workers:
         worker.start_load_kv(P2pKvMetadata(send_leases={rid: time.monotonic() + 120}))
     out.put("ready")
     deadline = time.monotonic() + 120
@@ -159,6 +171,9 @@ ROWS = {  # name: (prefill, decode, how the decode ranks pull)
         Side(16, "NHD", num_kv_heads=2), Side(16, "NHD", tp_size=4, num_kv_heads=2), "staged"),
     "GQA 2 heads TP 1 -> TP 4 (replicated), HND": (
         Side(16, num_kv_heads=2), Side(16, tp_size=4, num_kv_heads=2), "paged"),
+    "CPU attention block 32 -> 64": (Side(32, "CPU"), Side(64, "CPU"), "staged"),
+    "CPU attention block 64 -> 32, TP 1 -> 2": (Side(64, "CPU"), Side(32, "CPU", tp_size=2), "staged"),
+    "CPU attention TP 2 -> 1": (Side(32, "CPU", tp_size=2), Side(32, "CPU"), "paged"),
     "MLA TP 2 -> TP 1": (Side(32, "NHD", tp_size=2, is_mla=True), Side(32, "NHD", is_mla=True), "direct"),
     "MLA TP 2 -> TP 1, block 32 -> 16": (Side(32, "NHD", tp_size=2, is_mla=True), Side(16, "NHD", is_mla=True),
                                          "staged"),
@@ -173,6 +188,22 @@ def mode(worker: WorkerSide) -> set[str]:
 
 @pytest.mark.parametrize("row", list(ROWS))
 def test_every_token_lands_in_the_right_slot_of_the_right_rank(row: str) -> None:
+    pull_and_check(row, "cpu")
+
+
+GPU_ROWS = ["block 16 -> 64", "block 64 -> 16", "HND -> NHD", "TP 1 -> 2", "TP 2 -> 1, NHD",
+            "TP 2 block 32 HND -> TP 1 block 16 NHD", "GQA 2 heads TP 1 -> TP 4 (replicated), NHD"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row", GPU_ROWS)
+def test_every_token_lands_in_the_right_slot_on_cuda(row: str) -> None:
+    """The same on GPU memory: NIXL VRAM registration, staging on the GPU, the CUDA fixup."""
+    pull_and_check(row, "cuda")
+
+
+def pull_and_check(row: str, device: str) -> None:
+    """Pull one 150-token request between the row's engines and compare every decode rank's cache."""
     prefill_side, decode_side, how = ROWS[row]
     tokens, first_token = 150, 0
     rng = np.random.default_rng(len(row))
@@ -181,12 +212,13 @@ def test_every_token_lands_in_the_right_slot_of_the_right_rank(row: str) -> None
     prefill_port = consecutive_free_ports(prefill_side.tp_size)
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=prefill_main, args=(prefill_side, prefill_port, remote_ids, tokens, "req", out, stop))
+    proc = ctx.Process(target=prefill_main,
+                       args=(prefill_side, prefill_port, remote_ids, tokens, "req", device, out, stop))
     proc.start()
     decoders = []
     try:
         assert out.get(timeout=60) == "ready"
-        decoders = make_workers("decode", decode_side, consecutive_free_ports(decode_side.tp_size))
+        decoders = make_workers("decode", decode_side, consecutive_free_ports(decode_side.tp_size), device)
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), prefill_side.tp_size)
         task = RecvTask("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
                         num_tokens=tokens)
@@ -204,9 +236,8 @@ def test_every_token_lands_in_the_right_slot_of_the_right_rank(row: str) -> None
         assert not pending, f"decode ranks {pending} never finished"
         assert all(mode(w) == {how} for w, _, _ in decoders), [mode(w) for w, _, _ in decoders]
         for rank, (_, base, _) in enumerate(decoders):
-            expected, views = make_cache(decode_side, rank)
-            fill(decode_side, rank, views, local_ids, tokens)
-            assert torch.equal(base, expected), f"decode rank {rank}: blocks differ from the position codes"
+            expected, _ = make_cache(decode_side, rank, "cpu", local_ids, tokens)
+            assert torch.equal(base.cpu(), expected), f"decode rank {rank}: blocks differ from the position codes"
         released: dict[int, list[str]] = {}
         end = time.monotonic() + 20
         while len(released) < prefill_side.tp_size and time.monotonic() < end:
