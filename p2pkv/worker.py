@@ -354,6 +354,9 @@ class WorkerSide:
             local_ids, remote_ids = direct_pairs(task, self.desc.block_size)
             loc, rem, lengths = coalesce_runs(local_ids, remote_ids, self.layout.num_blocks, remote.num_blocks)
             if peer.plan.paged:
+                if not all(seg.blocks_contiguous for seg in (*peer.local_slices, *peer.remote_slices)):
+                    loc, rem = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
+                    lengths = np.ones(loc.size, dtype=np.int64)  # one row per block on both sides
                 return (build_descriptors(peer.local_slices, loc, lengths),
                         build_descriptors(peer.remote_slices, rem, lengths), None)
             return (build_descriptors(self.layout.segments, loc, lengths),

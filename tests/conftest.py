@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -34,14 +35,25 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on 127.0.0.1 right now."""
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
+def free_ports(n: int, run: int = 2) -> list[int]:
+    """``n`` distinct TCP ports free on 127.0.0.1 right now, each followed by ``run - 1`` free ports.
+
+    Chosen below the kernel's ephemeral range (32768-60999), where engines
+    starting up take random ports for themselves, so a port handed out here
+    is not taken by the time the process that needs it binds it; ``run``
+    leaves room for the side channel of TP ranks (port + tp_rank).
+    """
+    rng = random.Random()
+    chosen: list[int] = []
+    while len(chosen) < n:
+        base = rng.randrange(20000, 32000, 8)
+        if any(abs(base - c) < 8 for c in chosen):
+            continue
+        try:
+            for port in range(base, base + run):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        chosen.append(base)
+    return chosen

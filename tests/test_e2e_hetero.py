@@ -1,12 +1,13 @@
-"""End to end with engines of different block sizes: real vLLM engines, p2pkv on both.
+"""End to end with engines of different block sizes and TP sizes: real vLLM engines, p2pkv on all.
 
-Two engines run p2pkv in ``kv_both`` mode, one with 32-token blocks, one
-with 64-token blocks (vLLM's CPU attention needs multiples of 32), so each
-can prefill for the other: block 32 → 64 (prefill block smaller) and block
-64 → 32 (prefill block larger, which vLLM's own NixlConnector does not
-support). The decoded tokens must equal what the prefill engine produces
-on its own for the same prompt, and the prefill engine must free its
-blocks.
+Three engines run p2pkv in ``kv_both`` mode, so each can prefill for the
+others: TP 1 with 32-token blocks, TP 1 with 64-token blocks (vLLM's CPU
+attention needs multiples of 32) and TP 2 with 32-token blocks. Rows:
+block 32 → 64 (prefill block smaller), block 64 → 32 (prefill block
+larger, which vLLM's own NixlConnector does not support), TP 2 → 1,
+TP 1 → 2, and TP 2 block 32 → TP 1 block 64. The decoded tokens must
+equal what the prefill engine produces on its own for the same prompt,
+and every prefill rank must free its blocks.
 """
 
 from __future__ import annotations
@@ -24,17 +25,21 @@ pytestmark = pytest.mark.engines
 PROMPTS = {
     "32 -> 64": ("e32", "d64", "Block sizes differ: the decode engine re-blocks what it pulls. " * 3),
     "64 -> 32": ("d64", "e32", "A larger prefill block is split over smaller decode blocks here. " * 3),
+    "TP 2 -> TP 1": ("t2", "e32", "Two prefill ranks each hold one KV head; one decode rank reads both. " * 3),
+    "TP 1 -> TP 2": ("e32", "t2", "Each of two decode ranks reads its own head from one prefill rank. " * 3),
+    "TP 2 block 32 -> TP 1 block 64": ("t2", "d64", "Heads and block sizes both change on the way over. " * 3),
 }
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
     logs = tmp_path_factory.mktemp("hetero-logs")
-    p32, p64, s32, s64 = free_ports(4)
+    p32, p64, pt2, s32, s64, st2 = free_ports(6)
     specs = {}
-    for name, port, side, block in (("e32", p32, s32, 32), ("d64", p64, s64, 64)):
+    for name, port, side, block, tp in (("e32", p32, s32, 32, 1), ("d64", p64, s64, 64, 1), ("t2", pt2, st2, 32, 2)):
         specs[name] = EngineSpec(name=name, model=str(tiny_model), port=port, role="prefill", side_channel_port=side,
                                  side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
+                                 tensor_parallel_size=tp,
                                  extra_config={"stats_file": str(logs / f"{name}.jsonl"), "staging_mib": 16},
                                  env={"UCX_NET_DEVICES": "lo"})
     children = [start_child(s.name, s.command(), s.environment(), logs, f"http://127.0.0.1:{s.port}/health")
@@ -60,7 +65,7 @@ def _pd(client: httpx.Client, prefill: str, decode: str, prompt: str, max_tokens
 
 
 @pytest.mark.parametrize("row", list(PROMPTS))
-def test_tokens_equal_across_block_sizes(engines, row) -> None:
+def test_tokens_equal_across_block_and_tp_sizes(engines, row) -> None:
     urls, logs = engines
     prefill, decode, prompt = PROMPTS[row]
     with httpx.Client(timeout=300.0) as client:
@@ -70,6 +75,9 @@ def test_tokens_equal_across_block_sizes(engines, row) -> None:
         assert pd.token_ids == ref.token_ids
         assert max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
         pulls = read_pull_stats(logs / f"{decode}.jsonl")[pulls_before:]
+        if decode == "t2":  # both ranks of the TP 2 engine pull (one head each): two lines
+            assert len(pulls) == 2 and pulls[1]["bytes"] == pulls[0]["bytes"]
+            pulls = pulls[:1]
         assert len(pulls) == 1 and pulls[0]["bytes"] > 0
         decode_block = 64 if decode == "d64" else 32
         assert pulls[0]["blocks"] == -(-len(prompt.encode()) // decode_block)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from p2pkv.metadata import P2pKvMetadata, RecvTask
 from p2pkv.params import RemotePrefill
 from p2pkv.topology import heads_per_rank, rank_first_head
 from p2pkv.worker import WorkerSide
+from tests.conftest import free_ports
 
 LAYERS, HEAD_DIM, NUM_BLOCKS = 2, 4, 40
 
@@ -48,29 +48,6 @@ class Side:
     def rank_heads(self, rank: int) -> list[int]:
         first = rank_first_head(rank, self.heads(), self.tp_size)
         return list(range(first, first + heads_per_rank(self.heads(), self.tp_size)))
-
-
-def consecutive_free_ports(n: int) -> int:
-    """A base port such that ``base .. base + n - 1`` are free on 127.0.0.1 right now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no run of free ports")
 
 
 def code(layer: int, token: int, head: int, elem: int) -> int:
@@ -202,14 +179,22 @@ def test_every_token_lands_in_the_right_slot_on_cuda(row: str) -> None:
     pull_and_check(row, "cuda")
 
 
+def block_ids(rng: np.random.Generator, count: int) -> list[int]:
+    """``count`` distinct block ids: a run of consecutive ids (as an allocator hands out), then scattered ones."""
+    run = count // 2
+    start = int(rng.integers(0, NUM_BLOCKS - run))
+    rest = [int(b) for b in rng.permutation(NUM_BLOCKS) if not start <= b < start + run]
+    return list(range(start, start + run)) + rest[: count - run]
+
+
 def pull_and_check(row: str, device: str) -> None:
     """Pull one 150-token request between the row's engines and compare every decode rank's cache."""
     prefill_side, decode_side, how = ROWS[row]
     tokens, first_token = 150, 0
     rng = np.random.default_rng(len(row))
-    remote_ids = [int(b) for b in rng.permutation(NUM_BLOCKS)[: -(-tokens // prefill_side.block_size)]]
-    local_ids = [int(b) for b in rng.permutation(NUM_BLOCKS)[: -(-tokens // decode_side.block_size)]]
-    prefill_port = consecutive_free_ports(prefill_side.tp_size)
+    remote_ids = block_ids(rng, -(-tokens // prefill_side.block_size))
+    local_ids = block_ids(rng, -(-tokens // decode_side.block_size))
+    prefill_port = free_ports(1, run=prefill_side.tp_size)[0]
     ctx = mp.get_context("spawn")
     out, stop = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=prefill_main,
@@ -218,7 +203,7 @@ def pull_and_check(row: str, device: str) -> None:
     decoders = []
     try:
         assert out.get(timeout=60) == "ready"
-        decoders = make_workers("decode", decode_side, consecutive_free_ports(decode_side.tp_size), device)
+        decoders = make_workers("decode", decode_side, free_ports(1, run=decode_side.tp_size)[0], device)
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), prefill_side.tp_size)
         task = RecvTask("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
                         num_tokens=tokens)
