@@ -15,7 +15,10 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -102,6 +105,59 @@ def check_rdma() -> Check:
                  "resource, IPC_LOCK)")
 
 
+RDMA_TRANSPORTS = ("rc", "dc", "ud", "ib", "mlx", "verbs")
+"""Substrings of UCX transport or device names that mean RDMA."""
+
+_LANES = re.compile(r"(\S+) (intra-node|inter-node|self) cfg#\d+ (.*)$")
+
+
+def parse_ucx_lanes(log: str) -> dict[str, str]:
+    """``{"self" | "intra-node" | "inter-node": "rma_am(tcp/lo) am(tcp/lo cma/memory) ..."}`` from UCX's
+    ``UCX_LOG_LEVEL=info`` output (the lanes UCX selected for each kind of endpoint)."""
+    out: dict[str, str] = {}
+    for line in log.splitlines():
+        m = _LANES.search(line)
+        if m:
+            out[m.group(2)] = " ".join(m.group(3).split())
+    return out
+
+
+def rdma_reason(lanes: str, devices: list[str], env: dict[str, str]) -> tuple[bool, str]:
+    """Whether ``lanes`` use RDMA, and why (not)."""
+    if any(t in lanes for t in RDMA_TRANSPORTS):
+        return True, "RDMA in use"
+    if not devices:
+        return False, "no RDMA devices in /sys/class/infiniband"
+    tls = env.get("UCX_TLS", "")
+    if tls and not any(t in tls for t in (*RDMA_TRANSPORTS, "all")):
+        return False, f"UCX_TLS={tls} excludes the RDMA transports (add rc,ud or dc, or unset it)"
+    nets = env.get("UCX_NET_DEVICES", "")
+    if nets and not any(d in nets for d in devices) and nets != "all":
+        return False, f"UCX_NET_DEVICES={nets} excludes {', '.join(devices)} (add e.g. {devices[0]}:1)"
+    return False, ("RDMA devices exist but UCX did not pick them on this host (peers on one host use shared "
+                   "memory / cuda_ipc); peers on other nodes will use them unless UCX_TLS/UCX_NET_DEVICES "
+                   "exclude them")
+
+
+def check_transports() -> Check:
+    """The UCX lanes NIXL selects for a peer on this host, read off UCX's own log in a probe process."""
+    env = {**os.environ, "UCX_LOG_LEVEL": "info"}
+    probe = "from p2pkv.doctor import check_loopback_pull; check_loopback_pull(0.05, 1 << 20)"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return Check("transports", False, "the UCX probe did not finish in 60 s",
+                     "check UCX_TLS / UCX_NET_DEVICES (e.g. UCX_NET_DEVICES=lo on a single host)")
+    lanes = parse_ucx_lanes(out.stdout + out.stderr)
+    chosen = lanes.get("intra-node") or lanes.get("self")
+    if not chosen:
+        return Check("transports", False, "UCX reported no transport lanes for a peer on this host",
+                     "check UCX_TLS / UCX_NET_DEVICES; run with UCX_LOG_LEVEL=info to see UCX's choice")
+    devices = sorted(p.name for p in Path("/sys/class/infiniband").glob("*"))
+    uses_rdma, why = rdma_reason(" ".join(lanes.values()), devices, dict(os.environ))
+    return Check("transports", True, f"peer on this host: {chosen}; RDMA: {'yes' if uses_rdma else 'no'} ({why})")
+
+
 def check_gpu() -> Check:
     try:
         import torch
@@ -166,6 +222,7 @@ def run_checks(host: str = "127.0.0.1", port: int = 5600, seconds: float = 1.0) 
     """All checks, in order."""
     checks = [check_nixl(), check_ucx(), check_rdma(), check_gpu(), check_port(host, port)]
     if checks[0].ok:
+        checks.append(check_transports())
         checks.append(check_loopback_pull(seconds))
     return checks
 

@@ -8,14 +8,14 @@ import socket
 import subprocess
 import sys
 
-from p2pkv.doctor import check_port
+from p2pkv.doctor import check_port, parse_ucx_lanes, rdma_reason
 from tests.conftest import free_ports
 
 
 def _doctor(env: dict[str, str], port: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "p2pkv.cli", "doctor", "--json", "--seconds", "0.3",
                            "--side-channel-port", str(port)], env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=300)
 
 
 def _report(out: subprocess.CompletedProcess) -> dict[str, dict]:
@@ -29,9 +29,11 @@ def test_doctor_passes_here() -> None:
     out = _doctor({**os.environ, "UCX_NET_DEVICES": "lo"}, port)
     assert out.returncode == 0, out.stdout + out.stderr
     checks = _report(out)
-    assert set(checks) == {"nixl", "ucx", "rdma", "gpu", "side_channel_port", "loopback_pull"}
+    assert set(checks) == {"nixl", "ucx", "rdma", "gpu", "side_channel_port", "transports", "loopback_pull"}
     assert all(c["ok"] for c in checks.values())
     assert "GB/s" in checks["loopback_pull"]["detail"]
+    # UCX's own choice for a peer on this host: TCP over lo and shared memory (cma); no RDMA NIC here.
+    assert "tcp/lo" in checks["transports"]["detail"] and "RDMA: no" in checks["transports"]["detail"]
 
 
 def test_doctor_fails_with_a_transport_that_cannot_work() -> None:
@@ -50,3 +52,17 @@ def test_port_in_use_is_reported_with_the_fix() -> None:
         s.listen()
         check = check_port("127.0.0.1", port)
     assert not check.ok and "side_channel_port" in check.fix
+
+
+def test_ucx_lane_parsing_and_rdma_reasons() -> None:
+    log = ("[1.0] [vm:1:0] ucp_worker.c:1997 UCX  INFO    a self cfg#0 rma_am(tcp/lo)  am(tcp/lo cma/memory)\n"
+           "[1.1] [vm:1:0] ucp_worker.c:1997 UCX  INFO    a inter-node cfg#2 "
+           "rma(rc_mlx5/mlx5_0:1) am(rc_mlx5/mlx5_0:1)")
+    lanes = parse_ucx_lanes(log)
+    assert lanes == {"self": "rma_am(tcp/lo) am(tcp/lo cma/memory)",
+                     "inter-node": "rma(rc_mlx5/mlx5_0:1) am(rc_mlx5/mlx5_0:1)"}
+    assert rdma_reason(lanes["inter-node"], ["mlx5_0"], {}) == (True, "RDMA in use")
+    assert rdma_reason("am(tcp/lo)", [], {})[1] == "no RDMA devices in /sys/class/infiniband"
+    assert "UCX_TLS=tcp,cma excludes" in rdma_reason("am(tcp/eth0)", ["mlx5_0"], {"UCX_TLS": "tcp,cma"})[1]
+    assert "UCX_NET_DEVICES=eth0 excludes mlx5_0" in rdma_reason("am(tcp/eth0)", ["mlx5_0"],
+                                                                {"UCX_NET_DEVICES": "eth0"})[1]
