@@ -77,7 +77,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ucx_error_handling_mode: Literal["", "peer", "none"] = ""
     ucx_num_workers: int = 0
     stats_file: str = ""
-    staging_mib: int = 256
+    staging_mib: float = 256.0
 
     @property
     def heartbeat_every_s(self) -> float:
@@ -107,8 +107,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 and below "
                 f"lease_s={self.lease_s} (0 turns heartbeats off)"
             )
-        if self.staging_mib < 1:
-            raise ConfigError(f"staging_mib must be >= 1 (MiB), got {self.staging_mib}")
+        if self.staging_mib < 0.0625:
+            raise ConfigError(f"staging_mib must be >= 0.0625 (MiB, 64 KiB), got {self.staging_mib}")
         if self.handshake_retries < 1:
             raise ConfigError(f"handshake_retries must be >= 1, got {self.handshake_retries}")
         if not self.nixl_backends:

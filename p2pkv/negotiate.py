@@ -38,14 +38,16 @@ class PullRefused(RuntimeError):
 
 def layout_desc(layout: KVLayout, *, kv_layout: str, attn_layout: str, dtype: str, num_kv_heads: int,
                 head_dim: int, block_size: int, mem_type: str, total_num_kv_heads: int = 0,
-                is_mla: bool = False) -> KVLayoutDesc:
-    """The wire form of a :class:`KVLayout` (see :class:`handshake.KVLayoutDesc`)."""
+                is_mla: bool = False, device_id: int = 0) -> KVLayoutDesc:
+    """The wire form of a :class:`KVLayout` (see :class:`handshake.KVLayoutDesc`); ``device_id`` is the
+    GPU index of VRAM regions (0 for DRAM)."""
     return KVLayoutDesc(
         kv_layout=kv_layout, attn_layout=attn_layout, dtype=dtype, num_layers=layout.num_layers,
         num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, num_blocks=layout.num_blocks,
         block_len=layout.segments[0].length, block_stride=layout.segments[0].block_stride, mem_type=mem_type,
-        regions=[KVRegion(base_addr=s.addr, length=layout.num_blocks * s.block_stride, layer_start=s.layer_start,
-                          num_layers=s.num_layers, kv_index=s.kv_index) for s in layout.segments],
+        regions=[KVRegion(base_addr=s.addr, length=layout.num_blocks * s.block_stride, device_id=device_id,
+                          layer_start=s.layer_start, num_layers=s.num_layers, kv_index=s.kv_index)
+                 for s in layout.segments],
         total_num_kv_heads=total_num_kv_heads, is_mla=is_mla,
     )
 

@@ -13,6 +13,7 @@ overwrite staging the kernel still reads.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,6 +73,7 @@ class Stager:
         self.arena = StagingArena(capacity)
         self._buffer: torch.Tensor | None = None
         self._releases: list[tuple[Any, int, int]] = []
+        self._quarantined: list[tuple[float, int, int]] = []
         self._bases: dict[int, torch.Tensor] = {}
         for t in kv_caches.values():
             storage = t.untyped_storage()
@@ -101,6 +103,11 @@ class Stager:
         base = self._area().data_ptr() + offset
         return Stage(offset, size, read, staging_segments(remote, base, n))
 
+    @property
+    def idle(self) -> bool:
+        """True when no stage is handed out or waiting to come back."""
+        return self.arena.free_bytes == self.arena.capacity
+
     def release(self, stage: Stage) -> None:
         """Give a stage's bytes back (after the fixup kernel on CUDA has run)."""
         if self.device.type == "cuda":
@@ -110,8 +117,20 @@ class Stager:
         else:
             self.arena.release(stage.offset, stage.size)
 
+    def quarantine(self, stage: Stage, seconds: float) -> None:
+        """Hold a stage whose READ was cancelled in flight for ``seconds`` before reuse.
+
+        NIXL cannot always stop a posted READ: its bytes may still land, and
+        must not land in another pull's staging.
+        """
+        self._quarantined.append((time.monotonic() + seconds, stage.offset, stage.size))
+
     def poll_releases(self) -> None:
-        """Give back stages whose fixup kernels have finished."""
+        """Give back stages whose fixup kernels have finished, and quarantined stages whose time is up."""
+        now = time.monotonic()
+        for item in [q for q in self._quarantined if q[0] <= now]:
+            self._quarantined.remove(item)
+            self.arena.release(item[1], item[2])
         keep = []
         for event, offset, size in self._releases:
             if event.query():

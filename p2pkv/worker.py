@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,10 +33,9 @@ from handshake import (
 )
 from p2pkv.config import P2pKvConfig
 from p2pkv.holds import PrefillHolds
-from p2pkv.layout import KVLayout, Segment, describe_torch_kv_caches, detect_attn_layout
+from p2pkv.layout import KVLayout, describe_torch_kv_caches, detect_attn_layout
 from p2pkv.metadata import P2pKvMetadata, RecvTask
 from p2pkv.negotiate import (
-    PeerPlan,
     PullRefused,
     layout_desc,
     page_slices,
@@ -46,68 +44,17 @@ from p2pkv.negotiate import (
     total_heads,
 )
 from p2pkv.plan import PlanError, build_descriptors, coalesce_runs
+from p2pkv.pulls import Group, Peer, Pending, Pull, failure_kind
 from p2pkv.receive import direct_pairs, staged_read
 from p2pkv.stager import Stage, Stager
 from p2pkv.staging import StagingFull
 from p2pkv.stats import empty_stats, is_empty
 from p2pkv.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
-from p2pkv.transfer import NixlTransferAgent, PullHandle, TransferError, unique_agent_name
+from p2pkv.transfer import NixlTransferAgent, TransferError, unique_agent_name
 
 logger = logging.getLogger("p2pkv.worker")
 
 NOTIF_DONE = b"p2pkv:done:"
-
-
-@dataclass
-class _Peer:
-    """A prefill rank this worker pulls from (or only notifies)."""
-
-    info: AgentInfo
-    agent_name: str
-    segments: list[Segment]
-    plan: PeerPlan
-    local_slices: list[Segment] = field(default_factory=list)
-    remote_slices: list[Segment] = field(default_factory=list)
-
-
-@dataclass
-class _Group:
-    """One request's pull: a READ from each prefill rank it reads (one when TP sizes match)."""
-
-    task: RecvTask
-    started: float
-    notify: list[tuple[tuple[str, int], int]]
-    parts: int = 0
-    confirmed: int = 0
-    failed: bool = False
-    num_bytes: int = 0
-    num_descriptors: int = 0
-    done: float = 0.0
-    peers: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Pull:
-    task: RecvTask
-    handle: PullHandle
-    started: float
-    peer_key: tuple[str, int]
-    peer: _Peer
-    group: _Group
-    stage: Stage | None = None
-    done: float = 0.0
-
-
-@dataclass
-class _Pending:
-    tasks: list[RecvTask] = field(default_factory=list)
-    future: Future | None = None
-    started: float = field(default_factory=time.monotonic)
-
-
-def _failure_kind(exc: BaseException) -> str:
-    """``disconnect`` when NIXL says the peer went away, else ``transfer``."""
-    return "disconnect" if "DISCONNECT" in str(exc).upper() else "transfer"
 
 
 class WorkerSide:
@@ -143,15 +90,16 @@ class WorkerSide:
         self._secret = config.secret.encode() if config.secret else None
         self._stop = threading.Event()
         self._handshake_threads: list[threading.Thread] = []
-        self._confirming: dict[tuple[str, int], list[_Pull]] = {}
-        self._confirms: dict[tuple[str, int], tuple[Future, list[_Pull]]] = {}
-        self._peers: dict[tuple[str, int], _Peer] = {}
-        self._pending: dict[tuple[str, int], _Pending] = {}
-        self._pulls: list[_Pull] = []
+        self._confirming: dict[tuple[str, int], list[Pull]] = {}
+        self._confirms: dict[tuple[str, int], tuple[Future, list[Pull]]] = {}
+        self._peers: dict[tuple[str, int], Peer] = {}
+        self._pending: dict[tuple[str, int], Pending] = {}
+        self._pulls: list[Pull] = []
         self._holds = PrefillHolds(config.lease_s)
         self._leases = self._holds.leases
         self._early_notifs = self._holds.notifs
         self._stager: Stager | None = None
+        self._device_id = 0
         self._staging_wait: list[RecvTask] = []
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
@@ -183,8 +131,9 @@ class WorkerSide:
         detected = detect_attn_layout(first, int(info["num_kv_heads"]), int(info["block_size"]))
         if detected is not None and info.get("attn_layout") != "CPU":
             info["attn_layout"] = detected
-        self.desc = layout_desc(self.layout, mem_type=mem_type, **info)
-        self._stager = Stager(self.agent, kv_caches, self.layout, self.desc, self.config.staging_mib * 2**20)
+        self.desc = layout_desc(self.layout, mem_type=mem_type, device_id=device_id, **info)
+        self._device_id = device_id
+        self._stager = Stager(self.agent, kv_caches, self.layout, self.desc, int(self.config.staging_mib * 2**20))
         meta = self.agent.metadata()
         info = AgentInfo(
             engine_id=self.engine_id,
@@ -244,7 +193,7 @@ class WorkerSide:
             self._start_group(task, reads, notify)
             return
         for key in missing:
-            pending = self._pending.setdefault(key, _Pending())
+            pending = self._pending.setdefault(key, Pending())
             if pending.future is None:
                 pending.future = self._start_handshake(task.remote.host, task.remote.port + key[1], key[1])
         self._pending[missing[0]].tasks.append(task)  # re-queued when it is done; waits for the rest then
@@ -285,7 +234,7 @@ class WorkerSide:
                 assert self.agent is not None and self.desc is not None
                 plan = plan_peer(self.desc, self.tp_rank, self.tp_size, info.layout, key[1], info.tp_size)
                 name = self.agent.add_peer(info)
-                peer = self._peers[key] = _Peer(info, name, remote_segments(info.layout), plan)
+                peer = self._peers[key] = Peer(info, name, remote_segments(info.layout), plan)
                 if plan.paged:
                     r = plan.read
                     peer.local_slices = page_slices(self.desc, list(self.layout.segments), r.local_head_start,
@@ -306,14 +255,18 @@ class WorkerSide:
     def _start_group(self, task: RecvTask, reads: list[RankRead], notify: list[int]) -> None:
         engine = task.remote.engine_id
         args = (self.tp_size, task.remote.tp_size, total_heads(self.desc, self.tp_size), self.desc.is_mla)
-        group = _Group(task, time.monotonic(), [((engine, r), notifiers_of(r, *args)) for r in notify])
-        parts: list[tuple[tuple[str, int], _Peer, np.ndarray, np.ndarray, Stage | None]] = []
+        group = Group(task, time.monotonic(), [((engine, r), notifiers_of(r, *args)) for r in notify])
+        parts: list[tuple[tuple[str, int], Peer, np.ndarray, np.ndarray, Stage | None]] = []
         try:
             for read in reads:
                 key = (engine, read.remote_rank)
                 part = self._plan_part(task, key, self._peers[key], read)
                 if part is None:  # no room in staging yet: wait for pulls in flight to finish
                     self._release_parts(parts)
+                    parts = []
+                    if self._stager.idle:  # nothing else holds staging: this pull can never fit
+                        raise StagingFull(f"a pull from {len(reads)} prefill ranks needs more staging than "
+                                          "staging_mib holds; raise staging_mib in kv_connector_extra_config")
                     self._staging_wait.append(task)
                     return
                 if part[1].size:
@@ -336,11 +289,11 @@ class WorkerSide:
                 self._release_parts(parts[i:])
                 self._abandon(group)
                 self._drop_peer(key)
-                self._retry_or_fail(task, f"pull from {peer.agent_name} could not start: {exc}", _failure_kind(exc))
+                self._retry_or_fail(task, f"pull from {peer.agent_name} could not start: {exc}", failure_kind(exc))
                 return
-            self._pulls.append(_Pull(task, handle, time.monotonic(), key, peer, group, stage))
+            self._pulls.append(Pull(task, handle, time.monotonic(), key, peer, group, stage))
 
-    def _plan_part(self, task: RecvTask, key: tuple[str, int], peer: _Peer,
+    def _plan_part(self, task: RecvTask, key: tuple[str, int], peer: Peer,
                    read: RankRead) -> tuple[np.ndarray, np.ndarray, Stage | None] | None:
         """Descriptors for one prefill rank's share of a pull (None: staging is full for now).
 
@@ -357,10 +310,10 @@ class WorkerSide:
                 if not all(seg.blocks_contiguous for seg in (*peer.local_slices, *peer.remote_slices)):
                     loc, rem = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
                     lengths = np.ones(loc.size, dtype=np.int64)  # one row per block on both sides
-                return (build_descriptors(peer.local_slices, loc, lengths),
-                        build_descriptors(peer.remote_slices, rem, lengths), None)
-            return (build_descriptors(self.layout.segments, loc, lengths),
-                    build_descriptors(peer.segments, rem, lengths), None)
+                return (build_descriptors(peer.local_slices, loc, lengths, self._device_id),
+                        build_descriptors(peer.remote_slices, rem, lengths, peer.device_id), None)
+            return (build_descriptors(self.layout.segments, loc, lengths, self._device_id),
+                    build_descriptors(peer.segments, rem, lengths, peer.device_id), None)
         read_plan_ = staged_read(task, self.desc.block_size, remote.block_size)
         n = len(read_plan_.remote_block_ids)
         coalesce_runs(read_plan_.dst_block_ids, read_plan_.dst_block_ids, self.layout.num_blocks,
@@ -372,21 +325,21 @@ class WorkerSide:
             empty = np.zeros((0, 3), dtype=np.uint64)
             return empty, empty, None
         loc, rem, lengths = coalesce_runs(np.arange(n), read_plan_.remote_block_ids, n, remote.num_blocks)
-        return (build_descriptors(stage.segments, loc, lengths), build_descriptors(peer.segments, rem, lengths),
-                stage)
+        return (build_descriptors(stage.segments, loc, lengths, self._device_id),
+                build_descriptors(peer.segments, rem, lengths, peer.device_id), stage)
 
     def _release_parts(self, parts: list) -> None:
         for part in parts:
             if part[-1] is not None and self._stager is not None:
                 self._stager.release(part[-1])
 
-    def _abandon(self, group: _Group) -> None:
+    def _abandon(self, group: Group) -> None:
         """Stop a failed group's other READs and give their staging back."""
         group.failed = True
         for pull in [p for p in self._pulls if p.group is group]:
             self.agent.cancel(pull.handle)
-            if pull.stage is not None:
-                self._stager.release(pull.stage)
+            if pull.stage is not None:  # the cancelled READ may still land: keep its staging out of use
+                self._stager.quarantine(pull.stage, self.config.transfer_timeout_s)
         self._pulls = [p for p in self._pulls if p.group is not group]
 
     def _retry_or_fail(self, task: RecvTask, why: str, kind: str) -> None:
@@ -399,7 +352,7 @@ class WorkerSide:
         self._retried.add(task.request_id)
         self._queue(task)
 
-    def _notify_group(self, group: _Group) -> None:
+    def _notify_group(self, group: Group) -> None:
         """Tell every prefill rank this rank answers for that it may free the request's blocks.
 
         Sent after the READs are seen done and fenced, not attached to them: a READ
@@ -463,7 +416,7 @@ class WorkerSide:
                 if pull.stage is not None:
                     self._stager.release(pull.stage)
                 self._abandon(pull.group)
-                self._retry_or_fail(pull.task, str(exc), _failure_kind(exc))
+                self._retry_or_fail(pull.task, str(exc), failure_kind(exc))
                 continue
             if done:
                 self._pulls.remove(pull)
@@ -483,7 +436,7 @@ class WorkerSide:
                         self._stager.release(pull.stage)
                 self._confirming.setdefault(pull.peer_key, []).append(pull)
             elif now - pull.started > self.config.transfer_timeout_s:
-                self._abandon(pull.group)
+                self._abandon(pull.group)  # this pull is still in self._pulls: cancelled and quarantined there
                 self._fail(pull.task, f"READ still in flight after {self.config.transfer_timeout_s} s", "timeout")
         self._stager.poll_releases()
 
@@ -532,7 +485,7 @@ class WorkerSide:
                 remote.host, remote.port + key[1], ids, self.engine_id, 10.0, secret=self._secret,
                 timeout_s=self.config.handshake_timeout_s, cancel=self._stop), pulls)
 
-    def _record(self, group: _Group) -> None:
+    def _record(self, group: Group) -> None:
         """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
         task, seconds = group.task, group.done - group.started
         self._stats["pull_bytes"].append(group.num_bytes)

@@ -74,14 +74,16 @@ def _views(base: torch.Tensor, side: Side) -> dict[str, torch.Tensor]:
     return {f"layer.{li}": base[li].view(torch.float32) for li in range(LAYERS)}
 
 
-def fill(side: Side, rank: int, views: dict[str, torch.Tensor], block_ids: list[int], tokens: int) -> None:
-    """Write the codes of ``tokens`` prompt tokens into ``block_ids`` (this rank's heads)."""
+def fill(side: Side, rank: int, views: dict[str, torch.Tensor], block_ids: list[int], tokens: int,
+         first: int = 0) -> None:
+    """Write the codes of prompt tokens ``first .. first + tokens - 1`` into ``block_ids`` from slot 0
+    (this rank's heads)."""
     for li, view in enumerate(views.values()):
         ints = view.view(torch.int32)
         for t in range(tokens):
             b, s = block_ids[t // side.block_size], t % side.block_size
             for j, g in enumerate(side.rank_heads(rank)):
-                row = torch.tensor([code(li, t, g, e) for e in range(HEAD_DIM)], dtype=torch.int32)
+                row = torch.tensor([code(li, first + t, g, e) for e in range(HEAD_DIM)], dtype=torch.int32)
                 if side.attn_layout == "HND":
                     ints[b, j, s] = row
                 elif side.attn_layout == "NHD":
@@ -100,10 +102,10 @@ def model_info(side: Side, rank: int) -> dict:
 
 
 def make_workers(engine: str, side: Side, base_port: int, device: str = "cpu", block_ids: list[int] | None = None,
-                 tokens: int = 0) -> list[tuple[WorkerSide, torch.Tensor, dict]]:
+                 tokens: int = 0, staging_mib: float = 4) -> list[tuple[WorkerSide, torch.Tensor, dict]]:
     out = []
     for rank in range(side.tp_size):
-        config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=base_port, staging_mib=4)
+        config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=base_port, staging_mib=staging_mib)
         worker = WorkerSide(engine, config, rank, side.tp_size, "127.0.0.1", base_port + rank, "compat",
                             model_info(side, rank))
         base, views = make_cache(side, rank, device, block_ids, tokens)
@@ -236,6 +238,60 @@ def pull_and_check(row: str, device: str) -> None:
     finally:
         for worker, _, _ in decoders:
             worker.shutdown()
+        stop.set()
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_staging_full_waits_and_too_large_fails(caplog) -> None:
+    """64 KiB of staging: 2 KiB per staged block. Three 12-block pulls (24 KiB each) cannot all be
+    staged at once, so one waits and all three land; a 40-block pull (80 KiB) can never fit and fails
+    with kind=staging, its blocks reported as load errors."""
+    prefill_side, decode_side = Side(16), Side(32)
+    tokens = NUM_BLOCKS * 16
+    remote_ids = list(range(NUM_BLOCKS))
+    prefill_port = free_ports(1)[0]
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=prefill_main, args=(prefill_side, prefill_port, remote_ids, tokens, "req", "cpu",
+                                                  out, stop))
+    proc.start()
+    decoders = []
+    try:
+        assert out.get(timeout=60) == "ready"
+        decoders = make_workers("decode", decode_side, free_ports(1)[0], staging_mib=0.0625)
+        worker, base, _ = decoders[0]
+        remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), 1)
+        small = [RecvTask(f"d-{i}", tuple(range(6 * i, 6 * i + 6)), tuple(remote_ids[12 * i:12 * i + 12]), remote,
+                          num_tokens=192) for i in range(3)]
+        worker.start_load_kv(P2pKvMetadata(recv=small))
+        done: set[str] = set()
+        waited: set[str] = set()
+        deadline = time.monotonic() + 60
+        while len(done) < 3 and time.monotonic() < deadline:
+            worker.start_load_kv(P2pKvMetadata())
+            done |= worker.get_finished()[1]
+            waited |= {t.request_id for t in worker._staging_wait}
+            time.sleep(0.002)
+        assert done == {"d-0", "d-1", "d-2"} and worker.get_block_ids_with_load_errors() == set()
+        assert waited == {"d-2"}  # two 24 KiB pulls staged at once, the third waited for room
+        expected, views = make_cache(decode_side, 0)
+        for i in range(3):  # pull i moved prompt tokens 192i.. (prefill blocks 12i..) into local blocks 6i..6i+5
+            fill(decode_side, 0, views, list(range(6 * i, 6 * i + 6)), 192, first=192 * i)
+        assert torch.equal(base, expected)
+        big = RecvTask("d-big", tuple(range(20, 40)), tuple(remote_ids), remote, num_tokens=tokens)
+        worker.start_load_kv(P2pKvMetadata(recv=[big]))
+        deadline = time.monotonic() + 30
+        while "d-big" not in worker.get_finished()[1] and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert worker.get_block_ids_with_load_errors() == set(range(20, 40))
+        assert "kind=staging" in caplog.text and "staging_mib" in caplog.text
+        assert torch.equal(base, expected)  # nothing was read for the refused pull
+        assert worker._stager is not None and worker._stager.idle
+    finally:
+        for w, _, _ in decoders:
+            w.shutdown()
         stop.set()
         proc.join(timeout=20)
         if proc.is_alive():
