@@ -1,16 +1,29 @@
-"""The launcher fails fast, naming the flag, before starting anything."""
+"""The launcher fails fast, naming the flag, before starting anything; the pod modes run one engine."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
+import shlex
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
+import httpx
 import pytest
 
 from p2pkv.cli import main
+from p2pkv.deploy import checks
 from p2pkv.deploy.engines import EngineSpec
 from p2pkv.deploy.local import LocalPair
 from p2pkv.deploy.processes import LaunchError
+from p2pkv.deploy.supervise import supervise
 from tests.conftest import free_ports
 
 
@@ -46,3 +59,287 @@ def test_engine_commands_carry_the_connector_config(tmp_path) -> None:
     nixl = EngineSpec(name="p", model="m", port=1, role="prefill", connector="nixl")
     assert json.loads(nixl.command()[nixl.command().index("--kv-transfer-config") + 1])["kv_connector"] == \
         "NixlConnector"
+
+
+# ---- p2pkv launch prefill|decode: one side of a pair, for a pod ----------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_pod_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No CUDA and no pod variables unless a test sets them."""
+    for name in ("POD_IP", "P2PKV_MODEL", "P2PKV_PORT", "P2PKV_SIDE_CHANNEL_HOST", "P2PKV_SIDE_CHANNEL_PORT",
+                 "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 0)
+
+
+def _pod(tmp_path: Path, *flags: str, role: str = "prefill") -> list[str]:
+    """``launch ROLE --dry-run`` on free ports with the side channel on loopback, plus ``flags``."""
+    http, side = free_ports(2)
+    return ["launch", role, "--model", str(tmp_path), "--port", str(http), "--side-channel-port", str(side),
+            "--side-channel-host", "127.0.0.1", "--dry-run", *flags]
+
+
+def _failure(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``p2pkv argv``, assert it exits 2 before starting anything, return stderr."""
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "command:" not in out
+    return err
+
+
+def _dry_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[str, list[str], dict]:
+    """Run a dry run that must pass; returns stdout, the engine argv and its kv-transfer-config."""
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("command: ")]
+    argv_out = shlex.split(line.removeprefix("command: "))
+    return out, argv_out, json.loads(argv_out[argv_out.index("--kv-transfer-config") + 1])
+
+
+def test_pod_missing_model_names_the_flag(tmp_path, capsys) -> None:
+    err = _failure(["launch", "decode", "--model", str(tmp_path / "nope"), "--dry-run"], capsys)
+    assert "--model" in err and "no such directory" in err
+    err = _failure(["launch", "prefill", "--dry-run"], capsys)
+    assert "--model" in err and "P2PKV_MODEL" in err
+
+
+def test_pod_http_port_in_use_names_the_flag(tmp_path, capsys) -> None:
+    (busy,) = free_ports(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", busy))
+        s.listen()
+        err = _failure(_pod(tmp_path, "--port", str(busy)), capsys)  # binds 0.0.0.0, which overlaps
+    assert f"--port={busy}" in err and "pick a free port" in err
+
+
+def test_pod_side_channel_port_in_use_names_the_flag(tmp_path, capsys) -> None:
+    (busy,) = free_ports(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", busy))
+        s.listen()
+        err = _failure(_pod(tmp_path, "--side-channel-port", str(busy)), capsys)
+    assert f"--side-channel-port={busy}: cannot bind 127.0.0.1:{busy}" in err
+
+
+def test_pod_every_tp_rank_side_channel_port_is_checked(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 2)
+    (base,) = free_ports(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + 1))
+        s.listen()
+        err = _failure(_pod(tmp_path, "--side-channel-port", str(base), "--tensor-parallel-size", "2"), capsys)
+    assert "--side-channel-port" in err and "tp_rank 1" in err and str(base + 1) in err
+
+
+def test_pod_http_port_inside_side_channel_ports_is_refused(tmp_path, capsys) -> None:
+    (port,) = free_ports(1)
+    err = _failure(_pod(tmp_path, "--port", str(port), "--side-channel-port", str(port)), capsys)
+    assert "--port" in err and "side-channel" in err
+
+
+@pytest.mark.parametrize(("host", "expected"), [("203.0.113.7", "not an address of this machine"),
+                                              ("no-such-host.invalid", "cannot resolve")])
+def test_pod_bad_side_channel_host_names_the_flag(tmp_path, capsys, host, expected) -> None:
+    err = _failure(_pod(tmp_path, "--side-channel-host", host), capsys)
+    assert f"--side-channel-host={host}" in err and expected in err
+
+
+def test_pod_tp_without_cuda_names_the_flag(tmp_path, capsys) -> None:
+    err = _failure(_pod(tmp_path, "--tensor-parallel-size", "2"), capsys)
+    assert "--tensor-parallel-size=2" in err and "no CUDA device" in err
+
+
+def test_pod_tp_larger_than_gpus_names_the_flag(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 2)
+    assert "--tensor-parallel-size=4" in _failure(_pod(tmp_path, "--tensor-parallel-size", "4"), capsys)
+    err = _failure(_pod(tmp_path, "--tensor-parallel-size", "2", "--gpu-ids", "1"), capsys)
+    assert "--tensor-parallel-size=2" in err and "--gpu-ids=1 names 1 GPU" in err
+
+
+@pytest.mark.parametrize(("gpu_ids", "gpus", "expected"), [
+    ("0,7", 2, "GPU 7 does not exist"),
+    ("a,b", 2, "comma-separated GPU indices"),
+    ("1,1", 2, "distinct"),
+    ("0", 0, "no CUDA device"),
+])
+def test_pod_bad_gpu_ids_name_the_flag(tmp_path, capsys, monkeypatch, gpu_ids, gpus, expected) -> None:
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: gpus)
+    err = _failure(_pod(tmp_path, "--gpu-ids", gpu_ids), capsys)
+    assert f"--gpu-ids={gpu_ids}" in err and expected in err
+
+
+def test_pod_gpu_ids_index_the_inherited_visible_devices(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    out, argv, _ = _dry_run(_pod(tmp_path, "--gpu-ids", "1,3", "--tensor-parallel-size", "2",
+                                 "--block-size", "16"), capsys)
+    assert "  CUDA_VISIBLE_DEVICES=5,7" in out.splitlines()
+    assert argv[argv.index("--tensor-parallel-size") + 1] == "2" and argv[argv.index("--block-size") + 1] == "16"
+
+
+@pytest.mark.parametrize("block", ["16", "0", "-32"])
+def test_pod_bad_block_size_names_the_flag(tmp_path, capsys, block) -> None:
+    assert f"--block-size={block}" in _failure(_pod(tmp_path, "--block-size", block), capsys)
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--kv-connector-extra-config", "{not json", "not JSON"),
+    ("--kv-connector-extra-config", '{"no_such_key": 1}', "no_such_key"),
+    ("--kv-connector-extra-config", '{"side_channel_port": 1}', "--side-channel-port"),
+    ("--extra-vllm-args", "--port=9", "use --port"),
+    ("--extra-vllm-args", "--seed '3", "quotes"),
+    ("--proxy-url", "ftp://x", "http://HOST:PORT"),
+])
+def test_pod_bad_passthrough_flags_are_refused(tmp_path, capsys, flag, value, expected) -> None:
+    err = _failure(_pod(tmp_path, f"{flag}={value}"), capsys)
+    assert flag in err and expected in err
+
+
+def test_pod_dry_run_prints_the_command_with_the_connector_config(tmp_path, capsys) -> None:
+    argv = _pod(tmp_path, "--kv-connector-extra-config", '{"lease_s": 30, "secret": "s3"}',
+                "--extra-vllm-args=--seed 3", "--max-model-len", "512", "--proxy-url", "http://10.0.0.9:8000/",
+                role="decode")
+    side = int(argv[argv.index("--side-channel-port") + 1])
+    out, cmd, ktc = _dry_run(argv, capsys)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and cmd[-2:] == ["--seed", "3"]
+    assert cmd[cmd.index("--max-model-len") + 1] == "512" and cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    assert ktc["kv_connector"] == "P2pKvConnector" and ktc["kv_connector_module_path"] == "p2pkv.connector"
+    extra = ktc["kv_connector_extra_config"]
+    assert extra == {"side_channel_host": "127.0.0.1", "side_channel_port": side, "lease_s": 30,
+                     "secret": "<hidden>"}
+    assert "s3" not in out and "dry run" in out
+    assert "(from --side-channel-host)" in out and "warning: side channel on 127.0.0.1" in out
+    assert "http://10.0.0.9:8000 must list this engine" in out and "--decode" in out
+
+
+def test_pod_env_fallbacks(tmp_path, capsys, monkeypatch) -> None:
+    http, side = free_ports(2)
+    monkeypatch.setenv("P2PKV_MODEL", str(tmp_path))
+    monkeypatch.setenv("P2PKV_PORT", str(http))
+    monkeypatch.setenv("P2PKV_SIDE_CHANNEL_PORT", str(side))
+    monkeypatch.setenv("P2PKV_SIDE_CHANNEL_HOST", "127.0.0.1")
+    out, cmd, ktc = _dry_run(["launch", "prefill", "--dry-run"], capsys)
+    assert cmd[cmd.index("--model") + 1] == str(tmp_path) and cmd[cmd.index("--port") + 1] == str(http)
+    extra = ktc["kv_connector_extra_config"]
+    assert extra["side_channel_port"] == side and extra["side_channel_host"] == "127.0.0.1"
+    assert "from P2PKV_SIDE_CHANNEL_HOST" in out
+    monkeypatch.setenv("P2PKV_PORT", "http")
+    assert "P2PKV_PORT=http" in _failure(["launch", "prefill", "--dry-run"], capsys)
+    monkeypatch.setenv("P2PKV_PORT", str(http))
+    monkeypatch.setenv("P2PKV_SIDE_CHANNEL_HOST", "203.0.113.7")
+    assert "P2PKV_SIDE_CHANNEL_HOST=203.0.113.7" in _failure(["launch", "prefill", "--dry-run"], capsys)
+
+
+def test_pod_side_channel_host_defaults_to_pod_ip(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("POD_IP", "127.0.0.1")
+    argv = [a for a in _pod(tmp_path) if a not in ("--side-channel-host", "127.0.0.1")]
+    out, _, ktc = _dry_run(argv, capsys)
+    assert ktc["kv_connector_extra_config"]["side_channel_host"] == "127.0.0.1" and "(from POD_IP)" in out
+    monkeypatch.setenv("POD_IP", "203.0.113.7")
+    assert "POD_IP=203.0.113.7" in _failure(argv, capsys)
+
+
+def test_side_channel_host_default_is_never_loopback(monkeypatch) -> None:
+    try:
+        ip, reason = checks.default_side_channel_host({})
+    except LaunchError as exc:  # a machine with no address but loopback must say what to pass
+        assert "--side-channel-host" in str(exc)
+    else:
+        assert not checks.is_unroutable(ip) and "POD_IP is not set" in reason
+        checks.resolve_local_address(ip, "--side-channel-host")  # and it is an address of this machine
+    loopback_only = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", 0))]
+    monkeypatch.setattr(checks, "outward_address", lambda: None)
+    monkeypatch.setattr(checks.socket, "getaddrinfo", lambda *a, **k: loopback_only)
+    with pytest.raises(LaunchError, match=r"--side-channel-host.*set POD_IP"):
+        checks.default_side_channel_host({})
+
+
+_FAKE_ENGINE = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *a):
+        pass
+print("fake engine serving", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_supervise_reports_an_engine_that_dies(tmp_path, capsys) -> None:
+    (port,) = free_ports(1)
+    argv = [sys.executable, "-c", _FAKE_ENGINE, str(port)]
+    killed: list[int] = []
+
+    def kill(child) -> None:
+        killed.append(child.proc.pid)
+        os.kill(child.proc.pid, signal.SIGKILL)
+
+    echoed = io.StringIO()
+    rc = supervise("prefill", argv, dict(os.environ), tmp_path, f"http://127.0.0.1:{port}/health", 30.0,
+                   on_ready=kill, echo=echoed, poll_s=0.1)
+    out, err = capsys.readouterr()
+    assert rc == 1 and killed and "ready: prefill" in out and echoed.getvalue() == "fake engine serving\n"
+    assert f"prefill exited with code {-signal.SIGKILL}" in err and "fake engine serving" in err
+
+
+def test_supervise_reports_an_engine_that_never_gets_healthy(tmp_path, capsys) -> None:
+    argv = [sys.executable, "-c", "print('no GPU memory left'); raise SystemExit(3)"]
+    rc = supervise("decode", argv, dict(os.environ), tmp_path, "http://127.0.0.1:9/health", 30.0)
+    err = capsys.readouterr().err
+    assert rc == 1 and "decode exited with code 3 before it was healthy" in err and "no GPU memory left" in err
+
+
+@pytest.mark.engines
+def test_launch_prefill_runs_until_sigterm(tiny_model, tmp_path) -> None:
+    """A real engine: ready, /health 200, SIGTERM → exit 0 and the engine's process group gone."""
+    http, side = free_ports(2)
+    argv = [sys.executable, "-m", "p2pkv.cli", "launch", "prefill", "--model", str(tiny_model), "--dtype",
+            "float32", "--host", "127.0.0.1", "--port", str(http), "--side-channel-host", "127.0.0.1",
+            "--side-channel-port", str(side), "--log-dir", str(tmp_path), "--no-echo"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    pgid = None
+    try:
+        deadline = time.monotonic() + 400
+        while not any(x.startswith("ready:") for x in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.5)
+        (pid_line,) = [x for x in lines if x.startswith("prefill: pid ")]
+        pgid = int(pid_line.split("process group ")[1].split(")")[0])
+        assert httpx.get(f"http://127.0.0.1:{http}/health", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+        reader.join(timeout=10)
+        assert any("got SIGTERM, stopping the engine" in x for x in lines)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"engine process group {pgid} still alive"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pgid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+
+
+def test_gpu_pods_keep_cuda_graphs_and_leave_the_environment_alone(tmp_path, capsys, monkeypatch) -> None:
+    """On GPUs the engine runs with CUDA graphs (no --enforce-eager) and without the small-machine
+    environment defaults; without CUDA (the demo) it keeps both."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 2)
+    out, argv, _ = _dry_run(_pod(tmp_path, "--tensor-parallel-size", "2", "--block-size", "16"), capsys)
+    assert "--enforce-eager" not in argv and "OMP_NUM_THREADS" not in out
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 0)
+    out, argv, _ = _dry_run(_pod(tmp_path), capsys)
+    assert "--enforce-eager" in argv and "OMP_NUM_THREADS" in out

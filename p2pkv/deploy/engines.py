@@ -22,12 +22,20 @@ class EngineSpec:
         side_channel_port: p2pkv side-channel base port (P/D engines).
         block_size: tokens per KV block.
         dtype: model dtype.
-        max_model_len: longest sequence (tokens).
+        max_model_len: longest sequence (tokens; None: the model's own).
         kv_cache_gib: KV cache size on CPU (GiB; ``VLLM_CPU_KVCACHE_SPACE``).
         tensor_parallel_size: TP size.
         extra_config: more ``kv_connector_extra_config`` keys.
         connector: ``"p2pkv"`` or ``"nixl"`` (vLLM's own NixlConnector).
         env: extra environment variables.
+        extra_args: more ``vllm serve`` flags, appended as given.
+        enforce_eager: pass ``--enforce-eager`` (no CUDA graphs: quick starts for
+            tests and CPU runs; GPU pods leave it off).
+        gpu_memory_utilization: share of the GPU's memory this engine may
+            take (None: vLLM's default); engines sharing one GPU split it.
+        local_defaults: set the small-machine environment defaults (1 GiB CPU
+            KV cache, one OMP thread, offline Hugging Face hub) unless already set;
+            GPU pods leave them off.
     """
 
     name: str
@@ -39,12 +47,16 @@ class EngineSpec:
     side_channel_port: int = 5600
     block_size: int = 32
     dtype: str = "float32"
-    max_model_len: int = 2048
+    max_model_len: int | None = 2048
     kv_cache_gib: int = 1
     tensor_parallel_size: int = 1
     extra_config: dict[str, object] = field(default_factory=dict)
     connector: str = "p2pkv"
     env: dict[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    enforce_eager: bool = True
+    local_defaults: bool = True
+    gpu_memory_utilization: float | None = None
 
     def kv_transfer_config(self) -> dict[str, object] | None:
         """The ``--kv-transfer-config`` JSON for this engine (None: no connector)."""
@@ -74,24 +86,30 @@ class EngineSpec:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", self.host, "--port", str(self.port),
             "--dtype", self.dtype, "--block-size", str(self.block_size),
-            "--max-model-len", str(self.max_model_len), "--enforce-eager",
             "--tensor-parallel-size", str(self.tensor_parallel_size),
             "--served-model-name", "model",
         ]
+        if self.enforce_eager:
+            argv.append("--enforce-eager")
+        if self.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:.2f}"]
+        if self.max_model_len is not None:
+            argv += ["--max-model-len", str(self.max_model_len)]
         ktc = self.kv_transfer_config()
         if ktc is not None:
             argv += ["--kv-transfer-config", json.dumps(ktc)]
-        return argv
+        return argv + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
         """Environment for the engine process (inherits ours)."""
         env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        env.setdefault("OMP_NUM_THREADS", "1")
+        if self.local_defaults:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            env.setdefault("OMP_NUM_THREADS", "1")
+            env.setdefault("HF_HUB_OFFLINE", "1")
+            env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
         if self.connector == "nixl" and self.role is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.side_channel_host or self.host

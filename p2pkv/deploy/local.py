@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from p2pkv.deploy.checks import check_port_free
 from p2pkv.deploy.engines import EngineSpec
 from p2pkv.deploy.processes import Child, LaunchError, start_child, stop_children, wait_healthy
-
-
-def check_port_free(host: str, port: int, flag: str) -> None:
-    """Fail fast when ``host:port`` cannot be bound.
-
-    Raises:
-        LaunchError: names the flag to change.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            raise LaunchError(f"{flag}={port}: cannot bind {host}:{port} ({exc.strerror}); pick a free port") from exc
 
 
 @dataclass
@@ -43,6 +29,8 @@ class LocalPair:
         extra_config: more ``kv_connector_extra_config`` keys for both engines.
         decode_extra_config: keys for the decode engine only.
         connector: ``"p2pkv"`` or ``"nixl"`` (vLLM's NixlConnector, for comparisons).
+        tensor_parallel_size: TP size of every engine.
+        engine_args: more ``vllm serve`` flags for every engine.
     """
 
     model: str
@@ -59,13 +47,25 @@ class LocalPair:
     extra_config: dict[str, object] = field(default_factory=dict)
     decode_extra_config: dict[str, object] = field(default_factory=dict)
     connector: str = "p2pkv"
+    tensor_parallel_size: int = 1
+    engine_args: tuple[str, ...] = ()
     children: list[Child] = field(default_factory=list)
+
+    def _gpu_share(self) -> float | None:
+        """On a GPU machine the engines share its memory (vLLM's default would let the first take 90 %)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return round(0.85 / (3 if self.aggregated_port is not None else 2), 2)
 
     def engine_specs(self) -> list[EngineSpec]:
         """The engines this pair starts."""
         common = dict(model=self.model, host=self.host, block_size=self.block_size, dtype=self.dtype,
                       max_model_len=self.max_model_len, connector=self.connector,
-                      side_channel_host=self.host, env={"UCX_NET_DEVICES": "lo"})
+                      side_channel_host=self.host, env={"UCX_NET_DEVICES": "lo"},
+                      tensor_parallel_size=self.tensor_parallel_size, extra_args=tuple(self.engine_args),
+                      gpu_memory_utilization=self._gpu_share())
         specs = [
             EngineSpec(name="prefill", port=self.prefill_port, role="prefill",
                        side_channel_port=self.side_channel_port, extra_config=dict(self.extra_config),
