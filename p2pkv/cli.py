@@ -27,9 +27,6 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from p2pkv.deploy.local import LocalPair
     from p2pkv.deploy.processes import LaunchError
 
-    if args.mode != "local":
-        print(f"p2pkv launch {args.mode}: only 'local' is available in this version", file=sys.stderr)
-        return 2
     pair = LocalPair(model=args.model, host=args.host, prefill_port=args.prefill_port,
                      decode_port=args.decode_port, proxy_port=args.proxy_port,
                      side_channel_port=args.side_channel_port, block_size=args.block_size,
@@ -52,6 +49,12 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return 0
     finally:
         pair.stop()
+
+
+def _cmd_launch_pod(args: argparse.Namespace) -> int:
+    from p2pkv.deploy.pod_cli import main
+
+    return main(args)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -77,7 +80,7 @@ def _token_list(text: str) -> tuple[int, ...]:
 
 def _add_bench_transfer_arguments(p: argparse.ArgumentParser) -> None:
     from p2pkv.bench.synth import ITEMSIZES
-    from p2pkv.bench.transfer import TransferBenchOptions
+    from p2pkv.bench.transfer import DEVICES, ROLES, TransferBenchOptions
 
     d = TransferBenchOptions()
     p.add_argument("--layers", type=int, default=d.shape.num_layers, help="attention layers")
@@ -99,9 +102,26 @@ def _add_bench_transfer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-num-workers", type=int, default=0, help="UCX workers per agent (0: NIXL default)")
     p.add_argument("--memcpy-threads", type=int, default=0, help="torch threads for memcpy (0: torch default)")
     p.add_argument("--max-mem-gib", type=float, default=d.max_mem_gib,
-                   help="memory per process (GiB): two KV caches plus about 0.75 GiB")
+                   help="memory per process (GiB; GPU memory with --device cuda): two KV caches plus about 0.75 GiB")
+    p.add_argument("--device", choices=list(DEVICES), default=d.device,
+                   help="where the KV caches live: cpu (host memory, NIXL DRAM) or cuda (the current GPU, NIXL "
+                        "VRAM; --role both: both processes on it, UCX cuda_ipc between them; memcpy is a "
+                        "device-to-device copy)")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-exact check of one pull per method")
-    p.add_argument("--host", default=d.host, help="side-channel address")
+    p.add_argument("--host", default=d.host, help="side-channel address (--role prefill: also the control channel's)")
+    p.add_argument("--role", choices=list(ROLES), default=d.role,
+                   help="both: spawn the prefill process on this host (this process pulls); prefill: serve the "
+                        "caches in the foreground until a decode says done; decode: pull from the prefill at --peer")
+    p.add_argument("--peer", default=d.peer, metavar="HOST", help="--role decode: the prefill node's address")
+    p.add_argument("--port", type=int, default=d.port,
+                   help="split roles: side-channel port of the prefill's cross-layer cache, +1 for the "
+                        "layer-compact one (--role both: ephemeral ports)")
+    p.add_argument("--control-port", type=int, default=d.control_port,
+                   help="split roles: TCP control channel port (readiness, block counts, done; 0: --port + 2)")
+    p.add_argument("--serve-seconds", type=float, default=d.serve_seconds,
+                   help="--role prefill: exit after this many seconds at the latest (exit code 1: no decode finished)")
+    p.add_argument("--peer-timeout", type=float, default=d.peer_timeout_s,
+                   help="--role decode: seconds to wait for the prefill at --peer to accept and answer")
     p.add_argument("--prefill-poll-ms", type=float, default=d.prefill_poll_ms,
                    help="how often the prefill process progresses NIXL without a progress thread (ms)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
@@ -112,7 +132,7 @@ def _add_bench_transfer_arguments(p: argparse.ArgumentParser) -> None:
 def _cmd_bench_transfer(args: argparse.Namespace) -> int:
     from p2pkv.bench import report
     from p2pkv.bench.synth import KVShape
-    from p2pkv.bench.transfer import TransferBenchOptions, run_transfer_bench
+    from p2pkv.bench.transfer import PeerError, TransferBenchOptions, run_prefill, run_transfer_bench
 
     try:
         shape = KVShape(args.layers, args.kv_heads, args.head_dim, args.dtype, args.block_size)
@@ -121,11 +141,15 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
             seed=args.seed, fragmentation=args.fragmentation, progress_thread=args.progress_thread,
             num_threads=args.num_threads, ucx_error_handling_mode=args.ucx_error_handling_mode,
             ucx_num_workers=args.ucx_num_workers, memcpy_threads=args.memcpy_threads, max_mem_gib=args.max_mem_gib,
-            verify=not args.no_verify, host=args.host, prefill_poll_ms=args.prefill_poll_ms, quiet=args.quiet)
+            device=args.device, verify=not args.no_verify, host=args.host, prefill_poll_ms=args.prefill_poll_ms,
+            quiet=args.quiet, role=args.role, peer=args.peer, port=args.port, control_port=args.control_port,
+            serve_seconds=args.serve_seconds, peer_timeout_s=args.peer_timeout)
+        if opts.role == "prefill":
+            return run_prefill(opts)
         result = run_transfer_bench(opts)
-    except ValueError as exc:
+    except (ValueError, PeerError) as exc:
         print(f"p2pkv bench transfer: {exc}", file=sys.stderr)
-        return 2
+        return 2 if isinstance(exc, ValueError) else 3
     print(report.format_table(result))
     if args.json:
         report.write_json(result, args.json)
@@ -153,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
-    launch = sub.add_parser("launch", help="start a prefill/decode pair and the proxy")
-    launch.add_argument("mode", choices=["local"], help="local: both engines and the proxy on this host")
+    launch_parser = sub.add_parser("launch", help="start a prefill/decode pair and the proxy, or one side of it")
+    launch_sub = launch_parser.add_subparsers(dest="mode", required=True)
+    launch = launch_sub.add_parser("local", help="both engines and the proxy on this host")
     launch.add_argument("--model", required=True, help="model directory")
     launch.add_argument("--host", default="127.0.0.1")
     launch.add_argument("--proxy-port", type=int, default=8000)
@@ -165,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--dtype", default="float32")
     launch.add_argument("--log-dir", default=".p2pkv/logs")
     launch.set_defaults(func=_cmd_launch)
+    from p2pkv.deploy.pod_cli import add_arguments as _add_pod_arguments
+
+    for role in ("prefill", "decode"):
+        side = launch_sub.add_parser(role, help=f"one {role} engine with p2pkv, for a pod (checks flags first)")
+        _add_pod_arguments(side, role)
+        side.set_defaults(func=_cmd_launch_pod)
 
     doctor = sub.add_parser("doctor", help="check NIXL/UCX, RDMA, GPU, the side-channel port, a loopback pull")
     doctor.add_argument("--side-channel-host", default="127.0.0.1")
@@ -185,6 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
         "transfer", help="KV block pulls over NIXL between two processes vs memcpy (cross-layer vs per-layer)")
     _add_bench_transfer_arguments(transfer)
     transfer.set_defaults(func=_cmd_bench_transfer)
+    from p2pkv.bench.serve import add_arguments as _add_bench_serve_arguments
+    from p2pkv.bench.serve import main as _cmd_bench_serve
+
+    serve = bench_sub.add_parser(
+        "serve", help="serving benchmark through the proxy: p2pkv vs NixlConnector vs one engine, answers checked")
+    _add_bench_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_bench_serve)
+    from p2pkv.bench.fixup import add_arguments as _add_bench_fixup_arguments
+    from p2pkv.bench.fixup import cli_main as _cmd_bench_fixup
+
+    fixup = bench_sub.add_parser(
+        "fixup", help="post-receive fixup (re-block, HND/NHD, head slice) on the device vs a plain copy")
+    _add_bench_fixup_arguments(fixup)
+    fixup.set_defaults(func=_cmd_bench_fixup)
     return parser
 
 

@@ -4,18 +4,31 @@ The end-to-end test spawns the real prefill process (NIXL over UCX loopback)
 and checks that every method ran, moved the same bytes, pulled them exactly
 (the benchmark compares one pulled request per method with its source byte
 for byte) and that cross-layer coalescing never needs more descriptors than
-the per-layer scheme.
+the per-layer scheme. ``--device`` is checked on the CPU (parsing, failing
+fast without CUDA, the ``python -m`` entry staying off the proxy's web stack)
+and, on a GPU machine, end to end with the caches in GPU memory. The
+two-node mode is run on one host: ``--role prefill`` and ``--role decode
+--peer 127.0.0.1`` as two subprocesses on free loopback ports, plus the
+control channel on its own and a ``--peer`` where nothing listens.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import multiprocessing as mp
+import socket
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from p2pkv.bench import report
+from p2pkv.bench import report, transfer
 from p2pkv.bench.synth import (
     KVShape,
     allocate_blocks,
@@ -26,6 +39,7 @@ from p2pkv.bench.synth import (
     size_cache,
 )
 from p2pkv.bench.transfer import METHODS, TransferBenchOptions, run_transfer_bench
+from p2pkv.bench.transfer_control import ControlClient, ControlServer, PeerError
 from p2pkv.plan import coalesce_runs
 
 TINY = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=16)
@@ -70,6 +84,89 @@ def test_bench_transfer_tiny_end_to_end(tmp_path) -> None:
     assert next(t for t in data["targets"] if t["name"] == "descriptors_le_runs")["met"] is True
     table = report.format_table(result)
     assert all(name in table for name in METHODS)
+    assert data["config"]["device"] == "cpu" and data["config"]["nixl_mem_type"] == "DRAM"
+    assert data["role"] == data["config"]["role"] == "both" and data["peer"] is None and "prefill_machine" not in data
+    assert data["hosts"]["decode"] == {"hostname": socket.gethostname(), "address": "127.0.0.1"}
+    assert data["hosts"]["prefill"]["address"] == "127.0.0.1"
+    assert data["machine"]["device"]["type"] == "cpu"
+    assert "cpu (host memory, NIXL DRAM)" in table.splitlines()[0]
+    gpu = copy.deepcopy(result)
+    gpu["machine"]["device"] = {"type": "cuda", "name": "Some GPU", "index": 0, "nixl_mem_type": "VRAM",
+                                "total_memory_bytes": 80 << 30, "compute_capability": "9.0", "multiprocessors": 132,
+                                "cuda_runtime": "13.0", "driver": None}
+    gpu_table = report.format_table(gpu)
+    assert "cuda:0 Some GPU (GPU memory, NIXL VRAM)" in gpu_table.splitlines()[0]
+    assert "GPU Some GPU: 80.0 GiB" in gpu_table
+
+
+def test_device_flag_parses() -> None:
+    parser = transfer.build_parser()
+    assert parser.parse_args([]).device == "cpu"
+    assert parser.parse_args([]).role == "both"
+    split = parser.parse_args(["--role", "decode", "--peer", "10.0.0.2", "--port", "6000", "--peer-timeout", "5"])
+    assert (split.role, split.peer, split.port, split.control_port, split.peer_timeout) == (
+        "decode", "10.0.0.2", 6000, 0, 5.0)
+    assert parser.parse_args(["--device", "cuda", "--tokens", "1k,4k"]).device == "cuda"
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--device", "tpu"])
+    assert exc.value.code == 2
+    with pytest.raises(ValueError, match="--device cuda:x"):
+        transfer.resolve_device("cuda:x")
+    assert str(transfer.resolve_device("cpu")) == "cpu"
+
+
+def test_device_cuda_without_cuda_fails_fast(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    t0 = time.monotonic()
+    rc = transfer.main(["--device", "cuda", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64"])
+    assert rc == 2
+    assert time.monotonic() - t0 < 5
+    assert not mp.active_children()  # refused before the prefill process started
+    err = capsys.readouterr().err
+    assert "--device cuda" in err and "no CUDA device" in err and "--device cpu" in err
+
+
+def test_module_entry_avoids_web_stack() -> None:
+    """``python -m p2pkv.bench.transfer`` (the GPU-machine entry) parses the flags without the proxy's imports."""
+    code = """
+import runpy, sys
+import torch
+torch.cuda.is_available = lambda: False
+sys.argv = ["transfer.py", "--device", "cuda", "--tokens", "64"]
+try:
+    runpy.run_module("p2pkv.bench.transfer", run_name="__main__", alter_sys=True)
+    rc = 0
+except SystemExit as exc:
+    rc = exc.code
+web = sorted(m for m in sys.modules if m.split(".")[0] in {"fastapi", "httpx", "starlette", "uvicorn", "vllm"})
+print(rc, web)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split("\n")[-2] == "2 []", out.stdout + out.stderr
+    assert "--device cuda" in out.stderr
+
+
+def test_command_line_names_the_module_entry() -> None:
+    assert report.command_line(["/home/u/p2pkv/p2pkv/bench/transfer.py", "--device", "cuda"]) == (
+        "python -m p2pkv.bench.transfer --device cuda")
+    assert report.command_line(["/usr/local/bin/p2pkv", "bench", "transfer"]) == "p2pkv bench transfer"
+
+
+@pytest.mark.gpu
+def test_bench_transfer_tiny_cuda() -> None:
+    opts = TransferBenchOptions(shape=TINY, tokens=(64,), requests=1, fragmentation=2, device="cuda", quiet=True,
+                                max_mem_gib=2.0, argv=["p2pkv", "bench", "transfer", "--device", "cuda"])
+    result = run_transfer_bench(opts)
+    dev = result["machine"]["device"]
+    assert dev["type"] == "cuda" and dev["name"] == torch.cuda.get_device_name(dev["index"])
+    assert result["config"]["device"] == f"cuda:{dev['index']}" and result["config"]["nixl_mem_type"] == "VRAM"
+    (entry,) = result["results"]
+    assert set(entry["methods"]) == set(METHODS)
+    for name, m in entry["methods"].items():
+        assert m["verified"] is True, f"{name} pulled wrong bytes"
+        assert m["gbps"] > 0
+    assert result["processes"]["decode_peak_gpu_bytes"] > 0 and result["processes"]["prefill_peak_gpu_bytes"] > 0
+    assert "NIXL VRAM" in report.format_table(result).splitlines()[0]
 
 
 def test_allocate_blocks_gives_distinct_ids_in_bounded_runs() -> None:
@@ -107,3 +204,121 @@ def test_pattern_check_catches_a_single_wrong_byte() -> None:
     assert not ranges_equal(raw, ranges, None, 6)
     raw[TINY.block_bytes + 3] ^= 1
     assert not ranges_equal(raw, ranges, None, 5)
+
+
+# --------------------------------------------------------------------------- two nodes (--role prefill / decode)
+
+TINY_FLAGS = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64", "--requests", "2"]
+
+
+def _free_ports() -> tuple[int, int]:
+    """``(port, control_port)`` free on 127.0.0.1 now, with ``port + 1`` free too (side channels)."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65535:
+                continue
+            try:
+                with socket.socket() as b, socket.socket() as c:
+                    b.bind(("127.0.0.1", port + 1))
+                    c.bind(("127.0.0.1", 0))
+                    return port, c.getsockname()[1]
+            except OSError:
+                continue
+    raise RuntimeError("no free loopback ports")
+
+
+def _bench(*args: str) -> list[str]:
+    return [sys.executable, "-m", "p2pkv.bench.transfer", *args, *TINY_FLAGS]
+
+
+def test_bench_transfer_split_roles_over_loopback(tmp_path: Path) -> None:
+    port, control = _free_ports()
+    ports = ["--port", str(port), "--control-port", str(control)]
+    logs = {name: (tmp_path / f"{name}.out", tmp_path / f"{name}.err") for name in ("prefill", "decode")}
+    with open(logs["prefill"][0], "w") as out, open(logs["prefill"][1], "w") as err:
+        prefill = subprocess.Popen(_bench("--role", "prefill", "--host", "127.0.0.1", *ports, "--serve-seconds", "600"),
+                                   stdout=out, stderr=err)
+    try:
+        path = tmp_path / "decode.json"
+        # Started at once: the decode side waits (--peer-timeout) for the prefill to be ready.
+        decode = subprocess.run(_bench("--role", "decode", "--peer", "127.0.0.1", *ports, "--peer-timeout", "300",
+                                       "--json", str(path)), capture_output=True, text=True, timeout=500)
+        assert decode.returncode == 0, decode.stdout + decode.stderr
+        assert prefill.wait(timeout=120) == 0, logs["prefill"][1].read_text()  # it exits by itself
+    finally:
+        if prefill.poll() is None:
+            prefill.kill()
+            prefill.wait()
+    (ready,) = [line for line in logs["prefill"][0].read_text().splitlines() if line.startswith("ready: ")]
+    assert f"127.0.0.1:{port}" in ready and f"127.0.0.1:{port + 1}" in ready and f"127.0.0.1:{control}" in ready
+    data = json.loads(path.read_text())
+    assert data["role"] == "decode" and data["peer"] == "127.0.0.1"
+    assert data["config"]["port"] == port and data["config"]["control_port"] == control
+    assert data["hosts"]["decode"] == {"hostname": socket.gethostname(), "address": "127.0.0.1"}
+    assert data["hosts"]["prefill"] == {"hostname": socket.gethostname(), "address": "127.0.0.1",
+                                        "side_channel_ports": {"BLHNC": port, "LBHNC": port + 1}}
+    assert data["prefill_machine"]["versions"]["torch"] and data["prefill_machine"]["device"]["type"] == "cpu"
+    (entry,) = data["results"]
+    assert set(entry["methods"]) == set(METHODS)
+    for name, m in entry["methods"].items():
+        assert m["verified"] is True, f"{name} pulled wrong bytes"
+    assert data["processes"]["prefill_notifications"] >= 1 and data["processes"]["prefill_peak_rss_bytes"] > 0
+    assert {p["prefill_register_ms"] > 0 for p in data["setup"]["peers"].values()} == {True}
+
+
+def test_bench_transfer_decode_without_a_prefill_at_peer_fails() -> None:
+    port, control = _free_ports()
+    out = subprocess.run(_bench("--role", "decode", "--peer", "127.0.0.1", "--port", str(port), "--control-port",
+                                str(control), "--peer-timeout", "2"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "--peer 127.0.0.1" in out.stderr and f"control port {control}" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--role", "decode"], "--role decode needs --peer"),
+    (["--peer", "10.0.0.2"], "only --role decode connects"),
+    (["--role", "prefill", "--port", "65535"], "--port 65535"),
+])
+def test_split_role_options_are_checked_first(argv: list[str], message: str, capsys) -> None:
+    assert transfer.main([*argv, *TINY_FLAGS]) == 2
+    assert message in capsys.readouterr().err
+    assert not mp.active_children()
+
+
+def test_control_channel_survives_probes_and_garbage() -> None:
+    server = ControlServer("127.0.0.1", 0)
+    seen: list[dict] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            msg = server.poll(0.05)
+            if msg is None:
+                continue
+            seen.append(msg)
+            if msg["op"] == "hello":
+                server.reply({"op": "ready", "n": msg["n"] + 1})
+            elif msg["op"] == "done":
+                server.reply({"op": "bye"})
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        socket.create_connection(("127.0.0.1", server.port), timeout=10).close()  # a port probe
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as bad:
+            bad.sendall(b"not json\n")
+            assert bad.recv(10) == b""  # dropped
+        client = ControlClient("127.0.0.1", server.port, 30)
+        assert client.request({"op": "hello", "n": 1}, "ready", 30) == {"op": "ready", "n": 2}
+        assert client.request({"op": "done"}, "bye", 30) == {"op": "bye"}
+        with pytest.raises(PeerError, match="expected a 'bye' reply"):
+            client.request({"op": "hello", "n": 5}, "bye", 30)
+        client.close()
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+        server.close()
+    assert [m["op"] for m in seen][:5] == ["closed", "closed", "hello", "done", "hello"]

@@ -2,7 +2,8 @@
 
 Works on the plain results dict of
 :func:`p2pkv.bench.transfer.run_transfer_bench`; imports nothing heavy
-(matplotlib only inside :func:`plot`). Units: GB/s are 1e9 bytes/s, MiB are
+(matplotlib only inside :func:`plot`, torch only inside
+:func:`device_info` for a GPU). Units: GB/s are 1e9 bytes/s, MiB are
 2**20 bytes, times in ms or µs as named.
 """
 
@@ -33,10 +34,21 @@ _LLAMA3_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bf
 
 
 def command_line(argv: Sequence[str]) -> str:
-    """The command as a user would type it (``p2pkv ...`` for the console script)."""
+    """The command as a user would type it.
+
+    ``p2pkv ...`` for the console script; ``python -m p2pkv.bench.transfer
+    ...`` when ``argv[0]`` is a module file of the p2pkv package (how
+    ``python -m`` fills it in).
+    """
     args = list(argv)
-    if args and Path(args[0]).name == "p2pkv":
-        args[0] = "p2pkv"
+    if args:
+        path = Path(args[0])
+        parents = list(path.parts[:-1])
+        if path.name == "p2pkv":
+            args[0] = "p2pkv"
+        elif path.suffix == ".py" and "p2pkv" in parents:
+            top = len(parents) - 1 - parents[::-1].index("p2pkv")
+            args[0:1] = ["python", "-m", ".".join([*parents[top:], path.stem])]
     return shlex.join(args)
 
 
@@ -120,15 +132,56 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def machine_info() -> dict[str, Any]:
-    """CPU model, cores, RAM (bytes), kernel and library versions of this machine."""
+def device_info(device: str) -> dict[str, Any]:
+    """What holds the KV caches: ``type`` (``cpu``/``cuda``), ``name`` and, for a GPU, its details.
+
+    Args:
+        device: torch device string, e.g. ``"cpu"`` or ``"cuda:0"``.
+
+    Returns:
+        ``type``, ``name`` (CPU model, or ``torch.cuda.get_device_name``),
+        ``nixl_mem_type``; for a GPU also ``index``, ``total_memory_bytes``,
+        ``compute_capability``, ``multiprocessors``, ``cuda_runtime`` (torch's
+        CUDA version) and ``driver`` (NVIDIA kernel driver, when readable).
+    """
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                    if line.startswith("model name")), platform.processor() or None)
+        return {"type": "cpu", "name": cpu, "nixl_mem_type": "DRAM"}
+    import torch
+
+    idx = int(index) if index else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(idx)
+    driver = next((w for w in _read("/proc/driver/nvidia/version").split() if w[:1].isdigit() and "." in w), None)
+    return {"type": "cuda", "name": torch.cuda.get_device_name(idx), "index": idx, "nixl_mem_type": "VRAM",
+            "total_memory_bytes": int(props.total_memory), "compute_capability": f"{props.major}.{props.minor}",
+            "multiprocessors": int(props.multi_processor_count), "cuda_runtime": torch.version.cuda,
+            "driver": driver}
+
+
+def device_text(result: dict[str, Any]) -> str:
+    """One-line description of where a result's caches lived, e.g. ``cuda:0 NVIDIA H100 80GB HBM3 (VRAM)``."""
+    dev = result.get("machine", {}).get("device") or {"type": "cpu", "nixl_mem_type": "DRAM"}
+    if dev["type"] != "cuda":
+        return "cpu (host memory, NIXL DRAM)"
+    return f"cuda:{dev['index']} {dev['name']} (GPU memory, NIXL VRAM)"
+
+
+def machine_info(device: str | None = None) -> dict[str, Any]:
+    """CPU model, cores, RAM (bytes), kernel and library versions of this machine.
+
+    Args:
+        device: with a torch device string (``"cpu"``, ``"cuda:0"``), also
+            ``device``: :func:`device_info` of it.
+    """
     cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                 if line.startswith("model name")), platform.processor() or None)
     mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
                     if line.startswith("MemTotal:")), 0)
     versions = {name: _version(name) for name in ("torch", "numpy", "nixl", "nixl-cu13", "nixl-cu12")}
     versions["ucx"] = _ucx_version()
-    return {
+    info: dict[str, Any] = {
         "cpu_model": cpu,
         "logical_cpus": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
@@ -137,6 +190,9 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "versions": {k: v for k, v in versions.items() if v is not None},
     }
+    if device is not None:
+        info["device"] = device_info(device)
+    return info
 
 
 def _method(result: dict[str, Any], tokens: int, method: str) -> dict[str, Any] | None:
@@ -197,14 +253,19 @@ def format_table(result: dict[str, Any]) -> str:
     """The human-readable report: configuration, one row per size and method, setup, targets."""
     cfg, mach = result["config"], result["machine"]
     lines = [
-        f"p2pkv bench transfer: {cfg['shape_label']}",
+        f"p2pkv bench transfer on {device_text(result)}: {cfg['shape_label']}",
         f"  {cfg['requests']} requests per size, fragmentation (max run) {cfg['fragmentation']}, "
         f"{cfg['num_blocks']} blocks per cache ({cfg['cache_bytes'] / 2**30:.2f} GiB), "
         f"progress thread {'on' if cfg['progress_thread'] else 'off'}, torch threads {cfg['torch_threads']}",
         f"  {mach['cpu_model']}, {mach['usable_cpus']} cores, {mach['mem_total_bytes'] / 2**30:.1f} GiB RAM; "
         + ", ".join(f"{k} {v}" for k, v in mach["versions"].items()),
-        "",
     ]
+    dev = mach.get("device") or {}
+    if dev.get("type") == "cuda":
+        lines.append(f"  GPU {dev['name']}: {dev['total_memory_bytes'] / 2**30:.1f} GiB, compute capability "
+                     f"{dev['compute_capability']}, {dev['multiprocessors']} SMs, CUDA {dev['cuda_runtime']}, "
+                     f"driver {dev.get('driver') or '?'}; both processes' caches on this GPU")
+    lines.append("")
     header = ["tokens", "MiB/req", "method", "GB/s", "x memcpy", "best GB/s", "desc/req", "runs/req", "p50 ms",
               "p99 ms", "plan us", "bytes ok"]
     rows = []
@@ -277,8 +338,10 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
             ax.set_yscale("log")
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"p2pkv bench transfer: {result['config']['shape_label']} ({result['machine']['cpu_model']}, "
-                 f"{result['machine']['usable_cpus']} cores)", fontsize=10)
+    dev = result["machine"].get("device") or {}
+    where = (f"{dev['name']} GPU memory" if dev.get("type") == "cuda"
+             else f"{result['machine']['cpu_model']}, {result['machine']['usable_cpus']} cores")
+    fig.suptitle(f"p2pkv bench transfer: {result['config']['shape_label']} ({where})", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -8,8 +8,9 @@ seed-dependent offset``, so every 8 bytes are distinct, any misplaced byte
 range is caught, and the expected bytes of any range can be recomputed in
 another process without holding the cache (:func:`pattern_bytes`).
 
-Used by the tests (``tests/kvsynth.py`` re-exports it) and by
-``p2pkv bench transfer``.
+Caches live on any torch device (host memory by default, or a GPU); the
+pattern and its checks work on either. Used by the tests
+(``tests/kvsynth.py`` re-exports it) and by ``p2pkv bench transfer``.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ LLAMA3_8B = KVShape()
 def make_kv_caches(layout: str, num_layers: int = 4, num_blocks: int = 64, num_heads: int = 2,
                    block_size: int = 32, head_dim: int = 16, dtype: torch.dtype | None = None,
                    fill: float | Literal["pattern"] | None = None,
-                   seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                   seed: int = 0, device: str | torch.device = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One allocation plus per-layer views in a vLLM layout.
 
     Layouts: ``LBHNC`` (layer-compact, per-layer view [B, H, N, C]),
@@ -129,6 +130,7 @@ def make_kv_caches(layout: str, num_layers: int = 4, num_blocks: int = 64, num_h
             copy, so only for small caches); a number: that value
             everywhere; ``"pattern"``: :func:`fill_pattern_` (cheap, any size).
         seed: seeds the random values or the pattern.
+        device: torch device of the allocation (``"cpu"``, ``"cuda:0"``, ...).
 
     Returns:
         ``(storage, kv_caches)``: the whole allocation (for byte checks) and
@@ -139,13 +141,14 @@ def make_kv_caches(layout: str, num_layers: int = 4, num_blocks: int = 64, num_h
     dtype = torch.float32 if dtype is None else dtype
     shape_hnc = (num_heads, block_size, 2 * head_dim)
     if layout == "LBHNC":
-        base = torch.empty((num_layers, num_blocks, *shape_hnc), dtype=dtype)
+        base = torch.empty((num_layers, num_blocks, *shape_hnc), dtype=dtype, device=device)
         views = {f"layers.{i}": base[i] for i in range(num_layers)}
     elif layout == "BLHNC":
-        base = torch.empty((num_blocks, num_layers, *shape_hnc), dtype=dtype)
+        base = torch.empty((num_blocks, num_layers, *shape_hnc), dtype=dtype, device=device)
         views = {f"layers.{i}": base[:, i] for i in range(num_layers)}
     elif layout == "KV_SPLIT":
-        base = torch.empty((num_layers, 2, num_blocks, block_size, num_heads, head_dim), dtype=dtype)
+        base = torch.empty((num_layers, 2, num_blocks, block_size, num_heads, head_dim), dtype=dtype,
+                           device=device)
         views = {f"layers.{i}": base[i] for i in range(num_layers)}
     else:
         raise ValueError(f"unknown layout {layout}")
@@ -160,11 +163,11 @@ def make_kv_caches(layout: str, num_layers: int = 4, num_blocks: int = 64, num_h
 
 
 def make_shaped_kv_caches(layout: str, shape: KVShape, num_blocks: int,
-                          fill: float | Literal["pattern"] | None = "pattern",
-                          seed: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """:func:`make_kv_caches` for a :class:`KVShape` (``num_blocks * shape.block_bytes`` bytes)."""
+                          fill: float | Literal["pattern"] | None = "pattern", seed: int = 0,
+                          device: str | torch.device = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`make_kv_caches` for a :class:`KVShape` (``num_blocks * shape.block_bytes`` bytes on ``device``)."""
     return make_kv_caches(layout, shape.num_layers, num_blocks, shape.num_kv_heads, shape.block_size,
-                          shape.head_dim, shape.torch_dtype, fill=fill, seed=seed)
+                          shape.head_dim, shape.torch_dtype, fill=fill, seed=seed, device=device)
 
 
 def _words(base: torch.Tensor) -> torch.Tensor:
@@ -185,7 +188,9 @@ def fill_pattern_(base: torch.Tensor, seed: int) -> None:
     """Write the pattern into a contiguous tensor: int64 word ``i`` := ``i + pattern_offset(seed)``.
 
     Touches every page (no lazily mapped zero pages left) at about memory
-    bandwidth, in 64 MiB steps so no temporary copy is made.
+    bandwidth, in 64 MiB steps so no temporary copy is made. On a GPU the
+    fill is queued on the current stream: synchronize before another
+    process or a NIXL transfer reads the memory.
     """
     import torch
 
@@ -196,23 +201,24 @@ def fill_pattern_(base: torch.Tensor, seed: int) -> None:
         torch.arange(lo + off, hi + off, dtype=torch.int64, out=words[lo:hi])
 
 
-def pattern_bytes(offset: int, length: int, seed: int) -> torch.Tensor:
+def pattern_bytes(offset: int, length: int, seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """The bytes :func:`fill_pattern_` wrote at ``[offset, offset + length)`` of an allocation.
 
     Args:
         offset: byte offset into the allocation (multiple of 8).
         length: bytes (multiple of 8).
         seed: the fill's seed.
+        device: where to build the bytes (compare on the device that holds the copy).
 
     Returns:
-        A uint8 tensor of ``length`` bytes.
+        A uint8 tensor of ``length`` bytes on ``device``.
     """
     if offset % 8 or length % 8:
         raise ValueError(f"pattern ranges are whole int64 words, got offset {offset} length {length}")
     import torch
 
     lo = offset // 8 + pattern_offset(seed)
-    return torch.arange(lo, lo + length // 8, dtype=torch.int64).view(torch.uint8)
+    return torch.arange(lo, lo + length // 8, dtype=torch.int64, device=device).view(torch.uint8)
 
 
 def block_bytes(views: dict[str, torch.Tensor], layout: str, block_id: int) -> bytes:
@@ -222,7 +228,7 @@ def block_bytes(views: dict[str, torch.Tensor], layout: str, block_id: int) -> b
     chunks = []
     for view in views.values():
         page = view[:, block_id] if layout == "KV_SPLIT" else view[block_id]
-        chunks.append(page.contiguous().view(torch.uint8).numpy().tobytes())
+        chunks.append(page.contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return b"".join(chunks)
 
 
@@ -339,10 +345,13 @@ def ranges_equal(dst: torch.Tensor, ranges: list[tuple[int, int, int]], src: tor
                  seed: int, chunk_bytes: int = 64 << 20) -> bool:
     """True when every destination range equals its source range, byte for byte.
 
+    Compares on ``dst``'s device (a GPU copy is checked on the GPU; the
+    expected pattern is built there).
+
     Args:
-        dst: uint8 view of the destination allocation.
+        dst: uint8 view of the destination allocation (any device).
         ranges: from :func:`run_ranges`.
-        src: uint8 view of the source allocation, or ``None`` when the source
+        src: uint8 view of the source allocation (on ``dst``'s device), or ``None`` when the source
             is a :func:`fill_pattern_` allocation of ``seed`` in another process.
         seed: the source pattern's seed (when ``src`` is None).
         chunk_bytes: compare this many bytes at a time (bounds temporaries).
@@ -352,7 +361,7 @@ def ranges_equal(dst: torch.Tensor, ranges: list[tuple[int, int, int]], src: tor
     for d, s, n in ranges:
         for k in range(0, n, chunk_bytes):
             m = min(chunk_bytes, n - k)
-            want = src[s + k:s + k + m] if src is not None else pattern_bytes(s + k, m, seed)
+            want = src[s + k:s + k + m] if src is not None else pattern_bytes(s + k, m, seed, dst.device)
             if not torch.equal(dst[d + k:d + k + m], want):
                 return False
     return True

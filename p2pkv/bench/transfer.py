@@ -1,11 +1,12 @@
 """``p2pkv bench transfer``: KV block pulls over NIXL between two processes vs memcpy.
 
-A spawned *prefill* process owns two synthetic KV caches of one model shape,
+A *prefill* process owns two synthetic KV caches of one model shape,
 cross-layer (``BLHNC``) and layer-compact (``LBHNC``), each registered and
 served by its own :class:`p2pkv.worker.WorkerSide` (NIXL agent + side
-channel). This *decode* process holds two destination caches on one
-:class:`p2pkv.transfer.NixlTransferAgent`, fetches both peers' AgentInfo over
-the side channel (timed), and pulls the same requests (same block ids, same
+channel; :mod:`p2pkv.bench.transfer_prefill`). The *decode* process holds two
+destination caches on one :class:`p2pkv.transfer.NixlTransferAgent`
+(:mod:`p2pkv.bench.transfer_decode`), fetches both peers' AgentInfo over the
+side channel (timed), and pulls the same requests (same block ids, same
 bytes) four ways:
 
 * ``memcpy``: torch ``copy_`` of the same byte ranges between two tensors in
@@ -16,6 +17,28 @@ bytes) four ways:
   block per layer (run lengths all 1, nothing coalesced).
 * ``layer_coalesced``: ``LBHNC`` + coalescing: one descriptor per run per layer.
 
+Where the two processes run (``--role``):
+
+* ``both`` (default): this process is the decode side and spawns the
+  prefill process on the same host (side channels on ``--host``, ephemeral
+  ports).
+* ``prefill`` / ``decode``: one node each. ``--role prefill`` serves in the
+  foreground (side channels on ``--host``:``--port`` and ``--port + 1``),
+  ``--role decode --peer HOST`` pulls from it; what ``both`` passes through
+  multiprocessing queues (readiness, side-channel ports, blocks per cache,
+  the prefill's statistics) travels over a small TCP control channel on
+  ``--control-port`` (:mod:`p2pkv.bench.transfer_control`). Both sides derive
+  caches, patterns and block placements from the same flags
+  (``--seed``, shape, ``--num-blocks``/``--max-mem-gib``); the decode side
+  checks that they agree and tells the prefill when it is done, and the
+  prefill then exits.
+
+With ``device="cuda"`` (``--device cuda``) every cache lives in GPU memory
+(NIXL memory type ``VRAM``; with ``--role both`` both processes' on one GPU,
+and UCX moves the READs between them with ``cuda_ipc``), and ``memcpy`` is a
+device-to-device ``copy_`` of the same byte ranges on the decode side,
+timed between ``torch.cuda.synchronize()`` calls.
+
 Requests are pulled one at a time; a pull is timed from
 :meth:`~p2pkv.transfer.NixlTransferAgent.start_read` (NIXL descriptor lists,
 ``initialize_xfer``, post) to the poll that sees it DONE. Descriptor planning
@@ -24,35 +47,35 @@ each method pulls request 0 once into scrubbed destination blocks and the
 bytes are compared exactly with the source (warm-up and correctness check).
 
 Units: bytes; GB/s are 1e9 bytes per second; times in ms or µs as named.
+
+Run it as ``p2pkv bench transfer`` or, on a machine without the proxy's web
+stack, as ``python -m p2pkv.bench.transfer`` (same flags; needs only torch,
+numpy, msgspec, pyzmq and NIXL).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
+import socket
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from p2pkv.bench import report
-from p2pkv.bench.synth import (
-    LLAMA3_8B,
-    GiB,
-    KVShape,
-    make_placements,
-    make_shaped_kv_caches,
-    ranges_equal,
-    run_ranges,
-    size_cache,
-)
-from p2pkv.plan import build_descriptors, coalesce_runs
+from p2pkv.bench.synth import LLAMA3_8B, GiB, KVShape, make_placements, size_cache
+from p2pkv.bench.transfer_control import PeerError
+from p2pkv.bench.transfer_decode import Decode
+from p2pkv.bench.transfer_prefill import RemotePrefill, SpawnedPrefill, log, remote_seed, serve
+from p2pkv.plan import coalesce_runs
+
+__all__ = ["CUDA_MEMCPY_LABEL", "DEVICES", "METHODS", "PROCESS_OVERHEAD_BYTES", "ROLES", "PeerError",
+           "TransferBenchOptions", "build_parser", "check_options", "main", "method_labels", "remote_seed",
+           "resolve_device", "run_prefill", "run_transfer_bench"]
 
 if TYPE_CHECKING:
+    import argparse
+
     import torch
 
 METHODS: dict[str, str] = {
@@ -61,14 +84,21 @@ METHODS: dict[str, str] = {
     "per_layer": "NixlConnector scheme: layer-compact (LBHNC), 1 descriptor per block per layer",
     "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
 }
-"""Method key → what it measures."""
+"""Method key → what it measures (host memory; see :func:`method_labels`)."""
+
+CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
+                     "between torch.cuda.synchronize() calls; the limit)")
+"""What ``memcpy`` measures with ``--device cuda``."""
+
+DEVICES = ("cpu", "cuda")
+"""``--device`` choices: host memory (NIXL ``DRAM``) or GPU memory (NIXL ``VRAM``)."""
 
 PROCESS_OVERHEAD_BYTES = 768 << 20
-"""Bytes one benchmark process needs besides its two caches (torch, NIXL, UCX)."""
+"""Bytes one benchmark process needs besides its two caches (torch, NIXL, UCX; on a GPU: the
+CUDA context and the verification temporaries, in GPU memory)."""
 
-_LAYOUTS = ("BLHNC", "LBHNC")
-_PEER = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC"}  # method → layout pulled
-_NOTIF = b"p2pkv:done:bench"
+ROLES = ("both", "prefill", "decode")
+"""``--role`` choices: both processes on this host, or one side of a two-node pair."""
 
 
 @dataclass
@@ -87,15 +117,32 @@ class TransferBenchOptions:
         num_threads: UCX backend worker threads (0: NIXL default).
         ucx_error_handling_mode: ``"peer"``, ``"none"`` or ``""`` (NIXL default), as in P2pKvConfig.
         ucx_num_workers: UCX workers per agent (0: NIXL default).
-        memcpy_threads: torch threads for the memcpy method (0: torch default).
-        max_mem_gib: memory per process (GiB), two caches plus overhead.
+        memcpy_threads: torch threads for the memcpy method (0: torch default; host memory only).
+        max_mem_gib: memory per process (GiB), two caches plus overhead: host
+            memory for ``device="cpu"``, GPU memory for ``"cuda"`` (with
+            ``role="both"`` both processes use the same GPU, so it must hold
+            twice this).
+        device: where every cache lives: ``"cpu"`` (host memory, NIXL
+            ``DRAM``), ``"cuda"`` (the current GPU) or ``"cuda:N"`` (NIXL
+            ``VRAM``; with ``role="both"`` the prefill process uses the same GPU).
         verify: compare one pulled request per method with its source, byte for byte.
-        host: side-channel address (loopback by default).
+        host: side-channel (and, for ``role="prefill"``, control) bind address (loopback by default).
         prefill_poll_ms: how often the prefill process progresses NIXL (drains
             notifications) without a progress thread. Pulls are READs without
             a notification (sent after completion, as the worker does), so
             their completion does not wait for the prefill side.
         quiet: no progress lines on stderr.
+        role: ``"both"`` (spawn the prefill process on this host), ``"prefill"``
+            (serve in the foreground) or ``"decode"`` (pull from ``peer``).
+        peer: the prefill node's address (``role="decode"`` only).
+        port: side-channel TCP port of the prefill's ``BLHNC`` cache
+            (``LBHNC``: ``port + 1``) for ``role="prefill"``; ``role="both"``
+            uses ephemeral ports.
+        control_port: control channel TCP port of a split pair (0: ``port + 2``).
+        serve_seconds: ``role="prefill"`` exits after this many seconds at the
+            latest, counted from ready.
+        peer_timeout_s: ``role="decode"`` gives up when the prefill at ``peer``
+            does not accept the control connection (or answer it) within this many seconds.
         argv: command line to record in the results.
     """
 
@@ -111,10 +158,17 @@ class TransferBenchOptions:
     ucx_num_workers: int = 0
     memcpy_threads: int = 0
     max_mem_gib: float = 6.0
+    device: str = "cpu"
     verify: bool = True
     host: str = "127.0.0.1"
     prefill_poll_ms: float = 0.5
     quiet: bool = False
+    role: str = "both"
+    peer: str = ""
+    port: int = 5610
+    control_port: int = 0
+    serve_seconds: float = 900.0
+    peer_timeout_s: float = 60.0
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def nixl_settings(self) -> dict[str, Any]:
@@ -123,195 +177,86 @@ class TransferBenchOptions:
                 "ucx_error_handling_mode": self.ucx_error_handling_mode, "ucx_num_workers": self.ucx_num_workers}
 
 
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``--device name`` means (``"cuda"``: the current GPU, e.g. ``cuda:0``).
+
+    Raises:
+        ValueError: not ``cpu``/``cuda``/``cuda:N``, or no such CUDA device is
+            usable (the message names ``--device``).
+    """
+    import torch
+
+    kind, _, index = name.partition(":")
+    if kind not in DEVICES or (kind == "cpu" and index) or (index and not index.isdigit()):
+        raise ValueError(f"--device {name}: expected one of {', '.join(DEVICES)} (or cuda:N)")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__}, built for CUDA "
+                         f"{torch.version.cuda}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                         "use --device cpu")
+    count = torch.cuda.device_count()
+    idx = int(index) if index else torch.cuda.current_device()
+    if idx >= count:
+        raise ValueError(f"--device {name}: only {count} CUDA device(s) visible")
+    return torch.device("cuda", idx)
+
+
+def method_labels(device: torch.device) -> dict[str, str]:
+    """:data:`METHODS`, with ``memcpy`` described as a device-to-device copy on a GPU."""
+    return {**METHODS, "memcpy": CUDA_MEMCPY_LABEL} if device.type == "cuda" else dict(METHODS)
+
+
 def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]]:
     """``(num_blocks, token sizes that fit, warnings)``: two caches per process within ``max_mem_gib``.
 
+    With ``device="cuda"`` the budget is GPU memory, and this GPU's free
+    memory must hold the caches now: both processes' (four caches) with
+    ``role="both"``, this side's two otherwise. Both sides of a split pair
+    compute the same ``num_blocks`` from the same flags.
+
     Raises:
-        ValueError: bad options, or not even the smallest request fits.
+        ValueError: bad options, no usable CUDA device for ``--device cuda``,
+            or not even the smallest request fits.
     """
     if opts.requests < 1 or not opts.tokens or min(opts.tokens) < 1 or opts.fragmentation < 0:
         raise ValueError("need --requests >= 1, token sizes >= 1 and --fragmentation >= 0")
+    if opts.role not in ROLES:
+        raise ValueError(f"--role {opts.role}: expected one of {', '.join(ROLES)}")
+    if opts.role == "decode" and not opts.peer:
+        raise ValueError("--role decode needs --peer HOST: the address of the node running --role prefill")
+    if opts.peer and opts.role != "decode":
+        raise ValueError(f"--peer {opts.peer}: only --role decode connects to a peer (this is --role {opts.role})")
+    if opts.role != "both":
+        if not 0 < opts.port < 65535 or not 0 <= opts.control_port < 65536 or opts.port + 2 > 65535:
+            raise ValueError(f"--port {opts.port} / --control-port {opts.control_port}: need 1 <= --port <= 65533 "
+                             "(side channels on --port and --port + 1) and --control-port 0 (--port + 2) or a port")
+        if opts.serve_seconds <= 0 or opts.peer_timeout_s <= 0:
+            raise ValueError("--serve-seconds and --peer-timeout must be > 0")
     if opts.shape.page_bytes % 8:
         raise ValueError(f"a block's page is {opts.shape.page_bytes} B; the benchmark needs a multiple of 8")
+    device = resolve_device(opts.device)
     budget = int(opts.max_mem_gib * GiB) - PROCESS_OVERHEAD_BYTES
-    return size_cache(opts.shape, opts.tokens, opts.requests, opts.num_blocks, budget, caches=2)
-
-
-def remote_seed(seed: int, layout: str) -> int:
-    """Pattern seed of the prefill process's ``layout`` cache."""
-    return 2 * seed + 100 + _LAYOUTS.index(layout)
-
-
-def _prefill_main(shape_d: dict[str, Any], num_blocks: int, seed: int, nixl: dict[str, Any], host: str,
-                  poll_s: float, out: Any, stop: Any) -> None:
-    """Prefill process: serve both caches until ``stop``, draining completion notifications."""
-    from p2pkv.config import P2pKvConfig
-    from p2pkv.worker import WorkerSide
-
-    workers: list[WorkerSide] = []
-    try:
-        shape, config, ready, caches = KVShape(**shape_d), P2pKvConfig(**nixl), {}, []
-        for layout in _LAYOUTS:
-            base, views = make_shaped_kv_caches(layout, shape, num_blocks, seed=remote_seed(seed, layout))
-            caches.append(base)
-            worker = WorkerSide(f"bench-prefill-{layout}", config, 0, 1, host, 0, "p2pkv-bench:" + shape.key(),
-                                shape.model_info(layout))
-            workers.append(worker)
-            t0 = time.perf_counter()
-            worker.register_kv_caches(views, num_blocks)
-            ready[layout] = {"register_ms": (time.perf_counter() - t0) * 1e3,
-                             "port": worker.server.port if worker.server else 0}
-        out.put(("ready", ready))
-        notifs = 0
-        while not stop.wait(poll_s):
-            notifs += sum(len(w.agent.get_notifs()) for w in workers if w.agent is not None)
-        out.put(("done", {"notifs": notifs, "peak_rss_bytes": report.peak_rss_bytes()}))
-    except BaseException:
-        out.put(("error", traceback.format_exc()))
-    finally:
-        for worker in workers:
-            worker.shutdown()
-
-
-def _expect(out: Any, proc: Any, tag: str, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and (proc.is_alive() or not out.empty()):
-        try:
-            got, payload = out.get(timeout=0.5)
-        except queue.Empty:
-            continue
-        if got == "error":
-            raise RuntimeError(f"prefill process failed:\n{payload}")
-        if got == tag:
-            return payload
-    raise RuntimeError(f"prefill process sent no {tag!r} within {timeout_s:g} s (exit code {proc.exitcode})")
-
-
-@dataclass
-class _Side:
-    """One layout as seen from the decode process."""
-
-    raw: torch.Tensor
-    segs: list[tuple[int, int, int]]
-    local_segments: list[Any]
-    remote_segments: list[Any]
-    peer: str
-    seed: int
-
-
-class _Decode:
-    """The decode side: destination caches, one NIXL agent, both peers."""
-
-    def __init__(self, opts: TransferBenchOptions, num_blocks: int) -> None:
-        from p2pkv.config import P2pKvConfig
-        from p2pkv.layout import describe_torch_kv_caches
-        from p2pkv.transfer import NixlTransferAgent, unique_agent_name
-
-        self.opts, self.num_blocks = opts, num_blocks
-        shape = opts.shape
-        self.agent = NixlTransferAgent(
-            unique_agent_name("bench-decode", 0), ("UCX",), opts.progress_thread, opts.num_threads,
-            P2pKvConfig(**opts.nixl_settings()).backend_params())
-        made = {lay: make_shaped_kv_caches(lay, shape, num_blocks, seed=2 * opts.seed + 200 + i)
-                for i, lay in enumerate(_LAYOUTS)}
-        self.caches = {lay: base for lay, (base, _) in made.items()}
-        self.layouts = {lay: describe_torch_kv_caches(views, num_blocks) for lay, (_, views) in made.items()}
-        t0 = time.perf_counter()
-        self.agent.register([r for lay in self.layouts.values() for r in lay.regions], "DRAM")
-        self.register_ms = (time.perf_counter() - t0) * 1e3
-        self.peers: dict[str, dict[str, float]] = {}
-        self.sides: dict[str, _Side] = {}
-
-    def connect(self, ready: dict[str, Any]) -> None:
-        """Handshake with both prefill peers and load their metadata (timed)."""
+    num_blocks, tokens, warnings = size_cache(opts.shape, opts.tokens, opts.requests, opts.num_blocks, budget,
+                                              caches=2)
+    if device.type == "cuda":
         import torch
 
-        from handshake import fetch_agent_info
-        from p2pkv.worker import check_compatible, layout_desc, remote_segments
-
-        opts, shape = self.opts, self.opts.shape
-        for lay in _LAYOUTS:
-            local, base = self.layouts[lay], self.caches[lay]
-            t0 = time.perf_counter()
-            info = fetch_agent_info(opts.host, ready[lay]["port"], 0, "bench-decode", "p2pkv-bench:" + shape.key())
-            t1 = time.perf_counter()
-            check_compatible(layout_desc(local, mem_type="DRAM", **shape.model_info(lay)), info.layout)
-            name = self.agent.add_peer(info)
-            t2 = time.perf_counter()
-            self.peers[lay] = {"handshake_ms": (t1 - t0) * 1e3, "add_remote_agent_ms": (t2 - t1) * 1e3,
-                               "setup_ms": (t2 - t0) * 1e3, "prefill_register_ms": ready[lay]["register_ms"]}
-            origin = local.regions[0].addr
-            self.sides[lay] = _Side(
-                raw=base.view(-1).view(torch.uint8),
-                segs=[(s.addr - origin, s.block_stride, s.length) for s in local.segments],
-                local_segments=list(local.segments), remote_segments=remote_segments(info.layout),
-                peer=name, seed=remote_seed(opts.seed, lay))
-
-    def plan(self, method: str, loc: np.ndarray, rem: np.ndarray) -> dict[str, Any]:
-        """Descriptors (or memcpy runs) of one request; keys ``runs``, ``local``, ``remote``, ``descs``."""
-        if method == "per_layer":
-            ones, side = np.ones(loc.size, dtype=np.int64), self.sides["LBHNC"]
-            ld = build_descriptors(side.local_segments, np.asarray(loc, dtype=np.int64), ones)
-            rd = build_descriptors(side.remote_segments, np.asarray(rem, dtype=np.int64), ones)
-            return {"local": ld, "remote": rd, "descs": int(ld.shape[0])}
-        runs = coalesce_runs(loc, rem, self.num_blocks, self.num_blocks)
-        if method == "memcpy":
-            return {"runs": runs, "descs": int(runs[0].size)}
-        side = self.sides[_PEER[method]]
-        ld, rd = (build_descriptors(segs, runs[i], runs[2]) for i, segs in
-                  enumerate((side.local_segments, side.remote_segments)))
-        return {"local": ld, "remote": rd, "descs": int(ld.shape[0])}
-
-    def execute(self, method: str, plan: dict[str, Any]) -> float:
-        """Run one planned request; seconds."""
-        if method == "memcpy":
-            src, dst, bb = self.sides["BLHNC"].raw, self.sides["LBHNC"].raw, self.opts.shape.block_bytes
-            ls, rs, lens = (a.tolist() for a in plan["runs"])
-            t0 = time.perf_counter()
-            for a, b, n in zip(ls, rs, lens, strict=True):
-                dst[a * bb:(a + n) * bb].copy_(src[b * bb:(b + n) * bb])
-            return time.perf_counter() - t0
-        side = self.sides[_PEER[method]]
-        t0 = time.perf_counter()
-        handle = self.agent.start_read(side.peer, plan["local"], plan["remote"], b"")
-        while not self.agent.poll(handle):
-            pass
-        seconds = time.perf_counter() - t0
-        self.agent.send_notif(side.peer, _NOTIF)  # as WorkerSide does: after the READ, off the timed path
-        return seconds
-
-    def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None]:
-        """Scrub a request's destination, pull it, compare with the source: ``(seconds, equal)``."""
-        runs = coalesce_runs(loc, rem, self.num_blocks, self.num_blocks)
-        if method == "memcpy":
-            bb = self.opts.shape.block_bytes
-            dst, src, seed = self.sides["LBHNC"].raw, self.sides["BLHNC"].raw, 0
-            ranges = run_ranges([(0, bb, bb)], *runs)
-        else:
-            side = self.sides[_PEER[method]]
-            dst, src, seed = side.raw, None, side.seed
-            ranges = run_ranges(side.segs, *runs)
-        for d, _, n in ranges:
-            dst[d:d + n].zero_()
-        seconds = self.execute(method, self.plan(method, loc, rem))
-        if method in _PEER:
-            self.peers[_PEER[method]].setdefault("first_pull_ms", seconds * 1e3)
-        return seconds, (ranges_equal(dst, ranges, src, seed) if self.opts.verify else None)
-
-    def timed(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, float, int]:
-        """``(planning seconds, pull seconds, descriptors)`` of one request."""
-        t0 = time.perf_counter()
-        plan = self.plan(method, loc, rem)
-        t1 = time.perf_counter()
-        return t1 - t0, self.execute(method, plan), plan["descs"]
+        free, _ = torch.cuda.mem_get_info(device)
+        procs = 2 if opts.role == "both" else 1
+        need = procs * (2 * num_blocks * opts.shape.block_bytes + PROCESS_OVERHEAD_BYTES)
+        if need > free:
+            raise ValueError(f"--device {opts.device}: {procs} process(es) with two caches of {num_blocks} blocks each "
+                             f"need {need / GiB:.2f} GiB of GPU memory but {device} has {free / GiB:.2f} GiB free; "
+                             "lower --max-mem-gib or --num-blocks")
+    return num_blocks, tokens, warnings
 
 
 def _log(opts: TransferBenchOptions, msg: str) -> None:
-    if not opts.quiet:
-        print(f"[p2pkv bench transfer] {msg}", file=sys.stderr, flush=True)
+    log(opts.quiet, msg)
 
 
-def _bench_tokens(dec: _Decode, opts: TransferBenchOptions, tokens: int) -> dict[str, Any]:
+def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[str, Any]:
     placements = make_placements(opts.seed, tokens, opts.shape, dec.num_blocks, opts.requests, opts.fragmentation)
     runs = [int(coalesce_runs(lo, re, dec.num_blocks, dec.num_blocks)[2].size) for lo, re in placements]
     blocks = int(placements[0][0].size)
@@ -327,7 +272,7 @@ def _bench_tokens(dec: _Decode, opts: TransferBenchOptions, tokens: int) -> dict
     for method in METHODS:
         plan_s, pull_s, descs = zip(*samples[method], strict=True)
         res = entry["methods"][method] = report.method_stats(
-            METHODS[method], entry["bytes_per_request"], pull_s, plan_s, descs, *warm[method])
+            dec.labels[method], entry["bytes_per_request"], pull_s, plan_s, descs, *warm[method])
         _log(opts, f"{tokens} tokens  {method:<15} {res['gbps']:7.2f} GB/s  p50 {res['latency_ms']['p50']:8.2f} ms"
                    f"  {res['descriptors_per_request']['mean']:9.1f} desc/req  verified={res['verified']}")
     for res in entry["methods"].values():
@@ -336,63 +281,134 @@ def _bench_tokens(dec: _Decode, opts: TransferBenchOptions, tokens: int) -> dict
 
 
 def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
-    """Run the whole benchmark (spawns the prefill process; ends it before returning).
+    """Run the whole benchmark as the decode side (``role`` ``"both"`` or ``"decode"``).
+
+    ``"both"`` spawns the prefill process and ends it before returning;
+    ``"decode"`` connects to the prefill at ``opts.peer`` and tells it when
+    it is done (it then exits).
 
     Returns:
         The results dict that :mod:`p2pkv.bench.report` prints, writes and checks.
 
     Raises:
-        ValueError: bad options. RuntimeError: the prefill process failed or did not answer.
+        ValueError: bad options, or a peer whose caches differ from this side's.
+        PeerError: the prefill at ``--peer`` cannot be reached or stopped answering.
+        RuntimeError: the spawned prefill process failed or did not answer.
     """
     import torch
 
+    if opts.role == "prefill":
+        raise ValueError("--role prefill serves (run_prefill); it does not measure")
     num_blocks, tokens, warnings = check_options(opts)
+    device = resolve_device(opts.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     for w in warnings:
         _log(opts, f"warning: {w}")
     threads = torch.get_num_threads()
-    torch.set_num_threads(opts.memcpy_threads or threads)  # restored below
-    _log(opts, f"{opts.shape.label()}; {num_blocks} blocks per cache "
-               f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches per process")
     started, t_wall = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter()
-    ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=_prefill_main, name="p2pkv-bench-prefill", daemon=True,
-                       args=(asdict(opts.shape), num_blocks, opts.seed, opts.nixl_settings(), opts.host,
-                             opts.prefill_poll_ms / 1e3, out, stop))
-    proc.start()
-    dec: _Decode | None = None
+    link: SpawnedPrefill | RemotePrefill | None = None
+    dec: Decode | None = None
     try:
-        dec = _Decode(opts, num_blocks)  # while the prefill process starts
-        dec.connect(_expect(out, proc, "ready", 300))
+        if opts.role == "decode":  # before any cache exists: a bad --peer fails fast
+            link = RemotePrefill(opts, num_blocks, device)
+            _log(opts, f"prefill {link.hostname} at --peer {opts.peer} is ready")
+        torch.set_num_threads(opts.memcpy_threads or threads)  # restored below
+        _log(opts, f"{opts.shape.label()}; {num_blocks} blocks per cache "
+                   f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches per process on {device}")
+        if link is None:
+            link = SpawnedPrefill(opts, num_blocks, device)
+        dec = Decode(opts, num_blocks, device, method_labels(device))  # while a spawned prefill starts
+        ready = link.ready()
+        dec.connect(ready, link.host)
         _log(opts, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
         decode_rss = report.peak_rss_bytes()
+        decode_gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
         dec.agent.close()
-        stop.set()
-        done = _expect(out, proc, "done", 60)
+        done = link.finish()
     finally:
         if dec is not None:
             dec.agent.close()
         torch.set_num_threads(threads)
-        stop.set()
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+        if link is not None:
+            link.close()
     result: dict[str, Any] = {
         "benchmark": "p2pkv bench transfer", "command": report.command_line(opts.argv), "argv": list(opts.argv),
-        "timestamp": started, "wall_s": time.perf_counter() - t_wall, "machine": report.machine_info(),
+        "timestamp": started, "wall_s": time.perf_counter() - t_wall, "machine": report.machine_info(str(device)),
+        "role": opts.role, "peer": opts.peer or None,
+        "hosts": {"decode": {"hostname": socket.gethostname(), "address": link.local_address},
+                  "prefill": {"hostname": link.hostname, "address": link.host,
+                              "side_channel_ports": {k: v["port"] for k, v in ready.items()}}},
         "config": {**{k: v for k, v in asdict(opts).items() if k not in ("argv", "quiet")},
+                   "device": str(device), "nixl_mem_type": dec.mem_type,
                    "tokens": tokens, "skipped_tokens": sorted(set(opts.tokens) - set(tokens)),
                    "shape_label": opts.shape.label(), "block_bytes": opts.shape.block_bytes,
                    "page_bytes": opts.shape.page_bytes, "num_blocks": num_blocks,
                    "cache_bytes": num_blocks * opts.shape.block_bytes, "torch_threads": opts.memcpy_threads or threads,
                    "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}},
-        "methods": dict(METHODS),
+        "methods": dict(dec.labels),
         "setup": {"decode_register_ms": dec.register_ms, "peers": dec.peers},
         "processes": {"decode_peak_rss_bytes": decode_rss, "prefill_peak_rss_bytes": done["peak_rss_bytes"],
+                      "decode_peak_gpu_bytes": decode_gpu, "prefill_peak_gpu_bytes": done.get("peak_gpu_bytes"),
                       "prefill_notifications": done["notifs"]},
         "warnings": warnings, "results": results,
     }
+    if link.machine is not None:
+        result["prefill_machine"] = link.machine
     result["targets"] = report.evaluate_targets(result)
     return result
+
+
+def run_prefill(opts: TransferBenchOptions) -> int:
+    """``--role prefill``: serve this node's caches until the decode side is done (see :func:`serve`).
+
+    Returns:
+        The exit code: 0 after a decode said done (or on SIGTERM/SIGINT), 1
+        when ``--serve-seconds`` passed first.
+
+    Raises:
+        ValueError: bad options, or a port that cannot be bound.
+    """
+    import torch
+
+    if opts.role != "prefill":
+        raise ValueError(f"run_prefill needs --role prefill, not {opts.role}")
+    num_blocks, _, warnings = check_options(opts)
+    device = resolve_device(opts.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    for w in warnings:
+        _log(opts, f"warning: {w}")
+    _log(opts, f"prefill: {opts.shape.label()}; {num_blocks} blocks per cache "
+               f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches on {device}")
+    return serve(opts, num_blocks, device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m p2pkv.bench.transfer``: the flags of ``p2pkv bench transfer``."""
+    import argparse
+
+    from p2pkv.cli import _add_bench_transfer_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m p2pkv.bench.transfer",
+                                     description="KV block pulls over NIXL between two processes vs memcpy")
+    _add_bench_transfer_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m p2pkv.bench.transfer [flags]``: ``p2pkv bench transfer`` without the rest of the CLI.
+
+    Same flags and exit codes (0 ok; 1 a pull moved wrong bytes, or ``--role
+    prefill`` saw no decode finish within ``--serve-seconds``; 2 bad options;
+    3 the prefill at ``--peer`` unreachable or gone); imports only the
+    benchmark's own dependencies, not the proxy.
+    """
+    from p2pkv.cli import _cmd_bench_transfer
+
+    return _cmd_bench_transfer(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
