@@ -278,27 +278,24 @@ def send_heartbeat(
     """
     endpoint = tcp_endpoint(host, port)
     accepted, expired = 0, []
-    ctx = zmq.Context()
-    try:
-        for start in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS):
-            msg = LeaseHeartbeat(protocol_version=PROTOCOL_VERSION, requester_engine_id=requester_engine_id,
-                                 request_ids=request_ids[start:start + MAX_HEARTBEAT_IDS], extend_s=extend_s)
-            reply = _exchange(ctx, host, endpoint, encode(msg, secret), timeout_s, max_message_bytes, cancel)
-            if reply is None and cancel is not None and cancel.is_set():
-                raise HandshakeCancelledError(f"heartbeat to {host}:{port} cancelled (shutting down)")
-            if reply is None:
-                raise HandshakeTimeoutError(f"no heartbeat reply from {host}:{port} within {timeout_s:g} s")
-            if (refusal := _unsigned_auth_refusal(reply, max_message_bytes)) is not None:
-                raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint)
-            answer = decode(reply, secret, max_message_bytes)
-            if isinstance(answer, ErrorReply):
-                raise RemoteRefusedError(answer.code, answer.field, answer.message, endpoint=endpoint)
-            if not isinstance(answer, HeartbeatReply):
-                raise MalformedMessageError(f"{endpoint} answered a heartbeat with {type(answer).__name__}",
-                                            field="type")
-            accepted += answer.accepted
-            expired += answer.expired
-    finally:
-        ctx.term()
+    ctx = zmq.Context.instance()  # shared: a heartbeat also fences every finished pull, so it must be cheap
+    for start in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS):
+        msg = LeaseHeartbeat(protocol_version=PROTOCOL_VERSION, requester_engine_id=requester_engine_id,
+                             request_ids=request_ids[start:start + MAX_HEARTBEAT_IDS], extend_s=extend_s)
+        reply = _exchange(ctx, host, endpoint, encode(msg, secret), timeout_s, max_message_bytes, cancel)
+        if reply is None and cancel is not None and cancel.is_set():
+            raise HandshakeCancelledError(f"heartbeat to {host}:{port} cancelled (shutting down)")
+        if reply is None:
+            raise HandshakeTimeoutError(f"no heartbeat reply from {host}:{port} within {timeout_s:g} s")
+        if (refusal := _unsigned_auth_refusal(reply, max_message_bytes)) is not None:
+            raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint)
+        answer = decode(reply, secret, max_message_bytes)
+        if isinstance(answer, ErrorReply):
+            raise RemoteRefusedError(answer.code, answer.field, answer.message, endpoint=endpoint)
+        if not isinstance(answer, HeartbeatReply):
+            raise MalformedMessageError(f"{endpoint} answered a heartbeat with {type(answer).__name__}",
+                                        field="type")
+        accepted += answer.accepted
+        expired += answer.expired
     return HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, expired=expired)
 

@@ -91,7 +91,8 @@ class WorkerSide:
         self._stop = threading.Event()
         self._handshake_threads: list[threading.Thread] = []
         self._confirming: dict[tuple[str, int], list[Pull]] = {}
-        self._confirms: dict[tuple[str, int], tuple[Future, list[Pull]]] = {}
+        self._confirms: dict[int, tuple[Future, list[Pull]]] = {}
+        self._confirm_seq = 0
         self._peers: dict[tuple[str, int], Peer] = {}
         self._pending: dict[tuple[str, int], Pending] = {}
         self._pulls: list[Pull] = []
@@ -441,13 +442,14 @@ class WorkerSide:
         self._stager.poll_releases()
 
     def _progress_confirmations(self) -> None:
-        """Fence finished READs: ask each prefill rank (one batch per rank, off the engine
-        thread) whether any of the pulled requests' leases had already expired, in which
-        case vLLM may have reused those blocks and the pull must count as failed."""
-        for key, (future, pulls) in list(self._confirms.items()):
+        """Fence finished READs: ask each prefill rank (one batch per rank and step, off the
+        engine thread, batches to one rank overlapping) whether any of the pulled requests'
+        leases had already expired, in which case vLLM may have reused those blocks and the
+        pull must count as failed."""
+        for seq, (future, pulls) in list(self._confirms.items()):
             if not future.done():
                 continue
-            del self._confirms[key]
+            del self._confirms[seq]
             try:
                 expired = set(future.result().expired)
             except Exception as exc:
@@ -475,12 +477,11 @@ class WorkerSide:
                 if group.task.report:
                     self._finished_recving.add(group.task.request_id)
         for key, pulls in list(self._confirming.items()):
-            if key in self._confirms:
-                continue
             del self._confirming[key]
             remote = pulls[0].task.remote
             ids = [p.task.remote.request_id for p in pulls]
-            self._confirms[key] = (self._in_thread(
+            self._confirm_seq += 1
+            self._confirms[self._confirm_seq] = (self._in_thread(
                 f"p2pkv-confirm-{remote.host}:{remote.port + key[1]}", send_heartbeat,
                 remote.host, remote.port + key[1], ids, self.engine_id, 10.0, secret=self._secret,
                 timeout_s=self.config.handshake_timeout_s, cancel=self._stop), pulls)
