@@ -129,7 +129,13 @@ def test_answer_check_passes_on_equal_and_fails_naming_the_first_difference() ->
     with pytest.raises(serve_report.AnswerMismatch) as info:
         serve_report.check_answers(differ, "generated text", {1: ["prompt zero", "prompt one"]})
     msg = str(info.value)
-    assert "concurrency 1, prompt #1 'prompt one'" in msg and "p2pkv gave 'y'" in msg and "aggregated gave 'Y'" in msg
+    assert "concurrency 1, prompt #1 'prompt one'" in msg and "p2pkv differs from aggregated" in msg
+    assert "aggregated gave ...'Y'" in msg and "p2pkv gave ...'y'" in msg
+    # The odd one out is named against the single engine; systems that agree with it are listed.
+    with pytest.raises(serve_report.AnswerMismatch) as info:
+        serve_report.check_answers({4: {"p2pkv": ["abcd"], "nixl": ["abXd"], "aggregated": ["abcd"]}})
+    msg = str(info.value)
+    assert "nixl differs from aggregated from position 2 on" in msg and "p2pkv gave aggregated's answer" in msg
     with pytest.raises(serve_report.AnswerMismatch, match=r"prompt #1.*<missing>"):
         serve_report.check_answers({4: {"p2pkv": [[1, 2], [3]], "nixl": [[1, 2]]}}, "token ids")
     assert serve_report.first_difference({"p2pkv": [[5, 6]], "aggregated": [[5, 7]]}) == (0, "p2pkv", "aggregated")

@@ -134,17 +134,22 @@ def check_answers(points: Mapping[int, Mapping[str, Sequence[Any]]], what: str =
     compared, systems = 0, set()
     for conc, answers in points.items():
         systems.update(answers)
+        if "aggregated" in answers:  # the single engine is the reference the P/D pairs must match
+            answers = {"aggregated": answers["aggregated"], **answers}
         diff = first_difference(answers)
         if diff is not None:
             i, ref, other = diff
             a = answers[ref][i] if i < len(answers[ref]) else "<missing>"
             b = answers[other][i] if i < len(answers[other]) else "<missing>"
+            same = [s for s in answers if s not in (ref, other) and i < len(answers[s]) and answers[s][i] == a]
+            at = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
             quoted = ""
             if prompts and conc in prompts and i < len(prompts[conc]):
                 quoted = f" {prompts[conc][i][:60]!r}"
             raise AnswerMismatch(
-                f"{what} differs at concurrency {conc}, prompt #{i}{quoted}: "
-                f"{ref} gave {_short(a)}, {other} gave {_short(b)}")
+                f"{what} differs at concurrency {conc}, prompt #{i}{quoted}: {other} differs from {ref} from "
+                f"position {at} on: {ref} gave ...{_short(a[at:])}, {other} gave ...{_short(b[at:])}"
+                + (f"; {', '.join(same)} gave {ref}'s answer" if same else ""))
         compared += sum(len(a) for a in answers.values())
     return {"passed": True, "compared": compared, "systems": sorted(systems)}
 
