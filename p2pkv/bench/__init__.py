@@ -5,6 +5,10 @@
 * :mod:`p2pkv.bench.transfer`: ``p2pkv bench transfer``, a two-process NIXL
   pull benchmark against an in-process memcpy of the same bytes.
 * :mod:`p2pkv.bench.report`: human table, JSON, plot and target checks.
+* :mod:`p2pkv.bench.serve`: ``p2pkv bench serve``, a serving benchmark of a
+  p2pkv pair, a NixlConnector pair and one engine through the proxy.
+* :mod:`p2pkv.bench.fixup`: ``p2pkv bench fixup``, the post-receive fixup
+  against a plain device copy.
 
 Nothing here is imported by the connector itself.
 """
