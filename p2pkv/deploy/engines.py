@@ -63,8 +63,11 @@ class EngineSpec:
         if self.role is None:
             return None
         if self.connector == "nixl":
+            import torch  # the GPU build keeps the KV cache (and its NIXL buffers) on the GPU
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
             return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                    "kv_buffer_device": "cpu", "kv_connector_extra_config": dict(self.extra_config)}
+                    "kv_buffer_device": device, "kv_connector_extra_config": dict(self.extra_config)}
         extra: dict[str, object] = {"side_channel_port": self.side_channel_port}
         if self.side_channel_host:
             extra["side_channel_host"] = self.side_channel_host
