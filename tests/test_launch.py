@@ -343,3 +343,44 @@ def test_gpu_pods_keep_cuda_graphs_and_leave_the_environment_alone(tmp_path, cap
     monkeypatch.setattr(checks, "cuda_device_count", lambda: 0)
     out, argv, _ = _dry_run(_pod(tmp_path), capsys)
     assert "--enforce-eager" in argv and "OMP_NUM_THREADS" in out
+
+
+@pytest.mark.engines
+def test_launch_local_pair_and_proxy_answer_a_request(tiny_model, tmp_path) -> None:
+    """`p2pkv launch local`: both engines and the proxy come up, a request through the proxy is answered
+    (the decode engine pulled the prompt's KV), and SIGTERM stops everything with exit 0."""
+    proxy, prefill, decode, side = free_ports(4)
+    argv = [sys.executable, "-m", "p2pkv.cli", "launch", "local", "--model", str(tiny_model),
+            "--proxy-port", str(proxy), "--prefill-port", str(prefill), "--decode-port", str(decode),
+            "--side-channel-port", str(side), "--log-dir", str(tmp_path)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 600
+        while not any(x.startswith("ready:") for x in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.5)
+        body = {"model": "model", "prompt": "launch local " * 8, "max_tokens": 4, "temperature": 0.0,
+                "ignore_eos": True}
+        resp = httpx.post(f"http://127.0.0.1:{proxy}/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 4
+        deadline = time.monotonic() + 60  # pull stats reach /metrics with the engine's next stats update
+        while _pulls_total(decode) < 1:
+            assert time.monotonic() < deadline, "the decode engine never reported a pull"
+            time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _pulls_total(port: int) -> float:
+    """``p2pkv:pulls_total`` summed over labels on the engine at ``port`` (0 before the first pull)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+               if x.startswith("p2pkv:pulls_total{") or x.startswith("p2pkv:pulls_total "))
