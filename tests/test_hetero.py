@@ -12,9 +12,11 @@ prefill rank must release the request on notifications alone.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,6 +191,38 @@ def block_ids(rng: np.random.Generator, count: int) -> list[int]:
     return list(range(start, start + run)) + rest[: count - run]
 
 
+@contextlib.contextmanager
+def running_prefill(side: Side, block_ids: list[int], tokens: int,
+                    device: str) -> Iterator[tuple[int, mp.Queue]]:
+    """A prefill process serving request ``req`` (``tokens`` prompt tokens in ``block_ids``), every rank
+    ready; yields its base side-channel port and its report queue; stopped on exit."""
+    port = free_ports(1, run=side.tp_size)[0]
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=prefill_main, args=(side, port, block_ids, tokens, "req", device, out, stop))
+    proc.start()
+    try:
+        assert out.get(timeout=60) == "ready"
+        yield port, out
+    finally:
+        stop.set()
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+
+
+@contextlib.contextmanager
+def decode_workers(side: Side, device: str, **config: float) -> Iterator[list[tuple[WorkerSide, torch.Tensor, dict]]]:
+    """One decode WorkerSide per rank of ``side`` (see :func:`make_workers`), shut down on exit."""
+    workers: list[tuple[WorkerSide, torch.Tensor, dict]] = []
+    try:
+        workers = make_workers("decode", side, free_ports(1, run=side.tp_size)[0], device, **config)
+        yield workers
+    finally:
+        for worker, _, _ in workers:
+            worker.shutdown()
+
+
 def pull_and_check(row: str, device: str) -> None:
     """Pull one 150-token request between the row's engines and compare every decode rank's cache."""
     prefill_side, decode_side, how = ROWS[row]
@@ -196,16 +230,8 @@ def pull_and_check(row: str, device: str) -> None:
     rng = np.random.default_rng(len(row))
     remote_ids = block_ids(rng, -(-tokens // prefill_side.block_size))
     local_ids = block_ids(rng, -(-tokens // decode_side.block_size))
-    prefill_port = free_ports(1, run=prefill_side.tp_size)[0]
-    ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=prefill_main,
-                       args=(prefill_side, prefill_port, remote_ids, tokens, "req", device, out, stop))
-    proc.start()
-    decoders = []
-    try:
-        assert out.get(timeout=60) == "ready"
-        decoders = make_workers("decode", decode_side, free_ports(1, run=decode_side.tp_size)[0], device)
+    with running_prefill(prefill_side, remote_ids, tokens, device) as (prefill_port, out), \
+            decode_workers(decode_side, device) as decoders:
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), prefill_side.tp_size)
         task = RecvTask("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
                         num_tokens=tokens)
@@ -235,13 +261,6 @@ def pull_and_check(row: str, device: str) -> None:
             assert expired == 0
             released[rank] = ids
         assert released == {r: ["req"] for r in range(prefill_side.tp_size)}
-    finally:
-        for worker, _, _ in decoders:
-            worker.shutdown()
-        stop.set()
-        proc.join(timeout=20)
-        if proc.is_alive():
-            proc.kill()
 
 
 def test_staging_full_waits_and_too_large_fails(caplog) -> None:
@@ -251,16 +270,8 @@ def test_staging_full_waits_and_too_large_fails(caplog) -> None:
     prefill_side, decode_side = Side(16), Side(32)
     tokens = NUM_BLOCKS * 16
     remote_ids = list(range(NUM_BLOCKS))
-    prefill_port = free_ports(1)[0]
-    ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=prefill_main, args=(prefill_side, prefill_port, remote_ids, tokens, "req", "cpu",
-                                                  out, stop))
-    proc.start()
-    decoders = []
-    try:
-        assert out.get(timeout=60) == "ready"
-        decoders = make_workers("decode", decode_side, free_ports(1)[0], staging_mib=0.0625)
+    with running_prefill(prefill_side, remote_ids, tokens, "cpu") as (prefill_port, _), \
+            decode_workers(decode_side, "cpu", staging_mib=0.0625) as decoders:
         worker, base, _ = decoders[0]
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), 1)
         small = [RecvTask(f"d-{i}", tuple(range(6 * i, 6 * i + 6)), tuple(remote_ids[12 * i:12 * i + 12]), remote,
@@ -289,10 +300,3 @@ def test_staging_full_waits_and_too_large_fails(caplog) -> None:
         assert "kind=staging" in caplog.text and "staging_mib" in caplog.text
         assert torch.equal(base, expected)  # nothing was read for the refused pull
         assert worker._stager is not None and worker._stager.idle
-    finally:
-        for w, _, _ in decoders:
-            w.shutdown()
-        stop.set()
-        proc.join(timeout=20)
-        if proc.is_alive():
-            proc.kill()

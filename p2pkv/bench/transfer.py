@@ -299,12 +299,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
 
     if opts.role == "prefill":
         raise ValueError("--role prefill serves (run_prefill); it does not measure")
-    num_blocks, tokens, warnings = check_options(opts)
-    device = resolve_device(opts.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    for w in warnings:
-        _log(opts, f"warning: {w}")
+    num_blocks, tokens, warnings, device = _prepare(opts)
     threads = torch.get_num_threads()
     started, t_wall = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter()
     link: SpawnedPrefill | RemotePrefill | None = None
@@ -360,6 +355,24 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
     return result
 
 
+def _prepare(opts: TransferBenchOptions) -> tuple[int, list[int], list[str], torch.device]:
+    """Checked options → ``(blocks per cache, token sizes, warnings, device)``; selects the GPU, logs
+    the warnings.
+
+    Raises:
+        ValueError: as :func:`check_options` and :func:`resolve_device`.
+    """
+    import torch
+
+    num_blocks, tokens, warnings = check_options(opts)
+    device = resolve_device(opts.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    for w in warnings:
+        _log(opts, f"warning: {w}")
+    return num_blocks, tokens, warnings, device
+
+
 def run_prefill(opts: TransferBenchOptions) -> int:
     """``--role prefill``: serve this node's caches until the decode side is done (see :func:`serve`).
 
@@ -370,16 +383,10 @@ def run_prefill(opts: TransferBenchOptions) -> int:
     Raises:
         ValueError: bad options, or a port that cannot be bound.
     """
-    import torch
 
     if opts.role != "prefill":
         raise ValueError(f"run_prefill needs --role prefill, not {opts.role}")
-    num_blocks, _, warnings = check_options(opts)
-    device = resolve_device(opts.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    for w in warnings:
-        _log(opts, f"warning: {w}")
+    num_blocks, _, _, device = _prepare(opts)
     _log(opts, f"prefill: {opts.shape.label()}; {num_blocks} blocks per cache "
                f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches on {device}")
     return serve(opts, num_blocks, device)
