@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
@@ -33,7 +32,7 @@ from handshake.messages import (
     MetadataRequest,
 )
 
-__all__ = ["HandshakeClient", "fetch_agent_info"]
+__all__ = ["fetch_agent_info", "send_heartbeat"]
 
 logger = logging.getLogger("p2pkv.handshake")
 
@@ -214,40 +213,6 @@ def _unsigned_auth_refusal(frames: list[bytes], max_message_bytes: int) -> Error
     if isinstance(msg, ErrorReply) and msg.code == "auth":
         return msg
     return None
-
-
-@dataclass(frozen=True)
-class HandshakeClient:
-    """Connection settings for one remote engine's side channel.
-
-    ``fetch(tp_rank)`` is :func:`fetch_agent_info` with these settings;
-    units and errors are the same.
-    """
-
-    host: str
-    port: int
-    requester_engine_id: str
-    compat_hash: str
-    secret: bytes | None = None
-    timeout_s: float = 5.0
-    retries: int = 3
-    backoff_s: float = 0.2
-    max_message_bytes: int = MAX_MESSAGE_BYTES
-
-    def fetch(self, tp_rank: int) -> AgentInfo:
-        """Fetch and verify the :class:`AgentInfo` of remote rank ``tp_rank``."""
-        return fetch_agent_info(
-            self.host,
-            self.port,
-            tp_rank,
-            self.requester_engine_id,
-            self.compat_hash,
-            secret=self.secret,
-            timeout_s=self.timeout_s,
-            retries=self.retries,
-            backoff_s=self.backoff_s,
-            max_message_bytes=self.max_message_bytes,
-        )
 
 
 def send_heartbeat(

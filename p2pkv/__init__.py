@@ -3,7 +3,7 @@ disaggregation over NIXL.
 
 The vLLM connector lives in :mod:`p2pkv.connector` (class
 ``P2pKvConnector``); the side channel in the separate :mod:`handshake`
-package; the bundled proxy in :mod:`p2pkv.proxy`.
+package; the bundled proxy in :mod:`p2pkv.tools.proxy`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """``P2pKvConnector``: the vLLM ``KVConnectorBase_V1`` entry point (role dispatch only).
 
-Load it with::
+Installing p2pkv registers it with vLLM (see :mod:`p2pkv.plugin`), so::
 
-    --kv-transfer-config '{"kv_connector": "P2pKvConnector",
-                           "kv_connector_module_path": "p2pkv.connector",
-                           "kv_role": "kv_both"}'
+    --kv-transfer-config '{"kv_connector": "P2pKvConnector", "kv_role": "kv_both"}'
+
+loads it; ``"kv_connector_module_path": "p2pkv.connector"`` works too.
 
 Scheduler-side calls go to :class:`p2pkv.scheduler.SchedulerSide`,
 worker-side calls to :class:`p2pkv.worker.WorkerSide`.
@@ -25,9 +25,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from p2pkv.config import P2pKvConfig, load_config
+from p2pkv.dataplane.negotiate import ModelInfo
 from p2pkv.metadata import P2pKvMetadata
-from p2pkv.metrics import P2pKvPromMetrics, P2pKvStats
 from p2pkv.scheduler import SchedulerSide
+from p2pkv.telemetry.metrics import P2pKvPromMetrics, P2pKvStats
 from p2pkv.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -80,14 +81,23 @@ def side_channel_host(config: P2pKvConfig) -> str:
     return get_ip()
 
 
-def _attn_layout(kv_layout: str, use_mla: bool = False) -> str:
-    """Order inside one layer's page: ``HND``, ``NHD``, or ``CPU`` for vLLM's CPU attention
-    (per head, K stored ``[head_dim, block_size]`` then V ``[block_size, head_dim]``)."""
+def model_info(vllm_config: VllmConfig) -> ModelInfo:
+    """This rank's model and KV cache facts, from vLLM's config."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu() and not use_mla:
-        return "CPU"
-    return "NHD" if kv_layout.endswith("NHC") else "HND"
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    return ModelInfo(
+        kv_layout=vllm_config.cache_config.kv_cache_layout or "LBHNC",
+        dtype=str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype,
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        block_size=vllm_config.cache_config.block_size,
+        total_num_kv_heads=mc.get_total_num_kv_heads(),
+        is_mla=bool(mc.use_mla),
+        # vLLM's CPU attention pages (K stored transposed) cannot be told apart by their strides.
+        attn_layout="CPU" if current_platform.is_cpu() and not mc.use_mla else None,
+    )
 
 
 class P2pKvConnector(KVConnectorBase_V1):
@@ -120,22 +130,9 @@ class P2pKvConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            mc = vllm_config.model_config
             tp_rank = get_tensor_model_parallel_rank()
-            kv_layout = vllm_config.cache_config.kv_cache_layout or "LBHNC"
-            cache_dtype = vllm_config.cache_config.cache_dtype
-            model_info = {
-                "kv_layout": kv_layout,
-                "attn_layout": _attn_layout(kv_layout, bool(mc.use_mla)),
-                "dtype": str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype,
-                "num_kv_heads": mc.get_num_kv_heads(pc),
-                "head_dim": mc.get_head_size(),
-                "block_size": block_size,
-                "total_num_kv_heads": mc.get_total_num_kv_heads(),
-                "is_mla": bool(mc.use_mla),
-            }
             self.worker = WorkerSide(self.engine_id, self.config, tp_rank, self.tp_size, host,
-                                     base_port + tp_rank, compat_hash(vllm_config), model_info)
+                                     base_port + tp_rank, compat_hash(vllm_config), model_info(vllm_config))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -200,7 +197,7 @@ class P2pKvConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
-        """p2pkv's Prometheus metrics on the engine's ``/metrics`` (see :mod:`p2pkv.metrics`)."""
+        """p2pkv's Prometheus metrics on the engine's ``/metrics`` (see :mod:`p2pkv.telemetry.metrics`)."""
         return P2pKvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
@@ -226,7 +223,7 @@ class P2pKvConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         meta = self.scheduler.build_connector_meta()
-        return P2pKvConnectorMetadata(recv=meta.recv, send_leases=meta.send_leases)
+        return P2pKvConnectorMetadata(pulls=meta.pulls, send_leases=meta.send_leases)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None

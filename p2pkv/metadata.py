@@ -13,7 +13,7 @@ from p2pkv.params import RemotePrefill
 
 
 @dataclass(frozen=True)
-class RecvTask:
+class PullSpec:
     """One pull a decode worker must run.
 
     Attributes:
@@ -48,11 +48,11 @@ class P2pKvMetadata:
     """Per-step connector metadata.
 
     Attributes:
-        recv: pulls to start (decode side).
+        pulls: pulls to start (decode side).
         send_leases: prefill request id → ``time.monotonic()`` deadline (seconds)
             after which its held blocks are released even without a
             notification (prefill side).
     """
 
-    recv: list[RecvTask] = field(default_factory=list)
+    pulls: list[PullSpec] = field(default_factory=list)
     send_leases: dict[str, float] = field(default_factory=dict)

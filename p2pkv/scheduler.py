@@ -7,8 +7,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import P2pKvConfig
-from p2pkv.heartbeat import HeartbeatBatch, HeartbeatSender
-from p2pkv.metadata import P2pKvMetadata, RecvTask
+from p2pkv.decode.heartbeat import HeartbeatBatch, HeartbeatSender
+from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import (
     KVTransferParamsError,
     RemotePrefill,
@@ -52,7 +52,7 @@ class SchedulerSide:
         self.host = side_channel_host
         self.port = side_channel_port
         self.tp_size = tp_size
-        self._recv: list[RecvTask] = []
+        self._pulls: list[PullSpec] = []
         self._leases: dict[str, float] = {}
         self._queued: dict[str, RemotePrefill] = {}
         self._next_heartbeat = 0.0
@@ -127,8 +127,8 @@ class SchedulerSide:
             local = unhashed
         # The whole remote list goes along: the worker maps tokens to blocks once
         # it knows the prefill engine's block size (it may differ from ours).
-        self._recv.append(
-            RecvTask(
+        self._pulls.append(
+            PullSpec(
                 request_id=request.request_id,
                 local_block_ids=tuple(local),
                 remote_block_ids=tuple(remote.block_ids) if local else (),
@@ -143,8 +143,8 @@ class SchedulerSide:
     def build_connector_meta(self) -> P2pKvMetadata:
         """Hand this step's new pulls and leases to the workers, then forget them."""
         self.send_heartbeats()
-        meta = P2pKvMetadata(recv=self._recv, send_leases=self._leases)
-        self._recv, self._leases = [], {}
+        meta = P2pKvMetadata(pulls=self._pulls, send_leases=self._leases)
+        self._pulls, self._leases = [], {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -166,7 +166,7 @@ class SchedulerSide:
             remote = self._remote(request)
             if remote is not None:
                 params["do_remote_prefill"] = False
-                self._recv.append(RecvTask(request.request_id, (), (), remote, report=False))
+                self._pulls.append(PullSpec(request.request_id, (), (), remote, report=False))
             return False, None
         if not wants_remote_decode(params):
             return False, None

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from p2pkv.cli import build_parser
+from p2pkv.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"

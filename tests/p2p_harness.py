@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pkv.metadata import P2pKvMetadata, RecvTask
+from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import RemotePrefill
+from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
-from tests.kvsynth import make_kv_caches
-from tests.test_transfer import free_port, make_worker, model_info
+from tests.workers import free_port, make_worker, model_info
 
 __all__ = ["ENGINE", "LAYOUT", "DecodeSide", "PrefillProc", "free_port", "notify_task", "pull_task"]
 
@@ -41,17 +41,17 @@ def _prefill_main(port: int, seed: int, num_blocks: int, leases: dict[str, float
     parent = os.getppid()
     _, views = make_kv_caches(LAYOUT, seed=seed, **shape(num_blocks))
     worker = make_worker(ENGINE, port, lease_s=lease_s)
-    worker.model_info = model_info(LAYOUT)
+    worker.model = model_info(LAYOUT)
     worker.register_kv_caches(views, num_blocks)
     expired_now: list[str] = []
-    pop_expired = worker._leases.pop_expired
+    pop_expired = worker.holds.leases.pop_expired
 
     def recording_pop_expired() -> list[str]:
         got = pop_expired()
         expired_now.extend(got)
         return got
 
-    worker._leases.pop_expired = recording_pop_expired  # type: ignore[method-assign]
+    worker.holds.leases.pop_expired = recording_pop_expired  # type: ignore[method-assign]
     now = time.monotonic()
     worker.start_load_kv(P2pKvMetadata(send_leases={r: now + s for r, s in leases.items()}))
     out.put(("ready", os.getpid()))
@@ -73,7 +73,7 @@ def _prefill_main(port: int, seed: int, num_blocks: int, leases: dict[str, float
             expired = set(expired_now)
             out.put(("released", sorted(sending - expired), sorted(sending & expired)))
         expired_now.clear()
-    out.put(("held", sorted(worker._leases._deadline)))
+    out.put(("held", sorted(worker.holds.leases._deadline)))
     worker.shutdown()
     out.put(("bye",))
 
@@ -239,15 +239,15 @@ class PrefillProc:
 
 
 def pull_task(request_id: str, remote_request: str, port: int, local: list[int], remote: list[int],
-              engine: str = ENGINE) -> RecvTask:
+              engine: str = ENGINE) -> PullSpec:
     rp = RemotePrefill(engine, remote_request, "127.0.0.1", port, tuple(remote), 1)
-    return RecvTask(request_id, tuple(local), tuple(remote), rp)
+    return PullSpec(request_id, tuple(local), tuple(remote), rp)
 
 
-def notify_task(request_id: str, remote_request: str, port: int, engine: str = ENGINE) -> RecvTask:
+def notify_task(request_id: str, remote_request: str, port: int, engine: str = ENGINE) -> PullSpec:
     """What the scheduler sends for an aborted request: notify the prefill side, load nothing."""
     rp = RemotePrefill(engine, remote_request, "127.0.0.1", port, (), 1)
-    return RecvTask(request_id, (), (), rp, report=False)
+    return PullSpec(request_id, (), (), rp, report=False)
 
 
 class DecodeSide:
@@ -257,13 +257,13 @@ class DecodeSide:
         self.num_blocks = num_blocks
         self.base, views = make_kv_caches(LAYOUT, fill=0.0, **shape(num_blocks))
         self.worker: WorkerSide = make_worker("decode-engine", free_port(), **cfg)
-        self.worker.model_info = model_info(LAYOUT)
+        self.worker.model = model_info(LAYOUT)
         self.worker.register_kv_caches(views, num_blocks)
         self.finished: dict[str, int] = {}
         self.errors: set[int] = set()
 
-    def start(self, *tasks: RecvTask) -> None:
-        self.worker.start_load_kv(P2pKvMetadata(recv=list(tasks)))
+    def start(self, *tasks: PullSpec) -> None:
+        self.worker.start_load_kv(P2pKvMetadata(pulls=list(tasks)))
 
     def step(self) -> set[str]:
         """One ``get_finished`` + ``get_block_ids_with_load_errors`` (what vLLM calls each step)."""

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from p2pkv.bench import serve_report
-from p2pkv.bench.serve import ServeBenchOptions
-from p2pkv.bench.serve_client import ClientPoint
-from p2pkv.bench.serve_metrics import (
+from p2pkv.tools.bench import serve_report
+from p2pkv.tools.bench.serve import ServeBenchOptions
+from p2pkv.tools.bench.serve_client import ClientPoint
+from p2pkv.tools.bench.serve_metrics import (
     P2PKV_PULL,
     delta,
     histogram_p50_bound,
@@ -202,7 +202,7 @@ def test_client_flags_and_options() -> None:
 
 
 def test_cli_parses_bench_serve() -> None:
-    from p2pkv.cli import build_parser
+    from p2pkv.tools.cli import build_parser
 
     args = build_parser().parse_args(["bench", "serve", "--concurrency", "1,8", "--systems", "p2pkv",
                                       "--extra-engine-args=--max-num-seqs 4"])
@@ -210,8 +210,8 @@ def test_cli_parses_bench_serve() -> None:
 
 
 def test_engine_spec_appends_extra_args() -> None:
-    from p2pkv.deploy.engines import EngineSpec
-    from p2pkv.deploy.local import LocalPair
+    from p2pkv.tools.deploy.engines import EngineSpec
+    from p2pkv.tools.deploy.local import LocalPair
 
     argv = EngineSpec(name="a", model="m", port=1, extra_args=("--no-enable-prefix-caching",)).command()
     assert argv[-1] == "--no-enable-prefix-caching"
@@ -237,7 +237,7 @@ def _free_base_port() -> int:
 def test_bench_serve_end_to_end(tiny_model: Path, tmp_path: Path) -> None:
     """All three systems, one concurrency point: exit 0, answers equal, pulls seen, JSON and plot written."""
     out_json, out_png = tmp_path / "serve.json", tmp_path / "serve.png"
-    cmd = [sys.executable, "-m", "p2pkv.cli", "bench", "serve", "--model", str(tiny_model),
+    cmd = [sys.executable, "-m", "p2pkv.tools.cli", "bench", "serve", "--model", str(tiny_model),
            "--concurrency", "2", "--num-prompts", "4", "--input-len", "80", "--output-len", "6",
            "--base-port", str(_free_base_port()), "--work-dir", str(tmp_path / "work"),
            "--json", str(out_json), "--plot", str(out_png)]

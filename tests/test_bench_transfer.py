@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 import torch
 
-from p2pkv.bench import report, transfer
-from p2pkv.bench.synth import (
+from p2pkv.dataplane.plan import coalesce_runs
+from p2pkv.tools.bench import report, transfer
+from p2pkv.tools.bench.synth import (
     KVShape,
     allocate_blocks,
     make_shaped_kv_caches,
@@ -38,9 +39,9 @@ from p2pkv.bench.synth import (
     run_ranges,
     size_cache,
 )
-from p2pkv.bench.transfer import METHODS, TransferBenchOptions, run_transfer_bench
-from p2pkv.bench.transfer_control import ControlClient, ControlServer, PeerError
-from p2pkv.plan import coalesce_runs
+from p2pkv.tools.bench.transfer import METHODS, run_transfer_bench
+from p2pkv.tools.bench.transfer_control import ControlClient, ControlServer, PeerError
+from p2pkv.tools.bench.transfer_options import TransferBenchOptions
 
 TINY = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=16)
 
@@ -127,14 +128,14 @@ def test_device_cuda_without_cuda_fails_fast(monkeypatch, capsys) -> None:
 
 
 def test_module_entry_avoids_web_stack() -> None:
-    """``python -m p2pkv.bench.transfer`` (the GPU-machine entry) parses the flags without the proxy's imports."""
+    """``python -m p2pkv.tools.bench.transfer`` (the GPU-machine entry) parses the flags without the proxy's imports."""
     code = """
 import runpy, sys
 import torch
 torch.cuda.is_available = lambda: False
 sys.argv = ["transfer.py", "--device", "cuda", "--tokens", "64"]
 try:
-    runpy.run_module("p2pkv.bench.transfer", run_name="__main__", alter_sys=True)
+    runpy.run_module("p2pkv.tools.bench.transfer", run_name="__main__", alter_sys=True)
     rc = 0
 except SystemExit as exc:
     rc = exc.code
@@ -147,8 +148,8 @@ print(rc, web)
 
 
 def test_command_line_names_the_module_entry() -> None:
-    assert report.command_line(["/home/u/p2pkv/p2pkv/bench/transfer.py", "--device", "cuda"]) == (
-        "python -m p2pkv.bench.transfer --device cuda")
+    assert report.command_line(["/home/u/p2pkv/p2pkv/tools/bench/transfer.py", "--device", "cuda"]) == (
+        "python -m p2pkv.tools.bench.transfer --device cuda")
     assert report.command_line(["/usr/local/bin/p2pkv", "bench", "transfer"]) == "p2pkv bench transfer"
 
 
@@ -230,7 +231,7 @@ def _free_ports() -> tuple[int, int]:
 
 
 def _bench(*args: str) -> list[str]:
-    return [sys.executable, "-m", "p2pkv.bench.transfer", *args, *TINY_FLAGS]
+    return [sys.executable, "-m", "p2pkv.tools.bench.transfer", *args, *TINY_FLAGS]
 
 
 def test_bench_transfer_split_roles_over_loopback(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ Requests go in batches of :data:`BATCH` tasks per ``start_load_kv``, with
 random block ids (distinct local ids within a batch, as the allocator gives
 in-flight requests), about :data:`ABORT_RATE` of them notify-only tasks with
 ``report=False`` (what the scheduler sends for an aborted request). Every few
-batches one NIXL call of the decode agent fails once (:mod:`p2pkv.faults`).
+batches one NIXL call of the decode agent fails once (:mod:`tests.faults`).
 Twice in the run the prefill process is SIGKILLed while a batch is in
 flight and a new one (same port, same engine_id, other cache contents) takes
 over the leases the old one had not released: after the first restart the
@@ -37,7 +37,7 @@ import os
 import random
 import time
 
-from p2pkv.faults import FaultyNixlAgent, inject, restore
+from tests.faults import FaultyNixlAgent, inject, restore
 from tests.p2p_harness import DecodeSide, PrefillProc, free_port, notify_task, pull_task
 
 NUM_BLOCKS = 256
@@ -115,8 +115,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts() -> None:
                 # only after decode gave up on the dead one (handshake window closed), so the
                 # batch's pulls fail.
                 quick = batch_no == kill_batches[0]
-                counts["in_flight_at_kills"].append(len(d.worker._pulls) + sum(
-                    len(p.tasks) for p in d.worker._pending.values()))
+                counts["in_flight_at_kills"].append(len(d.worker.puller.pulls))
                 pf.kill()
                 t_kill = time.monotonic()
                 if not quick:

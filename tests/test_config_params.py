@@ -73,7 +73,7 @@ def test_ucx_settings_become_backend_params() -> None:
 
 
 def test_connector_stats_aggregate_and_reduce() -> None:
-    from p2pkv.metrics import P2pKvStats
+    from p2pkv.telemetry.metrics import P2pKvStats
 
     a = P2pKvStats(data={"pull_bytes": [100], "pull_seconds": [0.5], "pull_descriptors": [2],
                          "handshake_seconds": [], "leases_expired": 1, "leases_notified": 0,

@@ -44,8 +44,8 @@ def _dashboard_exprs(node: Any) -> list[str]:
 
 
 def engine_metric_definitions() -> dict[str, str]:
-    """``name`` → ``counter|histogram|gauge`` as defined in p2pkv/metrics.py (read from its source)."""
-    tree = ast.parse((ROOT / "p2pkv" / "metrics.py").read_text())
+    """``name`` → ``counter|histogram|gauge`` as defined in p2pkv/telemetry/metrics.py (read from its source)."""
+    tree = ast.parse((ROOT / "p2pkv" / "telemetry" / "metrics.py").read_text())
     kinds = {"_counter_cls": "counter", "_histogram_cls": "histogram", "_gauge_cls": "gauge"}
     out = {}
     for node in ast.walk(tree):
@@ -57,8 +57,8 @@ def engine_metric_definitions() -> dict[str, str]:
 
 
 def proxy_metric_definitions() -> dict[str, str]:
-    """``name`` → type, from a live :class:`p2pkv.proxy.metrics.ProxyMetrics` registry."""
-    from p2pkv.proxy.metrics import ProxyMetrics
+    """``name`` → type, from a live :class:`p2pkv.tools.proxy.metrics.ProxyMetrics` registry."""
+    from p2pkv.tools.proxy.metrics import ProxyMetrics
 
     return {family.name: family.type for family in ProxyMetrics().registry.collect()}
 
@@ -101,11 +101,11 @@ def test_metric_definitions_are_read_from_the_code() -> None:
 
 
 def test_engine_metric_names_match_what_the_engine_exposes() -> None:
-    """The names read from p2pkv/metrics.py are the series a real P2pKvPromMetrics exposes."""
+    """The names read from p2pkv/telemetry/metrics.py are the series a real P2pKvPromMetrics exposes."""
     from types import SimpleNamespace
 
     try:
-        from p2pkv.metrics import P2pKvPromMetrics
+        from p2pkv.telemetry.metrics import P2pKvPromMetrics
     except ImportError as exc:
         pytest.skip(f"vLLM is not importable here ({exc}); the source-read names are checked elsewhere")
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

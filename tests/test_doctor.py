@@ -8,12 +8,12 @@ import socket
 import subprocess
 import sys
 
-from p2pkv.doctor import check_port, parse_ucx_lanes, rdma_reason
+from p2pkv.tools.doctor import check_port, parse_ucx_lanes, rdma_reason
 from tests.conftest import free_ports
 
 
 def _doctor(env: dict[str, str], port: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "p2pkv.cli", "doctor", "--json", "--seconds", "0.3",
+    return subprocess.run([sys.executable, "-m", "p2pkv.tools.cli", "doctor", "--json", "--seconds", "0.3",
                            "--side-channel-port", str(port)], env=env, capture_output=True, text=True,
                           timeout=300)
 

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from p2pkv.demo import (
+from p2pkv.tools.demo import (
     LOGPROB_TOLERANCE,
     Answer,
     complete,
@@ -22,7 +22,7 @@ from p2pkv.demo import (
     read_pull_stats,
     wait_blocks_released,
 )
-from p2pkv.deploy.local import LocalPair
+from p2pkv.tools.deploy.local import LocalPair
 from tests.conftest import free_ports
 
 pytestmark = pytest.mark.engines

@@ -15,9 +15,16 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from p2pkv.demo import LOGPROB_TOLERANCE, Answer, complete, max_logprob_diff, read_pull_stats, wait_blocks_released
-from p2pkv.deploy.engines import EngineSpec
-from p2pkv.deploy.processes import start_child, stop_children, wait_healthy
+from p2pkv.tools.demo import (
+    LOGPROB_TOLERANCE,
+    Answer,
+    complete,
+    max_logprob_diff,
+    read_pull_stats,
+    wait_blocks_released,
+)
+from p2pkv.tools.deploy.engines import EngineSpec
+from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
 from tests.conftest import free_ports
 
 pytestmark = pytest.mark.engines
@@ -39,7 +46,7 @@ def engines(tiny_model, tmp_path_factory):
     for name, port, side, block, tp in (("e32", p32, s32, 32, 1), ("d64", p64, s64, 64, 1), ("t2", pt2, st2, 32, 2)):
         specs[name] = EngineSpec(name=name, model=str(tiny_model), port=port, role="prefill", side_channel_port=side,
                                  side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
-                                 tensor_parallel_size=tp,
+                                 tensor_parallel_size=tp, module_path="p2pkv.connector" if name == "t2" else "",
                                  extra_config={"stats_file": str(logs / f"{name}.jsonl"), "staging_mib": 16},
                                  env={"UCX_NET_DEVICES": "lo"})
     children = [start_child(s.name, s.command(), s.environment(), logs, f"http://127.0.0.1:{s.port}/health")

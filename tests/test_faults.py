@@ -2,7 +2,7 @@
 
 A real prefill :class:`~p2pkv.worker.WorkerSide` runs in its own process
 (:class:`tests.p2p_harness.PrefillProc`); a real decode ``WorkerSide`` runs
-here with :func:`p2pkv.faults.inject` making one NIXL method fail. The
+here with :func:`tests.faults.inject` making one NIXL method fail. The
 documented behaviour (``p2pkv/worker.py``):
 
 * a pull that fails to start (``get_xfer_descs``, ``initialize_xfer``,
@@ -41,12 +41,12 @@ from handshake import (
     fetch_agent_info,
 )
 from handshake import decode as decode_message
-from p2pkv.faults import FaultyNixlAgent, inject, restore
 from p2pkv.metadata import P2pKvMetadata
+from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
-from tests.kvsynth import make_kv_caches
+from tests.faults import FaultyNixlAgent, inject, restore
 from tests.p2p_harness import LAYOUT, DecodeSide, PrefillProc, free_port, notify_task, pull_task, shape
-from tests.test_transfer import make_worker, model_info
+from tests.workers import make_worker, model_info
 
 HOST = "127.0.0.1"
 BOUND_S = 10.0  # a failed or retried pull is reported within this (it takes well under a second)
@@ -162,7 +162,7 @@ def test_persistent_fault_ends_as_load_error(prefill: PrefillProc, decode: Decod
     assert seconds < BOUND_S
     # Two attempts (the retry after a re-handshake), except a failed handshake: one.
     assert faulty.calls["add_remote_agent"] == (1 if method == "add_remote_agent" else 2)
-    assert decode.worker._retried == set()  # nothing left behind for a later request
+    assert decode.worker.puller.pulls == []  # nothing left behind for a later request
     restore(decode.worker)
     clean_pull_succeeds(decode, prefill)
 
@@ -248,10 +248,11 @@ def test_stale_failure_keeps_the_new_peer(prefill: PrefillProc, decode: DecodeSi
     prefill.lease([pa, pb])
     decode.start(pull_task(a, pa, prefill.port, [1, 2], [3, 4]), pull_task(b, pb, prefill.port, [5, 6], [7, 8]))
     end = time.monotonic() + BOUND_S
-    while not (b_fails.faults and w._pending) and time.monotonic() < end:  # B failed, re-handshake began
+    while not (b_fails.faults and w.puller.peers.handshakes) and time.monotonic() < end:  # B failed, re-handshake began
         decode.step()
-    assert a_slow.faults == 1 and outer.calls["check_xfer_state"] == 2 and len(w._pulls) == 1
-    (pending,) = w._pending.values()
+    reads_in_flight = sum(r.in_flight for p in w.puller.pulls for r in p.reads)
+    assert a_slow.faults == 1 and outer.calls["check_xfer_state"] == 2 and reads_in_flight == 1
+    (pending,) = w.puller.peers.handshakes.values()
     assert pending.future is not None
     pending.future.result(timeout=BOUND_S)  # re-handshake done: B restarts, then A's poll fails
     assert decode.pump({a, b}, BOUND_S) == set()
@@ -270,7 +271,7 @@ def test_stuck_read_times_out_as_load_error(prefill: PrefillProc) -> None:
         _, _, errors, seconds = pull(d, prefill, local, remote)
         assert errors == set(local)
         assert 0.5 <= seconds < BOUND_S
-        assert faulty.calls["add_remote_agent"] == 1 and d.worker._pulls == []
+        assert faulty.calls["add_remote_agent"] == 1 and d.worker.puller.pulls == []
         restore(d.worker)
         clean_pull_succeeds(d, prefill)
     finally:
@@ -387,7 +388,7 @@ def test_side_channel_fault_fails_the_pull_cleanly(prefill: PrefillProc, case: s
             assert seen, "the fake side channel never got a request"
         assert errors == set(local)
         assert seconds < ZMQ_BOUND_S, f"failing took {seconds:.2f} s"
-        assert d.worker._peers == {} and d.worker._pending == {}
+        assert d.worker.puller.peers.peers == {} and d.worker.puller.peers.handshakes == {}
         clean_pull_succeeds(d, prefill)
     finally:
         d.close()
@@ -421,7 +422,7 @@ def test_tiny_lease_releases_exactly_once() -> None:
     port = free_port()
     _, views = make_kv_caches(LAYOUT, seed=3, **shape(16))
     pre: WorkerSide = make_worker("lease-engine", port, lease_s=lease_s)
-    pre.model_info = model_info(LAYOUT)
+    pre.model = model_info(LAYOUT)
     pre.register_kv_caches(views, 16)
     d = DecodeSide(16, **DECODE_CFG)
     released: list[tuple[str, float]] = []
@@ -464,12 +465,12 @@ def test_tiny_lease_releases_exactly_once() -> None:
 
         notify("early")  # before its lease exists: kept for lease_s
         end = time.monotonic() + 5
-        while "early" not in pre._early_notifs and time.monotonic() < end:
+        while "early" not in pre.holds.notifs and time.monotonic() < end:
             step(0.005)
         t_early = lease("early", long_s)
         step(1.0)
         assert len(times("early")) == 1 and times("early")[0] - t_early < 1.0, "early notification not applied"
-        assert len(pre._leases) == 0 and d.take_errors() == set()
+        assert len(pre.holds.leases) == 0 and d.take_errors() == set()
     finally:
         d.close()
         pre.shutdown()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from p2pkv.faults import FaultyNixlAgent
-from p2pkv.layout import Region
-from p2pkv.transfer import NixlTransferAgent, TransferError
-from tests.kvsynth import make_kv_caches
-from tests.nixl_support import agent_info_for
+from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
+from p2pkv.dataplane.layout import Region
+from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.tools.doctor import loopback_info as agent_info_for
+from tests.faults import FaultyNixlAgent
 
 
 def _agent(name: str) -> NixlTransferAgent:

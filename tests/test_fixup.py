@@ -1,4 +1,4 @@
-"""p2pkv.fixup: every implementation vs the loop reference, bitwise, over the whole destination."""
+"""p2pkv.dataplane.fixup: every implementation vs the loop reference, bitwise, over the whole destination."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pkv.fixup import PageFormat, fixup_pages, fixup_reference, staging_pieces
+from p2pkv.dataplane.fixup import PageFormat, fixup_pages, staging_pieces
+from p2pkv.tools.bench.fixup import fixup_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float64]
@@ -247,7 +248,7 @@ def test_bad_formats_and_impl() -> None:
 
 def _interpreter_check(count: int) -> None:
     """The Triton kernel under TRITON_INTERPRET=1 on CPU tensors vs the reference (run in a subprocess)."""
-    from p2pkv import fixup, fixup_triton
+    from p2pkv.dataplane import fixup, fixup_triton
 
     rng = random.Random(7)
     for i in range(count):
@@ -293,7 +294,7 @@ def test_triton_kernel_in_interpreter() -> None:
 @settings(max_examples=30, deadline=None)
 @given(spec=specs())
 def test_cuda_matches_cpu_reference(impl: str, spec: Spec) -> None:
-    from p2pkv.fixup import triton_available
+    from p2pkv.dataplane.fixup import triton_available
 
     if impl == "triton" and not triton_available():
         pytest.skip("triton not importable")
@@ -308,7 +309,7 @@ def test_cuda_large_offsets() -> None:
     dst = torch.zeros(2, blocks, df.page_elems, dtype=torch.int8, device="cuda")
     src = torch.randint(-128, 127, (2, 4, sf.page_elems), dtype=torch.int8, device="cuda")
     ids = torch.tensor([blocks - 1, 0], device="cuda")
-    from p2pkv.fixup import triton_available
+    from p2pkv.dataplane.fixup import triton_available
 
     for impl in ("torch", "runs", "triton") if triton_available() else ("torch", "runs"):
         dst[:, 0].zero_()
@@ -321,7 +322,7 @@ def test_cuda_large_offsets() -> None:
 
 @pytest.mark.gpu
 def test_cuda_out_of_range_ids() -> None:
-    from p2pkv.fixup import triton_available
+    from p2pkv.dataplane.fixup import triton_available
 
     args = _good()
     args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
@@ -337,7 +338,7 @@ def test_cuda_out_of_range_ids() -> None:
 
 
 def test_bench_smoke_cpu() -> None:
-    from p2pkv.bench.fixup import CASE_NAMES, format_table, run_fixup_bench
+    from p2pkv.tools.bench.fixup import CASE_NAMES, format_table, run_fixup_bench
 
     result = run_fixup_bench(device="cpu", tokens=40, layers=1, kv_heads=2, head_dim=8, iters=1, warmup=0)
     assert [c["name"] for c in result["cases"]] == list(CASE_NAMES)
@@ -350,7 +351,7 @@ def test_bench_smoke_cpu() -> None:
 
 
 def test_bench_cli_parses() -> None:
-    from p2pkv.cli import build_parser
+    from p2pkv.tools.cli import build_parser
 
     args = build_parser().parse_args(["bench", "fixup", "--device", "cpu", "--tokens", "64", "--iters", "3"])
     assert (args.device, args.tokens, args.iters) == ("cpu", 64, 3)

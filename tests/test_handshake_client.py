@@ -14,7 +14,6 @@ import zmq
 from handshake import (
     PROTOCOL_VERSION,
     AuthenticationError,
-    HandshakeClient,
     HandshakeError,
     IncompatiblePeerError,
     MalformedMessageError,
@@ -114,8 +113,7 @@ def test_client_accepts_signed_reply_and_signs_request() -> None:
         return encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=INFO), SECRET)
 
     with fake_server(respond) as port:
-        client = HandshakeClient(HOST, port, "d", COMPAT, secret=SECRET, timeout_s=2.0, retries=1)
-        assert client.fetch(0) == INFO
+        assert fetch_agent_info(HOST, port, 0, "d", COMPAT, secret=SECRET, timeout_s=2.0, retries=1) == INFO
     ((payload, mac),) = seen
     assert mac == sign(payload, SECRET)
 

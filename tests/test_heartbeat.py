@@ -13,9 +13,9 @@ from p2pkv.config import ConfigError, P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import make_prefill_response_params
 from p2pkv.scheduler import SchedulerSide
+from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
-from tests.kvsynth import make_kv_caches
-from tests.test_transfer import NUM_BLOCKS, SHAPE, free_port, model_info
+from tests.workers import NUM_BLOCKS, SHAPE, free_port, model_info
 
 
 def test_heartbeat_round_trip_and_refusal() -> None:
@@ -103,19 +103,19 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
         assert sched.heartbeats.failed == 0 and sched.heartbeats.sent == 2
         # The aborted request produced a notify-only task for its prefill engine.
         meta = sched.build_connector_meta()
-        assert [(t.request_id, t.local_block_ids, t.report) for t in meta.recv] == [("decode-1", (), False)]
+        assert [(t.request_id, t.local_block_ids, t.report) for t in meta.pulls] == [("decode-1", (), False)]
 
 
 def test_pull_after_the_lease_expired_is_fenced() -> None:
     """The prefill lease runs out before the decode engine pulls: the READ itself succeeds
     (the bytes are still there), but the blocks may have been reused, so the pull must be
     reported as failed; a pull within its lease succeeds and is released by notification."""
-    from tests.test_transfer import make_worker, task
+    from tests.workers import make_worker, task
 
     prefill = _prefill_worker(lease_s=0.3)
     _, views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
     decode = make_worker("decode-engine", free_port())
-    decode.model_info = model_info("BLHNC")
+    decode.model = model_info("BLHNC")
     decode.register_kv_caches(views, NUM_BLOCKS)
     try:
         assert prefill.server is not None
@@ -127,7 +127,7 @@ def test_pull_after_the_lease_expired_is_fenced() -> None:
             released += sorted(prefill.get_finished()[0])
             time.sleep(0.02)
         assert released == ["late"]
-        decode.start_load_kv(P2pKvMetadata(recv=[task("d-late", "late", port, [1, 2], [3, 4]),
+        decode.start_load_kv(P2pKvMetadata(pulls=[task("d-late", "late", port, [1, 2], [3, 4]),
                                                  task("d-ok", "on-time", port, [5], [6])]))
         errors: set[int] = set()
         finished: set[str] = set()

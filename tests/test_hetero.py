@@ -24,9 +24,10 @@ import pytest
 import torch
 
 from p2pkv.config import P2pKvConfig
-from p2pkv.metadata import P2pKvMetadata, RecvTask
+from p2pkv.dataplane.negotiate import ModelInfo
+from p2pkv.dataplane.topology import heads_per_rank, rank_first_head
+from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import RemotePrefill
-from p2pkv.topology import heads_per_rank, rank_first_head
 from p2pkv.worker import WorkerSide
 from tests.conftest import free_ports
 
@@ -97,10 +98,10 @@ def fill(side: Side, rank: int, views: dict[str, torch.Tensor], block_ids: list[
                     head[n * HEAD_DIM:].view(n, HEAD_DIM)[s] = -row
 
 
-def model_info(side: Side, rank: int) -> dict:
-    return {"kv_layout": "BLHNC" if side.cross_layer else "LBHNC", "attn_layout": side.attn_layout,
-            "dtype": "float32", "num_kv_heads": len(side.rank_heads(rank)), "head_dim": HEAD_DIM,
-            "block_size": side.block_size, "total_num_kv_heads": side.heads(), "is_mla": side.is_mla}
+def model_info(side: Side, rank: int) -> ModelInfo:
+    return ModelInfo(kv_layout="BLHNC" if side.cross_layer else "LBHNC", attn_layout=side.attn_layout,
+                     dtype="float32", num_kv_heads=len(side.rank_heads(rank)), head_dim=HEAD_DIM,
+                     block_size=side.block_size, total_num_kv_heads=side.heads(), is_mla=side.is_mla)
 
 
 def make_workers(engine: str, side: Side, base_port: int, device: str = "cpu", block_ids: list[int] | None = None,
@@ -163,8 +164,7 @@ ROWS = {  # name: (prefill, decode, how the decode ranks pull)
 
 def mode(worker: WorkerSide) -> set[str]:
     """How ``worker`` pulls from the prefill ranks it reads."""
-    return {"direct" if p.plan.direct else "paged" if p.plan.paged else "staged"
-            for p in worker._peers.values() if p.plan.read.num_heads}
+    return {p.plan.mode.value for p in worker.puller.peers.peers.values() if p.plan.read.num_heads}
 
 
 @pytest.mark.parametrize("row", list(ROWS))
@@ -233,10 +233,10 @@ def pull_and_check(row: str, device: str) -> None:
     with running_prefill(prefill_side, remote_ids, tokens, device) as (prefill_port, out), \
             decode_workers(decode_side, device) as decoders:
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), prefill_side.tp_size)
-        task = RecvTask("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
+        task = PullSpec("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
                         num_tokens=tokens)
         for worker, _, _ in decoders:
-            worker.start_load_kv(P2pKvMetadata(recv=[task]))
+            worker.start_load_kv(P2pKvMetadata(pulls=[task]))
         pending = set(range(len(decoders)))
         deadline = time.monotonic() + 60
         while pending and time.monotonic() < deadline:
@@ -274,16 +274,16 @@ def test_staging_full_waits_and_too_large_fails(caplog) -> None:
             decode_workers(decode_side, "cpu", staging_mib=0.0625) as decoders:
         worker, base, _ = decoders[0]
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), 1)
-        small = [RecvTask(f"d-{i}", tuple(range(6 * i, 6 * i + 6)), tuple(remote_ids[12 * i:12 * i + 12]), remote,
+        small = [PullSpec(f"d-{i}", tuple(range(6 * i, 6 * i + 6)), tuple(remote_ids[12 * i:12 * i + 12]), remote,
                           num_tokens=192) for i in range(3)]
-        worker.start_load_kv(P2pKvMetadata(recv=small))
+        worker.start_load_kv(P2pKvMetadata(pulls=small))
         done: set[str] = set()
         waited: set[str] = set()
         deadline = time.monotonic() + 60
         while len(done) < 3 and time.monotonic() < deadline:
             worker.start_load_kv(P2pKvMetadata())
             done |= worker.get_finished()[1]
-            waited |= {t.request_id for t in worker._staging_wait}
+            waited |= {t.request_id for t in worker.puller.waiting_for_staging}
             time.sleep(0.002)
         assert done == {"d-0", "d-1", "d-2"} and worker.get_block_ids_with_load_errors() == set()
         assert waited == {"d-2"}  # two 24 KiB pulls staged at once, the third waited for room
@@ -291,12 +291,12 @@ def test_staging_full_waits_and_too_large_fails(caplog) -> None:
         for i in range(3):  # pull i moved prompt tokens 192i.. (prefill blocks 12i..) into local blocks 6i..6i+5
             fill(decode_side, 0, views, list(range(6 * i, 6 * i + 6)), 192, first=192 * i)
         assert torch.equal(base, expected)
-        big = RecvTask("d-big", tuple(range(20, 40)), tuple(remote_ids), remote, num_tokens=tokens)
-        worker.start_load_kv(P2pKvMetadata(recv=[big]))
+        big = PullSpec("d-big", tuple(range(20, 40)), tuple(remote_ids), remote, num_tokens=tokens)
+        worker.start_load_kv(P2pKvMetadata(pulls=[big]))
         deadline = time.monotonic() + 30
         while "d-big" not in worker.get_finished()[1] and time.monotonic() < deadline:
             time.sleep(0.002)
         assert worker.get_block_ids_with_load_errors() == set(range(20, 40))
         assert "kind=staging" in caplog.text and "staging_mib" in caplog.text
         assert torch.equal(base, expected)  # nothing was read for the refused pull
-        assert worker._stager is not None and worker._stager.idle
+        assert worker.puller is not None and worker.puller.stager.idle

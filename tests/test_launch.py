@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from p2pkv.cli import main
-from p2pkv.deploy import checks
-from p2pkv.deploy.engines import EngineSpec
-from p2pkv.deploy.local import LocalPair
-from p2pkv.deploy.processes import LaunchError
-from p2pkv.deploy.supervise import supervise
+from p2pkv.tools.cli import main
+from p2pkv.tools.deploy import checks
+from p2pkv.tools.deploy.engines import EngineSpec
+from p2pkv.tools.deploy.local import LocalPair
+from p2pkv.tools.deploy.processes import LaunchError
+from p2pkv.tools.deploy.supervise import supervise
 from tests.conftest import free_ports
 
 
@@ -51,7 +51,7 @@ def test_engine_commands_carry_the_connector_config(tmp_path) -> None:
     pair = LocalPair(model=str(tmp_path), side_channel_port=6000, aggregated_port=9999)
     prefill, decode, agg = pair.engine_specs()
     ktc = json.loads(prefill.command()[prefill.command().index("--kv-transfer-config") + 1])
-    assert ktc["kv_connector"] == "P2pKvConnector" and ktc["kv_connector_module_path"] == "p2pkv.connector"
+    assert ktc["kv_connector"] == "P2pKvConnector" and "kv_connector_module_path" not in ktc  # the plugin
     assert ktc["kv_connector_extra_config"]["side_channel_port"] == 6000
     dktc = json.loads(decode.command()[decode.command().index("--kv-transfer-config") + 1])
     assert dktc["kv_connector_extra_config"]["side_channel_port"] == 6100
@@ -204,7 +204,7 @@ def test_pod_dry_run_prints_the_command_with_the_connector_config(tmp_path, caps
     out, cmd, ktc = _dry_run(argv, capsys)
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and cmd[-2:] == ["--seed", "3"]
     assert cmd[cmd.index("--max-model-len") + 1] == "512" and cmd[cmd.index("--host") + 1] == "0.0.0.0"
-    assert ktc["kv_connector"] == "P2pKvConnector" and ktc["kv_connector_module_path"] == "p2pkv.connector"
+    assert ktc["kv_connector"] == "P2pKvConnector" and "kv_connector_module_path" not in ktc  # the plugin
     extra = ktc["kv_connector_extra_config"]
     assert extra == {"side_channel_host": "127.0.0.1", "side_channel_port": side, "lease_s": 30,
                      "secret": "<hidden>"}
@@ -296,7 +296,7 @@ def test_supervise_reports_an_engine_that_never_gets_healthy(tmp_path, capsys) -
 def test_launch_prefill_runs_until_sigterm(tiny_model, tmp_path) -> None:
     """A real engine: ready, /health 200, SIGTERM → exit 0 and the engine's process group gone."""
     http, side = free_ports(2)
-    argv = [sys.executable, "-m", "p2pkv.cli", "launch", "prefill", "--model", str(tiny_model), "--dtype",
+    argv = [sys.executable, "-m", "p2pkv.tools.cli", "launch", "prefill", "--model", str(tiny_model), "--dtype",
             "float32", "--host", "127.0.0.1", "--port", str(http), "--side-channel-host", "127.0.0.1",
             "--side-channel-port", str(side), "--log-dir", str(tmp_path), "--no-echo"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -350,7 +350,7 @@ def test_launch_local_pair_and_proxy_answer_a_request(tiny_model, tmp_path) -> N
     """`p2pkv launch local`: both engines and the proxy come up, a request through the proxy is answered
     (the decode engine pulled the prompt's KV), and SIGTERM stops everything with exit 0."""
     proxy, prefill, decode, side = free_ports(4)
-    argv = [sys.executable, "-m", "p2pkv.cli", "launch", "local", "--model", str(tiny_model),
+    argv = [sys.executable, "-m", "p2pkv.tools.cli", "launch", "local", "--model", str(tiny_model),
             "--proxy-port", str(proxy), "--prefill-port", str(prefill), "--decode-port", str(decode),
             "--side-channel-port", str(side), "--log-dir", str(tmp_path)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pkv.layout import LayoutError, describe_kv_caches, describe_torch_kv_caches, tensor_info
-from p2pkv.plan import PlanError, build_descriptors, coalesce_runs
-from tests.kvsynth import LAYOUTS, block_bytes, make_kv_caches
+from p2pkv.dataplane.layout import LayoutError, describe_kv_caches, describe_torch_kv_caches, tensor_info
+from p2pkv.dataplane.plan import PlanError, build_descriptors, coalesce_runs
+from p2pkv.tools.bench.synth import KV_LAYOUTS, block_bytes, make_kv_caches
 
 
 def _read(base: torch.Tensor, addr: int, length: int) -> bytes:
@@ -21,7 +21,7 @@ def _read(base: torch.Tensor, addr: int, length: int) -> bytes:
 
 
 @settings(max_examples=40, deadline=None)
-@given(layout=st.sampled_from(LAYOUTS), layers=st.integers(1, 5), blocks=st.integers(3, 12),
+@given(layout=st.sampled_from(KV_LAYOUTS), layers=st.integers(1, 5), blocks=st.integers(3, 12),
        heads=st.integers(1, 3), block_size=st.sampled_from([1, 4, 16]), head_dim=st.sampled_from([2, 8]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]))
 def test_block_ranges_equal_torch_indexing(layout, layers, blocks, heads, block_size, head_dim, dtype) -> None:
@@ -73,7 +73,7 @@ def test_plan_rejects_bad_ids() -> None:
         coalesce_runs([1, 2], [1], 64, 64)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", KV_LAYOUTS)
 def test_descriptors_cover_the_same_bytes_as_blocks(layout) -> None:
     base, views = make_kv_caches(layout, 3, 16, 2, 4, 8)
     kv = describe_torch_kv_caches(views, 16)

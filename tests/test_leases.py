@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pkv.leases import LeaseTable
+from p2pkv.prefill.leases import LeaseTable
 
 
 class FakeClock:

@@ -2,114 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import socket
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2pkv.proxy import PREFILL_PARAMS, create_app
-
-KV_PARAMS: dict[str, Any] = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]],
-                             "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "<id>",
-                             "tp_size": 1}
-CHUNKS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
-          b'data: {"choices": [{"text": "c"}]}\n\n', b"data: [DONE]\n\n"]
-ERROR_BODY = {"object": "error", "message": "prompt too long", "type": "BadRequestError", "code": 400}
-
-
-class FakeEngine:
-    """A fake prefill or decode engine recording each request; ``mode`` picks how it answers completions.
-
-    Modes: ``ok``; ``no_params`` (prefill answer without kv_transfer_params);
-    ``400`` / ``500``; ``sleep`` (answers after 1.5 s); ``slow_stream`` (a
-    chunk every 20 ms for 10 s, appending the count sent to ``closed_after``
-    if the stream is cut short); ``broken_stream`` (dies after one chunk).
-    """
-
-    def __init__(self, name: str, role: str) -> None:
-        self.name, self.role, self.mode, self.healthy = name, role, "ok", True
-        self.seen: list[dict[str, Any]] = []
-        self.closed_after: list[int] = []
-        self.app = FastAPI()
-        self.app.post("/v1/completions")(self.completion)
-        self.app.post("/v1/chat/completions")(self.completion)
-        self.app.get("/health")(self.health)
-        self.app.get("/v1/models")(self.models)
-
-    def reset(self) -> None:
-        self.seen.clear()
-        self.closed_after.clear()
-        self.mode, self.healthy = "ok", True
-
-    async def completion(self, request: Request) -> Any:
-        body = await request.json()
-        self.seen.append({"path": request.url.path, "body": body, "rid": request.headers.get("x-request-id"),
-                          "auth": request.headers.get("authorization")})
-        if self.mode in ("400", "500"):
-            return JSONResponse(ERROR_BODY, status_code=int(self.mode))
-        if self.mode == "sleep":
-            await asyncio.sleep(1.5)
-        if self.role == "prefill":
-            extra = {} if self.mode == "no_params" else {"kv_transfer_params": KV_PARAMS}
-            return {"id": "p", "choices": [{"text": "x"}], **extra}
-        if body.get("stream"):
-            gen = self.slow() if self.mode == "slow_stream" else self.chunks()
-            return StreamingResponse(gen, media_type="text/event-stream")
-        return {"id": "d", "choices": [{"text": "decoded"}]}
-
-    async def chunks(self) -> Any:
-        for chunk in CHUNKS:
-            yield chunk
-            await asyncio.sleep(0.01)
-            if self.mode == "broken_stream":
-                raise RuntimeError("engine died mid-stream (expected by the test)")
-
-    async def slow(self) -> Any:
-        sent = 0
-        try:
-            for sent in range(1, 501):  # noqa: B007
-                yield b'data: {"choices": [{"text": "t"}]}\n\n'
-                await asyncio.sleep(0.02)
-        finally:
-            if sent < 500:
-                self.closed_after.append(sent)
-
-    async def health(self) -> Any:
-        return JSONResponse({}, status_code=200 if self.healthy else 503)
-
-    async def models(self, request: Request) -> Any:
-        return {"object": "list", "data": [{"id": "tiny", "owned_by": self.name}],
-                "auth": request.headers.get("authorization")}
-
-
-class Served:
-    """An ASGI app served by uvicorn (lifespan on) in a daemon thread on an ephemeral 127.0.0.1 port."""
-
-    def __init__(self, app: Any) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
-                                                    lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=5)
+from p2pkv.tools.proxy import PREFILL_PARAMS, create_app
+from tests.fake_engines import CHUNKS, ERROR_BODY, KV_PARAMS, FakeEngine, Served
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The proxy's command line: flag parsing, URL checks, and ``python -m p2pkv.proxy`` serving for real."""
+"""The proxy's command line: flag parsing, URL checks, and ``python -m p2pkv.tools.proxy`` serving for real."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import time
 import httpx
 import pytest
 
-from p2pkv.proxy import PREFILL_PARAMS, RoundRobin, prefill_body
-from p2pkv.proxy.server import add_arguments, main, normalize_url
+from p2pkv.tools.proxy import PREFILL_PARAMS, RoundRobin, prefill_body
+from p2pkv.tools.proxy.server import add_arguments, main, normalize_url
 from tests.conftest import free_ports
-from tests.test_proxy import KV_PARAMS, FakeEngine, Served
+from tests.fake_engines import KV_PARAMS, FakeEngine, Served
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -69,7 +69,7 @@ def test_python_dash_m_serves_a_completion() -> None:
     engines = [Served(prefill.app), Served(decode.app)]
     (port,) = free_ports(1)
     hostports = [e.url.removeprefix("http://") for e in engines]
-    proc = subprocess.Popen([sys.executable, "-m", "p2pkv.proxy", "--port", str(port), "--prefill", hostports[0],
+    proc = subprocess.Popen([sys.executable, "-m", "p2pkv.tools.proxy", "--port", str(port), "--prefill", hostports[0],
                              "--decode", hostports[1], "--timeout", "10"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

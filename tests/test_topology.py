@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pkv.topology import (
+from p2pkv.dataplane.topology import (
     TopologyError,
     heads_per_rank,
     notifiers_of,

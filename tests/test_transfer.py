@@ -9,56 +9,15 @@ the request when the completion notification arrives.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
-import socket
-import time
 
 import pytest
 import torch
 
-from p2pkv.config import P2pKvConfig
-from p2pkv.metadata import P2pKvMetadata, RecvTask
-from p2pkv.params import RemotePrefill
-from p2pkv.worker import WorkerSide
-from tests.kvsynth import block_bytes, make_kv_caches
-
-NUM_BLOCKS = 64
-SHAPE = dict(num_layers=4, num_blocks=NUM_BLOCKS, num_heads=2, block_size=32, head_dim=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def model_info(layout: str) -> dict:
-    return {"kv_layout": layout, "attn_layout": "HND", "dtype": "float32", "num_kv_heads": 2,
-            "head_dim": 16, "block_size": 32}
-
-
-def make_worker(engine_id: str, port: int, **cfg) -> WorkerSide:
-    config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
-    return WorkerSide(engine_id, config, 0, 1, "127.0.0.1", port, "test-compat", model_info("x"))
-
-
-def prefill_main(layout: str, port: int, lease_ids: list[str], out: mp.Queue, stop: mp.Event,
-                 seed: int = 1) -> None:
-    _, views = make_kv_caches(layout, seed=seed, **SHAPE)
-    worker = make_worker("prefill-engine", port)
-    worker.model_info = model_info(layout)
-    worker.register_kv_caches(views, NUM_BLOCKS)
-    worker.start_load_kv(P2pKvMetadata(send_leases={r: time.monotonic() + 60 for r in lease_ids}))
-    out.put("ready")
-    released: set[str] = set()
-    deadline = time.monotonic() + 60
-    while not stop.is_set() and time.monotonic() < deadline:
-        sending, _ = worker.get_finished()
-        if sending:
-            released |= sending
-            out.put(sorted(sending))
-        time.sleep(0.005)
-    worker.shutdown()
+from p2pkv.metadata import P2pKvMetadata
+from p2pkv.tools.bench.synth import block_bytes, make_kv_caches
+from tests.workers import NUM_BLOCKS, SHAPE, free_port, make_worker, model_info, prefill_main, run_until_received, task
 
 
 @pytest.fixture
@@ -78,28 +37,13 @@ def prefill(request):
     assert proc.exitcode == 0
 
 
-def run_until_received(worker: WorkerSide, request_id: str, timeout_s: float = 30) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        _, recving = worker.get_finished()
-        if request_id in recving:
-            return worker.get_block_ids_with_load_errors()
-        time.sleep(0.002)
-    raise AssertionError(f"{request_id} never finished receiving")
-
-
-def task(request_id: str, remote_request: str, port: int, local: list[int], remote: list[int]) -> RecvTask:
-    rp = RemotePrefill("prefill-engine", remote_request, "127.0.0.1", port, tuple(remote), 1)
-    return RecvTask(request_id, tuple(local), tuple(remote), rp)
-
-
 @pytest.mark.parametrize("prefill", ["LBHNC", "BLHNC", "KV_SPLIT"], indirect=True)
 def test_pull_moves_exactly_the_requested_blocks(prefill) -> None:
     layout, port, out = prefill
     _, expected = make_kv_caches(layout, seed=1, **SHAPE)
     base, views = make_kv_caches(layout, fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port())
-    worker.model_info = model_info(layout)
+    worker.model = model_info(layout)
     worker.register_kv_caches(views, NUM_BLOCKS)
     assert worker.layout is not None
     assert worker.layout.cross_layer == (layout == "BLHNC")
@@ -107,7 +51,7 @@ def test_pull_moves_exactly_the_requested_blocks(prefill) -> None:
         # Runs that coalesce (3,4,5 -> 10,11,12), a lone block, a reversed pair.
         local = [3, 4, 5, 20, 40, 39]
         remote = [10, 11, 12, 7, 63, 0]
-        worker.start_load_kv(P2pKvMetadata(recv=[task("d-1", "req-1", port, local, remote)]))
+        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", port, local, remote)]))
         assert run_until_received(worker, "d-1") == set()
         for lb, rb in zip(local, remote, strict=True):
             assert block_bytes(views, layout, lb) == block_bytes(expected, layout, rb)
@@ -117,10 +61,10 @@ def test_pull_moves_exactly_the_requested_blocks(prefill) -> None:
         # The prefill side is told and releases exactly that request.
         assert out.get(timeout=30) == ["req-1"]
         # Second pull reuses the peer: no new handshake.
-        served_before = len(worker._peers)
-        worker.start_load_kv(P2pKvMetadata(recv=[task("d-2", "req-2", port, [50], [51])]))
+        served_before = len(worker.puller.peers.peers)
+        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-2", "req-2", port, [50], [51])]))
         assert run_until_received(worker, "d-2") == set()
-        assert len(worker._peers) == served_before == 1
+        assert len(worker.puller.peers.peers) == served_before == 1
         assert block_bytes(views, layout, 50) == block_bytes(expected, layout, 51)
         assert out.get(timeout=30) == ["req-2"]
     finally:
@@ -134,13 +78,13 @@ def test_incompatible_model_shape_is_refused_and_reported(prefill, caplog) -> No
     _, port, _ = prefill
     _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port())
-    worker.model_info = {**model_info("LBHNC"), "head_dim": 8}
+    worker.model = dataclasses.replace(model_info("LBHNC"), head_dim=8)
     worker.register_kv_caches(views, NUM_BLOCKS)
     try:
-        worker.start_load_kv(P2pKvMetadata(recv=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
+        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
         assert run_until_received(worker, "d-1") == {1, 2}
         assert torch.count_nonzero(next(iter(views.values()))) == 0
-        assert worker._peers == {}
+        assert worker.puller.peers.peers == {}
         assert "kind=refused" in caplog.text and "head_dim: prefill has 16, decode has 8" in caplog.text
     finally:
         worker.shutdown()
@@ -149,10 +93,10 @@ def test_incompatible_model_shape_is_refused_and_reported(prefill, caplog) -> No
 def test_unreachable_prefill_marks_blocks_failed() -> None:
     _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port(), handshake_timeout_s=0.3, handshake_retries=1)
-    worker.model_info = model_info("LBHNC")
+    worker.model = model_info("LBHNC")
     worker.register_kv_caches(views, NUM_BLOCKS)
     try:
-        worker.start_load_kv(P2pKvMetadata(recv=[task("d-1", "req-1", free_port(), [5, 6, 7], [1, 2, 3])]))
+        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", free_port(), [5, 6, 7], [1, 2, 3])]))
         assert run_until_received(worker, "d-1", timeout_s=20) == {5, 6, 7}
     finally:
         worker.shutdown()
@@ -173,24 +117,24 @@ def test_restarted_prefill_is_used_again_without_restarting_decode() -> None:
     port = free_port()
     _, views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port())
-    worker.model_info = model_info("BLHNC")
+    worker.model = model_info("BLHNC")
     worker.register_kv_caches(views, NUM_BLOCKS)
     first, out1, _ = _start_prefill(ctx, port, ["req-1"], seed=1)
     second = None
     try:
-        worker.start_load_kv(P2pKvMetadata(recv=[task("d-1", "req-1", port, [1, 2], [3, 4])]))
+        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", port, [1, 2], [3, 4])]))
         assert run_until_received(worker, "d-1") == set()
         assert out1.get(timeout=30) == ["req-1"]
-        old_agent = next(iter(worker._peers.values())).agent_name
+        old_agent = next(iter(worker.puller.peers.peers.values())).agent_name
         first.kill()
         first.join(timeout=20)
         second, out2, stop2 = _start_prefill(ctx, port, ["req-9"], seed=2)
-        worker.start_load_kv(P2pKvMetadata(recv=[task("d-9", "req-9", port, [10, 11, 12], [20, 21, 22])]))
+        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-9", "req-9", port, [10, 11, 12], [20, 21, 22])]))
         assert run_until_received(worker, "d-9") == set()
         _, expected = make_kv_caches("BLHNC", seed=2, **SHAPE)
         for lb, rb in ((10, 20), (11, 21), (12, 22)):
             assert block_bytes(views, "BLHNC", lb) == block_bytes(expected, "BLHNC", rb)
-        assert next(iter(worker._peers.values())).agent_name != old_agent
+        assert next(iter(worker.puller.peers.peers.values())).agent_name != old_agent
         assert out2.get(timeout=30) == ["req-9"]
         stop2.set()
     finally:

@@ -1,0 +1,296 @@
+"""The NIXL agent of one worker: register KV memory, add peers, READ, poll, notify.
+
+A thin typed layer over ``nixl._api.nixl_agent``. Pulls are built from
+coalesced descriptor arrays (:mod:`p2pkv.dataplane.plan`) with ``initialize_xfer``, so
+one run of consecutive blocks is one descriptor per segment. Remote agent
+metadata is checked against its digest before it reaches NIXL (NIXL can crash
+on corrupted metadata).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from handshake import AgentInfo, verify_agent_info
+from p2pkv.dataplane.layout import Region
+
+logger = logging.getLogger("p2pkv.dataplane.agent")
+
+
+class TransferError(RuntimeError):
+    """A NIXL call failed; the message names the peer and the operation.
+
+    Attributes:
+        disconnected: NIXL said the peer went away (its error names a remote
+            disconnect), as opposed to any other failure.
+    """
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.disconnected = cause is not None and "DISCONNECT" in f"{type(cause).__name__} {cause}".upper()
+
+
+@dataclass
+class ReadHandle:
+    """One READ in flight.
+
+    Attributes:
+        peer: remote agent name.
+        handle: the NIXL transfer handle.
+        num_bytes: bytes this READ moves.
+        num_descriptors: descriptors on each side.
+    """
+
+    peer: str
+    handle: object
+    num_bytes: int
+    num_descriptors: int
+
+
+def load_nixl() -> tuple[type, type]:
+    """``(nixl_agent, nixl_agent_config)`` from whichever NIXL build is installed.
+
+    Tries the ``nixl`` meta package first (it picks the CUDA major), then the
+    ``nixl_cu13`` / ``nixl_cu12`` wheels directly.
+
+    Raises:
+        TransferError: no NIXL build is installed; names the packages to install.
+    """
+    import importlib
+
+    for mod in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            api = importlib.import_module(mod)
+        except ImportError:
+            continue
+        return api.nixl_agent, api.nixl_agent_config
+    raise TransferError(
+        "NIXL is not installed: pip install 'p2pkv[nixl-cu13]' (CPU machines and CUDA 13) "
+        "or 'p2pkv[nixl-cu12]' (CUDA 12)"
+    )
+
+
+def unique_agent_name(engine_id: str, tp_rank: int) -> str:
+    """A NIXL agent name unique per process incarnation.
+
+    NIXL keeps a remote name poisoned after bad metadata, and a restarted
+    engine must not be confused with its previous life, so every agent gets
+    a fresh suffix.
+    """
+    return f"p2pkv-{engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:12]}"
+
+
+class NixlTransferAgent:
+    """One NIXL agent with registered KV memory.
+
+    Args:
+        name: agent name (see :func:`unique_agent_name`).
+        backends: NIXL backends to create, e.g. ``["UCX"]``.
+        progress_thread: run NIXL's progress thread.
+        num_threads: backend worker threads (0: NIXL default).
+        backend_params: extra init parameters per backend, e.g.
+            ``{"UCX": {"ucx_error_handling_mode": "none", "num_workers": "2"}}``.
+
+    Raises:
+        TransferError: NIXL is not installed or the agent cannot be created.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        backends: Sequence[str] = ("UCX",),
+        progress_thread: bool = False,
+        num_threads: int = 0,
+        backend_params: dict[str, dict[str, str]] | None = None,
+    ) -> None:
+        nixl_agent, nixl_agent_config = load_nixl()
+        conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        self.name = name
+        self._agent = nixl_agent(name, conf)
+        for backend in backends:
+            if backend not in self._agent.plugin_list:
+                continue
+            params = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+            params.update((backend_params or {}).get(backend, {}))
+            try:
+                self._agent.create_backend(backend, params)
+            except Exception as exc:
+                raise TransferError(f"NIXL backend {backend} rejected parameters {params}: {exc}", exc) from exc
+        missing = [b for b in backends if b not in self._agent.backends]
+        if missing:
+            raise TransferError(
+                f"NIXL backend(s) {missing} unavailable (plugins: {self._agent.plugin_list}); "
+                "check the nixl install and P2PKV_NIXL_BACKENDS"
+            )
+        self._reg_descs: list[object] = []
+        self._mem_type = "DRAM"
+        self._peers: set[str] = set()
+        self._closed = False
+
+    @property
+    def mem_type(self) -> str:
+        """NIXL memory type of the registered regions (``DRAM`` or ``VRAM``)."""
+        return self._mem_type
+
+    def register(self, regions: Sequence[Region], mem_type: str, device_id: int = 0) -> None:
+        """Register KV memory regions with NIXL.
+
+        Args:
+            regions: allocations to register (bytes).
+            mem_type: ``"DRAM"`` (host memory) or ``"VRAM"`` (GPU memory).
+            device_id: GPU index for VRAM, 0 for DRAM.
+
+        Raises:
+            TransferError: registration failed.
+        """
+        rows = [(r.addr, r.length, device_id, "") for r in regions]
+        try:
+            descs = self._agent.register_memory(rows, mem_type)
+        except Exception as exc:
+            raise TransferError(f"NIXL register_memory of {len(rows)} {mem_type} regions failed: {exc}", exc) from exc
+        self._reg_descs.append(descs)
+        self._mem_type = mem_type
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata, to publish on the side channel.
+
+        Raises:
+            TransferError: NIXL could not produce it.
+        """
+        try:
+            return self._agent.get_agent_metadata()
+        except Exception as exc:
+            raise TransferError(f"NIXL get_agent_metadata of {self.name} failed: {exc}", exc) from exc
+
+    def add_peer(self, info: AgentInfo) -> str:
+        """Verify a peer's metadata digest, then load it into NIXL.
+
+        Returns:
+            The remote agent name to pull from.
+
+        Raises:
+            handshake.MetadataDigestError: the metadata does not match its digest.
+            TransferError: NIXL refused the metadata.
+        """
+        verify_agent_info(info)
+        if info.agent_name in self._peers:
+            return info.agent_name
+        try:
+            name = self._agent.add_remote_agent(info.agent_metadata)
+        except Exception as exc:
+            raise TransferError(f"NIXL add_remote_agent for {info.agent_name} failed: {exc}", exc) from exc
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != info.agent_name:
+            self._agent.remove_remote_agent(name)
+            raise TransferError(
+                f"peer metadata names agent {name!r} but the side channel said {info.agent_name!r}"
+            )
+        self._peers.add(name)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (after it disconnected or restarted). Idempotent."""
+        if name in self._peers:
+            self._peers.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:
+                logger.warning("p2pkv: remove_remote_agent(%s) failed: %s", name, exc)
+
+    def start_read(
+        self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray, notif: bytes
+    ) -> ReadHandle:
+        """Post a READ of ``remote_descs`` (peer memory) into ``local_descs``.
+
+        Args:
+            peer: remote agent name from :meth:`add_peer`.
+            local_descs: uint64 [n, 3] ``(addr, len, device_id)`` rows.
+            remote_descs: uint64 [n, 3] rows, same lengths row by row.
+            notif: message delivered to the peer when the READ completes.
+
+        Raises:
+            TransferError: the descriptor lists do not pair up, or NIXL
+                refused or failed to post the transfer.
+        """
+        if local_descs.shape != remote_descs.shape or not np.array_equal(
+            local_descs[:, 1], remote_descs[:, 1]
+        ):
+            raise TransferError("local and remote descriptor lists do not pair up row by row")
+        try:
+            local = self._agent.get_xfer_descs(local_descs, self._mem_type)
+            remote = self._agent.get_xfer_descs(remote_descs, self._mem_type)
+            handle = self._agent.initialize_xfer("READ", local, remote, peer, notif)
+            state = self._agent.transfer(handle)
+        except Exception as exc:
+            raise TransferError(f"NIXL READ from {peer} could not start: {exc}", exc) from exc
+        if state == "ERR":
+            self._release(handle)
+            raise TransferError(f"NIXL READ from {peer} failed to post")
+        return ReadHandle(peer, handle, int(local_descs[:, 1].sum()), int(local_descs.shape[0]))
+
+    def poll(self, pull: ReadHandle) -> bool:
+        """True when the READ is done (its handle is then released).
+
+        Raises:
+            TransferError: the READ failed or the peer disconnected (the
+                handle is released).
+        """
+        try:
+            state = self._agent.check_xfer_state(pull.handle)
+        except Exception as exc:
+            self._release(pull.handle)
+            raise TransferError(f"NIXL READ from {pull.peer} failed: {exc}", exc) from exc
+        if state == "DONE":
+            self._release(pull.handle)
+            return True
+        if state == "ERR":
+            self._release(pull.handle)
+            raise TransferError(f"NIXL READ from {pull.peer} ended in error")
+        return False
+
+    def cancel(self, pull: ReadHandle) -> None:
+        """Give up on a READ (timeout); best effort."""
+        self._release(pull.handle)
+
+    def _release(self, handle: object) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            logger.debug("p2pkv: release_xfer_handle failed: %s", exc)
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        """Send a notification to a peer.
+
+        Raises:
+            TransferError: NIXL could not send it.
+        """
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as exc:
+            raise TransferError(f"NIXL send_notif to {peer} failed: {exc}", exc) from exc
+
+    def get_notifs(self) -> list[bytes]:
+        """Notifications received since the last call (all peers)."""
+        out: list[bytes] = []
+        for msgs in self._agent.get_new_notifs().values():
+            out.extend(msgs)
+        return out
+
+    def close(self) -> None:
+        """Remove peers, deregister memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        for descs in self._reg_descs:
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception as exc:
+                logger.warning("p2pkv: deregister_memory failed: %s", exc)
+        self._reg_descs.clear()

@@ -1,0 +1,76 @@
+"""Which tokens a pull moves, and which remote and local blocks hold them.
+
+A :class:`~p2pkv.metadata.PullSpec` names local blocks for prompt tokens
+``[first_token, ...)`` in the decode engine's block size and remote blocks
+for the prompt from token 0 in the prefill engine's block size. The pull
+moves tokens ``[first_token, end)`` where ``end`` is the least of the prompt
+length and what each side's block list covers. Pure functions over ints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2pkv.metadata import PullSpec
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def token_end(task: PullSpec, local_block_size: int, remote_block_size: int) -> int:
+    """One past the last prompt token the pull moves (tokens)."""
+    end = min(task.first_token + len(task.local_block_ids) * local_block_size,
+              len(task.remote_block_ids) * remote_block_size)
+    return min(end, task.num_tokens) if task.num_tokens >= 0 else end
+
+
+def direct_pairs(task: PullSpec, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local_ids, remote_ids)`` paired block for block, for peers with the same block size.
+
+    Tasks with ``num_tokens == -1`` already pair up and are returned as they are.
+    """
+    if task.num_tokens < 0:
+        return task.local_block_ids, task.remote_block_ids
+    first_block = task.first_token // block_size
+    count = max(0, _ceil_div(token_end(task, block_size, block_size) - task.first_token, block_size))
+    return task.local_block_ids[:count], task.remote_block_ids[first_block:first_block + count]
+
+
+@dataclass(frozen=True)
+class StagedRead:
+    """A pull through staging: which remote blocks to READ and where their tokens go.
+
+    Attributes:
+        remote_block_ids: remote blocks to READ into staging, in token order.
+        src_token_offset: staging token (0-based over the staged blocks) of
+            the first token to move.
+        num_tokens: tokens to move.
+        dst_block_ids: local blocks that receive them, from slot 0 of the first.
+    """
+
+    remote_block_ids: tuple[int, ...]
+    src_token_offset: int
+    num_tokens: int
+    dst_block_ids: tuple[int, ...]
+
+
+def staged_read(task: PullSpec, local_block_size: int, remote_block_size: int) -> StagedRead:
+    """The :class:`StagedRead` of a task between engines of any two block sizes.
+
+    Example: prefill block 64, decode block 16, ``first_token`` 32, 100 prompt
+    tokens → READ remote blocks 0 and 1, move 68 tokens starting at staging
+    token 32 into the first 5 local blocks.
+    """
+    end = token_end(task, local_block_size, remote_block_size)
+    n = max(0, end - task.first_token)
+    if n == 0:
+        return StagedRead((), 0, 0, ())
+    first_remote = task.first_token // remote_block_size
+    last_remote = _ceil_div(end, remote_block_size)
+    return StagedRead(
+        remote_block_ids=task.remote_block_ids[first_remote:last_remote],
+        src_token_offset=task.first_token - first_remote * remote_block_size,
+        num_tokens=n,
+        dst_block_ids=task.local_block_ids[:_ceil_div(n, local_block_size)],
+    )

@@ -1,0 +1,33 @@
+"""Why a pull failed: a closed set of kinds, the same in the log line and in ``p2pkv:pull_failures_total{kind}``."""
+
+from __future__ import annotations
+
+import enum
+
+
+class FailureKind(str, enum.Enum):
+    """What went wrong with a pull (the value is the metric label and the ``kind=`` of the log line)."""
+
+    HANDSHAKE = "handshake"
+    """The prefill rank's side channel did not answer, or answered with an error."""
+    REFUSED = "refused"
+    """The two engines cannot pair (model shape, TP mapping, layout): names both sides' values."""
+    BAD_BLOCK_IDS = "bad_block_ids"
+    """Block ids out of range or not pairing up."""
+    STAGING = "staging"
+    """The pull needs more staging memory than ``staging_mib`` holds."""
+    FIXUP = "fixup"
+    """The post-receive fixup of a staged READ failed."""
+    DISCONNECT = "disconnect"
+    """NIXL reported the peer gone during a READ."""
+    TRANSFER = "transfer"
+    """Any other NIXL failure posting or running a READ."""
+    TIMEOUT = "timeout"
+    """A READ still in flight after ``transfer_timeout_s``."""
+    LEASE_EXPIRED = "lease_expired"
+    """The prefill lease ended before the READ finished: the blocks may have been reused."""
+    UNCONFIRMED = "unconfirmed"
+    """The prefill rank could not confirm that it still held the blocks."""
+
+    def __str__(self) -> str:
+        return self.value

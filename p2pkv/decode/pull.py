@@ -1,0 +1,104 @@
+"""One decode-side pull: its states, and the READs it is made of.
+
+A *pull* loads one request's prompt KV from the prefill engine into the
+decode engine's blocks. It is made of one *READ* (a NIXL READ xfer) per
+prefill rank it reads from: one when both engines have the same TP size.
+The lifecycle that moves pulls between states is
+:class:`p2pkv.decode.puller.Puller`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from p2pkv.dataplane.agent import ReadHandle
+from p2pkv.dataplane.stager import Stage
+from p2pkv.decode.peers import Peer, PeerId
+from p2pkv.metadata import PullSpec
+
+
+class PullState(str, enum.Enum):
+    """Where a pull is. Moves only forward, except ``READING``/``FENCING`` → ``HANDSHAKE`` on a retry."""
+
+    HANDSHAKE = "handshake"
+    """Waiting for the handshake with a prefill rank it reads from or notifies."""
+    STAGING = "staging"
+    """Waiting for room in the staging area (pulls from peers with other block shapes)."""
+    READING = "reading"
+    """READs posted; each step polls them."""
+    FENCING = "fencing"
+    """Every READ done; waiting for the prefill ranks to confirm their leases held."""
+    DONE = "done"
+    """Confirmed, prefill ranks notified, reported to vLLM as received."""
+    FAILED = "failed"
+    """Its local blocks reported as load errors, reported to vLLM as received."""
+
+
+@dataclass(eq=False)
+class ReadPart:
+    """One READ of a pull: one prefill rank's share of the blocks.
+
+    Attributes:
+        pull: the pull it belongs to.
+        attempt: the pull's attempt this READ belongs to (a retry starts a new one).
+        peer_id / peer: the prefill rank read from.
+        local_descs / remote_descs: uint64 ``[n, 3]`` ``(addr, bytes, device_id)`` rows.
+        stage: staging it READs into (``STAGED`` plans), else None.
+        handle: the NIXL READ once posted.
+        done: ``time.monotonic()`` when seen done (0: not yet).
+        confirmed: the prefill rank confirmed the lease held.
+    """
+
+    pull: Pull
+    attempt: int
+    peer_id: PeerId
+    peer: Peer
+    local_descs: np.ndarray
+    remote_descs: np.ndarray
+    stage: Stage | None = None
+    handle: ReadHandle | None = None
+    done: float = 0.0
+    confirmed: bool = False
+
+    @property
+    def in_flight(self) -> bool:
+        """Posted and not yet seen done."""
+        return self.handle is not None and not self.done
+
+
+@dataclass(eq=False)
+class Pull:
+    """One request's pull.
+
+    Attributes:
+        spec: what to pull (from the scheduler).
+        started: ``time.monotonic()`` of the current attempt's first READ.
+        state: where it is (:class:`PullState`).
+        attempt: 0 for the first try, 1 after the one retry a peer failure allows.
+        reads: the current attempt's READs.
+        notify: prefill ranks to notify when done, each with how many decode
+            ranks notify it.
+        num_bytes / num_descriptors: moved so far by the current attempt.
+    """
+
+    spec: PullSpec
+    started: float = 0.0
+    state: PullState = PullState.HANDSHAKE
+    attempt: int = 0
+    reads: list[ReadPart] = field(default_factory=list)
+    notify: list[tuple[PeerId, int]] = field(default_factory=list)
+    num_bytes: int = 0
+    num_descriptors: int = 0
+
+    @property
+    def request_id(self) -> str:
+        """The decode engine's request id."""
+        return self.spec.request_id
+
+    @property
+    def finished(self) -> bool:
+        """True once ``DONE`` or ``FAILED``."""
+        return self.state in (PullState.DONE, PullState.FAILED)

@@ -1,0 +1,360 @@
+"""The decode-side pull lifecycle: handshake, plan, post READs, poll, fence, notify, retry, fail.
+
+:class:`Puller` owns every pull of one decode worker and is the only code
+that moves a pull between its states (:class:`p2pkv.decode.pull.PullState`)::
+
+    HANDSHAKE ──► STAGING ──► READING ──► FENCING ──► DONE
+        │  ▲          │           │           │
+        │  └──────────┴─ retry ◄──┤(peer failed, once per pull)
+        └────────────┴────────────┴───────────┴──► FAILED
+
+Each engine step :meth:`Puller.step` finishes handshakes, polls READs and
+collects fence answers; a pull that fails marks its local blocks as load
+errors and is still reported as received, so vLLM recomputes or fails the
+request per ``kv_load_failure_policy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from handshake import AgentInfo, KVLayoutDesc
+from p2pkv.config import P2pKvConfig
+from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
+from p2pkv.dataplane.layout import KVLayout
+from p2pkv.dataplane.negotiate import PullRefused, total_heads
+from p2pkv.dataplane.plan import PlanError
+from p2pkv.dataplane.stager import Stager
+from p2pkv.dataplane.staging import StagingFull
+from p2pkv.dataplane.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
+from p2pkv.decode.background import Background
+from p2pkv.decode.failures import FailureKind
+from p2pkv.decode.fence import Fence
+from p2pkv.decode.peers import PeerId, PeerTable
+from p2pkv.decode.pull import Pull, PullState, ReadPart
+from p2pkv.decode.reads import plan_read
+from p2pkv.metadata import PullSpec
+from p2pkv.notification import DoneNotification, encode_done
+from p2pkv.telemetry.stats import StatsBuffer, append_json_line
+
+logger = logging.getLogger("p2pkv.decode")
+
+
+class Puller:
+    """Every pull of one decode rank.
+
+    Args:
+        engine_id / tp_rank / tp_size: this rank.
+        config: p2pkv settings (timeouts, secret, stats file).
+        agent: the rank's NIXL agent, KV memory registered.
+        layout / desc: the local KV layout and its wire description.
+        device_id: GPU index of the KV cache (0 for DRAM).
+        stager: the staging area for pulls that need a fixup.
+        compat_hash: what handshakes must match.
+        stats: the worker's statistics, appended to.
+    """
+
+    def __init__(self, engine_id: str, tp_rank: int, tp_size: int, config: P2pKvConfig, agent: NixlTransferAgent,
+                 layout: KVLayout, desc: KVLayoutDesc, device_id: int, stager: Stager, compat_hash: str,
+                 stats: StatsBuffer) -> None:
+        self.engine_id, self.tp_rank, self.tp_size, self.config = engine_id, tp_rank, tp_size, config
+        self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
+        self.compat_hash, self.stats = compat_hash, stats
+        self._secret = config.secret.encode() if config.secret else None
+        self.background = Background()
+        self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size)
+        self.fence = Fence(self.background, engine_id, self._secret, config.handshake_timeout_s)
+        self.pulls: list[Pull] = []
+        self._staging_wait: list[Pull] = []
+        self._handshake_wait: dict[PeerId, list[Pull]] = {}
+        self._finished: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    # ---- public surface -----------------------------------------------------
+    def start(self, specs: list[PullSpec]) -> None:
+        """Take this step's new pulls (after those that waited for staging)."""
+        waiting, self._staging_wait = self._staging_wait, []
+        for pull in waiting:
+            self._begin(pull)
+        for spec in specs:
+            pull = Pull(spec)
+            self.pulls.append(pull)
+            self._begin(pull)
+
+    def step(self) -> set[str]:
+        """Advance every pull; the request ids finished (loaded or failed) since the last call."""
+        self._finish_handshakes()
+        self._poll_reads()
+        self._collect_fence()
+        self.fence.send()
+        finished, self._finished = self._finished, set()
+        return finished
+
+    def take_load_errors(self) -> set[int]:
+        """Local block ids whose pull failed since the last call."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    @property
+    def waiting_for_staging(self) -> list[PullSpec]:
+        """Pulls waiting for room in the staging area."""
+        return [p.spec for p in self._staging_wait]
+
+    def in_state(self, state: PullState) -> list[Pull]:
+        """Pulls now in ``state``."""
+        return [p for p in self.pulls if p.state is state]
+
+    def close(self) -> None:
+        """Cancel side-channel calls and READs in flight. Idempotent."""
+        self.background.close()
+        for pull in self.pulls:
+            for read in pull.reads:
+                if read.in_flight:
+                    self.agent.cancel(read.handle)
+        self.pulls.clear()
+
+    # ---- transitions ----------------------------------------------------------
+    def _to(self, pull: Pull, state: PullState) -> None:
+        pull.state = state
+        if pull.finished:
+            if pull in self.pulls:
+                self.pulls.remove(pull)
+            if pull.spec.report:
+                self._finished.add(pull.request_id)
+
+    def _begin(self, pull: Pull) -> None:
+        """Map the TP topology, then wait for handshakes or start the READs."""
+        spec = pull.spec
+        try:
+            reads, notify = topology(self.desc, self.tp_rank, self.tp_size, spec.remote.tp_size)
+        except PullRefused as exc:
+            self._fail(pull, FailureKind.REFUSED, f"refused: {exc}")
+            return
+        engine = spec.remote.engine_id
+        ids = sorted({PeerId(engine, r.remote_rank) for r in reads} | {PeerId(engine, r) for r in notify})
+        missing = [pid for pid in ids if pid not in self.peers.peers]
+        if not missing:
+            self._post(pull, reads, notify)
+            return
+        self._to(pull, PullState.HANDSHAKE)
+        for pid in missing:
+            self.peers.handshake(pid, spec.remote.host, spec.remote.port + pid.tp_rank, self.background,
+                                 engine_id=self.engine_id, compat_hash=self.compat_hash, secret=self._secret,
+                                 timeout_s=self.config.handshake_timeout_s, retries=self.config.handshake_retries)
+        self._handshake_wait.setdefault(missing[0], []).append(pull)  # begun again when done; waits for the rest then
+
+    def _finish_handshakes(self) -> None:
+        for pid, hs in self.peers.completed():
+            waiting = self._handshake_wait.pop(pid, [])
+            try:
+                info: AgentInfo = hs.future.result()
+                peer = self.peers.add(pid, info)
+            except Exception as exc:
+                kind = FailureKind.REFUSED if isinstance(exc, PullRefused) else FailureKind.HANDSHAKE
+                for pull in waiting:
+                    remote = pull.spec.remote
+                    self._fail(pull, kind, f"handshake with {remote.host}:{remote.port + pid.tp_rank} failed: {exc}")
+                continue
+            self.stats.data["handshake_seconds"].append(time.monotonic() - hs.started)
+            plan = peer.plan
+            logger.info("p2pkv: handshake with %s done (agent %s, %s%s)", pid, peer.agent_name, plan.mode.value,
+                        f": {plan.reason}" if plan.reason else "")
+            for pull in waiting:
+                self._begin(pull)  # not _post: a failed start drops the peer for the rest
+
+    def _post(self, pull: Pull, reads: list[RankRead], notify: list[int]) -> None:
+        """Plan every READ of ``pull`` and post them (or wait for staging, or finish at once)."""
+        spec, engine = pull.spec, pull.spec.remote.engine_id
+        args = (self.tp_size, spec.remote.tp_size, total_heads(self.desc, self.tp_size), self.desc.is_mla)
+        pull.notify = [(PeerId(engine, r), notifiers_of(r, *args)) for r in notify]
+        pull.reads, pull.started, pull.num_bytes, pull.num_descriptors = [], time.monotonic(), 0, 0
+        try:
+            for rank_read in reads:
+                pid = PeerId(engine, rank_read.remote_rank)
+                peer = self.peers.peers[pid]
+                planned = plan_read(spec, peer, self.layout, self.desc, self.device_id, self.stager)
+                if planned is None:  # no room in staging yet: wait for pulls in flight to finish
+                    self._release_stages(pull)
+                    if self.stager.idle:  # nothing else holds staging: this pull can never fit
+                        raise StagingFull(f"a pull from {len(reads)} prefill ranks needs more staging than "
+                                          "staging_mib holds; raise staging_mib in kv_connector_extra_config")
+                    self._to(pull, PullState.STAGING)
+                    self._staging_wait.append(pull)
+                    return
+                if planned[0].size:
+                    pull.reads.append(ReadPart(pull, pull.attempt, pid, peer, *planned))
+        except (PlanError, StagingFull) as exc:
+            self._release_stages(pull)
+            if isinstance(exc, PlanError):
+                self._fail(pull, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
+            else:
+                self._fail(pull, FailureKind.STAGING, str(exc))
+            return
+        if not pull.reads:  # nothing to load (or a notify-only pull)
+            self._notify(pull)
+            self._to(pull, PullState.DONE)
+            return
+        self._to(pull, PullState.READING)
+        for read in pull.reads:
+            try:
+                read.handle = self.agent.start_read(read.peer.agent_name, read.local_descs, read.remote_descs, b"")
+            except Exception as exc:
+                self._abandon(pull)
+                self.peers.drop(read.peer_id)
+                self._retry_or_fail(pull, _kind(exc), f"pull from {read.peer.agent_name} could not start: {exc}")
+                return
+
+    def _poll_reads(self) -> None:
+        now = time.monotonic()
+        for pull in self.in_state(PullState.READING):
+            for read in pull.reads:
+                if pull.state is not PullState.READING or read.attempt != pull.attempt:
+                    break  # abandoned (or retried) during this loop
+                if read.in_flight:
+                    self._poll(pull, read, now)
+            if pull.state is PullState.READING and all(r.done for r in pull.reads):
+                self._to(pull, PullState.FENCING)
+        self.stager.poll_releases()
+
+    def _poll(self, pull: Pull, read: ReadPart, now: float) -> None:
+        try:
+            done = self.agent.poll(read.handle)
+        except Exception as exc:
+            self.peers.drop(read.peer_id, only=read.peer)
+            read.handle = None  # NIXL released it
+            if read.stage is not None:
+                self.stager.release(read.stage)
+                read.stage = None
+            self._abandon(pull)
+            self._retry_or_fail(pull, _kind(exc), str(exc))
+            return
+        if not done:
+            if now - pull.started > self.config.transfer_timeout_s:
+                self._abandon(pull)
+                self._fail(pull, FailureKind.TIMEOUT, f"READ still in flight after {self.config.transfer_timeout_s} s")
+            return
+        read.done = now
+        pull.num_bytes += read.handle.num_bytes
+        pull.num_descriptors += read.handle.num_descriptors
+        if read.stage is not None:
+            try:
+                self.stager.fixup(read.stage, read.peer.info.layout, read.peer.plan.read)
+            except Exception as exc:  # never let one request's fixup take the engine down
+                self._abandon(pull)
+                self._fail(pull, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
+                return
+            finally:
+                self.stager.release(read.stage)
+                read.stage = None
+        remote = read.peer.info
+        self.fence.add(read.peer_id, pull.spec.remote.host, pull.spec.remote.port + remote.tp_rank, read)
+
+    def _collect_fence(self) -> None:
+        for reads, answer in self.fence.answers():
+            for read in reads:
+                pull = read.pull
+                if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
+                    continue  # that attempt was abandoned
+                if isinstance(answer, Exception):
+                    self._abandon(pull)
+                    self._fail(pull, FailureKind.UNCONFIRMED,
+                               f"could not confirm that the prefill engine still held the blocks: {answer}")
+                elif pull.spec.remote.request_id in answer:
+                    self._abandon(pull)
+                    self._fail(pull, FailureKind.LEASE_EXPIRED,
+                               "the prefill lease expired before the pull finished; its blocks may have been "
+                               "reused (raise lease_s or check the lease heartbeats)")
+                else:
+                    read.confirmed = True
+                    if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
+                        self._record(pull)
+                        self._notify(pull)
+                        self._to(pull, PullState.DONE)
+
+    # ---- endings ----------------------------------------------------------------
+    def _release_stages(self, pull: Pull) -> None:
+        """Give back staging of READs not yet posted."""
+        for read in pull.reads:
+            if read.stage is not None and read.handle is None:
+                self.stager.release(read.stage)
+                read.stage = None
+
+    def _abandon(self, pull: Pull) -> None:
+        """Stop a failing pull's READs in flight; their staging is quarantined (a cancelled READ may still land)."""
+        for read in pull.reads:
+            if read.in_flight:
+                self.agent.cancel(read.handle)
+                if read.stage is not None:
+                    self.stager.quarantine(read.stage, self.config.transfer_timeout_s)
+                    read.stage = None
+        self._release_stages(pull)
+        pull.attempt += 1  # late fence answers for this attempt are ignored
+
+    def _retry_or_fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
+        """After a peer failure: re-handshake and try once more per pull (the prefill engine may have
+        restarted under the same engine_id); fail the pull the second time."""
+        if pull.attempt > 1:
+            self._fail(pull, kind, why)
+            return
+        logger.warning("p2pkv: %s; re-handshaking and retrying request %s once", why, pull.request_id)
+        self._begin(pull)
+
+    def _notify(self, pull: Pull) -> None:
+        """Tell every prefill rank this rank answers for that it may free the request's blocks.
+
+        Sent after the READs are done and fenced, not attached to them: a READ with a
+        notification completes only once the prefill side progresses NIXL. One that
+        cannot be sent is logged; the prefill lease frees the blocks instead.
+        """
+        rid = pull.spec.remote.request_id
+        for pid, notifiers in pull.notify:
+            peer = self.peers.peers.get(pid)
+            if peer is None:
+                logger.warning("p2pkv: cannot notify %s about %s (peer gone); its lease frees the blocks", pid, rid)
+                continue
+            msg = encode_done(DoneNotification(rid, f"{self.engine_id}:{self.tp_rank}", notifiers))
+            try:
+                self.agent.send_notif(peer.agent_name, msg)
+            except TransferError as exc:
+                logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
+
+    def _fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
+        """Report a pull as failed: its local blocks become load errors, the request finishes."""
+        spec = pull.spec
+        logger.error("p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
+                     kind.value, spec.request_id, spec.remote.request_id, spec.remote.host, spec.remote.port,
+                     len(spec.local_block_ids), why)
+        self._load_errors.update(spec.local_block_ids)
+        self.stats.record_failure(kind.value)
+        if pull in self._staging_wait:
+            self._staging_wait.remove(pull)
+        self._to(pull, PullState.FAILED)
+
+    def _record(self, pull: Pull) -> None:
+        """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
+        spec, seconds = pull.spec, max(r.done for r in pull.reads) - pull.started
+        self.stats.record_pull(pull.num_bytes, seconds, pull.num_descriptors)
+        if self.config.stats_file:
+            append_json_line(self.config.stats_file, {
+                "request_id": spec.request_id, "remote_request_id": spec.remote.request_id,
+                "peer": ",".join(r.peer.agent_name for r in pull.reads), "blocks": len(spec.local_block_ids),
+                "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds})
+
+
+def _kind(exc: BaseException) -> FailureKind:
+    """``DISCONNECT`` when NIXL said the peer went away, else ``TRANSFER``."""
+    return FailureKind.DISCONNECT if isinstance(exc, TransferError) and exc.disconnected else FailureKind.TRANSFER
+
+
+def topology(desc: KVLayoutDesc, tp_rank: int, tp_size: int, remote_tp: int) -> tuple[list[RankRead], list[int]]:
+    """The prefill ranks decode rank ``tp_rank`` reads (with head slices) and notifies.
+
+    Raises:
+        PullRefused: the heads cannot be mapped between the two TP sizes.
+    """
+    args = (tp_rank, tp_size, remote_tp, total_heads(desc, tp_size), desc.is_mla)
+    try:
+        return read_plan(*args), notify_ranks(*args)
+    except TopologyError as exc:
+        raise PullRefused(f"prefill tp_size={remote_tp}, decode tp_size={tp_size}: {exc}") from exc

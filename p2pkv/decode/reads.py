@@ -1,0 +1,56 @@
+"""Descriptors for one READ of a pull: which remote bytes land where, for each transfer mode."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from handshake import KVLayoutDesc
+from p2pkv.dataplane.blockmap import direct_pairs, staged_read
+from p2pkv.dataplane.layout import KVLayout
+from p2pkv.dataplane.negotiate import TransferMode
+from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
+from p2pkv.dataplane.stager import Stage, Stager
+from p2pkv.decode.peers import Peer
+from p2pkv.metadata import PullSpec
+
+Descriptors = tuple[np.ndarray, np.ndarray, Stage | None]
+"""``(local_descs, remote_descs, stage)``: uint64 ``[n, 3]`` rows each, and the staging READ into (or None)."""
+
+_EMPTY = np.zeros((0, 3), dtype=np.uint64)
+
+
+def plan_read(spec: PullSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, device_id: int,
+              stager: Stager) -> Descriptors | None:
+    """Descriptors for ``peer``'s share of ``spec`` (None: no room in staging yet).
+
+    ``DIRECT``: coalesced runs of whole blocks, local ← remote. ``PAGED``:
+    per-page head slices (coalesced when every slice is block-contiguous).
+    ``STAGED``: whole remote blocks into a reserved range of staging.
+
+    Raises:
+        p2pkv.dataplane.plan.PlanError: bad block ids.
+        p2pkv.dataplane.staging.StagingFull: the READ can never fit in staging.
+    """
+    remote = peer.info.layout
+    if peer.plan.mode is not TransferMode.STAGED:
+        local_ids, remote_ids = direct_pairs(spec, desc.block_size)
+        loc, rem, lengths = coalesce_runs(local_ids, remote_ids, layout.num_blocks, remote.num_blocks)
+        if peer.plan.mode is TransferMode.DIRECT:
+            return (build_descriptors(layout.segments, loc, lengths, device_id),
+                    build_descriptors(peer.segments, rem, lengths, peer.device_id), None)
+        if not all(seg.blocks_contiguous for seg in (*peer.local_slices, *peer.remote_slices)):
+            loc, rem = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
+            lengths = np.ones(loc.size, dtype=np.int64)  # one row per block on both sides
+        return (build_descriptors(peer.local_slices, loc, lengths, device_id),
+                build_descriptors(peer.remote_slices, rem, lengths, peer.device_id), None)
+    read = staged_read(spec, desc.block_size, remote.block_size)
+    n = len(read.remote_block_ids)
+    coalesce_runs(read.dst_block_ids, read.dst_block_ids, layout.num_blocks, layout.num_blocks)  # validates ids
+    if not n:
+        return _EMPTY, _EMPTY, None
+    loc, rem, lengths = coalesce_runs(np.arange(n), read.remote_block_ids, n, remote.num_blocks)
+    stage = stager.reserve(read, peer.segments)
+    if stage is None:
+        return None
+    return (build_descriptors(stage.segments, loc, lengths, device_id),
+            build_descriptors(peer.segments, rem, lengths, peer.device_id), stage)

@@ -1,0 +1,54 @@
+"""The "done" notification a decode rank sends a prefill rank once it has pulled a request's KV.
+
+One encoder, one parser. The message travels as a NIXL notification
+(``send_notif``) and reads ``p2pkv:done:<request_id>|<engine_id>:<tp_rank>:<notifiers>``:
+the prefill request id, the decode rank that finished, and how many decode
+ranks will notify this prefill rank for the request (several when decode TP
+is larger; see :func:`p2pkv.dataplane.topology.notifiers_of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = b"p2pkv:done:"
+
+
+@dataclass(frozen=True)
+class DoneNotification:
+    """One decode rank's "done" for one prefill request.
+
+    Attributes:
+        request_id: the request id on the prefill engine.
+        reader: ``<engine_id>:<tp_rank>`` of the decode rank (``""`` when absent).
+        notifiers: decode ranks the prefill rank waits for (>= 1).
+    """
+
+    request_id: str
+    reader: str = ""
+    notifiers: int = 1
+
+
+def encode_done(note: DoneNotification) -> bytes:
+    """The wire bytes of ``note``."""
+    return PREFIX + f"{note.request_id}|{note.reader}:{note.notifiers}".encode()
+
+
+def parse_done(msg: bytes) -> DoneNotification | None:
+    """Parse a notification; None when it is not a p2pkv "done" message.
+
+    A body without ``|`` names only the request (one notifier); a count that
+    does not parse counts as 1.
+    """
+    if not msg.startswith(PREFIX):
+        return None
+    body = msg[len(PREFIX):].decode(errors="replace")
+    request_id, sep, tail = body.rpartition("|")
+    if not sep:
+        return DoneNotification(body)
+    reader, _, count = tail.rpartition(":")
+    try:
+        notifiers = max(1, int(count))
+    except ValueError:
+        reader, notifiers = tail, 1
+    return DoneNotification(request_id, reader, notifiers)

@@ -1,0 +1,118 @@
+"""Pull statistics through vLLM's connector stats, onto the engine's ``/metrics``.
+
+Each worker collects raw observations (:meth:`p2pkv.worker.WorkerSide.take_stats`);
+vLLM ships them to its logger process as :class:`P2pKvStats`, aggregates them
+over an interval (the periodic "KV Transfer metrics" log line) and hands them
+to :class:`P2pKvPromMetrics`, which records them as Prometheus metrics on the
+engine's ``/metrics``:
+
+- ``p2pkv:pull_bytes_total`` / ``p2pkv:pulls_total`` (counters),
+- ``p2pkv:pull_seconds``, ``p2pkv:pull_descriptors``, ``p2pkv:handshake_seconds`` (histograms),
+- ``p2pkv:pull_failures_total{kind=...}``, ``p2pkv:leases_expired_total``,
+  ``p2pkv:leases_notified_total`` (counters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from p2pkv.telemetry.stats import COUNT_KEYS, LIST_KEYS, empty_stats, is_empty
+
+
+class P2pKvStats(KVConnectorStats):
+    """p2pkv's connector stats: lists of per-pull observations plus counters."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = empty_stats()
+
+    def reset(self) -> None:
+        self.data = empty_stats()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in LIST_KEYS:
+            self.data[key] = list(self.data.get(key, [])) + list(other.data.get(key, []))
+        for key in COUNT_KEYS:
+            self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
+        failures = dict(self.data.get("failures", {}))
+        for kind, n in other.data.get("failures", {}).items():
+            failures[kind] = failures.get(kind, 0) + n
+        self.data["failures"] = failures
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        seconds = sorted(self.data.get("pull_seconds", []))
+        nbytes = sum(self.data.get("pull_bytes", []))
+        return {
+            "pulls": len(seconds),
+            "pulled_MiB": round(nbytes / 2**20, 3),
+            "avg_pull_ms": round(1e3 * sum(seconds) / len(seconds), 3) if seconds else 0.0,
+            "p90_pull_ms": round(1e3 * seconds[int(0.9 * (len(seconds) - 1))], 3) if seconds else 0.0,
+            "GB_per_s": round(nbytes / sum(seconds) / 1e9, 3) if seconds and sum(seconds) > 0 else 0.0,
+            "failures": sum(self.data.get("failures", {}).values()),
+            "leases_expired": self.data.get("leases_expired", 0),
+        }
+
+    def is_empty(self) -> bool:
+        return is_empty(self.data)
+
+
+class P2pKvPromMetrics(KVConnectorPromMetrics):
+    """Registers and records p2pkv's Prometheus metrics, one child per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        self.pull_bytes = per_engine(self._counter_cls(
+            name="p2pkv:pull_bytes", documentation="KV bytes pulled by this engine", labelnames=labelnames))
+        self.pulls = per_engine(self._counter_cls(
+            name="p2pkv:pulls", documentation="Completed KV pulls", labelnames=labelnames))
+        self.pull_seconds = per_engine(self._histogram_cls(
+            name="p2pkv:pull_seconds", documentation="Duration of one KV pull (NIXL READ), seconds",
+            buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0],
+            labelnames=labelnames))
+        self.pull_descriptors = per_engine(self._histogram_cls(
+            name="p2pkv:pull_descriptors", documentation="NIXL descriptors per KV pull",
+            buckets=[1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 16384], labelnames=labelnames))
+        self.handshake_seconds = per_engine(self._histogram_cls(
+            name="p2pkv:handshake_seconds", documentation="Side-channel handshake + NIXL peer setup, seconds",
+            buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0], labelnames=labelnames))
+        self.leases_expired = per_engine(self._counter_cls(
+            name="p2pkv:leases_expired", documentation="Held prefill requests released by lease expiry",
+            labelnames=labelnames))
+        self.leases_notified = per_engine(self._counter_cls(
+            name="p2pkv:leases_notified", documentation="Held prefill requests released by a decode notification",
+            labelnames=labelnames))
+        self.failures = self._counter_cls(
+            name="p2pkv:pull_failures", documentation="Failed KV pulls by failure kind",
+            labelnames=[*labelnames, "kind"])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        data = transfer_stats_data
+        for n in data.get("pull_bytes", []):
+            self.pull_bytes[engine_idx].inc(n)
+        if data.get("pull_seconds"):
+            self.pulls[engine_idx].inc(len(data["pull_seconds"]))
+        for s in data.get("pull_seconds", []):
+            self.pull_seconds[engine_idx].observe(s)
+        for d in data.get("pull_descriptors", []):
+            self.pull_descriptors[engine_idx].observe(d)
+        for s in data.get("handshake_seconds", []):
+            self.handshake_seconds[engine_idx].observe(s)
+        if data.get("leases_expired"):
+            self.leases_expired[engine_idx].inc(data["leases_expired"])
+        if data.get("leases_notified"):
+            self.leases_notified[engine_idx].inc(data["leases_notified"])
+        labels = self.per_engine_labelvalues[engine_idx]
+        for kind, n in data.get("failures", {}).items():
+            self.failures.labels(*labels, kind).inc(n)

@@ -1,0 +1,16 @@
+"""Benchmarks of p2pkv's KV transfer path (``p2pkv bench ...``).
+
+* :mod:`p2pkv.tools.bench.synth`: synthetic KV caches shaped like a real model's
+  and synthetic block placements shaped like a real allocator's.
+* :mod:`p2pkv.tools.bench.transfer`: ``p2pkv bench transfer``, a two-process NIXL
+  pull benchmark against an in-process memcpy of the same bytes.
+* :mod:`p2pkv.tools.bench.report`: human table, JSON, plot and target checks.
+* :mod:`p2pkv.tools.bench.serve`: ``p2pkv bench serve``, a serving benchmark of a
+  p2pkv pair, a NixlConnector pair and one engine through the proxy.
+* :mod:`p2pkv.tools.bench.fixup`: ``p2pkv bench fixup``, the post-receive fixup
+  against a plain device copy.
+
+Nothing here is imported by the connector itself.
+"""
+
+from __future__ import annotations

@@ -1,0 +1,179 @@
+"""Prometheus scrapes for ``p2pkv bench serve``: pull statistics and the proxy's overhead.
+
+Each engine's and the proxy's ``/metrics`` is scraped before and after a
+benchmark point; the difference of the two snapshots is what that point
+added. Pure functions on the Prometheus text format (no HTTP here except
+:func:`scrape`). Units: seconds and bytes as Prometheus stores them; the
+summaries convert to ms where a key says ``_ms``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+P2PKV_PULL = {
+    "bytes": "p2pkv:pull_bytes_total",
+    "seconds_sum": "p2pkv:pull_seconds_sum",
+    "count": "p2pkv:pull_seconds_count",
+    "descriptors_sum": "p2pkv:pull_descriptors_sum",
+}
+"""p2pkv's pull metrics on the decode engine's ``/metrics`` (see :mod:`p2pkv.telemetry.metrics`)."""
+
+NIXL_PULL = {
+    "bytes": "vllm:nixl_bytes_transferred_sum",
+    "seconds_sum": "vllm:nixl_xfer_time_seconds_sum",
+    "count": "vllm:nixl_xfer_time_seconds_count",
+    "descriptors_sum": "vllm:nixl_num_descriptors_sum",
+}
+"""vLLM NixlConnector's transfer metrics on the decode engine's ``/metrics`` (vLLM 0.32)."""
+
+PROXY_OVERHEAD = "p2pkv_proxy_overhead_seconds"
+"""The proxy's histogram of the time it adds per request (seconds)."""
+
+PROXY_PREFILL = "p2pkv_proxy_prefill_seconds"
+"""The proxy's histogram of the prefill request's round trip (seconds)."""
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class Snapshot:
+    """Metric samples of one scrape, summed over label sets except ``le``.
+
+    Attributes:
+        values: ``name`` → value, for samples without an ``le`` label.
+        buckets: histogram ``name`` (with ``_bucket``) → {upper bound: cumulative count}.
+    """
+
+    values: dict[str, float] = field(default_factory=dict)
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)
+
+    def value(self, name: str) -> float | None:
+        """The summed value of ``name``, or None when the scrape had no such metric."""
+        return self.values.get(name)
+
+
+def parse_prometheus(text: str) -> Snapshot:
+    """Parse the Prometheus text exposition format.
+
+    Samples of one name are summed over their label sets (one child per
+    engine); histogram buckets are kept per ``le``. Comments and malformed
+    lines are skipped.
+    """
+    snap = Snapshot()
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line.strip())
+        if m is None:
+            continue
+        name, labels, raw = m.groups()
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        le = dict(_LABEL.findall(labels or "")).get("le")
+        if le is not None:
+            bound = math.inf if le == "+Inf" else float(le)
+            per_le = snap.buckets.setdefault(name, {})
+            per_le[bound] = per_le.get(bound, 0.0) + value
+        else:
+            snap.values[name] = snap.values.get(name, 0.0) + value
+    return snap
+
+
+def scrape(client: Any, base_url: str) -> Snapshot:
+    """GET ``base_url/metrics`` with an ``httpx.Client`` and parse it.
+
+    Raises:
+        httpx.HTTPError: the endpoint did not answer or answered an error.
+    """
+    resp = client.get(f"{base_url}/metrics")
+    resp.raise_for_status()
+    return parse_prometheus(resp.text)
+
+
+def delta(before: Snapshot, after: Snapshot) -> Snapshot:
+    """``after - before`` for every metric in ``after`` (a metric new in ``after`` counts from 0)."""
+    out = Snapshot()
+    for name, v in after.values.items():
+        out.values[name] = v - before.values.get(name, 0.0)
+    for name, per_le in after.buckets.items():
+        old = before.buckets.get(name, {})
+        out.buckets[name] = {le: c - old.get(le, 0.0) for le, c in per_le.items()}
+    return out
+
+
+def histogram_p50_bound(buckets: dict[float, float]) -> float | None:
+    """Upper bound of the histogram's median: the smallest ``le`` whose cumulative count reaches half.
+
+    Args:
+        buckets: upper bound → cumulative count (as in ``_bucket{le=...}``).
+
+    Returns:
+        That bound (the histogram's unit, e.g. seconds), ``inf`` when only
+        the ``+Inf`` bucket reaches half, None for an empty histogram.
+    """
+    if not buckets:
+        return None
+    total = buckets.get(math.inf, max(buckets.values()))
+    if total <= 0:
+        return None
+    for le in sorted(buckets):
+        if buckets[le] >= total / 2:
+            return le
+    return math.inf
+
+
+def pull_stats(d: Snapshot, names: dict[str, str]) -> dict[str, Any] | None:
+    """Pull statistics of one benchmark point from the decode engine's metric delta.
+
+    Args:
+        d: ``after - before`` of the decode engine's scrapes.
+        names: :data:`P2PKV_PULL` or :data:`NIXL_PULL`.
+
+    Returns:
+        ``pulls``, ``bytes``, ``seconds_total``, ``mean_ms`` (per pull),
+        ``descriptors_mean`` (per pull; None when not exported), or None when
+        the engine exports none of these metrics.
+    """
+    if d.value(names["count"]) is None and d.value(names["bytes"]) is None:
+        return None
+    count = d.value(names["count"]) or 0.0
+    seconds = d.value(names["seconds_sum"]) or 0.0
+    descs = d.value(names["descriptors_sum"])
+    return {
+        "pulls": round(count),
+        "bytes": round(d.value(names["bytes"]) or 0.0),
+        "seconds_total": seconds,
+        "mean_ms": 1e3 * seconds / count if count > 0 else None,
+        "descriptors_mean": descs / count if descs is not None and count > 0 else None,
+    }
+
+
+def proxy_overhead(d: Snapshot) -> dict[str, Any] | None:
+    """The proxy's added latency over one benchmark point, from its histogram delta.
+
+    Returns:
+        ``requests``, ``p50_bound_ms`` (upper bound of the median from the
+        buckets; None when empty or beyond the last finite bucket),
+        ``mean_ms`` (sum / count), ``prefill_mean_ms`` (the prefill request's
+        mean round trip, from ``p2pkv_proxy_prefill_seconds``), or None
+        without the overhead histogram.
+    """
+    count = d.value(f"{PROXY_OVERHEAD}_count")
+    if count is None:
+        return None
+    total = d.value(f"{PROXY_OVERHEAD}_sum") or 0.0
+    bound = histogram_p50_bound(d.buckets.get(f"{PROXY_OVERHEAD}_bucket", {}))
+    prefill_n = d.value(f"{PROXY_PREFILL}_count") or 0.0
+    return {
+        "requests": round(count),
+        "p50_bound_ms": None if bound is None or math.isinf(bound) else 1e3 * bound,
+        "mean_ms": 1e3 * total / count if count > 0 else None,
+        "prefill_mean_ms": 1e3 * (d.value(f"{PROXY_PREFILL}_sum") or 0.0) / prefill_n if prefill_n > 0 else None,
+    }

@@ -1,0 +1,360 @@
+"""``p2pkv bench transfer``: KV block pulls over NIXL between two processes vs memcpy.
+
+A *prefill* process owns two synthetic KV caches of one model shape,
+cross-layer (``BLHNC``) and layer-compact (``LBHNC``), each registered and
+served by its own :class:`p2pkv.worker.WorkerSide` (NIXL agent + side
+channel; :mod:`p2pkv.tools.bench.transfer_prefill`). The *decode* process holds two
+destination caches on one :class:`p2pkv.dataplane.agent.NixlTransferAgent`
+(:mod:`p2pkv.tools.bench.transfer_decode`), fetches both peers' AgentInfo over the
+side channel (timed), and pulls the same requests (same block ids, same
+bytes) four ways:
+
+* ``memcpy``: torch ``copy_`` of the same byte ranges between two tensors in
+  this process, one copy per coalesced run: the limit.
+* ``cross_layer``: p2pkv: ``BLHNC`` + :func:`p2pkv.dataplane.plan.coalesce_runs`, one
+  descriptor per run of consecutive blocks (all layers at once).
+* ``per_layer``: vLLM NixlConnector's scheme: ``LBHNC``, one descriptor per
+  block per layer (run lengths all 1, nothing coalesced).
+* ``layer_coalesced``: ``LBHNC`` + coalescing: one descriptor per run per layer.
+
+Where the two processes run (``--role``):
+
+* ``both`` (default): this process is the decode side and spawns the
+  prefill process on the same host (side channels on ``--host``, ephemeral
+  ports).
+* ``prefill`` / ``decode``: one node each. ``--role prefill`` serves in the
+  foreground (side channels on ``--host``:``--port`` and ``--port + 1``),
+  ``--role decode --peer HOST`` pulls from it; what ``both`` passes through
+  multiprocessing queues (readiness, side-channel ports, blocks per cache,
+  the prefill's statistics) travels over a small TCP control channel on
+  ``--control-port`` (:mod:`p2pkv.tools.bench.transfer_control`). Both sides derive
+  caches, patterns and block placements from the same flags
+  (``--seed``, shape, ``--num-blocks``/``--max-mem-gib``); the decode side
+  checks that they agree and tells the prefill when it is done, and the
+  prefill then exits.
+
+With ``device="cuda"`` (``--device cuda``) every cache lives in GPU memory
+(NIXL memory type ``VRAM``; with ``--role both`` both processes' on one GPU,
+and UCX moves the READs between them with ``cuda_ipc``), and ``memcpy`` is a
+device-to-device ``copy_`` of the same byte ranges on the decode side,
+timed between ``torch.cuda.synchronize()`` calls.
+
+Requests are pulled one at a time; a pull is timed from
+:meth:`~p2pkv.dataplane.agent.NixlTransferAgent.start_read` (NIXL descriptor lists,
+``initialize_xfer``, post) to the poll that sees it DONE. Descriptor planning
+(coalesce_runs + build_descriptors) is timed apart. Before the timed requests
+each method pulls request 0 once into scrubbed destination blocks and the
+bytes are compared exactly with the source (warm-up and correctness check).
+
+Units: bytes; GB/s are 1e9 bytes per second; times in ms or µs as named.
+
+Run it as ``p2pkv bench transfer`` or, on a machine without the proxy's web
+stack, as ``python -m p2pkv.tools.bench.transfer`` (same flags; needs only torch,
+numpy, msgspec, pyzmq and NIXL).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from p2pkv.dataplane.plan import coalesce_runs
+from p2pkv.tools.bench import report
+from p2pkv.tools.bench.synth import GiB, make_placements, size_cache
+from p2pkv.tools.bench.transfer_control import PeerError
+from p2pkv.tools.bench.transfer_decode import Decode
+from p2pkv.tools.bench.transfer_options import (
+    DEVICES,
+    PROCESS_OVERHEAD_BYTES,
+    ROLES,
+    TransferBenchOptions,
+    add_arguments,
+    options_from_args,
+)
+from p2pkv.tools.bench.transfer_prefill import RemotePrefill, SpawnedPrefill, log, serve
+
+__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "build_parser", "check_options", "cli_main", "main", "method_labels",
+           "resolve_device", "run_prefill", "run_transfer_bench"]
+
+if TYPE_CHECKING:
+    import argparse
+
+    import torch
+
+METHODS: dict[str, str] = {
+    "memcpy": "in-process memcpy of the same byte ranges (torch copy_ per run; the limit)",
+    "cross_layer": "p2pkv: cross-layer blocks (BLHNC) + run coalescing",
+    "per_layer": "NixlConnector scheme: layer-compact (LBHNC), 1 descriptor per block per layer",
+    "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
+}
+"""Method key → what it measures (host memory; see :func:`method_labels`)."""
+
+CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
+                     "between torch.cuda.synchronize() calls; the limit)")
+"""What ``memcpy`` measures with ``--device cuda``."""
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device ``--device name`` means (``"cuda"``: the current GPU, e.g. ``cuda:0``).
+
+    Raises:
+        ValueError: not ``cpu``/``cuda``/``cuda:N``, or no such CUDA device is
+            usable (the message names ``--device``).
+    """
+    import torch
+
+    kind, _, index = name.partition(":")
+    if kind not in DEVICES or (kind == "cpu" and index) or (index and not index.isdigit()):
+        raise ValueError(f"--device {name}: expected one of {', '.join(DEVICES)} (or cuda:N)")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available (torch {torch.__version__}, built for CUDA "
+                         f"{torch.version.cuda}; CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                         "use --device cpu")
+    count = torch.cuda.device_count()
+    idx = int(index) if index else torch.cuda.current_device()
+    if idx >= count:
+        raise ValueError(f"--device {name}: only {count} CUDA device(s) visible")
+    return torch.device("cuda", idx)
+
+
+def method_labels(device: torch.device) -> dict[str, str]:
+    """:data:`METHODS`, with ``memcpy`` described as a device-to-device copy on a GPU."""
+    return {**METHODS, "memcpy": CUDA_MEMCPY_LABEL} if device.type == "cuda" else dict(METHODS)
+
+
+def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]]:
+    """``(num_blocks, token sizes that fit, warnings)``: two caches per process within ``max_mem_gib``.
+
+    With ``device="cuda"`` the budget is GPU memory, and this GPU's free
+    memory must hold the caches now: both processes' (four caches) with
+    ``role="both"``, this side's two otherwise. Both sides of a split pair
+    compute the same ``num_blocks`` from the same flags.
+
+    Raises:
+        ValueError: bad options, no usable CUDA device for ``--device cuda``,
+            or not even the smallest request fits.
+    """
+    if opts.requests < 1 or not opts.tokens or min(opts.tokens) < 1 or opts.fragmentation < 0:
+        raise ValueError("need --requests >= 1, token sizes >= 1 and --fragmentation >= 0")
+    if opts.role not in ROLES:
+        raise ValueError(f"--role {opts.role}: expected one of {', '.join(ROLES)}")
+    if opts.role == "decode" and not opts.peer:
+        raise ValueError("--role decode needs --peer HOST: the address of the node running --role prefill")
+    if opts.peer and opts.role != "decode":
+        raise ValueError(f"--peer {opts.peer}: only --role decode connects to a peer (this is --role {opts.role})")
+    if opts.role != "both":
+        if not 0 < opts.port < 65535 or not 0 <= opts.control_port < 65536 or opts.port + 2 > 65535:
+            raise ValueError(f"--port {opts.port} / --control-port {opts.control_port}: need 1 <= --port <= 65533 "
+                             "(side channels on --port and --port + 1) and --control-port 0 (--port + 2) or a port")
+        if opts.serve_seconds <= 0 or opts.peer_timeout_s <= 0:
+            raise ValueError("--serve-seconds and --peer-timeout must be > 0")
+    if opts.shape.page_bytes % 8:
+        raise ValueError(f"a block's page is {opts.shape.page_bytes} B; the benchmark needs a multiple of 8")
+    device = resolve_device(opts.device)
+    budget = int(opts.max_mem_gib * GiB) - PROCESS_OVERHEAD_BYTES
+    num_blocks, tokens, warnings = size_cache(opts.shape, opts.tokens, opts.requests, opts.num_blocks, budget,
+                                              caches=2)
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        procs = 2 if opts.role == "both" else 1
+        need = procs * (2 * num_blocks * opts.shape.block_bytes + PROCESS_OVERHEAD_BYTES)
+        if need > free:
+            raise ValueError(f"--device {opts.device}: {procs} process(es) with two caches of {num_blocks} blocks each "
+                             f"need {need / GiB:.2f} GiB of GPU memory but {device} has {free / GiB:.2f} GiB free; "
+                             "lower --max-mem-gib or --num-blocks")
+    return num_blocks, tokens, warnings
+
+
+def _log(opts: TransferBenchOptions, msg: str) -> None:
+    log(opts.quiet, msg)
+
+
+def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[str, Any]:
+    placements = make_placements(opts.seed, tokens, opts.shape, dec.num_blocks, opts.requests, opts.fragmentation)
+    runs = [int(coalesce_runs(lo, re, dec.num_blocks, dec.num_blocks)[2].size) for lo, re in placements]
+    blocks = int(placements[0][0].size)
+    entry: dict[str, Any] = {"tokens": tokens, "blocks_per_request": blocks, "runs_per_request": report.counts(runs),
+                             "bytes_per_request": blocks * opts.shape.block_bytes, "methods": {}}
+    warm = {method: dec.verified_pull(method, *placements[0]) for method in METHODS}
+    names, samples = list(METHODS), {method: [] for method in METHODS}
+    for i, (loc, rem) in enumerate(placements):
+        # Interleaved, in rotating order: every method sees the same background load.
+        for method in names[i % len(names):] + names[:i % len(names)]:
+            samples[method].append(dec.timed(method, loc, rem))
+        _log(opts, f"{tokens} tokens: request {i + 1}/{len(placements)} pulled every way")
+    for method in METHODS:
+        plan_s, pull_s, descs = zip(*samples[method], strict=True)
+        res = entry["methods"][method] = report.method_stats(
+            dec.labels[method], entry["bytes_per_request"], pull_s, plan_s, descs, *warm[method])
+        _log(opts, f"{tokens} tokens  {method:<15} {res['gbps']:7.2f} GB/s  p50 {res['latency_ms']['p50']:8.2f} ms"
+                   f"  {res['descriptors_per_request']['mean']:9.1f} desc/req  verified={res['verified']}")
+    for res in entry["methods"].values():
+        res["ratio_to_memcpy"] = res["gbps"] / entry["methods"]["memcpy"]["gbps"]
+    return entry
+
+
+def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
+    """Run the whole benchmark as the decode side (``role`` ``"both"`` or ``"decode"``).
+
+    ``"both"`` spawns the prefill process and ends it before returning;
+    ``"decode"`` connects to the prefill at ``opts.peer`` and tells it when
+    it is done (it then exits).
+
+    Returns:
+        The results dict that :mod:`p2pkv.tools.bench.report` prints, writes and checks.
+
+    Raises:
+        ValueError: bad options, or a peer whose caches differ from this side's.
+        PeerError: the prefill at ``--peer`` cannot be reached or stopped answering.
+        RuntimeError: the spawned prefill process failed or did not answer.
+    """
+    import torch
+
+    if opts.role == "prefill":
+        raise ValueError("--role prefill serves (run_prefill); it does not measure")
+    num_blocks, tokens, warnings, device = _prepare(opts)
+    threads = torch.get_num_threads()
+    started, t_wall = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter()
+    link: SpawnedPrefill | RemotePrefill | None = None
+    dec: Decode | None = None
+    try:
+        if opts.role == "decode":  # before any cache exists: a bad --peer fails fast
+            link = RemotePrefill(opts, num_blocks, device)
+            _log(opts, f"prefill {link.hostname} at --peer {opts.peer} is ready")
+        torch.set_num_threads(opts.memcpy_threads or threads)  # restored below
+        _log(opts, f"{opts.shape.label()}; {num_blocks} blocks per cache "
+                   f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches per process on {device}")
+        if link is None:
+            link = SpawnedPrefill(opts, num_blocks, device)
+        dec = Decode(opts, num_blocks, device, method_labels(device))  # while a spawned prefill starts
+        ready = link.ready()
+        dec.connect(ready, link.host)
+        _log(opts, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
+        results = [_bench_tokens(dec, opts, t) for t in tokens]
+        decode_rss = report.peak_rss_bytes()
+        decode_gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
+        dec.agent.close()
+        done = link.finish()
+    finally:
+        if dec is not None:
+            dec.agent.close()
+        torch.set_num_threads(threads)
+        if link is not None:
+            link.close()
+    result: dict[str, Any] = {
+        "benchmark": "p2pkv bench transfer", "command": report.command_line(opts.argv), "argv": list(opts.argv),
+        "timestamp": started, "wall_s": time.perf_counter() - t_wall, "machine": report.machine_info(str(device)),
+        "role": opts.role, "peer": opts.peer or None,
+        "hosts": {"decode": {"hostname": socket.gethostname(), "address": link.local_address},
+                  "prefill": {"hostname": link.hostname, "address": link.host,
+                              "side_channel_ports": {k: v["port"] for k, v in ready.items()}}},
+        "config": {**{k: v for k, v in asdict(opts).items() if k not in ("argv", "quiet")},
+                   "device": str(device), "nixl_mem_type": dec.mem_type,
+                   "tokens": tokens, "skipped_tokens": sorted(set(opts.tokens) - set(tokens)),
+                   "shape_label": opts.shape.label(), "block_bytes": opts.shape.block_bytes,
+                   "page_bytes": opts.shape.page_bytes, "num_blocks": num_blocks,
+                   "cache_bytes": num_blocks * opts.shape.block_bytes, "torch_threads": opts.memcpy_threads or threads,
+                   "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}},
+        "methods": dict(dec.labels),
+        "setup": {"decode_register_ms": dec.register_ms, "peers": dec.peers},
+        "processes": {"decode_peak_rss_bytes": decode_rss, "prefill_peak_rss_bytes": done["peak_rss_bytes"],
+                      "decode_peak_gpu_bytes": decode_gpu, "prefill_peak_gpu_bytes": done.get("peak_gpu_bytes"),
+                      "prefill_notifications": done["notifs"]},
+        "warnings": warnings, "results": results,
+    }
+    if link.machine is not None:
+        result["prefill_machine"] = link.machine
+    result["targets"] = report.evaluate_targets(result)
+    return result
+
+
+def _prepare(opts: TransferBenchOptions) -> tuple[int, list[int], list[str], torch.device]:
+    """Checked options → ``(blocks per cache, token sizes, warnings, device)``; selects the GPU, logs
+    the warnings.
+
+    Raises:
+        ValueError: as :func:`check_options` and :func:`resolve_device`.
+    """
+    import torch
+
+    num_blocks, tokens, warnings = check_options(opts)
+    device = resolve_device(opts.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    for w in warnings:
+        _log(opts, f"warning: {w}")
+    return num_blocks, tokens, warnings, device
+
+
+def run_prefill(opts: TransferBenchOptions) -> int:
+    """``--role prefill``: serve this node's caches until the decode side is done (see :func:`serve`).
+
+    Returns:
+        The exit code: 0 after a decode said done (or on SIGTERM/SIGINT), 1
+        when ``--serve-seconds`` passed first.
+
+    Raises:
+        ValueError: bad options, or a port that cannot be bound.
+    """
+
+    if opts.role != "prefill":
+        raise ValueError(f"run_prefill needs --role prefill, not {opts.role}")
+    num_blocks, _, _, device = _prepare(opts)
+    _log(opts, f"prefill: {opts.shape.label()}; {num_blocks} blocks per cache "
+               f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches on {device}")
+    return serve(opts, num_blocks, device)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """Run ``p2pkv bench transfer`` from parsed flags (:func:`p2pkv.tools.bench.transfer_options.add_arguments`).
+
+    Returns:
+        0 ok; 1 a pull moved wrong bytes, or ``--role prefill`` saw no decode
+        finish within ``--serve-seconds``; 2 bad options; 3 the prefill at
+        ``--peer`` unreachable or gone.
+    """
+    try:
+        opts = options_from_args(args)
+        if opts.role == "prefill":
+            return run_prefill(opts)
+        result = run_transfer_bench(opts)
+    except (ValueError, PeerError) as exc:
+        print(f"p2pkv bench transfer: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 3
+    print(report.format_table(result))
+    if args.json:
+        report.write_json(result, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot and report.plot(result, args.plot):
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0 if all(m["verified"] is not False for r in result["results"] for m in r["methods"].values()) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m p2pkv.tools.bench.transfer``: the flags of ``p2pkv bench transfer``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m p2pkv.tools.bench.transfer",
+                                     description="KV block pulls over NIXL between two processes vs memcpy")
+    add_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m p2pkv.tools.bench.transfer [flags]``: ``p2pkv bench transfer`` without the rest of the CLI.
+
+    Same flags and exit codes; imports only the benchmark's own dependencies, not the proxy.
+    """
+    return cli_main(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""The decode side of ``p2pkv bench transfer``: destination caches, one NIXL agent, the four ways to pull.
+
+:class:`Decode` holds two destination caches (``BLHNC`` and ``LBHNC``) on
+one :class:`p2pkv.dataplane.agent.NixlTransferAgent`, fetches both prefill caches'
+AgentInfo over their side channels (timed), and pulls requests (block ids
+from :func:`p2pkv.tools.bench.synth.make_placements`) by one method at a time; see
+:mod:`p2pkv.tools.bench.transfer` for the methods. Units: seconds unless named
+(``*_ms``: milliseconds); offsets and lengths in bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
+from p2pkv.tools.bench.synth import make_shaped_kv_caches, ranges_equal, run_ranges
+from p2pkv.tools.bench.transfer_options import PREFILL_CACHE_LAYOUTS, remote_seed
+
+if TYPE_CHECKING:
+    import torch
+
+    from handshake import KVLayoutDesc
+    from p2pkv.tools.bench.transfer_options import TransferBenchOptions
+
+PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC"}
+"""NIXL method → the prefill cache (layout) it pulls from."""
+
+_NOTIF = b"p2pkv:done:bench"
+
+
+@dataclass
+class _Side:
+    """One layout as seen from the decode process."""
+
+    raw: torch.Tensor
+    segs: list[tuple[int, int, int]]
+    local_segments: list[Any]
+    remote_segments: list[Any]
+    peer: str
+    seed: int
+    remote_device_id: int
+
+
+class Decode:
+    """The decode side: destination caches on ``device``, one NIXL agent, both peers.
+
+    Args:
+        opts: the benchmark's settings.
+        num_blocks: blocks per cache (the prefill side's caches have as many).
+        device: where the destination caches live.
+        labels: method → what it measures (:func:`p2pkv.tools.bench.transfer.method_labels`).
+    """
+
+    def __init__(self, opts: TransferBenchOptions, num_blocks: int, device: torch.device,
+                 labels: dict[str, str]) -> None:
+        import torch
+
+        from p2pkv.config import P2pKvConfig
+        from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
+        from p2pkv.dataplane.layout import describe_torch_kv_caches
+
+        self.opts, self.num_blocks, self.device = opts, num_blocks, device
+        cuda = device.type == "cuda"
+        self.mem_type, self.device_id = ("VRAM", device.index or 0) if cuda else ("DRAM", 0)
+        self.labels = labels
+        self.sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+        shape = opts.shape
+        # Caches first: on a GPU the CUDA context then exists before UCX starts.
+        made = {lay: make_shaped_kv_caches(lay, shape, num_blocks, seed=2 * opts.seed + 200 + i, device=device)
+                for i, lay in enumerate(PREFILL_CACHE_LAYOUTS)}
+        self.sync()
+        self.agent = NixlTransferAgent(
+            unique_agent_name("bench-decode", 0), ("UCX",), opts.progress_thread, opts.num_threads,
+            P2pKvConfig(**opts.nixl_settings()).backend_params())
+        self.caches = {lay: base for lay, (base, _) in made.items()}
+        self.layouts = {lay: describe_torch_kv_caches(views, num_blocks) for lay, (_, views) in made.items()}
+        t0 = time.perf_counter()
+        self.agent.register([r for lay in self.layouts.values() for r in lay.regions], self.mem_type, self.device_id)
+        self.register_ms = (time.perf_counter() - t0) * 1e3
+        self.peers: dict[str, dict[str, float]] = {}
+        self.sides: dict[str, _Side] = {}
+
+    def connect(self, ready: dict[str, Any], host: str) -> None:
+        """Handshake with both prefill caches' side channels at ``host`` and load their metadata (timed).
+
+        Args:
+            ready: layout → ``port`` (side channel), ``register_ms``, ``device_id``, as the prefill reported them.
+            host: the prefill's address.
+        """
+        import torch
+
+        from handshake import fetch_agent_info
+        from p2pkv.dataplane.negotiate import layout_desc, remote_segments
+
+        opts, shape = self.opts, self.opts.shape
+        for lay in PREFILL_CACHE_LAYOUTS:
+            local, base = self.layouts[lay], self.caches[lay]
+            t0 = time.perf_counter()
+            info = fetch_agent_info(host, ready[lay]["port"], 0, "bench-decode", "p2pkv-bench:" + shape.key())
+            t1 = time.perf_counter()
+            check_compatible(layout_desc(local, shape.model_info(lay), "HND", mem_type=self.mem_type), info.layout)
+            name = self.agent.add_peer(info)
+            t2 = time.perf_counter()
+            self.peers[lay] = {"handshake_ms": (t1 - t0) * 1e3, "add_remote_agent_ms": (t2 - t1) * 1e3,
+                               "setup_ms": (t2 - t0) * 1e3, "prefill_register_ms": ready[lay]["register_ms"]}
+            origin = local.regions[0].addr
+            self.sides[lay] = _Side(
+                raw=base.view(-1).view(torch.uint8),
+                segs=[(s.addr - origin, s.block_stride, s.length) for s in local.segments],
+                local_segments=list(local.segments), remote_segments=remote_segments(info.layout),
+                peer=name, seed=remote_seed(opts.seed, lay), remote_device_id=int(ready[lay].get("device_id", 0)))
+
+    def plan(self, method: str, loc: np.ndarray, rem: np.ndarray) -> dict[str, Any]:
+        """Descriptors (or memcpy runs) of one request; keys ``runs``, ``local``, ``remote``, ``descs``."""
+        if method == "per_layer":
+            ones, side = np.ones(loc.size, dtype=np.int64), self.sides["LBHNC"]
+            ld = build_descriptors(side.local_segments, np.asarray(loc, dtype=np.int64), ones, self.device_id)
+            rd = build_descriptors(side.remote_segments, np.asarray(rem, dtype=np.int64), ones, side.remote_device_id)
+            return {"local": ld, "remote": rd, "descs": int(ld.shape[0])}
+        runs = coalesce_runs(loc, rem, self.num_blocks, self.num_blocks)
+        if method == "memcpy":
+            return {"runs": runs, "descs": int(runs[0].size)}
+        side = self.sides[PEER_LAYOUT[method]]
+        ld = build_descriptors(side.local_segments, runs[0], runs[2], self.device_id)
+        rd = build_descriptors(side.remote_segments, runs[1], runs[2], side.remote_device_id)
+        return {"local": ld, "remote": rd, "descs": int(ld.shape[0])}
+
+    def execute(self, method: str, plan: dict[str, Any]) -> float:
+        """Run one planned request; seconds (on a GPU, memcpy until its copies finished)."""
+        if method == "memcpy":
+            src, dst, bb = self.sides["BLHNC"].raw, self.sides["LBHNC"].raw, self.opts.shape.block_bytes
+            ls, rs, lens = (a.tolist() for a in plan["runs"])
+            self.sync()
+            t0 = time.perf_counter()
+            for a, b, n in zip(ls, rs, lens, strict=True):
+                dst[a * bb:(a + n) * bb].copy_(src[b * bb:(b + n) * bb])
+            self.sync()
+            return time.perf_counter() - t0
+        side = self.sides[PEER_LAYOUT[method]]
+        t0 = time.perf_counter()
+        handle = self.agent.start_read(side.peer, plan["local"], plan["remote"], b"")
+        while not self.agent.poll(handle):
+            pass
+        seconds = time.perf_counter() - t0
+        self.agent.send_notif(side.peer, _NOTIF)  # as WorkerSide does: after the READ, off the timed path
+        return seconds
+
+    def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None]:
+        """Scrub a request's destination, pull it, compare with the source: ``(seconds, equal)``."""
+        runs = coalesce_runs(loc, rem, self.num_blocks, self.num_blocks)
+        if method == "memcpy":
+            bb = self.opts.shape.block_bytes
+            dst, src, seed = self.sides["LBHNC"].raw, self.sides["BLHNC"].raw, 0
+            ranges = run_ranges([(0, bb, bb)], *runs)
+        else:
+            side = self.sides[PEER_LAYOUT[method]]
+            dst, src, seed = side.raw, None, side.seed
+            ranges = run_ranges(side.segs, *runs)
+        for d, _, n in ranges:
+            dst[d:d + n].zero_()
+        self.sync()  # scrubbed before NIXL (its own CUDA streams) writes
+        seconds = self.execute(method, self.plan(method, loc, rem))
+        if method in PEER_LAYOUT:
+            self.peers[PEER_LAYOUT[method]].setdefault("first_pull_ms", seconds * 1e3)
+        return seconds, (ranges_equal(dst, ranges, src, seed) if self.opts.verify else None)
+
+    def timed(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, float, int]:
+        """``(planning seconds, pull seconds, descriptors)`` of one request."""
+        t0 = time.perf_counter()
+        plan = self.plan(method, loc, rem)
+        t1 = time.perf_counter()
+        return t1 - t0, self.execute(method, plan), plan["descs"]
+
+
+def check_compatible(local: KVLayoutDesc, remote: KVLayoutDesc) -> None:
+    """Refuse a peer whose blocks cannot be copied byte for byte into ours (same TP size).
+
+    Raises:
+        ValueError: names the field and both sides' values.
+    """
+    for name in ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "attn_layout", "block_len"):
+        mine, theirs = getattr(local, name), getattr(remote, name)
+        if mine != theirs:
+            raise ValueError(f"prefill and decode differ in {name}: prefill has {theirs!r}, decode has "
+                              f"{mine!r}; run both engines with the same {name}")
+    if len(local.regions) != len(remote.regions):
+        raise ValueError(f"prefill KV layout {remote.kv_layout} ({len(remote.regions)} segments per block) "
+                          f"differs from decode {local.kv_layout} ({len(local.regions)}); use the same "
+                          "kv_layout on both engines")

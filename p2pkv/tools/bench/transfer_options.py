@@ -1,0 +1,186 @@
+"""Settings of ``p2pkv bench transfer``: the options, their command-line flags, the names both sides share."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2pkv.tools.bench.synth import ITEMSIZES, LLAMA3_8B, KVShape
+
+DEVICES = ("cpu", "cuda")
+"""``--device`` choices: host memory (NIXL ``DRAM``) or GPU memory (NIXL ``VRAM``)."""
+
+PROCESS_OVERHEAD_BYTES = 768 << 20
+"""Bytes one benchmark process needs besides its two caches (torch, NIXL, UCX; on a GPU: the
+CUDA context and the verification temporaries, in GPU memory)."""
+
+ROLES = ("both", "prefill", "decode")
+"""``--role`` choices: both processes on this host, or one side of a two-node pair."""
+
+PREFILL_CACHE_LAYOUTS = ("BLHNC", "LBHNC")
+"""The prefill side's caches, in side-channel port order (``--port``, ``--port + 1``)."""
+
+
+def remote_seed(seed: int, layout: str) -> int:
+    """Pattern seed of the prefill side's ``layout`` cache."""
+    return 2 * seed + 100 + PREFILL_CACHE_LAYOUTS.index(layout)
+
+
+def control_port(opts: TransferBenchOptions) -> int:
+    """The control channel's TCP port: ``--control-port``, or ``--port + 2``."""
+    return opts.control_port or opts.port + 2
+
+
+def log(quiet: bool, msg: str) -> None:
+    """A progress line on stderr (none when ``quiet``)."""
+    if not quiet:
+        print(f"[p2pkv bench transfer] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class TransferBenchOptions:
+    """Settings of one benchmark run.
+
+    Attributes:
+        shape: model KV geometry (default Llama-3-8B).
+        tokens: request sizes to measure (tokens per request).
+        requests: timed requests per size and method.
+        num_blocks: blocks per cache (0: room for all requests of the largest size, within ``max_mem_gib``).
+        seed: seeds block placement.
+        fragmentation: longest run of consecutive block ids the synthetic
+            allocator hands out (1: every block alone; 0: one run per request).
+        progress_thread: NIXL progress threads on every agent.
+        num_threads: UCX backend worker threads (0: NIXL default).
+        ucx_error_handling_mode: ``"peer"``, ``"none"`` or ``""`` (NIXL default), as in P2pKvConfig.
+        ucx_num_workers: UCX workers per agent (0: NIXL default).
+        memcpy_threads: torch threads for the memcpy method (0: torch default; host memory only).
+        max_mem_gib: memory per process (GiB), two caches plus overhead: host
+            memory for ``device="cpu"``, GPU memory for ``"cuda"`` (with
+            ``role="both"`` both processes use the same GPU, so it must hold
+            twice this).
+        device: where every cache lives: ``"cpu"`` (host memory, NIXL
+            ``DRAM``), ``"cuda"`` (the current GPU) or ``"cuda:N"`` (NIXL
+            ``VRAM``; with ``role="both"`` the prefill process uses the same GPU).
+        verify: compare one pulled request per method with its source, byte for byte.
+        host: side-channel (and, for ``role="prefill"``, control) bind address (loopback by default).
+        prefill_poll_ms: how often the prefill process progresses NIXL (drains
+            notifications) without a progress thread. Pulls are READs without
+            a notification (sent after completion, as the worker does), so
+            their completion does not wait for the prefill side.
+        quiet: no progress lines on stderr.
+        role: ``"both"`` (spawn the prefill process on this host), ``"prefill"``
+            (serve in the foreground) or ``"decode"`` (pull from ``peer``).
+        peer: the prefill node's address (``role="decode"`` only).
+        port: side-channel TCP port of the prefill's ``BLHNC`` cache
+            (``LBHNC``: ``port + 1``) for ``role="prefill"``; ``role="both"``
+            uses ephemeral ports.
+        control_port: control channel TCP port of a split pair (0: ``port + 2``).
+        serve_seconds: ``role="prefill"`` exits after this many seconds at the
+            latest, counted from ready.
+        peer_timeout_s: ``role="decode"`` gives up when the prefill at ``peer``
+            does not accept the control connection (or answer it) within this many seconds.
+        argv: command line to record in the results.
+    """
+
+    shape: KVShape = LLAMA3_8B
+    tokens: tuple[int, ...] = (1024, 4096, 16384)
+    requests: int = 8
+    num_blocks: int = 0
+    seed: int = 0
+    fragmentation: int = 32
+    progress_thread: bool = False
+    num_threads: int = 0
+    ucx_error_handling_mode: str = ""
+    ucx_num_workers: int = 0
+    memcpy_threads: int = 0
+    max_mem_gib: float = 6.0
+    device: str = "cpu"
+    verify: bool = True
+    host: str = "127.0.0.1"
+    prefill_poll_ms: float = 0.5
+    quiet: bool = False
+    role: str = "both"
+    peer: str = ""
+    port: int = 5610
+    control_port: int = 0
+    serve_seconds: float = 900.0
+    peer_timeout_s: float = 60.0
+    argv: list[str] = field(default_factory=lambda: list(sys.argv))
+
+    def nixl_settings(self) -> dict[str, Any]:
+        """:class:`p2pkv.config.P2pKvConfig` keywords for both sides' NIXL agents."""
+        return {"nixl_progress_thread": self.progress_thread, "nixl_num_threads": self.num_threads,
+                "ucx_error_handling_mode": self.ucx_error_handling_mode, "ucx_num_workers": self.ucx_num_workers}
+
+
+def _token_list(text: str) -> tuple[int, ...]:
+    """``"1024,4k,16k"`` → ``(1024, 4096, 16384)``."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        out.append(int(part[:-1]) * 1024 if part.endswith("k") else int(part))
+    return tuple(out)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``p2pkv bench transfer`` (defaults from :class:`TransferBenchOptions`)."""
+    d = TransferBenchOptions()
+    p.add_argument("--layers", type=int, default=d.shape.num_layers, help="attention layers")
+    p.add_argument("--kv-heads", type=int, default=d.shape.num_kv_heads, help="KV heads")
+    p.add_argument("--head-dim", type=int, default=d.shape.head_dim, help="elements per head")
+    p.add_argument("--dtype", default=d.shape.dtype, choices=list(ITEMSIZES), help="KV cache dtype")
+    p.add_argument("--block-size", type=int, default=d.shape.block_size, help="tokens per block")
+    p.add_argument("--num-blocks", type=int, default=0, help="blocks per cache (0: auto within --max-mem-gib)")
+    p.add_argument("--requests", type=int, default=d.requests, help="timed requests per size and method")
+    p.add_argument("--tokens", type=_token_list, default=d.tokens,
+                   help="tokens per request, a comma-separated list (1024,4k,16k)")
+    p.add_argument("--seed", type=int, default=d.seed, help="block placement seed")
+    p.add_argument("--fragmentation", type=int, default=d.fragmentation, metavar="MAX_RUN",
+                   help="longest run of consecutive block ids per allocation (1: all scattered, 0: contiguous)")
+    p.add_argument("--progress-thread", action="store_true", help="NIXL progress thread on every agent")
+    p.add_argument("--num-threads", type=int, default=0, help="UCX backend threads (0: NIXL default)")
+    p.add_argument("--ucx-error-handling-mode", choices=["", "peer", "none"], default="",
+                   help="UCX endpoint error handling ('': NIXL default)")
+    p.add_argument("--ucx-num-workers", type=int, default=0, help="UCX workers per agent (0: NIXL default)")
+    p.add_argument("--memcpy-threads", type=int, default=0, help="torch threads for memcpy (0: torch default)")
+    p.add_argument("--max-mem-gib", type=float, default=d.max_mem_gib,
+                   help="memory per process (GiB; GPU memory with --device cuda): two KV caches plus about 0.75 GiB")
+    p.add_argument("--device", choices=list(DEVICES), default=d.device,
+                   help="where the KV caches live: cpu (host memory, NIXL DRAM) or cuda (the current GPU, NIXL "
+                        "VRAM; --role both: both processes on it, UCX cuda_ipc between them; memcpy is a "
+                        "device-to-device copy)")
+    p.add_argument("--no-verify", action="store_true", help="skip the byte-exact check of one pull per method")
+    p.add_argument("--host", default=d.host, help="side-channel address (--role prefill: also the control channel's)")
+    p.add_argument("--role", choices=list(ROLES), default=d.role,
+                   help="both: spawn the prefill process on this host (this process pulls); prefill: serve the "
+                        "caches in the foreground until a decode says done; decode: pull from the prefill at --peer")
+    p.add_argument("--peer", default=d.peer, metavar="HOST", help="--role decode: the prefill node's address")
+    p.add_argument("--port", type=int, default=d.port,
+                   help="split roles: side-channel port of the prefill's cross-layer cache, +1 for the "
+                        "layer-compact one (--role both: ephemeral ports)")
+    p.add_argument("--control-port", type=int, default=d.control_port,
+                   help="split roles: TCP control channel port (readiness, block counts, done; 0: --port + 2)")
+    p.add_argument("--serve-seconds", type=float, default=d.serve_seconds,
+                   help="--role prefill: exit after this many seconds at the latest (exit code 1: no decode finished)")
+    p.add_argument("--peer-timeout", type=float, default=d.peer_timeout_s,
+                   help="--role decode: seconds to wait for the prefill at --peer to accept and answer")
+    p.add_argument("--prefill-poll-ms", type=float, default=d.prefill_poll_ms,
+                   help="how often the prefill process progresses NIXL without a progress thread (ms)")
+    p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+    p.add_argument("--plot", metavar="PNG", help="write a plot here (needs matplotlib: p2pkv[bench])")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def options_from_args(args: argparse.Namespace) -> TransferBenchOptions:
+    """:class:`TransferBenchOptions` from the flags of :func:`add_arguments`."""
+    shape = KVShape(args.layers, args.kv_heads, args.head_dim, args.dtype, args.block_size)
+    return TransferBenchOptions(
+        shape=shape, tokens=tuple(args.tokens), requests=args.requests, num_blocks=args.num_blocks,
+        seed=args.seed, fragmentation=args.fragmentation, progress_thread=args.progress_thread,
+        num_threads=args.num_threads, ucx_error_handling_mode=args.ucx_error_handling_mode,
+        ucx_num_workers=args.ucx_num_workers, memcpy_threads=args.memcpy_threads, max_mem_gib=args.max_mem_gib,
+        device=args.device, verify=not args.no_verify, host=args.host, prefill_poll_ms=args.prefill_poll_ms,
+        quiet=args.quiet, role=args.role, peer=args.peer, port=args.port, control_port=args.control_port,
+        serve_seconds=args.serve_seconds, peer_timeout_s=args.peer_timeout)

@@ -1,0 +1,168 @@
+"""The ``p2pkv`` command: ``demo``, ``launch``, ``proxy``, ``make-tiny-model``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from p2pkv.tools.demo import run_demo
+
+    return run_demo(Path(args.workdir), max_tokens=args.max_tokens, base_port=args.base_port)
+
+
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
+
+    path = make_tiny_model(args.out, TinyModelSpec(num_layers=args.layers, seed=args.seed))
+    print(path)
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from p2pkv.tools.deploy.local import LocalPair
+    from p2pkv.tools.deploy.processes import LaunchError
+
+    pair = LocalPair(model=args.model, host=args.host, prefill_port=args.prefill_port,
+                     decode_port=args.decode_port, proxy_port=args.proxy_port,
+                     side_channel_port=args.side_channel_port, block_size=args.block_size,
+                     dtype=args.dtype, log_dir=Path(args.log_dir))
+    for spec in pair.engine_specs():
+        print(f"[{spec.name}] {' '.join(spec.command())}")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        pair.start()
+        print(f"ready: proxy on {pair.url('proxy')} (Ctrl-C stops everything)", flush=True)
+        while (dead := pair.dead_child()) is None:
+            time.sleep(1.0)
+        print(f"{dead.name} exited with code {dead.proc.returncode}; log {dead.log_path}:\n{dead.tail()}",
+              file=sys.stderr)
+        return 1
+    except LaunchError as exc:
+        print(f"p2pkv launch: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        pair.stop()
+
+
+def _cmd_launch_pod(args: argparse.Namespace) -> int:
+    from p2pkv.tools.deploy.pod_cli import main
+
+    return main(args)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from p2pkv.tools.doctor import main
+
+    return main(args.side_channel_host, args.side_channel_port, args.seconds, args.json)
+
+
+def _cmd_proxy(args: argparse.Namespace) -> int:
+    from p2pkv.tools.proxy.server import main
+
+    return main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``p2pkv`` command."""
+    parser = argparse.ArgumentParser(prog="p2pkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo_and_model(sub)
+    _add_launch(sub)
+    _add_doctor_and_proxy(sub)
+    _add_bench(sub)
+    return parser
+
+
+def _add_demo_and_model(sub: argparse._SubParsersAction) -> None:
+    demo = sub.add_parser("demo", help="local P/D pair + proxy answering prompts, checked against one engine")
+    demo.add_argument("--workdir", default=".p2pkv", help="model, logs and stats go here")
+    demo.add_argument("--max-tokens", type=int, default=16)
+    demo.add_argument("--base-port", type=int, default=8000,
+                      help="proxy port; prefill, decode, aggregated use +100, +200, +300")
+    demo.set_defaults(func=_cmd_demo)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight Llama model")
+    tiny.add_argument("out", help="output directory")
+    tiny.add_argument("--layers", type=int, default=4)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=_cmd_make_tiny_model)
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    launch_parser = sub.add_parser("launch", help="start a prefill/decode pair and the proxy, or one side of it")
+    launch_sub = launch_parser.add_subparsers(dest="mode", required=True)
+    launch = launch_sub.add_parser("local", help="both engines and the proxy on this host")
+    launch.add_argument("--model", required=True, help="model directory")
+    launch.add_argument("--host", default="127.0.0.1")
+    launch.add_argument("--proxy-port", type=int, default=8000)
+    launch.add_argument("--prefill-port", type=int, default=8100)
+    launch.add_argument("--decode-port", type=int, default=8200)
+    launch.add_argument("--side-channel-port", type=int, default=5600)
+    launch.add_argument("--block-size", type=int, default=32)
+    launch.add_argument("--dtype", default="float32")
+    launch.add_argument("--log-dir", default=".p2pkv/logs")
+    launch.set_defaults(func=_cmd_launch)
+    from p2pkv.tools.deploy.pod_cli import add_arguments as _add_pod_arguments
+
+    for role in ("prefill", "decode"):
+        side = launch_sub.add_parser(role, help=f"one {role} engine with p2pkv, for a pod (checks flags first)")
+        _add_pod_arguments(side, role)
+        side.set_defaults(func=_cmd_launch_pod)
+
+
+def _add_doctor_and_proxy(sub: argparse._SubParsersAction) -> None:
+    doctor = sub.add_parser("doctor", help="check NIXL/UCX, RDMA, GPU, the side-channel port, a loopback pull")
+    doctor.add_argument("--side-channel-host", default="127.0.0.1")
+    doctor.add_argument("--side-channel-port", type=int, default=5600)
+    doctor.add_argument("--seconds", type=float, default=1.0, help="length of the loopback pull test")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.set_defaults(func=_cmd_doctor)
+
+    from p2pkv.tools.proxy.server import add_arguments
+
+    proxy = sub.add_parser("proxy", help="the OpenAI-compatible P/D proxy")
+    add_arguments(proxy)
+    proxy.set_defaults(func=_cmd_proxy)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    transfer = bench_sub.add_parser(
+        "transfer", help="KV block pulls over NIXL between two processes vs memcpy (cross-layer vs per-layer)")
+    from p2pkv.tools.bench.transfer import cli_main as _cmd_bench_transfer
+    from p2pkv.tools.bench.transfer_options import add_arguments as _add_bench_transfer_arguments
+
+    _add_bench_transfer_arguments(transfer)
+    transfer.set_defaults(func=_cmd_bench_transfer)
+    from p2pkv.tools.bench.serve import add_arguments as _add_bench_serve_arguments
+    from p2pkv.tools.bench.serve import main as _cmd_bench_serve
+
+    serve = bench_sub.add_parser(
+        "serve", help="serving benchmark through the proxy: p2pkv vs NixlConnector vs one engine, answers checked")
+    _add_bench_serve_arguments(serve)
+    serve.set_defaults(func=_cmd_bench_serve)
+    from p2pkv.tools.bench.fixup import add_arguments as _add_bench_fixup_arguments
+    from p2pkv.tools.bench.fixup import cli_main as _cmd_bench_fixup
+
+    fixup = bench_sub.add_parser(
+        "fixup", help="post-receive fixup (re-block, HND/NHD, head slice) on the device vs a plain copy")
+    _add_bench_fixup_arguments(fixup)
+    fixup.set_defaults(func=_cmd_bench_fixup)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``p2pkv`` console script."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""``vllm serve`` command lines for prefill, decode and aggregated engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One vLLM engine to start.
+
+    Attributes:
+        name: label used in logs (``prefill``, ``decode``, ``aggregated``).
+        model: model directory or name.
+        port: HTTP port of the OpenAI server.
+        host: HTTP bind address.
+        role: ``"prefill"``, ``"decode"`` or ``None`` (no connector).
+        side_channel_host: p2pkv side-channel address (P/D engines).
+        side_channel_port: p2pkv side-channel base port (P/D engines).
+        block_size: tokens per KV block.
+        dtype: model dtype.
+        max_model_len: longest sequence (tokens; None: the model's own).
+        kv_cache_gib: KV cache size on CPU (GiB; ``VLLM_CPU_KVCACHE_SPACE``).
+        tensor_parallel_size: TP size.
+        extra_config: more ``kv_connector_extra_config`` keys.
+        connector: ``"p2pkv"`` or ``"nixl"`` (vLLM's own NixlConnector).
+        module_path: p2pkv only: load the connector from this module
+            (``kv_connector_module_path``, e.g. ``"p2pkv.connector"``) instead of
+            through the ``vllm.general_plugins`` registration (``""``).
+        env: extra environment variables.
+        extra_args: more ``vllm serve`` flags, appended as given.
+        enforce_eager: pass ``--enforce-eager`` (no CUDA graphs: quick starts for
+            tests and CPU runs; GPU pods leave it off).
+        gpu_memory_utilization: share of the GPU's memory this engine may
+            take (None: vLLM's default); engines sharing one GPU split it.
+        local_defaults: set the small-machine environment defaults (1 GiB CPU
+            KV cache, one OMP thread, offline Hugging Face hub) unless already set;
+            GPU pods leave them off.
+    """
+
+    name: str
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    role: str | None = None
+    side_channel_host: str = ""
+    side_channel_port: int = 5600
+    block_size: int = 32
+    dtype: str = "float32"
+    max_model_len: int | None = 2048
+    kv_cache_gib: int = 1
+    tensor_parallel_size: int = 1
+    extra_config: dict[str, object] = field(default_factory=dict)
+    connector: str = "p2pkv"
+    module_path: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    enforce_eager: bool = True
+    local_defaults: bool = True
+    gpu_memory_utilization: float | None = None
+
+    def kv_transfer_config(self) -> dict[str, object] | None:
+        """The ``--kv-transfer-config`` JSON for this engine (None: no connector)."""
+        if self.role is None:
+            return None
+        if self.connector == "nixl":
+            import torch  # the GPU build keeps the KV cache (and its NIXL buffers) on the GPU
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                    "kv_buffer_device": device, "kv_connector_extra_config": dict(self.extra_config)}
+        extra: dict[str, object] = {"side_channel_port": self.side_channel_port}
+        if self.side_channel_host:
+            extra["side_channel_host"] = self.side_channel_host
+        extra.update(self.extra_config)
+        config: dict[str, object] = {"kv_connector": "P2pKvConnector", "kv_role": "kv_both",
+                                     "kv_connector_extra_config": extra}
+        if self.module_path:
+            config["kv_connector_module_path"] = self.module_path
+        return config
+
+    def command(self) -> list[str]:
+        """The argv that runs ``vllm serve`` for this engine.
+
+        Uses the OpenAI API server module rather than the ``vllm`` script,
+        whose version lookup fails under the ``vllm-cpu`` distribution.
+        """
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+            "--host", self.host, "--port", str(self.port),
+            "--dtype", self.dtype, "--block-size", str(self.block_size),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            "--served-model-name", "model",
+        ]
+        if self.enforce_eager:
+            argv.append("--enforce-eager")
+        if self.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:.2f}"]
+        if self.max_model_len is not None:
+            argv += ["--max-model-len", str(self.max_model_len)]
+        ktc = self.kv_transfer_config()
+        if ktc is not None:
+            argv += ["--kv-transfer-config", json.dumps(ktc)]
+        return argv + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        """Environment for the engine process (inherits ours)."""
+        env = dict(os.environ)
+        if self.local_defaults:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            env.setdefault("OMP_NUM_THREADS", "1")
+            env.setdefault("HF_HUB_OFFLINE", "1")
+            env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        if self.connector == "nixl" and self.role is not None:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.side_channel_host or self.host
+        env.update(self.env)
+        return env

@@ -1,0 +1,148 @@
+"""A local prefill/decode pair plus the bundled proxy (and optionally an aggregated engine)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2pkv.tools.deploy.checks import check_port_free
+from p2pkv.tools.deploy.engines import EngineSpec
+from p2pkv.tools.deploy.processes import Child, LaunchError, start_child, stop_children, wait_healthy
+
+
+@dataclass
+class LocalPair:
+    """Prefill + decode engines with p2pkv and the proxy in front, on one host.
+
+    Attributes:
+        model: model directory.
+        host: address everything binds to.
+        prefill_port / decode_port / proxy_port: HTTP ports.
+        side_channel_port: prefill side-channel base port; decode uses +100.
+        aggregated_port: when set, also start one plain engine (no connector)
+            on this port, for comparisons.
+        block_size: tokens per KV block (a multiple of 32 on CPU).
+        dtype: model dtype.
+        log_dir: where each process writes ``<name>.log``.
+        extra_config: more ``kv_connector_extra_config`` keys for both engines.
+        decode_extra_config: keys for the decode engine only.
+        connector: ``"p2pkv"`` or ``"nixl"`` (vLLM's NixlConnector, for comparisons).
+        tensor_parallel_size: TP size of every engine.
+        engine_args: more ``vllm serve`` flags for every engine.
+    """
+
+    model: str
+    host: str = "127.0.0.1"
+    prefill_port: int = 8100
+    decode_port: int = 8200
+    proxy_port: int = 8000
+    side_channel_port: int = 5600
+    aggregated_port: int | None = None
+    block_size: int = 32
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    log_dir: Path = Path(".p2pkv/logs")
+    extra_config: dict[str, object] = field(default_factory=dict)
+    decode_extra_config: dict[str, object] = field(default_factory=dict)
+    connector: str = "p2pkv"
+    tensor_parallel_size: int = 1
+    engine_args: tuple[str, ...] = ()
+    children: list[Child] = field(default_factory=list)
+
+    def _gpu_share(self) -> float | None:
+        """On a GPU machine the engines share its memory (vLLM's default would let the first take 90 %)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return round(0.85 / (3 if self.aggregated_port is not None else 2), 2)
+
+    def engine_specs(self) -> list[EngineSpec]:
+        """The engines this pair starts."""
+        common = dict(model=self.model, host=self.host, block_size=self.block_size, dtype=self.dtype,
+                      max_model_len=self.max_model_len, connector=self.connector,
+                      side_channel_host=self.host, env={"UCX_NET_DEVICES": "lo"},
+                      tensor_parallel_size=self.tensor_parallel_size, extra_args=tuple(self.engine_args),
+                      gpu_memory_utilization=self._gpu_share())
+        specs = [
+            EngineSpec(name="prefill", port=self.prefill_port, role="prefill",
+                       side_channel_port=self.side_channel_port, extra_config=dict(self.extra_config),
+                       **common),
+            EngineSpec(name="decode", port=self.decode_port, role="decode",
+                       side_channel_port=self.side_channel_port + 100,
+                       extra_config={**self.extra_config, **self.decode_extra_config}, **common),
+        ]
+        if self.aggregated_port is not None:
+            specs.append(EngineSpec(name="aggregated", port=self.aggregated_port, role=None, **common))
+        return specs
+
+    def proxy_command(self) -> list[str]:
+        """The proxy argv."""
+        return [sys.executable, "-m", "p2pkv.tools.proxy", "--host", self.host, "--port", str(self.proxy_port),
+                "--prefill", f"{self.host}:{self.prefill_port}",
+                "--decode", f"{self.host}:{self.decode_port}"]
+
+    def check(self) -> None:
+        """Validate before starting anything.
+
+        Raises:
+            LaunchError: missing model dir, a port in use, a bad block size.
+        """
+        if not Path(self.model).is_dir():
+            raise LaunchError(f"--model {self.model}: no such directory; create it with "
+                              "`p2pkv make-tiny-model` or pass a model directory")
+        if self.block_size <= 0:
+            raise LaunchError(f"--block-size={self.block_size} must be > 0")
+        ports = {"--prefill-port": self.prefill_port, "--decode-port": self.decode_port,
+                 "--proxy-port": self.proxy_port, "--side-channel-port": self.side_channel_port,
+                 "--side-channel-port (+100, decode)": self.side_channel_port + 100}
+        if self.aggregated_port is not None:
+            ports["--aggregated-port"] = self.aggregated_port
+        if len(set(ports.values())) != len(ports):
+            raise LaunchError(f"ports must differ: {ports}")
+        for flag, port in ports.items():
+            check_port_free(self.host, port, flag)
+
+    def start(self, timeout_s: float = 600.0) -> None:
+        """Start the engines, wait for their health, then start the proxy.
+
+        Raises:
+            LaunchError: a process died or never became healthy (all are stopped).
+        """
+        self.check()
+        try:
+            for spec in self.engine_specs():
+                self.children.append(start_child(spec.name, spec.command(), spec.environment(),
+                                                 self.log_dir, f"http://{spec.host}:{spec.port}/health"))
+            wait_healthy(self.children, timeout_s)
+            proxy = start_child("proxy", self.proxy_command(), dict(os.environ),
+                                self.log_dir, f"http://{self.host}:{self.proxy_port}/health")
+            self.children.append(proxy)
+            wait_healthy([proxy], 60.0)
+        except BaseException:
+            self.stop()
+            raise
+
+    def dead_child(self) -> Child | None:
+        """The first child that exited, if any."""
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        """Stop every process (idempotent)."""
+        stop_children(self.children)
+        self.children.clear()
+
+    def url(self, name: str) -> str:
+        """Base URL of ``proxy``, ``prefill``, ``decode`` or ``aggregated``."""
+        port = {"proxy": self.proxy_port, "prefill": self.prefill_port,
+                "decode": self.decode_port, "aggregated": self.aggregated_port}[name]
+        return f"http://{self.host}:{port}"
+
+    def __enter__(self) -> LocalPair:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,186 @@
+"""One side of a P/D pair in a pod: what ``p2pkv launch prefill|decode`` checks and runs.
+
+:func:`prepare` validates a :class:`PodOptions` and builds the engine's
+command line and environment without starting anything; the flags are in
+:mod:`p2pkv.tools.deploy.pod_cli` and :func:`p2pkv.tools.deploy.supervise.supervise`
+runs the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2pkv.tools.deploy import checks
+from p2pkv.tools.deploy.engines import EngineSpec
+from p2pkv.tools.deploy.processes import LaunchError
+
+DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+
+_ENV_PREFIXES = ("P2PKV_", "UCX_", "NIXL_", "VLLM_", "CUDA_VISIBLE_DEVICES", "OMP_")
+_SECRET_WORDS = ("SECRET", "TOKEN", "PASSWORD", "KEY")
+
+
+@dataclass
+class PodOptions:
+    """What one pod-side engine is asked to be (flags with env fallbacks applied).
+
+    Attributes:
+        role: ``"prefill"`` or ``"decode"``.
+        model: model directory.
+        host: HTTP bind address.
+        port: HTTP port.
+        side_channel_host: side-channel address as given (None: pick the pod IP).
+        side_channel_host_flag: where it came from, for messages.
+        side_channel_port: side-channel base port; tp_rank r uses port + r.
+        port_flag / side_channel_port_flag: where the ports came from.
+        tensor_parallel_size: TP size.
+        gpu_ids: ``"0,1"`` or None.
+        block_size: tokens per KV block.
+        dtype: model dtype (``auto``: the model's).
+        max_model_len: longest sequence in tokens (None: the model's).
+        extra_config: more ``kv_connector_extra_config`` keys.
+        extra_args: more ``vllm serve`` flags, appended.
+        proxy_url: the proxy this engine is meant for (checked, printed).
+        log_dir: where the engine log goes.
+    """
+
+    role: str
+    model: str
+    host: str = "0.0.0.0"
+    port: int = 8100
+    side_channel_host: str | None = None
+    side_channel_host_flag: str = "--side-channel-host"
+    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
+    port_flag: str = "--port"
+    side_channel_port_flag: str = "--side-channel-port"
+    tensor_parallel_size: int = 1
+    gpu_ids: str | None = None
+    block_size: int = 32
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    extra_config: dict[str, object] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    proxy_url: str | None = None
+    log_dir: Path = Path(".p2pkv/logs")
+
+
+@dataclass
+class PodPlan:
+    """A validated engine, ready to start.
+
+    Attributes:
+        spec: the engine.
+        env: its full environment.
+        shown_env: the part of it worth printing (secrets hidden).
+        side_channel_reason: why this side-channel address was chosen.
+        health_url: where readiness is polled.
+        advertised: ``host:port`` other nodes reach the HTTP server at.
+        proxy_url: as given, checked.
+        warnings: things that work here but not across nodes.
+    """
+
+    spec: EngineSpec
+    env: dict[str, str]
+    shown_env: dict[str, str]
+    side_channel_reason: str
+    health_url: str
+    advertised: str
+    proxy_url: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _shown_env(env: dict[str, str], base: dict[str, str]) -> dict[str, str]:
+    shown = {k: v for k, v in env.items() if base.get(k) != v or k.startswith(_ENV_PREFIXES)}
+    return {k: ("<hidden>" if any(w in k.upper() for w in _SECRET_WORDS) else v) for k, v in sorted(shown.items())}
+
+
+def prepare(opts: PodOptions) -> PodPlan:
+    """Validate everything and build the engine; starts nothing.
+
+    Checks, in order: the model directory, the GPUs and TP size, the block
+    size, the side-channel address (``POD_IP`` or the outward interface by
+    default, never loopback), the HTTP port and every tp_rank's side-channel
+    port, and ``--proxy-url``. The engine inherits this process's environment.
+
+    Raises:
+        LaunchError: the first failed check; the message names the flag and the fix.
+    """
+    environ = dict(os.environ)
+    if not Path(opts.model).is_dir():
+        raise LaunchError(f"--model {opts.model}: no such directory; pass the model directory "
+                          "(for a test, make one with `p2pkv make-tiny-model DIR`)")
+    gpus = checks.plan_gpus(opts.tensor_parallel_size, opts.gpu_ids, environ)
+    checks.check_block_size(opts.block_size, gpus.available > 0)
+    if opts.max_model_len is not None and opts.max_model_len <= 0:
+        raise LaunchError(f"--max-model-len={opts.max_model_len}: must be > 0 tokens")
+    if opts.side_channel_host is None:
+        sc_host, reason = checks.default_side_channel_host(environ)
+    else:
+        flag = opts.side_channel_host_flag
+        sc_host = checks.resolve_local_address(opts.side_channel_host, flag)
+        reason = f"from {flag}" + (f" ({opts.side_channel_host} resolves to it)" if sc_host != opts.side_channel_host
+                                   else "")
+    warnings = []
+    if checks.is_unroutable(sc_host):
+        warnings.append(f"side channel on {sc_host} ({reason}): peers get this address as is, so only engines "
+                        "on this machine can pull from it; give the pod IP for a pair across nodes")
+    checks.check_port_free(opts.host, opts.port, opts.port_flag)
+    tp = opts.tensor_parallel_size
+    scp = opts.side_channel_port
+    checks.check_port_run(sc_host, scp, tp, opts.side_channel_port_flag)
+    if scp <= opts.port < scp + tp:
+        raise LaunchError(f"{opts.port_flag}={opts.port} collides with the side-channel ports {scp}..{scp + tp - 1}"
+                          f" ({opts.side_channel_port_flag}); pick ports that differ")
+    proxy_url = checks.check_proxy_url(opts.proxy_url) if opts.proxy_url else None
+    engine_env = {} if gpus.visible_devices is None else {"CUDA_VISIBLE_DEVICES": gpus.visible_devices}
+    spec = EngineSpec(name=opts.role, model=opts.model, port=opts.port, host=opts.host, role=opts.role,
+                      side_channel_host=sc_host, side_channel_port=scp, block_size=opts.block_size,
+                      dtype=opts.dtype, max_model_len=opts.max_model_len, tensor_parallel_size=tp,
+                      extra_config=dict(opts.extra_config), env=engine_env, extra_args=opts.extra_args,
+                      enforce_eager=gpus.available == 0, local_defaults=gpus.available == 0)
+    wildcard = opts.host in ("", "0.0.0.0", "::")
+    local = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(opts.host, opts.host)
+    env = spec.environment()
+    return PodPlan(spec=spec, env=env, shown_env=_shown_env(env, environ), side_channel_reason=reason,
+                   health_url=f"http://{_url_host(local)}:{opts.port}/health",
+                   advertised=f"{_url_host(sc_host if wildcard else opts.host)}:{opts.port}",
+                   proxy_url=proxy_url, warnings=warnings)
+
+
+def shown_command(spec: EngineSpec) -> str:
+    """The engine's command line, shell-quoted, with a ``secret`` setting hidden."""
+    argv = spec.command()
+    if "secret" in spec.extra_config:
+        i = argv.index("--kv-transfer-config") + 1
+        ktc = json.loads(argv[i])
+        ktc["kv_connector_extra_config"]["secret"] = "<hidden>"
+        argv[i] = json.dumps(ktc)
+    return shlex.join(argv)
+
+
+def describe(plan: PodPlan) -> list[str]:
+    """What the launcher prints before starting: side channel, env, command."""
+    spec = plan.spec
+    tp = spec.tensor_parallel_size
+    ports = str(spec.side_channel_port) if tp == 1 else \
+        f"{spec.side_channel_port}..{spec.side_channel_port + tp - 1} (port + tp_rank)"
+    lines = [f"side channel: {_url_host(spec.side_channel_host)}:{ports} ({plan.side_channel_reason})"]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    lines.append("env:")
+    lines += [f"  {k}={shlex.quote(v)}" for k, v in plan.shown_env.items()]
+    lines.append(f"command: {shown_command(spec)}")
+    flag = f"--{spec.role}"
+    if plan.proxy_url:
+        lines.append(f"proxy: {plan.proxy_url} must list this engine: p2pkv proxy ... {flag} {plan.advertised}")
+    else:
+        lines.append(f"proxy: list this engine as `p2pkv proxy ... {flag} {plan.advertised}`")
+    return lines

@@ -1,0 +1,53 @@
+"""``p2pkv proxy``: command-line flags and the uvicorn server."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+_HOSTPORT = re.compile(r"^(?:(https?)://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(\d{1,5})/?$")
+
+
+def normalize_url(value: str, flag: str = "--prefill") -> str:
+    """``"host:port"`` or ``"http://host:port"`` → ``"http://host:port"``.
+
+    Raises:
+        ValueError: not ``HOST:PORT`` or a port outside 1..65535; names ``flag``.
+    """
+    m = _HOSTPORT.match(value.strip())
+    if not m or not 0 < int(m.group(3)) < 65536:
+        raise ValueError(f"{flag} {value!r}: expected HOST:PORT (e.g. 127.0.0.1:8100)")
+    return f"{m.group(1) or 'http'}://{m.group(2)}:{int(m.group(3))}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the proxy's flags to ``parser``."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--prefill", nargs="+", required=True, metavar="HOST:PORT",
+                        help="prefill engines (round-robin)")
+    parser.add_argument("--decode", nargs="+", required=True, metavar="HOST:PORT",
+                        help="decode engines (round-robin)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="timeout of each request to an engine, in seconds (default 300)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the proxy until interrupted; returns the exit code (2 on bad flags)."""
+    import uvicorn
+
+    from p2pkv.tools.proxy.app import create_app
+
+    try:
+        prefill = [normalize_url(v, "--prefill") for v in args.prefill]
+        decode = [normalize_url(v, "--decode") for v in args.decode]
+    except ValueError as exc:
+        print(f"p2pkv proxy: {exc}", file=sys.stderr)
+        return 2
+    if not args.timeout > 0:
+        print(f"p2pkv proxy: --timeout {args.timeout}: must be > 0 seconds", file=sys.stderr)
+        return 2
+    app = create_app(prefill, decode, timeout_s=args.timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0

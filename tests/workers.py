@@ -1,0 +1,67 @@
+"""Worker-level test helpers: synthetic-cache WorkerSides, a prefill process, pull specs."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+
+from p2pkv.config import P2pKvConfig
+from p2pkv.dataplane.negotiate import ModelInfo
+from p2pkv.metadata import P2pKvMetadata, PullSpec
+from p2pkv.params import RemotePrefill
+from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.worker import WorkerSide
+
+NUM_BLOCKS = 64
+SHAPE = dict(num_layers=4, num_blocks=NUM_BLOCKS, num_heads=2, block_size=32, head_dim=16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_info(layout: str) -> ModelInfo:
+    return ModelInfo(kv_layout=layout, dtype="float32", num_kv_heads=2, head_dim=16, block_size=32, attn_layout="HND")
+
+
+def make_worker(engine_id: str, port: int, layout: str = "BLHNC", **cfg) -> WorkerSide:
+    config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
+    return WorkerSide(engine_id, config, 0, 1, "127.0.0.1", port, "test-compat", model_info(layout))
+
+
+def prefill_main(layout: str, port: int, lease_ids: list[str], out: mp.Queue, stop: mp.Event,
+                 seed: int = 1) -> None:
+    _, views = make_kv_caches(layout, seed=seed, **SHAPE)
+    worker = make_worker("prefill-engine", port, layout)
+    worker.register_kv_caches(views, NUM_BLOCKS)
+    worker.start_load_kv(P2pKvMetadata(send_leases={r: time.monotonic() + 60 for r in lease_ids}))
+    out.put("ready")
+    released: set[str] = set()
+    deadline = time.monotonic() + 60
+    while not stop.is_set() and time.monotonic() < deadline:
+        sending, _ = worker.get_finished()
+        if sending:
+            released |= sending
+            out.put(sorted(sending))
+        time.sleep(0.005)
+    worker.shutdown()
+
+
+def run_until_received(worker: WorkerSide, request_id: str, timeout_s: float = 30) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, recving = worker.get_finished()
+        if request_id in recving:
+            return worker.get_block_ids_with_load_errors()
+        time.sleep(0.002)
+    raise AssertionError(f"{request_id} never finished receiving")
+
+
+def task(request_id: str, remote_request: str, port: int, local: list[int], remote: list[int]) -> PullSpec:
+    rp = RemotePrefill("prefill-engine", remote_request, "127.0.0.1", port, tuple(remote), 1)
+    return PullSpec(request_id, tuple(local), tuple(remote), rp)
+
+
