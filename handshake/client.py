@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -30,9 +31,10 @@ from handshake.messages import (
     LeaseHeartbeat,
     MetadataReply,
     MetadataRequest,
+    ReleaseHolds,
 )
 
-__all__ = ["fetch_agent_info", "send_heartbeat"]
+__all__ = ["fetch_agent_info", "release_holds", "send_heartbeat"]
 
 logger = logging.getLogger("p2pkv.handshake")
 
@@ -49,6 +51,7 @@ def fetch_agent_info(
     backoff_s: float = 0.2,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     cancel: threading.Event | None = None,
+    engine_id: str | None = None,
 ) -> AgentInfo:
     """Ask the handshake server at ``host:port`` for rank ``tp_rank``'s info.
 
@@ -69,10 +72,11 @@ def fetch_agent_info(
         max_message_bytes: largest accepted reply (bytes).
         cancel: when set (by another thread), the wait ends within 0.1 s
             and :class:`HandshakeCancelledError` is raised.
+        engine_id: the engine id the peer must have (None: any).
 
     Returns:
-        The verified :class:`AgentInfo` (rank, compat hash and metadata
-        digest checked).
+        The verified :class:`AgentInfo` (rank, engine id, compat hash,
+        metadata digest and the request's nonce checked).
 
     Raises:
         HandshakeTimeoutError: no reply after ``retries`` attempts.
@@ -80,7 +84,7 @@ def fetch_agent_info(
             (``code`` e.g. ``"incompatible"``, ``"unknown_rank"``, ``"auth"``).
         AuthenticationError: the reply's HMAC is missing or wrong.
         ProtocolVersionError: the server speaks another protocol version.
-        IncompatiblePeerError: the reply is for another rank or compat hash.
+        IncompatiblePeerError: the reply is for another rank, engine id or compat hash.
         MetadataDigestError: the agent metadata does not match its digest.
         MalformedMessageError, MessageTooLargeError: the reply is invalid.
         HandshakeCancelledError: ``cancel`` was set.
@@ -96,6 +100,7 @@ def fetch_agent_info(
         tp_rank=tp_rank,
         requester_engine_id=requester_engine_id,
         compat_hash=compat_hash,
+        nonce=os.urandom(16),
     )
     frames = encode(request, secret)
     ctx = zmq.Context()
@@ -107,7 +112,13 @@ def fetch_agent_info(
                 time.sleep(backoff_s * 2 ** (attempt - 2))
             reply = _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel)
             if reply is not None:
-                return _check_reply(reply, endpoint, tp_rank, compat_hash, secret, max_message_bytes)
+                info = _check_reply(reply, endpoint, request, secret, max_message_bytes)
+                if engine_id is not None and info.engine_id != engine_id:
+                    raise IncompatiblePeerError(
+                        f"{endpoint} serves engine_id {info.engine_id[:128]!r}, but kv_transfer_params name "
+                        f"remote_engine_id {engine_id[:128]!r}; the request's remote_host/remote_port point at "
+                        "another engine than its remote_engine_id", field="info.engine_id")
+                return info
             logger.debug("no handshake reply from %s (attempt %d/%d)", endpoint, attempt, retries)
     finally:
         ctx.term()
@@ -161,11 +172,11 @@ def _exchange(
 def _check_reply(
     frames: list[bytes],
     endpoint: str,
-    tp_rank: int,
-    compat_hash: str,
+    request: MetadataRequest,
     secret: bytes | None,
     max_message_bytes: int,
 ) -> AgentInfo:
+    tp_rank, compat_hash = request.tp_rank, request.compat_hash
     try:
         msg = decode(frames, secret, max_message_bytes)
     except AuthenticationError as exc:
@@ -183,6 +194,8 @@ def _check_reply(
             "check that the port is a p2pkv handshake side channel",
             field="type",
         )
+    if msg.nonce != request.nonce:
+        raise MalformedMessageError(f"reply from {endpoint} answers another request (nonce differs)", field="nonce")
     info = msg.info
     if info.tp_rank != tp_rank:
         raise IncompatiblePeerError(
@@ -225,42 +238,73 @@ def send_heartbeat(
     timeout_s: float = 1.0,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     cancel: threading.Event | None = None,
+    block_ids: list[list[int]] | None = None,
 ) -> HeartbeatReply:
     """Ask a prefill worker to extend the leases of ``request_ids`` to ``extend_s`` from now.
 
     One attempt (a heartbeat is repeated anyway); ids are sent in chunks of
     :data:`~handshake.messages.MAX_HEARTBEAT_IDS`. ``cancel`` ends the wait
-    early (raises :class:`HandshakeCancelledError`).
+    early (raises :class:`HandshakeCancelledError`). With ``block_ids`` (per
+    request id, the prefill block ids read), the worker also says which
+    holds lack them (``not_held``).
 
     Returns:
         A :class:`HeartbeatReply` summing every chunk's answer: ``accepted``
-        ids and the ids whose lease had already ``expired``.
+        ids, and the ids ``expired``, ``not_held`` and ``unknown`` there.
 
     Raises:
         HandshakeTimeoutError: no reply within ``timeout_s`` seconds.
         RemoteRefusedError: the server refused (e.g. it holds no leases).
-        HandshakeError: any other failure (bad reply, authentication).
+        HandshakeError: any other failure (bad reply, authentication, a reply
+            to another request).
     """
+    blocks = block_ids or []
+    msgs = [LeaseHeartbeat(protocol_version=PROTOCOL_VERSION, requester_engine_id=requester_engine_id,
+                           request_ids=request_ids[i:i + MAX_HEARTBEAT_IDS], extend_s=extend_s,
+                           block_ids=blocks[i:i + MAX_HEARTBEAT_IDS], nonce=os.urandom(16))
+            for i in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS)]
+    return _hold_exchange(host, port, msgs, secret, timeout_s, max_message_bytes, cancel)
+
+
+def release_holds(host: str, port: int, request_ids: list[str], requester_engine_id: str,
+                  secret: bytes | None = None, timeout_s: float = 1.0,
+                  cancel: threading.Event | None = None) -> HeartbeatReply:
+    """Tell a prefill worker that nobody will pull ``request_ids``: it frees their blocks at its next step.
+
+    Returns:
+        A :class:`HeartbeatReply`; ``accepted`` counts the ids it held.
+
+    Raises:
+        The errors of :func:`send_heartbeat`.
+    """
+    msgs = [ReleaseHolds(protocol_version=PROTOCOL_VERSION, requester_engine_id=requester_engine_id,
+                         request_ids=request_ids[i:i + MAX_HEARTBEAT_IDS], nonce=os.urandom(16))
+            for i in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS)]
+    return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel)
+
+
+def _hold_exchange(host: str, port: int, msgs: list[LeaseHeartbeat] | list[ReleaseHolds], secret: bytes | None,
+                   timeout_s: float, max_message_bytes: int, cancel: threading.Event | None) -> HeartbeatReply:
+    """Send each message, check each reply is this request's answer, and sum them."""
     endpoint = tcp_endpoint(host, port)
-    accepted, expired = 0, []
     ctx = zmq.Context.instance()  # shared: a heartbeat also fences every finished pull, so it must be cheap
-    for start in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS):
-        msg = LeaseHeartbeat(protocol_version=PROTOCOL_VERSION, requester_engine_id=requester_engine_id,
-                             request_ids=request_ids[start:start + MAX_HEARTBEAT_IDS], extend_s=extend_s)
+    total = HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=0)
+    for msg in msgs:
         reply = _exchange(ctx, host, endpoint, encode(msg, secret), timeout_s, max_message_bytes, cancel)
         if reply is None and cancel is not None and cancel.is_set():
-            raise HandshakeCancelledError(f"heartbeat to {host}:{port} cancelled (shutting down)")
+            raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
         if reply is None:
-            raise HandshakeTimeoutError(f"no heartbeat reply from {host}:{port} within {timeout_s:g} s")
+            raise HandshakeTimeoutError(f"no reply from {host}:{port} within {timeout_s:g} s")
         if (refusal := _unsigned_auth_refusal(reply, max_message_bytes)) is not None:
             raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint)
         answer = decode(reply, secret, max_message_bytes)
         if isinstance(answer, ErrorReply):
             raise RemoteRefusedError(answer.code, answer.field, answer.message, endpoint=endpoint)
         if not isinstance(answer, HeartbeatReply):
-            raise MalformedMessageError(f"{endpoint} answered a heartbeat with {type(answer).__name__}",
-                                        field="type")
-        accepted += answer.accepted
-        expired += answer.expired
-    return HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, expired=expired)
-
+            raise MalformedMessageError(f"{endpoint} answered with {type(answer).__name__}", field="type")
+        if answer.nonce != msg.nonce or answer.request_ids != msg.request_ids:
+            raise MalformedMessageError(f"reply from {endpoint} answers another request", field="nonce")
+        total = HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=total.accepted + answer.accepted,
+                               expired=total.expired + answer.expired, not_held=total.not_held + answer.not_held,
+                               unknown=total.unknown + answer.unknown)
+    return total

@@ -15,10 +15,12 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """Bumped on any incompatible change to the Structs in this module."""
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
+"""Random bytes a request carries and its reply echoes: a reply answers that request only."""
 """Largest message (bytes) a server or client accepts; larger input is refused."""
 
 
@@ -119,20 +121,24 @@ class MetadataRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, t
         tp_rank: the rank whose info is wanted.
         requester_engine_id: engine id of the asking side (for logs).
         compat_hash: the asking side's compatibility hash; a mismatch is
-            refused by the server with an ``ErrorReply`` naming the field.
+            refused by the server with an ``ErrorReply`` naming the field
+            (not the expected value).
+        nonce: echoed in the reply.
     """
 
     protocol_version: int
     tp_rank: int
     requester_engine_id: str
     compat_hash: str
+    nonce: Nonce = b""
 
 
 class MetadataReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="metadata_reply"):
-    """Answer to :class:`MetadataRequest`."""
+    """Answer to :class:`MetadataRequest` (``nonce``: the request's)."""
 
     protocol_version: int
     info: AgentInfo
+    nonce: Nonce = b""
 
 
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):
@@ -165,12 +171,19 @@ class LeaseHeartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
         request_ids: prefill-side request ids (``remote_request_id``) whose
             leases to extend; ids not held are ignored.
         extend_s: new lease length from now (seconds).
+        block_ids: empty, or per request id the prefill block ids the sender
+            reads: an id whose hold does not contain them all is reported
+            in ``not_held`` (a pull's fence; queued-request heartbeats send none).
+        nonce: echoed in the reply.
     """
 
     protocol_version: int
     requester_engine_id: str
     request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
     extend_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+    block_ids: Annotated[list[list[int]], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(
+        default_factory=list)
+    nonce: Nonce = b""
 
 
 class HeartbeatReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="heartbeat_reply"):
@@ -181,12 +194,36 @@ class HeartbeatReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
         expired: the asked-for ids whose lease already ran out on this
             worker (their blocks may have been reused): a pull of them that
             just finished must be treated as failed.
+        not_held: ids released already (by notification or release), or whose
+            hold does not contain the asked-for block ids.
+        unknown: ids this worker has not (yet) been told to hold.
+        request_ids: the request's ids, echoed.
+        nonce: the request's nonce, echoed.
     """
 
     protocol_version: int
     accepted: int
     expired: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(default_factory=list)
+    not_held: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(default_factory=list)
+    unknown: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(default_factory=list)
+    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(
+        default_factory=list)
+    nonce: Nonce = b""
 
 
-Message = MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HeartbeatReply
+class ReleaseHolds(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="release_holds"):
+    """Tell a prefill worker that nobody will pull these requests: free their blocks now.
+
+    Sent by the proxy when the decode leg of a request fails after its prefill
+    succeeded. Answered with a :class:`HeartbeatReply` (``accepted``: ids held
+    and released).
+    """
+
+    protocol_version: int
+    requester_engine_id: str
+    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
+    nonce: Nonce = b""
+
+
+Message = MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HeartbeatReply | ReleaseHolds
 """Every message that travels on the side channel."""

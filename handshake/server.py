@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import TracebackType
 
 import zmq
@@ -27,6 +28,7 @@ from handshake.messages import (
     Message,
     MetadataReply,
     MetadataRequest,
+    ReleaseHolds,
 )
 
 __all__ = ["HandshakeServer"]
@@ -34,6 +36,21 @@ __all__ = ["HandshakeServer"]
 logger = logging.getLogger("p2pkv.handshake")
 
 _JOIN_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class HoldStatus:
+    """What a prefill worker says of the request ids of a :class:`LeaseHeartbeat` (the rest are held).
+
+    Attributes:
+        expired: lease ran out (blocks may have been reused).
+        not_held: released already, or the hold lacks the asked-for block ids.
+        unknown: never told to hold them (yet).
+    """
+
+    expired: list[str] = field(default_factory=list)
+    not_held: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
 
 
 class HandshakeServer:
@@ -58,10 +75,14 @@ class HandshakeServer:
         poll_interval_s: how often (seconds) the serving thread checks for
             :meth:`close`.
 
-        on_heartbeat: called (on the server thread) with the request ids and
-            the lease length (seconds) of each :class:`LeaseHeartbeat`; it
-            returns the ids whose lease already expired (or None). A server
-            without it refuses heartbeats. It must be quick and thread-safe.
+        on_heartbeat: called (on the server thread) with the request ids,
+            the lease length (seconds) and the block ids of each
+            :class:`LeaseHeartbeat`; returns a :class:`HoldStatus` (or None:
+            every id held). A server without it refuses heartbeats. It must
+            be quick and thread-safe.
+        on_release: called (on the server thread) with the request ids of a
+            :class:`ReleaseHolds`; returns how many were held. A server
+            without it refuses releases.
 
     Attributes:
         stats: counters: ``"served"``, ``"refused"``, ``"heartbeats"`` and
@@ -76,7 +97,8 @@ class HandshakeServer:
         secret: bytes | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 0.1,
-        on_heartbeat: Callable[[list[str], float], list[str] | None] | None = None,
+        on_heartbeat: Callable[[list[str], float, list[list[int]]], HoldStatus | None] | None = None,
+        on_release: Callable[[list[str]], int] | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
@@ -96,6 +118,7 @@ class HandshakeServer:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._on_heartbeat = on_heartbeat
+        self._on_release = on_release
         self.stats: dict[str, int] = {"served": 0, "refused": 0}
 
     @property
@@ -236,11 +259,12 @@ class HandshakeServer:
         """Reply frames for one request; never raises."""
         try:
             msg = decode(body, self._secret, self._max_message_bytes)
-            if isinstance(msg, LeaseHeartbeat):
-                frames = encode(self._heartbeat(msg), self._secret)
+            if isinstance(msg, LeaseHeartbeat | ReleaseHolds):
+                frames = encode(self._holds(msg), self._secret)
             else:
                 info = self._lookup(msg)
-                frames = encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=info), self._secret)
+                reply = MetadataReply(protocol_version=PROTOCOL_VERSION, info=info, nonce=msg.nonce)
+                frames = encode(reply, self._secret)
         except HandshakeError as exc:
             return self._refuse(exc)
         except Exception as exc:  # a bug must not stop the server
@@ -251,17 +275,27 @@ class HandshakeServer:
         self.stats["served"] += 1
         return frames
 
-    def _heartbeat(self, msg: LeaseHeartbeat) -> HeartbeatReply:
-        if self._on_heartbeat is None:
+    def _holds(self, msg: LeaseHeartbeat | ReleaseHolds) -> HeartbeatReply:
+        ids = list(msg.request_ids)
+        callback = self._on_heartbeat if isinstance(msg, LeaseHeartbeat) else self._on_release
+        if callback is None:
             raise MalformedMessageError(
-                "this server holds no leases (lease_heartbeat is for prefill workers); "
-                "send heartbeats to the prefill engine's side channel",
+                f"this server holds no requests ({msg.__struct_config__.tag} is for prefill workers); "
+                "send it to the prefill engine's side channel",
                 field="type",
             )
-        expired = self._on_heartbeat(list(msg.request_ids), float(msg.extend_s)) or []
-        self.stats["heartbeats"] = self.stats.get("heartbeats", 0) + 1
-        return HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
-                              expired=list(expired))
+        status, accepted = HoldStatus(), len(ids)
+        if isinstance(msg, LeaseHeartbeat):
+            if msg.block_ids and len(msg.block_ids) != len(ids):
+                raise MalformedMessageError(f"block_ids has {len(msg.block_ids)} lists for {len(ids)} request ids",
+                                            field="block_ids")
+            status = self._on_heartbeat(ids, float(msg.extend_s), list(msg.block_ids)) or status
+            self.stats["heartbeats"] = self.stats.get("heartbeats", 0) + 1
+        else:
+            accepted = self._on_release(ids)
+            self.stats["releases"] = self.stats.get("releases", 0) + 1
+        return HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, expired=status.expired,
+                              not_held=status.not_held, unknown=status.unknown, request_ids=ids, nonce=msg.nonce)
 
     def _lookup(self, msg: Message) -> AgentInfo:
         if not isinstance(msg, MetadataRequest):
@@ -273,9 +307,8 @@ class HandshakeServer:
         requester = msg.requester_engine_id[:64]
         if msg.compat_hash != self._compat_hash:
             raise IncompatiblePeerError(
-                f"requester {requester!r} has compat_hash {msg.compat_hash[:128]!r} but this server has "
-                f"{self._compat_hash!r}; run the same vLLM version, model, dtype and KV cache "
-                "configuration on prefill and decode",
+                f"requester {requester!r} has another compat_hash than this server; run the same vLLM "
+                "version, model, dtype and KV cache configuration on prefill and decode",
                 field="compat_hash",
             )
         with self._lock:

@@ -207,24 +207,48 @@ class P2pKvConnector(KVConnectorBase_V1):
             self.scheduler.shutdown()
 
     # ---- scheduler side ------------------------------------------------------
+    # No exception may leave a scheduler hook (it would end vLLM's engine loop): an
+    # unexpected one is logged once and the request is prefilled locally, or its
+    # pull is reported failed, or its blocks are freed.
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        try:
+            return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            logger.exception("p2pkv: request %s: get_num_new_matched_tokens failed; prefilling it locally",
+                             request.request_id)
+            if isinstance(request.kv_transfer_params, dict):
+                request.kv_transfer_params["do_remote_prefill"] = False
+            return 0, False
 
     def on_new_request(self, request: Request) -> None:
         assert self.scheduler is not None
-        self.scheduler.on_new_request(request)
+        try:
+            self.scheduler.on_new_request(request)
+        except Exception:
+            logger.exception("p2pkv: request %s: on_new_request failed (no lease heartbeats for it)",
+                             request.request_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         assert self.scheduler is not None
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        try:
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception:
+            logger.exception("p2pkv: request %s: update_state_after_alloc failed; its pull counts as failed",
+                             request.request_id)
+            self.scheduler.fail_load(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         meta = self.scheduler.build_connector_meta()
-        return P2pKvConnectorMetadata(pulls=meta.pulls, send_leases=meta.send_leases)
+        return P2pKvConnectorMetadata(pulls=meta.pulls, send_leases=meta.send_leases, send_blocks=meta.send_blocks,
+                                      failed=meta.failed)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        return self.scheduler.request_finished(request, block_ids)
+        try:
+            return self.scheduler.request_finished(request, block_ids)
+        except Exception:
+            logger.exception("p2pkv: request %s: request_finished failed; freeing its blocks now", request.request_id)
+            return False, None

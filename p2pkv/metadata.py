@@ -52,7 +52,13 @@ class P2pKvMetadata:
         send_leases: prefill request id → ``time.monotonic()`` deadline (seconds)
             after which its held blocks are released even without a
             notification (prefill side).
+        send_blocks: prefill request id → the block ids it holds (a pull of
+            other block ids is refused).
+        failed: decode request id → local block ids of a pull the scheduler
+            could not set up: reported finished, its blocks as load errors.
     """
 
     pulls: list[PullSpec] = field(default_factory=list)
     send_leases: dict[str, float] = field(default_factory=dict)
+    send_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    failed: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -18,6 +18,14 @@ class KVTransferParamsError(ValueError):
     """``kv_transfer_params`` are malformed; the message names the key."""
 
 
+MAX_TP_SIZE = 512
+"""Largest ``tp_size`` accepted from a request (a sane bound: no engine has more ranks)."""
+MAX_ID_CHARS = 256
+"""Longest ``remote_engine_id`` / ``remote_request_id`` / ``remote_host`` accepted (characters)."""
+MAX_BLOCK_IDS = 1 << 20
+"""Most ``remote_block_ids`` accepted (a million blocks: far beyond any prompt)."""
+
+
 @dataclass(frozen=True)
 class RemotePrefill:
     """Where a decode engine pulls one request's prompt KV from.
@@ -59,10 +67,29 @@ def _require(params: dict[str, Any], key: str, kind: type | tuple[type, ...]) ->
     return value
 
 
+def _text(params: dict[str, Any], key: str) -> str:
+    value = _require(params, key, str)
+    if not value or len(value) > MAX_ID_CHARS:
+        raise KVTransferParamsError(f"kv_transfer_params.{key} must be 1..{MAX_ID_CHARS} characters, got "
+                                    f"{len(value)}")
+    return value
+
+
+def _optional_int(params: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    value = params.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise KVTransferParamsError(f"kv_transfer_params.{key}={value!r} must be an int in {lo}..{hi}")
+    return value
+
+
 def _flat_block_ids(raw: Any) -> tuple[int, ...]:
     """Accept ``[ids...]`` or NixlConnector's per-group ``[[ids...], ...]``."""
     if not isinstance(raw, list | tuple):
         raise KVTransferParamsError("kv_transfer_params.remote_block_ids must be a list")
+    if len(raw) > MAX_BLOCK_IDS:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has more than {MAX_BLOCK_IDS} entries")
     if raw and isinstance(raw[0], list | tuple):
         if len(raw) != 1:
             raise KVTransferParamsError(
@@ -91,22 +118,27 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
 
 
 def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
-    """Parse the params a decode engine received.
+    """Parse and validate the params a decode engine received.
 
     Raises:
-        KVTransferParamsError: a key is missing or has a wrong type.
+        KVTransferParamsError: a key is missing, has a wrong type or is out of
+            range (the message names it and the accepted range).
     """
+    if not isinstance(params, dict):
+        raise KVTransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
     port = _require(params, "remote_port", int)
-    if not 0 < port < 65536:
-        raise KVTransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port")
+    tp_size = _optional_int(params, "tp_size", 1, 1, MAX_TP_SIZE)
+    if not 0 < port < 65536 or port + tp_size > 65536:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port (with tp_size "
+                                    f"{tp_size}: base port + rank must be below 65536)")
     return RemotePrefill(
-        engine_id=str(_require(params, "remote_engine_id", str)),
-        request_id=str(_require(params, "remote_request_id", str)),
-        host=str(_require(params, "remote_host", str)),
+        engine_id=_text(params, "remote_engine_id"),
+        request_id=_text(params, "remote_request_id"),
+        host=_text(params, "remote_host"),
         port=port,
         block_ids=_flat_block_ids(_require(params, "remote_block_ids", (list, tuple))),
-        tp_size=int(params.get("tp_size") or 1),
-        num_tokens=int(params.get("remote_num_tokens") or 0),
+        tp_size=tp_size,
+        num_tokens=_optional_int(params, "remote_num_tokens", 0, 0, MAX_BLOCK_IDS * 1024),
     )
 
 

@@ -54,6 +54,8 @@ class SchedulerSide:
         self.tp_size = tp_size
         self._pulls: list[PullSpec] = []
         self._leases: dict[str, float] = {}
+        self._blocks: dict[str, tuple[int, ...]] = {}
+        self._failed: dict[str, tuple[int, ...]] = {}
         self._queued: dict[str, RemotePrefill] = {}
         self._next_heartbeat = 0.0
         self.heartbeats = HeartbeatSender(engine_id, config.secret.encode() if config.secret else None,
@@ -89,9 +91,16 @@ class SchedulerSide:
 
     # ---- decode side -------------------------------------------------
     def _remote(self, request: Request) -> RemotePrefill | None:
+        """The request's validated pull source; None (logged, prefilled locally instead) when invalid."""
         params = request.kv_transfer_params
         try:
-            return parse_remote_prefill(params)
+            remote = parse_remote_prefill(params)
+            prompt = len(request.prompt_token_ids or ())
+            if remote.num_tokens and remote.num_tokens != prompt:
+                raise KVTransferParamsError(
+                    f"kv_transfer_params.remote_num_tokens={remote.num_tokens} but the prompt has {prompt} "
+                    "tokens: the params belong to another prompt (send each prompt with its own params)")
+            return remote
         except KVTransferParamsError as exc:
             logger.error(
                 "p2pkv: request %s: %s; prefilling it locally instead", request.request_id, exc
@@ -139,12 +148,27 @@ class SchedulerSide:
             )
         )
 
+    def fail_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """A pull that could not be set up: the workers report it failed (its blocks as load errors)."""
+        if isinstance(request.kv_transfer_params, dict):
+            request.kv_transfer_params["do_remote_prefill"] = False
+        if num_external_tokens > 0:
+            try:
+                ids = tuple(blocks.get_unhashed_block_ids())
+            except Exception:
+                ids = ()
+            self._failed[request.request_id] = ids
+
     # ---- both ----------------------------------------------------------
     def build_connector_meta(self) -> P2pKvMetadata:
         """Hand this step's new pulls and leases to the workers, then forget them."""
-        self.send_heartbeats()
-        meta = P2pKvMetadata(pulls=self._pulls, send_leases=self._leases)
-        self._pulls, self._leases = [], {}
+        try:
+            self.send_heartbeats()
+        except Exception:  # heartbeats are best effort; the step's pulls must reach the workers
+            logger.exception("p2pkv: sending lease heartbeats failed")
+        meta = P2pKvMetadata(pulls=self._pulls, send_leases=self._leases, send_blocks=self._blocks,
+                             failed=self._failed)
+        self._pulls, self._leases, self._blocks, self._failed = [], {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -175,6 +199,7 @@ class SchedulerSide:
         if not block_ids:
             return False, None
         self._leases[request.request_id] = time.monotonic() + self.config.lease_s
+        self._blocks[request.request_id] = tuple(block_ids)
         return True, make_prefill_response_params(
             engine_id=self.engine_id,
             request_id=request.request_id,

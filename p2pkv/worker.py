@@ -91,7 +91,7 @@ class WorkerSide:
                          compat_hash=self.compat_hash, layout=self.desc)
         secret = self.config.secret.encode() if self.config.secret else None
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
-                                      on_heartbeat=self.holds.on_heartbeat)
+                                      on_heartbeat=self.holds.on_heartbeat, on_release=self.holds.on_release)
         self.server.set_info(info)
         self.server.start()
         logger.info("p2pkv: rank %d registered %d %s region(s), %d segment(s) per block (%s, %s pages), "
@@ -102,9 +102,9 @@ class WorkerSide:
     def start_load_kv(self, meta: P2pKvMetadata) -> None:
         """Take this step's new leases (prefill side) and pulls (decode side)."""
         for request_id, deadline in meta.send_leases.items():
-            self.holds.leases.hold(request_id, deadline)
+            self.holds.hold(request_id, deadline, meta.send_blocks.get(request_id))
         if self.puller is not None:
-            self.puller.start(meta.pulls)
+            self.puller.start(meta.pulls, meta.failed)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` request ids since the last call."""

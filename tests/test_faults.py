@@ -356,10 +356,16 @@ def fake_side_channel(respond: Callable[[list[bytes]], list[bytes]] | None,
         ctx.term()
 
 
-def real_reply(pf: PrefillProc) -> list[bytes]:
-    """The prefill process's own (valid) metadata reply, to replay from a fake server."""
+def real_reply(pf: PrefillProc, nonce: bytes | None = None) -> Callable[[list[bytes]], list[bytes]]:
+    """Answers with the prefill process's own (valid) metadata, echoing each request's nonce
+    (or always ``nonce``: a reply captured from another exchange)."""
     info = fetch_agent_info(HOST, pf.port, 0, "test", "test-compat", timeout_s=5.0, retries=2)
-    return encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=info), None)
+
+    def respond(body: list[bytes]) -> list[bytes]:
+        echoed = decode_message(body, None).nonce if nonce is None else nonce
+        return encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=info, nonce=echoed), None)
+
+    return respond
 
 
 ZMQ_TIMEOUT_S, ZMQ_RETRIES = 0.4, 2
@@ -371,15 +377,15 @@ ZMQ_CASES = {
     "empty_frame": (lambda body: [b""], 0.0),
     "echoed_request": (lambda body: body, 0.0),
     "late": ("real", 3 * ZMQ_TIMEOUT_S),
+    "replayed": ("replayed", 0.0),
 }
 
 
 @pytest.mark.parametrize("case", list(ZMQ_CASES))
 def test_side_channel_fault_fails_the_pull_cleanly(prefill: PrefillProc, case: str) -> None:
     respond, delay = ZMQ_CASES[case]
-    if respond == "real":
-        frames = real_reply(prefill)
-        respond = lambda body: frames  # noqa: E731
+    if respond in ("real", "replayed"):
+        respond = real_reply(prefill, None if respond == "real" else b"nonce of an earlier exchange")
     d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_retries=ZMQ_RETRIES)
     try:
         with fake_side_channel(respond, delay) as (port, seen):  # type: ignore[arg-type]
@@ -395,18 +401,21 @@ def test_side_channel_fault_fails_the_pull_cleanly(prefill: PrefillProc, case: s
 
 
 def test_fake_side_channel_with_a_prompt_real_reply_pulls(prefill: PrefillProc) -> None:
-    """Control for ``late``: the same replayed reply, sent in time, makes a working pull."""
-    frames = real_reply(prefill)
-    confirm = encode(HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=1), None)
+    """Control for ``late`` and ``replayed``: the same reply, sent in time and answering this request, pulls."""
+    metadata = real_reply(prefill)
 
-    def respond(body: list[bytes]) -> list[bytes]:  # metadata, then the pull's lease confirmation
-        return confirm if isinstance(decode_message(body, None), LeaseHeartbeat) else frames
+    def respond(body: list[bytes]) -> list[bytes]:  # metadata, then the pull's fence questions
+        msg = decode_message(body, None)
+        if not isinstance(msg, LeaseHeartbeat):
+            return metadata(body)
+        return encode(HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
+                                     request_ids=msg.request_ids, nonce=msg.nonce), None)
 
     d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_retries=ZMQ_RETRIES)
     try:
         with fake_side_channel(respond) as (port, _):
             local, remote = [11, 12, 13], [1, 2, 3]
-            _, _, errors, _ = pull(d, prefill, local, remote, engine_port=port, engine="fake-prompt")
+            _, _, errors, _ = pull(d, prefill, local, remote, engine_port=port)
         assert errors == set()
         assert_bytes(d, prefill, local, remote)
     finally:

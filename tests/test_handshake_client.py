@@ -64,10 +64,15 @@ def fake_server(respond: Responder, port: int = 0) -> Iterator[int]:
 
 
 def reply_with(
-    info: object = INFO, version: int = PROTOCOL_VERSION, secret: bytes | None = None
+    info: object = INFO, version: int = PROTOCOL_VERSION, secret: bytes | None = None, nonce: bytes | None = None
 ) -> Responder:
-    frames = encode(MetadataReply(protocol_version=version, info=info), secret)  # type: ignore[arg-type]
-    return lambda _body: frames
+    """Answers every request with ``info``, echoing its nonce (or sending ``nonce``)."""
+
+    def respond(body: list[bytes]) -> list[bytes]:
+        echoed = msgspec.msgpack.decode(body[0]).get("nonce", b"") if nonce is None else nonce
+        return encode(MetadataReply(protocol_version=version, info=info, nonce=echoed), secret)  # type: ignore
+
+    return respond
 
 
 CASES: dict[str, tuple[Responder, type[HandshakeError], str]] = {
@@ -85,6 +90,7 @@ CASES: dict[str, tuple[Responder, type[HandshakeError], str]] = {
     "wrong_version": (reply_with(version=PROTOCOL_VERSION + 1), ProtocolVersionError, "protocol_version"),
     "garbage": (lambda _body: [b"\xc1garbage"], MalformedMessageError, "payload"),
     "echoed_request": (lambda body: body, MalformedMessageError, "type"),
+    "other_nonce": (reply_with(nonce=b"a reply to another request"), MalformedMessageError, "nonce"),
 }
 
 
@@ -110,7 +116,8 @@ def test_client_accepts_signed_reply_and_signs_request() -> None:
 
     def respond(body: list[bytes]) -> list[bytes]:
         seen.append(body)
-        return encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=INFO), SECRET)
+        nonce = msgspec.msgpack.decode(body[0])["nonce"]
+        return encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=INFO, nonce=nonce), SECRET)
 
     with fake_server(respond) as port:
         assert fetch_agent_info(HOST, port, 0, "d", COMPAT, secret=SECRET, timeout_s=2.0, retries=1) == INFO

@@ -20,12 +20,12 @@ from tests.workers import NUM_BLOCKS, SHAPE, free_port, model_info
 
 def test_heartbeat_round_trip_and_refusal() -> None:
     got: list[tuple[list[str], float]] = []
-    with HandshakeServer("127.0.0.1", 0, "h", on_heartbeat=lambda ids, s: got.append((ids, s))) as srv:
+    with HandshakeServer("127.0.0.1", 0, "h", on_heartbeat=lambda ids, s, b: got.append((ids, s))) as srv:
         assert send_heartbeat("127.0.0.1", srv.port, ["a", "b"], "decode", 30.0).accepted == 2
         assert got == [(["a", "b"], 30.0)]
-    with HandshakeServer("127.0.0.1", 0, "h") as srv, pytest.raises(RemoteRefusedError, match="holds no leases"):
+    with HandshakeServer("127.0.0.1", 0, "h") as srv, pytest.raises(RemoteRefusedError, match="holds no requests"):
         send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 30.0)
-    with HandshakeServer("127.0.0.1", 0, "h", secret=b"k", on_heartbeat=lambda ids, s: None) as srv:
+    with HandshakeServer("127.0.0.1", 0, "h", secret=b"k", on_heartbeat=lambda ids, s, b: None) as srv:
         assert send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"k").accepted == 1
         with pytest.raises(RemoteRefusedError):
             send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"wrong")
@@ -76,7 +76,7 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
     got: list[list[str]] = []
     event = threading.Event()
 
-    def on_heartbeat(ids: list[str], extend_s: float) -> None:
+    def on_heartbeat(ids: list[str], extend_s: float, block_ids: list[list[int]]) -> None:
         got.append(sorted(ids))
         event.set()
 
@@ -88,9 +88,9 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
             params = make_prefill_response_params(engine_id="p", request_id=f"prefill-{i}", host="127.0.0.1",
                                                   port=srv.port, block_ids=[1], tp_size=1, num_tokens=5,
                                                   expiry_time=None)
-            reqs.append(SimpleNamespace(request_id=f"decode-{i}", kv_transfer_params=params))
+            reqs.append(SimpleNamespace(request_id=f"decode-{i}", kv_transfer_params=params, prompt_token_ids=[0] * 5))
             sched.on_new_request(reqs[-1])
-        sched.on_new_request(SimpleNamespace(request_id="plain", kv_transfer_params=None))
+        sched.on_new_request(SimpleNamespace(request_id="plain", kv_transfer_params=None, prompt_token_ids=[0]))
         # request 0 got its blocks (pull scheduled), request 1 was aborted while queued
         sched._queued.pop("decode-0")
         sched.request_finished(reqs[1], [])

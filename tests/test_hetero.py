@@ -13,6 +13,7 @@ prefill rank must release the request on notifications alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import queue
 import time
@@ -26,6 +27,7 @@ import torch
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo
 from p2pkv.dataplane.topology import heads_per_rank, rank_first_head
+from p2pkv.decode.pull import PullState
 from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import RemotePrefill
 from p2pkv.worker import WorkerSide
@@ -117,11 +119,15 @@ def make_workers(engine: str, side: Side, base_port: int, device: str = "cpu", b
     return out
 
 
+RIDS = ("req-0", "req-1", "req-2")
+"""More request ids the prefill process holds (same blocks), for several pulls in one test."""
+
+
 def prefill_main(side: Side, port: int, block_ids: list[int], tokens: int, rid: str, device: str, out: mp.Queue,
                  stop: mp.Event) -> None:
     workers = make_workers("prefill", side, port, device, block_ids, tokens)
     for worker, _, _ in workers:
-        worker.start_load_kv(P2pKvMetadata(send_leases={rid: time.monotonic() + 120}))
+        worker.start_load_kv(P2pKvMetadata(send_leases={r: time.monotonic() + 120 for r in (rid, *RIDS)}))
     out.put("ready")
     deadline = time.monotonic() + 120
     while not stop.is_set() and time.monotonic() < deadline:
@@ -274,8 +280,8 @@ def test_staging_full_waits_and_too_large_fails(caplog) -> None:
             decode_workers(decode_side, "cpu", staging_mib=0.0625) as decoders:
         worker, base, _ = decoders[0]
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), 1)
-        small = [PullSpec(f"d-{i}", tuple(range(6 * i, 6 * i + 6)), tuple(remote_ids[12 * i:12 * i + 12]), remote,
-                          num_tokens=192) for i in range(3)]
+        small = [PullSpec(f"d-{i}", tuple(range(6 * i, 6 * i + 6)), tuple(remote_ids[12 * i:12 * i + 12]),
+                          dataclasses.replace(remote, request_id=RIDS[i]), num_tokens=192) for i in range(3)]
         worker.start_load_kv(P2pKvMetadata(pulls=small))
         done: set[str] = set()
         waited: set[str] = set()
@@ -283,7 +289,7 @@ def test_staging_full_waits_and_too_large_fails(caplog) -> None:
         while len(done) < 3 and time.monotonic() < deadline:
             worker.start_load_kv(P2pKvMetadata())
             done |= worker.get_finished()[1]
-            waited |= {t.request_id for t in worker.puller.waiting_for_staging}
+            waited |= {p.request_id for p in worker.puller.in_state(PullState.STAGING)}
             time.sleep(0.002)
         assert done == {"d-0", "d-1", "d-2"} and worker.get_block_ids_with_load_errors() == set()
         assert waited == {"d-2"}  # two 24 KiB pulls staged at once, the third waited for room

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from p2pkv.dataplane.plan import PlanError
 from p2pkv.metadata import PullSpec
 
 
@@ -18,8 +19,24 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class BlockCountError(PlanError):
+    """The block ids do not cover the prompt tokens the pull must move."""
+
+
 def token_end(task: PullSpec, local_block_size: int, remote_block_size: int) -> int:
-    """One past the last prompt token the pull moves (tokens)."""
+    """One past the last prompt token the pull moves (tokens).
+
+    Raises:
+        BlockCountError: ``remote_block_ids`` (or the local blocks) end before
+            the prompt does (``num_tokens``): a pull never moves part of a prompt.
+    """
+    if task.num_tokens >= 0 and task.local_block_ids:
+        for side, ids, size, start in (("remote_block_ids", task.remote_block_ids, remote_block_size, 0),
+                                       ("local blocks", task.local_block_ids, local_block_size, task.first_token)):
+            if start + len(ids) * size < task.num_tokens:
+                raise BlockCountError(
+                    f"{side} cover {start + len(ids) * size} prompt tokens ({len(ids)} blocks of {size}), the "
+                    f"prompt has {task.num_tokens}; pass kv_transfer_params unchanged from the prefill engine")
     end = min(task.first_token + len(task.local_block_ids) * local_block_size,
               len(task.remote_block_ids) * remote_block_size)
     return min(end, task.num_tokens) if task.num_tokens >= 0 else end

@@ -26,6 +26,9 @@ class FailureKind(str, enum.Enum):
     """A READ still in flight after ``transfer_timeout_s``."""
     LEASE_EXPIRED = "lease_expired"
     """The prefill lease ended before the READ finished: the blocks may have been reused."""
+    NOT_HELD = "not_held"
+    """The prefill engine does not hold these blocks for this request (released after an earlier pull,
+    never held, or other block ids)."""
     UNCONFIRMED = "unconfirmed"
     """The prefill rank could not confirm that it still held the blocks."""
 

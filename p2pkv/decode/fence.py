@@ -1,19 +1,23 @@
-"""Fencing finished READs: did the prefill rank still hold the blocks when the READ ended?
+"""Fencing READs: does the prefill rank hold these blocks for this request, before and after the READ?
 
-A prefill lease can end (and vLLM reuse the blocks) while a READ is in
-flight; the bytes pulled would then be some other request's KV, served
-with HTTP 200. After a READ is seen done, the decode worker asks the
-prefill rank (one :class:`handshake.LeaseHeartbeat` per rank and step,
-off the engine thread) whether any of the pulled requests' leases had
-already expired; only confirmed pulls reach vLLM.
+A prefill hold can end (and vLLM reuse the blocks) while a READ is in
+flight; the bytes pulled would then be some other request's KV, served with
+HTTP 200. And a pull can name blocks the prefill engine does not hold for
+that request at all (a repeated or forged ``kv_transfer_params``). So the
+decode worker asks each prefill rank (one :class:`handshake.LeaseHeartbeat`
+per rank and step, off the engine thread, naming the request ids and the
+block ids read) twice: when it posts the READs, to fail a pull of blocks no
+longer held at once, and after the READs are done, to confirm the hold
+lasted through them. Only confirmed pulls reach vLLM.
 """
 
 from __future__ import annotations
 
+import enum
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from handshake import send_heartbeat
+from handshake import HeartbeatReply, send_heartbeat
 from p2pkv.decode.background import Background
 
 if TYPE_CHECKING:
@@ -21,11 +25,38 @@ if TYPE_CHECKING:
     from p2pkv.decode.pull import ReadPart
 
 FENCE_EXTEND_S = 10.0
-"""Lease extension (seconds) a confirmation asks for: the notification follows within a step."""
+"""Lease extension (seconds) a fence question asks for: the notification follows within a step."""
+
+
+class Phase(str, enum.Enum):
+    """When a READ is fenced."""
+
+    BEFORE = "before"
+    """Posted now: fail early if the blocks are not held."""
+    AFTER = "after"
+    """Seen done: the hold lasted through the READ."""
+
+
+class Hold(str, enum.Enum):
+    """What the prefill rank said of one READ's request and blocks."""
+
+    HELD = "held"
+    EXPIRED = "expired"
+    NOT_HELD = "not_held"
+    UNKNOWN = "unknown"
+
+
+def hold_of(request_id: str, reply: HeartbeatReply) -> Hold:
+    """What ``reply`` says of ``request_id``."""
+    if request_id in reply.expired:
+        return Hold.EXPIRED
+    if request_id in reply.not_held:
+        return Hold.NOT_HELD
+    return Hold.UNKNOWN if request_id in reply.unknown else Hold.HELD
 
 
 class Fence:
-    """Batches finished READs per prefill rank and collects the confirmations.
+    """Batches fence questions per prefill rank and collects the answers.
 
     Args:
         background: where the side-channel calls run.
@@ -36,35 +67,38 @@ class Fence:
 
     def __init__(self, background: Background, engine_id: str, secret: bytes | None, timeout_s: float) -> None:
         self.background, self.engine_id, self.secret, self.timeout_s = background, engine_id, secret, timeout_s
-        self._batches: dict[PeerId, tuple[str, int, list[ReadPart]]] = {}
-        self._in_flight: list[tuple[Future, list[ReadPart]]] = []
+        self._batches: dict[PeerId, tuple[str, int, list[tuple[ReadPart, Phase]]]] = {}
+        self._in_flight: list[tuple[Future, list[tuple[ReadPart, Phase]]]] = []
 
-    def add(self, peer_id: PeerId, host: str, port: int, read: ReadPart) -> None:
-        """Queue a finished READ from ``peer_id`` (side channel ``host:port``) for this step's batch."""
-        self._batches.setdefault(peer_id, (host, port, []))[2].append(read)
+    def add(self, peer_id: PeerId, host: str, port: int, read: ReadPart, phase: Phase) -> None:
+        """Queue a question about ``read`` for ``peer_id`` (side channel ``host:port``) in this step's batch."""
+        self._batches.setdefault(peer_id, (host, port, []))[2].append((read, phase))
 
     def send(self) -> None:
-        """Ask every prefill rank with queued READs about their leases (one call per rank)."""
-        for host, port, reads in self._batches.values():
-            ids = [r.pull.spec.remote.request_id for r in reads]
-            future = self.background.call(f"p2pkv-confirm-{host}:{port}", send_heartbeat, host, port, ids,
+        """Ask every prefill rank with queued questions (one call per rank)."""
+        for host, port, entries in self._batches.values():
+            ids = [r.pull.spec.remote.request_id for r, _ in entries]
+            blocks = [list(r.pull.spec.remote.block_ids) for r, _ in entries]
+            future = self.background.call(f"p2pkv-fence-{host}:{port}", send_heartbeat, host, port, ids,
                                           self.engine_id, FENCE_EXTEND_S, secret=self.secret,
-                                          timeout_s=self.timeout_s)
-            self._in_flight.append((future, reads))
+                                          timeout_s=self.timeout_s, block_ids=blocks)
+            self._in_flight.append((future, entries))
         self._batches.clear()
 
-    def answers(self) -> list[tuple[list[ReadPart], set[str] | Exception]]:
-        """Finished confirmations: the READs asked about, and the expired prefill request ids
-        (or the exception that made the answer unknown)."""
-        out: list[tuple[list[ReadPart], set[str] | Exception]] = []
+    def answers(self) -> list[tuple[ReadPart, Phase, Hold | Exception]]:
+        """Finished questions: the READ, the phase, and what the prefill rank said (or why it is unknown)."""
+        out: list[tuple[ReadPart, Phase, Hold | Exception]] = []
         pending = []
-        for future, reads in self._in_flight:
+        for future, entries in self._in_flight:
             if not future.done():
-                pending.append((future, reads))
+                pending.append((future, entries))
                 continue
             try:
-                out.append((reads, set(future.result().expired)))
+                reply: HeartbeatReply | Exception = future.result()
             except Exception as exc:
-                out.append((reads, exc))
+                reply = exc
+            for read, phase in entries:
+                answer = reply if isinstance(reply, Exception) else hold_of(read.pull.spec.remote.request_id, reply)
+                out.append((read, phase, answer))
         self._in_flight = pending
         return out

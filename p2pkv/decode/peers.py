@@ -13,6 +13,7 @@ from handshake import AgentInfo, KVLayoutDesc, fetch_agent_info
 from p2pkv.dataplane.layout import Segment
 from p2pkv.dataplane.negotiate import PeerPlan, TransferMode, page_slices, plan_peer, remote_segments
 from p2pkv.decode.background import Background
+from p2pkv.params import RemotePrefill
 
 if TYPE_CHECKING:
     from p2pkv.dataplane.agent import NixlTransferAgent
@@ -22,13 +23,24 @@ logger = logging.getLogger("p2pkv.decode.peers")
 
 @dataclass(frozen=True, order=True)
 class PeerId:
-    """One prefill rank: its engine id and tensor-parallel rank."""
+    """One prefill rank: engine id, side-channel address of that rank, tensor-parallel rank.
+
+    A request naming a known engine id at another address is another peer: its
+    handshake must show that engine id there (:func:`handshake.fetch_agent_info`).
+    """
 
     engine_id: str
+    host: str
+    port: int
     tp_rank: int
 
+    @classmethod
+    def of(cls, remote: RemotePrefill, tp_rank: int) -> PeerId:
+        """Prefill rank ``tp_rank`` of the engine ``remote`` names (its port: base port + rank)."""
+        return cls(remote.engine_id, remote.host, remote.port + tp_rank, tp_rank)
+
     def __str__(self) -> str:
-        return f"{self.engine_id} rank {self.tp_rank}"
+        return f"{self.engine_id} rank {self.tp_rank} at {self.host}:{self.port}"
 
 
 @dataclass
@@ -81,14 +93,15 @@ class PeerTable:
         self.peers: dict[PeerId, Peer] = {}
         self.handshakes: dict[PeerId, Handshake] = {}
 
-    def handshake(self, peer_id: PeerId, host: str, port: int, background: Background, *, engine_id: str,
-                  compat_hash: str, secret: bytes | None, timeout_s: float, retries: int) -> Handshake:
-        """The handshake with ``peer_id`` at ``host:port``, started now unless one is in flight."""
+    def handshake(self, peer_id: PeerId, background: Background, *, engine_id: str, compat_hash: str,
+                  secret: bytes | None, timeout_s: float, retries: int) -> Handshake:
+        """The handshake with ``peer_id``, started now unless one is in flight; it verifies the engine id."""
         hs = self.handshakes.get(peer_id)
         if hs is None:
-            future = background.call(f"p2pkv-handshake-{host}:{port}", fetch_agent_info, host, port,
-                                     peer_id.tp_rank, engine_id, compat_hash, secret=secret, timeout_s=timeout_s,
-                                     retries=retries)
+            future = background.call(f"p2pkv-handshake-{peer_id.host}:{peer_id.port}", fetch_agent_info,
+                                     peer_id.host, peer_id.port, peer_id.tp_rank, engine_id, compat_hash,
+                                     secret=secret, timeout_s=timeout_s, retries=retries,
+                                     engine_id=peer_id.engine_id)
             hs = self.handshakes[peer_id] = Handshake(future)
         return hs
 

@@ -30,7 +30,7 @@ from p2pkv.dataplane.staging import StagingFull
 from p2pkv.dataplane.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
-from p2pkv.decode.fence import Fence
+from p2pkv.decode.fence import Fence, Hold, Phase
 from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.pull import Pull, PullState, ReadPart
 from p2pkv.decode.reads import plan_read
@@ -72,8 +72,13 @@ class Puller:
         self._load_errors: set[int] = set()
 
     # ---- public surface -----------------------------------------------------
-    def start(self, specs: list[PullSpec]) -> None:
-        """Take this step's new pulls (after those that waited for staging)."""
+    def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
+        """Take this step's new pulls (after those that waited for staging), and the pulls the
+        scheduler could not set up (``failed``: request id → local blocks, reported failed)."""
+        for request_id, blocks in (failed or {}).items():
+            self._load_errors.update(blocks)
+            self._finished.add(request_id)
+            self.stats.record_failure(FailureKind.REFUSED.value)
         waiting, self._staging_wait = self._staging_wait, []
         for pull in waiting:
             self._begin(pull)
@@ -95,11 +100,6 @@ class Puller:
         """Local block ids whose pull failed since the last call."""
         errors, self._load_errors = self._load_errors, set()
         return errors
-
-    @property
-    def waiting_for_staging(self) -> list[PullSpec]:
-        """Pulls waiting for room in the staging area."""
-        return [p.spec for p in self._staging_wait]
 
     def in_state(self, state: PullState) -> list[Pull]:
         """Pulls now in ``state``."""
@@ -131,17 +131,22 @@ class Puller:
         except PullRefused as exc:
             self._fail(pull, FailureKind.REFUSED, f"refused: {exc}")
             return
-        engine = spec.remote.engine_id
-        ids = sorted({PeerId(engine, r.remote_rank) for r in reads} | {PeerId(engine, r) for r in notify})
+        ranks = {r.remote_rank for r in reads} | set(notify)
+        ids = sorted(PeerId.of(spec.remote, r) for r in ranks)
         missing = [pid for pid in ids if pid not in self.peers.peers]
+        known = next((self.peers.peers[pid].info for pid in ids if pid in self.peers.peers), None)
+        if known is not None and known.tp_size != spec.remote.tp_size:
+            self._fail(pull, FailureKind.REFUSED, f"kv_transfer_params.tp_size={spec.remote.tp_size}, but prefill "
+                                                  f"engine {known.engine_id!r} runs tp_size={known.tp_size}")
+            return
         if not missing:
             self._post(pull, reads, notify)
             return
         self._to(pull, PullState.HANDSHAKE)
         for pid in missing:
-            self.peers.handshake(pid, spec.remote.host, spec.remote.port + pid.tp_rank, self.background,
-                                 engine_id=self.engine_id, compat_hash=self.compat_hash, secret=self._secret,
-                                 timeout_s=self.config.handshake_timeout_s, retries=self.config.handshake_retries)
+            self.peers.handshake(pid, self.background, engine_id=self.engine_id, compat_hash=self.compat_hash,
+                                 secret=self._secret, timeout_s=self.config.handshake_timeout_s,
+                                 retries=self.config.handshake_retries)
         self._handshake_wait.setdefault(missing[0], []).append(pull)  # begun again when done; waits for the rest then
 
     def _finish_handshakes(self) -> None:
@@ -153,8 +158,7 @@ class Puller:
             except Exception as exc:
                 kind = FailureKind.REFUSED if isinstance(exc, PullRefused) else FailureKind.HANDSHAKE
                 for pull in waiting:
-                    remote = pull.spec.remote
-                    self._fail(pull, kind, f"handshake with {remote.host}:{remote.port + pid.tp_rank} failed: {exc}")
+                    self._fail(pull, kind, f"handshake with {pid} failed: {exc}")
                 continue
             self.stats.data["handshake_seconds"].append(time.monotonic() - hs.started)
             plan = peer.plan
@@ -165,13 +169,13 @@ class Puller:
 
     def _post(self, pull: Pull, reads: list[RankRead], notify: list[int]) -> None:
         """Plan every READ of ``pull`` and post them (or wait for staging, or finish at once)."""
-        spec, engine = pull.spec, pull.spec.remote.engine_id
+        spec = pull.spec
         args = (self.tp_size, spec.remote.tp_size, total_heads(self.desc, self.tp_size), self.desc.is_mla)
-        pull.notify = [(PeerId(engine, r), notifiers_of(r, *args)) for r in notify]
+        pull.notify = [(PeerId.of(spec.remote, r), notifiers_of(r, *args)) for r in notify]
         pull.reads, pull.started, pull.num_bytes, pull.num_descriptors = [], time.monotonic(), 0, 0
         try:
             for rank_read in reads:
-                pid = PeerId(engine, rank_read.remote_rank)
+                pid = PeerId.of(spec.remote, rank_read.remote_rank)
                 peer = self.peers.peers[pid]
                 planned = plan_read(spec, peer, self.layout, self.desc, self.device_id, self.stager)
                 if planned is None:  # no room in staging yet: wait for pulls in flight to finish
@@ -204,6 +208,7 @@ class Puller:
                 self.peers.drop(read.peer_id)
                 self._retry_or_fail(pull, _kind(exc), f"pull from {read.peer.agent_name} could not start: {exc}")
                 return
+            self._ask(read, Phase.BEFORE)
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -247,30 +252,34 @@ class Puller:
             finally:
                 self.stager.release(read.stage)
                 read.stage = None
-        remote = read.peer.info
-        self.fence.add(read.peer_id, pull.spec.remote.host, pull.spec.remote.port + remote.tp_rank, read)
+        self._ask(read, Phase.AFTER)
+
+    def _ask(self, read: ReadPart, phase: Phase) -> None:
+        self.fence.add(read.peer_id, read.peer_id.host, read.peer_id.port, read, phase)
 
     def _collect_fence(self) -> None:
-        for reads, answer in self.fence.answers():
-            for read in reads:
-                pull = read.pull
-                if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
-                    continue  # that attempt was abandoned
-                if isinstance(answer, Exception):
+        now = time.monotonic()
+        for read, phase, answer in self.fence.answers():
+            pull = read.pull
+            if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
+                continue  # that attempt was abandoned
+            rid = pull.spec.remote.request_id
+            if isinstance(answer, Exception):
+                if phase is Phase.AFTER:  # before the READ, an unanswered question is asked again after it
                     self._abandon(pull)
                     self._fail(pull, FailureKind.UNCONFIRMED,
                                f"could not confirm that the prefill engine still held the blocks: {answer}")
-                elif pull.spec.remote.request_id in answer:
-                    self._abandon(pull)
-                    self._fail(pull, FailureKind.LEASE_EXPIRED,
-                               "the prefill lease expired before the pull finished; its blocks may have been "
-                               "reused (raise lease_s or check the lease heartbeats)")
-                else:
-                    read.confirmed = True
-                    if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
-                        self._record(pull)
-                        self._notify(pull)
-                        self._to(pull, PullState.DONE)
+            elif answer is Hold.UNKNOWN and now - pull.started < self.config.handshake_timeout_s:
+                self._ask(read, phase)  # the prefill worker may not have been told of the hold yet
+            elif answer is not Hold.HELD:
+                self._abandon(pull)
+                self._fail(pull, *_not_held(answer, rid))
+            elif phase is Phase.AFTER:
+                read.confirmed = True
+                if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
+                    _record(pull, self.stats, self.config.stats_file)
+                    self._notify(pull)
+                    self._to(pull, PullState.DONE)
 
     # ---- endings ----------------------------------------------------------------
     def _release_stages(self, pull: Pull) -> None:
@@ -331,15 +340,16 @@ class Puller:
             self._staging_wait.remove(pull)
         self._to(pull, PullState.FAILED)
 
-    def _record(self, pull: Pull) -> None:
-        """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
-        spec, seconds = pull.spec, max(r.done for r in pull.reads) - pull.started
-        self.stats.record_pull(pull.num_bytes, seconds, pull.num_descriptors)
-        if self.config.stats_file:
-            append_json_line(self.config.stats_file, {
-                "request_id": spec.request_id, "remote_request_id": spec.remote.request_id,
-                "peer": ",".join(r.peer.agent_name for r in pull.reads), "blocks": len(spec.local_block_ids),
-                "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds})
+
+def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
+    """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
+    spec, seconds = pull.spec, max(r.done for r in pull.reads) - pull.started
+    stats.record_pull(pull.num_bytes, seconds, pull.num_descriptors)
+    if stats_file:
+        append_json_line(stats_file, {
+            "request_id": spec.request_id, "remote_request_id": spec.remote.request_id,
+            "peer": ",".join(r.peer.agent_name for r in pull.reads), "blocks": len(spec.local_block_ids),
+            "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds})
 
 
 def _kind(exc: BaseException) -> FailureKind:
@@ -358,3 +368,16 @@ def topology(desc: KVLayoutDesc, tp_rank: int, tp_size: int, remote_tp: int) -> 
         return read_plan(*args), notify_ranks(*args)
     except TopologyError as exc:
         raise PullRefused(f"prefill tp_size={remote_tp}, decode tp_size={tp_size}: {exc}") from exc
+
+
+def _not_held(answer: Hold, request_id: str) -> tuple[FailureKind, str]:
+    """The failure for a fence answer other than ``HELD``."""
+    if answer is Hold.EXPIRED:
+        return FailureKind.LEASE_EXPIRED, ("the prefill lease expired before the pull finished; its blocks may "
+                                           "have been reused (raise lease_s or check the lease heartbeats)")
+    if answer is Hold.UNKNOWN:
+        return FailureKind.NOT_HELD, (f"the prefill engine never held request {request_id!r}; check that "
+                                      "kv_transfer_params come unchanged from that prefill engine")
+    return FailureKind.NOT_HELD, (f"the prefill engine no longer holds request {request_id!r} with these "
+                                  "remote_block_ids (already pulled and released, released after a failed "
+                                  "decode, or block ids of another request); prefill the prompt again")

@@ -1,11 +1,13 @@
 """Prefill side: which finished requests' blocks are held for decode engines, and when they are freed.
 
 A request's blocks are freed when every decode rank that answers for this
-prefill rank has sent its "done" notification, or when its lease expires,
+prefill rank has sent its "done" notification, when the proxy says nobody
+will pull them (:class:`handshake.ReleaseHolds`), or when the lease expires,
 whichever comes first; decode heartbeats extend leases of requests still
-queued on the decode side. Lease expiries are remembered for a while so a
-decode rank that finishes a READ late learns that the blocks may already
-have been reused (its pull then counts as failed).
+queued on the decode side. Ended holds are remembered for a while, expired
+and released apart, so a decode rank that asks about a pull (before or after
+its READ) learns that the blocks may already have been reused, and a pull of
+another request's block ids is refused.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import queue
 import threading
 import time
 
+from handshake import HoldStatus
 from p2pkv.notification import DoneNotification
 from p2pkv.prefill.leases import LeaseTable
 
-logger = logging.getLogger("p2pkv.prefill.holds")
+logger = logging.getLogger("p2pkv.prefill")
 
 
 class PrefillHolds:
@@ -38,25 +41,50 @@ class PrefillHolds:
         self.lease_s = lease_s
         self.leases = LeaseTable()
         self.notifs: dict[str, tuple[float, set[str], int]] = {}
-        self._heartbeats: queue.SimpleQueue[tuple[list[str], float]] = queue.SimpleQueue()
-        self._expired_lock = threading.Lock()
-        self._expired_recent: dict[str, float] = {}
+        self._requests: queue.SimpleQueue[tuple[list[str], float | None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._blocks: dict[str, frozenset[int] | None] = {}  # held now → its block ids (None: not known)
+        self._expired: dict[str, float] = {}  # ended by expiry → when
+        self._released: dict[str, float] = {}  # ended by notification or release → when
 
-    def on_heartbeat(self, request_ids: list[str], extend_s: float) -> list[str]:
-        """Side-channel thread: a decode engine still has these requests queued, or has
-        just pulled them; returns those whose lease already expired here."""
-        self._heartbeats.put((request_ids, min(extend_s, self.lease_s)))
-        with self._expired_lock:
-            return [rid for rid in request_ids if rid in self._expired_recent]
+    def hold(self, request_id: str, deadline: float, block_ids: tuple[int, ...] | None = None) -> None:
+        """Engine thread: hold a finished request's blocks until ``deadline`` (``time.monotonic()``)."""
+        self.leases.hold(request_id, deadline)
+        with self._lock:
+            self._blocks[request_id] = None if block_ids is None else frozenset(block_ids)
 
-    def _apply_heartbeats(self) -> None:
-        while True:
-            try:
-                request_ids, extend_s = self._heartbeats.get_nowait()
-            except queue.Empty:
-                return
-            for rid in request_ids:
-                self.leases.extend(rid, extend_s)
+    def on_heartbeat(self, request_ids: list[str], extend_s: float, block_ids: list[list[int]]) -> HoldStatus:
+        """Side-channel thread: a decode engine still has these requests queued, or is pulling them.
+
+        Held ones are extended at the next step. With ``block_ids`` (per id), a
+        hold that lacks any of them counts as not held.
+        """
+        status = HoldStatus()
+        held = []
+        with self._lock:
+            for i, rid in enumerate(request_ids):
+                if rid in self._expired:
+                    status.expired.append(rid)
+                elif rid in self._released:
+                    status.not_held.append(rid)
+                elif rid not in self._blocks:
+                    status.unknown.append(rid)
+                elif block_ids and self._blocks[rid] is not None and not self._blocks[rid] >= set(block_ids[i]):
+                    status.not_held.append(rid)
+                else:
+                    held.append(rid)
+        self._requests.put((held, min(extend_s, self.lease_s)))
+        return status
+
+    def on_release(self, request_ids: list[str]) -> int:
+        """Side-channel thread: nobody will pull these requests; they are freed at the next step.
+
+        Returns:
+            How many of them are held now.
+        """
+        self._requests.put((list(request_ids), None))
+        with self._lock:
+            return sum(rid in self._blocks for rid in request_ids)
 
     def note(self, done: DoneNotification, now: float) -> None:
         """Count one decode rank's "done" (see :mod:`p2pkv.notification`).
@@ -68,6 +96,21 @@ class PrefillHolds:
         first, readers, _ = self.notifs.get(done.request_id, (now, set(), done.notifiers))
         readers.add(done.reader)
         self.notifs[done.request_id] = (first, readers, done.notifiers)
+
+    def _apply_requests(self) -> set[str]:
+        """Heartbeat extensions and releases from the side channel; the ids released."""
+        released = set()
+        while True:
+            try:
+                request_ids, extend_s = self._requests.get_nowait()
+            except queue.Empty:
+                return released
+            for rid in request_ids:
+                if extend_s is not None:
+                    self.leases.extend(rid, extend_s)
+                elif self.leases.release(rid):
+                    released.add(rid)
+                    logger.info("p2pkv: request %s released on request (its decode leg failed)", rid)
 
     def released(self, notes: list[DoneNotification], stats: dict) -> set[str]:
         """Request ids to free now, after this step's "done" notifications.
@@ -81,14 +124,8 @@ class PrefillHolds:
                 if len(readers) >= expected and self.leases.release(rid)}
         for rid in done:
             del self.notifs[rid]
-        self._apply_heartbeats()
+        done |= self._apply_requests()
         expired = set(self.leases.pop_expired())
-        with self._expired_lock:
-            for rid in expired:
-                self._expired_recent[rid] = now
-            horizon = now - 10 * self.lease_s  # remembered for late pulls' confirmations
-            for rid in [r for r, t in self._expired_recent.items() if t < horizon]:
-                del self._expired_recent[rid]
         for rid in expired:
             logger.warning("p2pkv: lease of request %s expired before a decode engine pulled it; "
                            "releasing its blocks", rid)
@@ -96,6 +133,18 @@ class PrefillHolds:
         for rid, (t, _, _) in list(self.notifs.items()):
             if now - t > self.lease_s:
                 del self.notifs[rid]
+        self._remember(done, expired, now)
         stats["leases_expired"] += len(expired)
         stats["leases_notified"] += len(done)
         return done | expired
+
+    def _remember(self, released: set[str], expired: set[str], now: float) -> None:
+        """Move ended holds to the expiry/release memory (kept 10 × ``lease_s`` for late questions)."""
+        horizon = now - 10 * self.lease_s
+        with self._lock:
+            for rids, memory in ((released, self._released), (expired, self._expired)):
+                for rid in rids:
+                    self._blocks.pop(rid, None)
+                    memory[rid] = now
+                while memory and next(iter(memory.values())) < horizon:  # oldest first (insertion order)
+                    del memory[next(iter(memory))]
