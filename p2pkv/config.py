@@ -38,8 +38,15 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         handshake_retries: side-channel attempts before a pull is failed.
         transfer_timeout_s: seconds a NIXL READ may stay in flight before
             its blocks are reported as load errors.
-        secret: shared secret; when set, every side-channel message is
-            HMAC-SHA256 signed and verified (both peers must use the same).
+        secret: shared secret: every side-channel message is HMAC-SHA256
+            signed and verified (prefill, decode and the proxy use the same).
+            Required unless ``insecure``: a side channel without one refuses
+            to start.
+        secret_file: a file holding the secret (e.g. a mounted Kubernetes
+            Secret); used when ``secret`` is empty.
+        insecure: allow a side channel without a secret (anyone who reaches
+            its port can read the agent metadata and KV layout, then READ the
+            KV cache with NIXL, and release holds); logged as a warning.
         kv_layout: KV cache layout requested from vLLM: ``"BLHNC"``
             (cross-layer blocks, one descriptor per block for all layers;
             vLLM falls back to the backend's own when it cannot), ``"LBHNC"``
@@ -70,6 +77,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handshake_retries: int = 3
     transfer_timeout_s: float = 60.0
     secret: str = ""
+    secret_file: str = ""
+    insecure: bool = False
     kv_layout: Literal["BLHNC", "LBHNC", "auto"] = "BLHNC"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_thread: bool = False
@@ -78,6 +87,38 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ucx_num_workers: int = 0
     stats_file: str = ""
     staging_mib: float = 256.0
+
+    def secret_bytes(self) -> bytes | None:
+        """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.
+
+        Raises:
+            ConfigError: ``secret_file`` cannot be read or is empty.
+        """
+        if self.secret:
+            return self.secret.encode()
+        if not self.secret_file:
+            return None
+        try:
+            key = open(self.secret_file, "rb").read().strip()  # noqa: SIM115
+        except OSError as exc:
+            raise ConfigError(f"secret_file={self.secret_file!r} cannot be read: {exc}") from exc
+        if not key:
+            raise ConfigError(f"secret_file={self.secret_file!r} is empty; write the shared secret into it")
+        return key
+
+    def require_secret(self) -> bytes | None:
+        """The secret a side channel starts with (None only with ``insecure``).
+
+        Raises:
+            ConfigError: no secret and not ``insecure``; names both fixes.
+        """
+        key = self.secret_bytes()
+        if key is None and not self.insecure:
+            raise ConfigError(
+                "no side-channel secret: set P2PKV_SECRET (or secret / secret_file in "
+                "kv_connector_extra_config) to the same value on prefill, decode and the proxy; or set "
+                "insecure=true to run without one (anyone who reaches the port can read the KV cache)")
+        return key
 
     @property
     def heartbeat_every_s(self) -> float:

@@ -58,7 +58,7 @@ class SchedulerSide:
         self._failed: dict[str, tuple[int, ...]] = {}
         self._queued: dict[str, RemotePrefill] = {}
         self._next_heartbeat = 0.0
-        self.heartbeats = HeartbeatSender(engine_id, config.secret.encode() if config.secret else None,
+        self.heartbeats = HeartbeatSender(engine_id, config.secret_bytes(),
                                           timeout_s=min(1.0, config.handshake_timeout_s))
 
     # ---- decode side: heartbeats for queued requests -------------------
@@ -90,13 +90,16 @@ class SchedulerSide:
         return batches
 
     # ---- decode side -------------------------------------------------
-    def _remote(self, request: Request) -> RemotePrefill | None:
-        """The request's validated pull source; None (logged, prefilled locally instead) when invalid."""
+    def _remote(self, request: Request, check_prompt: bool = False) -> RemotePrefill | None:
+        """The request's validated pull source; None (logged, prefilled locally instead) when invalid.
+
+        ``check_prompt``: the params must be for a prompt of this request's length.
+        """
         params = request.kv_transfer_params
         try:
             remote = parse_remote_prefill(params)
             prompt = len(request.prompt_token_ids or ())
-            if remote.num_tokens and remote.num_tokens != prompt:
+            if check_prompt and remote.num_tokens and remote.num_tokens != prompt:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_num_tokens={remote.num_tokens} but the prompt has {prompt} "
                     "tokens: the params belong to another prompt (send each prompt with its own params)")
@@ -110,7 +113,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Prompt tokens to load from the prefill engine (all of them), asynchronously."""
-        if not wants_remote_prefill(request.kv_transfer_params) or self._remote(request) is None:
+        if not wants_remote_prefill(request.kv_transfer_params) or self._remote(request, check_prompt=True) is None:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)

@@ -32,13 +32,16 @@ class WorkerSide:
 
     Args:
         engine_id: this engine's id.
-        config: p2pkv settings.
+        config: p2pkv settings (a side-channel secret, or ``insecure``).
         tp_rank: this worker's tensor-parallel rank.
         tp_size: this engine's tensor-parallel size.
         side_channel_host: address the side-channel server binds to.
         side_channel_port: this rank's side-channel port.
         compat_hash: what peers must match (see :func:`p2pkv.connector.compat_hash`).
         model: this rank's model and KV cache facts.
+
+    Raises:
+        p2pkv.config.ConfigError: no side-channel secret and not ``insecure``.
     """
 
     def __init__(self, engine_id: str, config: P2pKvConfig, tp_rank: int, tp_size: int,
@@ -57,6 +60,7 @@ class WorkerSide:
         self.desc: KVLayoutDesc | None = None
         self.puller: Puller | None = None
         self.holds = PrefillHolds(config.lease_s)
+        self._secret = config.require_secret()  # before anything starts: no secret, no side channel
         self.stats = StatsBuffer()
         self._closed = False
 
@@ -89,7 +93,10 @@ class WorkerSide:
         info = AgentInfo(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
                          agent_name=self.agent.name, agent_metadata=meta, metadata_digest=compute_digest(meta),
                          compat_hash=self.compat_hash, layout=self.desc)
-        secret = self.config.secret.encode() if self.config.secret else None
+        secret = self._secret
+        if secret is None:
+            logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
+                           "reaches it can read this engine's KV cache", self.host, self.port)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
                                       on_heartbeat=self.holds.on_heartbeat, on_release=self.holds.on_release)
         self.server.set_info(info)

@@ -57,3 +57,39 @@ def free_ports(n: int, run: int = 2) -> list[int]:
             continue
         chosen.append(base)
     return chosen
+
+
+BLOCK = 32
+"""Tokens per block of the shared engine pair."""
+
+
+@pytest.fixture(scope="session")
+def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """One P/D pair behind the proxy plus an aggregated engine, shared by the engine tests that use it.
+
+    Yields ``(LocalPair, pull stats file)``; the decode engine gives up a handshake after 1 s.
+    """
+    from p2pkv.tools.deploy.local import LocalPair
+
+    logs = tmp_path_factory.mktemp("logs")
+    proxy, prefill, decode, agg, side = free_ports(5)
+    stats = logs / "pulls.jsonl"
+    p = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
+                  aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,
+                  decode_extra_config={"stats_file": str(stats), "handshake_timeout_s": 1.0,
+                                       "handshake_retries": 1},
+                  max_model_len=1024)
+    p.start(timeout_s=900)
+    try:
+        yield p, stats
+    finally:
+        p.stop()
+
+
+@pytest.fixture(scope="session")
+def client():
+    """An HTTP client for the engine tests."""
+    import httpx
+
+    with httpx.Client(timeout=120.0) as c:
+        yield c

@@ -22,40 +22,15 @@ from p2pkv.tools.demo import (
     read_pull_stats,
     wait_blocks_released,
 )
-from p2pkv.tools.deploy.local import LocalPair
-from tests.conftest import free_ports
+from tests.conftest import BLOCK, free_ports
 
 pytestmark = pytest.mark.engines
 
-BLOCK = 32
 PROMPTS = {
     "shorter than one block": "Hi there",
     "exactly two blocks": "y" * (2 * BLOCK),  # byte-level tokenizer: one token per byte
     "several blocks": "Prefill and decode run apart; the KV cache moves between them. " * 3,
 }
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    proxy, prefill, decode, agg, side = free_ports(5)
-    stats = logs / "pulls.jsonl"
-    p = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
-                  aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,
-                  decode_extra_config={"stats_file": str(stats), "handshake_timeout_s": 1.0,
-                                       "handshake_retries": 1},
-                  max_model_len=1024)
-    p.start(timeout_s=900)
-    try:
-        yield p, stats
-    finally:
-        p.stop()
-
-
-@pytest.fixture(scope="module")
-def client():
-    with httpx.Client(timeout=120.0) as c:
-        yield c
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))

@@ -48,7 +48,7 @@ def engines(tiny_model, tmp_path_factory):
                                  side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
                                  tensor_parallel_size=tp, module_path="p2pkv.connector" if name == "t2" else "",
                                  extra_config={"stats_file": str(logs / f"{name}.jsonl"), "staging_mib": 16},
-                                 env={"UCX_NET_DEVICES": "lo"})
+                                 env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": "hetero-test-secret"})
     children = [start_child(s.name, s.command(), s.environment(), logs, f"http://127.0.0.1:{s.port}/health")
                 for s in specs.values()]
     try:

@@ -41,7 +41,7 @@ def test_heartbeat_interval_must_be_below_lease() -> None:
 def _prefill_worker(lease_s: float) -> WorkerSide:
     port = free_port()
     cfg = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, lease_s=lease_s,
-                      heartbeat_interval_s=0)
+                      heartbeat_interval_s=0, insecure=True)
     worker = WorkerSide("prefill-engine", cfg, 0, 1, "127.0.0.1", port, "test-compat", model_info("BLHNC"))
     _, views = make_kv_caches("BLHNC", **SHAPE)
     worker.register_kv_caches(views, NUM_BLOCKS)

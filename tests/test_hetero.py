@@ -110,7 +110,8 @@ def make_workers(engine: str, side: Side, base_port: int, device: str = "cpu", b
                  tokens: int = 0, staging_mib: float = 4) -> list[tuple[WorkerSide, torch.Tensor, dict]]:
     out = []
     for rank in range(side.tp_size):
-        config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=base_port, staging_mib=staging_mib)
+        config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=base_port, staging_mib=staging_mib,
+                             insecure=True)
         worker = WorkerSide(engine, config, rank, side.tp_size, "127.0.0.1", base_port + rank, "compat",
                             model_info(side, rank))
         base, views = make_cache(side, rank, device, block_ids, tokens)

@@ -73,6 +73,29 @@ def _no_pod_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(checks, "cuda_device_count", lambda: 0)
 
 
+@pytest.fixture(autouse=True)
+def _side_channel_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch here has a secret (as P2PKV_SECRET), unless a test removes it."""
+    monkeypatch.setenv("P2PKV_SECRET", "launch-test-secret")
+
+
+def test_pod_without_a_secret_refuses_to_start(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("P2PKV_SECRET")
+    err = _failure(_pod(tmp_path), capsys)
+    assert "P2PKV_SECRET" in err and "--secret-file" in err and "insecure" in err
+    key = tmp_path / "key"
+    key.write_text("file-secret\n")
+    out, _, ktc = _dry_run(_pod(tmp_path, "--secret-file", str(key)), capsys)
+    assert ktc["kv_connector_extra_config"]["secret_file"] == str(key) and "file-secret" not in out
+    (tmp_path / "empty").write_text("")
+    assert "is empty" in _failure(_pod(tmp_path, "--secret-file", str(tmp_path / "empty")), capsys)
+    assert main(_pod(tmp_path, "--insecure")) == 0
+    assert "runs without a secret" in capsys.readouterr().err
+    monkeypatch.setenv("P2PKV_SECRET", "from-env")
+    out, _, _ = _dry_run(_pod(tmp_path), capsys)
+    assert "P2PKV_SECRET=" in out and "<hidden>" in out and "from-env" not in out
+
+
 def _pod(tmp_path: Path, *flags: str, role: str = "prefill") -> list[str]:
     """``launch ROLE --dry-run`` on free ports with the side channel on loopback, plus ``flags``."""
     http, side = free_ports(2)

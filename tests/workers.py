@@ -28,6 +28,7 @@ def model_info(layout: str) -> ModelInfo:
 
 
 def make_worker(engine_id: str, port: int, layout: str = "BLHNC", **cfg) -> WorkerSide:
+    cfg.setdefault("insecure", "secret" not in cfg)  # synthetic caches on loopback; secured pairs: tests pass one
     config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
     return WorkerSide(engine_id, config, 0, 1, "127.0.0.1", port, "test-compat", model_info(layout))
 

@@ -61,7 +61,7 @@ class Puller:
         self.engine_id, self.tp_rank, self.tp_size, self.config = engine_id, tp_rank, tp_size, config
         self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
         self.compat_hash, self.stats = compat_hash, stats
-        self._secret = config.secret.encode() if config.secret else None
+        self._secret = config.secret_bytes()
         self.background = Background()
         self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size)
         self.fence = Fence(self.background, engine_id, self._secret, config.handshake_timeout_s)

@@ -20,6 +20,15 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
     path = make_tiny_model(args.out, TinyModelSpec(num_layers=args.layers, seed=args.seed))
     print(path)
+    if args.secret_file:
+        secret = Path(args.secret_file)
+        if not secret.is_file() or not secret.read_text().strip():
+            import secrets
+
+            secret.parent.mkdir(parents=True, exist_ok=True)
+            secret.write_text(secrets.token_hex(32) + "\n")
+            secret.chmod(0o644)  # read by the engines' and the proxy's containers
+        print(secret)
     return 0
 
 
@@ -92,6 +101,8 @@ def _add_demo_and_model(sub: argparse._SubParsersAction) -> None:
     tiny.add_argument("out", help="output directory")
     tiny.add_argument("--layers", type=int, default=4)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--secret-file", metavar="PATH",
+                      help="also write a random side-channel secret here, unless the file already holds one")
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
 

@@ -78,7 +78,7 @@ class PrefillCaches:
         self.ready: dict[str, dict[str, Any]] = {}
         if self.cuda:
             torch.cuda.set_device(dev)
-        config = P2pKvConfig(**nixl)
+        config = P2pKvConfig(**nixl, insecure=True)  # synthetic caches: nothing secret to guard
         try:
             for i, layout in enumerate(PREFILL_CACHE_LAYOUTS):
                 base, views = make_shaped_kv_caches(layout, shape, num_blocks, seed=remote_seed(seed, layout),

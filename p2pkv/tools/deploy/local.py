@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ class LocalPair:
         connector: ``"p2pkv"`` or ``"nixl"`` (vLLM's NixlConnector, for comparisons).
         tensor_parallel_size: TP size of every engine.
         engine_args: more ``vllm serve`` flags for every engine.
+        secret: the side-channel secret the two engines and the proxy share
+            (``P2PKV_SECRET`` in their environments; a fresh random one when empty).
     """
 
     model: str
@@ -50,6 +53,11 @@ class LocalPair:
     tensor_parallel_size: int = 1
     engine_args: tuple[str, ...] = ()
     children: list[Child] = field(default_factory=list)
+    secret: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.secret:
+            self.secret = os.environ.get("P2PKV_SECRET") or secrets.token_hex(16)
 
     def _gpu_share(self) -> float | None:
         """On a GPU machine the engines share its memory (vLLM's default would let the first take 90 %)."""
@@ -63,7 +71,7 @@ class LocalPair:
         """The engines this pair starts."""
         common = dict(model=self.model, host=self.host, block_size=self.block_size, dtype=self.dtype,
                       max_model_len=self.max_model_len, connector=self.connector,
-                      side_channel_host=self.host, env={"UCX_NET_DEVICES": "lo"},
+                      side_channel_host=self.host, env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": self.secret},
                       tensor_parallel_size=self.tensor_parallel_size, extra_args=tuple(self.engine_args),
                       gpu_memory_utilization=self._gpu_share())
         specs = [
@@ -117,7 +125,7 @@ class LocalPair:
                 self.children.append(start_child(spec.name, spec.command(), spec.environment(),
                                                  self.log_dir, f"http://{spec.host}:{spec.port}/health"))
             wait_healthy(self.children, timeout_s)
-            proxy = start_child("proxy", self.proxy_command(), dict(os.environ),
+            proxy = start_child("proxy", self.proxy_command(), {**os.environ, "P2PKV_SECRET": self.secret},
                                 self.log_dir, f"http://{self.host}:{self.proxy_port}/health")
             self.children.append(proxy)
             wait_healthy([proxy], 60.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +104,22 @@ def _shown_env(env: dict[str, str], base: dict[str, str]) -> dict[str, str]:
     return {k: ("<hidden>" if any(w in k.upper() for w in _SECRET_WORDS) else v) for k, v in sorted(shown.items())}
 
 
+def _check_secret(extra_config: dict[str, object], environ: dict[str, str]) -> None:
+    """A side-channel secret is configured (flag, file or ``P2PKV_SECRET``), or ``--insecure`` says none is wanted.
+
+    Raises:
+        LaunchError: neither; names the fixes.
+    """
+    from p2pkv.config import ConfigError, load_config
+
+    try:
+        if load_config(extra_config, environ).require_secret() is None:
+            print("warning: --insecure: the side channel runs without a secret; anyone who reaches its port can "
+                  "read this engine's KV cache", file=sys.stderr, flush=True)
+    except ConfigError as exc:
+        raise LaunchError(f"--secret-file / P2PKV_SECRET: {exc}") from exc
+
+
 def prepare(opts: PodOptions) -> PodPlan:
     """Validate everything and build the engine; starts nothing.
 
@@ -118,6 +135,7 @@ def prepare(opts: PodOptions) -> PodPlan:
     if not Path(opts.model).is_dir():
         raise LaunchError(f"--model {opts.model}: no such directory; pass the model directory "
                           "(for a test, make one with `p2pkv make-tiny-model DIR`)")
+    _check_secret(opts.extra_config, environ)
     gpus = checks.plan_gpus(opts.tensor_parallel_size, opts.gpu_ids, environ)
     checks.check_block_size(opts.block_size, gpus.available > 0)
     if opts.max_model_len is not None and opts.max_model_len <= 0:

@@ -36,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     p("--dtype", default="auto", help="model dtype (auto: the model's)")
     p("--max-model-len", type=int, metavar="TOKENS", help="longest sequence in tokens (default: the model's)")
     p("--kv-connector-extra-config", default="{}", metavar="JSON", help="more p2pkv settings, merged")
+    p("--secret-file", metavar="PATH", help="file holding the side-channel secret shared by prefill, decode and the "
+      "proxy (a mounted Secret; default: env P2PKV_SECRET; one of them is required)")
+    p("--insecure", action="store_true", help="run the side channel without a secret (anyone who reaches its port "
+      "can read the KV cache): for a closed test network only")
     p("--extra-vllm-args", default="", metavar="ARGS",
       help="more `vllm serve` flags in one shell-split string: --extra-vllm-args='--flag value'")
     p("--proxy-url", metavar="URL", help="the proxy this engine serves (checked and printed, e.g. http://10.0.0.9:8000)")
@@ -105,6 +109,10 @@ def options_from_args(args: argparse.Namespace) -> PodOptions:
                       extra_config=_extra_config(args.kv_connector_extra_config),
                       extra_args=_extra_args(args.extra_vllm_args), proxy_url=args.proxy_url,
                       log_dir=Path(args.log_dir))
+    if args.secret_file:
+        opts.extra_config["secret_file"] = str(Path(args.secret_file).resolve())
+    if args.insecure:
+        opts.extra_config["insecure"] = True
     if args.port is not None:
         opts.port = args.port
     elif (port := _int_env(environ, "P2PKV_PORT")) is not None:

@@ -1,21 +1,32 @@
-"""The proxy's FastAPI app: prefill (1 token) → decode (relayed), round-robin over engines."""
+"""The proxy's FastAPI app: prefill (1 token) → decode (relayed), one pair per prompt, round-robin over engines."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import itertools
+import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from p2pkv.tools.proxy.batch import (
+    BadRequest,
+    StreamMerger,
+    check_request,
+    merge_completions,
+    split_prompts,
+    sse_events,
+)
 from p2pkv.tools.proxy.metrics import ProxyMetrics
+from p2pkv.tools.proxy.release import release_all
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
@@ -27,6 +38,10 @@ from p2pkv.tools.proxy.upstream import (
 
 HEALTH_TIMEOUT_S = 2.0
 """How long ``/health`` waits for each backend's ``/health`` (seconds)."""
+DISCONNECT_POLL_S = 0.25
+"""How often a non-streaming request checks whether its client went away (seconds)."""
+
+log = logging.getLogger("p2pkv.tools.proxy")
 
 
 class RoundRobin:
@@ -59,7 +74,191 @@ def _bad_request(message: str) -> JSONResponse:
                         status_code=400)
 
 
-def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0) -> FastAPI:
+class Proxy:
+    """One prefill and one decode request per prompt, and what to do when a leg fails.
+
+    Args:
+        prefill_urls / decode_urls: engine base URLs, used round-robin.
+        timeout_s: timeout of each request to an engine (seconds).
+        secret: the side-channel secret, to free prefill holds whose decode leg failed.
+    """
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float,
+                 secret: bytes | None) -> None:
+        self.prefill_urls, self.decode_urls = prefill_urls, decode_urls
+        self.prefill, self.decode = RoundRobin(prefill_urls), RoundRobin(decode_urls)
+        self.timeout_s, self.secret = timeout_s, secret
+        self.metrics = ProxyMetrics()
+
+    async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                          headers: dict[str, str]) -> dict[str, Any]:
+        """Ask a prefill engine for one token; its ``kv_transfer_params``. Raises UpstreamError."""
+        url = self.prefill.next()
+        start = time.perf_counter()
+        try:
+            resp = await client.post(f"{url}{path}", json=prefill_body(body), headers=headers)
+        except httpx.HTTPError as exc:
+            raise transport_error("prefill", url, exc, self.timeout_s) from exc
+        finally:
+            self.metrics.prefill_seconds.observe(time.perf_counter() - start)
+        if resp.status_code >= 500:
+            raise status_error("prefill", url, resp.status_code, resp.text)
+        if resp.status_code >= 400:
+            raise UpstreamError(resp.status_code, f"prefill engine {url} answered {resp.status_code}", "prefill",
+                                url, body=resp.content, media_type=resp.headers.get("content-type"))
+        return kv_params_from(url, resp)
+
+    async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                         out_headers: dict[str, str], relay: bool = True) -> Response | httpx.Response:
+        """Send a request to a decode engine; its answer relayed (or, ``relay=False``, the opened
+        stream for merging). Raises UpstreamError; a 4xx answer is passed through."""
+        url = self.decode.next()
+        start = time.perf_counter()
+        upstream = client.build_request("POST", f"{url}{path}", json=body, headers=headers)
+        try:
+            resp = await client.send(upstream, stream=True)
+        except httpx.HTTPError as exc:
+            self.metrics.decode_seconds.observe(time.perf_counter() - start)
+            raise transport_error("decode", url, exc, self.timeout_s) from exc
+        if body.get("stream") is True and resp.status_code < 400:
+            if not relay:
+                return resp
+            return RelayedStream(resp, url, self.metrics.decode_seconds.observe,
+                                 self.metrics.errors.labels("decode").inc, start, headers=out_headers)
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as exc:
+            raise transport_error("decode", url, exc, self.timeout_s) from exc
+        finally:
+            await resp.aclose()
+            self.metrics.decode_seconds.observe(time.perf_counter() - start)
+        if resp.status_code >= 500:
+            raise status_error("decode", url, resp.status_code, content.decode(errors="replace"))
+        if resp.status_code >= 400:
+            raise UpstreamError(resp.status_code, f"decode engine {url} answered {resp.status_code}", "decode",
+                                url, body=content, media_type=resp.headers.get("content-type"))
+        return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type",
+                        "application/json"), headers=out_headers)
+
+    async def prefill_all(self, client: httpx.AsyncClient, path: str, bodies: list[dict[str, Any]],
+                          headers: dict[str, str]) -> list[dict[str, Any]]:
+        """Every prompt's prefill, concurrently; on any failure the others' holds are freed and it raises."""
+        results = await asyncio.gather(*(self.run_prefill(client, path, b, headers) for b in bodies),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self.release([r for r in results if isinstance(r, dict)])
+            raise failed[0]
+        return list(results)  # type: ignore[arg-type]
+
+    async def release(self, params_list: list[dict[str, Any]]) -> None:
+        """Free the prefill holds of decode legs that will never pull."""
+        if params_list:
+            held = await release_all(params_list, self.secret)
+            self.metrics.releases.inc(held)
+
+    async def serve(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                    out_headers: dict[str, str], waited: list[float]) -> Response:
+        """Both legs of every prompt. Raises UpstreamError (prefill holds of failed decodes freed).
+
+        ``waited[0]`` accumulates the seconds spent waiting on engines.
+        """
+        bodies = split_prompts(body) if path == "/v1/completions" else [body]
+        t = time.perf_counter()
+        params: list[dict[str, Any]] = []
+        try:
+            params = await self.prefill_all(client, path, bodies, headers)
+            legs = [{**b, "kv_transfer_params": p} for b, p in zip(bodies, params, strict=True)]
+            return await self.decode_all(client, path, body, legs, headers, out_headers)
+        except asyncio.CancelledError:  # the client went away: nobody will pull these
+            await asyncio.shield(self.release(params))
+            raise
+        finally:
+            waited[0] += time.perf_counter() - t
+
+    async def decode_all(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                         legs: list[dict[str, Any]], headers: dict[str, str], out_headers: dict[str, str]) -> Response:
+        """The decode leg of every prompt, merged when there are several."""
+        if len(legs) == 1:
+            try:
+                return await self.run_decode(client, path, legs[0], headers, out_headers)
+            except UpstreamError:
+                await self.release([legs[0]["kv_transfer_params"]])
+                raise
+        if body.get("stream") is True:
+            return await self.merged_stream(client, path, legs, headers, out_headers)
+        results = await asyncio.gather(*(self.run_decode(client, path, leg, headers, out_headers)
+                                         for leg in legs), return_exceptions=True)
+        failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failed:
+            await self.release([legs[i]["kv_transfer_params"] for i in failed])
+            raise results[failed[0]]  # type: ignore[misc]
+        answers = [json.loads(r.body) for r in results]  # type: ignore[union-attr]
+        return JSONResponse(merge_completions(answers), headers=out_headers)
+
+    async def merged_stream(self, client: httpx.AsyncClient, path: str, legs: list[dict[str, Any]],
+                            headers: dict[str, str], out_headers: dict[str, str]) -> Response:
+        """Every prompt's decode stream at once, merged into one (see :class:`StreamMerger`)."""
+        opened = await asyncio.gather(*(self.run_decode(client, path, leg, headers, out_headers, relay=False)
+                                        for leg in legs), return_exceptions=True)
+        failed = [i for i, r in enumerate(opened) if isinstance(r, BaseException)]
+        if failed:
+            for r in opened:
+                if isinstance(r, httpx.Response):
+                    await r.aclose()
+            await self.release([legs[i]["kv_transfer_params"] for i in failed])
+            raise opened[failed[0]]  # type: ignore[misc]
+        streams: list[httpx.Response] = list(opened)  # type: ignore[arg-type]
+        merger, queue_ = StreamMerger(), asyncio.Queue()
+
+        async def pump(index: int, resp: httpx.Response) -> None:
+            try:
+                async for data in sse_events(resp.aiter_raw()):
+                    if (out := merger.chunk(index, data)) is not None:
+                        await queue_.put(out)
+            except httpx.HTTPError as exc:
+                self.metrics.errors.labels("decode").inc()
+                err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc})",
+                                    "decode", str(resp.url))
+                await queue_.put(b"data: " + json.dumps(err.payload()).encode() + b"\n\n")
+            finally:
+                await resp.aclose()
+                await queue_.put(None)
+
+        async def body() -> AsyncIterator[bytes]:
+            tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(streams)]
+            try:
+                done = 0
+                while done < len(tasks):
+                    item = await queue_.get()
+                    if item is None:
+                        done += 1
+                    else:
+                        yield item
+                yield merger.end()
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=out_headers)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response | None:
+    """``work``'s answer, or None once the client has gone away (``work`` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            return None
+
+
+def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0,
+               secret: bytes | None = None) -> FastAPI:
     """Build the proxy app (one shared ``httpx.AsyncClient``, opened and closed by the app's lifespan).
 
     Args:
@@ -67,12 +266,12 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
         decode_urls: base URLs of decode engines, used round-robin.
         timeout_s: timeout of each request to an engine (seconds); a decode
             stream may take longer as long as bytes keep coming.
+        secret: the engines' side-channel secret (to free prefill holds after a failed decode leg).
 
     Raises:
         ValueError: an empty backend list.
     """
-    prefill, decode = RoundRobin(prefill_urls), RoundRobin(decode_urls)
-    metrics = ProxyMetrics()
+    proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -84,74 +283,35 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
             await app.state.client.aclose()
 
     app = FastAPI(title="p2pkv proxy", lifespan=lifespan)
-    app.state.metrics = metrics
+    app.state.metrics = proxy.metrics
+    app.state.proxy = proxy
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.add_api_route(path, _endpoint(proxy, path), methods=["POST"])
+    _add_service_routes(app, proxy)
+    return app
 
-    async def run_prefill(client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                          headers: dict[str, str]) -> dict[str, Any]:
-        """Ask a prefill engine for one token; its ``kv_transfer_params``. Raises UpstreamError."""
-        url = prefill.next()
-        start = time.perf_counter()
-        try:
-            resp = await client.post(f"{url}{path}", json=prefill_body(body), headers=headers)
-        except httpx.HTTPError as exc:
-            raise transport_error("prefill", url, exc, timeout_s) from exc
-        finally:
-            metrics.prefill_seconds.observe(time.perf_counter() - start)
-        if resp.status_code >= 500:
-            raise status_error("prefill", url, resp.status_code, resp.text)
-        if resp.status_code >= 400:
-            raise UpstreamError(resp.status_code, f"prefill engine {url} answered {resp.status_code}", "prefill",
-                                url, body=resp.content, media_type=resp.headers.get("content-type"))
-        return kv_params_from(url, resp)
 
-    async def run_decode(client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
-                         out_headers: dict[str, str]) -> Response:
-        """Send the original request to a decode engine; relay its answer. Raises UpstreamError."""
-        url = decode.next()
-        start = time.perf_counter()
-        upstream = client.build_request("POST", f"{url}{path}", json=body, headers=headers)
-        try:
-            resp = await client.send(upstream, stream=True)
-        except httpx.HTTPError as exc:
-            metrics.decode_seconds.observe(time.perf_counter() - start)
-            raise transport_error("decode", url, exc, timeout_s) from exc
-        if body.get("stream") is True and resp.status_code < 400:
-            return RelayedStream(resp, url, metrics.decode_seconds.observe,
-                                 metrics.errors.labels("decode").inc, start, headers=out_headers)
-        try:
-            content = await resp.aread()
-        except httpx.HTTPError as exc:
-            raise transport_error("decode", url, exc, timeout_s) from exc
-        finally:
-            await resp.aclose()
-            metrics.decode_seconds.observe(time.perf_counter() - start)
-        if resp.status_code >= 500:
-            raise status_error("decode", url, resp.status_code, content.decode(errors="replace"))
-        media = resp.headers.get("content-type", "application/json")
-        return Response(content, status_code=resp.status_code, media_type=media, headers=out_headers)
+def _endpoint(proxy: Proxy, path: str) -> Any:
+    metrics = proxy.metrics
 
-    async def handle(request: Request, path: str) -> Response:
+    async def handle(request: Request) -> Response:
+        """An OpenAI request through prefill then decode (one pair per prompt)."""
         t0 = time.perf_counter()
         try:
             body = await request.json()
-        except ValueError:
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            check_request(body)
+        except (ValueError, BadRequest) as exc:
             metrics.requests.labels(path, "400").inc()
-            return _bad_request("request body is not JSON")
-        if not isinstance(body, dict):
-            metrics.requests.labels(path, "400").inc()
-            return _bad_request("request body must be a JSON object")
+            return _bad_request(str(exc) if isinstance(exc, BadRequest) else "request body is not JSON")
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        headers = _headers(request, request_id)
         out_headers = {"X-Request-Id": request_id}
         client: httpx.AsyncClient = request.app.state.client
-        stage, waited = "prefill", 0.0
+        waited = [0.0]
+        work = proxy.serve(client, path, body, _headers(request, request_id), out_headers, waited)
         try:
-            t = time.perf_counter()
-            params = await run_prefill(client, path, body, headers)
-            waited += time.perf_counter() - t
-            stage, t = "decode", time.perf_counter()
-            resp = await run_decode(client, path, {**body, "kv_transfer_params": params}, headers, out_headers)
-            waited += time.perf_counter() - t
+            resp = await work if body.get("stream") is True else await _unless_disconnected(request, work)
         except UpstreamError as exc:
             if exc.backend_failed:
                 metrics.errors.labels(exc.stage).inc()
@@ -159,28 +319,23 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
             resp = exc.response()
             resp.headers["X-Request-Id"] = request_id
             return resp
-        except Exception:
-            metrics.errors.labels(stage).inc()
-            metrics.requests.labels(path, "500").inc()
-            raise
-        metrics.overhead_seconds.observe(max(0.0, time.perf_counter() - t0 - waited))
+        if resp is None:  # the client went away: both legs were cancelled
+            metrics.requests.labels(path, "499").inc()
+            return Response(status_code=499)
+        metrics.overhead_seconds.observe(max(0.0, time.perf_counter() - t0 - waited[0]))
         metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        """OpenAI completions through prefill then decode."""
-        return await handle(request, "/v1/completions")
+    return handle
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        """OpenAI chat completions through prefill then decode."""
-        return await handle(request, "/v1/chat/completions")
+
+def _add_service_routes(app: FastAPI, proxy: Proxy) -> None:
+    timeout_s = proxy.timeout_s
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         """The first decode engine's model list."""
-        url = decode_urls[0]
+        url = proxy.decode_urls[0]
         headers = _headers(request, request.headers.get("x-request-id") or uuid.uuid4().hex)
         try:
             resp = await request.app.state.client.get(f"{url}/v1/models", headers=headers,
@@ -202,8 +357,8 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
     async def health(request: Request) -> Response:
         """200 when the proxy and every backend are healthy, else 503; lists each backend's state."""
         client: httpx.AsyncClient = request.app.state.client
-        backends = await asyncio.gather(*[probe(client, "prefill", u) for u in prefill_urls],
-                                        *[probe(client, "decode", u) for u in decode_urls])
+        backends = await asyncio.gather(*[probe(client, "prefill", u) for u in proxy.prefill_urls],
+                                        *[probe(client, "decode", u) for u in proxy.decode_urls])
         healthy = all(b["status"] == "ok" for b in backends)
         return JSONResponse({"status": "ok" if healthy else "degraded", "backends": backends},
                             status_code=200 if healthy else 503)
@@ -211,6 +366,4 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
     @app.get("/metrics")
     async def prometheus() -> Response:
         """The proxy's own metrics (Prometheus text format)."""
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
+        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -23,6 +23,8 @@ class ProxyMetrics:
         overhead_seconds: time the proxy itself adds per request: handler
             time minus the time spent waiting on engines (to the decode's
             response headers when streaming).
+        releases: ``p2pkv_proxy_prefill_releases_total``, prefill holds freed
+            because their decode leg failed or the client went away (per rank).
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -41,3 +43,6 @@ class ProxyMetrics:
         self.overhead_seconds = Histogram("p2pkv_proxy_overhead_seconds",
                                           "Time the proxy itself adds per request, engine waits excluded (seconds)",
                                           buckets=_BUCKETS, registry=r)
+        self.releases = Counter("p2pkv_proxy_prefill_releases",
+                                "Prefill holds freed because the decode leg failed or the client left (per rank)",
+                                registry=r)

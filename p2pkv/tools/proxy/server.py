@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
+from pathlib import Path
 
 _HOSTPORT = re.compile(r"^(?:(https?)://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(\d{1,5})/?$")
 
@@ -31,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode engines (round-robin)")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="timeout of each request to an engine, in seconds (default 300)")
+    parser.add_argument("--secret-file", metavar="PATH",
+                        help="the engines' side-channel secret (default: env P2PKV_SECRET), used to free a "
+                             "prefill engine's blocks at once when their decode leg fails")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -48,6 +53,13 @@ def main(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         print(f"p2pkv proxy: --timeout {args.timeout}: must be > 0 seconds", file=sys.stderr)
         return 2
-    app = create_app(prefill, decode, timeout_s=args.timeout)
+    secret = os.environ.get("P2PKV_SECRET", "").encode() or None
+    if args.secret_file:
+        try:
+            secret = Path(args.secret_file).read_bytes().strip() or None
+        except OSError as exc:
+            print(f"p2pkv proxy: --secret-file {args.secret_file}: {exc}", file=sys.stderr)
+            return 2
+    app = create_app(prefill, decode, timeout_s=args.timeout, secret=secret)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

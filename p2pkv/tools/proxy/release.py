@@ -1,0 +1,45 @@
+"""Freeing a prefill engine's hold when its decode leg will never pull it.
+
+After a successful prefill the prefill engine holds the prompt's KV blocks
+for the decode engine. When the decode leg fails before it pulls (the decode
+engine refuses the request, is unreachable, or the client goes away), the
+proxy tells every prefill rank named in ``kv_transfer_params`` to free the
+request's blocks now (:func:`handshake.release_holds`) instead of when the
+lease ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from handshake import HandshakeError, release_holds
+
+log = logging.getLogger("p2pkv.tools.proxy")
+
+RELEASE_TIMEOUT_S = 2.0
+"""Wait for each prefill rank's answer (seconds)."""
+
+
+def _release(params: dict[str, Any], secret: bytes | None) -> int:
+    """Blocking: ask each prefill rank to free ``remote_request_id``; how many ranks held it."""
+    host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
+    tp_size = params.get("tp_size") or 1
+    if not (isinstance(host, str) and isinstance(port, int) and isinstance(rid, str) and isinstance(tp_size, int)):
+        return 0
+    held = 0
+    for rank in range(min(tp_size, 512)):
+        try:
+            held += release_holds(host, port + rank, [rid], "p2pkv-proxy", secret=secret,
+                                  timeout_s=RELEASE_TIMEOUT_S).accepted
+        except HandshakeError as exc:
+            log.warning("p2pkv proxy: could not release prefill request %s on %s:%d (%s); its lease frees it",
+                        rid, host, port + rank, exc)
+    return held
+
+
+async def release_all(params_list: list[dict[str, Any]], secret: bytes | None) -> int:
+    """Free the prefill holds of every ``kv_transfer_params`` in ``params_list``; how many ranks held one."""
+    counts = await asyncio.gather(*(asyncio.to_thread(_release, p, secret) for p in params_list))
+    return sum(counts)

@@ -1,0 +1,185 @@
+"""Every request shape a client may send, and hostile kv_transfer_params, against real engines.
+
+Each shape through the proxy must give the aggregated engine's answer (or a
+clear 400); each bad input sent straight to the decode engine must end with
+an error or a correct answer within seconds, never garbage, and a good
+request right after it must still equal the aggregated engine's answer.
+The prefill engine must hold no blocks once a request is over, also when
+its decode leg failed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from p2pkv.tools.demo import complete, kv_cache_usage, wait_blocks_released
+from tests.conftest import BLOCK
+
+pytestmark = pytest.mark.engines
+
+PROMPTS = ["Hello there", "z" * (2 * BLOCK + 3), "Prefill and decode run apart. " * 3]
+
+
+def _post(client: httpx.Client, url: str, body: dict) -> httpx.Response:
+    return client.post(f"{url}/v1/completions", json={"model": "model", "temperature": 0.0, **body})
+
+
+def _texts(answer: dict) -> list[str]:
+    return [c["text"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
+
+
+def _still_serving(p, client: httpx.Client) -> None:
+    prompt = "a good request after a bad one"
+    assert complete(client, p.url("proxy"), prompt, 6).token_ids == complete(client, p.url("aggregated"),
+                                                                             prompt, 6).token_ids
+
+
+def test_prompt_lists_are_split_and_merged(pair, client) -> None:
+    p, _ = pair
+    for prompt in (PROMPTS, [[5, 6, 7, 8], [9, 10, 11]]):
+        body = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
+        pd, ref = _post(client, p.url("proxy"), body).json(), _post(client, p.url("aggregated"), body).json()
+        assert _texts(pd) == _texts(ref) and len(set(_texts(pd))) == len(prompt)
+        assert [c["index"] for c in pd["choices"]] == list(range(len(prompt)))
+        assert pd["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+        assert pd["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"] == 6 * len(prompt)
+        for a, b in zip(pd["choices"], sorted(ref["choices"], key=lambda c: c["index"]), strict=True):
+            assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+    assert wait_blocks_released(client, p.url("prefill"), timeout_s=10) == 0.0
+
+
+def test_streamed_prompt_list_with_usage(pair, client) -> None:
+    p, _ = pair
+    body = {"model": "model", "prompt": PROMPTS, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    texts, usages, done = ["", "", ""], [], 0
+    with client.stream("POST", f"{p.url('proxy')}/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done += 1
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                for c in chunk["choices"]:
+                    texts[c["index"]] += c["text"]
+                if chunk.get("usage") and not chunk["choices"]:
+                    usages.append(chunk["usage"])
+    ref = _post(client, p.url("aggregated"), {**body, "stream": False, "stream_options": None}).json()
+    assert texts == _texts(ref) and done == 1
+    assert len(usages) == 1 and usages[0]["completion_tokens"] == 15
+    assert usages[0]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+
+
+def test_echo_stop_and_chat_pass_through(pair, client) -> None:
+    p, _ = pair
+    for body in ({"prompt": PROMPTS[2], "max_tokens": 8, "echo": True, "logprobs": 2},
+                 {"prompt": PROMPTS[2], "max_tokens": 12, "stop": [" "], "ignore_eos": True}):
+        pd, ref = _post(client, p.url("proxy"), body).json(), _post(client, p.url("aggregated"), body).json()
+        assert _texts(pd) == _texts(ref)
+        assert pd["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
+    chat = {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "temperature": 0.0, "ignore_eos": True, "logprobs": True, "top_logprobs": 1}
+    pd = client.post(f"{p.url('proxy')}/v1/chat/completions", json=chat).json()
+    ref = client.post(f"{p.url('aggregated')}/v1/chat/completions", json=chat).json()
+    assert pd["choices"][0]["message"] == ref["choices"][0]["message"]
+    assert pd["usage"] == ref["usage"]
+
+
+@pytest.mark.parametrize("field", ["n", "best_of"])
+def test_several_sequences_per_prompt_are_refused(pair, client, field) -> None:
+    p, _ = pair
+    resp = _post(client, p.url("proxy"), {"prompt": "x", "max_tokens": 2, field: 2})
+    assert resp.status_code == 400 and field in resp.json()["error"]["message"]
+
+
+def test_decode_refusal_frees_the_prefill_hold_at_once(pair, client) -> None:
+    """max_tokens beyond the context: the prefill (1 token) succeeds, the decode engine answers 400;
+    the proxy passes the 400 on and the prefill engine's blocks are free within 2 s, not after the lease."""
+    p, _ = pair
+    resp = _post(client, p.url("proxy"), {"prompt": "y" * 300, "max_tokens": 5000})
+    assert resp.status_code == 400
+    deadline = time.monotonic() + 2.0
+    while kv_cache_usage(client, p.url("prefill")) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_cache_usage(client, p.url("prefill")) == 0.0
+    _still_serving(p, client)
+
+
+def _prefill(client: httpx.Client, p, prompt: str) -> dict:
+    resp = _post(client, p.url("prefill"), {"prompt": prompt, "max_tokens": 1,
+                                            "kv_transfer_params": {"do_remote_decode": True}})
+    return resp.json()["kv_transfer_params"]
+
+
+def _decode(client: httpx.Client, p, prompt: str, params: dict) -> tuple[httpx.Response, float]:
+    t = time.monotonic()
+    resp = _post(client, p.url("decode"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+                                           "kv_transfer_params": params})
+    return resp, time.monotonic() - t
+
+
+def _failed(resp: httpx.Response) -> bool:
+    """The request ended with an error, not with tokens served as if all was well."""
+    return resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
+
+
+def test_repeated_pull_fails_at_once_and_a_fresh_one_works(pair, client) -> None:
+    p, _ = pair
+    prompt = "w" * 100
+    params = _prefill(client, p, prompt)
+    first, _ = _decode(client, p, prompt, params)
+    ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
+    assert _texts(first.json()) == _texts(ref)
+    again, seconds = _decode(client, p, prompt, params)  # the blocks were released after the first pull
+    assert _failed(again) and seconds < 10.0, f"took {seconds:.1f} s"
+    _still_serving(p, client)
+
+
+def test_retry_of_a_pull_that_never_started_succeeds(pair, client) -> None:
+    """A decode leg refused before it pulled (max_tokens too large) can be retried with the same params."""
+    p, _ = pair
+    prompt = "v" * 90
+    params = _prefill(client, p, prompt)
+    refused = _post(client, p.url("decode"), {"prompt": prompt, "max_tokens": 5000, "kv_transfer_params": params})
+    assert refused.status_code == 400
+    retry, _ = _decode(client, p, prompt, params)
+    ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
+    assert _texts(retry.json()) == _texts(ref)
+
+
+HOSTILE = {
+    "tp_size as text": lambda q: {**q, "tp_size": "two"},
+    "huge tp_size": lambda q: {**q, "tp_size": 10**9},
+    "tp_size 2 against a TP-1 prefill": lambda q: {**q, "tp_size": 2},
+    "negative block id": lambda q: {**q, "remote_block_ids": [[-1]]},
+    "too few block ids": lambda q: {**q, "remote_block_ids": [q["remote_block_ids"][0][:1]]},
+    "another request's id": lambda q: {**q, "remote_request_id": "made-up-request"},
+    "unknown engine id at the real prefill": lambda q: {**q, "remote_engine_id": "made-up-engine"},
+    "unreachable peer": lambda q: {**q, "remote_host": "127.0.0.2"},
+    "port out of range": lambda q: {**q, "remote_port": 70000},
+    "params of a shorter prompt": lambda q: {**q, "remote_num_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_params_fail_cleanly_and_harm_nothing(pair, client, case) -> None:
+    """Straight to the decode engine: a clear failure within seconds, or (params refused up front)
+    the prompt prefilled locally with the right tokens; then the engines still serve correctly."""
+    p, _ = pair
+    prompt = "h" * (3 * BLOCK + 5)
+    params = HOSTILE[case](_prefill(client, p, prompt))
+    resp, seconds = _decode(client, p, prompt, params)
+    ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
+    assert _failed(resp) or _texts(resp.json()) == _texts(ref), "served wrong tokens with HTTP 200"
+    assert seconds < 10.0, f"took {seconds:.1f} s"
+    _still_serving(p, client)
+
+
+def test_nothing_left_held(pair, client) -> None:
+    p, _ = pair
+    complete(client, p.url("proxy"), "last one", 2)
+    assert wait_blocks_released(client, p.url("decode"), timeout_s=30) == 0.0
