@@ -4,11 +4,15 @@ One encoder, one parser. The message travels as a NIXL notification
 (``send_notif``) and reads ``p2pkv:done:<request_id>|<engine_id>:<tp_rank>:<notifiers>``:
 the prefill request id, the decode rank that finished, and how many decode
 ranks will notify this prefill rank for the request (several when decode TP
-is larger; see :func:`p2pkv.dataplane.topology.notifiers_of`).
+is larger; see :func:`p2pkv.dataplane.topology.notifiers_of`). With the
+side-channel secret, ``#<HMAC-SHA256 hex>`` of everything before it follows,
+and a notification without a valid one is dropped (the lease frees the blocks).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 
 PREFIX = b"p2pkv:done:"
@@ -29,19 +33,30 @@ class DoneNotification:
     notifiers: int = 1
 
 
-def encode_done(note: DoneNotification) -> bytes:
-    """The wire bytes of ``note``."""
-    return PREFIX + f"{note.request_id}|{note.reader}:{note.notifiers}".encode()
+def _mac(data: bytes, secret: bytes) -> bytes:
+    return hmac.new(secret, data, hashlib.sha256).hexdigest().encode()
 
 
-def parse_done(msg: bytes) -> DoneNotification | None:
-    """Parse a notification; None when it is not a p2pkv "done" message.
+def encode_done(note: DoneNotification, secret: bytes | None = None) -> bytes:
+    """The wire bytes of ``note`` (signed with ``secret`` when given)."""
+    data = PREFIX + f"{note.request_id}|{note.reader}:{note.notifiers}".encode()
+    return data + b"#" + _mac(data, secret) if secret else data
+
+
+def parse_done(msg: bytes, secret: bytes | None = None) -> DoneNotification | None:
+    """Parse a notification; None when it is not a p2pkv "done" message, or (with ``secret``)
+    its MAC is missing or wrong.
 
     A body without ``|`` names only the request (one notifier); a count that
     does not parse counts as 1.
     """
     if not msg.startswith(PREFIX):
         return None
+    if secret:
+        data, sep, mac = msg.rpartition(b"#")
+        if not sep or not hmac.compare_digest(mac, _mac(data, secret)):
+            return None
+        msg = data
     body = msg[len(PREFIX):].decode(errors="replace")
     request_id, sep, tail = body.rpartition("|")
     if not sep:

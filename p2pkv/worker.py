@@ -128,7 +128,10 @@ class WorkerSide:
         except Exception as exc:  # a broken peer must not lose this step's results
             logger.warning("p2pkv: reading NIXL notifications failed: %s", exc)
             notifs = []
-        notes = [n for n in map(parse_done, notifs) if n is not None]
+        notes = [n for n in (parse_done(m, self._secret) for m in notifs) if n is not None]
+        if len(notes) < len(notifs):
+            logger.warning("p2pkv: %d NIXL notification(s) dropped: not p2pkv \"done\" messages, or their MAC "
+                           "is wrong (a decode engine with another secret?)", len(notifs) - len(notes))
         return self.holds.released(notes, self.stats.data)
 
     def take_stats(self) -> dict | None:

@@ -278,6 +278,25 @@ def test_stuck_read_times_out_as_load_error(prefill: PrefillProc) -> None:
         d.close()
 
 
+def test_cancelled_read_nixl_keeps_active_holds_its_blocks_until_it_ends(prefill: PrefillProc) -> None:
+    """A stuck READ is given up after ``transfer_timeout_s``, but NIXL refuses to release it (still
+    active: its bytes may still land). Its blocks go back to vLLM (load errors, finished) only after the
+    READ ends or another ``transfer_timeout_s`` passed, never while it may still write them."""
+    d = DecodeSide(64, handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=0.5)
+    try:
+        assert d.worker.agent is not None
+        stuck = FaultyNixlAgent(d.worker.agent._agent, "check_xfer_state", 1, mode="proc", times=None)
+        d.worker.agent._agent = refusals = FaultyNixlAgent(stuck, "release_xfer_handle", 1, times=None)
+        local, remote = [40, 41], [42, 43]
+        _, _, errors, seconds = pull(d, prefill, local, remote)
+        assert errors == set(local) and refusals.faults >= 1
+        assert 1.0 <= seconds < BOUND_S, f"blocks handed back after {seconds:.2f} s"
+        d.worker.agent._agent = stuck.real
+        clean_pull_succeeds(d, prefill)
+    finally:
+        d.close()
+
+
 # ---- notifications -------------------------------------------------------------------------
 @pytest.mark.parametrize("peer_known", [False, True], ids=["new_peer", "known_peer"])
 def test_notify_only_send_failure_is_contained(prefill: PrefillProc, decode: DecodeSide, peer_known: bool) -> None:

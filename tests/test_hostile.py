@@ -109,6 +109,21 @@ def test_decode_refusal_frees_the_prefill_hold_at_once(pair, client) -> None:
     _still_serving(p, client)
 
 
+def test_client_leaving_cancels_both_legs(pair, client) -> None:
+    """A non-streaming client that goes away mid-decode: the proxy cancels both legs; neither engine
+    holds blocks for it a few seconds later."""
+    p, _ = pair
+    body = {"model": "model", "prompt": "q" * 100, "max_tokens": 800, "ignore_eos": True, "temperature": 0.0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{p.url('proxy')}/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and (kv_cache_usage(client, p.url("prefill")) > 0
+                                           or kv_cache_usage(client, p.url("decode")) > 0):
+        time.sleep(0.1)
+    assert kv_cache_usage(client, p.url("prefill")) == 0.0 and kv_cache_usage(client, p.url("decode")) == 0.0
+    _still_serving(p, client)
+
+
 def _prefill(client: httpx.Client, p, prompt: str) -> dict:
     resp = _post(client, p.url("prefill"), {"prompt": prompt, "max_tokens": 1,
                                             "kv_transfer_params": {"do_remote_decode": True}})

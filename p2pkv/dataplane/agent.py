@@ -253,15 +253,23 @@ class NixlTransferAgent:
             raise TransferError(f"NIXL READ from {pull.peer} ended in error")
         return False
 
-    def cancel(self, pull: ReadHandle) -> None:
-        """Give up on a READ (timeout); best effort."""
-        self._release(pull.handle)
+    def cancel(self, pull: ReadHandle) -> bool:
+        """Give up on a READ (timeout, a failed sibling READ); best effort.
 
-    def _release(self, handle: object) -> None:
+        Returns:
+            True when NIXL released the transfer; False when it refused
+            because the READ is still active (its bytes may still land: poll
+            it until it ends before reusing the memory it writes).
+        """
+        return self._release(pull.handle)
+
+    def _release(self, handle: object) -> bool:
         try:
             self._agent.release_xfer_handle(handle)
         except Exception as exc:
             logger.debug("p2pkv: release_xfer_handle failed: %s", exc)
+            return False
+        return True
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         """Send a notification to a peer.

@@ -82,6 +82,8 @@ class Pull:
         notify: prefill ranks to notify when done, each with how many decode
             ranks notify it.
         num_bytes / num_descriptors: moved so far by the current attempt.
+        draining: cancelled READs NIXL would not release yet; a failed pull is
+            reported (its blocks handed back to vLLM) only once they have ended.
     """
 
     spec: PullSpec
@@ -92,6 +94,7 @@ class Pull:
     notify: list[tuple[PeerId, int]] = field(default_factory=list)
     num_bytes: int = 0
     num_descriptors: int = 0
+    draining: int = 0
 
     @property
     def request_id(self) -> str:

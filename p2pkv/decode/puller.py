@@ -68,6 +68,7 @@ class Puller:
         self.pulls: list[Pull] = []
         self._staging_wait: list[Pull] = []
         self._handshake_wait: dict[PeerId, list[Pull]] = {}
+        self._draining: list[tuple[ReadPart, float]] = []  # cancelled READs NIXL would not release, deadline
         self._finished: set[str] = set()
         self._load_errors: set[int] = set()
 
@@ -90,6 +91,7 @@ class Puller:
     def step(self) -> set[str]:
         """Advance every pull; the request ids finished (loaded or failed) since the last call."""
         self._finish_handshakes()
+        self._drain()
         self._poll_reads()
         self._collect_fence()
         self.fence.send()
@@ -108,10 +110,8 @@ class Puller:
     def close(self) -> None:
         """Cancel side-channel calls and READs in flight. Idempotent."""
         self.background.close()
-        for pull in self.pulls:
-            for read in pull.reads:
-                if read.in_flight:
-                    self.agent.cancel(read.handle)
+        for read in [r for pull in self.pulls for r in pull.reads if r.in_flight]:
+            self.agent.cancel(read.handle)
         self.pulls.clear()
 
     # ---- transitions ----------------------------------------------------------
@@ -120,8 +120,28 @@ class Puller:
         if pull.finished:
             if pull in self.pulls:
                 self.pulls.remove(pull)
-            if pull.spec.report:
-                self._finished.add(pull.request_id)
+            if not pull.draining:
+                self._report(pull)
+
+    def _report(self, pull: Pull) -> None:
+        """Hand a finished pull to vLLM: finished receiving, and for a failed one its blocks as load errors."""
+        if pull.state is PullState.FAILED:
+            self._load_errors.update(pull.spec.local_block_ids)
+        if pull.spec.report:
+            self._finished.add(pull.request_id)
+
+    def _drain(self) -> None:
+        """Wait out cancelled READs NIXL would not release: their pull's blocks go back to vLLM only after
+        they end (or, logged, ``transfer_timeout_s`` after the cancel)."""
+        now, keep = time.monotonic(), []
+        for read, deadline in self._draining:
+            if not _ended(self.agent, read) and now < deadline:
+                keep.append((read, deadline))
+                continue
+            read.pull.draining -= 1
+            if read.pull.finished and not read.pull.draining:
+                self._report(read.pull)
+        self._draining = keep
 
     def _begin(self, pull: Pull) -> None:
         """Map the TP topology, then wait for handshakes or start the READs."""
@@ -196,7 +216,7 @@ class Puller:
                 self._fail(pull, FailureKind.STAGING, str(exc))
             return
         if not pull.reads:  # nothing to load (or a notify-only pull)
-            self._notify(pull)
+            _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
             self._to(pull, PullState.DONE)
             return
         self._to(pull, PullState.READING)
@@ -278,22 +298,24 @@ class Puller:
                 read.confirmed = True
                 if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
                     _record(pull, self.stats, self.config.stats_file)
-                    self._notify(pull)
+                    _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
                     self._to(pull, PullState.DONE)
 
     # ---- endings ----------------------------------------------------------------
     def _release_stages(self, pull: Pull) -> None:
         """Give back staging of READs not yet posted."""
-        for read in pull.reads:
-            if read.stage is not None and read.handle is None:
-                self.stager.release(read.stage)
-                read.stage = None
+        for read in [r for r in pull.reads if r.stage is not None and r.handle is None]:
+            self.stager.release(read.stage)
+            read.stage = None
 
     def _abandon(self, pull: Pull) -> None:
         """Stop a failing pull's READs in flight; their staging is quarantined (a cancelled READ may still land)."""
         for read in pull.reads:
             if read.in_flight:
-                self.agent.cancel(read.handle)
+                if not self.agent.cancel(read.handle):  # still active: its bytes may land in our blocks
+                    pull.draining += 1
+                    self._draining.append((read, time.monotonic() + self.config.transfer_timeout_s))
+                read.done = -1.0  # no longer in flight
                 if read.stage is not None:
                     self.stager.quarantine(read.stage, self.config.transfer_timeout_s)
                     read.stage = None
@@ -309,36 +331,43 @@ class Puller:
         logger.warning("p2pkv: %s; re-handshaking and retrying request %s once", why, pull.request_id)
         self._begin(pull)
 
-    def _notify(self, pull: Pull) -> None:
-        """Tell every prefill rank this rank answers for that it may free the request's blocks.
-
-        Sent after the READs are done and fenced, not attached to them: a READ with a
-        notification completes only once the prefill side progresses NIXL. One that
-        cannot be sent is logged; the prefill lease frees the blocks instead.
-        """
-        rid = pull.spec.remote.request_id
-        for pid, notifiers in pull.notify:
-            peer = self.peers.peers.get(pid)
-            if peer is None:
-                logger.warning("p2pkv: cannot notify %s about %s (peer gone); its lease frees the blocks", pid, rid)
-                continue
-            msg = encode_done(DoneNotification(rid, f"{self.engine_id}:{self.tp_rank}", notifiers))
-            try:
-                self.agent.send_notif(peer.agent_name, msg)
-            except TransferError as exc:
-                logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
-
     def _fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
         """Report a pull as failed: its local blocks become load errors, the request finishes."""
         spec = pull.spec
         logger.error("p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
                      kind.value, spec.request_id, spec.remote.request_id, spec.remote.host, spec.remote.port,
                      len(spec.local_block_ids), why)
-        self._load_errors.update(spec.local_block_ids)
         self.stats.record_failure(kind.value)
         if pull in self._staging_wait:
             self._staging_wait.remove(pull)
         self._to(pull, PullState.FAILED)
+
+
+def _ended(agent: NixlTransferAgent, read: ReadPart) -> bool:
+    """True once a cancelled READ is over (done, or failed)."""
+    try:
+        return agent.poll(read.handle)
+    except Exception:
+        return True
+
+
+def _notify(agent: NixlTransferAgent, peers: PeerTable, pull: Pull, reader: str, secret: bytes | None) -> None:
+    """Tell every prefill rank ``reader`` (this decode rank) answers for that it may free the request's blocks.
+
+    Sent after the READs are done and fenced, not attached to them: a READ with a
+    notification completes only once the prefill side progresses NIXL. One that
+    cannot be sent is logged; the prefill lease frees the blocks instead.
+    """
+    rid = pull.spec.remote.request_id
+    for pid, notifiers in pull.notify:
+        peer = peers.peers.get(pid)
+        if peer is None:
+            logger.warning("p2pkv: cannot notify %s about %s (peer gone); its lease frees the blocks", pid, rid)
+            continue
+        try:
+            agent.send_notif(peer.agent_name, encode_done(DoneNotification(rid, reader, notifiers), secret))
+        except TransferError as exc:
+            logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
 
 
 def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:

@@ -93,9 +93,13 @@ class PrefillHolds:
         ranks said so (several decode ranks read one prefill rank when decode
         TP is larger).
         """
-        first, readers, _ = self.notifs.get(done.request_id, (now, set(), done.notifiers))
+        first, readers, expected = self.notifs.get(done.request_id, (now, set(), done.notifiers))
+        if done.notifiers != expected:
+            logger.warning("p2pkv: a done notification for %s from %s says %d decode ranks notify, earlier ones %d; "
+                           "ignored", done.request_id, done.reader, done.notifiers, expected)
+            return
         readers.add(done.reader)
-        self.notifs[done.request_id] = (first, readers, done.notifiers)
+        self.notifs[done.request_id] = (first, readers, expected)
 
     def _apply_requests(self) -> set[str]:
         """Heartbeat extensions and releases from the side channel; the ids released."""

@@ -1,0 +1,76 @@
+"""The "done" notification codec and the prefill holds' answers to fence questions and releases."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from p2pkv.notification import DoneNotification, encode_done, parse_done
+from p2pkv.prefill.holds import PrefillHolds
+from p2pkv.telemetry.stats import empty_stats
+
+KEY = b"secret"
+
+
+def test_notification_round_trip_and_mac() -> None:
+    note = DoneNotification("req|with|bars", "decode:1", 2)
+    assert parse_done(encode_done(note)) == note
+    signed = encode_done(note, KEY)
+    assert parse_done(signed, KEY) == note
+    assert parse_done(encode_done(note), KEY) is None, "an unsigned notification must not count"
+    assert parse_done(signed, b"other") is None
+    assert parse_done(signed.replace(b":2#", b":1#"), KEY) is None, "a tampered count must not count"
+    assert parse_done(b"something else", KEY) is None
+    assert parse_done(b"p2pkv:done:legacy") == DoneNotification("legacy")
+
+
+def test_holds_answer_fence_questions() -> None:
+    holds = PrefillHolds(lease_s=30.0)
+    holds.hold("held", 1e12, (4, 5, 6))
+    holds.hold("gone", 1e12, (7,))
+    stats = empty_stats()
+    holds.released([DoneNotification("gone")], stats)
+    status = holds.on_heartbeat(["held", "gone", "never", "held"], 10.0, [[4, 5], [7], [1], [4, 9]])
+    assert status.not_held == ["gone", "held"] and status.unknown == ["never"] and status.expired == []
+    assert holds.on_heartbeat(["held"], 10.0, []).not_held == []  # no block ids asked: held
+    assert holds.on_release(["held", "never"]) == 1
+    assert holds.released([], stats) == {"held"}
+    assert holds.on_heartbeat(["held"], 10.0, [[4]]).not_held == ["held"]  # released: remembered
+
+
+def test_expired_hold_is_reported_expired() -> None:
+    holds = PrefillHolds(lease_s=30.0)
+    holds.hold("short", 0.0, (1,))
+    assert holds.released([], empty_stats()) == {"short"}
+    assert holds.on_heartbeat(["short"], 10.0, [[1]]).expired == ["short"]
+
+
+def test_notifications_must_agree_on_the_notifier_count() -> None:
+    holds = PrefillHolds(lease_s=30.0)
+    holds.hold("r", 1e12)
+    stats = empty_stats()
+    assert holds.released([DoneNotification("r", "d:0", 2)], stats) == set()
+    assert holds.released([DoneNotification("r", "x:9", 1)], stats) == set(), "a count of 1 must not end a hold of 2"
+    assert holds.released([DoneNotification("r", "d:1", 2)], stats) == {"r"}
+
+
+def test_scheduler_hooks_never_raise() -> None:
+    """An unexpected exception in a scheduler hook is contained: local prefill, a failed pull, or freed blocks."""
+    pytest.importorskip("vllm")
+    from p2pkv.connector import P2pKvConnector
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("bug")
+
+    failed: list[str] = []
+    scheduler = SimpleNamespace(get_num_new_matched_tokens=boom, on_new_request=boom, update_state_after_alloc=boom,
+                                request_finished=boom, fail_load=lambda r, b, n: failed.append(r.request_id))
+    conn = SimpleNamespace(scheduler=scheduler)
+    request = SimpleNamespace(request_id="r1", kv_transfer_params={"do_remote_prefill": True})
+    assert P2pKvConnector.get_num_new_matched_tokens(conn, request, 0) == (0, False)
+    assert request.kv_transfer_params["do_remote_prefill"] is False
+    P2pKvConnector.on_new_request(conn, request)
+    P2pKvConnector.update_state_after_alloc(conn, request, None, 3)
+    assert failed == ["r1"]
+    assert P2pKvConnector.request_finished(conn, request, [1, 2]) == (False, None)
