@@ -23,7 +23,7 @@ class PullSpec:
             ``local_block_ids`` (same length).
         remote: where to pull from.
         report: report the request in ``finished_recving`` when done (False
-            for notify-only tasks: nothing to load, or the request is gone).
+            for notify-only pulls: nothing to load, or the request is gone).
         first_token: prompt position (tokens) of the first slot of
             ``local_block_ids[0]`` (a multiple of the local block size; > 0
             when the decode engine had a prefix cached).

@@ -23,35 +23,35 @@ class BlockCountError(PlanError):
     """The block ids do not cover the prompt tokens the pull must move."""
 
 
-def token_end(task: PullSpec, local_block_size: int, remote_block_size: int) -> int:
+def token_end(spec: PullSpec, local_block_size: int, remote_block_size: int) -> int:
     """One past the last prompt token the pull moves (tokens).
 
     Raises:
         BlockCountError: ``remote_block_ids`` (or the local blocks) end before
             the prompt does (``num_tokens``): a pull never moves part of a prompt.
     """
-    if task.num_tokens >= 0 and task.local_block_ids:
-        for side, ids, size, start in (("remote_block_ids", task.remote_block_ids, remote_block_size, 0),
-                                       ("local blocks", task.local_block_ids, local_block_size, task.first_token)):
-            if start + len(ids) * size < task.num_tokens:
+    if spec.num_tokens >= 0 and spec.local_block_ids:
+        for side, ids, size, start in (("remote_block_ids", spec.remote_block_ids, remote_block_size, 0),
+                                       ("local blocks", spec.local_block_ids, local_block_size, spec.first_token)):
+            if start + len(ids) * size < spec.num_tokens:
                 raise BlockCountError(
                     f"{side} cover {start + len(ids) * size} prompt tokens ({len(ids)} blocks of {size}), the "
-                    f"prompt has {task.num_tokens}; pass kv_transfer_params unchanged from the prefill engine")
-    end = min(task.first_token + len(task.local_block_ids) * local_block_size,
-              len(task.remote_block_ids) * remote_block_size)
-    return min(end, task.num_tokens) if task.num_tokens >= 0 else end
+                    f"prompt has {spec.num_tokens}; pass kv_transfer_params unchanged from the prefill engine")
+    end = min(spec.first_token + len(spec.local_block_ids) * local_block_size,
+              len(spec.remote_block_ids) * remote_block_size)
+    return min(end, spec.num_tokens) if spec.num_tokens >= 0 else end
 
 
-def direct_pairs(task: PullSpec, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def direct_pairs(spec: PullSpec, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(local_ids, remote_ids)`` paired block for block, for peers with the same block size.
 
     Tasks with ``num_tokens == -1`` already pair up and are returned as they are.
     """
-    if task.num_tokens < 0:
-        return task.local_block_ids, task.remote_block_ids
-    first_block = task.first_token // block_size
-    count = max(0, _ceil_div(token_end(task, block_size, block_size) - task.first_token, block_size))
-    return task.local_block_ids[:count], task.remote_block_ids[first_block:first_block + count]
+    if spec.num_tokens < 0:
+        return spec.local_block_ids, spec.remote_block_ids
+    first_block = spec.first_token // block_size
+    count = max(0, _ceil_div(token_end(spec, block_size, block_size) - spec.first_token, block_size))
+    return spec.local_block_ids[:count], spec.remote_block_ids[first_block:first_block + count]
 
 
 @dataclass(frozen=True)
@@ -72,22 +72,22 @@ class StagedRead:
     dst_block_ids: tuple[int, ...]
 
 
-def staged_read(task: PullSpec, local_block_size: int, remote_block_size: int) -> StagedRead:
-    """The :class:`StagedRead` of a task between engines of any two block sizes.
+def staged_read(spec: PullSpec, local_block_size: int, remote_block_size: int) -> StagedRead:
+    """The :class:`StagedRead` of a spec between engines of any two block sizes.
 
     Example: prefill block 64, decode block 16, ``first_token`` 32, 100 prompt
     tokens → READ remote blocks 0 and 1, move 68 tokens starting at staging
     token 32 into the first 5 local blocks.
     """
-    end = token_end(task, local_block_size, remote_block_size)
-    n = max(0, end - task.first_token)
+    end = token_end(spec, local_block_size, remote_block_size)
+    n = max(0, end - spec.first_token)
     if n == 0:
         return StagedRead((), 0, 0, ())
-    first_remote = task.first_token // remote_block_size
+    first_remote = spec.first_token // remote_block_size
     last_remote = _ceil_div(end, remote_block_size)
     return StagedRead(
-        remote_block_ids=task.remote_block_ids[first_remote:last_remote],
-        src_token_offset=task.first_token - first_remote * remote_block_size,
+        remote_block_ids=spec.remote_block_ids[first_remote:last_remote],
+        src_token_offset=spec.first_token - first_remote * remote_block_size,
         num_tokens=n,
-        dst_block_ids=task.local_block_ids[:_ceil_div(n, local_block_size)],
+        dst_block_ids=spec.local_block_ids[:_ceil_div(n, local_block_size)],
     )

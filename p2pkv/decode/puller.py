@@ -80,13 +80,14 @@ class Puller:
             self._load_errors.update(blocks)
             self._finished.add(request_id)
             self.stats.record_failure(FailureKind.REFUSED.value)
-        waiting, self._staging_wait = self._staging_wait, []
-        for pull in waiting:
-            self._begin(pull)
-        for spec in specs:
-            pull = Pull(spec)
-            self.pulls.append(pull)
-            self._begin(pull)
+        new, waiting, self._staging_wait = [Pull(spec) for spec in specs], self._staging_wait, []
+        self.pulls += new
+        for pull in [*waiting, *new]:
+            try:
+                self._begin(pull)
+            except Exception as exc:  # a bug must fail this pull, not the engine step
+                logger.exception("p2pkv: starting the pull of %s failed", pull.request_id)
+                self._fail(pull, FailureKind.REFUSED, f"unexpected error: {exc!r}")
 
     def step(self) -> set[str]:
         """Advance every pull; the request ids finished (loaded or failed) since the last call."""
@@ -131,8 +132,7 @@ class Puller:
             self._finished.add(pull.request_id)
 
     def _drain(self) -> None:
-        """Wait out cancelled READs NIXL would not release: their pull's blocks go back to vLLM only after
-        they end (or, logged, ``transfer_timeout_s`` after the cancel)."""
+        """Wait out cancelled READs NIXL would not release (at most ``transfer_timeout_s``), then report their pulls."""
         now, keep = time.monotonic(), []
         for read, deadline in self._draining:
             if not _ended(self.agent, read) and now < deadline:
@@ -323,8 +323,7 @@ class Puller:
         pull.attempt += 1  # late fence answers for this attempt are ignored
 
     def _retry_or_fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
-        """After a peer failure: re-handshake and try once more per pull (the prefill engine may have
-        restarted under the same engine_id); fail the pull the second time."""
+        """After a peer failure: re-handshake (the prefill may have restarted) and retry once per pull."""
         if pull.attempt > 1:
             self._fail(pull, kind, why)
             return

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import time
 from pathlib import Path
 
 
@@ -16,48 +14,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
+    from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model, write_secret
 
-    path = make_tiny_model(args.out, TinyModelSpec(num_layers=args.layers, seed=args.seed))
-    print(path)
+    print(make_tiny_model(args.out, TinyModelSpec(num_layers=args.layers, seed=args.seed)))
     if args.secret_file:
-        secret = Path(args.secret_file)
-        if not secret.is_file() or not secret.read_text().strip():
-            import secrets
-
-            secret.parent.mkdir(parents=True, exist_ok=True)
-            secret.write_text(secrets.token_hex(32) + "\n")
-            secret.chmod(0o644)  # read by the engines' and the proxy's containers
-        print(secret)
+        print(write_secret(Path(args.secret_file)))
     return 0
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from p2pkv.tools.deploy.local import LocalPair
-    from p2pkv.tools.deploy.processes import LaunchError
+    from p2pkv.tools.deploy.local import main
 
-    pair = LocalPair(model=args.model, host=args.host, prefill_port=args.prefill_port,
-                     decode_port=args.decode_port, proxy_port=args.proxy_port,
-                     side_channel_port=args.side_channel_port, block_size=args.block_size,
-                     dtype=args.dtype, log_dir=Path(args.log_dir))
-    for spec in pair.engine_specs():
-        print(f"[{spec.name}] {' '.join(spec.command())}")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
-    try:
-        pair.start()
-        print(f"ready: proxy on {pair.url('proxy')} (Ctrl-C stops everything)", flush=True)
-        while (dead := pair.dead_child()) is None:
-            time.sleep(1.0)
-        print(f"{dead.name} exited with code {dead.proc.returncode}; log {dead.log_path}:\n{dead.tail()}",
-              file=sys.stderr)
-        return 1
-    except LaunchError as exc:
-        print(f"p2pkv launch: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        pair.stop()
+    return main(args)
 
 
 def _cmd_launch_pod(args: argparse.Namespace) -> int:

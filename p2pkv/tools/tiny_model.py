@@ -122,3 +122,18 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> P
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(spec.__dict__))
     return out
+
+
+def write_secret(path: Path) -> Path:
+    """Write a random side-channel secret (64 hex characters) to ``path`` unless it already holds one.
+
+    For the compose demo, whose one-shot service prepares the shared volume;
+    the file is world-readable there (the engines' and the proxy's containers read it).
+    """
+    import secrets
+
+    if not path.is_file() or not path.read_text().strip():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_hex(32) + "\n")
+        path.chmod(0o644)
+    return path

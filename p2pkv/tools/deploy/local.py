@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
+import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,3 +157,33 @@ class LocalPair:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def main(args: argparse.Namespace) -> int:
+    """``p2pkv launch local``: start the pair and the proxy, print their commands, run until SIGTERM/SIGINT.
+
+    Returns:
+        0 when stopped by a signal; 1 when a process died or never became healthy.
+    """
+    pair = LocalPair(model=args.model, host=args.host, prefill_port=args.prefill_port,
+                     decode_port=args.decode_port, proxy_port=args.proxy_port,
+                     side_channel_port=args.side_channel_port, block_size=args.block_size,
+                     dtype=args.dtype, log_dir=Path(args.log_dir))
+    for spec in pair.engine_specs():
+        print(f"[{spec.name}] {' '.join(spec.command())}")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))
+    try:
+        pair.start()
+        print(f"ready: proxy on {pair.url('proxy')} (Ctrl-C stops everything)", flush=True)
+        while (dead := pair.dead_child()) is None:
+            time.sleep(1.0)
+        print(f"{dead.name} exited with code {dead.proc.returncode}; log {dead.log_path}:\n{dead.tail()}",
+              file=sys.stderr)
+        return 1
+    except LaunchError as exc:
+        print(f"p2pkv launch: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        pair.stop()
