@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from p2pkv.tools.demo import complete, kv_cache_usage, wait_blocks_released
-from tests.conftest import BLOCK
+from tests.conftest import BLOCK, free_ports
 
 pytestmark = pytest.mark.engines
 
@@ -154,16 +154,25 @@ def test_repeated_pull_fails_at_once_and_a_fresh_one_works(pair, client) -> None
     _still_serving(p, client)
 
 
-def test_retry_of_a_pull_that_never_started_succeeds(pair, client) -> None:
-    """A decode leg refused before it pulled (max_tokens too large) can be retried with the same params."""
+def test_retry_of_a_decode_leg_succeeds_until_the_decode_engine_gives_the_hold_up(pair, client) -> None:
+    """A decode leg that never reached the decode engine can be retried with the same params and pulls.
+    One the decode engine refused (max_tokens beyond the context) frees the prefill's hold there and
+    then: a retry then fails at once instead of reading freed blocks."""
     p, _ = pair
     prompt = "v" * 90
     params = _prefill(client, p, prompt)
-    refused = _post(client, p.url("decode"), {"prompt": prompt, "max_tokens": 5000, "kv_transfer_params": params})
-    assert refused.status_code == 400
+    (nobody,) = free_ports(1)
+    with pytest.raises(httpx.ConnectError):
+        client.post(f"http://127.0.0.1:{nobody}/v1/completions", json={"prompt": prompt})
     retry, _ = _decode(client, p, prompt, params)
     ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
     assert _texts(retry.json()) == _texts(ref)
+    params = _prefill(client, p, prompt)
+    refused = _post(client, p.url("decode"), {"prompt": prompt, "max_tokens": 5000, "kv_transfer_params": params})
+    assert refused.status_code == 400
+    assert wait_blocks_released(client, p.url("prefill"), timeout_s=5) == 0.0
+    again, seconds = _decode(client, p, prompt, params)
+    assert _failed(again) and seconds < 10.0
 
 
 HOSTILE = {
