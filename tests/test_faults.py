@@ -356,8 +356,8 @@ def fake_side_channel(respond: Callable[[list[bytes]], list[bytes]] | None,
             if sock.poll(5):
                 identity, *body = sock.recv_multipart()
                 seen.append(body)
-                if respond is not None:
-                    due.append((time.monotonic() + delay_s, [identity, *respond(body)]))
+                if respond is not None and (reply := respond(body)) is not None:  # None: no answer
+                    due.append((time.monotonic() + delay_s, [identity, *reply]))
             now = time.monotonic()
             for item in [x for x in due if x[0] <= now]:
                 due.remove(item)
@@ -437,6 +437,40 @@ def test_fake_side_channel_with_a_prompt_real_reply_pulls(prefill: PrefillProc) 
             _, _, errors, _ = pull(d, prefill, local, remote, engine_port=port)
         assert errors == set()
         assert_bytes(d, prefill, local, remote)
+    finally:
+        d.close()
+
+
+def _fence_dropping(prefill: PrefillProc, drop: Callable[[int], bool]) -> Callable[[list[bytes]], list[bytes] | None]:
+    """The real metadata, and fence answers "held" except for the fence questions ``drop(n)`` picks (1-based)."""
+    metadata, asked = real_reply(prefill), itertools.count(1)
+
+    def respond(body: list[bytes]) -> list[bytes] | None:
+        msg = decode_message(body, None)
+        if not isinstance(msg, LeaseHeartbeat):
+            return metadata(body)
+        if drop(next(asked)):
+            return None
+        return encode(HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
+                                     request_ids=msg.request_ids, nonce=msg.nonce), None)
+
+    return respond
+
+
+@pytest.mark.parametrize(("drop", "ok"), [(lambda n: n == 2, True), (lambda n: n >= 2, False)],
+                         ids=["one_unanswered", "never_answered"])
+def test_unanswered_fence_question(prefill: PrefillProc, drop: Callable[[int], bool], ok: bool) -> None:
+    """The question after the READ gets no answer: asked once more; a second silence fails the pull
+    (kind=unconfirmed), exactly its blocks as load errors, within two side-channel timeouts."""
+    d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_retries=ZMQ_RETRIES)
+    try:
+        with fake_side_channel(_fence_dropping(prefill, drop)) as (port, seen):
+            local, remote = [21, 22], [5, 6]
+            _, _, errors, seconds = pull(d, prefill, local, remote, engine_port=port)
+        assert errors == (set() if ok else set(local))
+        assert len(seen) >= 4 and seconds < ZMQ_BOUND_S + ZMQ_TIMEOUT_S
+        if ok:
+            assert_bytes(d, prefill, local, remote)
     finally:
         d.close()
 

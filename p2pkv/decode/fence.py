@@ -70,9 +70,10 @@ class Fence:
         self._batches: dict[PeerId, tuple[str, int, list[tuple[ReadPart, Phase]]]] = {}
         self._in_flight: list[tuple[Future, list[tuple[ReadPart, Phase]]]] = []
 
-    def add(self, peer_id: PeerId, host: str, port: int, read: ReadPart, phase: Phase) -> None:
-        """Queue a question about ``read`` for ``peer_id`` (side channel ``host:port``) in this step's batch."""
-        self._batches.setdefault(peer_id, (host, port, []))[2].append((read, phase))
+    def add(self, read: ReadPart, phase: Phase) -> None:
+        """Queue a question about ``read`` for its prefill rank in this step's batch."""
+        pid = read.peer_id
+        self._batches.setdefault(pid, (pid.host, pid.port, []))[2].append((read, phase))
 
     def send(self) -> None:
         """Ask every prefill rank with queued questions (one call per rank)."""

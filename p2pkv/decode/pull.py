@@ -50,6 +50,7 @@ class ReadPart:
         handle: the NIXL READ once posted.
         done: ``time.monotonic()`` when seen done (0: not yet).
         confirmed: the prefill rank confirmed the lease held.
+        unanswered: fence questions after the READ that got no answer (one is asked again).
     """
 
     pull: Pull
@@ -62,6 +63,7 @@ class ReadPart:
     handle: ReadHandle | None = None
     done: float = 0.0
     confirmed: bool = False
+    unanswered: int = 0
 
     @property
     def in_flight(self) -> bool:

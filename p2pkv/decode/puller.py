@@ -228,7 +228,7 @@ class Puller:
                 self.peers.drop(read.peer_id)
                 self._retry_or_fail(pull, _kind(exc), f"pull from {read.peer.agent_name} could not start: {exc}")
                 return
-            self._ask(read, Phase.BEFORE)
+            self.fence.add(read, Phase.BEFORE)
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -272,10 +272,7 @@ class Puller:
             finally:
                 self.stager.release(read.stage)
                 read.stage = None
-        self._ask(read, Phase.AFTER)
-
-    def _ask(self, read: ReadPart, phase: Phase) -> None:
-        self.fence.add(read.peer_id, read.peer_id.host, read.peer_id.port, read, phase)
+        self.fence.add(read, Phase.AFTER)
 
     def _collect_fence(self) -> None:
         now = time.monotonic()
@@ -283,17 +280,21 @@ class Puller:
             pull = read.pull
             if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
                 continue  # that attempt was abandoned
-            rid = pull.spec.remote.request_id
+            if isinstance(answer, Exception) and phase is Phase.BEFORE:
+                continue  # asked again after the READ anyway
             if isinstance(answer, Exception):
-                if phase is Phase.AFTER:  # before the READ, an unanswered question is asked again after it
+                read.unanswered += 1
+                if read.unanswered < 2:  # a busy prefill engine may miss one: ask once more
+                    self.fence.add(read, phase)
+                else:
                     self._abandon(pull)
                     self._fail(pull, FailureKind.UNCONFIRMED,
                                f"could not confirm that the prefill engine still held the blocks: {answer}")
             elif answer is Hold.UNKNOWN and now - pull.started < self.config.handshake_timeout_s:
-                self._ask(read, phase)  # the prefill worker may not have been told of the hold yet
+                self.fence.add(read, phase)  # the prefill worker may not have been told of the hold yet
             elif answer is not Hold.HELD:
                 self._abandon(pull)
-                self._fail(pull, *_not_held(answer, rid))
+                self._fail(pull, *_not_held(answer, pull.spec.remote.request_id))
             elif phase is Phase.AFTER:
                 read.confirmed = True
                 if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
