@@ -77,22 +77,18 @@ def merge_completions(answers: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
     """The ``data:`` payloads of a server-sent event stream (``[DONE]`` included)."""
-
-    async def events() -> AsyncIterator[str]:
-        buffer = b""
-        async for chunk in chunks:
-            buffer += chunk
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                for line in event.decode().splitlines():
-                    if line.startswith("data:"):
-                        yield line[5:].strip()
-        if buffer.strip().startswith(b"data:"):
-            yield buffer.decode().strip()[5:].strip()
-
-    return events()
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            for line in event.decode().splitlines():
+                if line.startswith("data:"):
+                    yield line[5:].strip()
+    if buffer.strip().startswith(b"data:"):
+        yield buffer.decode().strip()[5:].strip()
 
 
 class StreamMerger:
