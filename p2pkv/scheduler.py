@@ -93,11 +93,14 @@ class SchedulerSide:
     def _remote(self, request: Request, check_prompt: bool = False) -> RemotePrefill | None:
         """The request's validated pull source; None (logged, prefilled locally instead) when invalid.
 
-        ``check_prompt``: the params must be for a prompt of this request's length.
+        ``check_prompt``: the params must be for a prompt of this request's length. A queued
+        request's params were parsed on arrival (``on_new_request``) and are not parsed again.
         """
         params = request.kv_transfer_params
         try:
-            remote = parse_remote_prefill(params)
+            remote = self._queued.get(request.request_id)
+            if remote is None:
+                remote = parse_remote_prefill(params)
             prompt = len(request.prompt_token_ids or ())
             if check_prompt and remote.num_tokens and remote.num_tokens != prompt:
                 raise KVTransferParamsError(

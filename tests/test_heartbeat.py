@@ -106,6 +106,34 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
         assert [(t.request_id, t.local_block_ids, t.report) for t in meta.pulls] == [("decode-1", (), False)]
 
 
+def test_queued_request_params_are_parsed_once_with_the_same_outcome() -> None:
+    """A queued request's params, parsed on arrival for heartbeats, give the same pull as a fresh parse,
+    and a prompt of another length is still refused."""
+    blocks = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],), get_unhashed_block_ids=lambda: [6, 7])
+    specs = []
+    for interval in (5.0, 0.0):  # heartbeats on (queued) and off (parsed at each hook)
+        sched = SchedulerSide("decode-engine", P2pKvConfig(lease_s=30.0, heartbeat_interval_s=interval), 4,
+                              "127.0.0.1", 5600, 1)
+        reqs = {}
+        for rid, prompt in (("ok", 10), ("other-prompt", 9)):
+            params = make_prefill_response_params(engine_id="p", request_id=f"prefill-{rid}", host="127.0.0.1",
+                                                  port=5601, block_ids=[1, 2, 3], tp_size=1, num_tokens=10,
+                                                  expiry_time=None)
+            reqs[rid] = SimpleNamespace(request_id=rid, kv_transfer_params=params, prompt_token_ids=[0] * prompt)
+            sched.on_new_request(reqs[rid])
+        assert len(sched._queued) == (2 if interval else 0)
+        assert sched.get_num_new_matched_tokens(reqs["other-prompt"], 0) == (0, False)
+        assert reqs["other-prompt"].kv_transfer_params["do_remote_prefill"] is False
+        assert sched.get_num_new_matched_tokens(reqs["ok"], 4) == (6, True)
+        sched.update_state_after_alloc(reqs["ok"], blocks, 6)
+        assert "ok" not in sched._queued
+        sched._next_heartbeat = float("inf")  # no heartbeat round for the refused request still queued
+        specs.append([(t.request_id, t.local_block_ids, t.remote_block_ids, t.remote, t.first_token, t.num_tokens)
+                      for t in sched.build_connector_meta().pulls])
+        sched.shutdown()
+    assert specs[0] == specs[1] == [("ok", (6, 7), (1, 2, 3), specs[0][0][3], 4, 10)]
+
+
 def test_pull_after_the_lease_expired_is_fenced() -> None:
     """The prefill lease runs out before the decode engine pulls: the READ itself succeeds
     (the bytes are still there), but the blocks may have been reused, so the pull must be
