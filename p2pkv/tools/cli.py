@@ -135,6 +135,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "fixup", help="post-receive fixup (re-block, HND/NHD, head slice) on the device vs a plain copy")
     _add_bench_fixup_arguments(fixup)
     fixup.set_defaults(func=_cmd_bench_fixup)
+    from p2pkv.tools.bench.scheduler_hooks import add_arguments as _add_bench_scheduler_arguments
+    from p2pkv.tools.bench.scheduler_hooks import cli_main as _cmd_bench_scheduler
+
+    scheduler = bench_sub.add_parser(
+        "scheduler", help="the connector's scheduler hooks per engine step (decode pulls, prefill holds)")
+    _add_bench_scheduler_arguments(scheduler)
+    scheduler.set_defaults(func=_cmd_bench_scheduler)
 
 
 def main(argv: list[str] | None = None) -> int:

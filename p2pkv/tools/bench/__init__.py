@@ -9,6 +9,8 @@
   p2pkv pair, a NixlConnector pair and one engine through the proxy.
 * :mod:`p2pkv.tools.bench.fixup`: ``p2pkv bench fixup``, the post-receive fixup
   against a plain device copy.
+* :mod:`p2pkv.tools.bench.scheduler_hooks`: ``p2pkv bench scheduler``, the
+  connector's scheduler hooks per engine step at a steady request load.
 
 Nothing here is imported by the connector itself.
 """
