@@ -32,6 +32,9 @@ class PullSpec:
             ``remote_block_ids`` then covers the prompt from token 0 in the
             prefill engine's block size. -1: the two id lists pair up block
             for block (same block size on both sides).
+        arrival: when the request reached the decode engine (vLLM's
+            ``arrival_time``, ``time.time()`` seconds; 0: unknown).
+        scheduled: when the scheduler allocated its blocks (``time.time()`` seconds; 0: unknown).
     """
 
     request_id: str
@@ -41,6 +44,8 @@ class PullSpec:
     report: bool = True
     first_token: int = 0
     num_tokens: int = -1
+    arrival: float = 0.0
+    scheduled: float = 0.0
 
 
 @dataclass

@@ -151,6 +151,8 @@ class SchedulerSide:
                 report=num_external_tokens > 0,
                 first_token=first_token,
                 num_tokens=len(request.prompt_token_ids or ()),
+                arrival=float(getattr(request, "arrival_time", 0.0) or 0.0),
+                scheduled=time.time(),
             )
         )
 

@@ -86,6 +86,8 @@ class Pull:
         num_bytes / num_descriptors: moved so far by the current attempt.
         draining: cancelled READs NIXL would not release yet; a failed pull is
             reported (its blocks handed back to vLLM) only once they have ended.
+        marks: wall-clock times (``time.time()`` seconds) of its phases' ends
+            (see :meth:`p2pkv.telemetry.stats.StatsBuffer.record_phases`).
     """
 
     spec: PullSpec
@@ -97,6 +99,7 @@ class Pull:
     num_bytes: int = 0
     num_descriptors: int = 0
     draining: int = 0
+    marks: dict[str, float] = field(default_factory=dict)
 
     @property
     def request_id(self) -> str:

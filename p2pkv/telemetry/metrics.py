@@ -8,6 +8,8 @@ engine's ``/metrics``:
 
 - ``p2pkv:pull_bytes_total`` / ``p2pkv:pulls_total`` (counters),
 - ``p2pkv:pull_seconds``, ``p2pkv:pull_descriptors``, ``p2pkv:handshake_seconds`` (histograms),
+- ``p2pkv:pull_phase_seconds{phase=...}`` (histogram; phases in
+  :data:`p2pkv.telemetry.stats.PULL_PHASES`),
 - ``p2pkv:pull_failures_total{kind=...}``, ``p2pkv:leases_expired_total``,
   ``p2pkv:leases_notified_total`` (counters).
 """
@@ -44,6 +46,10 @@ class P2pKvStats(KVConnectorStats):
         for kind, n in other.data.get("failures", {}).items():
             failures[kind] = failures.get(kind, 0) + n
         self.data["failures"] = failures
+        phases = {k: list(v) for k, v in self.data.get("phase_seconds", {}).items()}
+        for phase, values in other.data.get("phase_seconds", {}).items():
+            phases[phase] = phases.get(phase, []) + list(values)
+        self.data["phase_seconds"] = phases
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -93,6 +99,11 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
         self.leases_notified = per_engine(self._counter_cls(
             name="p2pkv:leases_notified", documentation="Held prefill requests released by a decode notification",
             labelnames=labelnames))
+        self.phase_seconds = self._histogram_cls(
+            name="p2pkv:pull_phase_seconds", documentation="Phases of a KV pull, from the request's arrival "
+            "to the KV handed to vLLM (queue, dispatch, post, read, confirm), seconds",
+            buckets=[0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+            labelnames=[*labelnames, "phase"])
         self.failures = self._counter_cls(
             name="p2pkv:pull_failures", documentation="Failed KV pulls by failure kind",
             labelnames=[*labelnames, "kind"])
@@ -114,5 +125,8 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
         if data.get("leases_notified"):
             self.leases_notified[engine_idx].inc(data["leases_notified"])
         labels = self.per_engine_labelvalues[engine_idx]
+        for phase, values in data.get("phase_seconds", {}).items():
+            for s in values:
+                self.phase_seconds.labels(*labels, phase).observe(s)
         for kind, n in data.get("failures", {}).items():
             self.failures.labels(*labels, kind).inc(n)

@@ -7,6 +7,7 @@ metrics.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -14,16 +15,29 @@ LIST_KEYS = ("pull_bytes", "pull_seconds", "pull_descriptors", "handshake_second
 """Per-event observations: bytes, seconds, descriptors, seconds."""
 COUNT_KEYS = ("leases_expired", "leases_notified")
 """Plain counts of held prefill requests released by expiry / by notification."""
+PULL_PHASES = ("queue", "dispatch", "post", "read", "confirm")
+"""The phases of a decode-side pull, in order (each in seconds, wall clock):
+
+- ``queue``: the request reached the decode engine → the scheduler allocated its blocks;
+- ``dispatch``: blocks allocated → the worker took the pull (the next engine step);
+- ``post``: taken → every READ posted (handshake, planning, staging wait);
+- ``read``: posted → every READ seen done;
+- ``confirm``: seen done → the prefill ranks confirmed their holds and the KV is handed to vLLM.
+
+After ``confirm`` vLLM schedules the request's first forward at its next step;
+its own ``vllm:time_to_first_token_seconds`` covers the rest.
+"""
 
 
 def empty_stats() -> dict[str, Any]:
     """A fresh payload: empty lists, zero counts, no failures (kind → count)."""
-    return {**{k: [] for k in LIST_KEYS}, **{k: 0 for k in COUNT_KEYS}, "failures": {}}
+    return {**{k: [] for k in LIST_KEYS}, **{k: 0 for k in COUNT_KEYS}, "failures": {},
+            "phase_seconds": {}}
 
 
 def is_empty(data: dict[str, Any]) -> bool:
     """True when the payload holds no observation."""
-    return not any(data.get(k) for k in (*LIST_KEYS, *COUNT_KEYS, "failures"))
+    return not any(data.get(k) for k in (*LIST_KEYS, *COUNT_KEYS, "failures", "phase_seconds"))
 
 
 class StatsBuffer:
@@ -37,6 +51,15 @@ class StatsBuffer:
         self.data["pull_bytes"].append(num_bytes)
         self.data["pull_seconds"].append(seconds)
         self.data["pull_descriptors"].append(num_descriptors)
+
+    def record_phases(self, marks: dict[str, float]) -> None:
+        """One pull's phase durations from its wall-clock ``marks`` (``arrival``, ``scheduled``,
+        ``taken``, ``posted``, ``read``, ``confirmed``; seconds); a phase with a missing end is skipped."""
+        order = ("arrival", "scheduled", "taken", "posted", "read", "confirmed")
+        phases = self.data["phase_seconds"]
+        for phase, (start, end) in zip(PULL_PHASES, itertools.pairwise(order), strict=True):
+            if marks.get(start) and marks.get(end):
+                phases.setdefault(phase, []).append(max(0.0, marks[end] - marks[start]))
 
     def record_failure(self, kind: str) -> None:
         """One failed pull of ``kind`` (a :class:`p2pkv.decode.failures.FailureKind` value)."""

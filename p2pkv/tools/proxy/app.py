@@ -124,7 +124,8 @@ class Proxy:
             if not relay:
                 return resp
             return RelayedStream(resp, url, self.metrics.decode_seconds.observe,
-                                 self.metrics.errors.labels("decode").inc, start, headers=out_headers)
+                                 self.metrics.errors.labels("decode").inc, start, headers=out_headers,
+                                 on_first=self.metrics.decode_first_byte_seconds.observe)
         try:
             content = await resp.aread()
         except httpx.HTTPError as exc:

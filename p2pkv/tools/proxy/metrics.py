@@ -20,6 +20,8 @@ class ProxyMetrics:
             ``decode``; a backend's 4xx passed through to the client is not one.
         prefill_seconds: prefill request round trip.
         decode_seconds: decode request sent to its last byte relayed.
+        decode_first_byte_seconds: decode request sent to the first bytes of its
+            streamed answer (its first token) relayed.
         overhead_seconds: time the proxy itself adds per request: handler
             time minus the time spent waiting on engines (to the decode's
             response headers when streaming).
@@ -40,6 +42,10 @@ class ProxyMetrics:
         self.decode_seconds = Histogram("p2pkv_proxy_decode_seconds",
                                         "Decode request sent to last byte relayed (seconds)", buckets=_BUCKETS,
                                         registry=r)
+        self.decode_first_byte_seconds = Histogram(
+            "p2pkv_proxy_decode_first_byte_seconds",
+            "Decode request sent to the first bytes of its streamed answer relayed (seconds)", buckets=_BUCKETS,
+            registry=r)
         self.overhead_seconds = Histogram("p2pkv_proxy_overhead_seconds",
                                           "Time the proxy itself adds per request, engine waits excluded (seconds)",
                                           buckets=_BUCKETS, registry=r)

@@ -124,18 +124,23 @@ class RelayedStream(StreamingResponse):
         on_error: called once if the upstream fails mid-stream.
         started: when the upstream request was sent.
         headers: extra response headers.
+        on_first: called once with the seconds from ``started`` to the first body bytes.
     """
 
     def __init__(self, upstream: httpx.Response, url: str, on_done: Callable[[float], None],
-                 on_error: Callable[[], None], started: float, headers: dict[str, str] | None = None) -> None:
+                 on_error: Callable[[], None], started: float, headers: dict[str, str] | None = None,
+                 on_first: Callable[[float], None] | None = None) -> None:
         self.upstream, self.url = upstream, url
-        self.on_done, self.on_error, self.started = on_done, on_error, started
+        self.on_done, self.on_error, self.started, self.on_first = on_done, on_error, started, on_first
         media = upstream.headers.get("content-type", "text/event-stream")
         super().__init__(self._relay(), status_code=upstream.status_code, media_type=media, headers=headers)
 
     async def _relay(self) -> AsyncIterator[bytes]:
         try:
             async for chunk in self.upstream.aiter_raw():
+                if self.on_first is not None:
+                    self.on_first(time.perf_counter() - self.started)
+                    self.on_first = None
                 yield chunk
         except httpx.HTTPError as exc:
             log.warning("decode engine %s failed mid-stream: %r", self.url, exc)
