@@ -61,6 +61,11 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             shared-memory transports; a dead peer is then noticed only by
             timeouts); ``""`` keeps NIXL's default.
         ucx_num_workers: UCX workers per agent (0: NIXL default).
+        report_transport: learn from UCX's own protocol selection which
+            transport moves each peer's READs, log it at the first pull
+            from the peer (a warning naming the fix when GPU memory goes
+            over TCP) and count it in ``p2pkv:peer_transport_total``; UCX
+            then also prints each READ protocol table on its log stream.
         stats_file: when set, every finished pull appends one JSON line
             (request id, peer, bytes, descriptors, seconds) to this file.
         staging_mib: staging memory (MiB, on the KV cache's device) a
@@ -85,6 +90,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nixl_num_threads: int = 0
     ucx_error_handling_mode: Literal["", "peer", "none"] = ""
     ucx_num_workers: int = 0
+    report_transport: bool = True
     stats_file: str = ""
     staging_mib: float = 256.0
 

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from p2pkv.tools.doctor import check_port, parse_ucx_lanes, rdma_reason
 from tests.conftest import free_ports
 
@@ -29,11 +31,34 @@ def test_doctor_passes_here() -> None:
     out = _doctor({**os.environ, "UCX_NET_DEVICES": "lo"}, port)
     assert out.returncode == 0, out.stdout + out.stderr
     checks = _report(out)
-    assert set(checks) == {"nixl", "ucx", "rdma", "gpu", "side_channel_port", "transports", "loopback_pull"}
+    assert set(checks) == {"nixl", "ucx", "rdma", "gpu", "side_channel_port", "transports", "loopback_pull",
+                           "pair_dram", "pair_vram"}
     assert all(c["ok"] for c in checks.values())
     assert "GB/s" in checks["loopback_pull"]["detail"]
     # UCX's own choice for a peer on this host: TCP over lo and shared memory (cma); no RDMA NIC here.
     assert "tcp/lo" in checks["transports"]["detail"] and "RDMA: no" in checks["transports"]["detail"]
+    # A READ between two processes: UCX's protocol selection names cma (process_vm_readv) for host memory.
+    assert "DRAM pair on this host: UCX moves READs with cma" in checks["pair_dram"]["detail"]
+    assert "zero-copy cma/memory" in checks["pair_dram"]["detail"]
+    if not _has_cuda():
+        assert checks["pair_vram"]["detail"].startswith("skipped: no CUDA device")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+def test_doctor_fails_a_gpu_pair_that_falls_back_to_tcp() -> None:
+    (port,) = free_ports(1)
+    out = _doctor({**os.environ, "UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,cuda_copy"}, port)
+    checks = _report(out)
+    assert out.returncode == 1 and not checks["pair_vram"]["ok"], checks["pair_vram"]
+    assert "VRAM pair on this host: UCX moves READs with" in checks["pair_vram"]["detail"]
+    assert "tcp/" in checks["pair_vram"]["detail"]
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on" in checks["pair_vram"]["fix"]
 
 
 def test_doctor_fails_with_a_transport_that_cannot_work() -> None:

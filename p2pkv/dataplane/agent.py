@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from handshake import AgentInfo, verify_agent_info
 from p2pkv.dataplane.layout import Region
+from p2pkv.dataplane.transport import TransportReport, TransportWatch
 
 logger = logging.getLogger("p2pkv.dataplane.agent")
 
@@ -95,6 +96,9 @@ class NixlTransferAgent:
         num_threads: backend worker threads (0: NIXL default).
         backend_params: extra init parameters per backend, e.g.
             ``{"UCX": {"ucx_error_handling_mode": "none", "num_workers": "2"}}``.
+        report_transport: learn and log which UCX transport moves each
+            peer's READs (:mod:`p2pkv.dataplane.transport`); each report is
+            also handed to :attr:`on_transport`.
 
     Raises:
         TransferError: NIXL is not installed or the agent cannot be created.
@@ -107,16 +111,23 @@ class NixlTransferAgent:
         progress_thread: bool = False,
         num_threads: int = 0,
         backend_params: dict[str, dict[str, str]] | None = None,
+        report_transport: bool = True,
     ) -> None:
         nixl_agent, nixl_agent_config = load_nixl()
         conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         self.name = name
         self._agent = nixl_agent(name, conf)
+        self._watch = TransportWatch(name) if report_transport and "UCX" in backends else None
+        self.on_transport: Callable[[TransportReport], None] | None = None
+        """Called with each peer's :class:`TransportReport` after its first READ (from the polling thread)."""
         for backend in backends:
             if backend not in self._agent.plugin_list:
                 continue
             params = {"num_threads": str(num_threads)} if num_threads > 0 else {}
             params.update((backend_params or {}).get(backend, {}))
+            if backend == "UCX" and self._watch is not None:  # the caller's engine_config entries win
+                params["engine_config"] = ",".join(
+                    c for c in (self._watch.engine_config(), params.get("engine_config", "")) if c)
             try:
                 self._agent.create_backend(backend, params)
             except Exception as exc:
@@ -221,6 +232,8 @@ class NixlTransferAgent:
             local_descs[:, 1], remote_descs[:, 1]
         ):
             raise TransferError("local and remote descriptor lists do not pair up row by row")
+        if self._watch is not None:
+            self._watch.before_read(peer)
         try:
             local = self._agent.get_xfer_descs(local_descs, self._mem_type)
             remote = self._agent.get_xfer_descs(remote_descs, self._mem_type)
@@ -247,6 +260,10 @@ class NixlTransferAgent:
             raise TransferError(f"NIXL READ from {pull.peer} failed: {exc}", exc) from exc
         if state == "DONE":
             self._release(pull.handle)
+            if self._watch is not None:
+                report = self._watch.after_read(pull.peer, self._mem_type)
+                if report is not None and self.on_transport is not None:
+                    self.on_transport(report)
             return True
         if state == "ERR":
             self._release(pull.handle)
@@ -302,3 +319,10 @@ class NixlTransferAgent:
             except Exception as exc:
                 logger.warning("p2pkv: deregister_memory failed: %s", exc)
         self._reg_descs.clear()
+        if self._watch is not None:
+            self._watch.close()
+
+    @property
+    def transports(self) -> dict[str, TransportReport]:
+        """Peer name → which UCX transport moved its READs (peers with a finished READ; empty when not reported)."""
+        return dict(self._watch.reports) if self._watch is not None else {}

@@ -11,7 +11,10 @@ engine's ``/metrics``:
 - ``p2pkv:pull_phase_seconds{phase=...}`` (histogram; phases in
   :data:`p2pkv.telemetry.stats.PULL_PHASES`),
 - ``p2pkv:pull_failures_total{kind=...}``, ``p2pkv:leases_expired_total``,
-  ``p2pkv:leases_notified_total`` (counters).
+  ``p2pkv:leases_notified_total`` (counters),
+- ``p2pkv:peer_transport_total{mem_type=...,transport=...}`` (counter: peers
+  whose first READ UCX moved with that transport, e.g. ``DRAM``/``cma``,
+  ``VRAM``/``cuda_ipc``, ``VRAM``/``tcp``; see :mod:`p2pkv.dataplane.transport`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class P2pKvStats(KVConnectorStats):
         for kind, n in other.data.get("failures", {}).items():
             failures[kind] = failures.get(kind, 0) + n
         self.data["failures"] = failures
+        transports = dict(self.data.get("transports", {}))
+        for key, n in other.data.get("transports", {}).items():
+            transports[key] = transports.get(key, 0) + n
+        self.data["transports"] = transports
         phases = {k: list(v) for k, v in self.data.get("phase_seconds", {}).items()}
         for phase, values in other.data.get("phase_seconds", {}).items():
             phases[phase] = phases.get(phase, []) + list(values)
@@ -107,6 +114,9 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
         self.failures = self._counter_cls(
             name="p2pkv:pull_failures", documentation="Failed KV pulls by failure kind",
             labelnames=[*labelnames, "kind"])
+        self.transports = self._counter_cls(
+            name="p2pkv:peer_transport", documentation="Peers whose first KV READ UCX moved with this transport "
+            "into this memory type (DRAM/VRAM)", labelnames=[*labelnames, "mem_type", "transport"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -130,3 +140,6 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
                 self.phase_seconds.labels(*labels, phase).observe(s)
         for kind, n in data.get("failures", {}).items():
             self.failures.labels(*labels, kind).inc(n)
+        for key, n in data.get("transports", {}).items():
+            mem_type, _, transport = key.partition(":")
+            self.transports.labels(*labels, mem_type, transport).inc(n)

@@ -30,14 +30,15 @@ its own ``vllm:time_to_first_token_seconds`` covers the rest.
 
 
 def empty_stats() -> dict[str, Any]:
-    """A fresh payload: empty lists, zero counts, no failures (kind → count)."""
+    """A fresh payload: empty lists, zero counts, no failures (kind → count), no transports
+    (``"<mem_type>:<transport>"`` → peers whose first READ UCX moved that way)."""
     return {**{k: [] for k in LIST_KEYS}, **{k: 0 for k in COUNT_KEYS}, "failures": {},
-            "phase_seconds": {}}
+            "phase_seconds": {}, "transports": {}}
 
 
 def is_empty(data: dict[str, Any]) -> bool:
     """True when the payload holds no observation."""
-    return not any(data.get(k) for k in (*LIST_KEYS, *COUNT_KEYS, "failures", "phase_seconds"))
+    return not any(data.get(k) for k in (*LIST_KEYS, *COUNT_KEYS, "failures", "phase_seconds", "transports"))
 
 
 class StatsBuffer:
@@ -64,6 +65,12 @@ class StatsBuffer:
     def record_failure(self, kind: str) -> None:
         """One failed pull of ``kind`` (a :class:`p2pkv.decode.failures.FailureKind` value)."""
         self.data["failures"][kind] = self.data["failures"].get(kind, 0) + 1
+
+    def record_transport(self, mem_type: str, transport: str) -> None:
+        """A peer's first READ: UCX moved ``mem_type`` (``DRAM``/``VRAM``) memory with ``transport``
+        (see :class:`p2pkv.dataplane.transport.TransportReport`)."""
+        key = f"{mem_type}:{transport}"
+        self.data["transports"][key] = self.data["transports"].get(key, 0) + 1
 
     def take(self) -> dict[str, Any] | None:
         """The payload since the last call (None when empty); starts a fresh one."""

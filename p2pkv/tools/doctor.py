@@ -3,8 +3,11 @@
 Checks, each with a fix when it fails: NIXL installed and its UCX backend
 starting (version, plugins), the UCX version and transport settings, RDMA
 devices (``/sys/class/infiniband``), a GPU, the side-channel port being
-free, and a loopback NIXL pull of host memory for about a second, bytes
-compared, with its GB/s. Exit code 1 when any check fails.
+free, a loopback NIXL pull of host memory for about a second, bytes
+compared, with its GB/s, and a READ between two processes of host memory
+and (with a CUDA device) of GPU memory, with the UCX transport UCX selected
+for it (:mod:`p2pkv.tools.doctor_pair`; GPU memory over TCP fails the
+check). Exit code 1 when any check fails.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 from handshake import AgentInfo, KVLayoutDesc, KVRegion, compute_digest
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.dataplane.layout import Region
+from p2pkv.tools.doctor_pair import PairError, pair_pull, verdict
 
 
 @dataclass
@@ -218,12 +222,35 @@ def check_loopback_pull(seconds: float = 1.0, nbytes: int = 64 << 20) -> Check:
         src_agent.close()
 
 
+def check_pair(mem_type: str) -> Check:
+    """READ host (``DRAM``) or GPU (``VRAM``) memory from a second process; name UCX's transport for it."""
+    name = f"pair_{mem_type.lower()}"
+    if mem_type == "VRAM":
+        try:
+            import torch
+
+            has_cuda = torch.cuda.is_available()
+        except ImportError:
+            has_cuda = False
+        if not has_cuda:
+            return Check(name, True, "skipped: no CUDA device (the GPU-memory pair check needs one)")
+    try:
+        result = pair_pull(mem_type)
+    except PairError as exc:
+        return Check(name, False, str(exc), "check UCX_TLS / UCX_NET_DEVICES and that processes may "
+                     "read each other's memory (cma: ptrace scope / CAP_SYS_PTRACE)")
+    ok, detail, fix = verdict(result)
+    return Check(name, ok, detail, fix)
+
+
 def run_checks(host: str = "127.0.0.1", port: int = 5600, seconds: float = 1.0) -> list[Check]:
     """All checks, in order."""
     checks = [check_nixl(), check_ucx(), check_rdma(), check_gpu(), check_port(host, port)]
     if checks[0].ok:
         checks.append(check_transports())
         checks.append(check_loopback_pull(seconds))
+        checks.append(check_pair("DRAM"))
+        checks.append(check_pair("VRAM"))
     return checks
 
 
