@@ -68,6 +68,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             then also prints each READ protocol table on its log stream.
         stats_file: when set, every finished pull appends one JSON line
             (request id, peer, bytes, descriptors, seconds) to this file.
+        pull_poll_interval_s: seconds between two polls of a decode worker's
+            READs in flight by its pulls' thread, between engine steps (see
+            :mod:`p2pkv.decode.progress`); 0: no thread, pulls advance only
+            when vLLM steps the engine.
         staging_mib: staging memory (MiB, on the KV cache's device) a
             decode worker allocates, on its first pull from a peer with
             another block size, HND/NHD order or TP size, to receive whole
@@ -93,6 +97,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     report_transport: bool = True
     stats_file: str = ""
     staging_mib: float = 256.0
+    pull_poll_interval_s: float = 0.0002
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.
@@ -154,6 +159,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 and below "
                 f"lease_s={self.lease_s} (0 turns heartbeats off)"
             )
+        if not 0 <= self.pull_poll_interval_s <= 1:
+            raise ConfigError(f"pull_poll_interval_s must be 0 (no thread) .. 1 s, got {self.pull_poll_interval_s}")
         if self.staging_mib < 0.0625:
             raise ConfigError(f"staging_mib must be >= 0.0625 (MiB, 64 KiB), got {self.staging_mib}")
         if self.handshake_retries < 1:

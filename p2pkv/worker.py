@@ -141,7 +141,10 @@ class WorkerSide:
 
     def take_stats(self) -> dict | None:
         """Pull statistics since the last call (see :mod:`p2pkv.telemetry.stats`), or None if none."""
-        return self.stats.take()
+        if self.puller is None:
+            return self.stats.take()
+        with self.puller.lock:  # the pulls' thread records into it too
+            return self.stats.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call."""

@@ -50,7 +50,8 @@ from tests.workers import make_worker, model_info
 
 HOST = "127.0.0.1"
 BOUND_S = 10.0  # a failed or retried pull is reported within this (it takes well under a second)
-DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0)
+DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0,
+                  pull_poll_interval_s=0.0)  # faults are injected per call: only the test steps the pulls
 
 _ids = itertools.count()
 

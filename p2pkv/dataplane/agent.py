@@ -18,6 +18,7 @@ import numpy as np
 
 from handshake import AgentInfo, verify_agent_info
 from p2pkv.dataplane.layout import Region
+from p2pkv.dataplane.plan import split_rows
 from p2pkv.dataplane.transport import TransportReport, TransportWatch
 
 logger = logging.getLogger("p2pkv.dataplane.agent")
@@ -44,7 +45,7 @@ class ReadHandle:
         peer: remote agent name.
         handle: the NIXL transfer handle.
         num_bytes: bytes this READ moves.
-        num_descriptors: descriptors on each side.
+        num_descriptors: descriptors on each side, as planned (before any ``split_bytes`` cut).
     """
 
     peer: str
@@ -76,6 +77,18 @@ def load_nixl() -> tuple[type, type]:
     )
 
 
+def _strict_sync() -> object | None:
+    """NIXL's thread-safe agent mode (``NIXL_THREAD_SYNC_STRICT``), or None where this NIXL has none."""
+    import importlib
+
+    for mod in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(mod).nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
 def unique_agent_name(engine_id: str, tp_rank: int) -> str:
     """A NIXL agent name unique per process incarnation.
 
@@ -99,6 +112,11 @@ class NixlTransferAgent:
         report_transport: learn and log which UCX transport moves each
             peer's READs (:mod:`p2pkv.dataplane.transport`); each report is
             also handed to :attr:`on_transport`.
+        split_bytes: cut READ descriptors longer than this many bytes into
+            pieces (:func:`p2pkv.dataplane.plan.split_rows`) so that NIXL's
+            UCX thread pool (``num_threads`` > 0, which splits a READ by
+            descriptor count; ``split_batch_size`` is then 1 unless given)
+            moves one READ on several threads; 0: never.
 
     Raises:
         TransferError: NIXL is not installed or the agent cannot be created.
@@ -112,9 +130,11 @@ class NixlTransferAgent:
         num_threads: int = 0,
         backend_params: dict[str, dict[str, str]] | None = None,
         report_transport: bool = True,
+        split_bytes: int = 0,
     ) -> None:
         nixl_agent, nixl_agent_config = load_nixl()
         conf = nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+        conf.sync_mode = _strict_sync()  # a decode worker posts from its engine thread and polls from another
         self.name = name
         self._agent = nixl_agent(name, conf)
         self._watch = TransportWatch(name) if report_transport and "UCX" in backends else None
@@ -124,6 +144,8 @@ class NixlTransferAgent:
             if backend not in self._agent.plugin_list:
                 continue
             params = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+            if num_threads > 0 and split_bytes > 0:
+                params["split_batch_size"] = "1"
             params.update((backend_params or {}).get(backend, {}))
             if backend == "UCX" and self._watch is not None:  # the caller's engine_config entries win
                 params["engine_config"] = ",".join(
@@ -138,6 +160,7 @@ class NixlTransferAgent:
                 f"NIXL backend(s) {missing} unavailable (plugins: {self._agent.plugin_list}); "
                 "check the nixl install and P2PKV_NIXL_BACKENDS"
             )
+        self._split_bytes = split_bytes
         self._reg_descs: list[object] = []
         self._mem_type = "DRAM"
         self._peers: set[str] = set()
@@ -232,6 +255,9 @@ class NixlTransferAgent:
             local_descs[:, 1], remote_descs[:, 1]
         ):
             raise TransferError("local and remote descriptor lists do not pair up row by row")
+        planned = int(local_descs.shape[0])
+        if self._split_bytes > 0:
+            local_descs, remote_descs = split_rows(local_descs, remote_descs, self._split_bytes)
         if self._watch is not None:
             self._watch.before_read(peer)
         try:
@@ -244,7 +270,7 @@ class NixlTransferAgent:
         if state == "ERR":
             self._release(handle)
             raise TransferError(f"NIXL READ from {peer} failed to post")
-        return ReadHandle(peer, handle, int(local_descs[:, 1].sum()), int(local_descs.shape[0]))
+        return ReadHandle(peer, handle, int(local_descs[:, 1].sum()), planned)
 
     def poll(self, pull: ReadHandle) -> bool:
         """True when the READ is done (its handle is then released).

@@ -14,10 +14,15 @@ class Background:
     Every call gets ``cancel=`` :attr:`stop`, so :meth:`close` ends it within
     the side channel's poll interval (about 0.1 s). One thread per call: an
     unreachable peer never delays calls to the others.
+
+    Args:
+        on_done: called (on the call's thread) when any call ends, e.g. to wake
+            whoever waits for the answers.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_done: Callable[[], None] | None = None) -> None:
         self.stop = threading.Event()
+        self._on_done = on_done
         self._threads: list[threading.Thread] = []
 
     def call(self, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
@@ -33,6 +38,8 @@ class Background:
                 future.set_result(fn(*args, cancel=self.stop, **kwargs))
             except BaseException as exc:  # delivered to the step that polls the future
                 future.set_exception(exc)
+            if self._on_done is not None:
+                self._on_done()
 
         self._threads = [t for t in self._threads if t.is_alive()]
         thread = threading.Thread(target=run, name=name, daemon=True)

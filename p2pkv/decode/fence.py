@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from handshake import HeartbeatReply, send_heartbeat
 from p2pkv.decode.background import Background
+from p2pkv.decode.failures import FailureKind
 
 if TYPE_CHECKING:
     from p2pkv.decode.peers import PeerId
@@ -103,3 +104,45 @@ class Fence:
                 out.append((read, phase, answer))
         self._in_flight = pending
         return out
+
+
+class Verdict(str, enum.Enum):
+    """What to do with one fence answer."""
+
+    WAIT = "wait"
+    """Nothing now: held when posted, or a question before the READ got no answer (the one after settles it)."""
+    ASK_AGAIN = "ask_again"
+    """Ask again: no answer after the READ (once), or the prefill rank does not know the hold yet."""
+    CONFIRMED = "confirmed"
+    """Held through the READ."""
+    FAIL = "fail"
+    """Not held, expired, or unanswered twice: the pull fails (see :func:`failure_of`)."""
+
+
+def judge(phase: Phase, answer: Hold | Exception, unanswered: int, waited_s: float, grace_s: float) -> Verdict:
+    """The verdict on ``answer`` to a ``phase`` question, after ``unanswered`` earlier questions got
+    none and ``waited_s`` seconds since the READ was posted (``UNKNOWN`` is retried for ``grace_s``)."""
+    if isinstance(answer, Exception):
+        if phase is Phase.BEFORE:
+            return Verdict.WAIT
+        return Verdict.ASK_AGAIN if unanswered < 1 else Verdict.FAIL
+    if answer is Hold.UNKNOWN and waited_s < grace_s:
+        return Verdict.ASK_AGAIN  # the prefill worker may not have been told of the hold yet
+    if answer is not Hold.HELD:
+        return Verdict.FAIL
+    return Verdict.CONFIRMED if phase is Phase.AFTER else Verdict.WAIT
+
+
+def failure_of(answer: Hold | Exception, request_id: str) -> tuple[FailureKind, str]:
+    """The failure kind and reason for an answer judged :attr:`Verdict.FAIL`."""
+    if isinstance(answer, Exception):
+        return FailureKind.UNCONFIRMED, f"could not confirm that the prefill engine still held the blocks: {answer}"
+    if answer is Hold.EXPIRED:
+        return FailureKind.LEASE_EXPIRED, ("the prefill lease expired before the pull finished; its blocks may "
+                                           "have been reused (raise lease_s or check the lease heartbeats)")
+    if answer is Hold.UNKNOWN:
+        return FailureKind.NOT_HELD, (f"the prefill engine never held request {request_id!r}; check that "
+                                      "kv_transfer_params come unchanged from that prefill engine")
+    return FailureKind.NOT_HELD, (f"the prefill engine no longer holds request {request_id!r} with these "
+                                  "remote_block_ids (already pulled and released, released after a failed "
+                                  "decode, or block ids of another request); prefill the prompt again")

@@ -9,7 +9,8 @@ that moves a pull between its states (:class:`p2pkv.decode.pull.PullState`)::
         └────────────┴────────────┴───────────┴──► FAILED
 
 Each engine step :meth:`Puller.step` finishes handshakes, polls READs and
-collects fence answers; a pull that fails marks its local blocks as load
+collects fence answers, and so does a thread between steps while READs are in
+flight or answers arrive (:mod:`p2pkv.decode.progress`); a pull that fails marks its local blocks as load
 errors and is still reported as received, so vLLM recomputes or fails the
 request per ``kv_load_failure_policy``.
 """
@@ -30,10 +31,11 @@ from p2pkv.dataplane.staging import StagingFull
 from p2pkv.dataplane.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
-from p2pkv.decode.fence import Fence, Hold, Phase
+from p2pkv.decode.fence import Fence, Phase, Verdict, failure_of, judge
 from p2pkv.decode.peers import PeerId, PeerTable
+from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull import Pull, PullState, ReadPart
-from p2pkv.decode.reads import plan_read
+from p2pkv.decode.reads import plan_reads, release_unposted
 from p2pkv.metadata import PullSpec
 from p2pkv.notification import DoneNotification, encode_done
 from p2pkv.telemetry.stats import StatsBuffer, append_json_line
@@ -62,7 +64,9 @@ class Puller:
         self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
         self.compat_hash, self.stats = compat_hash, stats
         self._secret = config.secret_bytes()
-        self.background = Background()
+        self.progress = Progress(self._advance, f"p2pkv-pulls-tp{tp_rank}", config.pull_poll_interval_s)
+        self.lock = self.progress.lock
+        self.background = Background(on_done=self.progress.wake)
         self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size)
         self.fence = Fence(self.background, engine_id, self._secret, config.handshake_timeout_s)
         self.pulls: list[Pull] = []
@@ -70,17 +74,26 @@ class Puller:
         self._handshake_wait: dict[PeerId, list[Pull]] = {}
         self._draining: list[tuple[ReadPart, float]] = []  # cancelled READs NIXL would not release, deadline
         self._finished: set[str] = set()
+        self._to_notify: list[Pull] = []  # done: notify their prefill ranks at the next engine step
         self._load_errors: set[int] = set()
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
         """Take this step's new pulls (after those that waited for staging), and the pulls the
         scheduler could not set up (``failed``: request id → local blocks, reported failed)."""
+        with self.lock:
+            self._start(specs, failed)
+        self.progress.wake()
+
+    def _start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None) -> None:
         for request_id, blocks in (failed or {}).items():
             self._load_errors.update(blocks)
             self._finished.add(request_id)
             self.stats.record_failure(FailureKind.REFUSED.value)
-        new, waiting, self._staging_wait = [Pull(spec) for spec in specs], self._staging_wait, []
+        now = time.time()
+        new = [Pull(spec, marks={"arrival": spec.arrival, "scheduled": spec.scheduled, "taken": now})
+               for spec in specs]
+        waiting, self._staging_wait = self._staging_wait, []
         self.pulls += new
         for pull in [*waiting, *new]:
             try:
@@ -91,29 +104,41 @@ class Puller:
 
     def step(self) -> set[str]:
         """Advance every pull; the request ids finished (loaded or failed) since the last call."""
+        with self.lock:
+            self._advance()
+            for pull in self._to_notify:  # from the engine thread, which keeps progressing NIXL's sends
+                _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
+            finished, self._finished, self._to_notify = self._finished, set(), []
+        return finished
+
+    def _advance(self) -> bool:
+        """Move every pull as far as it can go now; True while a READ is in flight (poll again soon)."""
         self._finish_handshakes()
         self._drain()
         self._poll_reads()
         self._collect_fence()
         self.fence.send()
-        finished, self._finished = self._finished, set()
-        return finished
+        return bool(self._draining) or any(r.in_flight for p in self.in_state(PullState.READING) for r in p.reads)
 
     def take_load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call."""
-        errors, self._load_errors = self._load_errors, set()
+        with self.lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def in_state(self, state: PullState) -> list[Pull]:
         """Pulls now in ``state``."""
-        return [p for p in self.pulls if p.state is state]
+        with self.lock:
+            return [p for p in self.pulls if p.state is state]
 
     def close(self) -> None:
-        """Cancel side-channel calls and READs in flight. Idempotent."""
+        """Stop the progress thread, cancel side-channel calls and READs in flight. Idempotent."""
+        self.progress.close()
         self.background.close()
-        for read in [r for pull in self.pulls for r in pull.reads if r.in_flight]:
-            self.agent.cancel(read.handle)
-        self.pulls.clear()
+        with self.lock:
+            for read in [r for pull in self.pulls for r in pull.reads if r.in_flight]:
+                self.agent.cancel(read.handle)
+            self.pulls.clear()
 
     # ---- transitions ----------------------------------------------------------
     def _to(self, pull: Pull, state: PullState) -> None:
@@ -194,29 +219,20 @@ class Puller:
         pull.notify = [(PeerId.of(spec.remote, r), notifiers_of(r, *args)) for r in notify]
         pull.reads, pull.started, pull.num_bytes, pull.num_descriptors = [], time.monotonic(), 0, 0
         try:
-            for rank_read in reads:
-                pid = PeerId.of(spec.remote, rank_read.remote_rank)
-                peer = self.peers.peers[pid]
-                planned = plan_read(spec, peer, self.layout, self.desc, self.device_id, self.stager)
-                if planned is None:  # no room in staging yet: wait for pulls in flight to finish
-                    self._release_stages(pull)
-                    if self.stager.idle:  # nothing else holds staging: this pull can never fit
-                        raise StagingFull(f"a pull from {len(reads)} prefill ranks needs more staging than "
-                                          "staging_mib holds; raise staging_mib in kv_connector_extra_config")
-                    self._to(pull, PullState.STAGING)
-                    self._staging_wait.append(pull)
-                    return
-                if planned[0].size:
-                    pull.reads.append(ReadPart(pull, pull.attempt, pid, peer, *planned))
+            if not plan_reads(pull, [r.remote_rank for r in reads], self.peers.peers, self.layout, self.desc,
+                              self.device_id, self.stager):
+                self._to(pull, PullState.STAGING)
+                self._staging_wait.append(pull)
+                return
         except (PlanError, StagingFull) as exc:
-            self._release_stages(pull)
+            release_unposted(pull, self.stager)
             if isinstance(exc, PlanError):
                 self._fail(pull, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
             else:
                 self._fail(pull, FailureKind.STAGING, str(exc))
             return
         if not pull.reads:  # nothing to load (or a notify-only pull)
-            _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
+            self._to_notify.append(pull)
             self._to(pull, PullState.DONE)
             return
         self._to(pull, PullState.READING)
@@ -229,6 +245,7 @@ class Puller:
                 self._retry_or_fail(pull, _kind(exc), f"pull from {read.peer.agent_name} could not start: {exc}")
                 return
             self.fence.add(read, Phase.BEFORE)
+        pull.marks["posted"] = time.time()
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -239,6 +256,7 @@ class Puller:
                 if read.in_flight:
                     self._poll(pull, read, now)
             if pull.state is PullState.READING and all(r.done for r in pull.reads):
+                pull.marks["read"] = time.time()
                 self._to(pull, PullState.FENCING)
         self.stager.poll_releases()
 
@@ -280,35 +298,22 @@ class Puller:
             pull = read.pull
             if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
                 continue  # that attempt was abandoned
-            if isinstance(answer, Exception) and phase is Phase.BEFORE:
-                continue  # asked again after the READ anyway
-            if isinstance(answer, Exception):
-                read.unanswered += 1
-                if read.unanswered < 2:  # a busy prefill engine may miss one: ask once more
-                    self.fence.add(read, phase)
-                else:
-                    self._abandon(pull)
-                    self._fail(pull, FailureKind.UNCONFIRMED,
-                               f"could not confirm that the prefill engine still held the blocks: {answer}")
-            elif answer is Hold.UNKNOWN and now - pull.started < self.config.handshake_timeout_s:
-                self.fence.add(read, phase)  # the prefill worker may not have been told of the hold yet
-            elif answer is not Hold.HELD:
+            verdict = judge(phase, answer, read.unanswered, now - pull.started, self.config.handshake_timeout_s)
+            if verdict is Verdict.ASK_AGAIN:
+                read.unanswered += isinstance(answer, Exception)  # a busy prefill engine may miss one
+                self.fence.add(read, phase)
+            elif verdict is Verdict.FAIL:
                 self._abandon(pull)
-                self._fail(pull, *_not_held(answer, pull.spec.remote.request_id))
-            elif phase is Phase.AFTER:
+                self._fail(pull, *failure_of(answer, pull.spec.remote.request_id))
+            elif verdict is Verdict.CONFIRMED:
                 read.confirmed = True
                 if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
+                    pull.marks["confirmed"] = time.time()
                     _record(pull, self.stats, self.config.stats_file)
-                    _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
+                    self._to_notify.append(pull)
                     self._to(pull, PullState.DONE)
 
     # ---- endings ----------------------------------------------------------------
-    def _release_stages(self, pull: Pull) -> None:
-        """Give back staging of READs not yet posted."""
-        for read in [r for r in pull.reads if r.stage is not None and r.handle is None]:
-            self.stager.release(read.stage)
-            read.stage = None
-
     def _abandon(self, pull: Pull) -> None:
         """Stop a failing pull's READs in flight; their staging is quarantined (a cancelled READ may still land)."""
         for read in pull.reads:
@@ -320,7 +325,7 @@ class Puller:
                 if read.stage is not None:
                     self.stager.quarantine(read.stage, self.config.transfer_timeout_s)
                     read.stage = None
-        self._release_stages(pull)
+        release_unposted(pull, self.stager)
         pull.attempt += 1  # late fence answers for this attempt are ignored
 
     def _retry_or_fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
@@ -374,11 +379,13 @@ def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
     """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
     spec, seconds = pull.spec, max(r.done for r in pull.reads) - pull.started
     stats.record_pull(pull.num_bytes, seconds, pull.num_descriptors)
+    stats.record_phases(pull.marks)
     if stats_file:
         append_json_line(stats_file, {
             "request_id": spec.request_id, "remote_request_id": spec.remote.request_id,
             "peer": ",".join(r.peer.agent_name for r in pull.reads), "blocks": len(spec.local_block_ids),
-            "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds})
+            "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds,
+            "marks": pull.marks})
 
 
 def _kind(exc: BaseException) -> FailureKind:
@@ -397,16 +404,3 @@ def topology(desc: KVLayoutDesc, tp_rank: int, tp_size: int, remote_tp: int) -> 
         return read_plan(*args), notify_ranks(*args)
     except TopologyError as exc:
         raise PullRefused(f"prefill tp_size={remote_tp}, decode tp_size={tp_size}: {exc}") from exc
-
-
-def _not_held(answer: Hold, request_id: str) -> tuple[FailureKind, str]:
-    """The failure for a fence answer other than ``HELD``."""
-    if answer is Hold.EXPIRED:
-        return FailureKind.LEASE_EXPIRED, ("the prefill lease expired before the pull finished; its blocks may "
-                                           "have been reused (raise lease_s or check the lease heartbeats)")
-    if answer is Hold.UNKNOWN:
-        return FailureKind.NOT_HELD, (f"the prefill engine never held request {request_id!r}; check that "
-                                      "kv_transfer_params come unchanged from that prefill engine")
-    return FailureKind.NOT_HELD, (f"the prefill engine no longer holds request {request_id!r} with these "
-                                  "remote_block_ids (already pulled and released, released after a failed "
-                                  "decode, or block ids of another request); prefill the prompt again")

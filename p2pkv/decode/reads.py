@@ -1,4 +1,4 @@
-"""Descriptors for one READ of a pull: which remote bytes land where, for each transfer mode."""
+"""Planning a pull's READs: which remote bytes land where, for each transfer mode."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from p2pkv.dataplane.layout import KVLayout
 from p2pkv.dataplane.negotiate import TransferMode
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
 from p2pkv.dataplane.stager import Stage, Stager
-from p2pkv.decode.peers import Peer
+from p2pkv.dataplane.staging import StagingFull
+from p2pkv.decode.peers import Peer, PeerId
+from p2pkv.decode.pull import Pull, ReadPart
 from p2pkv.metadata import PullSpec
 
 Descriptors = tuple[np.ndarray, np.ndarray, Stage | None]
@@ -54,3 +56,35 @@ def plan_read(spec: PullSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, 
         return None
     return (build_descriptors(stage.segments, loc, lengths, device_id),
             build_descriptors(peer.segments, rem, lengths, peer.device_id), stage)
+
+
+def plan_reads(pull: Pull, ranks: list[int], peers: dict[PeerId, Peer], layout: KVLayout, desc: KVLayoutDesc,
+               device_id: int, stager: Stager) -> bool:
+    """Plan ``pull``'s READ from each prefill rank in ``ranks`` into ``pull.reads`` (empty shares skipped).
+
+    Returns:
+        False when staging has no room yet (the pull waits; nothing stays reserved).
+
+    Raises:
+        p2pkv.dataplane.plan.PlanError: bad block ids.
+        p2pkv.dataplane.staging.StagingFull: the pull can never fit in staging.
+    """
+    for rank in ranks:
+        pid = PeerId.of(pull.spec.remote, rank)
+        planned = plan_read(pull.spec, peers[pid], layout, desc, device_id, stager)
+        if planned is None:  # no room yet: wait for pulls in flight to finish
+            release_unposted(pull, stager)
+            if stager.idle:  # nothing else holds staging: this pull can never fit
+                raise StagingFull(f"a pull from {len(ranks)} prefill ranks needs more staging than "
+                                  "staging_mib holds; raise staging_mib in kv_connector_extra_config")
+            return False
+        if planned[0].size:
+            pull.reads.append(ReadPart(pull, pull.attempt, pid, peers[pid], *planned))
+    return True
+
+
+def release_unposted(pull: Pull, stager: Stager) -> None:
+    """Give back the staging of ``pull``'s READs not yet posted."""
+    for read in [r for r in pull.reads if r.stage is not None and r.handle is None]:
+        stager.release(read.stage)
+        read.stage = None

@@ -1,0 +1,72 @@
+"""Advancing pulls between engine steps, on a thread of their own.
+
+vLLM calls the worker once per engine step; a pull advanced only then sees
+its READ done, its fence answered and its KV handed over one step late each
+time, and an engine step costs milliseconds when the engine waits on nothing
+but KV (an empty step, then a 1 ms sleep in vLLM's busy loop). So while any
+pull is in flight, a daemon thread polls them every ``interval_s``
+(``pull_poll_interval_s``, default 0.2 ms), and side-channel answers wake it;
+it sleeps on an event otherwise. The engine step still advances them too and
+collects what finished.
+
+Every access to the pulls holds :attr:`Progress.lock`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger("p2pkv.decode")
+
+INTERVAL_S = 0.0002
+"""Poll interval (seconds) while a pull is in flight."""
+
+
+class Progress:
+    """Calls ``advance()`` (under :attr:`lock`) every ``interval_s`` while it returns True.
+
+    Args:
+        advance: moves every pull as far as it can go now; returns True while
+            any is still in flight (so polling goes on).
+        name: the thread's name.
+        interval_s: seconds between two calls while in flight; 0: no thread
+            (only the engine step advances the pulls).
+    """
+
+    def __init__(self, advance: Callable[[], bool], name: str, interval_s: float = INTERVAL_S) -> None:
+        self.lock = threading.RLock()
+        self._advance, self._interval_s = advance, interval_s
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+        if interval_s > 0:
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+
+    def wake(self) -> None:
+        """New work: start polling (no-op while already polling)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait()
+            self._wake.clear()
+            active = True
+            while active and not self._stop.is_set():
+                try:
+                    with self.lock:
+                        active = self._advance()
+                except Exception:  # the engine step advances the pulls as well; keep this thread alive
+                    logger.exception("p2pkv: advancing the pulls between engine steps failed")
+                    active = False
+                if active:
+                    self._stop.wait(self._interval_s)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread and wait for it (at most ``timeout_s`` seconds). Idempotent."""
+        self._stop.set()
+        self._wake.set()
+        t = self._thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(timeout=timeout_s)
