@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pkv.tools.bench import serve_report
+from p2pkv.tools.bench import handover, serve_report
 from p2pkv.tools.bench.serve import ServeBenchOptions
 from p2pkv.tools.bench.serve_client import ClientPoint
 from p2pkv.tools.bench.serve_metrics import (
@@ -264,3 +264,48 @@ def test_bench_serve_end_to_end(tiny_model: Path, tmp_path: Path) -> None:
     except ImportError:
         return
     assert out_png.stat().st_size > 0
+
+
+DECODE_PHASES = """p2pkv:pull_phase_seconds_bucket{engine="0",phase="read",le="0.0005"} 3.0
+p2pkv:pull_phase_seconds_bucket{engine="0",phase="read",le="0.001"} 4.0
+p2pkv:pull_phase_seconds_bucket{engine="0",phase="read",le="+Inf"} 4.0
+p2pkv:pull_phase_seconds_count{engine="0",phase="read"} 4.0
+p2pkv:pull_phase_seconds_sum{engine="0",phase="read"} 0.002
+p2pkv:pull_phase_seconds_count{engine="0",phase="confirm"} 4.0
+p2pkv:pull_phase_seconds_sum{engine="0",phase="confirm"} 0.008
+vllm:time_to_first_token_seconds_count{engine="0"} 4.0
+vllm:time_to_first_token_seconds_sum{engine="0"} 0.04
+"""
+PROXY_PHASES = """p2pkv_proxy_prefill_seconds_count 4.0
+p2pkv_proxy_prefill_seconds_sum 0.1
+p2pkv_proxy_decode_first_byte_seconds_count 4.0
+p2pkv_proxy_decode_first_byte_seconds_sum 0.06
+"""
+
+
+def test_handover_breakdown_per_phase_and_targets() -> None:
+    """Phase-labelled histograms stay apart; means in ms; second-token times from vLLM's lists; the targets."""
+    b = handover.breakdown(delta(parse_prometheus(""), parse_prometheus(DECODE_PHASES)),
+                           parse_prometheus(PROXY_PHASES))
+    assert b["read"] == pytest.approx(0.5) and b["confirm"] == pytest.approx(2.0)
+    assert b["prefill"] == pytest.approx(25.0) and b["decode_first_byte"] == pytest.approx(15.0)
+    assert b["decode_ttft"] == pytest.approx(10.0) and b["read_p50_bound_ms"] == pytest.approx(0.5)
+    assert b["queue"] is None and b["proxy"] is None  # not exported in these scrapes
+    nixl = handover.breakdown(parse_prometheus("vllm:nixl_xfer_time_seconds_count 2\n"
+                                               "vllm:nixl_xfer_time_seconds_sum 0.01\n"), None)
+    assert nixl["read"] == pytest.approx(5.0) and nixl["confirm"] is None and nixl["prefill"] is None
+    second = handover.second_token_ms({"ttfts": [0.010, 0.020, 0.030], "itls": [[0.001, 0.5], [0.002], []]})
+    assert second["p50"] == pytest.approx(16.5)  # 11 and 22 ms; the request without a second token is left out
+
+    result = _result(p2pkv_ttft=12.0, nixl_ttft=30.0, agg_ttft=10.0, pull_ms=1.0, p2pkv_tok=1.0, nixl_tok=1.0,
+                     proxy_p50=1.0)
+    for name, second_p50 in (("p2pkv", 25.0), ("aggregated", 12.0)):
+        point = result["systems"][name]["points"][0]
+        point["second_token_ms"] = {"p50": second_p50, "p99": second_p50}
+        point["handover"] = b
+    targets = {t["name"]: t for t in handover.evaluate(result)}
+    assert targets["ttft_vs_aggregated"]["met"] is True  # 12 <= 1.3 x 10
+    assert targets["ttft_vs_nixl"]["met"] is True  # 12 <= 15 and 24 <= 30
+    assert targets["second_token_vs_aggregated"]["met"] is False  # 25 > 2 x 12
+    assert targets["tpot_vs_aggregated"]["met"] is True and targets["read_p50"]["met"] is True
+    assert "decode_first_byte" in "\n".join(handover.format_breakdown(result))

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from p2pkv.telemetry.stats import PULL_PHASES
 from p2pkv.tools.demo import (
     LOGPROB_TOLERANCE,
     Answer,
@@ -145,6 +146,14 @@ def test_pull_metrics_on_the_engines_metrics_endpoint(pair, client) -> None:
     assert _metric(client, p.url("decode"), "p2pkv:handshake_seconds_count") >= 1
     assert _metric(client, p.url("decode"), "p2pkv:pull_failures_total") >= 1  # the unreachable-peer test
     assert _metric(client, p.url("prefill"), "p2pkv:leases_notified_total") >= len(read_pull_stats(stats))
+    for phase in PULL_PHASES:  # every pull's handover phases, each once per pull
+        text = client.get(f"{p.url('decode')}/metrics").text
+        counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("p2pkv:pull_phase_seconds_count{") and f'phase="{phase}"' in line]
+        assert sum(counts) == len(read_pull_stats(stats)), phase
+    marks = read_pull_stats(stats)[-1]["marks"]
+    assert marks["arrival"] <= marks["scheduled"] <= marks["taken"] <= marks["posted"] <= marks["read"] \
+        <= marks["confirmed"]
 
 
 def test_prefill_holds_no_blocks_after_requests(pair, client) -> None:

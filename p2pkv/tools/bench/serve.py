@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from p2pkv.tools.bench import serve_report
+from p2pkv.tools.bench import handover, serve_report
 from p2pkv.tools.bench.serve_metrics import NIXL_PULL, P2PKV_PULL, Snapshot, delta, proxy_overhead, pull_stats, scrape
 
 SYSTEMS = ("p2pkv", "nixl", "aggregated")
@@ -207,6 +207,9 @@ def run_point(client: Any, dep: Deployment, opts: ServeBenchOptions, model: str,
                if decode0 is not None and decode1 is not None and dep.pull_names else None,
                "proxy_overhead": proxy_overhead(delta(proxy0, proxy1))
                if proxy0 is not None and proxy1 is not None else None,
+               "second_token_ms": handover.second_token_ms(raw),
+               "handover": handover.breakdown(delta(decode0, decode1) if decode0 and decode1 else None,
+                                              delta(proxy0, proxy1) if proxy0 and proxy1 else None),
                "answers_sha256": serve_report.answers_digest(raw.get("generated_texts") or [])}
     return summary, raw
 
@@ -333,7 +336,7 @@ def run_serve_bench(opts: ServeBenchOptions, argv: list[str] | None = None) -> d
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     _check_answers(result, opts, prompts, texts, tokens, failures)
     result["ratios"] = serve_report.ratios(result)
-    result["targets"] = serve_report.evaluate_targets(result)
+    result["targets"] = serve_report.evaluate_targets(result) + handover.evaluate(result)
     return result
 
 
@@ -410,6 +413,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot and serve_report.plot(result, args.plot):
         print(f"wrote {args.plot}", file=sys.stderr)
+    if args.plot and handover.plot(result, bars := Path(args.plot).with_name(Path(args.plot).stem + "-handover.png")):
+        print(f"wrote {bars}", file=sys.stderr)
     failed = [f"{k}: {c['detail']}" for k, c in result["checks"].items() if not c["passed"]]
     for line in failed:
         print(f"p2pkv bench serve: FAILED {line}", file=sys.stderr)

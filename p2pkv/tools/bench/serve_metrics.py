@@ -61,8 +61,9 @@ def parse_prometheus(text: str) -> Snapshot:
     """Parse the Prometheus text exposition format.
 
     Samples of one name are summed over their label sets (one child per
-    engine); histogram buckets are kept per ``le``. Comments and malformed
-    lines are skipped.
+    engine); histogram buckets are kept per ``le``. A sample with a ``phase``
+    label is also kept under ``name|phase``. Comments and malformed lines are
+    skipped.
     """
     snap = Snapshot()
     for line in text.splitlines():
@@ -76,13 +77,15 @@ def parse_prometheus(text: str) -> Snapshot:
             value = float(raw)
         except ValueError:
             continue
-        le = dict(_LABEL.findall(labels or "")).get("le")
-        if le is not None:
-            bound = math.inf if le == "+Inf" else float(le)
-            per_le = snap.buckets.setdefault(name, {})
-            per_le[bound] = per_le.get(bound, 0.0) + value
-        else:
-            snap.values[name] = snap.values.get(name, 0.0) + value
+        found = dict(_LABEL.findall(labels or ""))
+        le = found.get("le")
+        for key in (name, f"{name}|{found['phase']}") if "phase" in found else (name,):
+            if le is not None:
+                bound = math.inf if le == "+Inf" else float(le)
+                per_le = snap.buckets.setdefault(key, {})
+                per_le[bound] = per_le.get(bound, 0.0) + value
+            else:
+                snap.values[key] = snap.values.get(key, 0.0) + value
     return snap
 
 

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from p2pkv.tools.bench import handover
+
 SYSTEM_LABELS = {
     "p2pkv": "p2pkv P/D pair + proxy",
     "nixl": "NixlConnector P/D pair + proxy",
@@ -301,6 +303,7 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines.append("(ms unless named; pull: mean per pull on the decode engine; prefill RT: the proxy's prefill "
                  "request, mean; proxy: its own time per request)")
     lines.append(_grid(header, rows))
+    lines += ["", *handover.format_breakdown(result)]
     rat = result.get("ratios") or []
     if rat:
         lines += ["", "p2pkv / NixlConnector (TTFT: < 1 is better; throughput: > 1 is better):"]

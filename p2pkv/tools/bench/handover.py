@@ -1,0 +1,207 @@
+"""Where a disaggregated request's first tokens wait: the handover breakdown of ``p2pkv bench serve``.
+
+For every point the proxy's and the decode engine's ``/metrics`` deltas give
+the mean of each phase of a P/D request (ms):
+
+- ``prefill``: the proxy's prefill request round trip (``p2pkv_proxy_prefill_seconds``);
+- ``decode_first_byte``: decode request sent → first streamed bytes relayed
+  (``p2pkv_proxy_decode_first_byte_seconds``);
+- the decode engine's pull phases (p2pkv only, ``p2pkv:pull_phase_seconds``,
+  see :data:`p2pkv.telemetry.stats.PULL_PHASES`): ``queue``, ``dispatch``,
+  ``post``, ``read``, ``confirm``; NixlConnector exports only its READ time
+  (``vllm:nixl_xfer_time_seconds``, shown as ``read``);
+- ``decode_ttft``: the decode engine's own TTFT (``vllm:time_to_first_token_seconds``);
+- ``proxy``: the proxy's own time per request (``p2pkv_proxy_overhead_seconds``).
+
+vLLM's client gives per request the time to the first and to the second
+token; :func:`evaluate` checks them against the handover targets. Pure
+functions on snapshots and result dicts, plus an optional matplotlib plot.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from p2pkv.telemetry.stats import PULL_PHASES
+from p2pkv.tools.bench.serve_metrics import Snapshot, histogram_p50_bound
+
+PROXY_PHASES = {"prefill": "p2pkv_proxy_prefill_seconds",
+                "decode_first_byte": "p2pkv_proxy_decode_first_byte_seconds",
+                "proxy": "p2pkv_proxy_overhead_seconds"}
+"""Proxy phase → its histogram (seconds)."""
+PHASE_METRIC = "p2pkv:pull_phase_seconds"
+"""The decode engine's per-phase pull histogram, labelled ``phase``."""
+NIXL_READ = "vllm:nixl_xfer_time_seconds"
+"""NixlConnector's READ time histogram."""
+DECODE_TTFT = "vllm:time_to_first_token_seconds"
+"""vLLM's TTFT histogram on the decode engine (from the request's arrival there)."""
+
+TTFT_VS_AGGREGATED = 1.3
+"""p2pkv TTFT p50 ≤ this × the aggregated engine's."""
+TTFT_VS_NIXL = 0.5
+"""p2pkv TTFT p50 and p99 ≤ this × NixlConnector's."""
+SECOND_TOKEN_VS_AGGREGATED = 2.0
+"""p2pkv time to the second token p50 ≤ this × the aggregated engine's."""
+TPOT_VS_AGGREGATED = 1.2
+"""p2pkv TPOT p50 ≤ this × the aggregated engine's."""
+READ_P50_MS = 1.0
+"""Pull post → done p50 (ms), for pulls up to 1 MiB."""
+
+
+def _mean_ms(d: Snapshot, hist: str, phase: str = "") -> float | None:
+    tail = f"|{phase}" if phase else ""
+    n = d.value(f"{hist}_count{tail}")
+    return 1e3 * (d.value(f"{hist}_sum{tail}") or 0.0) / n if n else None
+
+
+def second_token_ms(raw: Mapping[str, Any]) -> dict[str, float | None]:
+    """p50 and p99 (ms) of each request's time to its second token (TTFT + first ITL) from vLLM's
+    detailed ``bench serve`` result (``ttfts``, ``itls`` in seconds); None when not available."""
+    ttfts, itls = raw.get("ttfts") or [], raw.get("itls") or []
+    times = sorted(1e3 * (t + i[0]) for t, i in zip(ttfts, itls, strict=False) if t and i)
+    if not times:
+        return {"p50": None, "p99": None}
+    return {"p50": statistics.median(times), "p99": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]}
+
+
+def breakdown(decode: Snapshot | None, proxy: Snapshot | None) -> dict[str, Any]:
+    """The mean of each phase (ms; None where the system does not export it) over one point.
+
+    Args:
+        decode / proxy: ``after - before`` of the decode engine's and the proxy's scrapes.
+
+    Returns:
+        Phase → mean ms, plus ``read_p50_bound_ms`` (the READ phase's median
+        bucket bound; p2pkv only).
+    """
+    out: dict[str, Any] = {}
+    for phase, hist in PROXY_PHASES.items():
+        out[phase] = _mean_ms(proxy, hist) if proxy is not None else None
+    for phase in PULL_PHASES:
+        out[phase] = _mean_ms(decode, PHASE_METRIC, phase) if decode is not None else None
+    if decode is not None and out["read"] is None:
+        out["read"] = _mean_ms(decode, NIXL_READ)
+    out["decode_ttft"] = _mean_ms(decode, DECODE_TTFT) if decode is not None else None
+    bound = histogram_p50_bound(decode.buckets.get(f"{PHASE_METRIC}_bucket|read", {})) if decode else None
+    out["read_p50_bound_ms"] = None if bound is None else 1e3 * bound
+    return out
+
+
+def _point(result: Mapping[str, Any], system: str, conc: int) -> dict[str, Any] | None:
+    for p in (result["systems"].get(system) or {}).get("points", []):
+        if p["concurrency"] == conc:
+            return p
+    return None
+
+
+def _check(a: float | None, b: float | None, factor: float) -> dict[str, Any]:
+    return {"p2pkv": a, "baseline": b, "limit": None if b is None else factor * b,
+            "met": None if a is None or b is None else bool(a <= factor * b)}
+
+
+def evaluate(result: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The handover targets, each ``name``, ``target`` (text), ``measured`` per concurrency, ``met``."""
+    concs = result["config"]["concurrency"]
+    specs = [
+        ("ttft_vs_aggregated", f"p2pkv TTFT p50 <= {TTFT_VS_AGGREGATED} x aggregated TTFT p50", "aggregated",
+         lambda p, b: [_check(p["ttft_ms"]["p50"], b["ttft_ms"]["p50"], TTFT_VS_AGGREGATED)]),
+        ("ttft_vs_nixl", f"p2pkv TTFT p50 and p99 <= {TTFT_VS_NIXL} x NixlConnector's", "nixl",
+         lambda p, b: [_check(p["ttft_ms"][k], b["ttft_ms"][k], TTFT_VS_NIXL) for k in ("p50", "p99")]),
+        ("second_token_vs_aggregated", f"p2pkv time to the second token p50 <= {SECOND_TOKEN_VS_AGGREGATED} x "
+         "aggregated's", "aggregated",
+         lambda p, b: [_check((p.get("second_token_ms") or {}).get("p50"),
+                              (b.get("second_token_ms") or {}).get("p50"), SECOND_TOKEN_VS_AGGREGATED)]),
+        ("tpot_vs_aggregated", f"p2pkv TPOT p50 <= {TPOT_VS_AGGREGATED} x aggregated TPOT p50", "aggregated",
+         lambda p, b: [_check(p["tpot_ms"]["p50"], b["tpot_ms"]["p50"], TPOT_VS_AGGREGATED)]),
+    ]
+    out = []
+    for name, text, base, checks in specs:
+        measured, oks = {}, []
+        for conc in concs:
+            p, b = _point(result, "p2pkv", conc), _point(result, base, conc)
+            if p is None or b is None:
+                oks.append(None)
+                continue
+            measured[conc] = checks(p, b)
+            oks += [c["met"] for c in measured[conc]]
+        out.append({"name": name, "target": text, "measured": measured, "met": _all(oks)})
+    measured, oks = {}, []
+    for conc in concs:
+        p = _point(result, "p2pkv", conc)
+        bound = ((p or {}).get("handover") or {}).get("read_p50_bound_ms")
+        ok = None if bound is None else bool(bound <= READ_P50_MS)
+        measured[conc] = {"read_p50_bound_ms": bound, "met": ok}
+        oks.append(ok)
+    out.append({"name": "read_p50", "target": f"pull post -> done p50 <= {READ_P50_MS:g} ms (histogram bucket bound)",
+                "measured": measured, "met": _all(oks)})
+    return out
+
+
+def _all(oks: Sequence[bool | None]) -> bool | None:
+    if any(o is False for o in oks):
+        return False
+    return None if not oks or any(o is None for o in oks) else True
+
+
+COLUMNS = ("prefill", "decode_first_byte", *PULL_PHASES, "decode_ttft", "proxy")
+"""The breakdown table's phase columns, in request order."""
+
+
+def format_breakdown(result: Mapping[str, Any]) -> list[str]:
+    """Lines of the handover table: per system and concurrency, TTFT and second-token p50 and each phase's mean."""
+    header = ["system", "conc", "TTFT p50", "2nd tok p50", *COLUMNS]
+    rows = []
+    for name, sys_result in result["systems"].items():
+        for p in sys_result.get("points", []):
+            h = p.get("handover") or {}
+            second = (p.get("second_token_ms") or {}).get("p50")
+            rows.append([name, str(p["concurrency"]), _fmt(p["ttft_ms"]["p50"]), _fmt(second),
+                         *(_fmt(h.get(c), ".2f") for c in COLUMNS)])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    return ["handover (ms; phases are means over the point; n/a: not exported by that system):",
+            "  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)),
+            "  ".join("-" * w for w in widths),
+            *("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)) for r in rows)]
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def plot(result: Mapping[str, Any], path: str | Path) -> bool:
+    """Stacked bars of the handover phases per system and concurrency; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("p2pkv bench serve: matplotlib is not installed; no handover plot", file=sys.stderr)
+        return False
+    labels, stacks = [], []
+    for name, sys_result in result["systems"].items():
+        for p in sys_result.get("points", []):
+            h = p.get("handover") or {}
+            labels.append(f"{name}\nc={p['concurrency']}")
+            stacks.append([h.get(c) or 0.0 for c in ("prefill", "decode_first_byte", "proxy")])
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels)), 4.2))
+    bottom = [0.0] * len(labels)
+    for i, phase in enumerate(("prefill RT", "decode: sent to first byte", "proxy itself")):
+        values = [s[i] for s in stacks]
+        ax.bar(labels, values, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ttft = [p["ttft_ms"]["p50"] or 0.0 for s in result["systems"].values() for p in s.get("points", [])]
+    ax.scatter(labels, ttft, color="black", marker="_", s=400, label="TTFT p50 (client)", zorder=3)
+    ax.set_ylabel("ms (phase means)")
+    ax.set_title("where the first token waits", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
