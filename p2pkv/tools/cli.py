@@ -16,7 +16,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model, write_secret
 
-    print(make_tiny_model(args.out, TinyModelSpec(num_layers=args.layers, seed=args.seed)))
+    spec = TinyModelSpec(num_layers=args.layers, seed=args.seed, kind=args.kind, sliding_window=args.sliding_window)
+    print(make_tiny_model(args.out, spec))
     if args.secret_file:
         print(write_secret(Path(args.secret_file)))
     return 0
@@ -65,10 +66,15 @@ def _add_demo_and_model(sub: argparse._SubParsersAction) -> None:
                       help="proxy port; prefill, decode, aggregated use +100, +200, +300")
     demo.set_defaults(func=_cmd_demo)
 
-    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight Llama model")
+    from p2pkv.tools.tiny_model import KINDS
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight model (Llama unless --kind)")
     tiny.add_argument("out", help="output directory")
+    tiny.add_argument("--kind", choices=KINDS, default="llama",
+                      help="llama; sliding-window (Mistral); mla (DeepSeek-V2); hybrid (Granite-4: Mamba-2, attention)")
     tiny.add_argument("--layers", type=int, default=4)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--sliding-window", type=int, default=40, help="tokens, for --kind sliding-window")
     tiny.add_argument("--secret-file", metavar="PATH",
                       help="also write a random side-channel secret here, unless the file already holds one")
     tiny.set_defaults(func=_cmd_make_tiny_model)

@@ -1,10 +1,18 @@
-"""Write a tiny random-weight Llama model that vLLM loads offline.
+"""Write a tiny random-weight model that vLLM loads offline.
 
 Models cannot be downloaded on the machines p2pkv is tested on, so the demo,
-the tests and the benchmarks use a small Llama-architecture checkpoint made
-here from a fixed seed: a byte-level tokenizer (256 byte tokens plus
-``<s>``, ``</s>``, ``<unk>``) saved with ``tokenizers`` and random weights
-saved as safetensors by ``transformers``. vLLM's own loader reads it.
+the tests and the benchmarks use a small checkpoint made here from a fixed
+seed: a byte-level tokenizer (256 byte tokens plus ``<s>``, ``</s>``,
+``<unk>``) saved with ``tokenizers`` and random weights saved as
+safetensors by ``transformers``. vLLM's own loader reads it.
+
+Kinds (:data:`KINDS`, ``TinyModelSpec.kind``): ``llama`` (the default:
+dense Llama, GQA), ``sliding-window`` (Mistral: every layer attends to the
+last ``sliding_window`` tokens only), ``mla`` (DeepSeek-V2: a latent KV
+cache of ``kv_lora_rank`` + ``qk_rope_head_dim`` = 576 elements per token,
+the only size vLLM's CPU MLA kernel takes; dense MLPs, no experts) and
+``hybrid`` (Granite-4-style ``GraniteMoeHybrid`` without experts: Mamba-2
+layers with attention in every second layer).
 
 The weights are drawn with a large ``initializer_range`` so attention is far
 from uniform: the next-token distribution depends strongly on the KV cache,
@@ -19,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")
+KINDS = ("llama", "sliding-window", "mla", "hybrid")
+"""Model kinds :func:`make_tiny_model` writes (see the module docstring)."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
@@ -38,6 +48,8 @@ class TinyModelSpec:
         max_position_embeddings: longest sequence (tokens).
         initializer_range: standard deviation of the random weights.
         seed: torch seed; the same seed gives bit-identical weights.
+        kind: one of :data:`KINDS`.
+        sliding_window: attention window (tokens) of the ``sliding-window`` kind.
     """
 
     num_layers: int = 4
@@ -48,10 +60,12 @@ class TinyModelSpec:
     max_position_embeddings: int = 4096
     initializer_range: float = 0.08
     seed: int = 0
+    kind: str = "llama"
+    sliding_window: int = 40
 
 
 def _byte_tokenizer_files(out: Path) -> int:
-    """Write a byte-level BPE tokenizer (no merges) to ``out``; returns vocab size."""
+    """Write a byte-level BPE tokenizer (no merges) to ``out``; returns vocab size (259)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -79,6 +93,39 @@ def _byte_tokenizer_files(out: Path) -> int:
     return len(vocab)
 
 
+def hf_config(spec: TinyModelSpec, vocab_size: int):
+    """The ``transformers`` config (a ``PretrainedConfig``) of ``spec``.
+
+    Raises:
+        ValueError: ``spec.kind`` is not one of :data:`KINDS`.
+    """
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                  num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                  num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
+                  initializer_range=spec.initializer_range, bos_token_id=0, eos_token_id=1,
+                  tie_word_embeddings=False, dtype="float32")
+    if spec.kind == "llama":
+        return transformers.LlamaConfig(**common)
+    if spec.kind == "sliding-window":
+        return transformers.MistralConfig(**common, sliding_window=spec.sliding_window)
+    if spec.kind == "mla":
+        head = spec.hidden_size // spec.num_heads
+        return transformers.DeepseekV2Config(
+            **{**common, "num_key_value_heads": spec.num_heads}, kv_lora_rank=512, qk_rope_head_dim=64,
+            q_lora_rank=None, qk_nope_head_dim=head, v_head_dim=head, head_dim=64,
+            first_k_dense_replace=spec.num_layers, n_routed_experts=4, n_shared_experts=1,
+            moe_intermediate_size=spec.intermediate_size, num_experts_per_tok=2)
+    if spec.kind == "hybrid":
+        types = ["mamba" if i % 2 == 0 else "attention" for i in range(spec.num_layers)]
+        return transformers.GraniteMoeHybridConfig(
+            **common, layer_types=types, num_local_experts=0, shared_intermediate_size=spec.intermediate_size,
+            mamba_n_heads=8, mamba_d_head=2 * spec.hidden_size // 8, mamba_d_state=16, mamba_chunk_size=64,
+            position_embedding_type="rope")
+    raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {spec.kind!r}")
+
+
 def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> Path:
     """Create the tiny model directory (idempotent: an existing one is kept).
 
@@ -92,6 +139,7 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> P
 
     Raises:
         ImportError: when ``torch`` or ``transformers`` is not installed.
+        ValueError: an unknown ``spec.kind``.
     """
     spec = spec or TinyModelSpec()
     out = Path(out_dir)
@@ -99,26 +147,13 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> P
     if marker.exists() and json.loads(marker.read_text()) == spec.__dict__:
         return out
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    config = hf_config(spec, vocab_size=len(SPECIAL_TOKENS) + 256)
     out.mkdir(parents=True, exist_ok=True)
-    vocab_size = _byte_tokenizer_files(out)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.initializer_range,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
+    _byte_tokenizer_files(out)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(spec.__dict__))
     return out
