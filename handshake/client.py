@@ -11,6 +11,7 @@ import zmq
 
 from handshake._net import configure_socket, tcp_endpoint
 from handshake.codec import decode, encode, verify_agent_info
+from handshake.compat import OPAQUE, describe, mismatches
 from handshake.errors import (
     AuthenticationError,
     HandshakeCancelledError,
@@ -64,7 +65,8 @@ def fetch_agent_info(
         port: server TCP port.
         tp_rank: the remote tensor-parallel rank whose info is wanted.
         requester_engine_id: this engine's id (shown in the server's logs).
-        compat_hash: this engine's compatibility hash; must equal the server's.
+        compat_hash: this engine's compatibility fingerprint (:mod:`handshake.compat`); the
+            reply's must equal it, field by field.
         secret: shared HMAC key (bytes), or ``None`` when not authenticating.
         timeout_s: time to wait for a reply per attempt (seconds).
         retries: total number of attempts (>= 1).
@@ -84,7 +86,9 @@ def fetch_agent_info(
             (``code`` e.g. ``"incompatible"``, ``"unknown_rank"``, ``"auth"``).
         AuthenticationError: the reply's HMAC is missing or wrong.
         ProtocolVersionError: the server speaks another protocol version.
-        IncompatiblePeerError: the reply is for another rank, engine id or compat hash.
+        IncompatiblePeerError: the reply is for another rank or engine id, or its
+            compatibility fingerprint differs (``field`` ``info.compat_hash.<first
+            differing field>``; the message names every differing field and both values).
         MetadataDigestError: the agent metadata does not match its digest.
         MalformedMessageError, MessageTooLargeError: the reply is invalid.
         HandshakeCancelledError: ``cancel`` was set.
@@ -203,12 +207,14 @@ def _check_reply(
             "asked for; the server is misbehaving, restart the prefill engine",
             field="info.tp_rank",
         )
-    if info.compat_hash != compat_hash:
+    diffs = mismatches(compat_hash, info.compat_hash)
+    if diffs:
+        field = "info.compat_hash" if diffs[0][0] == OPAQUE else f"info.compat_hash.{diffs[0][0]}"
         raise IncompatiblePeerError(
-            f"reply from {endpoint}: info.compat_hash is {info.compat_hash[:128]!r} but this side has "
-            f"{compat_hash!r}; run the same vLLM version, model, dtype and KV cache configuration "
-            "on both sides",
-            field="info.compat_hash",
+            f"reply from {endpoint}: {field} differs, the peer cannot exchange KV with this side: "
+            f"{describe(diffs, 'this side', 'the peer')}; run the same vLLM version, model, dtype, KV cache "
+            "and speculative-decoding configuration on both sides",
+            field=field,
         )
     try:
         verify_agent_info(info)

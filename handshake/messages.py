@@ -15,7 +15,7 @@ from typing import Annotated
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any incompatible change to the Structs in this module."""
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -98,8 +98,10 @@ class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         agent_metadata: opaque NIXL agent metadata (``get_agent_metadata()``).
         metadata_digest: SHA-256 of ``agent_metadata``, checked before the
             metadata reaches NIXL.
-        compat_hash: hash of what must match between peers (vLLM version,
-            model, dtype, kv heads, head size, layers, cache dtype, backend).
+        compat_hash: compatibility fingerprint (:mod:`handshake.compat`):
+            canonical JSON of what must match between peers (vLLM version,
+            model, dtypes, KV cache groups, ...), compared field by field by
+            the requester.
         layout: the KV memory description.
     """
 
@@ -120,9 +122,9 @@ class MetadataRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, t
         protocol_version: the sender's :data:`PROTOCOL_VERSION`.
         tp_rank: the rank whose info is wanted.
         requester_engine_id: engine id of the asking side (for logs).
-        compat_hash: the asking side's compatibility hash; a mismatch is
-            refused by the server with an ``ErrorReply`` naming the field
-            (not the expected value).
+        compat_hash: the asking side's compatibility fingerprint; the
+            server logs the fields that differ from its own (the requester
+            refuses the reply).
         nonce: echoed in the reply.
     """
 

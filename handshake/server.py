@@ -12,6 +12,7 @@ import zmq
 
 from handshake._net import configure_socket, tcp_address, tcp_endpoint
 from handshake.codec import decode, encode, error_from_exception, verify_agent_info
+from handshake.compat import describe, mismatches
 from handshake.errors import (
     HandshakeBindError,
     HandshakeError,
@@ -67,8 +68,10 @@ class HandshakeServer:
         host: interface address to bind (``"0.0.0.0"``, ``"127.0.0.1"``,
             an IPv6 literal, ...).
         port: TCP port; ``0`` picks a free ephemeral port (see :attr:`port`).
-        compat_hash: this engine's compatibility hash; requests carrying
-            another one are refused with code ``"incompatible"``.
+        compat_hash: this engine's compatibility fingerprint
+            (:mod:`handshake.compat`), published in every ``AgentInfo``. The
+            requester compares it with its own and refuses a mismatch; the
+            server serves it and logs the differing fields.
         secret: shared HMAC key (bytes); when set, requests must carry a valid
             HMAC frame and replies carry one.
         max_message_bytes: largest accepted request (bytes).
@@ -305,12 +308,10 @@ class HandshakeServer:
                 field="type",
             )
         requester = msg.requester_engine_id[:64]
-        if msg.compat_hash != self._compat_hash:
-            raise IncompatiblePeerError(
-                f"requester {requester!r} has another compat_hash than this server; run the same vLLM "
-                "version, model, dtype and KV cache configuration on prefill and decode",
-                field="compat_hash",
-            )
+        diffs = mismatches(self._compat_hash, msg.compat_hash)
+        if diffs:  # the requester refuses us on its side (it sees both values); say why here too
+            logger.warning("requester %r cannot exchange KV with this engine: %s", requester,
+                           describe(diffs, "this engine", "the requester"))
         with self._lock:
             info = self._infos.get(msg.tp_rank)
             known = sorted(self._infos)

@@ -1,4 +1,4 @@
-"""``P2pKvConnector``: the vLLM ``KVConnectorBase_V1`` entry point (role dispatch only).
+"""``P2pKvConnector``: the vLLM ``KVConnectorBase_V1`` entry point (role dispatch; what peers must share).
 
 Installing p2pkv registers it with vLLM (see :mod:`p2pkv.plugin`), so::
 
@@ -12,8 +12,6 @@ worker-side calls to :class:`p2pkv.worker.WorkerSide`.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +22,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from handshake.compat import fingerprint
+from p2pkv.compat import compat_fields, model_info
 from p2pkv.config import P2pKvConfig, load_config
-from p2pkv.dataplane.negotiate import ModelInfo
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.scheduler import SchedulerSide
 from p2pkv.telemetry.metrics import P2pKvPromMetrics, P2pKvStats
@@ -47,31 +46,6 @@ class P2pKvConnectorMetadata(P2pKvMetadata, KVConnectorMetadata):
     """:class:`~p2pkv.metadata.P2pKvMetadata` as the ``KVConnectorMetadata`` vLLM passes on."""
 
 
-def compat_hash(vllm_config: VllmConfig) -> str:
-    """Hash of what prefill and decode must share to exchange KV byte for byte.
-
-    Covers the vLLM minor version, the model architecture and its attention
-    shape (layers, KV heads, head size), the model and cache dtypes and the
-    attention backend's cache layout family. Block size, HND/NHD and TP size
-    are negotiated at handshake instead.
-    """
-    import vllm
-
-    mc = vllm_config.model_config
-    pc = vllm_config.parallel_config
-    fields = {
-        "vllm": ".".join(vllm.__version__.split(".")[:2]),
-        "architectures": list(getattr(mc.hf_config, "architectures", None) or []),
-        "num_layers": mc.get_num_layers(pc),
-        "total_num_kv_heads": mc.get_total_num_kv_heads(),
-        "head_size": mc.get_head_size(),
-        "dtype": str(mc.dtype),
-        "cache_dtype": vllm_config.cache_config.cache_dtype,
-        "use_mla": bool(mc.use_mla),
-    }
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def side_channel_host(config: P2pKvConfig) -> str:
     """The host this engine's side channel binds to and advertises."""
     if config.side_channel_host:
@@ -79,25 +53,6 @@ def side_channel_host(config: P2pKvConfig) -> str:
     from vllm.utils.network_utils import get_ip
 
     return get_ip()
-
-
-def model_info(vllm_config: VllmConfig) -> ModelInfo:
-    """This rank's model and KV cache facts, from vLLM's config."""
-    from vllm.platforms import current_platform
-
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    return ModelInfo(
-        kv_layout=vllm_config.cache_config.kv_cache_layout or "LBHNC",
-        dtype=str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype,
-        num_kv_heads=mc.get_num_kv_heads(pc),
-        head_dim=mc.get_head_size(),
-        block_size=vllm_config.cache_config.block_size,
-        total_num_kv_heads=mc.get_total_num_kv_heads(),
-        is_mla=bool(mc.use_mla),
-        # vLLM's CPU attention pages (K stored transposed) cannot be told apart by their strides.
-        attn_layout="CPU" if current_platform.is_cpu() and not mc.use_mla else None,
-    )
 
 
 class P2pKvConnector(KVConnectorBase_V1):
@@ -131,8 +86,9 @@ class P2pKvConnector(KVConnectorBase_V1):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
+            compat = fingerprint(compat_fields(vllm_config, kv_cache_config))
             self.worker = WorkerSide(self.engine_id, self.config, tp_rank, self.tp_size, host,
-                                     base_port + tp_rank, compat_hash(vllm_config), model_info(vllm_config))
+                                     base_port + tp_rank, compat, model_info(vllm_config))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

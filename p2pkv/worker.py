@@ -37,7 +37,7 @@ class WorkerSide:
         tp_size: this engine's tensor-parallel size.
         side_channel_host: address the side-channel server binds to.
         side_channel_port: this rank's side-channel port.
-        compat_hash: what peers must match (see :func:`p2pkv.connector.compat_hash`).
+        compat_hash: the compatibility fingerprint peers must match (:func:`p2pkv.compat.compat_fields`).
         model: this rank's model and KV cache facts.
 
     Raises:

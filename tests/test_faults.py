@@ -41,12 +41,13 @@ from handshake import (
     fetch_agent_info,
 )
 from handshake import decode as decode_message
+from handshake.compat import fingerprint
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests.faults import FaultyNixlAgent, inject, restore
 from tests.p2p_harness import LAYOUT, DecodeSide, PrefillProc, free_port, notify_task, pull_task, shape
-from tests.workers import make_worker, model_info
+from tests.workers import COMPAT_FIELDS, make_worker, model_info
 
 HOST = "127.0.0.1"
 BOUND_S = 10.0  # a failed or retried pull is reported within this (it takes well under a second)
@@ -379,7 +380,7 @@ def fake_side_channel(respond: Callable[[list[bytes]], list[bytes]] | None,
 def real_reply(pf: PrefillProc, nonce: bytes | None = None) -> Callable[[list[bytes]], list[bytes]]:
     """Answers with the prefill process's own (valid) metadata, echoing each request's nonce
     (or always ``nonce``: a reply captured from another exchange)."""
-    info = fetch_agent_info(HOST, pf.port, 0, "test", "test-compat", timeout_s=5.0, retries=2)
+    info = fetch_agent_info(HOST, pf.port, 0, "test", fingerprint(COMPAT_FIELDS), timeout_s=5.0, retries=2)
 
     def respond(body: list[bytes]) -> list[bytes]:
         echoed = decode_message(body, None).nonce if nonce is None else nonce

@@ -9,13 +9,14 @@ from types import SimpleNamespace
 import pytest
 
 from handshake import HandshakeServer, RemoteRefusedError, send_heartbeat
+from handshake.compat import fingerprint
 from p2pkv.config import ConfigError, P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import make_prefill_response_params
 from p2pkv.scheduler import SchedulerSide
 from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
-from tests.workers import NUM_BLOCKS, SHAPE, free_port, model_info
+from tests.workers import COMPAT_FIELDS, NUM_BLOCKS, SHAPE, free_port, model_info
 
 
 def test_heartbeat_round_trip_and_refusal() -> None:
@@ -42,7 +43,7 @@ def _prefill_worker(lease_s: float) -> WorkerSide:
     port = free_port()
     cfg = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, lease_s=lease_s,
                       heartbeat_interval_s=0, insecure=True)
-    worker = WorkerSide("prefill-engine", cfg, 0, 1, "127.0.0.1", port, "test-compat", model_info("BLHNC"))
+    worker = WorkerSide("prefill-engine", cfg, 0, 1, "127.0.0.1", port, fingerprint(COMPAT_FIELDS), model_info("BLHNC"))
     _, views = make_kv_caches("BLHNC", **SHAPE)
     worker.register_kv_caches(views, NUM_BLOCKS)
     return worker

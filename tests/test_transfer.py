@@ -15,9 +15,20 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from handshake.compat import fingerprint
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.tools.bench.synth import block_bytes, make_kv_caches
-from tests.workers import NUM_BLOCKS, SHAPE, free_port, make_worker, model_info, prefill_main, run_until_received, task
+from tests.workers import (
+    COMPAT_FIELDS,
+    NUM_BLOCKS,
+    SHAPE,
+    free_port,
+    make_worker,
+    model_info,
+    prefill_main,
+    run_until_received,
+    task,
+)
 
 
 @pytest.fixture
@@ -86,6 +97,25 @@ def test_incompatible_model_shape_is_refused_and_reported(prefill, caplog) -> No
         assert torch.count_nonzero(next(iter(views.values()))) == 0
         assert worker.puller.peers.peers == {}
         assert "kind=refused" in caplog.text and "head_dim: prefill has 16, decode has 8" in caplog.text
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("prefill", ["LBHNC"], indirect=True)
+def test_incompatible_engine_is_refused_before_any_read(prefill, caplog) -> None:
+    """A prefill rank whose compatibility fields differ (here its KV cache dtype) is refused at handshake."""
+    _, port, _ = prefill
+    _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
+    worker = make_worker("decode-engine", free_port())
+    worker.compat_hash = fingerprint({**COMPAT_FIELDS, "kv_cache_dtype": "fp8_e5m2"})
+    worker.register_kv_caches(views, NUM_BLOCKS)
+    try:
+        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
+        assert run_until_received(worker, "d-1") == {1, 2}
+        assert torch.count_nonzero(next(iter(views.values()))) == 0
+        assert worker.puller.peers.peers == {}
+        assert "kind=refused" in caplog.text
+        assert "kv_cache_dtype: the peer has 'auto', this side has 'fp8_e5m2'" in caplog.text
     finally:
         worker.shutdown()
 

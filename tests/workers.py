@@ -6,6 +6,7 @@ import multiprocessing as mp
 import socket
 import time
 
+from handshake.compat import fingerprint
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo
 from p2pkv.metadata import P2pKvMetadata, PullSpec
@@ -15,6 +16,8 @@ from p2pkv.worker import WorkerSide
 
 NUM_BLOCKS = 64
 SHAPE = dict(num_layers=4, num_blocks=NUM_BLOCKS, num_heads=2, block_size=32, head_dim=16)
+COMPAT_FIELDS = {"vllm": "0.32", "architecture": "Synthetic", "kv_cache_dtype": "auto"}
+"""The compatibility fields every synthetic worker publishes (see :mod:`handshake.compat`)."""
 
 
 def free_port() -> int:
@@ -30,7 +33,7 @@ def model_info(layout: str) -> ModelInfo:
 def make_worker(engine_id: str, port: int, layout: str = "BLHNC", **cfg) -> WorkerSide:
     cfg.setdefault("insecure", "secret" not in cfg)  # synthetic caches on loopback; secured pairs: tests pass one
     config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
-    return WorkerSide(engine_id, config, 0, 1, "127.0.0.1", port, "test-compat", model_info(layout))
+    return WorkerSide(engine_id, config, 0, 1, "127.0.0.1", port, fingerprint(COMPAT_FIELDS), model_info(layout))
 
 
 def prefill_main(layout: str, port: int, lease_ids: list[str], out: mp.Queue, stop: mp.Event,

@@ -11,7 +11,7 @@ class FailureKind(str, enum.Enum):
     HANDSHAKE = "handshake"
     """The prefill rank's side channel did not answer, or answered with an error."""
     REFUSED = "refused"
-    """The two engines cannot pair (model shape, TP mapping, layout): names both sides' values."""
+    """The two engines cannot pair (compatibility fields, model shape, TP mapping, layout): names both sides' values."""
     BAD_BLOCK_IDS = "bad_block_ids"
     """Block ids out of range or not pairing up."""
     STAGING = "staging"

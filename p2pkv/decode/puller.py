@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 
-from handshake import AgentInfo, KVLayoutDesc
+from handshake import AgentInfo, IncompatiblePeerError, KVLayoutDesc
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.dataplane.layout import KVLayout
@@ -201,7 +201,8 @@ class Puller:
                 info: AgentInfo = hs.future.result()
                 peer = self.peers.add(pid, info)
             except Exception as exc:
-                kind = FailureKind.REFUSED if isinstance(exc, PullRefused) else FailureKind.HANDSHAKE
+                kind = FailureKind.REFUSED if isinstance(exc, PullRefused | IncompatiblePeerError) else \
+                    FailureKind.HANDSHAKE
                 for pull in waiting:
                     self._fail(pull, kind, f"handshake with {pid} failed: {exc}")
                 continue

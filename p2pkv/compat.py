@@ -1,0 +1,81 @@
+"""What a p2pkv engine tells its peers about itself, read off vLLM's config.
+
+:func:`compat_fields`: what prefill and decode must share, compared field by
+field at handshake (:mod:`handshake.compat`); :func:`model_info`: the model
+and KV cache facts the data plane negotiates with (:mod:`p2pkv.dataplane.negotiate`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from p2pkv.dataplane.negotiate import ModelInfo
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def compat_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None) -> dict[str, str]:
+    """What prefill and decode must share to exchange KV byte for byte, field by field.
+
+    The vLLM minor version, the model (architecture, layers, KV heads, head
+    size, dtype), the KV cache dtype (``fp8`` is ``fp8_e4m3``), MLA or not,
+    the KV cache groups (spec type, window, layers per group: the HMA group
+    structure) and a drafter whose layers add KV (EAGLE, MTP, draft model).
+    Block size, page order (HND/NHD) and TP size are negotiated at
+    handshake instead. Sent as a :func:`handshake.compat.fingerprint`; the
+    decode side refuses a prefill rank whose fields differ, naming them.
+    """
+    import vllm
+
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    spec = vllm_config.speculative_config
+    drafter = "none"
+    if spec is not None and spec.uses_draft_kv_cache():
+        draft = spec.draft_model_config
+        drafter = (f"{spec.method} {draft.model if draft else ''} "
+                   f"kv_cache_dtype={spec.kv_cache_dtype or cc.cache_dtype} parallel_drafting={spec.parallel_drafting}")
+    groups = "unknown"
+    if kv_cache_config is not None:
+        groups = " + ".join(_group(g) for g in kv_cache_config.kv_cache_groups)
+    return {
+        "vllm": ".".join(vllm.__version__.split(".")[:2]),
+        "architecture": ",".join(getattr(mc.hf_config, "architectures", None) or []),
+        "num_layers": str(mc.get_num_layers(pc)),
+        "total_num_kv_heads": str(mc.get_total_num_kv_heads()),
+        "head_size": str(mc.get_head_size()),
+        "model_dtype": str(mc.dtype).removeprefix("torch."),
+        "kv_cache_dtype": "fp8_e4m3" if cc.cache_dtype == "fp8" else str(cc.cache_dtype),
+        "mla": str(bool(mc.use_mla)),
+        "kv_cache_groups": groups,
+        "speculative": drafter,
+    }
+
+
+def _group(group: Any) -> str:
+    """One KV cache group as ``SpecType(window=W)x<layers>`` (block size left out: it is negotiated)."""
+    spec = group.kv_cache_spec
+    extra = [f"{name}={getattr(spec, name)}" for name in ("sliding_window", "attention_chunk_size")
+             if getattr(spec, name, None) is not None]
+    draft = " draft" if getattr(group, "is_eagle_group", False) else ""
+    return f"{type(spec).__name__}({', '.join(extra)}){draft}x{len(group.layer_names)}"
+
+
+def model_info(vllm_config: VllmConfig) -> ModelInfo:
+    """This rank's model and KV cache facts, from vLLM's config."""
+    from vllm.platforms import current_platform
+
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    return ModelInfo(
+        kv_layout=vllm_config.cache_config.kv_cache_layout or "LBHNC",
+        dtype=str(mc.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype,
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        block_size=vllm_config.cache_config.block_size,
+        total_num_kv_heads=mc.get_total_num_kv_heads(),
+        is_mla=bool(mc.use_mla),
+        # vLLM's CPU attention pages (K stored transposed) cannot be told apart by their strides.
+        attn_layout="CPU" if current_platform.is_cpu() and not mc.use_mla else None,
+    )
