@@ -7,7 +7,7 @@ The protocol (transport, frames, HMAC, versioning, integrity, refusal codes) is 
 
 from __future__ import annotations
 
-from handshake.client import fetch_agent_info, release_holds, send_heartbeat
+from handshake.client import HoldLink, fetch_agent_info, release_holds, send_heartbeat
 from handshake.codec import compute_digest, decode, encode, verify_agent_info
 from handshake.errors import (
     AuthenticationError,
@@ -42,8 +42,9 @@ from handshake.server import HandshakeServer, HoldStatus
 __all__ = [
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AgentInfo", "AuthenticationError", "ErrorReply", "HandshakeBindError",
     "HandshakeCancelledError", "HandshakeError", "HandshakeServer", "HandshakeTimeoutError", "HeartbeatReply",
-    "HoldStatus", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion", "LeaseHeartbeat", "MalformedMessageError",
-    "Message", "MessageTooLargeError", "MetadataDigestError", "MetadataReply", "MetadataRequest",
-    "ProtocolVersionError", "ReleaseHolds", "RemoteRefusedError", "UnknownRankError", "compute_digest", "decode",
-    "encode", "fetch_agent_info", "release_holds", "send_heartbeat", "verify_agent_info",
+    "HoldLink", "HoldStatus", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion", "LeaseHeartbeat",
+    "MalformedMessageError", "Message", "MessageTooLargeError", "MetadataDigestError", "MetadataReply",
+    "MetadataRequest", "ProtocolVersionError", "ReleaseHolds", "RemoteRefusedError", "UnknownRankError",
+    "compute_digest", "decode", "encode", "fetch_agent_info", "release_holds", "send_heartbeat",
+    "verify_agent_info",
 ]

@@ -245,6 +245,7 @@ def send_heartbeat(
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     cancel: threading.Event | None = None,
     block_ids: list[list[int]] | None = None,
+    link: HoldLink | None = None,
 ) -> HeartbeatReply:
     """Ask a prefill worker to extend the leases of ``request_ids`` to ``extend_s`` from now.
 
@@ -252,7 +253,8 @@ def send_heartbeat(
     :data:`~handshake.messages.MAX_HEARTBEAT_IDS`. ``cancel`` ends the wait
     early (raises :class:`HandshakeCancelledError`). With ``block_ids`` (per
     request id, the prefill block ids read), the worker also says which
-    holds lack them (``not_held``).
+    holds lack them (``not_held``). With ``link`` (to ``host:port``) the
+    question goes over that long-lived connection instead of a fresh one.
 
     Returns:
         A :class:`HeartbeatReply` summing every chunk's answer: ``accepted``
@@ -269,7 +271,7 @@ def send_heartbeat(
                            request_ids=request_ids[i:i + MAX_HEARTBEAT_IDS], extend_s=extend_s,
                            block_ids=blocks[i:i + MAX_HEARTBEAT_IDS], nonce=os.urandom(16))
             for i in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS)]
-    return _hold_exchange(host, port, msgs, secret, timeout_s, max_message_bytes, cancel)
+    return _hold_exchange(host, port, msgs, secret, timeout_s, max_message_bytes, cancel, link)
 
 
 def release_holds(host: str, port: int, request_ids: list[str], requester_engine_id: str,
@@ -290,13 +292,16 @@ def release_holds(host: str, port: int, request_ids: list[str], requester_engine
 
 
 def _hold_exchange(host: str, port: int, msgs: list[LeaseHeartbeat] | list[ReleaseHolds], secret: bytes | None,
-                   timeout_s: float, max_message_bytes: int, cancel: threading.Event | None) -> HeartbeatReply:
+                   timeout_s: float, max_message_bytes: int, cancel: threading.Event | None,
+                   link: HoldLink | None = None) -> HeartbeatReply:
     """Send each message, check each reply is this request's answer, and sum them."""
     endpoint = tcp_endpoint(host, port)
     ctx = zmq.Context.instance()  # shared: a heartbeat also fences every finished pull, so it must be cheap
     total = HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=0)
     for msg in msgs:
-        reply = _exchange(ctx, host, endpoint, encode(msg, secret), timeout_s, max_message_bytes, cancel)
+        frames = encode(msg, secret)
+        reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
+                 _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel))
         if reply is None and cancel is not None and cancel.is_set():
             raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
         if reply is None:
@@ -314,3 +319,51 @@ def _hold_exchange(host: str, port: int, msgs: list[LeaseHeartbeat] | list[Relea
                                expired=total.expired + answer.expired, not_held=total.not_held + answer.not_held,
                                unknown=total.unknown + answer.unknown)
     return total
+
+
+class HoldLink:
+    """A long-lived connection to one prefill rank's side channel, for lease heartbeats and fence questions.
+
+    A fresh socket per question costs a TCP connect and handshake (about
+    0.5 ms on loopback, more on a busy host); a decode worker asks each
+    prefill rank twice per pull. Calls on one link are serialized (a lock);
+    a reply to an earlier call that timed out is recognised by its nonce and
+    skipped. ZMQ reconnects by itself after the peer restarts.
+
+    Args:
+        host / port: the prefill rank's side channel.
+        max_message_bytes: largest reply accepted (bytes).
+    """
+
+    def __init__(self, host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        self.host, self.port, self.max_message_bytes = host, port, max_message_bytes
+        self._lock = threading.Lock()
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        configure_socket(self._sock, host, max_message_bytes)
+        self._sock.connect(tcp_endpoint(host, port))
+
+    def exchange(self, frames: list[bytes], nonce: bytes, secret: bytes | None, timeout_s: float,
+                 cancel: threading.Event | None) -> list[bytes] | None:
+        """Send ``frames``; the reply frames to them (matched by ``nonce``), or None on timeout or cancel."""
+        with self._lock:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0 and not (cancel is not None and cancel.is_set()):
+                if not self._sock.poll(max(1, int(min(left, 0.1) * 1000)), zmq.POLLIN):
+                    continue
+                reply = self._sock.recv_multipart(zmq.NOBLOCK)
+                try:
+                    answer = decode(reply, secret, self.max_message_bytes)
+                except HandshakeError:
+                    return reply  # the caller explains it
+                if not isinstance(answer, HeartbeatReply) or answer.nonce == nonce:
+                    return reply
+            return None
+
+    def close(self) -> None:
+        """Close the connection. Idempotent."""
+        with self._lock:
+            self._sock.close(linger=0)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from handshake import HandshakeServer, RemoteRefusedError, send_heartbeat
+from handshake import HandshakeServer, HandshakeTimeoutError, HoldLink, HoldStatus, RemoteRefusedError, send_heartbeat
 from handshake.compat import fingerprint
 from p2pkv.config import ConfigError, P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
@@ -30,6 +30,31 @@ def test_heartbeat_round_trip_and_refusal() -> None:
         assert send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"k").accepted == 1
         with pytest.raises(RemoteRefusedError):
             send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"wrong")
+
+
+def test_hold_link_reuses_one_connection_and_skips_a_late_reply() -> None:
+    """Questions over a HoldLink each get their own answer; the answer to one that timed out arrives
+    late on the same connection and is skipped, not taken for the next question's."""
+    slow = threading.Event()
+
+    def on_heartbeat(ids: list[str], extend_s: float, blocks: list[list[int]]) -> HoldStatus:
+        if slow.is_set():
+            slow.clear()
+            time.sleep(0.3)
+        return HoldStatus(not_held=[i for i in ids if i.startswith("gone")])
+
+    with HandshakeServer("127.0.0.1", 0, "h", secret=b"k", on_heartbeat=on_heartbeat) as srv:
+        link = HoldLink("127.0.0.1", srv.port)
+        try:
+            assert send_heartbeat("127.0.0.1", srv.port, ["a"], "d", 5.0, secret=b"k", link=link).accepted == 1
+            slow.set()
+            with pytest.raises(HandshakeTimeoutError):
+                send_heartbeat("127.0.0.1", srv.port, ["gone-1"], "d", 5.0, secret=b"k", timeout_s=0.1, link=link)
+            reply = send_heartbeat("127.0.0.1", srv.port, ["b"], "d", 5.0, secret=b"k", timeout_s=2.0, link=link)
+            assert reply.not_held == [] and reply.accepted == 1  # not the late "gone-1" answer (its nonce differs)
+            assert srv.stats["heartbeats"] == 3
+        finally:
+            link.close()
 
 
 def test_heartbeat_interval_must_be_below_lease() -> None:

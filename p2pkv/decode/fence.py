@@ -17,7 +17,7 @@ import enum
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from handshake import HeartbeatReply, send_heartbeat
+from handshake import HeartbeatReply, HoldLink, send_heartbeat
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 
@@ -70,6 +70,7 @@ class Fence:
         self.background, self.engine_id, self.secret, self.timeout_s = background, engine_id, secret, timeout_s
         self._batches: dict[PeerId, tuple[str, int, list[tuple[ReadPart, Phase]]]] = {}
         self._in_flight: list[tuple[Future, list[tuple[ReadPart, Phase]]]] = []
+        self._links: dict[tuple[str, int], HoldLink] = {}
 
     def add(self, read: ReadPart, phase: Phase) -> None:
         """Queue a question about ``read`` for its prefill rank in this step's batch."""
@@ -81,11 +82,21 @@ class Fence:
         for host, port, entries in self._batches.values():
             ids = [r.pull.spec.remote.request_id for r, _ in entries]
             blocks = [list(r.pull.spec.remote.block_ids) for r, _ in entries]
+            link = self._links.get((host, port))
+            if link is None:
+                link = self._links[host, port] = HoldLink(host, port)
             future = self.background.call(f"p2pkv-fence-{host}:{port}", send_heartbeat, host, port, ids,
                                           self.engine_id, FENCE_EXTEND_S, secret=self.secret,
-                                          timeout_s=self.timeout_s, block_ids=blocks)
+                                          timeout_s=self.timeout_s, block_ids=blocks, link=link,
+                                          lane=f"{host}:{port}")
             self._in_flight.append((future, entries))
         self._batches.clear()
+
+    def close(self) -> None:
+        """Close the connections to the prefill ranks (after the calls on them ended). Idempotent."""
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
 
     def answers(self) -> list[tuple[ReadPart, Phase, Hold | Exception]]:
         """Finished questions: the READ, the phase, and what the prefill rank said (or why it is unknown)."""

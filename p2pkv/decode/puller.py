@@ -135,6 +135,7 @@ class Puller:
         """Stop the progress thread, cancel side-channel calls and READs in flight. Idempotent."""
         self.progress.close()
         self.background.close()
+        self.fence.close()
         with self.lock:
             for read in [r for pull in self.pulls for r in pull.reads if r.in_flight]:
                 self.agent.cancel(read.handle)
