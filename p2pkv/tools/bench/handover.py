@@ -99,7 +99,8 @@ def _point(result: Mapping[str, Any], system: str, conc: int) -> dict[str, Any] 
 
 
 def _check(a: float | None, b: float | None, factor: float) -> dict[str, Any]:
-    return {"p2pkv": a, "baseline": b, "limit": None if b is None else factor * b,
+    return {"p2pkv": None if a is None else round(a, 2), "baseline": None if b is None else round(b, 2),
+            "limit": None if b is None else round(factor * b, 2),
             "met": None if a is None or b is None else bool(a <= factor * b)}
 
 
@@ -108,15 +109,15 @@ def evaluate(result: Mapping[str, Any]) -> list[dict[str, Any]]:
     concs = result["config"]["concurrency"]
     specs = [
         ("ttft_vs_aggregated", f"p2pkv TTFT p50 <= {TTFT_VS_AGGREGATED} x aggregated TTFT p50", "aggregated",
-         lambda p, b: [_check(p["ttft_ms"]["p50"], b["ttft_ms"]["p50"], TTFT_VS_AGGREGATED)]),
+         lambda p, b: {"p50": _check(p["ttft_ms"]["p50"], b["ttft_ms"]["p50"], TTFT_VS_AGGREGATED)}),
         ("ttft_vs_nixl", f"p2pkv TTFT p50 and p99 <= {TTFT_VS_NIXL} x NixlConnector's", "nixl",
-         lambda p, b: [_check(p["ttft_ms"][k], b["ttft_ms"][k], TTFT_VS_NIXL) for k in ("p50", "p99")]),
+         lambda p, b: {k: _check(p["ttft_ms"][k], b["ttft_ms"][k], TTFT_VS_NIXL) for k in ("p50", "p99")}),
         ("second_token_vs_aggregated", f"p2pkv time to the second token p50 <= {SECOND_TOKEN_VS_AGGREGATED} x "
          "aggregated's", "aggregated",
-         lambda p, b: [_check((p.get("second_token_ms") or {}).get("p50"),
-                              (b.get("second_token_ms") or {}).get("p50"), SECOND_TOKEN_VS_AGGREGATED)]),
+         lambda p, b: {"p50": _check((p.get("second_token_ms") or {}).get("p50"),
+                                     (b.get("second_token_ms") or {}).get("p50"), SECOND_TOKEN_VS_AGGREGATED)}),
         ("tpot_vs_aggregated", f"p2pkv TPOT p50 <= {TPOT_VS_AGGREGATED} x aggregated TPOT p50", "aggregated",
-         lambda p, b: [_check(p["tpot_ms"]["p50"], b["tpot_ms"]["p50"], TPOT_VS_AGGREGATED)]),
+         lambda p, b: {"p50": _check(p["tpot_ms"]["p50"], b["tpot_ms"]["p50"], TPOT_VS_AGGREGATED)}),
     ]
     out = []
     for name, text, base, checks in specs:
@@ -127,7 +128,7 @@ def evaluate(result: Mapping[str, Any]) -> list[dict[str, Any]]:
                 oks.append(None)
                 continue
             measured[conc] = checks(p, b)
-            oks += [c["met"] for c in measured[conc]]
+            oks += [c["met"] for c in measured[conc].values()]
         out.append({"name": name, "target": text, "measured": measured, "met": _all(oks)})
     measured, oks = {}, []
     for conc in concs:
