@@ -72,6 +72,12 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             READs in flight by its pulls' thread, between engine steps (see
             :mod:`p2pkv.decode.progress`); 0: no thread, pulls advance only
             when vLLM steps the engine.
+        switch_interval_s: Python's thread switch interval (seconds) the
+            worker process sets (``sys.setswitchinterval``, only ever lowered),
+            so the side-channel server and the pulls' threads get the
+            interpreter within it while vLLM's engine thread runs Python
+            (Python's default, 5 ms, made each side-channel answer wait up to
+            several times that on a busy engine); 0 leaves it unchanged.
         staging_mib: staging memory (MiB, on the KV cache's device) a
             decode worker allocates, on its first pull from a peer with
             another block size, HND/NHD order or TP size, to receive whole
@@ -98,6 +104,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stats_file: str = ""
     staging_mib: float = 256.0
     pull_poll_interval_s: float = 0.0002
+    switch_interval_s: float = 0.0005
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.
@@ -161,6 +168,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if not 0 <= self.pull_poll_interval_s <= 1:
             raise ConfigError(f"pull_poll_interval_s must be 0 (no thread) .. 1 s, got {self.pull_poll_interval_s}")
+        if not 0 <= self.switch_interval_s <= 0.1:
+            raise ConfigError(f"switch_interval_s must be 0 (unchanged) .. 0.1 s, got {self.switch_interval_s}")
         if self.staging_mib < 0.0625:
             raise ConfigError(f"staging_mib must be >= 0.0625 (MiB, 64 KiB), got {self.staging_mib}")
         if self.handshake_retries < 1:

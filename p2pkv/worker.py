@@ -10,6 +10,7 @@ decode reader has said "done" (:mod:`p2pkv.notification`) or the lease ends.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from handshake import AgentInfo, HandshakeServer, KVLayoutDesc, compute_digest
@@ -75,6 +76,8 @@ class WorkerSide:
             p2pkv.dataplane.layout.LayoutError: a layout p2pkv cannot describe.
             p2pkv.dataplane.agent.TransferError: NIXL could not register the memory.
         """
+        if 0 < self.config.switch_interval_s < sys.getswitchinterval():
+            sys.setswitchinterval(self.config.switch_interval_s)  # side-channel answers wait on the GIL otherwise
         first = next(iter(kv_caches.values()))
         mem_type = "VRAM" if first.is_cuda else "DRAM"
         device_id = (first.device.index or 0) if first.is_cuda else 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import sys
 
 import pytest
 import torch
@@ -174,3 +175,18 @@ def test_restarted_prefill_is_used_again_without_restarting_decode() -> None:
                 proc.join(timeout=20)
                 if proc.is_alive():
                     proc.kill()
+
+
+@pytest.mark.parametrize("setting,expected", [(0.001, 0.001), (0.0, 0.005), (0.01, 0.005)])
+def test_worker_lowers_the_thread_switch_interval(setting: float, expected: float) -> None:
+    """A registered worker lowers Python's switch interval to ``switch_interval_s`` (never raises it; 0 leaves it)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    worker = make_worker("switch", free_port(), switch_interval_s=setting)
+    try:
+        _, views = make_kv_caches("BLHNC", **SHAPE)
+        worker.register_kv_caches(views, NUM_BLOCKS)
+        assert sys.getswitchinterval() == pytest.approx(expected)
+    finally:
+        worker.shutdown()
+        sys.setswitchinterval(old)
