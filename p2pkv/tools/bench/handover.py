@@ -173,8 +173,23 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "n/a" if v is None else format(v, spec)
 
 
+STACK = ("prefill", *PULL_PHASES, "decode_rest", "proxy")
+"""The plot's stacked segments: prefill round trip, the pull's phases, the rest of the decode leg to its
+first byte (``decode_first_byte`` minus the pull phases), the proxy itself."""
+
+
+def stack_of(h: Mapping[str, Any]) -> list[float]:
+    """The :data:`STACK` segments (ms) of one point's breakdown ``h`` (missing phases count 0)."""
+    pull = sum(h.get(ph) or 0.0 for ph in PULL_PHASES)
+    rest = max(0.0, (h.get("decode_first_byte") or 0.0) - pull) if h.get("queue") is not None else \
+        (h.get("decode_first_byte") or 0.0) - (h.get("read") or 0.0)
+    return [h.get("prefill") or 0.0, *(h.get(ph) or 0.0 for ph in PULL_PHASES), max(0.0, rest),
+            h.get("proxy") or 0.0]
+
+
 def plot(result: Mapping[str, Any], path: str | Path) -> bool:
-    """Stacked bars of the handover phases per system and concurrency; False without matplotlib."""
+    """Per disaggregated system, stacked bars of the handover phases per concurrency, with the client's
+    TTFT p50 and the aggregated engine's; False without matplotlib."""
     try:
         import matplotlib
 
@@ -183,24 +198,30 @@ def plot(result: Mapping[str, Any], path: str | Path) -> bool:
     except ImportError:
         print("p2pkv bench serve: matplotlib is not installed; no handover plot", file=sys.stderr)
         return False
-    labels, stacks = [], []
-    for name, sys_result in result["systems"].items():
-        for p in sys_result.get("points", []):
-            h = p.get("handover") or {}
-            labels.append(f"{name}\nc={p['concurrency']}")
-            stacks.append([h.get(c) or 0.0 for c in ("prefill", "decode_first_byte", "proxy")])
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(labels)), 4.2))
-    bottom = [0.0] * len(labels)
-    for i, phase in enumerate(("prefill RT", "decode: sent to first byte", "proxy itself")):
-        values = [s[i] for s in stacks]
-        ax.bar(labels, values, bottom=bottom, label=phase)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ttft = [p["ttft_ms"]["p50"] or 0.0 for s in result["systems"].values() for p in s.get("points", [])]
-    ax.scatter(labels, ttft, color="black", marker="_", s=400, label="TTFT p50 (client)", zorder=3)
-    ax.set_ylabel("ms (phase means)")
-    ax.set_title("where the first token waits", fontsize=9)
-    ax.legend(fontsize=7)
-    ax.tick_params(axis="x", labelsize=7)
+    systems = [n for n in result["systems"] if n != "aggregated" and result["systems"][n].get("points")]
+    if not systems:
+        return False
+    agg = {p["concurrency"]: p["ttft_ms"]["p50"] for p in (result["systems"].get("aggregated") or {}).get(
+        "points", [])}
+    fig, axes = plt.subplots(1, len(systems), figsize=(5.5 * len(systems), 4.4), squeeze=False)
+    for ax, name in zip(axes[0], systems, strict=True):
+        points = result["systems"][name]["points"]
+        labels = [f"c={p['concurrency']}" for p in points]
+        stacks = [stack_of(p.get("handover") or {}) for p in points]
+        bottom = [0.0] * len(points)
+        for i, seg in enumerate(STACK):
+            values = [st[i] for st in stacks]
+            ax.bar(labels, values, bottom=bottom, label=seg)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.scatter(labels, [p["ttft_ms"]["p50"] or 0.0 for p in points], color="black", marker="_", s=500,
+                   label="TTFT p50 (client)", zorder=3)
+        if agg:
+            ax.scatter(labels, [agg.get(p["concurrency"]) or 0.0 for p in points], color="red", marker="_",
+                       s=500, label="aggregated TTFT p50", zorder=3)
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("ms (phase means)")
+        ax.legend(fontsize=6)
+    fig.suptitle("where the first token waits (phase means per point)", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
