@@ -55,7 +55,15 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         nixl_backends: NIXL backends to create (``["UCX"]``).
         nixl_progress_thread: run NIXL's progress thread (one core busy per
             agent; lower latency on idle engines).
-        nixl_num_threads: worker threads of the backends (0: NIXL default).
+        nixl_num_threads: worker threads of the backends (0: NIXL default,
+            none). With UCX, a thread pool of this size moves each READ,
+            split into pieces of ``nixl_split_mib`` (on one host with
+            ``cma``, 2 threads read about 1.5× faster than one where two
+            cores are free: ``docs/benchmarks/transfer-cpu.md``); the threads
+            spin while a READ is in flight and sleep otherwise.
+        nixl_split_mib: with ``nixl_num_threads`` > 0, READ descriptors are
+            cut into pieces of at most this many MiB so the thread pool
+            shares one READ; 0: never.
         ucx_error_handling_mode: UCX endpoint error handling, ``"peer"``
             (detects dead peers; NIXL's default) or ``"none"`` (lets UCX use
             shared-memory transports; a dead peer is then noticed only by
@@ -98,6 +106,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_thread: bool = False
     nixl_num_threads: int = 0
+    nixl_split_mib: float = 4.0
     ucx_error_handling_mode: Literal["", "peer", "none"] = ""
     ucx_num_workers: int = 0
     report_transport: bool = True
@@ -168,6 +177,9 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if not 0 <= self.pull_poll_interval_s <= 1:
             raise ConfigError(f"pull_poll_interval_s must be 0 (no thread) .. 1 s, got {self.pull_poll_interval_s}")
+        if self.nixl_num_threads < 0 or self.nixl_split_mib < 0:
+            raise ConfigError(f"nixl_num_threads ({self.nixl_num_threads}) and nixl_split_mib "
+                              f"({self.nixl_split_mib}) must be >= 0")
         if not 0 <= self.switch_interval_s <= 0.1:
             raise ConfigError(f"switch_interval_s must be 0 (unchanged) .. 0.1 s, got {self.switch_interval_s}")
         if self.staging_mib < 0.0625:

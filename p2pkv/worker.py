@@ -84,7 +84,8 @@ class WorkerSide:
         self.layout = describe_torch_kv_caches(kv_caches, num_blocks)
         self.agent = NixlTransferAgent(unique_agent_name(self.engine_id, self.tp_rank), self.config.nixl_backends,
                                        self.config.nixl_progress_thread, self.config.nixl_num_threads,
-                                       self.config.backend_params(), self.config.report_transport)
+                                       self.config.backend_params(), self.config.report_transport,
+                                       int(self.config.nixl_split_mib * 2**20))
         self.agent.on_transport = lambda r: self.stats.record_transport(r.mem_type, r.transport)
         self.agent.register(self.layout.regions, mem_type, device_id)
         m = self.model

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pkv.dataplane.layout import LayoutError, describe_kv_caches, describe_torch_kv_caches, tensor_info
-from p2pkv.dataplane.plan import PlanError, build_descriptors, coalesce_runs
+from p2pkv.dataplane.plan import PlanError, build_descriptors, coalesce_runs, split_rows
 from p2pkv.tools.bench.synth import KV_LAYOUTS, block_bytes, make_kv_caches
 
 
@@ -145,3 +145,18 @@ def test_mla_latent_cache() -> None:
     assert len(kv.segments) == L
     for b in range(B):
         assert _range_bytes(kv.block_ranges(b)) == _selected_bytes(index[:, b], 2, base.data_ptr())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=12), st.integers(1, 17))
+def test_split_rows_cover_the_same_bytes_in_pieces(lengths, max_bytes) -> None:
+    local = np.array([[1000 * i, n, 0] for i, n in enumerate(lengths)], dtype=np.uint64)
+    remote = np.array([[500_000 + 997 * i, n, 3] for i, n in enumerate(lengths)], dtype=np.uint64)
+    ls, rs = split_rows(local, remote, max_bytes)
+    assert ls[:, 1].max() <= max_bytes and np.array_equal(ls[:, 1], rs[:, 1]) and (rs[:, 2] == 3).all()
+
+    def byte_addrs(rows: np.ndarray) -> list[int]:
+        return [int(a) + k for a, n, _ in rows.tolist() for k in range(n)]
+
+    assert byte_addrs(ls) == byte_addrs(local) and byte_addrs(rs) == byte_addrs(remote)
+    assert len(ls) == sum(-(-n // max_bytes) for n in lengths)

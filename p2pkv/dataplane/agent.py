@@ -112,11 +112,12 @@ class NixlTransferAgent:
         report_transport: learn and log which UCX transport moves each
             peer's READs (:mod:`p2pkv.dataplane.transport`); each report is
             also handed to :attr:`on_transport`.
-        split_bytes: cut READ descriptors longer than this many bytes into
-            pieces (:func:`p2pkv.dataplane.plan.split_rows`) so that NIXL's
-            UCX thread pool (``num_threads`` > 0, which splits a READ by
-            descriptor count; ``split_batch_size`` is then 1 unless given)
-            moves one READ on several threads; 0: never.
+        split_bytes: with ``num_threads`` > 0, cut READ descriptors longer
+            than this many bytes into pieces
+            (:func:`p2pkv.dataplane.plan.split_rows`) so that NIXL's UCX
+            thread pool, which splits a READ by descriptor count
+            (``split_batch_size``, then 1 unless given), moves one READ on
+            all its threads; 0, or no thread pool: never.
 
     Raises:
         TransferError: NIXL is not installed or the agent cannot be created.
@@ -160,7 +161,7 @@ class NixlTransferAgent:
                 f"NIXL backend(s) {missing} unavailable (plugins: {self._agent.plugin_list}); "
                 "check the nixl install and P2PKV_NIXL_BACKENDS"
             )
-        self._split_bytes = split_bytes
+        self._split_bytes = split_bytes if num_threads > 0 else 0
         self._reg_descs: list[object] = []
         self._mem_type = "DRAM"
         self._peers: set[str] = set()

@@ -99,3 +99,35 @@ def build_descriptors(
     if starts.size == 0:
         return np.zeros((0, 3), dtype=np.uint64)
     return np.concatenate([_segment_descs(s, starts, lengths, device_id) for s in segments])
+
+
+def split_rows(local: np.ndarray, remote: np.ndarray, max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut descriptor rows longer than ``max_bytes`` into pieces of at most ``max_bytes``.
+
+    So a READ has enough rows of similar size for NIXL's UCX thread pool to
+    spread them over its threads (it splits a READ by row count).
+
+    Args:
+        local / remote: uint64 ``[n, 3]`` ``(addr, len, device_id)`` rows, equal lengths row by row.
+        max_bytes: the longest piece (> 0).
+
+    Returns:
+        ``(local, remote)`` uint64 ``[m, 3]``, ``m >= n``, covering the same bytes in the same order.
+    """
+    lens = local[:, 1].astype(np.int64)
+    pieces = np.maximum(1, -(-lens // max_bytes))
+    if int(pieces.max(initial=1)) == 1:
+        return local, remote
+    row = np.repeat(np.arange(lens.size), pieces)
+    first = np.cumsum(pieces) - pieces
+    k = np.arange(row.size) - np.repeat(first, pieces)  # piece index within its row
+    off = k * max_bytes
+    size = np.minimum(max_bytes, lens[row] - off)
+    out = []
+    for rows in (local, remote):
+        d = np.empty((row.size, 3), dtype=np.uint64)
+        d[:, 0] = rows[row, 0] + off.astype(np.uint64)
+        d[:, 1] = size.astype(np.uint64)
+        d[:, 2] = rows[row, 2]
+        out.append(d)
+    return out[0], out[1]

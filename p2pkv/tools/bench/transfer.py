@@ -16,6 +16,11 @@ bytes) four ways:
 * ``per_layer``: vLLM NixlConnector's scheme: ``LBHNC``, one descriptor per
   block per layer (run lengths all 1, nothing coalesced).
 * ``layer_coalesced``: ``LBHNC`` + coalescing: one descriptor per run per layer.
+* ``readv`` / ``readv_2t`` (``--role both`` on CPU only): the host's ceiling for
+  a copy between two processes without NIXL or UCX: ``process_vm_readv``
+  calls (what UCX's ``cma`` transport makes) of the ``cross_layer`` byte
+  ranges straight from the prefill process, from one thread / two threads
+  (:mod:`p2pkv.tools.bench.readv`).
 
 Where the two processes run (``--role``):
 
@@ -77,8 +82,8 @@ from p2pkv.tools.bench.transfer_options import (
 )
 from p2pkv.tools.bench.transfer_prefill import RemotePrefill, SpawnedPrefill, log, serve
 
-__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "build_parser", "check_options", "cli_main", "main", "method_labels",
-           "resolve_device", "run_prefill", "run_transfer_bench"]
+__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "READV_METHODS", "build_parser", "check_options", "cli_main", "main",
+           "method_labels", "resolve_device", "run_prefill", "run_transfer_bench"]
 
 if TYPE_CHECKING:
     import argparse
@@ -92,6 +97,13 @@ METHODS: dict[str, str] = {
     "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
 }
 """Method key → what it measures (host memory; see :func:`method_labels`)."""
+
+READV_METHODS: dict[str, str] = {
+    "readv": "host ceiling: process_vm_readv of the cross-layer byte ranges from the prefill process, 1 thread "
+             "(no NIXL/UCX)",
+    "readv_2t": "host ceiling: the same process_vm_readv calls split over 2 threads",
+}
+"""Ceiling methods added when the prefill process is a child on this host with host memory."""
 
 CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
                      "between torch.cuda.synchronize() calls; the limit)")
@@ -183,14 +195,14 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
     blocks = int(placements[0][0].size)
     entry: dict[str, Any] = {"tokens": tokens, "blocks_per_request": blocks, "runs_per_request": report.counts(runs),
                              "bytes_per_request": blocks * opts.shape.block_bytes, "methods": {}}
-    warm = {method: dec.verified_pull(method, *placements[0]) for method in METHODS}
-    names, samples = list(METHODS), {method: [] for method in METHODS}
+    warm = {method: dec.verified_pull(method, *placements[0]) for method in dec.labels}
+    names, samples = list(dec.labels), {method: [] for method in dec.labels}
     for i, (loc, rem) in enumerate(placements):
         # Interleaved, in rotating order: every method sees the same background load.
         for method in names[i % len(names):] + names[:i % len(names)]:
             samples[method].append(dec.timed(method, loc, rem))
         _log(opts, f"{tokens} tokens: request {i + 1}/{len(placements)} pulled every way")
-    for method in METHODS:
+    for method in dec.labels:
         plan_s, pull_s, descs = zip(*samples[method], strict=True)
         res = entry["methods"][method] = report.method_stats(
             dec.labels[method], entry["bytes_per_request"], pull_s, plan_s, descs, *warm[method])
@@ -237,6 +249,9 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         dec = Decode(opts, num_blocks, device, method_labels(device))  # while a spawned prefill starts
         ready = link.ready()
         dec.connect(ready, link.host)
+        if isinstance(link, SpawnedPrefill) and device.type == "cpu":
+            why = dec.enable_readv(link.proc.pid, READV_METHODS)
+            _log(opts, f"readv ceiling: {why or 'measured'}")
         _log(opts, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
         decode_rss = report.peak_rss_bytes()

@@ -1,4 +1,4 @@
-"""The decode side of ``p2pkv bench transfer``: destination caches, one NIXL agent, the four ways to pull.
+"""The decode side of ``p2pkv bench transfer``: destination caches, one NIXL agent, the ways to pull.
 
 :class:`Decode` holds two destination caches (``BLHNC`` and ``LBHNC``) on
 one :class:`p2pkv.dataplane.agent.NixlTransferAgent`, fetches both prefill caches'
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
+from p2pkv.tools.bench.readv import Readv, ReadvError
 from p2pkv.tools.bench.synth import make_shaped_kv_caches, ranges_equal, run_ranges
 from p2pkv.tools.bench.transfer_options import PREFILL_CACHE_LAYOUTS, remote_seed
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 
 PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC"}
 """NIXL method → the prefill cache (layout) it pulls from."""
+READV_THREADS = {"readv": 1, "readv_2t": 2}
+"""Ceiling method → threads; each reads the ``cross_layer`` byte ranges (``BLHNC``) with ``process_vm_readv``."""
 
 _NOTIF = b"p2pkv:done:bench"
 
@@ -76,7 +79,7 @@ class Decode:
         self.sync()
         self.agent = NixlTransferAgent(
             unique_agent_name("bench-decode", 0), ("UCX",), opts.progress_thread, opts.num_threads,
-            P2pKvConfig(**opts.nixl_settings()).backend_params())
+            P2pKvConfig(**opts.nixl_settings()).backend_params(), split_bytes=int(opts.split_mib * 2**20))
         self.caches = {lay: base for lay, (base, _) in made.items()}
         self.layouts = {lay: describe_torch_kv_caches(views, num_blocks) for lay, (_, views) in made.items()}
         t0 = time.perf_counter()
@@ -84,6 +87,22 @@ class Decode:
         self.register_ms = (time.perf_counter() - t0) * 1e3
         self.peers: dict[str, dict[str, float]] = {}
         self.sides: dict[str, _Side] = {}
+        self.readv: Readv | None = None
+
+    def enable_readv(self, pid: int, labels: dict[str, str]) -> str:
+        """Add the ``process_vm_readv`` ceiling methods (``labels``) reading from process ``pid``, after
+        checking one small read works; ``""`` when added, else why not. Call after :meth:`connect`."""
+        side = self.sides["BLHNC"]
+        probe = build_descriptors(side.remote_segments, np.zeros(1, np.int64), np.ones(1, np.int64), 0)[:1]
+        local = build_descriptors(side.local_segments, np.zeros(1, np.int64), np.ones(1, np.int64), 0)[:1]
+        try:
+            readv = Readv(pid)
+            readv.read(local, probe)
+        except ReadvError as exc:
+            return f"not measured: {exc}"
+        self.readv = readv
+        self.labels.update(labels)
+        return ""
 
     def connect(self, ready: dict[str, Any], host: str) -> None:
         """Handshake with both prefill caches' side channels at ``host`` and load their metadata (timed).
@@ -125,7 +144,7 @@ class Decode:
         runs = coalesce_runs(loc, rem, self.num_blocks, self.num_blocks)
         if method == "memcpy":
             return {"runs": runs, "descs": int(runs[0].size)}
-        side = self.sides[PEER_LAYOUT[method]]
+        side = self.sides[_layout(method)]
         ld = build_descriptors(side.local_segments, runs[0], runs[2], self.device_id)
         rd = build_descriptors(side.remote_segments, runs[1], runs[2], side.remote_device_id)
         return {"local": ld, "remote": rd, "descs": int(ld.shape[0])}
@@ -140,6 +159,11 @@ class Decode:
             for a, b, n in zip(ls, rs, lens, strict=True):
                 dst[a * bb:(a + n) * bb].copy_(src[b * bb:(b + n) * bb])
             self.sync()
+            return time.perf_counter() - t0
+        if method in READV_THREADS:
+            assert self.readv is not None
+            t0 = time.perf_counter()
+            self.readv.read(plan["local"], plan["remote"], READV_THREADS[method])
             return time.perf_counter() - t0
         side = self.sides[PEER_LAYOUT[method]]
         t0 = time.perf_counter()
@@ -158,7 +182,7 @@ class Decode:
             dst, src, seed = self.sides["LBHNC"].raw, self.sides["BLHNC"].raw, 0
             ranges = run_ranges([(0, bb, bb)], *runs)
         else:
-            side = self.sides[PEER_LAYOUT[method]]
+            side = self.sides[_layout(method)]
             dst, src, seed = side.raw, None, side.seed
             ranges = run_ranges(side.segs, *runs)
         for d, _, n in ranges:
@@ -175,6 +199,11 @@ class Decode:
         plan = self.plan(method, loc, rem)
         t1 = time.perf_counter()
         return t1 - t0, self.execute(method, plan), plan["descs"]
+
+
+def _layout(method: str) -> str:
+    """The prefill cache (layout) a pulling method reads."""
+    return "BLHNC" if method in READV_THREADS else PEER_LAYOUT[method]
 
 
 def check_compatible(local: KVLayoutDesc, remote: KVLayoutDesc) -> None:
