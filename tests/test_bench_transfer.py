@@ -62,7 +62,7 @@ def test_bench_transfer_tiny_end_to_end(tmp_path) -> None:
     for entry in data["results"]:
         methods = entry["methods"]
         # Prefill is a child on this host with host memory: the process_vm_readv ceiling is measured too.
-        assert set(methods) == set(METHODS) | set(READV_METHODS)
+        assert set(methods) == set(METHODS) | set(READV_METHODS) | {"cross_layer_pool"}
         assert methods["readv"]["descriptors_per_request"] == methods["cross_layer"]["descriptors_per_request"]
         blocks = TINY.blocks_for(entry["tokens"])
         assert entry["blocks_per_request"] == blocks
@@ -86,7 +86,7 @@ def test_bench_transfer_tiny_end_to_end(tmp_path) -> None:
                                                    "first_request_setup_ms"}
     assert next(t for t in data["targets"] if t["name"] == "descriptors_le_runs")["met"] is True
     table = report.format_table(result)
-    assert all(name in table for name in (*METHODS, *READV_METHODS))
+    assert all(name in table for name in (*METHODS, *READV_METHODS, "cross_layer_pool"))
     ceiling = next(t for t in data["targets"] if t["name"] == "cpu_cross_layer_vs_memcpy_or_ceiling")
     assert ceiling["met"] is None  # 4k and 16k tokens were not measured
     assert data["config"]["device"] == "cpu" and data["config"]["nixl_mem_type"] == "DRAM"
@@ -166,7 +166,7 @@ def test_bench_transfer_tiny_cuda() -> None:
     assert dev["type"] == "cuda" and dev["name"] == torch.cuda.get_device_name(dev["index"])
     assert result["config"]["device"] == f"cuda:{dev['index']}" and result["config"]["nixl_mem_type"] == "VRAM"
     (entry,) = result["results"]
-    assert set(entry["methods"]) == set(METHODS)
+    assert set(entry["methods"]) == set(METHODS) | {"cross_layer_pool"}
     for name, m in entry["methods"].items():
         assert m["verified"] is True, f"{name} pulled wrong bytes"
         assert m["gbps"] > 0
@@ -266,7 +266,7 @@ def test_bench_transfer_split_roles_over_loopback(tmp_path: Path) -> None:
                                         "side_channel_ports": {"BLHNC": port, "LBHNC": port + 1}}
     assert data["prefill_machine"]["versions"]["torch"] and data["prefill_machine"]["device"]["type"] == "cpu"
     (entry,) = data["results"]
-    assert set(entry["methods"]) == set(METHODS)
+    assert set(entry["methods"]) == set(METHODS) | {"cross_layer_pool"}
     for name, m in entry["methods"].items():
         assert m["verified"] is True, f"{name} pulled wrong bytes"
     assert data["processes"]["prefill_notifications"] >= 1 and data["processes"]["prefill_peak_rss_bytes"] > 0

@@ -244,17 +244,21 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _ceiling_target(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Host memory at 4k and 16k tokens: cross-layer >= 0.6x memcpy, or this host's ceiling for a copy
-    between two processes (the best ``readv`` method, same run) is itself below 0.6x memcpy."""
+    """Host memory at 4k and 16k tokens: p2pkv's cross-layer pulls (the better of ``cross_layer`` and
+    ``cross_layer_pool``) >= 0.6x memcpy, or this host's ceiling for a copy between two processes (the
+    best ``readv`` method, same run) is itself below 0.6x memcpy."""
     measured: dict[int, dict[str, float]] = {}
     for e in rows:
         ceil = [m["ratio_to_memcpy"] for k, m in e["methods"].items() if k.startswith("readv")]
         if e["tokens"] in (4096, 16384) and ceil:
-            cross = e["methods"]["cross_layer"]["ratio_to_memcpy"]
-            measured[e["tokens"]] = {"cross_layer": cross, "readv_ceiling": max(ceil),
-                                     "cross_vs_ceiling": cross / max(ceil)}
+            ms = e["methods"]
+            best = max(ms[k]["ratio_to_memcpy"] for k in ("cross_layer", "cross_layer_pool") if k in ms)
+            measured[e["tokens"]] = {"cross_layer": ms["cross_layer"]["ratio_to_memcpy"], "best_p2pkv": best,
+                                     "readv_ceiling": max(ceil), "best_vs_ceiling": best / max(ceil)}
+            if "cross_layer_pool" in ms:
+                measured[e["tokens"]]["cross_layer_pool"] = ms["cross_layer_pool"]["ratio_to_memcpy"]
     limit = TARGETS["cpu_cross_vs_memcpy"]
-    met = (all(v["cross_layer"] >= limit or v["readv_ceiling"] < limit for v in measured.values())
+    met = (all(v["best_p2pkv"] >= limit or v["readv_ceiling"] < limit for v in measured.values())
            if len(measured) == 2 else None)
     return {"name": "cpu_cross_layer_vs_memcpy_or_ceiling",
             "target": ">= 0.6x memcpy GB/s at 4k and 16k tokens, or the host's process_vm_readv ceiling is lower",

@@ -16,6 +16,10 @@ bytes) four ways:
 * ``per_layer``: vLLM NixlConnector's scheme: ``LBHNC``, one descriptor per
   block per layer (run lengths all 1, nothing coalesced).
 * ``layer_coalesced``: ``LBHNC`` + coalescing: one descriptor per run per layer.
+* ``cross_layer_pool`` (``--pool-threads`` > 0, default 2): ``cross_layer``
+  on a second decode agent whose READs NIXL's UCX thread pool moves, each
+  cut into ``--split-mib`` pieces (p2pkv's ``nixl_num_threads`` /
+  ``nixl_split_mib``).
 * ``readv`` / ``readv_2t`` (``--role both`` on CPU only): the host's ceiling for
   a copy between two processes without NIXL or UCX: ``process_vm_readv``
   calls (what UCX's ``cma`` transport makes) of the ``cross_layer`` byte
@@ -256,11 +260,11 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         results = [_bench_tokens(dec, opts, t) for t in tokens]
         decode_rss = report.peak_rss_bytes()
         decode_gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
-        dec.agent.close()
+        dec.close()
         done = link.finish()
     finally:
         if dec is not None:
-            dec.agent.close()
+            dec.close()
         torch.set_num_threads(threads)
         if link is not None:
             link.close()

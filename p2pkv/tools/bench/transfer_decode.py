@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
 from p2pkv.tools.bench.readv import Readv, ReadvError
 from p2pkv.tools.bench.synth import make_shaped_kv_caches, ranges_equal, run_ranges
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from handshake import KVLayoutDesc
     from p2pkv.tools.bench.transfer_options import TransferBenchOptions
 
-PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC"}
+PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC", "cross_layer_pool": "BLHNC"}
 """NIXL method → the prefill cache (layout) it pulls from."""
 READV_THREADS = {"readv": 1, "readv_2t": 2}
 """Ceiling method → threads; each reads the ``cross_layer`` byte ranges (``BLHNC``) with ``process_vm_readv``."""
@@ -64,7 +65,7 @@ class Decode:
         import torch
 
         from p2pkv.config import P2pKvConfig
-        from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
+        from p2pkv.dataplane.agent import unique_agent_name
         from p2pkv.dataplane.layout import describe_torch_kv_caches
 
         self.opts, self.num_blocks, self.device = opts, num_blocks, device
@@ -85,6 +86,16 @@ class Decode:
         t0 = time.perf_counter()
         self.agent.register([r for lay in self.layouts.values() for r in lay.regions], self.mem_type, self.device_id)
         self.register_ms = (time.perf_counter() - t0) * 1e3
+        self.pool_agent: NixlTransferAgent | None = None
+        if opts.pool_threads > 0:  # the same BLHNC memory on a second agent whose READs a thread pool moves
+            self.pool_agent = NixlTransferAgent(
+                unique_agent_name("bench-decode-pool", 0), ("UCX",), opts.progress_thread, opts.pool_threads,
+                P2pKvConfig(**opts.nixl_settings()).backend_params(), report_transport=False,
+                split_bytes=int(opts.split_mib * 2**20))
+            self.pool_agent.register(self.layouts["BLHNC"].regions, self.mem_type, self.device_id)
+            self.labels["cross_layer_pool"] = (
+                f"p2pkv cross-layer READs (as cross_layer) on NIXL's UCX thread pool: {opts.pool_threads} threads, "
+                f"descriptors cut into {opts.split_mib:g} MiB pieces (nixl_num_threads / nixl_split_mib)")
         self.peers: dict[str, dict[str, float]] = {}
         self.sides: dict[str, _Side] = {}
         self.readv: Readv | None = None
@@ -125,6 +136,8 @@ class Decode:
             check_compatible(layout_desc(local, shape.model_info(lay), "HND", mem_type=self.mem_type), info.layout)
             name = self.agent.add_peer(info)
             t2 = time.perf_counter()
+            if lay == "BLHNC" and self.pool_agent is not None:
+                self.pool_agent.add_peer(info)
             self.peers[lay] = {"handshake_ms": (t1 - t0) * 1e3, "add_remote_agent_ms": (t2 - t1) * 1e3,
                                "setup_ms": (t2 - t0) * 1e3, "prefill_register_ms": ready[lay]["register_ms"]}
             origin = local.regions[0].addr
@@ -166,13 +179,20 @@ class Decode:
             self.readv.read(plan["local"], plan["remote"], READV_THREADS[method])
             return time.perf_counter() - t0
         side = self.sides[PEER_LAYOUT[method]]
+        agent = self.pool_agent if method == "cross_layer_pool" and self.pool_agent is not None else self.agent
         t0 = time.perf_counter()
-        handle = self.agent.start_read(side.peer, plan["local"], plan["remote"], b"")
-        while not self.agent.poll(handle):
+        handle = agent.start_read(side.peer, plan["local"], plan["remote"], b"")
+        while not agent.poll(handle):
             pass
         seconds = time.perf_counter() - t0
-        self.agent.send_notif(side.peer, _NOTIF)  # as WorkerSide does: after the READ, off the timed path
+        agent.send_notif(side.peer, _NOTIF)  # as WorkerSide does: after the READ, off the timed path
         return seconds
+
+    def close(self) -> None:
+        """Close both NIXL agents. Idempotent."""
+        self.agent.close()
+        if self.pool_agent is not None:
+            self.pool_agent.close()
 
     def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None]:
         """Scrub a request's destination, pull it, compare with the source: ``(seconds, equal)``."""
@@ -189,7 +209,7 @@ class Decode:
             dst[d:d + n].zero_()
         self.sync()  # scrubbed before NIXL (its own CUDA streams) writes
         seconds = self.execute(method, self.plan(method, loc, rem))
-        if method in PEER_LAYOUT:
+        if method in PEER_LAYOUT and method != "cross_layer_pool":
             self.peers[PEER_LAYOUT[method]].setdefault("first_pull_ms", seconds * 1e3)
         return seconds, (ranges_equal(dst, ranges, src, seed) if self.opts.verify else None)
 

@@ -55,6 +55,9 @@ class TransferBenchOptions:
         num_threads: UCX backend worker threads (0: NIXL default).
         ucx_error_handling_mode: ``"peer"``, ``"none"`` or ``""`` (NIXL default), as in P2pKvConfig.
         ucx_num_workers: UCX workers per agent (0: NIXL default).
+        pool_threads: also pull ``cross_layer`` through a second decode agent
+            with NIXL's UCX thread pool of this many threads
+            (``cross_layer_pool``); 0: not measured.
         split_mib: with ``num_threads`` > 0, cut the decode side's READ
             descriptors into pieces of at most this many MiB (0: never), as
             p2pkv's ``nixl_split_mib`` does, so NIXL's thread pool shares a READ.
@@ -97,6 +100,7 @@ class TransferBenchOptions:
     num_threads: int = 0
     ucx_error_handling_mode: str = ""
     ucx_num_workers: int = 0
+    pool_threads: int = 2
     split_mib: float = 4.0
     memcpy_threads: int = 0
     max_mem_gib: float = 6.0
@@ -148,8 +152,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-error-handling-mode", choices=["", "peer", "none"], default="",
                    help="UCX endpoint error handling ('': NIXL default)")
     p.add_argument("--ucx-num-workers", type=int, default=0, help="UCX workers per agent (0: NIXL default)")
+    p.add_argument("--pool-threads", type=int, default=d.pool_threads,
+                   help="also measure cross_layer_pool: cross-layer READs on NIXL's UCX thread pool of this many "
+                        "threads (0: not measured)")
     p.add_argument("--split-mib", type=float, default=d.split_mib,
-                   help="with --num-threads: cut READ descriptors into pieces of at most this many MiB (0: never)")
+                   help="with --num-threads / --pool-threads: cut READ descriptors into pieces of at most this "
+                        "many MiB (0: never)")
     p.add_argument("--memcpy-threads", type=int, default=0, help="torch threads for memcpy (0: torch default)")
     p.add_argument("--max-mem-gib", type=float, default=d.max_mem_gib,
                    help="memory per process (GiB; GPU memory with --device cuda): two KV caches plus about 0.75 GiB")
@@ -186,8 +194,8 @@ def options_from_args(args: argparse.Namespace) -> TransferBenchOptions:
         shape=shape, tokens=tuple(args.tokens), requests=args.requests, num_blocks=args.num_blocks,
         seed=args.seed, fragmentation=args.fragmentation, progress_thread=args.progress_thread,
         num_threads=args.num_threads, ucx_error_handling_mode=args.ucx_error_handling_mode,
-        ucx_num_workers=args.ucx_num_workers, split_mib=args.split_mib, memcpy_threads=args.memcpy_threads,
-        max_mem_gib=args.max_mem_gib,
+        ucx_num_workers=args.ucx_num_workers, pool_threads=args.pool_threads, split_mib=args.split_mib,
+        memcpy_threads=args.memcpy_threads, max_mem_gib=args.max_mem_gib,
         device=args.device, verify=not args.no_verify, host=args.host, prefill_poll_ms=args.prefill_poll_ms,
         quiet=args.quiet, role=args.role, peer=args.peer, port=args.port, control_port=args.control_port,
         serve_seconds=args.serve_seconds, peer_timeout_s=args.peer_timeout)
