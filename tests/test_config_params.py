@@ -55,6 +55,10 @@ def test_params_round_trip_nixl_compatible() -> None:
     ({"remote_block_ids": [[1], [2]]}, "remote_block_ids"),
     ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
     ({"remote_block_ids": "1,2"}, "remote_block_ids"),
+    ({"remote_block_ids": [1, True]}, "remote_block_ids"),
+    ({"remote_block_ids": [1.0, 2]}, "remote_block_ids"),
+    ({"remote_block_ids": [[1, -1]]}, "remote_block_ids"),
+    ({"remote_block_ids": [list(range(2_000_001))]}, "remote_block_ids"),
     ({"remote_host": None}, "remote_host"),
 ])
 def test_bad_params_name_the_key(change, field) -> None:
