@@ -9,7 +9,9 @@ pull is in flight, a daemon thread polls them every ``interval_s``
 it sleeps on an event otherwise. The engine step still advances them too and
 collects what finished.
 
-Every access to the pulls holds :attr:`Progress.lock`.
+Every access to the pulls holds :attr:`Progress.lock`. Work that must run
+where vLLM runs its model (a staged READ's fixup kernels, on vLLM's CUDA
+stream) is left to the engine step (:meth:`Progress.on_thread`).
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ class Progress:
         name: the thread's name.
         interval_s: seconds between two calls while in flight; 0: no thread
             (only the engine step advances the pulls).
+        on_start: called first on the thread (e.g. to make the KV cache's GPU current there).
     """
 
-    def __init__(self, advance: Callable[[], bool], name: str, interval_s: float = INTERVAL_S) -> None:
+    def __init__(self, advance: Callable[[], bool], name: str, interval_s: float = INTERVAL_S,
+                 on_start: Callable[[], None] | None = None) -> None:
         self.lock = threading.RLock()
-        self._advance, self._interval_s = advance, interval_s
+        self._advance, self._interval_s, self._on_start = advance, interval_s, on_start
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         if interval_s > 0:
@@ -48,7 +52,17 @@ class Progress:
         """New work: start polling (no-op while already polling)."""
         self._wake.set()
 
+    def on_thread(self) -> bool:
+        """True when called on this thread (not on vLLM's engine thread)."""
+        return self._thread is not None and threading.current_thread() is self._thread
+
     def _run(self) -> None:
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except Exception:
+                logger.exception("p2pkv: preparing the pulls' thread failed; pulls advance at engine steps only")
+                return
         while not self._stop.is_set():
             self._wake.wait()
             self._wake.clear()

@@ -64,7 +64,8 @@ class Puller:
         self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
         self.compat_hash, self.stats = compat_hash, stats
         self._secret = config.secret_bytes()
-        self.progress = Progress(self._advance, f"p2pkv-pulls-tp{tp_rank}", config.pull_poll_interval_s)
+        self.progress = Progress(self._advance, f"p2pkv-pulls-tp{tp_rank}", config.pull_poll_interval_s,
+                                 on_start=lambda: _bind_device(desc.mem_type, device_id))
         self.lock = self.progress.lock
         self.background = Background(on_done=self.progress.wake)
         self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size)
@@ -118,7 +119,8 @@ class Puller:
         self._poll_reads()
         self._collect_fence()
         self.fence.send()
-        return bool(self._draining) or any(r.in_flight for p in self.in_state(PullState.READING) for r in p.reads)
+        return bool(self._draining) or any(r.in_flight and r.stage is None
+                                           for p in self.in_state(PullState.READING) for r in p.reads)
 
     def take_load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call."""
@@ -255,8 +257,8 @@ class Puller:
             for read in pull.reads:
                 if pull.state is not PullState.READING or read.attempt != pull.attempt:
                     break  # abandoned (or retried) during this loop
-                if read.in_flight:
-                    self._poll(pull, read, now)
+                if read.in_flight and (read.stage is None or not self.progress.on_thread()):
+                    self._poll(pull, read, now)  # a staged READ's fixup runs at the engine step
             if pull.state is PullState.READING and all(r.done for r in pull.reads):
                 pull.marks["read"] = time.time()
                 self._to(pull, PullState.FENCING)
@@ -406,3 +408,12 @@ def topology(desc: KVLayoutDesc, tp_rank: int, tp_size: int, remote_tp: int) -> 
         return read_plan(*args), notify_ranks(*args)
     except TopologyError as exc:
         raise PullRefused(f"prefill tp_size={remote_tp}, decode tp_size={tp_size}: {exc}") from exc
+
+
+def _bind_device(mem_type: str, device_id: int) -> None:
+    """Make the KV cache's GPU the current device of the calling thread (NIXL and CUDA calls made there
+    otherwise go to GPU 0); nothing for host memory."""
+    if mem_type == "VRAM":
+        import torch
+
+        torch.cuda.set_device(device_id)
