@@ -58,7 +58,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         nixl_num_threads: worker threads of the backends (0: NIXL default,
             none). With UCX, a thread pool of this size moves each READ,
             split into pieces of ``nixl_split_mib`` (on one host with
-            ``cma``, 2 threads read about 1.5× faster than one where two
+            ``cma``, 2 threads READ about 1.3× faster than one where two
             cores are free: ``docs/benchmarks/transfer-cpu.md``); the threads
             spin while a READ is in flight and sleep otherwise.
         nixl_split_mib: with ``nixl_num_threads`` > 0, READ descriptors are
