@@ -38,6 +38,7 @@ import re
 import shutil
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,6 +226,9 @@ class TransportWatch:
             self._why_none = f"UCX_PROTO_INFO_DIR={user_dir} is a template p2pkv cannot resolve"
         self._lock = threading.Lock()
         self._before: dict[str, set[str]] = {}
+        self._seen: list[Selection] = []
+        if self._own:
+            weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self.reports: dict[str, TransportReport] = {}
         """Peer name → its report, once its first READ finished."""
 
@@ -255,10 +259,13 @@ class TransportWatch:
             if before is None or peer in self.reports:
                 return None
             now = self._listing()
-            new = now - before
-            selections = self._read(new or now)
-            if not new:  # an endpoint configuration an earlier peer made UCX select for already
-                selections = [s for s in selections if (s.into_mem == "host") == (mem_type == "DRAM")]
+            selections = self._read(now - before)
+            if self._own:  # read once; remembered below (a killed engine leaves an empty directory at most)
+                for name in now:
+                    (self.dir / name).unlink(missing_ok=True)
+            self._seen.extend(selections)
+            if not selections:  # an endpoint configuration an earlier peer made UCX select for already
+                selections = [s for s in self._seen if (s.into_mem == "host") == (mem_type == "DRAM")]
             report = summarize(peer, mem_type, selections, self._why_none)
             self.reports[peer] = report
         logger.info("p2pkv: READs from %s into %s move over UCX %s (%s; UCX's selection: %s)", peer, mem_type,
