@@ -112,6 +112,7 @@ class SchedulerSide:
                 "p2pkv: request %s: %s; prefilling it locally instead", request.request_id, exc
             )
             params["do_remote_prefill"] = False
+            self._queued.pop(request.request_id, None)  # prefilled here: no more lease heartbeats for it
             return None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -150,10 +150,10 @@ def test_queued_request_params_are_parsed_once_with_the_same_outcome() -> None:
         assert len(sched._queued) == (2 if interval else 0)
         assert sched.get_num_new_matched_tokens(reqs["other-prompt"], 0) == (0, False)
         assert reqs["other-prompt"].kv_transfer_params["do_remote_prefill"] is False
+        assert "other-prompt" not in sched._queued  # prefilled locally: its prefill lease is not kept alive
         assert sched.get_num_new_matched_tokens(reqs["ok"], 4) == (6, True)
         sched.update_state_after_alloc(reqs["ok"], blocks, 6)
         assert "ok" not in sched._queued
-        sched._next_heartbeat = float("inf")  # no heartbeat round for the refused request still queued
         specs.append([(t.request_id, t.local_block_ids, t.remote_block_ids, t.remote, t.first_token, t.num_tokens)
                       for t in sched.build_connector_meta().pulls])
         sched.shutdown()
