@@ -1,0 +1,95 @@
+"""The pulls' thread: it advances pulls between engine steps, and stops when told."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from p2pkv.decode.progress import Progress
+from p2pkv.decode.pull import PullState
+from tests.p2p_harness import DecodeSide, PrefillProc, free_port, pull_task
+
+
+def test_progress_polls_while_active_sleeps_until_woken_and_stops() -> None:
+    calls, active, seen_on_thread = [], threading.Event(), []
+
+    def advance() -> bool:
+        calls.append(time.monotonic())
+        seen_on_thread.append(progress.on_thread())
+        return active.is_set()
+
+    progress = Progress(advance, "p2pkv-test-progress", interval_s=0.001)
+    try:
+        time.sleep(0.05)
+        assert calls == []  # nothing to do until woken
+        active.set()
+        progress.wake()
+        time.sleep(0.1)
+        polled = len(calls)
+        assert polled >= 5, polled  # keeps polling while advance() says a READ is in flight
+        active.clear()
+        time.sleep(0.05)
+        settled = len(calls)
+        time.sleep(0.05)
+        assert len(calls) == settled  # went back to sleep
+        progress.wake()
+        time.sleep(0.05)
+        assert len(calls) == settled + 1  # one round per wake when idle
+        assert all(seen_on_thread) and not progress.on_thread()
+    finally:
+        progress.close()
+    assert not any(t.name == "p2pkv-test-progress" for t in threading.enumerate())
+
+
+def test_no_thread_at_interval_zero_and_a_failing_start_leaves_no_thread() -> None:
+    calls: list[int] = []
+    off = Progress(lambda: bool(calls.append(1)), "p2pkv-test-off", interval_s=0.0)
+    off.wake()
+    time.sleep(0.05)
+    assert calls == [] and not off.on_thread()
+    off.close()
+
+    def boom() -> None:
+        raise RuntimeError("no GPU here")
+
+    broken = Progress(lambda: bool(calls.append(1)), "p2pkv-test-broken", interval_s=0.001, on_start=boom)
+    broken.wake()
+    time.sleep(0.05)
+    assert calls == []  # the engine step still advances the pulls
+    broken.close()
+    assert not any(t.name.startswith("p2pkv-test-") for t in threading.enumerate())
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[PrefillProc]:
+    pf = PrefillProc(free_port(), seed=3, num_blocks=64, lease_s=30.0)
+    pf.start()
+    try:
+        yield pf
+    finally:
+        pf.stop()
+
+
+def test_a_pull_finishes_between_engine_steps(prefill: PrefillProc) -> None:
+    """After the handshake, a pull is posted at start_load_kv and then read, fenced and confirmed by the
+    pulls' thread alone: no engine step (get_finished) runs until it is DONE, and the bytes are right."""
+    d = DecodeSide(64, handshake_timeout_s=2.0)
+    try:
+        prefill.lease(["p-warm", "p-1"])
+        d.start(pull_task("d-warm", "p-warm", prefill.port, [1], [2]))
+        assert d.pump({"d-warm"}, 30.0) == set()  # handshake done (engine steps allowed here)
+        d.start(pull_task("d-1", "p-1", prefill.port, [10, 11, 12], [20, 21, 22]))
+        puller = d.worker.puller
+        assert puller is not None
+        deadline = time.monotonic() + 10.0
+        while puller.pulls and time.monotonic() < deadline:  # DONE pulls leave the list
+            time.sleep(0.001)
+        assert not puller.pulls and not puller.in_state(PullState.READING)
+        assert d.step() == {"d-1"}  # the first engine step after it hands it to vLLM
+        expected = prefill.expected()
+        assert all(d.block_ok(lb, rb, expected) for lb, rb in ((10, 20), (11, 21), (12, 22)))
+    finally:
+        d.close()
