@@ -10,6 +10,7 @@ The lifecycle that moves pulls between states is
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,6 +101,11 @@ class Pull:
     num_descriptors: int = 0
     draining: int = 0
     marks: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def taken(cls, spec: PullSpec) -> Pull:
+        """A new pull of ``spec``, taken by the worker now (its first phase marks set)."""
+        return cls(spec, marks={"arrival": spec.arrival, "scheduled": spec.scheduled, "taken": time.time()})
 
     @property
     def request_id(self) -> str:

@@ -83,25 +83,19 @@ class Puller:
         """Take this step's new pulls (after those that waited for staging), and the pulls the
         scheduler could not set up (``failed``: request id → local blocks, reported failed)."""
         with self.lock:
-            self._start(specs, failed)
+            for request_id, blocks in (failed or {}).items():
+                self._load_errors.update(blocks)
+                self._finished.add(request_id)
+                self.stats.record_failure(FailureKind.REFUSED.value)
+            new, waiting, self._staging_wait = [Pull.taken(spec) for spec in specs], self._staging_wait, []
+            self.pulls += new
+            for pull in [*waiting, *new]:
+                try:
+                    self._begin(pull)
+                except Exception as exc:  # a bug must fail this pull, not the engine step
+                    logger.exception("p2pkv: starting the pull of %s failed", pull.request_id)
+                    self._fail(pull, FailureKind.REFUSED, f"unexpected error: {exc!r}")
         self.progress.wake()
-
-    def _start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None) -> None:
-        for request_id, blocks in (failed or {}).items():
-            self._load_errors.update(blocks)
-            self._finished.add(request_id)
-            self.stats.record_failure(FailureKind.REFUSED.value)
-        now = time.time()
-        new = [Pull(spec, marks={"arrival": spec.arrival, "scheduled": spec.scheduled, "taken": now})
-               for spec in specs]
-        waiting, self._staging_wait = self._staging_wait, []
-        self.pulls += new
-        for pull in [*waiting, *new]:
-            try:
-                self._begin(pull)
-            except Exception as exc:  # a bug must fail this pull, not the engine step
-                logger.exception("p2pkv: starting the pull of %s failed", pull.request_id)
-                self._fail(pull, FailureKind.REFUSED, f"unexpected error: {exc!r}")
 
     def step(self) -> set[str]:
         """Advance every pull; the request ids finished (loaded or failed) since the last call."""
