@@ -62,7 +62,31 @@ def _group(group: Any) -> str:
     return f"{type(spec).__name__}({', '.join(extra)}){draft}x{len(group.layer_names)}"
 
 
-def model_info(vllm_config: VllmConfig) -> ModelInfo:
+def frees_blocks_behind_window(kv_cache_config: KVCacheConfig | None) -> bool:
+    """Whether vLLM frees a request's blocks behind an attention window in this KV cache.
+
+    True when a group is sliding-window (``SlidingWindowSpec``) or chunked
+    local attention (``ChunkedLocalAttentionSpec``): vLLM replaces blocks no
+    longer inside the window with its null block (id 0), also just before
+    ``request_finished``, computing the window from the tokens computed so
+    far. A request whose ``N`` prompt tokens were all computed loses the block
+    of token ``N - window``, which the last prompt token attends to; so
+    p2pkv has the prefill engine compute ``N - 1`` tokens and the decode
+    engine load those and compute the last one (vLLM's NixlConnector backs off
+    one token the same way for Mamba state).
+    """
+    if kv_cache_config is None:
+        return False
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
+
+    specs = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs += list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    return any(isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec) for spec in specs)
+
+
+def model_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None) -> ModelInfo:
     """This rank's model and KV cache facts, from vLLM's config."""
     from vllm.platforms import current_platform
 
@@ -78,4 +102,5 @@ def model_info(vllm_config: VllmConfig) -> ModelInfo:
         is_mla=bool(mc.use_mla),
         # vLLM's CPU attention pages (K stored transposed) cannot be told apart by their strides.
         attn_layout="CPU" if current_platform.is_cpu() and not mc.use_mla else None,
+        local_attention=frees_blocks_behind_window(kv_cache_config),
     )

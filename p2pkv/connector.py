@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from handshake.compat import fingerprint
-from p2pkv.compat import compat_fields, model_info
+from p2pkv.compat import compat_fields, frees_blocks_behind_window, model_info
 from p2pkv.config import P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.scheduler import SchedulerSide
@@ -81,14 +81,16 @@ class P2pKvConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.engine_id, self.config, block_size, host,
-                                           base_port, self.tp_size)
+                                           base_port, self.tp_size,
+                                           int(frees_blocks_behind_window(kv_cache_config)))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
             compat = fingerprint(compat_fields(vllm_config, kv_cache_config))
             self.worker = WorkerSide(self.engine_id, self.config, tp_rank, self.tp_size, host,
-                                     base_port + tp_rank, compat, model_info(vllm_config))
+                                     base_port + tp_rank, compat,
+                                     model_info(vllm_config, kv_cache_config))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

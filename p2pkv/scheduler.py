@@ -35,6 +35,15 @@ class SchedulerSide:
         side_channel_host: host decode engines reach this engine's side channel on.
         side_channel_port: base side-channel port of this engine (rank 0).
         tp_size: this engine's tensor-parallel size.
+        recompute_tokens: trailing prompt tokens the decode engine computes
+            itself instead of loading (tokens). 1 when vLLM frees blocks
+            behind an attention window (sliding-window or chunked-local
+            attention): vLLM sizes the window from the tokens loaded, so the
+            last prompt token, which vLLM recomputes after a full load, would
+            see a window one token short. A prefill engine with it computes
+            all but the last ``recompute_tokens`` prompt tokens of a request
+            it prefills for a decode engine (see
+            :func:`p2pkv.compat.frees_blocks_behind_window`).
     """
 
     def __init__(
@@ -45,6 +54,7 @@ class SchedulerSide:
         side_channel_host: str,
         side_channel_port: int,
         tp_size: int,
+        recompute_tokens: int = 0,
     ) -> None:
         self.engine_id = engine_id
         self.config = config
@@ -52,6 +62,7 @@ class SchedulerSide:
         self.host = side_channel_host
         self.port = side_channel_port
         self.tp_size = tp_size
+        self.recompute_tokens = recompute_tokens
         self._pulls: list[PullSpec] = []
         self._leases: dict[str, float] = {}
         self._blocks: dict[str, tuple[int, ...]] = {}
@@ -61,13 +72,33 @@ class SchedulerSide:
         self.heartbeats = HeartbeatSender(engine_id, config.secret_bytes(),
                                           timeout_s=min(1.0, config.handshake_timeout_s))
 
-    # ---- decode side: heartbeats for queued requests -------------------
+    # ---- on arrival: the prefill side's tail, the decode side's heartbeats ----
     def on_new_request(self, request: Request) -> None:
-        """Track a request whose KV waits on a prefill engine, for heartbeats."""
+        """Leave a prefill request's last ``recompute_tokens`` to the decode engine; track a decode
+        request whose KV waits on a prefill engine, for heartbeats."""
+        if self.recompute_tokens and wants_remote_decode(request.kv_transfer_params):
+            self._leave_tail_to_decode(request)
         if wants_remote_prefill(request.kv_transfer_params) and self.config.heartbeat_every_s > 0:
             remote = self._remote(request)
             if remote is not None:
                 self._queued[request.request_id] = remote
+
+    def _leave_tail_to_decode(self, request: Request) -> None:
+        """Drop the prompt's last ``recompute_tokens`` tokens from a request prefilled for a decode engine.
+
+        The decode engine computes them (see ``recompute_tokens``); the request
+        then ends after one sampled token, which no client should read (the
+        proxy takes only ``kv_transfer_params`` from the prefill engine). A
+        request that skips the prefix cache (prompt logprobs) is left whole:
+        the decode engine then refuses its params and prefills it itself.
+        """
+        n = self.recompute_tokens
+        if request.prompt_token_ids is None or request.num_prompt_tokens <= n or request.skip_reading_prefix_cache:
+            return
+        del request.prompt_token_ids[-n:]
+        del request._all_token_ids[-n:]
+        request.num_prompt_tokens -= n
+        request.max_tokens = 1
 
     def send_heartbeats(self, now: float | None = None) -> int:
         """Every ``heartbeat_every_s``: extend the prefill leases of queued requests.
@@ -101,11 +132,14 @@ class SchedulerSide:
             remote = self._queued.get(request.request_id)
             if remote is None:
                 remote = parse_remote_prefill(params)
-            prompt = len(request.prompt_token_ids or ())
-            if check_prompt and remote.num_tokens and remote.num_tokens != prompt:
+            prompt, loaded = len(request.prompt_token_ids or ()), self._loaded_tokens(request)
+            if check_prompt and remote.num_tokens and remote.num_tokens != loaded:
+                why = (f"the prompt has {prompt} tokens" if loaded == prompt else
+                       f"this model's prefill engine computes all but the last {prompt - loaded} of the prompt's "
+                       f"{prompt} tokens")
                 raise KVTransferParamsError(
-                    f"kv_transfer_params.remote_num_tokens={remote.num_tokens} but the prompt has {prompt} "
-                    "tokens: the params belong to another prompt (send each prompt with its own params)")
+                    f"kv_transfer_params.remote_num_tokens={remote.num_tokens} but {why}: the params belong to "
+                    "another prompt (send each prompt with its own params)")
             return remote
         except KVTransferParamsError as exc:
             logger.error(
@@ -116,11 +150,16 @@ class SchedulerSide:
             return None
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Prompt tokens to load from the prefill engine (all of them), asynchronously."""
+        """Prompt tokens to load from the prefill engine, asynchronously: all but ``recompute_tokens``."""
         if not wants_remote_prefill(request.kv_transfer_params) or self._remote(request, check_prompt=True) is None:
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = self._loaded_tokens(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    def _loaded_tokens(self, request: Request) -> int:
+        """Prompt tokens (from token 0) whose KV a full load leaves on this engine."""
+        prompt = len(request.prompt_token_ids or ())
+        return prompt - self.recompute_tokens if prompt > self.recompute_tokens else prompt
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -137,8 +176,10 @@ class SchedulerSide:
         local: list[int] = []
         first_token = 0
         if num_external_tokens > 0:
+            # Blocks before the attention window are vLLM's null block (a sliding
+            # window frees them): they are skipped, like the locally cached prefix.
             all_ids = list(blocks.get_block_ids()[0])
-            unhashed = list(blocks.get_unhashed_block_ids())
+            unhashed = list(blocks.get_unhashed_block_ids_all_groups()[0])
             first_token = (len(all_ids) - len(unhashed)) * self.block_size
             local = unhashed
         # The whole remote list goes along: the worker maps tokens to blocks once
@@ -151,7 +192,7 @@ class SchedulerSide:
                 remote=remote,
                 report=num_external_tokens > 0,
                 first_token=first_token,
-                num_tokens=len(request.prompt_token_ids or ()),
+                num_tokens=self._loaded_tokens(request),
                 arrival=float(getattr(request, "arrival_time", 0.0) or 0.0),
                 scheduled=time.time(),
             )
@@ -223,3 +264,4 @@ class SchedulerSide:
     def shutdown(self) -> None:
         """Stop the heartbeat thread. Idempotent."""
         self.heartbeats.close()
+

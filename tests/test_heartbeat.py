@@ -135,7 +135,7 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
 def test_queued_request_params_are_parsed_once_with_the_same_outcome() -> None:
     """A queued request's params, parsed on arrival for heartbeats, give the same pull as a fresh parse,
     and a prompt of another length is still refused."""
-    blocks = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],), get_unhashed_block_ids=lambda: [6, 7])
+    blocks = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],), get_unhashed_block_ids_all_groups=lambda: [[6, 7]])
     specs = []
     for interval in (5.0, 0.0):  # heartbeats on (queued) and off (parsed at each hook)
         sched = SchedulerSide("decode-engine", P2pKvConfig(lease_s=30.0, heartbeat_interval_s=interval), 4,

@@ -52,6 +52,9 @@ class ModelInfo:
         attn_layout: page order when the platform dictates it (``"CPU"`` for vLLM's
             CPU attention, or a known ``"HND"``/``"NHD"``); None: read it off the
             tensor's strides (:func:`p2pkv.dataplane.layout.attn_layout_of`).
+        local_attention: vLLM frees this cache's blocks behind an attention
+            window (sliding-window or chunked-local attention), so a prompt's
+            first blocks may be gone on either side.
     """
 
     kv_layout: str
@@ -62,6 +65,7 @@ class ModelInfo:
     total_num_kv_heads: int = 0
     is_mla: bool = False
     attn_layout: str | None = None
+    local_attention: bool = False
 
 
 def layout_desc(layout: KVLayout, model: ModelInfo, attn_layout: str, *, mem_type: str,
@@ -150,8 +154,13 @@ def _must_match(local: KVLayoutDesc, remote: KVLayoutDesc, local_tp: int, remote
 
 
 def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLayoutDesc, remote_rank: int,
-              remote_tp: int) -> PeerPlan:
+              remote_tp: int, local_attention: bool = False) -> PeerPlan:
     """Decide how decode rank ``local_rank`` pulls from prefill rank ``remote_rank``.
+
+    ``local_attention``: the model frees blocks behind an attention window
+    (:attr:`ModelInfo.local_attention`); a decode block larger than the
+    prefill engine's would then start with tokens whose prefill block is
+    already freed, and vLLM's prefix cache could later serve them.
 
     Raises:
         PullRefused: model shape differs (names the field and both values),
@@ -161,6 +170,11 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
             sizes that differ).
     """
     _must_match(local, remote, local_tp, remote_tp)
+    if local_attention and local.block_size > remote.block_size:
+        raise PullRefused(f"sliding-window (local attention) model: decode block_size={local.block_size} is larger "
+                          f"than prefill block_size={remote.block_size}, so a decode block would hold tokens whose "
+                          f"prefill block is already freed; start the decode engine with --block-size "
+                          f"{remote.block_size} or smaller")
     try:
         reads = read_plan(local_rank, local_tp, remote_tp, total_heads(local, local_tp), local.is_mla)
         expected = (heads_per_rank(total_heads(local, local_tp), local_tp),

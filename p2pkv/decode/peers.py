@@ -84,11 +84,14 @@ class PeerTable:
         local: this rank's layout description.
         local_segments: this rank's KV segments.
         tp_rank / tp_size: this rank and its engine's TP size.
+        local_attention: the model frees blocks behind an attention window (see
+            :func:`p2pkv.dataplane.negotiate.plan_peer`).
     """
 
     def __init__(self, agent: NixlTransferAgent, local: KVLayoutDesc, local_segments: list[Segment],
-                 tp_rank: int, tp_size: int) -> None:
+                 tp_rank: int, tp_size: int, local_attention: bool = False) -> None:
         self.agent, self.local, self.local_segments = agent, local, local_segments
+        self.local_attention = local_attention
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.peers: dict[PeerId, Peer] = {}
         self.handshakes: dict[PeerId, Handshake] = {}
@@ -119,7 +122,8 @@ class PeerTable:
             p2pkv.dataplane.negotiate.PullRefused: the two ranks cannot pair.
             handshake.MetadataDigestError / p2pkv.dataplane.agent.TransferError: bad or refused metadata.
         """
-        plan = plan_peer(self.local, self.tp_rank, self.tp_size, info.layout, peer_id.tp_rank, info.tp_size)
+        plan = plan_peer(self.local, self.tp_rank, self.tp_size, info.layout, peer_id.tp_rank, info.tp_size,
+                         self.local_attention)
         name = self.agent.add_peer(info)
         peer = self.peers[peer_id] = Peer(info, name, remote_segments(info.layout), plan)
         if plan.mode is TransferMode.PAGED:

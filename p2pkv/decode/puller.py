@@ -55,11 +55,12 @@ class Puller:
         stager: the staging area for pulls that need a fixup.
         compat_hash: what handshakes must match.
         stats: the worker's statistics, appended to.
+        local_attention: the model frees blocks behind an attention window.
     """
 
     def __init__(self, engine_id: str, tp_rank: int, tp_size: int, config: P2pKvConfig, agent: NixlTransferAgent,
                  layout: KVLayout, desc: KVLayoutDesc, device_id: int, stager: Stager, compat_hash: str,
-                 stats: StatsBuffer) -> None:
+                 stats: StatsBuffer, local_attention: bool = False) -> None:
         self.engine_id, self.tp_rank, self.tp_size, self.config = engine_id, tp_rank, tp_size, config
         self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
         self.compat_hash, self.stats = compat_hash, stats
@@ -68,7 +69,7 @@ class Puller:
                                  on_start=lambda: _bind_device(desc.mem_type, device_id))
         self.lock = self.progress.lock
         self.background = Background(on_done=self.progress.wake)
-        self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size)
+        self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size, local_attention)
         self.fence = Fence(self.background, engine_id, self._secret, config.handshake_timeout_s)
         self.pulls: list[Pull] = []
         self._staging_wait: list[Pull] = []

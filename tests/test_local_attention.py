@@ -1,0 +1,130 @@
+"""Models whose KV cache frees blocks behind an attention window (sliding window, chunked local attention).
+
+vLLM replaces a request's blocks outside the window with its null block
+(id 0) and computes the window from the tokens computed so far, also just
+before ``request_finished``. p2pkv therefore has the prefill engine compute
+all but the last prompt token, the decode engine load those and skip its
+null blocks, and refuses a decode block larger than the prefill block.
+Real vLLM ``Request``, ``KVCacheBlock`` and KV cache spec objects; the end
+to end run is in ``test_e2e_models.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from vllm.v1.request import Request
+
+from handshake import KVLayoutDesc, KVRegion
+from p2pkv.compat import frees_blocks_behind_window
+from p2pkv.config import P2pKvConfig
+from p2pkv.dataplane.negotiate import PullRefused, TransferMode, plan_peer
+from p2pkv.params import make_prefill_response_params
+from p2pkv.scheduler import SchedulerSide
+
+BLOCK = 16
+
+
+def _config(*specs) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _full() -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
+
+
+def _window() -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32, sliding_window=40)
+
+
+def test_which_caches_free_blocks_behind_a_window() -> None:
+    assert frees_blocks_behind_window(_config(_window()))
+    assert frees_blocks_behind_window(_config(UniformTypeKVCacheSpecs(BLOCK, {"a": _window(), "b": _window()})))
+    assert not frees_blocks_behind_window(_config(_full()))
+    assert not frees_blocks_behind_window(None)
+
+
+def _sched(recompute: int) -> SchedulerSide:
+    config = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=0.0)
+    return SchedulerSide("engine", config, BLOCK, "127.0.0.1", 5600, 1, recompute_tokens=recompute)
+
+
+def _request(rid: str, prompt: int, params: dict, **sampling) -> Request:
+    sp = SamplingParams(max_tokens=16, **sampling)
+    req = Request(rid, list(range(3, 3 + prompt)), sp, None)
+    req.kv_transfer_params = params
+    return req
+
+
+def test_prefill_engine_leaves_the_last_prompt_token_to_the_decode_engine() -> None:
+    sched = _sched(1)
+    req = _request("p", 100, {"do_remote_decode": True})
+    sched.on_new_request(req)
+    assert (len(req.prompt_token_ids), req.num_prompt_tokens, req.num_tokens, req.max_tokens) == (99, 99, 99, 1)
+    plain = _request("plain", 100, {})  # not prefilled for a decode engine: untouched
+    sched.on_new_request(plain)
+    assert (plain.num_prompt_tokens, plain.max_tokens) == (100, 16)
+    logprobs = _request("lp", 100, {"do_remote_decode": True}, prompt_logprobs=1)  # skips the prefix cache
+    sched.on_new_request(logprobs)
+    assert logprobs.num_prompt_tokens == 100
+    full = _request("f", 100, {"do_remote_decode": True})
+    _sched(0).on_new_request(full)  # a model without a window: the whole prompt
+    assert full.num_prompt_tokens == 100
+    sched.shutdown()
+
+
+def _params(num_tokens: int, blocks: int) -> dict:
+    return make_prefill_response_params(engine_id="p", request_id="prefill-1", host="127.0.0.1", port=5601,
+                                        block_ids=[0, 0, *range(20, 20 + blocks - 2)], tp_size=1,
+                                        num_tokens=num_tokens, expiry_time=None)
+
+
+def test_decode_engine_loads_all_but_the_last_token_and_skips_null_blocks() -> None:
+    """100-token prompt, window 40: the decode engine loads 99 tokens; vLLM left its first 3 blocks null."""
+    sched = _sched(1)
+    req = _request("d", 100, _params(99, 7))
+    assert sched.get_num_new_matched_tokens(req, 0) == (99, True)
+    null = KVCacheBlock(0, is_null=True)
+    blocks = KVCacheBlocks(([null, null, null] + [KVCacheBlock(i) for i in (5, 6, 7, 8)],))
+    sched.update_state_after_alloc(req, blocks, 99)
+    (spec,) = sched.build_connector_meta().pulls
+    assert spec.local_block_ids == (5, 6, 7, 8)  # block 0 (vLLM's null block) is never written
+    assert (spec.first_token, spec.num_tokens) == (3 * BLOCK, 99)
+    assert spec.remote_block_ids == (0, 0, 20, 21, 22, 23, 24)  # read from token 48 on: block 22 onwards
+    sched.shutdown()
+
+
+def test_decode_engine_refuses_params_of_a_whole_prompt() -> None:
+    """A prefill engine that computed all 100 tokens may have freed a block the last one needs: not pulled."""
+    sched = _sched(1)
+    req = _request("d", 100, _params(100, 7))
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False  # prefilled locally instead
+    sched.shutdown()
+
+
+def _desc(block_size: int) -> KVLayoutDesc:
+    block_len = 2 * block_size * 2 * 16 * 4
+    return KVLayoutDesc(kv_layout="LBHNC", attn_layout="HND", dtype="float32", num_layers=1, num_kv_heads=2,
+                        head_dim=16, block_size=block_size, num_blocks=8, block_len=block_len,
+                        block_stride=block_len, mem_type="DRAM",
+                        regions=[KVRegion(base_addr=4096, length=8 * block_len, device_id=0, layer_start=0,
+                                          num_layers=1, kv_index=-1)])
+
+
+def test_a_decode_block_larger_than_the_prefill_block_is_refused_with_the_fix() -> None:
+    with pytest.raises(PullRefused, match="start the decode engine with --block-size 16 or smaller"):
+        plan_peer(_desc(32), 0, 1, _desc(16), 0, 1, local_attention=True)
+    assert plan_peer(_desc(16), 0, 1, _desc(32), 0, 1, local_attention=True).mode is TransferMode.STAGED
+    assert plan_peer(_desc(32), 0, 1, _desc(16), 0, 1).mode is TransferMode.STAGED  # full attention: fine
