@@ -40,8 +40,8 @@ class Answer:
     logprobs: list[float]
 
 
-def complete(client: httpx.Client, base_url: str, prompt: str, max_tokens: int) -> Answer:
-    """Greedy ``/v1/completions`` with token ids and logprobs.
+def complete(client: httpx.Client, base_url: str, prompt: str | list[int], max_tokens: int) -> Answer:
+    """Greedy ``/v1/completions`` (``prompt``: text or token ids) with token ids and logprobs.
 
     Raises:
         httpx.HTTPStatusError: the server answered an error.
