@@ -53,8 +53,7 @@ class Puller:
         layout / desc: the local KV layout and its wire description.
         device_id: GPU index of the KV cache (0 for DRAM).
         stager: the staging area for pulls that need a fixup.
-        compat_hash: what handshakes must match.
-        stats: the worker's statistics, appended to.
+        compat_hash / stats: what handshakes must match; the worker's statistics, appended to.
         local_attention: the model frees blocks behind an attention window.
     """
 
