@@ -14,6 +14,9 @@ lacks vLLM's ``SupportsHMA`` (see docs/heterogeneous.md).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -60,22 +63,37 @@ def prompt_of(length: int) -> str:
     return text[:length]
 
 
-def pulled_blocks(kind: str, length: int) -> int:
+def pulled_blocks(kind: str, length: int, block: int | None = None) -> int:
     """Local blocks a pull of a ``length``-token prompt fills.
 
     The sliding-window engine loads all but the last prompt token (it recomputes that one) and skips the
     blocks before the window of the first token it computes; MLA loads every prompt token's block.
     """
-    block = BLOCK[kind]
+    block = block or BLOCK[kind]
     if kind == "mla":
         return -(-length // block)
     loaded = length - 1
     return -(-loaded // block) - max(0, loaded - WINDOW + 1) // block
 
 
+@dataclass(frozen=True)
+class DpEngine:
+    """One more sliding-window engine: 64-token blocks, two DP ranks (``--data-parallel-size 2``).
+
+    Started with the sliding-window pair (engine starts overlap). DP rank ``dp``
+    serves its side channel on ``side_channel_port + dp`` (TP 1); vLLM's API
+    server routes a request to the rank named in its ``X-data-parallel-rank`` header.
+    """
+
+    url: str
+    side_channel_port: int
+    log: Path
+    stats: Path
+
+
 @pytest.fixture(scope="module", params=list(BLOCK))
 def kind_pair(request, tmp_path_factory):
-    """``(kind, LocalPair, pull stats file)``: one pair per model kind, started once for the tests of that kind."""
+    """``(kind, LocalPair, pull stats file, DpEngine or None)``: one pair per model kind, started once."""
     from p2pkv.tools.deploy.local import LocalPair
 
     kind = request.param
@@ -86,30 +104,30 @@ def kind_pair(request, tmp_path_factory):
     pair = LocalPair(model=str(model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      side_channel_port=side, block_size=BLOCK[kind], log_dir=logs, max_model_len=1024,
                      decode_extra_config={"stats_file": str(stats)})
-    pair.start(timeout_s=900)
+    children, dp = [], None
+    if kind == "sliding-window":
+        port, dp_side = free_ports(2, run=3)
+        dp = DpEngine(f"http://127.0.0.1:{port}", dp_side, logs / "dp2.log", logs / "dp2-pulls.jsonl")
+        spec = EngineSpec(name="dp2", model=str(model), port=port, role="prefill", side_channel_port=dp_side,
+                          side_channel_host="127.0.0.1", block_size=64, max_model_len=1024,
+                          extra_config={"stats_file": str(dp.stats)}, extra_args=("--data-parallel-size", "2"),
+                          env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": pair.secret})
+        children.append(start_child(spec.name, spec.command(), spec.environment(), logs, f"{dp.url}/health"))
     try:
-        yield kind, pair, stats
+        pair.start(timeout_s=900)
+        wait_healthy(children, 900)
+        yield kind, pair, stats, dp
     finally:
         pair.stop()
+        stop_children(children)
 
 
 @pytest.fixture(scope="module")
-def block64(kind_pair, tmp_path_factory):
-    """``(url, log file)`` of one more sliding-window engine, with 64-token blocks (started for that kind only)."""
-    kind, pair, _ = kind_pair
-    if kind != "sliding-window":
-        pytest.skip("block sizes are tested with the sliding-window model")
-    logs = tmp_path_factory.mktemp("logs-block64")
-    port, side = free_ports(2)
-    spec = EngineSpec(name="b64", model=pair.model, port=port, role="prefill", side_channel_port=side,
-                      side_channel_host="127.0.0.1", block_size=64, max_model_len=1024,
-                      env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": pair.secret})
-    child = start_child(spec.name, spec.command(), spec.environment(), logs, f"http://127.0.0.1:{port}/health")
-    try:
-        wait_healthy([child], 900)
-        yield f"http://127.0.0.1:{port}", logs / "b64.log"
-    finally:
-        stop_children([child])
+def dp2(kind_pair) -> DpEngine:
+    """The sliding-window kind's :class:`DpEngine` (tests that use it skip for the other kinds)."""
+    if kind_pair[3] is None:
+        pytest.skip("block sizes and DP ranks are tested with the sliding-window model")
+    return kind_pair[3]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +152,7 @@ def _legs(client: httpx.Client, prefill: str, decode: str, prompt: str, prefille
 @pytest.mark.parametrize("length", LENGTHS)
 def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, length) -> None:
     """Each prompt twice through the proxy (the second time both engines have it cached) and once on one engine."""
-    kind, pair, stats = kind_pair
+    kind, pair, stats, _ = kind_pair
     prompt = prompt_of(length)
     before = len(read_pull_stats(stats))
     answers = [complete(client, pair.url("proxy"), prompt, max_tokens=12) for _ in range(2)]
@@ -152,7 +170,7 @@ def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, length) -> None
 
 def test_sliding_window_pull_moves_only_the_window(kind_pair, client) -> None:
     """A prompt many windows long: the pull's bytes are the window's blocks, a small part of the prompt's."""
-    kind, pair, stats = kind_pair
+    kind, pair, stats, _ = kind_pair
     if kind != "sliding-window":
         pytest.skip("sliding-window model only")
     length = 600
@@ -166,10 +184,10 @@ def test_sliding_window_pull_moves_only_the_window(kind_pair, client) -> None:
     assert pull["bytes"] == 2 * BLOCK_BYTES[kind] < full_prompt_bytes // 9
 
 
-def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, block64, client) -> None:
+def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, dp2, client) -> None:
     """Prefill with 64-token blocks, decode with 32: tokens equal, only the window's decode blocks move."""
-    _, pair, stats = kind_pair
-    url, _ = block64
+    _, pair, stats, _ = kind_pair
+    url = dp2.url
     for length in (135, 167, 300):
         prompt = prompt_of(length + 1000)[:length]  # not cached on either engine yet
         before = len(read_pull_stats(stats))
@@ -180,10 +198,10 @@ def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, block64, c
         assert wait_blocks_released(client, url, timeout_s=30) == 0.0
 
 
-def test_sliding_window_larger_decode_block_is_refused(kind_pair, block64, client) -> None:
+def test_sliding_window_larger_decode_block_is_refused(kind_pair, dp2, client) -> None:
     """Decode with 64-token blocks from a prefill with 32: refused with the fix named; both engines keep serving."""
-    _, pair, _ = kind_pair
-    url, log = block64
+    _, pair, _, _ = kind_pair
+    url, log = dp2.url, dp2.log
     prompt = prompt_of(2135)[:135]
     body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
             "kv_transfer_params": {"do_remote_decode": True}}
@@ -196,9 +214,35 @@ def test_sliding_window_larger_decode_block_is_refused(kind_pair, block64, clien
     assert ok.token_ids == complete(client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
 
 
+def _on_rank(client: httpx.Client, url: str, rank: int, body: dict) -> dict:
+    resp = client.post(f"{url}/v1/completions", json={"model": "model", "temperature": 0.0, **body},
+                       headers={"X-data-parallel-rank": str(rank)})
+    resp.raise_for_status()
+    return resp.json()
+
+
+@pytest.mark.parametrize(("prefill_rank", "decode_rank"), [(0, 1), (1, 0)])
+def test_data_parallel_rank_pulls_from_the_rank_that_prefilled(dp2, client, prefill_rank, decode_rank) -> None:
+    """One engine, two DP ranks: prefill on one, decode on the other; the params name the prefill rank's port."""
+    prompt = prompt_of(3000 + prefill_rank)[:150]
+    params = _on_rank(client, dp2.url, prefill_rank, {"prompt": prompt, "max_tokens": 1,
+                                                      "kv_transfer_params": {"do_remote_decode": True}})
+    params = params["kv_transfer_params"]
+    assert params["remote_port"] == dp2.side_channel_port + prefill_rank  # TP 1: one side channel per DP rank
+    before = len(read_pull_stats(dp2.stats))
+    body = {"prompt": prompt, "max_tokens": 12, "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
+    answers = [_on_rank(client, dp2.url, decode_rank, {**body, "kv_transfer_params": params})["choices"][0],
+               _on_rank(client, dp2.url, prefill_rank, body)["choices"][0]]
+    pd, ref = (Answer(c["text"], c["token_ids"], c["logprobs"]["token_logprobs"]) for c in answers)
+    assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
+    pulls = read_pull_stats(dp2.stats)[before:]
+    assert len(pulls) == 1 and pulls[0]["blocks"] == pulled_blocks("sliding-window", 150, block=64)
+    assert wait_blocks_released(client, dp2.url, timeout_s=30) == 0.0
+
+
 def test_negative_control_other_kv_changes_the_answer(kind_pair, client) -> None:
     """Decode prompt ``c`` with prompt ``b``'s KV: the answer must depart from ``c``'s own (so the KV matters)."""
-    kind, pair, _ = kind_pair
+    kind, pair, _, _ = kind_pair
     a, b, c = ("a" * 50 + " first prompt", "b" * 50 + " other prompt", "c" * 50 + " third prompt")
     right = _legs(client, pair.url("prefill"), pair.url("decode"), a, a)
     wrong = _legs(client, pair.url("prefill"), pair.url("decode"), c, b)
@@ -210,7 +254,7 @@ def test_negative_control_other_kv_changes_the_answer(kind_pair, client) -> None
 
 def test_decode_log_shows_the_pairing(kind_pair) -> None:
     """No pull of the pair failed (each test also checked its answer)."""
-    kind, pair, _ = kind_pair
+    kind, pair, _, _ = kind_pair
     log = (pair.log_dir / "decode.log").read_text()
     assert "Initialized NIXL agent: p2pkv-" in log
     assert "p2pkv: pull failed" not in log
