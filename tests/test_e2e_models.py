@@ -76,13 +76,19 @@ def pulled_blocks(kind: str, length: int, block: int | None = None) -> int:
     return -(-loaded // block) - max(0, loaded - WINDOW + 1) // block
 
 
-@dataclass(frozen=True)
-class DpEngine:
-    """One more sliding-window engine: 64-token blocks, two DP ranks (``--data-parallel-size 2``).
+EXTRA = {"sliding-window": ("dp2", 64, {"extra_args": ("--data-parallel-size", "2")}),
+         "mla": ("tp2", 16, {"tensor_parallel_size": 2})}
+"""Each kind's third engine: name, block size, other ``EngineSpec`` fields."""
 
-    Started with the sliding-window pair (engine starts overlap). DP rank ``dp``
-    serves its side channel on ``side_channel_port + dp`` (TP 1); vLLM's API
-    server routes a request to the rank named in its ``X-data-parallel-rank`` header.
+
+@dataclass(frozen=True)
+class ExtraEngine:
+    """A third engine of a kind, started with its pair (engine starts overlap).
+
+    Sliding-window kind: 64-token blocks and two DP ranks (``--data-parallel-size 2``);
+    DP rank ``dp`` serves its side channel on ``side_channel_port + dp`` (TP 1), and
+    vLLM's API server routes a request to the rank named in its ``X-data-parallel-rank``
+    header. MLA kind: TP 2.
     """
 
     url: str
@@ -93,7 +99,7 @@ class DpEngine:
 
 @pytest.fixture(scope="module", params=list(BLOCK))
 def kind_pair(request, tmp_path_factory):
-    """``(kind, LocalPair, pull stats file, DpEngine or None)``: one pair per model kind, started once."""
+    """``(kind, LocalPair, pull stats file, ExtraEngine)``: one pair and one more engine per model kind."""
     from p2pkv.tools.deploy.local import LocalPair
 
     kind = request.param
@@ -104,30 +110,54 @@ def kind_pair(request, tmp_path_factory):
     pair = LocalPair(model=str(model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      side_channel_port=side, block_size=BLOCK[kind], log_dir=logs, max_model_len=1024,
                      decode_extra_config={"stats_file": str(stats)})
-    children, dp = [], None
-    if kind == "sliding-window":
-        port, dp_side = free_ports(2, run=3)
-        dp = DpEngine(f"http://127.0.0.1:{port}", dp_side, logs / "dp2.log", logs / "dp2-pulls.jsonl")
-        spec = EngineSpec(name="dp2", model=str(model), port=port, role="prefill", side_channel_port=dp_side,
-                          side_channel_host="127.0.0.1", block_size=64, max_model_len=1024,
-                          extra_config={"stats_file": str(dp.stats)}, extra_args=("--data-parallel-size", "2"),
-                          env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": pair.secret})
-        children.append(start_child(spec.name, spec.command(), spec.environment(), logs, f"{dp.url}/health"))
+    name, block, args = EXTRA[kind]
+    port, extra_side = free_ports(2, run=3)
+    extra = ExtraEngine(f"http://127.0.0.1:{port}", extra_side, logs / f"{name}.log", logs / f"{name}-pulls.jsonl")
+    spec = EngineSpec(name=name, model=str(model), port=port, role="prefill", side_channel_port=extra_side,
+                      side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
+                      extra_config={"stats_file": str(extra.stats)}, env={"UCX_NET_DEVICES": "lo",
+                                                                          "P2PKV_SECRET": pair.secret}, **args)
+    children = [start_child(spec.name, spec.command(), spec.environment(), logs, f"{extra.url}/health")]
     try:
         pair.start(timeout_s=900)
         wait_healthy(children, 900)
-        yield kind, pair, stats, dp
+        yield kind, pair, stats, extra
     finally:
         pair.stop()
         stop_children(children)
 
 
 @pytest.fixture(scope="module")
-def dp2(kind_pair) -> DpEngine:
-    """The sliding-window kind's :class:`DpEngine` (tests that use it skip for the other kinds)."""
-    if kind_pair[3] is None:
+def dp2(kind_pair) -> ExtraEngine:
+    """The sliding-window kind's :class:`ExtraEngine` (tests that use it skip for the other kinds)."""
+    if kind_pair[0] != "sliding-window":
         pytest.skip("block sizes and DP ranks are tested with the sliding-window model")
     return kind_pair[3]
+
+
+@pytest.fixture(scope="module")
+def tp2(kind_pair) -> ExtraEngine:
+    """The MLA kind's third engine: TP 2 (one DP rank), as a :class:`ExtraEngine` record."""
+    if kind_pair[0] != "mla":
+        pytest.skip("TP sizes are tested with the MLA model")
+    return kind_pair[3]
+
+
+@pytest.mark.parametrize("direction", ["TP 2 -> TP 1", "TP 1 -> TP 2"])
+def test_mla_pairs_across_tp_sizes(kind_pair, tp2, client, direction) -> None:
+    """MLA between TP sizes: every rank holds the whole latent cache, so one prefill rank is read per decode rank."""
+    _, pair, stats, _ = kind_pair
+    prefill, decode, stats = ((tp2.url, pair.url("decode"), stats) if direction == "TP 2 -> TP 1" else
+                              (pair.url("prefill"), tp2.url, tp2.stats))
+    prompt = prompt_of(4000 + len(direction))[:100]
+    before = len(read_pull_stats(stats))
+    pd = _legs(client, prefill, decode, prompt, prompt)
+    ref = complete(client, pair.url("prefill"), prompt, max_tokens=8)
+    assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= TOLERANCE["mla"]
+    pulls = read_pull_stats(stats)[before:]
+    ranks = 2 if decode == tp2.url else 1  # each decode rank reads its own copy: one line each
+    assert len(pulls) == ranks and all(p["bytes"] == pulled_blocks("mla", 100) * BLOCK_BYTES["mla"] for p in pulls)
+    assert wait_blocks_released(client, prefill, timeout_s=30) == 0.0
 
 
 @pytest.fixture(scope="module")
