@@ -38,11 +38,12 @@ class SchedulerSide:
         recompute_tokens: trailing prompt tokens the decode engine computes
             itself instead of loading (tokens). 1 when vLLM frees blocks
             behind an attention window (sliding-window or chunked-local
-            attention): vLLM sizes the window from the tokens loaded, so the
-            last prompt token, which vLLM recomputes after a full load, would
-            see a window one token short. A prefill engine with it computes
-            all but the last ``recompute_tokens`` prompt tokens of a request
-            it prefills for a decode engine (see
+            attention): both engines place the window by the tokens computed
+            or loaded, and with all ``N`` counted they free the block of token
+            ``N - window``, which the last prompt token attends to. A prefill
+            engine with it computes all but the last ``recompute_tokens``
+            prompt tokens of a request it prefills for a decode engine; a
+            decode engine loads that many (see
             :func:`p2pkv.compat.frees_blocks_behind_window`).
     """
 
