@@ -70,7 +70,8 @@ def frees_blocks_behind_window(kv_cache_config: KVCacheConfig | None) -> bool:
     longer inside the window with its null block (id 0), also just before
     ``request_finished``, computing the window from the tokens computed so
     far. A request whose ``N`` prompt tokens were all computed loses the block
-    of token ``N - window``, which the last prompt token attends to; so
+    of token ``N - window`` when ``N - window + 1`` is a multiple of the block
+    size, and the last prompt token attends to that token; so
     p2pkv has the prefill engine compute ``N - 1`` tokens and the decode
     engine load those and compute the last one (vLLM's NixlConnector backs off
     one token the same way for Mamba state).
