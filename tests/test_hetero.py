@@ -261,8 +261,10 @@ def pull_and_check(row: str, device: str) -> None:
         released: dict[int, list[str]] = {}
         end = time.monotonic() + 20
         while len(released) < prefill_side.tp_size and time.monotonic() < end:
+            for worker, _, _ in decoders:  # vLLM steps on (the request decodes): each step progresses NIXL's sends
+                worker.get_finished()
             try:
-                rank, ids, expired = out.get(timeout=0.5)
+                rank, ids, expired = out.get(timeout=0.1)
             except queue.Empty:
                 continue
             assert expired == 0
