@@ -183,6 +183,8 @@ def _legs(client: httpx.Client, prefill: str, decode: str, prompt: str, prefille
 def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, length) -> None:
     """Each prompt twice through the proxy (the second time both engines have it cached) and once on one engine."""
     kind, pair, stats, _ = kind_pair
+    if kind == "mla" and length in (135, 136):
+        pytest.skip("window/block alignments matter to the sliding-window model only")
     prompt = prompt_of(length)
     before = len(read_pull_stats(stats))
     answers = [complete(client, pair.url("proxy"), prompt, max_tokens=12) for _ in range(2)]
