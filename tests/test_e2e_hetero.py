@@ -17,7 +17,6 @@ import pytest
 
 from p2pkv.tools.demo import (
     LOGPROB_TOLERANCE,
-    Answer,
     complete,
     max_logprob_diff,
     read_pull_stats,
@@ -26,6 +25,7 @@ from p2pkv.tools.demo import (
 from p2pkv.tools.deploy.engines import EngineSpec
 from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
 from tests.conftest import free_ports
+from tests.legs import prefill_then_decode
 
 pytestmark = pytest.mark.engines
 
@@ -58,26 +58,13 @@ def engines(tiny_model, tmp_path_factory):
         stop_children(children)
 
 
-def _pd(client: httpx.Client, prefill: str, decode: str, prompt: str, max_tokens: int) -> Answer:
-    body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": {"do_remote_decode": True}}
-    params = client.post(f"{prefill}/v1/completions", json=body).json()["kv_transfer_params"]
-    assert params["do_remote_prefill"] is True
-    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
-            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params}
-    resp = client.post(f"{decode}/v1/completions", json=body)
-    resp.raise_for_status()
-    choice = resp.json()["choices"][0]
-    return Answer(choice["text"], choice["token_ids"], choice["logprobs"]["token_logprobs"])
-
-
 @pytest.mark.parametrize("row", list(PROMPTS))
 def test_tokens_equal_across_block_and_tp_sizes(engines, row) -> None:
     urls, logs = engines
     prefill, decode, prompt = PROMPTS[row]
     with httpx.Client(timeout=300.0) as client:
         pulls_before = len(read_pull_stats(logs / f"{decode}.jsonl"))
-        pd = _pd(client, urls[prefill], urls[decode], prompt, max_tokens=12)
+        pd = prefill_then_decode(client, urls[prefill], urls[decode], prompt, max_tokens=12)
         ref = complete(client, urls[prefill], prompt, max_tokens=12)
         assert pd.token_ids == ref.token_ids
         assert max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE

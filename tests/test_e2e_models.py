@@ -32,6 +32,7 @@ from p2pkv.tools.deploy.engines import EngineSpec
 from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
 from tests.conftest import free_ports
+from tests.legs import prefill_then_decode
 
 pytestmark = pytest.mark.engines
 
@@ -151,7 +152,7 @@ def test_mla_pairs_across_tp_sizes(kind_pair, tp2, client, direction) -> None:
                               (pair.url("prefill"), tp2.url, tp2.stats))
     prompt = prompt_of(4000 + len(direction))[:100]
     before = len(read_pull_stats(stats))
-    pd = _legs(client, prefill, decode, prompt, prompt)
+    pd = prefill_then_decode(client, prefill, decode, prompt)
     ref = complete(client, pair.url("prefill"), prompt, max_tokens=8)
     assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= TOLERANCE["mla"]
     pulls = read_pull_stats(stats)[before:]
@@ -164,19 +165,6 @@ def test_mla_pairs_across_tp_sizes(kind_pair, tp2, client, direction) -> None:
 def client():
     with httpx.Client(timeout=300.0) as c:
         yield c
-
-
-def _legs(client: httpx.Client, prefill: str, decode: str, prompt: str, prefilled: str) -> Answer:
-    """Prefill ``prefilled`` on one engine, then decode ``prompt`` on the other with the KV it pulled."""
-    body = {"model": "model", "prompt": prefilled, "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": {"do_remote_decode": True}}
-    params = client.post(f"{prefill}/v1/completions", json=body).json()["kv_transfer_params"]
-    body = {"model": "model", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 1,
-            "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params}
-    resp = client.post(f"{decode}/v1/completions", json=body)
-    resp.raise_for_status()
-    choice = resp.json()["choices"][0]
-    return Answer(choice["text"], choice["token_ids"], choice["logprobs"]["token_logprobs"])
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -223,7 +211,7 @@ def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, dp2, clien
     for length in (135, 167, 300):
         prompt = prompt_of(length + 1000)[:length]  # not cached on either engine yet
         before = len(read_pull_stats(stats))
-        pd = _legs(client, url, pair.url("decode"), prompt, prompt)
+        pd = prefill_then_decode(client, url, pair.url("decode"), prompt)
         ref = complete(client, pair.url("prefill"), prompt, max_tokens=8)
         assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
         assert read_pull_stats(stats)[before]["blocks"] == pulled_blocks("sliding-window", length)
@@ -276,8 +264,8 @@ def test_negative_control_other_kv_changes_the_answer(kind_pair, client) -> None
     """Decode prompt ``c`` with prompt ``b``'s KV: the answer must depart from ``c``'s own (so the KV matters)."""
     kind, pair, _, _ = kind_pair
     a, b, c = ("a" * 50 + " first prompt", "b" * 50 + " other prompt", "c" * 50 + " third prompt")
-    right = _legs(client, pair.url("prefill"), pair.url("decode"), a, a)
-    wrong = _legs(client, pair.url("prefill"), pair.url("decode"), c, b)
+    right = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), a)
+    wrong = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), c, prefilled=b)
     ref_a = complete(client, pair.url("prefill"), a, max_tokens=8)
     ref_c = complete(client, pair.url("prefill"), c, max_tokens=8)
     assert right.token_ids == ref_a.token_ids and max_logprob_diff(right, ref_a) <= TOLERANCE[kind]
