@@ -10,6 +10,7 @@ proxies and routers work unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,9 @@ MAX_TP_SIZE = 512
 MAX_ID_CHARS = 256
 """Longest ``remote_engine_id`` / ``remote_request_id`` / ``remote_host`` accepted (characters)."""
 MAX_BLOCK_IDS = 1 << 20
-"""Most ``remote_block_ids`` accepted (a million blocks: far beyond any prompt)."""
+"""Most ``remote_block_ids`` accepted, all KV cache groups together (a million blocks: far beyond any prompt)."""
+MAX_KV_CACHE_GROUPS = 64
+"""Most KV cache groups accepted in ``remote_block_ids`` (vLLM makes a handful)."""
 
 
 @dataclass(frozen=True)
@@ -37,10 +40,15 @@ class RemotePrefill:
         host: the prefill engine's side-channel host.
         port: the prefill engine's side-channel base port.
         block_ids: the prefill engine's block ids holding the prompt, in
-            token order (KV cache group 0).
+            token order; with several KV cache groups (vLLM's hybrid KV cache
+            manager, HMA) the groups' lists one after another, group 0 first
+            (a sliding-window group's blocks behind the window are vLLM's
+            null block, id 0).
         tp_size: the prefill engine's tensor-parallel size.
         num_tokens: prompt tokens whose KV the prefill engine computed
             (0 when the sender did not say).
+        group_sizes: block ids per KV cache group, in group order; empty for
+            one group (then all of ``block_ids`` is group 0).
     """
 
     engine_id: str
@@ -50,6 +58,17 @@ class RemotePrefill:
     block_ids: tuple[int, ...]
     tp_size: int
     num_tokens: int = 0
+    group_sizes: tuple[int, ...] = ()
+
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """``block_ids`` split into one tuple per KV cache group."""
+        if not self.group_sizes:
+            return (self.block_ids,)
+        out, start = [], 0
+        for n in self.group_sizes:
+            out.append(self.block_ids[start:start + n])
+            start += n
+        return tuple(out)
 
 
 def _require(params: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
@@ -84,30 +103,31 @@ def _optional_int(params: dict[str, Any], key: str, default: int, lo: int, hi: i
     return value
 
 
-def _flat_block_ids(raw: Any) -> tuple[int, ...]:
-    """Accept ``[ids...]`` or NixlConnector's per-group ``[[ids...], ...]``."""
-    if not isinstance(raw, list | tuple):
-        raise KVTransferParamsError("kv_transfer_params.remote_block_ids must be a list")
-    if len(raw) > MAX_BLOCK_IDS:
-        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has more than {MAX_BLOCK_IDS} entries")
-    if raw and isinstance(raw[0], list | tuple):
-        if len(raw) != 1:
-            raise KVTransferParamsError(
-                f"kv_transfer_params.remote_block_ids has {len(raw)} KV cache groups; "
-                "p2pkv supports models with one KV cache group"
-            )
-        raw = raw[0]
-        if not isinstance(raw, list | tuple) or len(raw) > MAX_BLOCK_IDS:
-            raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids[0] must be a list of at most "
-                                        f"{MAX_BLOCK_IDS} block ids")
+def _block_id_list(raw: Any, key: str) -> tuple[int, ...]:
+    if not isinstance(raw, list | tuple) or len(raw) > MAX_BLOCK_IDS:
+        raise KVTransferParamsError(f"kv_transfer_params.{key} must be a list of at most {MAX_BLOCK_IDS} block ids")
     if set(map(type, raw)) <= {int} and (not raw or min(raw) >= 0):  # the common case, ~3x faster than the loop
         return tuple(raw)
     for b in raw:
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise KVTransferParamsError(
-                f"kv_transfer_params.remote_block_ids holds {b!r}; block ids are ints >= 0"
-            )
+            raise KVTransferParamsError(f"kv_transfer_params.{key} holds {b!r}; block ids are ints >= 0")
     return tuple(raw)
+
+
+def _block_ids(raw: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(block_ids, group_sizes)`` from ``[ids...]`` or NixlConnector's per-group ``[[ids...], ...]``."""
+    if not isinstance(raw, list | tuple):
+        raise KVTransferParamsError("kv_transfer_params.remote_block_ids must be a list")
+    if not raw or not isinstance(raw[0], list | tuple):
+        return _block_id_list(raw, "remote_block_ids"), ()
+    if len(raw) > MAX_KV_CACHE_GROUPS:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has {len(raw)} KV cache groups, more "
+                                    f"than {MAX_KV_CACHE_GROUPS}")
+    groups = [_block_id_list(g, f"remote_block_ids[{i}]") for i, g in enumerate(raw)]
+    flat = tuple(b for g in groups for b in g)
+    if len(flat) > MAX_BLOCK_IDS:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has more than {MAX_BLOCK_IDS} entries")
+    return flat, (tuple(len(g) for g in groups) if len(groups) > 1 else ())
 
 
 def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
@@ -134,14 +154,16 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
     if not 0 < port < 65536 or port + tp_size > 65536:
         raise KVTransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port (with tp_size "
                                     f"{tp_size}: base port + rank must be below 65536)")
+    block_ids, group_sizes = _block_ids(_require(params, "remote_block_ids", (list, tuple)))
     return RemotePrefill(
         engine_id=_text(params, "remote_engine_id"),
         request_id=_text(params, "remote_request_id"),
         host=_text(params, "remote_host"),
         port=port,
-        block_ids=_flat_block_ids(_require(params, "remote_block_ids", (list, tuple))),
+        block_ids=block_ids,
         tp_size=tp_size,
         num_tokens=_optional_int(params, "remote_num_tokens", 0, 0, MAX_BLOCK_IDS * 1024),
+        group_sizes=group_sizes,
     )
 
 
@@ -151,19 +173,22 @@ def make_prefill_response_params(
     request_id: str,
     host: str,
     port: int,
-    block_ids: list[int],
+    block_ids: Sequence[int],
     tp_size: int,
     num_tokens: int,
     expiry_time: float | None,
+    group_sizes: Sequence[int] = (),
 ) -> dict[str, Any]:
     """The params a prefill engine returns with a finished request (NixlConnector keys).
 
+    ``block_ids`` and ``group_sizes`` as in :class:`RemotePrefill`;
     ``remote_block_ids`` is a list per KV cache group, as NixlConnector sends it.
     """
+    groups = RemotePrefill("", "", "", 0, tuple(block_ids), tp_size, group_sizes=tuple(group_sizes)).groups()
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [list(block_ids)],
+        "remote_block_ids": [list(g) for g in groups],
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
         "remote_host": host,

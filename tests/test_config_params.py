@@ -47,12 +47,27 @@ def test_params_round_trip_nixl_compatible() -> None:
     assert parse_remote_prefill({**out, "remote_block_ids": [1, 2]}).block_ids == (1, 2)
 
 
+def test_params_carry_every_kv_cache_group() -> None:
+    """HMA: one list per KV cache group out, the groups back in order (a window group's nulls kept)."""
+    out = make_prefill_response_params(engine_id="e1", request_id="r1", host="h", port=5600,
+                                       block_ids=[4, 5, 9, 0, 0, 7], group_sizes=[3, 3], tp_size=1,
+                                       num_tokens=40, expiry_time=None)
+    assert out["remote_block_ids"] == [[4, 5, 9], [0, 0, 7]]
+    rp = parse_remote_prefill(out)
+    assert rp.block_ids == (4, 5, 9, 0, 0, 7) and rp.group_sizes == (3, 3)
+    assert rp.groups() == ((4, 5, 9), (0, 0, 7))
+    one = parse_remote_prefill({**out, "remote_block_ids": [[4, 5]]})
+    assert one.group_sizes == () and one.groups() == ((4, 5),)
+
+
 @pytest.mark.parametrize(("change", "field"), [
     ({"remote_port": None}, "remote_port"),
     ({"remote_port": "5600"}, "remote_port"),
     ({"remote_port": 0}, "remote_port"),
     ({"remote_engine_id": 3}, "remote_engine_id"),
-    ({"remote_block_ids": [[1], [2]]}, "remote_block_ids"),
+    ({"remote_block_ids": [[1], 2]}, "remote_block_ids"),
+    ({"remote_block_ids": [[1]] * 65}, "remote_block_ids"),
+    ({"remote_block_ids": [[1], [-2]]}, r"remote_block_ids\[1\]"),
     ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
     ({"remote_block_ids": "1,2"}, "remote_block_ids"),
     ({"remote_block_ids": [1, True]}, "remote_block_ids"),
