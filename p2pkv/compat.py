@@ -62,6 +62,42 @@ def _group(group: Any) -> str:
     return f"{type(spec).__name__}({', '.join(extra)}){draft}x{len(group.layer_names)}"
 
 
+class UnsupportedKVCacheError(ValueError):
+    """A KV cache group p2pkv cannot move; the message names the group and what to do."""
+
+
+def _specs(kv_cache_config: KVCacheConfig) -> list[tuple[int, Any]]:
+    """``(group index, spec)`` for every KV cache spec, a uniform-type group's layer specs included."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    out = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        out += [(i, s) for s in (spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec])]
+    return out
+
+
+def check_kv_cache_supported(kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, at engine start, a KV cache with a group p2pkv would move wrongly.
+
+    p2pkv moves attention KV (full, sliding-window, chunked-local, MLA). A
+    Mamba/SSM group (hybrid models such as Granite-4, Jamba, Qwen3-Next)
+    holds a recurrent state per request whose pull p2pkv does not implement.
+
+    Raises:
+        UnsupportedKVCacheError: a group whose spec is not an attention spec.
+    """
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    for i, spec in _specs(kv_cache_config):
+        if not isinstance(spec, AttentionSpec):
+            raise UnsupportedKVCacheError(
+                f"KV cache group {i} is {type(spec).__name__}: p2pkv moves attention KV only, not Mamba/SSM "
+                "state; serve this model without P2pKvConnector (one engine does both phases)")
+
+
 def frees_blocks_behind_window(kv_cache_config: KVCacheConfig | None) -> bool:
     """Whether vLLM frees a request's blocks behind an attention window in this KV cache.
 
@@ -78,13 +114,9 @@ def frees_blocks_behind_window(kv_cache_config: KVCacheConfig | None) -> bool:
     """
     if kv_cache_config is None:
         return False
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
 
-    specs = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        specs += list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-    return any(isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec) for spec in specs)
+    return any(isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec) for _, spec in _specs(kv_cache_config))
 
 
 def model_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None) -> ModelInfo:
@@ -104,4 +136,5 @@ def model_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = 
         # vLLM's CPU attention pages (K stored transposed) cannot be told apart by their strides.
         attn_layout="CPU" if current_platform.is_cpu() and not mc.use_mla else None,
         local_attention=frees_blocks_behind_window(kv_cache_config),
+        kv_groups=len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1,
     )

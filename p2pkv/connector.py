@@ -19,11 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from handshake.compat import fingerprint
-from p2pkv.compat import compat_fields, frees_blocks_behind_window, model_info
+from p2pkv.compat import check_kv_cache_supported, compat_fields, frees_blocks_behind_window, model_info
 from p2pkv.config import P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.scheduler import SchedulerSide
@@ -55,20 +56,27 @@ def side_channel_host(config: P2pKvConfig) -> str:
     return get_ip()
 
 
-class P2pKvConnector(KVConnectorBase_V1):
+class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     """Peer-to-peer KV pulls over NIXL for prefill/decode disaggregation.
 
     ``kv_transfer_params`` are wire-compatible with vLLM's NixlConnector.
+    Supports vLLM's hybrid KV cache manager (``SupportsHMA``): models with
+    several attention types (full and sliding-window layers) keep one KV
+    cache group per type, and a pull moves every group's blocks (only those
+    inside the window for a sliding-window group).
     Settings come from ``kv_connector_extra_config`` (see
     :class:`p2pkv.config.P2pKvConfig`).
 
     Raises:
         p2pkv.config.ConfigError: a bad setting (names the key).
+        p2pkv.compat.UnsupportedKVCacheError: a KV cache group p2pkv cannot
+            move (Mamba/SSM state).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_kv_cache_supported(kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.config = load_config(ktc.kv_connector_extra_config)
         self.engine_id: str = str(ktc.engine_id)
@@ -82,7 +90,8 @@ class P2pKvConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.engine_id, self.config, block_size, host,
                                            base_port, self.tp_size,
-                                           int(frees_blocks_behind_window(kv_cache_config)))
+                                           int(frees_blocks_behind_window(kv_cache_config)),
+                                           len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -207,6 +216,15 @@ class P2pKvConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         try:
             return self.scheduler.request_finished(request, block_ids)
+        except Exception:
+            logger.exception("p2pkv: request %s: request_finished failed; freeing its blocks now", request.request_id)
+            return False, None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        try:
+            return self.scheduler.request_finished_all_groups(request, block_ids)
         except Exception:
             logger.exception("p2pkv: request %s: request_finished failed; freeing its blocks now", request.request_id)
             return False, None

@@ -45,6 +45,11 @@ class SchedulerSide:
             prompt tokens of a request it prefills for a decode engine; a
             decode engine loads that many (see
             :func:`p2pkv.compat.frees_blocks_behind_window`).
+        kv_groups: KV cache groups of this engine (vLLM's hybrid KV cache
+            manager, HMA, gives a model with several attention types one
+            group per type; 1 otherwise). With more than one, a pull pairs
+            each group's blocks with the prefill engine's of the same group,
+            block for block (both engines use one block size).
     """
 
     def __init__(
@@ -56,6 +61,7 @@ class SchedulerSide:
         side_channel_port: int,
         tp_size: int,
         recompute_tokens: int = 0,
+        kv_groups: int = 1,
     ) -> None:
         self.engine_id = engine_id
         self.config = config
@@ -64,6 +70,7 @@ class SchedulerSide:
         self.port = side_channel_port
         self.tp_size = tp_size
         self.recompute_tokens = recompute_tokens
+        self.kv_groups = kv_groups
         self._pulls: list[PullSpec] = []
         self._leases: dict[str, float] = {}
         self._blocks: dict[str, tuple[int, ...]] = {}
@@ -141,6 +148,11 @@ class SchedulerSide:
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_num_tokens={remote.num_tokens} but {why}: the params belong to "
                     "another prompt (send each prompt with its own params)")
+            if len(remote.groups()) != self.kv_groups:
+                raise KVTransferParamsError(
+                    f"kv_transfer_params.remote_block_ids has {len(remote.groups())} KV cache group(s), this "
+                    f"engine has {self.kv_groups}: run prefill and decode with the same model and the same "
+                    "hybrid KV cache manager setting (--disable-hybrid-kv-cache-manager on both or neither)")
             return remote
         except KVTransferParamsError as exc:
             logger.error(
@@ -174,26 +186,30 @@ class SchedulerSide:
             return
         params["do_remote_prefill"] = False  # a second call (more blocks) must not pull again
         self._queued.pop(request.request_id, None)
-        local: list[int] = []
-        first_token = 0
-        if num_external_tokens > 0:
-            # Blocks before the attention window are vLLM's null block (a sliding
-            # window frees them): they are skipped, like the locally cached prefix.
-            all_ids = list(blocks.get_block_ids()[0])
-            unhashed = list(blocks.get_unhashed_block_ids_all_groups()[0])
-            first_token = (len(all_ids) - len(unhashed)) * self.block_size
-            local = unhashed
-        # The whole remote list goes along: the worker maps tokens to blocks once
-        # it knows the prefill engine's block size (it may differ from ours).
+        if self.kv_groups > 1:
+            local, remote_ids = group_pairs(remote, blocks) if num_external_tokens > 0 else ((), ())
+            first_token, num_tokens = 0, -1  # the lists already pair up block for block
+        else:
+            local, remote_ids, first_token = (), (), 0
+            if num_external_tokens > 0:
+                # Blocks before the attention window are vLLM's null block (a sliding
+                # window frees them): they are skipped, like the locally cached prefix.
+                all_ids = list(blocks.get_block_ids()[0])
+                local = tuple(blocks.get_unhashed_block_ids_all_groups()[0])
+                first_token = (len(all_ids) - len(local)) * self.block_size
+                # The whole remote list goes along: the worker maps tokens to blocks once
+                # it knows the prefill engine's block size (it may differ from ours).
+                remote_ids = tuple(remote.block_ids) if local else ()
+            num_tokens = self._loaded_tokens(request)
         self._pulls.append(
             PullSpec(
                 request_id=request.request_id,
                 local_block_ids=tuple(local),
-                remote_block_ids=tuple(remote.block_ids) if local else (),
+                remote_block_ids=tuple(remote_ids),
                 remote=remote,
                 report=num_external_tokens > 0,
                 first_token=first_token,
-                num_tokens=self._loaded_tokens(request),
+                num_tokens=num_tokens,
                 arrival=float(getattr(request, "arrival_time", 0.0) or 0.0),
                 scheduled=time.time(),
             )
@@ -205,7 +221,7 @@ class SchedulerSide:
             request.kv_transfer_params["do_remote_prefill"] = False
         if num_external_tokens > 0:
             try:
-                ids = tuple(blocks.get_unhashed_block_ids())
+                ids = tuple(b for group in blocks.get_unhashed_block_ids_all_groups() for b in group)
             except Exception:
                 ids = ()
             self._failed[request.request_id] = ids
@@ -223,7 +239,18 @@ class SchedulerSide:
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Hold a prefilled request's blocks for a decode engine and say where they are.
+        """:meth:`request_finished_all_groups` for an engine with one KV cache group."""
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """Hold a prefilled request's blocks (every KV cache group's) for a decode engine and say where they are.
+
+        Args:
+            request: the finished request.
+            block_ids: its block ids per KV cache group, in token order (a
+                sliding-window group's blocks behind the window are vLLM's
+                null block, id 0).
 
         Returns:
             ``(hold, params)``: ``hold`` is True when the blocks stay allocated
@@ -247,16 +274,18 @@ class SchedulerSide:
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
             return False, None  # aborted on the prefill side: free the blocks now
-        if not block_ids:
+        flat = tuple(b for group in block_ids for b in group)
+        if not any(flat):
             return False, None
         self._leases[request.request_id] = time.monotonic() + self.config.lease_s
-        self._blocks[request.request_id] = tuple(block_ids)
+        self._blocks[request.request_id] = flat
         return True, make_prefill_response_params(
             engine_id=self.engine_id,
             request_id=request.request_id,
             host=self.host,
             port=self.port,
-            block_ids=block_ids,
+            block_ids=flat,
+            group_sizes=tuple(len(g) for g in block_ids) if len(block_ids) > 1 else (),
             tp_size=self.tp_size,
             num_tokens=request.num_computed_tokens,
             expiry_time=time.time() + self.config.lease_s,
@@ -266,3 +295,27 @@ class SchedulerSide:
         """Stop the heartbeat thread. Idempotent."""
         self.heartbeats.close()
 
+
+
+def group_pairs(remote: RemotePrefill, blocks: KVCacheBlocks) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(local_ids, remote_ids)`` paired block for block over every KV cache group (one block size on both sides).
+
+    Each group's ``i``-th block holds the same tokens on both engines. A
+    local block is paired when it is newly allocated (not a prefix-cache hit,
+    not vLLM's null block) and the prefill engine's block at its position
+    exists and is not the null block (id 0: behind a sliding window, freed):
+    so for a sliding-window group only the blocks inside the window move.
+    The groups' pairs are concatenated; HMA groups share one block pool and
+    their layers share the KV tensors, so a block id names the same pages
+    for every layer that the worker registered.
+    """
+    local_out: list[int] = []
+    remote_out: list[int] = []
+    for all_ids, new_ids, theirs in zip(blocks.get_block_ids(), blocks.get_unhashed_block_ids_all_groups(),
+                                        remote.groups(), strict=True):
+        start = len(all_ids) - len(new_ids)  # position of the first newly allocated block
+        for i, local_id in enumerate(new_ids, start):
+            if i < len(theirs) and theirs[i] != 0:
+                local_out.append(local_id)
+                remote_out.append(theirs[i])
+    return tuple(local_out), tuple(remote_out)

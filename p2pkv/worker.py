@@ -93,7 +93,7 @@ class WorkerSide:
         self.desc = layout_desc(self.layout, m, attn, mem_type=mem_type, device_id=device_id)
         stager = Stager(self.agent, kv_caches, self.layout, self.desc, int(self.config.staging_mib * 2**20))
         self.puller = Puller(self.engine_id, self.tp_rank, self.tp_size, self.config, self.agent, self.layout,
-                             self.desc, device_id, stager, self.compat_hash, self.stats, m.local_attention)
+                             self.desc, device_id, stager, self.compat_hash, self.stats, m)
         meta = self.agent.metadata()
         info = AgentInfo(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
                          agent_name=self.agent.name, agent_metadata=meta, metadata_digest=compute_digest(meta),

@@ -28,7 +28,7 @@ from vllm.v1.request import Request
 from handshake import KVLayoutDesc, KVRegion
 from p2pkv.compat import frees_blocks_behind_window
 from p2pkv.config import P2pKvConfig
-from p2pkv.dataplane.negotiate import PullRefused, TransferMode, plan_peer
+from p2pkv.dataplane.negotiate import ModelInfo, PullRefused, TransferMode, plan_peer
 from p2pkv.params import make_prefill_response_params
 from p2pkv.scheduler import SchedulerSide
 
@@ -123,8 +123,11 @@ def _desc(block_size: int) -> KVLayoutDesc:
                                           num_layers=1, kv_index=-1)])
 
 
+_WINDOW_MODEL = ModelInfo("LBHNC", "float32", 2, 16, 32, local_attention=True)
+
+
 def test_a_decode_block_larger_than_the_prefill_block_is_refused_with_the_fix() -> None:
     with pytest.raises(PullRefused, match="start the decode engine with --block-size 16 or smaller"):
-        plan_peer(_desc(32), 0, 1, _desc(16), 0, 1, local_attention=True)
-    assert plan_peer(_desc(16), 0, 1, _desc(32), 0, 1, local_attention=True).mode is TransferMode.STAGED
+        plan_peer(_desc(32), 0, 1, _desc(16), 0, 1, _WINDOW_MODEL)
+    assert plan_peer(_desc(16), 0, 1, _desc(32), 0, 1, _WINDOW_MODEL).mode is TransferMode.STAGED
     assert plan_peer(_desc(32), 0, 1, _desc(16), 0, 1).mode is TransferMode.STAGED  # full attention: fine

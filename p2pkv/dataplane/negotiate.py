@@ -55,6 +55,9 @@ class ModelInfo:
         local_attention: vLLM frees this cache's blocks behind an attention
             window (sliding-window or chunked-local attention), so a prompt's
             first blocks may be gone on either side.
+        kv_groups: KV cache groups (vLLM's hybrid KV cache manager keeps one
+            per attention type; 1 otherwise): with more than one, a pull pairs
+            blocks one for one, so both engines must use one block size.
     """
 
     kv_layout: str
@@ -66,6 +69,7 @@ class ModelInfo:
     is_mla: bool = False
     attn_layout: str | None = None
     local_attention: bool = False
+    kv_groups: int = 1
 
 
 def layout_desc(layout: KVLayout, model: ModelInfo, attn_layout: str, *, mem_type: str,
@@ -154,13 +158,15 @@ def _must_match(local: KVLayoutDesc, remote: KVLayoutDesc, local_tp: int, remote
 
 
 def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLayoutDesc, remote_rank: int,
-              remote_tp: int, local_attention: bool = False) -> PeerPlan:
+              remote_tp: int, model: ModelInfo | None = None) -> PeerPlan:
     """Decide how decode rank ``local_rank`` pulls from prefill rank ``remote_rank``.
 
-    ``local_attention``: the model frees blocks behind an attention window
-    (:attr:`ModelInfo.local_attention`); a decode block larger than the
-    prefill engine's would then start with tokens whose prefill block is
-    already freed, and vLLM's prefix cache could later serve them.
+    ``model``: the decode engine's :class:`ModelInfo`. When it frees blocks
+    behind an attention window (``local_attention``), a decode block larger
+    than the prefill engine's would start with tokens whose prefill block is
+    already freed, and vLLM's prefix cache could later serve them: refused.
+    With several KV cache groups (``kv_groups``) the pull's blocks pair one
+    for one: a different block size is refused.
 
     Raises:
         PullRefused: model shape differs (names the field and both values),
@@ -170,7 +176,12 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
             sizes that differ).
     """
     _must_match(local, remote, local_tp, remote_tp)
-    if local_attention and local.block_size > remote.block_size:
+    model = model or ModelInfo("", "", 0, 0, local.block_size)
+    if model.kv_groups > 1 and local.block_size != remote.block_size:
+        raise PullRefused(f"the model has {model.kv_groups} KV cache groups (vLLM's hybrid KV cache manager), which "
+                          f"p2pkv pulls block for block: prefill block_size={remote.block_size}, decode "
+                          f"block_size={local.block_size}; start both engines with the same --block-size")
+    if model.local_attention and local.block_size > remote.block_size:
         raise PullRefused(f"sliding-window (local attention) model: decode block_size={local.block_size} is larger "
                           f"than prefill block_size={remote.block_size}, so a decode block would hold tokens whose "
                           f"prefill block is already freed; start the decode engine with --block-size "

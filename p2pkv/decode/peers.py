@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from handshake import AgentInfo, KVLayoutDesc, fetch_agent_info
 from p2pkv.dataplane.layout import Segment
-from p2pkv.dataplane.negotiate import PeerPlan, TransferMode, page_slices, plan_peer, remote_segments
+from p2pkv.dataplane.negotiate import ModelInfo, PeerPlan, TransferMode, page_slices, plan_peer, remote_segments
 from p2pkv.decode.background import Background
 from p2pkv.params import RemotePrefill
 
@@ -84,14 +84,14 @@ class PeerTable:
         local: this rank's layout description.
         local_segments: this rank's KV segments.
         tp_rank / tp_size: this rank and its engine's TP size.
-        local_attention: the model frees blocks behind an attention window (see
+        model: this engine's model facts that limit pairings (see
             :func:`p2pkv.dataplane.negotiate.plan_peer`).
     """
 
     def __init__(self, agent: NixlTransferAgent, local: KVLayoutDesc, local_segments: list[Segment],
-                 tp_rank: int, tp_size: int, local_attention: bool = False) -> None:
+                 tp_rank: int, tp_size: int, model: ModelInfo | None = None) -> None:
         self.agent, self.local, self.local_segments = agent, local, local_segments
-        self.local_attention = local_attention
+        self.model = model
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.peers: dict[PeerId, Peer] = {}
         self.handshakes: dict[PeerId, Handshake] = {}
@@ -123,7 +123,7 @@ class PeerTable:
             handshake.MetadataDigestError / p2pkv.dataplane.agent.TransferError: bad or refused metadata.
         """
         plan = plan_peer(self.local, self.tp_rank, self.tp_size, info.layout, peer_id.tp_rank, info.tp_size,
-                         self.local_attention)
+                         self.model)
         name = self.agent.add_peer(info)
         peer = self.peers[peer_id] = Peer(info, name, remote_segments(info.layout), plan)
         if plan.mode is TransferMode.PAGED:

@@ -24,7 +24,7 @@ from handshake import AgentInfo, IncompatiblePeerError, KVLayoutDesc
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.dataplane.layout import KVLayout
-from p2pkv.dataplane.negotiate import PullRefused, total_heads
+from p2pkv.dataplane.negotiate import ModelInfo, PullRefused, total_heads
 from p2pkv.dataplane.plan import PlanError
 from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.staging import StagingFull
@@ -54,12 +54,12 @@ class Puller:
         device_id: GPU index of the KV cache (0 for DRAM).
         stager: the staging area for pulls that need a fixup.
         compat_hash / stats: what handshakes must match; the worker's statistics, appended to.
-        local_attention: the model frees blocks behind an attention window.
+        model: this engine's model facts that limit pairings (window, KV cache groups).
     """
 
     def __init__(self, engine_id: str, tp_rank: int, tp_size: int, config: P2pKvConfig, agent: NixlTransferAgent,
                  layout: KVLayout, desc: KVLayoutDesc, device_id: int, stager: Stager, compat_hash: str,
-                 stats: StatsBuffer, local_attention: bool = False) -> None:
+                 stats: StatsBuffer, model: ModelInfo | None = None) -> None:
         self.engine_id, self.tp_rank, self.tp_size, self.config = engine_id, tp_rank, tp_size, config
         self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
         self.compat_hash, self.stats = compat_hash, stats
@@ -68,7 +68,7 @@ class Puller:
                                  on_start=lambda: _bind_device(desc.mem_type, device_id))
         self.lock = self.progress.lock
         self.background = Background(on_done=self.progress.wake)
-        self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size, local_attention)
+        self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size, model)
         self.fence = Fence(self.background, engine_id, self._secret, config.handshake_timeout_s)
         self.pulls: list[Pull] = []
         self._staging_wait: list[Pull] = []

@@ -1,0 +1,151 @@
+"""Several KV cache groups (vLLM's hybrid KV cache manager, HMA): the connector's scheduler side with real vLLM objects.
+
+A model whose layers mix full and sliding-window attention keeps one KV cache
+group per attention type; a request has a block list per group, and a
+sliding-window group's blocks behind the window are vLLM's null block (id 0).
+The end-to-end pair runs in ``tests/test_e2e_models.py`` (kind ``interleaved-window``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group_id
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request, RequestStatus
+
+from handshake import KVLayoutDesc, KVRegion
+from p2pkv.compat import UnsupportedKVCacheError, check_kv_cache_supported
+from p2pkv.config import P2pKvConfig
+from p2pkv.connector import P2pKvConnector
+from p2pkv.dataplane.negotiate import ModelInfo, PullRefused, TransferMode, plan_peer
+from p2pkv.scheduler import SchedulerSide
+
+BLOCK = 16
+
+
+def _sched(kv_groups: int = 2) -> SchedulerSide:
+    config = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=0.0)
+    return SchedulerSide("engine", config, BLOCK, "127.0.0.1", 5600, 1, recompute_tokens=1, kv_groups=kv_groups)
+
+
+def _request(rid: str, prompt: int, params: dict) -> Request:
+    req = Request(rid, list(range(3, 3 + prompt)), SamplingParams(max_tokens=16), None)
+    req.kv_transfer_params = params
+    return req
+
+
+def _finished_prefill(sched: SchedulerSide, block_ids: tuple[list[int], ...]) -> dict:
+    req = _request("p", 100, {"do_remote_decode": True})
+    sched.on_new_request(req)  # the last prompt token is left to the decode engine: 99 tokens
+    req.num_computed_tokens = req.num_prompt_tokens
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    hold, params = sched.request_finished_all_groups(req, block_ids)
+    assert hold and params is not None
+    return params
+
+
+def test_the_connector_declares_hma_support() -> None:
+    """vLLM keeps its hybrid KV cache manager on for p2pkv engines (no "Turning off hybrid kv cache manager")."""
+    assert supports_hma(P2pKvConnector)
+
+
+def test_prefill_holds_every_group_and_sends_a_list_per_group() -> None:
+    """99 tokens in 7 blocks of 16 per group; the window group (40 tokens) has its first 3 blocks freed."""
+    sched = _sched()
+    full, window = list(range(10, 17)), [0, 0, 0, 30, 31, 32, 33]
+    params = _finished_prefill(sched, (full, window))
+    assert params["remote_block_ids"] == [full, window] and params["remote_num_tokens"] == 99
+    meta = sched.build_connector_meta()
+    assert meta.send_blocks["p"] == (*full, *window)  # what the fence checks a pull against
+    sched.shutdown()
+
+
+def test_decode_pairs_each_group_and_skips_the_window_groups_freed_blocks() -> None:
+    """Decode has the prompt's first block cached (hashed) in both groups; the window group reads 4 blocks only."""
+    sched = _sched()
+    remote = ([*range(10, 17)], [0, 0, 0, 30, 31, 32, 33])
+    params = _finished_prefill(sched, remote)
+    sched.build_connector_meta()
+    req = _request("d", 100, params)
+    assert sched.get_num_new_matched_tokens(req, BLOCK) == (99 - BLOCK, True)
+    cached = [KVCacheBlock(40), KVCacheBlock(41)]
+    for i, b in enumerate(cached):
+        b._block_hash = make_block_hash_with_group_id(b"h", i)
+    full = [cached[0], *(KVCacheBlock(i) for i in range(50, 57))]  # 8 blocks: the 100th token needs one more
+    window = [cached[1], *(KVCacheBlock(i) for i in range(60, 67))]
+    sched.update_state_after_alloc(req, KVCacheBlocks((full, window)), 99 - BLOCK)
+    (spec,) = sched.build_connector_meta().pulls
+    assert spec.num_tokens == -1 and spec.first_token == 0  # the lists pair block for block
+    assert spec.local_block_ids == (50, 51, 52, 53, 54, 55, 62, 63, 64, 65)
+    assert spec.remote_block_ids == (11, 12, 13, 14, 15, 16, 30, 31, 32, 33)
+    assert spec.remote.groups() == tuple(tuple(g) for g in remote)
+    sched.shutdown()
+
+
+def test_params_with_another_group_count_are_refused_and_prefilled_locally(caplog) -> None:
+    """Prefill with HMA (2 groups), decode without it (1 group): no pull, a log line naming both counts and the fix."""
+    prefill = _sched(2)
+    params = _finished_prefill(prefill, ([*range(10, 17)], [0, 0, 0, 30, 31, 32, 33]))
+    decode = _sched(1)
+    req = _request("d", 100, params)
+    assert decode.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+    assert "has 2 KV cache group(s), this engine has 1" in caplog.text
+    assert "--disable-hybrid-kv-cache-manager" in caplog.text
+    prefill.shutdown()
+    decode.shutdown()
+
+
+def test_a_failed_set_up_marks_every_groups_blocks() -> None:
+    sched = _sched()
+    req = _request("d", 100, {"do_remote_prefill": True})
+    blocks = KVCacheBlocks(([KVCacheBlock(5), KVCacheBlock(6)], [KVCacheBlock(0, is_null=True), KVCacheBlock(7)]))
+    sched.fail_load(req, blocks, 99)
+    assert sched.build_connector_meta().failed == {"d": (5, 6, 7)}
+    sched.shutdown()
+
+
+def _desc(block_size: int) -> KVLayoutDesc:
+    block_len = 2 * block_size * 2 * 16 * 4
+    return KVLayoutDesc(kv_layout="LBHNC", attn_layout="HND", dtype="float32", num_layers=1, num_kv_heads=2,
+                        head_dim=16, block_size=block_size, num_blocks=8, block_len=block_len,
+                        block_stride=block_len, mem_type="DRAM",
+                        regions=[KVRegion(base_addr=4096, length=8 * block_len, device_id=0, layer_start=0,
+                                          num_layers=1, kv_index=-1)])
+
+
+def test_groups_need_one_block_size_on_both_sides() -> None:
+    groups = ModelInfo("LBHNC", "float32", 2, 16, 16, local_attention=True, kv_groups=2)
+    assert plan_peer(_desc(16), 0, 1, _desc(16), 0, 1, groups).mode is TransferMode.DIRECT
+    for local, remote in ((16, 32), (32, 16)):
+        with pytest.raises(PullRefused, match=f"prefill block_size={remote}, decode block_size={local}; start both "
+                                              "engines with the same --block-size"):
+            plan_peer(_desc(local), 0, 1, _desc(remote), 0, 1, groups)
+
+
+def test_a_mamba_group_is_refused_at_engine_start() -> None:
+    """Hybrid attention + SSM models start with HMA, but p2pkv does not move SSM state: a clear error, not wrong KV."""
+    import torch
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32,
+                               sliding_window=40)
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64), (8, 16, 16)), dtypes=(torch.float32, torch.float32))
+
+    def config(*specs):
+        groups = [KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+    check_kv_cache_supported(config(full, window))
+    check_kv_cache_supported(None)
+    with pytest.raises(UnsupportedKVCacheError, match="KV cache group 1 is MambaSpec: p2pkv moves attention KV only"):
+        check_kv_cache_supported(config(full, mamba))
