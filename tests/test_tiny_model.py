@@ -12,7 +12,7 @@ import pytest
 from p2pkv.tools.tiny_model import KINDS, TinyModelSpec, hf_config, make_tiny_model
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "sliding-window": "MistralForCausalLM",
-                 "mla": "DeepseekV2ForCausalLM", "hybrid": "GraniteMoeHybridForCausalLM"}
+                 "interleaved-window": "LlamaForCausalLM", "mla": "DeepseekV2ForCausalLM", "hybrid": "GraniteMoeHybridForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,10 @@ def test_written_config_loads_as_its_kind(models, kind) -> None:
     tokenizer = AutoTokenizer.from_pretrained(models[kind])
     assert tokenizer.encode("héllo") == [tokenizer.convert_tokens_to_ids(t) for t in tokenizer.tokenize("héllo")]
     assert len(tokenizer.encode("héllo")) == len("héllo".encode())  # one token per byte
-    if kind == "sliding-window":
+    if kind in ("sliding-window", "interleaved-window"):
         assert config.sliding_window == 40
+    if kind == "interleaved-window":
+        assert config.layer_types == ["sliding_attention", "full_attention"] * 2
     if kind == "mla":  # vLLM's CPU MLA kernel takes a 576-wide latent only
         assert (config.kv_lora_rank, config.qk_rope_head_dim, config.q_lora_rank) == (512, 64, None)
         assert config.first_k_dense_replace == config.num_hidden_layers  # dense MLPs: no experts built
@@ -54,7 +56,7 @@ def test_default_is_the_llama_it_always_was(tmp_path) -> None:
 
 
 def test_unknown_kind_is_refused() -> None:
-    with pytest.raises(ValueError, match="kind must be one of llama, sliding-window, mla, hybrid, got 'moe'"):
+    with pytest.raises(ValueError, match="kind must be one of llama, sliding-window, interleaved-window, mla, hybrid, got 'moe'"):
         hf_config(TinyModelSpec(kind="moe"), vocab_size=259)
 
 

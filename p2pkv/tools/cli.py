@@ -71,10 +71,12 @@ def _add_demo_and_model(sub: argparse._SubParsersAction) -> None:
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight model (Llama unless --kind)")
     tiny.add_argument("out", help="output directory")
     tiny.add_argument("--kind", choices=KINDS, default="llama",
-                      help="llama; sliding-window (Mistral); mla (DeepSeek-V2); hybrid (Granite-4: Mamba-2, attention)")
+                      help="llama; sliding-window (Mistral); interleaved-window (sliding-window and full layers "
+                           "alternate); mla (DeepSeek-V2); hybrid (Granite-4: Mamba-2, attention)")
     tiny.add_argument("--layers", type=int, default=4)
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--sliding-window", type=int, default=40, help="tokens, for --kind sliding-window")
+    tiny.add_argument("--sliding-window", type=int, default=40,
+                      help="tokens, for --kind sliding-window / interleaved-window")
     tiny.add_argument("--secret-file", metavar="PATH",
                       help="also write a random side-channel secret here, unless the file already holds one")
     tiny.set_defaults(func=_cmd_make_tiny_model)

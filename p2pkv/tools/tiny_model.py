@@ -8,7 +8,10 @@ safetensors by ``transformers``. vLLM's own loader reads it.
 
 Kinds (:data:`KINDS`, ``TinyModelSpec.kind``): ``llama`` (the default:
 dense Llama, GQA), ``sliding-window`` (Mistral: every layer attends to the
-last ``sliding_window`` tokens only), ``mla`` (DeepSeek-V2: a latent KV
+last ``sliding_window`` tokens only), ``interleaved-window`` (Llama with
+``layer_types``: sliding-window and full-attention layers alternate, as in
+Gemma 2/3 and gpt-oss; vLLM's hybrid KV cache manager keeps one KV cache
+group per attention type), ``mla`` (DeepSeek-V2: a latent KV
 cache of ``kv_lora_rank`` + ``qk_rope_head_dim`` = 576 elements per token,
 the only size vLLM's CPU MLA kernel takes; dense MLPs, no experts) and
 ``hybrid`` (Granite-4-style ``GraniteMoeHybrid`` without experts: Mamba-2
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")
-KINDS = ("llama", "sliding-window", "mla", "hybrid")
+KINDS = ("llama", "sliding-window", "interleaved-window", "mla", "hybrid")
 """Model kinds :func:`make_tiny_model` writes (see the module docstring)."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -49,7 +52,8 @@ class TinyModelSpec:
         initializer_range: standard deviation of the random weights.
         seed: torch seed; the same seed gives bit-identical weights.
         kind: one of :data:`KINDS`.
-        sliding_window: attention window (tokens) of the ``sliding-window`` kind.
+        sliding_window: attention window (tokens) of the ``sliding-window`` and
+            ``interleaved-window`` kinds (the latter's even layers).
     """
 
     num_layers: int = 4
@@ -110,6 +114,11 @@ def hf_config(spec: TinyModelSpec, vocab_size: int):
         return transformers.LlamaConfig(**common)
     if spec.kind == "sliding-window":
         return transformers.MistralConfig(**common, sliding_window=spec.sliding_window)
+    if spec.kind == "interleaved-window":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)]
+        config = transformers.LlamaConfig(**common)
+        config.layer_types, config.sliding_window = types, spec.sliding_window  # read by vLLM's Llama
+        return config
     if spec.kind == "mla":
         head = spec.hidden_size // spec.num_heads
         return transformers.DeepseekV2Config(
