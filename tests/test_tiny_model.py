@@ -12,7 +12,8 @@ import pytest
 from p2pkv.tools.tiny_model import KINDS, TinyModelSpec, hf_config, make_tiny_model
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "sliding-window": "MistralForCausalLM",
-                 "interleaved-window": "LlamaForCausalLM", "mla": "DeepseekV2ForCausalLM", "hybrid": "GraniteMoeHybridForCausalLM"}
+                 "interleaved-window": "LlamaForCausalLM", "mla": "DeepseekV2ForCausalLM",
+                 "hybrid": "GraniteMoeHybridForCausalLM"}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,8 @@ def test_default_is_the_llama_it_always_was(tmp_path) -> None:
 
 
 def test_unknown_kind_is_refused() -> None:
-    with pytest.raises(ValueError, match="kind must be one of llama, sliding-window, interleaved-window, mla, hybrid, got 'moe'"):
+    with pytest.raises(ValueError, match="kind must be one of llama, sliding-window, interleaved-window, mla, "
+                                         "hybrid, got 'moe'"):
         hf_config(TinyModelSpec(kind="moe"), vocab_size=259)
 
 
