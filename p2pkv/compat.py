@@ -98,6 +98,11 @@ def check_kv_cache_supported(kv_cache_config: KVCacheConfig | None) -> None:
                 "state; serve this model without P2pKvConnector (one engine does both phases)")
 
 
+def num_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> int:
+    """KV cache groups of an engine (at least 1: a config without groups counts as one)."""
+    return max(1, len(kv_cache_config.kv_cache_groups)) if kv_cache_config is not None else 1
+
+
 def frees_blocks_behind_window(kv_cache_config: KVCacheConfig | None) -> bool:
     """Whether vLLM frees a request's blocks behind an attention window in this KV cache.
 
@@ -136,5 +141,5 @@ def model_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = 
         # vLLM's CPU attention pages (K stored transposed) cannot be told apart by their strides.
         attn_layout="CPU" if current_platform.is_cpu() and not mc.use_mla else None,
         local_attention=frees_blocks_behind_window(kv_cache_config),
-        kv_groups=len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1,
+        kv_groups=num_kv_cache_groups(kv_cache_config),
     )

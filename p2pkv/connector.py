@@ -24,7 +24,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from handshake.compat import fingerprint
-from p2pkv.compat import check_kv_cache_supported, compat_fields, frees_blocks_behind_window, model_info
+from p2pkv.compat import (
+    check_kv_cache_supported,
+    compat_fields,
+    frees_blocks_behind_window,
+    model_info,
+    num_kv_cache_groups,
+)
 from p2pkv.config import P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.scheduler import SchedulerSide
@@ -91,7 +97,7 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = SchedulerSide(self.engine_id, self.config, block_size, host,
                                            base_port, self.tp_size,
                                            int(frees_blocks_behind_window(kv_cache_config)),
-                                           len(kv_cache_config.kv_cache_groups) if kv_cache_config else 1)
+                                           num_kv_cache_groups(kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
