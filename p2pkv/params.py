@@ -19,6 +19,9 @@ class KVTransferParamsError(ValueError):
     """``kv_transfer_params`` are malformed; the message names the key."""
 
 
+SENDER = "P2pKvConnector"
+"""``kv_transfer_params.kv_connector`` of a p2pkv prefill engine's answer: who holds the blocks (the proxy frees
+a p2pkv hold over p2pkv's side channel, and leaves NixlConnector's to its lease)."""
 MAX_TP_SIZE = 512
 """Largest ``tp_size`` accepted from a request (a sane bound: no engine has more ranks)."""
 MAX_ID_CHARS = 256
@@ -199,4 +202,5 @@ def make_prefill_response_params(
         "remote_num_tokens": num_tokens,
         "remote_blocks_expiry_time": expiry_time,
         "transfer_mode": "pull",
+        "kv_connector": SENDER,
     }

@@ -196,3 +196,28 @@ def test_metrics_count_requests_and_time_stages(stack: Stack, client: httpx.Clie
     assert metric(text, "p2pkv_proxy_requests_total", endpoint="/v1/completions", status="400") >= 1
     for name in ("prefill", "decode", "overhead"):
         assert metric(text, f"p2pkv_proxy_{name}_seconds_count") >= 1
+
+
+def test_release_reaches_p2pkv_prefill_engines_only() -> None:
+    """The proxy frees a p2pkv hold over the side channel; a NixlConnector prefill's port gets nothing.
+
+    vLLM's NixlConnector listener thread stops on any message other than its handshake, so a release
+    sent there would break every later pull from that engine.
+    """
+    from p2pkv.params import make_prefill_response_params
+    from p2pkv.tools.proxy.release import _release
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        ours = make_prefill_response_params(engine_id="e", request_id="r", host="127.0.0.1", port=port,
+                                            block_ids=[1], tp_size=1, num_tokens=5, expiry_time=None)
+        nixl = {k: v for k, v in ours.items() if k != "kv_connector"}  # NixlConnector's params
+        assert _release(nixl, None) == 0
+        with pytest.raises(TimeoutError):
+            listener.accept()
+        _release(ours, None)  # no side-channel server answers: 0 held, but the proxy did connect
+        conn, _ = listener.accept()
+        conn.close()

@@ -5,7 +5,10 @@ for the decode engine. When the decode leg fails before it pulls (the decode
 engine refuses the request, is unreachable, or the client goes away), the
 proxy tells every prefill rank named in ``kv_transfer_params`` to free the
 request's blocks now (:func:`handshake.release_holds`) instead of when the
-lease ends.
+lease ends. Only a p2pkv prefill engine's hold (``kv_connector`` is
+``P2pKvConnector`` in its params) is released: vLLM's NixlConnector listens
+on its side-channel port for its own handshake only, and its listener thread
+stops on any other message, so a NixlConnector hold is left to its lease.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 from typing import Any
 
 from handshake import HandshakeError, release_holds
+from p2pkv.params import SENDER
 
 log = logging.getLogger("p2pkv.tools.proxy")
 
@@ -23,7 +27,10 @@ RELEASE_TIMEOUT_S = 2.0
 
 
 def _release(params: dict[str, Any], secret: bytes | None) -> int:
-    """Blocking: ask each prefill rank to free ``remote_request_id``; how many ranks held it."""
+    """Blocking: ask each prefill rank to free ``remote_request_id``; how many ranks held it (0 for another
+    connector's params: nothing is sent)."""
+    if params.get("kv_connector") != SENDER:
+        return 0
     host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
     tp_size = params.get("tp_size") or 1
     if not (isinstance(host, str) and isinstance(port, int) and isinstance(rid, str) and isinstance(tp_size, int)):
