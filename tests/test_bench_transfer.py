@@ -218,20 +218,10 @@ TINY_FLAGS = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens"
 
 def _free_ports() -> tuple[int, int]:
     """``(port, control_port)`` free on 127.0.0.1 now, with ``port + 1`` free too (side channels)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            try:
-                with socket.socket() as b, socket.socket() as c:
-                    b.bind(("127.0.0.1", port + 1))
-                    c.bind(("127.0.0.1", 0))
-                    return port, c.getsockname()[1]
-            except OSError:
-                continue
-    raise RuntimeError("no free loopback ports")
+    from tests.conftest import free_ports
+
+    port, control = free_ports(2, run=2)
+    return port, control
 
 
 def _bench(*args: str) -> list[str]:

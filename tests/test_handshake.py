@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -92,9 +91,9 @@ def request_dict(**overrides: object) -> bytes:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    from tests.conftest import free_ports
+
+    return free_ports(1, run=1)[0]
 
 
 # -- round trips ---------------------------------------------------------

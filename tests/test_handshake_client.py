@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 from collections.abc import Callable, Iterator
 
@@ -127,9 +126,9 @@ def test_client_accepts_signed_reply_and_signs_request() -> None:
 
 def test_client_retries_timeouts_then_succeeds() -> None:
     # The server comes up late: the first attempt times out, a later one is answered.
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        port = probe.getsockname()[1]
+    from tests.conftest import free_ports
+
+    port = free_ports(1, run=1)[0]
     result: list[object] = []
     fetcher = threading.Thread(
         target=lambda: result.append(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 
 from handshake.compat import fingerprint
@@ -21,9 +20,10 @@ COMPAT_FIELDS = {"vllm": "0.32", "architecture": "Synthetic", "kv_cache_dtype": 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on 127.0.0.1 below the ephemeral range (see :func:`tests.conftest.free_ports`)."""
+    from tests.conftest import free_ports
+
+    return free_ports(1, run=1)[0]
 
 
 def model_info(layout: str) -> ModelInfo:
