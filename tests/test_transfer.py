@@ -86,8 +86,9 @@ def test_pull_moves_exactly_the_requested_blocks(prefill) -> None:
 
 @pytest.mark.parametrize("prefill", ["LBHNC"], indirect=True)
 def test_incompatible_model_shape_is_refused_and_reported(prefill, caplog) -> None:
-    """A peer whose model shape differs (here head_dim) is refused at handshake, before any READ."""
-    _, port, _ = prefill
+    """A peer whose model shape differs (here head_dim) is refused at handshake, before any READ; the prefill
+    engine is told to free the request at once (the side channel's ``ReleaseHolds``)."""
+    _, port, out = prefill
     _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port())
     worker.model = dataclasses.replace(model_info("LBHNC"), head_dim=8)
@@ -98,6 +99,7 @@ def test_incompatible_model_shape_is_refused_and_reported(prefill, caplog) -> No
         assert torch.count_nonzero(next(iter(views.values()))) == 0
         assert worker.puller.peers.peers == {}
         assert "kind=refused" in caplog.text and "head_dim: prefill has 16, decode has 8" in caplog.text
+        assert out.get(timeout=10) == ["req-1"]  # the hold is freed now, not when its 60 s lease ends
     finally:
         worker.shutdown()
 

@@ -36,6 +36,7 @@ from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull import Pull, PullState, ReadPart
 from p2pkv.decode.reads import plan_reads, release_unposted
+from p2pkv.decode.release import release_failed
 from p2pkv.metadata import PullSpec
 from p2pkv.notification import DoneNotification, encode_done
 from p2pkv.telemetry.stats import StatsBuffer, append_json_line
@@ -62,8 +63,7 @@ class Puller:
                  stats: StatsBuffer, model: ModelInfo | None = None) -> None:
         self.engine_id, self.tp_rank, self.tp_size, self.config = engine_id, tp_rank, tp_size, config
         self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
-        self.compat_hash, self.stats = compat_hash, stats
-        self._secret = config.secret_bytes()
+        self.compat_hash, self.stats, self._secret = compat_hash, stats, config.secret_bytes()
         self.progress = Progress(self._advance, f"p2pkv-pulls-tp{tp_rank}", config.pull_poll_interval_s,
                                  on_start=lambda: _bind_device(desc.mem_type, device_id))
         self.lock = self.progress.lock
@@ -74,9 +74,8 @@ class Puller:
         self._staging_wait: list[Pull] = []
         self._handshake_wait: dict[PeerId, list[Pull]] = {}
         self._draining: list[tuple[ReadPart, float]] = []  # cancelled READs NIXL would not release, deadline
-        self._finished: set[str] = set()
+        self._finished, self._load_errors = set[str](), set[int]()  # reported to vLLM at the next get_finished
         self._to_notify: list[Pull] = []  # done: notify their prefill ranks at the next engine step
-        self._load_errors: set[int] = set()
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -344,6 +343,8 @@ class Puller:
         if pull in self._staging_wait:
             self._staging_wait.remove(pull)
         self._to(pull, PullState.FAILED)
+        release_failed(self.background, spec.remote, _answered_ranks(self.desc, self.tp_rank, self.tp_size, spec),
+                       f"{self.engine_id}:{self.tp_rank}", self._secret, self.config.handshake_timeout_s)
 
 
 def _ended(agent: NixlTransferAgent, read: ReadPart) -> bool:
@@ -389,6 +390,14 @@ def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
 def _kind(exc: BaseException) -> FailureKind:
     """``DISCONNECT`` when NIXL said the peer went away, else ``TRANSFER``."""
     return FailureKind.DISCONNECT if isinstance(exc, TransferError) and exc.disconnected else FailureKind.TRANSFER
+
+
+def _answered_ranks(desc: KVLayoutDesc, tp_rank: int, tp_size: int, spec: PullSpec) -> list[int]:
+    """Prefill ranks this decode rank tells about ``spec`` (all of them when the TP sizes cannot pair)."""
+    try:
+        return topology(desc, tp_rank, tp_size, spec.remote.tp_size)[1]
+    except PullRefused:
+        return list(range(spec.remote.tp_size))
 
 
 def topology(desc: KVLayoutDesc, tp_rank: int, tp_size: int, remote_tp: int) -> tuple[list[RankRead], list[int]]:

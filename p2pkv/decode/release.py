@@ -1,0 +1,48 @@
+"""Freeing the prefill holds of a pull that failed.
+
+A failed pull is never retried: vLLM recomputes the request's blocks on the
+decode engine (or fails the request). The prefill engine would otherwise keep
+the request's blocks until its lease ends (``lease_s``, 30 s by default) —
+for a pull refused at handshake, every time. So the decode rank tells each
+prefill rank it answers for ("done" notifications) to free the request now,
+over the side channel (:func:`handshake.release_holds`), on a daemon thread.
+A prefill rank that cannot be reached keeps the lease as its fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from handshake import HandshakeError, release_holds
+from p2pkv.decode.background import Background
+from p2pkv.params import RemotePrefill
+
+logger = logging.getLogger("p2pkv.decode")
+
+
+def release_failed(background: Background, remote: RemotePrefill, ranks: list[int], reader: str,
+                   secret: bytes | None, timeout_s: float) -> None:
+    """Ask prefill ranks ``ranks`` of ``remote`` to free ``remote.request_id`` now (asynchronously).
+
+    Args:
+        background: where the side-channel calls run (cancelled with the worker).
+        remote: the failed pull's source.
+        ranks: prefill tp_ranks to tell (port = ``remote.port`` + rank).
+        reader: this decode rank's name, sent as the requester.
+        secret: side-channel HMAC secret (None: insecure).
+        timeout_s: wait for each rank's answer (seconds).
+    """
+    for rank in ranks:
+        background.call(f"p2pkv-release-{remote.host}:{remote.port + rank}", _release, remote.host,
+                        remote.port + rank, remote.request_id, reader, secret, timeout_s)
+
+
+def _release(host: str, port: int, request_id: str, reader: str, secret: bytes | None, timeout_s: float,
+             cancel=None) -> int:
+    try:
+        return release_holds(host, port, [request_id], reader, secret=secret, timeout_s=timeout_s,
+                             cancel=cancel).accepted
+    except HandshakeError as exc:
+        logger.warning("p2pkv: could not free prefill request %s on %s:%d after a failed pull (%s); its lease "
+                       "frees it", request_id, host, port, exc)
+        return 0
