@@ -219,12 +219,7 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
                                       failed=meta.failed)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.scheduler is not None
-        try:
-            return self.scheduler.request_finished(request, block_ids)
-        except Exception:
-            logger.exception("p2pkv: request %s: request_finished failed; freeing its blocks now", request.request_id)
-            return False, None
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

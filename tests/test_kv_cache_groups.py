@@ -22,12 +22,12 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
-from handshake import KVLayoutDesc, KVRegion
 from p2pkv.compat import UnsupportedKVCacheError, check_kv_cache_supported
 from p2pkv.config import P2pKvConfig
 from p2pkv.connector import P2pKvConnector
 from p2pkv.dataplane.negotiate import ModelInfo, PullRefused, TransferMode, plan_peer
 from p2pkv.scheduler import SchedulerSide
+from tests.workers import one_layer_desc
 
 BLOCK = 16
 
@@ -114,22 +114,13 @@ def test_a_failed_set_up_marks_every_groups_blocks() -> None:
     sched.shutdown()
 
 
-def _desc(block_size: int) -> KVLayoutDesc:
-    block_len = 2 * block_size * 2 * 16 * 4
-    return KVLayoutDesc(kv_layout="LBHNC", attn_layout="HND", dtype="float32", num_layers=1, num_kv_heads=2,
-                        head_dim=16, block_size=block_size, num_blocks=8, block_len=block_len,
-                        block_stride=block_len, mem_type="DRAM",
-                        regions=[KVRegion(base_addr=4096, length=8 * block_len, device_id=0, layer_start=0,
-                                          num_layers=1, kv_index=-1)])
-
-
 def test_groups_need_one_block_size_on_both_sides() -> None:
     groups = ModelInfo("LBHNC", "float32", 2, 16, 16, local_attention=True, kv_groups=2)
-    assert plan_peer(_desc(16), 0, 1, _desc(16), 0, 1, groups).mode is TransferMode.DIRECT
+    assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(16), 0, 1, groups).mode is TransferMode.DIRECT
     for local, remote in ((16, 32), (32, 16)):
         with pytest.raises(PullRefused, match=f"prefill block_size={remote}, decode block_size={local}; start both "
                                               "engines with the same --block-size"):
-            plan_peer(_desc(local), 0, 1, _desc(remote), 0, 1, groups)
+            plan_peer(one_layer_desc(local), 0, 1, one_layer_desc(remote), 0, 1, groups)
 
 
 def test_a_mamba_group_is_refused_at_engine_start() -> None:

@@ -25,12 +25,12 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
-from handshake import KVLayoutDesc, KVRegion
 from p2pkv.compat import frees_blocks_behind_window
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo, PullRefused, TransferMode, plan_peer
 from p2pkv.params import make_prefill_response_params
 from p2pkv.scheduler import SchedulerSide
+from tests.workers import one_layer_desc
 
 BLOCK = 16
 
@@ -114,20 +114,12 @@ def test_decode_engine_refuses_params_of_a_whole_prompt() -> None:
     sched.shutdown()
 
 
-def _desc(block_size: int) -> KVLayoutDesc:
-    block_len = 2 * block_size * 2 * 16 * 4
-    return KVLayoutDesc(kv_layout="LBHNC", attn_layout="HND", dtype="float32", num_layers=1, num_kv_heads=2,
-                        head_dim=16, block_size=block_size, num_blocks=8, block_len=block_len,
-                        block_stride=block_len, mem_type="DRAM",
-                        regions=[KVRegion(base_addr=4096, length=8 * block_len, device_id=0, layer_start=0,
-                                          num_layers=1, kv_index=-1)])
-
-
 _WINDOW_MODEL = ModelInfo("LBHNC", "float32", 2, 16, 32, local_attention=True)
 
 
 def test_a_decode_block_larger_than_the_prefill_block_is_refused_with_the_fix() -> None:
     with pytest.raises(PullRefused, match="start the decode engine with --block-size 16 or smaller"):
-        plan_peer(_desc(32), 0, 1, _desc(16), 0, 1, _WINDOW_MODEL)
-    assert plan_peer(_desc(16), 0, 1, _desc(32), 0, 1, _WINDOW_MODEL).mode is TransferMode.STAGED
-    assert plan_peer(_desc(32), 0, 1, _desc(16), 0, 1).mode is TransferMode.STAGED  # full attention: fine
+        plan_peer(one_layer_desc(32), 0, 1, one_layer_desc(16), 0, 1, _WINDOW_MODEL)
+    assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(32), 0, 1, _WINDOW_MODEL).mode is TransferMode.STAGED
+    full_attention = plan_peer(one_layer_desc(32), 0, 1, one_layer_desc(16), 0, 1)
+    assert full_attention.mode is TransferMode.STAGED  # a model without a window: fine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+from handshake import KVLayoutDesc, KVRegion
 from handshake.compat import fingerprint
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo
@@ -24,6 +25,16 @@ def free_port() -> int:
     from tests.conftest import free_ports
 
     return free_ports(1, run=1)[0]
+
+
+def one_layer_desc(block_size: int) -> KVLayoutDesc:
+    """The wire layout of a one-layer HND cache: 2 KV heads of 16 float32 elements, 8 blocks of ``block_size``."""
+    block_len = 2 * block_size * 2 * 16 * 4
+    return KVLayoutDesc(kv_layout="LBHNC", attn_layout="HND", dtype="float32", num_layers=1, num_kv_heads=2,
+                        head_dim=16, block_size=block_size, num_blocks=8, block_len=block_len,
+                        block_stride=block_len, mem_type="DRAM",
+                        regions=[KVRegion(base_addr=4096, length=8 * block_len, device_id=0, layer_start=0,
+                                          num_layers=1, kv_index=-1)])
 
 
 def model_info(layout: str) -> ModelInfo:
