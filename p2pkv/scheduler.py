@@ -296,7 +296,6 @@ class SchedulerSide:
         self.heartbeats.close()
 
 
-
 def group_pairs(remote: RemotePrefill, blocks: KVCacheBlocks) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(local_ids, remote_ids)`` paired block for block over every KV cache group (one block size on both sides).
 
