@@ -65,8 +65,10 @@ def test_scheduler_hooks_never_raise() -> None:
 
     failed: list[str] = []
     scheduler = SimpleNamespace(get_num_new_matched_tokens=boom, on_new_request=boom, update_state_after_alloc=boom,
-                                request_finished=boom, fail_load=lambda r, b, n: failed.append(r.request_id))
+                                request_finished_all_groups=boom,
+                                fail_load=lambda r, b, n: failed.append(r.request_id))
     conn = SimpleNamespace(scheduler=scheduler)
+    conn.request_finished_all_groups = lambda r, b: P2pKvConnector.request_finished_all_groups(conn, r, b)
     request = SimpleNamespace(request_id="r1", kv_transfer_params={"do_remote_prefill": True})
     assert P2pKvConnector.get_num_new_matched_tokens(conn, request, 0) == (0, False)
     assert request.kv_transfer_params["do_remote_prefill"] is False
@@ -74,3 +76,4 @@ def test_scheduler_hooks_never_raise() -> None:
     P2pKvConnector.update_state_after_alloc(conn, request, None, 3)
     assert failed == ["r1"]
     assert P2pKvConnector.request_finished(conn, request, [1, 2]) == (False, None)
+    assert P2pKvConnector.request_finished_all_groups(conn, request, ([1, 2], [0, 3])) == (False, None)
