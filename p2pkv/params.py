@@ -65,13 +65,18 @@ class RemotePrefill:
 
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """``block_ids`` split into one tuple per KV cache group."""
-        if not self.group_sizes:
-            return (self.block_ids,)
-        out, start = [], 0
-        for n in self.group_sizes:
-            out.append(self.block_ids[start:start + n])
-            start += n
-        return tuple(out)
+        return split_groups(self.block_ids, self.group_sizes)
+
+
+def split_groups(block_ids: Sequence[int], group_sizes: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Flat block ids → one tuple per KV cache group (``group_sizes`` empty: one group)."""
+    if not group_sizes:
+        return (tuple(block_ids),)
+    out, start = [], 0
+    for n in group_sizes:
+        out.append(tuple(block_ids[start:start + n]))
+        start += n
+    return tuple(out)
 
 
 def _require(params: dict[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
@@ -187,11 +192,10 @@ def make_prefill_response_params(
     ``block_ids`` and ``group_sizes`` as in :class:`RemotePrefill`;
     ``remote_block_ids`` is a list per KV cache group, as NixlConnector sends it.
     """
-    groups = RemotePrefill("", "", "", 0, tuple(block_ids), tp_size, group_sizes=tuple(group_sizes)).groups()
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_block_ids": [list(g) for g in groups],
+        "remote_block_ids": [list(g) for g in split_groups(block_ids, group_sizes)],
         "remote_engine_id": engine_id,
         "remote_request_id": request_id,
         "remote_host": host,

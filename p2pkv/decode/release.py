@@ -33,16 +33,20 @@ def release_failed(background: Background, remote: RemotePrefill, ranks: list[in
         timeout_s: wait for each rank's answer (seconds).
     """
     for rank in ranks:
-        background.call(f"p2pkv-release-{remote.host}:{remote.port + rank}", _release, remote.host,
+        background.call(f"p2pkv-release-{remote.host}:{remote.port + rank}", free_hold, remote.host,
                         remote.port + rank, remote.request_id, reader, secret, timeout_s)
 
 
-def _release(host: str, port: int, request_id: str, reader: str, secret: bytes | None, timeout_s: float,
-             cancel=None) -> int:
+def free_hold(host: str, port: int, request_id: str, requester: str, secret: bytes | None, timeout_s: float,
+              cancel=None) -> int:
+    """Blocking: ask one prefill rank to free ``request_id`` now; 1 if it held it, else 0.
+
+    A rank that cannot be reached is logged and counts 0: its lease frees the blocks.
+    """
     try:
-        return release_holds(host, port, [request_id], reader, secret=secret, timeout_s=timeout_s,
+        return release_holds(host, port, [request_id], requester, secret=secret, timeout_s=timeout_s,
                              cancel=cancel).accepted
     except HandshakeError as exc:
-        logger.warning("p2pkv: could not free prefill request %s on %s:%d after a failed pull (%s); its lease "
-                       "frees it", request_id, host, port, exc)
+        logger.warning("p2pkv: %s could not free prefill request %s on %s:%d (%s); its lease frees it",
+                       requester, request_id, host, port, exc)
         return 0

@@ -4,7 +4,7 @@ After a successful prefill the prefill engine holds the prompt's KV blocks
 for the decode engine. When the decode leg fails before it pulls (the decode
 engine refuses the request, is unreachable, or the client goes away), the
 proxy tells every prefill rank named in ``kv_transfer_params`` to free the
-request's blocks now (:func:`handshake.release_holds`) instead of when the
+request's blocks now (:func:`p2pkv.decode.release.free_hold`) instead of when the
 lease ends. Only a p2pkv prefill engine's hold (``kv_connector`` is
 ``P2pKvConnector`` in its params) is released: vLLM's NixlConnector listens
 on its side-channel port for its own handshake only, and its listener thread
@@ -14,13 +14,10 @@ stops on any other message, so a NixlConnector hold is left to its lease.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
-from handshake import HandshakeError, release_holds
+from p2pkv.decode.release import free_hold
 from p2pkv.params import SENDER
-
-log = logging.getLogger("p2pkv.tools.proxy")
 
 RELEASE_TIMEOUT_S = 2.0
 """Wait for each prefill rank's answer (seconds)."""
@@ -35,15 +32,8 @@ def _release(params: dict[str, Any], secret: bytes | None) -> int:
     tp_size = params.get("tp_size") or 1
     if not (isinstance(host, str) and isinstance(port, int) and isinstance(rid, str) and isinstance(tp_size, int)):
         return 0
-    held = 0
-    for rank in range(min(tp_size, 512)):
-        try:
-            held += release_holds(host, port + rank, [rid], "p2pkv-proxy", secret=secret,
-                                  timeout_s=RELEASE_TIMEOUT_S).accepted
-        except HandshakeError as exc:
-            log.warning("p2pkv proxy: could not release prefill request %s on %s:%d (%s); its lease frees it",
-                        rid, host, port + rank, exc)
-    return held
+    return sum(free_hold(host, port + rank, rid, "p2pkv-proxy", secret, RELEASE_TIMEOUT_S)
+               for rank in range(min(tp_size, 512)))
 
 
 async def release_all(params_list: list[dict[str, Any]], secret: bytes | None) -> int:
