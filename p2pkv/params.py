@@ -28,6 +28,8 @@ MAX_ID_CHARS = 256
 """Longest ``remote_engine_id`` / ``remote_request_id`` / ``remote_host`` accepted (characters)."""
 MAX_BLOCK_IDS = 1 << 20
 """Most ``remote_block_ids`` accepted, all KV cache groups together (a million blocks: far beyond any prompt)."""
+MAX_APPENDED_TOKENS = 1024
+"""Most ``appended_tokens`` accepted (the proxy appends one: the prefill engine's sampled first token)."""
 MAX_KV_CACHE_GROUPS = 64
 """Most KV cache groups accepted in ``remote_block_ids`` (vLLM makes a handful)."""
 
@@ -52,6 +54,11 @@ class RemotePrefill:
             (0 when the sender did not say).
         group_sizes: block ids per KV cache group, in group order; empty for
             one group (then all of ``block_ids`` is group 0).
+        appended_tokens: tokens the proxy appended to the prompt after the
+            prefill engine answered (its sampled first token, already sent to
+            the client): the decode request's prompt is the prefill prompt
+            plus these, and the decode engine computes them itself (tokens;
+            0 when nothing was appended).
     """
 
     engine_id: str
@@ -62,6 +69,7 @@ class RemotePrefill:
     tp_size: int
     num_tokens: int = 0
     group_sizes: tuple[int, ...] = ()
+    appended_tokens: int = 0
 
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """``block_ids`` split into one tuple per KV cache group."""
@@ -172,6 +180,7 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
         tp_size=tp_size,
         num_tokens=_optional_int(params, "remote_num_tokens", 0, 0, MAX_BLOCK_IDS * 1024),
         group_sizes=group_sizes,
+        appended_tokens=_optional_int(params, "appended_tokens", 0, 0, MAX_APPENDED_TOKENS),
     )
 
 
@@ -186,11 +195,17 @@ def make_prefill_response_params(
     num_tokens: int,
     expiry_time: float | None,
     group_sizes: Sequence[int] = (),
+    first_token: bool = True,
 ) -> dict[str, Any]:
-    """The params a prefill engine returns with a finished request (NixlConnector keys).
+    """The params a prefill engine returns with a finished request (NixlConnector keys, plus p2pkv's).
 
     ``block_ids`` and ``group_sizes`` as in :class:`RemotePrefill`;
     ``remote_block_ids`` is a list per KV cache group, as NixlConnector sends it.
+    ``first_token`` (sent as ``first_token``): the token the prefill engine
+    sampled is the request's first output token, so a proxy may send it to
+    the client at once and append it to the decode request's prompt (see
+    ``appended_tokens``); False when the engine computed only part of the
+    prompt (an attention-window model, see ``recompute_tokens``).
     """
     return {
         "do_remote_prefill": True,
@@ -207,4 +222,5 @@ def make_prefill_response_params(
         "remote_blocks_expiry_time": expiry_time,
         "transfer_mode": "pull",
         "kv_connector": SENDER,
+        "first_token": first_token,
     }

@@ -140,11 +140,16 @@ class SchedulerSide:
             remote = self._queued.get(request.request_id)
             if remote is None:
                 remote = parse_remote_prefill(params)
-            prompt, loaded = len(request.prompt_token_ids or ()), self._loaded_tokens(request)
+            prompt = len(request.prompt_token_ids or ()) - remote.appended_tokens
+            if prompt < 1:
+                raise KVTransferParamsError(
+                    f"kv_transfer_params.appended_tokens={remote.appended_tokens} but the prompt has only "
+                    f"{prompt + remote.appended_tokens} tokens: the params belong to another prompt")
+            loaded = self._loaded_tokens(request, remote)
             if check_prompt and remote.num_tokens and remote.num_tokens != loaded:
-                why = (f"the prompt has {prompt} tokens" if loaded == prompt else
-                       f"this model's prefill engine computes all but the last {prompt - loaded} of the prompt's "
-                       f"{prompt} tokens")
+                why = (f"the prefill prompt has {prompt} tokens" if loaded == prompt else
+                       f"this model's prefill engine computes all but the last {prompt - loaded} of the prefill "
+                       f"prompt's {prompt} tokens")
                 raise KVTransferParamsError(
                     f"kv_transfer_params.remote_num_tokens={remote.num_tokens} but {why}: the params belong to "
                     "another prompt (send each prompt with its own params)")
@@ -164,14 +169,21 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Prompt tokens to load from the prefill engine, asynchronously: all but ``recompute_tokens``."""
-        if not wants_remote_prefill(request.kv_transfer_params) or self._remote(request, check_prompt=True) is None:
+        if not wants_remote_prefill(request.kv_transfer_params):
             return 0, False
-        count = self._loaded_tokens(request) - num_computed_tokens
+        remote = self._remote(request, check_prompt=True)
+        if remote is None:
+            return 0, False
+        count = self._loaded_tokens(request, remote) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def _loaded_tokens(self, request: Request) -> int:
-        """Prompt tokens (from token 0) whose KV a full load leaves on this engine."""
-        prompt = len(request.prompt_token_ids or ())
+    def _loaded_tokens(self, request: Request, remote: RemotePrefill) -> int:
+        """Prompt tokens (from token 0) whose KV a full load leaves on this engine.
+
+        The prefill prompt is this request's prompt less the tokens the proxy
+        appended (``appended_tokens``); of it, all but ``recompute_tokens``.
+        """
+        prompt = len(request.prompt_token_ids or ()) - remote.appended_tokens
         return prompt - self.recompute_tokens if prompt > self.recompute_tokens else prompt
 
     def update_state_after_alloc(
@@ -200,7 +212,7 @@ class SchedulerSide:
                 # The whole remote list goes along: the worker maps tokens to blocks once
                 # it knows the prefill engine's block size (it may differ from ours).
                 remote_ids = tuple(remote.block_ids) if local else ()
-            num_tokens = self._loaded_tokens(request)
+            num_tokens = self._loaded_tokens(request, remote)
         self._pulls.append(
             PullSpec(
                 request_id=request.request_id,
@@ -289,6 +301,7 @@ class SchedulerSide:
             tp_size=self.tp_size,
             num_tokens=request.num_computed_tokens,
             expiry_time=time.time() + self.config.lease_s,
+            first_token=self.recompute_tokens == 0,
         )
 
     def shutdown(self) -> None:

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 from p2pkv.compat import frees_blocks_behind_window
 from p2pkv.config import P2pKvConfig
@@ -123,3 +123,35 @@ def test_a_decode_block_larger_than_the_prefill_block_is_refused_with_the_fix() 
     assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(32), 0, 1, _WINDOW_MODEL).mode is TransferMode.STAGED
     full_attention = plan_peer(one_layer_desc(32), 0, 1, one_layer_desc(16), 0, 1)
     assert full_attention.mode is TransferMode.STAGED  # a model without a window: fine
+
+
+def test_appended_tokens_are_computed_by_the_decode_engine() -> None:
+    """The proxy appended the prefill's first token: 101-token prompt, params of 100 (no window) or 99 (window)."""
+    full = _sched(0)
+    req = _request("a", 101, {**_params(100, 7), "appended_tokens": 1})
+    assert full.get_num_new_matched_tokens(req, 0) == (100, True)
+    full.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in range(5, 12)],)), 100)
+    (spec,) = full.build_connector_meta().pulls
+    assert spec.num_tokens == 100
+    window = _sched(1)
+    assert window.get_num_new_matched_tokens(_request("w", 101, {**_params(99, 7), "appended_tokens": 1}), 0) \
+        == (99, True)
+    without = _request("n", 101, _params(100, 7))  # the same params without appended_tokens: another prompt
+    assert full.get_num_new_matched_tokens(without, 0) == (0, False)
+    too_many = _request("t", 3, {**_params(100, 7), "appended_tokens": 3})
+    assert full.get_num_new_matched_tokens(too_many, 0) == (0, False)
+    assert too_many.kv_transfer_params["do_remote_prefill"] is False
+    full.shutdown()
+    window.shutdown()
+
+
+def test_params_say_whether_the_sampled_token_is_the_first_output_token() -> None:
+    for recompute, expected in ((0, True), (1, False)):
+        sched = _sched(recompute)
+        req = _request("p", 40, {"do_remote_decode": True})
+        sched.on_new_request(req)
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        _, params = sched.request_finished_all_groups(req, ([1, 2, 3],))
+        assert params is not None and params["first_token"] is expected
+        sched.shutdown()
