@@ -25,13 +25,17 @@ class FakeEngine:
     Modes: ``ok``; ``no_params`` (prefill answer without kv_transfer_params);
     ``400`` / ``500``; ``sleep`` (answers after 1.5 s); ``slow_stream`` (a
     chunk every 20 ms for 10 s, appending the count sent to ``closed_after``
-    if the stream is cut short); ``broken_stream`` (dies after one chunk).
+    if the stream is cut short); ``broken_stream`` (dies after one chunk);
+    ``p2pkv`` (a prefill answer as p2pkv's engines give it with
+    ``return_token_ids``: token 7 after prompt ``PROMPT_IDS``); ``held`` (the
+    decode stream starts once ``gate`` is set).
     """
 
     def __init__(self, name: str, role: str) -> None:
         self.name, self.role, self.mode, self.healthy = name, role, "ok", True
         self.seen: list[dict[str, Any]] = []
         self.closed_after: list[int] = []
+        self.gate = threading.Event()
         self.app = FastAPI()
         self.app.post("/v1/completions")(self.completion)
         self.app.post("/v1/chat/completions")(self.completion)
@@ -42,6 +46,7 @@ class FakeEngine:
         self.seen.clear()
         self.closed_after.clear()
         self.mode, self.healthy = "ok", True
+        self.gate.clear()
 
     async def completion(self, request: Request) -> Any:
         body = await request.json()
@@ -51,6 +56,11 @@ class FakeEngine:
             return JSONResponse(ERROR_BODY, status_code=int(self.mode))
         if self.mode == "sleep":
             await asyncio.sleep(1.5)
+        if self.role == "prefill" and self.mode == "p2pkv":
+            return p2pkv_prefill_answer(request.url.path)
+        if self.mode == "held":
+            while not self.gate.is_set():
+                await asyncio.sleep(0.01)
         if self.role == "prefill":
             extra = {} if self.mode == "no_params" else {"kv_transfer_params": KV_PARAMS}
             return {"id": "p", "choices": [{"text": "x"}], **extra}
@@ -82,6 +92,24 @@ class FakeEngine:
     async def models(self, request: Request) -> Any:
         return {"object": "list", "data": [{"id": "tiny", "owned_by": self.name}],
                 "auth": request.headers.get("authorization")}
+
+
+PROMPT_IDS = [3, 4, 5]
+"""The prompt's token ids in ``p2pkv`` mode answers."""
+
+
+def p2pkv_prefill_answer(path: str) -> dict[str, Any]:
+    """A p2pkv prefill engine's one-token answer (``return_token_ids``): token 7, text ``"x"``, 3 prompt tokens."""
+    params = {**KV_PARAMS, "kv_connector": "P2pKvConnector", "first_token": True, "remote_num_tokens": 3}
+    common = {"finish_reason": "length", "stop_reason": None, "token_ids": [7], "index": 0}
+    if path.endswith("/chat/completions"):
+        return {"id": "chatcmpl-p", "object": "chat.completion", "created": 11, "model": "tiny",
+                "prompt_token_ids": PROMPT_IDS, "kv_transfer_params": params,
+                "choices": [{"message": {"role": "assistant", "content": "x"}, **common}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+    return {"id": "cmpl-p", "object": "text_completion", "created": 11, "model": "tiny", "kv_transfer_params": params,
+            "choices": [{"text": "x", "prompt_token_ids": PROMPT_IDS, **common}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
 
 
 class Served:

@@ -25,12 +25,20 @@ from p2pkv.tools.proxy.batch import (
     split_prompts,
     sse_events,
 )
+from p2pkv.tools.proxy.first_token import (
+    FirstToken,
+    FirstTokenSource,
+    FirstTokenStream,
+    blocker,
+    decode_body,
+    read_first_token,
+)
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.release import release_all
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
-    kv_params_from,
+    prefill_answer,
     prefill_body,
     status_error,
     transport_error,
@@ -81,18 +89,21 @@ class Proxy:
         prefill_urls / decode_urls: engine base URLs, used round-robin.
         timeout_s: timeout of each request to an engine (seconds).
         secret: the side-channel secret, to free prefill holds whose decode leg failed.
+        first_token_from: where a streaming request's first token comes from
+            when it may (see :mod:`p2pkv.tools.proxy.first_token`).
     """
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float,
-                 secret: bytes | None) -> None:
+                 secret: bytes | None, first_token_from: FirstTokenSource = "prefill") -> None:
         self.prefill_urls, self.decode_urls = prefill_urls, decode_urls
         self.prefill, self.decode = RoundRobin(prefill_urls), RoundRobin(decode_urls)
         self.timeout_s, self.secret = timeout_s, secret
+        self.first_token_from = first_token_from
         self.metrics = ProxyMetrics()
 
     async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
                           headers: dict[str, str]) -> dict[str, Any]:
-        """Ask a prefill engine for one token; its ``kv_transfer_params``. Raises UpstreamError."""
+        """Ask a prefill engine for one token; its answer (with ``kv_transfer_params``). Raises UpstreamError."""
         url = self.prefill.next()
         start = time.perf_counter()
         try:
@@ -106,7 +117,7 @@ class Proxy:
         if resp.status_code >= 400:
             raise UpstreamError(resp.status_code, f"prefill engine {url} answered {resp.status_code}", "prefill",
                                 url, body=resp.content, media_type=resp.headers.get("content-type"))
-        return kv_params_from(url, resp)
+        return prefill_answer(url, resp)
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], relay: bool = True) -> Response | httpx.Response:
@@ -143,9 +154,11 @@ class Proxy:
 
     async def prefill_all(self, client: httpx.AsyncClient, path: str, bodies: list[dict[str, Any]],
                           headers: dict[str, str]) -> list[dict[str, Any]]:
-        """Every prompt's prefill, concurrently; on any failure the others' holds are freed and it raises."""
+        """Every prompt's prefill, concurrently; their ``kv_transfer_params``. On any failure the others'
+        holds are freed and it raises."""
         results = await asyncio.gather(*(self.run_prefill(client, path, b, headers) for b in bodies),
                                        return_exceptions=True)
+        results = [r if isinstance(r, BaseException) else r["kv_transfer_params"] for r in results]
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await self.release([r for r in results if isinstance(r, dict)])
@@ -168,6 +181,18 @@ class Proxy:
         t = time.perf_counter()
         params: list[dict[str, Any]] = []
         try:
+            if body.get("stream") is True:
+                if self.first_token_from == "decode" or blocker(path, body) is not None:
+                    self.metrics.first_tokens.labels("decode").inc()
+                else:
+                    answer = await self.run_prefill(client, path, {**bodies[0], "return_token_ids": True}, headers)
+                    params = [answer["kv_transfer_params"]]
+                    first = read_first_token(path, body, answer)
+                    self.metrics.first_tokens.labels("prefill" if first else "decode").inc()
+                    if first is not None:
+                        return self.stream_after(client, path, body, first, params[0], headers, out_headers)
+                    legs = [{**bodies[0], "kv_transfer_params": params[0]}]
+                    return await self.decode_all(client, path, body, legs, headers, out_headers)
             params = await self.prefill_all(client, path, bodies, headers)
             legs = [{**b, "kv_transfer_params": p} for b, p in zip(bodies, params, strict=True)]
             return await self.decode_all(client, path, body, legs, headers, out_headers)
@@ -176,6 +201,55 @@ class Proxy:
             raise
         finally:
             waited[0] += time.perf_counter() - t
+
+    def stream_after(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], first: FirstToken,
+                     params: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str]) -> Response:
+        """The client's stream: ``first`` at once, then the decode engine's continuation after it.
+
+        A decode leg that fails after the first token went out ends the stream
+        with an error event; the prefill hold is freed when the decode engine
+        was never asked (the client left, the leg could not start, or
+        ``first`` ended the answer).
+        """
+        writer = FirstTokenStream(path, body, first)
+        leg = decode_body(path, body, first, params)
+
+        async def stream() -> AsyncIterator[bytes]:
+            asked = False
+            try:
+                yield writer.opening()
+                if first.finish_reason is not None:
+                    return
+                start = time.perf_counter()
+                try:
+                    asked = True
+                    resp = await self.run_decode(client, path, leg, headers, out_headers, relay=False)
+                except UpstreamError as exc:
+                    asked = False
+                    if exc.backend_failed:
+                        self.metrics.errors.labels("decode").inc()
+                    yield b"data: " + json.dumps(exc.payload()).encode() + b"\n\n" + b"data: [DONE]\n\n"
+                    return
+                try:
+                    async for data in sse_events(resp.aiter_raw()):
+                        if start:
+                            self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - start)
+                            start = 0.0
+                        if (out := writer.rewrite(data)) is not None:
+                            yield out
+                    yield writer.closing(writer.usage_chunk)
+                except httpx.HTTPError as exc:
+                    self.metrics.errors.labels("decode").inc()
+                    err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); "
+                                        "check its log", "decode", str(resp.url))
+                    yield b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
+                finally:
+                    await resp.aclose()
+            finally:
+                if not asked:
+                    await asyncio.shield(self.release([params]))
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=out_headers)
 
     async def decode_all(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
                          legs: list[dict[str, Any]], headers: dict[str, str], out_headers: dict[str, str]) -> Response:
@@ -259,7 +333,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
 
 
 def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0,
-               secret: bytes | None = None) -> FastAPI:
+               secret: bytes | None = None, first_token_from: FirstTokenSource = "prefill") -> FastAPI:
     """Build the proxy app (one shared ``httpx.AsyncClient``, opened and closed by the app's lifespan).
 
     Args:
@@ -268,11 +342,15 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
         timeout_s: timeout of each request to an engine (seconds); a decode
             stream may take longer as long as bytes keep coming.
         secret: the engines' side-channel secret (to free prefill holds after a failed decode leg).
+        first_token_from: ``"prefill"`` (default): a streaming request's first
+            token is sent from the prefill engine's answer when the request
+            allows it (:mod:`p2pkv.tools.proxy.first_token`); ``"decode"``:
+            always from the decode engine.
 
     Raises:
         ValueError: an empty backend list.
     """
-    proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret)
+    proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret, first_token_from)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

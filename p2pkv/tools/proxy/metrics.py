@@ -27,6 +27,10 @@ class ProxyMetrics:
             response headers when streaming).
         releases: ``p2pkv_proxy_prefill_releases_total``, prefill holds freed
             because their decode leg failed or the client went away (per rank).
+        first_tokens: ``p2pkv_proxy_first_tokens_total{source}``, streaming
+            requests by where their first token came from: ``prefill`` (sent
+            from the prefill answer, see :mod:`p2pkv.tools.proxy.first_token`)
+            or ``decode``.
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -52,3 +56,6 @@ class ProxyMetrics:
         self.releases = Counter("p2pkv_proxy_prefill_releases",
                                 "Prefill holds freed because the decode leg failed or the client left (per rank)",
                                 registry=r)
+        self.first_tokens = Counter("p2pkv_proxy_first_tokens",
+                                    "Streaming requests by the engine their first token came from (prefill, decode)",
+                                    ["source"], registry=r)

@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--secret-file", metavar="PATH",
                         help="the engines' side-channel secret (default: env P2PKV_SECRET), used to free a "
                              "prefill engine's blocks at once when their decode leg fails")
+    parser.add_argument("--first-token-from", choices=("prefill", "decode"), default="prefill",
+                        help="where a streaming request's first token comes from: 'prefill' (default) sends the "
+                             "prefill engine's sampled token at once and lets the decode engine continue after it, "
+                             "for requests whose output stays the same (greedy or unseeded sampling, no stop "
+                             "strings, logprobs, penalties on output, structured output or tools); 'decode' waits "
+                             "for the decode engine's first token (use it with engines running a reasoning or tool "
+                             "parser)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -60,6 +67,6 @@ def main(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"p2pkv proxy: --secret-file {args.secret_file}: {exc}", file=sys.stderr)
             return 2
-    app = create_app(prefill, decode, timeout_s=args.timeout, secret=secret)
+    app = create_app(prefill, decode, timeout_s=args.timeout, secret=secret, first_token_from=args.first_token_from)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

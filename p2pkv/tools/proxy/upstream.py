@@ -91,8 +91,8 @@ def status_error(stage: str, url: str, status: int, text: str) -> UpstreamError:
                          stage, url)
 
 
-def kv_params_from(url: str, resp: httpx.Response) -> dict[str, Any]:
-    """``kv_transfer_params`` from a prefill engine's JSON answer.
+def prefill_answer(url: str, resp: httpx.Response) -> dict[str, Any]:
+    """A prefill engine's JSON answer, checked to carry ``kv_transfer_params``.
 
     Raises:
         UpstreamError: 502 when the answer is not JSON or has no params.
@@ -106,7 +106,7 @@ def kv_params_from(url: str, resp: httpx.Response) -> dict[str, Any]:
     if not isinstance(params, dict) or not params:
         raise UpstreamError(502, f"prefill engine {url} returned no kv_transfer_params: {NO_PARAMS_HINT}",
                             "prefill", url)
-    return params
+    return data
 
 
 class RelayedStream(StreamingResponse):
