@@ -67,6 +67,7 @@ class ServeBenchOptions:
         tensor_parallel_size: TP size of every engine.
         extra_engine_args: more ``vllm serve`` flags for every engine.
         prefix_caching: leave vLLM's prefix caching on.
+        first_token_from: the proxy's ``--first-token-from`` (``prefill`` or ``decode``).
         start_timeout_s: how long engines may take to become healthy (seconds).
     """
 
@@ -85,6 +86,7 @@ class ServeBenchOptions:
     tensor_parallel_size: int = 1
     extra_engine_args: tuple[str, ...] = field(default_factory=tuple)
     prefix_caching: bool = False
+    first_token_from: str = "prefill"
     start_timeout_s: float = 900.0
 
     def validate(self) -> None:
@@ -98,6 +100,8 @@ class ServeBenchOptions:
                         ("--output-len", self.output_len), ("--block-size", self.block_size)):
             if v < 1:
                 raise ValueError(f"{flag} {v}: must be >= 1")
+        if self.first_token_from not in ("prefill", "decode"):
+            raise ValueError(f"--first-token-from {self.first_token_from}: choose prefill or decode")
 
     def engine_args(self) -> tuple[str, ...]:
         """Extra ``vllm serve`` flags of every engine."""
@@ -149,7 +153,8 @@ def start_system(name: str, opts: ServeBenchOptions, model: str, log_dir: Path) 
     pair = LocalPair(model=model, host=host, proxy_port=b, prefill_port=b + 100, decode_port=b + 200,
                      side_channel_port=b + 400, block_size=opts.block_size, dtype=opts.dtype,
                      max_model_len=max_len, log_dir=log_dir, connector=name,
-                     tensor_parallel_size=opts.tensor_parallel_size, engine_args=opts.engine_args())
+                     tensor_parallel_size=opts.tensor_parallel_size, engine_args=opts.engine_args(),
+                     proxy_args=("--first-token-from", opts.first_token_from))
     pair.start(timeout_s=opts.start_timeout_s)
     return Deployment(name, pair.url("proxy"), pair.stop, decode_url=pair.url("decode"),
                       proxy_url=pair.url("proxy"), pull_names=P2PKV_PULL if name == "p2pkv" else NIXL_PULL)
@@ -368,6 +373,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more `vllm serve` flags for every engine, one shell-quoted string")
     p.add_argument("--prefix-caching", action="store_true",
                    help="leave vLLM's prefix caching on (default off: every request's KV is moved in full)")
+    p.add_argument("--first-token-from", choices=("prefill", "decode"), default=d.first_token_from,
+                   help="the proxy's --first-token-from: a streaming request's first token from the prefill "
+                        "engine's answer (default) or from the decode engine")
     p.add_argument("--start-timeout", type=float, default=d.start_timeout_s, help="seconds for engines to start")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--plot", metavar="PNG", help="TTFT/TPOT p50 vs concurrency (needs matplotlib: p2pkv[bench])")
@@ -389,7 +397,8 @@ def main(args: argparse.Namespace) -> int:
         output_len=args.output_len, block_size=args.block_size, dtype=args.dtype, seed=args.seed,
         base_port=args.base_port, host=args.host, work_dir=args.work_dir,
         tensor_parallel_size=args.tensor_parallel_size, extra_engine_args=tuple(shlex.split(args.extra_engine_args)),
-        prefix_caching=args.prefix_caching, start_timeout_s=args.start_timeout)
+        prefix_caching=args.prefix_caching, first_token_from=args.first_token_from,
+        start_timeout_s=args.start_timeout)
 
     def on_sigterm(*_: object) -> None:
         raise KeyboardInterrupt

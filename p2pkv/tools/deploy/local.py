@@ -35,6 +35,7 @@ class LocalPair:
         connector: ``"p2pkv"`` or ``"nixl"`` (vLLM's NixlConnector, for comparisons).
         tensor_parallel_size: TP size of every engine.
         engine_args: more ``vllm serve`` flags for every engine.
+        proxy_args: more ``p2pkv proxy`` flags (e.g. ``--first-token-from decode``).
         secret: the side-channel secret the two engines and the proxy share
             (``P2PKV_SECRET`` in their environments; a fresh random one when empty).
     """
@@ -55,6 +56,7 @@ class LocalPair:
     connector: str = "p2pkv"
     tensor_parallel_size: int = 1
     engine_args: tuple[str, ...] = ()
+    proxy_args: tuple[str, ...] = ()
     children: list[Child] = field(default_factory=list)
     secret: str = ""
 
@@ -93,7 +95,7 @@ class LocalPair:
         """The proxy argv."""
         return [sys.executable, "-m", "p2pkv.tools.proxy", "--host", self.host, "--port", str(self.proxy_port),
                 "--prefill", f"{self.host}:{self.prefill_port}",
-                "--decode", f"{self.host}:{self.decode_port}"]
+                "--decode", f"{self.host}:{self.decode_port}", *self.proxy_args]
 
     def check(self) -> None:
         """Validate before starting anything.
