@@ -253,6 +253,8 @@ def test_bench_serve_end_to_end(tiny_model: Path, tmp_path: Path) -> None:
     p2pkv_point = result["systems"]["p2pkv"]["points"][0]
     assert p2pkv_point["pull"]["bytes"] > 0 and p2pkv_point["pull"]["pulls"] >= 4
     assert p2pkv_point["proxy_overhead"]["requests"] == 4
+    first = p2pkv_point["handover"]
+    assert first["first_token_from_prefill"] + first["first_token_from_decode"] == 4  # vLLM's client streams
     assert result["systems"]["aggregated"]["points"][0]["pull"] is None
     assert all(c["passed"] for c in result["checks"].values()), result["checks"]
     assert result["checks"]["tokens"]["compared"] == 12
@@ -280,6 +282,8 @@ PROXY_PHASES = """p2pkv_proxy_prefill_seconds_count 4.0
 p2pkv_proxy_prefill_seconds_sum 0.1
 p2pkv_proxy_decode_first_byte_seconds_count 4.0
 p2pkv_proxy_decode_first_byte_seconds_sum 0.06
+p2pkv_proxy_first_tokens_total{source="prefill"} 3.0
+p2pkv_proxy_first_tokens_total{source="decode"} 1.0
 """
 
 
@@ -291,6 +295,7 @@ def test_handover_breakdown_per_phase_and_targets() -> None:
     assert b["prefill"] == pytest.approx(25.0) and b["decode_first_byte"] == pytest.approx(15.0)
     assert b["decode_ttft"] == pytest.approx(10.0) and b["read_p50_bound_ms"] == pytest.approx(0.5)
     assert b["queue"] is None and b["proxy"] is None  # not exported in these scrapes
+    assert (b["first_token_from_prefill"], b["first_token_from_decode"]) == (3, 1)
     nixl = handover.breakdown(parse_prometheus("vllm:nixl_xfer_time_seconds_count 2\n"
                                                "vllm:nixl_xfer_time_seconds_sum 0.01\n"), None)
     assert nixl["read"] == pytest.approx(5.0) and nixl["confirm"] is None and nixl["prefill"] is None
@@ -308,4 +313,5 @@ def test_handover_breakdown_per_phase_and_targets() -> None:
     assert targets["ttft_vs_nixl"]["met"] is True  # 12 <= 15 and 24 <= 30
     assert targets["second_token_vs_aggregated"]["met"] is False  # 25 > 2 x 12
     assert targets["tpot_vs_aggregated"]["met"] is True and targets["read_p50"]["met"] is True
-    assert "decode_first_byte" in "\n".join(handover.format_breakdown(result))
+    table = "\n".join(handover.format_breakdown(result))
+    assert "decode_first_byte" in table and " 3/4" in table

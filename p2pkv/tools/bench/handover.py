@@ -37,6 +37,8 @@ PHASE_METRIC = "p2pkv:pull_phase_seconds"
 """The decode engine's per-phase pull histogram, labelled ``phase``."""
 NIXL_READ = "vllm:nixl_xfer_time_seconds"
 """NixlConnector's READ time histogram."""
+FIRST_TOKENS = "p2pkv_proxy_first_tokens_total"
+"""The proxy's count of streaming requests by where their first token came from (``source`` label)."""
 DECODE_TTFT = "vllm:time_to_first_token_seconds"
 """vLLM's TTFT histogram on the decode engine (from the request's arrival there)."""
 
@@ -76,7 +78,10 @@ def breakdown(decode: Snapshot | None, proxy: Snapshot | None) -> dict[str, Any]
 
     Returns:
         Phase → mean ms, plus ``read_p50_bound_ms`` (the READ phase's median
-        bucket bound; p2pkv only).
+        bucket bound; p2pkv only) and ``first_token_from_prefill`` /
+        ``first_token_from_decode`` (streaming requests whose first token the
+        proxy sent from the prefill answer, or took from the decode engine;
+        None without the proxy's counter).
     """
     out: dict[str, Any] = {}
     for phase, hist in PROXY_PHASES.items():
@@ -88,6 +93,9 @@ def breakdown(decode: Snapshot | None, proxy: Snapshot | None) -> dict[str, Any]
     out["decode_ttft"] = _mean_ms(decode, DECODE_TTFT) if decode is not None else None
     bound = histogram_p50_bound(decode.buckets.get(f"{PHASE_METRIC}_bucket|read", {})) if decode else None
     out["read_p50_bound_ms"] = None if bound is None else 1e3 * bound
+    for source in ("prefill", "decode"):
+        count = proxy.value(f"{FIRST_TOKENS}|{source}") if proxy is not None else None
+        out[f"first_token_from_{source}"] = None if count is None else round(count)
     return out
 
 
@@ -154,19 +162,25 @@ COLUMNS = ("prefill", "decode_first_byte", *PULL_PHASES, "decode_ttft", "proxy")
 
 def format_breakdown(result: Mapping[str, Any]) -> list[str]:
     """Lines of the handover table: per system and concurrency, TTFT and second-token p50 and each phase's mean."""
-    header = ["system", "conc", "TTFT p50", "2nd tok p50", *COLUMNS]
+    header = ["system", "conc", "TTFT p50", "2nd tok p50", *COLUMNS, "1st tok from prefill"]
     rows = []
     for name, sys_result in result["systems"].items():
         for p in sys_result.get("points", []):
             h = p.get("handover") or {}
             second = (p.get("second_token_ms") or {}).get("p50")
             rows.append([name, str(p["concurrency"]), _fmt(p["ttft_ms"]["p50"]), _fmt(second),
-                         *(_fmt(h.get(c), ".2f") for c in COLUMNS)])
+                         *(_fmt(h.get(c), ".2f") for c in COLUMNS), _share(h)])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     return ["handover (ms; phases are means over the point; n/a: not exported by that system):",
             "  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)),
             "  ".join("-" * w for w in widths),
             *("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)) for r in rows)]
+
+
+def _share(h: Mapping[str, Any]) -> str:
+    """``"prefill/all"`` first tokens of a point (n/a without the proxy's counter)."""
+    early, late = h.get("first_token_from_prefill"), h.get("first_token_from_decode")
+    return "n/a" if early is None and late is None else f"{early or 0}/{(early or 0) + (late or 0)}"
 
 
 def _fmt(v: float | None, spec: str = ".1f") -> str:

@@ -30,6 +30,8 @@ NIXL_PULL = {
 }
 """vLLM NixlConnector's transfer metrics on the decode engine's ``/metrics`` (vLLM 0.32)."""
 
+KEPT_LABELS = ("phase", "source")
+"""Labels whose values are kept apart: a pull's ``phase``, the proxy's first-token ``source``."""
 PROXY_OVERHEAD = "p2pkv_proxy_overhead_seconds"
 """The proxy's histogram of the time it adds per request (seconds)."""
 
@@ -61,8 +63,8 @@ def parse_prometheus(text: str) -> Snapshot:
     """Parse the Prometheus text exposition format.
 
     Samples of one name are summed over their label sets (one child per
-    engine); histogram buckets are kept per ``le``. A sample with a ``phase``
-    label is also kept under ``name|phase``. Comments and malformed lines are
+    engine); histogram buckets are kept per ``le``. A sample with a label of
+    :data:`KEPT_LABELS` is also kept under ``name|value`` (e.g. ``name|read``). Comments and malformed lines are
     skipped.
     """
     snap = Snapshot()
@@ -79,7 +81,8 @@ def parse_prometheus(text: str) -> Snapshot:
             continue
         found = dict(_LABEL.findall(labels or ""))
         le = found.get("le")
-        for key in (name, f"{name}|{found['phase']}") if "phase" in found else (name,):
+        keys = [name, *(f"{name}|{found[label]}" for label in KEPT_LABELS if label in found)]
+        for key in keys:
             if le is not None:
                 bound = math.inf if le == "+Inf" else float(le)
                 per_le = snap.buckets.setdefault(key, {})
