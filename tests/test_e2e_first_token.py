@@ -31,6 +31,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "one token": {"max_tokens": 1, "stream_options": {"include_usage": True}},
     "logprobs (plain path)": {"max_tokens": 5, "logprobs": 2},
     "stop string (plain path)": {"max_tokens": 12, "stop": ["zzz"]},
+    "min_tokens (plain path)": {"max_tokens": 6, "min_tokens": 3},
     "seeded sampling (plain path)": {"max_tokens": 8, "temperature": 0.8, "seed": 7, "return_token_ids": True},
 }
 

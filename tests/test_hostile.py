@@ -74,10 +74,11 @@ def test_streamed_prompt_list_with_usage(pair, client) -> None:
     assert usages[0]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
 
 
-def test_echo_stop_and_chat_pass_through(pair, client) -> None:
+def test_echo_stop_min_tokens_and_chat_pass_through(pair, client) -> None:
     p, _ = pair
     for body in ({"prompt": PROMPTS[2], "max_tokens": 8, "echo": True, "logprobs": 2},
-                 {"prompt": PROMPTS[2], "max_tokens": 12, "stop": [" "], "ignore_eos": True}):
+                 {"prompt": PROMPTS[2], "max_tokens": 12, "stop": [" "], "ignore_eos": True},
+                 {"prompt": PROMPTS[2], "max_tokens": 6, "min_tokens": 4}):  # min_tokens > the prefill's 1
         pd, ref = _post(client, p.url("proxy"), body).json(), _post(client, p.url("aggregated"), body).json()
         assert _texts(pd) == _texts(ref)
         assert pd["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]

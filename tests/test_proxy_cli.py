@@ -58,6 +58,7 @@ def test_prefill_body_and_round_robin() -> None:
     assert out == {"prompt": "p", "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
                    "kv_transfer_params": PREFILL_PARAMS}
     assert body["max_tokens"] == 9 and "stream_options" in body  # the client's body is untouched
+    assert prefill_body({**body, "min_tokens": 5})["min_tokens"] == 1  # vLLM refuses min_tokens > max_tokens
     rr = RoundRobin(["a", "b"])
     assert [rr.next() for _ in range(3)] == ["a", "b", "a"]
     with pytest.raises(ValueError):

@@ -63,11 +63,17 @@ class UpstreamError(Exception):
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill engine's copy of a client request: one token, not streamed, KV kept for a remote decode."""
+    """The prefill engine's copy of a client request: one token, not streamed, KV kept for a remote decode.
+
+    ``min_tokens`` above 1 becomes 1 (vLLM refuses ``min_tokens`` above
+    ``max_tokens``; the one token is still kept from ending the answer).
+    """
     out = dict(body)
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
+    if isinstance(out.get("min_tokens"), int) and out["min_tokens"] > 1:
+        out["min_tokens"] = 1
     out["stream"] = False
     out.pop("stream_options", None)
     out["kv_transfer_params"] = dict(PREFILL_PARAMS)
