@@ -56,6 +56,20 @@ def test_default_is_the_llama_it_always_was(tmp_path) -> None:
     assert json.loads((first / "p2pkv_tiny_model.json").read_text())["kind"] == "llama"
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_only_text_tokens_and_eos_can_win_greedy_decoding(models, kind) -> None:
+    """Output-embedding rows are zero for every token but printable ASCII, newline and ``</s>``."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    weights = load_file(models[kind] / "model.safetensors")
+    (name,) = [n for n in weights if n.endswith("lm_head.weight")]
+    live = [i for i, row in enumerate(weights[name]) if row.abs().sum() > 0]
+    tokenizer = AutoTokenizer.from_pretrained(models[kind])
+    texts = {tokenizer.decode([i], skip_special_tokens=False) for i in live}
+    assert texts == {"</s>", "\n", *map(chr, range(0x20, 0x7F))} and len(live) == 97
+
+
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="kind must be one of llama, sliding-window, interleaved-window, mla, "
                                          "hybrid, got 'moe'"):

@@ -20,7 +20,12 @@ layers with attention in every second layer).
 The weights are drawn with a large ``initializer_range`` so attention is far
 from uniform: the next-token distribution depends strongly on the KV cache,
 which makes a corrupted or skipped KV transfer visible in tokens and
-logprobs.
+logprobs. With ``text_output`` (the default) the output-embedding rows of
+every token but printable ASCII bytes, newline and ``</s>`` are zero: those
+tokens get logit 0 while the others' are spread around it, so greedy
+decoding emits readable characters, as a trained model does, instead of
+lone UTF-8 continuation bytes (a token that is part of a character changes
+how vLLM streams text, and a real model's output rarely starts with one).
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class TinyModelSpec:
         kind: one of :data:`KINDS`.
         sliding_window: attention window (tokens) of the ``sliding-window`` and
             ``interleaved-window`` kinds (the latter's even layers).
+        text_output: zero the output-embedding rows of tokens that are not
+            printable ASCII, newline or ``</s>`` (see the module docstring).
     """
 
     num_layers: int = 4
@@ -66,6 +73,7 @@ class TinyModelSpec:
     seed: int = 0
     kind: str = "llama"
     sliding_window: int = 40
+    text_output: bool = True
 
 
 def _byte_tokenizer_files(out: Path) -> int:
@@ -95,6 +103,17 @@ def _byte_tokenizer_files(out: Path) -> int:
         json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
     )
     return len(vocab)
+
+
+def _text_token_ids(out: Path) -> list[int]:
+    """Ids of ``</s>`` and of the byte tokens for printable ASCII (0x20-0x7E) and newline, from the
+    tokenizer written to ``out``."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = [i for i in range(tok.get_vocab_size()) if (ch := tok.decode([i])) == "\n" or
+            (len(ch) == 1 and " " <= ch <= "~")]
+    return [SPECIAL_TOKENS.index("</s>"), *text]
 
 
 def hf_config(spec: TinyModelSpec, vocab_size: int):
@@ -163,6 +182,12 @@ def make_tiny_model(out_dir: str | Path, spec: TinyModelSpec | None = None) -> P
     _byte_tokenizer_files(out)
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    if spec.text_output:
+        with torch.no_grad():
+            weight = model.get_output_embeddings().weight  # [vocab, hidden] float32
+            others = torch.ones(weight.shape[0], dtype=torch.bool)
+            others[_text_token_ids(out)] = False
+            weight[others] = 0.0
     model.save_pretrained(out, safe_serialization=True)
     marker.write_text(json.dumps(spec.__dict__))
     return out
