@@ -192,13 +192,29 @@ def test_client_flags_and_options() -> None:
                      "--max-concurrency 4", "--num-prompts 8", "--temperature 0", "--ignore-eos",
                      "--save-result", "--save-detailed", "--metric-percentiles 50,99", "--base-url http://h:1"):
         assert expected in flags
+    text = " ".join(ClientPoint("http://h:1", "/m", "p2pkv", 4, 8, 64, 16, 3, "/r", "f.json", "x-",
+                                dataset_path="/p.jsonl").argv())
+    assert "--dataset-name custom --dataset-path /p.jsonl --custom-output-len 16 --skip-chat-template" in text
+    assert "--random-input-len" not in text
     opts = ServeBenchOptions(extra_engine_args=("--max-num-seqs", "8"))
     assert opts.engine_args() == ("--no-enable-prefix-caching", "--max-num-seqs", "8")
     assert ServeBenchOptions(prefix_caching=True).engine_args() == ()
     for bad in (ServeBenchOptions(systems=("p2pkv", "vllm")), ServeBenchOptions(concurrency=(0,)),
-                ServeBenchOptions(num_prompts=0)):
+                ServeBenchOptions(num_prompts=0), ServeBenchOptions(dataset="sharegpt"),
+                ServeBenchOptions(first_token_from="proxy")):
         with pytest.raises(ValueError):
             bad.validate()
+
+
+def test_text_prompts_are_readable_seeded_and_as_long_as_asked(tmp_path: Path) -> None:
+    from p2pkv.tools.bench.serve_client import TEXT_ALPHABET, write_text_prompts
+
+    first = write_text_prompts(tmp_path / "a.jsonl", 3, 50, seed=7).read_text().splitlines()
+    again = write_text_prompts(tmp_path / "b.jsonl", 3, 50, seed=7).read_text().splitlines()
+    other = write_text_prompts(tmp_path / "c.jsonl", 3, 50, seed=8).read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in first]
+    assert first == again and first != other and len(set(prompts)) == 3
+    assert all(len(p) == 50 and set(p) <= set(TEXT_ALPHABET) for p in prompts)
 
 
 def test_cli_parses_bench_serve() -> None:

@@ -6,7 +6,8 @@ Starts, one system at a time on this host,
 * ``nixl``: the same pair with vLLM's own NixlConnector behind the same proxy,
 * ``aggregated``: one engine without a connector,
 
-and drives each with vLLM's ``bench serve`` client (random dataset, fixed
+and drives each with vLLM's ``bench serve`` client (readable random ASCII
+prompts by default, ``--dataset random`` for vLLM's random token ids; fixed
 seed, greedy, EOS ignored) over a sweep of ``--max-concurrency`` values.
 Every point scrapes the decode engine's ``/metrics`` (pull statistics) and
 the proxy's (its own added latency) before and after. Every generated text
@@ -40,6 +41,8 @@ from p2pkv.tools.bench.serve_metrics import NIXL_PULL, P2PKV_PULL, Snapshot, del
 
 SYSTEMS = ("p2pkv", "nixl", "aggregated")
 """Systems this benchmark can run, in its default order."""
+DATASETS = ("text", "random")
+"""``--dataset`` choices (see :class:`ServeBenchOptions`)."""
 
 WARMUP_REQUESTS = 4
 """Short requests sent to each system before its sweep (handshakes, first pulls, allocator warm-up)."""
@@ -68,6 +71,9 @@ class ServeBenchOptions:
         extra_engine_args: more ``vllm serve`` flags for every engine.
         prefix_caching: leave vLLM's prefix caching on.
         first_token_from: the proxy's ``--first-token-from`` (``prefill`` or ``decode``).
+        dataset: ``text`` (readable random ASCII prompts of ``input_len``
+            characters, :func:`~p2pkv.tools.bench.serve_client.write_text_prompts`)
+            or ``random`` (vLLM's random token ids).
         start_timeout_s: how long engines may take to become healthy (seconds).
     """
 
@@ -87,6 +93,7 @@ class ServeBenchOptions:
     extra_engine_args: tuple[str, ...] = field(default_factory=tuple)
     prefix_caching: bool = False
     first_token_from: str = "prefill"
+    dataset: str = "text"
     start_timeout_s: float = 900.0
 
     def validate(self) -> None:
@@ -100,6 +107,8 @@ class ServeBenchOptions:
                         ("--output-len", self.output_len), ("--block-size", self.block_size)):
             if v < 1:
                 raise ValueError(f"{flag} {v}: must be >= 1")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"--dataset {self.dataset}: choose from {', '.join(DATASETS)}")
         if self.first_token_from not in ("prefill", "decode"):
             raise ValueError(f"--first-token-from {self.first_token_from}: choose prefill or decode")
 
@@ -186,6 +195,16 @@ def _wait_pulls(client: Any, dep: Deployment, before: Snapshot | None, expected:
         time.sleep(0.25)
 
 
+def dataset_path(opts: ServeBenchOptions, work: Path, seed: int) -> str:
+    """The prompts file of the point with ``seed`` ("" for vLLM's random dataset), written once."""
+    if opts.dataset == "random":
+        return ""
+    from p2pkv.tools.bench.serve_client import write_text_prompts
+
+    path = work / "prompts" / f"text-{opts.input_len}-{opts.num_prompts}-{seed}.jsonl"
+    return str(path if path.exists() else write_text_prompts(path, opts.num_prompts, opts.input_len, seed))
+
+
 def run_point(client: Any, dep: Deployment, opts: ServeBenchOptions, model: str, conc: int, seed: int,
               work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """One point of the sweep against a started system.
@@ -201,7 +220,8 @@ def run_point(client: Any, dep: Deployment, opts: ServeBenchOptions, model: str,
     point = ClientPoint(base_url=dep.url, model=model, label=dep.name, concurrency=conc,
                         num_prompts=opts.num_prompts, input_len=opts.input_len, output_len=opts.output_len,
                         seed=seed, result_dir=str(work / "results"), result_filename=f"{dep.name}-c{conc}.json",
-                        request_id_prefix=f"{dep.name}-c{conc}-{uuid.uuid4().hex[:8]}-")
+                        request_id_prefix=f"{dep.name}-c{conc}-{uuid.uuid4().hex[:8]}-",
+                        dataset_path=dataset_path(opts, work, seed))
     decode0, proxy0 = _scrape(client, dep.decode_url), _scrape(client, dep.proxy_url)
     raw = run_bench_serve(point.argv(), work / "logs" / f"client-{dep.name}-c{conc}.log")
     decode1 = _wait_pulls(client, dep, decode0, int(raw.get("completed", 0)))
@@ -308,7 +328,8 @@ def run_serve_bench(opts: ServeBenchOptions, argv: list[str] | None = None) -> d
     progress(f"model {model}; systems {','.join(opts.systems)}; concurrency {list(opts.concurrency)}; "
              f"{opts.num_prompts} prompts per point; work dir {work}")
     prompts = {c: sample_prompts(ClientPoint("http://unused", model, "prompts", c, opts.num_prompts, opts.input_len,
-                                             opts.output_len, seeds[c], str(work), "unused.json", "p-").argv())
+                                             opts.output_len, seeds[c], str(work), "unused.json", "p-",
+                                             dataset_path(opts, work, seeds[c])).argv())
                for c in opts.concurrency}
     texts: dict[int, dict[str, list[str]]] = {c: {} for c in opts.concurrency}
     tokens: dict[int, dict[str, list[Any]]] = {opts.concurrency[0]: {}}
@@ -373,6 +394,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="more `vllm serve` flags for every engine, one shell-quoted string")
     p.add_argument("--prefix-caching", action="store_true",
                    help="leave vLLM's prefix caching on (default off: every request's KV is moved in full)")
+    p.add_argument("--dataset", choices=DATASETS, default=d.dataset,
+                   help="prompts: 'text' (default: readable random ASCII, --input-len characters) or 'random' "
+                        "(vLLM's random token ids; byte soup with a byte-level tokenizer)")
     p.add_argument("--first-token-from", choices=("prefill", "decode"), default=d.first_token_from,
                    help="the proxy's --first-token-from: a streaming request's first token from the prefill "
                         "engine's answer (default) or from the decode engine")
@@ -397,7 +421,7 @@ def main(args: argparse.Namespace) -> int:
         output_len=args.output_len, block_size=args.block_size, dtype=args.dtype, seed=args.seed,
         base_port=args.base_port, host=args.host, work_dir=args.work_dir,
         tensor_parallel_size=args.tensor_parallel_size, extra_engine_args=tuple(shlex.split(args.extra_engine_args)),
-        prefix_caching=args.prefix_caching, first_token_from=args.first_token_from,
+        prefix_caching=args.prefix_caching, first_token_from=args.first_token_from, dataset=args.dataset,
         start_timeout_s=args.start_timeout)
 
     def on_sigterm(*_: object) -> None:

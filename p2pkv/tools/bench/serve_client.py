@@ -39,6 +39,8 @@ class ClientPoint:
         result_dir: where vLLM saves its detailed result JSON.
         result_filename: that file's name.
         request_id_prefix: prefix of the request ids (unique per run).
+        dataset_path: a JSONL file of prompts (vLLM's ``custom`` dataset,
+            see :func:`write_text_prompts`); empty: vLLM's ``random`` dataset.
     """
 
     base_url: str
@@ -52,14 +54,17 @@ class ClientPoint:
     result_dir: str
     result_filename: str
     request_id_prefix: str
+    dataset_path: str = ""
 
     def argv(self) -> list[str]:
-        """The ``vllm bench serve`` flags of this run: random dataset, greedy, EOS ignored, detailed result."""
+        """The ``vllm bench serve`` flags of this run: its dataset, greedy, EOS ignored, detailed result."""
         return [
             "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", self.base_url,
             "--model", self.model, "--served-model-name", "model", "--label", self.label,
-            "--dataset-name", "random", "--random-input-len", str(self.input_len),
-            "--random-output-len", str(self.output_len), "--random-range-ratio", "0",
+            *(("--dataset-name", "custom", "--dataset-path", self.dataset_path, "--custom-output-len",
+                str(self.output_len), "--skip-chat-template") if self.dataset_path else
+              ("--dataset-name", "random", "--random-input-len", str(self.input_len),
+               "--random-output-len", str(self.output_len), "--random-range-ratio", "0")),
             "--num-prompts", str(self.num_prompts), "--seed", str(self.seed),
             "--max-concurrency", str(self.concurrency), "--request-rate", "inf",
             "--temperature", "0", "--ignore-eos", "--disable-tqdm",
@@ -68,6 +73,34 @@ class ClientPoint:
             "--save-result", "--save-detailed", "--result-dir", self.result_dir,
             "--result-filename", self.result_filename,
         ]
+
+
+TEXT_ALPHABET = "abcdefghijklmnopqrstuvwxyz      ,."
+"""Characters of :func:`write_text_prompts`' prompts (spaces weighted like text's)."""
+
+
+def write_text_prompts(path: Path, num_prompts: int, input_len: int, seed: int) -> Path:
+    """Write ``num_prompts`` readable random prompts of ``input_len`` ASCII characters to ``path`` (JSONL).
+
+    vLLM's ``random`` dataset draws token ids over the whole vocabulary; with
+    a byte-level tokenizer (the tiny model's) that is byte soup, full of
+    incomplete UTF-8 characters, which no client sends and which changes how
+    vLLM streams the output's text. These prompts are text: with the tiny
+    model's tokenizer one token per character (another model's tokenizer
+    makes fewer tokens of them).
+
+    Returns:
+        ``path``.
+    """
+    import json
+    import random
+
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = (json.dumps({"prompt": "".join(rng.choice(TEXT_ALPHABET) for _ in range(input_len))})
+             for _ in range(num_prompts))
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def _parse(argv: list[str]) -> Any:
