@@ -26,6 +26,7 @@ aggregated ``BASE+300``, side channels ``BASE+400`` (prefill) and
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -109,6 +110,9 @@ class ServeBenchOptions:
                 raise ValueError(f"{flag} {v}: must be >= 1")
         if self.dataset not in DATASETS:
             raise ValueError(f"--dataset {self.dataset}: choose from {', '.join(DATASETS)}")
+        if self.dataset == "text" and importlib.util.find_spec("pandas") is None:
+            raise ValueError("--dataset text: vLLM's client reads the prompts with pandas, which is not installed "
+                             "(pip install 'p2pkv[bench]'), or pass --dataset random")
         if self.first_token_from not in ("prefill", "decode"):
             raise ValueError(f"--first-token-from {self.first_token_from}: choose prefill or decode")
 
