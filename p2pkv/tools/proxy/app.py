@@ -220,7 +220,7 @@ class Proxy:
                 yield writer.opening()
                 if first.finish_reason is not None:
                     return
-                start = time.perf_counter()
+                start = sent = time.perf_counter()
                 try:
                     asked = True
                     resp = await self.run_decode(client, path, leg, headers, out_headers, relay=False)
@@ -245,6 +245,7 @@ class Proxy:
                     yield b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
                 finally:
                     await resp.aclose()
+                    self.metrics.decode_seconds.observe(time.perf_counter() - sent)
             finally:
                 if not asked:
                     await asyncio.shield(self.release([params]))
