@@ -168,6 +168,7 @@ def test_first_token_reaches_the_client_before_the_decode_engine_answers(pd) -> 
     assert sent["kv_transfer_params"]["appended_tokens"] == 1
     metrics = httpx.get(f"{proxy}/metrics").text
     assert metric(metrics, "p2pkv_proxy_first_tokens_total", source="prefill") >= 1
+    assert 'p2pkv_proxy_first_tokens_total{source="decode"}' in metrics  # exported at 0 too
 
 
 def test_one_token_answer_never_asks_the_decode_engine(pd) -> None:

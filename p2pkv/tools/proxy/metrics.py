@@ -59,3 +59,5 @@ class ProxyMetrics:
         self.first_tokens = Counter("p2pkv_proxy_first_tokens",
                                     "Streaming requests by the engine their first token came from (prefill, decode)",
                                     ["source"], registry=r)
+        for source in ("prefill", "decode"):  # both series exist from the start, at 0
+            self.first_tokens.labels(source)
