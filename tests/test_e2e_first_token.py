@@ -5,7 +5,8 @@ streamed through the proxy and from the aggregated engine, and the streams
 must read the same: text, token ids, ``finish_reason``, final ``usage``,
 one id, ``[DONE]`` (not the chunking: a single engine already puts several
 tokens in one chunk when its output processing falls behind). Shapes the proxy must not hand over
-(logprobs, stop strings, seeded sampling) take the plain path and match too.
+(stop strings, seeded sampling, ``min_tokens``) take the plain path and match too. Logprob values
+must agree within the float tolerance of the other end-to-end tests.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from p2pkv.tools.demo import read_pull_stats
+from p2pkv.tools.demo import LOGPROB_TOLERANCE, read_pull_stats
 from tests.test_proxy import metric
 
 pytestmark = pytest.mark.engines
@@ -29,7 +30,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "token ids and usage": {"max_tokens": 8, "return_token_ids": True, "stream_options": {"include_usage": True}},
     "continuous usage": {"max_tokens": 6, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
     "one token": {"max_tokens": 1, "stream_options": {"include_usage": True}},
-    "logprobs (plain path)": {"max_tokens": 5, "logprobs": 2},
+    "logprobs": {"max_tokens": 5, "logprobs": 2},
     "stop string (plain path)": {"max_tokens": 12, "stop": ["zzz"]},
     "min_tokens (plain path)": {"max_tokens": 6, "min_tokens": 3},
     "seeded sampling (plain path)": {"max_tokens": 8, "temperature": 0.8, "seed": 7, "return_token_ids": True},
@@ -49,7 +50,8 @@ def _stream(client: httpx.Client, url: str, path: str, body: dict[str, Any]) -> 
 
 def _read(events: list[Any], chat: bool) -> dict[str, Any]:
     """What a client takes from a stream (ids and timestamps aside)."""
-    out: dict[str, Any] = {"text": "", "token_ids": [], "finish": [], "usage": None, "logprobs": []}
+    out: dict[str, Any] = {"text": "", "token_ids": [], "finish": [], "usage": None, "logprobs": [],
+                           "text_offset": [], "values": []}
     for event in events[:-1]:
         assert "error" not in event, event
         if event.get("usage"):
@@ -61,6 +63,8 @@ def _read(events: list[Any], chat: bool) -> dict[str, Any]:
                 out["finish"].append(choice["finish_reason"])
             if logprobs := choice.get("logprobs"):
                 out["logprobs"] += [c["token"] for c in logprobs["content"]] if chat else logprobs["tokens"]
+                out["values"] += [c["logprob"] for c in logprobs["content"]] if chat else logprobs["token_logprobs"]
+                out["text_offset"] += [] if chat else logprobs["text_offset"]
     assert events[-1] == "[DONE]"
     assert len({e.get("id") for e in events[:-1]}) == 1, "one id for the whole stream"
     return out
@@ -87,11 +91,14 @@ def test_streams_read_as_the_aggregated_engines(pair, client, path) -> None:
             ref = _read(_stream(client, p.url("aggregated"), path, body), chat)
             handed = _prefill_tokens(client, p.url("proxy"))
             got = _read(_stream(client, p.url("proxy"), path, body), chat)
+            values, ref_values = got.pop("values"), ref.pop("values")
             assert got == ref, f"{name!r}, prompt {prompt[:20]!r}"
+            assert len(values) == len(ref_values)
+            assert all(abs(a - b) <= LOGPROB_TOLERANCE for a, b in zip(values, ref_values, strict=True)), name
             handed = _prefill_tokens(client, p.url("proxy")) - handed
             decoded += 0 if handed and shape["max_tokens"] == 1 else 1
     handed = _prefill_tokens(client, p.url("proxy")) - before
-    # 4 shapes may hand over per prompt; a first token that is part of a character is not handed over
+    # 5 shapes may hand over per prompt; a first token that is part of a character is not handed over
     assert handed >= len(PROMPTS), f"only {handed} first tokens came from the prefill engine"
     deadline = time.monotonic() + 20
     while len(read_pull_stats(stats)) - pulls_before < decoded and time.monotonic() < deadline:

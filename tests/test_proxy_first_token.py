@@ -26,7 +26,8 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
     ({"prompt": "hi"}, "not streamed"),
     ({"prompt": ["a", "b"], "stream": True}, "several prompts"),
     ({"prompt": "hi", "stream": True, "stop": ["\n"]}, "stop"),
-    ({"prompt": "hi", "stream": True, "logprobs": 2}, "logprobs"),
+    ({"prompt": "hi", "stream": True, "logprobs": 2}, None),
+    ({"prompt": "hi", "stream": True, "prompt_logprobs": 2}, "prompt_logprobs"),
     ({"prompt": "hi", "stream": True, "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"prompt": "hi", "stream": True, "min_tokens": 4}, "min_tokens"),
     ({"prompt": "hi", "stream": True, "echo": True}, "echo"),
@@ -103,16 +104,28 @@ def test_stream_counts_usage_against_the_clients_prompt_and_keeps_one_id() -> No
     assert opening["id"] == "cmpl-p" and opening["choices"][0]["text"] == "x"
     assert opening["choices"][0]["prompt_token_ids"] == PROMPT_IDS and opening["choices"][0]["token_ids"] == [7]
     assert opening["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    assert opening["choices"][0]["logprobs"] is None  # not asked for
     decode_chunk = {"id": "cmpl-d", "created": 12, "choices": [{"index": 0, "text": "y", "token_ids": [8],
                     "prompt_token_ids": [*PROMPT_IDS, 7]}],
                     "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
     (chunk,) = _events(writer.rewrite(json.dumps(decode_chunk)))
     assert chunk["id"] == "cmpl-p" and chunk["created"] == 11 and "prompt_token_ids" not in chunk["choices"][0]
     assert chunk["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    with_logprobs = {"id": "cmpl-d", "choices": [{"index": 0, "text": "zz", "logprobs": {
+        "text_offset": [1], "tokens": ["zz"], "token_logprobs": [-0.5], "top_logprobs": None}}]}
+    (chunk,) = _events(writer.rewrite(json.dumps(with_logprobs)))
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [2]  # after "x", the first token's text
     final = {"id": "cmpl-d", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}}
     assert writer.rewrite(json.dumps(final)) is None and writer.rewrite("[DONE]") is None
     usage, done = _events(writer.closing(writer.usage_chunk))
     assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6} and done == "[DONE]"
+
+
+def test_first_chunk_carries_the_prefill_answers_logprobs() -> None:
+    logprobs = {"content": [{"token": "x", "logprob": -0.25, "bytes": [120], "top_logprobs": []}]}
+    first = read_first_token(CHAT, {"stream": True}, _answer(CHAT, logprobs=logprobs))
+    _, content = _events(FirstTokenStream(CHAT, {"stream": True, "logprobs": True}, first).opening())
+    assert content["choices"][0]["logprobs"] == logprobs
 
 
 def test_chat_stream_opens_with_one_role_chunk() -> None:

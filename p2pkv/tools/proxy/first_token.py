@@ -33,7 +33,7 @@ FirstTokenSource = Literal["prefill", "decode"]
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 BLOCKING_FIELDS: tuple[str, ...] = (
-    "echo", "suffix", "logprobs", "top_logprobs", "prompt_logprobs", "stop", "frequency_penalty",
+    "echo", "suffix", "prompt_logprobs", "stop", "frequency_penalty",
     "presence_penalty", "min_tokens", "bad_words", "truncate_prompt_tokens", "prompt_embeds", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
     "return_prompt_text",
@@ -43,7 +43,7 @@ BLOCKING_FIELDS: tuple[str, ...] = (
 Each changes what a continuation from the prompt plus one token produces:
 stop strings may span the first two tokens, frequency/presence penalties and
 ``min_tokens`` count output tokens, structured output and tool parsing need
-the first token as output, logprobs and ``echo`` are not rebuilt by the proxy,
+the first token as output, prompt logprobs and ``echo`` are not rebuilt by the proxy,
 prompt truncation would cut the appended token.
 """
 
@@ -99,6 +99,8 @@ class FirstToken:
             when the decode engine continues.
         stop_reason: the prefill answer's ``stop_reason`` (a stop token id), if any.
         prompt_token_ids: the prompt as the prefill engine tokenized it (tokens).
+        logprobs: the prefill answer's logprobs of the token (vLLM's
+            completions or chat format), or None when not asked for.
         id: the prefill answer's id, used for every chunk of the stream.
         created: its creation time (Unix seconds).
         model: the served model name.
@@ -109,6 +111,7 @@ class FirstToken:
     finish_reason: str | None
     stop_reason: int | str | None
     prompt_token_ids: list[int]
+    logprobs: dict[str, Any] | None
     id: str
     created: int
     model: str
@@ -157,7 +160,8 @@ def read_first_token(path: str, body: dict[str, Any], answer: dict[str, Any]) ->
     if not isinstance(text, str) or "\ufffd" in text or (not text and finish is None):
         return None  # part of a character: the decode engine's text would not continue it as one engine's does
     return FirstToken(token_id=token_ids[0], text=text, finish_reason=finish, stop_reason=choice.get("stop_reason"),
-                      prompt_token_ids=prompt_ids, id=str(answer.get("id") or ""),
+                      prompt_token_ids=prompt_ids, logprobs=choice.get("logprobs") or None,
+                      id=str(answer.get("id") or ""),
                       created=int(answer.get("created") or 0), model=str(answer.get("model") or ""))
 
 
@@ -238,10 +242,10 @@ class FirstTokenStream:
             if self.token_ids:
                 role["prompt_token_ids"] = first.prompt_token_ids
             out += _event(role)
-            out += _event(self._chunk({"index": 0, "delta": {"content": first.text}, "logprobs": None, **finish,
-                                       **ids}, 1))
+            out += _event(self._chunk({"index": 0, "delta": {"content": first.text}, "logprobs": first.logprobs,
+                                       **finish, **ids}, 1))
         else:
-            choice: dict[str, Any] = {"index": 0, "text": first.text, "logprobs": None, **finish}
+            choice: dict[str, Any] = {"index": 0, "text": first.text, "logprobs": first.logprobs, **finish}
             if self.token_ids:
                 choice = {**choice, "prompt_token_ids": first.prompt_token_ids, **ids}
             out += _event(self._chunk(choice, 1))
@@ -264,6 +268,13 @@ class FirstTokenStream:
             out["completion_tokens"] += 1
             out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
         return out
+
+    def _shift_offsets(self, logprobs: Any) -> None:
+        """Completions logprobs' ``text_offset`` counts from the decode engine's first output character;
+        the client's text starts with the first token's."""
+        if not self.chat and isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
+            logprobs["text_offset"] = [o + len(self.first.text) if isinstance(o, int) else o
+                                       for o in logprobs["text_offset"]]
 
     def rewrite(self, data: str) -> bytes | None:
         """The bytes to send for one ``data:`` payload of the decode engine's stream (None: nothing).
@@ -293,6 +304,7 @@ class FirstTokenStream:
         for choice in choices:
             if isinstance(choice, dict):
                 choice.pop("prompt_token_ids", None)
+                self._shift_offsets(choice.get("logprobs"))
                 delta = choice.get("delta")
                 if (self.chat and isinstance(delta, dict) and "role" in delta and not delta.get("content")
                         and choice.get("finish_reason") is None):

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where a streaming request's first token comes from: 'prefill' (default) sends the "
                              "prefill engine's sampled token at once and lets the decode engine continue after it, "
                              "for requests whose output stays the same (greedy or unseeded sampling, no stop "
-                             "strings, logprobs, penalties on output, structured output or tools); 'decode' waits "
+                             "strings, prompt logprobs, penalties on output, structured output or tools); 'decode' waits "
                              "for the decode engine's first token (use it with engines running a reasoning or tool "
                              "parser)")
 
