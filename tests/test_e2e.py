@@ -145,6 +145,12 @@ def test_pull_metrics_on_the_engines_metrics_endpoint(pair, client) -> None:
     assert _metric(client, p.url("decode"), "p2pkv:pulls_total") == len(read_pull_stats(stats))
     assert _metric(client, p.url("decode"), "p2pkv:handshake_seconds_count") >= 1
     assert _metric(client, p.url("decode"), "p2pkv:pull_failures_total") >= 1  # the unreachable-peer test
+    # The prefill engine reports the notification with its next step's stats: step it until they arrive.
+    deadline = time.monotonic() + 30
+    while (time.monotonic() < deadline and
+           _metric(client, p.url("prefill"), "p2pkv:leases_notified_total") < len(read_pull_stats(stats))):
+        complete(client, p.url("prefill"), "step", max_tokens=1)
+        time.sleep(0.2)
     assert _metric(client, p.url("prefill"), "p2pkv:leases_notified_total") >= len(read_pull_stats(stats))
     for phase in PULL_PHASES:  # every pull's handover phases, each once per pull
         text = client.get(f"{p.url('decode')}/metrics").text
