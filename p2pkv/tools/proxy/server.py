@@ -40,9 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where a streaming request's first token comes from: 'prefill' (default) sends the "
                              "prefill engine's sampled token at once and lets the decode engine continue after it, "
                              "for requests whose output stays the same (greedy or unseeded sampling, no stop "
-                             "strings, prompt logprobs, penalties on output, structured output or tools); 'decode' waits "
-                             "for the decode engine's first token (use it with engines running a reasoning or tool "
-                             "parser)")
+                             "strings, prompt logprobs, penalties on output, structured output or tools); 'decode' "
+                             "waits for the decode engine's first token (use it with engines running a reasoning or "
+                             "tool parser)")
 
 
 def main(args: argparse.Namespace) -> int:
