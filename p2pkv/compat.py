@@ -22,9 +22,10 @@ def compat_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     The vLLM minor version, the model (architecture, layers, KV heads, head
     size, dtype), the KV cache dtype (``fp8`` is ``fp8_e4m3``), MLA or not,
     the KV cache groups (spec type, window, layers per group: the HMA group
-    structure) and a drafter whose layers add KV (EAGLE, MTP, draft model).
-    Block size, page order (HND/NHD) and TP size are negotiated at
-    handshake instead. Sent as a :func:`handshake.compat.fingerprint`; the
+    structure; for Mamba groups the per-rank state shapes and dtypes, so a
+    hybrid model's TP sizes must match) and a drafter whose layers add KV
+    (EAGLE, MTP, draft model). Block size, page order (HND/NHD) and TP size
+    are negotiated at handshake instead. Sent as a :func:`handshake.compat.fingerprint`; the
     decode side refuses a prefill rank whose fields differ, naming them.
     """
     import vllm
@@ -54,9 +55,12 @@ def compat_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
 
 
 def _group(group: Any) -> str:
-    """One KV cache group as ``SpecType(window=W)x<layers>`` (block size left out: it is negotiated)."""
+    """One KV cache group as ``SpecType(window=W)x<layers>`` (block size left out: it is negotiated).
+
+    A Mamba group also names its state shapes and dtypes (per rank), cache mode and speculative blocks."""
     spec = group.kv_cache_spec
-    extra = [f"{name}={getattr(spec, name)}" for name in ("sliding_window", "attention_chunk_size")
+    extra = [f"{name}={getattr(spec, name)}" for name in ("sliding_window", "attention_chunk_size", "shapes",
+                                                          "dtypes", "mamba_cache_mode", "num_speculative_blocks")
              if getattr(spec, name, None) is not None]
     draft = " draft" if getattr(group, "is_eagle_group", False) else ""
     return f"{type(spec).__name__}({', '.join(extra)}){draft}x{len(group.layer_names)}"
@@ -80,22 +84,76 @@ def _specs(kv_cache_config: KVCacheConfig) -> list[tuple[int, Any]]:
 def check_kv_cache_supported(kv_cache_config: KVCacheConfig | None) -> None:
     """Refuse, at engine start, a KV cache with a group p2pkv would move wrongly.
 
-    p2pkv moves attention KV (full, sliding-window, chunked-local, MLA). A
-    Mamba/SSM group (hybrid models such as Granite-4, Jamba, Qwen3-Next)
-    holds a recurrent state per request whose pull p2pkv does not implement.
+    p2pkv moves attention KV (full, sliding-window, chunked-local, MLA) and
+    the Mamba/SSM state of hybrid models (Granite-4, Jamba, Bamba, ...) whose
+    state groups share vLLM's block pool and KV tensors with attention groups:
+    a state block's page is then one of the attention tensors' pages, moved
+    whole. Only vLLM's ``mamba_cache_mode="none"`` (no prefix caching for the
+    state: one state block per request) is supported.
 
     Raises:
-        UnsupportedKVCacheError: a group whose spec is not an attention spec.
+        UnsupportedKVCacheError: a group that is neither attention nor Mamba
+            state, a Mamba group without an attention group (a pure SSM
+            model), or a Mamba group that caches prefix states
+            (``--enable-prefix-caching`` with a hybrid model).
     """
     if kv_cache_config is None:
         return
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
-    for i, spec in _specs(kv_cache_config):
-        if not isinstance(spec, AttentionSpec):
+    specs = _specs(kv_cache_config)
+    for i, spec in specs:
+        if isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "none":
+                raise UnsupportedKVCacheError(
+                    f"KV cache group {i} is MambaSpec with mamba_cache_mode={spec.mamba_cache_mode!r}: p2pkv moves "
+                    "one SSM state per request; start both engines with --no-enable-prefix-caching")
+            if not any(isinstance(s, AttentionSpec) for _, s in specs):
+                raise UnsupportedKVCacheError(
+                    f"KV cache group {i} is MambaSpec and the model has no attention layers: p2pkv moves SSM state "
+                    "inside the attention layers' KV pages only; serve this model without P2pKvConnector")
+        elif not isinstance(spec, AttentionSpec):
             raise UnsupportedKVCacheError(
-                f"KV cache group {i} is {type(spec).__name__}: p2pkv moves attention KV only, not Mamba/SSM "
-                "state; serve this model without P2pKvConnector (one engine does both phases)")
+                f"KV cache group {i} is {type(spec).__name__}: p2pkv moves attention KV and Mamba/SSM state only; "
+                "serve this model without P2pKvConnector (one engine does both phases)")
+
+
+def has_state_groups(kv_cache_config: KVCacheConfig | None) -> bool:
+    """Whether the KV cache holds Mamba/SSM state (a hybrid model): one recurrent state per request."""
+    if kv_cache_config is None:
+        return False
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return any(isinstance(spec, MambaSpec) for _, spec in _specs(kv_cache_config))
+
+
+def state_layer_names(kv_cache_config: KVCacheConfig | None) -> frozenset[str]:
+    """Names of the layers whose KV cache group is Mamba/SSM state."""
+    if kv_cache_config is None:
+        return frozenset()
+    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+
+    names: set[str] = set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            names.update(n for n, s in spec.kv_cache_specs.items() if isinstance(s, MambaSpec))
+        elif isinstance(spec, MambaSpec):
+            names.update(group.layer_names)
+    return frozenset(names)
+
+
+def recompute_tokens(kv_cache_config: KVCacheConfig | None) -> int:
+    """Trailing prompt tokens the decode engine computes itself instead of loading: 0 or 1.
+
+    1 when vLLM frees blocks behind an attention window
+    (:func:`frees_blocks_behind_window`) or the model keeps Mamba/SSM state
+    (:func:`has_state_groups`): the state moved is the one after the first
+    ``N - 1`` prompt tokens, and the decode engine's step over token ``N - 1``
+    advances it (vLLM's NixlConnector backs off one token for Mamba state
+    the same way).
+    """
+    return int(frees_blocks_behind_window(kv_cache_config) or has_state_groups(kv_cache_config))
 
 
 def num_kv_cache_groups(kv_cache_config: KVCacheConfig | None) -> int:
@@ -142,4 +200,5 @@ def model_info(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = 
         attn_layout="CPU" if current_platform.is_cpu() and not mc.use_mla else None,
         local_attention=frees_blocks_behind_window(kv_cache_config),
         kv_groups=num_kv_cache_groups(kv_cache_config),
+        state_groups=has_state_groups(kv_cache_config),
     )

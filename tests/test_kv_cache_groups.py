@@ -3,10 +3,13 @@
 A model whose layers mix full and sliding-window attention keeps one KV cache
 group per attention type; a request has a block list per group, and a
 sliding-window group's blocks behind the window are vLLM's null block (id 0).
-The end-to-end pair runs in ``tests/test_e2e_models.py`` (kind ``interleaved-window``).
+A hybrid attention + Mamba model adds a state group (one block per request).
+The end-to-end pairs run in ``tests/test_e2e_models.py`` (kinds ``interleaved-window``, ``hybrid``).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from vllm import SamplingParams
@@ -22,7 +25,13 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
-from p2pkv.compat import UnsupportedKVCacheError, check_kv_cache_supported
+from p2pkv.compat import (
+    UnsupportedKVCacheError,
+    check_kv_cache_supported,
+    has_state_groups,
+    recompute_tokens,
+    state_layer_names,
+)
 from p2pkv.config import P2pKvConfig
 from p2pkv.connector import P2pKvConnector
 from p2pkv.dataplane.negotiate import ModelInfo, PullRefused, TransferMode, plan_peer
@@ -123,20 +132,52 @@ def test_groups_need_one_block_size_on_both_sides() -> None:
             plan_peer(one_layer_desc(local), 0, 1, one_layer_desc(remote), 0, 1, groups)
 
 
-def test_a_mamba_group_is_refused_at_engine_start() -> None:
-    """Hybrid attention + SSM models start with HMA, but p2pkv does not move SSM state: a clear error, not wrong KV."""
+def _config(*specs) -> KVCacheConfig:
+    groups = [KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _specs(mamba_cache_mode: str = "none"):
     import torch
 
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32,
                                sliding_window=40)
-    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64), (8, 16, 16)), dtypes=(torch.float32, torch.float32))
+    mamba = MambaSpec(block_size=BLOCK, shapes=((4, 64), (8, 16, 16)), dtypes=(torch.float32, torch.float32),
+                      mamba_cache_mode=mamba_cache_mode)
+    return full, window, mamba
 
-    def config(*specs):
-        groups = [KVCacheGroupSpec([f"layer.{i}"], spec) for i, spec in enumerate(specs)]
-        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
 
-    check_kv_cache_supported(config(full, window))
+def test_a_hybrid_attention_and_mamba_cache_is_moved() -> None:
+    """Attention + Mamba (Granite-4, Jamba): started; the decode engine computes the last prompt token."""
+    full, window, mamba = _specs()
+    check_kv_cache_supported(_config(full, window))
     check_kv_cache_supported(None)
-    with pytest.raises(UnsupportedKVCacheError, match="KV cache group 1 is MambaSpec: p2pkv moves attention KV only"):
-        check_kv_cache_supported(config(full, mamba))
+    check_kv_cache_supported(_config(full, mamba))
+    assert has_state_groups(_config(full, mamba)) and not has_state_groups(_config(full, window))
+    assert recompute_tokens(_config(full, mamba)) == recompute_tokens(_config(window)) == 1
+    assert recompute_tokens(_config(full)) == recompute_tokens(None) == 0
+    assert state_layer_names(_config(full, mamba)) == {"layer.1"} and not state_layer_names(_config(full, window))
+
+
+@pytest.mark.parametrize(("specs", "message"), [
+    ("mamba", "KV cache group 0 is MambaSpec and the model has no attention layers"),
+    ("full+align", "mamba_cache_mode='align': p2pkv moves one SSM state per request; start both engines with "
+                   "--no-enable-prefix-caching"),
+])
+def test_a_mamba_group_p2pkv_cannot_move_is_refused_at_engine_start(specs, message) -> None:
+    """A pure SSM model, or Mamba prefix caching (a state per block): a clear error at start, not wrong KV."""
+    full, _, mamba = _specs("align" if "align" in specs else "none")
+    config = _config(mamba) if specs == "mamba" else _config(full, mamba)
+    with pytest.raises(UnsupportedKVCacheError, match=re.escape(message)):
+        check_kv_cache_supported(config)
+
+
+def test_a_hybrid_model_pulls_only_direct() -> None:
+    """Mamba state pages move whole: another block size or page order is refused, naming the difference."""
+    hybrid = ModelInfo("LBHNC", "float32", 2, 16, 16, kv_groups=2, state_groups=True)
+    assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(16), 0, 1, hybrid).mode is TransferMode.DIRECT
+    same_size = ModelInfo("LBHNC", "float32", 2, 16, 16, state_groups=True)
+    with pytest.raises(PullRefused, match="Mamba/SSM state, whose pages p2pkv moves whole, but the engines differ in "
+                                          "block_size 32→16"):
+        plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(32), 0, 1, same_size)

@@ -8,7 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pkv.dataplane.layout import LayoutError, describe_kv_caches, describe_torch_kv_caches, tensor_info
+from p2pkv.dataplane.layout import (
+    LayoutError,
+    check_state_views,
+    describe_kv_caches,
+    describe_torch_kv_caches,
+    tensor_info,
+)
 from p2pkv.dataplane.plan import PlanError, build_descriptors, coalesce_runs, split_rows
 from p2pkv.tools.bench.synth import KV_LAYOUTS, block_bytes, make_kv_caches
 
@@ -160,3 +166,42 @@ def test_split_rows_cover_the_same_bytes_in_pieces(lengths, max_bytes) -> None:
 
     assert byte_addrs(ls) == byte_addrs(local) and byte_addrs(rs) == byte_addrs(remote)
     assert len(ls) == sum(-(-n // max_bytes) for n in lengths)
+
+
+def _hybrid_cache(num_blocks: int = 6, page: int = 4096, state: int = 1500):
+    """vLLM's hybrid KV cache: per tensor, an attention layer's pages and a Mamba layer's state share one buffer.
+
+    Returns ``(attention tensors, state views)``: attention ``[num_blocks, 2, 16, 32]`` float32 (one 4 KiB page per
+    block), state ``[num_blocks, 1, 1, state]`` int8 views at the start of the same pages.
+    """
+    buf = torch.zeros(2 * num_blocks * page, dtype=torch.int8)
+    attn, states = {}, {}
+    for layer in range(2):
+        off = layer * num_blocks * page
+        attn[f"attn.{layer}"] = buf[off:off + num_blocks * page].view(torch.float32).view(num_blocks, 2, 16, 32)
+        states[f"mamba.{layer}"] = torch.as_strided(buf, (num_blocks, 1, 1, state), (page, state, state, 1), off)
+    return attn, states
+
+
+def test_state_views_inside_the_attention_pages_move_with_their_block() -> None:
+    """A Mamba layer's state of block ``b`` lies in page ``b`` of an attention tensor, which a pull of ``b`` moves."""
+    attn, states = _hybrid_cache()
+    layout = describe_torch_kv_caches(attn, 6)
+    check_state_views(layout, [tensor_info(n, v) for n, v in states.items()])
+    for block in range(6):
+        moved = _range_bytes(layout.block_ranges(block))
+        for view in states.values():
+            start = view.data_ptr() + block * view.stride(0)
+            assert set(range(start, start + view.shape[-1])) <= moved
+
+
+def test_state_views_outside_the_attention_pages_are_refused() -> None:
+    attn, states = _hybrid_cache()
+    layout = describe_torch_kv_caches(attn, 6)
+    apart = torch.zeros(6, 1, 1, 1500, dtype=torch.int8)  # its own allocation: no attention page holds it
+    too_long = torch.as_strided(states["mamba.0"], (6, 1, 1, 5000), (4096, 5000, 5000, 1))
+    for name, view in (("apart", apart), ("too_long", too_long)):
+        with pytest.raises(LayoutError, match=f"layer {name}: its Mamba/SSM state .* is not inside an attention"):
+            check_state_views(layout, [tensor_info(name, view)])
+    with pytest.raises(LayoutError, match="has no leading block dim of size 6"):
+        check_state_views(layout, [tensor_info("short", states["mamba.0"][:3])])

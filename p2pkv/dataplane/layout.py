@@ -335,6 +335,35 @@ def describe_torch_kv_caches(kv_caches: dict[str, Any], num_blocks: int) -> KVLa
     return describe_kv_caches(infos, num_blocks)
 
 
+def check_state_views(layout: KVLayout, views: list[TensorInfo]) -> None:
+    """Check that per-block state views (a Mamba layer's conv and SSM state) lie inside the layout's pages.
+
+    vLLM's hybrid KV cache gives a Mamba layer and an attention layer one
+    tensor: block ``b`` of the Mamba group is page ``b`` of that tensor, and
+    its state views (``[num_blocks, ...]``, block stride = the page's) start
+    inside it. A pull moves the whole page of every segment, so a view
+    inside a segment's page moves with its block id.
+
+    Raises:
+        LayoutError: a view whose first dim is not the block dim, whose block
+            stride differs from every segment's, or whose bytes of one block
+            leave the segment's page (names the layer).
+    """
+    for info in views:
+        if not info.shape or info.shape[0] != layout.num_blocks:
+            raise LayoutError(f"layer {info.name}: state view of shape {info.shape} has no leading block dim of "
+                              f"size {layout.num_blocks}")
+        stride = info.strides[0] * info.itemsize
+        span = (sum((n - 1) * st for n, st in zip(info.shape[1:], info.strides[1:], strict=True)) + 1) * info.itemsize
+        inside = any(seg.block_stride == stride and info.data_ptr - seg.addr >= 0
+                     and info.data_ptr - seg.addr + span <= seg.length for seg in layout.segments)
+        if not inside:
+            raise LayoutError(
+                f"layer {info.name}: its Mamba/SSM state (block stride {stride} B, {span} B per block) is not "
+                "inside an attention layer's KV page; p2pkv moves state only where vLLM's hybrid KV cache "
+                "shares the attention tensors")
+
+
 def detect_attn_layout(tensor: Any, num_heads: int, block_size: int) -> str | None:
     """``"HND"`` or ``"NHD"`` read off a KV tensor's strides, or None when they cannot tell.
 

@@ -58,6 +58,9 @@ class ModelInfo:
         kv_groups: KV cache groups (vLLM's hybrid KV cache manager keeps one
             per attention type; 1 otherwise): with more than one, a pull pairs
             blocks one for one, so both engines must use one block size.
+        state_groups: the KV cache holds Mamba/SSM state (a hybrid model):
+            a state block's page is moved whole, so the pull must be direct
+            (same block size, page order and TP size on both engines).
     """
 
     kv_layout: str
@@ -70,6 +73,7 @@ class ModelInfo:
     attn_layout: str | None = None
     local_attention: bool = False
     kv_groups: int = 1
+    state_groups: bool = False
 
 
 def layout_desc(layout: KVLayout, model: ModelInfo, attn_layout: str, *, mem_type: str,
@@ -166,7 +170,8 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
     than the prefill engine's would start with tokens whose prefill block is
     already freed, and vLLM's prefix cache could later serve them: refused.
     With several KV cache groups (``kv_groups``) the pull's blocks pair one
-    for one: a different block size is refused.
+    for one: a different block size is refused. A KV cache with Mamba/SSM
+    state (``state_groups``) pulls only in :attr:`TransferMode.DIRECT`.
 
     Raises:
         PullRefused: model shape differs (names the field and both values),
@@ -231,6 +236,10 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
     paged = local.block_size == remote.block_size and local.attn_layout == remote.attn_layout and (
         local.attn_layout in HEAD_MAJOR or whole or local.is_mla)
     mode = TransferMode.PAGED if paged else TransferMode.STAGED
+    if model.state_groups:
+        raise PullRefused(f"the model keeps Mamba/SSM state, whose pages p2pkv moves whole, but the engines differ in "
+                          f"{', '.join(diffs) or 'segment layout'}; start both engines with the same --block-size, "
+                          "KV cache layout and --tensor-parallel-size")
     return PeerPlan(read, mode, reason=", ".join(diffs) or "segment layout")
 
 

@@ -75,6 +75,7 @@ class Puller:
         self._handshake_wait: dict[PeerId, list[Pull]] = {}
         self._draining: list[tuple[ReadPart, float]] = []  # cancelled READs NIXL would not release, deadline
         self._finished, self._load_errors = set[str](), set[int]()  # reported to vLLM at the next get_finished
+        self._failed, self._failed_out = set[str](), set[str]()  # of those, failed pulls; failed ones step() handed
         self._to_notify: list[Pull] = []  # done: notify their prefill ranks at the next engine step
 
     # ---- public surface -----------------------------------------------------
@@ -85,6 +86,7 @@ class Puller:
             for request_id, blocks in (failed or {}).items():
                 self._load_errors.update(blocks)
                 self._finished.add(request_id)
+                self._failed.add(request_id)
                 self.stats.record_failure(FailureKind.REFUSED.value)
             new, waiting, self._staging_wait = [Pull.taken(spec) for spec in specs], self._staging_wait, []
             self.pulls += new
@@ -103,6 +105,8 @@ class Puller:
             for pull in self._to_notify:  # from the engine thread, which keeps progressing NIXL's sends
                 _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
             finished, self._finished, self._to_notify = self._finished, set(), []
+            self._failed_out |= self._failed & finished
+            self._failed -= finished
         return finished
 
     def _advance(self) -> bool:
@@ -120,6 +124,12 @@ class Puller:
         with self.lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed(self) -> set[str]:
+        """Request ids among those :meth:`step` handed out since the last call whose pull failed."""
+        with self.lock:
+            failed, self._failed_out = self._failed_out, set()
+        return failed
 
     def in_state(self, state: PullState) -> list[Pull]:
         """Pulls now in ``state``."""
@@ -151,6 +161,8 @@ class Puller:
             self._load_errors.update(pull.spec.local_block_ids)
         if pull.spec.report:
             self._finished.add(pull.request_id)
+            if pull.state is PullState.FAILED:
+                self._failed.add(pull.request_id)
 
     def _drain(self) -> None:
         """Wait out cancelled READs NIXL would not release (at most ``transfer_timeout_s``), then report their pulls."""
@@ -336,10 +348,15 @@ class Puller:
     def _fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
         """Report a pull as failed: its local blocks become load errors, the request finishes."""
         spec = pull.spec
-        logger.error("p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
-                     kind.value, spec.request_id, spec.remote.request_id, spec.remote.host, spec.remote.port,
-                     len(spec.local_block_ids), why)
-        self.stats.record_failure(kind.value)
+        if spec.report or spec.local_block_ids:
+            logger.error("p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
+                         kind.value, spec.request_id, spec.remote.request_id, spec.remote.host, spec.remote.port,
+                         len(spec.local_block_ids), why)
+            self.stats.record_failure(kind.value)
+        else:  # nothing to load: the request ended first and only had to tell the prefill engine
+            logger.warning("p2pkv: request %s ended before its pull; could not tell %s:%d to free %s now (its lease "
+                           "frees it): %s", spec.request_id, spec.remote.host, spec.remote.port,
+                           spec.remote.request_id, why)
         if pull in self._staging_wait:
             self._staging_wait.remove(pull)
         self._to(pull, PullState.FAILED)
