@@ -86,6 +86,14 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             interpreter within it while vLLM's engine thread runs Python
             (Python's default, 5 ms, made each side-channel answer wait up to
             several times that on a busy engine); 0 leaves it unchanged.
+        idle_wait_s: longest time (seconds) a worker waits, at the end of an
+            engine step that scheduled no tokens, for a pull to finish
+            while pulls or holds are pending. vLLM steps such an engine
+            back to back only to poll transfers, which keeps a core (two
+            processes) busy for as long as a pull runs or a prefill
+            request's blocks are held; the wait ends at once when a pull
+            finishes. A request arriving meanwhile waits up to this long.
+            0: no wait (vLLM's busy stepping).
         staging_mib: staging memory (MiB, on the KV cache's device) a
             decode worker allocates, on its first pull from a peer with
             another block size, HND/NHD order or TP size, to receive whole
@@ -114,6 +122,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     staging_mib: float = 256.0
     pull_poll_interval_s: float = 0.0002
     switch_interval_s: float = 0.0005
+    idle_wait_s: float = 0.002
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.
@@ -182,6 +191,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                               f"({self.nixl_split_mib}) must be >= 0")
         if not 0 <= self.switch_interval_s <= 0.1:
             raise ConfigError(f"switch_interval_s must be 0 (unchanged) .. 0.1 s, got {self.switch_interval_s}")
+        if not 0 <= self.idle_wait_s <= 0.1:
+            raise ConfigError(f"idle_wait_s must be 0 (no wait) .. 0.1 s, got {self.idle_wait_s}")
         if self.staging_mib < 0.0625:
             raise ConfigError(f"staging_mib must be >= 0.0625 (MiB, 64 KiB), got {self.staging_mib}")
         if self.handshake_retries < 1:

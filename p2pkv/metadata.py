@@ -61,9 +61,13 @@ class P2pKvMetadata:
             other block ids is refused).
         failed: decode request id → local block ids of a pull the scheduler
             could not set up: reported finished, its blocks as load errors.
+        idle: the step scheduled no tokens (vLLM steps only to poll
+            transfers); the workers may wait a little for one to finish
+            (``idle_wait_s``).
     """
 
     pulls: list[PullSpec] = field(default_factory=list)
     send_leases: dict[str, float] = field(default_factory=dict)
     send_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     failed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    idle: bool = False

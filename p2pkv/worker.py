@@ -71,6 +71,7 @@ class WorkerSide:
         self._secret = config.require_secret()  # before anything starts: no secret, no side channel
         self.stats = StatsBuffer()
         self._closed = False
+        self._idle = False  # this step scheduled no tokens
 
     def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int,
                            state_layers: frozenset[str] = frozenset()) -> None:
@@ -131,21 +132,40 @@ class WorkerSide:
 
     def start_load_kv(self, meta: P2pKvMetadata) -> None:
         """Take this step's new leases (prefill side) and pulls (decode side)."""
+        self._idle = meta.idle
         for request_id, deadline in meta.send_leases.items():
             self.holds.hold(request_id, deadline, meta.send_blocks.get(request_id))
         if self.puller is not None:
             self.puller.start(meta.pulls, meta.failed)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        """``(finished_sending, finished_recving)`` request ids since the last call."""
+        """``(finished_sending, finished_recving)`` request ids since the last call.
+
+        After a step that scheduled no tokens, with nothing to report yet but
+        pulls or holds pending, first waits up to ``idle_wait_s`` for a pull to
+        end (see :class:`p2pkv.config.P2pKvConfig`).
+        """
         if self.agent is None or self.puller is None:
             return set(), set()
         try:
             recving = self.puller.step()
+            sending = self._released()
+            idle = self._idle and not recving and not sending and self._should_wait()
+            if idle and self.puller.wait_ended(self.config.idle_wait_s):
+                recving = self.puller.step()
         except Exception:  # a bug must not end vLLM's engine loop; the pulls it touched end by their timeouts
             logger.exception("p2pkv: advancing the pulls failed")
-            recving = set()
-        return self._released(), recving
+            return set(), set()
+        return sending, recving
+
+    def _should_wait(self) -> bool:
+        """Pulls or holds pending and a wait allowed: the pulls' thread advances pulls meanwhile."""
+        assert self.puller is not None
+        if self.config.idle_wait_s <= 0:
+            return False
+        if self.puller.busy:
+            return self.config.pull_poll_interval_s > 0  # without the thread, pulls advance only in steps
+        return self.holds.pending()
 
     def _released(self) -> set[str]:
         """Held requests to free now: notified by every decode reader, or lease expired."""

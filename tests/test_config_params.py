@@ -28,6 +28,7 @@ def test_config_defaults_env_and_extra_config() -> None:
     ({"lease_s": 0}, "lease_s"),
     ({"kv_layout": "XYZ"}, "kv_layout"),
     ({"handshake_retries": 0}, "handshake_retries"),
+    ({"idle_wait_s": 1.0}, "idle_wait_s"),
 ])
 def test_config_errors_name_the_field(extra, field) -> None:
     with pytest.raises(ConfigError, match=field):

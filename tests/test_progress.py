@@ -10,6 +10,7 @@ import pytest
 
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull import PullState
+from p2pkv.metadata import P2pKvMetadata
 from tests.p2p_harness import DecodeSide, PrefillProc, free_port, pull_task
 
 
@@ -93,3 +94,27 @@ def test_a_pull_finishes_between_engine_steps(prefill: PrefillProc) -> None:
         assert all(d.block_ok(lb, rb, expected) for lb, rb in ((10, 20), (11, 21), (12, 22)))
     finally:
         d.close()
+
+
+def test_an_idle_engine_step_waits_for_the_pull_to_end(prefill: PrefillProc) -> None:
+    """A step that scheduled no tokens (vLLM polling transfers) waits for the pull instead of returning empty:
+    its own get_finished hands the pull to vLLM, with the right bytes."""
+    d = DecodeSide(64, handshake_timeout_s=2.0, idle_wait_s=0.1)
+    try:
+        prefill.lease(["p-warm2", "p-2", "p-3"])
+        d.start(pull_task("d-warm2", "p-warm2", prefill.port, [1], [2]))
+        assert d.pump({"d-warm2"}, 30.0) == set()
+        for rid, remote, blocks in (("d-2", "p-2", [30, 31, 32, 33]), ("d-3", "p-3", [40, 41])):
+            d.start(pull_task(rid, remote, prefill.port, blocks, [b - 10 for b in blocks]))
+            d.worker.start_load_kv(P2pKvMetadata(idle=True))  # the next step: nothing scheduled
+            got = set()
+            for _ in range(20):  # at most 2 s of idle steps; each waits up to 0.1 s for the pull
+                got = d.step()
+                if got:
+                    break
+            assert got == {rid}
+            expected = prefill.expected()
+            assert all(d.block_ok(b, b - 10, expected) for b in blocks)
+    finally:
+        d.close()
+

@@ -18,6 +18,7 @@ request per ``kv_load_failure_policy``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from handshake import AgentInfo, IncompatiblePeerError, KVLayoutDesc
@@ -77,6 +78,7 @@ class Puller:
         self._finished, self._load_errors = set[str](), set[int]()  # reported to vLLM at the next get_finished
         self._failed, self._failed_out = set[str](), set[str]()  # of those, failed pulls; failed ones step() handed
         self._to_notify: list[Pull] = []  # done: notify their prefill ranks at the next engine step
+        self._ended = threading.Event()  # set when a pull ends, cleared by step()
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -105,6 +107,7 @@ class Puller:
             for pull in self._to_notify:  # from the engine thread, which keeps progressing NIXL's sends
                 _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
             finished, self._finished, self._to_notify = self._finished, set(), []
+            self._ended.clear()
             self._failed_out |= self._failed & finished
             self._failed -= finished
         return finished
@@ -118,6 +121,15 @@ class Puller:
         self.fence.send()
         return bool(self._draining) or any(r.in_flight and r.stage is None
                                            for p in self.in_state(PullState.READING) for r in p.reads)
+
+    @property
+    def busy(self) -> bool:
+        """True while a pull is under way (taken and not yet handed to vLLM as finished)."""
+        return bool(self.pulls or self._staging_wait or self._finished)
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for a pull to end (as the pulls' thread sees it); True when one did."""
+        return self._ended.wait(timeout_s)
 
     def take_load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call."""
@@ -163,6 +175,7 @@ class Puller:
             self._finished.add(pull.request_id)
             if pull.state is PullState.FAILED:
                 self._failed.add(pull.request_id)
+        self._ended.set()
 
     def _drain(self) -> None:
         """Wait out cancelled READs NIXL would not release (at most ``transfer_timeout_s``), then report their pulls."""

@@ -53,6 +53,10 @@ class PrefillHolds:
         with self._lock:
             self._blocks[request_id] = None if block_ids is None else frozenset(block_ids)
 
+    def pending(self) -> bool:
+        """True while a request's blocks are held."""
+        return len(self.leases) > 0
+
     def on_heartbeat(self, request_ids: list[str], extend_s: float, block_ids: list[list[int]]) -> HoldStatus:
         """Side-channel thread: a decode engine still has these requests queued, or is pulling them.
 
