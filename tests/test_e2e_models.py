@@ -148,20 +148,23 @@ def kind_pair(request, tmp_path_factory):
         stop_children(children)
 
 
+def _extra(kind_pair, kind: str, why: str) -> ExtraEngine:
+    """``kind``'s :class:`ExtraEngine`; tests that use it skip for the other kinds, saying ``why``."""
+    if kind_pair[0] != kind:
+        pytest.skip(why)
+    return kind_pair[3]
+
+
 @pytest.fixture(scope="module")
 def dp2(kind_pair) -> ExtraEngine:
-    """The sliding-window kind's :class:`ExtraEngine` (tests that use it skip for the other kinds)."""
-    if kind_pair[0] != "sliding-window":
-        pytest.skip("block sizes and DP ranks are tested with the sliding-window model")
-    return kind_pair[3]
+    """The sliding-window kind's third engine: 64-token blocks, two DP ranks."""
+    return _extra(kind_pair, "sliding-window", "block sizes and DP ranks are tested with the sliding-window model")
 
 
 @pytest.fixture(scope="module")
 def tp2(kind_pair) -> ExtraEngine:
-    """The MLA kind's third engine: TP 2 (one DP rank), as a :class:`ExtraEngine` record."""
-    if kind_pair[0] != "mla":
-        pytest.skip("TP sizes are tested with the MLA model")
-    return kind_pair[3]
+    """The MLA kind's third engine: TP 2 (one DP rank)."""
+    return _extra(kind_pair, "mla", "TP sizes are tested with the MLA model")
 
 
 @pytest.mark.parametrize("direction", ["TP 2 -> TP 1", "TP 1 -> TP 2"])
@@ -184,9 +187,7 @@ def test_mla_pairs_across_tp_sizes(kind_pair, tp2, client, direction) -> None:
 @pytest.fixture(scope="module")
 def block128(kind_pair) -> ExtraEngine:
     """The hybrid kind's third engine: 128-token blocks."""
-    if kind_pair[0] != "hybrid":
-        pytest.skip("another block size with SSM state is tested with the hybrid model")
-    return kind_pair[3]
+    return _extra(kind_pair, "hybrid", "another block size with SSM state is tested with the hybrid model")
 
 
 @pytest.mark.parametrize("direction", ["64 -> 128", "128 -> 64"])
