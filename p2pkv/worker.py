@@ -151,7 +151,7 @@ class WorkerSide:
             recving = self.puller.step()
             sending = self._released()
             idle = self._idle and not recving and not sending and self._should_wait()
-            if idle and self.puller.wait_ended(self.config.idle_wait_s):
+            if idle and self.puller.outcomes.wait(self.config.idle_wait_s):
                 recving = self.puller.step()
         except Exception:  # a bug must not end vLLM's engine loop; the pulls it touched end by their timeouts
             logger.exception("p2pkv: advancing the pulls failed")

@@ -18,7 +18,6 @@ request per ``kv_load_failure_policy``.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from handshake import AgentInfo, IncompatiblePeerError, KVLayoutDesc
@@ -33,6 +32,7 @@ from p2pkv.dataplane.topology import RankRead, TopologyError, notifiers_of, noti
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Phase, Verdict, failure_of, judge
+from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull import Pull, PullState, ReadPart
@@ -75,10 +75,8 @@ class Puller:
         self._staging_wait: list[Pull] = []
         self._handshake_wait: dict[PeerId, list[Pull]] = {}
         self._draining: list[tuple[ReadPart, float]] = []  # cancelled READs NIXL would not release, deadline
-        self._finished, self._load_errors = set[str](), set[int]()  # reported to vLLM at the next get_finished
-        self._failed, self._failed_out = set[str](), set[str]()  # of those, failed pulls; failed ones step() handed
+        self.outcomes = Outcomes()  # reported to vLLM at the next get_finished
         self._to_notify: list[Pull] = []  # done: notify their prefill ranks at the next engine step
-        self._ended = threading.Event()  # set when a pull ends, cleared by step()
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -86,9 +84,7 @@ class Puller:
         scheduler could not set up (``failed``: request id → local blocks, reported failed)."""
         with self.lock:
             for request_id, blocks in (failed or {}).items():
-                self._load_errors.update(blocks)
-                self._finished.add(request_id)
-                self._failed.add(request_id)
+                self.outcomes.add(request_id, blocks, failed=True)
                 self.stats.record_failure(FailureKind.REFUSED.value)
             new, waiting, self._staging_wait = [Pull.taken(spec) for spec in specs], self._staging_wait, []
             self.pulls += new
@@ -106,11 +102,8 @@ class Puller:
             self._advance()
             for pull in self._to_notify:  # from the engine thread, which keeps progressing NIXL's sends
                 _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
-            finished, self._finished, self._to_notify = self._finished, set(), []
-            self._ended.clear()
-            self._failed_out |= self._failed & finished
-            self._failed -= finished
-        return finished
+            self._to_notify = []
+            return self.outcomes.take_finished()
 
     def _advance(self) -> bool:
         """Move every pull as far as it can go now; True while a READ is in flight (poll again soon)."""
@@ -125,23 +118,17 @@ class Puller:
     @property
     def busy(self) -> bool:
         """True while a pull is under way (taken and not yet handed to vLLM as finished)."""
-        return bool(self.pulls or self._staging_wait or self._finished)
-
-    def wait_ended(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` seconds for a pull to end (as the pulls' thread sees it); True when one did."""
-        return self._ended.wait(timeout_s)
+        return bool(self.pulls or self._staging_wait or self.outcomes.finished)
 
     def take_load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call."""
         with self.lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
+            return self.outcomes.take_load_errors()
 
     def take_failed(self) -> set[str]:
         """Request ids among those :meth:`step` handed out since the last call whose pull failed."""
         with self.lock:
-            failed, self._failed_out = self._failed_out, set()
-        return failed
+            return self.outcomes.take_failed()
 
     def in_state(self, state: PullState) -> list[Pull]:
         """Pulls now in ``state``."""
@@ -165,17 +152,7 @@ class Puller:
             if pull in self.pulls:
                 self.pulls.remove(pull)
             if not pull.draining:
-                self._report(pull)
-
-    def _report(self, pull: Pull) -> None:
-        """Hand a finished pull to vLLM: finished receiving, and for a failed one its blocks as load errors."""
-        if pull.state is PullState.FAILED:
-            self._load_errors.update(pull.spec.local_block_ids)
-        if pull.spec.report:
-            self._finished.add(pull.request_id)
-            if pull.state is PullState.FAILED:
-                self._failed.add(pull.request_id)
-        self._ended.set()
+                _report(self.outcomes, pull)
 
     def _drain(self) -> None:
         """Wait out cancelled READs NIXL would not release (at most ``transfer_timeout_s``), then report their pulls."""
@@ -186,7 +163,7 @@ class Puller:
                 continue
             read.pull.draining -= 1
             if read.pull.finished and not read.pull.draining:
-                self._report(read.pull)
+                _report(self.outcomes, read.pull)
         self._draining = keep
 
     def _begin(self, pull: Pull) -> None:
@@ -361,20 +338,31 @@ class Puller:
     def _fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
         """Report a pull as failed: its local blocks become load errors, the request finishes."""
         spec = pull.spec
-        if spec.report or spec.local_block_ids:
-            logger.error("p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
-                         kind.value, spec.request_id, spec.remote.request_id, spec.remote.host, spec.remote.port,
-                         len(spec.local_block_ids), why)
+        if _log_failure(spec, kind, why):
             self.stats.record_failure(kind.value)
-        else:  # nothing to load: the request ended first and only had to tell the prefill engine
-            logger.warning("p2pkv: request %s ended before its pull; could not tell %s:%d to free %s now (its lease "
-                           "frees it): %s", spec.request_id, spec.remote.host, spec.remote.port,
-                           spec.remote.request_id, why)
         if pull in self._staging_wait:
             self._staging_wait.remove(pull)
         self._to(pull, PullState.FAILED)
         release_failed(self.background, spec.remote, _answered_ranks(self.desc, self.tp_rank, self.tp_size, spec),
                        f"{self.engine_id}:{self.tp_rank}", self._secret, self.config.handshake_timeout_s)
+
+
+def _report(outcomes: Outcomes, pull: Pull) -> None:
+    """Hand an ended pull to vLLM: finished receiving, and for a failed one its blocks as load errors."""
+    outcomes.add(pull.request_id, pull.spec.local_block_ids, failed=pull.state is PullState.FAILED,
+                 report=pull.spec.report)
+
+
+def _log_failure(spec: PullSpec, kind: FailureKind, why: str) -> bool:
+    """Log a failed pull; False (a warning only, not a pull failure) for a request that ended before its pull."""
+    if spec.report or spec.local_block_ids:
+        logger.error("p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
+                     kind.value, spec.request_id, spec.remote.request_id, spec.remote.host, spec.remote.port,
+                     len(spec.local_block_ids), why)
+        return True
+    logger.warning("p2pkv: request %s ended before its pull; could not tell %s:%d to free %s now (its lease frees "
+                   "it): %s", spec.request_id, spec.remote.host, spec.remote.port, spec.remote.request_id, why)
+    return False
 
 
 def _ended(agent: NixlTransferAgent, read: ReadPart) -> bool:
