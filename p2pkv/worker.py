@@ -147,16 +147,22 @@ class WorkerSide:
         """
         if self.agent is None or self.puller is None:
             return set(), set()
-        try:
-            recving = self.puller.step()
-            sending = self._released()
-            idle = self._idle and not recving and not sending and self._should_wait()
-            if idle and self.puller.outcomes.wait(self.config.idle_wait_s):
-                recving = self.puller.step()
-        except Exception:  # a bug must not end vLLM's engine loop; the pulls it touched end by their timeouts
-            logger.exception("p2pkv: advancing the pulls failed")
-            return set(), set()
+        recving = self._step()
+        sending = self._released()
+        idle = self._idle and not recving and not sending and self._should_wait()
+        if idle and self.puller.outcomes.wait(self.config.idle_wait_s):
+            recving = self._step()
         return sending, recving
+
+    def _step(self) -> set[str]:
+        """:meth:`Puller.step`, its exceptions logged: a bug must not end vLLM's engine loop (the pulls it
+        touched end by their timeouts)."""
+        assert self.puller is not None
+        try:
+            return self.puller.step()
+        except Exception:
+            logger.exception("p2pkv: advancing the pulls failed")
+            return set()
 
     def _should_wait(self) -> bool:
         """Pulls or holds pending and a wait allowed: the pulls' thread advances pulls meanwhile."""
