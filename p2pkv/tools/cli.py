@@ -150,6 +150,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "scheduler", help="the connector's scheduler hooks per engine step (decode pulls, prefill holds)")
     _add_bench_scheduler_arguments(scheduler)
     scheduler.set_defaults(func=_cmd_bench_scheduler)
+    from p2pkv.tools.bench.prepped import add_arguments as _add_bench_prepped_arguments
+    from p2pkv.tools.bench.prepped import cli_main as _cmd_bench_prepped
+
+    prepped = bench_sub.add_parser(
+        "prepped", help="building a READ: initialize_xfer on coalesced rows vs make_prepped_xfer on prepared lists")
+    _add_bench_prepped_arguments(prepped)
+    prepped.set_defaults(func=_cmd_bench_prepped)
 
 
 def main(argv: list[str] | None = None) -> int:
