@@ -118,3 +118,26 @@ def test_an_idle_engine_step_waits_for_the_pull_to_end(prefill: PrefillProc) -> 
     finally:
         d.close()
 
+
+
+def test_start_load_kv_polls_reads_and_sends_fence_questions_itself(prefill: PrefillProc) -> None:
+    """Without the pulls' thread and before any engine step, start_load_kv itself polls the READs in
+    flight (an earlier pull's, done by now) and sends their after-READ fence question: that pull has left
+    READING when the call returns. The next steps hand both pulls over with the right bytes."""
+    d = DecodeSide(64, handshake_timeout_s=2.0, pull_poll_interval_s=0.0)
+    try:
+        prefill.lease(["p-warm4", "p-4", "p-5"])
+        d.start(pull_task("d-warm4", "p-warm4", prefill.port, [1], [2]))
+        assert d.pump({"d-warm4"}, 30.0) == set()  # handshake done
+        puller = d.worker.puller
+        assert puller is not None
+        d.start(pull_task("d-4", "p-4", prefill.port, [50, 51], [40, 41]))
+        [first] = puller.pulls
+        time.sleep(0.1)  # its READ (within one host) is done; nothing has polled it
+        d.start(pull_task("d-5", "p-5", prefill.port, [52, 53], [42, 43]))
+        assert first.state is PullState.FENCING and "read" in first.marks
+        assert d.pump({"d-4", "d-5"}, 30.0) == set()
+        expected = prefill.expected()
+        assert all(d.block_ok(lb, rb, expected) for lb, rb in ((50, 40), (51, 41), (52, 42), (53, 43)))
+    finally:
+        d.close()
