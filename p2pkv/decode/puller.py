@@ -94,17 +94,11 @@ class Puller:
                 except Exception as exc:  # a bug must fail this pull, not the engine step
                     logger.exception("p2pkv: starting the pull of %s failed", pull.request_id)
                     self._fail(pull, FailureKind.REFUSED, f"unexpected error: {exc!r}")
-            if new or waiting:
-                self._advance_now()
-        self.progress.wake()
-
-    def _advance_now(self) -> None:
-        """Poll the READs just posted and send their fence questions from this thread at once: a READ
-        within one host is often done when ``transfer`` returns, and the pulls' thread may wait for a core."""
-        try:
-            self._advance()
-        except Exception:  # the pulls' thread and the next engine step advance them again
-            logger.exception("p2pkv: advancing the pulls after posting failed")
+            try:  # poll the READs and send fence questions now: the pulls' thread may wait for a core
+                if new or waiting:
+                    self._advance()
+            except Exception:  # the pulls' thread and the next engine step advance them again
+                logger.exception("p2pkv: advancing the pulls after posting failed")
 
     def step(self) -> set[str]:
         """Advance every pull; the request ids finished (loaded or failed) since the last call."""
