@@ -99,6 +99,7 @@ class Puller:
                     self._advance()
             except Exception:  # the pulls' thread and the next engine step advance them again
                 logger.exception("p2pkv: advancing the pulls after posting failed")
+        self.progress.wake()
 
     def step(self) -> set[str]:
         """Advance every pull; the request ids finished (loaded or failed) since the last call."""
