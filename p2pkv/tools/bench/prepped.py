@@ -30,14 +30,18 @@ from collections.abc import Callable
 import numpy as np
 
 
-def _rows(bases: np.ndarray, blocks: np.ndarray, block_bytes: int, coalesce: bool = True) -> np.ndarray:
-    """uint64 ``[segments * runs, 3]`` rows ``(addr, bytes, 0)``: runs of consecutive ``blocks`` coalesced,
-    or one row per block (``coalesce=False``)."""
-    starts = np.flatnonzero(np.diff(blocks, prepend=-2) != 1) if coalesce else np.arange(len(blocks))
-    lengths = np.diff(np.append(starts, len(blocks)))
-    addr = (bases[:, None] + blocks[starts][None, :].astype(np.uint64) * block_bytes).ravel()
-    size = np.tile(lengths.astype(np.uint64) * block_bytes, len(bases))
-    return np.stack([addr, size, np.zeros_like(addr)], axis=1)
+def _rows(bases: np.ndarray, blocks: np.ndarray, num_blocks: int, block_bytes: int,
+          coalesce: bool = True) -> np.ndarray:
+    """uint64 ``[rows, 3]`` descriptors from p2pkv's planner (:mod:`p2pkv.dataplane.plan`), segment-major:
+    runs of consecutive ``blocks`` coalesced, or one row per block (``coalesce=False``)."""
+    from p2pkv.dataplane.layout import Segment
+    from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
+
+    segments = [Segment(int(a), block_bytes, block_bytes, i, 1) for i, a in enumerate(bases)]
+    starts, _, lengths = coalesce_runs(blocks, blocks, num_blocks, num_blocks)
+    if not coalesce:
+        starts, lengths = blocks.astype(np.int64), np.ones(len(blocks), dtype=np.int64)
+    return build_descriptors(segments, starts, lengths)
 
 
 def run(segments: int, blocks: int, block_bytes: int, pull_blocks: int, stride: int, repeats: int) -> dict:
@@ -62,11 +66,11 @@ def run(segments: int, blocks: int, block_bytes: int, pull_blocks: int, stride: 
     lb, rb = (np.array([b.ctypes.data for b in bufs], dtype=np.uint64) for bufs in (local, remote))
     pulled = np.arange(pull_blocks) * stride
     every = np.arange(blocks)
-    local_list = reader.prep_xfer_dlist("NIXL_INIT_AGENT", _rows(lb, every, block_bytes, False), "DRAM")
-    remote_list = reader.prep_xfer_dlist("owner", _rows(rb, every, block_bytes, False), "DRAM")
+    local_list = reader.prep_xfer_dlist("NIXL_INIT_AGENT", _rows(lb, every, blocks, block_bytes, False), "DRAM")
+    remote_list = reader.prep_xfer_dlist("owner", _rows(rb, every, blocks, block_bytes, False), "DRAM")
 
     def init_rows() -> object:
-        descs = (reader.get_xfer_descs(_rows(b, pulled, block_bytes), "DRAM") for b in (lb, rb))
+        descs = (reader.get_xfer_descs(_rows(b, pulled, blocks, block_bytes), "DRAM") for b in (lb, rb))
         return reader.initialize_xfer("READ", *descs, "owner", b"")
 
     def prepped() -> object:
@@ -100,7 +104,7 @@ def run(segments: int, blocks: int, block_bytes: int, pull_blocks: int, stride: 
         times = np.array([once(build) for _ in range(repeats)])
         result["cases"][name] = {k: {"p50": float(np.median(times[:, i])), "mean": float(times[:, i].mean())}
                                  for i, k in enumerate(("build_us", "post_us"))}
-        result["cases"][name]["descriptors"] = len(_rows(lb, pulled, block_bytes, name == "init_rows"))
+        result["cases"][name]["descriptors"] = len(_rows(lb, pulled, blocks, block_bytes, name == "init_rows"))
     return result
 
 
