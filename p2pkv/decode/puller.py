@@ -113,7 +113,7 @@ class Puller:
     def _advance(self) -> bool:
         """Move every pull as far as it can go now; True while a READ is in flight (poll again soon)."""
         self._finish_handshakes()
-        self._drain()
+        self._draining = _drain(self.agent, self.outcomes, self._draining)
         self._poll_reads()
         self._collect_fence()
         self.fence.send()
@@ -158,18 +158,6 @@ class Puller:
                 self.pulls.remove(pull)
             if not pull.draining:
                 _report(self.outcomes, pull)
-
-    def _drain(self) -> None:
-        """Wait out cancelled READs NIXL would not release (at most ``transfer_timeout_s``), then report their pulls."""
-        now, keep = time.monotonic(), []
-        for read, deadline in self._draining:
-            if not _ended(self.agent, read) and now < deadline:
-                keep.append((read, deadline))
-                continue
-            read.pull.draining -= 1
-            if read.pull.finished and not read.pull.draining:
-                _report(self.outcomes, read.pull)
-        self._draining = keep
 
     def _begin(self, pull: Pull) -> None:
         """Map the TP topology, then wait for handshakes or start the READs."""
@@ -350,6 +338,21 @@ class Puller:
         self._to(pull, PullState.FAILED)
         release_failed(self.background, spec.remote, _answered_ranks(self.desc, self.tp_rank, self.tp_size, spec),
                        f"{self.engine_id}:{self.tp_rank}", self._secret, self.config.handshake_timeout_s)
+
+
+def _drain(agent: NixlTransferAgent, outcomes: Outcomes,
+           draining: list[tuple[ReadPart, float]]) -> list[tuple[ReadPart, float]]:
+    """Wait out cancelled READs NIXL would not release (until their deadline, ``transfer_timeout_s``
+    after the cancel), then report their pulls; returns the READs still draining."""
+    now, keep = time.monotonic(), []
+    for read, deadline in draining:
+        if not _ended(agent, read) and now < deadline:
+            keep.append((read, deadline))
+            continue
+        read.pull.draining -= 1
+        if read.pull.finished and not read.pull.draining:
+            _report(outcomes, read.pull)
+    return keep
 
 
 def _report(outcomes: Outcomes, pull: Pull) -> None:
