@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import socket
@@ -35,6 +36,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=100)
+"""The last base ports :func:`free_ports` handed out in this test process (older ones are bound or given up)."""
+
+
 def free_ports(n: int, run: int = 2) -> list[int]:
     """``n`` distinct TCP ports free on 127.0.0.1 right now, each followed by ``run - 1`` free ports.
 
@@ -42,12 +47,19 @@ def free_ports(n: int, run: int = 2) -> list[int]:
     starting up take random ports for themselves, so a port handed out here
     is not taken by the time the process that needs it binds it; ``run``
     leaves room for the side channel of TP ranks (port + tp_rank).
+
+    No port of the last 100 runs handed out in this test process is handed
+    out again, nor one 100 above or below them (``LocalPair`` puts the decode side
+    channel at ``side_channel_port + 100``): fixtures often pick ports for
+    several engines before any of them binds, and vLLM's API server binds
+    with ``SO_REUSEPORT``, so two engines given the same port would both
+    start and share its connections.
     """
     rng = random.Random()
     chosen: list[int] = []
     while len(chosen) < n:
         base = rng.randrange(20000, 32000, 8)
-        if any(abs(base - c) < 8 for c in chosen):
+        if any(abs(base + shift - c) < 8 for c in _HANDED_OUT for shift in (-100, 0, 100)):
             continue
         try:
             for port in range(base, base + run):
@@ -56,6 +68,7 @@ def free_ports(n: int, run: int = 2) -> list[int]:
         except OSError:
             continue
         chosen.append(base)
+        _HANDED_OUT.append(base)
     return chosen
 
 
