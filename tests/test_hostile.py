@@ -176,6 +176,19 @@ def test_retry_of_a_decode_leg_succeeds_until_the_decode_engine_gives_the_hold_u
     assert _failed(again) and seconds < 10.0
 
 
+def test_params_naming_the_decode_engine_itself_are_refused(pair, client) -> None:
+    """The prefill leg sent to the decode engine (both legs on one engine): refused by name, its hold freed now."""
+    p, _ = pair
+    prompt = "s" * 70
+    resp = _post(client, p.url("decode"), {"prompt": prompt, "max_tokens": 1,
+                                           "kv_transfer_params": {"do_remote_decode": True}})
+    refused, seconds = _decode(client, p, prompt, resp.json()["kv_transfer_params"])
+    assert _failed(refused) and seconds < 10.0
+    assert "is this engine: the request was prefilled here" in (p.log_dir / "decode.log").read_text()
+    assert wait_blocks_released(client, p.url("decode"), timeout_s=5) == 0.0  # not after the 30 s lease
+    _still_serving(p, client)
+
+
 HOSTILE = {
     "tp_size as text": lambda q: {**q, "tp_size": "two"},
     "huge tp_size": lambda q: {**q, "tp_size": 10**9},

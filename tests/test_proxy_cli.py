@@ -49,6 +49,8 @@ def test_main_rejects_bad_flags_before_serving(capsys: pytest.CaptureFixture[str
     assert "--decode 'nope'" in capsys.readouterr().err
     assert main(parse(["--prefill", "a:1", "--decode", "c:3", "--timeout", "0"])) == 2
     assert "--timeout" in capsys.readouterr().err
+    assert main(parse(["--prefill", "a:1", "b:2", "--decode", "http://b:2"])) == 2
+    assert "http://b:2 is in both --prefill and --decode" in capsys.readouterr().err
 
 
 def test_prefill_body_and_round_robin() -> None:

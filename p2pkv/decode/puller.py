@@ -162,6 +162,11 @@ class Puller:
     def _begin(self, pull: Pull) -> None:
         """Map the TP topology, then wait for handshakes or start the READs."""
         spec = pull.spec
+        if spec.remote.engine_id == self.engine_id:
+            self._fail(pull, FailureKind.REFUSED, f"refused: kv_transfer_params.remote_engine_id="
+                       f"{spec.remote.engine_id!r} is this engine: the request was prefilled here; send its "
+                       "prefill leg to another engine (a proxy's --prefill and --decode must differ)")
+            return
         try:
             reads, notify = topology(self.desc, self.tp_rank, self.tp_size, spec.remote.tp_size)
         except PullRefused as exc:

@@ -57,6 +57,11 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"p2pkv proxy: {exc}", file=sys.stderr)
         return 2
+    both = sorted(set(prefill) & set(decode))
+    if both:
+        print(f"p2pkv proxy: {', '.join(both)} is in both --prefill and --decode: a decode engine cannot pull from "
+              "itself; give the two flags different engines", file=sys.stderr)
+        return 2
     if not args.timeout > 0:
         print(f"p2pkv proxy: --timeout {args.timeout}: must be > 0 seconds", file=sys.stderr)
         return 2
