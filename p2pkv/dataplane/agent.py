@@ -261,12 +261,15 @@ class NixlTransferAgent:
             local_descs, remote_descs = split_rows(local_descs, remote_descs, self._split_bytes)
         if self._watch is not None:
             self._watch.before_read(peer)
+        handle = None
         try:
             local = self._agent.get_xfer_descs(local_descs, self._mem_type)
             remote = self._agent.get_xfer_descs(remote_descs, self._mem_type)
             handle = self._agent.initialize_xfer("READ", local, remote, peer, notif)
             state = self._agent.transfer(handle)
         except Exception as exc:
+            if handle is not None:  # a post that raised (peer gone) still holds NIXL's and UCX's request
+                self._release(handle)
             raise TransferError(f"NIXL READ from {peer} could not start: {exc}", exc) from exc
         if state == "ERR":
             self._release(handle)
