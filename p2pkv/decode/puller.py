@@ -51,12 +51,13 @@ class Puller:
     Args:
         engine_id / tp_rank / tp_size: this rank.
         config: p2pkv settings (timeouts, secret, stats file).
-        agent / notifier: the rank's NIXL agent, KV memory registered; the one that sends "done"
-            notifications (see :class:`PeerTable`; None: ``agent``).
-        layout / desc / device_id: the local KV layout, its wire description, its GPU index (0 for DRAM).
+        agent: the rank's NIXL agent, KV memory registered.
+        layout / desc: the local KV layout and its wire description.
+        device_id: GPU index of the KV cache (0 for DRAM).
         stager: the staging area for pulls that need a fixup.
         compat_hash / stats: what handshakes must match; the worker's statistics, appended to.
         model: this engine's model facts that limit pairings (window, KV cache groups).
+        notifier: the NIXL agent that sends "done" notifications (see :class:`PeerTable`); None: ``agent``.
     """
 
     def __init__(self, engine_id: str, tp_rank: int, tp_size: int, config: P2pKvConfig, agent: NixlTransferAgent,
@@ -119,8 +120,9 @@ class Puller:
         self._poll_reads()
         self._collect_fence()
         self.fence.send()
-        return (self.peers.progress_notifications(wiring_only=True) or bool(self._draining)
-                or any(r.in_flight and r.stage is None for p in self.in_state(PullState.READING) for r in p.reads))
+        wiring = self.peers.progress_notifications(wiring_only=True)
+        return wiring or bool(self._draining) or any(r.in_flight and r.stage is None
+                                                     for p in self.in_state(PullState.READING) for r in p.reads)
 
     @property
     def busy(self) -> bool:
