@@ -63,7 +63,6 @@ class WorkerSide:
         self.compat_hash = compat_hash
         self.model = model
         self.agent: NixlTransferAgent | None = None
-        self.notifier: NixlTransferAgent | None = None  # sends "done" notifications (see PeerTable)
         self.server: HandshakeServer | None = None
         self.layout: KVLayout | None = None
         self.desc: KVLayoutDesc | None = None
@@ -107,15 +106,13 @@ class WorkerSide:
                                        self.config.backend_params(), self.config.report_transport,
                                        int(self.config.nixl_split_mib * 2**20))
         self.agent.on_transport = lambda r: self.stats.record_transport(r.mem_type, r.transport)
-        self.notifier = NixlTransferAgent(f"{self.agent.name}-notify", self.config.nixl_backends,
-                                          backend_params=self.config.backend_params(), report_transport=False)
         self.agent.register(self.layout.regions, mem_type, device_id)
         m = self.model
         attn = attn_layout_of(first, m.num_kv_heads, m.block_size, m.kv_layout, m.attn_layout)
         self.desc = layout_desc(self.layout, m, attn, mem_type=mem_type, device_id=device_id)
         stager = Stager(self.agent, tensors, self.layout, self.desc, int(self.config.staging_mib * 2**20))
         self.puller = Puller(self.engine_id, self.tp_rank, self.tp_size, self.config, self.agent, self.layout,
-                             self.desc, device_id, stager, self.compat_hash, self.stats, m, self.notifier)
+                             self.desc, device_id, stager, self.compat_hash, self.stats, m)
         meta = self.agent.metadata()
         info = AgentInfo(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
                          agent_name=self.agent.name, agent_metadata=meta, metadata_digest=compute_digest(meta),
@@ -224,5 +221,3 @@ class WorkerSide:
             self.server.close()
         if self.agent is not None:
             self.agent.close()
-        if self.notifier is not None:
-            self.notifier.close()

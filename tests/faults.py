@@ -140,8 +140,6 @@ def inject(worker: WorkerSide, method: str, n: int = 1, mode: Mode = "raise", *,
            exc_factory: Callable[[str, int], BaseException] | None = None) -> FaultyNixlAgent:
     """Make ``worker``'s NIXL agent fail ``method`` from its ``n``-th call on. For tests only.
 
-    ``send_notif`` fails on the agent that sends "done" notifications (``worker.notifier``).
-
     Call after :meth:`WorkerSide.register_kv_caches`. Calls are counted from
     the injection. A fault already injected is replaced (the real agent is
     wrapped, never a wrapper).
@@ -159,17 +157,15 @@ def inject(worker: WorkerSide, method: str, n: int = 1, mode: Mode = "raise", *,
     """
     if worker.agent is None:
         raise RuntimeError("inject() needs a registered worker: call register_kv_caches first")
-    agent = worker.notifier if method == "send_notif" and worker.notifier is not None else worker.agent
-    real = agent._agent
+    real = worker.agent._agent
     if isinstance(real, FaultyNixlAgent):
         real = real.real
     faulty = FaultyNixlAgent(real, method, n, exc_factory, mode, times)
-    agent._agent = faulty
+    worker.agent._agent = faulty
     return faulty
 
 
 def restore(worker: WorkerSide) -> None:
     """Put the real NIXL agent back after :func:`inject`. For tests only."""
-    for agent in (worker.agent, worker.notifier):
-        if agent is not None and isinstance(agent._agent, FaultyNixlAgent):
-            agent._agent = agent._agent.real
+    if worker.agent is not None and isinstance(worker.agent._agent, FaultyNixlAgent):
+        worker.agent._agent = worker.agent._agent.real

@@ -21,11 +21,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("p2pkv.decode.peers")
 
 
-WIRING_S = 0.5
-"""Seconds after adding a peer during which the pulls' thread keeps progressing a separate notifier, so that
-its connection to the new peer is up before the first "done" notification (the engine step progresses it too)."""
-
-
 @dataclass(frozen=True, order=True)
 class PeerId:
     """One prefill rank: engine id, side-channel address of that rank, tensor-parallel rank.
@@ -86,12 +81,6 @@ class PeerTable:
 
     Args:
         agent: the worker's NIXL agent (peers are added to it).
-        notifier: the NIXL agent that sends "done" notifications (peers are
-            added to it too), or None to send them from ``agent``. A READ
-            posted on an agent that sent a notification over TCP since its
-            last READ first flushes that lane, so it completes only after the
-            prefill rank next progresses NIXL (an engine step, or a wait of
-            ``idle_wait_s``): a separate agent keeps READs off that wait.
         local: this rank's layout description.
         local_segments: this rank's KV segments.
         tp_rank / tp_size: this rank and its engine's TP size.
@@ -100,11 +89,8 @@ class PeerTable:
     """
 
     def __init__(self, agent: NixlTransferAgent, local: KVLayoutDesc, local_segments: list[Segment],
-                 tp_rank: int, tp_size: int, model: ModelInfo | None = None,
-                 notifier: NixlTransferAgent | None = None) -> None:
+                 tp_rank: int, tp_size: int, model: ModelInfo | None = None) -> None:
         self.agent, self.local, self.local_segments = agent, local, local_segments
-        self.notifier = notifier or agent
-        self._wiring_until = 0.0
         self.model = model
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.peers: dict[PeerId, Peer] = {}
@@ -139,14 +125,6 @@ class PeerTable:
         plan = plan_peer(self.local, self.tp_rank, self.tp_size, info.layout, peer_id.tp_rank, info.tp_size,
                          self.model)
         name = self.agent.add_peer(info)
-        if self.notifier is not self.agent:
-            try:
-                self.notifier.add_peer(info)
-            except Exception:
-                self.agent.remove_peer(name)
-                raise
-            self._wiring_until = time.monotonic() + WIRING_S
-            self.notifier.get_notifs()  # progress: start connecting to the peer now
         peer = self.peers[peer_id] = Peer(info, name, remote_segments(info.layout), plan)
         if plan.mode is TransferMode.PAGED:
             r = plan.read
@@ -164,20 +142,3 @@ class PeerTable:
             return
         del self.peers[peer_id]
         self.agent.remove_peer(peer.agent_name)
-        if self.notifier is not self.agent:
-            self.notifier.remove_peer(peer.agent_name)
-
-    def progress_notifications(self, wiring_only: bool = False) -> bool:
-        """Let a separate notifier's NIXL sends advance; True while it may still be connecting to a new peer.
-
-        Once connected, a notification leaves at once; the first one to a new
-        peer waits for the connection, which advances only when the notifier
-        is called. ``wiring_only``: do nothing past :data:`WIRING_S` after
-        the last new peer (the polling thread's case).
-        """
-        if self.notifier is self.agent or not self.peers:
-            return False
-        wiring = time.monotonic() < self._wiring_until
-        if wiring or not wiring_only:
-            self.notifier.get_notifs()
-        return wiring

@@ -57,13 +57,11 @@ class Puller:
         stager: the staging area for pulls that need a fixup.
         compat_hash / stats: what handshakes must match; the worker's statistics, appended to.
         model: this engine's model facts that limit pairings (window, KV cache groups).
-        notifier: the NIXL agent that sends "done" notifications (see :class:`PeerTable`); None: ``agent``.
     """
 
     def __init__(self, engine_id: str, tp_rank: int, tp_size: int, config: P2pKvConfig, agent: NixlTransferAgent,
                  layout: KVLayout, desc: KVLayoutDesc, device_id: int, stager: Stager, compat_hash: str,
-                 stats: StatsBuffer, model: ModelInfo | None = None,
-                 notifier: NixlTransferAgent | None = None) -> None:
+                 stats: StatsBuffer, model: ModelInfo | None = None) -> None:
         self.engine_id, self.tp_rank, self.tp_size, self.config = engine_id, tp_rank, tp_size, config
         self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
         self.compat_hash, self.stats, self._secret = compat_hash, stats, config.secret_bytes()
@@ -71,7 +69,7 @@ class Puller:
                                  on_start=lambda: _bind_device(desc.mem_type, device_id))
         self.lock = self.progress.lock
         self.background = Background(on_done=self.progress.wake)
-        self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size, model, notifier)
+        self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size, model)
         self.fence = Fence(self.background, engine_id, self._secret, config.handshake_timeout_s)
         self.pulls: list[Pull] = []
         self._staging_wait: list[Pull] = []
@@ -108,9 +106,8 @@ class Puller:
         with self.lock:
             self._advance()
             for pull in self._to_notify:  # from the engine thread, which keeps progressing NIXL's sends
-                _notify(self.peers.notifier, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
+                _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
             self._to_notify = []
-            self.peers.progress_notifications()
             return self.outcomes.take_finished()
 
     def _advance(self) -> bool:
@@ -120,9 +117,8 @@ class Puller:
         self._poll_reads()
         self._collect_fence()
         self.fence.send()
-        wiring = self.peers.progress_notifications(wiring_only=True)
-        return wiring or bool(self._draining) or any(r.in_flight and r.stage is None
-                                                     for p in self.in_state(PullState.READING) for r in p.reads)
+        return bool(self._draining) or any(r.in_flight and r.stage is None
+                                           for p in self.in_state(PullState.READING) for r in p.reads)
 
     @property
     def busy(self) -> bool:
