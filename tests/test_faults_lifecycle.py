@@ -1,4 +1,4 @@
-"""NIXL faults outside a pull: agent creation, registration, metadata, shutdown.
+"""NIXL faults outside a pull's polling: agent creation, registration, metadata, posting a READ, shutdown.
 
 Each fails with a TransferError that names the NIXL operation (so an engine
 refuses to start with a clear message), or, at shutdown, is logged and
@@ -7,7 +7,9 @@ swallowed so cleanup still finishes.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.dataplane.layout import Region
@@ -55,3 +57,28 @@ def test_shutdown_faults_are_swallowed(method: str) -> None:
     agent.close()  # idempotent
     assert agent._agent.faults >= 1
     peer.close()
+
+
+def test_a_post_that_raises_releases_its_transfer_handle() -> None:
+    """``transfer`` raising (a peer gone mid-post): TransferError, and the handle ``initialize_xfer`` made is
+    released (one ``release_xfer_handle``); the next READ moves the bytes."""
+    owner, reader = _agent("post-owner"), _agent("post-reader")
+    src, _ = make_kv_caches("BLHNC", num_blocks=8, seed=3)
+    dst, _ = make_kv_caches("BLHNC", num_blocks=8, fill=0.0)
+    nbytes = src.numel() * src.element_size()
+    owner.register([Region(src.data_ptr(), nbytes)], "DRAM")
+    reader.register([Region(dst.data_ptr(), nbytes)], "DRAM")
+    peer = reader.add_peer(agent_info_for(owner))
+    local = np.array([(dst.data_ptr(), nbytes, 0)], dtype=np.uint64)
+    remote = np.array([(src.data_ptr(), nbytes, 0)], dtype=np.uint64)
+    counter = FaultyNixlAgent(reader._agent, "release_xfer_handle", 10**9)
+    reader._agent = FaultyNixlAgent(counter, "transfer", 1)
+    with pytest.raises(TransferError, match="could not start"):
+        reader.start_read(peer, local, remote, b"")
+    assert counter.calls["release_xfer_handle"] == 1
+    handle = reader.start_read(peer, local, remote, b"")
+    while not reader.poll(handle):
+        owner.get_notifs()
+    assert torch.equal(dst, src)
+    reader.close()
+    owner.close()
