@@ -7,7 +7,7 @@ The protocol (transport, frames, HMAC, versioning, integrity, refusal codes) is 
 
 from __future__ import annotations
 
-from handshake.client import HoldLink, fetch_agent_info, release_holds, send_heartbeat
+from handshake.client import HoldLink, fetch_agent_info, query_holds, release_holds, send_heartbeat
 from handshake.codec import compute_digest, decode, encode, verify_agent_info
 from handshake.errors import (
     AuthenticationError,
@@ -21,14 +21,18 @@ from handshake.errors import (
     MetadataDigestError,
     ProtocolVersionError,
     RemoteRefusedError,
+    ReplayedRequestError,
+    StaleRequestError,
     UnknownRankError,
+    WrongDestinationError,
 )
 from handshake.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,
-    HeartbeatReply,
+    HoldQuery,
+    HoldsReply,
     KVLayoutDesc,
     KVRegion,
     LeaseHeartbeat,
@@ -36,15 +40,18 @@ from handshake.messages import (
     MetadataReply,
     MetadataRequest,
     ReleaseHolds,
+    Request,
 )
+from handshake.replay import ReplayGuard
 from handshake.server import HandshakeServer, HoldStatus
 
 __all__ = [
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AgentInfo", "AuthenticationError", "ErrorReply", "HandshakeBindError",
-    "HandshakeCancelledError", "HandshakeError", "HandshakeServer", "HandshakeTimeoutError", "HeartbeatReply",
-    "HoldLink", "HoldStatus", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion", "LeaseHeartbeat",
+    "HandshakeCancelledError", "HandshakeError", "HandshakeServer", "HandshakeTimeoutError", "HoldLink",
+    "HoldQuery", "HoldStatus", "HoldsReply", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion", "LeaseHeartbeat",
     "MalformedMessageError", "Message", "MessageTooLargeError", "MetadataDigestError", "MetadataReply",
-    "MetadataRequest", "ProtocolVersionError", "ReleaseHolds", "RemoteRefusedError", "UnknownRankError",
-    "compute_digest", "decode", "encode", "fetch_agent_info", "release_holds", "send_heartbeat",
+    "MetadataRequest", "ProtocolVersionError", "ReleaseHolds", "RemoteRefusedError", "ReplayGuard",
+    "ReplayedRequestError", "Request", "StaleRequestError", "UnknownRankError", "WrongDestinationError",
+    "compute_digest", "decode", "encode", "fetch_agent_info", "query_holds", "release_holds", "send_heartbeat",
     "verify_agent_info",
 ]

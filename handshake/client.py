@@ -28,14 +28,24 @@ from handshake.messages import (
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,
-    HeartbeatReply,
+    HoldQuery,
+    HoldRequest,
+    HoldsReply,
     LeaseHeartbeat,
     MetadataReply,
     MetadataRequest,
     ReleaseHolds,
 )
 
-__all__ = ["fetch_agent_info", "release_holds", "send_heartbeat"]
+__all__ = ["HoldLink", "fetch_agent_info", "query_holds", "release_holds", "send_heartbeat"]
+
+NONCE_BYTES = 16
+"""Random bytes of each request's nonce."""
+
+
+def _fresh() -> dict[str, object]:
+    """A new request's time and nonce."""
+    return {"sent_at": time.time(), "nonce": os.urandom(NONCE_BYTES)}
 
 logger = logging.getLogger("p2pkv.handshake")
 
@@ -52,13 +62,16 @@ def fetch_agent_info(
     backoff_s: float = 0.2,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     cancel: threading.Event | None = None,
-    engine_id: str | None = None,
+    *,
+    engine_id: str,
 ) -> AgentInfo:
     """Ask the handshake server at ``host:port`` for rank ``tp_rank``'s info.
 
-    Each attempt uses a fresh DEALER socket (linger 0) and waits up to
-    ``timeout_s`` for the reply. Only timeouts are retried, after
-    ``backoff_s * 2**(attempt - 1)`` seconds; every other error is final.
+    Each attempt is a new request (its own nonce and time: the server refuses
+    a request it has seen) on a fresh DEALER socket (linger 0, CURVE with a
+    ``secret``) and waits up to ``timeout_s`` for the reply. Only timeouts are
+    retried, after ``backoff_s * 2**(attempt - 1)`` seconds; every other
+    error is final.
 
     Args:
         host: server host name or address.
@@ -67,14 +80,15 @@ def fetch_agent_info(
         requester_engine_id: this engine's id (shown in the server's logs).
         compat_hash: this engine's compatibility fingerprint (:mod:`handshake.compat`); the
             reply's must equal it, field by field.
-        secret: shared HMAC key (bytes), or ``None`` when not authenticating.
+        secret: the shared secret (bytes): HMAC on every message and CURVE
+            encryption, or ``None`` when not authenticating.
         timeout_s: time to wait for a reply per attempt (seconds).
         retries: total number of attempts (>= 1).
         backoff_s: first pause between attempts (seconds), doubled each time.
         max_message_bytes: largest accepted reply (bytes).
         cancel: when set (by another thread), the wait ends within 0.1 s
             and :class:`HandshakeCancelledError` is raised.
-        engine_id: the engine id the peer must have (None: any).
+        engine_id: the engine id the peer must have; the request names it as its destination.
 
     Returns:
         The verified :class:`AgentInfo` (rank, engine id, compat hash,
@@ -99,14 +113,6 @@ def fetch_agent_info(
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
     endpoint = tcp_endpoint(host, port)
-    request = MetadataRequest(
-        protocol_version=PROTOCOL_VERSION,
-        tp_rank=tp_rank,
-        requester_engine_id=requester_engine_id,
-        compat_hash=compat_hash,
-        nonce=os.urandom(16),
-    )
-    frames = encode(request, secret)
     ctx = zmq.Context()
     try:
         for attempt in range(1, retries + 1):
@@ -114,10 +120,14 @@ def fetch_agent_info(
                 break
             if attempt > 1 and cancel is None:
                 time.sleep(backoff_s * 2 ** (attempt - 2))
-            reply = _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel)
+            request = MetadataRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
+                                      requester_engine_id=requester_engine_id, compat_hash=compat_hash,
+                                      **_fresh())  # type: ignore[arg-type]
+            reply = _exchange(ctx, host, endpoint, encode(request, secret), timeout_s, max_message_bytes, cancel,
+                              secret)
             if reply is not None:
                 info = _check_reply(reply, endpoint, request, secret, max_message_bytes)
-                if engine_id is not None and info.engine_id != engine_id:
+                if info.engine_id != engine_id:
                     raise IncompatiblePeerError(
                         f"{endpoint} serves engine_id {info.engine_id[:128]!r}, but kv_transfer_params name "
                         f"remote_engine_id {engine_id[:128]!r}; the request's remote_host/remote_port point at "
@@ -132,7 +142,9 @@ def fetch_agent_info(
         f"no reply from the handshake server at {host}:{port} for tp_rank {tp_rank} after "
         f"{retries} attempt(s) of {timeout_s:g} s each; check that the prefill engine is up "
         f"and that its side-channel port {port} is reachable from this host "
-        "(host name, firewall, port number)",
+        "(host name, firewall, port number)"
+        + ("; and that both sides use the same secret (the side channel is encrypted with keys derived from "
+           "it: a peer with another secret never answers)" if secret else ""),
         field="",
     )
 
@@ -145,11 +157,12 @@ def _exchange(
     timeout_s: float,
     max_message_bytes: int,
     cancel: threading.Event | None = None,
+    secret: bytes | None = None,
 ) -> list[bytes] | None:
-    """Send one request on a fresh socket; the reply frames, or None on timeout or cancel."""
+    """Send one request on a fresh socket (CURVE with ``secret``); the reply frames, or None on timeout or cancel."""
     sock = ctx.socket(zmq.DEALER)
     try:
-        configure_socket(sock, host, max_message_bytes)
+        configure_socket(sock, host, max_message_bytes, secret)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -180,7 +193,7 @@ def _check_reply(
     secret: bytes | None,
     max_message_bytes: int,
 ) -> AgentInfo:
-    tp_rank, compat_hash = request.tp_rank, request.compat_hash
+    tp_rank, compat_hash = request.to_rank, request.compat_hash
     try:
         msg = decode(frames, secret, max_message_bytes)
     except AuthenticationError as exc:
@@ -191,7 +204,7 @@ def _check_reply(
     except HandshakeError as exc:
         raise type(exc)(f"reply from {endpoint}: {exc.message}", field=exc.field, code=exc.code) from exc
     if isinstance(msg, ErrorReply):
-        raise RemoteRefusedError(msg.code, msg.field, msg.message, endpoint=endpoint)
+        _check_refusal(msg, request.nonce, endpoint)
     if not isinstance(msg, MetadataReply):
         raise MalformedMessageError(
             f"reply from {endpoint} has type {type(msg).__name__}, expected 'metadata_reply'; "
@@ -223,6 +236,20 @@ def _check_reply(
     return info
 
 
+def _check_refusal(reply: ErrorReply, nonce: bytes, endpoint: str) -> None:
+    """Raise the refusal ``reply`` stands for, if it refuses this request (its nonce, or none: the request did
+    not decode there, e.g. another protocol version).
+
+    Raises:
+        RemoteRefusedError: the server refused this request.
+        MalformedMessageError: the refusal answers another request.
+    """
+    if reply.nonce and reply.nonce != nonce:
+        raise MalformedMessageError(f"refusal from {endpoint} answers another request (nonce differs)",
+                                    field="nonce")
+    raise RemoteRefusedError(reply.code, reply.field, reply.message, endpoint=endpoint)
+
+
 def _unsigned_auth_refusal(frames: list[bytes], max_message_bytes: int) -> ErrorReply | None:
     """An unsigned ``auth`` ErrorReply, trusted only to explain the failure."""
     try:
@@ -244,64 +271,112 @@ def send_heartbeat(
     timeout_s: float = 1.0,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     cancel: threading.Event | None = None,
-    block_ids: list[list[int]] | None = None,
-    link: HoldLink | None = None,
-) -> HeartbeatReply:
-    """Ask a prefill worker to extend the leases of ``request_ids`` to ``extend_s`` from now.
+    *,
+    engine_id: str,
+    tp_rank: int,
+) -> HoldsReply:
+    """Ask prefill rank ``tp_rank`` of ``engine_id`` (at ``host:port``) to extend the leases of
+    ``request_ids`` to ``extend_s`` seconds from now.
 
     One attempt (a heartbeat is repeated anyway); ids are sent in chunks of
     :data:`~handshake.messages.MAX_HEARTBEAT_IDS`. ``cancel`` ends the wait
-    early (raises :class:`HandshakeCancelledError`). With ``block_ids`` (per
-    request id, the prefill block ids read), the worker also says which
-    holds lack them (``not_held``). With ``link`` (to ``host:port``) the
-    question goes over that long-lived connection instead of a fresh one.
+    early (raises :class:`HandshakeCancelledError`).
 
     Returns:
-        A :class:`HeartbeatReply` summing every chunk's answer: ``accepted``
+        A :class:`HoldsReply` summing every chunk's answer: ``accepted``
         ids, and the ids ``expired``, ``not_held`` and ``unknown`` there.
 
     Raises:
         HandshakeTimeoutError: no reply within ``timeout_s`` seconds.
-        RemoteRefusedError: the server refused (e.g. it holds no leases).
+        RemoteRefusedError: the server refused (e.g. it holds no leases, or it
+            is another engine or rank).
         HandshakeError: any other failure (bad reply, authentication, a reply
             to another request).
     """
-    blocks = block_ids or []
-    msgs = [LeaseHeartbeat(protocol_version=PROTOCOL_VERSION, requester_engine_id=requester_engine_id,
-                           request_ids=request_ids[i:i + MAX_HEARTBEAT_IDS], extend_s=extend_s,
-                           block_ids=blocks[i:i + MAX_HEARTBEAT_IDS], nonce=os.urandom(16))
-            for i in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS)]
-    return _hold_exchange(host, port, msgs, secret, timeout_s, max_message_bytes, cancel, link)
+    msgs = [LeaseHeartbeat(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
+                           requester_engine_id=requester_engine_id, request_ids=chunk, extend_s=extend_s,
+                           **_fresh())  # type: ignore[arg-type]
+            for chunk, _ in _chunks(request_ids, None)]
+    return _hold_exchange(host, port, msgs, secret, timeout_s, max_message_bytes, cancel)
 
 
-def release_holds(host: str, port: int, request_ids: list[str], requester_engine_id: str,
-                  secret: bytes | None = None, timeout_s: float = 1.0,
-                  cancel: threading.Event | None = None) -> HeartbeatReply:
-    """Tell a prefill worker that nobody will pull ``request_ids``: it frees their blocks at its next step.
+def query_holds(
+    host: str,
+    port: int,
+    request_ids: list[str],
+    block_ids: list[list[int]],
+    requester_engine_id: str,
+    extend_s: float,
+    secret: bytes | None = None,
+    timeout_s: float = 1.0,
+    cancel: threading.Event | None = None,
+    link: HoldLink | None = None,
+    *,
+    engine_id: str,
+    tp_rank: int,
+) -> HoldsReply:
+    """A pull's fence question (:class:`HoldQuery`): does prefill rank ``tp_rank`` of ``engine_id`` hold
+    ``request_ids`` with ``block_ids`` (one list per id)? Held ones are extended to ``extend_s`` from now.
+
+    With ``link`` (to ``host:port``) the question goes over that long-lived
+    connection instead of a fresh one.
 
     Returns:
-        A :class:`HeartbeatReply`; ``accepted`` counts the ids it held.
+        A :class:`HoldsReply`: ids ``expired``, ``not_held`` (released, or
+        without those blocks) and ``unknown`` there; the others are held.
 
     Raises:
+        ValueError: ``block_ids`` does not have one list per request id.
         The errors of :func:`send_heartbeat`.
     """
-    msgs = [ReleaseHolds(protocol_version=PROTOCOL_VERSION, requester_engine_id=requester_engine_id,
-                         request_ids=request_ids[i:i + MAX_HEARTBEAT_IDS], nonce=os.urandom(16))
-            for i in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS)]
+    if len(block_ids) != len(request_ids):
+        raise ValueError(f"block_ids has {len(block_ids)} lists for {len(request_ids)} request ids")
+    msgs = [HoldQuery(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
+                      requester_engine_id=requester_engine_id, request_ids=chunk, block_ids=blocks,
+                      extend_s=extend_s, **_fresh())  # type: ignore[arg-type]
+            for chunk, blocks in _chunks(request_ids, block_ids)]
+    return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel, link)
+
+
+def release_holds(host: str, port: int, request_ids: list[str], block_ids: list[list[int]],
+                  requester_engine_id: str, secret: bytes | None = None, timeout_s: float = 1.0,
+                  cancel: threading.Event | None = None, *, engine_id: str, tp_rank: int) -> HoldsReply:
+    """Tell prefill rank ``tp_rank`` of ``engine_id`` that nobody will pull ``request_ids``: it frees each
+    hold whose block ids are exactly its ``block_ids`` list at its next step.
+
+    Returns:
+        A :class:`HoldsReply`; ``accepted`` counts the holds released.
+
+    Raises:
+        ValueError: ``block_ids`` does not have one list per request id.
+        The errors of :func:`send_heartbeat`.
+    """
+    if len(block_ids) != len(request_ids):
+        raise ValueError(f"block_ids has {len(block_ids)} lists for {len(request_ids)} request ids")
+    msgs = [ReleaseHolds(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
+                         requester_engine_id=requester_engine_id, request_ids=chunk, block_ids=blocks,
+                         **_fresh())  # type: ignore[arg-type]
+            for chunk, blocks in _chunks(request_ids, block_ids)]
     return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel)
 
 
-def _hold_exchange(host: str, port: int, msgs: list[LeaseHeartbeat] | list[ReleaseHolds], secret: bytes | None,
-                   timeout_s: float, max_message_bytes: int, cancel: threading.Event | None,
-                   link: HoldLink | None = None) -> HeartbeatReply:
+def _chunks(request_ids: list[str], block_ids: list[list[int]] | None) -> list[tuple[list[str], list[list[int]]]]:
+    """``request_ids`` (and their ``block_ids``) in chunks of at most MAX_HEARTBEAT_IDS (one chunk when empty)."""
+    return [(request_ids[i:i + MAX_HEARTBEAT_IDS], (block_ids or [])[i:i + MAX_HEARTBEAT_IDS])
+            for i in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS)]
+
+
+def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes | None, timeout_s: float,
+                   max_message_bytes: int, cancel: threading.Event | None,
+                   link: HoldLink | None = None) -> HoldsReply:
     """Send each message, check each reply is this request's answer, and sum them."""
     endpoint = tcp_endpoint(host, port)
     ctx = zmq.Context.instance()  # shared: a heartbeat also fences every finished pull, so it must be cheap
-    total = HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=0)
+    total = HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=0)
     for msg in msgs:
         frames = encode(msg, secret)
         reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
-                 _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel))
+                 _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel, secret))
         if reply is None and cancel is not None and cancel.is_set():
             raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
         if reply is None:
@@ -310,14 +385,14 @@ def _hold_exchange(host: str, port: int, msgs: list[LeaseHeartbeat] | list[Relea
             raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint)
         answer = decode(reply, secret, max_message_bytes)
         if isinstance(answer, ErrorReply):
-            raise RemoteRefusedError(answer.code, answer.field, answer.message, endpoint=endpoint)
-        if not isinstance(answer, HeartbeatReply):
+            _check_refusal(answer, msg.nonce, endpoint)
+        if not isinstance(answer, HoldsReply):
             raise MalformedMessageError(f"{endpoint} answered with {type(answer).__name__}", field="type")
         if answer.nonce != msg.nonce or answer.request_ids != msg.request_ids:
             raise MalformedMessageError(f"reply from {endpoint} answers another request", field="nonce")
-        total = HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=total.accepted + answer.accepted,
-                               expired=total.expired + answer.expired, not_held=total.not_held + answer.not_held,
-                               unknown=total.unknown + answer.unknown)
+        total = HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=total.accepted + answer.accepted,
+                           expired=total.expired + answer.expired, not_held=total.not_held + answer.not_held,
+                           unknown=total.unknown + answer.unknown)
     return total
 
 
@@ -332,14 +407,16 @@ class HoldLink:
 
     Args:
         host / port: the prefill rank's side channel.
+        secret: the shared secret (CURVE; the same one the calls sign with), or None.
         max_message_bytes: largest reply accepted (bytes).
     """
 
-    def __init__(self, host: str, port: int, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, host: str, port: int, secret: bytes | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self.host, self.port, self.max_message_bytes = host, port, max_message_bytes
         self._lock = threading.Lock()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        configure_socket(self._sock, host, max_message_bytes)
+        configure_socket(self._sock, host, max_message_bytes, secret)
         self._sock.connect(tcp_endpoint(host, port))
 
     def exchange(self, frames: list[bytes], nonce: bytes, secret: bytes | None, timeout_s: float,
@@ -359,7 +436,7 @@ class HoldLink:
                     answer = decode(reply, secret, self.max_message_bytes)
                 except HandshakeError:
                     return reply  # the caller explains it
-                if not isinstance(answer, HeartbeatReply) or answer.nonce == nonce:
+                if not isinstance(answer, HoldsReply | ErrorReply) or answer.nonce in (nonce, b""):
                     return reply
             return None
 

@@ -35,6 +35,7 @@ from handshake.messages import (
     AgentInfo,
     ErrorReply,
     Message,
+    RefusalCode,
 )
 
 __all__ = [
@@ -231,15 +232,20 @@ def verify_agent_info(info: AgentInfo) -> None:
         )
 
 
-def error_from_exception(exc: HandshakeError) -> ErrorReply:
-    """The :class:`ErrorReply` a server sends for ``exc``.
+_REFUSAL_CODES: frozenset[str] = frozenset(RefusalCode.__args__)
+
+
+def error_from_exception(exc: HandshakeError, nonce: bytes = b"") -> ErrorReply:
+    """The :class:`ErrorReply` a server sends for ``exc``, bound to the request with ``nonce``.
 
     ``field`` and ``message`` are truncated (to 256 and 2048 characters) so a
-    refusal never echoes a large request back.
+    refusal never echoes a large request back; a code outside
+    :data:`~handshake.messages.RefusalCode` is sent as ``"internal"``.
     """
     return ErrorReply(
         protocol_version=PROTOCOL_VERSION,
-        code=exc.code,
+        code=exc.code if exc.code in _REFUSAL_CODES else "internal",  # type: ignore[arg-type]
         field=exc.field[:_MAX_FIELD_CHARS],
         message=exc.message[:_MAX_TEXT_CHARS],
+        nonce=nonce,
     )

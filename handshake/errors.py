@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "AuthenticationError",
     "HandshakeBindError",
+    "HandshakeCancelledError",
     "HandshakeError",
     "HandshakeTimeoutError",
     "IncompatiblePeerError",
@@ -19,7 +20,10 @@ __all__ = [
     "MetadataDigestError",
     "ProtocolVersionError",
     "RemoteRefusedError",
+    "ReplayedRequestError",
+    "StaleRequestError",
     "UnknownRankError",
+    "WrongDestinationError",
 ]
 
 
@@ -95,6 +99,25 @@ class UnknownRankError(HandshakeError):
     requested ``tp_rank``."""
 
     code = "unknown_rank"
+
+
+class WrongDestinationError(HandshakeError):
+    """A request names another engine id or rank than the server's (``to_engine_id`` / ``to_rank``):
+    sent to the wrong address, or replayed to another engine."""
+
+    code = "wrong_destination"
+
+
+class StaleRequestError(HandshakeError):
+    """A request's ``sent_at`` lies outside the server's freshness window (clock skew, or a replay)."""
+
+    code = "stale"
+
+
+class ReplayedRequestError(HandshakeError):
+    """A request's nonce was seen within the freshness window: a replayed request."""
+
+    code = "replayed"
 
 
 class MetadataDigestError(HandshakeError):

@@ -11,17 +11,49 @@ Units: addresses and lengths are bytes; ``block_size`` is tokens per block;
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 4
-"""Bumped on any incompatible change to the Structs in this module."""
+PROTOCOL_VERSION = 5
+"""Bumped on any incompatible change to the Structs in this module. History:
+
+* 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
+* 2: ``LeaseHeartbeat`` and its reply (lease extension for queued requests).
+* 3: fence block ids in ``LeaseHeartbeat``; request nonces echoed by replies; ``ReleaseHolds``.
+* 4: ``compat_hash`` became a field-by-field fingerprint (:mod:`handshake.compat`).
+* 5: every request names its destination (``to_engine_id``, ``to_rank``) and its time
+  (``sent_at``) and carries a required nonce, refused when replayed; the fence question is
+  :class:`HoldQuery`, every hold request is answered by :class:`HoldsReply`; ``ReleaseHolds``
+  carries the block ids it frees; ``ErrorReply`` echoes the request's nonce and its ``code``
+  is a closed set.
+"""
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
-"""Random bytes a request carries and its reply echoes: a reply answers that request only."""
-"""Largest message (bytes) a server or client accepts; larger input is refused."""
+"""Largest message (bytes, all frames together) a server or client accepts; larger input is refused."""
+
+MAX_ID_CHARS = 256
+"""Longest engine id or request id on the wire (characters)."""
+
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+"""Random bytes (16..64) a request carries and its reply echoes: a reply answers that request only, and a
+server refuses a nonce it has seen within its freshness window."""
+
+EchoedNonce = Annotated[bytes, msgspec.Meta(max_length=64)]
+"""A request's nonce echoed in a reply (empty only in a refusal of a request that did not decode)."""
+
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+"""An engine id or request id."""
+
+Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+"""A tensor-parallel rank."""
+
+BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+"""A KV block id (blocks of one engine fit in 31 bits)."""
+
+RefusalCode = Literal["malformed", "version", "incompatible", "unknown_rank", "too_large", "auth",
+                      "wrong_destination", "stale", "replayed", "internal"]
+"""Why a server refused a request (:class:`ErrorReply`); a closed set."""
 
 
 class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -115,24 +147,41 @@ class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     layout: KVLayoutDesc
 
 
-class MetadataRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="metadata_request"):
-    """Ask a server for one rank's :class:`AgentInfo`.
+class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """What every side-channel request carries besides its own fields.
+
+    A server refuses a request for another destination (``"wrong_destination"``),
+    one sent outside its freshness window (``"stale"``), and a nonce it has seen
+    within that window (``"replayed"``), so a captured request cannot be sent
+    again, nor to another engine or rank.
 
     Attributes:
         protocol_version: the sender's :data:`PROTOCOL_VERSION`.
-        tp_rank: the rank whose info is wanted.
-        requester_engine_id: engine id of the asking side (for logs).
-        compat_hash: the asking side's compatibility fingerprint; the
-            server logs the fields that differ from its own (the requester
-            refuses the reply).
-        nonce: echoed in the reply.
+        to_engine_id: the engine id of the worker the request is for.
+        to_rank: the tensor-parallel rank of the worker it is for.
+        sent_at: when it was sent (seconds since the Unix epoch, the sender's clock).
+        nonce: 16..64 random bytes, echoed in the reply.
+        requester_engine_id: the sending side's id (for logs).
     """
 
     protocol_version: int
-    tp_rank: int
-    requester_engine_id: str
+    to_engine_id: Id
+    to_rank: Rank
+    sent_at: float
+    nonce: Nonce
+    requester_engine_id: Id
+
+
+class MetadataRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="metadata_request"):
+    """Ask a server for one rank's :class:`AgentInfo` (``to_rank``).
+
+    Attributes:
+        compat_hash: the asking side's compatibility fingerprint; the
+            server logs the fields that differ from its own (the requester
+            refuses the reply).
+    """
+
     compat_hash: str
-    nonce: Nonce = b""
 
 
 class MetadataReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="metadata_reply"):
@@ -140,59 +189,91 @@ class MetadataReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag
 
     protocol_version: int
     info: AgentInfo
-    nonce: Nonce = b""
+    nonce: EchoedNonce = b""
 
 
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):
     """A request the server refused.
 
+    Its shape is kept across protocol versions (a new field only ever gets a
+    default) so a refusal stays readable by a peer of another version.
+
     Attributes:
-        code: machine-readable reason (``"malformed"``, ``"version"``,
-            ``"incompatible"``, ``"unknown_rank"``, ``"too_large"``,
-            ``"auth"``).
+        code: machine-readable reason (:data:`RefusalCode`).
         field: the offending field (``""`` when not about one field).
         message: human-readable explanation that names the fix.
+        nonce: the refused request's nonce (empty when it did not decode).
     """
 
     protocol_version: int
-    code: str
+    code: RefusalCode
     field: str
     message: str
+    nonce: EchoedNonce = b""
 
 
 MAX_HEARTBEAT_IDS = 4096
-"""Most request ids one :class:`LeaseHeartbeat` may carry."""
+"""Most request ids one hold request (:class:`LeaseHeartbeat`, :class:`HoldQuery`, :class:`ReleaseHolds`) carries."""
+
+RequestIds = Annotated[list[Id], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
+BlockIdLists = Annotated[list[list[BlockId]], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
+ExtendS = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 
 
-class LeaseHeartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="lease_heartbeat"):
+class LeaseHeartbeat(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="lease_heartbeat"):
     """Ask a prefill worker to keep holding requests a decode engine still has queued.
 
     Attributes:
-        protocol_version: the sender's :data:`PROTOCOL_VERSION`.
-        requester_engine_id: the decode engine's id (for logs).
         request_ids: prefill-side request ids (``remote_request_id``) whose
             leases to extend; ids not held are ignored.
         extend_s: new lease length from now (seconds).
-        block_ids: empty, or per request id the prefill block ids the sender
-            reads: an id whose hold does not contain them all is reported
-            in ``not_held`` (a pull's fence; queued-request heartbeats send none).
-        nonce: echoed in the reply.
     """
 
-    protocol_version: int
-    requester_engine_id: str
-    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
-    extend_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
-    block_ids: Annotated[list[list[int]], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(
-        default_factory=list)
-    nonce: Nonce = b""
+    request_ids: RequestIds
+    extend_s: ExtendS
 
 
-class HeartbeatReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="heartbeat_reply"):
-    """Answer to :class:`LeaseHeartbeat`.
+class HoldQuery(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="hold_query"):
+    """A pull's fence question: does the prefill worker hold these requests with these block ids?
+
+    Held ones get their lease extended to ``extend_s`` from now.
 
     Attributes:
-        accepted: how many ids were taken for extension.
+        request_ids: prefill-side request ids.
+        block_ids: per request id, the prefill block ids the sender reads: a
+            hold that does not contain them all is reported in ``not_held``.
+        extend_s: new lease length from now (seconds).
+    """
+
+    request_ids: RequestIds
+    block_ids: BlockIdLists
+    extend_s: ExtendS
+
+
+class ReleaseHolds(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="release_holds"):
+    """Tell a prefill worker that nobody will pull these requests: free their blocks now.
+
+    Sent by a decode worker whose pull failed and by the proxy when the decode
+    leg failed after the prefill succeeded. A hold is freed only when its block
+    ids are exactly ``block_ids`` of its request id (so params naming another
+    request's id with other blocks free nothing). Answered with a
+    :class:`HoldsReply` (``accepted``: ids held with those blocks, now released).
+
+    Attributes:
+        request_ids: prefill-side request ids.
+        block_ids: per request id, every prefill block id of the hold (the
+            ``remote_block_ids`` of its ``kv_transfer_params``, groups flattened).
+    """
+
+    request_ids: RequestIds
+    block_ids: BlockIdLists
+
+
+class HoldsReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="holds_reply"):
+    """Answer to :class:`LeaseHeartbeat`, :class:`HoldQuery` and :class:`ReleaseHolds`.
+
+    Attributes:
+        accepted: how many ids were taken (extended, or released).
         expired: the asked-for ids whose lease already ran out on this
             worker (their blocks may have been reused): a pull of them that
             just finished must be treated as failed.
@@ -205,27 +286,15 @@ class HeartbeatReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
 
     protocol_version: int
     accepted: int
-    expired: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(default_factory=list)
-    not_held: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(default_factory=list)
-    unknown: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(default_factory=list)
-    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(
-        default_factory=list)
-    nonce: Nonce = b""
+    expired: RequestIds = msgspec.field(default_factory=list)
+    not_held: RequestIds = msgspec.field(default_factory=list)
+    unknown: RequestIds = msgspec.field(default_factory=list)
+    request_ids: RequestIds = msgspec.field(default_factory=list)
+    nonce: EchoedNonce = b""
 
 
-class ReleaseHolds(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="release_holds"):
-    """Tell a prefill worker that nobody will pull these requests: free their blocks now.
+HoldRequest = LeaseHeartbeat | HoldQuery | ReleaseHolds
+"""The requests a prefill worker's holds answer."""
 
-    Sent by the proxy when the decode leg of a request fails after its prefill
-    succeeded. Answered with a :class:`HeartbeatReply` (``accepted``: ids held
-    and released).
-    """
-
-    protocol_version: int
-    requester_engine_id: str
-    request_ids: Annotated[list[str], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
-    nonce: Nonce = b""
-
-
-Message = MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HeartbeatReply | ReleaseHolds
+Message = MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply
 """Every message that travels on the side channel."""

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
-from handshake._net import configure_socket, tcp_address, tcp_endpoint
+from handshake._net import CurveKeys, configure_socket, tcp_address, tcp_endpoint
 from handshake.codec import decode, encode, error_from_exception, verify_agent_info
 from handshake.compat import describe, mismatches
 from handshake.errors import (
@@ -19,18 +20,22 @@ from handshake.errors import (
     IncompatiblePeerError,
     MalformedMessageError,
     UnknownRankError,
+    WrongDestinationError,
 )
 from handshake.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AgentInfo,
-    HeartbeatReply,
+    HoldQuery,
+    HoldRequest,
+    HoldsReply,
     LeaseHeartbeat,
-    Message,
     MetadataReply,
     MetadataRequest,
     ReleaseHolds,
+    Request,
 )
+from handshake.replay import DEFAULT_WINDOW_S, ReplayGuard
 
 __all__ = ["HandshakeServer"]
 
@@ -52,6 +57,16 @@ class HoldStatus:
     expired: list[str] = field(default_factory=list)
     not_held: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
+
+
+class _ClientKey:
+    """ZAP credentials check: admits only the client public key derived from the shared secret."""
+
+    def __init__(self, client_public: bytes) -> None:
+        self._client_public = client_public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self._client_public
 
 
 class HandshakeServer:
@@ -79,13 +94,22 @@ class HandshakeServer:
             :meth:`close`.
 
         on_heartbeat: called (on the server thread) with the request ids,
-            the lease length (seconds) and the block ids of each
-            :class:`LeaseHeartbeat`; returns a :class:`HoldStatus` (or None:
-            every id held). A server without it refuses heartbeats. It must
-            be quick and thread-safe.
-        on_release: called (on the server thread) with the request ids of a
-            :class:`ReleaseHolds`; returns how many were held. A server
-            without it refuses releases.
+            the lease length (seconds) and the block ids (empty for a
+            :class:`LeaseHeartbeat`, one list per id for a :class:`HoldQuery`);
+            returns a :class:`HoldStatus` (or None: every id held). A server
+            without it refuses hold requests. It must be quick and thread-safe.
+        on_release: called (on the server thread) with the request ids and
+            block ids of a :class:`ReleaseHolds`; returns how many holds with
+            exactly those block ids it released. A server without it refuses
+            releases.
+        freshness_s: a request's ``sent_at`` must lie within this many
+            seconds of the server's clock, and its nonce is refused if seen
+            within it (:class:`handshake.replay.ReplayGuard`).
+
+    With a ``secret`` the socket speaks CURVE (keys derived from the secret,
+    :class:`handshake._net.CurveKeys`): a client without the secret cannot
+    complete the ZMTP handshake, so it can send nothing, and every byte
+    after the handshake is encrypted.
 
     Attributes:
         stats: counters: ``"served"``, ``"refused"``, ``"heartbeats"`` and
@@ -101,7 +125,8 @@ class HandshakeServer:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 0.1,
         on_heartbeat: Callable[[list[str], float, list[list[int]]], HoldStatus | None] | None = None,
-        on_release: Callable[[list[str]], int] | None = None,
+        on_release: Callable[[list[str], list[list[int]]], int] | None = None,
+        freshness_s: float = DEFAULT_WINDOW_S,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
@@ -122,6 +147,8 @@ class HandshakeServer:
         self._closed = False
         self._on_heartbeat = on_heartbeat
         self._on_release = on_release
+        self._replay = ReplayGuard(freshness_s)
+        self._auth: ThreadAuthenticator | None = None
         self.stats: dict[str, int] = {"served": 0, "refused": 0}
 
     @property
@@ -173,15 +200,20 @@ class HandshakeServer:
         if self._thread is not None:
             raise RuntimeError(f"HandshakeServer already serving on {self.endpoint}")
         ctx = zmq.Context()
+        if self._secret:
+            self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("p2pkv.handshake.zap"))
+            self._auth.start()
+            self._auth.configure_curve_callback("p2pkv", _ClientKey(CurveKeys.derive(self._secret).client_public))
         sock = ctx.socket(zmq.ROUTER)
         try:
-            configure_socket(sock, self._host, self._max_message_bytes)
+            configure_socket(sock, self._host, self._max_message_bytes, self._secret, server=True)
             if self._port == 0:
                 self._port = sock.bind_to_random_port(tcp_address(self._host))
             else:
                 sock.bind(self.endpoint)
         except zmq.ZMQBaseError as exc:
             sock.close(linger=0)
+            self._stop_auth()
             ctx.term()
             raise HandshakeBindError(
                 f"cannot bind the handshake side channel to {self._host}:{self._port}: {exc}; "
@@ -214,9 +246,15 @@ class HandshakeServer:
         elif self._sock is not None:
             self._sock.close(linger=0)
         self._sock = None
+        self._stop_auth()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     def __enter__(self) -> HandshakeServer:
         if self._thread is None:
@@ -259,72 +297,99 @@ class HandshakeServer:
             sock.close(linger=0)
 
     def _respond(self, body: list[bytes]) -> list[bytes]:
-        """Reply frames for one request; never raises."""
+        """Reply frames for one request; never raises.
+
+        Checks, in order: frames, size and HMAC (:func:`handshake.codec.decode`),
+        the message type, the destination, freshness and the nonce; only then
+        is the request served.
+        """
+        nonce = b""
         try:
             msg = decode(body, self._secret, self._max_message_bytes)
-            if isinstance(msg, LeaseHeartbeat | ReleaseHolds):
-                frames = encode(self._holds(msg), self._secret)
-            else:
-                info = self._lookup(msg)
-                reply = MetadataReply(protocol_version=PROTOCOL_VERSION, info=info, nonce=msg.nonce)
-                frames = encode(reply, self._secret)
+            if not isinstance(msg, Request):
+                raise MalformedMessageError(
+                    f"a server takes requests (type metadata_request, lease_heartbeat, hold_query, release_holds), got "
+                    f"{type(msg).__name__}", field="type")
+            nonce = msg.nonce
+            info = self._destination(msg)
+            self._replay.check(msg.nonce, msg.sent_at)
+            match msg:
+                case MetadataRequest():
+                    self._log_compat(msg)
+                    reply: MetadataReply | HoldsReply = MetadataReply(protocol_version=PROTOCOL_VERSION, info=info,
+                                                                      nonce=msg.nonce)
+                case LeaseHeartbeat() | HoldQuery() | ReleaseHolds():
+                    reply = self._holds(msg)
+            frames = encode(reply, self._secret)
         except HandshakeError as exc:
-            return self._refuse(exc)
+            return self._refuse(exc, nonce)
         except Exception as exc:  # a bug must not stop the server
             logger.exception("handshake server failed on a request")
             return self._refuse(
-                HandshakeError(f"internal server error: {exc!r}; see the server log", code="internal")
-            )
+                HandshakeError(f"internal server error: {exc!r}; see the server log", code="internal"), nonce)
         self.stats["served"] += 1
         return frames
 
-    def _holds(self, msg: LeaseHeartbeat | ReleaseHolds) -> HeartbeatReply:
-        ids = list(msg.request_ids)
-        callback = self._on_heartbeat if isinstance(msg, LeaseHeartbeat) else self._on_release
-        if callback is None:
-            raise MalformedMessageError(
-                f"this server holds no requests ({msg.__struct_config__.tag} is for prefill workers); "
-                "send it to the prefill engine's side channel",
-                field="type",
-            )
-        status, accepted = HoldStatus(), len(ids)
-        if isinstance(msg, LeaseHeartbeat):
-            if msg.block_ids and len(msg.block_ids) != len(ids):
-                raise MalformedMessageError(f"block_ids has {len(msg.block_ids)} lists for {len(ids)} request ids",
-                                            field="block_ids")
-            status = self._on_heartbeat(ids, float(msg.extend_s), list(msg.block_ids)) or status
-            self.stats["heartbeats"] = self.stats.get("heartbeats", 0) + 1
-        else:
-            accepted = self._on_release(ids)
-            self.stats["releases"] = self.stats.get("releases", 0) + 1
-        return HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, expired=status.expired,
-                              not_held=status.not_held, unknown=status.unknown, request_ids=ids, nonce=msg.nonce)
-
-    def _lookup(self, msg: Message) -> AgentInfo:
-        if not isinstance(msg, MetadataRequest):
-            raise MalformedMessageError(
-                f"server accepts only messages with type 'metadata_request' or 'lease_heartbeat', got "
-                f"{type(msg).__name__}; send a MetadataRequest",
-                field="type",
-            )
-        requester = msg.requester_engine_id[:64]
-        diffs = mismatches(self._compat_hash, msg.compat_hash)
-        if diffs:  # the requester refuses us on its side (it sees both values); say why here too
-            logger.warning("requester %r cannot exchange KV with this engine: %s", requester,
-                           describe(diffs, "this engine", "the requester"))
+    def _destination(self, msg: Request) -> AgentInfo:
+        """The served rank the request names; refuses another rank or engine id."""
         with self._lock:
-            info = self._infos.get(msg.tp_rank)
+            info = self._infos.get(msg.to_rank)
             known = sorted(self._infos)
+        requester = msg.requester_engine_id[:64]
         if info is None:
             raise UnknownRankError(
-                f"no AgentInfo for tp_rank {msg.tp_rank} (requested by {requester!r}); this server "
+                f"no AgentInfo for to_rank {msg.to_rank} (requested by {requester!r}); this server "
                 f"has ranks {known}; check the tensor-parallel sizes and that the rank has started",
-                field="tp_rank",
+                field="to_rank",
             )
+        if msg.to_engine_id != info.engine_id:
+            raise WrongDestinationError(
+                f"the request names another engine (to_engine_id {msg.to_engine_id[:64]!r}) than the one serving "
+                "this address; check remote_host/remote_port of the kv_transfer_params (a replayed or misrouted "
+                "request)", field="to_engine_id")
         return info
 
-    def _refuse(self, exc: HandshakeError) -> list[bytes]:
-        reply = error_from_exception(exc)
+    def _holds(self, msg: HoldRequest) -> HoldsReply:
+        ids = list(msg.request_ids)
+        status, accepted = HoldStatus(), len(ids)
+        match msg:
+            case ReleaseHolds():
+                if self._on_release is None:
+                    raise self._no_holds(msg)
+                self._same_length(msg.block_ids, ids)
+                accepted = self._on_release(ids, [list(b) for b in msg.block_ids])
+                self.stats["releases"] = self.stats.get("releases", 0) + 1
+            case LeaseHeartbeat() | HoldQuery():
+                if self._on_heartbeat is None:
+                    raise self._no_holds(msg)
+                blocks = [list(b) for b in msg.block_ids] if isinstance(msg, HoldQuery) else []
+                if isinstance(msg, HoldQuery):
+                    self._same_length(msg.block_ids, ids)
+                status = self._on_heartbeat(ids, float(msg.extend_s), blocks) or status
+                self.stats["heartbeats"] = self.stats.get("heartbeats", 0) + 1
+        return HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, expired=status.expired,
+                          not_held=status.not_held, unknown=status.unknown, request_ids=ids, nonce=msg.nonce)
+
+    @staticmethod
+    def _same_length(block_ids: list[list[int]], ids: list[str]) -> None:
+        if len(block_ids) != len(ids):
+            raise MalformedMessageError(f"block_ids has {len(block_ids)} lists for {len(ids)} request ids",
+                                        field="block_ids")
+
+    @staticmethod
+    def _no_holds(msg: HoldRequest) -> MalformedMessageError:
+        return MalformedMessageError(
+            f"this server holds no requests ({msg.__struct_config__.tag} is for prefill workers); "
+            "send it to the prefill engine's side channel", field="type")
+
+    def _log_compat(self, msg: MetadataRequest) -> None:
+        diffs = mismatches(self._compat_hash, msg.compat_hash)
+        if diffs:  # the requester refuses us on its side (it sees both values); say why here too
+            logger.warning("requester %r cannot exchange KV with this engine: %s", msg.requester_engine_id[:64],
+                           describe(diffs, "this engine", "the requester"))
+
+    def _refuse(self, exc: HandshakeError, nonce: bytes = b"") -> list[bytes]:
+        reply = error_from_exception(exc, nonce)
         self.stats["refused"] += 1
         key = f"refused_{reply.code}"
         self.stats[key] = self.stats.get(key, 0) + 1

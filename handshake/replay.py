@@ -1,0 +1,104 @@
+"""Refusing replayed and stale side-channel requests with bounded memory.
+
+Every request names its time (``sent_at``) and carries a random nonce
+(:class:`handshake.messages.Request`). A server accepts a request only when
+``sent_at`` lies within ``window_s`` of its own clock and the nonce was not
+seen within the window. Nonces are remembered until they leave the window,
+at most ``capacity`` of them: when full, the oldest is forgotten and the
+window's lower edge moves up to its time, so a request as old as a forgotten
+nonce is refused as stale — memory stays bounded and a replay is never let
+through (the price under a flood is a shorter effective window).
+
+The scheme is the usual timestamp-plus-nonce cache of replay protection
+(e.g. Kerberos' replay cache, RFC 4120 §3.2.3).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Callable
+
+from handshake.errors import ReplayedRequestError, StaleRequestError
+
+__all__ = ["DEFAULT_CAPACITY", "DEFAULT_WINDOW_S", "ReplayGuard"]
+
+DEFAULT_WINDOW_S = 30.0
+"""How far (seconds) a request's ``sent_at`` may lie from the server's clock: the clocks of the engines and
+the proxy must agree to well within this (NTP keeps them within milliseconds)."""
+
+DEFAULT_CAPACITY = 1 << 17
+"""Nonces remembered at most (about 100 bytes each: ~13 MiB), i.e. 4,000 requests a second over 30 s."""
+
+
+class ReplayGuard:
+    """Remembers the nonces of accepted requests while they are fresh.
+
+    Thread-safe.
+
+    Args:
+        window_s: accepted distance (seconds) between a request's ``sent_at``
+            and ``clock()``, both ways.
+        capacity: most nonces remembered (>= 1).
+        clock: seconds since the Unix epoch (injectable for tests).
+
+    Raises:
+        ValueError: ``window_s`` <= 0 or ``capacity`` < 1.
+    """
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S, capacity: int = DEFAULT_CAPACITY,
+                 clock: Callable[[], float] = time.time) -> None:
+        if window_s <= 0 or capacity < 1:
+            raise ValueError(f"window_s must be > 0 s and capacity >= 1, got {window_s} and {capacity}")
+        self.window_s = window_s
+        self.capacity = capacity
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._seen: set[bytes] = set()
+        self._by_time: list[tuple[float, bytes]] = []  # min-heap of (sent_at, nonce)
+        self._floor = float("-inf")  # requests sent at or before this are refused (a nonce of then was forgotten)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def check(self, nonce: bytes, sent_at: float) -> None:
+        """Accept a request (remembering its nonce) or refuse it.
+
+        Args:
+            nonce: the request's nonce.
+            sent_at: the request's ``sent_at`` (seconds since the epoch).
+
+        Raises:
+            StaleRequestError: ``sent_at`` is outside the window (or not after
+                a forgotten nonce's time); field ``sent_at``.
+            ReplayedRequestError: the nonce was seen within the window; field ``nonce``.
+        """
+        now = self._clock()
+        if not abs(now - sent_at) <= self.window_s:  # also refuses NaN
+            raise StaleRequestError(
+                f"request sent_at is {now - sent_at:+.1f} s from this server's clock, outside the "
+                f"{self.window_s:g} s freshness window; synchronise the engines' clocks (NTP) or resend",
+                field="sent_at")
+        with self._lock:
+            self._expire(now)
+            if sent_at <= self._floor:
+                raise StaleRequestError(
+                    "request is older than the oldest nonce this server still remembers (a flood of requests "
+                    "shortened the freshness window); resend it", field="sent_at")
+            if nonce in self._seen:
+                raise ReplayedRequestError("request nonce was already used: a replayed request; send each request "
+                                           "with a fresh random nonce", field="nonce")
+            self._seen.add(nonce)
+            heapq.heappush(self._by_time, (sent_at, nonce))
+            while len(self._seen) > self.capacity:
+                t, old = heapq.heappop(self._by_time)
+                self._seen.discard(old)
+                self._floor = max(self._floor, t)
+
+    def _expire(self, now: float) -> None:
+        """Forget nonces whose requests are out of the window anyway."""
+        edge = now - self.window_s
+        while self._by_time and self._by_time[0][0] < edge:
+            _, old = heapq.heappop(self._by_time)
+            self._seen.discard(old)
