@@ -6,13 +6,30 @@ request's KV (:func:`make_prefill_response_params`); the proxy passes those on
 to the decode engine, which parses them with :func:`parse_remote_prefill`.
 The key names and meanings are those of vLLM's NixlConnector, so existing
 proxies and routers work unchanged.
+
+The params are a capability: with the side-channel secret, the prefill
+engine adds one field, ``p2pkv_capability`` — an expiry and an HMAC-SHA256
+over everything a pull uses (engine id, side-channel host and port, rank
+count, request id, block ids, token count, expiry) — and the decode engine
+checks it (:func:`parse_remote_prefill`) before it contacts anyone. Whoever
+reaches the decode engine's HTTP API can send any params, but without the
+secret cannot make params that point the decode engine at another host,
+name another request's blocks, or outlive their expiry. Routers that pass
+the params through unchanged keep working.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import math
+import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 
 class KVTransferParamsError(ValueError):
@@ -25,7 +42,18 @@ a p2pkv hold over p2pkv's side channel, and leaves NixlConnector's to its lease)
 MAX_TP_SIZE = 512
 """Largest ``tp_size`` accepted from a request (a sane bound: no engine has more ranks)."""
 MAX_ID_CHARS = 256
-"""Longest ``remote_engine_id`` / ``remote_request_id`` / ``remote_host`` accepted (characters)."""
+"""Longest ``remote_engine_id`` / ``remote_request_id`` accepted (characters)."""
+ID_PATTERN = re.compile(rf"[A-Za-z0-9._:@+=/-]{{1,{MAX_ID_CHARS}}}")
+"""What an engine id or request id may be (the whole id): ASCII letters, digits and ``._:@+=/-``."""
+HOST_PATTERN = re.compile(r"[A-Za-z0-9._:\[\]-]{1,253}")
+"""What ``remote_host`` may be: a DNS name or an IPv4/IPv6 literal (IPv6 optionally in brackets)."""
+MAX_BLOCK_ID = (1 << 31) - 1
+"""Largest block id accepted (an engine's blocks fit in 31 bits; the peer's own ``num_blocks`` bounds them
+further once it is known)."""
+CAPABILITY_KEY = "p2pkv_capability"
+"""The ``kv_transfer_params`` key holding the capability: ``v1.<expiry, Unix seconds>.<HMAC-SHA256 hex>``."""
+CLOCK_SKEW_S = 5.0
+"""How long (seconds) after its expiry a capability is still accepted: the clocks of the two engines may differ."""
 MAX_BLOCK_IDS = 1 << 20
 """Most ``remote_block_ids`` accepted, all KV cache groups together (a million blocks: far beyond any prompt)."""
 MAX_APPENDED_TOKENS = 1024
@@ -102,11 +130,12 @@ def _require(params: dict[str, Any], key: str, kind: type | tuple[type, ...]) ->
     return value
 
 
-def _text(params: dict[str, Any], key: str) -> str:
+def _text(params: dict[str, Any], key: str, pattern: re.Pattern[str] = ID_PATTERN) -> str:
     value = _require(params, key, str)
-    if not value or len(value) > MAX_ID_CHARS:
-        raise KVTransferParamsError(f"kv_transfer_params.{key} must be 1..{MAX_ID_CHARS} characters, got "
-                                    f"{len(value)}")
+    if not pattern.fullmatch(value):
+        shown = value[:64].encode("ascii", "backslashreplace").decode()
+        raise KVTransferParamsError(f"kv_transfer_params.{key}={shown!r}{'...' if len(value) > 64 else ''} "
+                                    f"({len(value)} characters) must match {pattern.pattern}")
     return value
 
 
@@ -122,11 +151,13 @@ def _optional_int(params: dict[str, Any], key: str, default: int, lo: int, hi: i
 def _block_id_list(raw: Any, key: str) -> tuple[int, ...]:
     if not isinstance(raw, list | tuple) or len(raw) > MAX_BLOCK_IDS:
         raise KVTransferParamsError(f"kv_transfer_params.{key} must be a list of at most {MAX_BLOCK_IDS} block ids")
-    if set(map(type, raw)) <= {int} and (not raw or min(raw) >= 0):  # the common case, ~3x faster than the loop
-        return tuple(raw)
+    ints = set(map(type, raw)) <= {int}
+    if ints and (not raw or (min(raw) >= 0 and max(raw) <= MAX_BLOCK_ID)):  # the common case, ~3x faster than
+        return tuple(raw)  # the loop
     for b in raw:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise KVTransferParamsError(f"kv_transfer_params.{key} holds {b!r}; block ids are ints >= 0")
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BLOCK_ID:
+            raise KVTransferParamsError(f"kv_transfer_params.{key} holds {b!r}; block ids are ints in "
+                                        f"0..{MAX_BLOCK_ID}")
     return tuple(raw)
 
 
@@ -156,12 +187,22 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     return bool(params) and bool(params.get("do_remote_decode"))
 
 
-def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
-    """Parse and validate the params a decode engine received.
+def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None,
+                         now: float | None = None) -> RemotePrefill:
+    """Parse and validate the params a decode engine received, and with ``secret`` check their capability.
+
+    Args:
+        params: the request's ``kv_transfer_params``.
+        secret: the side-channel secret: the params must carry a valid,
+            unexpired ``p2pkv_capability`` made with it; None (an insecure
+            deployment) accepts params without one.
+        now: the time (seconds since the Unix epoch; default: now).
 
     Raises:
         KVTransferParamsError: a key is missing, has a wrong type or is out of
-            range (the message names it and the accepted range).
+            range (the message names it and the accepted range), or (with
+            ``secret``) the capability is missing, altered or expired (named
+            ``kv_transfer_params.p2pkv_capability``).
     """
     if not isinstance(params, dict):
         raise KVTransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
@@ -171,10 +212,10 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
         raise KVTransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port (with tp_size "
                                     f"{tp_size}: base port + rank must be below 65536)")
     block_ids, group_sizes = _block_ids(_require(params, "remote_block_ids", (list, tuple)))
-    return RemotePrefill(
+    remote = RemotePrefill(
         engine_id=_text(params, "remote_engine_id"),
         request_id=_text(params, "remote_request_id"),
-        host=_text(params, "remote_host"),
+        host=_text(params, "remote_host", HOST_PATTERN),
         port=port,
         block_ids=block_ids,
         tp_size=tp_size,
@@ -182,6 +223,64 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
         group_sizes=group_sizes,
         appended_tokens=_optional_int(params, "appended_tokens", 0, 0, MAX_APPENDED_TOKENS),
     )
+    if secret:
+        check_capability(remote, params.get(CAPABILITY_KEY), secret, time.time() if now is None else now)
+    return remote
+
+
+def capability_mac(remote: RemotePrefill, expiry: int, secret: bytes) -> str:
+    """HMAC-SHA256 (hex) of everything a pull of ``remote`` uses, and ``expiry`` (Unix seconds).
+
+    The message is the msgpack encoding of a list (a label, engine id,
+    request id, host, port, tp_size, block ids per KV cache group, token
+    count, expiry): one byte string per value, with no room for ambiguity.
+    """
+    fields = ["p2pkv kv_transfer_params v1", remote.engine_id, remote.request_id, remote.host, remote.port,
+              remote.tp_size, [list(g) for g in remote.groups()], remote.num_tokens, expiry]
+    return hmac.new(secret, msgspec.msgpack.encode(fields), hashlib.sha256).hexdigest()
+
+
+def check_capability(remote: RemotePrefill, capability: Any, secret: bytes, now: float) -> None:
+    """Check ``kv_transfer_params.p2pkv_capability`` of the params ``remote`` was parsed from.
+
+    Raises:
+        KVTransferParamsError: the capability is missing or malformed, its
+            MAC does not cover these params (altered, or made with another
+            secret), or it expired more than :data:`CLOCK_SKEW_S` ago.
+    """
+    key = f"kv_transfer_params.{CAPABILITY_KEY}"
+    if not isinstance(capability, str) or not capability:
+        raise KVTransferParamsError(
+            f"{key} is missing: this engine accepts only params signed by a p2pkv prefill engine with the same "
+            "secret (pass the prefill engine's kv_transfer_params through unchanged)")
+    version, _, rest = capability.partition(".")
+    expiry_text, _, mac = rest.partition(".")
+    if version != "v1" or not expiry_text.isdigit() or len(expiry_text) > 12 or len(mac) != 64:
+        raise KVTransferParamsError(f"{key} is malformed: expected v1.<expiry>.<64 hex digits>")
+    expiry = int(expiry_text)
+    if not hmac.compare_digest(mac, capability_mac(remote, expiry, secret)):
+        raise KVTransferParamsError(
+            f"{key} does not match the params: they were altered after the prefill engine signed them, or "
+            "signed with another secret (every engine and the proxy must share one secret)")
+    if now > expiry + CLOCK_SKEW_S:
+        raise KVTransferParamsError(
+            f"{key} expired {now - expiry:.0f} s ago: the prefill engine's hold has ended (its lease_s); "
+            "send the request through the proxy again")
+
+
+def sign_params(params: dict[str, Any], secret: bytes, expiry: float) -> dict[str, Any]:
+    """Add ``p2pkv_capability`` to a prefill engine's answer ``params`` (in place; returned).
+
+    Args:
+        params: what :func:`make_prefill_response_params` returned.
+        secret: the side-channel secret.
+        expiry: when the capability ends (seconds since the Unix epoch;
+            rounded up to a whole second).
+    """
+    remote = parse_remote_prefill(params, secret=None)
+    deadline = math.ceil(expiry)
+    params[CAPABILITY_KEY] = f"v1.{deadline}.{capability_mac(remote, deadline, secret)}"
+    return params
 
 
 def make_prefill_response_params(

@@ -14,6 +14,7 @@ from p2pkv.params import (
     RemotePrefill,
     make_prefill_response_params,
     parse_remote_prefill,
+    sign_params,
     wants_remote_decode,
     wants_remote_prefill,
 )
@@ -80,8 +81,8 @@ class SchedulerSide:
         self._failed: dict[str, tuple[int, ...]] = {}
         self._queued: dict[str, RemotePrefill] = {}
         self._next_heartbeat = 0.0
-        self.heartbeats = HeartbeatSender(engine_id, config.secret_bytes(),
-                                          timeout_s=min(1.0, config.handshake_timeout_s))
+        self._secret = config.secret_bytes()  # signs the params this engine hands out, checks those it gets
+        self.heartbeats = HeartbeatSender(engine_id, self._secret, timeout_s=min(1.0, config.handshake_timeout_s))
 
     # ---- on arrival: the prefill side's tail, the decode side's heartbeats ----
     def on_new_request(self, request: Request) -> None:
@@ -121,13 +122,15 @@ class SchedulerSide:
         if not self._queued or now < self._next_heartbeat:
             return 0
         self._next_heartbeat = now + self.config.heartbeat_every_s
-        by_peer: dict[tuple[str, int, int], list[str]] = {}
+        by_peer: dict[tuple[str, str, int, int], list[str]] = {}
         for remote in self._queued.values():
-            by_peer.setdefault((remote.host, remote.port, remote.tp_size), []).append(remote.request_id)
+            key = (remote.engine_id, remote.host, remote.port, remote.tp_size)
+            by_peer.setdefault(key, []).append(remote.request_id)
         batches = 0
-        for (host, port, tp_size), ids in by_peer.items():
+        for (engine_id, host, port, tp_size), ids in by_peer.items():
             for rank in range(tp_size):
-                self.heartbeats.submit(HeartbeatBatch(host, port + rank, tuple(ids), self.config.lease_s))
+                self.heartbeats.submit(HeartbeatBatch(host, port + rank, tuple(ids), self.config.lease_s,
+                                                      engine_id, rank))
                 batches += 1
         return batches
 
@@ -142,7 +145,7 @@ class SchedulerSide:
         try:
             remote = self._queued.get(request.request_id)
             if remote is None:
-                remote = parse_remote_prefill(params)
+                remote = parse_remote_prefill(params, secret=self._secret)
             prompt = len(request.prompt_token_ids or ()) - remote.appended_tokens
             if prompt < 1:
                 raise KVTransferParamsError(
@@ -294,7 +297,8 @@ class SchedulerSide:
             return False, None
         self._leases[request.request_id] = time.monotonic() + self.config.lease_s
         self._blocks[request.request_id] = flat
-        return True, make_prefill_response_params(
+        expiry = time.time() + self.config.lease_s
+        answer = make_prefill_response_params(
             engine_id=self.engine_id,
             request_id=request.request_id,
             host=self.host,
@@ -303,9 +307,10 @@ class SchedulerSide:
             group_sizes=tuple(len(g) for g in block_ids) if len(block_ids) > 1 else (),
             tp_size=self.tp_size,
             num_tokens=request.num_computed_tokens,
-            expiry_time=time.time() + self.config.lease_s,
+            expiry_time=expiry,
             first_token=self.recompute_tokens == 0,
         )
+        return True, (sign_params(answer, self._secret, expiry) if self._secret else answer)
 
     def shutdown(self) -> None:
         """Stop the heartbeat thread. Idempotent."""

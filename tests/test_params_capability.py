@@ -1,0 +1,102 @@
+"""kv_transfer_params as a capability: signed by the prefill engine, checked by the decode engine.
+
+Whoever reaches the decode engine's HTTP API chooses its kv_transfer_params;
+without the secret they cannot make params that pass the check.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pkv.params import (
+    CAPABILITY_KEY,
+    CLOCK_SKEW_S,
+    MAX_BLOCK_ID,
+    KVTransferParamsError,
+    make_prefill_response_params,
+    parse_remote_prefill,
+    sign_params,
+)
+
+SECRET = b"a-side-channel-secret-of-32-byte"
+NOW = 1_800_000_000.0
+
+
+def _signed(**kw: object) -> dict:
+    args: dict = {"engine_id": "prefill-0", "request_id": "cmpl-abc-0", "host": "127.0.0.1", "port": 5600,
+                  "block_ids": [3, 4, 9, 0, 0, 7], "group_sizes": [3, 3], "tp_size": 2, "num_tokens": 90,
+                  "expiry_time": NOW + 120}
+    args.update(kw)
+    return sign_params(make_prefill_response_params(**args), SECRET, NOW + 120)
+
+
+def test_signed_params_parse_and_carry_one_extra_field() -> None:
+    params = _signed()
+    assert params[CAPABILITY_KEY].startswith(f"v1.{int(NOW) + 120}.")
+    unsigned = {k: v for k, v in params.items() if k != CAPABILITY_KEY}
+    assert parse_remote_prefill(params, secret=SECRET, now=NOW) == parse_remote_prefill(unsigned, secret=None)
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("remote_engine_id", "prefill-1"),
+    ("remote_request_id", "cmpl-abd-0"),
+    ("remote_host", "127.0.0.2"),
+    ("remote_port", 5601),
+    ("tp_size", 1),
+    ("remote_num_tokens", 89),
+    ("remote_block_ids", [[3, 4, 8], [0, 0, 7]]),
+    ("remote_block_ids", [[3, 4], [9, 0, 0, 7]]),  # same ids, other groups
+    (CAPABILITY_KEY, "v1.1800000120." + "0" * 64),
+])
+def test_any_change_to_what_a_pull_uses_is_refused(key, value) -> None:
+    with pytest.raises(KVTransferParamsError, match=CAPABILITY_KEY):
+        parse_remote_prefill({**_signed(), key: value}, secret=SECRET, now=NOW)
+
+
+def test_fields_a_pull_does_not_use_may_change() -> None:
+    """A proxy appends its first token; routers may add their own keys: the capability still holds."""
+    params = {**_signed(), "appended_tokens": 1, "first_token": True, "x-router": "a"}
+    assert parse_remote_prefill(params, secret=SECRET, now=NOW).appended_tokens == 1
+
+
+@pytest.mark.parametrize("capability", [None, "", 7, "v2.1.2", "v1.abc." + "0" * 64, "v1.1." + "0" * 63,
+                                        "v1." + "9" * 13 + "." + "0" * 64])
+def test_missing_or_malformed_capabilities_are_refused(capability) -> None:
+    params = {**_signed(), CAPABILITY_KEY: capability}
+    if capability is None:
+        del params[CAPABILITY_KEY]
+    with pytest.raises(KVTransferParamsError, match=CAPABILITY_KEY):
+        parse_remote_prefill(params, secret=SECRET, now=NOW)
+
+
+def test_another_secret_and_expiry_are_refused() -> None:
+    params = _signed()
+    with pytest.raises(KVTransferParamsError, match="another secret"):
+        parse_remote_prefill(params, secret=b"another-secret-of-enough-bytes!", now=NOW)
+    parse_remote_prefill(params, secret=SECRET, now=NOW + 120 + CLOCK_SKEW_S)
+    with pytest.raises(KVTransferParamsError, match="expired"):
+        parse_remote_prefill(params, secret=SECRET, now=NOW + 121 + CLOCK_SKEW_S)
+
+
+def test_insecure_deployments_accept_unsigned_params() -> None:
+    params = {k: v for k, v in _signed().items() if k != CAPABILITY_KEY}
+    assert parse_remote_prefill(params, secret=None).request_id == "cmpl-abc-0"
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("remote_request_id", "x\ud800"),
+    ("remote_request_id", "a|b"),
+    ("remote_request_id", "r" * 257),
+    ("remote_request_id", "line\nbreak"),
+    ("remote_engine_id", "é"),
+    ("remote_host", "host name"),
+    ("remote_host", "h" * 254),
+    ("remote_block_ids", [[MAX_BLOCK_ID + 1]]),
+    ("remote_block_ids", [[2**63]]),
+    ("remote_block_ids", [2**64, 1]),
+])
+def test_ids_hosts_and_block_ids_are_bounded_before_anything_else(key, value) -> None:
+    """A lone surrogate once stopped a decode worker (its "done" could not be encoded); a block id past
+    2**63 left pulls in HANDSHAKE for ever (OverflowError while planning)."""
+    with pytest.raises(KVTransferParamsError, match=key):
+        parse_remote_prefill({**_signed(), key: value}, secret=SECRET, now=NOW)
