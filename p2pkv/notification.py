@@ -1,18 +1,23 @@
 """The "done" notification a decode rank sends a prefill rank once it has pulled a request's KV.
 
 One encoder, one parser. The message travels as a NIXL notification
-(``send_notif``) and reads ``p2pkv:done:<request_id>|<engine_id>:<tp_rank>:<notifiers>``:
-the prefill request id, the decode rank that finished, and how many decode
+(``send_notif``) and reads
+``p2pkv:done:<request_id>|<engine_id>:<tp_rank>:<notifiers>|<blocks digest>``:
+the prefill request id, the decode rank that finished, how many decode
 ranks will notify this prefill rank for the request (several when decode TP
-is larger; see :func:`p2pkv.dataplane.topology.notifiers_of`). With the
-side-channel secret, ``#<HMAC-SHA256 hex>`` of everything before it follows,
-and a notification without a valid one is dropped (the lease frees the blocks).
+is larger; see :func:`p2pkv.dataplane.topology.notifiers_of`), and the
+digest of the hold's block ids the decode rank was given
+(:func:`blocks_digest`; the prefill worker frees a hold only when it is the
+digest of its own block ids). With the side-channel secret,
+``#<HMAC-SHA256 hex>`` of everything before it follows, and a notification
+without a valid one is dropped (the lease frees the blocks).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 PREFIX = b"p2pkv:done:"
@@ -26,11 +31,19 @@ class DoneNotification:
         request_id: the request id on the prefill engine.
         reader: ``<engine_id>:<tp_rank>`` of the decode rank (``""`` when absent).
         notifiers: decode ranks the prefill rank waits for (>= 1).
+        blocks: :func:`blocks_digest` of the hold's block ids (``""``: not given).
     """
 
     request_id: str
     reader: str = ""
     notifiers: int = 1
+    blocks: str = ""
+
+
+def blocks_digest(block_ids: Sequence[int]) -> str:
+    """A short digest (32 hex digits of SHA-256) of a hold's block ids, in order (every KV cache group's,
+    flattened as in ``kv_transfer_params``)."""
+    return hashlib.sha256(",".join(map(str, block_ids)).encode()).hexdigest()[:32]
 
 
 def _mac(data: bytes, secret: bytes) -> bytes:
@@ -39,7 +52,7 @@ def _mac(data: bytes, secret: bytes) -> bytes:
 
 def encode_done(note: DoneNotification, secret: bytes | None = None) -> bytes:
     """The wire bytes of ``note`` (signed with ``secret`` when given)."""
-    data = PREFIX + f"{note.request_id}|{note.reader}:{note.notifiers}".encode()
+    data = PREFIX + f"{note.request_id}|{note.reader}:{note.notifiers}|{note.blocks}".encode()
     return data + b"#" + _mac(data, secret) if secret else data
 
 
@@ -48,7 +61,7 @@ def parse_done(msg: bytes, secret: bytes | None = None) -> DoneNotification | No
     its MAC is missing or wrong.
 
     A body without ``|`` names only the request (one notifier); a count that
-    does not parse counts as 1.
+    does not parse counts as 1; without a digest, ``blocks`` is ``""``.
     """
     if not msg.startswith(PREFIX):
         return None
@@ -58,12 +71,13 @@ def parse_done(msg: bytes, secret: bytes | None = None) -> DoneNotification | No
             return None
         msg = data
     body = msg[len(PREFIX):].decode(errors="replace")
-    request_id, sep, tail = body.rpartition("|")
+    request_id, sep, tail = body.partition("|")
     if not sep:
         return DoneNotification(body)
+    tail, _, blocks = tail.partition("|")
     reader, _, count = tail.rpartition(":")
     try:
         notifiers = max(1, int(count))
     except ValueError:
         reader, notifiers = tail, 1
-    return DoneNotification(request_id, reader, notifiers)
+    return DoneNotification(request_id, reader, notifiers, blocks)

@@ -29,12 +29,16 @@ class HeartbeatBatch:
         port: side-channel port of that rank.
         request_ids: prefill-side request ids.
         extend_s: lease length asked for (seconds from receipt).
+        engine_id: the prefill engine's id (the request's destination).
+        tp_rank: the prefill rank listening on ``port``.
     """
 
     host: str
     port: int
     request_ids: tuple[str, ...]
     extend_s: float
+    engine_id: str
+    tp_rank: int
 
 
 class HeartbeatSender:
@@ -69,11 +73,15 @@ class HeartbeatSender:
         while (batch := self._queue.get()) is not None:
             try:
                 send_heartbeat(batch.host, batch.port, list(batch.request_ids), self.engine_id,
-                               batch.extend_s, secret=self.secret, timeout_s=self.timeout_s)
+                               batch.extend_s, secret=self.secret, timeout_s=self.timeout_s,
+                               engine_id=batch.engine_id, tp_rank=batch.tp_rank)
                 self.sent += 1
             except HandshakeError as exc:
                 self.failed += 1
                 logger.warning("p2pkv: lease heartbeat to %s:%d failed: %s", batch.host, batch.port, exc)
+            except Exception:  # one bad batch must not end the thread: later heartbeats still go out
+                self.failed += 1
+                logger.exception("p2pkv: lease heartbeat to %s:%d failed", batch.host, batch.port)
 
     def close(self) -> None:
         """Stop the thread after the batches already queued. Idempotent."""

@@ -12,6 +12,7 @@ A prefill rank that cannot be reached keeps the lease as its fallback.
 from __future__ import annotations
 
 import logging
+import threading
 
 from handshake import HandshakeError, release_holds
 from p2pkv.decode.background import Background
@@ -33,20 +34,27 @@ def release_failed(background: Background, remote: RemotePrefill, ranks: list[in
         timeout_s: wait for each rank's answer (seconds).
     """
     for rank in ranks:
-        background.call(f"p2pkv-release-{remote.host}:{remote.port + rank}", free_hold, remote.host,
-                        remote.port + rank, remote.request_id, reader, secret, timeout_s)
+        background.call(f"p2pkv-release-{remote.host}:{remote.port + rank}", free_hold, remote, rank, reader,
+                        secret, timeout_s)
 
 
-def free_hold(host: str, port: int, request_id: str, requester: str, secret: bytes | None, timeout_s: float,
-              cancel=None) -> int:
-    """Blocking: ask one prefill rank to free ``request_id`` now; 1 if it held it, else 0.
+def free_hold(remote: RemotePrefill, rank: int, requester: str, secret: bytes | None, timeout_s: float,
+              cancel: threading.Event | None = None) -> int:
+    """Blocking: ask prefill rank ``rank`` of ``remote`` to free its hold of ``remote.request_id`` now.
 
-    A rank that cannot be reached is logged and counts 0: its lease frees the blocks.
+    The prefill rank frees it only when it holds that request with exactly
+    ``remote.block_ids`` (the params' blocks, every KV cache group), so
+    params naming another request's id free nothing.
+
+    Returns:
+        1 if it held it (and frees it), else 0. A rank that cannot be reached
+        is logged and counts 0: its lease frees the blocks.
     """
+    host, port = remote.host, remote.port + rank
     try:
-        return release_holds(host, port, [request_id], requester, secret=secret, timeout_s=timeout_s,
-                             cancel=cancel).accepted
+        return release_holds(host, port, [remote.request_id], [list(remote.block_ids)], requester, secret=secret,
+                             timeout_s=timeout_s, cancel=cancel, engine_id=remote.engine_id, tp_rank=rank).accepted
     except HandshakeError as exc:
         logger.warning("p2pkv: %s could not free prefill request %s on %s:%d (%s); its lease frees it",
-                       requester, request_id, host, port, exc)
+                       requester, remote.request_id, host, port, exc)
         return 0

@@ -12,13 +12,14 @@ another request's block ids is refused.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import threading
 import time
 
 from handshake import HoldStatus
-from p2pkv.notification import DoneNotification
+from p2pkv.notification import DoneNotification, blocks_digest
 from p2pkv.prefill.leases import LeaseTable
 
 logger = logging.getLogger("p2pkv.prefill")
@@ -34,16 +35,18 @@ class PrefillHolds:
     Attributes:
         leases: request id → deadline (:class:`p2pkv.prefill.leases.LeaseTable`).
         notifs: request id → (first notification time, decode ranks that
-            notified, how many must) for requests not yet freed.
+            notified, how many must, the block digest they name) for requests
+            not yet freed.
     """
 
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
         self.leases = LeaseTable()
-        self.notifs: dict[str, tuple[float, set[str], int]] = {}
+        self.notifs: dict[str, tuple[float, set[str], int, str]] = {}
         self._requests: queue.SimpleQueue[tuple[list[str], float | None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._blocks: dict[str, frozenset[int] | None] = {}  # held now → its block ids (None: not known)
+        self._digests: dict[str, str] = {}  # held now → blocks_digest of its block ids, in order
         self._expired: dict[str, float] = {}  # ended by expiry → when
         self._released: dict[str, float] = {}  # ended by notification or release → when
 
@@ -52,6 +55,8 @@ class PrefillHolds:
         self.leases.hold(request_id, deadline)
         with self._lock:
             self._blocks[request_id] = None if block_ids is None else frozenset(block_ids)
+            if block_ids is not None:
+                self._digests[request_id] = blocks_digest(block_ids)
 
     def pending(self) -> bool:
         """True while a request's blocks are held."""
@@ -80,15 +85,24 @@ class PrefillHolds:
         self._requests.put((held, min(extend_s, self.lease_s)))
         return status
 
-    def on_release(self, request_ids: list[str]) -> int:
+    def on_release(self, request_ids: list[str], block_ids: list[list[int]]) -> int:
         """Side-channel thread: nobody will pull these requests; they are freed at the next step.
 
+        Only holds whose block ids are exactly ``block_ids`` (per request id,
+        every block of the hold) are freed: params naming another request's id
+        with other blocks free nothing.
+
         Returns:
-            How many of them are held now.
+            How many of them are held now with those block ids (and will be freed).
         """
-        self._requests.put((list(request_ids), None))
         with self._lock:
-            return sum(rid in self._blocks for rid in request_ids)
+            matched = [rid for rid, blocks in zip(request_ids, block_ids, strict=True)
+                       if rid in self._blocks and self._blocks[rid] in (None, frozenset(blocks))]
+        for rid in set(request_ids) - set(matched):
+            logger.warning("p2pkv: a release of request %s named block ids it does not hold with; not released",
+                           rid[:64])
+        self._requests.put((matched, None))
+        return len(matched)
 
     def note(self, done: DoneNotification, now: float) -> None:
         """Count one decode rank's "done" (see :mod:`p2pkv.notification`).
@@ -97,13 +111,25 @@ class PrefillHolds:
         ranks said so (several decode ranks read one prefill rank when decode
         TP is larger).
         """
-        first, readers, expected = self.notifs.get(done.request_id, (now, set(), done.notifiers))
-        if done.notifiers != expected:
-            logger.warning("p2pkv: a done notification for %s from %s says %d decode ranks notify, earlier ones %d; "
-                           "ignored", done.request_id, done.reader, done.notifiers, expected)
+        first, readers, expected, digest = self.notifs.get(done.request_id,
+                                                           (now, set(), done.notifiers, done.blocks))
+        if done.notifiers != expected or done.blocks != digest:
+            logger.warning("p2pkv: a done notification for %s from %s says %d decode ranks notify (earlier ones %d), "
+                           "block digest %s (earlier %s); ignored", done.request_id, done.reader, done.notifiers,
+                           expected, done.blocks, digest)
             return
         readers.add(done.reader)
-        self.notifs[done.request_id] = (first, readers, expected)
+        self.notifs[done.request_id] = (first, readers, expected, digest)
+
+    def _confirms(self, request_id: str, digest: str) -> bool:
+        """True when ``digest`` is that of the hold's block ids (or the hold's block ids are not known)."""
+        with self._lock:
+            held = self._digests.get(request_id)
+        if held is None or hmac.compare_digest(held, digest):
+            return True
+        logger.warning("p2pkv: done notifications for %s name block ids it does not hold with; not released "
+                       "(its lease frees it)", request_id)
+        return False
 
     def _apply_requests(self) -> set[str]:
         """Heartbeat extensions and releases from the side channel; the ids released."""
@@ -128,17 +154,20 @@ class PrefillHolds:
         now = time.monotonic()
         for done in notes:
             self.note(done, now)
-        done = {rid for rid, (_, readers, expected) in list(self.notifs.items())
-                if len(readers) >= expected and self.leases.release(rid)}
-        for rid in done:
+        done = set()
+        for rid, (_, readers, expected, digest) in list(self.notifs.items()):
+            if len(readers) < expected or rid not in self.leases:
+                continue  # more to come, or not leased here (yet)
             del self.notifs[rid]
+            if self._confirms(rid, digest) and self.leases.release(rid):
+                done.add(rid)
         done |= self._apply_requests()
         expired = set(self.leases.pop_expired())
         for rid in expired:
             logger.warning("p2pkv: lease of request %s expired before a decode engine pulled it; "
                            "releasing its blocks", rid)
         # A notification for a request not (yet) leased here is kept one lease long.
-        for rid, (t, _, _) in list(self.notifs.items()):
+        for rid, (t, _, _, _) in list(self.notifs.items()):
             if now - t > self.lease_s:
                 del self.notifs[rid]
         self._remember(done, expired, now)
@@ -153,6 +182,7 @@ class PrefillHolds:
             for rids, memory in ((released, self._released), (expired, self._expired)):
                 for rid in rids:
                     self._blocks.pop(rid, None)
+                    self._digests.pop(rid, None)
                     memory[rid] = now
                 while memory and next(iter(memory.values())) < horizon:  # oldest first (insertion order)
                     del memory[next(iter(memory))]

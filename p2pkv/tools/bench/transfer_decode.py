@@ -131,7 +131,8 @@ class Decode:
         for lay in PREFILL_CACHE_LAYOUTS:
             local, base = self.layouts[lay], self.caches[lay]
             t0 = time.perf_counter()
-            info = fetch_agent_info(host, ready[lay]["port"], 0, "bench-decode", "p2pkv-bench:" + shape.key())
+            info = fetch_agent_info(host, ready[lay]["port"], 0, "bench-decode", "p2pkv-bench:" + shape.key(),
+                                    engine_id=f"bench-prefill-{lay}")
             t1 = time.perf_counter()
             check_compatible(layout_desc(local, shape.model_info(lay), "HND", mem_type=self.mem_type), info.layout)
             name = self.agent.add_peer(info)

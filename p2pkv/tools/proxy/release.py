@@ -14,26 +14,34 @@ stops on any other message, so a NixlConnector hold is left to its lease.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from p2pkv.decode.release import free_hold
-from p2pkv.params import SENDER
+from p2pkv.params import SENDER, KVTransferParamsError, parse_remote_prefill
+
+logger = logging.getLogger("p2pkv.proxy")
 
 RELEASE_TIMEOUT_S = 2.0
 """Wait for each prefill rank's answer (seconds)."""
 
 
 def _release(params: dict[str, Any], secret: bytes | None) -> int:
-    """Blocking: ask each prefill rank to free ``remote_request_id``; how many ranks held it (0 for another
-    connector's params: nothing is sent)."""
+    """Blocking: ask each prefill rank to free ``remote_request_id``; how many ranks held it.
+
+    Nothing is sent for another connector's params, nor for params that do
+    not parse or (with ``secret``) whose ``p2pkv_capability`` does not check
+    out: the prefill engine made them, so they are only wrong when someone
+    else did.
+    """
     if params.get("kv_connector") != SENDER:
         return 0
-    host, port, rid = params.get("remote_host"), params.get("remote_port"), params.get("remote_request_id")
-    tp_size = params.get("tp_size") or 1
-    if not (isinstance(host, str) and isinstance(port, int) and isinstance(rid, str) and isinstance(tp_size, int)):
+    try:
+        remote = parse_remote_prefill(params, secret=secret)
+    except KVTransferParamsError as exc:
+        logger.warning("p2pkv proxy: not releasing a prefill hold: %s", exc)
         return 0
-    return sum(free_hold(host, port + rank, rid, "p2pkv-proxy", secret, RELEASE_TIMEOUT_S)
-               for rank in range(min(tp_size, 512)))
+    return sum(free_hold(remote, rank, "p2pkv-proxy", secret, RELEASE_TIMEOUT_S) for rank in range(remote.tp_size))
 
 
 async def release_all(params_list: list[dict[str, Any]], secret: bytes | None) -> int:
