@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
@@ -19,6 +20,38 @@ CHUNKS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text
 ERROR_BODY = {"object": "error", "message": "prompt too long", "type": "BadRequestError", "code": 400}
 
 
+class Concurrency:
+    """Requests in flight, counted across engines (each serves on its own thread), and the most at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.now = self.peak = 0
+
+    def enter(self) -> None:
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+
+    def exit(self) -> None:
+        with self.lock:
+            self.now -= 1
+
+
+async def _counted(chunks: AsyncIterator[Any], tracker: Concurrency) -> AsyncIterator[Any]:
+    """``chunks``, the stream counted out of ``tracker`` just before its last chunk goes (so the proxy's next
+    request can never overlap it in the count)."""
+    counted = True
+    try:
+        async for chunk in chunks:
+            if chunk == CHUNKS[-1]:
+                tracker.exit()
+                counted = False
+            yield chunk
+    finally:
+        if counted:
+            tracker.exit()
+
+
 class FakeEngine:
     """A fake prefill or decode engine recording each request; ``mode`` picks how it answers completions.
 
@@ -29,6 +62,10 @@ class FakeEngine:
     ``p2pkv`` (a prefill answer as p2pkv's engines give it with
     ``return_token_ids``: token 7 after prompt ``PROMPT_IDS``); ``held`` (the
     decode stream starts once ``gate`` is set).
+
+    ``delay_s`` delays every completions answer; ``fail_prompt`` answers 400
+    to a request with that prompt; ``tracker`` counts requests in flight (a
+    streamed answer until its last chunk).
     """
 
     def __init__(self, name: str, role: str) -> None:
@@ -36,6 +73,7 @@ class FakeEngine:
         self.seen: list[dict[str, Any]] = []
         self.closed_after: list[int] = []
         self.gate = threading.Event()
+        self.delay_s, self.fail_prompt, self.tracker = 0.0, None, None
         self.app = FastAPI()
         self.app.post("/v1/completions")(self.completion)
         self.app.post("/v1/chat/completions")(self.completion)
@@ -46,12 +84,31 @@ class FakeEngine:
         self.seen.clear()
         self.closed_after.clear()
         self.mode, self.healthy = "ok", True
+        self.delay_s, self.fail_prompt, self.tracker = 0.0, None, None
         self.gate.clear()
 
     async def completion(self, request: Request) -> Any:
         body = await request.json()
         self.seen.append({"path": request.url.path, "body": body, "rid": request.headers.get("x-request-id"),
                           "auth": request.headers.get("authorization")})
+        tracker: Concurrency | None = self.tracker
+        if tracker is not None:
+            tracker.enter()
+        resp = None
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            resp = await self.answer(request, body)
+            return resp
+        finally:
+            if tracker is not None and isinstance(resp, StreamingResponse):
+                resp.body_iterator = _counted(resp.body_iterator, tracker)  # in flight until its last chunk
+            elif tracker is not None:
+                tracker.exit()
+
+    async def answer(self, request: Request, body: dict[str, Any]) -> Any:
+        if self.fail_prompt is not None and body.get("prompt") == self.fail_prompt:
+            return JSONResponse(ERROR_BODY, status_code=400)
         if self.mode in ("400", "500"):
             return JSONResponse(ERROR_BODY, status_code=int(self.mode))
         if self.mode == "sleep":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import time
@@ -70,21 +71,34 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def test_protocol_round_robin_request_id_and_auth(stack: Stack, client: httpx.Client) -> None:
+def test_protocol_round_robin_request_id_and_auth(stack: Stack, client: httpx.Client,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The engines get the proxy's own request id, never the client's X-Request-Id (vLLM builds its request ids
+    from it: a long one, or one with other characters, is refused by the decode engine's params checks, which
+    then prefills locally while the prefill hold waits for its lease)."""
+    caplog.set_level(logging.INFO, logger="p2pkv.tools.proxy")
     body = {"model": "m", "prompt": "hi", "max_tokens": 7, "stream_options": {"include_usage": True}}
-    headers = {"X-Request-Id": "abc", "Authorization": "Bearer k"}
+    client_id = "c" * 10 + " <id>\t" + "d" * 240  # 256 characters, some outside [A-Za-z0-9._:@+=/-]
+    headers = {"X-Request-Id": client_id, "Authorization": "Bearer k"}
+    answered = []
     for _ in range(2):
         r = client.post(f"{stack.proxy}/v1/completions", json=body, headers=headers)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
-        assert r.headers["x-request-id"] == "abc"
+        answered.append(r.headers["x-request-id"])
     assert len(stack.p1.seen) == len(stack.p2.seen) == 1  # round-robin alternates
+    # each request: one id of the proxy's, the same on both legs and in the answer; never the client's
+    assert [s["rid"] for s in stack.prefills()] == [s["rid"] for s in stack.d.seen] == answered
+    assert len(set(answered)) == 2 and all(re.fullmatch(r"[0-9a-f]{32}", rid) for rid in answered)
+    logged = [r.getMessage() for r in caplog.records if "client X-Request-Id" in r.getMessage()]
+    shown = "c" * 10 + "??id??" + "d" * 48 + "?..."  # 64 characters, unsafe ones replaced, then cut
+    assert logged == [f"request {rid}: client X-Request-Id {shown}" for rid in answered]
     expected_prefill = {"model": "m", "prompt": "hi", "max_tokens": 1, "stream": False,
                         "kv_transfer_params": PREFILL_PARAMS}
     for s in stack.prefills():
         assert s["body"] == expected_prefill
         assert s["body"]["kv_transfer_params"]["do_remote_decode"] is True
     assert [s["body"] for s in stack.d.seen] == [{**body, "kv_transfer_params": KV_PARAMS}] * 2
-    assert {(s["rid"], s["auth"]) for s in stack.prefills() + stack.d.seen} == {("abc", "Bearer k")}
+    assert {s["auth"] for s in stack.prefills() + stack.d.seen} == {"Bearer k"}
 
 
 def test_chat_caps_max_completion_tokens_and_generates_request_id(stack: Stack, client: httpx.Client) -> None:

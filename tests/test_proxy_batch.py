@@ -7,14 +7,8 @@ import json
 
 import pytest
 
-from p2pkv.tools.proxy.batch import (
-    BadRequest,
-    StreamMerger,
-    check_request,
-    merge_completions,
-    split_prompts,
-    sse_events,
-)
+from p2pkv.tools.proxy.batch import StreamMerger, merge_completions, split_prompts, sse_events
+from p2pkv.tools.proxy.validate import BadRequest, check_request
 
 
 def test_split_every_prompt_shape() -> None:
@@ -30,9 +24,9 @@ def test_split_every_prompt_shape() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [("n", 2), ("best_of", 3)])
 def test_several_sequences_refused_naming_the_field(field: str, value: int) -> None:
-    check_request({field: 1})
+    check_request("/v1/completions", {field: 1})
     with pytest.raises(BadRequest, match=field):
-        check_request({field: value})
+        check_request("/v1/completions", {field: value})
 
 
 def test_merge_reindexes_and_sums_usage() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -39,18 +41,67 @@ def test_normalize_url_rejects_naming_the_flag(value: str) -> None:
 def test_flags_and_defaults() -> None:
     args = parse(["--prefill", "a:1", "b:2", "--decode", "c:3"])
     assert (args.host, args.port, args.timeout) == ("127.0.0.1", 8000, 300.0)
+    assert (args.max_body_bytes, args.max_fanout, args.max_prompts, args.insecure) == (16 * 1024 * 1024, 8, 256,
+                                                                                      False)
     assert args.prefill == ["a:1", "b:2"] and args.decode == ["c:3"]
     with pytest.raises(SystemExit):
         parse(["--prefill", "a:1"])  # --decode is required
 
 
-def test_main_rejects_bad_flags_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
+SECRET = "proxy-cli-test-secret-0123456789"
+
+
+@pytest.fixture
+def secret_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("P2PKV_SECRET", SECRET)
+
+
+def test_main_rejects_bad_flags_before_serving(capsys: pytest.CaptureFixture[str], secret_env: None) -> None:
     assert main(parse(["--prefill", "a:1", "--decode", "nope"])) == 2
     assert "--decode 'nope'" in capsys.readouterr().err
     assert main(parse(["--prefill", "a:1", "--decode", "c:3", "--timeout", "0"])) == 2
     assert "--timeout" in capsys.readouterr().err
     assert main(parse(["--prefill", "a:1", "b:2", "--decode", "http://b:2"])) == 2
     assert "http://b:2 is in both --prefill and --decode" in capsys.readouterr().err
+    for flag in ("--max-body-bytes", "--max-fanout", "--max-prompts"):
+        assert main(parse(["--prefill", "a:1", "--decode", "c:3", flag, "0"])) == 2
+        assert f"{flag} 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_main_refuses_to_start_without_a_secret(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    """Without a secret the proxy could not free a prefill hold whose decode leg failed: it exits 2 naming both
+    fixes (P2PKV_SECRET, --secret-file) and --insecure, before serving anything."""
+    monkeypatch.delenv("P2PKV_SECRET", raising=False)
+    served = []
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: served.append(a))
+    argv = ["--prefill", "a:1", "--decode", "c:3"]
+    assert main(parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert "P2PKV_SECRET" in err and "--secret-file" in err and "--insecure" in err
+    monkeypatch.setenv("P2PKV_SECRET", "short")
+    assert main(parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert "P2PKV_SECRET" in err and "minimum 16" in err and "secrets.token_hex(32)" in err
+    key = tmp_path / "key"
+    key.write_text("0123456789abcde\n")  # 15 bytes once stripped
+    assert main(parse([*argv, "--secret-file", str(key)])) == 2
+    assert f"--secret-file {key}" in capsys.readouterr().err
+    assert main(parse([*argv, "--secret-file", str(tmp_path / "missing")])) == 2
+    assert not served
+    key.write_text(SECRET + "\n")
+    assert main(parse([*argv, "--secret-file", str(key)])) == 0
+    assert served[-1][0].state.proxy.secret == SECRET.encode()
+    monkeypatch.delenv("P2PKV_SECRET")
+    assert main(parse([*argv, "--insecure"])) == 0
+    assert served[-1][0].state.proxy.secret is None and "--insecure" in capsys.readouterr().err
+
+
+def test_main_passes_the_limits_to_the_app(monkeypatch: pytest.MonkeyPatch, secret_env: None) -> None:
+    served = []
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: served.append(a))
+    assert main(parse(["--prefill", "a:1", "--decode", "c:3", "--max-fanout", "2"])) == 0
+    assert served[0][0].state.proxy.max_fanout == 2
 
 
 def test_prefill_body_and_round_robin() -> None:
@@ -74,7 +125,8 @@ def test_python_dash_m_serves_a_completion() -> None:
     hostports = [e.url.removeprefix("http://") for e in engines]
     proc = subprocess.Popen([sys.executable, "-m", "p2pkv.tools.proxy", "--port", str(port), "--prefill", hostports[0],
                              "--decode", hostports[1], "--timeout", "10"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "P2PKV_SECRET": SECRET})
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(timeout=10) as c:

@@ -17,14 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from p2pkv.tools.proxy.batch import (
-    BadRequest,
-    StreamMerger,
-    check_request,
-    merge_completions,
-    split_prompts,
-    sse_events,
-)
+from p2pkv.tools.proxy.batch import split_prompts, sse_events
+from p2pkv.tools.proxy.fanout import Batch
 from p2pkv.tools.proxy.first_token import (
     FirstToken,
     FirstTokenSource,
@@ -42,6 +36,15 @@ from p2pkv.tools.proxy.upstream import (
     prefill_body,
     status_error,
     transport_error,
+)
+from p2pkv.tools.proxy.validate import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_FANOUT,
+    DEFAULT_MAX_PROMPTS,
+    BadRequest,
+    check_request,
+    client_request_id,
+    read_json,
 )
 
 HEALTH_TIMEOUT_S = 2.0
@@ -77,11 +80,6 @@ def _headers(request: Request, request_id: str) -> dict[str, str]:
     return headers
 
 
-def _bad_request(message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": 400}},
-                        status_code=400)
-
-
 class Proxy:
     """One prefill and one decode request per prompt, and what to do when a leg fails.
 
@@ -91,14 +89,22 @@ class Proxy:
         secret: the side-channel secret, to free prefill holds whose decode leg failed.
         first_token_from: where a streaming request's first token comes from
             when it may (see :mod:`p2pkv.tools.proxy.first_token`).
+        max_fanout: most prefill/decode pairs one batched request runs at once
+            (see :mod:`p2pkv.tools.proxy.fanout`).
+
+    Raises:
+        ValueError: an empty backend list, or ``max_fanout`` below 1.
     """
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float,
-                 secret: bytes | None, first_token_from: FirstTokenSource = "prefill") -> None:
+                 secret: bytes | None, first_token_from: FirstTokenSource = "prefill",
+                 max_fanout: int = DEFAULT_MAX_FANOUT) -> None:
+        if max_fanout < 1:
+            raise ValueError(f"max_fanout={max_fanout}: must be >= 1 (pairs at once)")
         self.prefill_urls, self.decode_urls = prefill_urls, decode_urls
         self.prefill, self.decode = RoundRobin(prefill_urls), RoundRobin(decode_urls)
         self.timeout_s, self.secret = timeout_s, secret
-        self.first_token_from = first_token_from
+        self.first_token_from, self.max_fanout = first_token_from, max_fanout
         self.metrics = ProxyMetrics()
 
     async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
@@ -152,19 +158,6 @@ class Proxy:
         return Response(content, status_code=resp.status_code, media_type=resp.headers.get("content-type",
                         "application/json"), headers=out_headers)
 
-    async def prefill_all(self, client: httpx.AsyncClient, path: str, bodies: list[dict[str, Any]],
-                          headers: dict[str, str]) -> list[dict[str, Any]]:
-        """Every prompt's prefill, concurrently; their ``kv_transfer_params``. On any failure the others'
-        holds are freed and it raises."""
-        results = await asyncio.gather(*(self.run_prefill(client, path, b, headers) for b in bodies),
-                                       return_exceptions=True)
-        results = [r if isinstance(r, BaseException) else r["kv_transfer_params"] for r in results]
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            await self.release([r for r in results if isinstance(r, dict)])
-            raise failed[0]
-        return list(results)  # type: ignore[arg-type]
-
     async def release(self, params_list: list[dict[str, Any]]) -> None:
         """Free the prefill holds of decode legs that will never pull."""
         if params_list:
@@ -181,6 +174,12 @@ class Proxy:
         t = time.perf_counter()
         params: list[dict[str, Any]] = []
         try:
+            if len(bodies) > 1:
+                batch = Batch(self, client, path, headers, out_headers, self.max_fanout)
+                if body.get("stream") is True:
+                    self.metrics.first_tokens.labels("decode").inc()
+                    return await batch.stream(bodies)
+                return await batch.answers(bodies)
             if body.get("stream") is True:
                 if self.first_token_from == "decode" or blocker(path, body) is not None:
                     self.metrics.first_tokens.labels("decode").inc()
@@ -191,11 +190,11 @@ class Proxy:
                     self.metrics.first_tokens.labels("prefill" if first else "decode").inc()
                     if first is not None:
                         return self.stream_after(client, path, body, first, params[0], headers, out_headers)
-                    legs = [{**bodies[0], "kv_transfer_params": params[0]}]
-                    return await self.decode_all(client, path, body, legs, headers, out_headers)
-            params = await self.prefill_all(client, path, bodies, headers)
-            legs = [{**b, "kv_transfer_params": p} for b, p in zip(bodies, params, strict=True)]
-            return await self.decode_all(client, path, body, legs, headers, out_headers)
+                    return await self.decode_one(client, path, {**bodies[0], "kv_transfer_params": params[0]},
+                                                 headers, out_headers)
+            params = [(await self.run_prefill(client, path, bodies[0], headers))["kv_transfer_params"]]
+            return await self.decode_one(client, path, {**bodies[0], "kv_transfer_params": params[0]}, headers,
+                                         out_headers)
         except asyncio.CancelledError:  # the client went away: nobody will pull these
             await asyncio.shield(self.release(params))
             raise
@@ -252,71 +251,14 @@ class Proxy:
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=out_headers)
 
-    async def decode_all(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                         legs: list[dict[str, Any]], headers: dict[str, str], out_headers: dict[str, str]) -> Response:
-        """The decode leg of every prompt, merged when there are several."""
-        if len(legs) == 1:
-            try:
-                return await self.run_decode(client, path, legs[0], headers, out_headers)
-            except UpstreamError:
-                await self.release([legs[0]["kv_transfer_params"]])
-                raise
-        if body.get("stream") is True:
-            return await self.merged_stream(client, path, legs, headers, out_headers)
-        results = await asyncio.gather(*(self.run_decode(client, path, leg, headers, out_headers)
-                                         for leg in legs), return_exceptions=True)
-        failed = [i for i, r in enumerate(results) if isinstance(r, BaseException)]
-        if failed:
-            await self.release([legs[i]["kv_transfer_params"] for i in failed])
-            raise results[failed[0]]  # type: ignore[misc]
-        answers = [json.loads(r.body) for r in results]  # type: ignore[union-attr]
-        return JSONResponse(merge_completions(answers), headers=out_headers)
-
-    async def merged_stream(self, client: httpx.AsyncClient, path: str, legs: list[dict[str, Any]],
-                            headers: dict[str, str], out_headers: dict[str, str]) -> Response:
-        """Every prompt's decode stream at once, merged into one (see :class:`StreamMerger`)."""
-        opened = await asyncio.gather(*(self.run_decode(client, path, leg, headers, out_headers, relay=False)
-                                        for leg in legs), return_exceptions=True)
-        failed = [i for i, r in enumerate(opened) if isinstance(r, BaseException)]
-        if failed:
-            for r in opened:
-                if isinstance(r, httpx.Response):
-                    await r.aclose()
-            await self.release([legs[i]["kv_transfer_params"] for i in failed])
-            raise opened[failed[0]]  # type: ignore[misc]
-        streams: list[httpx.Response] = list(opened)  # type: ignore[arg-type]
-        merger, queue_ = StreamMerger(), asyncio.Queue()
-
-        async def pump(index: int, resp: httpx.Response) -> None:
-            try:
-                async for data in sse_events(resp.aiter_raw()):
-                    if (out := merger.chunk(index, data)) is not None:
-                        await queue_.put(out)
-            except httpx.HTTPError as exc:
-                self.metrics.errors.labels("decode").inc()
-                err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc})",
-                                    "decode", str(resp.url))
-                await queue_.put(b"data: " + json.dumps(err.payload()).encode() + b"\n\n")
-            finally:
-                await resp.aclose()
-                await queue_.put(None)
-
-        async def body() -> AsyncIterator[bytes]:
-            tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(streams)]
-            try:
-                done = 0
-                while done < len(tasks):
-                    item = await queue_.get()
-                    if item is None:
-                        done += 1
-                    else:
-                        yield item
-                yield merger.end()
-            finally:
-                for t in tasks:
-                    t.cancel()
-
-        return StreamingResponse(body(), media_type="text/event-stream", headers=out_headers)
+    async def decode_one(self, client: httpx.AsyncClient, path: str, leg: dict[str, Any], headers: dict[str, str],
+                         out_headers: dict[str, str]) -> Response:
+        """The decode leg of a single-prompt request, relayed; its prefill hold is freed when it fails."""
+        try:
+            return await self.run_decode(client, path, leg, headers, out_headers)  # type: ignore[return-value]
+        except UpstreamError:
+            await self.release([leg["kv_transfer_params"]])
+            raise
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response | None:
@@ -334,7 +276,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
 
 
 def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0,
-               secret: bytes | None = None, first_token_from: FirstTokenSource = "prefill") -> FastAPI:
+               secret: bytes | None = None, first_token_from: FirstTokenSource = "prefill",
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_fanout: int = DEFAULT_MAX_FANOUT,
+               max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
     """Build the proxy app (one shared ``httpx.AsyncClient``, opened and closed by the app's lifespan).
 
     Args:
@@ -347,11 +291,17 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
             token is sent from the prefill engine's answer when the request
             allows it (:mod:`p2pkv.tools.proxy.first_token`); ``"decode"``:
             always from the decode engine.
+        max_body_bytes: largest request body read (bytes); a larger one is answered 413.
+        max_fanout: most prefill/decode pairs a completions request with a
+            list of prompts runs at once.
+        max_prompts: most prompts one completions request may carry (more: 400).
 
     Raises:
-        ValueError: an empty backend list.
+        ValueError: an empty backend list, or a limit below 1.
     """
-    proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret, first_token_from)
+    if max_body_bytes < 1 or max_prompts < 1:
+        raise ValueError(f"max_body_bytes={max_body_bytes} and max_prompts={max_prompts} must be >= 1")
+    proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret, first_token_from, max_fanout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -366,27 +316,36 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
     app.state.metrics = proxy.metrics
     app.state.proxy = proxy
     for path in ("/v1/completions", "/v1/chat/completions"):
-        app.add_api_route(path, _endpoint(proxy, path), methods=["POST"])
+        app.add_api_route(path, _endpoint(proxy, path, max_body_bytes, max_prompts), methods=["POST"])
     _add_service_routes(app, proxy)
     return app
 
 
-def _endpoint(proxy: Proxy, path: str) -> Any:
+def _endpoint(proxy: Proxy, path: str, max_body_bytes: int, max_prompts: int) -> Any:
     metrics = proxy.metrics
 
     async def handle(request: Request) -> Response:
-        """An OpenAI request through prefill then decode (one pair per prompt)."""
+        """An OpenAI request through prefill then decode (one pair per prompt).
+
+        The engines get the proxy's own request id (``X-Request-Id``, 32 hex
+        digits, also in the answer's headers), never the client's: vLLM builds
+        its request ids from it, and the decode engine refuses ids that are
+        too long or hold other characters. The client's header is only logged
+        next to it.
+        """
         t0 = time.perf_counter()
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            check_request(body)
-        except (ValueError, BadRequest) as exc:
-            metrics.requests.labels(path, "400").inc()
-            return _bad_request(str(exc) if isinstance(exc, BadRequest) else "request body is not JSON")
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = uuid.uuid4().hex
         out_headers = {"X-Request-Id": request_id}
+        if (client_id := client_request_id(request.headers.get("x-request-id"))) is not None:
+            log.info("request %s: client X-Request-Id %s", request_id, client_id)
+        try:
+            body = await read_json(request, max_body_bytes)
+            check_request(path, body, max_prompts)
+        except BadRequest as exc:
+            metrics.requests.labels(path, str(exc.status)).inc()
+            # 413: close the connection rather than let the server drain the rest of the body
+            close = {"Connection": "close"} if exc.status == 413 else {}
+            return JSONResponse(exc.payload(), status_code=exc.status, headers={**out_headers, **close})
         client: httpx.AsyncClient = request.app.state.client
         waited = [0.0]
         work = proxy.serve(client, path, body, _headers(request, request_id), out_headers, waited)
@@ -395,6 +354,7 @@ def _endpoint(proxy: Proxy, path: str) -> Any:
         except UpstreamError as exc:
             if exc.backend_failed:
                 metrics.errors.labels(exc.stage).inc()
+                log.warning("request %s (client X-Request-Id %s): %s", request_id, client_id, exc.message)
             metrics.requests.labels(path, str(exc.status)).inc()
             resp = exc.response()
             resp.headers["X-Request-Id"] = request_id
@@ -416,7 +376,7 @@ def _add_service_routes(app: FastAPI, proxy: Proxy) -> None:
     async def models(request: Request) -> Response:
         """The first decode engine's model list."""
         url = proxy.decode_urls[0]
-        headers = _headers(request, request.headers.get("x-request-id") or uuid.uuid4().hex)
+        headers = _headers(request, uuid.uuid4().hex)
         try:
             resp = await request.app.state.client.get(f"{url}/v1/models", headers=headers,
                                                       timeout=min(timeout_s, 10.0))

@@ -14,23 +14,7 @@ import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-
-class BadRequest(ValueError):
-    """The client's request cannot be served; the message names the field and the fix."""
-
-
-def check_request(body: dict[str, Any]) -> None:
-    """Refuse what a P/D pair cannot serve as one engine would.
-
-    Raises:
-        BadRequest: ``n`` or ``best_of`` above 1 (several sequences per prompt
-            would each need the prompt's KV on the decode side).
-    """
-    for name in ("n", "best_of"):
-        value = body.get(name)
-        if value is not None and value != 1:
-            raise BadRequest(f"{name}={value!r} is not supported through the P/D proxy (each prompt is prefilled "
-                             f"once and decoded once); send {name}=1, or several requests")
+from p2pkv.tools.proxy.validate import BadRequest
 
 
 def split_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -46,7 +30,7 @@ def split_prompts(body: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(prompt, list):
         return [body]
     if not prompt:
-        raise BadRequest("prompt is an empty list; send at least one prompt")
+        raise BadRequest("prompt is an empty list; send at least one prompt", "prompt")
     if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return [body]  # one prompt given as token ids
     if len(prompt) == 1:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
 from pathlib import Path
+
+from p2pkv.tools.proxy.validate import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_FANOUT, DEFAULT_MAX_PROMPTS
 
 _HOSTPORT = re.compile(r"^(?:(https?)://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.\-]+):(\d{1,5})/?$")
 
@@ -34,8 +37,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                         help="timeout of each request to an engine, in seconds (default 300)")
     parser.add_argument("--secret-file", metavar="PATH",
-                        help="the engines' side-channel secret (default: env P2PKV_SECRET), used to free a "
-                             "prefill engine's blocks at once when their decode leg fails")
+                        help="the engines' side-channel secret (default: env P2PKV_SECRET; one of them is "
+                             "required unless --insecure), used to free a prefill engine's blocks at once when "
+                             "their decode leg fails")
+    parser.add_argument("--insecure", action="store_true",
+                        help="start without a side-channel secret: a prefill hold whose decode leg failed then "
+                             "waits for its lease instead of being freed at once")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                        help=f"largest request body read; a larger one is answered 413 (default "
+                             f"{DEFAULT_MAX_BODY_BYTES}, 16 MiB)")
+    parser.add_argument("--max-fanout", type=int, default=DEFAULT_MAX_FANOUT, metavar="N",
+                        help="most prefill/decode pairs a completions request with a list of prompts runs at once "
+                             f"(default {DEFAULT_MAX_FANOUT})")
+    parser.add_argument("--max-prompts", type=int, default=DEFAULT_MAX_PROMPTS, metavar="N",
+                        help=f"most prompts one completions request may carry; more is answered 400 (default "
+                             f"{DEFAULT_MAX_PROMPTS})")
     parser.add_argument("--first-token-from", choices=("prefill", "decode"), default="prefill",
                         help="where a streaming request's first token comes from: 'prefill' (default) sends the "
                              "prefill engine's sampled token at once and lets the decode engine continue after it, "
@@ -45,8 +61,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tool parser)")
 
 
+def read_secret(secret_file: str | None, insecure: bool) -> bytes | None:
+    """The side-channel secret: ``--secret-file``'s contents, else ``P2PKV_SECRET`` (both stripped).
+
+    Returns:
+        The secret, or None only with ``insecure``.
+
+    Raises:
+        ValueError: the file cannot be read; no secret without ``insecure``
+            (names both fixes); a secret shorter than
+            :data:`p2pkv.config.MIN_SECRET_BYTES` (names how to make one).
+    """
+    from p2pkv.config import ConfigError, check_secret
+
+    source, secret = "P2PKV_SECRET", os.environ.get("P2PKV_SECRET", "").strip().encode()
+    if secret_file:
+        source = f"--secret-file {secret_file}"
+        try:
+            secret = Path(secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ValueError(f"{source}: {exc}") from exc
+    if not secret:
+        if insecure:
+            return None
+        raise ValueError(f"no side-channel secret ({source} is empty): set P2PKV_SECRET or pass --secret-file PATH "
+                         "(the engines' secret: the proxy frees a prefill hold whose decode leg failed with it); or "
+                         "pass --insecure to start without one (such holds then wait for their lease)")
+    try:
+        return check_secret(secret, source)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from exc
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the proxy until interrupted; returns the exit code (2 on bad flags)."""
+    """Run the proxy until interrupted; returns the exit code (2 on bad flags or a missing secret)."""
     import uvicorn
 
     from p2pkv.tools.proxy.app import create_app
@@ -65,13 +113,23 @@ def main(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         print(f"p2pkv proxy: --timeout {args.timeout}: must be > 0 seconds", file=sys.stderr)
         return 2
-    secret = os.environ.get("P2PKV_SECRET", "").encode() or None
-    if args.secret_file:
-        try:
-            secret = Path(args.secret_file).read_bytes().strip() or None
-        except OSError as exc:
-            print(f"p2pkv proxy: --secret-file {args.secret_file}: {exc}", file=sys.stderr)
+    for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-fanout", args.max_fanout),
+                        ("--max-prompts", args.max_prompts)):
+        if value < 1:
+            print(f"p2pkv proxy: {flag} {value}: must be >= 1", file=sys.stderr)
             return 2
-    app = create_app(prefill, decode, timeout_s=args.timeout, secret=secret, first_token_from=args.first_token_from)
+    try:
+        secret = read_secret(args.secret_file, args.insecure)
+    except ValueError as exc:
+        print(f"p2pkv proxy: {exc}", file=sys.stderr)
+        return 2
+    if secret is None:
+        print("p2pkv proxy: warning: --insecure: no side-channel secret; a prefill hold whose decode leg failed "
+              "waits for its lease", file=sys.stderr, flush=True)
+    # INFO: each request whose client sent an X-Request-Id logs it next to the proxy's own id
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("p2pkv.tools.proxy").setLevel(logging.INFO)
+    app = create_app(prefill, decode, timeout_s=args.timeout, secret=secret, first_token_from=args.first_token_from,
+                     max_body_bytes=args.max_body_bytes, max_fanout=args.max_fanout, max_prompts=args.max_prompts)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

@@ -1,0 +1,226 @@
+"""A completions request with several prompts: one prefill/decode pair per prompt, at most ``max_fanout`` at once.
+
+A pair holds its slot from its prefill request to the end of its decode
+answer, so a long prompt list never has more than ``max_fanout`` prompts
+prefilled and held on the prefill engines, or decoding, at once (without the
+bound one request of 256 prompts would send 256 prefills together and keep
+every prompt's KV blocks held until its decode leg comes).
+
+Failures: a non-streamed batch answers the first failed prompt's error
+(prompt order); pairs not started by then are skipped, and a prefill hold
+whose decode leg will not come is freed. A streamed batch answers with the
+error when a pair fails before any decode stream opened; once the stream has
+started, a failed pair becomes an error event in it and the other prompts go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from p2pkv.tools.proxy.batch import StreamMerger, merge_completions, sse_events
+from p2pkv.tools.proxy.metrics import ProxyMetrics
+from p2pkv.tools.proxy.upstream import UpstreamError
+
+
+class Legs(Protocol):
+    """What a batch needs of :class:`p2pkv.tools.proxy.app.Proxy`: the two legs, releases, metrics."""
+
+    metrics: ProxyMetrics
+
+    async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                          headers: dict[str, str]) -> dict[str, Any]: ...
+
+    async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                         out_headers: dict[str, str], relay: bool = True) -> Response | httpx.Response: ...
+
+    async def release(self, params_list: list[dict[str, Any]]) -> None: ...
+
+
+class Skipped(Exception):
+    """A pair that did not run (or whose decode leg was not sent) because the batch had already failed."""
+
+
+_OPENED, _DONE = object(), object()
+"""Queue markers of a streamed batch: a pair's decode stream opened; a pair ended."""
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+class Batch:
+    """The pairs of one batched completions request.
+
+    Args:
+        proxy: the proxy (engines, releases, metrics).
+        client: the shared HTTP client.
+        path: ``/v1/completions``.
+        headers: headers for the engines (the proxy's request id).
+        out_headers: headers of the client's answer.
+        max_fanout: most pairs running at once (>= 1).
+    """
+
+    def __init__(self, proxy: Legs, client: httpx.AsyncClient, path: str, headers: dict[str, str],
+                 out_headers: dict[str, str], max_fanout: int) -> None:
+        self.proxy, self.client, self.path = proxy, client, path
+        self.headers, self.out_headers = headers, out_headers
+        self.slots = asyncio.Semaphore(max_fanout)
+        self.stop = asyncio.Event()
+        """Set when the batch's answer is an error: pairs not yet decoding are skipped."""
+        self.opened = False
+        """A streamed batch: a decode stream has opened, so the answer is a stream (later failures are events)."""
+
+    async def _prefill(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One prompt's prefill (the caller holds a slot); its ``kv_transfer_params``.
+
+        Raises:
+            Skipped: the batch failed before or during it (a hold it made is freed).
+            UpstreamError: the prefill failed.
+        """
+        if self.stop.is_set():
+            raise Skipped
+        params = (await self.proxy.run_prefill(self.client, self.path, body, self.headers))["kv_transfer_params"]
+        if self.stop.is_set():
+            await self.proxy.release([params])
+            raise Skipped
+        return params
+
+    async def _decode(self, body: dict[str, Any], params: dict[str, Any]) -> Response | httpx.Response:
+        """One prompt's decode leg (an opened stream when ``stream`` is true); a hold it never pulls is freed.
+
+        Raises:
+            UpstreamError: the decode engine failed or refused.
+        """
+        leg = {**body, "kv_transfer_params": params}
+        try:
+            return await self.proxy.run_decode(self.client, self.path, leg, self.headers, self.out_headers,
+                                               relay=False)
+        except UpstreamError:
+            await self.proxy.release([params])
+            raise
+        except asyncio.CancelledError:  # the client went away: nobody may pull it
+            await asyncio.shield(self.proxy.release([params]))
+            raise
+
+    async def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A non-streamed prompt's answer (JSON).
+
+        Raises:
+            Skipped: the batch failed first.
+            UpstreamError: a leg failed (the batch is stopped).
+        """
+        try:
+            async with self.slots:
+                params = await self._prefill(body)
+                resp = await self._decode(body, params)
+        except UpstreamError:
+            self.stop.set()
+            raise
+        assert isinstance(resp, Response)
+        try:
+            return json.loads(resp.body)
+        except ValueError as exc:
+            self.stop.set()
+            raise UpstreamError(502, f"decode engine answered non-JSON: {bytes(resp.body[:300])!r}; check its log",
+                                "decode", "") from exc
+
+    async def answers(self, bodies: list[dict[str, Any]]) -> Response:
+        """Every prompt answered, merged into one completions answer.
+
+        Raises:
+            UpstreamError: the first failed prompt's error (prompt order).
+        """
+        results = await asyncio.gather(*(self._answer(b) for b in bodies), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, Skipped):
+                raise r
+        return JSONResponse(merge_completions(results), headers=self.out_headers)  # type: ignore[arg-type]
+
+    async def _stream_pair(self, index: int, body: dict[str, Any], queue: asyncio.Queue[Any],
+                           merger: StreamMerger) -> None:
+        """One prompt's pair: ``_OPENED``, its stream's chunks, then ``_DONE`` put on ``queue``; a failure is put
+        there as the :class:`UpstreamError` (and stops the batch when no stream has opened yet)."""
+        try:
+            async with self.slots:
+                try:
+                    params = await self._prefill(body)
+                    resp = await self._decode(body, params)
+                except UpstreamError as exc:
+                    if not self.opened:  # the answer will be this error: pairs not started must not start
+                        self.stop.set()
+                    await queue.put(exc)
+                    return
+                assert isinstance(resp, httpx.Response)
+                try:
+                    if self.stop.is_set():
+                        return
+                    self.opened = True
+                    await queue.put(_OPENED)
+                    async for data in sse_events(resp.aiter_raw()):
+                        if self.stop.is_set():  # the batch answered with another pair's error
+                            return
+                        if (out := merger.chunk(index, data)) is not None:
+                            await queue.put(out)
+                except httpx.HTTPError as exc:
+                    await queue.put(UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: "
+                                                  f"{exc}); check its log", "decode", str(resp.url)))
+                finally:
+                    await resp.aclose()
+        except Skipped:
+            pass
+        finally:
+            queue.put_nowait(_DONE)
+
+    async def stream(self, bodies: list[dict[str, Any]]) -> Response:
+        """Every prompt's decode stream merged into one (see :class:`StreamMerger`), pairs bounded.
+
+        Returns once a decode stream opened. Raises UpstreamError: a pair failed first (the others are stopped and
+        waited for, their holds freed).
+        """
+        merger, queue_ = StreamMerger(), asyncio.Queue()
+        tasks = [asyncio.create_task(self._stream_pair(i, b, queue_, merger)) for i, b in enumerate(bodies)]
+        done = 0
+        try:
+            while True:
+                item = await queue_.get()
+                if item is _OPENED:
+                    break
+                if item is _DONE:
+                    done += 1
+                    if done == len(tasks):
+                        raise UpstreamError(502, "no prompt of the batch was decoded", "decode", "")
+                elif isinstance(item, UpstreamError):
+                    self.stop.set()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    raise item
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            raise
+        metrics = self.proxy.metrics
+
+        async def body() -> AsyncIterator[bytes]:
+            ended = done
+            try:
+                while ended < len(tasks):
+                    item = await queue_.get()
+                    if item is _DONE:
+                        ended += 1
+                    elif isinstance(item, UpstreamError):
+                        if item.backend_failed:
+                            metrics.errors.labels(item.stage).inc()
+                        yield _event(item.payload())
+                    elif isinstance(item, bytes):
+                        yield item
+                yield merger.end()
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=self.out_headers)
