@@ -19,6 +19,31 @@ class ConfigError(ValueError):
     """A p2pkv setting is unknown or has a bad value; the message names it."""
 
 
+MIN_SECRET_BYTES = 16
+"""The shortest side-channel secret accepted (bytes, after stripping whitespace)."""
+
+MAKE_SECRET = 'python -c "import secrets; print(secrets.token_hex(32))"'
+"""A command that prints a good secret (64 hex characters)."""
+
+
+def check_secret(key: bytes, source: str) -> bytes:
+    """``key`` if it is long enough to be a side-channel HMAC key.
+
+    Args:
+        key: the secret, already stripped of surrounding whitespace.
+        source: where it came from, for the message (``P2PKV_SECRET``, a file, a flag).
+
+    Raises:
+        ConfigError: ``key`` is shorter than :data:`MIN_SECRET_BYTES` bytes;
+            names ``source``, the minimum and how to make one.
+    """
+    if len(key) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{source}: the side-channel secret is {len(key)} bytes, shorter than the minimum "
+                          f"{MIN_SECRET_BYTES}; make one with `{MAKE_SECRET}` and give the same value to "
+                          "prefill, decode and the proxy")
+    return key
+
+
 class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """p2pkv settings.
 
@@ -39,9 +64,13 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         transfer_timeout_s: seconds a NIXL READ may stay in flight before
             its blocks are reported as load errors.
         secret: shared secret: every side-channel message is HMAC-SHA256
-            signed and verified (prefill, decode and the proxy use the same).
-            Required unless ``insecure``: a side channel without one refuses
-            to start.
+            signed and verified (prefill, decode and the proxy use the same);
+            at least :data:`MIN_SECRET_BYTES` bytes after stripping
+            whitespace. Required unless ``insecure``: a side channel without
+            one refuses to start. Only from ``P2PKV_SECRET`` (or the struct
+            itself): :func:`load_config` refuses it in
+            ``kv_connector_extra_config``, which vLLM prints in its log and
+            which shows in ``ps``.
         secret_file: a file holding the secret (e.g. a mounted Kubernetes
             Secret); used when ``secret`` is empty.
         insecure: allow a side channel without a secret (anyone who reaches
@@ -98,6 +127,14 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             decode worker allocates, on its first pull from a peer with
             another block size, HND/NHD order or TP size, to receive whole
             remote blocks before the fixup; pulls wait when it is full.
+        max_peers: most prefill ranks a decode worker keeps (handshaken,
+            or being handshaken) at once. When a pull needs more, the least
+            recently used ones no pull needs are dropped (their NIXL remote
+            agent and fence connection); when none can be, the pull is
+            refused (``kind=refused``). At least the largest prefill TP size
+            a single request names (one peer per prefill rank).
+        peer_idle_s: a prefill rank no pull has used for this long
+            (seconds) is dropped; the next pull from it handshakes again.
     """
 
     side_channel_host: str = ""
@@ -123,15 +160,20 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pull_poll_interval_s: float = 0.0002
     switch_interval_s: float = 0.0005
     idle_wait_s: float = 0.002
+    max_peers: int = 256
+    peer_idle_s: float = 600.0
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.
 
+        Both are stripped of surrounding whitespace (as the proxy does).
+
         Raises:
-            ConfigError: ``secret_file`` cannot be read or is empty.
+            ConfigError: ``secret_file`` cannot be read or is empty, or the
+                secret is shorter than :data:`MIN_SECRET_BYTES` bytes.
         """
-        if self.secret:
-            return self.secret.encode()
+        if self.secret.strip():
+            return check_secret(self.secret.strip().encode(), "P2PKV_SECRET")
         if not self.secret_file:
             return None
         try:
@@ -140,7 +182,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"secret_file={self.secret_file!r} cannot be read: {exc}") from exc
         if not key:
             raise ConfigError(f"secret_file={self.secret_file!r} is empty; write the shared secret into it")
-        return key
+        return check_secret(key, f"secret_file={self.secret_file!r}")
 
     def require_secret(self) -> bytes | None:
         """The secret a side channel starts with (None only with ``insecure``).
@@ -151,7 +193,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         key = self.secret_bytes()
         if key is None and not self.insecure:
             raise ConfigError(
-                "no side-channel secret: set P2PKV_SECRET (or secret / secret_file in "
+                "no side-channel secret: set P2PKV_SECRET in the environment (or secret_file=PATH in "
                 "kv_connector_extra_config) to the same value on prefill, decode and the proxy; or set "
                 "insecure=true to run without one (anyone who reaches the port can read the KV cache)")
         return key
@@ -199,6 +241,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"handshake_retries must be >= 1, got {self.handshake_retries}")
         if not self.nixl_backends:
             raise ConfigError('nixl_backends must name at least one backend, e.g. ["UCX"]')
+        if not 1 <= self.max_peers <= 65536:
+            raise ConfigError(f"max_peers must be 1..65536 (prefill ranks), got {self.max_peers}")
+        if self.peer_idle_s <= 0:
+            raise ConfigError(f"peer_idle_s must be > 0 seconds, got {self.peer_idle_s}")
 
 
 _FIELDS = P2pKvConfig.__struct_fields__
@@ -230,7 +276,9 @@ def load_config(
         The validated :class:`P2pKvConfig`.
 
     Raises:
-        ConfigError: an unknown key, a value of the wrong type or out of range;
+        ConfigError: an unknown key, a value of the wrong type or out of range,
+            or a non-empty ``secret`` in ``extra_config`` (vLLM prints the
+            extra config in its log, and it is on the engine's command line);
             the message names the key.
     """
     environ = dict(os.environ) if environ is None else environ
@@ -240,6 +288,12 @@ def load_config(
             raise ConfigError(
                 f"unknown p2pkv setting {key!r} in kv_connector_extra_config; "
                 f"known settings: {', '.join(_FIELDS)}"
+            )
+        if key == "secret" and value:
+            raise ConfigError(
+                "secret in kv_connector_extra_config: it would be printed in vLLM's log (non-default args) and be "
+                "visible in `ps`; remove it and set P2PKV_SECRET in the engine's environment or "
+                "secret_file=PATH (a file holding the secret)"
             )
         merged[key] = value
     try:

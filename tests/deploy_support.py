@@ -20,13 +20,12 @@ DOCKER = ROOT / "docker"
 K8S = DOCKER / "k8s"
 WORKFLOWS = ROOT / ".github" / "workflows"
 DASHBOARD = DOCKER / "grafana" / "p2pkv-dashboard.json"
-MANIFESTS = ("models.yaml", "prefill.yaml", "decode.yaml", "proxy.yaml")
+MANIFESTS = ("models.yaml", "prefill.yaml", "decode.yaml", "proxy.yaml", "networkpolicy.yaml")
 K8S_VERSIONS = ("1.29.0", "1.37.0")
 """Kubernetes releases the manifests are validated against (oldest and newest checked)."""
 ENGINE_PORTS = {"prefill": 8100, "decode": 8200}
 RDMA_RESOURCE = "rdma/ib"
 TEST_EXTRA = "install the test extra: pip install -e '.[test]'"
-
 
 
 def tool(name: str) -> str:

@@ -35,6 +35,33 @@ def test_config_errors_name_the_field(extra, field) -> None:
         load_config(extra, environ={})
 
 
+def test_secret_comes_from_the_environment_or_a_file_never_the_extra_config(tmp_path) -> None:
+    """vLLM prints kv_connector_extra_config in its log (non-default args) and it is on the engine's command
+    line: a secret there is refused, naming the fix; P2PKV_SECRET and secret_file work."""
+    key = "0123456789abcdef-side-channel"
+    with pytest.raises(ConfigError, match="secret in kv_connector_extra_config") as info:
+        load_config({"secret": key}, environ={})
+    assert "P2PKV_SECRET" in str(info.value) and "secret_file=PATH" in str(info.value) and key not in str(info.value)
+    assert load_config({"secret": ""}, environ={}).secret_bytes() is None
+    assert load_config(None, environ={"P2PKV_SECRET": f" {key}\n"}).require_secret() == key.encode()
+    path = tmp_path / "secret"
+    path.write_text(key + "\n")
+    assert load_config({"secret_file": str(path)}, environ={}).require_secret() == key.encode()
+
+
+@pytest.mark.parametrize("where", ["env", "file"])
+def test_a_short_secret_is_refused_naming_the_minimum_and_how_to_make_one(tmp_path, where: str) -> None:
+    short = "  0123456789abcde \n"  # 15 bytes once stripped
+    path = tmp_path / "secret"
+    path.write_text(short)
+    cfg = load_config({"secret_file": str(path)}, environ={}) if where == "file" else \
+        load_config(None, environ={"P2PKV_SECRET": short})
+    with pytest.raises(ConfigError, match="minimum 16") as info:
+        cfg.require_secret()
+    assert "secrets.token_hex(32)" in str(info.value)
+    assert (str(path) if where == "file" else "P2PKV_SECRET") in str(info.value)
+
+
 def test_params_round_trip_nixl_compatible() -> None:
     out = make_prefill_response_params(engine_id="e1", request_id="r1", host="10.0.0.2", port=5600,
                                        block_ids=[4, 5, 9], tp_size=1, num_tokens=70, expiry_time=None)
@@ -43,9 +70,9 @@ def test_params_round_trip_nixl_compatible() -> None:
         assert key in out
     assert out["remote_block_ids"] == [[4, 5, 9]]  # a list per KV cache group, as NixlConnector sends
     assert wants_remote_prefill(out) and not wants_remote_decode(out)
-    rp = parse_remote_prefill(out)
+    rp = parse_remote_prefill(out, secret=None)
     assert rp.block_ids == (4, 5, 9) and rp.port == 5600 and rp.num_tokens == 70
-    assert parse_remote_prefill({**out, "remote_block_ids": [1, 2]}).block_ids == (1, 2)
+    assert parse_remote_prefill({**out, "remote_block_ids": [1, 2]}, secret=None).block_ids == (1, 2)
 
 
 def test_params_carry_every_kv_cache_group() -> None:
@@ -54,10 +81,10 @@ def test_params_carry_every_kv_cache_group() -> None:
                                        block_ids=[4, 5, 9, 0, 0, 7], group_sizes=[3, 3], tp_size=1,
                                        num_tokens=40, expiry_time=None)
     assert out["remote_block_ids"] == [[4, 5, 9], [0, 0, 7]]
-    rp = parse_remote_prefill(out)
+    rp = parse_remote_prefill(out, secret=None)
     assert rp.block_ids == (4, 5, 9, 0, 0, 7) and rp.group_sizes == (3, 3)
     assert rp.groups() == ((4, 5, 9), (0, 0, 7))
-    one = parse_remote_prefill({**out, "remote_block_ids": [[4, 5]]})
+    one = parse_remote_prefill({**out, "remote_block_ids": [[4, 5]]}, secret=None)
     assert one.group_sizes == () and one.groups() == ((4, 5),)
 
 
@@ -81,7 +108,7 @@ def test_bad_params_name_the_key(change, field) -> None:
     good = make_prefill_response_params(engine_id="e1", request_id="r1", host="h", port=5600,
                                         block_ids=[1], tp_size=1, num_tokens=1, expiry_time=None)
     with pytest.raises(KVTransferParamsError, match=field):
-        parse_remote_prefill({**good, **change})
+        parse_remote_prefill({**good, **change}, secret=None)
 
 
 def test_ucx_settings_become_backend_params() -> None:

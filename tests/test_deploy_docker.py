@@ -208,6 +208,10 @@ def compose_problems(compose: dict[str, Any]) -> list[str]:
                 problems.append(f"proxy: does not wait for a healthy {role}")
         if f":{proxy.port}/health" not in " ".join(services["proxy"]["healthcheck"]["test"]):
             problems.append("proxy: healthcheck does not probe its /health")
+    secret = parsed["model"].secret_file
+    for name in ("prefill", "decode", "proxy"):  # without the secret the engines and the proxy exit 2
+        if secret is None or getattr(parsed[name], "secret_file", None) != secret:
+            problems.append(f"{name}: --secret-file is not the one the model service writes ({secret})")
     declared = set(compose.get("volumes") or {})
     for name, svc in services.items():
         for vol in svc.get("volumes", []):
@@ -242,6 +246,7 @@ def test_compose_services_run_real_p2pkv_commands() -> None:
     ("prefill", "--side-channel-port", "--side-chanel-port", "prefill: p2pkv launch prefill"),
     ("decode", "decode", "decoder", "decode: p2pkv launch decoder"),
     ("proxy", "prefill:8100", "prefill:8200", "proxy: --prefill"),
+    ("proxy", "/models/side-channel-secret", "/models/other-secret", "proxy: --secret-file"),
     ("decode", "/models/tiny", "/models/small", "decode: --model"),
     ("model", "make-tiny-model", "make-tiny-models", "model: p2pkv make-tiny-models"),
 ])

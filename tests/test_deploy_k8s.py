@@ -232,6 +232,11 @@ def test_proxy_addresses_the_engine_services() -> None:
         http = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http")
         assert [host_port(v) for v in getattr(ns, role)] == [(svc["metadata"]["name"], http)]
     assert "nvidia.com/gpu" not in json.dumps(c.get("resources", {}))
+    # the proxy exits 2 without the side-channel secret: the same Secret as the engines'
+    secrets = [{e["name"]: e for e in _container(docs[("Deployment", f"p2pkv-{name}")]).get("env", [])}
+               .get("P2PKV_SECRET", {}).get("valueFrom") for name in ("proxy", "prefill", "decode")]
+    assert secrets[0] == secrets[1] == secrets[2] == {"secretKeyRef": {"name": "p2pkv-side-channel", "key": "secret"}}
+    assert not ns.insecure
     assert _probe_problems(c, ("readinessProbe",)) == []
     assert _scrape_problems(dep, 8000) == []
     svc = docs[("Service", "p2pkv-proxy")]
@@ -240,3 +245,103 @@ def test_proxy_addresses_the_engine_services() -> None:
     broken = copy.deepcopy(svc)
     broken["spec"]["selector"]["app.kubernetes.io/component"] = "proxi"
     assert _service_problems(broken, dep)
+
+
+# ---- NetworkPolicy: who may connect to the engine pods ---------------------------------------------------------
+
+EPHEMERAL = 40000
+"""A port UCX might pick for a connection between the engines."""
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector selects a pod with ``labels``."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def _pod_labels(docs: dict[tuple[str, str], dict[str, Any]], component: str) -> dict[str, str]:
+    return docs[("Deployment", f"p2pkv-{component}")]["spec"]["template"]["metadata"]["labels"]
+
+
+def _admits(policy: dict[str, Any], source: dict[str, str], port: int) -> bool:
+    """Whether ``policy``'s ingress rules let a pod of this namespace with labels ``source`` reach TCP ``port``
+    (a peer other than a pod selector is taken to admit everyone)."""
+    for rule in policy["spec"].get("ingress", []):
+        peers = rule.get("from")
+        if peers and not any(set(p) != {"podSelector"} or _selects(p["podSelector"], source) for p in peers):
+            continue
+        ports = rule.get("ports")
+        if not ports or any(p.get("protocol", "TCP") == "TCP" and
+                            ("port" not in p or p["port"] <= port <= p.get("endPort", p["port"])) for p in ports):
+            return True
+    return False
+
+
+def policy_problems(docs: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
+    """What the NetworkPolicies get wrong about who reaches the pods (empty: nothing)."""
+    engines, proxy = docs[("NetworkPolicy", "p2pkv-engines")], docs[("NetworkPolicy", "p2pkv-proxy")]
+    labels = {c: _pod_labels(docs, c) for c in ("prefill", "decode", "proxy")}
+    port = {c: _named_port(_container(docs[("Deployment", f"p2pkv-{c}")]), "http") for c in labels}
+    side = _named_port(_container(docs[("Deployment", "p2pkv-prefill")]), "side-channel")
+    problems = []
+    for role in ("prefill", "decode"):
+        if not _selects(engines["spec"]["podSelector"], labels[role]):
+            problems.append(f"p2pkv-engines: podSelector misses the {role} pods")
+    if _selects(engines["spec"]["podSelector"], labels["proxy"]) or \
+            not _selects(proxy["spec"]["podSelector"], labels["proxy"]):
+        problems.append("podSelectors: p2pkv-proxy must select the proxy pods, p2pkv-engines not")
+    for policy in (engines, proxy):
+        if policy["spec"].get("policyTypes") != ["Ingress"]:
+            problems.append(f"{policy['metadata']['name']}: policyTypes is not [Ingress]")
+    wanted = [("proxy", role, port[role]) for role in ("prefill", "decode")] + [("proxy", "prefill", side)]
+    wanted += [(a, b, p) for a, b in (("decode", "prefill"), ("prefill", "decode")) for p in (side, EPHEMERAL)]
+    for source, role, p in wanted:
+        if not _admits(engines, labels[source], p):
+            problems.append(f"p2pkv-engines: {source} -> {role} port {p} refused")
+    other = {"app.kubernetes.io/name": "something-else"}
+    for source, p in (("other", port["prefill"]), ("other", side), ("other", EPHEMERAL), ("proxy", EPHEMERAL)):
+        if _admits(engines, other if source == "other" else labels[source], p):
+            problems.append(f"p2pkv-engines: {source} pods reach the engines' port {p}")
+    if not _admits(proxy, other, port["proxy"]):
+        problems.append("p2pkv-proxy: clients cannot reach the proxy's HTTP port")
+    return problems
+
+
+def test_network_policy_lets_only_the_proxy_and_the_engines_in() -> None:
+    docs = _k8s_docs()
+    assert policy_problems(docs) == []
+
+
+def _prefill_only(docs: dict[tuple[str, str], dict[str, Any]]) -> None:
+    docs[("NetworkPolicy", "p2pkv-engines")]["spec"]["podSelector"]["matchExpressions"][0]["values"] = ["prefill"]
+
+
+def _relabelled_decode(docs: dict[tuple[str, str], dict[str, Any]]) -> None:
+    _pod_labels(docs, "decode")["app.kubernetes.io/component"] = "decoder"
+
+
+def _side_channel_only(docs: dict[tuple[str, str], dict[str, Any]]) -> None:
+    docs[("NetworkPolicy", "p2pkv-engines")]["spec"]["ingress"][1]["ports"] = [{"protocol": "TCP", "port": 5600}]
+
+
+def _open_to_all(docs: dict[tuple[str, str], dict[str, Any]]) -> None:
+    docs[("NetworkPolicy", "p2pkv-engines")]["spec"]["ingress"].append({"ports": [{"protocol": "TCP", "port": 8100}]})
+
+
+@pytest.mark.parametrize(("mutate", "problem"), [
+    (_prefill_only, "p2pkv-engines: podSelector misses the decode pods"),
+    (_relabelled_decode, "p2pkv-engines: podSelector misses the decode pods"),
+    (_side_channel_only, f"p2pkv-engines: decode -> prefill port {EPHEMERAL} refused"),
+    (_open_to_all, "p2pkv-engines: other pods reach the engines' port 8100"),
+])
+def test_network_policy_check_rejects_a_wrong_policy(mutate: Any, problem: str) -> None:
+    docs = copy.deepcopy(_k8s_docs())
+    mutate(docs)
+    assert problem in policy_problems(docs)

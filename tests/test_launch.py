@@ -84,16 +84,46 @@ def test_pod_without_a_secret_refuses_to_start(tmp_path, capsys, monkeypatch) ->
     err = _failure(_pod(tmp_path), capsys)
     assert "P2PKV_SECRET" in err and "--secret-file" in err and "insecure" in err
     key = tmp_path / "key"
-    key.write_text("file-secret\n")
+    key.write_text("file-secret-0123456789\n")
     out, _, ktc = _dry_run(_pod(tmp_path, "--secret-file", str(key)), capsys)
     assert ktc["kv_connector_extra_config"]["secret_file"] == str(key) and "file-secret" not in out
     (tmp_path / "empty").write_text("")
     assert "is empty" in _failure(_pod(tmp_path, "--secret-file", str(tmp_path / "empty")), capsys)
     assert main(_pod(tmp_path, "--insecure")) == 0
     assert "runs without a secret" in capsys.readouterr().err
-    monkeypatch.setenv("P2PKV_SECRET", "from-env")
+    monkeypatch.setenv("P2PKV_SECRET", "from-env-0123456789")
     out, _, _ = _dry_run(_pod(tmp_path), capsys)
     assert "P2PKV_SECRET=" in out and "<hidden>" in out and "from-env" not in out
+
+
+def test_pod_secret_must_be_long_and_off_the_command_line(tmp_path, capsys, monkeypatch) -> None:
+    """A secret shorter than 16 bytes is refused (naming how to make one); one in --kv-connector-extra-config is
+    refused too: vLLM prints the extra config in its log, and it would be on the engine's command line."""
+    monkeypatch.setenv("P2PKV_SECRET", "0123456789abcde")  # 15 bytes
+    err = _failure(_pod(tmp_path), capsys)
+    assert "P2PKV_SECRET" in err and "minimum 16" in err and "secrets.token_hex(32)" in err
+    monkeypatch.delenv("P2PKV_SECRET")
+    key = tmp_path / "key"
+    key.write_text("  short \n")
+    err = _failure(_pod(tmp_path, "--secret-file", str(key)), capsys)
+    assert str(key) in err and "minimum 16" in err
+    monkeypatch.setenv("P2PKV_SECRET", "0123456789abcdef")
+    err = _failure(_pod(tmp_path, "--kv-connector-extra-config", '{"secret": "0123456789abcdef-in-argv"}'), capsys)
+    assert "--kv-connector-extra-config" in err and "P2PKV_SECRET" in err and "secret_file" in err
+    assert "0123456789abcdef-in-argv" not in err
+    out, argv, _ = _dry_run(_pod(tmp_path), capsys)
+    assert "0123456789abcdef" not in out and "0123456789abcdef" not in " ".join(argv)
+
+
+def test_local_pair_checks_the_secret(tmp_path, monkeypatch) -> None:
+    with pytest.raises(LaunchError, match="minimum 16"):
+        LocalPair(model=str(tmp_path), secret="short").check()
+    with pytest.raises(LaunchError, match="P2PKV_SECRET"):
+        LocalPair(model=str(tmp_path), extra_config={"secret": "0123456789abcdef"}).check()
+    pair = LocalPair(model=str(tmp_path), side_channel_port=free_ports(1)[0])
+    for spec in pair.engine_specs():
+        assert pair.secret not in " ".join(spec.command()) and spec.environment()["P2PKV_SECRET"] == pair.secret
+    assert pair.secret not in " ".join(pair.proxy_command())
 
 
 def _pod(tmp_path: Path, *flags: str, role: str = "prefill") -> list[str]:
@@ -220,7 +250,7 @@ def test_pod_bad_passthrough_flags_are_refused(tmp_path, capsys, flag, value, ex
 
 
 def test_pod_dry_run_prints_the_command_with_the_connector_config(tmp_path, capsys) -> None:
-    argv = _pod(tmp_path, "--kv-connector-extra-config", '{"lease_s": 30, "secret": "s3"}',
+    argv = _pod(tmp_path, "--kv-connector-extra-config", '{"lease_s": 30}',
                 "--extra-vllm-args=--seed 3", "--max-model-len", "512", "--proxy-url", "http://10.0.0.9:8000/",
                 role="decode")
     side = int(argv[argv.index("--side-channel-port") + 1])
@@ -229,9 +259,8 @@ def test_pod_dry_run_prints_the_command_with_the_connector_config(tmp_path, caps
     assert cmd[cmd.index("--max-model-len") + 1] == "512" and cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert ktc["kv_connector"] == "P2pKvConnector" and "kv_connector_module_path" not in ktc  # the plugin
     extra = ktc["kv_connector_extra_config"]
-    assert extra == {"side_channel_host": "127.0.0.1", "side_channel_port": side, "lease_s": 30,
-                     "secret": "<hidden>"}
-    assert "s3" not in out and "dry run" in out
+    assert extra == {"side_channel_host": "127.0.0.1", "side_channel_port": side, "lease_s": 30}
+    assert "launch-test-secret" not in out and "dry run" in out
     assert "(from --side-channel-host)" in out and "warning: side channel on 127.0.0.1" in out
     assert "http://10.0.0.9:8000 must list this engine" in out and "--decode" in out
 

@@ -101,8 +101,18 @@ class LocalPair:
         """Validate before starting anything.
 
         Raises:
-            LaunchError: missing model dir, a port in use, a bad block size.
+            LaunchError: missing model dir, a port in use, a bad block size, a
+                secret shorter than :data:`p2pkv.config.MIN_SECRET_BYTES`, or
+                a bad p2pkv setting (``secret`` among them) in the extra config.
         """
+        from p2pkv.config import ConfigError, check_secret, load_config
+
+        try:
+            check_secret(self.secret.strip().encode(), "P2PKV_SECRET")
+            if self.connector == "p2pkv":
+                load_config({**self.extra_config, **self.decode_extra_config}, environ={})
+        except ConfigError as exc:
+            raise LaunchError(str(exc)) from exc
         if not Path(self.model).is_dir():
             raise LaunchError(f"--model {self.model}: no such directory; create it with "
                               "`p2pkv make-tiny-model` or pass a model directory")

@@ -8,7 +8,6 @@ runs the engine.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
@@ -105,10 +104,12 @@ def _shown_env(env: dict[str, str], base: dict[str, str]) -> dict[str, str]:
 
 
 def _check_secret(extra_config: dict[str, object], environ: dict[str, str]) -> None:
-    """A side-channel secret is configured (flag, file or ``P2PKV_SECRET``), or ``--insecure`` says none is wanted.
+    """A side-channel secret is configured (flag, file or ``P2PKV_SECRET``) and long enough, or ``--insecure``
+    says none is wanted.
 
     Raises:
-        LaunchError: neither; names the fixes.
+        LaunchError: neither, a secret file that cannot be read, or a secret shorter than
+            :data:`p2pkv.config.MIN_SECRET_BYTES`; names the fixes.
     """
     from p2pkv.config import ConfigError, load_config
 
@@ -175,14 +176,9 @@ def prepare(opts: PodOptions) -> PodPlan:
 
 
 def shown_command(spec: EngineSpec) -> str:
-    """The engine's command line, shell-quoted, with a ``secret`` setting hidden."""
-    argv = spec.command()
-    if "secret" in spec.extra_config:
-        i = argv.index("--kv-transfer-config") + 1
-        ktc = json.loads(argv[i])
-        ktc["kv_connector_extra_config"]["secret"] = "<hidden>"
-        argv[i] = json.dumps(ktc)
-    return shlex.join(argv)
+    """The engine's command line, shell-quoted (it holds no secret: :func:`p2pkv.config.load_config` refuses
+    ``secret`` in ``kv_connector_extra_config``; the secret travels as ``P2PKV_SECRET`` or ``secret_file``)."""
+    return shlex.join(spec.command())
 
 
 def describe(plan: PodPlan) -> list[str]:
