@@ -11,11 +11,16 @@ its decode leg failed.
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
+from p2pkv.params import CAPABILITY_KEY, RemotePrefill, parse_remote_prefill, sign_params
 from p2pkv.tools.demo import complete, kv_cache_usage, wait_blocks_released
 from tests.conftest import BLOCK, free_ports
 
@@ -133,8 +138,10 @@ def _prefill(client: httpx.Client, p, prompt: str) -> dict:
 
 def _decode(client: httpx.Client, p, prompt: str, params: dict) -> tuple[httpx.Response, float]:
     t = time.monotonic()
-    resp = _post(client, p.url("decode"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True,
-                                           "kv_transfer_params": params})
+    body = {"model": "model", "temperature": 0.0, "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+            "kv_transfer_params": params}
+    resp = client.post(f"{p.url('decode')}/v1/completions", content=json.dumps(body),  # ASCII: any code point
+                       headers={"content-type": "application/json"})
     return resp, time.monotonic() - t
 
 
@@ -200,6 +207,8 @@ HOSTILE = {
     "unreachable peer": lambda q: {**q, "remote_host": "127.0.0.2"},
     "port out of range": lambda q: {**q, "remote_port": 70000},
     "params of a shorter prompt": lambda q: {**q, "remote_num_tokens": 3},
+    "request id with a lone surrogate": lambda q: {**q, "remote_request_id": "x\ud800"},
+    "block id beyond 2**63": lambda q: {**q, "remote_block_ids": [[2**64 + 1, *q["remote_block_ids"][0][1:]]]},
 }
 
 
@@ -215,6 +224,108 @@ def test_hostile_params_fail_cleanly_and_harm_nothing(pair, client, case) -> Non
     assert _failed(resp) or _texts(resp.json()) == _texts(ref), "served wrong tokens with HTTP 200"
     assert seconds < 10.0, f"took {seconds:.1f} s"
     _still_serving(p, client)
+
+
+@contextmanager
+def _listener() -> Iterator[tuple[int, list[bytes]]]:
+    """A TCP listener on 127.0.0.1 standing in for an attacker's host: its port, and what each connection sent."""
+    received: list[bytes] = []
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.1)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            conn.settimeout(1.0)
+            try:
+                received.append(conn.recv(65536))
+            except OSError:
+                received.append(b"")
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield srv.getsockname()[1], received
+    finally:
+        stop.set()
+        thread.join(timeout=2)
+        srv.close()
+
+
+def _resign(params: dict, secret: str, expiry: float, **change: object) -> dict:
+    """``params`` changed by ``change`` and signed again with ``secret`` (as only a secret holder could)."""
+    out = {k: v for k, v in params.items() if k != CAPABILITY_KEY}
+    out.update(change)
+    return sign_params(out, secret.encode(), expiry)
+
+
+FORGED: dict[str, Callable[[dict, int, str], dict]] = {
+    "unsigned": lambda q, port, _: {**{k: v for k, v in q.items() if k != CAPABILITY_KEY}, "remote_port": port},
+    "redirected (signature of the original)": lambda q, port, _: {**q, "remote_port": port},
+    "another request's blocks": lambda q, port, _: {**q, "remote_port": port, "remote_block_ids": [[1, 2, 3, 4]]},
+    "signed with another secret": lambda q, port, _: _resign(q, "another-secret-0123456789", time.time() + 60,
+                                                             remote_port=port),
+    "expired": lambda q, port, secret: _resign(q, secret, time.time() - 60, remote_port=port),
+    "malformed capability": lambda q, port, _: {**q, "remote_port": port, CAPABILITY_KEY: "v1.x." + "0" * 64},
+}
+
+
+@pytest.mark.parametrize("case", list(FORGED))
+def test_forged_params_are_prefilled_locally_contact_nobody_and_free_nothing(pair, client, case) -> None:
+    """Params a caller of the decode API made or changed without the secret (here all pointing at a
+    listener of the caller's): the decode engine checks the capability before it contacts anyone, so
+    the listener gets no connection (no signed request to capture and replay), the prompt is
+    prefilled locally with the right tokens, the log names the field, and the genuine params' hold is
+    untouched: their pull afterwards still gives the aggregated engine's tokens."""
+    p, _ = pair
+    prompt = "f" * (2 * BLOCK + 9)
+    held_before = kv_cache_usage(client, p.url("prefill"))  # earlier cases' refused params wait for their lease
+    genuine = _prefill(client, p, prompt)
+    assert parse_remote_prefill(genuine, secret=p.secret.encode()) == parse_remote_prefill(genuine, secret=None)
+    ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
+    log = p.log_dir / "decode.log"
+    before = log.read_text().count(f"kv_transfer_params.{CAPABILITY_KEY}")
+    with _listener() as (port, received):
+        resp, seconds = _decode(client, p, prompt, FORGED[case](genuine, port, p.secret))
+        time.sleep(0.5)  # a connection the decode worker started would have arrived by now
+    assert received == [], "the decode engine contacted the host named by forged params"
+    assert resp.status_code == 200 and _texts(resp.json()) == _texts(ref) and seconds < 10.0
+    assert log.read_text().count(f"kv_transfer_params.{CAPABILITY_KEY}") > before
+    again, _ = _decode(client, p, prompt, genuine)
+    assert _texts(again.json()) == _texts(ref), "the forged params freed the genuine request's hold"
+    assert _usage_back_to(client, p.url("prefill"), held_before, timeout_s=10.0)
+
+
+def test_capability_covers_what_a_pull_uses(pair, client) -> None:
+    """The prefill engine's params carry a capability over every field a pull uses: changing any of
+    them (even to a value that would work) makes it fail the check."""
+    p, _ = pair
+    params = _prefill(client, p, "c" * 40)
+    secret = p.secret.encode()
+    parse_remote_prefill(params, secret=secret)
+    changes = {"remote_engine_id": "other", "remote_request_id": "other", "remote_host": "localhost",
+               "remote_port": params["remote_port"] + 1, "tp_size": 2,
+               "remote_num_tokens": params["remote_num_tokens"] + 1,
+               "remote_block_ids": [[*params["remote_block_ids"][0][:-1], 7]]}
+    for key, value in changes.items():
+        with pytest.raises(ValueError, match=CAPABILITY_KEY):
+            parse_remote_prefill({**params, key: value}, secret=secret)
+    assert isinstance(parse_remote_prefill(params, secret=None), RemotePrefill)
+    pulled, _ = _decode(client, p, "c" * 40, params)  # the genuine params still pull (and free the hold)
+    assert pulled.status_code == 200
+
+
+def _usage_back_to(client: httpx.Client, url: str, usage: float, timeout_s: float) -> bool:
+    """The engine's KV cache usage falls to ``usage`` (or below) within ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while kv_cache_usage(client, url) > usage and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return kv_cache_usage(client, url) <= usage
 
 
 def test_nothing_left_held(pair, client) -> None:
