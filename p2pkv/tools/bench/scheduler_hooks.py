@@ -52,7 +52,11 @@ stays cheap. Also runnable as ``python -m p2pkv.tools.bench.scheduler_hooks``.
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
+import secrets
 import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -67,9 +71,29 @@ HOOKS = ("on_new_request", "get_num_new_matched_tokens", "get_loaded_kv_cache_gr
          "get_kv_connector_stats", "take_events")
 
 
+BENCH_SECRET = secrets.token_hex(32)
+"""The side-channel secret of the benchmark's connectors: the decode side checks each request's signed
+``kv_transfer_params`` as a deployment with a secret does."""
+
+
+def _secret_file() -> str:
+    """A file holding :data:`BENCH_SECRET` (made once per process)."""
+    global _SECRET_FILE
+    if _SECRET_FILE is None:
+        fd, _SECRET_FILE = tempfile.mkstemp(prefix="p2pkv-bench-secret-")
+        os.write(fd, BENCH_SECRET.encode())
+        os.close(fd)
+        atexit.register(os.unlink, _SECRET_FILE)
+    return _SECRET_FILE
+
+
+_SECRET_FILE: str | None = None
+
+
 def make_connector(side: str, block_size: int) -> Any:
     """A ``P2pKvConnector`` in the scheduler role, built by vLLM's ``KVConnectorFactory`` as vLLM's
-    ``Scheduler`` builds it (``kv_role`` ``kv_both``, side channel advertised on 127.0.0.1).
+    ``Scheduler`` builds it (``kv_role`` ``kv_both``, side channel advertised on 127.0.0.1, the
+    secret :data:`BENCH_SECRET`).
 
     Raises:
         ValueError: vLLM refuses the configuration.
@@ -83,7 +107,8 @@ def make_connector(side: str, block_size: int) -> Any:
 
     register()
     ktc = KVTransferConfig(kv_connector="P2pKvConnector", kv_role="kv_both", engine_id=f"bench-{side}",
-                           kv_connector_extra_config={"side_channel_host": "127.0.0.1", "insecure": True})
+                           kv_connector_extra_config={"side_channel_host": "127.0.0.1",
+                                                      "secret_file": _secret_file()})
     config = VllmConfig(kv_transfer_config=ktc, cache_config=CacheConfig(block_size=block_size))
     kv_cache_config = KVCacheConfig(num_blocks=0, kv_cache_tensors=[], kv_cache_groups=[])
     return KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
@@ -159,7 +184,7 @@ class _Sim:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        from p2pkv.params import make_prefill_response_params
+        from p2pkv.params import make_prefill_response_params, sign_params
 
         self._n += 1
         rid = f"{self.side}-{self._n}"
@@ -169,6 +194,7 @@ class _Sim:
                 engine_id="bench-prefill", request_id=f"prefill-{self._n}", host="127.0.0.1", port=5600,
                 block_ids=list(range(1 + self._n % 1000, 1 + self._n % 1000 + nblocks)), tp_size=1,
                 num_tokens=self.prompt_tokens, expiry_time=time.time() + 120.0)
+            sign_params(params, BENCH_SECRET.encode(), time.time() + 120.0)
             sp = SamplingParams(max_tokens=64, extra_args={"kv_transfer_params": params})
         else:
             params = {"do_remote_decode": True, "do_remote_prefill": False}
