@@ -14,12 +14,15 @@ from multiprocessing.connection import Connection
 from types import TracebackType
 
 import msgspec
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from handshake._net import CurveKeys
 from handshake.codec import compute_digest
 from handshake.messages import MAX_MESSAGE_BYTES, AgentInfo, KVLayoutDesc, KVRegion
 from handshake.server import HandshakeServer
 
-__all__ = ["ServerProcess", "make_agent_info"]
+__all__ = ["ServerProcess", "curve_authenticator", "make_agent_info"]
 
 
 def make_agent_info(
@@ -66,6 +69,27 @@ def make_agent_info(
         compat_hash=compat_hash,
         layout=layout,
     )
+
+
+def curve_authenticator(ctx: zmq.Context, secret: bytes) -> ThreadAuthenticator:
+    """Start a ZAP handler on ``ctx`` that admits only the client key derived from ``secret``.
+
+    What :class:`HandshakeServer` runs when it has a secret, for test fakes that
+    play a server with their own ROUTER socket (configured with
+    ``handshake._net.configure_socket(sock, host, limit, secret, server=True)``).
+    Stop it (``.stop()``) before terminating ``ctx``.
+    """
+    client_public = CurveKeys.derive(secret).client_public
+
+    class _Key:
+        @staticmethod
+        def callback(domain: str, key: bytes) -> bool:
+            return key == client_public
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("p2pkv", _Key())
+    return auth
 
 
 def _serve_child(
@@ -165,6 +189,11 @@ class ServerProcess:
     def is_alive(self) -> bool:
         """Whether the server process is still running."""
         return self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        """The server process's id (None before :meth:`start`)."""
+        return self._proc.pid
 
     def close(self, timeout_s: float = 5.0) -> dict[str, int]:
         """Stop the server and the process; returns the server's ``stats``."""

@@ -71,10 +71,14 @@ def parse_done(msg: bytes, secret: bytes | None = None) -> DoneNotification | No
             return None
         msg = data
     body = msg[len(PREFIX):].decode(errors="replace")
-    request_id, sep, tail = body.partition("|")
+    request_id, sep, tail = body.rpartition("|")  # from the right: a request id may hold "|"
     if not sep:
         return DoneNotification(body)
-    tail, _, blocks = tail.partition("|")
+    blocks = ""
+    if ":" not in tail:  # ...|<reader>:<notifiers>|<digest>: a hex digest has no ":", a reader always has
+        blocks, (request_id, sep, tail) = tail, request_id.rpartition("|")
+        if not sep:
+            return DoneNotification(request_id, "", 1, blocks)
     reader, _, count = tail.rpartition(":")
     try:
         notifiers = max(1, int(count))

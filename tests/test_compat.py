@@ -51,7 +51,8 @@ def _refusal(mine: str, theirs: str) -> IncompatiblePeerError:
     server = HandshakeServer("127.0.0.1", 0, theirs)
     server.set_info(make_agent_info(0, compat_hash=theirs))
     with server, pytest.raises(IncompatiblePeerError) as info:
-        fetch_agent_info("127.0.0.1", server.port, 0, "decode", mine, timeout_s=5.0, retries=1)
+        fetch_agent_info("127.0.0.1", server.port, 0, "decode", mine, timeout_s=5.0, retries=1,
+                         engine_id="prefill-engine")
     return info.value
 
 

@@ -34,8 +34,8 @@ import zmq
 
 from handshake import (
     PROTOCOL_VERSION,
-    HeartbeatReply,
-    LeaseHeartbeat,
+    HoldQuery,
+    HoldsReply,
     MetadataReply,
     encode,
     fetch_agent_info,
@@ -46,7 +46,7 @@ from p2pkv.metadata import P2pKvMetadata
 from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests.faults import FaultyNixlAgent, inject, restore
-from tests.p2p_harness import LAYOUT, DecodeSide, PrefillProc, free_port, notify_task, pull_task, shape
+from tests.p2p_harness import ENGINE, LAYOUT, DecodeSide, PrefillProc, free_port, notify_task, pull_task, shape
 from tests.workers import COMPAT_FIELDS, make_worker, model_info
 
 HOST = "127.0.0.1"
@@ -380,7 +380,8 @@ def fake_side_channel(respond: Callable[[list[bytes]], list[bytes]] | None,
 def real_reply(pf: PrefillProc, nonce: bytes | None = None) -> Callable[[list[bytes]], list[bytes]]:
     """Answers with the prefill process's own (valid) metadata, echoing each request's nonce
     (or always ``nonce``: a reply captured from another exchange)."""
-    info = fetch_agent_info(HOST, pf.port, 0, "test", fingerprint(COMPAT_FIELDS), timeout_s=5.0, retries=2)
+    info = fetch_agent_info(HOST, pf.port, 0, "test", fingerprint(COMPAT_FIELDS), timeout_s=5.0, retries=2,
+                            engine_id=ENGINE)
 
     def respond(body: list[bytes]) -> list[bytes]:
         echoed = decode_message(body, None).nonce if nonce is None else nonce
@@ -427,9 +428,9 @@ def test_fake_side_channel_with_a_prompt_real_reply_pulls(prefill: PrefillProc) 
 
     def respond(body: list[bytes]) -> list[bytes]:  # metadata, then the pull's fence questions
         msg = decode_message(body, None)
-        if not isinstance(msg, LeaseHeartbeat):
+        if not isinstance(msg, HoldQuery):
             return metadata(body)
-        return encode(HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
+        return encode(HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
                                      request_ids=msg.request_ids, nonce=msg.nonce), None)
 
     d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_retries=ZMQ_RETRIES)
@@ -449,11 +450,11 @@ def _fence_dropping(prefill: PrefillProc, drop: Callable[[int], bool]) -> Callab
 
     def respond(body: list[bytes]) -> list[bytes] | None:
         msg = decode_message(body, None)
-        if not isinstance(msg, LeaseHeartbeat):
+        if not isinstance(msg, HoldQuery):
             return metadata(body)
         if drop(next(asked)):
             return None
-        return encode(HeartbeatReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
+        return encode(HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
                                      request_ids=msg.request_ids, nonce=msg.nonce), None)
 
     return respond

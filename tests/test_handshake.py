@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
@@ -14,7 +15,6 @@ import zmq
 from handshake import (
     PROTOCOL_VERSION,
     AgentInfo,
-    AuthenticationError,
     ErrorReply,
     HandshakeBindError,
     HandshakeServer,
@@ -33,6 +33,7 @@ from handshake.testing import ServerProcess, make_agent_info
 HOST = "127.0.0.1"
 COMPAT = "compat-test"
 SECRET = b"shared-secret"
+ENGINE = "prefill-engine"  # make_agent_info's engine id
 LIMIT = 4096  # small server limit (bytes) so oversized requests are cheap
 INFOS = [make_agent_info(0, tp_size=2), make_agent_info(1, tp_size=2)]
 
@@ -52,7 +53,7 @@ def secret_server() -> Iterator[ServerProcess]:
 
 
 def fetch(port: int, tp_rank: int = 0, **kwargs: object) -> AgentInfo:
-    args: dict = {"compat_hash": COMPAT, "timeout_s": 5.0, "retries": 1}
+    args: dict = {"compat_hash": COMPAT, "timeout_s": 5.0, "retries": 1, "engine_id": ENGINE}
     args.update(kwargs)
     return fetch_agent_info(HOST, port, tp_rank, "decode-engine", **args)
 
@@ -74,9 +75,13 @@ def raw_exchange(port: int, frames: list[bytes], timeout_s: float = 5.0) -> list
 
 
 def request(**overrides: object) -> MetadataRequest:
+    """A valid request for rank 0 of the test engine, sent now, with a fresh nonce."""
     fields: dict = {
         "protocol_version": PROTOCOL_VERSION,
-        "tp_rank": 0,
+        "to_engine_id": ENGINE,
+        "to_rank": 0,
+        "sent_at": time.time(),
+        "nonce": os.urandom(16),
         "requester_engine_id": "d",
         "compat_hash": COMPAT,
     }
@@ -109,18 +114,28 @@ def test_round_trip_with_secret(secret_server: ServerProcess) -> None:
 
 
 @pytest.mark.parametrize("secret", [b"wrong-secret", None], ids=["wrong", "missing"])
-def test_wrong_secret_refused_then_still_serving(secret_server: ServerProcess, secret: bytes | None) -> None:
-    with pytest.raises((AuthenticationError, RemoteRefusedError)) as info:
-        fetch(secret_server.port, secret=secret)
-    assert info.value.code == "auth"
-    assert "secret" in str(info.value)
-    assert fetch(secret_server.port, secret=SECRET) == INFOS[0]
+def test_wrong_secret_gets_no_reply_then_still_serving(secret: bytes | None) -> None:
+    """A client without the secret cannot complete the CURVE handshake: its request never reaches the
+    server (nothing served, nothing refused) and it times out, its message naming the secret when it has one.
+    (Before protocol 5 it got an unsigned "auth" refusal: the server read its request.)"""
+    with HandshakeServer(HOST, 0, COMPAT, secret=SECRET) as srv:
+        srv.set_info(INFOS[0])
+        with pytest.raises(HandshakeTimeoutError) as info:
+            fetch(srv.port, secret=secret, timeout_s=0.5)
+        assert ("same secret" in str(info.value)) == (secret is not None)
+        assert srv.stats == {"served": 0, "refused": 0}
+        assert fetch(srv.port, secret=SECRET) == INFOS[0]
+        assert srv.stats == {"served": 1, "refused": 0}
 
 
-def test_secret_against_open_server_refused(server: ServerProcess) -> None:
-    with pytest.raises(RemoteRefusedError) as info:
-        fetch(server.port, secret=SECRET)
-    assert (info.value.code, info.value.field) == ("auth", "hmac")
+def test_secret_against_open_server_gets_no_reply() -> None:
+    """A client with a secret speaks CURVE and does not talk to a server without one (it could not tell it
+    from an impostor): it times out, and the open server never sees its request."""
+    with HandshakeServer(HOST, 0, COMPAT) as srv:
+        srv.set_info(INFOS[0])
+        with pytest.raises(HandshakeTimeoutError):
+            fetch(srv.port, secret=SECRET, timeout_s=0.5)
+        assert srv.stats == {"served": 0, "refused": 0}
 
 
 def test_client_raises_typed_refusals(server: ServerProcess) -> None:
@@ -130,45 +145,58 @@ def test_client_raises_typed_refusals(server: ServerProcess) -> None:
     assert "'other-hash'" in str(info.value) and repr(COMPAT) in str(info.value)
     with pytest.raises(RemoteRefusedError) as info:
         fetch(server.port, 7)
-    assert (info.value.code, info.value.field) == ("unknown_rank", "tp_rank")
+    assert (info.value.code, info.value.field) == ("unknown_rank", "to_rank")
     assert "[0, 1]" in str(info.value)
 
 
 # -- bad requests: typed refusal naming the field, then still serving -----
 
-BAD_REQUESTS = {
+# Built per test (each request is fresh: its own nonce and time). ``echo``: the refusal carries the
+# request's nonce (it decoded) rather than none.
+BAD_REQUESTS: dict[str, tuple[Callable[[], list[bytes]], str, str, bool]] = {
     "wrong_version": (
-        [encode(request(protocol_version=PROTOCOL_VERSION + 1))[0]],
+        lambda: [encode(request(protocol_version=PROTOCOL_VERSION + 1))[0]],
         "version",
         "protocol_version",
+        False,
     ),
     "wrong_version_other_schema": (
-        [msgspec.msgpack.encode({"type": "hello_v9", "protocol_version": 9, "x": 1})],
+        lambda: [msgspec.msgpack.encode({"type": "hello_v9", "protocol_version": 9, "x": 1})],
         "version",
         "protocol_version",
+        False,
     ),
-    "unknown_rank": ([encode(request(tp_rank=5))[0]], "unknown_rank", "tp_rank"),
-    "unknown_extra_field": ([request_dict(bogus=1)], "malformed", "bogus"),
-    "wrong_field_type": ([request_dict(tp_rank="zero")], "malformed", "tp_rank"),
-    "missing_field": ([request_dict(compat_hash=None)], "malformed", "compat_hash"),
-    "unknown_type_tag": ([request_dict(type="shutdown")], "malformed", "type"),
+    "unknown_rank": (lambda: [encode(request(to_rank=5))[0]], "unknown_rank", "to_rank", True),
+    "wrong_destination": (lambda: encode(request(to_engine_id="other-engine")), "wrong_destination",
+                          "to_engine_id", True),
+    "stale": (lambda: encode(request(sent_at=time.time() - 60)), "stale", "sent_at", True),
+    "from_the_future": (lambda: encode(request(sent_at=time.time() + 60)), "stale", "sent_at", True),
+    "missing_nonce": (lambda: [request_dict(nonce=None)], "malformed", "nonce", False),
+    "short_nonce": (lambda: [request_dict(nonce=b"0123")], "malformed", "nonce", False),
+    "unknown_extra_field": (lambda: [request_dict(bogus=1)], "malformed", "bogus", False),
+    "old_field_name": (lambda: [request_dict(tp_rank=0)], "malformed", "tp_rank", False),
+    "wrong_field_type": (lambda: [request_dict(to_rank="zero")], "malformed", "to_rank", False),
+    "missing_field": (lambda: [request_dict(compat_hash=None)], "malformed", "compat_hash", False),
+    "unknown_type_tag": (lambda: [request_dict(type="shutdown")], "malformed", "type", False),
     "reply_as_request": (
-        encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=INFOS[0])),
+        lambda: encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=INFOS[0])),
         "malformed",
         "type",
+        False,
     ),
-    "truncated_msgpack": ([encode(request())[0][:-5]], "malformed", "payload"),
-    "garbage_bytes": ([b"\xc1\xff\x00garbage\x93"], "malformed", "payload"),
-    "empty_frame": ([b""], "malformed", "payload"),
-    "extra_frames": ([encode(request())[0], b"x", b"y"], "malformed", "frames"),
-    "second_frame_not_hmac": ([encode(request())[0], b"x"], "malformed", "frames"),
-    "oversized": ([encode(request(requester_engine_id="x" * (LIMIT + 10)))[0]], "too_large", "frames"),
+    "truncated_msgpack": (lambda: [encode(request())[0][:-5]], "malformed", "payload", False),
+    "garbage_bytes": (lambda: [b"\xc1\xff\x00garbage\x93"], "malformed", "payload", False),
+    "empty_frame": (lambda: [b""], "malformed", "payload", False),
+    "extra_frames": (lambda: [encode(request())[0], b"x", b"y"], "malformed", "frames", False),
+    "second_frame_not_hmac": (lambda: [encode(request())[0], b"x"], "malformed", "frames", False),
+    "oversized": (lambda: [encode(request(compat_hash="x" * (LIMIT + 10)))[0]], "too_large", "frames", False),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_request_refused_then_still_serving(server: ServerProcess, case: str) -> None:
-    frames, code, field = BAD_REQUESTS[case]
+    make, code, field, echo = BAD_REQUESTS[case]
+    frames = make()
     reply = raw_exchange(server.port, frames)
     assert reply is not None, "server did not answer"
     msg = decode(reply)
@@ -176,6 +204,7 @@ def test_bad_request_refused_then_still_serving(server: ServerProcess, case: str
     assert (msg.code, msg.field) == (code, field)
     assert msg.protocol_version == PROTOCOL_VERSION
     assert field in msg.message
+    assert msg.nonce == (decode(frames[:1]).nonce if echo else b"")  # type: ignore[union-attr]
     if code == "version":
         assert str(PROTOCOL_VERSION) in msg.message
     assert fetch(server.port) == INFOS[0]
@@ -195,7 +224,7 @@ def test_timeout_when_nothing_listens() -> None:
     port = free_port()
     start = time.monotonic()
     with pytest.raises(HandshakeTimeoutError) as info:
-        fetch_agent_info(HOST, port, 0, "d", COMPAT, timeout_s=0.3, retries=3, backoff_s=0.05)
+        fetch_agent_info(HOST, port, 0, "d", COMPAT, timeout_s=0.3, retries=3, backoff_s=0.05, engine_id=ENGINE)
     assert time.monotonic() - start < 10
     text = str(info.value)
     assert f"{HOST}:{port}" in text and "3 attempt" in text and "0.3 s" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import msgspec
@@ -11,34 +12,41 @@ import pytest
 import zmq
 
 from handshake import (
+    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AuthenticationError,
+    ErrorReply,
     HandshakeError,
     IncompatiblePeerError,
     MalformedMessageError,
     MetadataDigestError,
     MetadataReply,
     ProtocolVersionError,
+    RemoteRefusedError,
     encode,
     fetch_agent_info,
 )
+from handshake._net import configure_socket
 from handshake.codec import sign
-from handshake.testing import make_agent_info
+from handshake.testing import curve_authenticator, make_agent_info
 
 HOST = "127.0.0.1"
 COMPAT = "compat-test"
 SECRET = b"shared-secret"
+ENGINE = "prefill-engine"
 INFO = make_agent_info(0)
 
 Responder = Callable[[list[bytes]], list[bytes]]
 
 
 @contextlib.contextmanager
-def fake_server(respond: Responder, port: int = 0) -> Iterator[int]:
-    """A ROUTER socket in a thread answering each request with ``respond``."""
+def fake_server(respond: Responder, port: int = 0, secret: bytes | None = None) -> Iterator[int]:
+    """A ROUTER socket in a thread answering each request with ``respond`` (a CURVE server with ``secret``);
+    ``respond`` returning ``[]`` leaves the request unanswered."""
     ctx = zmq.Context()
+    auth = curve_authenticator(ctx, secret) if secret else None
     sock = ctx.socket(zmq.ROUTER)
-    sock.linger = 0
+    configure_socket(sock, HOST, MAX_MESSAGE_BYTES, secret, server=True)
     if port:
         sock.bind(f"tcp://{HOST}:{port}")
     else:
@@ -49,7 +57,9 @@ def fake_server(respond: Responder, port: int = 0) -> Iterator[int]:
         while not stop.is_set():
             if sock.poll(50):
                 identity, *body = sock.recv_multipart()
-                sock.send_multipart([identity, *respond(body)])
+                reply = respond(body)
+                if reply:  # [] : no answer
+                    sock.send_multipart([identity, *reply])
         sock.close(0)
 
     thread = threading.Thread(target=loop, daemon=True)
@@ -59,6 +69,8 @@ def fake_server(respond: Responder, port: int = 0) -> Iterator[int]:
     finally:
         stop.set()
         thread.join(2)
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
 
@@ -72,6 +84,23 @@ def reply_with(
         return encode(MetadataReply(protocol_version=version, info=info, nonce=echoed), secret)  # type: ignore
 
     return respond
+
+
+def refuse_with(code: str = "unknown_rank", nonce: bytes | None = None) -> Responder:
+    """Answers every request with an ErrorReply echoing its nonce (or carrying ``nonce``)."""
+
+    def respond(body: list[bytes]) -> list[bytes]:
+        echoed = msgspec.msgpack.decode(body[0]).get("nonce", b"") if nonce is None else nonce
+        return encode(ErrorReply(protocol_version=PROTOCOL_VERSION, code=code, field="to_rank",  # type: ignore
+                                 message="no such rank", nonce=echoed))
+
+    return respond
+
+
+def fetch(port: int, **kwargs: object) -> object:
+    args: dict = {"timeout_s": 2.0, "retries": 1, "engine_id": ENGINE}
+    args.update(kwargs)
+    return fetch_agent_info(HOST, port, 0, "d", COMPAT, **args)
 
 
 CASES: dict[str, tuple[Responder, type[HandshakeError], str]] = {
@@ -90,6 +119,8 @@ CASES: dict[str, tuple[Responder, type[HandshakeError], str]] = {
     "garbage": (lambda _body: [b"\xc1garbage"], MalformedMessageError, "payload"),
     "echoed_request": (lambda body: body, MalformedMessageError, "type"),
     "other_nonce": (reply_with(nonce=b"a reply to another request"), MalformedMessageError, "nonce"),
+    "no_nonce": (reply_with(nonce=b""), MalformedMessageError, "nonce"),
+    "refusal_of_another_request": (refuse_with(nonce=b"another request's nonce"), MalformedMessageError, "nonce"),
 }
 
 
@@ -97,16 +128,27 @@ CASES: dict[str, tuple[Responder, type[HandshakeError], str]] = {
 def test_client_rejects_bad_reply(case: str) -> None:
     respond, error, field = CASES[case]
     with fake_server(respond) as port, pytest.raises(error) as info:
-        fetch_agent_info(HOST, port, 0, "d", COMPAT, timeout_s=2.0, retries=1)
+        fetch(port)
     assert info.value.field == field
     assert field in str(info.value)
     assert f"{HOST}:{port}" in str(info.value)
 
 
+def test_client_rejects_info_of_another_engine() -> None:
+    """A reply with another engine's info (a server that ignored to_engine_id) is refused."""
+    with fake_server(reply_with(make_agent_info(0, engine_id="another-engine"))) as port, \
+            pytest.raises(IncompatiblePeerError) as info:
+        fetch(port)
+    assert info.value.field == "info.engine_id"
+    assert "'another-engine'" in str(info.value) and repr(ENGINE) in str(info.value)
+
+
 @pytest.mark.parametrize("reply_secret", [None, b"other-secret"], ids=["unsigned", "wrong_key"])
 def test_client_rejects_unauthenticated_reply(reply_secret: bytes | None) -> None:
-    with fake_server(reply_with(secret=reply_secret)) as port, pytest.raises(AuthenticationError) as info:
-        fetch_agent_info(HOST, port, 0, "d", COMPAT, secret=SECRET, timeout_s=2.0, retries=1)
+    # Inside the CURVE session the HMAC of the reply is still checked.
+    with fake_server(reply_with(secret=reply_secret), secret=SECRET) as port, \
+            pytest.raises(AuthenticationError) as info:
+        fetch(port, secret=SECRET)
     assert info.value.code == "auth" and info.value.field == "hmac"
 
 
@@ -118,10 +160,38 @@ def test_client_accepts_signed_reply_and_signs_request() -> None:
         nonce = msgspec.msgpack.decode(body[0])["nonce"]
         return encode(MetadataReply(protocol_version=PROTOCOL_VERSION, info=INFO, nonce=nonce), SECRET)
 
-    with fake_server(respond) as port:
-        assert fetch_agent_info(HOST, port, 0, "d", COMPAT, secret=SECRET, timeout_s=2.0, retries=1) == INFO
+    with fake_server(respond, secret=SECRET) as port:
+        assert fetch(port, secret=SECRET) == INFO
     ((payload, mac),) = seen
     assert mac == sign(payload, SECRET)
+
+
+@pytest.mark.parametrize("nonce", [None, b""], ids=["its_nonce", "no_nonce"])
+def test_refusal_of_this_request_is_raised(nonce: bytes | None) -> None:
+    """A refusal echoing the request's nonce, or with none (the request did not decode there, e.g. another
+    protocol version), is the server's answer."""
+    with fake_server(refuse_with(nonce=nonce)) as port, pytest.raises(RemoteRefusedError) as info:
+        fetch(port)
+    assert (info.value.code, info.value.field) == ("unknown_rank", "to_rank")
+    assert "no such rank" in str(info.value)
+
+
+def test_request_names_its_destination_and_each_retry_is_a_new_request() -> None:
+    """The first request goes unanswered; the retry is a new request (own nonce, later time), not the same
+    bytes again (which the server would refuse as replayed)."""
+    seen: list[dict] = []
+
+    def respond(body: list[bytes]) -> list[bytes]:
+        seen.append(msgspec.msgpack.decode(body[0]))
+        return [] if len(seen) == 1 else reply_with()(body)
+
+    with fake_server(respond) as port:
+        assert fetch(port, timeout_s=0.3, retries=2, backoff_s=0.01) == INFO
+    first, second = seen
+    assert first["to_engine_id"] == second["to_engine_id"] == ENGINE
+    assert first["to_rank"] == second["to_rank"] == 0
+    assert first["nonce"] != second["nonce"] and len(first["nonce"]) >= 16
+    assert first["sent_at"] < second["sent_at"] <= time.time()
 
 
 def test_client_retries_timeouts_then_succeeds() -> None:
@@ -132,7 +202,7 @@ def test_client_retries_timeouts_then_succeeds() -> None:
     result: list[object] = []
     fetcher = threading.Thread(
         target=lambda: result.append(
-            fetch_agent_info(HOST, port, 0, "d", COMPAT, timeout_s=0.4, retries=5, backoff_s=0.05)
+            fetch_agent_info(HOST, port, 0, "d", COMPAT, timeout_s=0.4, retries=5, backoff_s=0.05, engine_id=ENGINE)
         )
     )
     fetcher.start()
@@ -147,6 +217,8 @@ def test_client_retries_timeouts_then_succeeds() -> None:
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="retries"):
-        fetch_agent_info(HOST, 1, 0, "d", COMPAT, retries=0)
+        fetch_agent_info(HOST, 1, 0, "d", COMPAT, retries=0, engine_id=ENGINE)
     with pytest.raises(ValueError, match="timeout_s"):
-        fetch_agent_info(HOST, 1, 0, "d", COMPAT, timeout_s=0)
+        fetch_agent_info(HOST, 1, 0, "d", COMPAT, timeout_s=0, engine_id=ENGINE)
+    with pytest.raises(TypeError, match="engine_id"):  # the destination is required
+        fetch_agent_info(HOST, 1, 0, "d", COMPAT)  # type: ignore[call-arg]

@@ -6,6 +6,7 @@ import hashlib
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -19,12 +20,16 @@ from handshake import (
     HandshakeBindError,
     HandshakeError,
     HandshakeTimeoutError,
+    HoldQuery,
+    HoldsReply,
+    LeaseHeartbeat,
     MalformedMessageError,
     MessageTooLargeError,
     MetadataDigestError,
     MetadataReply,
     MetadataRequest,
     ProtocolVersionError,
+    ReleaseHolds,
     compute_digest,
     decode,
     encode,
@@ -35,13 +40,19 @@ from handshake.testing import make_agent_info
 
 SECRET = b"k" * 16
 INFO = make_agent_info(0)
-REQUEST = MetadataRequest(
-    protocol_version=PROTOCOL_VERSION, tp_rank=0, requester_engine_id="d", compat_hash="c"
-)
+NONCE = bytes(range(16))
+HEAD = {"protocol_version": PROTOCOL_VERSION, "to_engine_id": "prefill-engine", "to_rank": 0,
+        "sent_at": time.time(), "nonce": NONCE, "requester_engine_id": "d"}
+REQUEST = MetadataRequest(**HEAD, compat_hash="c")
 MESSAGES = [
     REQUEST,
     MetadataReply(protocol_version=PROTOCOL_VERSION, info=INFO),
-    ErrorReply(protocol_version=PROTOCOL_VERSION, code="malformed", field="tp_rank", message="fix it"),
+    ErrorReply(protocol_version=PROTOCOL_VERSION, code="malformed", field="to_rank", message="fix it"),
+    ErrorReply(protocol_version=PROTOCOL_VERSION, code="replayed", field="nonce", message="m", nonce=NONCE),
+    LeaseHeartbeat(**HEAD, request_ids=["a", "b"], extend_s=5.0),
+    HoldQuery(**HEAD, request_ids=["a"], block_ids=[[1, 2]], extend_s=5.0),
+    ReleaseHolds(**HEAD, request_ids=["a"], block_ids=[[1, 2]]),
+    HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=1, not_held=["b"], request_ids=["a", "b"], nonce=NONCE),
 ]
 
 
@@ -131,7 +142,59 @@ def test_malformed_frames(frames: list[bytes]) -> None:
 
 def test_encode_out_of_range_int() -> None:
     with pytest.raises(MalformedMessageError):
-        encode(msgspec.structs.replace(REQUEST, tp_rank=2**70))
+        encode(msgspec.structs.replace(REQUEST, to_rank=2**70))
+
+
+def request_dict(**overrides: object) -> bytes:
+    fields = {"type": "metadata_request", **msgspec.to_builtins(REQUEST, builtin_types=(bytes,)), **overrides}
+    return msgspec.msgpack.encode({k: v for k, v in fields.items() if v is not None})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"nonce": None}, "nonce"),  # required since protocol 5
+        ({"nonce": b"short"}, "nonce"),  # under 16 bytes: not a random nonce
+        ({"nonce": b"n" * 65}, "nonce"),
+        ({"to_engine_id": None}, "to_engine_id"),
+        ({"to_rank": -1}, "to_rank"),
+        ({"sent_at": None}, "sent_at"),
+        ({"to_engine_id": "e" * 257}, "to_engine_id"),
+        ({"tp_rank": 0}, "tp_rank"),  # the protocol-4 name of to_rank
+    ],
+    ids=["no_nonce", "short_nonce", "long_nonce", "no_destination", "negative_rank", "no_time", "long_id",
+         "old_field"],
+)
+def test_request_fields_are_checked(overrides: dict, field: str) -> None:
+    with pytest.raises(MalformedMessageError) as info:
+        decode([request_dict(**overrides)])
+    assert info.value.field == field
+
+
+def test_hold_requests_check_their_fields() -> None:
+    base = msgspec.to_builtins(ReleaseHolds(**HEAD, request_ids=["a"], block_ids=[[1]]), builtin_types=(bytes,))
+    for overrides, field in (({"block_ids": [[-1]]}, "block_ids[0][0]"), ({"block_ids": None}, "block_ids"),
+                             ({"extend_s": 5.0}, "extend_s")):
+        data = {"type": "release_holds", **base, **overrides}
+        with pytest.raises(MalformedMessageError) as info:
+            decode([msgspec.msgpack.encode({k: v for k, v in data.items() if v is not None})])
+        assert info.value.field == field
+    # A protocol-4 heartbeat carrying fence block ids is refused (protocol 5 asks them with a HoldQuery).
+    beat = {"type": "lease_heartbeat", **msgspec.to_builtins(MESSAGES[4], builtin_types=(bytes,)), "block_ids": []}
+    with pytest.raises(MalformedMessageError) as info:
+        decode([msgspec.msgpack.encode(beat)])
+    assert info.value.field == "block_ids"
+
+
+def test_refusal_codes_are_a_closed_set() -> None:
+    data = {"type": "error", **msgspec.to_builtins(MESSAGES[2]), "code": "please-retry-elsewhere"}
+    with pytest.raises(MalformedMessageError) as info:
+        decode([msgspec.msgpack.encode(data)])
+    assert info.value.field == "code"
+    # A server never sends a code outside the set: an unexpected one becomes "internal".
+    assert error_from_exception(HandshakeError("x", code="digest")).code == "internal"
+    reply = error_from_exception(MalformedMessageError("m", field="f"), NONCE)
+    assert (reply.code, reply.field, reply.nonce) == ("malformed", "f", NONCE)
 
 
 def test_digest() -> None:
@@ -151,7 +214,8 @@ def test_error_types() -> None:
     codes = {
         cls.code for cls in vars(handshake.errors).values() if isinstance(cls, type) and cls.code != "error"
     }
-    assert {"malformed", "version", "incompatible", "too_large", "auth", "timeout", "unknown_rank"} <= codes
+    assert {"malformed", "version", "incompatible", "too_large", "auth", "timeout", "unknown_rank",
+            "wrong_destination", "stale", "replayed"} <= codes
     bind = HandshakeBindError("port taken", errno=98)
     assert isinstance(bind, OSError) and isinstance(bind, HandshakeError) and bind.errno == 98
     assert isinstance(HandshakeTimeoutError("t"), TimeoutError)

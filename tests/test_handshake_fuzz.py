@@ -7,6 +7,7 @@ valid request at the end.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from handshake import (
+    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     ErrorReply,
     HandshakeError,
@@ -25,6 +27,7 @@ from handshake import (
     encode,
     fetch_agent_info,
 )
+from handshake._net import configure_socket
 from handshake.codec import sign
 from handshake.testing import ServerProcess, make_agent_info
 
@@ -33,12 +36,18 @@ COMPAT = "compat-test"
 SECRET = b"fuzz-secret"
 LIMIT = 2048  # bytes; small so random input also hits the size check
 INFOS = [make_agent_info(0, tp_size=2), make_agent_info(1, tp_size=2)]
+ENGINE = "prefill-engine"
+NONCE = b"fuzz-nonce-16byte"
 REQUEST = MetadataRequest(
-    protocol_version=PROTOCOL_VERSION, tp_rank=0, requester_engine_id="fuzz", compat_hash=COMPAT
+    protocol_version=PROTOCOL_VERSION, to_engine_id=ENGINE, to_rank=0, sent_at=time.time(), nonce=NONCE,
+    requester_engine_id="fuzz", compat_hash=COMPAT
 )
 VALID = encode(REQUEST)[0]
 VALID_SIGNED = encode(REQUEST, SECRET)
-FIELDS = ["type", "protocol_version", "tp_rank", "requester_engine_id", "compat_hash", "info", "code", "x"]
+FIELDS = ["type", "protocol_version", "to_engine_id", "to_rank", "sent_at", "nonce", "requester_engine_id",
+          "compat_hash", "request_ids", "block_ids", "extend_s", "info", "code", "x"]
+TAGS = ["metadata_request", "metadata_reply", "error", "lease_heartbeat", "hold_query", "release_holds",
+        "holds_reply"]
 
 FUZZ = settings(max_examples=200, deadline=None, database=None)
 
@@ -49,7 +58,7 @@ values = st.recursive(
     | st.floats(allow_nan=True)
     | st.text(max_size=20)
     | st.binary(max_size=20)
-    | st.sampled_from(["metadata_request", "metadata_reply", "error", COMPAT, PROTOCOL_VERSION]),
+    | st.sampled_from([*TAGS, COMPAT, ENGINE, PROTOCOL_VERSION, NONCE, REQUEST.sent_at]),
     lambda children: (
         st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
     ),
@@ -65,7 +74,7 @@ class Peer:
         self.secret = secret
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.linger = 0
+        configure_socket(self.sock, HOST, MAX_MESSAGE_BYTES, secret)  # CURVE with a secret
         self.sock.connect(f"tcp://{HOST}:{proc.port}")
 
     def exchange(self, frames: list[bytes]) -> ErrorReply | MetadataReply:
@@ -75,7 +84,7 @@ class Peer:
         reply = self.sock.recv_multipart()
         try:
             msg = decode(reply, self.secret)
-        except HandshakeError:  # an "auth" refusal is sent unsigned
+        except HandshakeError:  # an "auth" refusal is sent unsigned (a bad HMAC inside the CURVE session)
             msg = decode(reply[:1])
             assert isinstance(msg, ErrorReply) and msg.code == "auth", msg
         assert isinstance(msg, (ErrorReply, MetadataReply)), msg
@@ -97,7 +106,8 @@ def peer(request: pytest.FixtureRequest) -> Iterator[Peer]:
         client.close()
         # The server survived everything and still serves a valid request.
         assert proc.is_alive()
-        info = fetch_agent_info(HOST, proc.port, 1, "fuzz", COMPAT, secret=secret, timeout_s=5.0, retries=1)
+        info = fetch_agent_info(HOST, proc.port, 1, "fuzz", COMPAT, secret=secret, timeout_s=5.0, retries=1,
+                                engine_id=ENGINE)
         assert info == INFOS[1]
 
 
@@ -147,7 +157,8 @@ def test_single_byte_flip_of_signed_request_is_refused(position: int, mask: int,
 def test_structured_requests(peer: Peer, fields: dict) -> None:
     msg = peer.exchange(sign_if(peer, msgspec.msgpack.encode(fields)))
     if isinstance(msg, ErrorReply):
-        assert msg.code in {"malformed", "version", "incompatible", "unknown_rank", "too_large"}
+        assert msg.code in {"malformed", "version", "incompatible", "unknown_rank", "too_large", "wrong_destination",
+                            "stale", "replayed"}
 
 
 @settings(max_examples=300, deadline=None, database=None)

@@ -8,8 +8,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from handshake import HandshakeServer, HandshakeTimeoutError, HoldLink, HoldStatus, RemoteRefusedError, send_heartbeat
+from handshake import (
+    HandshakeServer,
+    HandshakeTimeoutError,
+    HoldLink,
+    HoldsReply,
+    HoldStatus,
+    RemoteRefusedError,
+    query_holds,
+    release_holds,
+    send_heartbeat,
+)
 from handshake.compat import fingerprint
+from handshake.testing import make_agent_info
 from p2pkv.config import ConfigError, P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import make_prefill_response_params
@@ -18,18 +29,69 @@ from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests.workers import COMPAT_FIELDS, NUM_BLOCKS, SHAPE, free_port, model_info
 
+HOST = "127.0.0.1"
+ENGINE = "prefill-engine"  # make_agent_info's engine id
+
+
+def _server(secret: bytes | None = None, **callbacks: object) -> HandshakeServer:
+    """A started side-channel server serving rank 0 of ENGINE (hold requests name it as their destination)."""
+    srv = HandshakeServer(HOST, 0, "h", secret=secret, **callbacks)  # type: ignore[arg-type]
+    srv.set_info(make_agent_info(0, compat_hash="h"))
+    srv.start()
+    return srv
+
+
+def _beat(port: int, ids: list[str], extend_s: float = 30.0, **kwargs: object) -> HoldsReply:
+    return send_heartbeat(HOST, port, ids, "decode", extend_s, engine_id=ENGINE, tp_rank=0,
+                          **kwargs)  # type: ignore[arg-type]
+
 
 def test_heartbeat_round_trip_and_refusal() -> None:
-    got: list[tuple[list[str], float]] = []
-    with HandshakeServer("127.0.0.1", 0, "h", on_heartbeat=lambda ids, s, b: got.append((ids, s))) as srv:
-        assert send_heartbeat("127.0.0.1", srv.port, ["a", "b"], "decode", 30.0).accepted == 2
-        assert got == [(["a", "b"], 30.0)]
-    with HandshakeServer("127.0.0.1", 0, "h") as srv, pytest.raises(RemoteRefusedError, match="holds no requests"):
-        send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 30.0)
-    with HandshakeServer("127.0.0.1", 0, "h", secret=b"k", on_heartbeat=lambda ids, s, b: None) as srv:
-        assert send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"k").accepted == 1
-        with pytest.raises(RemoteRefusedError):
-            send_heartbeat("127.0.0.1", srv.port, ["a"], "decode", 5.0, secret=b"wrong")
+    got: list[tuple[list[str], float, list[list[int]]]] = []
+    with _server(on_heartbeat=lambda ids, s, b: got.append((ids, s, b))) as srv:
+        assert _beat(srv.port, ["a", "b"]).accepted == 2
+        assert got == [(["a", "b"], 30.0, [])]  # a heartbeat asks about no block ids
+        with pytest.raises(RemoteRefusedError) as info:  # another destination: not extended
+            send_heartbeat(HOST, srv.port, ["a"], "decode", 30.0, engine_id="other-engine", tp_rank=0)
+        assert (info.value.code, info.value.field) == ("wrong_destination", "to_engine_id")
+        with pytest.raises(RemoteRefusedError) as info:
+            send_heartbeat(HOST, srv.port, ["a"], "decode", 30.0, engine_id=ENGINE, tp_rank=1)
+        assert (info.value.code, info.value.field) == ("unknown_rank", "to_rank")
+        assert len(got) == 1
+    with _server() as srv, pytest.raises(RemoteRefusedError, match="holds no requests"):
+        _beat(srv.port, ["a"])
+    with _server(secret=b"k", on_heartbeat=lambda ids, s, b: got.append((ids, s, b))) as srv:
+        assert _beat(srv.port, ["a"], 5.0, secret=b"k").accepted == 1
+        # Another secret: no CURVE session, so no answer at all (and no extension).
+        with pytest.raises(HandshakeTimeoutError):
+            _beat(srv.port, ["a"], 5.0, secret=b"wrong", timeout_s=0.3)
+        assert len(got) == 2 and srv.stats["served"] == 1 and srv.stats["refused"] == 0
+
+
+def test_hold_queries_and_releases_carry_block_ids() -> None:
+    asked: list[tuple[list[str], float, list[list[int]]]] = []
+    freed: list[tuple[list[str], list[list[int]]]] = []
+
+    def on_heartbeat(ids: list[str], extend_s: float, blocks: list[list[int]]) -> HoldStatus:
+        asked.append((ids, extend_s, blocks))
+        return HoldStatus(not_held=["b"])
+
+    def on_release(ids: list[str], blocks: list[list[int]]) -> int:
+        freed.append((ids, blocks))
+        return 1
+
+    with _server(secret=b"k", on_heartbeat=on_heartbeat, on_release=on_release) as srv:
+        reply = query_holds(HOST, srv.port, ["a", "b"], [[1, 2], [3]], "decode", 5.0, secret=b"k",
+                            engine_id=ENGINE, tp_rank=0)
+        assert (reply.accepted, reply.not_held) == (2, ["b"])
+        assert asked == [(["a", "b"], 5.0, [[1, 2], [3]])]
+        reply = release_holds(HOST, srv.port, ["a"], [[1, 2]], "decode", secret=b"k", engine_id=ENGINE, tp_rank=0)
+        assert reply.accepted == 1 and freed == [(["a"], [[1, 2]])]
+        with pytest.raises(ValueError, match="block_ids"):
+            release_holds(HOST, srv.port, ["a", "b"], [[1]], "decode", secret=b"k", engine_id=ENGINE, tp_rank=0)
+        with pytest.raises(RemoteRefusedError) as info:  # a release for another engine frees nothing
+            release_holds(HOST, srv.port, ["a"], [[1, 2]], "decode", secret=b"k", engine_id="other", tp_rank=0)
+        assert info.value.code == "wrong_destination" and len(freed) == 1
 
 
 def test_hold_link_reuses_one_connection_and_skips_a_late_reply() -> None:
@@ -43,18 +105,30 @@ def test_hold_link_reuses_one_connection_and_skips_a_late_reply() -> None:
             time.sleep(0.3)
         return HoldStatus(not_held=[i for i in ids if i.startswith("gone")])
 
-    with HandshakeServer("127.0.0.1", 0, "h", secret=b"k", on_heartbeat=on_heartbeat) as srv:
-        link = HoldLink("127.0.0.1", srv.port)
+    def ask(ids: list[str], link: HoldLink, **kwargs: object) -> HoldsReply:
+        return query_holds(HOST, srv.port, ids, [[1]] * len(ids), "d", 5.0, secret=b"k", link=link,
+                           engine_id=ENGINE, tp_rank=0, **kwargs)  # type: ignore[arg-type]
+
+    with _server(secret=b"k", on_heartbeat=on_heartbeat) as srv:
+        link = HoldLink(HOST, srv.port, secret=b"k")
         try:
-            assert send_heartbeat("127.0.0.1", srv.port, ["a"], "d", 5.0, secret=b"k", link=link).accepted == 1
+            assert ask(["a"], link).accepted == 1
             slow.set()
             with pytest.raises(HandshakeTimeoutError):
-                send_heartbeat("127.0.0.1", srv.port, ["gone-1"], "d", 5.0, secret=b"k", timeout_s=0.1, link=link)
-            reply = send_heartbeat("127.0.0.1", srv.port, ["b"], "d", 5.0, secret=b"k", timeout_s=2.0, link=link)
+                ask(["gone-1"], link, timeout_s=0.1)
+            reply = ask(["b"], link, timeout_s=2.0)
             assert reply.not_held == [] and reply.accepted == 1  # not the late "gone-1" answer (its nonce differs)
             assert srv.stats["heartbeats"] == 3
         finally:
             link.close()
+        wrong = HoldLink(HOST, srv.port, secret=b"wrong")  # another secret: the link never connects
+        try:
+            with pytest.raises(HandshakeTimeoutError):
+                query_holds(HOST, srv.port, ["a"], [[1]], "d", 5.0, secret=b"wrong", link=wrong, timeout_s=0.3,
+                            engine_id=ENGINE, tp_rank=0)
+            assert srv.stats["heartbeats"] == 3
+        finally:
+            wrong.close()
 
 
 def test_heartbeat_interval_must_be_below_lease() -> None:
@@ -84,7 +158,8 @@ def test_heartbeats_keep_a_lease_until_they_stop() -> None:
         released: list[str] = []
         end = time.monotonic() + 2.0
         while time.monotonic() < end:  # 3x the lease, heartbeats every 0.2 s
-            send_heartbeat("127.0.0.1", port, ["kept", "unknown"], "decode", 0.6)
+            send_heartbeat("127.0.0.1", port, ["kept", "unknown"], "decode", 0.6, engine_id="prefill-engine",
+                           tp_rank=0)
             for _ in range(4):
                 released += sorted(worker.get_finished()[0])
                 time.sleep(0.05)
@@ -107,6 +182,7 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
         event.set()
 
     with HandshakeServer("127.0.0.1", 0, "h", on_heartbeat=on_heartbeat) as srv:
+        srv.set_info(make_agent_info(0, engine_id="p", compat_hash="h"))  # heartbeats name engine "p", rank 0
         cfg = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=5.0)
         sched = SchedulerSide("decode-engine", cfg, 32, "127.0.0.1", 5600, 1)
         reqs = []

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from p2pkv.notification import DoneNotification, encode_done, parse_done
+from p2pkv.notification import DoneNotification, blocks_digest, encode_done, parse_done
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.telemetry.stats import empty_stats
 
@@ -14,15 +14,26 @@ KEY = b"secret"
 
 
 def test_notification_round_trip_and_mac() -> None:
-    note = DoneNotification("req|with|bars", "decode:1", 2)
+    note = DoneNotification("req-1", "decode:1", 2, blocks_digest([4, 5, 6]))
     assert parse_done(encode_done(note)) == note
     signed = encode_done(note, KEY)
     assert parse_done(signed, KEY) == note
     assert parse_done(encode_done(note), KEY) is None, "an unsigned notification must not count"
     assert parse_done(signed, b"other") is None
-    assert parse_done(signed.replace(b":2#", b":1#"), KEY) is None, "a tampered count must not count"
+    assert parse_done(signed.replace(b":2|", b":1|"), KEY) is None, "a tampered count must not count"
+    tampered = signed.replace(blocks_digest([4, 5, 6]).encode(), blocks_digest([4, 5, 7]).encode())
+    assert tampered != signed and parse_done(tampered, KEY) is None, "a tampered block digest must not count"
     assert parse_done(b"something else", KEY) is None
     assert parse_done(b"p2pkv:done:legacy") == DoneNotification("legacy")
+    assert parse_done(b"p2pkv:done:r|decode:1:2") == DoneNotification("r", "decode:1", 2)  # without a digest
+
+
+@pytest.mark.parametrize("blocks", [blocks_digest([4, 5, 6]), ""], ids=["digest", "no_digest"])
+def test_request_id_with_bars_round_trips(blocks: str) -> None:
+    """Request ids are chosen by clients (vLLM takes them from the X-Request-Id header) and may contain "|"."""
+    note = DoneNotification("req|with|bars", "decode:1", 2, blocks)
+    assert parse_done(encode_done(note)) == note
+    assert parse_done(encode_done(note, KEY), KEY) == note
 
 
 def test_holds_answer_fence_questions() -> None:
@@ -30,11 +41,17 @@ def test_holds_answer_fence_questions() -> None:
     holds.hold("held", 1e12, (4, 5, 6))
     holds.hold("gone", 1e12, (7,))
     stats = empty_stats()
-    holds.released([DoneNotification("gone")], stats)
+    # Done notifications free a hold only when they name the digest of its block ids.
+    assert holds.released([DoneNotification("gone", blocks=blocks_digest([8]))], stats) == set()
+    assert holds.released([DoneNotification("gone", blocks=blocks_digest([7]))], stats) == {"gone"}
     status = holds.on_heartbeat(["held", "gone", "never", "held"], 10.0, [[4, 5], [7], [1], [4, 9]])
     assert status.not_held == ["gone", "held"] and status.unknown == ["never"] and status.expired == []
     assert holds.on_heartbeat(["held"], 10.0, []).not_held == []  # no block ids asked: held
-    assert holds.on_release(["held", "never"]) == 1
+    # A release frees a hold only when it names exactly the hold's block ids (not a subset, not others).
+    assert holds.on_release(["held", "never"], [[4, 5], [1]]) == 0
+    assert holds.on_release(["held"], [[4, 5, 6, 7]]) == 0
+    assert holds.released([], stats) == set()
+    assert holds.on_release(["held", "never"], [[4, 5, 6], [1]]) == 1
     assert holds.released([], stats) == {"held"}
     assert holds.on_heartbeat(["held"], 10.0, [[4]]).not_held == ["held"]  # released: remembered
 
