@@ -19,14 +19,43 @@ class PlanError(ValueError):
     """Block id lists that cannot be pulled; the message names the problem."""
 
 
+def check_block_ids(ids: Sequence[int] | np.ndarray, num_blocks: int, side: str) -> None:
+    """Check block ids against the KV cache that holds them, before any arithmetic on them.
+
+    Ids come from ``kv_transfer_params`` (anyone's choice, any size): an id
+    beyond int64 would overflow numpy, one beyond ``num_blocks`` would address
+    memory past the cache. Ints are compared as Python ints (``min``/``max``,
+    no conversion).
+
+    Args:
+        ids: block ids, flat.
+        num_blocks: blocks in that side's KV cache (ids must be below it).
+        side: ``"local"`` or ``"remote"``, for the message.
+
+    Raises:
+        PlanError: not a flat list of ints, or an id outside ``[0, num_blocks)``
+            (the message names the first such id and the bound).
+    """
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1:
+            raise PlanError(f"{side} block ids must be a flat list, got shape {ids.shape}")
+        if not ids.size or (ids.min() >= 0 and ids.max() < num_blocks):
+            return
+    elif not ids:
+        return
+    else:
+        try:
+            if min(ids) >= 0 and max(ids) < num_blocks:
+                return
+        except TypeError as exc:
+            raise PlanError(f"{side} block ids must be a flat list of ints: {exc}") from None
+    bad = next(int(b) for b in ids if not 0 <= b < num_blocks)
+    raise PlanError(f"{side} block id {bad} outside [0, {num_blocks}): that KV cache has {num_blocks} blocks")
+
+
 def _as_ids(ids: Sequence[int] | np.ndarray, num_blocks: int, side: str) -> np.ndarray:
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.ndim != 1:
-        raise PlanError(f"{side} block ids must be a flat list, got shape {arr.shape}")
-    if arr.size and (arr.min() < 0 or arr.max() >= num_blocks):
-        bad = arr[(arr < 0) | (arr >= num_blocks)][0]
-        raise PlanError(f"{side} block id {int(bad)} outside [0, {num_blocks})")
-    return arr
+    check_block_ids(ids, num_blocks, side)
+    return np.asarray(ids, dtype=np.int64)
 
 
 def coalesce_runs(

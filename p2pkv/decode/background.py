@@ -1,66 +1,106 @@
-"""Side-channel calls of a decode worker, each on its own daemon thread, cancellable as a whole."""
+"""Side-channel calls of a decode worker, on bounded thread pools, cancellable as a whole."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
+
+from p2pkv.decode.pool import FairPool
+
+logger = logging.getLogger("p2pkv.decode")
+
+CALL_THREADS = 16
+"""Most threads running one-off calls (handshakes, releases) at once."""
+CALLS_PER_HOST = 4
+"""Most one-off calls to one destination (``key``) running at once."""
+LANE_THREADS = 16
+"""Most threads running lane calls (fence questions) at once."""
+MAX_QUEUED = 1024
+"""Most calls waiting per destination or lane; more fail at once (:class:`p2pkv.decode.pool.PoolFull`)."""
 
 
 class Background:
-    """Runs blocking side-channel calls (handshakes, fence confirmations) off the engine thread.
+    """Runs blocking side-channel calls (handshakes, releases, fence questions) off the engine thread.
 
     Every call gets ``cancel=`` :attr:`stop`, so :meth:`close` ends it within
-    the side channel's poll interval (about 0.1 s). One thread per call (an
-    unreachable peer never delays calls to the others), or, with ``lane=``,
-    one long-lived thread per lane running its calls in order (no thread
-    start per call).
+    the side channel's poll interval (about 0.1 s). One-off calls share a pool
+    of at most ``call_threads`` threads, at most ``per_key`` of them for one
+    ``key`` (a destination host): an unreachable host delays only the calls to
+    itself until ``call_threads / per_key`` such hosts have calls queued (see
+    :mod:`p2pkv.decode.pool` for the trade-off). Calls with ``lane=`` run in
+    order, one at a time per lane, on a second pool of at most ``lane_threads``
+    threads; a lane holds nothing once its calls have ended.
 
     Args:
         on_done: called (on the call's thread) when any call ends, e.g. to wake
             whoever waits for the answers.
+        call_threads / per_key / lane_threads / max_queued: the pools' bounds
+            (defaults :data:`CALL_THREADS`, :data:`CALLS_PER_HOST`,
+            :data:`LANE_THREADS`, :data:`MAX_QUEUED`).
     """
 
-    def __init__(self, on_done: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_done: Callable[[], None] | None = None, *, call_threads: int = CALL_THREADS,
+                 per_key: int = CALLS_PER_HOST, lane_threads: int = LANE_THREADS,
+                 max_queued: int = MAX_QUEUED) -> None:
         self.stop = threading.Event()
         self._on_done = on_done
-        self._threads: list[threading.Thread] = []
-        self._lanes: dict[str, ThreadPoolExecutor] = {}
+        self._calls = FairPool("p2pkv-calls", call_threads, per_key, max_queued)
+        self._lanes = FairPool("p2pkv-lanes", lane_threads, 1, max_queued)
 
-    def call(self, name: str, fn: Callable[..., Any], *args: Any, lane: str | None = None, **kwargs: Any) -> Future:
-        """Start ``fn(*args, cancel=self.stop, **kwargs)`` on a daemon thread named ``name`` (or on ``lane``'s).
+    def call(self, name: str, fn: Callable[..., Any], *args: Any, lane: str | None = None, key: str | None = None,
+             **kwargs: Any) -> Future:
+        """Queue ``fn(*args, cancel=self.stop, **kwargs)``; the thread running it is named ``name``.
+
+        Args:
+            name: the call's name (its thread's while it runs).
+            fn: the blocking call; must return soon after ``cancel`` is set.
+            lane: run in order after the lane's earlier calls (one at a time).
+            key: the destination (host) the call goes to, for the per-host bound;
+                None: one shared key for every call without one.
 
         Returns:
-            A Future holding the result, or the exception ``fn`` raised.
+            A Future holding the result, or the exception ``fn`` raised, or
+            :class:`p2pkv.decode.pool.PoolFull` (too many calls queued, or closed);
+            cancelled when :meth:`close` or :meth:`close_lane` came first.
         """
-        future: Future = Future()
+        def run() -> Any:
+            return fn(*args, cancel=self.stop, **kwargs)
 
-        def run() -> None:
-            try:
-                future.set_result(fn(*args, cancel=self.stop, **kwargs))
-            except BaseException as exc:  # delivered to the step that polls the future
-                future.set_exception(exc)
-            if self._on_done is not None:
-                self._on_done()
-
-        if lane is not None:
-            if lane not in self._lanes:
-                self._lanes[lane] = ThreadPoolExecutor(1, thread_name_prefix=name)
-            self._lanes[lane].submit(run)
-            return future
-        self._threads = [t for t in self._threads if t.is_alive()]
-        thread = threading.Thread(target=run, name=name, daemon=True)
-        self._threads.append(thread)
-        thread.start()
+        pool, k = (self._lanes, lane) if lane is not None else (self._calls, key or "")
+        future = pool.submit(k, name, run)
+        if self._on_done is not None:
+            future.add_done_callback(self._done)
         return future
 
+    def _done(self, _: Future) -> None:
+        try:
+            self._on_done()  # type: ignore[misc]
+        except Exception:
+            logger.exception("p2pkv: a side-channel call's completion hook failed")
+
+    def close_lane(self, lane: str) -> int:
+        """Cancel ``lane``'s calls not yet started; how many (the running one ends by itself)."""
+        return self._lanes.cancel(lane)
+
+    @property
+    def lanes(self) -> set[str]:
+        """Lanes with calls waiting or running."""
+        return self._lanes.keys()
+
+    @property
+    def threads(self) -> int:
+        """Threads alive in both pools."""
+        return self._calls.threads + self._lanes.threads
+
     def close(self, timeout_s: float = 2.0) -> None:
-        """Cancel every call and join its thread (at most ``timeout_s`` seconds each). Idempotent."""
+        """Cancel every call and wait for the threads (at most ``timeout_s`` seconds in all). Idempotent."""
         self.stop.set()
-        for pool in self._lanes.values():
-            pool.shutdown(wait=True, cancel_futures=True)
-        self._lanes.clear()
-        for thread in self._threads:
-            thread.join(timeout=timeout_s)
-        self._threads.clear()
+        end = time.monotonic() + timeout_s
+        for pool in (self._calls, self._lanes):
+            pool.close(0.0)  # nothing queued starts any more
+        for pool in (self._calls, self._lanes):
+            pool.close(max(0.0, end - time.monotonic()))

@@ -23,7 +23,8 @@ class FailureKind(str, enum.Enum):
     TRANSFER = "transfer"
     """Any other NIXL failure posting or running a READ."""
     TIMEOUT = "timeout"
-    """A READ still in flight after ``transfer_timeout_s``."""
+    """A pull past its state's deadline (:mod:`p2pkv.decode.deadlines`): a handshake never done, staging never
+    free, a READ still in flight or a fence never answered after ``transfer_timeout_s``."""
     LEASE_EXPIRED = "lease_expired"
     """The prefill lease ended before the READ finished: the blocks may have been reused."""
     NOT_HELD = "not_held"

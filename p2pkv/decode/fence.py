@@ -4,7 +4,7 @@ A prefill hold can end (and vLLM reuse the blocks) while a READ is in
 flight; the bytes pulled would then be some other request's KV, served with
 HTTP 200. And a pull can name blocks the prefill engine does not hold for
 that request at all (a repeated or forged ``kv_transfer_params``). So the
-decode worker asks each prefill rank (one :class:`handshake.LeaseHeartbeat`
+decode worker asks each prefill rank (one :class:`handshake.HoldQuery`
 per rank and step, off the engine thread, naming the request ids and the
 block ids read) twice: when it posts the READs, to fail a pull of blocks no
 longer held at once, and after the READs are done, to confirm the hold
@@ -14,10 +14,11 @@ lasted through them. Only confirmed pulls reach vLLM.
 from __future__ import annotations
 
 import enum
+import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from handshake import HeartbeatReply, HoldLink, send_heartbeat
+from handshake import HoldLink, HoldsReply, query_holds
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 
@@ -47,7 +48,7 @@ class Hold(str, enum.Enum):
     UNKNOWN = "unknown"
 
 
-def hold_of(request_id: str, reply: HeartbeatReply) -> Hold:
+def hold_of(request_id: str, reply: HoldsReply) -> Hold:
     """What ``reply`` says of ``request_id``."""
     if request_id in reply.expired:
         return Hold.EXPIRED
@@ -78,19 +79,46 @@ class Fence:
         self._batches.setdefault(pid, (pid.host, pid.port, []))[2].append((read, phase))
 
     def send(self) -> None:
-        """Ask every prefill rank with queued questions (one call per rank)."""
-        for host, port, entries in self._batches.values():
-            ids = [r.pull.spec.remote.request_id for r, _ in entries]
-            blocks = [list(r.pull.spec.remote.block_ids) for r, _ in entries]
-            link = self._links.get((host, port))
-            if link is None:
-                link = self._links[host, port] = HoldLink(host, port)
-            future = self.background.call(f"p2pkv-fence-{host}:{port}", send_heartbeat, host, port, ids,
-                                          self.engine_id, FENCE_EXTEND_S, secret=self.secret,
-                                          timeout_s=self.timeout_s, block_ids=blocks, link=link,
-                                          lane=f"{host}:{port}")
+        """Ask every prefill rank with queued questions (one call per rank).
+
+        A batch that cannot even be sent is answered with the exception it
+        raised (its pulls are judged on that), never stopping the others.
+        """
+        batches, self._batches = self._batches, {}
+        for pid, (host, port, entries) in batches.items():
+            try:
+                future = self._ask(pid, host, port, entries)
+            except Exception as exc:  # answered with it
+                future = Future()
+                future.set_exception(exc)
             self._in_flight.append((future, entries))
-        self._batches.clear()
+
+    def _ask(self, pid: PeerId, host: str, port: int, entries: list[tuple[ReadPart, Phase]]) -> Future:
+        """Send one batch of questions to prefill rank ``pid`` on its lane; the answer's Future."""
+        ids = [r.pull.spec.remote.request_id for r, _ in entries]
+        blocks = [list(r.pull.spec.remote.block_ids) for r, _ in entries]
+        link = self._links.get((host, port))
+        if link is None:
+            link = self._links[host, port] = HoldLink(host, port, self.secret)
+        return self.background.call(f"p2pkv-fence-{host}:{port}", query_holds, host, port, ids, blocks,
+                                    self.engine_id, FENCE_EXTEND_S, secret=self.secret,
+                                    timeout_s=self.timeout_s, link=link, engine_id=pid.engine_id,
+                                    tp_rank=pid.tp_rank, lane=f"{host}:{port}")
+
+    def forget(self, host: str, port: int) -> None:
+        """Close the connection to ``host:port`` (no peer there any more): on its lane, after the questions
+        already queued there, so the engine thread never waits for it; the lane then holds nothing."""
+        link = self._links.pop((host, port), None)
+        if link is None:
+            return
+        done = self.background.call(f"p2pkv-fence-close-{host}:{port}", _close_link, link, lane=f"{host}:{port}")
+        if done.done() and not done.cancelled() and done.exception() is not None:  # refused: close it here
+            link.close()
+
+    @property
+    def links(self) -> set[tuple[str, int]]:
+        """``(host, port)`` of the open connections."""
+        return set(self._links)
 
     def close(self) -> None:
         """Close the connections to the prefill ranks (after the calls on them ended). Idempotent."""
@@ -107,7 +135,7 @@ class Fence:
                 pending.append((future, entries))
                 continue
             try:
-                reply: HeartbeatReply | Exception = future.result()
+                reply: HoldsReply | Exception = future.result()
             except Exception as exc:
                 reply = exc
             for read, phase in entries:
@@ -157,3 +185,8 @@ def failure_of(answer: Hold | Exception, request_id: str) -> tuple[FailureKind, 
     return FailureKind.NOT_HELD, (f"the prefill engine no longer holds request {request_id!r} with these "
                                   "remote_block_ids (already pulled and released, released after a failed "
                                   "decode, or block ids of another request); prefill the prompt again")
+
+
+def _close_link(link: HoldLink, cancel: threading.Event | None = None) -> None:
+    """Close ``link`` (a lane call: ``cancel`` is not needed, closing never blocks for long)."""
+    link.close()

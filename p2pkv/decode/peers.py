@@ -1,10 +1,20 @@
-"""The prefill ranks a decode worker knows: verified handshakes, their pull plans, and handshakes in flight."""
+"""The prefill ranks a decode worker knows: verified handshakes, their pull plans, and handshakes in flight.
+
+Peers are keyed by a canonical address (:func:`canonical_host`), so the many
+spellings of one address are one peer, and each remembers when a pull last
+used it: the table is bounded (``max_peers``) by dropping the least recently
+used peer no pull needs, and peers idle for ``peer_idle_s`` are dropped too.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
+import socket
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,6 +29,41 @@ if TYPE_CHECKING:
     from p2pkv.dataplane.agent import NixlTransferAgent
 
 logger = logging.getLogger("p2pkv.decode.peers")
+
+HANDSHAKE_BACKOFF_S = 0.2
+"""First pause (seconds) between two handshake attempts, doubled each time (see :func:`handshake_budget_s`)."""
+_IPV4_SPELLING = re.compile(r"[0-9a-fx.]+")
+
+
+def canonical_host(host: str) -> str:
+    """One spelling per address: what peers are keyed by and what the side channel connects to.
+
+    IPv4 in any form ``inet_aton`` accepts (``127.1``, ``0x7f.0.0.1``,
+    ``127.000.000.001``, ``2130706433``) → dotted quad; IPv6 (brackets
+    stripped) → compressed form, an IPv4-mapped one → its IPv4 address;
+    a host name → lower case without a trailing dot. Names are not resolved
+    (that would block): ``localhost`` and ``127.0.0.1`` stay two peers.
+    """
+    h = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if ":" in h:
+        try:
+            ip = ipaddress.IPv6Address(h)
+        except ValueError:
+            return h.lower()
+        return str(ip.ipv4_mapped) if ip.ipv4_mapped is not None else ip.compressed
+    h = h.lower()
+    h = h[:-1] if h.endswith(".") else h
+    if _IPV4_SPELLING.fullmatch(h):
+        try:
+            return socket.inet_ntoa(socket.inet_aton(h))
+        except OSError:
+            pass
+    return h
+
+
+def handshake_budget_s(timeout_s: float, retries: int) -> float:
+    """Longest a handshake can take (seconds): ``retries`` attempts of ``timeout_s`` and the pauses between."""
+    return timeout_s * retries + HANDSHAKE_BACKOFF_S * (2 ** max(0, retries - 1) - 1)
 
 
 @dataclass(frozen=True, order=True)
@@ -36,8 +81,9 @@ class PeerId:
 
     @classmethod
     def of(cls, remote: RemotePrefill, tp_rank: int) -> PeerId:
-        """Prefill rank ``tp_rank`` of the engine ``remote`` names (its port: base port + rank)."""
-        return cls(remote.engine_id, remote.host, remote.port + tp_rank, tp_rank)
+        """Prefill rank ``tp_rank`` of the engine ``remote`` names (its port: base port + rank; its host
+        canonical, :func:`canonical_host`)."""
+        return cls(remote.engine_id, canonical_host(remote.host), remote.port + tp_rank, tp_rank)
 
     def __str__(self) -> str:
         return f"{self.engine_id} rank {self.tp_rank} at {self.host}:{self.port}"
@@ -77,7 +123,7 @@ class Handshake:
 
 
 class PeerTable:
-    """Known prefill ranks of one decode worker, and handshakes in flight.
+    """Known prefill ranks of one decode worker, handshakes in flight, and when each peer was last used.
 
     Args:
         agent: the worker's NIXL agent (peers are added to it).
@@ -95,16 +141,26 @@ class PeerTable:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.peers: dict[PeerId, Peer] = {}
         self.handshakes: dict[PeerId, Handshake] = {}
+        self._used: OrderedDict[PeerId, float] = OrderedDict()  # known peers, least recently used first
+
+    def __len__(self) -> int:
+        """Peers known and handshakes in flight (each becomes a peer)."""
+        return len(self.peers) + len(self.handshakes)
 
     def handshake(self, peer_id: PeerId, background: Background, *, engine_id: str, compat_hash: str,
                   secret: bytes | None, timeout_s: float, retries: int) -> Handshake:
-        """The handshake with ``peer_id``, started now unless one is in flight; it verifies the engine id."""
+        """The handshake with ``peer_id``, started now unless one is in flight; it verifies the engine id.
+
+        It runs on ``background``'s pool under the peer's host (calls to one
+        host share a bound, see :class:`p2pkv.decode.background.Background`).
+        """
         hs = self.handshakes.get(peer_id)
         if hs is None:
             future = background.call(f"p2pkv-handshake-{peer_id.host}:{peer_id.port}", fetch_agent_info,
                                      peer_id.host, peer_id.port, peer_id.tp_rank, engine_id, compat_hash,
                                      secret=secret, timeout_s=timeout_s, retries=retries,
-                                     engine_id=peer_id.engine_id)
+                                     backoff_s=HANDSHAKE_BACKOFF_S, engine_id=peer_id.engine_id,
+                                     key=peer_id.host)
             hs = self.handshakes[peer_id] = Handshake(future)
         return hs
 
@@ -114,6 +170,13 @@ class PeerTable:
             if hs.future.done():
                 del self.handshakes[peer_id]
                 yield peer_id, hs
+
+    def cancel_unneeded(self, needed: set[PeerId]) -> list[PeerId]:
+        """Cancel the handshakes not in ``needed`` that have not started yet (forgotten now); their peers."""
+        gone = [pid for pid, hs in self.handshakes.items() if pid not in needed and hs.future.cancel()]
+        for pid in gone:
+            del self.handshakes[pid]
+        return gone
 
     def add(self, peer_id: PeerId, info: AgentInfo) -> Peer:
         """Plan the pairing with a handshaken prefill rank and load its metadata into NIXL.
@@ -126,19 +189,48 @@ class PeerTable:
                          self.model)
         name = self.agent.add_peer(info)
         peer = self.peers[peer_id] = Peer(info, name, remote_segments(info.layout), plan)
+        self.touch([peer_id])
         if plan.mode is TransferMode.PAGED:
             r = plan.read
             peer.local_slices = page_slices(self.local, self.local_segments, r.local_head_start, r.num_heads)
             peer.remote_slices = page_slices(info.layout, peer.segments, r.remote_head_start, r.num_heads)
         return peer
 
-    def drop(self, peer_id: PeerId, only: Peer | None = None) -> None:
-        """Forget a prefill rank (it failed or restarted); with ``only``, just if it is still that one.
+    def touch(self, peer_ids: Iterable[PeerId], now: float | None = None) -> None:
+        """A pull uses these peers now (``time.monotonic()`` seconds); unknown ones are skipped."""
+        now = time.monotonic() if now is None else now
+        for pid in peer_ids:
+            if pid in self.peers:
+                self._used[pid] = now
+                self._used.move_to_end(pid)
+
+    def least_used(self, busy: set[PeerId]) -> Iterator[PeerId]:
+        """Known peers not in ``busy``, least recently used first."""
+        return (pid for pid in list(self._used) if pid not in busy)
+
+    def idle(self, now: float, idle_s: float, busy: set[PeerId]) -> list[PeerId]:
+        """Known peers not in ``busy`` unused for more than ``idle_s`` seconds at ``now``."""
+        out = []
+        for pid, used in self._used.items():
+            if now - used <= idle_s:
+                break  # the rest were used later
+            if pid not in busy:
+                out.append(pid)
+        return out
+
+    def drop(self, peer_id: PeerId, only: Peer | None = None) -> Peer | None:
+        """Forget a prefill rank (it failed, restarted or was evicted); with ``only``, just if it is still that
+        one. The dropped peer, or None.
 
         A late failure from a dead incarnation must not tear down its replacement.
+        The NIXL remote agent is removed unless another peer (another spelling
+        of the same rank's address) still uses it.
         """
         peer = self.peers.get(peer_id)
         if peer is None or (only is not None and peer is not only):
-            return
+            return None
         del self.peers[peer_id]
-        self.agent.remove_peer(peer.agent_name)
+        self._used.pop(peer_id, None)
+        if not any(p.agent_name == peer.agent_name for p in self.peers.values()):
+            self.agent.remove_peer(peer.agent_name)
+        return peer

@@ -29,6 +29,9 @@ INTERVAL_S = 0.0002
 class Progress:
     """Calls ``advance()`` (under :attr:`lock`) every ``interval_s`` while it returns True.
 
+    A call that raises (anything) is logged; the thread lives on and calls
+    again at the next :meth:`wake`.
+
     Args:
         advance: moves every pull as far as it can go now; returns True while
             any is still in flight (so polling goes on).
@@ -71,7 +74,7 @@ class Progress:
                 try:
                     with self.lock:
                         active = self._advance()
-                except Exception:  # the engine step advances the pulls as well; keep this thread alive
+                except BaseException:  # any exception of one call: the engine step advances the pulls as well
                     logger.exception("p2pkv: advancing the pulls between engine steps failed")
                     active = False
                 if active:

@@ -9,6 +9,7 @@ The lifecycle that moves pulls between states is
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import numpy as np
 
 from p2pkv.dataplane.agent import ReadHandle
 from p2pkv.dataplane.stager import Stage
-from p2pkv.decode.peers import Peer, PeerId
+from p2pkv.decode.peers import Peer, PeerId, canonical_host
 from p2pkv.metadata import PullSpec
 
 
@@ -77,9 +78,14 @@ class Pull:
     """One request's pull.
 
     Attributes:
-        spec: what to pull (from the scheduler).
+        spec: what to pull (from the scheduler; its host canonical, see
+            :func:`p2pkv.decode.peers.canonical_host`).
         started: ``time.monotonic()`` of the current attempt's first READ.
         state: where it is (:class:`PullState`).
+        since: ``time.monotonic()`` when it entered ``state`` (its deadline
+            counts from there, :mod:`p2pkv.decode.deadlines`).
+        peers: every prefill rank it reads from or notifies (while it is under
+            way, none of them is evicted).
         attempt: 0 for the first try, 1 after the one retry a peer failure allows.
         reads: the current attempt's READs.
         notify: prefill ranks to notify when done, each with how many decode
@@ -94,6 +100,8 @@ class Pull:
     spec: PullSpec
     started: float = 0.0
     state: PullState = PullState.HANDSHAKE
+    since: float = field(default_factory=time.monotonic)
+    peers: tuple[PeerId, ...] = ()
     attempt: int = 0
     reads: list[ReadPart] = field(default_factory=list)
     notify: list[tuple[PeerId, int]] = field(default_factory=list)
@@ -104,8 +112,10 @@ class Pull:
 
     @classmethod
     def taken(cls, spec: PullSpec) -> Pull:
-        """A new pull of ``spec``, taken by the worker now (its first phase marks set)."""
-        return cls(spec, marks={"arrival": spec.arrival, "scheduled": spec.scheduled, "taken": time.time()})
+        """A new pull of ``spec``, taken by the worker now (its first phase marks set, its host canonical)."""
+        remote = dataclasses.replace(spec.remote, host=canonical_host(spec.remote.host))
+        return cls(dataclasses.replace(spec, remote=remote),
+                   marks={"arrival": spec.arrival, "scheduled": spec.scheduled, "taken": time.time()})
 
     @property
     def request_id(self) -> str:

@@ -13,14 +13,22 @@ collects fence answers, and so does a thread between steps while READs are in
 flight or answers arrive (:mod:`p2pkv.decode.progress`); a pull that fails marks its local blocks as load
 errors and is still reported as received, so vLLM recomputes or fails the
 request per ``kv_load_failure_policy``.
+
+Every request's ``kv_transfer_params`` are anyone's choice, so each pull is
+contained: an exception while advancing one pull fails that pull alone
+(``refused``, the exception in the reason), every waiting state has a
+deadline (:mod:`p2pkv.decode.deadlines`), and the peers it makes the worker
+keep are bounded (``max_peers``, ``peer_idle_s``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
-from handshake import AgentInfo, IncompatiblePeerError, KVLayoutDesc
+from handshake import KVLayoutDesc
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.dataplane.layout import KVLayout
@@ -30,16 +38,18 @@ from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.dataplane.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
 from p2pkv.decode.background import Background
+from p2pkv.decode.deadlines import Deadlines
 from p2pkv.decode.failures import FailureKind
-from p2pkv.decode.fence import Fence, Phase, Verdict, failure_of, judge
+from p2pkv.decode.fence import Fence, Hold, Phase, Verdict, failure_of, judge
+from p2pkv.decode.keeper import PeerKeeper
 from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull import Pull, PullState, ReadPart
-from p2pkv.decode.reads import plan_reads, release_unposted
+from p2pkv.decode.reads import ReadEvent, abandon, plan_reads, poll_read, release_unposted
 from p2pkv.decode.release import release_failed
 from p2pkv.metadata import PullSpec
-from p2pkv.notification import DoneNotification, encode_done
+from p2pkv.notification import DoneNotification, blocks_digest, encode_done
 from p2pkv.telemetry.stats import StatsBuffer, append_json_line
 
 logger = logging.getLogger("p2pkv.decode")
@@ -71,6 +81,9 @@ class Puller:
         self.background = Background(on_done=self.progress.wake)
         self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size, model)
         self.fence = Fence(self.background, engine_id, self._secret, config.handshake_timeout_s)
+        self.keeper = PeerKeeper(self.peers, self.fence, self.background, engine_id=engine_id,
+                                 compat_hash=compat_hash, secret=self._secret, config=config)
+        self.deadlines = Deadlines.of(config)
         self.pulls: list[Pull] = []
         self._staging_wait: list[Pull] = []
         self._handshake_wait: dict[PeerId, list[Pull]] = {}
@@ -89,36 +102,50 @@ class Puller:
             new, waiting, self._staging_wait = [Pull.taken(spec) for spec in specs], self._staging_wait, []
             self.pulls += new
             for pull in [*waiting, *new]:
-                try:
-                    self._begin(pull)
-                except Exception as exc:  # a bug must fail this pull, not the engine step
-                    logger.exception("p2pkv: starting the pull of %s failed", pull.request_id)
-                    self._fail(pull, FailureKind.REFUSED, f"unexpected error: {exc!r}")
-            try:  # poll the READs and send fence questions now: the pulls' thread may wait for a core
-                if new or waiting:
-                    self._advance()
-            except Exception:  # the pulls' thread and the next engine step advance them again
-                logger.exception("p2pkv: advancing the pulls after posting failed")
+                self._contained(pull, "starting the pull", self._begin, pull)
+            if new or waiting:  # poll the READs and send fence questions now: the pulls' thread may wait
+                self._advance()
         self.progress.wake()
 
     def step(self) -> set[str]:
         """Advance every pull; the request ids finished (loaded or failed) since the last call."""
         with self.lock:
-            self._advance()
-            for pull in self._to_notify:  # from the engine thread, which keeps progressing NIXL's sends
-                _notify(self.agent, self.peers, pull, f"{self.engine_id}:{self.tp_rank}", self._secret)
-            self._to_notify = []
+            try:
+                self._advance()
+            finally:  # from the engine thread, which keeps progressing NIXL's sends
+                notify, self._to_notify = self._to_notify, []
+                for pull in notify:
+                    self._contained(pull, "notifying the prefill ranks", _notify, self.agent, self.peers, pull,
+                                    f"{self.engine_id}:{self.tp_rank}", self._secret)
             return self.outcomes.take_finished()
 
     def _advance(self) -> bool:
-        """Move every pull as far as it can go now; True while a READ is in flight (poll again soon)."""
-        self._finish_handshakes()
-        self._draining = _drain(self.agent, self.outcomes, self._draining)
-        self._poll_reads()
-        self._collect_fence()
-        self.fence.send()
+        """Move every pull as far as it can go now; True while a READ is in flight (poll again soon).
+
+        Each phase is contained: one that raises is logged and the others still run.
+        """
+        for what, phase in (("finishing handshakes", self._finish_handshakes), ("draining", self._drain),
+                            ("polling READs", self._poll_reads), ("collecting fence answers", self._collect_fence),
+                            ("checking deadlines", self._expire), ("asking fence questions", self.fence.send),
+                            ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers))):
+            self._contained(None, what, phase)
         return bool(self._draining) or any(r.in_flight and r.stage is None
                                            for p in self.in_state(PullState.READING) for r in p.reads)
+
+    def _contained(self, pull: Pull | None, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)``, one step of ``pull`` (None: of the worker); an exception is logged and fails
+        that pull alone (``refused``, the exception in the reason), never the others."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            logger.exception("p2pkv: %s failed%s", what, f" (request {pull.request_id})" if pull else "")
+            if pull is None or pull.finished:
+                return
+            try:
+                self._abandon(pull)  # READs in flight must not land in blocks handed back to vLLM
+            except Exception:
+                logger.exception("p2pkv: cancelling the READs of %s failed", pull.request_id)
+            self._fail(pull, FailureKind.REFUSED, f"unexpected error {what}: {exc!r}")
 
     @property
     def busy(self) -> bool:
@@ -152,8 +179,10 @@ class Puller:
 
     # ---- transitions ----------------------------------------------------------
     def _to(self, pull: Pull, state: PullState) -> None:
-        pull.state = state
+        if state is not pull.state:
+            pull.state, pull.since = state, time.monotonic()  # its deadline counts from here
         if pull.finished:
+            self.peers.touch(pull.peers)  # idle from now on
             if pull in self.pulls:
                 self.pulls.remove(pull)
             if not pull.draining:
@@ -162,10 +191,8 @@ class Puller:
     def _begin(self, pull: Pull) -> None:
         """Map the TP topology, then wait for handshakes or start the READs."""
         spec = pull.spec
-        if spec.remote.engine_id == self.engine_id:
-            self._fail(pull, FailureKind.REFUSED, f"refused: kv_transfer_params.remote_engine_id="
-                       f"{spec.remote.engine_id!r} is this engine: the request was prefilled here; send its "
-                       "prefill leg to another engine (a proxy's --prefill and --decode must differ)")
+        if (why := _refusal(spec, self.engine_id)) is not None:
+            self._fail(pull, FailureKind.REFUSED, why)
             return
         try:
             reads, notify = topology(self.desc, self.tp_rank, self.tp_size, spec.remote.tp_size)
@@ -174,6 +201,8 @@ class Puller:
             return
         ranks = {r.remote_rank for r in reads} | set(notify)
         ids = sorted(PeerId.of(spec.remote, r) for r in ranks)
+        pull.peers = tuple(ids)
+        self.peers.touch(ids)
         missing = [pid for pid in ids if pid not in self.peers.peers]
         known = next((self.peers.peers[pid].info for pid in ids if pid in self.peers.peers), None)
         if known is not None and known.tp_size != spec.remote.tp_size:
@@ -183,31 +212,21 @@ class Puller:
         if not missing:
             self._post(pull, reads, notify)
             return
+        if not self.keeper.handshake(missing, self._busy_peers()):
+            self._fail(pull, FailureKind.REFUSED, f"refused: the pull needs {len(missing)} more prefill rank(s) "
+                       f"while max_peers={self.config.max_peers} are known or being handshaken and none can be "
+                       "dropped (all in use); raise max_peers in kv_connector_extra_config")
+            return
         self._to(pull, PullState.HANDSHAKE)
-        for pid in missing:
-            self.peers.handshake(pid, self.background, engine_id=self.engine_id, compat_hash=self.compat_hash,
-                                 secret=self._secret, timeout_s=self.config.handshake_timeout_s,
-                                 retries=self.config.handshake_retries)
         self._handshake_wait.setdefault(missing[0], []).append(pull)  # begun again when done; waits for the rest then
 
     def _finish_handshakes(self) -> None:
-        for pid, hs in self.peers.completed():
-            waiting = self._handshake_wait.pop(pid, [])
-            try:
-                info: AgentInfo = hs.future.result()
-                peer = self.peers.add(pid, info)
-            except Exception as exc:
-                kind = FailureKind.REFUSED if isinstance(exc, PullRefused | IncompatiblePeerError) else \
-                    FailureKind.HANDSHAKE
-                for pull in waiting:
-                    self._fail(pull, kind, f"handshake with {pid} failed: {exc}")
-                continue
-            self.stats.data["handshake_seconds"].append(time.monotonic() - hs.started)
-            plan = peer.plan
-            logger.info("p2pkv: handshake with %s done (agent %s, %s%s)", pid, peer.agent_name, plan.mode.value,
-                        f": {plan.reason}" if plan.reason else "")
-            for pull in waiting:
-                self._begin(pull)  # not _post: a failed start drops the peer for the rest
+        for pid, failure in self.keeper.completed(self.stats.data["handshake_seconds"]):
+            for pull in [p for p in self._handshake_wait.pop(pid, []) if not p.finished]:
+                if failure is not None:
+                    self._contained(pull, "failing the pull", self._fail, pull, *failure)
+                else:  # _begin, not _post: a failed start drops the peer for the rest
+                    self._contained(pull, "starting the pull after its handshake", self._begin, pull)
 
     def _post(self, pull: Pull, reads: list[RankRead], notify: list[int]) -> None:
         """Plan every READ of ``pull`` and post them (or wait for staging, or finish at once)."""
@@ -244,86 +263,69 @@ class Puller:
             self.fence.add(read, Phase.BEFORE)
         pull.marks["posted"] = time.time()
 
+    def _drain(self) -> None:
+        """Report pulls whose cancelled READs have ended (or waited out ``transfer_timeout_s``)."""
+        self._draining = _wait_out(self.agent, self.outcomes, self._draining)
+
     def _poll_reads(self) -> None:
         now = time.monotonic()
         for pull in self.in_state(PullState.READING):
-            for read in pull.reads:
-                if pull.state is not PullState.READING or read.attempt != pull.attempt:
-                    break  # abandoned (or retried) during this loop
-                if read.in_flight and (read.stage is None or not self.progress.on_thread()):
-                    self._poll(pull, read, now)  # a staged READ's fixup runs at the engine step
-            if pull.state is PullState.READING and all(r.done for r in pull.reads):
-                pull.marks["read"] = time.time()
-                self._to(pull, PullState.FENCING)
+            self._contained(pull, "polling the READs", self._poll_pull, pull, now)
         self.stager.poll_releases()
 
+    def _poll_pull(self, pull: Pull, now: float) -> None:
+        for read in pull.reads:
+            if pull.state is not PullState.READING or read.attempt != pull.attempt:
+                break  # abandoned (or retried) during this loop
+            if read.in_flight and (read.stage is None or not self.progress.on_thread()):
+                self._poll(pull, read, now)  # a staged READ's fixup runs at the engine step
+        if pull.state is PullState.READING and all(r.done for r in pull.reads):
+            pull.marks["read"] = time.time()
+            self._to(pull, PullState.FENCING)
+
     def _poll(self, pull: Pull, read: ReadPart, now: float) -> None:
-        try:
-            done = self.agent.poll(read.handle)
-        except Exception as exc:
+        """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
+        event, exc = poll_read(self.agent, self.stager, read, now)
+        if event is ReadEvent.FAILED:
             self.peers.drop(read.peer_id, only=read.peer)
-            read.handle = None  # NIXL released it
-            if read.stage is not None:
-                self.stager.release(read.stage)
-                read.stage = None
             self._abandon(pull)
             self._retry_or_fail(pull, _kind(exc), str(exc))
-            return
-        if not done:
-            if now - pull.started > self.config.transfer_timeout_s:
-                self._abandon(pull)
-                self._fail(pull, FailureKind.TIMEOUT, f"READ still in flight after {self.config.transfer_timeout_s} s")
-            return
-        read.done = now
-        pull.num_bytes += read.handle.num_bytes
-        pull.num_descriptors += read.handle.num_descriptors
-        if read.stage is not None:
-            try:
-                self.stager.fixup(read.stage, read.peer.info.layout, read.peer.plan.read)
-            except Exception as exc:  # never let one request's fixup take the engine down
-                self._abandon(pull)
-                self._fail(pull, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
-                return
-            finally:
-                self.stager.release(read.stage)
-                read.stage = None
-        self.fence.add(read, Phase.AFTER)
+        elif event is ReadEvent.FIXUP_FAILED:
+            self._abandon(pull)
+            self._fail(pull, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
+        elif event is ReadEvent.DONE:
+            self.fence.add(read, Phase.AFTER)
 
     def _collect_fence(self) -> None:
         now = time.monotonic()
         for read, phase, answer in self.fence.answers():
-            pull = read.pull
-            if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
-                continue  # that attempt was abandoned
-            verdict = judge(phase, answer, read.unanswered, now - pull.started, self.config.handshake_timeout_s)
-            if verdict is Verdict.ASK_AGAIN:
-                read.unanswered += isinstance(answer, Exception)  # a busy prefill engine may miss one
-                self.fence.add(read, phase)
-            elif verdict is Verdict.FAIL:
-                self._abandon(pull)
-                self._fail(pull, *failure_of(answer, pull.spec.remote.request_id))
-            elif verdict is Verdict.CONFIRMED:
-                read.confirmed = True
-                if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
-                    pull.marks["confirmed"] = time.time()
-                    _record(pull, self.stats, self.config.stats_file)
-                    self._to_notify.append(pull)
-                    self._to(pull, PullState.DONE)
+            self._contained(read.pull, "judging a fence answer", self._judge, read, phase, answer, now)
+
+    def _judge(self, read: ReadPart, phase: Phase, answer: Hold | Exception, now: float) -> None:
+        """Act on one fence answer about ``read``."""
+        pull = read.pull
+        if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
+            return  # that attempt was abandoned
+        verdict = judge(phase, answer, read.unanswered, now - pull.started, self.config.handshake_timeout_s)
+        if verdict is Verdict.ASK_AGAIN:
+            read.unanswered += isinstance(answer, Exception)  # a busy prefill engine may miss one
+            self.fence.add(read, phase)
+        elif verdict is Verdict.FAIL:
+            self._abandon(pull)
+            self._fail(pull, *failure_of(answer, pull.spec.remote.request_id))
+        elif verdict is Verdict.CONFIRMED:
+            read.confirmed = True
+            if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
+                pull.marks["confirmed"] = time.time()
+                _record(pull, self.stats, self.config.stats_file)
+                self._to_notify.append(pull)
+                self._to(pull, PullState.DONE)
 
     # ---- endings ----------------------------------------------------------------
     def _abandon(self, pull: Pull) -> None:
-        """Stop a failing pull's READs in flight; their staging is quarantined (a cancelled READ may still land)."""
-        for read in pull.reads:
-            if read.in_flight:
-                if not self.agent.cancel(read.handle):  # still active: its bytes may land in our blocks
-                    pull.draining += 1
-                    self._draining.append((read, time.monotonic() + self.config.transfer_timeout_s))
-                read.done = -1.0  # no longer in flight
-                if read.stage is not None:
-                    self.stager.quarantine(read.stage, self.config.transfer_timeout_s)
-                    read.stage = None
-        release_unposted(pull, self.stager)
-        pull.attempt += 1  # late fence answers for this attempt are ignored
+        """Stop a failing pull's READs in flight (:func:`p2pkv.decode.reads.abandon`); those NIXL keeps are
+        waited out before the pull is reported."""
+        self._draining += abandon(pull, self.agent, self.stager, self.config.transfer_timeout_s)
 
     def _retry_or_fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
         """After a peer failure: re-handshake (the prefill may have restarted) and retry once per pull."""
@@ -333,20 +335,43 @@ class Puller:
         logger.warning("p2pkv: %s; re-handshaking and retrying request %s once", why, pull.request_id)
         self._begin(pull)
 
+    def _expire(self) -> None:
+        """Fail every pull past its state's deadline (``timeout``)."""
+        now = time.monotonic()
+        for pull in list(self.pulls):
+            if not pull.finished and (why := self.deadlines.overdue(pull, now)) is not None:
+                self._abandon(pull)
+                self._fail(pull, FailureKind.TIMEOUT, why)
+
     def _fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
-        """Report a pull as failed: its local blocks become load errors, the request finishes."""
-        spec = pull.spec
+        """Report a pull as failed: its local blocks become load errors, the request finishes. Once per pull."""
+        if pull.finished:
+            return
+        spec, handshaking = pull.spec, pull.state is PullState.HANDSHAKE
         if _log_failure(spec, kind, why):
             self.stats.record_failure(kind.value)
         if pull in self._staging_wait:
             self._staging_wait.remove(pull)
         self._to(pull, PullState.FAILED)
+        if handshaking:  # the handshakes no other pull waits for are not started (a running one ends by itself)
+            for pid in self.peers.cancel_unneeded(self._handshaking()):
+                self._handshake_wait.pop(pid, None)
         release_failed(self.background, spec.remote, _answered_ranks(self.desc, self.tp_rank, self.tp_size, spec),
                        f"{self.engine_id}:{self.tp_rank}", self._secret, self.config.handshake_timeout_s)
 
+    # ---- peers ------------------------------------------------------------------------
+    def _busy_peers(self) -> set[PeerId]:
+        """Peers a pull under way, a cancelled READ or a notification still needs (never dropped)."""
+        return ({pid for p in self.pulls for pid in p.peers} | {r.peer_id for r, _ in self._draining}
+                | {pid for p in self._to_notify for pid, _ in p.notify})
 
-def _drain(agent: NixlTransferAgent, outcomes: Outcomes,
-           draining: list[tuple[ReadPart, float]]) -> list[tuple[ReadPart, float]]:
+    def _handshaking(self) -> set[PeerId]:
+        """Peers the pulls waiting in ``HANDSHAKE`` need."""
+        return {pid for p in self.pulls if p.state is PullState.HANDSHAKE for pid in p.peers}
+
+
+def _wait_out(agent: NixlTransferAgent, outcomes: Outcomes,
+              draining: list[tuple[ReadPart, float]]) -> list[tuple[ReadPart, float]]:
     """Wait out cancelled READs NIXL would not release (until their deadline, ``transfer_timeout_s``
     after the cancel), then report their pulls; returns the READs still draining."""
     now, keep = time.monotonic(), []
@@ -393,14 +418,14 @@ def _notify(agent: NixlTransferAgent, peers: PeerTable, pull: Pull, reader: str,
     notification completes only once the prefill side progresses NIXL. One that
     cannot be sent is logged; the prefill lease frees the blocks instead.
     """
-    rid = pull.spec.remote.request_id
+    rid, digest = pull.spec.remote.request_id, blocks_digest(pull.spec.remote.block_ids)
     for pid, notifiers in pull.notify:
         peer = peers.peers.get(pid)
         if peer is None:
             logger.warning("p2pkv: cannot notify %s about %s (peer gone); its lease frees the blocks", pid, rid)
             continue
         try:
-            agent.send_notif(peer.agent_name, encode_done(DoneNotification(rid, reader, notifiers), secret))
+            agent.send_notif(peer.agent_name, encode_done(DoneNotification(rid, reader, notifiers, digest), secret))
         except TransferError as exc:
             logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
 
@@ -416,6 +441,26 @@ def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
             "peer": ",".join(r.peer.agent_name for r in pull.reads), "blocks": len(spec.local_block_ids),
             "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds,
             "marks": pull.marks})
+
+
+def _refusal(spec: PullSpec, engine_id: str) -> str | None:
+    """Why ``spec`` is refused before anyone is contacted, or None.
+
+    Params naming this engine itself; params with a string UTF-8 cannot
+    encode (a lone surrogate): such a pull could be neither fenced nor
+    notified, and would fail the fence questions it is batched with.
+    """
+    if spec.remote.engine_id == engine_id:
+        return (f"refused: kv_transfer_params.remote_engine_id={spec.remote.engine_id!r} is this engine: the "
+                "request was prefilled here; send its prefill leg to another engine (a proxy's --prefill and "
+                "--decode must differ)")
+    for key, text in (("remote_engine_id", spec.remote.engine_id), ("remote_request_id", spec.remote.request_id),
+                      ("remote_host", spec.remote.host)):
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            return f"refused: kv_transfer_params.{key} is not valid UTF-8"
+    return None
 
 
 def _kind(exc: BaseException) -> FailureKind:

@@ -1,6 +1,14 @@
-"""Planning a pull's READs: which remote bytes land where, for each transfer mode."""
+"""A pull's READs: planning which remote bytes land where (each transfer mode), polling and cancelling them.
+
+The mechanics of one READ; what its pull does about each outcome (retry,
+fail, fence) is :class:`p2pkv.decode.puller.Puller`'s.
+"""
 
 from __future__ import annotations
+
+import enum
+import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -8,12 +16,15 @@ from handshake import KVLayoutDesc
 from p2pkv.dataplane.blockmap import direct_pairs, staged_read
 from p2pkv.dataplane.layout import KVLayout
 from p2pkv.dataplane.negotiate import TransferMode
-from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
+from p2pkv.dataplane.plan import build_descriptors, check_block_ids, coalesce_runs
 from p2pkv.dataplane.stager import Stage, Stager
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.decode.peers import Peer, PeerId
 from p2pkv.decode.pull import Pull, ReadPart
 from p2pkv.metadata import PullSpec
+
+if TYPE_CHECKING:
+    from p2pkv.dataplane.agent import NixlTransferAgent
 
 Descriptors = tuple[np.ndarray, np.ndarray, Stage | None]
 """``(local_descs, remote_descs, stage)``: uint64 ``[n, 3]`` rows each, and the staging READ into (or None)."""
@@ -29,11 +40,20 @@ def plan_read(spec: PullSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, 
     per-page head slices (coalesced when every slice is block-contiguous).
     ``STAGED``: whole remote blocks into a reserved range of staging.
 
+    Every block id is first checked against its cache's ``num_blocks`` (the
+    peer's from its handshake, ours), before any arithmetic on it: all of
+    ``remote_block_ids`` (every KV cache group: the fence names them all to
+    the prefill rank), and the local blocks.
+
     Raises:
-        p2pkv.dataplane.plan.PlanError: bad block ids.
+        p2pkv.dataplane.plan.PlanError: bad block ids (one at or past a
+            cache's ``num_blocks`` is named with that bound).
         p2pkv.dataplane.staging.StagingFull: the READ can never fit in staging.
     """
     remote = peer.info.layout
+    check_block_ids(spec.remote.block_ids, remote.num_blocks, "remote")
+    check_block_ids(spec.remote_block_ids, remote.num_blocks, "remote")
+    check_block_ids(spec.local_block_ids, layout.num_blocks, "local")
     if peer.plan.mode is not TransferMode.STAGED:
         local_ids, remote_ids = direct_pairs(spec, desc.block_size)
         loc, rem, lengths = coalesce_runs(local_ids, remote_ids, layout.num_blocks, remote.num_blocks)
@@ -88,3 +108,69 @@ def release_unposted(pull: Pull, stager: Stager) -> None:
     for read in [r for r in pull.reads if r.stage is not None and r.handle is None]:
         stager.release(read.stage)
         read.stage = None
+
+
+class ReadEvent(str, enum.Enum):
+    """What polling a READ in flight found."""
+
+    IN_FLIGHT = "in_flight"
+    """Not done yet."""
+    DONE = "done"
+    """Done: its bytes counted in its pull, a staged READ fixed up into the local blocks."""
+    FAILED = "failed"
+    """NIXL failed it (the peer may be gone); its handle is released, its staging given back."""
+    FIXUP_FAILED = "fixup_failed"
+    """Done, but the fixup of its staging into the local blocks raised (its staging given back)."""
+
+
+def poll_read(agent: NixlTransferAgent, stager: Stager, read: ReadPart,
+              now: float) -> tuple[ReadEvent, Exception | None]:
+    """Poll one READ in flight at ``now`` (``time.monotonic()`` seconds); the event and, if it failed, why."""
+    try:
+        done = agent.poll(read.handle)
+    except Exception as exc:
+        read.handle = None  # NIXL released it
+        if read.stage is not None:
+            stager.release(read.stage)
+            read.stage = None
+        return ReadEvent.FAILED, exc
+    if not done:
+        return ReadEvent.IN_FLIGHT, None
+    read.done = now
+    read.pull.num_bytes += read.handle.num_bytes
+    read.pull.num_descriptors += read.handle.num_descriptors
+    if read.stage is not None:
+        try:
+            stager.fixup(read.stage, read.peer.info.layout, read.peer.plan.read)
+        except Exception as exc:  # never let one request's fixup take the engine down
+            return ReadEvent.FIXUP_FAILED, exc
+        finally:
+            stager.release(read.stage)
+            read.stage = None
+    return ReadEvent.DONE, None
+
+
+def abandon(pull: Pull, agent: NixlTransferAgent, stager: Stager, quarantine_s: float) -> list[tuple[ReadPart, float]]:
+    """Cancel ``pull``'s READs in flight and start its next attempt (late fence answers are then ignored).
+
+    The staging of a cancelled READ is quarantined for ``quarantine_s``
+    seconds (it may still land); unposted staging is given back.
+
+    Returns:
+        The READs NIXL would not release (still active: their bytes may land
+        in the local blocks), each with the ``time.monotonic()`` deadline until
+        which to wait for them to end.
+    """
+    draining = []
+    for read in pull.reads:
+        if read.in_flight:
+            if not agent.cancel(read.handle):
+                pull.draining += 1
+                draining.append((read, time.monotonic() + quarantine_s))
+            read.done = -1.0  # no longer in flight
+            if read.stage is not None:
+                stager.quarantine(read.stage, quarantine_s)
+                read.stage = None
+    release_unposted(pull, stager)
+    pull.attempt += 1
+    return draining

@@ -35,7 +35,7 @@ def release_failed(background: Background, remote: RemotePrefill, ranks: list[in
     """
     for rank in ranks:
         background.call(f"p2pkv-release-{remote.host}:{remote.port + rank}", free_hold, remote, rank, reader,
-                        secret, timeout_s)
+                        secret, timeout_s, key=remote.host)
 
 
 def free_hold(remote: RemotePrefill, rank: int, requester: str, secret: bytes | None, timeout_s: float,

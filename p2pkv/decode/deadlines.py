@@ -1,0 +1,67 @@
+"""How long a pull may stay in each state before it fails with ``FailureKind.TIMEOUT``.
+
+Every state a pull waits in has a deadline, counted from when it entered
+that state (:attr:`p2pkv.decode.pull.Pull.since`), so no pull waits forever
+on a handshake that never ends, staging that never frees, a READ that never
+completes or a fence answer that never comes; its local blocks are then
+reported as load errors like every failure. The puller checks them at each
+advance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2pkv.config import P2pKvConfig
+from p2pkv.decode.peers import handshake_budget_s
+from p2pkv.decode.pull import Pull, PullState
+
+HANDSHAKE_MARGIN_S = 2.0
+"""Slack (seconds) past the longest handshake: a queued handshake waits for a free thread first."""
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds a pull may stay in each waiting state.
+
+    Attributes:
+        handshake_s: ``HANDSHAKE``: every attempt of a handshake, the pauses
+            between them, and :data:`HANDSHAKE_MARGIN_S`.
+        staging_s: ``STAGING``: waiting for room (``transfer_timeout_s``).
+        reading_s: ``READING``: READs in flight (``transfer_timeout_s``).
+        fencing_s: ``FENCING``: waiting for the prefill ranks' confirmations
+            (``transfer_timeout_s``; the fence gives up sooner by itself).
+    """
+
+    handshake_s: float
+    staging_s: float
+    reading_s: float
+    fencing_s: float
+
+    @classmethod
+    def of(cls, config: P2pKvConfig) -> Deadlines:
+        """The deadlines ``config``'s timeouts give."""
+        hs = handshake_budget_s(config.handshake_timeout_s, config.handshake_retries) + HANDSHAKE_MARGIN_S
+        t = config.transfer_timeout_s
+        return cls(handshake_s=hs, staging_s=t, reading_s=t, fencing_s=t)
+
+    def limit(self, state: PullState) -> float | None:
+        """Seconds a pull may stay in ``state`` (None: no limit, ``DONE`` and ``FAILED``)."""
+        if state is PullState.READING:
+            return self.reading_s
+        if state is PullState.FENCING:
+            return self.fencing_s
+        if state is PullState.HANDSHAKE:
+            return self.handshake_s
+        return self.staging_s if state is PullState.STAGING else None
+
+    def overdue(self, pull: Pull, now: float) -> str | None:
+        """Why ``pull`` is past its state's deadline at ``now`` (``time.monotonic()`` seconds), or None."""
+        limit = self.limit(pull.state)
+        if limit is None or now - pull.since <= limit:
+            return None
+        what = {PullState.HANDSHAKE: "waiting for the handshake with its prefill ranks",
+                PullState.STAGING: "waiting for room in staging (staging_mib)",
+                PullState.READING: "READ still in flight",
+                PullState.FENCING: "waiting for the prefill ranks to confirm their holds"}[pull.state]
+        return f"timed out {what} after {limit:g} s (state {pull.state.value})"

@@ -1,0 +1,107 @@
+"""Which prefill ranks a decode worker keeps: handshakes started for pulls, at most ``max_peers``, idle ones dropped.
+
+Each request names its prefill engine (host, port, ``tp_size``), so without
+a bound every new name would leave a NIXL remote agent, a fence connection
+and its lane behind for good. :class:`PeerKeeper` starts the handshakes a
+pull needs only when they fit in ``max_peers`` (peers known plus handshakes
+in flight), dropping the least recently used peers no pull needs to make
+room, and drops peers unused for ``peer_idle_s``. A dropped peer takes its
+NIXL remote agent and its fence connection with it (the connection's lane
+then holds nothing); the next pull from it handshakes again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from handshake import IncompatiblePeerError
+from p2pkv.config import P2pKvConfig
+from p2pkv.dataplane.negotiate import PullRefused
+from p2pkv.decode.background import Background
+from p2pkv.decode.failures import FailureKind
+from p2pkv.decode.fence import Fence
+from p2pkv.decode.peers import PeerId, PeerTable
+
+logger = logging.getLogger("p2pkv.decode")
+
+IDLE_CHECK_S = 1.0
+"""Longest pause (seconds) between two looks for idle peers."""
+
+
+class PeerKeeper:
+    """Starts handshakes within ``max_peers`` and drops the peers no pull needs.
+
+    Args:
+        peers: the worker's peer table.
+        fence: the worker's fence (a dropped peer's connection is closed).
+        background: where handshakes run.
+        engine_id / compat_hash / secret: what a handshake sends and checks.
+        config: ``handshake_timeout_s``, ``handshake_retries``, ``max_peers``, ``peer_idle_s``.
+    """
+
+    def __init__(self, peers: PeerTable, fence: Fence, background: Background, *, engine_id: str,
+                 compat_hash: str, secret: bytes | None, config: P2pKvConfig) -> None:
+        self.peers, self.fence, self.background, self.config = peers, fence, background, config
+        self.engine_id, self.compat_hash, self.secret = engine_id, compat_hash, secret
+        self._idle_check_at = 0.0  # time.monotonic() of the next look for idle peers
+
+    def handshake(self, missing: list[PeerId], busy: set[PeerId]) -> bool:
+        """Start the handshakes with ``missing`` (those not in flight yet) if they fit in ``max_peers``,
+        dropping the least recently used peers not in ``busy`` as needed.
+
+        Returns:
+            False, and nothing started or dropped, when dropping every peer not
+            in ``busy`` would still not make room.
+        """
+        new = [pid for pid in missing if pid not in self.peers.handshakes]
+        excess = len(self.peers) + len(new) - self.config.max_peers
+        if excess > 0:
+            victims = list(itertools.islice(self.peers.least_used(busy), excess))
+            if len(victims) < excess:
+                return False
+            for pid in victims:
+                self.forget(pid, f"max_peers={self.config.max_peers} reached; it was used least recently")
+        for pid in new:
+            self.peers.handshake(pid, self.background, engine_id=self.engine_id, compat_hash=self.compat_hash,
+                                 secret=self.secret, timeout_s=self.config.handshake_timeout_s,
+                                 retries=self.config.handshake_retries)
+        return True
+
+    def completed(self, seconds: list[float]) -> Iterator[tuple[PeerId, tuple[FailureKind, str] | None]]:
+        """Handshakes that have ended: each peer added (its handshake's duration appended to ``seconds``),
+        or why its pulls fail (``refused`` when the two cannot pair, else ``handshake``)."""
+        for pid, hs in self.peers.completed():
+            try:
+                peer = self.peers.add(pid, hs.future.result())
+            except Exception as exc:
+                kind = FailureKind.REFUSED if isinstance(exc, PullRefused | IncompatiblePeerError) else \
+                    FailureKind.HANDSHAKE
+                yield pid, (kind, f"handshake with {pid} failed: {exc}")
+                continue
+            seconds.append(time.monotonic() - hs.started)
+            plan = peer.plan
+            logger.info("p2pkv: handshake with %s done (agent %s, %s%s)", pid, peer.agent_name, plan.mode.value,
+                        f": {plan.reason}" if plan.reason else "")
+            yield pid, None
+
+    def drop_idle(self, busy: Callable[[], set[PeerId]]) -> None:
+        """Drop peers not in ``busy()`` unused for ``peer_idle_s`` (looked for at most every :data:`IDLE_CHECK_S`;
+        ``busy`` is called only then)."""
+        now = time.monotonic()
+        if now < self._idle_check_at:
+            return
+        self._idle_check_at = now + min(IDLE_CHECK_S, self.config.peer_idle_s / 4)
+        for pid in self.peers.idle(now, self.config.peer_idle_s, busy()):
+            self.forget(pid, f"unused for more than peer_idle_s={self.config.peer_idle_s:g} s")
+
+    def forget(self, pid: PeerId, why: str) -> None:
+        """Drop a peer no pull needs: its NIXL remote agent, and its fence connection unless another peer
+        (another engine id or rank claimed at the same address) still uses ``host:port``."""
+        if self.peers.drop(pid) is None:
+            return
+        logger.info("p2pkv: dropped peer %s: %s", pid, why)
+        if not any((p.host, p.port) == (pid.host, pid.port) for p in [*self.peers.peers, *self.peers.handshakes]):
+            self.fence.forget(pid.host, pid.port)
