@@ -65,7 +65,9 @@ class FakeEngine:
 
     ``delay_s`` delays every completions answer; ``fail_prompt`` answers 400
     to a request with that prompt; ``tracker`` counts requests in flight (a
-    streamed answer until its last chunk).
+    streamed answer until its last chunk); ``params`` is the prefill answer's
+    ``kv_transfer_params``. Each request is recorded in ``seen`` with its
+    body, ``X-Request-Id``, ``Authorization`` and ``traceparent`` headers.
     """
 
     def __init__(self, name: str, role: str) -> None:
@@ -74,6 +76,7 @@ class FakeEngine:
         self.closed_after: list[int] = []
         self.gate = threading.Event()
         self.delay_s, self.fail_prompt, self.tracker = 0.0, None, None
+        self.params: dict[str, Any] = KV_PARAMS
         self.app = FastAPI()
         self.app.post("/v1/completions")(self.completion)
         self.app.post("/v1/chat/completions")(self.completion)
@@ -85,12 +88,14 @@ class FakeEngine:
         self.closed_after.clear()
         self.mode, self.healthy = "ok", True
         self.delay_s, self.fail_prompt, self.tracker = 0.0, None, None
+        self.params = KV_PARAMS
         self.gate.clear()
 
     async def completion(self, request: Request) -> Any:
         body = await request.json()
         self.seen.append({"path": request.url.path, "body": body, "rid": request.headers.get("x-request-id"),
-                          "auth": request.headers.get("authorization")})
+                          "auth": request.headers.get("authorization"),
+                          "traceparent": request.headers.get("traceparent")})
         tracker: Concurrency | None = self.tracker
         if tracker is not None:
             tracker.enter()
@@ -119,7 +124,7 @@ class FakeEngine:
             while not self.gate.is_set():
                 await asyncio.sleep(0.01)
         if self.role == "prefill":
-            extra = {} if self.mode == "no_params" else {"kv_transfer_params": KV_PARAMS}
+            extra = {} if self.mode == "no_params" else {"kv_transfer_params": self.params}
             return {"id": "p", "choices": [{"text": "x"}], **extra}
         if body.get("stream"):
             gen = self.slow() if self.mode == "slow_stream" else self.chunks()

@@ -118,35 +118,79 @@ def test_prefill_body_and_round_robin() -> None:
         RoundRobin([])
 
 
-def test_python_dash_m_serves_a_completion() -> None:
-    prefill, decode = FakeEngine("p", "prefill"), FakeEngine("d", "decode")
-    engines = [Served(prefill.app), Served(decode.app)]
+def test_main_turns_tracing_on_from_the_flag_or_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str],
+                                                                secret_env: None) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    served = []
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: served.append(a[0]))
+    argv = ["--prefill", "a:1", "--decode", "c:3"]
+    assert main(parse(argv)) == 0 and served[-1].state.tracing is None  # off by default
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318/")
+    assert main(parse(argv)) == 0
+    assert served[-1].state.tracing.endpoint == "http://127.0.0.1:4318/v1/traces"
+    assert "sending traces to http://127.0.0.1:4318/v1/traces" in capsys.readouterr().err
+    assert main(parse([*argv, "--otlp-traces-endpoint", "http://127.0.0.1:9/x"])) == 0  # the flag wins
+    assert served[-1].state.tracing.endpoint == "http://127.0.0.1:9/x"
+    assert main(parse([*argv, "--otlp-traces-endpoint", "127.0.0.1:4318"])) == 2
+    assert "expected an http:// or https:// URL" in capsys.readouterr().err and len(served) == 3
+
+
+def serve_proxy(engines: list[Served], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], str]:
+    """``python -m p2pkv.tools.proxy`` in front of ``engines`` (prefill, decode), once healthy; and its URL."""
     (port,) = free_ports(1)
     hostports = [e.url.removeprefix("http://") for e in engines]
     proc = subprocess.Popen([sys.executable, "-m", "p2pkv.tools.proxy", "--port", str(port), "--prefill", hostports[0],
                              "--decode", hostports[1], "--timeout", "10"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "P2PKV_SECRET": SECRET})
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(timeout=10) as c:
-            deadline = time.monotonic() + 20
-            while True:
-                assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
-                try:
-                    if c.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "proxy did not become healthy"
-                time.sleep(0.1)
-            r = c.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
-        assert decode.seen[0]["body"]["kv_transfer_params"] == KV_PARAMS
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        if proc.stdout:
-            proc.stdout.close()
-        for e in engines:
-            e.stop()
+    with httpx.Client(timeout=10) as c:
+        deadline = time.monotonic() + 20
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            try:
+                if c.get(f"{url}/health").status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "proxy did not become healthy"
+            time.sleep(0.1)
+
+
+def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    proc.wait(timeout=10)
+    if proc.stdout:
+        proc.stdout.close()
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_python_dash_m_serves_a_completion(traced: bool) -> None:
+    """Served for real; with ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set, its spans reach that receiver."""
+    from p2pkv.tools.trace.receiver import OtlpReceiver
+
+    prefill, decode = FakeEngine("p", "prefill"), FakeEngine("d", "decode")
+    engines = [Served(prefill.app), Served(decode.app)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
+    with OtlpReceiver() as receiver:
+        if traced:
+            env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = receiver.url
+        proc, url = serve_proxy(engines, {**env, "P2PKV_SECRET": SECRET})
+        try:
+            with httpx.Client(timeout=10) as c:
+                r = c.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "decoded"
+            params = decode.seen[0]["body"]["kv_transfer_params"]
+            if not traced:
+                assert params == KV_PARAMS
+                return
+            rid = r.headers["x-request-id"]
+            spans = receiver.wait_for(lambda s: len([x for x in s if x.attributes.get("p2pkv.request_id") == rid]) == 3)
+            decode_leg = next(s for s in spans if s.name == "p2pkv.proxy.decode")
+            assert params == {**KV_PARAMS, "traceparent": decode.seen[0]["traceparent"]}
+            assert params["traceparent"].startswith(f"00-{decode_leg.trace_id}-{decode_leg.span_id}-")
+        finally:
+            stop_proxy(proc)
+            for e in engines:
+                e.stop()

@@ -1,4 +1,4 @@
-"""The ``p2pkv`` command: ``demo``, ``launch``, ``proxy``, ``make-tiny-model``, ``bench``."""
+"""The ``p2pkv`` command: ``demo``, ``launch``, ``proxy``, ``make-tiny-model``, ``bench``, ``trace``."""
 
 from __future__ import annotations
 
@@ -47,6 +47,12 @@ def _cmd_proxy(args: argparse.Namespace) -> int:
     return main(args)
 
 
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from p2pkv.tools.trace.cli import main
+
+    return main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``p2pkv`` command."""
     parser = argparse.ArgumentParser(prog="p2pkv", description=__doc__)
@@ -55,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch(sub)
     _add_doctor_and_proxy(sub)
     _add_bench(sub)
+    _add_trace(sub)
     return parser
 
 
@@ -157,6 +164,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "prepped", help="building a READ: initialize_xfer on coalesced rows vs make_prepped_xfer on prepared lists")
     _add_bench_prepped_arguments(prepped)
     prepped.set_defaults(func=_cmd_bench_prepped)
+
+
+def _add_trace(sub: argparse._SubParsersAction) -> None:
+    from p2pkv.tools.trace.cli import add_arguments
+
+    trace = sub.add_parser("trace", help="draw one request's trace (from an OTLP/JSON file, or received over "
+                                         "OTLP/HTTP) as a timeline PNG, with a text summary")
+    add_arguments(trace)
+    trace.set_defaults(func=_cmd_trace)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,8 @@ protocol is vLLM NixlConnector's, so the same proxy fronts either connector.
 
 Run it with ``p2pkv proxy`` or ``python -m p2pkv.tools.proxy --prefill HOST:PORT ...
 --decode HOST:PORT ...``; it also serves ``/health``, ``/v1/models`` and
-``/metrics``.
+``/metrics``. With ``--otlp-traces-endpoint`` (or the ``OTEL_EXPORTER_OTLP_*``
+variables) each request is traced (:mod:`p2pkv.tools.proxy.spans`, docs/tracing.md).
 """
 
 from __future__ import annotations

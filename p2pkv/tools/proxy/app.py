@@ -16,7 +16,9 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
+from p2pkv.telemetry.tracing import Tracing
 from p2pkv.tools.proxy.batch import split_prompts, sse_events
 from p2pkv.tools.proxy.fanout import Batch
 from p2pkv.tools.proxy.first_token import (
@@ -29,6 +31,15 @@ from p2pkv.tools.proxy.first_token import (
 )
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.release import release_all
+from p2pkv.tools.proxy.spans import (
+    SCOPE_KEY,
+    SERVICE_NAME,
+    ProxySpan,
+    RequestSpans,
+    RequestTrace,
+    exemplar,
+    leg_of,
+)
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
@@ -51,6 +62,10 @@ HEALTH_TIMEOUT_S = 2.0
 """How long ``/health`` waits for each backend's ``/health`` (seconds)."""
 DISCONNECT_POLL_S = 0.25
 """How often a non-streaming request checks whether its client went away (seconds)."""
+TRACE_FLUSH_S = 2.0
+"""Longest the proxy's shutdown waits for queued spans to go out (seconds)."""
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+"""The proxied OpenAI endpoints."""
 
 log = logging.getLogger("p2pkv.tools.proxy")
 
@@ -108,48 +123,110 @@ class Proxy:
         self.metrics = ProxyMetrics()
 
     async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                          headers: dict[str, str]) -> dict[str, Any]:
-        """Ask a prefill engine for one token; its answer (with ``kv_transfer_params``). Raises UpstreamError."""
+                          headers: dict[str, str], leg: ProxySpan | None = None) -> dict[str, Any]:
+        """Ask a prefill engine for one token; its answer (with ``kv_transfer_params``). Raises UpstreamError.
+
+        ``leg`` (tracing on): the prompt's ``p2pkv.proxy.prefill`` span; its
+        context goes with the request, the outcome is recorded on it, and it
+        is ended here.
+        """
         url = self.prefill.next()
+        sent = prefill_body(body)
+        if leg is not None:
+            headers, sent = leg.send(url, path, headers, sent)
+        try:
+            return await self._prefill(client, url, path, sent, headers, leg)
+        except BaseException as exc:
+            if leg is not None:
+                leg.failed(exc)
+            raise
+        finally:
+            if leg is not None:
+                leg.end()
+
+    async def _prefill(self, client: httpx.AsyncClient, url: str, path: str, sent: dict[str, Any],
+                       headers: dict[str, str], leg: ProxySpan | None) -> dict[str, Any]:
         start = time.perf_counter()
         try:
-            resp = await client.post(f"{url}{path}", json=prefill_body(body), headers=headers)
+            resp = await client.post(f"{url}{path}", json=sent, headers=headers)
         except httpx.HTTPError as exc:
             raise transport_error("prefill", url, exc, self.timeout_s) from exc
         finally:
-            self.metrics.prefill_seconds.observe(time.perf_counter() - start)
+            self.metrics.prefill_seconds.observe(time.perf_counter() - start, exemplar(leg))
+        if leg is not None:
+            leg.answered(resp.status_code)
         if resp.status_code >= 500:
             raise status_error("prefill", url, resp.status_code, resp.text)
         if resp.status_code >= 400:
             raise UpstreamError(resp.status_code, f"prefill engine {url} answered {resp.status_code}", "prefill",
                                 url, body=resp.content, media_type=resp.headers.get("content-type"))
-        return prefill_answer(url, resp)
+        answer = prefill_answer(url, resp)
+        if leg is not None:
+            leg.params(answer["kv_transfer_params"])
+        return answer
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
-                         out_headers: dict[str, str], relay: bool = True) -> Response | httpx.Response:
+                         out_headers: dict[str, str], relay: bool = True,
+                         leg: ProxySpan | None = None) -> Response | httpx.Response:
         """Send a request to a decode engine; its answer relayed (or, ``relay=False``, the opened
-        stream for merging). Raises UpstreamError; a 4xx answer is passed through."""
+        stream for merging). Raises UpstreamError; a 4xx answer is passed through.
+
+        ``leg`` (tracing on): the prompt's ``p2pkv.proxy.decode`` span; its
+        context goes with the request (also as ``kv_transfer_params.traceparent``).
+        It is ended here unless an open stream is returned: a relayed stream
+        ends it after its last byte; with ``relay=False`` the caller ends it.
+        """
         url = self.decode.next()
+        if leg is not None:
+            headers, body = leg.send(url, path, headers, body)
+        try:
+            resp = await self._decode(client, url, path, body, headers, out_headers, relay, leg)
+        except BaseException as exc:
+            if leg is not None:
+                leg.failed(exc)
+                leg.end()
+            raise
+        if leg is not None and isinstance(resp, Response) and not isinstance(resp, RelayedStream):
+            leg.end()
+        return resp
+
+    async def _decode(self, client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any],
+                      headers: dict[str, str], out_headers: dict[str, str], relay: bool,
+                      leg: ProxySpan | None) -> Response | httpx.Response:
         start = time.perf_counter()
         upstream = client.build_request("POST", f"{url}{path}", json=body, headers=headers)
         try:
             resp = await client.send(upstream, stream=True)
         except httpx.HTTPError as exc:
-            self.metrics.decode_seconds.observe(time.perf_counter() - start)
+            self.metrics.decode_seconds.observe(time.perf_counter() - start, exemplar(leg))
             raise transport_error("decode", url, exc, self.timeout_s) from exc
+        if leg is not None:
+            leg.answered(resp.status_code)
         if body.get("stream") is True and resp.status_code < 400:
             if not relay:
                 return resp
-            return RelayedStream(resp, url, self.metrics.decode_seconds.observe,
-                                 self.metrics.errors.labels("decode").inc, start, headers=out_headers,
-                                 on_first=self.metrics.decode_first_byte_seconds.observe)
+
+            def relayed(seconds: float) -> None:
+                self.metrics.decode_seconds.observe(seconds, exemplar(leg))
+                if leg is not None:
+                    leg.end()
+
+            def broke(reason: str) -> None:
+                self.metrics.errors.labels("decode").inc()
+                if leg is not None:
+                    leg.failed(reason)
+
+            def first(seconds: float) -> None:
+                self.metrics.decode_first_byte_seconds.observe(seconds, exemplar(leg))
+
+            return RelayedStream(resp, url, relayed, broke, start, headers=out_headers, on_first=first)
         try:
             content = await resp.aread()
         except httpx.HTTPError as exc:
             raise transport_error("decode", url, exc, self.timeout_s) from exc
         finally:
             await resp.aclose()
-            self.metrics.decode_seconds.observe(time.perf_counter() - start)
+            self.metrics.decode_seconds.observe(time.perf_counter() - start, exemplar(leg))
         if resp.status_code >= 500:
             raise status_error("decode", url, resp.status_code, content.decode(errors="replace"))
         if resp.status_code >= 400:
@@ -165,17 +242,20 @@ class Proxy:
             self.metrics.releases.inc(held)
 
     async def serve(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
-                    out_headers: dict[str, str], waited: list[float]) -> Response:
+                    out_headers: dict[str, str], waited: list[float], trace: RequestTrace | None = None) -> Response:
         """Both legs of every prompt. Raises UpstreamError (prefill holds of failed decodes freed).
 
         ``waited[0]`` accumulates the seconds spent waiting on engines.
+        ``trace`` (tracing on): the request's spans; each leg gets its own under it.
         """
         bodies = split_prompts(body) if path == "/v1/completions" else [body]
+        if trace is not None:
+            trace.prompts(len(bodies), body.get("stream") is True)
         t = time.perf_counter()
         params: list[dict[str, Any]] = []
         try:
             if len(bodies) > 1:
-                batch = Batch(self, client, path, headers, out_headers, self.max_fanout)
+                batch = Batch(self, client, path, headers, out_headers, self.max_fanout, trace)
                 if body.get("stream") is True:
                     self.metrics.first_tokens.labels("decode").inc()
                     return await batch.stream(bodies)
@@ -184,17 +264,19 @@ class Proxy:
                 if self.first_token_from == "decode" or blocker(path, body) is not None:
                     self.metrics.first_tokens.labels("decode").inc()
                 else:
-                    answer = await self.run_prefill(client, path, {**bodies[0], "return_token_ids": True}, headers)
+                    answer = await self.run_prefill(client, path, {**bodies[0], "return_token_ids": True}, headers,
+                                                    leg_of(trace, "prefill"))
                     params = [answer["kv_transfer_params"]]
                     first = read_first_token(path, body, answer)
                     self.metrics.first_tokens.labels("prefill" if first else "decode").inc()
                     if first is not None:
-                        return self.stream_after(client, path, body, first, params[0], headers, out_headers)
+                        return self.stream_after(client, path, body, first, params[0], headers, out_headers, trace)
                     return await self.decode_one(client, path, {**bodies[0], "kv_transfer_params": params[0]},
-                                                 headers, out_headers)
-            params = [(await self.run_prefill(client, path, bodies[0], headers))["kv_transfer_params"]]
+                                                 headers, out_headers, trace)
+            params = [(await self.run_prefill(client, path, bodies[0], headers,
+                                              leg_of(trace, "prefill")))["kv_transfer_params"]]
             return await self.decode_one(client, path, {**bodies[0], "kv_transfer_params": params[0]}, headers,
-                                         out_headers)
+                                         out_headers, trace)
         except asyncio.CancelledError:  # the client went away: nobody will pull these
             await asyncio.shield(self.release(params))
             raise
@@ -202,27 +284,36 @@ class Proxy:
             waited[0] += time.perf_counter() - t
 
     def stream_after(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], first: FirstToken,
-                     params: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str]) -> Response:
+                     params: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str],
+                     trace: RequestTrace | None = None) -> Response:
         """The client's stream: ``first`` at once, then the decode engine's continuation after it.
 
         A decode leg that fails after the first token went out ends the stream
         with an error event; the prefill hold is freed when the decode engine
         was never asked (the client left, the leg could not start, or
-        ``first`` ended the answer).
+        ``first`` ended the answer). With ``trace``, span
+        ``p2pkv.proxy.first_token`` lasts from the prefill answer to the first
+        token's bytes handed to the client.
         """
         writer = FirstTokenStream(path, body, first)
-        leg = decode_body(path, body, first, params)
+        continuation = decode_body(path, body, first, params)
+        hand_over = None if trace is None else trace.first_token(params, first.finish_reason)
 
         async def stream() -> AsyncIterator[bytes]:
             asked = False
+            span = None
             try:
                 yield writer.opening()
+                if hand_over is not None:
+                    hand_over.end()
                 if first.finish_reason is not None:
                     return
                 start = sent = time.perf_counter()
                 try:
                     asked = True
-                    resp = await self.run_decode(client, path, leg, headers, out_headers, relay=False)
+                    span = leg_of(trace, "decode")
+                    resp = await self.run_decode(client, path, continuation, headers, out_headers, relay=False,
+                                                 leg=span)
                 except UpstreamError as exc:
                     asked = False
                     if exc.backend_failed:
@@ -232,7 +323,8 @@ class Proxy:
                 try:
                     async for data in sse_events(resp.aiter_raw()):
                         if start:
-                            self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - start)
+                            self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - start,
+                                                                           exemplar(span))
                             start = 0.0
                         if (out := writer.rewrite(data)) is not None:
                             yield out
@@ -241,21 +333,27 @@ class Proxy:
                     self.metrics.errors.labels("decode").inc()
                     err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); "
                                         "check its log", "decode", str(resp.url))
+                    if span is not None:
+                        span.failed(err)
                     yield b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
                 finally:
                     await resp.aclose()
-                    self.metrics.decode_seconds.observe(time.perf_counter() - sent)
+                    self.metrics.decode_seconds.observe(time.perf_counter() - sent, exemplar(span))
             finally:
+                for ended in (hand_over, span):
+                    if ended is not None:
+                        ended.end()
                 if not asked:
                     await asyncio.shield(self.release([params]))
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers=out_headers)
 
     async def decode_one(self, client: httpx.AsyncClient, path: str, leg: dict[str, Any], headers: dict[str, str],
-                         out_headers: dict[str, str]) -> Response:
+                         out_headers: dict[str, str], trace: RequestTrace | None = None) -> Response:
         """The decode leg of a single-prompt request, relayed; its prefill hold is freed when it fails."""
         try:
-            return await self.run_decode(client, path, leg, headers, out_headers)  # type: ignore[return-value]
+            return await self.run_decode(client, path, leg, headers, out_headers,  # type: ignore[return-value]
+                                         leg=leg_of(trace, "decode"))
         except UpstreamError:
             await self.release([leg["kv_transfer_params"]])
             raise
@@ -278,7 +376,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
 def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0,
                secret: bytes | None = None, first_token_from: FirstTokenSource = "prefill",
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_fanout: int = DEFAULT_MAX_FANOUT,
-               max_prompts: int = DEFAULT_MAX_PROMPTS) -> FastAPI:
+               max_prompts: int = DEFAULT_MAX_PROMPTS, otlp_traces_endpoint: str = "") -> FastAPI:
     """Build the proxy app (one shared ``httpx.AsyncClient``, opened and closed by the app's lifespan).
 
     Args:
@@ -295,13 +393,17 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
         max_fanout: most prefill/decode pairs a completions request with a
             list of prompts runs at once.
         max_prompts: most prompts one completions request may carry (more: 400).
+        otlp_traces_endpoint: OTLP/HTTP traces URL (``""``: tracing off, the
+            default); on, each request gets spans (:mod:`p2pkv.tools.proxy.spans`).
 
     Raises:
         ValueError: an empty backend list, or a limit below 1.
+        ImportError: tracing asked for without the OpenTelemetry SDK and OTLP/HTTP exporter installed.
     """
     if max_body_bytes < 1 or max_prompts < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes} and max_prompts={max_prompts} must be >= 1")
     proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret, first_token_from, max_fanout)
+    tracing = Tracing.get(SERVICE_NAME, otlp_traces_endpoint)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -311,13 +413,18 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
             yield
         finally:
             await app.state.client.aclose()
+            if tracing is not None:  # spans still queued go out now (at most TRACE_FLUSH_S)
+                await asyncio.to_thread(tracing.flush, TRACE_FLUSH_S)
 
     app = FastAPI(title="p2pkv proxy", lifespan=lifespan)
     app.state.metrics = proxy.metrics
     app.state.proxy = proxy
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    app.state.tracing = tracing
+    for path in ROUTES:
         app.add_api_route(path, _endpoint(proxy, path, max_body_bytes, max_prompts), methods=["POST"])
-    _add_service_routes(app, proxy)
+    if tracing is not None:
+        app.add_middleware(RequestSpans, tracing=tracing, routes=frozenset(ROUTES))
+    _add_service_routes(app, proxy, openmetrics=tracing is not None)
     return app
 
 
@@ -338,6 +445,9 @@ def _endpoint(proxy: Proxy, path: str, max_body_bytes: int, max_prompts: int) ->
         out_headers = {"X-Request-Id": request_id}
         if (client_id := client_request_id(request.headers.get("x-request-id"))) is not None:
             log.info("request %s: client X-Request-Id %s", request_id, client_id)
+        trace: RequestTrace | None = request.scope.get(SCOPE_KEY)
+        if trace is not None:
+            trace.named(request_id, client_id)
         try:
             body = await read_json(request, max_body_bytes)
             check_request(path, body, max_prompts)
@@ -348,10 +458,12 @@ def _endpoint(proxy: Proxy, path: str, max_body_bytes: int, max_prompts: int) ->
             return JSONResponse(exc.payload(), status_code=exc.status, headers={**out_headers, **close})
         client: httpx.AsyncClient = request.app.state.client
         waited = [0.0]
-        work = proxy.serve(client, path, body, _headers(request, request_id), out_headers, waited)
+        work = proxy.serve(client, path, body, _headers(request, request_id), out_headers, waited, trace)
         try:
             resp = await work if body.get("stream") is True else await _unless_disconnected(request, work)
         except UpstreamError as exc:
+            if trace is not None and exc.backend_failed:
+                trace.failed(exc)
             if exc.backend_failed:
                 metrics.errors.labels(exc.stage).inc()
                 log.warning("request %s (client X-Request-Id %s): %s", request_id, client_id, exc.message)
@@ -362,14 +474,14 @@ def _endpoint(proxy: Proxy, path: str, max_body_bytes: int, max_prompts: int) ->
         if resp is None:  # the client went away: both legs were cancelled
             metrics.requests.labels(path, "499").inc()
             return Response(status_code=499)
-        metrics.overhead_seconds.observe(max(0.0, time.perf_counter() - t0 - waited[0]))
+        metrics.overhead_seconds.observe(max(0.0, time.perf_counter() - t0 - waited[0]), exemplar(trace))
         metrics.requests.labels(path, str(resp.status_code)).inc()
         return resp
 
     return handle
 
 
-def _add_service_routes(app: FastAPI, proxy: Proxy) -> None:
+def _add_service_routes(app: FastAPI, proxy: Proxy, openmetrics: bool) -> None:
     timeout_s = proxy.timeout_s
 
     @app.get("/v1/models")
@@ -404,6 +516,10 @@ def _add_service_routes(app: FastAPI, proxy: Proxy) -> None:
                             status_code=200 if healthy else 503)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        """The proxy's own metrics (Prometheus text format)."""
+    async def prometheus(request: Request) -> Response:
+        """The proxy's own metrics (Prometheus text format; with tracing on, OpenMetrics — which carries the
+        histograms' trace exemplars — to a scraper that accepts it)."""
+        if openmetrics:
+            encode, media_type = choose_encoder(request.headers.get("accept", ""))
+            return Response(encode(proxy.metrics.registry), media_type=media_type)
         return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from p2pkv.tools.proxy.batch import StreamMerger, merge_completions, sse_events
 from p2pkv.tools.proxy.metrics import ProxyMetrics
+from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, leg_of
 from p2pkv.tools.proxy.upstream import UpstreamError
 
 
@@ -34,10 +35,11 @@ class Legs(Protocol):
     metrics: ProxyMetrics
 
     async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                          headers: dict[str, str]) -> dict[str, Any]: ...
+                          headers: dict[str, str], leg: ProxySpan | None = None) -> dict[str, Any]: ...
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
-                         out_headers: dict[str, str], relay: bool = True) -> Response | httpx.Response: ...
+                         out_headers: dict[str, str], relay: bool = True,
+                         leg: ProxySpan | None = None) -> Response | httpx.Response: ...
 
     async def release(self, params_list: list[dict[str, Any]]) -> None: ...
 
@@ -64,11 +66,12 @@ class Batch:
         headers: headers for the engines (the proxy's request id).
         out_headers: headers of the client's answer.
         max_fanout: most pairs running at once (>= 1).
+        trace: the request's spans (tracing on): each prompt's legs get theirs under it.
     """
 
     def __init__(self, proxy: Legs, client: httpx.AsyncClient, path: str, headers: dict[str, str],
-                 out_headers: dict[str, str], max_fanout: int) -> None:
-        self.proxy, self.client, self.path = proxy, client, path
+                 out_headers: dict[str, str], max_fanout: int, trace: RequestTrace | None = None) -> None:
+        self.proxy, self.client, self.path, self.trace = proxy, client, path, trace
         self.headers, self.out_headers = headers, out_headers
         self.slots = asyncio.Semaphore(max_fanout)
         self.stop = asyncio.Event()
@@ -76,8 +79,8 @@ class Batch:
         self.opened = False
         """A streamed batch: a decode stream has opened, so the answer is a stream (later failures are events)."""
 
-    async def _prefill(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One prompt's prefill (the caller holds a slot); its ``kv_transfer_params``.
+    async def _prefill(self, index: int, body: dict[str, Any]) -> dict[str, Any]:
+        """Prompt ``index``'s prefill (the caller holds a slot); its ``kv_transfer_params``.
 
         Raises:
             Skipped: the batch failed before or during it (a hold it made is freed).
@@ -85,14 +88,19 @@ class Batch:
         """
         if self.stop.is_set():
             raise Skipped
-        params = (await self.proxy.run_prefill(self.client, self.path, body, self.headers))["kv_transfer_params"]
+        answer = await self.proxy.run_prefill(self.client, self.path, body, self.headers,
+                                              leg_of(self.trace, "prefill", index))
+        params = answer["kv_transfer_params"]
         if self.stop.is_set():
             await self.proxy.release([params])
             raise Skipped
         return params
 
-    async def _decode(self, body: dict[str, Any], params: dict[str, Any]) -> Response | httpx.Response:
+    async def _decode(self, body: dict[str, Any], params: dict[str, Any],
+                      span: ProxySpan | None) -> Response | httpx.Response:
         """One prompt's decode leg (an opened stream when ``stream`` is true); a hold it never pulls is freed.
+
+        ``span``: the leg's span (tracing on); the caller ends it after an opened stream.
 
         Raises:
             UpstreamError: the decode engine failed or refused.
@@ -100,7 +108,7 @@ class Batch:
         leg = {**body, "kv_transfer_params": params}
         try:
             return await self.proxy.run_decode(self.client, self.path, leg, self.headers, self.out_headers,
-                                               relay=False)
+                                               relay=False, leg=span)
         except UpstreamError:
             await self.proxy.release([params])
             raise
@@ -108,8 +116,8 @@ class Batch:
             await asyncio.shield(self.proxy.release([params]))
             raise
 
-    async def _answer(self, body: dict[str, Any]) -> dict[str, Any]:
-        """A non-streamed prompt's answer (JSON).
+    async def _answer(self, index: int, body: dict[str, Any]) -> dict[str, Any]:
+        """Prompt ``index``'s answer, not streamed (JSON).
 
         Raises:
             Skipped: the batch failed first.
@@ -117,8 +125,8 @@ class Batch:
         """
         try:
             async with self.slots:
-                params = await self._prefill(body)
-                resp = await self._decode(body, params)
+                params = await self._prefill(index, body)
+                resp = await self._decode(body, params, leg_of(self.trace, "decode", index))
         except UpstreamError:
             self.stop.set()
             raise
@@ -136,7 +144,7 @@ class Batch:
         Raises:
             UpstreamError: the first failed prompt's error (prompt order).
         """
-        results = await asyncio.gather(*(self._answer(b) for b in bodies), return_exceptions=True)
+        results = await asyncio.gather(*(self._answer(i, b) for i, b in enumerate(bodies)), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, Skipped):
                 raise r
@@ -146,11 +154,13 @@ class Batch:
                            merger: StreamMerger) -> None:
         """One prompt's pair: ``_OPENED``, its stream's chunks, then ``_DONE`` put on ``queue``; a failure is put
         there as the :class:`UpstreamError` (and stops the batch when no stream has opened yet)."""
+        span: ProxySpan | None = None
         try:
             async with self.slots:
                 try:
-                    params = await self._prefill(body)
-                    resp = await self._decode(body, params)
+                    params = await self._prefill(index, body)
+                    span = leg_of(self.trace, "decode", index)
+                    resp = await self._decode(body, params, span)
                 except UpstreamError as exc:
                     if not self.opened:  # the answer will be this error: pairs not started must not start
                         self.stop.set()
@@ -168,13 +178,18 @@ class Batch:
                         if (out := merger.chunk(index, data)) is not None:
                             await queue.put(out)
                 except httpx.HTTPError as exc:
-                    await queue.put(UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: "
-                                                  f"{exc}); check its log", "decode", str(resp.url)))
+                    err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); "
+                                        "check its log", "decode", str(resp.url))
+                    if span is not None:
+                        span.failed(err)
+                    await queue.put(err)
                 finally:
                     await resp.aclose()
         except Skipped:
             pass
         finally:
+            if span is not None:
+                span.end()
             queue.put_nowait(_DONE)
 
     async def stream(self, bodies: list[dict[str, Any]]) -> Response:

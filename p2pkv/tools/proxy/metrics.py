@@ -31,6 +31,10 @@ class ProxyMetrics:
             requests by where their first token came from: ``prefill`` (sent
             from the prefill answer, see :mod:`p2pkv.tools.proxy.first_token`)
             or ``decode``.
+
+    With tracing on, the histograms' observations carry an exemplar
+    (``trace_id`` of the request's trace), which ``/metrics`` serves to a
+    scraper asking for OpenMetrics.
     """
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)

@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "strings, prompt logprobs, penalties on output, structured output or tools); 'decode' "
                              "waits for the decode engine's first token (use it with engines running a reasoning or "
                              "tool parser)")
+    parser.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
+                        help="send OpenTelemetry traces (one per request: the proxy's span, each leg's, and the "
+                             "engines' under them) over OTLP/HTTP to URL, e.g. http://127.0.0.1:4318/v1/traces "
+                             "(default: env OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else OTEL_EXPORTER_OTLP_ENDPOINT + "
+                             "/v1/traces, else off); see docs/tracing.md")
 
 
 def read_secret(secret_file: str | None, insecure: bool) -> bytes | None:
@@ -126,10 +131,25 @@ def main(args: argparse.Namespace) -> int:
     if secret is None:
         print("p2pkv proxy: warning: --insecure: no side-channel secret; a prefill hold whose decode leg failed "
               "waits for its lease", file=sys.stderr, flush=True)
+    from p2pkv.telemetry.tracing import traces_endpoint
+
+    endpoint = traces_endpoint(args.otlp_traces_endpoint)
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        print(f"p2pkv proxy: traces endpoint {endpoint!r}: expected an http:// or https:// URL (OTLP/HTTP, e.g. "
+              "http://127.0.0.1:4318/v1/traces)", file=sys.stderr)
+        return 2
     # INFO: each request whose client sent an X-Request-Id logs it next to the proxy's own id
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("p2pkv.tools.proxy").setLevel(logging.INFO)
-    app = create_app(prefill, decode, timeout_s=args.timeout, secret=secret, first_token_from=args.first_token_from,
-                     max_body_bytes=args.max_body_bytes, max_fanout=args.max_fanout, max_prompts=args.max_prompts)
+    try:
+        app = create_app(prefill, decode, timeout_s=args.timeout, secret=secret,
+                         first_token_from=args.first_token_from, max_body_bytes=args.max_body_bytes,
+                         max_fanout=args.max_fanout, max_prompts=args.max_prompts, otlp_traces_endpoint=endpoint)
+    except ImportError as exc:
+        print(f"p2pkv proxy: tracing to {endpoint} needs the OpenTelemetry SDK and its OTLP/HTTP exporter ({exc}): "
+              "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http", file=sys.stderr)
+        return 2
+    if endpoint:
+        print(f"p2pkv proxy: sending traces to {endpoint} (service.name p2pkv-proxy)", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0

@@ -120,21 +120,21 @@ class RelayedStream(StreamingResponse):
 
     The upstream response is closed when the relay ends for any reason,
     including the client disconnecting. If the upstream breaks mid-stream, an
-    SSE error event is sent and ``on_error`` is called.
+    SSE error event is sent and ``on_error`` is called with what failed.
 
     Args:
         upstream: the decode engine's response, opened with ``stream=True``.
         url: the decode engine's base URL (for error messages).
         on_done: called once with the seconds from ``started`` (a
             ``time.perf_counter()`` value) to the end of the relay.
-        on_error: called once if the upstream fails mid-stream.
+        on_error: called once, with the error message, if the upstream fails mid-stream.
         started: when the upstream request was sent.
         headers: extra response headers.
         on_first: called once with the seconds from ``started`` to the first body bytes.
     """
 
     def __init__(self, upstream: httpx.Response, url: str, on_done: Callable[[float], None],
-                 on_error: Callable[[], None], started: float, headers: dict[str, str] | None = None,
+                 on_error: Callable[[str], None], started: float, headers: dict[str, str] | None = None,
                  on_first: Callable[[float], None] | None = None) -> None:
         self.upstream, self.url = upstream, url
         self.on_done, self.on_error, self.started, self.on_first = on_done, on_error, started, on_first
@@ -150,9 +150,9 @@ class RelayedStream(StreamingResponse):
                 yield chunk
         except httpx.HTTPError as exc:
             log.warning("decode engine %s failed mid-stream: %r", self.url, exc)
-            self.on_error()
             err = UpstreamError(502, f"decode engine {self.url} failed mid-stream ({type(exc).__name__}: "
                                 f"{exc}); check its log", "decode", self.url)
+            self.on_error(err.message)
             yield b"\n\ndata: " + json.dumps(err.payload()).encode() + b"\n\n"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
