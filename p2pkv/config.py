@@ -135,6 +135,11 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             a single request names (one peer per prefill rank).
         peer_idle_s: a prefill rank no pull has used for this long
             (seconds) is dropped; the next pull from it handshakes again.
+        otlp_traces_endpoint: OTLP/HTTP URL the engine's p2pkv spans (holds,
+            pulls and their phases) are exported to, e.g.
+            ``http://collector:4318/v1/traces``; ``""`` falls back to
+            ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``,
+            and without those tracing is off (``docs/tracing.md``).
     """
 
     side_channel_host: str = ""
@@ -162,6 +167,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     idle_wait_s: float = 0.002
     max_peers: int = 256
     peer_idle_s: float = 600.0
+    otlp_traces_endpoint: str = ""
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.

@@ -35,6 +35,9 @@ class PullSpec:
         arrival: when the request reached the decode engine (vLLM's
             ``arrival_time``, ``time.time()`` seconds; 0: unknown).
         scheduled: when the scheduler allocated its blocks (``time.time()`` seconds; 0: unknown).
+        traceparent: the W3C trace context of the decode leg the pull's spans
+            belong under (``kv_transfer_params.traceparent``; ``""``: none, or
+            tracing off).
     """
 
     request_id: str
@@ -46,6 +49,7 @@ class PullSpec:
     num_tokens: int = -1
     arrival: float = 0.0
     scheduled: float = 0.0
+    traceparent: str = ""
 
 
 @dataclass
@@ -64,6 +68,9 @@ class P2pKvMetadata:
         idle: the step scheduled no tokens (vLLM steps only to poll
             transfers); the workers may wait a little for one to finish
             (``idle_wait_s``).
+        send_traces: prefill request id → (the W3C trace context of its
+            prefill leg, when its hold began in nanoseconds since the epoch),
+            for requests whose hold is traced (empty with tracing off).
     """
 
     pulls: list[PullSpec] = field(default_factory=list)
@@ -71,3 +78,4 @@ class P2pKvMetadata:
     send_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     failed: dict[str, tuple[int, ...]] = field(default_factory=dict)
     idle: bool = False
+    send_traces: dict[str, tuple[str, int]] = field(default_factory=dict)

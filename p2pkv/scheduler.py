@@ -18,6 +18,7 @@ from p2pkv.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
+from p2pkv.telemetry.tracing import TRACEPARENT_KEY, parse_traceparent, traces_endpoint
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -79,6 +80,8 @@ class SchedulerSide:
         self._leases: dict[str, float] = {}
         self._blocks: dict[str, tuple[int, ...]] = {}
         self._failed: dict[str, tuple[int, ...]] = {}
+        self._traces: dict[str, tuple[str, int]] = {}
+        self._tracing = bool(traces_endpoint(config.otlp_traces_endpoint))
         self._queued: dict[str, RemotePrefill] = {}
         self._next_heartbeat = 0.0
         self._secret = config.secret_bytes()  # signs the params this engine hands out, checks those it gets
@@ -230,6 +233,7 @@ class SchedulerSide:
                 num_tokens=num_tokens,
                 arrival=float(getattr(request, "arrival_time", 0.0) or 0.0),
                 scheduled=time.time(),
+                traceparent=(parse_traceparent(params.get(TRACEPARENT_KEY)) or "") if self._tracing else "",
             )
         )
 
@@ -252,8 +256,8 @@ class SchedulerSide:
         except Exception:  # heartbeats are best effort; the step's pulls must reach the workers
             logger.exception("p2pkv: sending lease heartbeats failed")
         meta = P2pKvMetadata(pulls=self._pulls, send_leases=self._leases, send_blocks=self._blocks,
-                             failed=self._failed)
-        self._pulls, self._leases, self._blocks, self._failed = [], {}, {}, {}
+                             failed=self._failed, send_traces=self._traces)
+        self._pulls, self._leases, self._blocks, self._failed, self._traces = [], {}, {}, {}, {}
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -297,6 +301,8 @@ class SchedulerSide:
             return False, None
         self._leases[request.request_id] = time.monotonic() + self.config.lease_s
         self._blocks[request.request_id] = flat
+        if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
+            self._traces[request.request_id] = (trace, time.time_ns())
         expiry = time.time() + self.config.lease_s
         answer = make_prefill_response_params(
             engine_id=self.engine_id,

@@ -30,7 +30,9 @@ from p2pkv.decode.puller import Puller
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import parse_done
 from p2pkv.prefill.holds import PrefillHolds
+from p2pkv.prefill.spans import emit_hold_span
 from p2pkv.telemetry.stats import StatsBuffer
+from p2pkv.telemetry.tracing import Tracing, traces_endpoint
 
 logger = logging.getLogger("p2pkv.worker")
 
@@ -72,6 +74,8 @@ class WorkerSide:
         self.stats = StatsBuffer()
         self._closed = False
         self._idle = False  # this step scheduled no tokens
+        self._tracing = Tracing.get("p2pkv-prefill", traces_endpoint(config.otlp_traces_endpoint))
+        self._hold_traces: dict[str, tuple[str, int, int]] = {}  # held id → (traceparent, start ns, blocks)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int,
                            state_layers: frozenset[str] = frozenset()) -> None:
@@ -135,6 +139,9 @@ class WorkerSide:
         self._idle = meta.idle
         for request_id, deadline in meta.send_leases.items():
             self.holds.hold(request_id, deadline, meta.send_blocks.get(request_id))
+        if self._tracing is not None:
+            for rid, (trace, start_ns) in meta.send_traces.items():
+                self._hold_traces[rid] = (trace, start_ns, len(meta.send_blocks.get(rid, ())))
         if self.puller is not None:
             self.puller.start(meta.pulls, meta.failed)
 
@@ -185,7 +192,15 @@ class WorkerSide:
         if len(notes) < len(notifs):
             logger.warning("p2pkv: %d NIXL notification(s) dropped: not p2pkv \"done\" messages, or their MAC "
                            "is wrong (a decode engine with another secret?)", len(notifs) - len(notes))
-        return self.holds.released(notes, self.stats.data)
+        released = self.holds.released(notes, self.stats.data)
+        endings, self.holds.endings = self.holds.endings, {}
+        if self._tracing is not None:
+            for rid, why in endings.items():
+                if (trace := self._hold_traces.pop(rid, None)) is not None:
+                    traceparent, start_ns, num_blocks = trace
+                    emit_hold_span(self._tracing, rid, traceparent, start_ns, why, self.engine_id, self.tp_rank,
+                                   num_blocks)
+        return released
 
     def take_stats(self) -> dict | None:
         """Pull statistics since the last call (see :mod:`p2pkv.telemetry.stats`), or None if none."""

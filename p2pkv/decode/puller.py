@@ -48,6 +48,7 @@ from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull import Pull, PullState, ReadPart
 from p2pkv.decode.reads import ReadEvent, abandon, plan_reads, poll_read, release_unposted
 from p2pkv.decode.release import release_failed
+from p2pkv.decode.spans import PullSpans
 from p2pkv.metadata import PullSpec
 from p2pkv.notification import DoneNotification, blocks_digest, encode_done
 from p2pkv.telemetry.stats import StatsBuffer, append_json_line
@@ -90,6 +91,7 @@ class Puller:
         self._draining: list[tuple[ReadPart, float]] = []  # cancelled READs NIXL would not release, deadline
         self.outcomes = Outcomes()  # reported to vLLM at the next get_finished
         self._to_notify: list[Pull] = []  # done: notify their prefill ranks at the next engine step
+        self.spans = PullSpans.start(config, engine_id, tp_rank, agent)  # None: tracing off
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -117,6 +119,8 @@ class Puller:
                 for pull in notify:
                     self._contained(pull, "notifying the prefill ranks", _notify, self.agent, self.peers, pull,
                                     f"{self.engine_id}:{self.tp_rank}", self._secret)
+                    if self.spans is not None:
+                        self._contained(None, "tracing a pull", self.spans.ended, pull)
             return self.outcomes.take_finished()
 
     def _advance(self) -> bool:
@@ -226,6 +230,7 @@ class Puller:
                 if failure is not None:
                     self._contained(pull, "failing the pull", self._fail, pull, *failure)
                 else:  # _begin, not _post: a failed start drops the peer for the rest
+                    pull.marks["handshaken"] = time.time()
                     self._contained(pull, "starting the pull after its handshake", self._begin, pull)
 
     def _post(self, pull: Pull, reads: list[RankRead], notify: list[int]) -> None:
@@ -353,6 +358,8 @@ class Puller:
         if pull in self._staging_wait:
             self._staging_wait.remove(pull)
         self._to(pull, PullState.FAILED)
+        if self.spans is not None:
+            self._contained(None, "tracing a pull", self.spans.ended, pull, (kind, why))
         if handshaking:  # the handshakes no other pull waits for are not started (a running one ends by itself)
             for pid in self.peers.cancel_unneeded(self._handshaking()):
                 self._handshake_wait.pop(pid, None)
@@ -428,6 +435,7 @@ def _notify(agent: NixlTransferAgent, peers: PeerTable, pull: Pull, reader: str,
             agent.send_notif(peer.agent_name, encode_done(DoneNotification(rid, reader, notifiers, digest), secret))
         except TransferError as exc:
             logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
+    pull.marks["notified"] = time.time()
 
 
 def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:

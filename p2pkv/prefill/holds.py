@@ -12,6 +12,7 @@ another request's block ids is refused.
 
 from __future__ import annotations
 
+import enum
 import hmac
 import logging
 import queue
@@ -23,6 +24,17 @@ from p2pkv.notification import DoneNotification, blocks_digest
 from p2pkv.prefill.leases import LeaseTable
 
 logger = logging.getLogger("p2pkv.prefill")
+
+
+class HoldEnd(str, enum.Enum):
+    """Why a hold ended."""
+
+    NOTIFIED = "notified"
+    """Every decode reader said "done"."""
+    RELEASED = "released"
+    """A decode worker or the proxy said nobody will pull it (``ReleaseHolds``)."""
+    EXPIRED = "expired"
+    """Its lease ran out first."""
 
 
 class PrefillHolds:
@@ -37,6 +49,8 @@ class PrefillHolds:
         notifs: request id → (first notification time, decode ranks that
             notified, how many must, the block digest they name) for requests
             not yet freed.
+        endings: holds ended by :meth:`released` and why, until the caller
+            (the worker, for its trace spans) clears them.
     """
 
     def __init__(self, lease_s: float) -> None:
@@ -49,6 +63,7 @@ class PrefillHolds:
         self._digests: dict[str, str] = {}  # held now → blocks_digest of its block ids, in order
         self._expired: dict[str, float] = {}  # ended by expiry → when
         self._released: dict[str, float] = {}  # ended by notification or release → when
+        self.endings: dict[str, HoldEnd] = {}  # ended since the caller last took them → why
 
     def hold(self, request_id: str, deadline: float, block_ids: tuple[int, ...] | None = None) -> None:
         """Engine thread: hold a finished request's blocks until ``deadline`` (``time.monotonic()``)."""
@@ -161,8 +176,11 @@ class PrefillHolds:
             del self.notifs[rid]
             if self._confirms(rid, digest) and self.leases.release(rid):
                 done.add(rid)
-        done |= self._apply_requests()
+        on_request = self._apply_requests()
         expired = set(self.leases.pop_expired())
+        self.endings.update({**dict.fromkeys(done, HoldEnd.NOTIFIED), **dict.fromkeys(on_request, HoldEnd.RELEASED),
+                             **dict.fromkeys(expired, HoldEnd.EXPIRED)})
+        done |= on_request
         for rid in expired:
             logger.warning("p2pkv: lease of request %s expired before a decode engine pulled it; "
                            "releasing its blocks", rid)

@@ -1,0 +1,33 @@
+"""The trace span of one prefill hold: from the request's end on the prefill engine to its release."""
+
+from __future__ import annotations
+
+import time
+
+from p2pkv.prefill.holds import HoldEnd
+from p2pkv.telemetry.tracing import Tracing, context_of
+
+
+def emit_hold_span(tracing: Tracing, request_id: str, traceparent: str, start_ns: int, ended: HoldEnd,
+                   engine_id: str, tp_rank: int, num_blocks: int) -> None:
+    """Emit span ``p2pkv.hold`` under the prefill leg ``traceparent`` names.
+
+    Args:
+        tracing: this process's tracer.
+        request_id: the prefill engine's request id.
+        traceparent: W3C trace context of the prefill leg.
+        start_ns: when the hold began (``request_finished``; nanoseconds since the epoch).
+        ended: why it ended; an expired lease marks the span as an error.
+        engine_id / tp_rank: this prefill rank.
+        num_blocks: blocks held (every KV cache group).
+    """
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    span = tracing.tracer.start_span("p2pkv.hold", context=context_of(traceparent), kind=SpanKind.INTERNAL,
+                                     start_time=start_ns, attributes={
+                                         "p2pkv.request_id": request_id, "p2pkv.engine_id": engine_id,
+                                         "p2pkv.tp_rank": tp_rank, "p2pkv.blocks": num_blocks,
+                                         "p2pkv.hold.end": ended.value})
+    if ended is HoldEnd.EXPIRED:
+        span.set_status(Status(StatusCode.ERROR, "lease expired before a decode engine pulled the blocks"))
+    tracing.ended(span, max(start_ns, time.time_ns()))
