@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from p2pkv.params import CAPABILITY_KEY, sign_params
 from p2pkv.telemetry.stats import PULL_PHASES
 from p2pkv.tools.demo import (
     LOGPROB_TOLERANCE,
@@ -110,13 +111,15 @@ def test_negative_control_wrong_kv_changes_output(pair, client) -> None:
 
 
 def test_failed_pull_is_reported_not_hung(pair, client) -> None:
-    """Params pointing at a side channel where nothing listens: the pull fails, vLLM is
+    """Params (signed with the secret) pointing at a side channel where nothing listens: the pull fails, vLLM is
     told (kv_load_failure_policy=fail by default), the request ends with an error instead
     of garbage or a hang, and the decode engine keeps serving."""
     p, _ = pair
     params = _prefill(client, p.url("prefill"), "z" * 50)
     (dead_port,) = free_ports(1)
-    bad = {**params, "remote_port": dead_port, "remote_engine_id": "no-such-engine"}
+    bad = {k: v for k, v in params.items() if k != CAPABILITY_KEY}  # a secret holder's params: they pass the check
+    bad = sign_params({**bad, "remote_port": dead_port, "remote_engine_id": "no-such-engine"}, p.secret.encode(),
+                      time.time() + 60)
     body = {"model": "model", "prompt": "z" * 50, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": bad}
     resp = client.post(f"{p.url('decode')}/v1/completions", json=body)
     assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
