@@ -236,7 +236,8 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler is not None
         meta = self.scheduler.build_connector_meta()
         return P2pKvConnectorMetadata(pulls=meta.pulls, send_leases=meta.send_leases, send_blocks=meta.send_blocks,
-                                      failed=meta.failed, idle=scheduler_output.total_num_scheduled_tokens == 0)
+                                      failed=meta.failed, idle=scheduler_output.total_num_scheduled_tokens == 0,
+                                      send_traces=meta.send_traces)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))

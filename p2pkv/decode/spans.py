@@ -88,7 +88,7 @@ class PullSpans:
     def _attributes(self, pull: Pull) -> dict[str, str | int | list[str] | list[int]]:
         spec, remote = pull.spec, pull.spec.remote
         reads = pull.reads
-        transports = self.agent.transports()
+        transports = self.agent.transports
         return {
             "p2pkv.request_id": spec.request_id, "p2pkv.remote_request_id": remote.request_id,
             "p2pkv.engine_id": self.engine_id, "p2pkv.tp_rank": self.tp_rank,

@@ -113,9 +113,10 @@ class PrefillHolds:
         with self._lock:
             matched = [rid for rid, blocks in zip(request_ids, block_ids, strict=True)
                        if rid in self._blocks and self._blocks[rid] in (None, frozenset(blocks))]
-        for rid in set(request_ids) - set(matched):
-            logger.warning("p2pkv: a release of request %s named block ids it does not hold with; not released",
-                           rid[:64])
+        for rid in request_ids:
+            if rid in self._blocks and rid not in matched:
+                logger.warning("p2pkv: a release of request %s named block ids it does not hold with; not released",
+                               rid[:64])
         self._requests.put((matched, None))
         return len(matched)
 
