@@ -26,6 +26,7 @@ from handshake.errors import (
     UnknownRankError,
     WrongDestinationError,
 )
+from handshake.holds import HoldStatus
 from handshake.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -43,7 +44,7 @@ from handshake.messages import (
     Request,
 )
 from handshake.replay import ReplayGuard
-from handshake.server import HandshakeServer, HoldStatus
+from handshake.server import HandshakeServer
 
 __all__ = [
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AgentInfo", "AuthenticationError", "ErrorReply", "HandshakeBindError",

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from types import TracebackType
 
 import zmq
@@ -22,12 +20,12 @@ from handshake.errors import (
     UnknownRankError,
     WrongDestinationError,
 )
+from handshake.holds import HoldAnswers, OnHeartbeat, OnRelease
 from handshake.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AgentInfo,
     HoldQuery,
-    HoldRequest,
     HoldsReply,
     LeaseHeartbeat,
     MetadataReply,
@@ -42,21 +40,6 @@ __all__ = ["HandshakeServer"]
 logger = logging.getLogger("p2pkv.handshake")
 
 _JOIN_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True)
-class HoldStatus:
-    """What a prefill worker says of the request ids of a :class:`LeaseHeartbeat` (the rest are held).
-
-    Attributes:
-        expired: lease ran out (blocks may have been reused).
-        not_held: released already, or the hold lacks the asked-for block ids.
-        unknown: never told to hold them (yet).
-    """
-
-    expired: list[str] = field(default_factory=list)
-    not_held: list[str] = field(default_factory=list)
-    unknown: list[str] = field(default_factory=list)
 
 
 class _ClientKey:
@@ -124,8 +107,8 @@ class HandshakeServer:
         secret: bytes | None = None,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         poll_interval_s: float = 0.1,
-        on_heartbeat: Callable[[list[str], float, list[list[int]]], HoldStatus | None] | None = None,
-        on_release: Callable[[list[str], list[list[int]]], int] | None = None,
+        on_heartbeat: OnHeartbeat | None = None,
+        on_release: OnRelease | None = None,
         freshness_s: float = DEFAULT_WINDOW_S,
     ) -> None:
         if not 0 <= port <= 65535:
@@ -145,11 +128,10 @@ class HandshakeServer:
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._on_heartbeat = on_heartbeat
-        self._on_release = on_release
         self._replay = ReplayGuard(freshness_s)
         self._auth: ThreadAuthenticator | None = None
         self.stats: dict[str, int] = {"served": 0, "refused": 0}
+        self._holds = HoldAnswers(on_heartbeat, on_release, self.stats)
 
     @property
     def host(self) -> str:
@@ -319,7 +301,7 @@ class HandshakeServer:
                     reply: MetadataReply | HoldsReply = MetadataReply(protocol_version=PROTOCOL_VERSION, info=info,
                                                                       nonce=msg.nonce)
                 case LeaseHeartbeat() | HoldQuery() | ReleaseHolds():
-                    reply = self._holds(msg)
+                    reply = self._holds.answer(msg)
             frames = encode(reply, self._secret)
         except HandshakeError as exc:
             return self._refuse(exc, nonce)
@@ -348,39 +330,6 @@ class HandshakeServer:
                 "this address; check remote_host/remote_port of the kv_transfer_params (a replayed or misrouted "
                 "request)", field="to_engine_id")
         return info
-
-    def _holds(self, msg: HoldRequest) -> HoldsReply:
-        ids = list(msg.request_ids)
-        status, accepted = HoldStatus(), len(ids)
-        match msg:
-            case ReleaseHolds():
-                if self._on_release is None:
-                    raise self._no_holds(msg)
-                self._same_length(msg.block_ids, ids)
-                accepted = self._on_release(ids, [list(b) for b in msg.block_ids])
-                self.stats["releases"] = self.stats.get("releases", 0) + 1
-            case LeaseHeartbeat() | HoldQuery():
-                if self._on_heartbeat is None:
-                    raise self._no_holds(msg)
-                blocks = [list(b) for b in msg.block_ids] if isinstance(msg, HoldQuery) else []
-                if isinstance(msg, HoldQuery):
-                    self._same_length(msg.block_ids, ids)
-                status = self._on_heartbeat(ids, float(msg.extend_s), blocks) or status
-                self.stats["heartbeats"] = self.stats.get("heartbeats", 0) + 1
-        return HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, expired=status.expired,
-                          not_held=status.not_held, unknown=status.unknown, request_ids=ids, nonce=msg.nonce)
-
-    @staticmethod
-    def _same_length(block_ids: list[list[int]], ids: list[str]) -> None:
-        if len(block_ids) != len(ids):
-            raise MalformedMessageError(f"block_ids has {len(block_ids)} lists for {len(ids)} request ids",
-                                        field="block_ids")
-
-    @staticmethod
-    def _no_holds(msg: HoldRequest) -> MalformedMessageError:
-        return MalformedMessageError(
-            f"this server holds no requests ({msg.__struct_config__.tag} is for prefill workers); "
-            "send it to the prefill engine's side channel", field="type")
 
     def _log_compat(self, msg: MetadataRequest) -> None:
         diffs = mismatches(self._compat_hash, msg.compat_hash)

@@ -18,7 +18,9 @@ from p2pkv.params import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from p2pkv.telemetry.tracing import TRACEPARENT_KEY, parse_traceparent, traces_endpoint
+from p2pkv.prefill.holds import HoldEnd
+from p2pkv.prefill.spans import emit_hold_span
+from p2pkv.telemetry.tracing import TRACEPARENT_KEY, Tracing, parse_traceparent, traces_endpoint
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -295,6 +297,7 @@ class SchedulerSide:
         if not wants_remote_decode(params):
             return False, None
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            self._trace_aborted(request, params)
             return False, None  # aborted on the prefill side: free the blocks now
         flat = tuple(b for group in block_ids for b in group)
         if not any(flat):
@@ -317,6 +320,15 @@ class SchedulerSide:
             first_token=self.recompute_tokens == 0,
         )
         return True, (sign_params(answer, self._secret, expiry) if self._secret else answer)
+
+    def _trace_aborted(self, request: Request, params: dict[str, Any]) -> None:
+        """A request aborted on the prefill engine ends its hold before it began: a ``p2pkv.hold`` span of no
+        length, ended ``aborted`` (with tracing on and a trace context in its params)."""
+        if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
+            tracing = Tracing.get("p2pkv-prefill", traces_endpoint(self.config.otlp_traces_endpoint))
+            if tracing is not None:
+                emit_hold_span(tracing, request.request_id, trace, time.time_ns(), HoldEnd.ABORTED, self.engine_id,
+                               None, 0)
 
     def shutdown(self) -> None:
         """Stop the heartbeat thread. Idempotent."""

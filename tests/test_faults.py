@@ -32,14 +32,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import zmq
 
-from handshake import (
-    PROTOCOL_VERSION,
-    HoldQuery,
-    HoldsReply,
-    MetadataReply,
-    encode,
-    fetch_agent_info,
-)
+from handshake import PROTOCOL_VERSION, HoldQuery, HoldsReply, MetadataReply, encode, fetch_agent_info
 from handshake import decode as decode_message
 from handshake.compat import fingerprint
 from p2pkv.metadata import P2pKvMetadata

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import p2pkv.decode.notifier as notifier_module
 import p2pkv.decode.peers as peers_module
 import p2pkv.decode.puller as puller_module
 from p2pkv.decode.peers import PeerId
@@ -131,14 +132,14 @@ def test_a_notify_that_raises_does_not_stop_later_pulls_being_reported(
     if fault == "surrogate_request_id":
         decode.start(notify_task("d-aborted", "x\ud800", prefill.port))
     else:
-        real_encode = puller_module.encode_done
+        real_encode = notifier_module.encode_done
 
         def encode_done(note, secret=None):  # type: ignore[no-untyped-def]
             if note.request_id == "p-notify-bug":
                 raise UnicodeEncodeError("utf-8", "x", 0, 1, "injected")
             return real_encode(note, secret)
 
-        monkeypatch.setattr(puller_module, "encode_done", encode_done)
+        monkeypatch.setattr(notifier_module, "encode_done", encode_done)
         prefill.lease(["p-notify-bug"])
         decode.start(pull_task("d-notify-bug", "p-notify-bug", prefill.port, [30], [31]))
         assert decode.pump({"d-notify-bug"}, BOUND_S) == set()

@@ -42,6 +42,7 @@ from p2pkv.decode.deadlines import Deadlines
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, Phase, Verdict, failure_of, judge
 from p2pkv.decode.keeper import PeerKeeper
+from p2pkv.decode.notifier import Notifier
 from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.progress import Progress
@@ -50,7 +51,6 @@ from p2pkv.decode.reads import ReadEvent, abandon, plan_reads, poll_read, releas
 from p2pkv.decode.release import release_failed
 from p2pkv.decode.spans import PullSpans
 from p2pkv.metadata import PullSpec
-from p2pkv.notification import DoneNotification, blocks_digest, encode_done
 from p2pkv.telemetry.stats import StatsBuffer, append_json_line
 
 logger = logging.getLogger("p2pkv.decode")
@@ -90,8 +90,8 @@ class Puller:
         self._handshake_wait: dict[PeerId, list[Pull]] = {}
         self._draining: list[tuple[ReadPart, float]] = []  # cancelled READs NIXL would not release, deadline
         self.outcomes = Outcomes()  # reported to vLLM at the next get_finished
-        self._to_notify: list[Pull] = []  # done: notify their prefill ranks at the next engine step
         self.spans = PullSpans.start(config, engine_id, tp_rank, agent)  # None: tracing off
+        self.notifier = Notifier(agent, self.peers, f"{engine_id}:{tp_rank}", self._secret, self.spans)
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -115,12 +115,7 @@ class Puller:
             try:
                 self._advance()
             finally:  # from the engine thread, which keeps progressing NIXL's sends
-                notify, self._to_notify = self._to_notify, []
-                for pull in notify:
-                    self._contained(pull, "notifying the prefill ranks", _notify, self.agent, self.peers, pull,
-                                    f"{self.engine_id}:{self.tp_rank}", self._secret)
-                    if self.spans is not None:
-                        self._contained(None, "tracing a pull", self.spans.ended, pull)
+                self.notifier.send(self._contained)
             return self.outcomes.take_finished()
 
     def _advance(self) -> bool:
@@ -253,7 +248,7 @@ class Puller:
                 self._fail(pull, FailureKind.STAGING, str(exc))
             return
         if not pull.reads:  # nothing to load (or a notify-only pull)
-            self._to_notify.append(pull)
+            self.notifier.add(pull)
             self._to(pull, PullState.DONE)
             return
         self._to(pull, PullState.READING)
@@ -323,7 +318,7 @@ class Puller:
             if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
                 pull.marks["confirmed"] = time.time()
                 _record(pull, self.stats, self.config.stats_file)
-                self._to_notify.append(pull)
+                self.notifier.add(pull)
                 self._to(pull, PullState.DONE)
 
     # ---- endings ----------------------------------------------------------------
@@ -370,7 +365,7 @@ class Puller:
     def _busy_peers(self) -> set[PeerId]:
         """Peers a pull under way, a cancelled READ or a notification still needs (never dropped)."""
         return ({pid for p in self.pulls for pid in p.peers} | {r.peer_id for r, _ in self._draining}
-                | {pid for p in self._to_notify for pid, _ in p.notify})
+                | self.notifier.needed_peers())
 
     def _handshaking(self) -> set[PeerId]:
         """Peers the pulls waiting in ``HANDSHAKE`` need."""
@@ -416,26 +411,6 @@ def _ended(agent: NixlTransferAgent, read: ReadPart) -> bool:
         return agent.poll(read.handle)
     except Exception:
         return True
-
-
-def _notify(agent: NixlTransferAgent, peers: PeerTable, pull: Pull, reader: str, secret: bytes | None) -> None:
-    """Tell every prefill rank ``reader`` (this decode rank) answers for that it may free the request's blocks.
-
-    Sent after the READs are done and fenced, not attached to them: a READ with a
-    notification completes only once the prefill side progresses NIXL. One that
-    cannot be sent is logged; the prefill lease frees the blocks instead.
-    """
-    rid, digest = pull.spec.remote.request_id, blocks_digest(pull.spec.remote.block_ids)
-    for pid, notifiers in pull.notify:
-        peer = peers.peers.get(pid)
-        if peer is None:
-            logger.warning("p2pkv: cannot notify %s about %s (peer gone); its lease frees the blocks", pid, rid)
-            continue
-        try:
-            agent.send_notif(peer.agent_name, encode_done(DoneNotification(rid, reader, notifiers, digest), secret))
-        except TransferError as exc:
-            logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
-    pull.marks["notified"] = time.time()
 
 
 def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:

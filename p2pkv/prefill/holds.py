@@ -35,6 +35,8 @@ class HoldEnd(str, enum.Enum):
     """A decode worker or the proxy said nobody will pull it (``ReleaseHolds``)."""
     EXPIRED = "expired"
     """Its lease ran out first."""
+    ABORTED = "aborted"
+    """The request was aborted on the prefill engine (its client went away): no hold began."""
 
 
 class PrefillHolds:

@@ -9,7 +9,7 @@ from p2pkv.telemetry.tracing import Tracing, context_of
 
 
 def emit_hold_span(tracing: Tracing, request_id: str, traceparent: str, start_ns: int, ended: HoldEnd,
-                   engine_id: str, tp_rank: int, num_blocks: int) -> None:
+                   engine_id: str, tp_rank: int | None, num_blocks: int) -> None:
     """Emit span ``p2pkv.hold`` under the prefill leg ``traceparent`` names.
 
     Args:
@@ -18,16 +18,18 @@ def emit_hold_span(tracing: Tracing, request_id: str, traceparent: str, start_ns
         traceparent: W3C trace context of the prefill leg.
         start_ns: when the hold began (``request_finished``; nanoseconds since the epoch).
         ended: why it ended; an expired lease marks the span as an error.
-        engine_id / tp_rank: this prefill rank.
+        engine_id / tp_rank: this prefill rank (``tp_rank`` None: the engine's scheduler, for an
+            aborted request).
         num_blocks: blocks held (every KV cache group).
     """
     from opentelemetry.trace import SpanKind, Status, StatusCode
 
+    attributes: dict[str, str | int] = {"p2pkv.request_id": request_id, "p2pkv.engine_id": engine_id,
+                                        "p2pkv.blocks": num_blocks, "p2pkv.hold.end": ended.value}
+    if tp_rank is not None:
+        attributes["p2pkv.tp_rank"] = tp_rank
     span = tracing.tracer.start_span("p2pkv.hold", context=context_of(traceparent), kind=SpanKind.INTERNAL,
-                                     start_time=start_ns, attributes={
-                                         "p2pkv.request_id": request_id, "p2pkv.engine_id": engine_id,
-                                         "p2pkv.tp_rank": tp_rank, "p2pkv.blocks": num_blocks,
-                                         "p2pkv.hold.end": ended.value})
+                                     start_time=start_ns, attributes=attributes)
     if ended is HoldEnd.EXPIRED:
         span.set_status(Status(StatusCode.ERROR, "lease expired before a decode engine pulled the blocks"))
     tracing.ended(span, max(start_ns, time.time_ns()))

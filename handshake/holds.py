@@ -1,0 +1,97 @@
+"""A prefill worker's answers to hold requests: lease heartbeats, fence questions and releases.
+
+The server (:class:`handshake.server.HandshakeServer`) checks a request's
+authenticity, destination and freshness; :class:`HoldAnswers` then hands it to
+the prefill worker's callbacks and builds the :class:`~handshake.messages.HoldsReply`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from handshake.errors import MalformedMessageError
+from handshake.messages import PROTOCOL_VERSION, HoldQuery, HoldRequest, HoldsReply, LeaseHeartbeat, ReleaseHolds
+
+__all__ = ["HoldAnswers", "HoldStatus"]
+
+
+@dataclass(frozen=True)
+class HoldStatus:
+    """What a prefill worker says of the request ids of a hold request (the rest are held).
+
+    Attributes:
+        expired: lease ran out (blocks may have been reused).
+        not_held: released already, or the hold lacks the asked-for block ids.
+        unknown: never told to hold them (yet).
+    """
+
+    expired: list[str] = field(default_factory=list)
+    not_held: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+
+
+OnHeartbeat = Callable[[list[str], float, list[list[int]]], HoldStatus | None]
+"""(request ids, lease length in seconds, block ids per id or ``[]``) → what is not held (None: all held)."""
+OnRelease = Callable[[list[str], list[list[int]]], int]
+"""(request ids, block ids per id) → how many holds with exactly those block ids are released."""
+
+
+class HoldAnswers:
+    """Answers hold requests with a prefill worker's callbacks.
+
+    Args:
+        on_heartbeat: takes :class:`~handshake.messages.LeaseHeartbeat` (no
+            block ids) and :class:`~handshake.messages.HoldQuery`; None: this
+            side holds nothing and refuses them.
+        on_release: takes :class:`~handshake.messages.ReleaseHolds`; None: refused.
+        stats: counters ``"heartbeats"`` and ``"releases"`` are added to it.
+    """
+
+    def __init__(self, on_heartbeat: OnHeartbeat | None, on_release: OnRelease | None, stats: dict[str, int]) -> None:
+        self._on_heartbeat = on_heartbeat
+        self._on_release = on_release
+        self._stats = stats
+
+    def answer(self, msg: HoldRequest) -> HoldsReply:
+        """The reply to ``msg`` (its ids and nonce echoed).
+
+        Raises:
+            MalformedMessageError: no callback for it (this side holds no
+                requests), or ``block_ids`` has not one list per request id.
+        """
+        ids = list(msg.request_ids)
+        status, accepted = HoldStatus(), len(ids)
+        match msg:
+            case ReleaseHolds():
+                if self._on_release is None:
+                    raise _no_holds(msg)
+                _same_length(msg.block_ids, ids)
+                accepted = self._on_release(ids, [list(b) for b in msg.block_ids])
+                self._count("releases")
+            case LeaseHeartbeat() | HoldQuery():
+                if self._on_heartbeat is None:
+                    raise _no_holds(msg)
+                blocks: list[list[int]] = []
+                if isinstance(msg, HoldQuery):
+                    _same_length(msg.block_ids, ids)
+                    blocks = [list(b) for b in msg.block_ids]
+                status = self._on_heartbeat(ids, float(msg.extend_s), blocks) or status
+                self._count("heartbeats")
+        return HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, expired=status.expired,
+                          not_held=status.not_held, unknown=status.unknown, request_ids=ids, nonce=msg.nonce)
+
+    def _count(self, key: str) -> None:
+        self._stats[key] = self._stats.get(key, 0) + 1
+
+
+def _same_length(block_ids: list[list[int]], ids: list[str]) -> None:
+    if len(block_ids) != len(ids):
+        raise MalformedMessageError(f"block_ids has {len(block_ids)} lists for {len(ids)} request ids",
+                                    field="block_ids")
+
+
+def _no_holds(msg: HoldRequest) -> MalformedMessageError:
+    return MalformedMessageError(
+        f"this server holds no requests ({msg.__struct_config__.tag} is for prefill workers); "
+        "send it to the prefill engine's side channel", field="type")
