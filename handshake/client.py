@@ -293,10 +293,8 @@ def send_heartbeat(
         HandshakeError: any other failure (bad reply, authentication, a reply
             to another request).
     """
-    msgs = [LeaseHeartbeat(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
-                           requester_engine_id=requester_engine_id, request_ids=chunk, extend_s=extend_s,
-                           **_fresh())  # type: ignore[arg-type]
-            for chunk, _ in _chunks(request_ids, None)]
+    msgs = _hold_requests(LeaseHeartbeat, request_ids, None, requester_engine_id, engine_id, tp_rank,
+                          extend_s=extend_s)
     return _hold_exchange(host, port, msgs, secret, timeout_s, max_message_bytes, cancel)
 
 
@@ -329,12 +327,8 @@ def query_holds(
         ValueError: ``block_ids`` does not have one list per request id.
         The errors of :func:`send_heartbeat`.
     """
-    if len(block_ids) != len(request_ids):
-        raise ValueError(f"block_ids has {len(block_ids)} lists for {len(request_ids)} request ids")
-    msgs = [HoldQuery(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
-                      requester_engine_id=requester_engine_id, request_ids=chunk, block_ids=blocks,
-                      extend_s=extend_s, **_fresh())  # type: ignore[arg-type]
-            for chunk, blocks in _chunks(request_ids, block_ids)]
+    msgs = _hold_requests(HoldQuery, request_ids, block_ids, requester_engine_id, engine_id, tp_rank,
+                          extend_s=extend_s)
     return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel, link)
 
 
@@ -351,19 +345,28 @@ def release_holds(host: str, port: int, request_ids: list[str], block_ids: list[
         ValueError: ``block_ids`` does not have one list per request id.
         The errors of :func:`send_heartbeat`.
     """
-    if len(block_ids) != len(request_ids):
-        raise ValueError(f"block_ids has {len(block_ids)} lists for {len(request_ids)} request ids")
-    msgs = [ReleaseHolds(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
-                         requester_engine_id=requester_engine_id, request_ids=chunk, block_ids=blocks,
-                         **_fresh())  # type: ignore[arg-type]
-            for chunk, blocks in _chunks(request_ids, block_ids)]
+    msgs = _hold_requests(ReleaseHolds, request_ids, block_ids, requester_engine_id, engine_id, tp_rank)
     return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel)
 
 
-def _chunks(request_ids: list[str], block_ids: list[list[int]] | None) -> list[tuple[list[str], list[list[int]]]]:
-    """``request_ids`` (and their ``block_ids``) in chunks of at most MAX_HEARTBEAT_IDS (one chunk when empty)."""
-    return [(request_ids[i:i + MAX_HEARTBEAT_IDS], (block_ids or [])[i:i + MAX_HEARTBEAT_IDS])
-            for i in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS)]
+def _hold_requests(kind: type[HoldRequest], request_ids: list[str], block_ids: list[list[int]] | None,
+                   requester_engine_id: str, engine_id: str, tp_rank: int, **fields: float) -> list[HoldRequest]:
+    """``kind`` requests for ``request_ids`` (with their ``block_ids``, unless None) to rank ``tp_rank`` of
+    ``engine_id``, in chunks of at most MAX_HEARTBEAT_IDS ids (one request when there are none), each with
+    its own time and nonce.
+
+    Raises:
+        ValueError: ``block_ids`` does not have one list per request id.
+    """
+    if block_ids is not None and len(block_ids) != len(request_ids):
+        raise ValueError(f"block_ids has {len(block_ids)} lists for {len(request_ids)} request ids")
+    out = []
+    for i in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS):
+        blocks = {} if block_ids is None else {"block_ids": block_ids[i:i + MAX_HEARTBEAT_IDS]}
+        out.append(kind(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
+                        requester_engine_id=requester_engine_id, request_ids=request_ids[i:i + MAX_HEARTBEAT_IDS],
+                        **blocks, **fields, **_fresh()))  # type: ignore[arg-type]
+    return out
 
 
 def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes | None, timeout_s: float,
