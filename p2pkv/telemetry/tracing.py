@@ -101,7 +101,10 @@ class _CountingExporter:
         if result is SpanExportResult.SUCCESS:
             self.exported += len(spans)
         else:
-            self.failed += len(spans)
+            before, self.failed = self.failed, self.failed + len(spans)
+            if before == 0 or self.failed.bit_length() > before.bit_length():  # the first, then at each doubling
+                logger.warning("p2pkv: %d trace span(s) dropped so far: the OTLP collector did not take them "
+                               "(requests are not affected; check the traces endpoint)", self.failed)
         return result
 
     def shutdown(self) -> None:
