@@ -80,7 +80,7 @@ BLOCK = 32
 def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """One P/D pair behind the proxy plus an aggregated engine, shared by the engine tests that use it.
 
-    Yields ``(LocalPair, pull stats file)``; the decode engine gives up a handshake (and a fence question) after 2 s.
+    Yields ``(LocalPair, pull stats file)``; the decode engine gives up a handshake (and a fence question) after 3 s.
     """
     from p2pkv.tools.deploy.local import LocalPair
 
@@ -89,7 +89,7 @@ def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     stats = logs / "pulls.jsonl"
     p = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                   aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,
-                  decode_extra_config={"stats_file": str(stats), "handshake_timeout_s": 2.0,
+                  decode_extra_config={"stats_file": str(stats), "handshake_timeout_s": 3.0,
                                        "handshake_retries": 1},
                   max_model_len=1024)
     p.start(timeout_s=900)
