@@ -171,7 +171,7 @@ ROWS = {  # name: (prefill, decode, how the decode ranks pull)
 
 def mode(worker: WorkerSide) -> set[str]:
     """How ``worker`` pulls from the prefill ranks it reads."""
-    return {p.plan.mode.value for p in worker.puller.peers.peers.values() if p.plan.read.num_heads}
+    return {p.plan.placement.value for p in worker.puller.peers.peers.values() if p.plan.read.num_heads}
 
 
 @pytest.mark.parametrize("row", list(ROWS))

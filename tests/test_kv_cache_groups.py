@@ -34,7 +34,7 @@ from p2pkv.compat import (
 )
 from p2pkv.config import P2pKvConfig
 from p2pkv.connector import P2pKvConnector
-from p2pkv.dataplane.negotiate import ModelInfo, PullRefused, TransferMode, plan_peer
+from p2pkv.dataplane.negotiate import ModelInfo, Placement, PullRefused, plan_peer
 from p2pkv.scheduler import SchedulerSide
 from tests.workers import one_layer_desc
 
@@ -125,7 +125,7 @@ def test_a_failed_set_up_marks_every_groups_blocks() -> None:
 
 def test_groups_need_one_block_size_on_both_sides() -> None:
     groups = ModelInfo("LBHNC", "float32", 2, 16, 16, local_attention=True, kv_groups=2)
-    assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(16), 0, 1, groups).mode is TransferMode.DIRECT
+    assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(16), 0, 1, groups).placement is Placement.DIRECT
     for local, remote in ((16, 32), (32, 16)):
         with pytest.raises(PullRefused, match=f"prefill block_size={remote}, decode block_size={local}; start both "
                                               "engines with the same --block-size"):
@@ -176,7 +176,7 @@ def test_a_mamba_group_p2pkv_cannot_move_is_refused_at_engine_start(specs, messa
 def test_a_hybrid_model_pulls_only_direct() -> None:
     """Mamba state pages move whole: another block size or page order is refused, naming the difference."""
     hybrid = ModelInfo("LBHNC", "float32", 2, 16, 16, kv_groups=2, state_groups=True)
-    assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(16), 0, 1, hybrid).mode is TransferMode.DIRECT
+    assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(16), 0, 1, hybrid).placement is Placement.DIRECT
     same_size = ModelInfo("LBHNC", "float32", 2, 16, 16, state_groups=True)
     with pytest.raises(PullRefused, match="Mamba/SSM state, whose pages p2pkv moves whole, but the engines differ in "
                                           "block_size 32→16"):

@@ -27,7 +27,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from p2pkv.compat import frees_blocks_behind_window
 from p2pkv.config import P2pKvConfig
-from p2pkv.dataplane.negotiate import ModelInfo, PullRefused, TransferMode, plan_peer
+from p2pkv.dataplane.negotiate import ModelInfo, Placement, PullRefused, plan_peer
 from p2pkv.params import make_prefill_response_params
 from p2pkv.scheduler import SchedulerSide
 from tests.workers import one_layer_desc
@@ -120,9 +120,9 @@ _WINDOW_MODEL = ModelInfo("LBHNC", "float32", 2, 16, 32, local_attention=True)
 def test_a_decode_block_larger_than_the_prefill_block_is_refused_with_the_fix() -> None:
     with pytest.raises(PullRefused, match="start the decode engine with --block-size 16 or smaller"):
         plan_peer(one_layer_desc(32), 0, 1, one_layer_desc(16), 0, 1, _WINDOW_MODEL)
-    assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(32), 0, 1, _WINDOW_MODEL).mode is TransferMode.STAGED
+    assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(32), 0, 1, _WINDOW_MODEL).placement is Placement.STAGED
     full_attention = plan_peer(one_layer_desc(32), 0, 1, one_layer_desc(16), 0, 1)
-    assert full_attention.mode is TransferMode.STAGED  # a model without a window: fine
+    assert full_attention.placement is Placement.STAGED  # a model without a window: fine
 
 
 def test_appended_tokens_are_computed_by_the_decode_engine() -> None:

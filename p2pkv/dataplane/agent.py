@@ -1,4 +1,4 @@
-"""The NIXL agent of one worker: register KV memory, add peers, READ, poll, notify.
+"""The NIXL agent of one worker: register KV memory, add peers, READ and WRITE, poll, notify.
 
 A thin typed layer over ``nixl._api.nixl_agent``. Pulls are built from
 coalesced descriptor arrays (:mod:`p2pkv.dataplane.plan`) with ``initialize_xfer``, so
@@ -10,9 +10,11 @@ on corrupted metadata).
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -37,21 +39,27 @@ class TransferError(RuntimeError):
         self.disconnected = cause is not None and "DISCONNECT" in f"{type(cause).__name__} {cause}".upper()
 
 
+Op = Literal["READ", "WRITE"]
+"""A NIXL xfer's direction: ``READ`` (pull: remote memory into local) or ``WRITE`` (push: local into remote)."""
+
+
 @dataclass
-class ReadHandle:
-    """One READ in flight.
+class XferHandle:
+    """One NIXL xfer (a READ or a WRITE) in flight.
 
     Attributes:
         peer: remote agent name.
         handle: the NIXL transfer handle.
-        num_bytes: bytes this READ moves.
+        num_bytes: bytes this xfer moves.
         num_descriptors: descriptors on each side, as planned (before any ``split_bytes`` cut).
+        op: ``"READ"`` or ``"WRITE"``.
     """
 
     peer: str
     handle: object
     num_bytes: int
     num_descriptors: int
+    op: Op = "READ"
 
 
 def load_nixl() -> tuple[type, type]:
@@ -166,6 +174,8 @@ class NixlTransferAgent:
         self._mem_type = "DRAM"
         self._peers: set[str] = set()
         self._closed = False
+        self._notif_lock = threading.Lock()
+        self._inbox: dict[bytes, list[bytes]] = {b"": []}  # prefix → notifications not yet taken
 
     @property
     def mem_type(self) -> str:
@@ -237,16 +247,26 @@ class NixlTransferAgent:
             except Exception as exc:
                 logger.warning("p2pkv: remove_remote_agent(%s) failed: %s", name, exc)
 
-    def start_read(
-        self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray, notif: bytes
-    ) -> ReadHandle:
-        """Post a READ of ``remote_descs`` (peer memory) into ``local_descs``.
+    def start_read(self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray,
+                   notif: bytes = b"") -> XferHandle:
+        """Post a READ of ``remote_descs`` (peer memory) into ``local_descs`` (see :meth:`start_xfer`)."""
+        return self.start_xfer("READ", peer, local_descs, remote_descs, notif)
+
+    def start_write(self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray, notif: bytes) -> XferHandle:
+        """Post a WRITE of ``local_descs`` into ``remote_descs`` (peer memory); ``notif`` reaches the peer
+        after the bytes (see :meth:`start_xfer`)."""
+        return self.start_xfer("WRITE", peer, local_descs, remote_descs, notif)
+
+    def start_xfer(self, op: Op, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray,
+                   notif: bytes) -> XferHandle:
+        """Post one xfer between ``local_descs`` and ``remote_descs`` (peer memory).
 
         Args:
+            op: ``"READ"`` (remote into local) or ``"WRITE"`` (local into remote).
             peer: remote agent name from :meth:`add_peer`.
             local_descs: uint64 [n, 3] ``(addr, len, device_id)`` rows.
             remote_descs: uint64 [n, 3] rows, same lengths row by row.
-            notif: message delivered to the peer when the READ completes.
+            notif: message delivered to the peer when the xfer completes (``b""``: none).
 
         Raises:
             TransferError: the descriptor lists do not pair up, or NIXL
@@ -259,56 +279,58 @@ class NixlTransferAgent:
         planned = int(local_descs.shape[0])
         if self._split_bytes > 0:
             local_descs, remote_descs = split_rows(local_descs, remote_descs, self._split_bytes)
-        if self._watch is not None:
+        if self._watch is not None and op == "READ":
             self._watch.before_read(peer)
         handle = None
+        direction = "from" if op == "READ" else "to"
         try:
             local = self._agent.get_xfer_descs(local_descs, self._mem_type)
             remote = self._agent.get_xfer_descs(remote_descs, self._mem_type)
-            handle = self._agent.initialize_xfer("READ", local, remote, peer, notif)
+            handle = self._agent.initialize_xfer(op, local, remote, peer, notif)
             state = self._agent.transfer(handle)
         except Exception as exc:
             if handle is not None:  # a post that raised (peer gone) still holds NIXL's and UCX's request
                 self._release(handle)
-            raise TransferError(f"NIXL READ from {peer} could not start: {exc}", exc) from exc
+            raise TransferError(f"NIXL {op} {direction} {peer} could not start: {exc}", exc) from exc
         if state == "ERR":
             self._release(handle)
-            raise TransferError(f"NIXL READ from {peer} failed to post")
-        return ReadHandle(peer, handle, int(local_descs[:, 1].sum()), planned)
+            raise TransferError(f"NIXL {op} {direction} {peer} failed to post")
+        return XferHandle(peer, handle, int(local_descs[:, 1].sum()), planned, op)
 
-    def poll(self, pull: ReadHandle) -> bool:
-        """True when the READ is done (its handle is then released).
+    def poll(self, xfer: XferHandle) -> bool:
+        """True when the xfer is done (its handle is then released).
 
         Raises:
-            TransferError: the READ failed or the peer disconnected (the
+            TransferError: the xfer failed or the peer disconnected (the
                 handle is released).
         """
+        direction = "from" if xfer.op == "READ" else "to"
         try:
-            state = self._agent.check_xfer_state(pull.handle)
+            state = self._agent.check_xfer_state(xfer.handle)
         except Exception as exc:
-            self._release(pull.handle)
-            raise TransferError(f"NIXL READ from {pull.peer} failed: {exc}", exc) from exc
+            self._release(xfer.handle)
+            raise TransferError(f"NIXL {xfer.op} {direction} {xfer.peer} failed: {exc}", exc) from exc
         if state == "DONE":
-            self._release(pull.handle)
-            if self._watch is not None:
-                report = self._watch.after_read(pull.peer, self._mem_type)
+            self._release(xfer.handle)
+            if self._watch is not None and xfer.op == "READ":
+                report = self._watch.after_read(xfer.peer, self._mem_type)
                 if report is not None and self.on_transport is not None:
                     self.on_transport(report)
             return True
         if state == "ERR":
-            self._release(pull.handle)
-            raise TransferError(f"NIXL READ from {pull.peer} ended in error")
+            self._release(xfer.handle)
+            raise TransferError(f"NIXL {xfer.op} {direction} {xfer.peer} ended in error")
         return False
 
-    def cancel(self, pull: ReadHandle) -> bool:
-        """Give up on a READ (timeout, a failed sibling READ); best effort.
+    def cancel(self, xfer: XferHandle) -> bool:
+        """Give up on an xfer (timeout, a failed sibling); best effort.
 
         Returns:
             True when NIXL released the transfer; False when it refused
-            because the READ is still active (its bytes may still land: poll
+            because the xfer is still active (its bytes may still land: poll
             it until it ends before reusing the memory it writes).
         """
-        return self._release(pull.handle)
+        return self._release(xfer.handle)
 
     def _release(self, handle: object) -> bool:
         try:
@@ -330,10 +352,24 @@ class NixlTransferAgent:
             raise TransferError(f"NIXL send_notif to {peer} failed: {exc}", exc) from exc
 
     def get_notifs(self) -> list[bytes]:
-        """Notifications received since the last call (all peers)."""
-        out: list[bytes] = []
-        for msgs in self._agent.get_new_notifs().values():
-            out.extend(msgs)
+        """Notifications received since the last call (all peers) not taken by :meth:`take_notifs`'s prefixes."""
+        return self.take_notifs(b"")
+
+    def take_notifs(self, prefix: bytes) -> list[bytes]:
+        """Notifications starting with ``prefix`` received since the last call (``b""``: every other one).
+
+        Two consumers share one agent (a decode worker's pulls thread takes
+        ``p2pkv:pushed:`` messages, the engine thread the rest), so what NIXL
+        hands over is sorted into per-prefix inboxes; a prefix is known once
+        it has been asked for. Thread-safe.
+        """
+        with self._notif_lock:
+            self._inbox.setdefault(prefix, [])
+            for msgs in self._agent.get_new_notifs().values():
+                for msg in msgs:
+                    key = next((p for p in self._inbox if p and msg.startswith(p)), b"")
+                    self._inbox[key].append(msg)
+            out, self._inbox[prefix] = self._inbox[prefix], []
         return out
 
     def close(self) -> None:

@@ -120,8 +120,8 @@ def head_bytes(desc: KVLayoutDesc) -> int:
     return page_bytes(desc) // (desc.num_kv_heads * desc.block_size)
 
 
-class TransferMode(str, enum.Enum):
-    """How a decode rank moves one prefill rank's blocks into its own."""
+class Placement(str, enum.Enum):
+    """Where one prefill rank's bytes land in a decode rank, and whether a fixup follows (pull and push alike)."""
 
     DIRECT = "direct"
     """Remote blocks are byte-identical to local ones (same block size, page order and heads):
@@ -141,12 +141,12 @@ class PeerPlan:
 
     Attributes:
         read: the head slice to read (:func:`p2pkv.dataplane.topology.read_plan`).
-        mode: how the bytes move (:class:`TransferMode`).
+        placement: where the bytes land and whether a fixup follows (:class:`Placement`).
         reason: why the pull is not direct (``""`` when direct).
     """
 
     read: RankRead
-    mode: TransferMode
+    placement: Placement
     reason: str = ""
 
 
@@ -171,7 +171,7 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
     already freed, and vLLM's prefix cache could later serve them: refused.
     With several KV cache groups (``kv_groups``) the pull's blocks pair one
     for one: a different block size is refused. A KV cache with Mamba/SSM
-    state (``state_groups``) pulls only in :attr:`TransferMode.DIRECT`.
+    state (``state_groups``) pulls only in :attr:`Placement.DIRECT`.
 
     Raises:
         PullRefused: model shape differs (names the field and both values),
@@ -212,7 +212,7 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
                    and local.block_len == remote.block_len and len(local.regions) == len(remote.regions)
                    and [r.num_layers for r in local.regions] == [r.num_layers for r in remote.regions])
     if same_blocks or read.num_heads == 0:
-        return PeerPlan(read, TransferMode.DIRECT)
+        return PeerPlan(read, Placement.DIRECT)
     if "CPU" in (local.attn_layout, remote.attn_layout) and local.attn_layout != remote.attn_layout:
         raise PullRefused(f"prefill attn_layout={remote.attn_layout}, decode attn_layout={local.attn_layout}: vLLM's "
                           "CPU attention pages (K stored transposed) pair only with CPU attention pages; run both "
@@ -235,18 +235,18 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
     whole = local.num_kv_heads == remote.num_kv_heads == read.num_heads
     paged = local.block_size == remote.block_size and local.attn_layout == remote.attn_layout and (
         local.attn_layout in HEAD_MAJOR or whole or local.is_mla)
-    mode = TransferMode.PAGED if paged else TransferMode.STAGED
+    placement = Placement.PAGED if paged else Placement.STAGED
     if model.state_groups:
         raise PullRefused(f"the model keeps Mamba/SSM state, whose pages p2pkv moves whole, but the engines differ in "
                           f"{', '.join(diffs) or 'segment layout'}; start both engines with the same --block-size, "
                           "KV cache layout and --tensor-parallel-size")
-    return PeerPlan(read, mode, reason=", ".join(diffs) or "segment layout")
+    return PeerPlan(read, placement, reason=", ".join(diffs) or "segment layout")
 
 
 def page_slices(desc: KVLayoutDesc, segments: list[Segment], head_start: int, num_heads: int) -> list[Segment]:
     """Per-page segments covering heads ``[head_start, head_start + num_heads)`` of every page.
 
-    For :attr:`TransferMode.PAGED` pulls; valid where a page's head slice is
+    For :attr:`Placement.PAGED` pulls; valid where a page's head slice is
     contiguous (HND order, or all heads). The lists built for the two
     peers pair up page by page.
     """

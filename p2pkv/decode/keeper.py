@@ -83,7 +83,7 @@ class PeerKeeper:
                 continue
             seconds.append(time.monotonic() - hs.started)
             plan = peer.plan
-            logger.info("p2pkv: handshake with %s done (agent %s, %s%s)", pid, peer.agent_name, plan.mode.value,
+            logger.info("p2pkv: handshake with %s done (agent %s, %s%s)", pid, peer.agent_name, plan.placement.value,
                         f": {plan.reason}" if plan.reason else "")
             yield pid, None
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from handshake import AgentInfo, KVLayoutDesc, fetch_agent_info
 from p2pkv.dataplane.layout import Segment
-from p2pkv.dataplane.negotiate import ModelInfo, PeerPlan, TransferMode, page_slices, plan_peer, remote_segments
+from p2pkv.dataplane.negotiate import ModelInfo, PeerPlan, Placement, page_slices, plan_peer, remote_segments
 from p2pkv.decode.background import Background
 from p2pkv.params import RemotePrefill
 
@@ -190,7 +190,7 @@ class PeerTable:
         name = self.agent.add_peer(info)
         peer = self.peers[peer_id] = Peer(info, name, remote_segments(info.layout), plan)
         self.touch([peer_id])
-        if plan.mode is TransferMode.PAGED:
+        if plan.placement is Placement.PAGED:
             r = plan.read
             peer.local_slices = page_slices(self.local, self.local_segments, r.local_head_start, r.num_heads)
             peer.remote_slices = page_slices(info.layout, peer.segments, r.remote_head_start, r.num_heads)

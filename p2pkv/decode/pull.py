@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from p2pkv.dataplane.agent import ReadHandle
+from p2pkv.dataplane.agent import XferHandle
 from p2pkv.dataplane.stager import Stage
 from p2pkv.decode.peers import Peer, PeerId, canonical_host
 from p2pkv.metadata import PullSpec
@@ -62,7 +62,7 @@ class ReadPart:
     local_descs: np.ndarray
     remote_descs: np.ndarray
     stage: Stage | None = None
-    handle: ReadHandle | None = None
+    handle: XferHandle | None = None
     done: float = 0.0
     confirmed: bool = False
     unanswered: int = 0

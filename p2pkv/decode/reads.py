@@ -15,7 +15,7 @@ import numpy as np
 from handshake import KVLayoutDesc
 from p2pkv.dataplane.blockmap import direct_pairs, staged_read
 from p2pkv.dataplane.layout import KVLayout
-from p2pkv.dataplane.negotiate import TransferMode
+from p2pkv.dataplane.negotiate import Placement
 from p2pkv.dataplane.plan import build_descriptors, check_block_ids, coalesce_runs
 from p2pkv.dataplane.stager import Stage, Stager
 from p2pkv.dataplane.staging import StagingFull
@@ -54,10 +54,10 @@ def plan_read(spec: PullSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, 
     check_block_ids(spec.remote.block_ids, remote.num_blocks, "remote")
     check_block_ids(spec.remote_block_ids, remote.num_blocks, "remote")
     check_block_ids(spec.local_block_ids, layout.num_blocks, "local")
-    if peer.plan.mode is not TransferMode.STAGED:
+    if peer.plan.placement is not Placement.STAGED:
         local_ids, remote_ids = direct_pairs(spec, desc.block_size)
         loc, rem, lengths = coalesce_runs(local_ids, remote_ids, layout.num_blocks, remote.num_blocks)
-        if peer.plan.mode is TransferMode.DIRECT:
+        if peer.plan.placement is Placement.DIRECT:
             return (build_descriptors(layout.segments, loc, lengths, device_id),
                     build_descriptors(peer.segments, rem, lengths, peer.device_id), None)
         if not all(seg.blocks_contiguous for seg in (*peer.local_slices, *peer.remote_slices)):
