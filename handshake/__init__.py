@@ -7,7 +7,7 @@ The protocol (transport, frames, HMAC, versioning, integrity, refusal codes) is 
 
 from __future__ import annotations
 
-from handshake.client import HoldLink, fetch_agent_info, query_holds, release_holds, send_heartbeat
+from handshake.client import HoldLink, fetch_agent_info, query_holds, release_holds, request_push, send_heartbeat
 from handshake.codec import compute_digest, decode, encode, verify_agent_info
 from handshake.errors import (
     AuthenticationError,
@@ -40,6 +40,8 @@ from handshake.messages import (
     Message,
     MetadataReply,
     MetadataRequest,
+    PushReply,
+    PushRequest,
     ReleaseHolds,
     Request,
 )
@@ -48,11 +50,11 @@ from handshake.server import HandshakeServer
 
 __all__ = [
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AgentInfo", "AuthenticationError", "ErrorReply", "HandshakeBindError",
-    "HandshakeCancelledError", "HandshakeError", "HandshakeServer", "HandshakeTimeoutError", "HoldLink",
-    "HoldQuery", "HoldStatus", "HoldsReply", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion", "LeaseHeartbeat",
+    "HandshakeCancelledError", "HandshakeError", "HandshakeServer", "HandshakeTimeoutError", "HoldLink", "HoldQuery",
+    "HoldStatus", "HoldsReply", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion", "LeaseHeartbeat",
     "MalformedMessageError", "Message", "MessageTooLargeError", "MetadataDigestError", "MetadataReply",
-    "MetadataRequest", "ProtocolVersionError", "ReleaseHolds", "RemoteRefusedError", "ReplayGuard",
-    "ReplayedRequestError", "Request", "StaleRequestError", "UnknownRankError", "WrongDestinationError",
-    "compute_digest", "decode", "encode", "fetch_agent_info", "query_holds", "release_holds", "send_heartbeat",
-    "verify_agent_info",
+    "MetadataRequest", "ProtocolVersionError", "PushReply", "PushRequest", "ReleaseHolds", "RemoteRefusedError",
+    "ReplayGuard", "ReplayedRequestError", "Request", "StaleRequestError", "UnknownRankError",
+    "WrongDestinationError", "compute_digest", "decode", "encode", "fetch_agent_info", "query_holds", "release_holds",
+    "request_push", "send_heartbeat", "verify_agent_info",
 ]

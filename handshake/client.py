@@ -34,10 +34,12 @@ from handshake.messages import (
     LeaseHeartbeat,
     MetadataReply,
     MetadataRequest,
+    PushReply,
+    PushRequest,
     ReleaseHolds,
 )
 
-__all__ = ["HoldLink", "fetch_agent_info", "query_holds", "release_holds", "send_heartbeat"]
+__all__ = ["HoldLink", "fetch_agent_info", "query_holds", "release_holds", "request_push", "send_heartbeat"]
 
 NONCE_BYTES = 16
 """Random bytes of each request's nonce."""
@@ -349,6 +351,50 @@ def release_holds(host: str, port: int, request_ids: list[str], block_ids: list[
     return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel)
 
 
+def request_push(host: str, port: int, request_id: str, block_ids: list[int], push_id: bytes, agent: AgentInfo,
+                 source_rows: bytes, target_rows: bytes, window_s: float, requester_engine_id: str,
+                 secret: bytes | None = None, timeout_s: float = 1.0, cancel: threading.Event | None = None,
+                 link: HoldLink | None = None, *, engine_id: str, tp_rank: int) -> PushReply:
+    """Ask prefill rank ``tp_rank`` of ``engine_id`` to WRITE ``request_id``'s blocks into this rank's memory
+    (:class:`PushRequest`: its fields, units and checks).
+
+    With ``link`` (to ``host:port``) the request goes over that long-lived connection.
+
+    Returns:
+        The :class:`PushReply` (``accepted``: the WRITE's notification follows).
+
+    Raises:
+        HandshakeTimeoutError: no reply within ``timeout_s`` seconds (the WRITE
+            may still have been queued: wait out ``window_s`` before reusing
+            the target memory).
+        RemoteRefusedError: the server refused the request (another engine or
+            rank, stale, or a server that takes no pushes).
+        HandshakeError: any other failure (bad reply, authentication, a reply to another request).
+    """
+    msg = PushRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
+                      requester_engine_id=requester_engine_id, request_id=request_id, block_ids=block_ids,
+                      push_id=push_id, agent=agent, source_rows=source_rows, target_rows=target_rows,
+                      window_s=window_s, **_fresh())  # type: ignore[arg-type]
+    frames = encode(msg, secret)
+    endpoint = tcp_endpoint(host, port)
+    reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
+             _exchange(zmq.Context.instance(), host, endpoint, frames, timeout_s, MAX_MESSAGE_BYTES, cancel, secret))
+    if reply is None and cancel is not None and cancel.is_set():
+        raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
+    if reply is None:
+        raise HandshakeTimeoutError(f"no reply from {host}:{port} within {timeout_s:g} s")
+    if (refusal := _unsigned_auth_refusal(reply, MAX_MESSAGE_BYTES)) is not None:
+        raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint)
+    answer = decode(reply, secret, MAX_MESSAGE_BYTES)
+    if isinstance(answer, ErrorReply):
+        _check_refusal(answer, msg.nonce, endpoint)
+    if not isinstance(answer, PushReply):
+        raise MalformedMessageError(f"{endpoint} answered with {type(answer).__name__}", field="type")
+    if answer.nonce != msg.nonce:
+        raise MalformedMessageError(f"reply from {endpoint} answers another request", field="nonce")
+    return answer
+
+
 def _hold_requests(kind: type[HoldRequest], request_ids: list[str], block_ids: list[list[int]] | None,
                    requester_engine_id: str, engine_id: str, tp_rank: int, **fields: float) -> list[HoldRequest]:
     """``kind`` requests for ``request_ids`` (with their ``block_ids``, unless None) to rank ``tp_rank`` of
@@ -400,7 +446,7 @@ def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes 
 
 
 class HoldLink:
-    """A long-lived connection to one prefill rank's side channel, for lease heartbeats and fence questions.
+    """A long-lived connection to one prefill rank's side channel, for fence questions and push requests.
 
     A fresh socket per question costs a TCP connect and handshake (about
     0.5 ms on loopback, more on a busy host); a decode worker asks each
@@ -439,7 +485,7 @@ class HoldLink:
                     answer = decode(reply, secret, self.max_message_bytes)
                 except HandshakeError:
                     return reply  # the caller explains it
-                if not isinstance(answer, HoldsReply | ErrorReply) or answer.nonce in (nonce, b""):
+                if not isinstance(answer, HoldsReply | PushReply | ErrorReply) or answer.nonce in (nonce, b""):
                     return reply
             return None
 

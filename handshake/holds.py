@@ -11,9 +11,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from handshake.errors import MalformedMessageError
-from handshake.messages import PROTOCOL_VERSION, HoldQuery, HoldRequest, HoldsReply, LeaseHeartbeat, ReleaseHolds
+from handshake.messages import (
+    PROTOCOL_VERSION,
+    HoldQuery,
+    HoldRequest,
+    HoldsReply,
+    LeaseHeartbeat,
+    PushRequest,
+    PushStatus,
+    ReleaseHolds,
+)
 
-__all__ = ["HoldAnswers", "HoldStatus"]
+__all__ = ["HoldAnswers", "HoldStatus", "OnPush"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,8 @@ OnHeartbeat = Callable[[list[str], float, list[list[int]]], HoldStatus | None]
 """(request ids, lease length in seconds, block ids per id or ``[]``) → what is not held (None: all held)."""
 OnRelease = Callable[[list[str], list[list[int]]], int]
 """(request ids, block ids per id) → how many holds with exactly those block ids are released."""
+OnPush = Callable[[PushRequest], tuple[PushStatus, str]]
+"""A push request → ``(status, message)``: queued (``accepted``) or why not."""
 
 
 class HoldAnswers:

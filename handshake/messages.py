@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -27,6 +27,8 @@ PROTOCOL_VERSION = 5
   :class:`HoldQuery`, every hold request is answered by :class:`HoldsReply`; ``ReleaseHolds``
   carries the block ids it frees; ``ErrorReply`` echoes the request's nonce and its ``code``
   is a closed set.
+* 6: push: :class:`PushRequest` (a decode rank asks a prefill rank to WRITE a held request's
+  blocks into its memory) and :class:`PushReply`.
 """
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -296,5 +298,72 @@ class HoldsReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="h
 HoldRequest = LeaseHeartbeat | HoldQuery | ReleaseHolds
 """The requests a prefill worker's holds answer."""
 
-Message = MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply
+MAX_PUSH_ROWS = 1 << 18
+"""Most descriptor rows one :class:`PushRequest` carries on each side (24 bytes each: 6 MiB)."""
+
+Rows = Annotated[bytes, msgspec.Meta(max_length=MAX_PUSH_ROWS * 24)]
+"""Descriptor rows: uint64 ``[n, 3]`` ``(addr, bytes, device_id)``, little-endian, row-major (``n * 24`` bytes)."""
+
+PushId = Annotated[bytes, msgspec.Meta(min_length=16, max_length=32)]
+"""Random bytes naming one WRITE in its notification (``p2pkv:pushed:<hex>``)."""
+
+WindowS = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+
+PushStatus = Literal["accepted", "expired", "not_held", "unknown", "busy", "refused"]
+"""What a prefill worker did with a :class:`PushRequest`; a closed set."""
+
+
+class PushRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="push_request"):
+    """Ask a prefill rank to WRITE a held request's blocks into the sender's memory (push mode).
+
+    The prefill rank checks that it holds ``request_id`` with exactly
+    ``block_ids`` and that every ``source_rows`` byte lies in those blocks,
+    keeps the hold (no release, notification or lease expiry ends it) until
+    the WRITE has ended, and posts a NIXL WRITE of ``source_rows`` into
+    ``target_rows`` of the agent in ``agent`` whose notification
+    (``p2pkv:pushed:<push_id hex>``) reaches the sender after the bytes.
+
+    Attributes:
+        request_id: the prefill-side request id (``remote_request_id``).
+        block_ids: every prefill block id of the hold (``remote_block_ids``, groups flattened).
+        push_id: names this WRITE in its notification.
+        agent: the sender rank's :class:`AgentInfo` (NIXL metadata checked
+            against its digest before NIXL loads it; its layout).
+        source_rows: the prefill rank's bytes to WRITE (:data:`Rows`).
+        target_rows: where they land in the sender's registered memory (same
+            lengths row by row).
+        window_s: seconds from receipt within which the WRITE may start; past
+            it the sender has given up (its blocks may be reused), so a WRITE
+            not yet posted is dropped and one in flight cancelled.
+    """
+
+    request_id: Id
+    block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=1 << 20)]
+    push_id: PushId
+    agent: AgentInfo
+    source_rows: Rows
+    target_rows: Rows
+    window_s: WindowS
+
+
+class PushReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="push_reply"):
+    """Answer to :class:`PushRequest`.
+
+    Attributes:
+        status: ``accepted`` (the WRITE is queued; its notification follows),
+            ``expired`` / ``not_held`` / ``unknown`` (as in :class:`HoldsReply`:
+            nothing will be written), ``busy`` (this prefill rank's queue for
+            the sender is full), ``refused`` (bad rows or agent; ``message`` says which).
+        message: why, when not accepted.
+        nonce: the request's nonce, echoed.
+    """
+
+    protocol_version: int
+    status: PushStatus
+    message: str = ""
+    nonce: EchoedNonce = b""
+
+
+Message = (MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply
+           | PushRequest | PushReply)
 """Every message that travels on the side channel."""

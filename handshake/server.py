@@ -20,7 +20,7 @@ from handshake.errors import (
     UnknownRankError,
     WrongDestinationError,
 )
-from handshake.holds import HoldAnswers, OnHeartbeat, OnRelease
+from handshake.holds import HoldAnswers, OnHeartbeat, OnPush, OnRelease
 from handshake.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
@@ -30,6 +30,8 @@ from handshake.messages import (
     LeaseHeartbeat,
     MetadataReply,
     MetadataRequest,
+    PushReply,
+    PushRequest,
     ReleaseHolds,
     Request,
 )
@@ -85,6 +87,10 @@ class HandshakeServer:
             block ids of a :class:`ReleaseHolds`; returns how many holds with
             exactly those block ids it released. A server without it refuses
             releases.
+        on_push: called (on the server thread) with a :class:`PushRequest`;
+            returns its ``(status, message)`` (:data:`handshake.messages.PushStatus`).
+            A server without it refuses push requests. It must be quick
+            (queue the WRITE, never post it there) and thread-safe.
         freshness_s: a request's ``sent_at`` must lie within this many
             seconds of the server's clock, and its nonce is refused if seen
             within it (:class:`handshake.replay.ReplayGuard`).
@@ -110,6 +116,7 @@ class HandshakeServer:
         on_heartbeat: OnHeartbeat | None = None,
         on_release: OnRelease | None = None,
         freshness_s: float = DEFAULT_WINDOW_S,
+        on_push: OnPush | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
@@ -132,6 +139,7 @@ class HandshakeServer:
         self._auth: ThreadAuthenticator | None = None
         self.stats: dict[str, int] = {"served": 0, "refused": 0}
         self._holds = HoldAnswers(on_heartbeat, on_release, self.stats)
+        self._on_push = on_push
 
     @property
     def host(self) -> str:
@@ -290,7 +298,8 @@ class HandshakeServer:
             msg = decode(body, self._secret, self._max_message_bytes)
             if not isinstance(msg, Request):
                 raise MalformedMessageError(
-                    f"a server takes requests (type metadata_request, lease_heartbeat, hold_query, release_holds), got "
+                    f"a server takes requests (type metadata_request, lease_heartbeat, hold_query, release_holds, "
+                    f"push_request), got "
                     f"{type(msg).__name__}", field="type")
             nonce = msg.nonce
             info = self._destination(msg)
@@ -298,10 +307,12 @@ class HandshakeServer:
             match msg:
                 case MetadataRequest():
                     self._log_compat(msg)
-                    reply: MetadataReply | HoldsReply = MetadataReply(protocol_version=PROTOCOL_VERSION, info=info,
-                                                                      nonce=msg.nonce)
+                    reply: MetadataReply | HoldsReply | PushReply = MetadataReply(
+                        protocol_version=PROTOCOL_VERSION, info=info, nonce=msg.nonce)
                 case LeaseHeartbeat() | HoldQuery() | ReleaseHolds():
                     reply = self._holds.answer(msg)
+                case PushRequest():
+                    reply = self._push(msg)
             frames = encode(reply, self._secret)
         except HandshakeError as exc:
             return self._refuse(exc, nonce)
@@ -311,6 +322,15 @@ class HandshakeServer:
                 HandshakeError(f"internal server error: {exc!r}; see the server log", code="internal"), nonce)
         self.stats["served"] += 1
         return frames
+
+    def _push(self, msg: PushRequest) -> PushReply:
+        """Hand a push request to ``on_push``; refused (``malformed``, field ``type``) without one."""
+        if self._on_push is None:
+            raise MalformedMessageError("this side channel takes no push requests (it holds no requests, or its "
+                                        "p2pkv predates push); use transfer_mode pull", field="type")
+        status, message = self._on_push(msg)
+        self.stats["pushes"] = self.stats.get("pushes", 0) + 1
+        return PushReply(protocol_version=PROTOCOL_VERSION, status=status, message=message[:1024], nonce=msg.nonce)
 
     def _destination(self, msg: Request) -> AgentInfo:
         """The served rank the request names; refuses another rank or engine id."""

@@ -140,6 +140,17 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             ``http://collector:4318/v1/traces``; ``""`` falls back to
             ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``,
             and without those tracing is off (``docs/tracing.md``).
+        transfer_mode: who moves a pull's bytes (decode side; ``docs/push.md``):
+            ``pull`` (this decode engine READs from the prefill engine),
+            ``push`` (it asks the prefill rank to WRITE into its blocks), or
+            ``auto`` (pull from a peer until UCX reports how its READs move,
+            then push where they are not zero-copy, e.g. GPU memory over TCP).
+            A request's ``kv_transfer_params.p2pkv_transfer_mode`` wins.
+        push_max_in_flight: a prefill rank posts at most this many WRITEs at
+            once for one decode rank (others wait, decode ranks served in turn).
+        push_max_queued: WRITEs a prefill rank lets wait for one decode rank;
+            past it a push request is answered ``busy`` (the pull fails and
+            vLLM recomputes per ``kv_load_failure_policy``).
     """
 
     side_channel_host: str = ""
@@ -168,6 +179,9 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_peers: int = 256
     peer_idle_s: float = 600.0
     otlp_traces_endpoint: str = ""
+    transfer_mode: Literal["pull", "push", "auto"] = "auto"
+    push_max_in_flight: int = 4
+    push_max_queued: int = 256
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.
@@ -251,6 +265,11 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"max_peers must be 1..65536 (prefill ranks), got {self.max_peers}")
         if self.peer_idle_s <= 0:
             raise ConfigError(f"peer_idle_s must be > 0 seconds, got {self.peer_idle_s}")
+        if not 1 <= self.push_max_in_flight <= 1024:
+            raise ConfigError(f"push_max_in_flight must be 1..1024 (WRITEs per decode rank), got "
+                              f"{self.push_max_in_flight}")
+        if not 1 <= self.push_max_queued <= 65536:
+            raise ConfigError(f"push_max_queued must be 1..65536 (WRITEs per decode rank), got {self.push_max_queued}")
 
 
 _FIELDS = P2pKvConfig.__struct_fields__

@@ -1,5 +1,6 @@
-"""The "done" notification a decode rank sends a prefill rank once it has pulled a request's KV.
+"""The NIXL notifications between ranks: "done" (decode → prefill) and "pushed" (prefill → decode).
 
+"done": a decode rank sends it a prefill rank once it has a request's KV.
 One encoder, one parser. The message travels as a NIXL notification
 (``send_notif``) and reads
 ``p2pkv:done:<request_id>|<engine_id>:<tp_rank>:<notifiers>|<blocks digest>``:
@@ -11,6 +12,12 @@ digest of the hold's block ids the decode rank was given
 digest of its own block ids). With the side-channel secret,
 ``#<HMAC-SHA256 hex>`` of everything before it follows, and a notification
 without a valid one is dropped (the lease frees the blocks).
+
+"pushed": the notification of a prefill rank's WRITE in push mode
+(:class:`handshake.PushRequest`), ``p2pkv:pushed:<push_id hex>`` (NIXL
+delivers it after the WRITE's bytes), or, when the WRITE did not happen or
+failed, ``p2pkv:push_failed:<push_id hex>|<reason>`` (sent on its own); both
+signed like "done".
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 PREFIX = b"p2pkv:done:"
+PUSH_PREFIX = b"p2pkv:push"
+"""What both "pushed" and "push_failed" notifications start with."""
+_PUSHED, _PUSH_FAILED = b"p2pkv:pushed:", b"p2pkv:push_failed:"
 
 
 @dataclass(frozen=True)
@@ -85,3 +95,47 @@ def parse_done(msg: bytes, secret: bytes | None = None) -> DoneNotification | No
     except ValueError:
         reader, notifiers = tail, 1
     return DoneNotification(request_id, reader, notifiers, blocks)
+
+
+@dataclass(frozen=True)
+class PushedNotification:
+    """A prefill rank's word on one WRITE of push mode.
+
+    Attributes:
+        push_id: the push request's ``push_id``.
+        ok: the WRITE's bytes have landed (False: it did not happen, or failed).
+        reason: why not, when ``ok`` is False.
+    """
+
+    push_id: bytes
+    ok: bool
+    reason: str = ""
+
+
+def encode_pushed(note: PushedNotification, secret: bytes | None = None) -> bytes:
+    """The wire bytes of ``note`` (signed with ``secret`` when given); the reason is cut to 200 characters."""
+    if note.ok:
+        data = _PUSHED + note.push_id.hex().encode()
+    else:
+        data = _PUSH_FAILED + note.push_id.hex().encode() + b"|" + note.reason[:200].encode(errors="replace")
+    return data + b"#" + _mac(data, secret) if secret else data
+
+
+def parse_pushed(msg: bytes, secret: bytes | None = None) -> PushedNotification | None:
+    """Parse a "pushed"/"push_failed" notification; None when it is neither, malformed, or (with ``secret``)
+    its MAC is missing or wrong."""
+    if secret:
+        data, sep, mac = msg.rpartition(b"#")
+        if not sep or not hmac.compare_digest(mac, _mac(data, secret)):
+            return None
+        msg = data
+    ok = msg.startswith(_PUSHED)
+    if not ok and not msg.startswith(_PUSH_FAILED):
+        return None
+    body = msg[len(_PUSHED if ok else _PUSH_FAILED):]
+    hex_id, _, reason = body.partition(b"|")
+    try:
+        push_id = bytes.fromhex(hex_id.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return PushedNotification(push_id, ok, "" if ok else reason.decode(errors="replace"))

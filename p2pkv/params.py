@@ -87,6 +87,10 @@ class RemotePrefill:
             the client): the decode request's prompt is the prefill prompt
             plus these, and the decode engine computes them itself (tokens;
             0 when nothing was appended).
+        transfer_mode: ``kv_transfer_params.p2pkv_transfer_mode`` — ``"pull"``
+            or ``"push"`` for this request (A/B comparisons, tests), or ``""``:
+            the decode engine's ``transfer_mode`` decides. Not covered by the
+            capability: both directions move only the named hold's blocks.
     """
 
     engine_id: str
@@ -98,6 +102,7 @@ class RemotePrefill:
     num_tokens: int = 0
     group_sizes: tuple[int, ...] = ()
     appended_tokens: int = 0
+    transfer_mode: str = ""
 
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """``block_ids`` split into one tuple per KV cache group."""
@@ -222,10 +227,27 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None,
         num_tokens=_optional_int(params, "remote_num_tokens", 0, 0, MAX_BLOCK_IDS * 1024),
         group_sizes=group_sizes,
         appended_tokens=_optional_int(params, "appended_tokens", 0, 0, MAX_APPENDED_TOKENS),
+        transfer_mode=_transfer_mode(params),
     )
     if secret:
         check_capability(remote, params.get(CAPABILITY_KEY), secret, time.time() if now is None else now)
     return remote
+
+
+TRANSFER_MODE_KEY = "p2pkv_transfer_mode"
+"""The ``kv_transfer_params`` key naming one request's direction (``pull`` / ``push`` / ``auto``)."""
+
+
+def _transfer_mode(params: dict[str, Any]) -> str:
+    """``p2pkv_transfer_mode`` if present (``"auto"`` reads as absent: ``""``)."""
+    value = params.get(TRANSFER_MODE_KEY)
+    if value is None or value == "auto":
+        return ""
+    if value not in ("pull", "push"):
+        raise KVTransferParamsError(f"kv_transfer_params.{TRANSFER_MODE_KEY}={str(value)[:32]!r}: expected "
+                                    "\"pull\", \"push\" or \"auto\" (or leave it out: the decode engine's "
+                                    "transfer_mode decides)")
+    return value
 
 
 def capability_mac(remote: RemotePrefill, expiry: int, secret: bytes) -> str:

@@ -4,7 +4,8 @@ Registers the KV memory with NIXL and serves its description on the side
 channel; on the decode side hands each step's pulls to
 :class:`p2pkv.decode.puller.Puller`; on the prefill side holds finished
 requests' blocks (:class:`p2pkv.prefill.holds.PrefillHolds`) until every
-decode reader has said "done" (:mod:`p2pkv.notification`) or the lease ends.
+decode reader has said "done" (:mod:`p2pkv.notification`) or the lease ends,
+and WRITEs them into decode ranks that ask (push mode, :class:`p2pkv.prefill.pusher.Pusher`).
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from p2pkv.dataplane.layout import (
 )
 from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
 from p2pkv.dataplane.stager import Stager
-from p2pkv.decode.puller import Puller
+from p2pkv.dataplane.transport import TransportReport
+from p2pkv.decode.puller import Puller, bind_device
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import parse_done
 from p2pkv.prefill.holds import PrefillHolds
+from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.spans import emit_hold_span
 from p2pkv.telemetry.stats import StatsBuffer
 from p2pkv.telemetry.tracing import Tracing, traces_endpoint
@@ -69,6 +72,7 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         self.desc: KVLayoutDesc | None = None
         self.puller: Puller | None = None
+        self.pusher: Pusher | None = None
         self.holds = PrefillHolds(config.lease_s)
         self._secret = config.require_secret()  # before anything starts: no secret, no side channel
         self.stats = StatsBuffer()
@@ -109,7 +113,6 @@ class WorkerSide:
                                        self.config.nixl_progress_thread, self.config.nixl_num_threads,
                                        self.config.backend_params(), self.config.report_transport,
                                        int(self.config.nixl_split_mib * 2**20))
-        self.agent.on_transport = lambda r: self.stats.record_transport(r.mem_type, r.transport)
         self.agent.register(self.layout.regions, mem_type, device_id)
         m = self.model
         attn = attn_layout_of(first, m.num_kv_heads, m.block_size, m.kv_layout, m.attn_layout)
@@ -117,22 +120,35 @@ class WorkerSide:
         stager = Stager(self.agent, tensors, self.layout, self.desc, int(self.config.staging_mib * 2**20))
         self.puller = Puller(self.engine_id, self.tp_rank, self.tp_size, self.config, self.agent, self.layout,
                              self.desc, device_id, stager, self.compat_hash, self.stats, m)
+        self.agent.on_transport = self._on_transport
         meta = self.agent.metadata()
         info = AgentInfo(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
                          agent_name=self.agent.name, agent_metadata=meta, metadata_digest=compute_digest(meta),
                          compat_hash=self.compat_hash, layout=self.desc)
+        self.puller.pushes.info = info
         secret = self._secret
+        self.pusher = Pusher(self.agent, self.holds, self.layout, secret,
+                             max_in_flight=self.config.push_max_in_flight, max_queued=self.config.push_max_queued,
+                             poll_interval_s=self.config.pull_poll_interval_s or 0.0002,
+                             on_start=lambda: bind_device(mem_type, device_id))
         if secret is None:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
                            "reaches it can read this engine's KV cache", self.host, self.port)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
-                                      on_heartbeat=self.holds.on_heartbeat, on_release=self.holds.on_release)
+                                      on_heartbeat=self.holds.on_heartbeat, on_release=self.holds.on_release,
+                                      on_push=self.pusher.on_push)
         self.server.set_info(info)
         self.server.start()
         logger.info("p2pkv: rank %d registered %d %s region(s), %d segment(s) per block (%s, %s pages), "
                     "%d B per block; side channel on %s:%d", self.tp_rank, len(self.layout.regions), mem_type,
                     len(self.layout.segments), "cross-layer" if self.layout.cross_layer else "per-layer", attn,
                     self.layout.block_bytes, self.host, self.server.port)
+
+    def _on_transport(self, report: TransportReport) -> None:
+        """UCX said how a peer's READs move: counted, and (``transfer_mode: auto``) the peer's direction."""
+        self.stats.record_transport(report.mem_type, report.transport)
+        if self.puller is not None:
+            self.puller.on_transport(report)
 
     def start_load_kv(self, meta: P2pKvMetadata) -> None:
         """Take this step's new leases (prefill side) and pulls (decode side)."""
@@ -234,5 +250,7 @@ class WorkerSide:
             self.puller.close()
         if self.server is not None:
             self.server.close()
+        if self.pusher is not None:
+            self.pusher.close()
         if self.agent is not None:
             self.agent.close()

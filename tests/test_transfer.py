@@ -49,12 +49,14 @@ def prefill(request):
     assert proc.exitcode == 0
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("prefill", ["LBHNC", "BLHNC", "KV_SPLIT"], indirect=True)
-def test_pull_moves_exactly_the_requested_blocks(prefill) -> None:
+def test_pull_moves_exactly_the_requested_blocks(prefill, mode) -> None:
+    """Pull (READs) and push (the prefill rank WRITEs) move the same bytes into the same blocks."""
     layout, port, out = prefill
     _, expected = make_kv_caches(layout, seed=1, **SHAPE)
     base, views = make_kv_caches(layout, fill=0.0, **SHAPE)
-    worker = make_worker("decode-engine", free_port())
+    worker = make_worker("decode-engine", free_port(), transfer_mode=mode)
     worker.model = model_info(layout)
     worker.register_kv_caches(views, NUM_BLOCKS)
     assert worker.layout is not None
@@ -79,6 +81,7 @@ def test_pull_moves_exactly_the_requested_blocks(prefill) -> None:
         assert len(worker.puller.peers.peers) == served_before == 1
         assert block_bytes(views, layout, 50) == block_bytes(expected, layout, 51)
         assert out.get(timeout=30) == ["req-2"]
+        assert worker.stats.data["directions"] == {mode: 2}
     finally:
         worker.shutdown()
     assert base.abs().sum() > 0

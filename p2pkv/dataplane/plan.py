@@ -160,3 +160,50 @@ def split_rows(local: np.ndarray, remote: np.ndarray, max_bytes: int) -> tuple[n
         d[:, 2] = rows[row, 2]
         out.append(d)
     return out[0], out[1]
+
+
+def check_rows_in_blocks(rows: np.ndarray, segments: Sequence[Segment], num_blocks: int,
+                         block_ids: Sequence[int]) -> None:
+    """Check that every byte descriptor rows name lies in blocks ``block_ids`` of this rank's KV segments.
+
+    What a prefill rank checks before it WRITEs rows a decode rank sent (push):
+    only the held request's blocks may leave. A block owns
+    ``[seg.addr + b * block_stride, + block_stride)`` of each segment; a row
+    may span several consecutive blocks, all of which must be in
+    ``block_ids``. Vectorised (numpy), no loop per row.
+
+    Args:
+        rows: uint64 ``[n, 3]`` ``(addr, bytes, device_id)``.
+        segments: this rank's KV segments (:class:`p2pkv.dataplane.layout.Segment`).
+        num_blocks: blocks per segment.
+        block_ids: the held blocks (already checked below ``num_blocks``).
+
+    Raises:
+        PlanError: a row of zero bytes, or one with a byte outside every
+            segment or in a block not in ``block_ids`` (the first such row is named).
+    """
+    if rows.ndim != 2 or rows.shape[1] != 3:
+        raise PlanError(f"descriptor rows must be [n, 3], got shape {rows.shape}")
+    if not rows.shape[0]:
+        return
+    if int(rows[:, :2].max()) >= 1 << 62 or int(rows[:, 1].min()) == 0:
+        raise PlanError("a descriptor row has zero bytes or an address/length beyond 2**62")
+    addr, length = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
+    order = sorted(segments, key=lambda s: s.addr)
+    bases = np.array([s.addr for s in order], dtype=np.int64)
+    strides = np.array([s.block_stride for s in order], dtype=np.int64)
+    which = np.searchsorted(bases, addr, side="right") - 1
+    inside = which >= 0
+    which = np.maximum(which, 0)
+    offset = addr - bases[which]
+    first, last = offset // strides[which], (offset + length - 1) // strides[which]
+    inside &= last < num_blocks
+    held = np.zeros(num_blocks + 1, dtype=np.int64)
+    held[1:][np.asarray(block_ids, dtype=np.int64)] = 1
+    held_before = np.cumsum(held)  # held blocks among ids < b: held_before[b]
+    clipped_first, clipped_last = np.clip(first, 0, num_blocks - 1), np.clip(last, 0, num_blocks - 1)
+    inside &= held_before[clipped_last + 1] - held_before[clipped_first] == clipped_last - clipped_first + 1
+    if not inside.all():
+        bad = int(np.argmin(inside))
+        raise PlanError(f"descriptor row {bad} ({int(addr[bad]):#x}, {int(length[bad])} B) is not inside the held "
+                        f"blocks of this rank's KV cache")

@@ -97,13 +97,18 @@ class Fence:
         """Send one batch of questions to prefill rank ``pid`` on its lane; the answer's Future."""
         ids = [r.pull.spec.remote.request_id for r, _ in entries]
         blocks = [list(r.pull.spec.remote.block_ids) for r, _ in entries]
-        link = self._links.get((host, port))
-        if link is None:
-            link = self._links[host, port] = HoldLink(host, port, self.secret)
+        link = self.link(host, port)
         return self.background.call(f"p2pkv-fence-{host}:{port}", query_holds, host, port, ids, blocks,
                                     self.engine_id, FENCE_EXTEND_S, secret=self.secret,
                                     timeout_s=self.timeout_s, link=link, engine_id=pid.engine_id,
                                     tp_rank=pid.tp_rank, lane=f"{host}:{port}")
+
+    def link(self, host: str, port: int) -> HoldLink:
+        """The long-lived connection to ``host:port`` (opened on first use; push requests share it)."""
+        link = self._links.get((host, port))
+        if link is None:
+            link = self._links[host, port] = HoldLink(host, port, self.secret)
+        return link
 
     def forget(self, host: str, port: int) -> None:
         """Close the connection to ``host:port`` (no peer there any more): on its lane, after the questions

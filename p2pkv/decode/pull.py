@@ -53,6 +53,12 @@ class ReadPart:
         done: ``time.monotonic()`` when seen done (0: not yet).
         confirmed: the prefill rank confirmed the lease held.
         unanswered: fence questions after the READ that got no answer (one is asked again).
+        push_id: in push mode, the push request's id (the prefill rank WRITEs
+            instead: :mod:`p2pkv.decode.pushes`); ``b""`` for a READ.
+        pushed_at: ``time.monotonic()`` when the push request was sent.
+        arrived: the push's notification: True once its bytes landed, False
+            when the prefill rank reported it failed; None while waiting.
+        failure: why the push failed (the prefill rank's reason).
     """
 
     pull: Pull
@@ -66,11 +72,20 @@ class ReadPart:
     done: float = 0.0
     confirmed: bool = False
     unanswered: int = 0
+    push_id: bytes = b""
+    pushed_at: float = 0.0
+    arrived: bool | None = None
+    failure: str = ""
 
     @property
     def in_flight(self) -> bool:
-        """Posted and not yet seen done."""
-        return self.handle is not None and not self.done
+        """Posted (or its push requested) and not yet seen done."""
+        return (self.handle is not None or bool(self.push_id)) and not self.done
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes it moves (its descriptors' lengths)."""
+        return int(self.local_descs[:, 1].sum())
 
 
 @dataclass(eq=False)

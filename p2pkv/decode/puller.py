@@ -8,6 +8,11 @@ that moves a pull between its states (:class:`p2pkv.decode.pull.PullState`)::
         │  └──────────┴─ retry ◄──┤(peer failed, once per pull)
         └────────────┴────────────┴───────────┴──► FAILED
 
+In push mode (:mod:`p2pkv.decode.direction`) a prefill rank WRITEs its share
+instead of this rank READing it (:mod:`p2pkv.decode.pushes`): the part waits
+in ``READING`` for the WRITE's notification, and needs no fence (the prefill
+rank keeps the hold until its WRITE has ended).
+
 Each engine step :meth:`Puller.step` finishes handshakes, polls READs and
 collects fence answers, and so does a thread between steps while READs are in
 flight or answers arrive (:mod:`p2pkv.decode.progress`); a pull that fails marks its local blocks as load
@@ -37,8 +42,10 @@ from p2pkv.dataplane.plan import PlanError
 from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.dataplane.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
+from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.background import Background
 from p2pkv.decode.deadlines import Deadlines
+from p2pkv.decode.direction import Choice, Direction, choose
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, Phase, Verdict, failure_of, judge
 from p2pkv.decode.keeper import PeerKeeper
@@ -47,6 +54,7 @@ from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull import Pull, PullState, ReadPart
+from p2pkv.decode.pushes import Pushes, failure_of_push
 from p2pkv.decode.reads import ReadEvent, abandon, plan_reads, poll_read, release_unposted
 from p2pkv.decode.release import release_failed
 from p2pkv.decode.spans import PullSpans
@@ -77,7 +85,7 @@ class Puller:
         self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
         self.compat_hash, self.stats, self._secret = compat_hash, stats, config.secret_bytes()
         self.progress = Progress(self._advance, f"p2pkv-pulls-tp{tp_rank}", config.pull_poll_interval_s,
-                                 on_start=lambda: _bind_device(desc.mem_type, device_id))
+                                 on_start=lambda: bind_device(desc.mem_type, device_id))
         self.lock = self.progress.lock
         self.background = Background(on_done=self.progress.wake)
         self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size, model)
@@ -92,6 +100,9 @@ class Puller:
         self.outcomes = Outcomes()  # reported to vLLM at the next get_finished
         self.spans = PullSpans.start(config, engine_id, tp_rank, agent)  # None: tracing off
         self.notifier = Notifier(agent, self.peers, f"{engine_id}:{tp_rank}", self._secret, self.spans)
+        self.pushes = Pushes(self.background, self.fence, agent, engine_id, self._secret, config.handshake_timeout_s,
+                             config.transfer_timeout_s)
+        self.choices: dict[str, Choice] = {}  # prefill agent name → its direction (config or UCX's report)
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -123,12 +134,13 @@ class Puller:
 
         Each phase is contained: one that raises is logged and the others still run.
         """
-        for what, phase in (("finishing handshakes", self._finish_handshakes), ("draining", self._drain),
+        for what, phase in (("finishing handshakes", self._finish_handshakes),
+                            ("collecting pushes", self._collect_pushes), ("draining", self._drain),
                             ("polling READs", self._poll_reads), ("collecting fence answers", self._collect_fence),
                             ("checking deadlines", self._expire), ("asking fence questions", self.fence.send),
                             ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers))):
             self._contained(None, what, phase)
-        return bool(self._draining) or any(r.in_flight and r.stage is None
+        return bool(self._draining) or any(r.in_flight and (r.stage is None or r.push_id)
                                            for p in self.in_state(PullState.READING) for r in p.reads)
 
     def _contained(self, pull: Pull | None, what: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -172,7 +184,7 @@ class Puller:
         self.background.close()
         self.fence.close()
         with self.lock:
-            for read in [r for pull in self.pulls for r in pull.reads if r.in_flight]:
+            for read in [r for pull in self.pulls for r in pull.reads if r.in_flight and r.handle is not None]:
                 self.agent.cancel(read.handle)
             self.pulls.clear()
 
@@ -254,7 +266,10 @@ class Puller:
         self._to(pull, PullState.READING)
         for read in pull.reads:
             try:
-                read.handle = self.agent.start_read(read.peer.agent_name, read.local_descs, read.remote_descs, b"")
+                if self.direction(pull, read) is Direction.PUSH:
+                    self.pushes.post(read)
+                    continue
+                read.handle = self.agent.start_read(read.peer.agent_name, read.local_descs, read.remote_descs)
             except Exception as exc:
                 self._abandon(pull)
                 self.peers.drop(read.peer_id)
@@ -263,9 +278,59 @@ class Puller:
             self.fence.add(read, Phase.BEFORE)
         pull.marks["posted"] = time.time()
 
+    def direction(self, pull: Pull, read: ReadPart) -> Direction:
+        """Pull or push ``read``: the request's ``p2pkv_transfer_mode`` if it names one, else the peer's choice."""
+        wanted = pull.spec.remote.transfer_mode
+        if wanted in ("pull", "push"):
+            return Direction(wanted)
+        name = read.peer.agent_name
+        if name not in self.choices:
+            self._choose(name, choose(self.config.transfer_mode, None))
+        return self.choices[name].direction
+
+    def on_transport(self, report: TransportReport) -> None:
+        """UCX said how one peer's READs move: under ``auto``, that decides the peer's direction from now on."""
+        if self.config.transfer_mode == "auto":
+            self._choose(report.peer, choose("auto", report))
+
+    def _choose(self, name: str, choice: Choice) -> None:
+        """Record a peer's direction; logged when it is new or changes."""
+        if self.choices.get(name) != choice:
+            logger.info("p2pkv: %s from prefill agent %s (%s)", choice.direction.value, name, choice.reason)
+        self.choices[name] = choice
+
+    def _collect_pushes(self) -> None:
+        """Push replies (a refusal fails the pull as the fence would) and WRITE notifications."""
+        for read, reply in self.pushes.replies():
+            pull = read.pull
+            if read.attempt != pull.attempt or pull.finished:
+                continue
+            why = failure_of_push(reply, pull.spec.remote.request_id)
+            if why is not None:
+                self._contained(pull, "failing a pushed pull", self._push_failed, pull, *why)
+        for read, note in self.pushes.arrivals(time.monotonic()):
+            read.arrived, read.failure = note.ok, note.reason
+        self.progress.wake()
+
+    def _push_failed(self, pull: Pull, kind: FailureKind, why: str, retry: bool) -> None:
+        self._abandon(pull)
+        if retry:
+            self._retry_or_fail(pull, kind, why)
+        else:
+            self._fail(pull, kind, why)
+
     def _drain(self) -> None:
         """Report pulls whose cancelled READs have ended (or waited out ``transfer_timeout_s``)."""
-        self._draining = _wait_out(self.agent, self.outcomes, self._draining)
+        self._draining = _wait_out(self._ended, self.outcomes, self._draining)
+
+    def _ended(self, read: ReadPart) -> bool:
+        """True once a given-up READ or push can write nothing more."""
+        if read.push_id:
+            return self.pushes.ended(read)
+        try:
+            return self.agent.poll(read.handle)
+        except Exception:
+            return True
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -282,6 +347,7 @@ class Puller:
         if pull.state is PullState.READING and all(r.done for r in pull.reads):
             pull.marks["read"] = time.time()
             self._to(pull, PullState.FENCING)
+            self._confirm_if_done(pull)
 
     def _poll(self, pull: Pull, read: ReadPart, now: float) -> None:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
@@ -293,6 +359,8 @@ class Puller:
         elif event is ReadEvent.FIXUP_FAILED:
             self._abandon(pull)
             self._fail(pull, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
+        elif event is ReadEvent.DONE and read.push_id:
+            read.confirmed = True  # the prefill rank kept the hold until its WRITE ended
         elif event is ReadEvent.DONE:
             self.fence.add(read, Phase.AFTER)
 
@@ -315,17 +383,22 @@ class Puller:
             self._fail(pull, *failure_of(answer, pull.spec.remote.request_id))
         elif verdict is Verdict.CONFIRMED:
             read.confirmed = True
-            if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
-                pull.marks["confirmed"] = time.time()
-                _record(pull, self.stats, self.config.stats_file)
-                self.notifier.add(pull)
-                self._to(pull, PullState.DONE)
+            self._confirm_if_done(pull)
+
+    def _confirm_if_done(self, pull: Pull) -> None:
+        """``FENCING`` with every part confirmed: the pull is done (recorded, prefill ranks to notify)."""
+        if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
+            pull.marks["confirmed"] = time.time()
+            _record(pull, self.stats, self.config.stats_file)
+            self.notifier.add(pull)
+            self._to(pull, PullState.DONE)
 
     # ---- endings ----------------------------------------------------------------
     def _abandon(self, pull: Pull) -> None:
         """Stop a failing pull's READs in flight (:func:`p2pkv.decode.reads.abandon`); those NIXL keeps are
         waited out before the pull is reported."""
-        self._draining += abandon(pull, self.agent, self.stager, self.config.transfer_timeout_s)
+        self._draining += abandon(pull, self.agent, self.stager, self.config.transfer_timeout_s,
+                                  self.pushes.drain_deadline)
 
     def _retry_or_fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
         """After a peer failure: re-handshake (the prefill may have restarted) and retry once per pull."""
@@ -372,13 +445,13 @@ class Puller:
         return {pid for p in self.pulls if p.state is PullState.HANDSHAKE for pid in p.peers}
 
 
-def _wait_out(agent: NixlTransferAgent, outcomes: Outcomes,
+def _wait_out(ended: Callable[[ReadPart], bool], outcomes: Outcomes,
               draining: list[tuple[ReadPart, float]]) -> list[tuple[ReadPart, float]]:
-    """Wait out cancelled READs NIXL would not release (until their deadline, ``transfer_timeout_s``
-    after the cancel), then report their pulls; returns the READs still draining."""
+    """Wait out cancelled READs NIXL would not release and open pushes (until ``ended`` or their deadline),
+    then report their pulls; returns the parts still draining."""
     now, keep = time.monotonic(), []
     for read, deadline in draining:
-        if not _ended(agent, read) and now < deadline:
+        if not ended(read) and now < deadline:
             keep.append((read, deadline))
             continue
         read.pull.draining -= 1
@@ -405,24 +478,17 @@ def _log_failure(spec: PullSpec, kind: FailureKind, why: str) -> bool:
     return False
 
 
-def _ended(agent: NixlTransferAgent, read: ReadPart) -> bool:
-    """True once a cancelled READ is over (done, or failed)."""
-    try:
-        return agent.poll(read.handle)
-    except Exception:
-        return True
-
-
 def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
     """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
     spec, seconds = pull.spec, max(r.done for r in pull.reads) - pull.started
-    stats.record_pull(pull.num_bytes, seconds, pull.num_descriptors)
+    direction = "push" if any(r.push_id for r in pull.reads) else "pull"
+    stats.record_pull(pull.num_bytes, seconds, pull.num_descriptors, direction)
     stats.record_phases(pull.marks)
     if stats_file:
         append_json_line(stats_file, {
             "request_id": spec.request_id, "remote_request_id": spec.remote.request_id,
             "peer": ",".join(r.peer.agent_name for r in pull.reads), "blocks": len(spec.local_block_ids),
-            "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds,
+            "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds, "direction": direction,
             "marks": pull.marks})
 
 
@@ -472,7 +538,7 @@ def topology(desc: KVLayoutDesc, tp_rank: int, tp_size: int, remote_tp: int) -> 
         raise PullRefused(f"prefill tp_size={remote_tp}, decode tp_size={tp_size}: {exc}") from exc
 
 
-def _bind_device(mem_type: str, device_id: int) -> None:
+def bind_device(mem_type: str, device_id: int) -> None:
     """Make the KV cache's GPU the current device of the calling thread (NIXL and CUDA calls made there
     otherwise go to GPU 0); nothing for host memory."""
     if mem_type == "VRAM":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -105,7 +106,7 @@ def plan_reads(pull: Pull, ranks: list[int], peers: dict[PeerId, Peer], layout: 
 
 def release_unposted(pull: Pull, stager: Stager) -> None:
     """Give back the staging of ``pull``'s READs not yet posted."""
-    for read in [r for r in pull.reads if r.stage is not None and r.handle is None]:
+    for read in [r for r in pull.reads if r.stage is not None and r.handle is None and not r.push_id]:
         stager.release(read.stage)
         read.stage = None
 
@@ -125,51 +126,83 @@ class ReadEvent(str, enum.Enum):
 
 def poll_read(agent: NixlTransferAgent, stager: Stager, read: ReadPart,
               now: float) -> tuple[ReadEvent, Exception | None]:
-    """Poll one READ in flight at ``now`` (``time.monotonic()`` seconds); the event and, if it failed, why."""
+    """Poll one READ in flight at ``now`` (``time.monotonic()`` seconds); the event and, if it failed, why.
+
+    A pushed part (``read.push_id``) is not polled in NIXL: its notification
+    (``read.arrived``) says whether the prefill rank's WRITE landed.
+    """
+    if read.push_id:
+        if read.arrived is None:
+            return ReadEvent.IN_FLIGHT, None
+        if not read.arrived:
+            release_stage(stager, read)
+            return ReadEvent.FAILED, RuntimeError(read.failure or "the prefill rank's WRITE failed")
+        return land(stager, read, now, read.num_bytes, int(read.local_descs.shape[0]))
     try:
         done = agent.poll(read.handle)
     except Exception as exc:
         read.handle = None  # NIXL released it
-        if read.stage is not None:
-            stager.release(read.stage)
-            read.stage = None
+        release_stage(stager, read)
         return ReadEvent.FAILED, exc
     if not done:
         return ReadEvent.IN_FLIGHT, None
+    return land(stager, read, now, read.handle.num_bytes, read.handle.num_descriptors)
+
+
+def release_stage(stager: Stager, read: ReadPart) -> None:
+    """Give back ``read``'s staging (if any)."""
+    if read.stage is not None:
+        stager.release(read.stage)
+        read.stage = None
+
+
+def land(stager: Stager, read: ReadPart, now: float, num_bytes: int,
+         num_descriptors: int) -> tuple[ReadEvent, Exception | None]:
+    """A READ (or push) whose bytes arrived at ``now``: count them in its pull, fix up staging into the local blocks."""
     read.done = now
-    read.pull.num_bytes += read.handle.num_bytes
-    read.pull.num_descriptors += read.handle.num_descriptors
+    read.pull.num_bytes += num_bytes
+    read.pull.num_descriptors += num_descriptors
     if read.stage is not None:
         try:
             stager.fixup(read.stage, read.peer.info.layout, read.peer.plan.read)
         except Exception as exc:  # never let one request's fixup take the engine down
             return ReadEvent.FIXUP_FAILED, exc
         finally:
-            stager.release(read.stage)
-            read.stage = None
+            release_stage(stager, read)
     return ReadEvent.DONE, None
 
 
-def abandon(pull: Pull, agent: NixlTransferAgent, stager: Stager, quarantine_s: float) -> list[tuple[ReadPart, float]]:
+def abandon(pull: Pull, agent: NixlTransferAgent, stager: Stager, quarantine_s: float,
+            push_deadline: Callable[[ReadPart], float]) -> list[tuple[ReadPart, float]]:
     """Cancel ``pull``'s READs in flight and start its next attempt (late fence answers are then ignored).
 
     The staging of a cancelled READ is quarantined for ``quarantine_s``
-    seconds (it may still land); unposted staging is given back.
+    seconds (it may still land); unposted staging is given back. A pushed
+    part cannot be cancelled from here: it drains until its notification, or
+    until ``push_deadline(read)`` (``time.monotonic()``), past which the
+    prefill rank no longer writes.
 
     Returns:
         The READs NIXL would not release (still active: their bytes may land
-        in the local blocks), each with the ``time.monotonic()`` deadline until
-        which to wait for them to end.
+        in the local blocks) and the pushes still open, each with the
+        ``time.monotonic()`` deadline until which to wait for them to end.
     """
     draining = []
     for read in pull.reads:
         if read.in_flight:
-            if not agent.cancel(read.handle):
+            if read.push_id:
                 pull.draining += 1
-                draining.append((read, time.monotonic() + quarantine_s))
+                deadline = push_deadline(read)
+                draining.append((read, deadline))
+                quarantine = max(0.0, deadline - time.monotonic())
+            else:
+                quarantine = quarantine_s
+                if not agent.cancel(read.handle):
+                    pull.draining += 1
+                    draining.append((read, time.monotonic() + quarantine_s))
             read.done = -1.0  # no longer in flight
             if read.stage is not None:
-                stager.quarantine(read.stage, quarantine_s)
+                stager.quarantine(read.stage, quarantine)
                 read.stage = None
     release_unposted(pull, stager)
     pull.attempt += 1

@@ -8,6 +8,11 @@ queued on the decode side. Ended holds are remembered for a while, expired
 and released apart, so a decode rank that asks about a pull (before or after
 its READ) learns that the blocks may already have been reused, and a pull of
 another request's block ids is refused.
+
+In push mode a hold is *pinned* while a WRITE from its blocks is queued or
+in flight (:meth:`PrefillHolds.pin`): whatever would end it meanwhile (a
+release, the last "done", the lease) takes effect only once the last pin is
+gone, so no WRITE ever reads blocks handed back to vLLM.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Literal
 
 from handshake import HoldStatus
 from p2pkv.notification import DoneNotification, blocks_digest
@@ -66,6 +72,8 @@ class PrefillHolds:
         self._expired: dict[str, float] = {}  # ended by expiry → when
         self._released: dict[str, float] = {}  # ended by notification or release → when
         self.endings: dict[str, HoldEnd] = {}  # ended since the caller last took them → why
+        self._pins: dict[str, int] = {}  # held now → WRITEs from its blocks queued or in flight
+        self._deferred: dict[str, HoldEnd] = {}  # ended while pinned → why; freed when the last pin goes
 
     def hold(self, request_id: str, deadline: float, block_ids: tuple[int, ...] | None = None) -> None:
         """Engine thread: hold a finished request's blocks until ``deadline`` (``time.monotonic()``)."""
@@ -76,8 +84,37 @@ class PrefillHolds:
                 self._digests[request_id] = blocks_digest(block_ids)
 
     def pending(self) -> bool:
-        """True while a request's blocks are held."""
-        return len(self.leases) > 0
+        """True while a request's blocks are held (or wait for a WRITE from them to end)."""
+        return len(self.leases) > 0 or bool(self._deferred)
+
+    def pin(self, request_id: str, block_ids: list[int]) -> Literal["held", "expired", "not_held", "unknown"]:
+        """Side-channel thread: keep ``request_id``'s hold until :meth:`unpin`, if it holds exactly ``block_ids``.
+
+        Returns:
+            ``"held"`` (pinned), or why not: ``"expired"`` (its lease ran
+            out), ``"not_held"`` (released, ending, or other block ids), ``"unknown"``
+            (never told to hold it).
+        """
+        with self._lock:
+            if request_id in self._expired or self._deferred.get(request_id) is HoldEnd.EXPIRED:
+                return "expired"
+            if request_id in self._released or request_id in self._deferred:
+                return "not_held"
+            if request_id not in self._blocks:
+                return "unknown"
+            if self._blocks[request_id] not in (None, frozenset(block_ids)):
+                return "not_held"
+            self._pins[request_id] = self._pins.get(request_id, 0) + 1
+            return "held"
+
+    def unpin(self, request_id: str) -> None:
+        """A WRITE from ``request_id``'s blocks has ended (or will never start); thread-safe."""
+        with self._lock:
+            left = self._pins.get(request_id, 0) - 1
+            if left > 0:
+                self._pins[request_id] = left
+            else:
+                self._pins.pop(request_id, None)
 
     def on_heartbeat(self, request_ids: list[str], extend_s: float, block_ids: list[list[int]]) -> HoldStatus:
         """Side-channel thread: a decode engine still has these requests queued, or is pulling them.
@@ -181,20 +218,35 @@ class PrefillHolds:
                 done.add(rid)
         on_request = self._apply_requests()
         expired = set(self.leases.pop_expired())
-        self.endings.update({**dict.fromkeys(done, HoldEnd.NOTIFIED), **dict.fromkeys(on_request, HoldEnd.RELEASED),
-                             **dict.fromkeys(expired, HoldEnd.EXPIRED)})
-        done |= on_request
         for rid in expired:
             logger.warning("p2pkv: lease of request %s expired before a decode engine pulled it; "
                            "releasing its blocks", rid)
+        ending = {**dict.fromkeys(done, HoldEnd.NOTIFIED), **dict.fromkeys(on_request, HoldEnd.RELEASED),
+                  **dict.fromkeys(expired, HoldEnd.EXPIRED)}
+        ended = self._end(ending, now)
+        self.endings.update(ended)
         # A notification for a request not (yet) leased here is kept one lease long.
         for rid, (t, _, _, _) in list(self.notifs.items()):
             if now - t > self.lease_s:
                 del self.notifs[rid]
-        self._remember(done, expired, now)
+        expired = {rid for rid, why in ended.items() if why is HoldEnd.EXPIRED}
         stats["leases_expired"] += len(expired)
-        stats["leases_notified"] += len(done)
-        return done | expired
+        stats["leases_notified"] += len(ended) - len(expired)
+        return set(ended)
+
+    def _end(self, ending: dict[str, HoldEnd], now: float) -> dict[str, HoldEnd]:
+        """End these holds now, except pinned ones (deferred until unpinned); with the deferred ones no
+        longer pinned, the holds ended, and why."""
+        with self._lock:
+            self._deferred.update(ending)
+            ended = {rid: why for rid, why in self._deferred.items() if not self._pins.get(rid)}
+            for rid in ended:
+                del self._deferred[rid]
+        for rid in set(ending) - set(ended):
+            logger.info("p2pkv: request %s ends once the WRITE from its blocks has ended", rid)
+        self._remember({rid for rid, why in ended.items() if why is not HoldEnd.EXPIRED},
+                       {rid for rid, why in ended.items() if why is HoldEnd.EXPIRED}, now)
+        return ended
 
     def _remember(self, released: set[str], expired: set[str], now: float) -> None:
         """Move ended holds to the expiry/release memory (kept 10 × ``lease_s`` for late questions)."""

@@ -14,7 +14,10 @@ engine's ``/metrics``:
   ``p2pkv:leases_notified_total`` (counters),
 - ``p2pkv:peer_transport_total{mem_type=...,transport=...}`` (counter: peers
   whose first READ UCX moved with that transport, e.g. ``DRAM``/``cma``,
-  ``VRAM``/``cuda_ipc``, ``VRAM``/``tcp``; see :mod:`p2pkv.dataplane.transport`).
+  ``VRAM``/``cuda_ipc``, ``VRAM``/``tcp``; see :mod:`p2pkv.dataplane.transport`),
+- ``p2pkv:pulls_by_direction_total{direction=pull|push}`` (counter: completed
+  pulls whose bytes the decode engine READ, or the prefill engine WRITE;
+  :mod:`p2pkv.decode.direction`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class P2pKvStats(KVConnectorStats):
         for key, n in other.data.get("transports", {}).items():
             transports[key] = transports.get(key, 0) + n
         self.data["transports"] = transports
+        directions = dict(self.data.get("directions", {}))
+        for key, n in other.data.get("directions", {}).items():
+            directions[key] = directions.get(key, 0) + n
+        self.data["directions"] = directions
         phases = {k: list(v) for k, v in self.data.get("phase_seconds", {}).items()}
         for phase, values in other.data.get("phase_seconds", {}).items():
             phases[phase] = phases.get(phase, []) + list(values)
@@ -117,6 +124,9 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
         self.transports = self._counter_cls(
             name="p2pkv:peer_transport", documentation="Peers whose first KV READ UCX moved with this transport "
             "into this memory type (DRAM/VRAM)", labelnames=[*labelnames, "mem_type", "transport"])
+        self.directions = self._counter_cls(
+            name="p2pkv:pulls_by_direction", documentation="Completed KV pulls by direction: pull (the decode "
+            "engine READs) or push (the prefill engine WRITEs)", labelnames=[*labelnames, "direction"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -143,3 +153,5 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
         for key, n in data.get("transports", {}).items():
             mem_type, _, transport = key.partition(":")
             self.transports.labels(*labels, mem_type, transport).inc(n)
+        for direction, n in data.get("directions", {}).items():
+            self.directions.labels(*labels, direction).inc(n)

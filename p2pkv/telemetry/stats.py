@@ -31,14 +31,16 @@ its own ``vllm:time_to_first_token_seconds`` covers the rest.
 
 def empty_stats() -> dict[str, Any]:
     """A fresh payload: empty lists, zero counts, no failures (kind → count), no transports
-    (``"<mem_type>:<transport>"`` → peers whose first READ UCX moved that way)."""
+    (``"<mem_type>:<transport>"`` → peers whose first READ UCX moved that way), no directions
+    (``"pull"``/``"push"`` → finished pulls whose bytes moved that way)."""
     return {**{k: [] for k in LIST_KEYS}, **{k: 0 for k in COUNT_KEYS}, "failures": {},
-            "phase_seconds": {}, "transports": {}}
+            "phase_seconds": {}, "transports": {}, "directions": {}}
 
 
 def is_empty(data: dict[str, Any]) -> bool:
     """True when the payload holds no observation."""
-    return not any(data.get(k) for k in (*LIST_KEYS, *COUNT_KEYS, "failures", "phase_seconds", "transports"))
+    return not any(data.get(k) for k in (*LIST_KEYS, *COUNT_KEYS, "failures", "phase_seconds", "transports",
+                                         "directions"))
 
 
 class StatsBuffer:
@@ -47,8 +49,11 @@ class StatsBuffer:
     def __init__(self) -> None:
         self.data: dict[str, Any] = empty_stats()
 
-    def record_pull(self, num_bytes: int, seconds: float, num_descriptors: int) -> None:
-        """One finished pull: bytes moved, seconds from the first READ posted to the last seen done, descriptors."""
+    def record_pull(self, num_bytes: int, seconds: float, num_descriptors: int, direction: str = "pull") -> None:
+        """One finished pull: bytes moved, seconds from the first READ posted (or push requested) to the last
+        seen done, descriptors, and ``direction`` (``"pull"``: READs, ``"push"``: the prefill rank WRITEs)."""
+        directions = self.data.setdefault("directions", {})
+        directions[direction] = directions.get(direction, 0) + 1
         self.data["pull_bytes"].append(num_bytes)
         self.data["pull_seconds"].append(seconds)
         self.data["pull_descriptors"].append(num_descriptors)

@@ -1,0 +1,161 @@
+"""Push mode, decode side: ask prefill ranks to WRITE, collect their replies and the WRITEs' notifications.
+
+A pulled request whose prefill rank pushes has the same descriptor rows as
+a READ (:func:`p2pkv.decode.reads.plan_read`: local blocks, or staging when
+a fixup follows). Instead of posting a READ, :meth:`Pushes.post` sends them
+in a :class:`handshake.PushRequest` on the prefill rank's lane (the fence's
+long-lived connection); the prefill rank WRITEs and its NIXL notification
+(:mod:`p2pkv.notification`, ``p2pkv:pushed:<push_id hex>``) arrives after
+the bytes. Until a push request is answered ``accepted`` or refused, and an
+accepted one notified, its target memory may still be written: a pull that
+gives up waits for that (or for the request's window) before its blocks go
+back to vLLM.
+
+Whether a prefill rank pushes is :func:`p2pkv.decode.direction.choose`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future
+
+from handshake import AgentInfo, PushReply, RemoteRefusedError, request_push
+from p2pkv.dataplane.agent import NixlTransferAgent
+from p2pkv.decode.background import Background
+from p2pkv.decode.failures import FailureKind
+from p2pkv.decode.fence import Fence, Hold, failure_of
+from p2pkv.decode.pull import ReadPart
+from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
+
+logger = logging.getLogger("p2pkv.decode")
+
+PUSH_ID_BYTES = 16
+"""Random bytes naming one push (its notification carries them in hex)."""
+
+
+class Pushes:
+    """A decode rank's push requests and their outcomes.
+
+    Args:
+        background: where the side-channel calls run (on each prefill rank's lane).
+        fence: owns the long-lived connection to each prefill rank (:meth:`p2pkv.decode.fence.Fence.link`).
+        agent: this rank's NIXL agent (its notifications are read here).
+        engine_id: this (decode) engine's id.
+        secret: side-channel secret (requests, and the notifications' MAC), or None.
+        timeout_s: wait for each reply (seconds).
+        window_s: how long the prefill rank may take to start the WRITE, from
+            the request's arrival (seconds, the pull's ``transfer_timeout_s``).
+
+    Attributes:
+        info: this rank's :class:`AgentInfo`, sent with every request (set by the worker).
+    """
+
+    def __init__(self, background: Background, fence: Fence, agent: NixlTransferAgent, engine_id: str,
+                 secret: bytes | None, timeout_s: float, window_s: float) -> None:
+        self.background = background
+        self.fence = fence
+        self.agent = agent
+        self.engine_id = engine_id
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self.window_s = window_s
+        self.info: AgentInfo | None = None
+        self._open: dict[bytes, ReadPart] = {}  # push id → its READ part, until notified or given up
+        self._replies: list[tuple[Future, ReadPart]] = []
+        agent.take_notifs(PUSH_PREFIX)  # from now on the engine thread's get_notifs leaves these to us
+
+    def post(self, read: ReadPart) -> None:
+        """Send ``read``'s push request (its rows: the prefill rank's ``remote_descs`` into our ``local_descs``).
+
+        Raises:
+            RuntimeError: the worker has not set :attr:`info` yet.
+        """
+        if self.info is None:
+            raise RuntimeError("push requested before this rank's AgentInfo was known")
+        pid, remote = read.peer_id, read.pull.spec.remote
+        read.push_id, read.pushed_at = os.urandom(PUSH_ID_BYTES), time.monotonic()
+        self._open[read.push_id] = read
+        future = self.background.call(
+            f"p2pkv-push-{pid.host}:{pid.port}", request_push, pid.host, pid.port, remote.request_id,
+            list(remote.block_ids), read.push_id, self.info, read.remote_descs.astype("<u8").tobytes(),
+            read.local_descs.astype("<u8").tobytes(), self.window_s, self.engine_id, secret=self.secret,
+            timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), engine_id=pid.engine_id,
+            tp_rank=pid.tp_rank, lane=f"{pid.host}:{pid.port}")
+        self._replies.append((future, read))
+
+    def replies(self) -> list[tuple[ReadPart, PushReply | Exception]]:
+        """Answered push requests: the READ part and the reply (or why there is none).
+
+        A request refused (anything but ``accepted``) writes nothing: its part
+        is no longer open. One without a reply (an exception) may still have
+        been queued there: it stays open until notified or its window passes.
+        """
+        done, self._replies = [(f, r) for f, r in self._replies if f.done()], [
+            (f, r) for f, r in self._replies if not f.done()]
+        out: list[tuple[ReadPart, PushReply | Exception]] = []
+        for future, read in done:
+            try:
+                reply: PushReply | Exception = future.result()
+            except Exception as exc:  # a cancelled future too
+                reply = exc
+            if isinstance(reply, PushReply) and reply.status != "accepted":
+                self._open.pop(read.push_id, None)
+            out.append((read, reply))
+        return out
+
+    def arrivals(self, now: float) -> list[tuple[ReadPart, PushedNotification]]:
+        """The WRITE notifications received since the last call, each with its open READ part.
+
+        Notifications that parse badly, carry a bad MAC or name no open push
+        are dropped (logged). Open pushes older than their window and a
+        reply timeout are forgotten.
+        """
+        out = []
+        dropped = 0
+        for msg in self.agent.take_notifs(PUSH_PREFIX):
+            note = parse_pushed(msg, self.secret)
+            read = self._open.pop(note.push_id, None) if note is not None else None
+            if read is None or note is None:
+                dropped += 1
+                continue
+            out.append((read, note))
+        if dropped:
+            logger.warning("p2pkv: %d push notification(s) dropped (unknown push, or MAC wrong)", dropped)
+        horizon = now - self.window_s - 2 * self.timeout_s
+        for push_id in [p for p, r in self._open.items() if r.pushed_at < horizon]:
+            del self._open[push_id]
+        return out
+
+    def ended(self, read: ReadPart) -> bool:
+        """True once ``read``'s push can write nothing more (notified, refused, or forgotten)."""
+        return read.push_id not in self._open
+
+    def drain_deadline(self, read: ReadPart) -> float:
+        """``time.monotonic()`` until which a given-up push may still write (its window from sending, plus a
+        reply timeout of slack for the request's time on the wire)."""
+        return read.pushed_at + self.window_s + self.timeout_s
+
+
+def failure_of_push(reply: PushReply | Exception, request_id: str) -> tuple[FailureKind, str, bool] | None:
+    """What a push request's answer means for its pull: None when accepted, else the failure kind, the
+    reason, and whether the pull may retry (after a re-handshake, once) rather than fail.
+
+    ``expired`` / ``not_held`` / ``unknown`` read as the fence's answers
+    (:func:`p2pkv.decode.fence.failure_of`); ``busy`` and ``refused`` fail
+    the pull; no reply (timeout, a closed connection) retries, since the
+    prefill engine may have restarted.
+    """
+    if isinstance(reply, RemoteRefusedError):
+        return FailureKind.REFUSED, f"the prefill rank refused the push request: {reply}", False
+    if isinstance(reply, Exception):
+        return FailureKind.TRANSFER, f"no answer to the push request: {reply}", True
+    if reply.status == "accepted":
+        return None
+    if reply.status in ("expired", "not_held", "unknown"):
+        kind, why = failure_of(Hold(reply.status), request_id)
+        return kind, why, False
+    if reply.status == "busy":
+        return FailureKind.TRANSFER, f"the prefill rank is busy: {reply.message}", False
+    return FailureKind.REFUSED, f"the prefill rank refused the push: {reply.message}", False
