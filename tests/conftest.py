@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import random
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,3 +108,74 @@ def client():
 
     with httpx.Client(timeout=120.0) as c:
         yield c
+
+
+MODES = ("pull", "push")
+"""The transfer directions every engine suite runs in (``kv_transfer_params.p2pkv_transfer_mode``)."""
+
+
+def start_mode_proxy(pair: Any, mode: str) -> tuple[str, Any]:
+    """Start one more proxy in front of ``pair``'s engines whose decode legs ask for ``mode``
+    (``--transfer-mode``); ``(its URL, its child process)``. A proxy starts in seconds: the engines are shared."""
+    from p2pkv.tools.deploy.processes import start_child, wait_healthy
+
+    (port,) = free_ports(1)
+    routed = dataclasses.replace(pair, proxy_port=port, proxy_args=(*pair.proxy_args, "--transfer-mode", mode))
+    child = start_child(f"proxy-{mode}", routed.proxy_command(), {**os.environ, "P2PKV_SECRET": pair.secret},
+                        pair.log_dir, f"http://{pair.host}:{port}/health")
+    wait_healthy([child], 60.0)
+    return f"http://{pair.host}:{port}", child
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """A :class:`p2pkv.tools.deploy.local.LocalPair` as one transfer direction sees it: its own proxy, whose
+    decode legs ask for ``mode``; the engines are the pair's.
+
+    Attributes:
+        pair: the engines.
+        mode: ``"pull"`` or ``"push"``.
+        proxy_url: the proxy for ``mode``.
+    """
+
+    pair: Any
+    mode: str
+    proxy_url: str
+
+    def url(self, name: str) -> str:
+        """``proxy``: this route's proxy; ``prefill``/``decode``/``aggregated``: the pair's engines."""
+        return self.proxy_url if name == "proxy" else self.pair.url(name)
+
+    def fresh(self, prompt: str) -> str:
+        """``prompt`` as this route sends it: as is for pull, reversed for push (same length; a palindrome
+        case-swapped), so the engines' prefix caches from the other mode's run hold none of it and every
+        block moves again."""
+        if self.mode == "pull":
+            return prompt
+        return prompt[::-1] if prompt[::-1] != prompt else prompt.swapcase()
+
+    def params(self, params: dict) -> dict:
+        """``kv_transfer_params`` a test sends straight to the decode engine, asking for this route's mode."""
+        return {**params, "p2pkv_transfer_mode": self.mode}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pair, name)
+
+
+@pytest.fixture(scope="session")
+def routes(pair):
+    """``{mode: Route}`` of the shared pair: its own proxy for each mode."""
+    from p2pkv.tools.deploy.processes import stop_children
+
+    p, _ = pair
+    started = {mode: start_mode_proxy(p, mode) for mode in MODES}
+    try:
+        yield {mode: Route(p, mode, url) for mode, (url, _) in started.items()}
+    finally:
+        stop_children([child for _, child in started.values()])
+
+
+@pytest.fixture(params=MODES)
+def route(request, pair, routes):
+    """``(Route, pull stats file)``: the shared pair in each transfer mode (tests run once per mode)."""
+    return routes[request.param], pair[1]

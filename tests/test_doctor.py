@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from p2pkv.tools.doctor import check_port, parse_ucx_lanes, rdma_reason
+from p2pkv.tools import doctor
+from p2pkv.tools.doctor import Check, check_port, parse_ucx_lanes, rdma_reason
 from tests.conftest import free_ports
 
 
@@ -37,9 +38,14 @@ def test_doctor_passes_here() -> None:
     assert "GB/s" in checks["loopback_pull"]["detail"]
     # UCX's own choice for a peer on this host: TCP over lo and shared memory (cma); no RDMA NIC here.
     assert "tcp/lo" in checks["transports"]["detail"] and "RDMA: no" in checks["transports"]["detail"]
-    # A READ between two processes: UCX's protocol selection names cma (process_vm_readv) for host memory.
-    assert "DRAM pair on this host: UCX moves READs with cma" in checks["pair_dram"]["detail"]
-    assert "zero-copy cma/memory" in checks["pair_dram"]["detail"]
+    # A READ and a WRITE between two processes: UCX's protocol selection names cma (process_vm_readv /
+    # process_vm_writev) for host memory, one line per direction.
+    pair = checks["pair_dram"]["detail"].splitlines()
+    assert pair[0].startswith("DRAM pair on this host, 16 MiB each way"), pair
+    assert pair[1].startswith("READ  decode←prefill: cma (zero-copy), ") and "get_multi into host" in pair[1]
+    assert pair[2].startswith("WRITE prefill→decode: cma (zero-copy), ") and "put_multi from host" in pair[2]
+    # UCX selected protocols for new endpoints in this process and the child: no table on stdout.
+    assert "ucp_get" not in out.stdout and "ucp_put" not in out.stdout and "| Range" not in out.stdout
     if not _has_cuda():
         assert checks["pair_vram"]["detail"].startswith("skipped: no CUDA device")
 
@@ -56,7 +62,7 @@ def test_doctor_fails_a_gpu_pair_that_falls_back_to_tcp() -> None:
     out = _doctor({**os.environ, "UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp,cma,cuda_copy"}, port)
     checks = _report(out)
     assert out.returncode == 1 and not checks["pair_vram"]["ok"], checks["pair_vram"]
-    assert "VRAM pair on this host: UCX moves READs with" in checks["pair_vram"]["detail"]
+    assert "VRAM pair on this host" in checks["pair_vram"]["detail"]
     assert "tcp/" in checks["pair_vram"]["detail"]
     assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on" in checks["pair_vram"]["fix"]
 
@@ -91,3 +97,19 @@ def test_ucx_lane_parsing_and_rdma_reasons() -> None:
     assert "UCX_TLS=tcp,cma excludes" in rdma_reason("am(tcp/eth0)", ["mlx5_0"], {"UCX_TLS": "tcp,cma"})[1]
     assert "UCX_NET_DEVICES=eth0 excludes mlx5_0" in rdma_reason("am(tcp/eth0)", ["mlx5_0"],
                                                                 {"UCX_NET_DEVICES": "eth0"})[1]
+
+
+def test_text_report_indents_each_direction_of_a_pair(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    detail = "DRAM pair on this host, 16 MiB each way (the fastest of 4):\nREAD  decode←prefill: cma (zero-copy)" \
+             "\nWRITE prefill→decode: tcp (not zero-copy)"
+    monkeypatch.setattr(doctor, "run_checks", lambda *a: [Check("pair_dram", True, detail),
+                                                          Check("pair_vram", False, "VRAM pair", "a fix")])
+    assert doctor.main("127.0.0.1", 1, 0.1, as_json=False) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "[ok] pair_dram: DRAM pair on this host, 16 MiB each way (the fastest of 4):",
+        "       READ  decode←prefill: cma (zero-copy)",
+        "       WRITE prefill→decode: tcp (not zero-copy)",
+        "[FAIL] pair_vram: VRAM pair",
+        "       fix: a fix",
+    ]

@@ -279,8 +279,8 @@ class NixlTransferAgent:
         planned = int(local_descs.shape[0])
         if self._split_bytes > 0:
             local_descs, remote_descs = split_rows(local_descs, remote_descs, self._split_bytes)
-        if self._watch is not None and op == "READ":
-            self._watch.before_read(peer)
+        if self._watch is not None:
+            self._watch.before_xfer(peer, op)
         handle = None
         direction = "from" if op == "READ" else "to"
         try:
@@ -312,8 +312,8 @@ class NixlTransferAgent:
             raise TransferError(f"NIXL {xfer.op} {direction} {xfer.peer} failed: {exc}", exc) from exc
         if state == "DONE":
             self._release(xfer.handle)
-            if self._watch is not None and xfer.op == "READ":
-                report = self._watch.after_read(xfer.peer, self._mem_type)
+            if self._watch is not None:
+                report = self._watch.after_xfer(xfer.peer, self._mem_type, xfer.op)
                 if report is not None and self.on_transport is not None:
                     self.on_transport(report)
             return True

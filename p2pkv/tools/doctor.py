@@ -4,9 +4,11 @@ Checks, each with a fix when it fails: NIXL installed and its UCX backend
 starting (version, plugins), the UCX version and transport settings, RDMA
 devices (``/sys/class/infiniband``), a GPU, the side-channel port being
 free, a loopback NIXL pull of host memory for about a second, bytes
-compared, with its GB/s, and a READ between two processes of host memory
-and (with a CUDA device) of GPU memory, with the UCX transport UCX selected
-for it (:mod:`p2pkv.tools.doctor_pair`; GPU memory over TCP fails the
+compared, with its GB/s, and between two processes, of host memory and
+(with a CUDA device) of GPU memory, a READ (the decode side pulls) and a
+WRITE (the prefill side pushes), bytes compared, each with the UCX transport
+UCX selected for it and whether that is zero-copy
+(:mod:`p2pkv.tools.doctor_pair`; GPU memory over TCP either way fails the
 check). Exit code 1 when any check fails.
 """
 
@@ -31,7 +33,7 @@ import numpy as np
 from handshake import AgentInfo, KVLayoutDesc, KVRegion, compute_digest
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.dataplane.layout import Region
-from p2pkv.tools.doctor_pair import PairError, pair_pull, verdict
+from p2pkv.tools.doctor_pair import PairError, pair_transfers, verdict
 
 
 @dataclass
@@ -223,7 +225,8 @@ def check_loopback_pull(seconds: float = 1.0, nbytes: int = 64 << 20) -> Check:
 
 
 def check_pair(mem_type: str) -> Check:
-    """READ host (``DRAM``) or GPU (``VRAM``) memory from a second process; name UCX's transport for it."""
+    """READ host (``DRAM``) or GPU (``VRAM``) memory from a second process and have it WRITE them back; name
+    UCX's transport for each direction."""
     name = f"pair_{mem_type.lower()}"
     if mem_type == "VRAM":
         try:
@@ -235,10 +238,10 @@ def check_pair(mem_type: str) -> Check:
         if not has_cuda:
             return Check(name, True, "skipped: no CUDA device (the GPU-memory pair check needs one)")
     try:
-        result = pair_pull(mem_type)
+        result = pair_transfers(mem_type)
     except PairError as exc:
         return Check(name, False, str(exc), "check UCX_TLS / UCX_NET_DEVICES and that processes may "
-                     "read each other's memory (cma: ptrace scope / CAP_SYS_PTRACE)")
+                     "read and write each other's memory (cma: ptrace scope / CAP_SYS_PTRACE)")
     ok, detail, fix = verdict(result)
     return Check(name, ok, detail, fix)
 
@@ -261,7 +264,7 @@ def main(host: str, port: int, seconds: float, as_json: bool) -> int:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
         for c in checks:
-            print(f"[{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+            print(f"[{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}".replace("\n", "\n       "))
             if not c.ok:
                 print(f"       fix: {c.fix}")
     return 0 if all(c.ok for c in checks) else 1
