@@ -145,7 +145,10 @@ class WorkerSide:
                     self.layout.block_bytes, self.host, self.server.port)
 
     def _on_transport(self, report: TransportReport) -> None:
-        """UCX said how a peer's READs move: counted, and (``transfer_mode: auto``) the peer's direction."""
+        """UCX said how a peer's READs move: counted, and (``transfer_mode: auto``) the peer's direction.
+        (A WRITE's report, this rank pushing as a prefill rank, is logged by the agent only.)"""
+        if report.op != "READ":
+            return
         self.stats.record_transport(report.mem_type, report.transport)
         if self.puller is not None:
             self.puller.on_transport(report)

@@ -36,10 +36,10 @@ PROMPTS = {
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
-def test_pd_tokens_and_logprobs_equal_aggregated(pair, client, name) -> None:
-    p, stats = pair
+def test_pd_tokens_and_logprobs_equal_aggregated(route, client, name) -> None:
+    p, stats = route
     pulls_before = len(read_pull_stats(stats))
-    prompt = PROMPTS[name]
+    prompt = p.fresh(PROMPTS[name])
     pd = complete(client, p.url("proxy"), prompt, max_tokens=12)
     ref = complete(client, p.url("aggregated"), prompt, max_tokens=12)
     assert len(pd.token_ids) == 12
@@ -50,11 +50,12 @@ def test_pd_tokens_and_logprobs_equal_aggregated(pair, client, name) -> None:
     tokens = len(prompt.encode())
     assert pulls[0]["blocks"] == -(-tokens // BLOCK)
     assert pulls[0]["bytes"] > 0
+    assert pulls[0]["direction"] == p.mode, "the decode engine must move the KV the way the proxy asked"
 
 
-def test_streaming_through_proxy_matches(pair, client) -> None:
-    p, _ = pair
-    body = {"model": "model", "prompt": PROMPTS["several blocks"], "max_tokens": 10,
+def test_streaming_through_proxy_matches(route, client) -> None:
+    p, _ = route
+    body = {"model": "model", "prompt": p.fresh(PROMPTS["several blocks"]), "max_tokens": 10,
             "temperature": 0.0, "stream": True, "ignore_eos": True}
     text = ""
     with client.stream("POST", f"{p.url('proxy')}/v1/completions", json=body) as resp:
@@ -66,9 +67,9 @@ def test_streaming_through_proxy_matches(pair, client) -> None:
     assert text == ref["choices"][0]["text"]
 
 
-def test_chat_completions_through_proxy(pair, client) -> None:
-    p, _ = pair
-    body = {"model": "model", "messages": [{"role": "user", "content": "Say something"}],
+def test_chat_completions_through_proxy(route, client) -> None:
+    p, _ = route
+    body = {"model": "model", "messages": [{"role": "user", "content": p.fresh("Say something")}],
             "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     pd = client.post(f"{p.url('proxy')}/v1/chat/completions", json=body).json()
     ref = client.post(f"{p.url('aggregated')}/v1/chat/completions", json=body).json()
@@ -90,44 +91,45 @@ def _decode(client: httpx.Client, url: str, prompt: str, params: dict) -> Answer
     return Answer(choice["text"], choice["token_ids"], choice["logprobs"]["token_logprobs"])
 
 
-def test_negative_control_wrong_kv_changes_output(pair, client) -> None:
+def test_negative_control_wrong_kv_changes_output(route, client) -> None:
     """Give the decode engine another prompt's KV: the comparison must catch it.
 
     ``c`` is decoded with ``b``'s pulled KV; ``c`` is used nowhere else, so the
     wrong blocks the decode engine caches under ``c``'s prefix hash harm no
     other test.
     """
-    p, _ = pair
-    a, b, c = ("a" * 40 + " first prompt", "b" * 40 + " other prompt", "c" * 40 + " third prompt")
+    p, _ = route
+    a, b, c = (p.fresh(t) for t in ("a" * 40 + " first prompt", "b" * 40 + " other prompt", "c" * 40 + " third prompt"))
     assert len(a) == len(b) == len(c)
     params_a = _prefill(client, p.url("prefill"), a)
     params_b = _prefill(client, p.url("prefill"), b)
-    right = _decode(client, p.url("decode"), a, params_a)
-    wrong = _decode(client, p.url("decode"), c, params_b)
+    right = _decode(client, p.url("decode"), a, p.params(params_a))
+    wrong = _decode(client, p.url("decode"), c, p.params(params_b))
     ref_a = complete(client, p.url("aggregated"), a, max_tokens=8)
     ref_c = complete(client, p.url("aggregated"), c, max_tokens=8)
     assert right.token_ids == ref_a.token_ids and max_logprob_diff(right, ref_a) <= LOGPROB_TOLERANCE
     assert wrong.token_ids != ref_c.token_ids or max_logprob_diff(wrong, ref_c) > 100 * LOGPROB_TOLERANCE
 
 
-def test_failed_pull_is_reported_not_hung(pair, client) -> None:
+def test_failed_pull_is_reported_not_hung(route, client) -> None:
     """Params (signed with the secret) pointing at a side channel where nothing listens: the pull fails, vLLM is
     told (kv_load_failure_policy=fail by default), the request ends with an error instead
     of garbage or a hang, and the decode engine keeps serving."""
-    p, _ = pair
-    params = _prefill(client, p.url("prefill"), "z" * 50)
+    p, _ = route
+    prompt = p.fresh("z" * 50)
+    params = _prefill(client, p.url("prefill"), prompt)
     (dead_port,) = free_ports(1)
     bad = {k: v for k, v in params.items() if k != CAPABILITY_KEY}  # a secret holder's params: they pass the check
-    bad = sign_params({**bad, "remote_port": dead_port, "remote_engine_id": "no-such-engine"}, p.secret.encode(),
-                      time.time() + 60)
-    body = {"model": "model", "prompt": "z" * 50, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": bad}
+    bad = sign_params(p.params({**bad, "remote_port": dead_port, "remote_engine_id": "no-such-engine"}),
+                      p.secret.encode(), time.time() + 60)
+    body = {"model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": bad}
     resp = client.post(f"{p.url('decode')}/v1/completions", json=body)
     assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
     ok = complete(client, p.url("proxy"), "still serving?", max_tokens=4)
     assert ok.token_ids == complete(client, p.url("aggregated"), "still serving?", max_tokens=4).token_ids
     # The real params still work; pulling with them also releases the prefill's held blocks.
-    assert _decode(client, p.url("decode"), "z" * 50, params).token_ids == \
-        complete(client, p.url("aggregated"), "z" * 50, max_tokens=8).token_ids
+    assert _decode(client, p.url("decode"), prompt, p.params(params)).token_ids == \
+        complete(client, p.url("aggregated"), prompt, max_tokens=8).token_ids
 
 
 def _metric(client: httpx.Client, url: str, name: str) -> float:
@@ -148,6 +150,11 @@ def test_pull_metrics_on_the_engines_metrics_endpoint(pair, client) -> None:
     assert _metric(client, p.url("decode"), "p2pkv:pulls_total") == len(read_pull_stats(stats))
     assert _metric(client, p.url("decode"), "p2pkv:handshake_seconds_count") >= 1
     assert _metric(client, p.url("decode"), "p2pkv:pull_failures_total") >= 1  # the unreachable-peer test
+    pushed = sum(r.get("direction") == "push" for r in read_pull_stats(stats))
+    assert pushed >= 1  # the tests above ran in both modes
+    text = client.get(f"{p.url('decode')}/metrics").text
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("p2pkv:pulls_by_direction_total{") and 'direction="push"' in line) == pushed
     # The prefill engine reports the notification with its next step's stats: step it until they arrive.
     deadline = time.monotonic() + 30
     while (time.monotonic() < deadline and
@@ -165,9 +172,9 @@ def test_pull_metrics_on_the_engines_metrics_endpoint(pair, client) -> None:
         <= marks["confirmed"]
 
 
-def test_prefill_holds_no_blocks_after_requests(pair, client) -> None:
-    p, _ = pair
-    complete(client, p.url("proxy"), "one more request", max_tokens=4)
+def test_prefill_holds_no_blocks_after_requests(route, client) -> None:
+    p, _ = route
+    complete(client, p.url("proxy"), p.fresh("one more request"), max_tokens=4)
     time.sleep(0.5)
     assert wait_blocks_released(client, p.url("prefill"), timeout_s=30) == 0.0
     assert wait_blocks_released(client, p.url("decode"), timeout_s=30) == 0.0

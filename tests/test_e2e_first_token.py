@@ -75,14 +75,14 @@ def _prefill_tokens(client: httpx.Client, proxy: str) -> float:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_streams_read_as_the_aggregated_engines(pair, client, path) -> None:
+def test_streams_read_as_the_aggregated_engines(route, client, path) -> None:
     """Every proxy request but a one-token answer handed over whole pulls the prompt's KV once: the decode
     engine continues from the pulled KV (it would recompute, and still match, if it refused the params)."""
-    p, stats = pair
+    p, stats = route
     chat = path.endswith("chat/completions")
     before, pulls_before = _prefill_tokens(client, p.url("proxy")), len(read_pull_stats(stats))
     decoded = 0
-    for prompt in PROMPTS:
+    for prompt in map(p.fresh, PROMPTS):
         for name, shape in SHAPES.items():
             if chat and "logprobs" in shape:
                 shape = {**shape, "logprobs": True, "top_logprobs": 2}
@@ -104,4 +104,4 @@ def test_streams_read_as_the_aggregated_engines(pair, client, path) -> None:
     while len(read_pull_stats(stats)) - pulls_before < decoded and time.monotonic() < deadline:
         time.sleep(0.1)
     pulls = read_pull_stats(stats)[pulls_before:]
-    assert len(pulls) == decoded and all(pull["bytes"] > 0 for pull in pulls)
+    assert len(pulls) == decoded and all(pull["bytes"] > 0 and pull["direction"] == p.mode for pull in pulls)

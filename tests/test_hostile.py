@@ -22,7 +22,7 @@ import pytest
 
 from p2pkv.params import CAPABILITY_KEY, RemotePrefill, parse_remote_prefill, sign_params
 from p2pkv.tools.demo import complete, kv_cache_usage, wait_blocks_released
-from tests.conftest import BLOCK, free_ports
+from tests.conftest import BLOCK, Route, free_ports
 
 pytestmark = pytest.mark.engines
 
@@ -43,9 +43,10 @@ def _still_serving(p, client: httpx.Client) -> None:
                                                                              prompt, 6).token_ids
 
 
-def test_prompt_lists_are_split_and_merged(pair, client) -> None:
-    p, _ = pair
-    for prompt in (PROMPTS, [[5, 6, 7, 8], [9, 10, 11]]):
+def test_prompt_lists_are_split_and_merged(route, client) -> None:
+    p, _ = route
+    for prompt in ([p.fresh(t) for t in PROMPTS], [[5, 6, 7, 8], [9, 10, 11]] if p.mode == "pull" else
+                   [[15, 16, 17, 18], [19, 20, 21]]):
         body = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
         pd, ref = _post(client, p.url("proxy"), body).json(), _post(client, p.url("aggregated"), body).json()
         assert _texts(pd) == _texts(ref) and len(set(_texts(pd))) == len(prompt)
@@ -57,9 +58,10 @@ def test_prompt_lists_are_split_and_merged(pair, client) -> None:
     assert wait_blocks_released(client, p.url("prefill"), timeout_s=10) == 0.0
 
 
-def test_streamed_prompt_list_with_usage(pair, client) -> None:
-    p, _ = pair
-    body = {"model": "model", "prompt": PROMPTS, "max_tokens": 5, "temperature": 0.0, "ignore_eos": True,
+def test_streamed_prompt_list_with_usage(route, client) -> None:
+    p, _ = route
+    body = {"model": "model", "prompt": [p.fresh(t) for t in PROMPTS], "max_tokens": 5, "temperature": 0.0,
+            "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     texts, usages, done = ["", "", ""], [], 0
     with client.stream("POST", f"{p.url('proxy')}/v1/completions", json=body) as resp:
@@ -79,15 +81,16 @@ def test_streamed_prompt_list_with_usage(pair, client) -> None:
     assert usages[0]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
 
 
-def test_echo_stop_min_tokens_and_chat_pass_through(pair, client) -> None:
-    p, _ = pair
-    for body in ({"prompt": PROMPTS[2], "max_tokens": 8, "echo": True, "logprobs": 2},
-                 {"prompt": PROMPTS[2], "max_tokens": 12, "stop": [" "], "ignore_eos": True},
-                 {"prompt": PROMPTS[2], "max_tokens": 6, "min_tokens": 4}):  # min_tokens > the prefill's 1
+def test_echo_stop_min_tokens_and_chat_pass_through(route, client) -> None:
+    p, _ = route
+    prompt = p.fresh(PROMPTS[2])
+    for body in ({"prompt": prompt, "max_tokens": 8, "echo": True, "logprobs": 2},
+                 {"prompt": prompt, "max_tokens": 12, "stop": [" "], "ignore_eos": True},
+                 {"prompt": prompt, "max_tokens": 6, "min_tokens": 4}):  # min_tokens > the prefill's 1
         pd, ref = _post(client, p.url("proxy"), body).json(), _post(client, p.url("aggregated"), body).json()
         assert _texts(pd) == _texts(ref)
         assert pd["choices"][0]["finish_reason"] == ref["choices"][0]["finish_reason"]
-    chat = {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+    chat = {"model": "model", "messages": [{"role": "user", "content": p.fresh("hi")}], "max_tokens": 6,
             "temperature": 0.0, "ignore_eos": True, "logprobs": True, "top_logprobs": 1}
     pd = client.post(f"{p.url('proxy')}/v1/chat/completions", json=chat).json()
     ref = client.post(f"{p.url('aggregated')}/v1/chat/completions", json=chat).json()
@@ -115,11 +118,11 @@ def test_decode_refusal_frees_the_prefill_hold_at_once(pair, client) -> None:
     _still_serving(p, client)
 
 
-def test_client_leaving_cancels_both_legs(pair, client) -> None:
+def test_client_leaving_cancels_both_legs(route, client) -> None:
     """A non-streaming client that goes away mid-decode: the proxy cancels both legs; neither engine
     holds blocks for it a few seconds later."""
-    p, _ = pair
-    body = {"model": "model", "prompt": "q" * 100, "max_tokens": 800, "ignore_eos": True, "temperature": 0.0}
+    p, _ = route
+    body = {"model": "model", "prompt": p.fresh("q" * 100), "max_tokens": 800, "ignore_eos": True, "temperature": 0.0}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{p.url('proxy')}/v1/completions", json=body, timeout=1.0)
     deadline = time.monotonic() + 5.0
@@ -137,6 +140,9 @@ def _prefill(client: httpx.Client, p, prompt: str) -> dict:
 
 
 def _decode(client: httpx.Client, p, prompt: str, params: dict) -> tuple[httpx.Response, float]:
+    """Straight to the decode engine (a :class:`Route`'s mode asked for in the params)."""
+    if isinstance(p, Route):
+        params = p.params(params)
     t = time.monotonic()
     body = {"model": "model", "temperature": 0.0, "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
             "kv_transfer_params": params}
@@ -150,9 +156,9 @@ def _failed(resp: httpx.Response) -> bool:
     return resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
 
 
-def test_repeated_pull_fails_at_once_and_a_fresh_one_works(pair, client) -> None:
-    p, _ = pair
-    prompt = "w" * 100
+def test_repeated_pull_fails_at_once_and_a_fresh_one_works(route, client) -> None:
+    p, _ = route
+    prompt = p.fresh("w" * 100)
     params = _prefill(client, p, prompt)
     first, _ = _decode(client, p, prompt, params)
     ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
@@ -162,12 +168,12 @@ def test_repeated_pull_fails_at_once_and_a_fresh_one_works(pair, client) -> None
     _still_serving(p, client)
 
 
-def test_retry_of_a_decode_leg_succeeds_until_the_decode_engine_gives_the_hold_up(pair, client) -> None:
+def test_retry_of_a_decode_leg_succeeds_until_the_decode_engine_gives_the_hold_up(route, client) -> None:
     """A decode leg that never reached the decode engine can be retried with the same params and pulls.
     One the decode engine refused (max_tokens beyond the context) frees the prefill's hold there and
     then: a retry then fails at once instead of reading freed blocks."""
-    p, _ = pair
-    prompt = "v" * 90
+    p, _ = route
+    prompt = p.fresh("v" * 90)
     params = _prefill(client, p, prompt)
     (nobody,) = free_ports(1)
     with pytest.raises(httpx.ConnectError):
@@ -176,7 +182,8 @@ def test_retry_of_a_decode_leg_succeeds_until_the_decode_engine_gives_the_hold_u
     ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
     assert _texts(retry.json()) == _texts(ref)
     params = _prefill(client, p, prompt)
-    refused = _post(client, p.url("decode"), {"prompt": prompt, "max_tokens": 5000, "kv_transfer_params": params})
+    refused = _post(client, p.url("decode"), {"prompt": prompt, "max_tokens": 5000,
+                                              "kv_transfer_params": p.params(params)})
     assert refused.status_code == 400
     assert wait_blocks_released(client, p.url("prefill"), timeout_s=5) == 0.0
     again, seconds = _decode(client, p, prompt, params)
@@ -213,11 +220,11 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_hostile_params_fail_cleanly_and_harm_nothing(pair, client, case) -> None:
+def test_hostile_params_fail_cleanly_and_harm_nothing(route, client, case) -> None:
     """Straight to the decode engine: a clear failure within seconds, or (params refused up front)
     the prompt prefilled locally with the right tokens; then the engines still serve correctly."""
-    p, _ = pair
-    prompt = "h" * (3 * BLOCK + 5)
+    p, _ = route
+    prompt = p.fresh("h" * (3 * BLOCK + 5))
     params = HOSTILE[case](_prefill(client, p, prompt))
     resp, seconds = _decode(client, p, prompt, params)
     ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
@@ -340,7 +347,7 @@ def test_the_secret_is_on_no_command_line_and_in_no_log(pair, client) -> None:
         assert p.secret not in child.log_path.read_text(errors="replace"), f"the secret is in {child.name}'s log"
 
 
-def test_nothing_left_held(pair, client) -> None:
-    p, _ = pair
+def test_nothing_left_held(route, client) -> None:
+    p, _ = route
     complete(client, p.url("proxy"), "last one", 2)
     assert wait_blocks_released(client, p.url("decode"), timeout_s=30) == 0.0

@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass
 from typing import Literal
 
-from p2pkv.dataplane.transport import TransportReport
+from p2pkv.dataplane.transport import TransportReport, read_is_zero_copy
 
 TransferModeSetting = Literal["pull", "push", "auto"]
 """The ``transfer_mode`` setting (and ``kv_transfer_params.p2pkv_transfer_mode``)."""
@@ -56,12 +56,3 @@ def choose(setting: TransferModeSetting, report: TransportReport | None) -> Choi
     return Choice(Direction.PUSH, f"auto: READs of {report.mem_type} move by {report.transport}, not zero-copy; "
                                   "the prefill rank WRITEs instead")
 
-
-_ZERO_COPY = ("cma", "cuda_ipc", "knem", "xpmem", "sysv", "posix", "rc", "dc", "ud", "gga", "self")
-
-
-def read_is_zero_copy(report: TransportReport) -> bool:
-    """True when every transport UCX chose for the READs is a zero-copy one (shared memory, CMA, CUDA IPC,
-    RDMA verbs); TCP, or GPU memory bounced through host (``cuda_copy``), is not."""
-    names = [t for t in report.transport.split("+") if t]
-    return bool(names) and all(t.split("_")[0] in _ZERO_COPY for t in names) and not report.vram_over_tcp

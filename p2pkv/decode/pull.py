@@ -55,7 +55,7 @@ class ReadPart:
         unanswered: fence questions after the READ that got no answer (one is asked again).
         push_id: in push mode, the push request's id (the prefill rank WRITEs
             instead: :mod:`p2pkv.decode.pushes`); ``b""`` for a READ.
-        pushed_at: ``time.monotonic()`` when the push request was sent.
+        pushed_at / first_pushed_at: ``time.monotonic()`` when the (first) push request was sent.
         arrived: the push's notification: True once its bytes landed, False
             when the prefill rank reported it failed; None while waiting.
         failure: why the push failed (the prefill rank's reason).
@@ -74,6 +74,7 @@ class ReadPart:
     unanswered: int = 0
     push_id: bytes = b""
     pushed_at: float = 0.0
+    first_pushed_at: float = 0.0
     arrived: bool | None = None
     failure: str = ""
 

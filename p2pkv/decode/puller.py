@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from handshake import KVLayoutDesc
+from handshake import KVLayoutDesc, PushReply
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.dataplane.layout import KVLayout
@@ -301,14 +301,20 @@ class Puller:
 
     def _collect_pushes(self) -> None:
         """Push replies (a refusal fails the pull as the fence would) and WRITE notifications."""
+        now = time.monotonic()
+        self.pushes.send_due(now)
         for read, reply in self.pushes.replies():
             pull = read.pull
             if read.attempt != pull.attempt or pull.finished:
                 continue
+            if (isinstance(reply, PushReply) and reply.status == "unknown"
+                    and self.pushes.unknown_for(read, now) < self.config.handshake_timeout_s):
+                self.pushes.again(read)  # the prefill worker may not have been told of the hold yet
+                continue
             why = failure_of_push(reply, pull.spec.remote.request_id)
             if why is not None:
                 self._contained(pull, "failing a pushed pull", self._push_failed, pull, *why)
-        for read, note in self.pushes.arrivals(time.monotonic()):
+        for read, note in self.pushes.arrivals(now):
             read.arrived, read.failure = note.ok, note.reason
         self.progress.wake()
 

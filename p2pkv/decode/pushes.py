@@ -34,6 +34,10 @@ logger = logging.getLogger("p2pkv.decode")
 PUSH_ID_BYTES = 16
 """Random bytes naming one push (its notification carries them in hex)."""
 
+RETRY_UNKNOWN_S = 0.002
+"""Pause (seconds) before asking again a prefill rank that does not know the hold yet (it learns of a
+finished request at its engine's next step, which may come after its HTTP answer reached the proxy)."""
+
 
 class Pushes:
     """A decode rank's push requests and their outcomes.
@@ -64,6 +68,7 @@ class Pushes:
         self.info: AgentInfo | None = None
         self._open: dict[bytes, ReadPart] = {}  # push id → its READ part, until notified or given up
         self._replies: list[tuple[Future, ReadPart]] = []
+        self._again: list[tuple[float, ReadPart]] = []  # (time.monotonic() to send again at, part)
         agent.take_notifs(PUSH_PREFIX)  # from now on the engine thread's get_notifs leaves these to us
 
     def post(self, read: ReadPart) -> None:
@@ -76,6 +81,7 @@ class Pushes:
             raise RuntimeError("push requested before this rank's AgentInfo was known")
         pid, remote = read.peer_id, read.pull.spec.remote
         read.push_id, read.pushed_at = os.urandom(PUSH_ID_BYTES), time.monotonic()
+        read.first_pushed_at = read.first_pushed_at or read.pushed_at
         self._open[read.push_id] = read
         future = self.background.call(
             f"p2pkv-push-{pid.host}:{pid.port}", request_push, pid.host, pid.port, remote.request_id,
@@ -84,6 +90,21 @@ class Pushes:
             timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), engine_id=pid.engine_id,
             tp_rank=pid.tp_rank, lane=f"{pid.host}:{pid.port}")
         self._replies.append((future, read))
+
+    def again(self, read: ReadPart, delay_s: float = RETRY_UNKNOWN_S) -> None:
+        """Send ``read``'s push request again after ``delay_s`` seconds (its hold was not known yet there)."""
+        self._again.append((time.monotonic() + delay_s, read))
+
+    def send_due(self, now: float) -> None:
+        """Send the requests :meth:`again` scheduled for ``now`` or earlier (parts abandoned since: dropped)."""
+        due, self._again = [r for t, r in self._again if t <= now], [(t, r) for t, r in self._again if t > now]
+        for read in due:
+            if read.attempt == read.pull.attempt and not read.pull.finished:
+                self.post(read)
+
+    def unknown_for(self, read: ReadPart, now: float) -> float:
+        """Seconds since ``read``'s first push request (how long its hold has been unknown there)."""
+        return now - read.first_pushed_at
 
     def replies(self) -> list[tuple[ReadPart, PushReply | Exception]]:
         """Answered push requests: the READ part and the reply (or why there is none).

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.exposition import choose_encoder
 
+from p2pkv.params import TRANSFER_MODE_KEY
 from p2pkv.telemetry.tracing import Tracing
 from p2pkv.tools.proxy.batch import split_prompts, sse_events
 from p2pkv.tools.proxy.fanout import Batch
@@ -106,6 +107,9 @@ class Proxy:
             when it may (see :mod:`p2pkv.tools.proxy.first_token`).
         max_fanout: most prefill/decode pairs one batched request runs at once
             (see :mod:`p2pkv.tools.proxy.fanout`).
+        transfer_mode: ``"pull"`` or ``"push"``: set as ``p2pkv_transfer_mode``
+            in every decode leg's ``kv_transfer_params`` (the decode engines'
+            ``transfer_mode`` is overridden per request); ``""``: left to them.
 
     Raises:
         ValueError: an empty backend list, or ``max_fanout`` below 1.
@@ -113,7 +117,7 @@ class Proxy:
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float,
                  secret: bytes | None, first_token_from: FirstTokenSource = "prefill",
-                 max_fanout: int = DEFAULT_MAX_FANOUT) -> None:
+                 max_fanout: int = DEFAULT_MAX_FANOUT, transfer_mode: str = "") -> None:
         if max_fanout < 1:
             raise ValueError(f"max_fanout={max_fanout}: must be >= 1 (pairs at once)")
         self.prefill_urls, self.decode_urls = prefill_urls, decode_urls
@@ -121,6 +125,7 @@ class Proxy:
         self.timeout_s, self.secret = timeout_s, secret
         self.first_token_from, self.max_fanout = first_token_from, max_fanout
         self.metrics = ProxyMetrics()
+        self.transfer_mode = transfer_mode
 
     async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
                           headers: dict[str, str], leg: ProxySpan | None = None) -> dict[str, Any]:
@@ -163,6 +168,8 @@ class Proxy:
         answer = prefill_answer(url, resp)
         if leg is not None:
             leg.params(answer["kv_transfer_params"])
+        if self.transfer_mode and isinstance(answer["kv_transfer_params"], dict):
+            answer["kv_transfer_params"][TRANSFER_MODE_KEY] = self.transfer_mode
         return answer
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
@@ -376,7 +383,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> R
 def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float = 300.0,
                secret: bytes | None = None, first_token_from: FirstTokenSource = "prefill",
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_fanout: int = DEFAULT_MAX_FANOUT,
-               max_prompts: int = DEFAULT_MAX_PROMPTS, otlp_traces_endpoint: str = "") -> FastAPI:
+               max_prompts: int = DEFAULT_MAX_PROMPTS, otlp_traces_endpoint: str = "",
+               transfer_mode: str = "") -> FastAPI:
     """Build the proxy app (one shared ``httpx.AsyncClient``, opened and closed by the app's lifespan).
 
     Args:
@@ -395,6 +403,9 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
         max_prompts: most prompts one completions request may carry (more: 400).
         otlp_traces_endpoint: OTLP/HTTP traces URL (``""``: tracing off, the
             default); on, each request gets spans (:mod:`p2pkv.tools.proxy.spans`).
+        transfer_mode: ``"pull"`` / ``"push"``: every decode leg asks for that
+            direction (``kv_transfer_params.p2pkv_transfer_mode``); ``""``: the
+            decode engines' ``transfer_mode`` decides.
 
     Raises:
         ValueError: an empty backend list, or a limit below 1.
@@ -402,7 +413,9 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
     """
     if max_body_bytes < 1 or max_prompts < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes} and max_prompts={max_prompts} must be >= 1")
-    proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret, first_token_from, max_fanout)
+    if transfer_mode not in ("", "pull", "push"):
+        raise ValueError(f"transfer_mode={transfer_mode!r}: expected 'pull', 'push' or '' (the engines decide)")
+    proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret, first_token_from, max_fanout, transfer_mode)
     tracing = Tracing.get(SERVICE_NAME, otlp_traces_endpoint)
 
     @contextlib.asynccontextmanager

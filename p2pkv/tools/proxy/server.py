@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "strings, prompt logprobs, penalties on output, structured output or tools); 'decode' "
                              "waits for the decode engine's first token (use it with engines running a reasoning or "
                              "tool parser)")
+    parser.add_argument("--transfer-mode", choices=("pull", "push"), default="",
+                        help="ask every decode engine for this direction (kv_transfer_params.p2pkv_transfer_mode): "
+                             "'pull' (the decode engine READs) or 'push' (the prefill engine WRITEs into the decode "
+                             "engine's blocks); default: each decode engine's transfer_mode setting (auto); see "
+                             "docs/push.md")
     parser.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
                         help="send OpenTelemetry traces (one per request: the proxy's span, each leg's, and the "
                              "engines' under them) over OTLP/HTTP to URL, e.g. http://127.0.0.1:4318/v1/traces "
@@ -144,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         app = create_app(prefill, decode, timeout_s=args.timeout, secret=secret,
                          first_token_from=args.first_token_from, max_body_bytes=args.max_body_bytes,
-                         max_fanout=args.max_fanout, max_prompts=args.max_prompts, otlp_traces_endpoint=endpoint)
+                         max_fanout=args.max_fanout, max_prompts=args.max_prompts, otlp_traces_endpoint=endpoint,
+                         transfer_mode=args.transfer_mode)
     except ImportError as exc:
         print(f"p2pkv proxy: tracing to {endpoint} needs the OpenTelemetry SDK and its OTLP/HTTP exporter ({exc}): "
               "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http", file=sys.stderr)
