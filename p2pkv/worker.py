@@ -121,11 +121,8 @@ class WorkerSide:
         self.puller = Puller(self.engine_id, self.tp_rank, self.tp_size, self.config, self.agent, self.layout,
                              self.desc, device_id, stager, self.compat_hash, self.stats, m)
         self.agent.on_transport = self._on_transport
-        meta = self.agent.metadata()
-        info = AgentInfo(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                         agent_name=self.agent.name, agent_metadata=meta, metadata_digest=compute_digest(meta),
-                         compat_hash=self.compat_hash, layout=self.desc)
-        self.puller.pushes.info = info
+        info = self._agent_info()
+        self.puller.pushes.make_info = self._agent_info
         secret = self._secret
         self.pusher = Pusher(self.agent, self.holds, self.layout, secret,
                              max_in_flight=self.config.push_max_in_flight, max_queued=self.config.push_max_queued,
@@ -143,6 +140,14 @@ class WorkerSide:
                     "%d B per block; side channel on %s:%d", self.tp_rank, len(self.layout.regions), mem_type,
                     len(self.layout.segments), "cross-layer" if self.layout.cross_layer else "per-layer", attn,
                     self.layout.block_bytes, self.host, self.server.port)
+
+    def _agent_info(self) -> AgentInfo:
+        """This rank's :class:`AgentInfo`: NIXL metadata of everything registered now, and the KV layout."""
+        assert self.agent is not None and self.desc is not None
+        meta = self.agent.metadata()
+        return AgentInfo(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                         agent_name=self.agent.name, agent_metadata=meta, metadata_digest=compute_digest(meta),
+                         compat_hash=self.compat_hash, layout=self.desc)
 
     def _on_transport(self, report: TransportReport) -> None:
         """UCX said how a peer's READs move: counted, and (``transfer_mode: auto``) the peer's direction.

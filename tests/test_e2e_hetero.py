@@ -7,7 +7,10 @@ block 32 → 64 (prefill block smaller), block 64 → 32 (prefill block
 larger, which vLLM's own NixlConnector does not support), TP 2 → 1,
 TP 1 → 2, and TP 2 block 32 → TP 1 block 64. The decoded tokens must
 equal what the prefill engine produces on its own for the same prompt,
-and every prefill rank must free its blocks.
+and every prefill rank must free its blocks. Every row runs in both
+transfer modes: pull (the decode ranks READ) and push (the prefill ranks
+WRITE into the decode ranks' blocks, or into their staging when a fixup
+follows).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from p2pkv.tools.demo import (
 )
 from p2pkv.tools.deploy.engines import EngineSpec
 from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
-from tests.conftest import free_ports
+from tests.conftest import MODES, free_ports
 from tests.legs import prefill_then_decode
 
 pytestmark = pytest.mark.engines
@@ -59,12 +62,14 @@ def engines(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("row", list(PROMPTS))
-def test_tokens_equal_across_block_and_tp_sizes(engines, row) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_tokens_equal_across_block_and_tp_sizes(engines, mode, row) -> None:
     urls, logs = engines
     prefill, decode, prompt = PROMPTS[row]
+    prompt = prompt if mode == "pull" else prompt[::-1]  # nothing of it in the prefix caches of the pull run
     with httpx.Client(timeout=300.0) as client:
         pulls_before = len(read_pull_stats(logs / f"{decode}.jsonl"))
-        pd = prefill_then_decode(client, urls[prefill], urls[decode], prompt, max_tokens=12)
+        pd = prefill_then_decode(client, urls[prefill], urls[decode], prompt, max_tokens=12, mode=mode)
         ref = complete(client, urls[prefill], prompt, max_tokens=12)
         assert pd.token_ids == ref.token_ids
         assert max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
@@ -72,7 +77,7 @@ def test_tokens_equal_across_block_and_tp_sizes(engines, row) -> None:
         if decode == "t2":  # both ranks of the TP 2 engine pull (one head each): two lines
             assert len(pulls) == 2 and pulls[1]["bytes"] == pulls[0]["bytes"]
             pulls = pulls[:1]
-        assert len(pulls) == 1 and pulls[0]["bytes"] > 0
+        assert len(pulls) == 1 and pulls[0]["bytes"] > 0 and pulls[0]["direction"] == mode
         decode_block = 64 if decode == "d64" else 32
         assert pulls[0]["blocks"] == -(-len(prompt.encode()) // decode_block)
         assert wait_blocks_released(client, urls[prefill], timeout_s=30) == 0.0

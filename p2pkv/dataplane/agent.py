@@ -172,7 +172,9 @@ class NixlTransferAgent:
         self._split_bytes = split_bytes if num_threads > 0 else 0
         self._reg_descs: list[object] = []
         self._mem_type = "DRAM"
-        self._peers: set[str] = set()
+        self._peers: dict[str, bytes] = {}  # remote agent name → digest of the metadata NIXL holds
+        self.registrations = 0
+        """How many times memory was registered (a peer that writes here needs metadata newer than that)."""
         self._closed = False
         self._notif_lock = threading.Lock()
         self._inbox: dict[bytes, list[bytes]] = {b"": []}  # prefix → notifications not yet taken
@@ -200,6 +202,7 @@ class NixlTransferAgent:
             raise TransferError(f"NIXL register_memory of {len(rows)} {mem_type} regions failed: {exc}", exc) from exc
         self._reg_descs.append(descs)
         self._mem_type = mem_type
+        self.registrations += 1
 
     def metadata(self) -> bytes:
         """This agent's NIXL metadata, to publish on the side channel.
@@ -213,7 +216,8 @@ class NixlTransferAgent:
             raise TransferError(f"NIXL get_agent_metadata of {self.name} failed: {exc}", exc) from exc
 
     def add_peer(self, info: AgentInfo) -> str:
-        """Verify a peer's metadata digest, then load it into NIXL.
+        """Verify a peer's metadata digest, then load it into NIXL (again, when the peer's metadata changed:
+        NIXL then also knows memory it registered since, such as a decode rank's staging area).
 
         Returns:
             The remote agent name to pull from.
@@ -223,8 +227,8 @@ class NixlTransferAgent:
             TransferError: NIXL refused the metadata.
         """
         verify_agent_info(info)
-        if info.agent_name in self._peers:
-            return info.agent_name
+        if self._peers.get(info.agent_name) == info.metadata_digest:
+            return info.agent_name  # known, same metadata (a new digest: it registered more memory, reloaded)
         try:
             name = self._agent.add_remote_agent(info.agent_metadata)
         except Exception as exc:
@@ -235,13 +239,13 @@ class NixlTransferAgent:
             raise TransferError(
                 f"peer metadata names agent {name!r} but the side channel said {info.agent_name!r}"
             )
-        self._peers.add(name)
+        self._peers[name] = info.metadata_digest
         return name
 
     def remove_peer(self, name: str) -> None:
         """Forget a peer (after it disconnected or restarted). Idempotent."""
         if name in self._peers:
-            self._peers.discard(name)
+            del self._peers[name]
             try:
                 self._agent.remove_remote_agent(name)
             except Exception as exc:

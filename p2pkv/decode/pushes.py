@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from handshake import AgentInfo, PushReply, RemoteRefusedError, request_push
@@ -53,7 +54,9 @@ class Pushes:
             the request's arrival (seconds, the pull's ``transfer_timeout_s``).
 
     Attributes:
-        info: this rank's :class:`AgentInfo`, sent with every request (set by the worker).
+        make_info: builds this rank's :class:`AgentInfo` from its agent's current
+            metadata (set by the worker); sent with every request, rebuilt after
+            more memory is registered (staging), so the prefill rank can WRITE there.
     """
 
     def __init__(self, background: Background, fence: Fence, agent: NixlTransferAgent, engine_id: str,
@@ -65,7 +68,9 @@ class Pushes:
         self.secret = secret
         self.timeout_s = timeout_s
         self.window_s = window_s
-        self.info: AgentInfo | None = None
+        self.make_info: Callable[[], AgentInfo] | None = None
+        self._info: AgentInfo | None = None
+        self._info_registrations = -1
         self._open: dict[bytes, ReadPart] = {}  # push id → its READ part, until notified or given up
         self._replies: list[tuple[Future, ReadPart]] = []
         self._again: list[tuple[float, ReadPart]] = []  # (time.monotonic() to send again at, part)
@@ -75,21 +80,33 @@ class Pushes:
         """Send ``read``'s push request (its rows: the prefill rank's ``remote_descs`` into our ``local_descs``).
 
         Raises:
-            RuntimeError: the worker has not set :attr:`info` yet.
+            RuntimeError: the worker has not set :attr:`make_info`.
         """
-        if self.info is None:
-            raise RuntimeError("push requested before this rank's AgentInfo was known")
+        info = self.info()
         pid, remote = read.peer_id, read.pull.spec.remote
         read.push_id, read.pushed_at = os.urandom(PUSH_ID_BYTES), time.monotonic()
         read.first_pushed_at = read.first_pushed_at or read.pushed_at
         self._open[read.push_id] = read
         future = self.background.call(
             f"p2pkv-push-{pid.host}:{pid.port}", request_push, pid.host, pid.port, remote.request_id,
-            list(remote.block_ids), read.push_id, self.info, read.remote_descs.astype("<u8").tobytes(),
+            list(remote.block_ids), read.push_id, info, read.remote_descs.astype("<u8").tobytes(),
             read.local_descs.astype("<u8").tobytes(), self.window_s, self.engine_id, secret=self.secret,
             timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), engine_id=pid.engine_id,
             tp_rank=pid.tp_rank, lane=f"{pid.host}:{pid.port}")
         self._replies.append((future, read))
+
+    def info(self) -> AgentInfo:
+        """This rank's :class:`AgentInfo`, rebuilt when memory was registered since the last one.
+
+        Raises:
+            RuntimeError: the worker has not set :attr:`make_info`.
+        """
+        if self.make_info is None:
+            raise RuntimeError("push requested before this rank's AgentInfo was known")
+        if self._info is None or self._info_registrations != self.agent.registrations:
+            self._info_registrations = self.agent.registrations
+            self._info = self.make_info()
+        return self._info
 
     def again(self, read: ReadPart, delay_s: float = RETRY_UNKNOWN_S) -> None:
         """Send ``read``'s push request again after ``delay_s`` seconds (its hold was not known yet there)."""
