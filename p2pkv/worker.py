@@ -26,6 +26,7 @@ from p2pkv.dataplane.layout import (
     tensor_info,
 )
 from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
+from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.puller import Puller, bind_device
@@ -118,8 +119,8 @@ class WorkerSide:
         attn = attn_layout_of(first, m.num_kv_heads, m.block_size, m.kv_layout, m.attn_layout)
         self.desc = layout_desc(self.layout, m, attn, mem_type=mem_type, device_id=device_id)
         stager = Stager(self.agent, tensors, self.layout, self.desc, int(self.config.staging_mib * 2**20))
-        self.puller = Puller(self.engine_id, self.tp_rank, self.tp_size, self.config, self.agent, self.layout,
-                             self.desc, device_id, stager, self.compat_hash, self.stats, m)
+        rank = LocalRank(self.engine_id, self.tp_rank, self.tp_size, self.layout, self.desc, device_id)
+        self.puller = Puller(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m)
         self.agent.on_transport = self._on_transport
         info = self._agent_info()
         self.puller.pushes.make_info = self._agent_info
@@ -156,7 +157,7 @@ class WorkerSide:
             return
         self.stats.record_transport(report.mem_type, report.transport)
         if self.puller is not None:
-            self.puller.on_transport(report)
+            self.puller.directions.on_transport(report)
 
     def start_load_kv(self, meta: P2pKvMetadata) -> None:
         """Take this step's new leases (prefill side) and pulls (decode side)."""

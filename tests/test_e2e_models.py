@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from p2pkv.params import TRANSFER_MODE_KEY
 from p2pkv.tools.demo import (
     LOGPROB_TOLERANCE,
     Answer,
@@ -35,7 +36,7 @@ from p2pkv.tools.demo import (
 from p2pkv.tools.deploy.engines import EngineSpec
 from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
-from tests.conftest import free_ports
+from tests.conftest import MODES, free_ports, start_mode_proxy
 from tests.legs import prefill_then_decode
 
 pytestmark = pytest.mark.engines
@@ -116,7 +117,8 @@ class ExtraEngine:
 
 @pytest.fixture(scope="module", params=list(BLOCK))
 def kind_pair(request, tmp_path_factory):
-    """``(kind, LocalPair, pull stats file, ExtraEngine)``: one pair and one more engine per model kind."""
+    """``(kind, LocalPair, pull stats file, ExtraEngine, push proxy URL)``: one pair, one more engine per model
+    kind, and a second proxy in front of the pair whose decode legs ask for push (``--transfer-mode push``)."""
     from p2pkv.tools.deploy.local import LocalPair
 
     kind = request.param
@@ -142,7 +144,9 @@ def kind_pair(request, tmp_path_factory):
     try:
         pair.start(timeout_s=900)
         wait_healthy(children, 900)
-        yield kind, pair, stats, extra
+        push_url, push_proxy = start_mode_proxy(pair, "push")
+        children.append(push_proxy)
+        yield kind, pair, stats, extra, push_url
     finally:
         pair.stop()
         stop_children(children)
@@ -168,19 +172,21 @@ def tp2(kind_pair) -> ExtraEngine:
 
 
 @pytest.mark.parametrize("direction", ["TP 2 -> TP 1", "TP 1 -> TP 2"])
-def test_mla_pairs_across_tp_sizes(kind_pair, tp2, client, direction) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_mla_pairs_across_tp_sizes(kind_pair, tp2, client, mode, direction) -> None:
     """MLA between TP sizes: every rank holds the whole latent cache, so one prefill rank is read per decode rank."""
-    _, pair, stats, _ = kind_pair
+    _, pair, stats, _, _ = kind_pair
     prefill, decode, stats = ((tp2.url, pair.url("decode"), stats) if direction == "TP 2 -> TP 1" else
                               (pair.url("prefill"), tp2.url, tp2.stats))
-    prompt = prompt_of(4000 + len(direction))[:100]
+    prompt = prompt_of(4000 + len(direction) + (0 if mode == "pull" else 100))[:100]
     before = len(read_pull_stats(stats))
-    pd = prefill_then_decode(client, prefill, decode, prompt)
+    pd = prefill_then_decode(client, prefill, decode, prompt, mode=mode)
     ref = complete(client, pair.url("prefill"), prompt, max_tokens=8)
     assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= TOLERANCE["mla"]
     pulls = read_pull_stats(stats)[before:]
     ranks = 2 if decode == tp2.url else 1  # each decode rank reads its own copy: one line each
-    assert len(pulls) == ranks and all(p["bytes"] == pulled_blocks("mla", 100) * BLOCK_BYTES["mla"] for p in pulls)
+    assert len(pulls) == ranks and all(p["bytes"] == pulled_blocks("mla", 100) * BLOCK_BYTES["mla"]
+                                       and p["direction"] == mode for p in pulls)
     assert wait_blocks_released(client, prefill, timeout_s=30) == 0.0
 
 
@@ -193,7 +199,7 @@ def block128(kind_pair) -> ExtraEngine:
 @pytest.mark.parametrize("direction", ["64 -> 128", "128 -> 64"])
 def test_hybrid_other_block_size_is_refused(kind_pair, block128, client, direction) -> None:
     """SSM state pages move whole, block for block: another block size is refused naming both; both keep serving."""
-    _, pair, _, _ = kind_pair
+    _, pair, _, _, _ = kind_pair
     prefill, decode, log = ((pair.url("prefill"), block128.url, block128.log) if direction == "64 -> 128" else
                             (block128.url, pair.url("decode"), pair.log_dir / "decode.log"))
     prompt = prompt_of(5000 + len(direction))[:150]
@@ -219,14 +225,17 @@ def client():
 
 
 @pytest.mark.parametrize("length", LENGTHS)
-def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, length) -> None:
-    """Each prompt twice through the proxy (the second time both engines have it cached) and once on one engine."""
-    kind, pair, stats, _ = kind_pair
+@pytest.mark.parametrize("mode", MODES)
+def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, mode, length) -> None:
+    """Each prompt twice through the proxy (the second time both engines have it cached) and once on one engine,
+    through the proxy of each transfer mode (another prompt of the same length for push)."""
+    kind, pair, stats, _, push_url = kind_pair
     if kind in ("mla", "hybrid") and length in (135, 136):
         pytest.skip("window/block alignments matter to the sliding-window model only")
-    prompt = prompt_of(length)
+    prompt = prompt_of(length) if mode == "pull" else prompt_of(length + 2000)[:length]
+    proxy = pair.url("proxy") if mode == "pull" else push_url
     before = len(read_pull_stats(stats))
-    answers = [complete(client, pair.url("proxy"), prompt, max_tokens=12) for _ in range(2)]
+    answers = [complete(client, proxy, prompt, max_tokens=12) for _ in range(2)]
     ref = complete(client, pair.url("prefill"), prompt, max_tokens=12)
     for pd in answers:
         assert len(pd.token_ids) == 12
@@ -234,6 +243,7 @@ def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, length) -> None
         assert max_logprob_diff(pd, ref) <= TOLERANCE[kind]
     pulls = read_pull_stats(stats)[before:]
     assert pulls, "the decode engine must pull this prompt's KV"
+    assert pulls[0]["direction"] == ("push" if mode == "push" else "pull")  # the pair's proxy: auto, cma → pull
     assert pulls[0]["blocks"] == pulled_blocks(kind, length)
     assert pulls[0]["bytes"] == pulls[0]["blocks"] * BLOCK_BYTES[kind]
     assert wait_blocks_released(client, pair.url("prefill"), timeout_s=30) == 0.0
@@ -244,7 +254,7 @@ def test_sliding_window_pull_moves_only_the_window(kind_pair, client) -> None:
 
     Interleaved-window: the full-attention group moves all 19 blocks, the sliding-window group 2 of them.
     """
-    kind, pair, stats, _ = kind_pair
+    kind, pair, stats, _, _ = kind_pair
     if kind in ("mla", "hybrid"):
         pytest.skip("sliding-window models only")
     length = 600
@@ -270,23 +280,25 @@ def test_sliding_window_pull_moves_only_the_window(kind_pair, client) -> None:
         assert on_decode.token_ids == ref.token_ids and max_logprob_diff(on_decode, ref) <= LOGPROB_TOLERANCE
 
 
-def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, dp2, client) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, dp2, client, mode) -> None:
     """Prefill with 64-token blocks, decode with 32: tokens equal, only the window's decode blocks move."""
-    _, pair, stats, _ = kind_pair
+    _, pair, stats, _, _ = kind_pair
     url = dp2.url
     for length in (135, 167, 300):
-        prompt = prompt_of(length + 1000)[:length]  # not cached on either engine yet
+        prompt = prompt_of(length + (1000 if mode == "pull" else 1500))[:length]  # not cached on either engine yet
         before = len(read_pull_stats(stats))
-        pd = prefill_then_decode(client, url, pair.url("decode"), prompt)
+        pd = prefill_then_decode(client, url, pair.url("decode"), prompt, mode=mode)
         ref = complete(client, pair.url("prefill"), prompt, max_tokens=8)
         assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
         assert read_pull_stats(stats)[before]["blocks"] == pulled_blocks("sliding-window", length)
+        assert read_pull_stats(stats)[before]["direction"] == mode
         assert wait_blocks_released(client, url, timeout_s=30) == 0.0
 
 
 def test_sliding_window_larger_decode_block_is_refused(kind_pair, dp2, client) -> None:
     """Decode with 64-token blocks from a prefill with 32: refused with the fix named; both engines keep serving."""
-    _, pair, _, _ = kind_pair
+    _, pair, _, _, _ = kind_pair
     url, log = dp2.url, dp2.log
     prompt = prompt_of(2135)[:135]
     body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
@@ -308,12 +320,13 @@ def _on_rank(client: httpx.Client, url: str, rank: int, body: dict) -> dict:
 
 
 @pytest.mark.parametrize(("prefill_rank", "decode_rank"), [(0, 1), (1, 0)])
-def test_data_parallel_rank_pulls_from_the_rank_that_prefilled(dp2, client, prefill_rank, decode_rank) -> None:
+@pytest.mark.parametrize("mode", MODES)
+def test_data_parallel_rank_pulls_from_the_rank_that_prefilled(dp2, client, mode, prefill_rank, decode_rank) -> None:
     """One engine, two DP ranks: prefill on one, decode on the other; the params name the prefill rank's port."""
-    prompt = prompt_of(3000 + prefill_rank)[:150]
+    prompt = prompt_of(3000 + prefill_rank + (0 if mode == "pull" else 10))[:150]
     params = _on_rank(client, dp2.url, prefill_rank, {"prompt": prompt, "max_tokens": 1,
                                                       "kv_transfer_params": {"do_remote_decode": True}})
-    params = params["kv_transfer_params"]
+    params = {**params["kv_transfer_params"], TRANSFER_MODE_KEY: mode}
     assert params["remote_port"] == dp2.side_channel_port + prefill_rank  # TP 1: one side channel per DP rank
     before = len(read_pull_stats(dp2.stats))
     body = {"prompt": prompt, "max_tokens": 12, "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
@@ -323,15 +336,17 @@ def test_data_parallel_rank_pulls_from_the_rank_that_prefilled(dp2, client, pref
     assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
     pulls = read_pull_stats(dp2.stats)[before:]
     assert len(pulls) == 1 and pulls[0]["blocks"] == pulled_blocks("sliding-window", 150, block=64)
+    assert pulls[0]["direction"] == mode
     assert wait_blocks_released(client, dp2.url, timeout_s=30) == 0.0
 
 
 def test_negative_control_other_kv_changes_the_answer(kind_pair, client) -> None:
-    """Decode prompt ``c`` with prompt ``b``'s KV: the answer must depart from ``c``'s own (so the KV matters)."""
-    kind, pair, _, _ = kind_pair
+    """Decode prompt ``c`` with prompt ``b``'s KV (pushed): the answer must depart from ``c``'s own (so the KV
+    matters, in push mode too; the pull mode's negative control is in ``tests/test_e2e.py``)."""
+    kind, pair, _, _, _ = kind_pair
     a, b, c = ("a" * 50 + " first prompt", "b" * 50 + " other prompt", "c" * 50 + " third prompt")
-    right = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), a)
-    wrong = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), c, prefilled=b)
+    right = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), a, mode="push")
+    wrong = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), c, prefilled=b, mode="push")
     ref_a = complete(client, pair.url("prefill"), a, max_tokens=8)
     ref_c = complete(client, pair.url("prefill"), c, max_tokens=8)
     assert right.token_ids == ref_a.token_ids and max_logprob_diff(right, ref_a) <= TOLERANCE[kind]
@@ -340,7 +355,7 @@ def test_negative_control_other_kv_changes_the_answer(kind_pair, client) -> None
 
 def test_decode_log_shows_the_pairing(kind_pair) -> None:
     """No pull of the pair failed but the one refused on purpose (each test also checked its answer)."""
-    kind, pair, _, _ = kind_pair
+    kind, pair, _, _, _ = kind_pair
     log = (pair.log_dir / "decode.log").read_text()
     assert "Initialized NIXL agent: p2pkv-" in log
     failed = [line for line in log.splitlines() if "p2pkv: pull failed" in line]

@@ -6,16 +6,20 @@ or ``auto``; a request may name one in ``kv_transfer_params``
 it moves that peer's READs (:class:`p2pkv.dataplane.transport.TransportReport`,
 learned from the first READ), then keeps pulling where the READ is zero-copy
 (cma, cuda_ipc, RDMA verbs) and pushes where it is not (GPU memory over TCP,
-the case where UCX turns ``cuda_ipc`` GET off without NVLink). Pure: no I/O.
+the case where UCX turns ``cuda_ipc`` GET off without NVLink). No I/O but a log
+line when a peer's choice is new or changes.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 from typing import Literal
 
 from p2pkv.dataplane.transport import TransportReport, read_is_zero_copy
+
+logger = logging.getLogger("p2pkv.decode")
 
 TransferModeSetting = Literal["pull", "push", "auto"]
 """The ``transfer_mode`` setting (and ``kv_transfer_params.p2pkv_transfer_mode``)."""
@@ -56,3 +60,38 @@ def choose(setting: TransferModeSetting, report: TransportReport | None) -> Choi
     return Choice(Direction.PUSH, f"auto: READs of {report.mem_type} move by {report.transport}, not zero-copy; "
                                   "the prefill rank WRITEs instead")
 
+
+
+class Directions:
+    """Each prefill agent's direction for one decode rank, under its ``transfer_mode`` setting.
+
+    A request naming ``p2pkv_transfer_mode`` (``pull``/``push``) gets that;
+    otherwise the peer's :class:`Choice`: the setting, or under ``auto`` what
+    UCX's READ report for that peer says (:meth:`on_transport`). A choice is
+    logged when it is new or changes.
+
+    Args:
+        setting: the decode engine's ``transfer_mode``.
+    """
+
+    def __init__(self, setting: TransferModeSetting) -> None:
+        self.setting = setting
+        self.choices: dict[str, Choice] = {}  # prefill agent name → its choice
+
+    def of(self, requested: str, agent_name: str) -> Direction:
+        """The direction for a part from ``agent_name`` of a request that asked for ``requested`` (``""``: none)."""
+        if requested in ("pull", "push"):
+            return Direction(requested)
+        if agent_name not in self.choices:
+            self._choose(agent_name, choose(self.setting, None))
+        return self.choices[agent_name].direction
+
+    def on_transport(self, report: TransportReport) -> None:
+        """UCX said how one peer's READs move: under ``auto`` that decides the peer's direction from now on."""
+        if self.setting == "auto" and report.op == "READ":
+            self._choose(report.peer, choose("auto", report))
+
+    def _choose(self, name: str, choice: Choice) -> None:
+        if self.choices.get(name) != choice:
+            logger.info("p2pkv: %s from prefill agent %s (%s)", choice.direction.value, name, choice.reason)
+        self.choices[name] = choice

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 from handshake import HoldLink, HoldsReply, query_holds
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
+from p2pkv.decode.pull import PullState, ReadPart
 
 if TYPE_CHECKING:
     from p2pkv.decode.peers import PeerId
-    from p2pkv.decode.pull import ReadPart
 
 FENCE_EXTEND_S = 10.0
 """Lease extension (seconds) a fence question asks for: the notification follows within a step."""
@@ -130,6 +130,22 @@ class Fence:
         for link in self._links.values():
             link.close()
         self._links.clear()
+
+    def verdicts(self, now: float, grace_s: float) -> list[tuple[ReadPart, Verdict, Hold | Exception]]:
+        """Judge the answers of the current attempts' questions at ``now`` (``time.monotonic()``); those to
+        ask again are queued again here (:attr:`Verdict.ASK_AGAIN`), the rest returned (``WAIT``: nothing to do)."""
+        out = []
+        for read, phase, answer in self.answers():
+            pull = read.pull
+            if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
+                continue  # that attempt was abandoned
+            verdict = judge(phase, answer, read.unanswered, now - pull.started, grace_s)
+            if verdict is Verdict.ASK_AGAIN:
+                read.unanswered += isinstance(answer, Exception)  # a busy prefill engine may miss one
+                self.add(read, phase)
+            else:
+                out.append((read, verdict, answer))
+        return out
 
     def answers(self) -> list[tuple[ReadPart, Phase, Hold | Exception]]:
         """Finished questions: the READ, the phase, and what the prefill rank said (or why it is unknown)."""

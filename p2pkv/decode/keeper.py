@@ -24,6 +24,7 @@ from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence
 from p2pkv.decode.peers import PeerId, PeerTable
+from p2pkv.decode.pull import Pull
 
 logger = logging.getLogger("p2pkv.decode")
 
@@ -47,6 +48,7 @@ class PeerKeeper:
         self.peers, self.fence, self.background, self.config = peers, fence, background, config
         self.engine_id, self.compat_hash, self.secret = engine_id, compat_hash, secret
         self._idle_check_at = 0.0  # time.monotonic() of the next look for idle peers
+        self._waiting: dict[PeerId, list[Pull]] = {}  # handshake in flight → the pulls begun again after it
 
     def handshake(self, missing: list[PeerId], busy: set[PeerId]) -> bool:
         """Start the handshakes with ``missing`` (those not in flight yet) if they fit in ``max_peers``,
@@ -69,6 +71,22 @@ class PeerKeeper:
                                  secret=self.secret, timeout_s=self.config.handshake_timeout_s,
                                  retries=self.config.handshake_retries)
         return True
+
+    def wait(self, pid: PeerId, pull: Pull) -> None:
+        """``pull`` waits for the handshake with ``pid`` (it begins again once that ended: :meth:`ready`)."""
+        self._waiting.setdefault(pid, []).append(pull)
+
+    def ready(self, seconds: list[float]) -> Iterator[tuple[Pull, tuple[FailureKind, str] | None]]:
+        """The unfinished pulls that waited for a handshake that has ended, each with why it fails (or None:
+        begin it again); see :meth:`completed`."""
+        for pid, failure in self.completed(seconds):
+            for pull in [p for p in self._waiting.pop(pid, []) if not p.finished]:
+                yield pull, failure
+
+    def cancel_unneeded(self, needed: set[PeerId]) -> None:
+        """Cancel the handshakes not started yet that no peer in ``needed`` is; their waiting pulls are forgotten."""
+        for pid in self.peers.cancel_unneeded(needed):
+            self._waiting.pop(pid, None)
 
     def completed(self, seconds: list[float]) -> Iterator[tuple[PeerId, tuple[FailureKind, str] | None]]:
         """Handshakes that have ended: each peer added (its handshake's duration appended to ``seconds``),

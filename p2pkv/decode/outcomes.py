@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2pkv.decode.pull import Pull
 
 
 class Outcomes:
@@ -31,6 +35,10 @@ class Outcomes:
             if failed:
                 self._failed.add(request_id)
         self._ended.set()
+
+    def report(self, pull: Pull) -> None:
+        """Hand an ended pull to vLLM: finished receiving, and for a failed one its blocks as load errors."""
+        self.add(pull.request_id, pull.spec.local_block_ids, failed=pull.failed, report=pull.spec.report)
 
     def take_finished(self) -> set[str]:
         """Request ids ended since the last call (loaded or failed)."""

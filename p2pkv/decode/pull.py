@@ -51,6 +51,7 @@ class ReadPart:
         stage: staging it READs into (``STAGED`` plans), else None.
         handle: the NIXL READ once posted.
         done: ``time.monotonic()`` when seen done (0: not yet).
+        abandoned: given up (its pull failed or retried): no longer in flight, never done.
         confirmed: the prefill rank confirmed the lease held.
         unanswered: fence questions after the READ that got no answer (one is asked again).
         push_id: in push mode, the push request's id (the prefill rank WRITEs
@@ -70,6 +71,7 @@ class ReadPart:
     stage: Stage | None = None
     handle: XferHandle | None = None
     done: float = 0.0
+    abandoned: bool = False
     confirmed: bool = False
     unanswered: int = 0
     push_id: bytes = b""
@@ -81,7 +83,7 @@ class ReadPart:
     @property
     def in_flight(self) -> bool:
         """Posted (or its push requested) and not yet seen done."""
-        return (self.handle is not None or bool(self.push_id)) and not self.done
+        return (self.handle is not None or bool(self.push_id)) and not self.done and not self.abandoned
 
     @property
     def num_bytes(self) -> int:
@@ -142,3 +144,8 @@ class Pull:
     def finished(self) -> bool:
         """True once ``DONE`` or ``FAILED``."""
         return self.state in (PullState.DONE, PullState.FAILED)
+
+    @property
+    def failed(self) -> bool:
+        """True once ``FAILED``."""
+        return self.state is PullState.FAILED

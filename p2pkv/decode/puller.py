@@ -33,29 +33,28 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from handshake import KVLayoutDesc, PushReply
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
-from p2pkv.dataplane.layout import KVLayout
-from p2pkv.dataplane.negotiate import ModelInfo, PullRefused, total_heads
+from p2pkv.dataplane.negotiate import ModelInfo, PullRefused
 from p2pkv.dataplane.plan import PlanError
+from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.staging import StagingFull
-from p2pkv.dataplane.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
-from p2pkv.dataplane.transport import TransportReport
+from p2pkv.dataplane.topology import RankRead
 from p2pkv.decode.background import Background
 from p2pkv.decode.deadlines import Deadlines
-from p2pkv.decode.direction import Choice, Direction, choose
+from p2pkv.decode.direction import Direction, Directions
+from p2pkv.decode.drain import Drain
 from p2pkv.decode.failures import FailureKind
-from p2pkv.decode.fence import Fence, Hold, Phase, Verdict, failure_of, judge
+from p2pkv.decode.fence import Fence, Hold, Phase, Verdict, failure_of
 from p2pkv.decode.keeper import PeerKeeper
 from p2pkv.decode.notifier import Notifier
 from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull import Pull, PullState, ReadPart
-from p2pkv.decode.pushes import Pushes, failure_of_push
-from p2pkv.decode.reads import ReadEvent, abandon, plan_reads, poll_read, release_unposted
+from p2pkv.decode.pushes import Pushes
+from p2pkv.decode.reads import ReadEvent, plan_reads, poll_read, release_unposted
 from p2pkv.decode.release import release_failed
 from p2pkv.decode.spans import PullSpans
 from p2pkv.metadata import PullSpec
@@ -68,41 +67,41 @@ class Puller:
     """Every pull of one decode rank.
 
     Args:
-        engine_id / tp_rank / tp_size: this rank.
-        config: p2pkv settings (timeouts, secret, stats file).
+        rank: this rank (engine id, TP rank and size, KV layout, device).
+        config: p2pkv settings (timeouts, secret, stats file, transfer mode).
         agent: the rank's NIXL agent, KV memory registered.
-        layout / desc: the local KV layout and its wire description.
-        device_id: GPU index of the KV cache (0 for DRAM).
         stager: the staging area for pulls that need a fixup.
-        compat_hash / stats: what handshakes must match; the worker's statistics, appended to.
+        compat_hash: what handshakes must match.
+        stats: the worker's statistics, appended to.
         model: this engine's model facts that limit pairings (window, KV cache groups).
     """
 
-    def __init__(self, engine_id: str, tp_rank: int, tp_size: int, config: P2pKvConfig, agent: NixlTransferAgent,
-                 layout: KVLayout, desc: KVLayoutDesc, device_id: int, stager: Stager, compat_hash: str,
-                 stats: StatsBuffer, model: ModelInfo | None = None) -> None:
-        self.engine_id, self.tp_rank, self.tp_size, self.config = engine_id, tp_rank, tp_size, config
-        self.agent, self.layout, self.desc, self.device_id, self.stager = agent, layout, desc, device_id, stager
-        self.compat_hash, self.stats, self._secret = compat_hash, stats, config.secret_bytes()
-        self.progress = Progress(self._advance, f"p2pkv-pulls-tp{tp_rank}", config.pull_poll_interval_s,
-                                 on_start=lambda: bind_device(desc.mem_type, device_id))
+    def __init__(self, rank: LocalRank, config: P2pKvConfig, agent: NixlTransferAgent, stager: Stager,
+                 compat_hash: str, stats: StatsBuffer, model: ModelInfo | None = None) -> None:
+        self.rank = rank
+        self.config = config
+        self.agent = agent
+        self.stager = stager
+        self.stats = stats
+        self._secret = config.secret_bytes()
+        self.progress = Progress(self._advance, f"p2pkv-pulls-tp{rank.tp_rank}", config.pull_poll_interval_s,
+                                 on_start=lambda: bind_device(rank.desc.mem_type, rank.device_id))
         self.lock = self.progress.lock
         self.background = Background(on_done=self.progress.wake)
-        self.peers = PeerTable(agent, desc, list(layout.segments), tp_rank, tp_size, model)
-        self.fence = Fence(self.background, engine_id, self._secret, config.handshake_timeout_s)
-        self.keeper = PeerKeeper(self.peers, self.fence, self.background, engine_id=engine_id,
+        self.peers = PeerTable(agent, rank.desc, list(rank.layout.segments), rank.tp_rank, rank.tp_size, model)
+        self.fence = Fence(self.background, rank.engine_id, self._secret, config.handshake_timeout_s)
+        self.keeper = PeerKeeper(self.peers, self.fence, self.background, engine_id=rank.engine_id,
                                  compat_hash=compat_hash, secret=self._secret, config=config)
         self.deadlines = Deadlines.of(config)
         self.pulls: list[Pull] = []
         self._staging_wait: list[Pull] = []
-        self._handshake_wait: dict[PeerId, list[Pull]] = {}
-        self._draining: list[tuple[ReadPart, float]] = []  # cancelled READs NIXL would not release, deadline
         self.outcomes = Outcomes()  # reported to vLLM at the next get_finished
-        self.spans = PullSpans.start(config, engine_id, tp_rank, agent)  # None: tracing off
-        self.notifier = Notifier(agent, self.peers, f"{engine_id}:{tp_rank}", self._secret, self.spans)
-        self.pushes = Pushes(self.background, self.fence, agent, engine_id, self._secret, config.handshake_timeout_s,
-                             config.transfer_timeout_s)
-        self.choices: dict[str, Choice] = {}  # prefill agent name → its direction (config or UCX's report)
+        self.spans = PullSpans.start(config, rank.engine_id, rank.tp_rank, agent)  # None: tracing off
+        self.notifier = Notifier(agent, self.peers, rank.name, self._secret, self.spans)
+        self.pushes = Pushes(self.background, self.fence, agent, rank.engine_id, self._secret,
+                             config.handshake_timeout_s, config.transfer_timeout_s)
+        self.directions = Directions(config.transfer_mode)
+        self.drain = Drain(agent, stager, self.pushes, self.outcomes, config.transfer_timeout_s)
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -135,12 +134,12 @@ class Puller:
         Each phase is contained: one that raises is logged and the others still run.
         """
         for what, phase in (("finishing handshakes", self._finish_handshakes),
-                            ("collecting pushes", self._collect_pushes), ("draining", self._drain),
+                            ("collecting pushes", self._collect_pushes), ("draining", self.drain.poll),
                             ("polling READs", self._poll_reads), ("collecting fence answers", self._collect_fence),
                             ("checking deadlines", self._expire), ("asking fence questions", self.fence.send),
                             ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers))):
             self._contained(None, what, phase)
-        return bool(self._draining) or any(r.in_flight and (r.stage is None or r.push_id)
+        return bool(self.drain) or any(r.in_flight and (r.stage is None or r.push_id)
                                            for p in self.in_state(PullState.READING) for r in p.reads)
 
     def _contained(self, pull: Pull | None, what: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -197,16 +196,16 @@ class Puller:
             if pull in self.pulls:
                 self.pulls.remove(pull)
             if not pull.draining:
-                _report(self.outcomes, pull)
+                self.outcomes.report(pull)
 
     def _begin(self, pull: Pull) -> None:
         """Map the TP topology, then wait for handshakes or start the READs."""
         spec = pull.spec
-        if (why := _refusal(spec, self.engine_id)) is not None:
+        if (why := _refusal(spec, self.rank.engine_id)) is not None:
             self._fail(pull, FailureKind.REFUSED, why)
             return
         try:
-            reads, notify = topology(self.desc, self.tp_rank, self.tp_size, spec.remote.tp_size)
+            reads, notify = self.rank.topology(spec.remote.tp_size)
         except PullRefused as exc:
             self._fail(pull, FailureKind.REFUSED, f"refused: {exc}")
             return
@@ -229,26 +228,25 @@ class Puller:
                        "dropped (all in use); raise max_peers in kv_connector_extra_config")
             return
         self._to(pull, PullState.HANDSHAKE)
-        self._handshake_wait.setdefault(missing[0], []).append(pull)  # begun again when done; waits for the rest then
+        self.keeper.wait(missing[0], pull)  # begun again when done; waits for the rest then
 
     def _finish_handshakes(self) -> None:
-        for pid, failure in self.keeper.completed(self.stats.data["handshake_seconds"]):
-            for pull in [p for p in self._handshake_wait.pop(pid, []) if not p.finished]:
-                if failure is not None:
-                    self._contained(pull, "failing the pull", self._fail, pull, *failure)
-                else:  # _begin, not _post: a failed start drops the peer for the rest
-                    pull.marks["handshaken"] = time.time()
-                    self._contained(pull, "starting the pull after its handshake", self._begin, pull)
+        for pull, failure in self.keeper.ready(self.stats.data["handshake_seconds"]):
+            if failure is not None:
+                self._contained(pull, "failing the pull", self._fail, pull, *failure)
+            else:  # _begin, not _post: a failed start drops the peer for the rest
+                pull.marks["handshaken"] = time.time()
+                self._contained(pull, "starting the pull after its handshake", self._begin, pull)
 
     def _post(self, pull: Pull, reads: list[RankRead], notify: list[int]) -> None:
         """Plan every READ of ``pull`` and post them (or wait for staging, or finish at once)."""
         spec = pull.spec
-        args = (self.tp_size, spec.remote.tp_size, total_heads(self.desc, self.tp_size), self.desc.is_mla)
-        pull.notify = [(PeerId.of(spec.remote, r), notifiers_of(r, *args)) for r in notify]
+        counts = self.rank.notifiers(spec.remote.tp_size, notify)
+        pull.notify = [(PeerId.of(spec.remote, r), n) for r, n in zip(notify, counts, strict=True)]
         pull.reads, pull.started, pull.num_bytes, pull.num_descriptors = [], time.monotonic(), 0, 0
         try:
-            if not plan_reads(pull, [r.remote_rank for r in reads], self.peers.peers, self.layout, self.desc,
-                              self.device_id, self.stager):
+            if not plan_reads(pull, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
+                              self.rank.desc, self.rank.device_id, self.stager):
                 self._to(pull, PullState.STAGING)
                 self._staging_wait.append(pull)
                 return
@@ -266,7 +264,7 @@ class Puller:
         self._to(pull, PullState.READING)
         for read in pull.reads:
             try:
-                if self.direction(pull, read) is Direction.PUSH:
+                if self.directions.of(pull.spec.remote.transfer_mode, read.peer.agent_name) is Direction.PUSH:
                     self.pushes.post(read)
                     continue
                 read.handle = self.agent.start_read(read.peer.agent_name, read.local_descs, read.remote_descs)
@@ -278,44 +276,10 @@ class Puller:
             self.fence.add(read, Phase.BEFORE)
         pull.marks["posted"] = time.time()
 
-    def direction(self, pull: Pull, read: ReadPart) -> Direction:
-        """Pull or push ``read``: the request's ``p2pkv_transfer_mode`` if it names one, else the peer's choice."""
-        wanted = pull.spec.remote.transfer_mode
-        if wanted in ("pull", "push"):
-            return Direction(wanted)
-        name = read.peer.agent_name
-        if name not in self.choices:
-            self._choose(name, choose(self.config.transfer_mode, None))
-        return self.choices[name].direction
-
-    def on_transport(self, report: TransportReport) -> None:
-        """UCX said how one peer's READs move: under ``auto``, that decides the peer's direction from now on."""
-        if self.config.transfer_mode == "auto":
-            self._choose(report.peer, choose("auto", report))
-
-    def _choose(self, name: str, choice: Choice) -> None:
-        """Record a peer's direction; logged when it is new or changes."""
-        if self.choices.get(name) != choice:
-            logger.info("p2pkv: %s from prefill agent %s (%s)", choice.direction.value, name, choice.reason)
-        self.choices[name] = choice
-
     def _collect_pushes(self) -> None:
         """Push replies (a refusal fails the pull as the fence would) and WRITE notifications."""
-        now = time.monotonic()
-        self.pushes.send_due(now)
-        for read, reply in self.pushes.replies():
-            pull = read.pull
-            if read.attempt != pull.attempt or pull.finished:
-                continue
-            if (isinstance(reply, PushReply) and reply.status == "unknown"
-                    and self.pushes.unknown_for(read, now) < self.config.handshake_timeout_s):
-                self.pushes.again(read)  # the prefill worker may not have been told of the hold yet
-                continue
-            why = failure_of_push(reply, pull.spec.remote.request_id)
-            if why is not None:
-                self._contained(pull, "failing a pushed pull", self._push_failed, pull, *why)
-        for read, note in self.pushes.arrivals(now):
-            read.arrived, read.failure = note.ok, note.reason
+        for read, kind, why, retry in self.pushes.collect(time.monotonic(), self.config.handshake_timeout_s):
+            self._contained(read.pull, "failing a pushed pull", self._push_failed, read.pull, kind, why, retry)
         self.progress.wake()
 
     def _push_failed(self, pull: Pull, kind: FailureKind, why: str, retry: bool) -> None:
@@ -324,19 +288,6 @@ class Puller:
             self._retry_or_fail(pull, kind, why)
         else:
             self._fail(pull, kind, why)
-
-    def _drain(self) -> None:
-        """Report pulls whose cancelled READs have ended (or waited out ``transfer_timeout_s``)."""
-        self._draining = _wait_out(self._ended, self.outcomes, self._draining)
-
-    def _ended(self, read: ReadPart) -> bool:
-        """True once a given-up READ or push can write nothing more."""
-        if read.push_id:
-            return self.pushes.ended(read)
-        try:
-            return self.agent.poll(read.handle)
-        except Exception:
-            return True
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -371,25 +322,17 @@ class Puller:
             self.fence.add(read, Phase.AFTER)
 
     def _collect_fence(self) -> None:
-        now = time.monotonic()
-        for read, phase, answer in self.fence.answers():
-            self._contained(read.pull, "judging a fence answer", self._judge, read, phase, answer, now)
+        for read, verdict, answer in self.fence.verdicts(time.monotonic(), self.config.handshake_timeout_s):
+            self._contained(read.pull, "acting on a fence answer", self._judged, read, verdict, answer)
 
-    def _judge(self, read: ReadPart, phase: Phase, answer: Hold | Exception, now: float) -> None:
-        """Act on one fence answer about ``read``."""
-        pull = read.pull
-        if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
-            return  # that attempt was abandoned
-        verdict = judge(phase, answer, read.unanswered, now - pull.started, self.config.handshake_timeout_s)
-        if verdict is Verdict.ASK_AGAIN:
-            read.unanswered += isinstance(answer, Exception)  # a busy prefill engine may miss one
-            self.fence.add(read, phase)
-        elif verdict is Verdict.FAIL:
-            self._abandon(pull)
-            self._fail(pull, *failure_of(answer, pull.spec.remote.request_id))
+    def _judged(self, read: ReadPart, verdict: Verdict, answer: Hold | Exception) -> None:
+        """Act on the verdict on one fence answer about ``read`` (:meth:`p2pkv.decode.fence.Fence.verdicts`)."""
+        if verdict is Verdict.FAIL:
+            self._abandon(read.pull)
+            self._fail(read.pull, *failure_of(answer, read.pull.spec.remote.request_id))
         elif verdict is Verdict.CONFIRMED:
             read.confirmed = True
-            self._confirm_if_done(pull)
+            self._confirm_if_done(read.pull)
 
     def _confirm_if_done(self, pull: Pull) -> None:
         """``FENCING`` with every part confirmed: the pull is done (recorded, prefill ranks to notify)."""
@@ -401,10 +344,8 @@ class Puller:
 
     # ---- endings ----------------------------------------------------------------
     def _abandon(self, pull: Pull) -> None:
-        """Stop a failing pull's READs in flight (:func:`p2pkv.decode.reads.abandon`); those NIXL keeps are
-        waited out before the pull is reported."""
-        self._draining += abandon(pull, self.agent, self.stager, self.config.transfer_timeout_s,
-                                  self.pushes.drain_deadline)
+        """Stop a failing pull's parts in flight; those that may still write drain (:mod:`p2pkv.decode.drain`)."""
+        self.drain.abandon(pull)
 
     def _retry_or_fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
         """After a peer failure: re-handshake (the prefill may have restarted) and retry once per pull."""
@@ -435,41 +376,18 @@ class Puller:
         if self.spans is not None:
             self._contained(None, "tracing a pull", self.spans.ended, pull, (kind, why))
         if handshaking:  # the handshakes no other pull waits for are not started (a running one ends by itself)
-            for pid in self.peers.cancel_unneeded(self._handshaking()):
-                self._handshake_wait.pop(pid, None)
-        release_failed(self.background, spec.remote, _answered_ranks(self.desc, self.tp_rank, self.tp_size, spec),
-                       f"{self.engine_id}:{self.tp_rank}", self._secret, self.config.handshake_timeout_s)
+            self.keeper.cancel_unneeded(self._handshaking())
+        release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size), self.rank.name,
+                       self._secret, self.config.handshake_timeout_s)
 
     # ---- peers ------------------------------------------------------------------------
     def _busy_peers(self) -> set[PeerId]:
         """Peers a pull under way, a cancelled READ or a notification still needs (never dropped)."""
-        return ({pid for p in self.pulls for pid in p.peers} | {r.peer_id for r, _ in self._draining}
-                | self.notifier.needed_peers())
+        return {pid for p in self.pulls for pid in p.peers} | self.drain.peers() | self.notifier.needed_peers()
 
     def _handshaking(self) -> set[PeerId]:
         """Peers the pulls waiting in ``HANDSHAKE`` need."""
         return {pid for p in self.pulls if p.state is PullState.HANDSHAKE for pid in p.peers}
-
-
-def _wait_out(ended: Callable[[ReadPart], bool], outcomes: Outcomes,
-              draining: list[tuple[ReadPart, float]]) -> list[tuple[ReadPart, float]]:
-    """Wait out cancelled READs NIXL would not release and open pushes (until ``ended`` or their deadline),
-    then report their pulls; returns the parts still draining."""
-    now, keep = time.monotonic(), []
-    for read, deadline in draining:
-        if not ended(read) and now < deadline:
-            keep.append((read, deadline))
-            continue
-        read.pull.draining -= 1
-        if read.pull.finished and not read.pull.draining:
-            _report(outcomes, read.pull)
-    return keep
-
-
-def _report(outcomes: Outcomes, pull: Pull) -> None:
-    """Hand an ended pull to vLLM: finished receiving, and for a failed one its blocks as load errors."""
-    outcomes.add(pull.request_id, pull.spec.local_block_ids, failed=pull.state is PullState.FAILED,
-                 report=pull.spec.report)
 
 
 def _log_failure(spec: PullSpec, kind: FailureKind, why: str) -> bool:
@@ -521,27 +439,6 @@ def _refusal(spec: PullSpec, engine_id: str) -> str | None:
 def _kind(exc: BaseException) -> FailureKind:
     """``DISCONNECT`` when NIXL said the peer went away, else ``TRANSFER``."""
     return FailureKind.DISCONNECT if isinstance(exc, TransferError) and exc.disconnected else FailureKind.TRANSFER
-
-
-def _answered_ranks(desc: KVLayoutDesc, tp_rank: int, tp_size: int, spec: PullSpec) -> list[int]:
-    """Prefill ranks this decode rank tells about ``spec`` (all of them when the TP sizes cannot pair)."""
-    try:
-        return topology(desc, tp_rank, tp_size, spec.remote.tp_size)[1]
-    except PullRefused:
-        return list(range(spec.remote.tp_size))
-
-
-def topology(desc: KVLayoutDesc, tp_rank: int, tp_size: int, remote_tp: int) -> tuple[list[RankRead], list[int]]:
-    """The prefill ranks decode rank ``tp_rank`` reads (with head slices) and notifies.
-
-    Raises:
-        PullRefused: the heads cannot be mapped between the two TP sizes.
-    """
-    args = (tp_rank, tp_size, remote_tp, total_heads(desc, tp_size), desc.is_mla)
-    try:
-        return read_plan(*args), notify_ranks(*args)
-    except TopologyError as exc:
-        raise PullRefused(f"prefill tp_size={remote_tp}, decode tp_size={tp_size}: {exc}") from exc
 
 
 def bind_device(mem_type: str, device_id: int) -> None:

@@ -123,6 +123,34 @@ class Pushes:
         """Seconds since ``read``'s first push request (how long its hold has been unknown there)."""
         return now - read.first_pushed_at
 
+    def collect(self, now: float, grace_s: float) -> list[tuple[ReadPart, FailureKind, str, bool]]:
+        """Send what is due again, read replies and notifications at ``now`` (``time.monotonic()``).
+
+        A notification sets its part's ``arrived`` (and ``failure``). A reply
+        ``unknown`` within ``grace_s`` seconds of the first request is asked
+        again (the prefill rank is told of a hold at its next engine step).
+
+        Returns:
+            The parts of the current attempts whose request failed: the part,
+            the failure kind, why, and whether the pull may retry
+            (:func:`failure_of_push`).
+        """
+        self.send_due(now)
+        failed = []
+        for read, reply in self.replies():
+            if read.attempt != read.pull.attempt or read.pull.finished:
+                continue
+            if (isinstance(reply, PushReply) and reply.status == "unknown"
+                    and self.unknown_for(read, now) < grace_s):
+                self.again(read)
+                continue
+            why = failure_of_push(reply, read.pull.spec.remote.request_id)
+            if why is not None:
+                failed.append((read, *why))
+        for read, note in self.arrivals(now):
+            read.arrived, read.failure = note.ok, note.reason
+        return failed
+
     def replies(self) -> list[tuple[ReadPart, PushReply | Exception]]:
         """Answered push requests: the READ part and the reply (or why there is none).
 

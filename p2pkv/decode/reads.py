@@ -200,7 +200,7 @@ def abandon(pull: Pull, agent: NixlTransferAgent, stager: Stager, quarantine_s: 
                 if not agent.cancel(read.handle):
                     pull.draining += 1
                     draining.append((read, time.monotonic() + quarantine_s))
-            read.done = -1.0  # no longer in flight
+            read.abandoned = True
             if read.stage is not None:
                 stager.quarantine(read.stage, quarantine)
                 read.stage = None

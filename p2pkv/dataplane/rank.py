@@ -1,0 +1,62 @@
+"""One worker's rank as its transfers see it: who it is, and where its KV cache lies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from handshake import KVLayoutDesc
+from p2pkv.dataplane.layout import KVLayout
+from p2pkv.dataplane.negotiate import PullRefused, total_heads
+from p2pkv.dataplane.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
+
+
+@dataclass(frozen=True)
+class LocalRank:
+    """This worker's rank.
+
+    Attributes:
+        engine_id: the engine's id.
+        tp_rank / tp_size: this rank and its engine's tensor-parallel size.
+        layout: the KV cache's segments and regions (bytes).
+        desc: its wire description (:class:`handshake.KVLayoutDesc`).
+        device_id: GPU index of the KV cache (0 for DRAM).
+    """
+
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    layout: KVLayout
+    desc: KVLayoutDesc
+    device_id: int = 0
+
+    @property
+    def name(self) -> str:
+        """``<engine_id>:<tp_rank>``, as notifications and logs name a rank."""
+        return f"{self.engine_id}:{self.tp_rank}"
+
+    def topology(self, remote_tp: int) -> tuple[list[RankRead], list[int]]:
+        """The prefill ranks (of an engine with TP size ``remote_tp``) this rank reads, with head slices, and
+        those it notifies (:mod:`p2pkv.dataplane.topology`).
+
+        Raises:
+            PullRefused: the heads cannot be mapped between the two TP sizes.
+        """
+        args = (self.tp_rank, self.tp_size, remote_tp, total_heads(self.desc, self.tp_size), self.desc.is_mla)
+        try:
+            return read_plan(*args), notify_ranks(*args)
+        except TopologyError as exc:
+            raise PullRefused(f"prefill tp_size={remote_tp}, decode tp_size={self.tp_size}: {exc}") from exc
+
+    def answered_ranks(self, remote_tp: int) -> list[int]:
+        """The prefill ranks this rank tells about a request: those it notifies, or all of them when the TP
+        sizes cannot pair."""
+        try:
+            return self.topology(remote_tp)[1]
+        except PullRefused:
+            return list(range(remote_tp))
+
+    def notifiers(self, remote_tp: int, ranks: list[int]) -> list[int]:
+        """For each prefill rank in ``ranks``, how many decode ranks notify it about a request
+        (:func:`p2pkv.dataplane.topology.notifiers_of`)."""
+        args = (self.tp_size, remote_tp, total_heads(self.desc, self.tp_size), self.desc.is_mla)
+        return [notifiers_of(r, *args) for r in ranks]
