@@ -54,7 +54,8 @@ def choose(setting: TransferModeSetting, report: TransportReport | None) -> Choi
     if report is None:
         return Choice(Direction.PULL, "auto: no READ from this peer yet, so pulling until UCX says how READs move")
     if report.transport == "unknown":
-        return Choice(Direction.PULL, f"auto: UCX reported no transport for READs of {report.mem_type}; pulling")
+        return Choice(Direction.PULL, f"auto: UCX reported no transport for READs of {report.mem_type} (unknown); "
+                                      "pulling")
     if read_is_zero_copy(report):
         return Choice(Direction.PULL, f"auto: READs of {report.mem_type} move by {report.transport} (zero-copy)")
     return Choice(Direction.PUSH, f"auto: READs of {report.mem_type} move by {report.transport}, not zero-copy; "
