@@ -197,26 +197,18 @@ class Pusher:
             return any(self._in_flight.values()) or any(self._queued.values())
 
     def _post_in_turn(self, now: float) -> None:
-        """One job per decode agent per round, agents in turn, until each is at ``max_in_flight`` or empty."""
-        while True:
-            posted_any = False
-            with self._lock:
-                agents = list(self._turn)
-            for name in agents:
+        """Post what fits now: decode agents in turn (:func:`take_in_turn`), each up to ``max_in_flight``."""
+        with self._lock:
+            order = list(self._turn)
+            self._turn.rotate(-1)  # the next cycle starts with the next agent
+            flying = {name: len(jobs) for name, jobs in self._in_flight.items()}
+            taken = take_in_turn(self._queued, flying, order, self.max_in_flight)
+        for name, job in taken:
+            if job.overdue(now):
+                self._finish(job, "the decode rank's window passed before the WRITE could start")
+            elif self._start(job):
                 with self._lock:
-                    queue, flying = self._queued[name], self._in_flight[name]
-                    job = queue.popleft() if queue and len(flying) < self.max_in_flight else None
-                if job is None:
-                    continue
-                if job.overdue(now):
-                    self._finish(job, "the decode rank's window passed before the WRITE could start")
-                    continue
-                if self._start(job):
-                    with self._lock:
-                        flying.append(job)
-                posted_any = True
-            if not posted_any:
-                return
+                    self._in_flight[name].append(job)
 
     def _start(self, job: PushJob) -> bool:
         """Post ``job``'s WRITE; False (and the job finished as failed) when NIXL refused it."""
@@ -278,6 +270,29 @@ class Pusher:
             if job.handle is not None:
                 self.agent.cancel(job.handle)
             self.holds.unpin(job.request_id)
+
+
+def take_in_turn(queued: dict[str, collections.deque[PushJob]], in_flight: dict[str, int], order: list[str],
+                 limit: int) -> list[tuple[str, PushJob]]:
+    """Which queued WRITEs to post now, in posting order: one per decode agent per round, agents in ``order``,
+    until each agent has ``limit`` in flight or nothing queued (round-robin, so one busy decode rank never
+    starves another). Pops what it takes from ``queued``.
+
+    Args:
+        queued: decode agent → its waiting jobs, oldest first.
+        in_flight: decode agent → WRITEs it has in flight now.
+        order: the agents, the one to serve first first.
+        limit: most WRITEs in flight per agent.
+    """
+    flying = {name: in_flight.get(name, 0) for name in order}
+    taken: list[tuple[str, PushJob]] = []
+    while True:
+        round_ = [name for name in order if queued.get(name) and flying[name] < limit]
+        if not round_:
+            return taken
+        for name in round_:
+            taken.append((name, queued[name].popleft()))
+            flying[name] += 1
 
 
 def _rows(data: bytes) -> np.ndarray | None:
