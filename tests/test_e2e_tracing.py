@@ -28,7 +28,8 @@ pytestmark = pytest.mark.engines
 
 @pytest.fixture(scope="module")
 def traced(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, OtlpReceiver]]:
-    """A prefill/decode pair and proxy exporting every span to a receiver on 127.0.0.1."""
+    """A prefill/decode pair and proxy exporting every span to a receiver on 127.0.0.1; the decode engine is
+    configured ``transfer_mode: push`` (the setting's path through a real engine: the prefill engine WRITEs)."""
     from p2pkv.tools.deploy.local import LocalPair
 
     with OtlpReceiver("127.0.0.1", 0) as receiver:
@@ -37,7 +38,8 @@ def traced(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tup
         pair = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                          side_channel_port=side, block_size=BLOCK, log_dir=tmp_path_factory.mktemp("traced"),
                          extra_config={"otlp_traces_endpoint": url},
-                         decode_extra_config={"handshake_timeout_s": 2.0, "handshake_retries": 1},
+                         decode_extra_config={"handshake_timeout_s": 2.0, "handshake_retries": 1,
+                                              "transfer_mode": "push"},
                          engine_args=("--otlp-traces-endpoint", url), proxy_args=("--otlp-traces-endpoint", url),
                          max_model_len=1024)
         old = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
@@ -106,7 +108,7 @@ def test_a_request_is_one_trace_across_proxy_prefill_and_decode(traced, client) 
     assert pull.parent_span_id == decode_leg.span_id and pull.service == "p2pkv-decode"
     assert hold.attributes["p2pkv.hold.end"] == "notified" and hold.attributes["p2pkv.blocks"] >= 1
     assert pull.attributes["p2pkv.remote_request_id"] == hold.attributes["p2pkv.request_id"]
-    assert pull.attributes["p2pkv.bytes"] > 0 and pull.attributes["p2pkv.mode"] == "pull"
+    assert pull.attributes["p2pkv.bytes"] > 0 and pull.attributes["p2pkv.mode"] == "push"  # transfer_mode: push
     assert pull.status_code != "ERROR"
     phases = {s.name: s for s in spans if s.trace_id == trace and s.parent_span_id == pull.span_id}
     assert {"p2pkv.pull.transfer", "p2pkv.pull.fence", "p2pkv.pull.notify"} <= set(phases)
