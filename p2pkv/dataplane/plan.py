@@ -167,10 +167,12 @@ def check_rows_in_blocks(rows: np.ndarray, segments: Sequence[Segment], num_bloc
     """Check that every byte descriptor rows name lies in blocks ``block_ids`` of this rank's KV segments.
 
     What a prefill rank checks before it WRITEs rows a decode rank sent (push):
-    only the held request's blocks may leave. A block owns
-    ``[seg.addr + b * block_stride, + block_stride)`` of each segment; a row
-    may span several consecutive blocks, all of which must be in
-    ``block_ids``. Vectorised (numpy), no loop per row.
+    only the held request's blocks may leave. Block ``b`` of a segment owns
+    ``[seg.addr + b * block_stride, + seg.length)``; a row must lie inside one
+    block's range of one segment, or, where a segment's blocks touch
+    (``block_stride == length``), inside a run of consecutive blocks, every
+    one of them in ``block_ids``. Vectorised over rows (numpy), one pass per
+    segment.
 
     Args:
         rows: uint64 ``[n, 3]`` ``(addr, bytes, device_id)``.
@@ -180,7 +182,7 @@ def check_rows_in_blocks(rows: np.ndarray, segments: Sequence[Segment], num_bloc
 
     Raises:
         PlanError: a row of zero bytes, or one with a byte outside every
-            segment or in a block not in ``block_ids`` (the first such row is named).
+            segment's blocks or in a block not in ``block_ids`` (the first such row is named).
     """
     if rows.ndim != 2 or rows.shape[1] != 3:
         raise PlanError(f"descriptor rows must be [n, 3], got shape {rows.shape}")
@@ -189,20 +191,22 @@ def check_rows_in_blocks(rows: np.ndarray, segments: Sequence[Segment], num_bloc
     if int(rows[:, :2].max()) >= 1 << 62 or int(rows[:, 1].min()) == 0:
         raise PlanError("a descriptor row has zero bytes or an address/length beyond 2**62")
     addr, length = rows[:, 0].astype(np.int64), rows[:, 1].astype(np.int64)
-    order = sorted(segments, key=lambda s: s.addr)
-    bases = np.array([s.addr for s in order], dtype=np.int64)
-    strides = np.array([s.block_stride for s in order], dtype=np.int64)
-    which = np.searchsorted(bases, addr, side="right") - 1
-    inside = which >= 0
-    which = np.maximum(which, 0)
-    offset = addr - bases[which]
-    first, last = offset // strides[which], (offset + length - 1) // strides[which]
-    inside &= last < num_blocks
     held = np.zeros(num_blocks + 1, dtype=np.int64)
     held[1:][np.asarray(block_ids, dtype=np.int64)] = 1
     held_before = np.cumsum(held)  # held blocks among ids < b: held_before[b]
-    clipped_first, clipped_last = np.clip(first, 0, num_blocks - 1), np.clip(last, 0, num_blocks - 1)
-    inside &= held_before[clipped_last + 1] - held_before[clipped_first] == clipped_last - clipped_first + 1
+    inside = np.zeros(addr.size, dtype=bool)
+    for seg in segments:
+        offset = addr - seg.addr
+        first = offset // seg.block_stride
+        if seg.blocks_contiguous:
+            last = (offset + length - 1) // seg.block_stride
+            fits = offset >= 0
+        else:
+            last = first
+            fits = (offset >= 0) & (offset - first * seg.block_stride + length <= seg.length)
+        fits &= last < num_blocks
+        lo, hi = np.clip(first, 0, num_blocks - 1), np.clip(last, 0, num_blocks - 1)
+        inside |= fits & (held_before[hi + 1] - held_before[lo] == hi - lo + 1)
     if not inside.all():
         bad = int(np.argmin(inside))
         raise PlanError(f"descriptor row {bad} ({int(addr[bad]):#x}, {int(length[bad])} B) is not inside the held "

@@ -236,26 +236,27 @@ class PrefillHolds:
 
     def _end(self, ending: dict[str, HoldEnd], now: float) -> dict[str, HoldEnd]:
         """End these holds now, except pinned ones (deferred until unpinned); with the deferred ones no
-        longer pinned, the holds ended, and why."""
+        longer pinned, the holds ended, and why. Deciding and forgetting a hold's blocks happen under one
+        lock, so a pin sees either a hold it may pin or one that has ended."""
         with self._lock:
             self._deferred.update(ending)
             ended = {rid: why for rid, why in self._deferred.items() if not self._pins.get(rid)}
             for rid in ended:
                 del self._deferred[rid]
+            self._remember({rid for rid, why in ended.items() if why is not HoldEnd.EXPIRED},
+                           {rid for rid, why in ended.items() if why is HoldEnd.EXPIRED}, now)
         for rid in set(ending) - set(ended):
             logger.info("p2pkv: request %s ends once the WRITE from its blocks has ended", rid)
-        self._remember({rid for rid, why in ended.items() if why is not HoldEnd.EXPIRED},
-                       {rid for rid, why in ended.items() if why is HoldEnd.EXPIRED}, now)
         return ended
 
     def _remember(self, released: set[str], expired: set[str], now: float) -> None:
-        """Move ended holds to the expiry/release memory (kept 10 × ``lease_s`` for late questions)."""
+        """Move ended holds to the expiry/release memory (kept 10 × ``lease_s`` for late questions).
+        The caller holds the lock."""
         horizon = now - 10 * self.lease_s
-        with self._lock:
-            for rids, memory in ((released, self._released), (expired, self._expired)):
-                for rid in rids:
-                    self._blocks.pop(rid, None)
-                    self._digests.pop(rid, None)
-                    memory[rid] = now
-                while memory and next(iter(memory.values())) < horizon:  # oldest first (insertion order)
-                    del memory[next(iter(memory))]
+        for rids, memory in ((released, self._released), (expired, self._expired)):
+            for rid in rids:
+                self._blocks.pop(rid, None)
+                self._digests.pop(rid, None)
+                memory[rid] = now
+            while memory and next(iter(memory.values())) < horizon:  # oldest first (insertion order)
+                del memory[next(iter(memory))]
