@@ -10,6 +10,9 @@ and, on a GPU machine, end to end with the caches in GPU memory. The
 two-node mode is run on one host: ``--role prefill`` and ``--role decode
 --peer 127.0.0.1`` as two subprocesses on free loopback ports, plus the
 control channel on its own and a ``--peer`` where nothing listens.
+``--mode pull,push`` runs both directions over the same caches (one host,
+spawned prefill) and ``--mode push`` alone across the two-node control
+channel; both check that each push moved the pulled bytes, exactly.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from p2pkv.tools.bench.synth import (
 from p2pkv.tools.bench.transfer import METHODS, READV_METHODS, run_transfer_bench
 from p2pkv.tools.bench.transfer_control import ControlClient, ControlServer, PeerError
 from p2pkv.tools.bench.transfer_options import TransferBenchOptions
+from p2pkv.tools.bench.transfer_push import PUSH_METHODS, Pusher
 
 TINY = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=16)
 
@@ -104,6 +108,60 @@ def test_bench_transfer_tiny_end_to_end(tmp_path) -> None:
     assert "GPU Some GPU: 80.0 GiB" in gpu_table
 
 
+def test_bench_transfer_pull_and_push(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "modes.json"
+    t0 = time.monotonic()
+    rc = transfer.main(["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64,200",
+                        "--requests", "2", "--fragmentation", "2", "--pool-threads", "0", "--mode", "pull,push",
+                        "--quiet", "--json", str(path)])
+    assert rc == 0
+    assert time.monotonic() - t0 < 60
+    data = json.loads(path.read_text())
+    assert data["config"]["modes"] == ["pull", "push"]
+    assert list(data["modes"]) == ["pull", "push"]
+    assert data["modes"]["push"]["methods"] == list(PUSH_METHODS)
+    assert set(data["setup"]["push_add_remote_agent_ms"]) == {"BLHNC", "LBHNC"}
+    for entry in data["results"]:
+        pulls, pushes = entry["methods"], entry["push"]
+        assert set(pushes) == set(PUSH_METHODS) and set(PUSH_METHODS) < set(pulls)
+        memcpy = pulls["memcpy"]
+        assert memcpy["mode"] is None
+        for name in PUSH_METHODS:
+            pull, push = pulls[name], pushes[name]
+            assert (pull["mode"], push["mode"]) == ("pull", "push")
+            # Same requests, same blocks, same descriptor rows: the same bytes, both exact copies of the source.
+            assert push["bytes_total"] == pull["bytes_total"] == 2 * entry["bytes_per_request"] > 0
+            assert push["descriptors_per_request"] == pull["descriptors_per_request"]
+            assert pull["verified"] is True and push["verified"] is True, name
+            assert push["ratio_to_memcpy"] == pytest.approx(push["gbps"] / memcpy["gbps"])
+            # The decode side waited for the notification of a WRITE the prefill saw finish.
+            assert push["latency_ms"]["p50"] > 0 and push["writer_xfer_ms"]["p50"] > 0
+            assert push["plan_us"]["p50"] > 0  # the prefill planned the WRITE (before the ask, untimed)
+    table = capsys.readouterr().out
+    assert "pull x memcpy" in table and "push x memcpy" in table and "yes/yes" in table
+    assert "NO" not in table.split()
+
+
+def test_mode_flag_parses() -> None:
+    parser = transfer.build_parser()
+    assert parser.parse_args([]).mode == ("pull",)
+    assert parser.parse_args(["--mode", "push, pull"]).mode == ("push", "pull")
+    for bad in ("sideways", "pull,pull", ","):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["--mode", bad])
+        assert exc.value.code == 2
+    with pytest.raises(ValueError, match="--mode"):
+        transfer.check_options(TransferBenchOptions(shape=TINY, tokens=(64,), modes=()))
+
+
+def test_pusher_answers_bad_requests_with_errors() -> None:
+    pusher = Pusher({}, {}, 8)
+    assert pusher.handle({"op": "push_sideways"})["op"] == "error"
+    reply = pusher.handle({"op": "push", "id": 3})  # never planned
+    assert reply["op"] == "error" and "push" in reply["error"]
+    assert pusher.handle({"op": "push_peer", "infos": {"BLHNC": "not base64!"}})["op"] == "error"
+
+
 def test_device_flag_parses() -> None:
     parser = transfer.build_parser()
     assert parser.parse_args([]).device == "cpu"
@@ -160,7 +218,8 @@ def test_command_line_names_the_module_entry() -> None:
 @pytest.mark.gpu
 def test_bench_transfer_tiny_cuda() -> None:
     opts = TransferBenchOptions(shape=TINY, tokens=(64,), requests=1, fragmentation=2, device="cuda", quiet=True,
-                                max_mem_gib=2.0, argv=["p2pkv", "bench", "transfer", "--device", "cuda"])
+                                max_mem_gib=2.0, modes=("pull", "push"),
+                                argv=["p2pkv", "bench", "transfer", "--device", "cuda", "--mode", "pull,push"])
     result = run_transfer_bench(opts)
     dev = result["machine"]["device"]
     assert dev["type"] == "cuda" and dev["name"] == torch.cuda.get_device_name(dev["index"])
@@ -170,6 +229,10 @@ def test_bench_transfer_tiny_cuda() -> None:
     for name, m in entry["methods"].items():
         assert m["verified"] is True, f"{name} pulled wrong bytes"
         assert m["gbps"] > 0
+    assert set(entry["push"]) == set(PUSH_METHODS)
+    for name, m in entry["push"].items():  # the prefill's WRITEs from its GPU memory into the decode's
+        assert m["verified"] is True, f"{name} pushed wrong bytes"
+        assert m["bytes_total"] == entry["methods"][name]["bytes_total"]
     assert result["processes"]["decode_peak_gpu_bytes"] > 0 and result["processes"]["prefill_peak_gpu_bytes"] > 0
     assert "NIXL VRAM" in report.format_table(result).splitlines()[0]
 
@@ -261,6 +324,37 @@ def test_bench_transfer_split_roles_over_loopback(tmp_path: Path) -> None:
         assert m["verified"] is True, f"{name} pulled wrong bytes"
     assert data["processes"]["prefill_notifications"] >= 1 and data["processes"]["prefill_peak_rss_bytes"] > 0
     assert {p["prefill_register_ms"] > 0 for p in data["setup"]["peers"].values()} == {True}
+
+
+def test_bench_transfer_split_roles_push_only(tmp_path: Path) -> None:
+    port, control = _free_ports()
+    ports = ["--port", str(port), "--control-port", str(control)]
+    err = tmp_path / "prefill.err"
+    with open(err, "w") as err_file:
+        prefill = subprocess.Popen(_bench("--role", "prefill", *ports, "--serve-seconds", "600"),
+                                   stdout=subprocess.DEVNULL, stderr=err_file)
+    try:
+        path = tmp_path / "decode.json"
+        decode = subprocess.run(_bench("--role", "decode", "--peer", "127.0.0.1", *ports, "--peer-timeout", "300",
+                                       "--mode", "push", "--json", str(path)), capture_output=True, text=True,
+                                timeout=500)
+        assert decode.returncode == 0, decode.stdout + decode.stderr
+        assert prefill.wait(timeout=120) == 0, err.read_text()
+    finally:
+        if prefill.poll() is None:
+            prefill.kill()
+            prefill.wait()
+    data = json.loads(path.read_text())
+    assert list(data["modes"]) == ["push"]
+    (entry,) = data["results"]
+    assert set(entry["methods"]) == {"memcpy"}  # nothing pulled
+    assert set(entry["push"]) == set(PUSH_METHODS)
+    for name, m in entry["push"].items():
+        assert m["verified"] is True, f"{name} pushed wrong bytes"
+        assert m["bytes_total"] == entry["methods"]["memcpy"]["bytes_total"] > 0
+    assert data["processes"]["prefill_notifications"] == 0  # no READ was announced: nothing was pulled
+    assert {t["met"] for t in data["targets"] if t["name"] != "first_request_setup_ms"} == {None}
+    assert "push x memcpy" in decode.stdout
 
 
 def test_bench_transfer_decode_without_a_prefill_at_peer_fails() -> None:

@@ -1,5 +1,12 @@
 """Output of ``p2pkv bench transfer``: machine description, table, JSON, plot, target checks.
 
+A result's ``results`` has one entry per request size: ``methods`` holds the
+in-process ``memcpy`` baseline and the pull methods (``--mode pull``: the
+decode side READs; ``mode`` ``"pull"``, memcpy's ``None``), ``push`` (with
+``--mode push``) the push methods (the prefill side WRITEs; ``mode``
+``"push"``, :func:`push_stats`), each with ``ratio_to_memcpy`` against the
+same run's memcpy.
+
 Works on the plain results dict of
 :func:`p2pkv.tools.bench.transfer.run_transfer_bench`; imports nothing heavy
 (matplotlib only inside :func:`plot`, torch only inside
@@ -128,6 +135,38 @@ def method_stats(label: str, nbytes: int, pull_s: Sequence[float], plan_s: Seque
             "warmup_pull_ms": warmup_s * 1e3, "verified": verified}
 
 
+def push_stats(label: str, nbytes: int, push_s: Sequence[float], writer_s: Sequence[float],
+               plan_s: Sequence[float], descs: Sequence[int], warmup_s: float, warmup_writer_s: float,
+               verified: bool | None) -> dict[str, Any]:
+    """Results of one method pushed at one request size: :func:`method_stats` of the times the decode
+    side saw, plus the writer's.
+
+    Args:
+        label: what the method is.
+        nbytes: bytes per request.
+        push_s: seconds of each timed request on the decode side, from its ask to the WRITE's notification.
+        writer_s: seconds of each timed request's WRITE on the prefill side (post -> DONE).
+        plan_s: seconds of each request's descriptor planning (on the prefill side).
+        descs: descriptors of each request.
+        warmup_s / warmup_writer_s: the untimed warm-up/verified push, as ``push_s`` / ``writer_s``.
+        verified: its bytes equal the source (None: not checked).
+
+    Returns:
+        :func:`method_stats` keys (``gbps``, ``latency_ms``, ... of ``push_s``; ``warmup_push_ms`` in
+        place of ``warmup_pull_ms``), ``mode`` ``"push"``, ``writer_xfer_ms`` (summary),
+        ``writer_gbps`` (1e9 B/s over all timed WRITEs), ``ask_and_notify_ms`` (summary of each
+        request's decode-side time minus its writer time: the ask's and the notification's way, and the
+        polling on both sides) and ``warmup_writer_ms``.
+    """
+    out = method_stats(label, nbytes, push_s, plan_s, descs, warmup_s, verified)
+    out["warmup_push_ms"] = out.pop("warmup_pull_ms")
+    out.update(mode="push", writer_xfer_ms=summarize(writer_s, 1e3),
+               writer_gbps=nbytes * len(writer_s) / sum(writer_s) / 1e9,
+               ask_and_notify_ms=summarize([p - w for p, w in zip(push_s, writer_s, strict=True)], 1e3),
+               warmup_writer_ms=warmup_writer_s * 1e3)
+    return out
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process (bytes; Linux ``ru_maxrss`` is in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -211,18 +250,22 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
         (numbers per token size or per peer) and ``met`` (bool, or None when
         this run could not measure it).
     """
-    out: list[dict[str, Any]] = []
     rows = result["results"]
-    cross_mem = {e["tokens"]: e["methods"]["cross_layer"]["ratio_to_memcpy"] for e in rows}
+    pulled = bool(rows) and all("cross_layer" in e["methods"] and "per_layer" in e["methods"] for e in rows)
+    out: list[dict[str, Any]] = []
+    cross_mem = {e["tokens"]: e["methods"]["cross_layer"]["ratio_to_memcpy"] for e in rows} if pulled else None
     out.append({"name": "cross_layer_vs_memcpy", "target": ">= 0.9x memcpy GB/s for 1k-32k tokens",
-                "measured": cross_mem, "met": all(v >= TARGETS["cross_vs_memcpy"] for v in cross_mem.values())})
-    cross_pl = {e["tokens"]: e["methods"]["cross_layer"]["gbps"] / e["methods"]["per_layer"]["gbps"] for e in rows}
+                "measured": cross_mem,
+                "met": all(v >= TARGETS["cross_vs_memcpy"] for v in cross_mem.values()) if cross_mem else None})
+    cross_pl = ({e["tokens"]: e["methods"]["cross_layer"]["gbps"] / e["methods"]["per_layer"]["gbps"] for e in rows}
+                if pulled else None)
     out.append({"name": "cross_layer_vs_per_layer", "target": ">= 1.5x per-layer (NixlConnector scheme) GB/s",
-                "measured": cross_pl, "met": all(v >= TARGETS["cross_vs_per_layer"] for v in cross_pl.values())})
+                "measured": cross_pl,
+                "met": all(v >= TARGETS["cross_vs_per_layer"] for v in cross_pl.values()) if cross_pl else None})
     desc = {e["tokens"]: {"descriptors": e["methods"]["cross_layer"]["descriptors_per_request"]["mean"],
-                          "runs": e["runs_per_request"]["mean"]} for e in rows}
+                          "runs": e["runs_per_request"]["mean"]} for e in rows} if pulled else None
     desc_ok = all(d <= r for e in rows for d, r in zip(e["methods"]["cross_layer"]["descriptors_per_request"]["all"],
-                                                       e["runs_per_request"]["all"], strict=True))
+                                                       e["runs_per_request"]["all"], strict=True)) if pulled else None
     out.append({"name": "descriptors_le_runs", "target": "cross-layer descriptors per request <= contiguous block runs",
                 "measured": desc, "met": desc_ok})
     setup = {k: v["setup_ms"] for k, v in result["setup"]["peers"].items()}
@@ -302,6 +345,11 @@ def format_table(result: dict[str, Any]) -> str:
                          f"{e['runs_per_request']['mean']:.1f}", f"{m['latency_ms']['p50']:.2f}",
                          f"{m['latency_ms']['p99']:.2f}", f"{m['plan_us']['p50']:.0f}", ok])
     lines.append(_grid(header, rows))
+    if any("push" in e for e in result["results"]):
+        lines += ["", "pull vs push (x memcpy: GB/s / the same run's memcpy GB/s; push timed on the decode side "
+                      "from its ask to the WRITE's notification; writer: the prefill's post -> DONE; ask+notify: "
+                      "push minus writer, per request):",
+                  _mode_table(result)]
     lines.append("")
     lines.append(f"setup (decode register {result['setup']['decode_register_ms']:.1f} ms):")
     for peer, s in result["setup"]["peers"].items():
@@ -309,6 +357,9 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{s['add_remote_agent_ms']:.2f} ms = {s['setup_ms']:.2f} ms; first pull "
                      f"{s.get('first_pull_ms', float('nan')):.2f} ms; prefill register "
                      f"{s['prefill_register_ms']:.1f} ms")
+    if "push_add_remote_agent_ms" in result["setup"]:
+        lines.append("  push: prefill add_remote_agent of the decode " + ", ".join(
+            f"{lay} {ms:.2f} ms" for lay, ms in result["setup"]["push_add_remote_agent_ms"].items()))
     lines.append("")
     lines.append("targets:")
     for t in result["targets"]:
@@ -317,6 +368,26 @@ def format_table(result: dict[str, Any]) -> str:
     for w in result.get("warnings", []):
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def _mode_table(result: dict[str, Any]) -> str:
+    """One row per size and pushed method, a GB/s and an x-memcpy column per mode (``-``: not measured)."""
+    header = ["tokens", "MiB/req", "method", "memcpy GB/s", "pull GB/s", "pull x memcpy", "push GB/s",
+              "push x memcpy", "pull p50 ms", "push p50 ms", "writer p50 ms", "ask+notify p50 ms",
+              "bytes ok pull/push"]
+    ok = {True: "yes", False: "NO", None: "-"}
+    rows = []
+    for e in result["results"]:
+        for name, push in e.get("push", {}).items():
+            pull = e["methods"].get(name)
+            rows.append([str(e["tokens"]), f"{e['bytes_per_request'] / 2**20:.0f}", name,
+                         f"{e['methods']['memcpy']['gbps']:.2f}",
+                         f"{pull['gbps']:.2f}" if pull else "-", f"{pull['ratio_to_memcpy']:.2f}" if pull else "-",
+                         f"{push['gbps']:.2f}", f"{push['ratio_to_memcpy']:.2f}",
+                         f"{pull['latency_ms']['p50']:.2f}" if pull else "-", f"{push['latency_ms']['p50']:.2f}",
+                         f"{push['writer_xfer_ms']['p50']:.2f}", f"{push['ask_and_notify_ms']['p50']:.2f}",
+                         f"{ok[pull['verified']] if pull else '-'}/{ok[push['verified']]}"])
+    return _grid(header, rows)
 
 
 def _fmt_measured(value: Any) -> str:
@@ -335,7 +406,8 @@ def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
 
 
 def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
-    """Plot GB/s, p50 pull latency (ms) and descriptors per request per size; False without matplotlib."""
+    """Plot GB/s, p50 latency (ms) and descriptors per request per size and method, pushes (hatched)
+    next to pulls; False without matplotlib."""
     try:
         import matplotlib
 
@@ -345,28 +417,36 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
         print("p2pkv bench: matplotlib is not installed (pip install 'p2pkv[bench]'); no plot", file=sys.stderr)
         return False
     entries = result["results"]
-    methods = list(result["methods"])
+    pushed = list(entries[0].get("push", {})) if entries else []
+    series = []  # each push next to the pull of the same method
+    for name in [*result["methods"], *(m for m in pushed if m not in result["methods"])]:
+        series += [(name, "methods", name, "")] if name in result["methods"] else []
+        series += [(f"{name} push", "push", name, "//")] if name in pushed else []
     x = list(range(len(entries)))
-    width = 0.8 / len(methods)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = [("GB/s (1e9 B/s)", lambda m: m["gbps"], False), ("p50 pull latency (ms)",
-              lambda m: m["latency_ms"]["p50"], True), ("descriptors per request", lambda m: max(
-                  m["descriptors_per_request"]["mean"], 1), True)]
+    width = 0.8 / len(series)
+    fig, axes = plt.subplots(1, 3, figsize=(15 + 2 * bool(pushed), 4.5))
+    panels = [("GB/s (1e9 B/s)", lambda m: m["gbps"], False),
+              ("p50 latency (ms)" if pushed else "p50 pull latency (ms)", lambda m: m["latency_ms"]["p50"], True),
+              ("descriptors per request", lambda m: max(m["descriptors_per_request"]["mean"], 1), True)]
+    colors = {name: f"C{i}" for i, name in enumerate(result["methods"])}
     for ax, (title, get, log) in zip(axes, panels, strict=True):
-        for i, name in enumerate(methods):
-            ax.bar([v + (i - (len(methods) - 1) / 2) * width for v in x],
-                   [get(e["methods"][name]) for e in entries], width, label=name)
+        for i, (label, group, name, hatch) in enumerate(series):
+            ax.bar([v + (i - (len(series) - 1) / 2) * width for v in x], [get(e[group][name]) for e in entries],
+                   width, label=label, color=colors.get(name), hatch=hatch, edgecolor="white" if hatch else None)
         ax.set_xticks(x, [f"{e['tokens']} tok\n{e['bytes_per_request'] / 2**20:.0f} MiB" for e in entries])
         ax.set_title(title)
         if log:
             ax.set_yscale("log")
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    rows = -(-len(series) // 6)  # legend below the panels, 6 entries per row
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(series), 6), fontsize=8)
     dev = result["machine"].get("device") or {}
     where = (f"{dev['name']} GPU memory" if dev.get("type") == "cuda"
              else f"{result['machine']['cpu_model']}, {result['machine']['usable_cpus']} cores")
-    fig.suptitle(f"p2pkv bench transfer: {result['config']['shape_label']} ({where})", fontsize=10)
-    fig.tight_layout()
+    modes = "pull and push (hatched: the prefill WRITEs)" if pushed and result["results"][0]["methods"].get(
+        "cross_layer") else "push (hatched: the prefill WRITEs)" if pushed else "pull"
+    fig.suptitle(f"p2pkv bench transfer, {modes}: {result['config']['shape_label']} ({where})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""``p2pkv bench transfer``: KV block pulls over NIXL between two processes vs memcpy.
+"""``p2pkv bench transfer``: KV block pulls (and pushes) over NIXL between two processes vs memcpy.
 
 A *prefill* process owns two synthetic KV caches of one model shape,
 cross-layer (``BLHNC``) and layer-compact (``LBHNC``), each registered and
@@ -26,6 +26,20 @@ bytes) four ways:
   ranges straight from the prefill process, from one thread / two threads
   (:mod:`p2pkv.tools.bench.readv`).
 
+Directions (``--mode``, a comma-separated list, default ``pull``):
+
+* ``pull``: the methods above; the decode side posts NIXL READs.
+* ``push``: ``cross_layer``, ``per_layer`` and ``layer_coalesced`` again,
+  with the same descriptor rows, but the prefill side posts NIXL WRITEs
+  of the same blocks into the decode side's blocks, each with a
+  notification, when the decode side asks over the control link
+  (:mod:`p2pkv.tools.bench.transfer_push`). A push is timed as a decode
+  engine would see it: from sending the ask until the decode's agent hands
+  over the WRITE's notification. The prefill's own post → DONE time is
+  reported apart (``writer_xfer_ms``), and so is its descriptor planning
+  (``plan_us``; untimed, before the ask). ``memcpy`` is measured once per
+  run either way, and every mode's GB/s is also given as a ratio to it.
+
 Where the two processes run (``--role``):
 
 * ``both`` (default): this process is the decode side and spawns the
@@ -48,12 +62,14 @@ and UCX moves the READs between them with ``cuda_ipc``), and ``memcpy`` is a
 device-to-device ``copy_`` of the same byte ranges on the decode side,
 timed between ``torch.cuda.synchronize()`` calls.
 
-Requests are pulled one at a time; a pull is timed from
+Requests are moved one at a time; a pull is timed from
 :meth:`~p2pkv.dataplane.agent.NixlTransferAgent.start_read` (NIXL descriptor lists,
 ``initialize_xfer``, post) to the poll that sees it DONE. Descriptor planning
 (coalesce_runs + build_descriptors) is timed apart. Before the timed requests
-each method pulls request 0 once into scrubbed destination blocks and the
-bytes are compared exactly with the source (warm-up and correctness check).
+each method pulls (and, in push mode, has the prefill push) request 0 once
+into scrubbed destination blocks and the bytes are compared exactly with the
+source (warm-up and correctness check). Timed requests interleave every
+method of every mode in rotating order, so all see the same background load.
 
 Units: bytes; GB/s are 1e9 bytes per second; times in ms or µs as named.
 
@@ -78,6 +94,7 @@ from p2pkv.tools.bench.transfer_control import PeerError
 from p2pkv.tools.bench.transfer_decode import Decode
 from p2pkv.tools.bench.transfer_options import (
     DEVICES,
+    MODES,
     PROCESS_OVERHEAD_BYTES,
     ROLES,
     TransferBenchOptions,
@@ -85,9 +102,10 @@ from p2pkv.tools.bench.transfer_options import (
     options_from_args,
 )
 from p2pkv.tools.bench.transfer_prefill import RemotePrefill, SpawnedPrefill, log, serve
+from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushClient, PushError
 
-__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "READV_METHODS", "build_parser", "check_options", "cli_main", "main",
-           "method_labels", "resolve_device", "run_prefill", "run_transfer_bench"]
+__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "READV_METHODS", "build_parser", "check_options",
+           "cli_main", "main", "method_labels", "resolve_device", "run_prefill", "run_transfer_bench"]
 
 if TYPE_CHECKING:
     import argparse
@@ -139,9 +157,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", idx)
 
 
-def method_labels(device: torch.device) -> dict[str, str]:
-    """:data:`METHODS`, with ``memcpy`` described as a device-to-device copy on a GPU."""
-    return {**METHODS, "memcpy": CUDA_MEMCPY_LABEL} if device.type == "cuda" else dict(METHODS)
+def method_labels(device: torch.device, modes: tuple[str, ...] = ("pull",)) -> dict[str, str]:
+    """:data:`METHODS` (only ``memcpy`` unless ``"pull"`` is in ``modes``), with ``memcpy`` described as a
+    device-to-device copy on a GPU."""
+    labels = {**METHODS, "memcpy": CUDA_MEMCPY_LABEL} if device.type == "cuda" else dict(METHODS)
+    return labels if "pull" in modes else {"memcpy": labels["memcpy"]}
 
 
 def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]]:
@@ -158,6 +178,9 @@ def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]
     """
     if opts.requests < 1 or not opts.tokens or min(opts.tokens) < 1 or opts.fragmentation < 0:
         raise ValueError("need --requests >= 1, token sizes >= 1 and --fragmentation >= 0")
+    if not opts.modes or len(set(opts.modes)) != len(opts.modes) or set(opts.modes) - set(MODES):
+        raise ValueError(f"--mode {','.join(opts.modes)}: expected a comma-separated list of {', '.join(MODES)}, "
+                         "each at most once")
     if opts.role not in ROLES:
         raise ValueError(f"--role {opts.role}: expected one of {', '.join(ROLES)}")
     if opts.role == "decode" and not opts.peer:
@@ -197,23 +220,41 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
     placements = make_placements(opts.seed, tokens, opts.shape, dec.num_blocks, opts.requests, opts.fragmentation)
     runs = [int(coalesce_runs(lo, re, dec.num_blocks, dec.num_blocks)[2].size) for lo, re in placements]
     blocks = int(placements[0][0].size)
+    nbytes = blocks * opts.shape.block_bytes
     entry: dict[str, Any] = {"tokens": tokens, "blocks_per_request": blocks, "runs_per_request": report.counts(runs),
-                             "bytes_per_request": blocks * opts.shape.block_bytes, "methods": {}}
+                             "bytes_per_request": nbytes, "methods": {}}
+    pushes = list(PUSH_METHODS) if "push" in opts.modes else []
     warm = {method: dec.verified_pull(method, *placements[0]) for method in dec.labels}
-    names, samples = list(dec.labels), {method: [] for method in dec.labels}
+    warm_push = {method: dec.verified_push(method, *placements[0]) for method in pushes}
+    work = [("pull", m) for m in dec.labels] + [("push", m) for m in pushes]
+    samples: dict[tuple[str, str], list[tuple[float, ...]]] = {w: [] for w in work}
     for i, (loc, rem) in enumerate(placements):
-        # Interleaved, in rotating order: every method sees the same background load.
-        for method in names[i % len(names):] + names[:i % len(names)]:
-            samples[method].append(dec.timed(method, loc, rem))
-        _log(opts, f"{tokens} tokens: request {i + 1}/{len(placements)} pulled every way")
+        # Interleaved, in rotating order: every method of every mode sees the same background load.
+        for mode, method in work[i % len(work):] + work[:i % len(work)]:
+            samples[mode, method].append(dec.timed(method, loc, rem) if mode == "pull"
+                                         else dec.timed_push(method, loc, rem))
+        _log(opts, f"{tokens} tokens: request {i + 1}/{len(placements)} moved every way")
     for method in dec.labels:
-        plan_s, pull_s, descs = zip(*samples[method], strict=True)
+        plan_s, pull_s, descs = zip(*samples["pull", method], strict=True)
         res = entry["methods"][method] = report.method_stats(
-            dec.labels[method], entry["bytes_per_request"], pull_s, plan_s, descs, *warm[method])
+            dec.labels[method], nbytes, pull_s, plan_s, descs, *warm[method])
+        res["mode"] = None if method == "memcpy" else "pull"
         _log(opts, f"{tokens} tokens  {method:<15} {res['gbps']:7.2f} GB/s  p50 {res['latency_ms']['p50']:8.2f} ms"
                    f"  {res['descriptors_per_request']['mean']:9.1f} desc/req  verified={res['verified']}")
+    memcpy = entry["methods"]["memcpy"]["gbps"]
     for res in entry["methods"].values():
-        res["ratio_to_memcpy"] = res["gbps"] / entry["methods"]["memcpy"]["gbps"]
+        res["ratio_to_memcpy"] = res["gbps"] / memcpy
+    if pushes:
+        entry["push"] = {}
+        for method in pushes:
+            plan_s, push_s, writer_s, descs = zip(*samples["push", method], strict=True)
+            seconds, verified, warm_writer_s = warm_push[method]
+            res = entry["push"][method] = report.push_stats(
+                PUSH_METHODS[method], nbytes, push_s, writer_s, plan_s, descs, seconds, warm_writer_s, verified)
+            res["ratio_to_memcpy"] = res["gbps"] / memcpy
+            _log(opts, f"{tokens} tokens  {method + ' push':<20} {res['gbps']:7.2f} GB/s  p50 "
+                       f"{res['latency_ms']['p50']:8.2f} ms (writer {res['writer_xfer_ms']['p50']:8.2f} ms)  "
+                       f"verified={res['verified']}")
     return entry
 
 
@@ -231,6 +272,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         ValueError: bad options, or a peer whose caches differ from this side's.
         PeerError: the prefill at ``--peer`` cannot be reached or stopped answering.
         RuntimeError: the spawned prefill process failed or did not answer.
+        PushError: in push mode, the prefill could not push a request.
     """
     import torch
 
@@ -250,10 +292,12 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
                    f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches per process on {device}")
         if link is None:
             link = SpawnedPrefill(opts, num_blocks, device)
-        dec = Decode(opts, num_blocks, device, method_labels(device))  # while a spawned prefill starts
+        dec = Decode(opts, num_blocks, device, method_labels(device, opts.modes))  # while a spawned prefill starts
         ready = link.ready()
         dec.connect(ready, link.host)
-        if isinstance(link, SpawnedPrefill) and device.type == "cpu":
+        if "push" in opts.modes:
+            dec.enable_push(PushClient(link, dec.agent, max(60.0, opts.peer_timeout_s)))
+        if isinstance(link, SpawnedPrefill) and device.type == "cpu" and "pull" in opts.modes:
             why = dec.enable_readv(link.proc.pid, READV_METHODS)
             _log(opts, f"readv ceiling: {why or 'measured'}")
         _log(opts, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
@@ -283,12 +327,17 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
                    "cache_bytes": num_blocks * opts.shape.block_bytes, "torch_threads": opts.memcpy_threads or threads,
                    "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}},
         "methods": dict(dec.labels),
+        "modes": {mode: {"mode": mode, "label": MODE_LABELS[mode],
+                         "methods": [m for m in dec.labels if m != "memcpy"] if mode == "pull" else list(PUSH_METHODS)}
+                  for mode in opts.modes},
         "setup": {"decode_register_ms": dec.register_ms, "peers": dec.peers},
         "processes": {"decode_peak_rss_bytes": decode_rss, "prefill_peak_rss_bytes": done["peak_rss_bytes"],
                       "decode_peak_gpu_bytes": decode_gpu, "prefill_peak_gpu_bytes": done.get("peak_gpu_bytes"),
                       "prefill_notifications": done["notifs"]},
         "warnings": warnings, "results": results,
     }
+    if dec.pusher is not None:
+        result["setup"]["push_add_remote_agent_ms"] = dec.pusher.add_remote_agent_ms
     if link.machine is not None:
         result["prefill_machine"] = link.machine
     result["targets"] = report.evaluate_targets(result)
@@ -336,16 +385,16 @@ def cli_main(args: argparse.Namespace) -> int:
     """Run ``p2pkv bench transfer`` from parsed flags (:func:`p2pkv.tools.bench.transfer_options.add_arguments`).
 
     Returns:
-        0 ok; 1 a pull moved wrong bytes, or ``--role prefill`` saw no decode
-        finish within ``--serve-seconds``; 2 bad options; 3 the prefill at
-        ``--peer`` unreachable or gone.
+        0 ok; 1 a pull or push moved wrong bytes, or ``--role prefill`` saw
+        no decode finish within ``--serve-seconds``; 2 bad options; 3 the
+        prefill at ``--peer`` unreachable or gone, or it could not push.
     """
     try:
         opts = options_from_args(args)
         if opts.role == "prefill":
             return run_prefill(opts)
         result = run_transfer_bench(opts)
-    except (ValueError, PeerError) as exc:
+    except (ValueError, PeerError, PushError) as exc:
         print(f"p2pkv bench transfer: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 3
     print(report.format_table(result))
@@ -354,7 +403,8 @@ def cli_main(args: argparse.Namespace) -> int:
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot and report.plot(result, args.plot):
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 0 if all(m["verified"] is not False for r in result["results"] for m in r["methods"].values()) else 1
+    moved = [m for r in result["results"] for m in (*r["methods"].values(), *r.get("push", {}).values())]
+    return 0 if all(m["verified"] is not False for m in moved) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -362,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m p2pkv.tools.bench.transfer",
-                                     description="KV block pulls over NIXL between two processes vs memcpy")
+                                     description="KV block pulls and pushes over NIXL between two processes "
+                                                 "vs memcpy")
     add_arguments(parser)
     return parser
 

@@ -13,6 +13,9 @@ terminated), request then reply:
 decode → prefill                   prefill → decode
 =================================  =========================================
 ``{"op": "hello", ...}``           ``{"op": "ready", "layouts": ..., ...}``
+``{"op": "push_plan", ...}``       ``{"op": "push_planned", ...}``; with
+                                   ``--mode push``: the messages of
+                                   :mod:`p2pkv.tools.bench.transfer_push`
 ``{"op": "done"}``                 ``{"op": "bye", "notifs": ..., ...}``
 =================================  =========================================
 
@@ -171,20 +174,38 @@ class ControlClient:
             PeerError: the prefill closed the connection, did not answer within
                 ``timeout_s`` seconds, or answered something else.
         """
-        where = f"--peer {self.host} (control port {self.port})"
+        self.send(msg)
+        return self.receive(expect, timeout_s, str(msg.get("op")))
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send ``msg`` without waiting for the reply (:meth:`receive` takes it).
+
+        Raises:
+            PeerError: the connection failed.
+        """
+        try:
+            self._sock.sendall(_encode(msg))
+        except OSError as exc:
+            raise PeerError(f"{self._where()}: control connection failed: {exc}") from exc
+
+    def _where(self) -> str:
+        return f"--peer {self.host} (control port {self.port})"
+
+    def receive(self, expect: str | None, timeout_s: float, asked: str = "") -> dict[str, Any]:
+        """The next reply (waits up to ``timeout_s`` seconds); it must have ``"op": expect`` unless
+        ``expect`` is None. ``asked`` names the request in errors.
+
+        Raises:
+            PeerError: the prefill closed the connection, did not answer in
+                time, or answered something else.
+        """
+        where = self._where()
         try:
             self._sock.settimeout(timeout_s)
-            self._sock.sendall(_encode(msg))
             while b"\n" not in self._buf:
-                data = self._sock.recv(65536)
-                if not data:
-                    raise PeerError(f"{where}: the prefill closed the control connection before answering "
-                                    f"{msg.get('op')!r} (see its log)")
-                self._buf += data
-                if len(self._buf) > MAX_LINE_BYTES:
-                    raise PeerError(f"{where}: control reply longer than {MAX_LINE_BYTES} B")
+                self._recv_some(asked)
         except TimeoutError as exc:
-            raise PeerError(f"{where}: no answer to {msg.get('op')!r} within {timeout_s:g} s") from exc
+            raise PeerError(f"{where}: no answer to {asked!r} within {timeout_s:g} s") from exc
         except PeerError:
             raise
         except OSError as exc:
@@ -194,9 +215,31 @@ class ControlClient:
             reply = json.loads(line)
         except ValueError:
             reply = None
-        if not isinstance(reply, dict) or reply.get("op") != expect:
-            raise PeerError(f"{where}: expected a {expect!r} reply, got {line[:200]!r}")
+        if not isinstance(reply, dict) or (expect is not None and reply.get("op") != expect):
+            raise PeerError(f"{where}: expected a {expect or 'JSON object'!r} reply, got {line[:200]!r}")
         return reply
+
+    def _recv_some(self, asked: str) -> None:
+        data = self._sock.recv(65536)
+        if not data:
+            raise PeerError(f"{self._where()}: the prefill closed the control connection before answering "
+                            f"{asked!r} (see its log)")
+        self._buf += data
+        if len(self._buf) > MAX_LINE_BYTES:
+            raise PeerError(f"{self._where()}: control reply longer than {MAX_LINE_BYTES} B")
+
+    def try_receive(self) -> dict[str, Any] | None:
+        """The next reply if a whole one has arrived, else None (does not wait).
+
+        Raises:
+            PeerError: as :meth:`receive`.
+        """
+        try:
+            while b"\n" not in self._buf and select.select([self._sock], [], [], 0)[0]:
+                self._recv_some("")
+        except OSError as exc:
+            raise PeerError(f"{self._where()}: control connection failed: {exc}") from exc
+        return self.receive(None, 1.0) if b"\n" in self._buf else None
 
     def close(self) -> None:
         """Close the connection."""

@@ -4,7 +4,10 @@
 one :class:`p2pkv.dataplane.agent.NixlTransferAgent`, fetches both prefill caches'
 AgentInfo over their side channels (timed), and pulls requests (block ids
 from :func:`p2pkv.tools.bench.synth.make_placements`) by one method at a time; see
-:mod:`p2pkv.tools.bench.transfer` for the methods. Units: seconds unless named
+:mod:`p2pkv.tools.bench.transfer` for the methods. In push mode it has the
+prefill WRITE the same requests into the same destination blocks instead
+(:meth:`Decode.verified_push`, :meth:`Decode.timed_push`;
+:mod:`p2pkv.tools.bench.transfer_push`). Units: seconds unless named
 (``*_ms``: milliseconds); offsets and lengths in bytes.
 """
 
@@ -22,11 +25,12 @@ from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
 from p2pkv.tools.bench.readv import Readv, ReadvError
 from p2pkv.tools.bench.synth import make_shaped_kv_caches, ranges_equal, run_ranges
 from p2pkv.tools.bench.transfer_options import PREFILL_CACHE_LAYOUTS, remote_seed
+from p2pkv.tools.bench.transfer_push import PUSH_LAYOUT, PushClient, PushError, pair_descriptors
 
 if TYPE_CHECKING:
     import torch
 
-    from handshake import KVLayoutDesc
+    from handshake import AgentInfo, KVLayoutDesc
     from p2pkv.tools.bench.transfer_options import TransferBenchOptions
 
 PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC", "cross_layer_pool": "BLHNC"}
@@ -87,7 +91,8 @@ class Decode:
         self.agent.register([r for lay in self.layouts.values() for r in lay.regions], self.mem_type, self.device_id)
         self.register_ms = (time.perf_counter() - t0) * 1e3
         self.pool_agent: NixlTransferAgent | None = None
-        if opts.pool_threads > 0:  # the same BLHNC memory on a second agent whose READs a thread pool moves
+        if opts.pool_threads > 0 and "pull" in opts.modes:
+            # the same BLHNC memory on a second agent whose READs a thread pool moves
             self.pool_agent = NixlTransferAgent(
                 unique_agent_name("bench-decode-pool", 0), ("UCX",), opts.progress_thread, opts.pool_threads,
                 P2pKvConfig(**opts.nixl_settings()).backend_params(), report_transport=False,
@@ -99,6 +104,8 @@ class Decode:
         self.peers: dict[str, dict[str, float]] = {}
         self.sides: dict[str, _Side] = {}
         self.readv: Readv | None = None
+        self.pusher: PushClient | None = None
+        """Push mode's decode end (:meth:`enable_push`); None without ``--mode push``."""
 
     def enable_readv(self, pid: int, labels: dict[str, str]) -> str:
         """Add the ``process_vm_readv`` ceiling methods (``labels``) reading from process ``pid``, after
@@ -114,6 +121,26 @@ class Decode:
         self.readv = readv
         self.labels.update(labels)
         return ""
+
+    def agent_infos(self) -> dict[str, AgentInfo]:
+        """Layout → this side's AgentInfo for it: the decode agent's NIXL metadata and that destination
+        cache's layout (what a prefill needs to WRITE into it)."""
+        from handshake import AgentInfo, compute_digest
+        from p2pkv.dataplane.negotiate import layout_desc
+
+        meta, shape = self.agent.metadata(), self.opts.shape
+        return {lay: AgentInfo(engine_id="bench-decode", tp_rank=0, tp_size=1, agent_name=self.agent.name,
+                               agent_metadata=meta, metadata_digest=compute_digest(meta),
+                               compat_hash="p2pkv-bench:" + shape.key(),
+                               layout=layout_desc(local, shape.model_info(lay), "HND", mem_type=self.mem_type,
+                                                  device_id=self.device_id))
+                for lay, local in self.layouts.items()}
+
+    def enable_push(self, client: PushClient) -> None:
+        """Push mode: hand the prefill this side's agent and layouts through ``client`` (its
+        ``add_remote_agent`` times land in ``client.add_remote_agent_ms``)."""
+        client.connect(self.agent_infos(), self.device_id)
+        self.pusher = client
 
     def connect(self, ready: dict[str, Any], host: str) -> None:
         """Handshake with both prefill caches' side channels at ``host`` and load their metadata (timed).
@@ -150,17 +177,12 @@ class Decode:
 
     def plan(self, method: str, loc: np.ndarray, rem: np.ndarray) -> dict[str, Any]:
         """Descriptors (or memcpy runs) of one request; keys ``runs``, ``local``, ``remote``, ``descs``."""
-        if method == "per_layer":
-            ones, side = np.ones(loc.size, dtype=np.int64), self.sides["LBHNC"]
-            ld = build_descriptors(side.local_segments, np.asarray(loc, dtype=np.int64), ones, self.device_id)
-            rd = build_descriptors(side.remote_segments, np.asarray(rem, dtype=np.int64), ones, side.remote_device_id)
-            return {"local": ld, "remote": rd, "descs": int(ld.shape[0])}
-        runs = coalesce_runs(loc, rem, self.num_blocks, self.num_blocks)
         if method == "memcpy":
+            runs = coalesce_runs(loc, rem, self.num_blocks, self.num_blocks)
             return {"runs": runs, "descs": int(runs[0].size)}
         side = self.sides[_layout(method)]
-        ld = build_descriptors(side.local_segments, runs[0], runs[2], self.device_id)
-        rd = build_descriptors(side.remote_segments, runs[1], runs[2], side.remote_device_id)
+        ld, rd = pair_descriptors(method, side.local_segments, loc, self.device_id, side.remote_segments, rem,
+                                  side.remote_device_id, self.num_blocks)
         return {"local": ld, "remote": rd, "descs": int(ld.shape[0])}
 
     def execute(self, method: str, plan: dict[str, Any]) -> float:
@@ -195,24 +217,50 @@ class Decode:
         if self.pool_agent is not None:
             self.pool_agent.close()
 
-    def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None]:
-        """Scrub a request's destination, pull it, compare with the source: ``(seconds, equal)``."""
+    def _scrub(self, layout: str | None, loc: np.ndarray, rem: np.ndarray) -> Callable[[], bool | None]:
+        """Zero a request's destination ranges in ``layout``'s cache (None: memcpy's) and return the
+        check that they now equal the source (None when ``--no-verify``)."""
         runs = coalesce_runs(loc, rem, self.num_blocks, self.num_blocks)
-        if method == "memcpy":
+        if layout is None:
             bb = self.opts.shape.block_bytes
             dst, src, seed = self.sides["LBHNC"].raw, self.sides["BLHNC"].raw, 0
             ranges = run_ranges([(0, bb, bb)], *runs)
         else:
-            side = self.sides[_layout(method)]
+            side = self.sides[layout]
             dst, src, seed = side.raw, None, side.seed
             ranges = run_ranges(side.segs, *runs)
         for d, _, n in ranges:
             dst[d:d + n].zero_()
         self.sync()  # scrubbed before NIXL (its own CUDA streams) writes
+        return lambda: ranges_equal(dst, ranges, src, seed) if self.opts.verify else None
+
+    def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None]:
+        """Scrub a request's destination, pull it, compare with the source: ``(seconds, equal)``."""
+        check = self._scrub(None if method == "memcpy" else _layout(method), loc, rem)
         seconds = self.execute(method, self.plan(method, loc, rem))
         if method in PEER_LAYOUT and method != "cross_layer_pool":
             self.peers[PEER_LAYOUT[method]].setdefault("first_pull_ms", seconds * 1e3)
-        return seconds, (ranges_equal(dst, ranges, src, seed) if self.opts.verify else None)
+        return seconds, check()
+
+    def verified_push(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None, float]:
+        """Scrub a request's destination, have the prefill push it, compare with the source:
+        ``(seconds from the ask to the notification, equal, the prefill's post -> DONE seconds)``."""
+        check = self._scrub(PUSH_LAYOUT[method], loc, rem)
+        _, seconds, writer_s, _ = self.timed_push(method, loc, rem)
+        return seconds, check(), writer_s
+
+    def timed_push(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, float, float, int]:
+        """One push of a request into this side's blocks ``loc`` from the prefill's ``rem``:
+        ``(the prefill's planning seconds, seconds from the ask to the notification, the prefill's
+        post -> DONE seconds, descriptors)``.
+
+        Raises:
+            p2pkv.tools.bench.transfer_push.PushError: the prefill could not push (or push mode is off).
+        """
+        if self.pusher is None:
+            raise PushError("push mode is not enabled (enable_push)")
+        self.sync()
+        return self.pusher.push(method, np.asarray(loc), np.asarray(rem))
 
     def timed(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, float, int]:
         """``(planning seconds, pull seconds, descriptors)`` of one request."""

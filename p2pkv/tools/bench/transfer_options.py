@@ -16,6 +16,9 @@ PROCESS_OVERHEAD_BYTES = 768 << 20
 """Bytes one benchmark process needs besides its two caches (torch, NIXL, UCX; on a GPU: the
 CUDA context and the verification temporaries, in GPU memory)."""
 
+MODES = ("pull", "push")
+"""``--mode`` choices: the decode side READs the blocks (pull), or the prefill side WRITEs them (push)."""
+
 ROLES = ("both", "prefill", "decode")
 """``--role`` choices: both processes on this host, or one side of a two-node pair."""
 
@@ -76,6 +79,10 @@ class TransferBenchOptions:
             a notification (sent after completion, as the worker does), so
             their completion does not wait for the prefill side.
         quiet: no progress lines on stderr.
+        modes: directions to measure, in order (:data:`MODES`): ``"pull"``
+            (the decode side posts NIXL READs) and/or ``"push"`` (the prefill
+            side posts NIXL WRITEs into the decode side's blocks, each with a
+            notification the decode waits for).
         role: ``"both"`` (spawn the prefill process on this host), ``"prefill"``
             (serve in the foreground) or ``"decode"`` (pull from ``peer``).
         peer: the prefill node's address (``role="decode"`` only).
@@ -109,6 +116,7 @@ class TransferBenchOptions:
     host: str = "127.0.0.1"
     prefill_poll_ms: float = 0.5
     quiet: bool = False
+    modes: tuple[str, ...] = ("pull",)
     role: str = "both"
     peer: str = ""
     port: int = 5610
@@ -132,6 +140,20 @@ def _token_list(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _mode_list(text: str) -> tuple[str, ...]:
+    """``"pull,push"`` → ``("pull", "push")``.
+
+    Raises:
+        argparse.ArgumentTypeError: an unknown or repeated mode, or none.
+    """
+    modes = tuple(part.strip().lower() for part in text.split(",") if part.strip())
+    bad = [m for m in modes if m not in MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(MODES)}, "
+                                         "each at most once")
+    return modes
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``p2pkv bench transfer`` (defaults from :class:`TransferBenchOptions`)."""
     d = TransferBenchOptions()
@@ -144,6 +166,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=d.requests, help="timed requests per size and method")
     p.add_argument("--tokens", type=_token_list, default=d.tokens,
                    help="tokens per request, a comma-separated list (1024,4k,16k)")
+    p.add_argument("--mode", type=_mode_list, default=d.modes, metavar="MODES",
+                   help="directions to measure, comma-separated: pull (the decode side posts NIXL READs), push "
+                        "(the prefill side posts NIXL WRITEs into the decode's blocks, timed from the decode's ask "
+                        "to the WRITE's notification); e.g. pull,push")
     p.add_argument("--seed", type=int, default=d.seed, help="block placement seed")
     p.add_argument("--fragmentation", type=int, default=d.fragmentation, metavar="MAX_RUN",
                    help="longest run of consecutive block ids per allocation (1: all scattered, 0: contiguous)")
@@ -197,5 +223,6 @@ def options_from_args(args: argparse.Namespace) -> TransferBenchOptions:
         ucx_num_workers=args.ucx_num_workers, pool_threads=args.pool_threads, split_mib=args.split_mib,
         memcpy_threads=args.memcpy_threads, max_mem_gib=args.max_mem_gib,
         device=args.device, verify=not args.no_verify, host=args.host, prefill_poll_ms=args.prefill_poll_ms,
-        quiet=args.quiet, role=args.role, peer=args.peer, port=args.port, control_port=args.control_port,
+        quiet=args.quiet, modes=tuple(args.mode), role=args.role, peer=args.peer, port=args.port,
+        control_port=args.control_port,
         serve_seconds=args.serve_seconds, peer_timeout_s=args.peer_timeout)

@@ -4,8 +4,10 @@ The prefill side owns two synthetic KV caches of one model shape,
 cross-layer (``BLHNC``) and layer-compact (``LBHNC``), filled with the
 pattern of :mod:`p2pkv.tools.bench.synth` (seed :func:`remote_seed`), each
 registered and served by its own :class:`p2pkv.worker.WorkerSide` (NIXL
-agent + side channel), and progresses NIXL (drains the decode's completion
-notifications) until told to stop. It runs either
+agent + side channel), progresses NIXL (drains the decode's completion
+notifications) and, in push mode, WRITEs requests into the decode's caches
+when asked (:mod:`p2pkv.tools.bench.transfer_push`) until told to stop. It
+runs either
 
 * as a process spawned by the decode process on the same host
   (``--role both``; :class:`SpawnedPrefill`, multiprocessing queues), or
@@ -42,6 +44,7 @@ from p2pkv.tools.bench.transfer_options import (
     log,
     remote_seed,
 )
+from p2pkv.tools.bench.transfer_push import Pusher
 
 if TYPE_CHECKING:
     import torch
@@ -76,6 +79,7 @@ class PrefillCaches:
         self.workers: list[WorkerSide] = []
         self.caches: list[torch.Tensor] = []
         self.ready: dict[str, dict[str, Any]] = {}
+        self.num_blocks = num_blocks
         if self.cuda:
             torch.cuda.set_device(dev)
         config = P2pKvConfig(**nixl, insecure=True)  # synthetic caches: nothing secret to guard
@@ -98,6 +102,11 @@ class PrefillCaches:
             self.close()
             raise
 
+    def pusher(self) -> Pusher:
+        """Push mode's prefill end over these caches' agents (:mod:`p2pkv.tools.bench.transfer_push`)."""
+        return Pusher(dict(zip(PREFILL_CACHE_LAYOUTS, self.workers, strict=True)),
+                      {lay: r["device_id"] for lay, r in self.ready.items()}, self.num_blocks)
+
     def drain(self) -> int:
         """Progress NIXL once: completion notifications received (count)."""
         return sum(len(w.agent.get_notifs()) for w in self.workers if w.agent is not None)
@@ -116,14 +125,18 @@ class PrefillCaches:
 
 
 def _prefill_main(shape_d: dict[str, Any], num_blocks: int, seed: int, nixl: dict[str, Any], host: str,
-                  poll_s: float, device: str, out: Any, stop: Any) -> None:
-    """Spawned prefill process (``--role both``): serve both caches until ``stop``, draining notifications."""
+                  poll_s: float, device: str, out: Any, stop: Any, push: Any) -> None:
+    """Spawned prefill process (``--role both``): serve both caches until ``stop``, draining notifications
+    and answering push messages on the pipe end ``push``."""
     caches: PrefillCaches | None = None
     try:
         caches = PrefillCaches(KVShape(**shape_d), num_blocks, seed, nixl, host, device)
+        pusher = caches.pusher()
         out.put(("ready", caches.ready))
         notifs = 0
-        while not stop.wait(poll_s):
+        while not stop.is_set():
+            if push.poll(poll_s):  # wakes at once for a push request
+                push.send(pusher.handle(push.recv()))  # sent from this thread: no queue feeder thread to wait for
             notifs += caches.drain()
         out.put(("done", caches.stats(notifs)))
     except BaseException:
@@ -134,7 +147,9 @@ def _prefill_main(shape_d: dict[str, Any], num_blocks: int, seed: int, nixl: dic
 
 
 class SpawnedPrefill:
-    """``--role both``: the prefill process spawned on this host, talked to over multiprocessing queues.
+    """``--role both``: the prefill process spawned on this host, talked to over multiprocessing queues
+    (readiness, statistics, failures) and a pipe (push mode's messages, sent and received in the calling
+    thread so that a spinning thread holding the GIL cannot delay them).
 
     Attributes:
         host: its side-channel address. local_address: this side's (the same).
@@ -144,10 +159,12 @@ class SpawnedPrefill:
     def __init__(self, opts: TransferBenchOptions, num_blocks: int, device: torch.device) -> None:
         ctx = mp.get_context("spawn")
         self.out, self.stop = ctx.Queue(), ctx.Event()
+        self.push, child_push = ctx.Pipe()
         self.proc = ctx.Process(target=_prefill_main, name="p2pkv-bench-prefill", daemon=True,
                                 args=(asdict(opts.shape), num_blocks, opts.seed, opts.nixl_settings(), opts.host,
-                                      opts.prefill_poll_ms / 1e3, str(device), self.out, self.stop))
+                                      opts.prefill_poll_ms / 1e3, str(device), self.out, self.stop, child_push))
         self.proc.start()
+        child_push.close()
         self.host = self.local_address = opts.host
         self.hostname = socket.gethostname()
         self.machine: dict[str, Any] | None = None
@@ -169,6 +186,44 @@ class SpawnedPrefill:
         """Layout → ``register_ms``, ``port``, ``device_id`` once it serves (waits up to 300 s)."""
         return self._expect("ready", 300)
 
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send a push message to it (:mod:`p2pkv.tools.bench.transfer_push`).
+
+        Raises:
+            RuntimeError: it is gone.
+        """
+        try:
+            self.push.send(msg)
+        except OSError as exc:
+            raise RuntimeError(f"prefill process gone (exit code {self.proc.exitcode}): {exc}") from exc
+
+    def receive(self, timeout_s: float) -> dict[str, Any]:
+        """Its next reply to a push message (waits up to ``timeout_s`` seconds).
+
+        Raises:
+            RuntimeError: it failed, or sent no reply in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            reply = self.try_receive(min(0.5, max(0.0, deadline - time.monotonic())))
+            if reply is not None:
+                return reply
+            if not self.proc.is_alive():
+                self._expect("reply", 1)  # raises with its traceback if it sent one
+        raise RuntimeError(f"prefill process sent no push reply within {timeout_s:g} s")
+
+    def try_receive(self, timeout_s: float = 0.0) -> dict[str, Any] | None:
+        """Its next reply to a push message if one arrives within ``timeout_s`` seconds (default: has
+        arrived), else None.
+
+        Raises:
+            RuntimeError: it is gone.
+        """
+        try:
+            return self.push.recv() if self.push.poll(timeout_s) else None
+        except (OSError, EOFError) as exc:
+            raise RuntimeError(f"prefill process gone (exit code {self.proc.exitcode}): {exc}") from exc
+
     def finish(self) -> dict[str, Any]:
         """Stop it; its ``notifs``, ``peak_rss_bytes``, ``peak_gpu_bytes``."""
         self.stop.set()
@@ -181,6 +236,7 @@ class SpawnedPrefill:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+        self.push.close()
 
 
 class RemotePrefill:
@@ -229,6 +285,30 @@ class RemotePrefill:
         """Tell the prefill this side is done (it exits); its ``notifs``, ``peak_rss_bytes``, ``peak_gpu_bytes``."""
         return self.client.request({"op": "done"}, "bye", 60)
 
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send a push message to it (:mod:`p2pkv.tools.bench.transfer_push`).
+
+        Raises:
+            PeerError: the control connection failed.
+        """
+        self.client.send(msg)
+
+    def receive(self, timeout_s: float) -> dict[str, Any]:
+        """Its next reply to a push message (waits up to ``timeout_s`` seconds).
+
+        Raises:
+            PeerError: it closed the connection or sent no reply in time.
+        """
+        return self.client.receive(None, timeout_s, "push")
+
+    def try_receive(self) -> dict[str, Any] | None:
+        """Its next reply to a push message if a whole one has arrived, else None.
+
+        Raises:
+            PeerError: the control connection failed.
+        """
+        return self.client.try_receive()
+
     def close(self) -> None:
         """Close the control connection (a prefill not told ``done`` waits for the next decode)."""
         self.client.close()
@@ -275,6 +355,7 @@ def serve(opts: TransferBenchOptions, num_blocks: int, device: torch.device) -> 
         print(f"ready: prefill serving {sides}; control on {opts.host}:{control.port} (until a decode says done, "
               f"SIGTERM or {opts.serve_seconds:g} s)", flush=True)
         deadline, notifs, greeted = time.monotonic() + opts.serve_seconds, 0, False
+        pusher = caches.pusher()
         poll_s = opts.prefill_poll_ms / 1e3
         while not stopped:
             left = deadline - time.monotonic()
@@ -293,8 +374,10 @@ def serve(opts: TransferBenchOptions, num_blocks: int, device: torch.device) -> 
                 control.reply({"op": "bye", **caches.stats(notifs)})
                 log(opts.quiet, f"decode done ({notifs} notifications); exiting")
                 return 0
+            elif isinstance(op, str) and op.startswith("push"):
+                control.reply(pusher.handle(msg))
             elif op == "closed" and greeted:
-                greeted = False
+                greeted, pusher = False, caches.pusher()  # the next decode starts with no plans
                 log(opts.quiet, "decode left without saying done; waiting for the next one")
             elif op is not None and op != "closed":
                 control.reply({"op": "error", "error": f"unknown op {op!r}"})
