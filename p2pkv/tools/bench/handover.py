@@ -8,26 +8,30 @@ the mean of each phase of a P/D request (ms):
   (``p2pkv_proxy_decode_first_byte_seconds``);
 - the decode engine's pull phases (p2pkv only, ``p2pkv:pull_phase_seconds``,
   see :data:`p2pkv.telemetry.stats.PULL_PHASES`): ``queue``, ``dispatch``,
-  ``post``, ``read``, ``confirm``; NixlConnector exports only its READ time
+  ``post``, ``read``, ``confirm``; in push mode ``post`` ends when the push
+  requests are queued and ``read`` lasts until the prefill engine's WRITE
+  notifications arrive; NixlConnector exports only its READ time
   (``vllm:nixl_xfer_time_seconds``, shown as ``read``);
 - ``decode_ttft``: the decode engine's own TTFT (``vllm:time_to_first_token_seconds``);
 - ``proxy``: the proxy's own time per request (``p2pkv_proxy_overhead_seconds``).
 
 vLLM's client gives per request the time to the first and to the second
-token; :func:`evaluate` checks them against the handover targets. Pure
-functions on snapshots and result dicts, plus an optional matplotlib plot.
+token; :func:`evaluate` checks them against the handover targets, for every
+p2pkv system run. Pure functions on snapshots and
+:class:`~p2pkv.tools.bench.serve_results.ServeResult`, plus an optional matplotlib plot.
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from p2pkv.telemetry.stats import PULL_PHASES
 from p2pkv.tools.bench.serve_metrics import Snapshot, histogram_p50_bound
+from p2pkv.tools.bench.serve_results import Handover, Percentiles, PointResult, ServeResult, Target
+from p2pkv.tools.bench.serve_systems import P2PKV_SYSTEMS
 
 PROXY_PHASES = {"prefill": "p2pkv_proxy_prefill_seconds",
                 "decode_first_byte": "p2pkv_proxy_decode_first_byte_seconds",
@@ -60,28 +64,22 @@ def _mean_ms(d: Snapshot, hist: str, phase: str = "") -> float | None:
     return 1e3 * (d.value(f"{hist}_sum{tail}") or 0.0) / n if n else None
 
 
-def second_token_ms(raw: Mapping[str, Any]) -> dict[str, float | None]:
-    """p50 and p99 (ms) of each request's time to its second token (TTFT + first ITL) from vLLM's
-    detailed ``bench serve`` result (``ttfts``, ``itls`` in seconds); None when not available."""
+def second_token_ms(raw: Mapping[str, Any]) -> Percentiles:
+    """Each request's time to its second token (TTFT + first ITL, ms) from vLLM's detailed ``bench serve``
+    result (``ttfts``, ``itls`` in seconds); all None when not available."""
     ttfts, itls = raw.get("ttfts") or [], raw.get("itls") or []
-    times = sorted(1e3 * (t + i[0]) for t, i in zip(ttfts, itls, strict=False) if t and i)
-    if not times:
-        return {"p50": None, "p99": None}
-    return {"p50": statistics.median(times), "p99": times[min(len(times) - 1, round(0.99 * (len(times) - 1)))]}
+    return Percentiles.of([1e3 * (t + i[0]) for t, i in zip(ttfts, itls, strict=False) if t and i])
 
 
-def breakdown(decode: Snapshot | None, proxy: Snapshot | None) -> dict[str, Any]:
+def breakdown(decode: Snapshot | None, proxy: Snapshot | None) -> Handover:
     """The mean of each phase (ms; None where the system does not export it) over one point.
 
     Args:
         decode / proxy: ``after - before`` of the decode engine's and the proxy's scrapes.
 
     Returns:
-        Phase → mean ms, plus ``read_p50_bound_ms`` (the READ phase's median
-        bucket bound; p2pkv only) and ``first_token_from_prefill`` /
-        ``first_token_from_decode`` (streaming requests whose first token the
-        proxy sent from the prefill answer, or took from the decode engine;
-        None without the proxy's counter).
+        Each phase's mean, the READ phase's median bucket bound (p2pkv only)
+        and the proxy's count of first tokens by source.
     """
     out: dict[str, Any] = {}
     for phase, hist in PROXY_PHASES.items():
@@ -96,14 +94,7 @@ def breakdown(decode: Snapshot | None, proxy: Snapshot | None) -> dict[str, Any]
     for source in ("prefill", "decode"):
         count = proxy.value(f"{FIRST_TOKENS}|{source}") if proxy is not None else None
         out[f"first_token_from_{source}"] = None if count is None else round(count)
-    return out
-
-
-def _point(result: Mapping[str, Any], system: str, conc: int) -> dict[str, Any] | None:
-    for p in (result["systems"].get(system) or {}).get("points", []):
-        if p["concurrency"] == conc:
-            return p
-    return None
+    return Handover(**out)
 
 
 def _check(a: float | None, b: float | None, factor: float) -> dict[str, Any]:
@@ -112,41 +103,48 @@ def _check(a: float | None, b: float | None, factor: float) -> dict[str, Any]:
             "met": None if a is None or b is None else bool(a <= factor * b)}
 
 
-def evaluate(result: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The handover targets, each ``name``, ``target`` (text), ``measured`` per concurrency, ``met``."""
-    concs = result["config"]["concurrency"]
-    specs = [
+Checks = Callable[[PointResult, PointResult], dict[str, dict[str, Any]]]
+"""A target's comparison of a p2pkv point with its baseline's: metric → :func:`_check`'s verdict."""
+
+
+def evaluate(result: ServeResult) -> list[Target]:
+    """The handover targets for every p2pkv system run; ``measured`` per ``"<system> c=<n>"``."""
+    concs = result.config.concurrency
+    systems = [s for s in result.systems if s in P2PKV_SYSTEMS]
+    specs: list[tuple[str, str, str, Checks]] = [
         ("ttft_vs_aggregated", f"p2pkv TTFT p50 <= {TTFT_VS_AGGREGATED} x aggregated TTFT p50", "aggregated",
-         lambda p, b: {"p50": _check(p["ttft_ms"]["p50"], b["ttft_ms"]["p50"], TTFT_VS_AGGREGATED)}),
+         lambda p, b: {"p50": _check(p.ttft_ms.p50, b.ttft_ms.p50, TTFT_VS_AGGREGATED)}),
         ("ttft_vs_nixl", f"p2pkv TTFT p50 and p99 <= {TTFT_VS_NIXL} x NixlConnector's", "nixl",
-         lambda p, b: {k: _check(p["ttft_ms"][k], b["ttft_ms"][k], TTFT_VS_NIXL) for k in ("p50", "p99")}),
+         lambda p, b: {"p50": _check(p.ttft_ms.p50, b.ttft_ms.p50, TTFT_VS_NIXL),
+                       "p99": _check(p.ttft_ms.p99, b.ttft_ms.p99, TTFT_VS_NIXL)}),
         ("second_token_vs_aggregated", f"p2pkv time to the second token p50 <= {SECOND_TOKEN_VS_AGGREGATED} x "
          "aggregated's", "aggregated",
-         lambda p, b: {"p50": _check((p.get("second_token_ms") or {}).get("p50"),
-                                     (b.get("second_token_ms") or {}).get("p50"), SECOND_TOKEN_VS_AGGREGATED)}),
+         lambda p, b: {"p50": _check(p.second_token_ms.p50, b.second_token_ms.p50, SECOND_TOKEN_VS_AGGREGATED)}),
         ("tpot_vs_aggregated", f"p2pkv TPOT p50 <= {TPOT_VS_AGGREGATED} x aggregated TPOT p50", "aggregated",
-         lambda p, b: {"p50": _check(p["tpot_ms"]["p50"], b["tpot_ms"]["p50"], TPOT_VS_AGGREGATED)}),
+         lambda p, b: {"p50": _check(p.tpot_ms.p50, b.tpot_ms.p50, TPOT_VS_AGGREGATED)}),
     ]
     out = []
     for name, text, base, checks in specs:
         measured, oks = {}, []
-        for conc in concs:
-            p, b = _point(result, "p2pkv", conc), _point(result, base, conc)
-            if p is None or b is None:
-                oks.append(None)
-                continue
-            measured[conc] = checks(p, b)
-            oks += [c["met"] for c in measured[conc].values()]
-        out.append({"name": name, "target": text, "measured": measured, "met": _all(oks)})
+        for system in systems:
+            for conc in concs:
+                p, b = result.point(system, conc), result.point(base, conc)
+                if p is None or b is None:
+                    oks.append(None)
+                    continue
+                measured[f"{system} c={conc}"] = checks(p, b)
+                oks += [c["met"] for c in measured[f"{system} c={conc}"].values()]
+        out.append(Target(name, text, measured, _all(oks)))
     measured, oks = {}, []
-    for conc in concs:
-        p = _point(result, "p2pkv", conc)
-        bound = ((p or {}).get("handover") or {}).get("read_p50_bound_ms")
-        ok = None if bound is None else bool(bound <= READ_P50_MS)
-        measured[conc] = {"read_p50_bound_ms": bound, "met": ok}
-        oks.append(ok)
-    out.append({"name": "read_p50", "target": f"pull post -> done p50 <= {READ_P50_MS:g} ms (histogram bucket bound)",
-                "measured": measured, "met": _all(oks)})
+    for system in systems:
+        for conc in concs:
+            p = result.point(system, conc)
+            bound = p.handover.read_p50_bound_ms if p is not None and p.handover is not None else None
+            ok = None if bound is None else bool(bound <= READ_P50_MS)
+            measured[f"{system} c={conc}"] = {"read_p50_bound_ms": bound, "met": ok}
+            oks.append(ok)
+    out.append(Target("read_p50", f"pull post -> done p50 <= {READ_P50_MS:g} ms (histogram bucket bound; push: "
+                      "the WRITE's notification seen)", measured, _all(oks)))
     return out
 
 
@@ -160,16 +158,15 @@ COLUMNS = ("prefill", "decode_first_byte", *PULL_PHASES, "decode_ttft", "proxy")
 """The breakdown table's phase columns, in request order."""
 
 
-def format_breakdown(result: Mapping[str, Any]) -> list[str]:
+def format_breakdown(result: ServeResult) -> list[str]:
     """Lines of the handover table: per system and concurrency, TTFT and second-token p50 and each phase's mean."""
     header = ["system", "conc", "TTFT p50", "2nd tok p50", *COLUMNS, "1st tok from prefill"]
     rows = []
-    for name, sys_result in result["systems"].items():
-        for p in sys_result.get("points", []):
-            h = p.get("handover") or {}
-            second = (p.get("second_token_ms") or {}).get("p50")
-            rows.append([name, str(p["concurrency"]), _fmt(p["ttft_ms"]["p50"]), _fmt(second),
-                         *(_fmt(h.get(c), ".2f") for c in COLUMNS), _share(h)])
+    for name, sys_result in result.systems.items():
+        for p in sys_result.points:
+            h = p.handover or Handover()
+            rows.append([name, str(p.concurrency), _fmt(p.ttft_ms.p50), _fmt(p.second_token_ms.p50),
+                         *(_fmt(h.phase(c), ".2f") for c in COLUMNS), _share(h)])
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     return ["handover (ms; phases are means over the point; n/a: not exported by that system):",
             "  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)),
@@ -177,9 +174,9 @@ def format_breakdown(result: Mapping[str, Any]) -> list[str]:
             *("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)) for r in rows)]
 
 
-def _share(h: Mapping[str, Any]) -> str:
+def _share(h: Handover) -> str:
     """``"prefill/all"`` first tokens of a point (n/a without the proxy's counter)."""
-    early, late = h.get("first_token_from_prefill"), h.get("first_token_from_decode")
+    early, late = h.first_token_from_prefill, h.first_token_from_decode
     return "n/a" if early is None and late is None else f"{early or 0}/{(early or 0) + (late or 0)}"
 
 
@@ -192,16 +189,15 @@ STACK = ("prefill", *PULL_PHASES, "decode_rest", "proxy")
 first byte (``decode_first_byte`` minus the pull phases), the proxy itself."""
 
 
-def stack_of(h: Mapping[str, Any]) -> list[float]:
+def stack_of(h: Handover) -> list[float]:
     """The :data:`STACK` segments (ms) of one point's breakdown ``h`` (missing phases count 0)."""
-    pull = sum(h.get(ph) or 0.0 for ph in PULL_PHASES)
-    rest = max(0.0, (h.get("decode_first_byte") or 0.0) - pull) if h.get("queue") is not None else \
-        (h.get("decode_first_byte") or 0.0) - (h.get("read") or 0.0)
-    return [h.get("prefill") or 0.0, *(h.get(ph) or 0.0 for ph in PULL_PHASES), max(0.0, rest),
-            h.get("proxy") or 0.0]
+    pull = sum(h.phase(ph) or 0.0 for ph in PULL_PHASES)
+    first_byte = h.decode_first_byte or 0.0
+    rest = max(0.0, first_byte - pull) if h.queue is not None else first_byte - (h.read or 0.0)
+    return [h.prefill or 0.0, *(h.phase(ph) or 0.0 for ph in PULL_PHASES), max(0.0, rest), h.proxy or 0.0]
 
 
-def plot(result: Mapping[str, Any], path: str | Path) -> bool:
+def plot(result: ServeResult, path: str | Path) -> bool:
     """Per disaggregated system, stacked bars of the handover phases per concurrency, with the client's
     TTFT p50 and the aggregated engine's; False without matplotlib."""
     try:
@@ -212,25 +208,25 @@ def plot(result: Mapping[str, Any], path: str | Path) -> bool:
     except ImportError:
         print("p2pkv bench serve: matplotlib is not installed; no handover plot", file=sys.stderr)
         return False
-    systems = [n for n in result["systems"] if n != "aggregated" and result["systems"][n].get("points")]
+    systems = [n for n, s in result.systems.items() if n != "aggregated" and s.points]
     if not systems:
         return False
-    agg = {p["concurrency"]: p["ttft_ms"]["p50"] for p in (result["systems"].get("aggregated") or {}).get(
-        "points", [])}
+    aggregated = result.systems.get("aggregated")
+    agg = {p.concurrency: p.ttft_ms.p50 for p in (aggregated.points if aggregated else [])}
     fig, axes = plt.subplots(1, len(systems), figsize=(5.5 * len(systems), 4.4), squeeze=False)
     for ax, name in zip(axes[0], systems, strict=True):
-        points = result["systems"][name]["points"]
-        labels = [f"c={p['concurrency']}" for p in points]
-        stacks = [stack_of(p.get("handover") or {}) for p in points]
+        points = result.systems[name].points
+        labels = [f"c={p.concurrency}" for p in points]
+        stacks = [stack_of(p.handover or Handover()) for p in points]
         bottom = [0.0] * len(points)
         for i, seg in enumerate(STACK):
             values = [st[i] for st in stacks]
             ax.bar(labels, values, bottom=bottom, label=seg)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.scatter(labels, [p["ttft_ms"]["p50"] or 0.0 for p in points], color="black", marker="_", s=500,
+        ax.scatter(labels, [p.ttft_ms.p50 or 0.0 for p in points], color="black", marker="_", s=500,
                    label="TTFT p50 (client)", zorder=3)
         if agg:
-            ax.scatter(labels, [agg.get(p["concurrency"]) or 0.0 for p in points], color="red", marker="_",
+            ax.scatter(labels, [agg.get(p.concurrency) or 0.0 for p in points], color="red", marker="_",
                        s=500, label="aggregated TTFT p50", zorder=3)
         ax.set_title(name, fontsize=9)
         ax.set_ylabel("ms (phase means)")

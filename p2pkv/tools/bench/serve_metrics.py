@@ -14,11 +14,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2pkv.tools.bench.serve_results import Latency, ProxyOverhead, PullStats
+
 P2PKV_PULL = {
     "bytes": "p2pkv:pull_bytes_total",
     "seconds_sum": "p2pkv:pull_seconds_sum",
     "count": "p2pkv:pull_seconds_count",
     "descriptors_sum": "p2pkv:pull_descriptors_sum",
+    "direction": "p2pkv:pulls_by_direction_total",
 }
 """p2pkv's pull metrics on the decode engine's ``/metrics`` (see :mod:`p2pkv.telemetry.metrics`)."""
 
@@ -30,8 +33,12 @@ NIXL_PULL = {
 }
 """vLLM NixlConnector's transfer metrics on the decode engine's ``/metrics`` (vLLM 0.32)."""
 
-KEPT_LABELS = ("phase", "source")
-"""Labels whose values are kept apart: a pull's ``phase``, the proxy's first-token ``source``."""
+KEPT_LABELS = ("phase", "source", "direction")
+"""Labels whose values are kept apart: a pull's ``phase``, the proxy's first-token ``source``, a transfer's
+``direction`` (pull or push)."""
+
+DIRECTIONS = ("pull", "push")
+"""Values of the ``direction`` label of ``p2pkv:pulls_by_direction_total``."""
 PROXY_OVERHEAD = "p2pkv_proxy_overhead_seconds"
 """The proxy's histogram of the time it adds per request (seconds)."""
 
@@ -135,7 +142,46 @@ def histogram_p50_bound(buckets: dict[float, float]) -> float | None:
     return math.inf
 
 
-def pull_stats(d: Snapshot, names: dict[str, str]) -> dict[str, Any] | None:
+def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of a histogram, interpolated linearly inside its bucket (Prometheus'
+    ``histogram_quantile``; the first bucket counts from 0).
+
+    Args:
+        buckets: upper bound → cumulative count (as in ``_bucket{le=...}``).
+
+    Returns:
+        The estimate (the histogram's unit), the last finite bound when it
+        falls in the ``+Inf`` bucket, None for an empty histogram.
+    """
+    if not buckets:
+        return None
+    total = buckets.get(math.inf, max(buckets.values()))
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in sorted(buckets):
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = (le, count) if not math.isinf(le) else (lower, below)
+    return lower
+
+
+def latency(d: Snapshot, hist: str) -> Latency | None:
+    """The latency one point added to histogram ``hist`` (seconds, without the ``_count``/``_sum``/``_bucket``
+    suffix) as a :class:`~p2pkv.tools.bench.serve_results.Latency` in ms; None when the scrape lacks it."""
+    count = d.value(f"{hist}_count")
+    if count is None:
+        return None
+    buckets = d.buckets.get(f"{hist}_bucket", {})
+    p50, p99 = histogram_quantile(buckets, 0.5), histogram_quantile(buckets, 0.99)
+    return Latency(count=round(count), mean_ms=1e3 * (d.value(f"{hist}_sum") or 0.0) / count if count > 0 else None,
+                   p50_ms=None if p50 is None else 1e3 * p50, p99_ms=None if p99 is None else 1e3 * p99)
+
+
+def pull_stats(d: Snapshot, names: dict[str, str]) -> PullStats | None:
     """Pull statistics of one benchmark point from the decode engine's metric delta.
 
     Args:
@@ -143,33 +189,34 @@ def pull_stats(d: Snapshot, names: dict[str, str]) -> dict[str, Any] | None:
         names: :data:`P2PKV_PULL` or :data:`NIXL_PULL`.
 
     Returns:
-        ``pulls``, ``bytes``, ``seconds_total``, ``mean_ms`` (per pull),
-        ``descriptors_mean`` (per pull; None when not exported), or None when
-        the engine exports none of these metrics.
+        The point's transfers (count, bytes, mean ms, descriptors and
+        directions where exported), or None when the engine exports none of
+        these metrics.
     """
     if d.value(names["count"]) is None and d.value(names["bytes"]) is None:
         return None
     count = d.value(names["count"]) or 0.0
     seconds = d.value(names["seconds_sum"]) or 0.0
     descs = d.value(names["descriptors_sum"])
-    return {
-        "pulls": round(count),
-        "bytes": round(d.value(names["bytes"]) or 0.0),
-        "seconds_total": seconds,
-        "mean_ms": 1e3 * seconds / count if count > 0 else None,
-        "descriptors_mean": descs / count if descs is not None and count > 0 else None,
-    }
+    directions = {}
+    if "direction" in names:
+        for direction in DIRECTIONS:
+            n = d.value(f"{names['direction']}|{direction}")
+            if n:
+                directions[direction] = round(n)
+    return PullStats(pulls=round(count), bytes=round(d.value(names["bytes"]) or 0.0), seconds_total=seconds,
+                     mean_ms=1e3 * seconds / count if count > 0 else None,
+                     descriptors_mean=descs / count if descs is not None and count > 0 else None,
+                     directions=directions)
 
 
-def proxy_overhead(d: Snapshot) -> dict[str, Any] | None:
+def proxy_overhead(d: Snapshot) -> ProxyOverhead | None:
     """The proxy's added latency over one benchmark point, from its histogram delta.
 
     Returns:
-        ``requests``, ``p50_bound_ms`` (upper bound of the median from the
-        buckets; None when empty or beyond the last finite bucket),
-        ``mean_ms`` (sum / count), ``prefill_mean_ms`` (the prefill request's
-        mean round trip, from ``p2pkv_proxy_prefill_seconds``), or None
-        without the overhead histogram.
+        Requests, the median's bucket bound and the mean of the time the
+        proxy adds, and the prefill request's mean round trip (from
+        ``p2pkv_proxy_prefill_seconds``); None without the overhead histogram.
     """
     count = d.value(f"{PROXY_OVERHEAD}_count")
     if count is None:
@@ -177,9 +224,8 @@ def proxy_overhead(d: Snapshot) -> dict[str, Any] | None:
     total = d.value(f"{PROXY_OVERHEAD}_sum") or 0.0
     bound = histogram_p50_bound(d.buckets.get(f"{PROXY_OVERHEAD}_bucket", {}))
     prefill_n = d.value(f"{PROXY_PREFILL}_count") or 0.0
-    return {
-        "requests": round(count),
-        "p50_bound_ms": None if bound is None or math.isinf(bound) else 1e3 * bound,
-        "mean_ms": 1e3 * total / count if count > 0 else None,
-        "prefill_mean_ms": 1e3 * (d.value(f"{PROXY_PREFILL}_sum") or 0.0) / prefill_n if prefill_n > 0 else None,
-    }
+    return ProxyOverhead(
+        requests=round(count),
+        p50_bound_ms=None if bound is None or math.isinf(bound) else 1e3 * bound,
+        mean_ms=1e3 * total / count if count > 0 else None,
+        prefill_mean_ms=1e3 * (d.value(f"{PROXY_PREFILL}_sum") or 0.0) / prefill_n if prefill_n > 0 else None)

@@ -1,9 +1,10 @@
-"""Pure parts of ``p2pkv bench serve``: per-point summaries, answer checks, ratios, targets, table, plot.
+"""Pure parts of ``p2pkv bench serve``: answer checks, the terminal table, the plot, progress lines.
 
-Works on plain dicts: vLLM's ``bench serve`` result of one point, and the
-benchmark's result (see :func:`p2pkv.tools.bench.serve.run_serve_bench`). Nothing
-heavy is imported (matplotlib only inside :func:`plot`). Units: latencies in
-ms, throughput in requests/s and output tokens/s, pull sizes in bytes.
+Works on vLLM's ``bench serve`` result dicts (one per point) and on the
+benchmark's :class:`~p2pkv.tools.bench.serve_results.ServeResult`. Nothing
+heavy is imported (matplotlib only inside :func:`plot`). Ratios and targets:
+:mod:`p2pkv.tools.bench.serve_compare`. Units: latencies in ms, throughput in
+requests/s and output tokens/s, pull sizes in bytes.
 """
 
 from __future__ import annotations
@@ -17,59 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from p2pkv.tools.bench import handover
-
-SYSTEM_LABELS = {
-    "p2pkv": "p2pkv P/D pair + proxy",
-    "nixl": "NixlConnector P/D pair + proxy",
-    "aggregated": "one aggregated engine",
-}
-"""System name → what it is."""
-
-TTFT_SLACK = 1.10
-"""p2pkv's TTFT p50 may exceed the aggregated engine's plus the mean pull time by this factor."""
-
-PROXY_P50_LIMIT_MS = 2.0
-"""Target for the proxy's own added latency, median per request (ms)."""
+from p2pkv.tools.bench.serve_results import Latency, PointResult, PrefillLatency, ServeResult
+from p2pkv.tools.bench.serve_systems import SYSTEM_LABELS
 
 
 class AnswerMismatch(Exception):
     """Two systems answered one prompt differently, or a request failed; the message names which."""
-
-
-def _float(v: Any) -> float | None:
-    """A plain float (vLLM reports numpy scalars, which JSON and ``is False`` checks do not take)."""
-    return None if v is None else float(v)
-
-
-def _stats(result: Mapping[str, Any], metric: str) -> dict[str, float | None]:
-    return {k: _float(result.get(f"{k if k != 'p50' else 'median'}_{metric}_ms")) for k in ("mean", "p50", "p99")}
-
-
-def point_summary(result: Mapping[str, Any]) -> dict[str, Any]:
-    """The numbers of one point from vLLM's ``bench serve`` result dict.
-
-    Args:
-        result: what :func:`p2pkv.tools.bench.serve_client.run_bench_serve`
-            returned (run with ``--metric-percentiles 50,99``).
-
-    Returns:
-        ``completed``, ``failed``, ``duration_s``, ``request_throughput``
-        (req/s), ``output_throughput`` (tok/s), ``total_output_tokens`` and
-        ``ttft_ms`` / ``tpot_ms`` / ``itl_ms`` / ``e2el_ms`` with ``mean``,
-        ``p50``, ``p99`` (ms; None when vLLM did not report one).
-
-    Raises:
-        KeyError: not a ``bench serve`` result (no ``completed``).
-    """
-    return {
-        "completed": int(result["completed"]),
-        "failed": int(result.get("failed", 0)),
-        "duration_s": float(result.get("duration", 0.0)),
-        "request_throughput": float(result.get("request_throughput", 0.0)),
-        "output_throughput": float(result.get("output_throughput", 0.0)),
-        "total_output_tokens": int(result.get("total_output_tokens", 0)),
-        **{f"{m}_ms": _stats(result, m) for m in ("ttft", "tpot", "itl", "e2el")},
-    }
 
 
 def answers_digest(texts: Sequence[str]) -> str:
@@ -161,106 +115,6 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _point(result: Mapping[str, Any], system: str, conc: int) -> dict[str, Any] | None:
-    sys_result = result["systems"].get(system)
-    if not sys_result:
-        return None
-    return next((p for p in sys_result["points"] if p["concurrency"] == conc), None)
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b not in (None, 0) else None
-
-
-def ratios(result: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """p2pkv / NixlConnector per concurrency: TTFT p50 and p99 (lower is better), req/s and tok/s (higher is better)."""
-    out = []
-    for conc in result["config"]["concurrency"]:
-        p, n = _point(result, "p2pkv", conc), _point(result, "nixl", conc)
-        if p is None or n is None:
-            continue
-        out.append({"concurrency": conc,
-                    "ttft_p50": _ratio(p["ttft_ms"]["p50"], n["ttft_ms"]["p50"]),
-                    "ttft_p99": _ratio(p["ttft_ms"]["p99"], n["ttft_ms"]["p99"]),
-                    "request_throughput": _ratio(p["request_throughput"], n["request_throughput"]),
-                    "output_throughput": _ratio(p["output_throughput"], n["output_throughput"])})
-    return out
-
-
-def evaluate_targets(result: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Check the measured numbers against the targets.
-
-    Returns:
-        One dict per target: ``name``, ``target`` (text), ``measured`` (per
-        concurrency) and ``met`` (bool, or None when a system it needs was
-        not run or a number is missing).
-    """
-    concs = result["config"]["concurrency"]
-    out: list[dict[str, Any]] = []
-
-    measured: dict[int, Any] = {}
-    oks: list[bool | None] = []
-    for conc in concs:
-        p, n = _point(result, "p2pkv", conc), _point(result, "nixl", conc)
-        if p is None or n is None:
-            oks.append(None)
-            continue
-        checks = {"ttft_p50": (p["ttft_ms"]["p50"], n["ttft_ms"]["p50"], "le"),
-                  "ttft_p99": (p["ttft_ms"]["p99"], n["ttft_ms"]["p99"], "le"),
-                  "output_throughput": (p["output_throughput"], n["output_throughput"], "ge")}
-        entry = {}
-        for key, (a, b, how) in checks.items():
-            ok = None if a is None or b is None else bool(a <= b if how == "le" else a >= b)
-            entry[key] = {"p2pkv": a, "nixl": b, "met": ok}
-            oks.append(ok)
-        measured[conc] = entry
-    out.append({"name": "p2pkv_vs_nixl",
-                "target": "p2pkv TTFT p50 and p99 <= NixlConnector's and output tok/s >= NixlConnector's "
-                          "at every concurrency", "measured": measured, "met": _all(oks)})
-
-    measured, oks = {}, []
-    for conc in concs:
-        p, a = _point(result, "p2pkv", conc), _point(result, "aggregated", conc)
-        pull = (p or {}).get("pull") or {}
-        if p is None or a is None or p["ttft_ms"]["p50"] is None or a["ttft_ms"]["p50"] is None \
-                or pull.get("mean_ms") is None:
-            oks.append(None)
-            continue
-        limit = (a["ttft_ms"]["p50"] + pull["mean_ms"]) * TTFT_SLACK
-        ok = bool(p["ttft_ms"]["p50"] <= limit)
-        measured[conc] = {"p2pkv_ttft_p50_ms": p["ttft_ms"]["p50"], "aggregated_ttft_p50_ms": a["ttft_ms"]["p50"],
-                          "pull_mean_ms": pull["mean_ms"], "limit_ms": limit, "met": ok}
-        oks.append(ok)
-    out.append({"name": "p2pkv_ttft_vs_aggregated",
-                "target": f"p2pkv TTFT p50 <= (aggregated TTFT p50 + mean pull time) x {TTFT_SLACK:.2f}",
-                "measured": measured, "met": _all(oks)})
-
-    measured, oks = {}, []
-    for system in ("p2pkv", "nixl"):
-        for conc in concs:
-            p = _point(result, system, conc)
-            if p is None:
-                continue
-            ov = p.get("proxy_overhead") or {}
-            bound = ov.get("p50_bound_ms")
-            ok = None if bound is None else bool(bound <= PROXY_P50_LIMIT_MS)
-            measured[f"{system} c={conc}"] = {"p50_bound_ms": bound, "mean_ms": ov.get("mean_ms"), "met": ok}
-            oks.append(ok)
-    out.append({"name": "proxy_overhead_p50",
-                "target": f"proxy's own latency per request, p50 < {PROXY_P50_LIMIT_MS:g} ms (histogram bucket bound)",
-                "measured": measured, "met": _all(oks)})
-    return out
-
-
-def _all(oks: Sequence[bool | None]) -> bool | None:
-    """False if any check failed, None if none ran or some could not be measured, else True."""
-    if any(o is False for o in oks):
-        return False
-    if not oks or any(o is None for o in oks):
-        return None
-    return True
-
-
 def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "n/a" if v is None else format(v, spec)
 
@@ -273,55 +127,106 @@ def _grid(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([head, line, *body])
 
 
-def format_table(result: Mapping[str, Any]) -> str:
-    """The terminal report: configuration, one row per system and concurrency, ratios, targets, checks."""
-    cfg, mach = result["config"], result["machine"]
+def _kib_per_pull(p: PointResult) -> str:
+    return _fmt(p.pull.bytes / p.pull.pulls / 1024 if p.pull and p.pull.pulls else None, ".0f")
+
+
+def _directions(p: PointResult) -> str:
+    """``"push 8"``, ``"pull 6 push 2"``; ``-`` where not exported."""
+    if p.pull is None or not p.pull.directions:
+        return "-"
+    return " ".join(f"{d} {n}" for d, n in sorted(p.pull.directions.items()))
+
+
+def _main_rows(result: ServeResult) -> list[list[str]]:
+    rows = []
+    for name, sys_result in result.systems.items():
+        for p in sys_result.points:
+            ov = p.proxy_overhead
+            rows.append([name, str(p.concurrency), _fmt(p.ttft_ms.p50), _fmt(p.ttft_ms.p99),
+                         _fmt(p.tpot_ms.p50, ".2f"), _fmt(p.tpot_ms.p99, ".2f"), _fmt(p.itl_ms.p50, ".2f"),
+                         _fmt(p.request_throughput, ".2f"), _fmt(p.output_throughput, ".1f"),
+                         _fmt(p.pull.mean_ms if p.pull else None, ".2f"), _kib_per_pull(p), _directions(p),
+                         _fmt(ov.p50_bound_ms if ov else None, ".1f"), _fmt(ov.mean_ms if ov else None, ".3f")])
+    return rows
+
+
+def _lat(lat: Latency | None, attr: str) -> str:
+    return _fmt(getattr(lat, attr) if lat is not None else None)
+
+
+def prefill_lines(result: ServeResult) -> list[str]:
+    """The prefill engine's own latency per disaggregated system and point (empty without one)."""
+    rows = []
+    for name, sys_result in result.systems.items():
+        for p in sys_result.points:
+            pre: PrefillLatency | None = p.prefill
+            if pre is None:
+                continue
+            probe = pre.probe
+            rows.append([name, str(p.concurrency), str(pre.legs.count if pre.legs else "n/a"),
+                         _lat(pre.legs, "mean_ms"), _lat(pre.legs, "p50_ms"), _lat(pre.legs, "p99_ms"),
+                         _lat(pre.engine_ttft, "mean_ms"), _lat(pre.engine_ttft, "p99_ms"),
+                         _fmt(pre.engine_queue_mean_ms, ".2f"), _fmt(pre.engine_prefill_mean_ms, ".2f"),
+                         *((f"{probe.requests}" + (f" ({probe.failed} failed)" if probe.failed else ""),
+                            _fmt(probe.ttft_ms.p50), _fmt(probe.ttft_ms.p99), _fmt(probe.tpot_ms.p50, ".2f"),
+                            _fmt(probe.tpot_ms.p99, ".2f")) if probe else ("-",) * 5)])
+    if not rows:
+        return []
+    header = ["system", "conc", "legs", "legs mean", "p50~", "p99~", "engine TTFT mean", "p99~", "queue mean",
+              "prefill mean", "probe n", "probe TTFT p50", "p99", "probe TPOT p50", "p99"]
+    return ["prefill engine's own latency (ms; legs: the proxy's prefill round trips; engine: the prefill engine's "
+            "/metrics, probe requests included; ~: interpolated in histogram buckets; probe: --prefill-probe, "
+            "exact):", _grid(header, rows)]
+
+
+def ratio_lines(result: ServeResult) -> list[str]:
+    """The ratios against baselines of the same run (empty without any)."""
+    if not result.ratios:
+        return []
+    rows = [[f"{r.system} / {r.baseline}", str(r.concurrency),
+             *(_fmt(v, ".3f") for v in (r.ttft_p50, r.ttft_p99, r.tpot_p50, r.output_throughput, r.prefill_legs_mean,
+                                         r.prefill_engine_ttft_mean, r.probe_ttft_p50, r.probe_tpot_p50))]
+            for r in result.ratios]
+    header = ["system / baseline", "conc", "TTFT p50", "TTFT p99", "TPOT p50", "tok/s", "prefill legs",
+              "prefill TTFT", "probe TTFT", "probe TPOT"]
+    return ["ratios in the same run (latency: < 1 is better; tok/s: > 1 is better; prefill legs and TTFT: means; "
+            "probe: p50):", _grid(header, rows)]
+
+
+def format_table(result: ServeResult) -> str:
+    """The terminal report: configuration, one row per system and concurrency, handover, prefill engine,
+    ratios, targets, checks."""
+    cfg, mach = result.config, result.machine
     lines = [
-        f"p2pkv bench serve: {cfg['model']}; {cfg['num_prompts']} prompts per point, {cfg['input_len']} in / "
-        f"{cfg['output_len']} out tokens, greedy; block size {cfg['block_size']}, {cfg['dtype']}; "
-        f"prefix caching {'on' if cfg['prefix_caching'] else 'off'}",
+        f"p2pkv bench serve: {cfg.model}; {cfg.num_prompts} prompts per point, {cfg.input_len} in / "
+        f"{cfg.output_len} out tokens, greedy; block size {cfg.block_size}, {cfg.dtype}; "
+        f"prefix caching {'on' if cfg.prefix_caching else 'off'}",
         f"  {mach['cpu_model']}, {mach['usable_cpus']} cores, {mach['mem_total_bytes'] / 2**30:.1f} GiB RAM; "
         + ", ".join(f"{k} {v}" for k, v in mach["versions"].items())
         + f"; load average {' '.join(f'{x:.2f}' for x in mach.get('loadavg_start', []))} at start",
         "",
     ]
     header = ["system", "conc", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p50", "req/s", "tok/s",
-              "pull ms", "pull KiB", "prefill RT", "proxy p50<=", "proxy mean"]
-    rows = []
-    for name, sys_result in result["systems"].items():
-        for p in sys_result["points"]:
-            pull = p.get("pull") or {}
-            pulls = pull.get("pulls") or 0
-            ov = p.get("proxy_overhead") or {}
-            rows.append([name, str(p["concurrency"]), _fmt(p["ttft_ms"]["p50"]), _fmt(p["ttft_ms"]["p99"]),
-                         _fmt(p["tpot_ms"]["p50"], ".2f"), _fmt(p["tpot_ms"]["p99"], ".2f"),
-                         _fmt(p["itl_ms"]["p50"], ".2f"), _fmt(p["request_throughput"], ".2f"),
-                         _fmt(p["output_throughput"], ".1f"), _fmt(pull.get("mean_ms"), ".2f"),
-                         _fmt(pull["bytes"] / pulls / 1024 if pulls else None, ".0f"),
-                         _fmt(ov.get("prefill_mean_ms"), ".1f"), _fmt(ov.get("p50_bound_ms"), ".1f"),
-                         _fmt(ov.get("mean_ms"), ".3f")])
-    lines.append("(ms unless named; pull: mean per pull on the decode engine; prefill RT: the proxy's prefill "
-                 "request, mean; proxy: its own time per request)")
-    lines.append(_grid(header, rows))
+              "pull ms", "pull KiB", "directions", "proxy p50<=", "proxy mean"]
+    lines.append("(ms unless named; pull: mean per transfer on the decode engine; directions: completed transfers "
+                 "by direction; proxy: its own time per request)")
+    lines.append(_grid(header, _main_rows(result)))
     lines += ["", *handover.format_breakdown(result)]
-    rat = result.get("ratios") or []
-    if rat:
-        lines += ["", "p2pkv / NixlConnector (TTFT: < 1 is better; throughput: > 1 is better):"]
-        lines.append(_grid(["conc", "TTFT p50", "TTFT p99", "req/s", "tok/s"],
-                           [[str(r["concurrency"]), _fmt(r["ttft_p50"], ".3f"), _fmt(r["ttft_p99"], ".3f"),
-                             _fmt(r["request_throughput"], ".3f"), _fmt(r["output_throughput"], ".3f")]
-                            for r in rat]))
+    for section in (prefill_lines(result), ratio_lines(result)):
+        if section:
+            lines += ["", *section]
     lines += ["", "targets:"]
-    for t in result.get("targets") or []:
-        mark = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-        lines.append(f"  [{mark}] {t['target']}")
-        for key, m in t["measured"].items():
+    for t in result.targets:
+        mark = {True: "met", False: "NOT met", None: "not measured"}[t.met]
+        lines.append(f"  [{mark}] {t.target}")
+        for key, m in t.measured.items():
             lines.append(f"      {key}: {_fmt_measured(m)}")
     lines += ["", "checks:"]
-    for name, c in (result.get("checks") or {}).items():
-        lines.append(f"  {name}: {'passed' if c.get('passed') else 'FAILED'} ({c.get('detail', '')})")
-    for name, sys_result in result["systems"].items():
-        if errors := sys_result.get("warmup_errors"):
+    for name, c in result.checks.items():
+        lines.append(f"  {name}: {'passed' if c.passed else 'FAILED'} ({c.detail})")
+    for name, sys_result in result.systems.items():
+        if errors := sys_result.warmup_errors:
             lines.append(f"  note: {len(errors)} warm-up request(s) of {name} failed (not measured): {errors[0]}")
     return "\n".join(lines)
 
@@ -336,8 +241,27 @@ def _fmt_measured(value: Any) -> str:
     return str(value)
 
 
-def plot(result: Mapping[str, Any], path: str | Path) -> bool:
-    """TTFT p50 and TPOT p50 (ms) vs concurrency, one line per system; False without matplotlib."""
+def _series(result: ServeResult) -> list[tuple[str, str]]:
+    """The plot's panels: (title, what) — client TTFT and TPOT, then the prefill engine's own latency."""
+    panels = [("TTFT p50 (ms)", "ttft"), ("TPOT p50 (ms)", "tpot")]
+    points = [p for s in result.systems.values() for p in s.points]
+    if any(p.prefill and p.prefill.legs for p in points):
+        panels.append(("prefill legs, mean round trip (ms)", "legs"))
+    if any(p.prefill and p.prefill.probe for p in points):
+        panels.append(("prefill engine, probe TPOT p50 (ms)", "probe_tpot"))
+    return panels
+
+
+def _value(p: PointResult, what: str) -> float | None:
+    pre = p.prefill
+    return {"ttft": lambda: p.ttft_ms.p50, "tpot": lambda: p.tpot_ms.p50,
+            "legs": lambda: pre.legs.mean_ms if pre and pre.legs else None,
+            "probe_tpot": lambda: pre.probe.tpot_ms.p50 if pre and pre.probe else None}[what]()
+
+
+def plot(result: ServeResult, path: str | Path) -> bool:
+    """Per system vs concurrency: TTFT p50, TPOT p50, and the prefill engine's own latency (its legs' mean
+    round trip; the probe's TPOT p50 when probed); False without matplotlib."""
     try:
         import matplotlib
 
@@ -347,20 +271,22 @@ def plot(result: Mapping[str, Any], path: str | Path) -> bool:
         print("p2pkv bench serve: matplotlib is not installed (pip install 'p2pkv[bench]'); no plot",
               file=sys.stderr)
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, (metric, title) in zip(axes, [("ttft_ms", "TTFT p50 (ms)"), ("tpot_ms", "TPOT p50 (ms)")], strict=True):
-        for name, sys_result in result["systems"].items():
-            pts = [p for p in sys_result["points"] if p[metric]["p50"] is not None]
-            ax.plot([p["concurrency"] for p in pts], [p[metric]["p50"] for p in pts], marker="o",
-                    label=SYSTEM_LABELS.get(name, name))
+    panels = _series(result)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
+    concs = list(result.config.concurrency)
+    for ax, (title, what) in zip(axes[0], panels, strict=True):
+        for name, sys_result in result.systems.items():
+            pts = [(p.concurrency, v) for p in sys_result.points if (v := _value(p, what)) is not None]
+            if pts:
+                ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=SYSTEM_LABELS.get(name, name))
         ax.set_xscale("log", base=2)
-        ax.set_xticks(result["config"]["concurrency"], [str(c) for c in result["config"]["concurrency"]])
+        ax.set_xticks(concs, [str(c) for c in concs])
         ax.set_xlabel("max concurrency (requests in flight)")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    cfg, mach = result["config"], result["machine"]
-    fig.suptitle(f"p2pkv bench serve: {Path(cfg['model']).name}, {cfg['input_len']} in / {cfg['output_len']} out "
+    axes[0][0].legend(fontsize=7)
+    cfg, mach = result.config, result.machine
+    fig.suptitle(f"p2pkv bench serve: {Path(cfg.model).name}, {cfg.input_len} in / {cfg.output_len} out "
                  f"tokens ({mach['cpu_model']}, {mach['usable_cpus']} cores)", fontsize=9)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -369,18 +295,21 @@ def plot(result: Mapping[str, Any], path: str | Path) -> bool:
     return True
 
 
-def point_line(name: str, p: dict[str, Any]) -> str:
+def point_line(name: str, p: PointResult) -> str:
     """One progress line for a finished point (ms, req/s, tok/s, MiB)."""
-    pull = p.get("pull") or {}
-    pull_txt = (f", pulls {pull['pulls']} x {pull['mean_ms']:.2f} ms, {pull['bytes'] / 2**20:.2f} MiB"
-                if pull.get("mean_ms") is not None else "")
-    ov = p.get("proxy_overhead") or {}
-    ov_txt = (f", prefill round trip {_fmt(ov.get('prefill_mean_ms'))} ms, proxy mean {ov['mean_ms']:.3f} ms"
-              if ov.get("mean_ms") is not None else "")
-    return (f"[{name}] c={p['concurrency']}: {p['completed']}/{p['num_prompts']} ok in {p['duration_s']:.1f} s, "
-            f"TTFT p50 {_fmt(p['ttft_ms']['p50'])} p99 {_fmt(p['ttft_ms']['p99'])} ms, "
-            f"TPOT p50 {_fmt(p['tpot_ms']['p50'], '.2f')} ms, {p['request_throughput']:.2f} req/s, "
-            f"{p['output_throughput']:.1f} tok/s{pull_txt}{ov_txt}")
+    pull_txt = (f", transfers {p.pull.pulls} x {p.pull.mean_ms:.2f} ms ({_directions(p)}), "
+                f"{p.pull.bytes / 2**20:.2f} MiB" if p.pull and p.pull.mean_ms is not None else "")
+    pre = p.prefill
+    pre_txt = (f", prefill legs mean {_lat(pre.legs, 'mean_ms')} ms" if pre and pre.legs else "")
+    if pre and pre.probe:
+        pre_txt += (f", probe {pre.probe.requests} req TTFT p50 {_fmt(pre.probe.ttft_ms.p50)} "
+                    f"TPOT p50 {_fmt(pre.probe.tpot_ms.p50, '.2f')} ms")
+    ov_txt = f", proxy mean {p.proxy_overhead.mean_ms:.3f} ms" if p.proxy_overhead and p.proxy_overhead.mean_ms \
+        is not None else ""
+    return (f"[{name}] c={p.concurrency}: {p.completed}/{p.num_prompts} ok in {p.duration_s:.1f} s, "
+            f"TTFT p50 {_fmt(p.ttft_ms.p50)} p99 {_fmt(p.ttft_ms.p99)} ms, "
+            f"TPOT p50 {_fmt(p.tpot_ms.p50, '.2f')} ms, {p.request_throughput:.2f} req/s, "
+            f"{p.output_throughput:.1f} tok/s{pull_txt}{pre_txt}{ov_txt}")
 
 
 def machine() -> dict[str, Any]:

@@ -1,0 +1,131 @@
+"""Start the engines and proxies of one group of ``p2pkv bench serve`` systems (see
+:func:`p2pkv.tools.bench.serve_systems.plan_groups`).
+
+A group is one aggregated engine, or one prefill/decode pair with a proxy
+per system: the pair's own proxy (``--base-port``) for the first system,
+one more proxy for each further system (``--base-port`` +600, +601), each
+with its system's ``--transfer-mode``. A proxy starts in seconds; the
+engines, which take minutes on a CPU host, start once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2pkv.tools.bench.serve_metrics import NIXL_PULL, P2PKV_PULL
+from p2pkv.tools.bench.serve_options import EXTRA_PROXY_PORT, ServeBenchOptions
+from p2pkv.tools.bench.serve_systems import SYSTEM_SPECS, SystemSpec
+
+PROXY_START_TIMEOUT_S = 60.0
+"""Seconds a proxy may take to answer its health check."""
+
+
+@dataclass
+class Deployment:
+    """A started system: where to send requests and what to scrape.
+
+    Attributes:
+        name: the system.
+        url: where its client sends requests (its proxy, or the aggregated engine).
+        startup_s: seconds until it was healthy (a shared pair's start counts for its first system).
+        decode_url / prefill_url / proxy_url: what to scrape (None for the aggregated engine).
+        pull_names: the decode engine's transfer metrics
+            (:data:`~p2pkv.tools.bench.serve_metrics.P2PKV_PULL` or ``NIXL_PULL``).
+    """
+
+    name: str
+    url: str
+    startup_s: float
+    decode_url: str | None = None
+    prefill_url: str | None = None
+    proxy_url: str | None = None
+    pull_names: dict[str, str] | None = None
+
+
+@dataclass
+class StartedGroup:
+    """The systems of one group, all started; :meth:`stop` stops every process of the group.
+
+    Attributes:
+        systems: one :class:`Deployment` per system, in the group's order.
+        stop: stops everything (idempotent).
+    """
+
+    systems: list[Deployment]
+    stop: Callable[[], None] = field(repr=False)
+
+
+def proxy_args(spec: SystemSpec, opts: ServeBenchOptions) -> tuple[str, ...]:
+    """The ``p2pkv proxy`` flags of ``spec``'s proxy."""
+    mode = ("--transfer-mode", spec.transfer_mode) if spec.transfer_mode else ()
+    return ("--first-token-from", opts.first_token_from, *mode)
+
+
+def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_dir: Path) -> StartedGroup:
+    """Start the engines of ``names`` (one group of :func:`~p2pkv.tools.bench.serve_systems.plan_groups`)
+    and a proxy per system; wait until all are healthy.
+
+    Raises:
+        LaunchError: a process died or never became healthy (everything the group started is stopped).
+    """
+    from p2pkv.tools.deploy.checks import check_port_free
+    from p2pkv.tools.deploy.engines import EngineSpec
+    from p2pkv.tools.deploy.local import LocalPair
+    from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
+
+    b, host = opts.base_port, opts.host
+    max_len = max(2048, opts.input_len + opts.output_len)
+    specs = [SYSTEM_SPECS[n] for n in names]
+    t0 = time.monotonic()
+    if specs[0].connector is None:
+        check_port_free(host, b + 300, "--base-port (+300, aggregated)")
+        engine = EngineSpec(name="aggregated", model=model, port=b + 300, host=host, block_size=opts.block_size,
+                            dtype=opts.dtype, max_model_len=max_len, tensor_parallel_size=opts.tensor_parallel_size,
+                            env={"UCX_NET_DEVICES": "lo"}, extra_args=opts.engine_args())
+        children = [start_child(engine.name, engine.command(), engine.environment(), log_dir,
+                                f"http://{host}:{engine.port}/health")]
+        try:
+            wait_healthy(children, opts.start_timeout_s)
+        except BaseException:
+            stop_children(children)
+            raise
+        url = f"http://{host}:{engine.port}"
+        return StartedGroup([Deployment(names[0], url, time.monotonic() - t0)], lambda: stop_children(children))
+    connector = specs[0].connector
+    if any(s.connector != connector for s in specs):
+        raise ValueError(f"systems {', '.join(names)} do not share one kind of engines")
+    pair = LocalPair(model=model, host=host, proxy_port=b, prefill_port=b + 100, decode_port=b + 200,
+                     side_channel_port=b + 400, block_size=opts.block_size, dtype=opts.dtype,
+                     max_model_len=max_len, log_dir=log_dir, connector=connector,
+                     tensor_parallel_size=opts.tensor_parallel_size, engine_args=opts.engine_args(),
+                     proxy_args=proxy_args(specs[0], opts))
+    extra = []
+
+    def stop() -> None:
+        stop_children(extra)
+        extra.clear()
+        pair.stop()
+
+    pulls = P2PKV_PULL if connector == "p2pkv" else NIXL_PULL
+    common = dict(decode_url=pair.url("decode"), prefill_url=pair.url("prefill"), pull_names=pulls)
+    pair.start(timeout_s=opts.start_timeout_s)
+    started = [Deployment(names[0], pair.url("proxy"), time.monotonic() - t0, proxy_url=pair.url("proxy"), **common)]
+    try:
+        for i, spec in enumerate(specs[1:]):
+            t1, port = time.monotonic(), b + EXTRA_PROXY_PORT + i
+            check_port_free(host, port, f"--base-port (+{EXTRA_PROXY_PORT + i}, the {spec.name} proxy)")
+            routed = dataclasses.replace(pair, proxy_port=port, proxy_args=proxy_args(spec, opts))
+            url = f"http://{host}:{port}"
+            extra.append(start_child(f"proxy-{spec.name}", routed.proxy_command(),
+                                     {**os.environ, "P2PKV_SECRET": pair.secret}, log_dir, f"{url}/health"))
+            wait_healthy(extra[-1:], PROXY_START_TIMEOUT_S)
+            started.append(Deployment(spec.name, url, time.monotonic() - t1, proxy_url=url, **common))
+    except BaseException:
+        stop()
+        raise
+    return StartedGroup(started, stop)
