@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from p2pkv.dataplane.plan import coalesce_runs
-from p2pkv.tools.bench import report, transfer
+from p2pkv.tools.bench import machine, report, transfer
 from p2pkv.tools.bench.synth import (
     KVShape,
     allocate_blocks,
@@ -210,9 +210,9 @@ print(rc, web)
 
 
 def test_command_line_names_the_module_entry() -> None:
-    assert report.command_line(["/home/u/p2pkv/p2pkv/tools/bench/transfer.py", "--device", "cuda"]) == (
+    assert machine.command_line(["/home/u/p2pkv/p2pkv/tools/bench/transfer.py", "--device", "cuda"]) == (
         "python -m p2pkv.tools.bench.transfer --device cuda")
-    assert report.command_line(["/usr/local/bin/p2pkv", "bench", "transfer"]) == "p2pkv bench transfer"
+    assert machine.command_line(["/usr/local/bin/p2pkv", "bench", "transfer"]) == "p2pkv bench transfer"
 
 
 @pytest.mark.gpu

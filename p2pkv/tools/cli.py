@@ -126,44 +126,32 @@ def _add_doctor_and_proxy(sub: argparse._SubParsersAction) -> None:
     proxy.set_defaults(func=_cmd_proxy)
 
 
+BENCHES: tuple[tuple[str, str, str, str, str], ...] = (
+    ("transfer", "KV block pulls over NIXL between two processes vs memcpy (cross-layer vs per-layer)",
+     "p2pkv.tools.bench.transfer", "add_arguments", "cli_main"),
+    ("serve", "serving benchmark through the proxy: p2pkv vs NixlConnector vs one engine, answers checked",
+     "p2pkv.tools.bench.serve", "add_arguments", "main"),
+    ("fixup", "post-receive fixup (re-block, HND/NHD, head slice) on the device vs a plain copy",
+     "p2pkv.tools.bench.fixup", "add_arguments", "cli_main"),
+    ("scheduler", "the connector's scheduler hooks per engine step (decode pulls, prefill holds)",
+     "p2pkv.tools.bench.scheduler_hooks", "add_arguments", "cli_main"),
+    ("prepped", "building a READ: initialize_xfer on coalesced rows vs make_prepped_xfer on prepared lists",
+     "p2pkv.tools.bench.prepped", "add_arguments", "cli_main"),
+)
+"""The ``p2pkv bench`` subcommands, in ``--help`` order: (name, help, module, the module's function adding the
+options to a parser, the module's function running it from the parsed options and returning the exit code)."""
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
+    import importlib
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    transfer = bench_sub.add_parser(
-        "transfer", help="KV block pulls over NIXL between two processes vs memcpy (cross-layer vs per-layer)")
-    from p2pkv.tools.bench.transfer import cli_main as _cmd_bench_transfer
-    from p2pkv.tools.bench.transfer_options import add_arguments as _add_bench_transfer_arguments
-
-    _add_bench_transfer_arguments(transfer)
-    transfer.set_defaults(func=_cmd_bench_transfer)
-    from p2pkv.tools.bench.serve import add_arguments as _add_bench_serve_arguments
-    from p2pkv.tools.bench.serve import main as _cmd_bench_serve
-
-    serve = bench_sub.add_parser(
-        "serve", help="serving benchmark through the proxy: p2pkv vs NixlConnector vs one engine, answers checked")
-    _add_bench_serve_arguments(serve)
-    serve.set_defaults(func=_cmd_bench_serve)
-    from p2pkv.tools.bench.fixup import add_arguments as _add_bench_fixup_arguments
-    from p2pkv.tools.bench.fixup import cli_main as _cmd_bench_fixup
-
-    fixup = bench_sub.add_parser(
-        "fixup", help="post-receive fixup (re-block, HND/NHD, head slice) on the device vs a plain copy")
-    _add_bench_fixup_arguments(fixup)
-    fixup.set_defaults(func=_cmd_bench_fixup)
-    from p2pkv.tools.bench.scheduler_hooks import add_arguments as _add_bench_scheduler_arguments
-    from p2pkv.tools.bench.scheduler_hooks import cli_main as _cmd_bench_scheduler
-
-    scheduler = bench_sub.add_parser(
-        "scheduler", help="the connector's scheduler hooks per engine step (decode pulls, prefill holds)")
-    _add_bench_scheduler_arguments(scheduler)
-    scheduler.set_defaults(func=_cmd_bench_scheduler)
-    from p2pkv.tools.bench.prepped import add_arguments as _add_bench_prepped_arguments
-    from p2pkv.tools.bench.prepped import cli_main as _cmd_bench_prepped
-
-    prepped = bench_sub.add_parser(
-        "prepped", help="building a READ: initialize_xfer on coalesced rows vs make_prepped_xfer on prepared lists")
-    _add_bench_prepped_arguments(prepped)
-    prepped.set_defaults(func=_cmd_bench_prepped)
+    for name, help_text, module_path, add_arguments, run in BENCHES:
+        module = importlib.import_module(module_path)  # only when the parser is built, as the other commands
+        parser = bench_sub.add_parser(name, help=help_text)
+        getattr(module, add_arguments)(parser)
+        parser.set_defaults(func=getattr(module, run))
 
 
 def _add_trace(sub: argparse._SubParsersAction) -> None:

@@ -4,13 +4,20 @@
   and synthetic block placements shaped like a real allocator's.
 * :mod:`p2pkv.tools.bench.transfer`: ``p2pkv bench transfer``, a two-process NIXL
   pull benchmark against an in-process memcpy of the same bytes.
-* :mod:`p2pkv.tools.bench.report`: human table, JSON, plot and target checks.
+* :mod:`p2pkv.tools.bench.report`: ``p2pkv bench transfer``'s table, plot and target
+  checks; the JSON file of every bench.
 * :mod:`p2pkv.tools.bench.serve`: ``p2pkv bench serve``, a serving benchmark of a
   p2pkv pair, a NixlConnector pair and one engine through the proxy.
 * :mod:`p2pkv.tools.bench.fixup`: ``p2pkv bench fixup``, the post-receive fixup
   against a plain device copy.
 * :mod:`p2pkv.tools.bench.scheduler_hooks`: ``p2pkv bench scheduler``, the
   connector's scheduler hooks per engine step at a steady request load.
+
+Shared by the benches: :mod:`p2pkv.tools.bench.table` (text tables and their
+cells), :mod:`p2pkv.tools.bench.plotting` (matplotlib, headless, and PNG
+files), :mod:`p2pkv.tools.bench.machine` (the command line, host, device and
+versions a result records). The ``p2pkv bench`` subcommands are listed in
+:data:`p2pkv.tools.cli.BENCHES`.
 
 Nothing here is imported by the connector itself.
 """

@@ -38,16 +38,18 @@ Imports nothing heavy at module level (torch inside the functions), so the
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import platform
-import shlex
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from p2pkv.tools.bench.machine import command_line, machine_info
+from p2pkv.tools.bench.report import write_json
+from p2pkv.tools.bench.table import grid_lines, yes_no
 
 if TYPE_CHECKING:
     import torch
@@ -265,12 +267,8 @@ def run_fixup_bench(*, device: str = "cpu", tokens: int = 4096, layers: int = 32
     machine: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
                                "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
                                "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-    try:
-        from p2pkv.tools.bench.report import machine_info
-
+    with contextlib.suppress(Exception):  # description only
         machine.update(machine_info())
-    except Exception:  # pragma: no cover - description only
-        pass
     if dev.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(dev)
         try:
@@ -279,27 +277,11 @@ def run_fixup_bench(*, device: str = "cpu", tokens: int = 4096, layers: int = 32
             machine["triton"] = triton.__version__
         except ImportError:
             pass
-    return {"bench": "fixup", "command": _command(), "device": str(dev), "machine": machine,
+    return {"bench": "fixup", "command": command_line(sys.argv), "device": str(dev), "machine": machine,
             "shape": {"layers": layers, "pages": pages, "kv_heads": kv_heads, "head_dim": head_dim,
                       "dtype": dtype},
             "tokens": tokens, "iters": iters, "warmup": warmup, "seed": seed, "impls": list(impls),
             "bytes_convention": BYTES_CONVENTION, "cases": results}
-
-
-def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    return ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)), "  ".join("-" * w for w in widths),
-            *("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows)]
-
-
-def _command() -> str:
-    """This process's command line as typed (``p2pkv ...`` or ``python -m p2pkv.tools.bench.fixup ...``)."""
-    argv = list(sys.argv)
-    if argv and Path(argv[0]).name == "p2pkv":
-        argv[0] = "p2pkv"
-    elif argv and argv[0].endswith(("p2pkv/tools/bench/fixup.py", "-m")):
-        argv[0:1] = ["python", "-m", "p2pkv.tools.bench.fixup"]
-    return shlex.join(argv)
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -318,9 +300,9 @@ def format_table(result: dict[str, Any]) -> str:
             m = c["impls"][impl]
             row += [f"{m['gbps']:.1f}", f"{m['x_copy']:.2f}"]
         ok = [c["impls"][i]["verified"] for i in impls]
-        row.append("n/a" if any(v is None for v in ok) else ("yes" if all(ok) else "NO"))
+        row.append("n/a" if any(v is None for v in ok) else yes_no(all(ok)))
         rows.append(row)
-    lines = _grid(header, rows)
+    lines = grid_lines(header, rows)
     if all(c["copy"].get("pipelined_gbps") for c in result["cases"]):
         lines += ["", f"back to back ({result['iters']} calls queued, one timing around them):"]
         header = ["case", "copy GB/s"] + [h for impl in impls for h in (f"{impl} GB/s", "x copy")]
@@ -328,7 +310,7 @@ def format_table(result: dict[str, Any]) -> str:
                 + [v for impl in impls for v in (f"{c['impls'][impl]['pipelined_gbps']:.1f}",
                                                  f"{c['impls'][impl]['pipelined_x_copy']:.2f}")]
                 for c in result["cases"]]
-        lines += _grid(header, rows)
+        lines += grid_lines(header, rows)
     shape = result["shape"]
     lines.append(f"per call: each call timed alone (synchronized), host overhead included. "
                  f"device {result['device']} ({result['machine'].get('gpu') or result['machine'].get('cpu_model')}); "
@@ -375,7 +357,7 @@ def cli_main(args: argparse.Namespace) -> int:
         return 2
     print(format_table(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        write_json(result, args.json, indent=1)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0 if all(m["verified"] is not False for c in result["cases"] for m in c["impls"].values()) else 1
 

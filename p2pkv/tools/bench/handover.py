@@ -23,15 +23,16 @@ p2pkv system run. Pure functions on snapshots and
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from p2pkv.telemetry.stats import PULL_PHASES
-from p2pkv.tools.bench.serve_metrics import Snapshot, histogram_p50_bound
-from p2pkv.tools.bench.serve_results import Handover, Percentiles, PointResult, ServeResult, Target
+from p2pkv.tools.bench import plotting
+from p2pkv.tools.bench.serve_metrics import Snapshot, histogram_p50_bound, mean_ms
+from p2pkv.tools.bench.serve_results import Handover, Percentiles, PointResult, ServeResult, Target, all_met
 from p2pkv.tools.bench.serve_systems import P2PKV_SYSTEMS
+from p2pkv.tools.bench.table import grid_lines, number
 
 PROXY_PHASES = {"prefill": "p2pkv_proxy_prefill_seconds",
                 "decode_first_byte": "p2pkv_proxy_decode_first_byte_seconds",
@@ -58,12 +59,6 @@ READ_P50_MS = 1.0
 """Pull post → done p50 (ms), for pulls up to 1 MiB."""
 
 
-def _mean_ms(d: Snapshot, hist: str, phase: str = "") -> float | None:
-    tail = f"|{phase}" if phase else ""
-    n = d.value(f"{hist}_count{tail}")
-    return 1e3 * (d.value(f"{hist}_sum{tail}") or 0.0) / n if n else None
-
-
 def second_token_ms(raw: Mapping[str, Any]) -> Percentiles:
     """Each request's time to its second token (TTFT + first ITL, ms) from vLLM's detailed ``bench serve``
     result (``ttfts``, ``itls`` in seconds); all None when not available."""
@@ -83,12 +78,12 @@ def breakdown(decode: Snapshot | None, proxy: Snapshot | None) -> Handover:
     """
     out: dict[str, Any] = {}
     for phase, hist in PROXY_PHASES.items():
-        out[phase] = _mean_ms(proxy, hist) if proxy is not None else None
+        out[phase] = mean_ms(proxy, hist)
     for phase in PULL_PHASES:
-        out[phase] = _mean_ms(decode, PHASE_METRIC, phase) if decode is not None else None
+        out[phase] = mean_ms(decode, PHASE_METRIC, phase)
     if decode is not None and out["read"] is None:
-        out["read"] = _mean_ms(decode, NIXL_READ)
-    out["decode_ttft"] = _mean_ms(decode, DECODE_TTFT) if decode is not None else None
+        out["read"] = mean_ms(decode, NIXL_READ)
+    out["decode_ttft"] = mean_ms(decode, DECODE_TTFT)
     bound = histogram_p50_bound(decode.buckets.get(f"{PHASE_METRIC}_bucket|read", {})) if decode else None
     out["read_p50_bound_ms"] = None if bound is None else 1e3 * bound
     for source in ("prefill", "decode"):
@@ -134,7 +129,7 @@ def evaluate(result: ServeResult) -> list[Target]:
                     continue
                 measured[f"{system} c={conc}"] = checks(p, b)
                 oks += [c["met"] for c in measured[f"{system} c={conc}"].values()]
-        out.append(Target(name, text, measured, _all(oks)))
+        out.append(Target(name, text, measured, all_met(oks)))
     measured, oks = {}, []
     for system in systems:
         for conc in concs:
@@ -144,14 +139,8 @@ def evaluate(result: ServeResult) -> list[Target]:
             measured[f"{system} c={conc}"] = {"read_p50_bound_ms": bound, "met": ok}
             oks.append(ok)
     out.append(Target("read_p50", f"pull post -> done p50 <= {READ_P50_MS:g} ms (histogram bucket bound; push: "
-                      "the WRITE's notification seen)", measured, _all(oks)))
+                      "the WRITE's notification seen)", measured, all_met(oks)))
     return out
-
-
-def _all(oks: Sequence[bool | None]) -> bool | None:
-    if any(o is False for o in oks):
-        return False
-    return None if not oks or any(o is None for o in oks) else True
 
 
 COLUMNS = ("prefill", "decode_first_byte", *PULL_PHASES, "decode_ttft", "proxy")
@@ -165,23 +154,16 @@ def format_breakdown(result: ServeResult) -> list[str]:
     for name, sys_result in result.systems.items():
         for p in sys_result.points:
             h = p.handover or Handover()
-            rows.append([name, str(p.concurrency), _fmt(p.ttft_ms.p50), _fmt(p.second_token_ms.p50),
-                         *(_fmt(h.phase(c), ".2f") for c in COLUMNS), _share(h)])
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+            rows.append([name, str(p.concurrency), number(p.ttft_ms.p50), number(p.second_token_ms.p50),
+                         *(number(h.phase(c), ".2f") for c in COLUMNS), _share(h)])
     return ["handover (ms; phases are means over the point; n/a: not exported by that system):",
-            "  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)),
-            "  ".join("-" * w for w in widths),
-            *("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)) for r in rows)]
+            *grid_lines(header, rows)]
 
 
 def _share(h: Handover) -> str:
     """``"prefill/all"`` first tokens of a point (n/a without the proxy's counter)."""
     early, late = h.first_token_from_prefill, h.first_token_from_decode
     return "n/a" if early is None and late is None else f"{early or 0}/{(early or 0) + (late or 0)}"
-
-
-def _fmt(v: float | None, spec: str = ".1f") -> str:
-    return "n/a" if v is None else format(v, spec)
 
 
 STACK = ("prefill", *PULL_PHASES, "decode_rest", "proxy")
@@ -200,13 +182,8 @@ def stack_of(h: Handover) -> list[float]:
 def plot(result: ServeResult, path: str | Path) -> bool:
     """Per disaggregated system, stacked bars of the handover phases per concurrency, with the client's
     TTFT p50 and the aggregated engine's; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("p2pkv bench serve: matplotlib is not installed; no handover plot", file=sys.stderr)
+    plt = plotting.pyplot("p2pkv bench serve", "handover plot")
+    if plt is None:
         return False
     systems = [n for n, s in result.systems.items() if n != "aggregated" and s.points]
     if not systems:
@@ -233,7 +210,5 @@ def plot(result: ServeResult, path: str | Path) -> bool:
         ax.legend(fontsize=6)
     fig.suptitle("where the first token waits (phase means per point)", fontsize=9)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return True

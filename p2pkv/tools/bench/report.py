@@ -1,4 +1,4 @@
-"""Output of ``p2pkv bench transfer``: machine description, table, JSON, plot, target checks.
+"""Output of ``p2pkv bench transfer``: per-method statistics, table, JSON, plot, target checks.
 
 A result's ``results`` has one entry per request size: ``methods`` holds the
 in-process ``memcpy`` baseline and the pull methods (``--mode pull``: the
@@ -8,26 +8,24 @@ decode side READs; ``mode`` ``"pull"``, memcpy's ``None``), ``push`` (with
 same run's memcpy.
 
 Works on the plain results dict of
-:func:`p2pkv.tools.bench.transfer.run_transfer_bench`; imports nothing heavy
-(matplotlib only inside :func:`plot`, torch only inside
-:func:`device_info` for a GPU). Units: GB/s are 1e9 bytes/s, MiB are
-2**20 bytes, times in ms or µs as named.
+:func:`p2pkv.tools.bench.transfer.run_transfer_bench` (its ``machine`` and
+``command``: :mod:`p2pkv.tools.bench.machine`); imports nothing heavy
+(matplotlib only inside :func:`plot`, through :mod:`p2pkv.tools.bench.plotting`).
+:func:`write_json` writes every bench's results file. Units: GB/s are 1e9
+bytes/s, MiB are 2**20 bytes, times in ms or µs as named.
 """
 
 from __future__ import annotations
 
-import ctypes
-import importlib.metadata
-import importlib.util
 import json
 import os
-import platform
-import resource
-import shlex
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from p2pkv.tools.bench import plotting
+from p2pkv.tools.bench.machine import device_text
+from p2pkv.tools.bench.table import grid, measured, target_mark, yes_no
 
 TARGETS = {
     "cross_vs_memcpy": 0.9,
@@ -39,56 +37,6 @@ TARGETS = {
 """Target thresholds: throughput ratios (×), first-request setup (ms), time ratio (×)."""
 
 _LLAMA3_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "block_size": 16}
-
-
-def command_line(argv: Sequence[str]) -> str:
-    """The command as a user would type it.
-
-    ``p2pkv ...`` for the console script; ``python -m p2pkv.tools.bench.transfer
-    ...`` when ``argv[0]`` is a module file of the p2pkv package (how
-    ``python -m`` fills it in).
-    """
-    args = list(argv)
-    if args:
-        path = Path(args[0])
-        parents = list(path.parts[:-1])
-        if path.name == "p2pkv":
-            args[0] = "p2pkv"
-        elif path.suffix == ".py" and "p2pkv" in parents:
-            top = len(parents) - 1 - parents[::-1].index("p2pkv")
-            args[0:1] = ["python", "-m", ".".join([*parents[top:], path.stem])]
-    return shlex.join(args)
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def _ucx_version() -> str | None:
-    """UCX version of the libucp bundled with the installed NIXL wheel."""
-    for mod in ("nixl_cu13", "nixl_cu12", "nixl"):
-        spec = importlib.util.find_spec(mod)
-        if spec is None or spec.origin is None:
-            continue
-        libs = Path(spec.origin).parent.parent / f"{mod}.libs"
-        for lib in sorted(libs.glob("libucp*.so*")):
-            try:
-                fn = ctypes.CDLL(str(lib)).ucp_get_version_string
-                fn.restype = ctypes.c_char_p
-                return fn().decode()
-            except (OSError, AttributeError):
-                continue
-    return None
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def summarize(xs: Sequence[float], scale: float = 1.0) -> dict[str, float]:
@@ -167,74 +115,6 @@ def push_stats(label: str, nbytes: int, push_s: Sequence[float], writer_s: Seque
     return out
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process (bytes; Linux ``ru_maxrss`` is in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def device_info(device: str) -> dict[str, Any]:
-    """What holds the KV caches: ``type`` (``cpu``/``cuda``), ``name`` and, for a GPU, its details.
-
-    Args:
-        device: torch device string, e.g. ``"cpu"`` or ``"cuda:0"``.
-
-    Returns:
-        ``type``, ``name`` (CPU model, or ``torch.cuda.get_device_name``),
-        ``nixl_mem_type``; for a GPU also ``index``, ``total_memory_bytes``,
-        ``compute_capability``, ``multiprocessors``, ``cuda_runtime`` (torch's
-        CUDA version) and ``driver`` (NVIDIA kernel driver, when readable).
-    """
-    kind, _, index = device.partition(":")
-    if kind != "cuda":
-        cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                    if line.startswith("model name")), platform.processor() or None)
-        return {"type": "cpu", "name": cpu, "nixl_mem_type": "DRAM"}
-    import torch
-
-    idx = int(index) if index else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(idx)
-    driver = next((w for w in _read("/proc/driver/nvidia/version").split() if w[:1].isdigit() and "." in w), None)
-    return {"type": "cuda", "name": torch.cuda.get_device_name(idx), "index": idx, "nixl_mem_type": "VRAM",
-            "total_memory_bytes": int(props.total_memory), "compute_capability": f"{props.major}.{props.minor}",
-            "multiprocessors": int(props.multi_processor_count), "cuda_runtime": torch.version.cuda,
-            "driver": driver}
-
-
-def device_text(result: dict[str, Any]) -> str:
-    """One-line description of where a result's caches lived, e.g. ``cuda:0 NVIDIA H100 80GB HBM3 (VRAM)``."""
-    dev = result.get("machine", {}).get("device") or {"type": "cpu", "nixl_mem_type": "DRAM"}
-    if dev["type"] != "cuda":
-        return "cpu (host memory, NIXL DRAM)"
-    return f"cuda:{dev['index']} {dev['name']} (GPU memory, NIXL VRAM)"
-
-
-def machine_info(device: str | None = None) -> dict[str, Any]:
-    """CPU model, cores, RAM (bytes), kernel and library versions of this machine.
-
-    Args:
-        device: with a torch device string (``"cpu"``, ``"cuda:0"``), also
-            ``device``: :func:`device_info` of it.
-    """
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor() or None)
-    mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
-                    if line.startswith("MemTotal:")), 0)
-    versions = {name: _version(name) for name in ("torch", "numpy", "nixl", "nixl-cu13", "nixl-cu12")}
-    versions["ucx"] = _ucx_version()
-    info: dict[str, Any] = {
-        "cpu_model": cpu,
-        "logical_cpus": os.cpu_count(),
-        "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "mem_total_bytes": mem_kib * 1024,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "versions": {k: v for k, v in versions.items() if v is not None},
-    }
-    if device is not None:
-        info["device"] = device_info(device)
-    return info
-
-
 def _method(result: dict[str, Any], tokens: int, method: str) -> dict[str, Any] | None:
     for entry in result["results"]:
         if entry["tokens"] == tokens:
@@ -308,14 +188,6 @@ def _ceiling_target(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "measured": measured or None, "met": met}
 
 
-def _grid(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    line = "  ".join("-" * w for w in widths)
-    fmt = [f"{h:>{w}}" for h, w in zip(header, widths, strict=True)]
-    body = ["  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(["  ".join(fmt), line, *body])
-
-
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable report: configuration, one row per size and method, setup, targets."""
     cfg, mach = result["config"], result["machine"]
@@ -338,13 +210,12 @@ def format_table(result: dict[str, Any]) -> str:
     rows = []
     for e in result["results"]:
         for name, m in e["methods"].items():
-            ok = {True: "yes", False: "NO", None: "-"}[m["verified"]]
             rows.append([str(e["tokens"]), f"{e['bytes_per_request'] / 2**20:.0f}", name, f"{m['gbps']:.2f}",
                          f"{m['ratio_to_memcpy']:.2f}", f"{m['gbps_best']:.2f}",
                          f"{m['descriptors_per_request']['mean']:.1f}",
                          f"{e['runs_per_request']['mean']:.1f}", f"{m['latency_ms']['p50']:.2f}",
-                         f"{m['latency_ms']['p99']:.2f}", f"{m['plan_us']['p50']:.0f}", ok])
-    lines.append(_grid(header, rows))
+                         f"{m['latency_ms']['p99']:.2f}", f"{m['plan_us']['p50']:.0f}", yes_no(m["verified"])])
+    lines.append(grid(header, rows))
     if any("push" in e for e in result["results"]):
         lines += ["", "pull vs push (x memcpy: GB/s / the same run's memcpy GB/s; push timed on the decode side "
                       "from its ask to the WRITE's notification; writer: the prefill's post -> DONE; ask+notify: "
@@ -363,8 +234,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines.append("")
     lines.append("targets:")
     for t in result["targets"]:
-        mark = {True: "met", False: "NOT met", None: "not measured"}[t["met"]]
-        lines.append(f"  [{mark}] {t['target']}: {_fmt_measured(t['measured'])}")
+        lines.append(f"  [{target_mark(t['met'])}] {t['target']}: {measured(t['measured'])}")
     for w in result.get("warnings", []):
         lines.append(f"warning: {w}")
     return "\n".join(lines)
@@ -375,7 +245,6 @@ def _mode_table(result: dict[str, Any]) -> str:
     header = ["tokens", "MiB/req", "method", "memcpy GB/s", "pull GB/s", "pull x memcpy", "push GB/s",
               "push x memcpy", "pull p50 ms", "push p50 ms", "writer p50 ms", "ask+notify p50 ms",
               "bytes ok pull/push"]
-    ok = {True: "yes", False: "NO", None: "-"}
     rows = []
     for e in result["results"]:
         for name, push in e.get("push", {}).items():
@@ -386,35 +255,23 @@ def _mode_table(result: dict[str, Any]) -> str:
                          f"{push['gbps']:.2f}", f"{push['ratio_to_memcpy']:.2f}",
                          f"{pull['latency_ms']['p50']:.2f}" if pull else "-", f"{push['latency_ms']['p50']:.2f}",
                          f"{push['writer_xfer_ms']['p50']:.2f}", f"{push['ask_and_notify_ms']['p50']:.2f}",
-                         f"{ok[pull['verified']] if pull else '-'}/{ok[push['verified']]}"])
-    return _grid(header, rows)
+                         f"{yes_no(pull['verified']) if pull else '-'}/{yes_no(push['verified'])}"])
+    return grid(header, rows)
 
 
-def _fmt_measured(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k}: {_fmt_measured(v)}" for k, v in value.items())
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
-
-
-def write_json(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write the results as indented JSON (creates the parent folder)."""
+def write_json(result: dict[str, Any], path: str | os.PathLike[str], indent: int = 2) -> None:
+    """Write the results as JSON indented by ``indent`` spaces, one newline at the end (creates the parent
+    folder)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(result, indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    p.write_text(json.dumps(result, indent=indent, sort_keys=False) + "\n", encoding="utf-8")
 
 
 def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
     """Plot GB/s, p50 latency (ms) and descriptors per request per size and method, pushes (hatched)
     next to pulls; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("p2pkv bench: matplotlib is not installed (pip install 'p2pkv[bench]'); no plot", file=sys.stderr)
+    plt = plotting.pyplot("p2pkv bench")
+    if plt is None:
         return False
     entries = result["results"]
     pushed = list(entries[0].get("push", {})) if entries else []
@@ -447,7 +304,5 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
         "cross_layer") else "push (hatched: the prefill WRITEs)" if pushed else "pull"
     fig.suptitle(f"p2pkv bench transfer, {modes}: {result['config']['shape_label']} ({where})", fontsize=10)
     fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return True

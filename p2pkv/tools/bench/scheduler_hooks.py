@@ -62,6 +62,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from p2pkv.tools.bench import plotting
+from p2pkv.tools.bench.table import grid_lines, yes_no
+
 SIDES = ("decode", "prefill")
 TARGET_US = 50.0
 """Target: p99 µs per step of the hooks at the default state (issue 13, item 4)."""
@@ -381,7 +384,7 @@ def run_scheduler_bench(*, sides: tuple[str, ...] = SIDES, churns: tuple[int, ..
 
     import vllm
 
-    from p2pkv.tools.bench.report import command_line, machine_info
+    from p2pkv.tools.bench.machine import command_line, machine_info
 
     cases = []
     for side in sides:
@@ -410,28 +413,22 @@ def _target_met(cases: list[dict[str, Any]]) -> dict[str, bool]:
     return {f"{c['side']}/churn{c['churn']}": c["step_us"]["p99"] < TARGET_US for c in cases}
 
 
-def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    return ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)), "  ".join("-" * w for w in widths),
-            *("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows)]
-
-
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable tables of a :func:`run_scheduler_bench` result (µs per step, per hook)."""
     cfg = result["config"]
     header = ["side", "churn", "p50 us", "p99 us", "mean us", "max us", f"p99<{TARGET_US:g}", "pulls", "holds"]
     rows = [[c["side"], str(c["churn"]), f"{c['step_us']['p50']:.1f}", f"{c['step_us']['p99']:.1f}",
              f"{c['step_us']['mean']:.1f}", f"{c['step_us']['max']:.0f}",
-             "yes" if c["step_us"]["p99"] < TARGET_US else "NO", str(c["counts"]["pulls"]),
+             yes_no(c["step_us"]["p99"] < TARGET_US), str(c["counts"]["pulls"]),
              str(c["counts"]["holds"])] for c in result["cases"]]
-    lines = _grid(header, rows)
+    lines = grid_lines(header, rows)
     used = [h for h in HOOKS if any(h in c["hooks"] for c in result["cases"])]
     lines += ["", "mean us per step by hook (us per call in brackets):"]
     header = ["side", "churn", *used]
     rows = [[c["side"], str(c["churn"])] + [
         f"{c['hooks'][h]['us_per_step']:.1f} ({c['hooks'][h]['us_per_call']:.2f})" if h in c["hooks"] else "-"
         for h in used] for c in result["cases"]]
-    lines += _grid(header, rows)
+    lines += grid_lines(header, rows)
     m = result["machine"]
     lines.append(f"{cfg['running']} running + {cfg['waiting']} waiting for KV (decode: pulls in flight; prefill: "
                  f"holds), {cfg['prompt_tokens']}-token prompts, block size {cfg['block_size']}; {cfg['steps']} "
@@ -443,13 +440,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str) -> bool:
     """p50/p99 µs per step against churn per side, and each hook's mean share; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("p2pkv bench: matplotlib is not installed (pip install 'p2pkv[bench]'); no plot", file=sys.stderr)
+    plt = plotting.pyplot("p2pkv bench")
+    if plt is None:
         return False
     cases = result["cases"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -477,9 +469,7 @@ def plot(result: dict[str, Any], path: str) -> bool:
     fig.suptitle(f"p2pkv bench scheduler: {cfg['running']} running + {cfg['waiting']} waiting for KV "
                  f"({m.get('cpu_model')}, {m.get('usable_cpus')} cores)", fontsize=10)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return True
 
 

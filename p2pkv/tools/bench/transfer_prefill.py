@@ -34,7 +34,7 @@ import traceback
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from p2pkv.tools.bench import report
+from p2pkv.tools.bench import machine
 from p2pkv.tools.bench.synth import KVShape, make_shaped_kv_caches
 from p2pkv.tools.bench.transfer_control import ControlClient, ControlServer
 from p2pkv.tools.bench.transfer_options import (
@@ -115,7 +115,7 @@ class PrefillCaches:
         """``notifs`` (count), ``peak_rss_bytes``, ``peak_gpu_bytes`` (None on the CPU) of this process."""
         import torch
 
-        return {"notifs": notifs, "peak_rss_bytes": report.peak_rss_bytes(),
+        return {"notifs": notifs, "peak_rss_bytes": machine.peak_rss_bytes(),
                 "peak_gpu_bytes": torch.cuda.max_memory_reserved(self.device) if self.cuda else None}
 
     def close(self) -> None:
@@ -249,7 +249,7 @@ class RemotePrefill:
     Attributes:
         host: the prefill's address (``--peer``; its side channels are there).
         local_address: this side's address on the control connection.
-        hostname: the prefill's host name. machine: its :func:`p2pkv.tools.bench.report.machine_info`.
+        hostname: the prefill's host name. machine: its :func:`p2pkv.tools.bench.machine.machine_info`.
 
     Raises:
         PeerError: nothing answers at ``--peer`` within ``--peer-timeout``.
@@ -350,7 +350,7 @@ def serve(opts: TransferBenchOptions, num_blocks: int, device: torch.device) -> 
             raise ValueError(f"--control-port {control_port(opts)}: cannot listen on {opts.host}: {exc}") from exc
         hello = {"op": "ready", "layouts": caches.ready, "shape": opts.shape.key(), "num_blocks": num_blocks,
                  "seed": opts.seed, "device": str(device), "hostname": socket.gethostname(), "host": opts.host,
-                 "machine": report.machine_info(str(device))}
+                 "machine": machine.machine_info(str(device))}
         sides = ", ".join(f"{lay} on {opts.host}:{r['port']}" for lay, r in caches.ready.items())
         print(f"ready: prefill serving {sides}; control on {opts.host}:{control.port} (until a decode says done, "
               f"SIGTERM or {opts.serve_seconds:g} s)", flush=True)

@@ -1,0 +1,79 @@
+"""Text tables of the ``p2pkv bench`` reports, and the values in their cells.
+
+Every bench prints its results as right-aligned columns two spaces apart
+under a header and a line of dashes (:func:`grid`). The cells are text the
+caller formats; :func:`number`, :func:`yes_no`, :func:`target_mark` and
+:func:`measured` are the conversions the reports share. Units are the
+caller's (a column's header names them). Pure functions, standard library
+only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def grid_lines(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of a text table: the header, a line of dashes, one line per row.
+
+    Args:
+        header: the column titles.
+        rows: the cells, as text, each row as long as ``header``.
+
+    Returns:
+        Lines with every column right-aligned to its widest cell (title
+        included) and columns two spaces apart; without rows, the header and
+        its dashes.
+
+    Raises:
+        ValueError: a row of another length than ``header``.
+    """
+    if any(len(r) != len(header) for r in rows):
+        raise ValueError(f"every row needs {len(header)} cells, one per column of {list(header)}")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    return ["  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)),
+            "  ".join("-" * w for w in widths),
+            *("  ".join(f"{c:>{w}}" for c, w in zip(r, widths, strict=True)) for r in rows)]
+
+
+def grid(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """:func:`grid_lines` joined by newlines (no newline at the end)."""
+    return "\n".join(grid_lines(header, rows))
+
+
+def number(value: float | None, spec: str = ".1f") -> str:
+    """``value`` formatted with the format spec ``spec`` (e.g. ``".2f"``), or ``n/a`` for None."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def yes_no(ok: bool | None, unknown: str = "-") -> str:
+    """A check's outcome in a cell: ``yes``, ``NO`` (capitals, to stand out), or ``unknown`` when not checked."""
+    return unknown if ok is None else "yes" if ok else "NO"
+
+
+def target_mark(met: bool | None) -> str:
+    """A target's verdict: ``met``, ``NOT met``, or ``not measured`` (None)."""
+    return {True: "met", False: "NOT met", None: "not measured"}[met]
+
+
+def measured(value: Any, key_sep: str = ": ", verdicts: bool = False) -> str:
+    """What a target measured, on one line.
+
+    Args:
+        value: a number, a (nested) dict of them, or anything printable.
+        key_sep: between a dict's key and its value.
+        verdicts: write booleans and None as :func:`yes_no` does (None as
+            ``n/a``) rather than ``True``/``False``/``None``.
+
+    Returns:
+        Dicts as ``key<key_sep>value`` pairs joined by ``", "`` (recursively),
+        floats to 3 significant digits, the rest as ``str``.
+    """
+    if isinstance(value, dict):
+        return ", ".join(f"{k}{key_sep}{measured(v, key_sep, verdicts)}" for k, v in value.items())
+    if verdicts and (isinstance(value, bool) or value is None):
+        return yes_no(value, "n/a")
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)

@@ -1,0 +1,80 @@
+"""What the ``p2pkv bench`` commands share: text tables, plot setup, the machine record, the CLI's bench table."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from p2pkv.tools.bench import machine, plotting, table
+from p2pkv.tools.cli import BENCHES, build_parser
+
+
+def test_grid_right_aligns_every_column_to_its_widest_cell() -> None:
+    assert table.grid_lines(["a", "bbb"], [["10", "x"], ["2", "yyyy"]]) == [
+        " a   bbb", "--  ----", "10     x", " 2  yyyy"]
+    assert table.grid(["a", "bbb"], [["10", "x"]]) == " a  bbb\n--  ---\n10    x"
+    assert table.grid_lines(["name", "n"], []) == ["name  n", "----  -"]  # no rows: the header alone
+    for short_or_long in (["1"], ["1", "2", "3"]):
+        with pytest.raises(ValueError, match="2 cells"):
+            table.grid_lines(["a", "b"], [["1", "2"], short_or_long])
+
+
+def test_cell_values() -> None:
+    assert (table.number(None), table.number(1.25), table.number(1.25, ".2f")) == ("n/a", "1.2", "1.25")
+    assert [table.yes_no(v) for v in (True, False, None)] == ["yes", "NO", "-"]
+    assert table.yes_no(None, "n/a") == "n/a"
+    assert [table.target_mark(v) for v in (True, False, None)] == ["met", "NOT met", "not measured"]
+    value = {"c=1": {"ratio": 0.91234, "met": True, "limit": None}, "runs": 3}
+    assert table.measured(value) == "c=1: ratio: 0.912, met: True, limit: None, runs: 3"
+    assert table.measured(value, key_sep=" ", verdicts=True) == "c=1 ratio 0.912, met yes, limit n/a, runs 3"
+
+
+def test_pyplot_says_what_is_missing_without_matplotlib(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    assert plotting.pyplot("p2pkv bench serve", "handover plot") is None
+    assert capsys.readouterr().err == ("p2pkv bench serve: matplotlib is not installed (pip install "
+                                       "'p2pkv[bench]'); no handover plot\n")
+
+
+def test_save_writes_the_png_into_a_new_folder(tmp_path) -> None:
+    plt = plotting.pyplot("test")
+    if plt is None:
+        pytest.skip("matplotlib is not installed")
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    path = tmp_path / "new" / "plot.png"
+    plotting.save(fig, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plt.get_fignums()  # closed
+
+
+def test_machine_record() -> None:
+    assert machine.command_line(["/usr/local/bin/p2pkv", "bench", "fixup", "--x", "a b"]) == (
+        "p2pkv bench fixup --x 'a b'")
+    assert machine.command_line(["p2pkv/tools/bench/fixup.py"]) == "python -m p2pkv.tools.bench.fixup"
+    assert machine.command_line(["other.py", "x"]) == "other.py x"
+    assert machine.version("no-such-dist-p2pkv", "pytest") == pytest.__version__
+    assert machine.version("no-such-dist-p2pkv") is None
+    info = machine.machine_info("cpu")
+    assert info["usable_cpus"] >= 1 and info["mem_total_bytes"] >= 0 and info["device"]["type"] == "cpu"
+    assert machine.device_text({"machine": info}) == "cpu (host memory, NIXL DRAM)"
+    assert machine.peak_rss_bytes() > 0
+
+
+@pytest.mark.parametrize("name", [b[0] for b in BENCHES])
+def test_every_bench_in_the_table_parses_and_runs_its_module(name: str, capsys) -> None:
+    _, help_text, module_path, add_arguments, run = next(b for b in BENCHES if b[0] == name)
+    module = importlib.import_module(module_path)
+    assert callable(getattr(module, add_arguments))
+    parser = build_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(["bench", name, "--help"])
+    assert exit_info.value.code == 0
+    assert f"usage: p2pkv bench {name}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--help"])
+    assert "".join(help_text.split()) in "".join(capsys.readouterr().out.split())  # wrapped by argparse
+    args = parser.parse_args(["bench", name])
+    assert args.bench_command == name and args.func is getattr(module, run)
