@@ -280,7 +280,6 @@ class Puller:
         """Push replies (a refusal fails the pull as the fence would) and WRITE notifications."""
         for read, kind, why, retry in self.pushes.collect(time.monotonic(), self.config.handshake_timeout_s):
             self._contained(read.pull, "failing a pushed pull", self._push_failed, read.pull, kind, why, retry)
-        self.progress.wake()
 
     def _push_failed(self, pull: Pull, kind: FailureKind, why: str, retry: bool) -> None:
         self._abandon(pull)
