@@ -24,6 +24,7 @@ from tests.workers import (
     NUM_BLOCKS,
     SHAPE,
     free_port,
+    idle_cpu_s,
     make_worker,
     model_info,
     prefill_main,
@@ -82,6 +83,8 @@ def test_pull_moves_exactly_the_requested_blocks(prefill, mode) -> None:
         assert block_bytes(views, layout, 50) == block_bytes(expected, layout, 51)
         assert out.get(timeout=30) == ["req-2"]
         assert worker.stats.data["directions"] == {mode: 2}
+        # Nothing left to do: the pulls' thread and the push thread wait, they do not poll.
+        assert idle_cpu_s([worker.puller.progress._thread, worker.pusher._thread]) < 0.1
     finally:
         worker.shutdown()
     assert base.abs().sum() > 0

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import threading
 import time
+from pathlib import Path
 
 from handshake import KVLayoutDesc, KVRegion
 from handshake.compat import fingerprint
@@ -80,3 +83,16 @@ def task(request_id: str, remote_request: str, port: int, local: list[int], remo
     return PullSpec(request_id, tuple(local), tuple(remote), rp)
 
 
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds (user + system) a thread of this process has used, from ``/proc`` (Linux)."""
+    fields = Path(f"/proc/self/task/{thread.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_s(threads: list[threading.Thread], seconds: float = 1.0) -> float:
+    """CPU seconds ``threads`` use together over ``seconds`` of wall time (a worker with nothing to do: ~0)."""
+    before = sum(map(thread_cpu_s, threads))
+    time.sleep(seconds)
+    return sum(map(thread_cpu_s, threads)) - before
