@@ -24,7 +24,7 @@ from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence
 from p2pkv.decode.peers import PeerId, PeerTable
-from p2pkv.decode.pull import Pull
+from p2pkv.decode.pull import Pull, PullState
 
 logger = logging.getLogger("p2pkv.decode")
 
@@ -83,8 +83,10 @@ class PeerKeeper:
             for pull in [p for p in self._waiting.pop(pid, []) if not p.finished]:
                 yield pull, failure
 
-    def cancel_unneeded(self, needed: set[PeerId]) -> None:
-        """Cancel the handshakes not started yet that no peer in ``needed`` is; their waiting pulls are forgotten."""
+    def cancel_unneeded(self) -> None:
+        """Cancel the handshakes not started yet that no waiting pull needs any more (after one failed)."""
+        needed = {pid for pulls in self._waiting.values() for p in pulls
+                  if p.state is PullState.HANDSHAKE for pid in p.peers}
         for pid in self.peers.cancel_unneeded(needed):
             self._waiting.pop(pid, None)
 

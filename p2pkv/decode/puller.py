@@ -43,10 +43,10 @@ from p2pkv.dataplane.staging import StagingFull
 from p2pkv.dataplane.topology import RankRead
 from p2pkv.decode.background import Background
 from p2pkv.decode.deadlines import Deadlines
-from p2pkv.decode.direction import Direction, Directions
+from p2pkv.decode.direction import Directions
 from p2pkv.decode.drain import Drain
 from p2pkv.decode.failures import FailureKind
-from p2pkv.decode.fence import Fence, Hold, Phase, Verdict, failure_of
+from p2pkv.decode.fence import Fence, Hold, Verdict, failure_of
 from p2pkv.decode.keeper import PeerKeeper
 from p2pkv.decode.notifier import Notifier
 from p2pkv.decode.outcomes import Outcomes
@@ -54,9 +54,10 @@ from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull import Pull, PullState, ReadPart
 from p2pkv.decode.pushes import Pushes
-from p2pkv.decode.reads import ReadEvent, plan_reads, poll_read, release_unposted
+from p2pkv.decode.reads import ReadEvent, plan_reads, release_unposted
 from p2pkv.decode.release import release_failed
 from p2pkv.decode.spans import PullSpans
+from p2pkv.decode.transfers import Transfers
 from p2pkv.metadata import PullSpec
 from p2pkv.telemetry.stats import StatsBuffer, append_json_line
 
@@ -101,6 +102,7 @@ class Puller:
         self.pushes = Pushes(self.background, self.fence, agent, rank.engine_id, self._secret,
                              config.handshake_timeout_s, config.transfer_timeout_s)
         self.directions = Directions(config.transfer_mode)
+        self.transfers = Transfers(agent, stager, self.fence, self.pushes, self.directions)
         self.drain = Drain(agent, stager, self.pushes, self.outcomes, config.transfer_timeout_s)
 
     # ---- public surface -----------------------------------------------------
@@ -200,25 +202,14 @@ class Puller:
 
     def _begin(self, pull: Pull) -> None:
         """Map the TP topology, then wait for handshakes or start the READs."""
-        spec = pull.spec
-        if (why := _refusal(spec, self.rank.engine_id)) is not None:
-            self._fail(pull, FailureKind.REFUSED, why)
+        needs = _needs(pull.spec, self.rank, self.peers)
+        if isinstance(needs, str):
+            self._fail(pull, FailureKind.REFUSED, needs)
             return
-        try:
-            reads, notify = self.rank.topology(spec.remote.tp_size)
-        except PullRefused as exc:
-            self._fail(pull, FailureKind.REFUSED, f"refused: {exc}")
-            return
-        ranks = {r.remote_rank for r in reads} | set(notify)
-        ids = sorted(PeerId.of(spec.remote, r) for r in ranks)
+        reads, notify, ids = needs
         pull.peers = tuple(ids)
         self.peers.touch(ids)
         missing = [pid for pid in ids if pid not in self.peers.peers]
-        known = next((self.peers.peers[pid].info for pid in ids if pid in self.peers.peers), None)
-        if known is not None and known.tp_size != spec.remote.tp_size:
-            self._fail(pull, FailureKind.REFUSED, f"kv_transfer_params.tp_size={spec.remote.tp_size}, but prefill "
-                                                  f"engine {known.engine_id!r} runs tp_size={known.tp_size}")
-            return
         if not missing:
             self._post(pull, reads, notify)
             return
@@ -262,18 +253,12 @@ class Puller:
             self._to(pull, PullState.DONE)
             return
         self._to(pull, PullState.READING)
-        for read in pull.reads:
-            try:
-                if self.directions.of(pull.spec.remote.transfer_mode, read.peer.agent_name) is Direction.PUSH:
-                    self.pushes.post(read)
-                    continue
-                read.handle = self.agent.start_read(read.peer.agent_name, read.local_descs, read.remote_descs)
-            except Exception as exc:
-                self._abandon(pull)
-                self.peers.drop(read.peer_id)
-                self._retry_or_fail(pull, _kind(exc), f"pull from {read.peer.agent_name} could not start: {exc}")
-                return
-            self.fence.add(read, Phase.BEFORE)
+        if (failed := self.transfers.start(pull)) is not None:
+            read, exc = failed
+            self._abandon(pull)
+            self.peers.drop(read.peer_id)
+            self._retry_or_fail(pull, _kind(exc), f"pull from {read.peer.agent_name} could not start: {exc}")
+            return
         pull.marks["posted"] = time.time()
 
     def _collect_pushes(self) -> None:
@@ -307,7 +292,7 @@ class Puller:
 
     def _poll(self, pull: Pull, read: ReadPart, now: float) -> None:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
-        event, exc = poll_read(self.agent, self.stager, read, now)
+        event, exc = self.transfers.poll(read, now)
         if event is ReadEvent.FAILED:
             self.peers.drop(read.peer_id, only=read.peer)
             self._abandon(pull)
@@ -315,10 +300,6 @@ class Puller:
         elif event is ReadEvent.FIXUP_FAILED:
             self._abandon(pull)
             self._fail(pull, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
-        elif event is ReadEvent.DONE and read.push_id:
-            read.confirmed = True  # the prefill rank kept the hold until its WRITE ended
-        elif event is ReadEvent.DONE:
-            self.fence.add(read, Phase.AFTER)
 
     def _collect_fence(self) -> None:
         for read, verdict, answer in self.fence.verdicts(time.monotonic(), self.config.handshake_timeout_s):
@@ -375,7 +356,7 @@ class Puller:
         if self.spans is not None:
             self._contained(None, "tracing a pull", self.spans.ended, pull, (kind, why))
         if handshaking:  # the handshakes no other pull waits for are not started (a running one ends by itself)
-            self.keeper.cancel_unneeded(self._handshaking())
+            self.keeper.cancel_unneeded()
         release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size), self.rank.name,
                        self._secret, self.config.handshake_timeout_s)
 
@@ -383,10 +364,6 @@ class Puller:
     def _busy_peers(self) -> set[PeerId]:
         """Peers a pull under way, a cancelled READ or a notification still needs (never dropped)."""
         return {pid for p in self.pulls for pid in p.peers} | self.drain.peers() | self.notifier.needed_peers()
-
-    def _handshaking(self) -> set[PeerId]:
-        """Peers the pulls waiting in ``HANDSHAKE`` need."""
-        return {pid for p in self.pulls if p.state is PullState.HANDSHAKE for pid in p.peers}
 
 
 def _log_failure(spec: PullSpec, kind: FailureKind, why: str) -> bool:
@@ -413,6 +390,24 @@ def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
             "peer": ",".join(r.peer.agent_name for r in pull.reads), "blocks": len(spec.local_block_ids),
             "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds, "direction": direction,
             "marks": pull.marks})
+
+
+def _needs(spec: PullSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[RankRead], list[int], list[PeerId]] | str:
+    """The prefill ranks a pull of ``spec`` reads (with head slices) and notifies, and the peers they are; or
+    why it is refused before anyone is contacted (:func:`_refusal`, TP sizes that cannot pair, a ``tp_size``
+    other than the one the prefill engine told at its handshake)."""
+    if (why := _refusal(spec, rank.engine_id)) is not None:
+        return why
+    try:
+        reads, notify = rank.topology(spec.remote.tp_size)
+    except PullRefused as exc:
+        return f"refused: {exc}"
+    ids = sorted(PeerId.of(spec.remote, r) for r in {r.remote_rank for r in reads} | set(notify))
+    known = next((peers.peers[pid].info for pid in ids if pid in peers.peers), None)
+    if known is not None and known.tp_size != spec.remote.tp_size:
+        return (f"kv_transfer_params.tp_size={spec.remote.tp_size}, but prefill engine {known.engine_id!r} runs "
+                f"tp_size={known.tp_size}")
+    return reads, notify, ids
 
 
 def _refusal(spec: PullSpec, engine_id: str) -> str | None:
