@@ -6,8 +6,9 @@ attribute): every attribute is the real agent's, except that the named
 method fails on its ``fail_on_call``-th call (1-based), either by raising
 or, for ``transfer`` and ``check_xfer_state``, by returning ``"ERR"`` the
 way NIXL reports a failed transfer; ``check_xfer_state`` can also answer
-``"PROC"`` (a READ that seems stuck in flight). A faulted call does not
-reach NIXL. Wrappers nest: the outer one counts every call, the inner one
+``"PROC"`` (a READ or WRITE that seems stuck in flight), and so can
+``transfer`` (a post NIXL never got: nothing moves, no notification). A
+faulted call does not reach NIXL. Wrappers nest: the outer one counts every call, the inner one
 only the calls the outer one let through.
 
 It counts calls per method (faulted ones included) and holds no reference
@@ -45,7 +46,7 @@ NIXL_METHODS = (
 """Every ``nixl_agent`` method :mod:`p2pkv.dataplane.agent` calls."""
 
 ERR_METHODS = ("transfer", "check_xfer_state")
-"""Methods that report failure by returning ``"ERR"`` (mode ``"err"``)."""
+"""Methods that report failure by returning ``"ERR"`` (mode ``"err"``), and progress by ``"PROC"`` (mode ``"proc"``)."""
 
 Mode = Literal["raise", "err", "proc"]
 _RETURNS = {"err": "ERR", "proc": "PROC"}
@@ -70,7 +71,7 @@ class FaultyNixlAgent:
             ``"raise"``; default :class:`InjectedFault`.
         mode: ``"raise"``; ``"err"`` (return ``"ERR"``; only for
             :data:`ERR_METHODS`); ``"proc"`` (return ``"PROC"``; only for
-            ``check_xfer_state``).
+            :data:`ERR_METHODS`).
         times: how many consecutive calls fail from ``fail_on_call`` on;
             ``None``: every call from then on.
 
@@ -89,8 +90,8 @@ class FaultyNixlAgent:
             raise ValueError(f"mode must be 'raise', 'err' or 'proc', got {mode!r}")
         if mode == "err" and fail_method not in ERR_METHODS:
             raise ValueError(f"mode 'err' needs one of {ERR_METHODS}, got {fail_method!r}")
-        if mode == "proc" and fail_method != "check_xfer_state":
-            raise ValueError(f"mode 'proc' needs check_xfer_state, got {fail_method!r}")
+        if mode == "proc" and fail_method not in ERR_METHODS:
+            raise ValueError(f"mode 'proc' needs one of {ERR_METHODS}, got {fail_method!r}")
         if fail_on_call < 1:
             raise ValueError(f"fail_on_call is 1-based, got {fail_on_call}")
         if times is not None and times < 1:

@@ -1,16 +1,23 @@
 """A prefill worker in its own process that can be told what to lease, and a decode pump.
 
-Shared by ``tests/test_faults.py`` and ``tests/test_churn.py``. The prefill
-process runs a real :class:`p2pkv.worker.WorkerSide` with a synthetic
-``BLHNC`` KV cache (random values from ``seed``) and a real NIXL agent. The
-test process sends it commands (``lease``, ``stop``) and reads back every
-``finished_sending`` set it produces, split into requests released by a
-completion notification and requests whose lease expired, so the test can
-check that each leased request is released exactly once.
+Shared by ``tests/test_faults.py``, ``tests/test_churn.py`` and
+``tests/test_puller_robustness.py``. The prefill process runs a real
+:class:`p2pkv.worker.WorkerSide` with a synthetic ``BLHNC`` KV cache (random
+values from ``seed``) and a real NIXL agent. The test process sends it
+commands (``lease``, ``stop``, and :meth:`PrefillProc.call`: faults injected
+into its NIXL agent, its pusher held back, its side channel slowed, its
+state read) and reads back every ``finished_sending`` set it produces, split
+into requests released by expiry and the others (a "done" or a release), each
+with its time, so the test can check that each leased request is released
+exactly once. In push mode it also reports every pin and unpin of a hold (a
+WRITE queued, then ended), with its time on the host's monotonic clock, so a
+test can check that a decode worker gave blocks back only after the WRITE
+into them ended.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import queue
@@ -21,8 +28,10 @@ import torch
 
 from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import RemotePrefill
+from p2pkv.prefill.holds import HoldEnd
 from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
+from tests.faults import FaultyNixlAgent
 from tests.workers import free_port, make_worker, model_info
 
 __all__ = ["ENGINE", "LAYOUT", "DecodeSide", "PrefillProc", "free_port", "notify_task", "pull_task"]
@@ -43,15 +52,7 @@ def _prefill_main(port: int, seed: int, num_blocks: int, leases: dict[str, float
     worker = make_worker(ENGINE, port, lease_s=lease_s)
     worker.model = model_info(LAYOUT)
     worker.register_kv_caches(views, num_blocks)
-    expired_now: list[str] = []
-    pop_expired = worker.holds.leases.pop_expired
-
-    def recording_pop_expired() -> list[str]:
-        got = pop_expired()
-        expired_now.extend(got)
-        return got
-
-    worker.holds.leases.pop_expired = recording_pop_expired  # type: ignore[method-assign]
+    control = _Control(worker, out)
     now = time.monotonic()
     worker.start_load_kv(P2pKvMetadata(send_leases={r: now + s for r, s in leases.items()}))
     out.put(("ready", os.getpid()))
@@ -68,14 +69,110 @@ def _prefill_main(port: int, seed: int, num_blocks: int, leases: dict[str, float
             now = time.monotonic()
             worker.start_load_kv(P2pKvMetadata(send_leases={r: now + seconds for r in ids}))
             out.put(("leased", token))
+        if cmd is not None and cmd[0] == "call":
+            _, token, name, args = cmd
+            out.put(("result", token, getattr(control, name)(*args)))
         sending, _ = worker.get_finished()
         if sending:
-            expired = set(expired_now)
-            out.put(("released", sorted(sending - expired), sorted(sending & expired)))
-        expired_now.clear()
-    out.put(("held", sorted(worker.holds.leases._deadline)))
+            ends = control.take_ends()
+            expired = {r for r in sending if ends.get(r) is HoldEnd.EXPIRED}
+            out.put(("released", sorted(sending - expired), sorted(expired), time.monotonic()))
+    holds = worker.holds
+    out.put(("held", sorted(holds.leases._deadline), sorted(holds._deferred), dict(holds._pins)))
     worker.shutdown()
     out.put(("bye",))
+
+
+class _Control:
+    """What the test process may do to a prefill worker (``PrefillProc.call``), and the events it reports.
+
+    Every pin and unpin of a hold (push mode: a WRITE queued, then ended) is sent to the test process with
+    its ``time.monotonic()`` (one clock for every process of the host), and why each hold ended is kept for
+    the ``released`` event.
+    """
+
+    def __init__(self, worker: WorkerSide, out: mp.Queue) -> None:
+        self.worker, self.out = worker, out
+        self._faults: list[FaultyNixlAgent] = []
+        self._ends: dict[str, HoldEnd] = {}
+        self._stall_until = 0.0
+        self._push_delay_s = 0.0
+        holds, pusher, server = worker.holds, worker.pusher, worker.server
+        assert pusher is not None and server is not None
+        pin, unpin, end_holds = holds.pin, holds.unpin, holds._end
+        post, on_push = pusher._post_in_turn, server._on_push
+
+        def recording_pin(request_id: str, block_ids: list[int]) -> str:
+            answer = pin(request_id, block_ids)
+            out.put(("pin", request_id, answer, time.monotonic()))
+            return answer
+
+        def recording_unpin(request_id: str) -> None:
+            unpin(request_id)
+            out.put(("unpin", request_id, time.monotonic()))
+
+        def recording_end(ending: dict[str, HoldEnd], now: float) -> dict[str, HoldEnd]:
+            ended = end_holds(ending, now)
+            self._ends.update(ended)
+            return ended
+
+        def stalled_post(now: float) -> None:
+            if time.monotonic() >= self._stall_until:
+                post(now)
+
+        def delayed_on_push(msg: object) -> tuple[str, str]:
+            if self._push_delay_s:
+                time.sleep(self._push_delay_s)
+            return on_push(msg)  # type: ignore[misc]
+
+        holds.pin, holds.unpin, holds._end = recording_pin, recording_unpin, recording_end  # type: ignore[method-assign]
+        pusher._post_in_turn = stalled_post  # type: ignore[method-assign]
+        server._on_push = self._on_push = delayed_on_push  # type: ignore[assignment]
+
+    def take_ends(self) -> dict[str, HoldEnd]:
+        """Why each hold ended since the last call (request id → :class:`HoldEnd`)."""
+        ends, self._ends = self._ends, {}
+        return ends
+
+    def inject(self, *faults: tuple[str, int, str, int | None]) -> None:
+        """Wrap the NIXL agent in one :class:`tests.faults.FaultyNixlAgent` per ``(method, n, mode, times)``."""
+        self.restore()
+        agent = self.worker.agent
+        assert agent is not None
+        for method, n, mode, times in faults:
+            agent._agent = FaultyNixlAgent(agent._agent, method, n, mode=mode, times=times)  # type: ignore[arg-type]
+            self._faults.append(agent._agent)
+
+    def restore(self) -> dict[str, int]:
+        """Unwrap the injected faults; how many fired, and the calls of each wrapped method (outermost)."""
+        agent = self.worker.agent
+        assert agent is not None
+        fired = {"faults": sum(f.faults for f in self._faults)}
+        if self._faults:
+            fired.update(self._faults[-1].calls)
+            agent._agent = self._faults[0].real
+        self._faults = []
+        return fired
+
+    def stall_pusher(self, seconds: float) -> None:
+        """Post no WRITE for ``seconds`` from now (requests are still accepted and queued); 0: post again."""
+        self._stall_until = time.monotonic() + seconds
+        self.worker.pusher._wake.set()  # type: ignore[union-attr]
+
+    def delay_push(self, seconds: float) -> None:
+        """Hold the side-channel thread ``seconds`` before it handles each push request (a busy prefill)."""
+        self._push_delay_s = seconds
+
+    def take_pushes(self, on: bool) -> None:
+        """False: the side channel refuses push requests, as one without push support does; True: serves them."""
+        self.worker.server._on_push = self._on_push if on else None  # type: ignore[union-attr]
+
+    def state(self) -> dict:
+        """The pusher's counters and queue, and the holds' leases, pins and deferred endings."""
+        pusher, holds = self.worker.pusher, self.worker.holds
+        assert pusher is not None
+        return {"counters": dataclasses.asdict(pusher.counters), "pending": pusher.pending(),
+                "held": sorted(holds.leases._deadline), "pins": dict(holds._pins), "deferred": sorted(holds._deferred)}
 
 
 @dataclass
@@ -86,7 +183,12 @@ class PrefillProc:
         port: side-channel port (the same after a restart).
         seed: seed of the cache values (block ``b`` holds ``expected(seed)[b]``).
         notified, expired: request id → times released that way (all incarnations).
+        released_at: request id → ``time.monotonic()`` of each release (the host's clock, the same in every process).
         leased: every request id leased so far.
+        pins: ``(request id, answer, time.monotonic())`` of every pin asked for (push mode: a WRITE to queue).
+        unpins: request id → ``time.monotonic()`` of each unpin (a WRITE ended, or will never start).
+        held_at_stop / deferred_at_stop / pinned_at_stop: what the incarnation stopped last still held: leases,
+            endings waiting for a WRITE, pins (request id → count).
     """
 
     port: int
@@ -95,8 +197,13 @@ class PrefillProc:
     lease_s: float = 30.0
     notified: dict[str, int] = field(default_factory=dict)
     expired: dict[str, int] = field(default_factory=dict)
+    released_at: dict[str, list[float]] = field(default_factory=dict)
     leased: set[str] = field(default_factory=set)
+    pins: list[tuple[str, str, float]] = field(default_factory=list)
+    unpins: dict[str, list[float]] = field(default_factory=dict)
     held_at_stop: list[str] | None = None
+    deferred_at_stop: list[str] | None = None
+    pinned_at_stop: dict[str, int] | None = None
     released_by_incarnation: list[set[str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -174,15 +281,57 @@ class PrefillProc:
         except queue.Empty:
             return None
         if msg[0] == "released":
-            _, notified, expired = msg
+            _, notified, expired, at = msg
             for rid in notified:
                 self.notified[rid] = self.notified.get(rid, 0) + 1
             for rid in expired:
                 self.expired[rid] = self.expired.get(rid, 0) + 1
+            for rid in (*notified, *expired):
+                self.released_at.setdefault(rid, []).append(at)
             self.released_by_incarnation[-1].update(notified, expired)
+        elif msg[0] == "pin":
+            self.pins.append(msg[1:])
+        elif msg[0] == "unpin":
+            self.unpins.setdefault(msg[1], []).append(msg[2])
         elif msg[0] == "held":
-            self.held_at_stop = list(msg[1])
+            self.held_at_stop, self.deferred_at_stop, self.pinned_at_stop = list(msg[1]), list(msg[2]), dict(msg[3])
         return msg
+
+    def call(self, name: str, *args: object, timeout: float = 30.0) -> object:
+        """Run ``name(*args)`` of the incarnation's control (``inject``, ``restore``, ``stall_pusher``,
+        ``delay_push``, ``take_pushes``, ``state``: see ``_Control``) between two of its steps; its result."""
+        self._token += 1
+        self._cmds.put(("call", self._token, name, args))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self._next(timeout=deadline - time.monotonic())
+            if msg is not None and msg[0] == "result" and msg[1] == self._token:
+                return msg[2]
+        raise AssertionError(f"the prefill process did not answer {name}")
+
+    def inject(self, *faults: tuple[str, int, str, int | None]) -> None:
+        """Make the incarnation's NIXL agent fail: one ``(method, n, mode, times)`` per fault (:mod:`tests.faults`)."""
+        self.call("inject", *faults)
+
+    def restore(self) -> dict[str, int]:
+        """Remove the injected faults; ``{"faults": fired, method: calls...}``."""
+        return self.call("restore")  # type: ignore[return-value]
+
+    def state(self) -> dict:
+        """The incarnation's pusher counters, WRITEs pending, leases held, pins and deferred endings."""
+        return self.call("state")  # type: ignore[return-value]
+
+    def unpinned(self, request_id: str, timeout: float = 10.0) -> float:
+        """``time.monotonic()`` of ``request_id``'s last unpin once it has no pin left (waits up to ``timeout``).
+        Events already sent are read first, so a pin sent just before is not missed."""
+        self.drain(0.05)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            pinned = sum(1 for rid, answer, _ in self.pins if rid == request_id and answer == "held")
+            if pinned and len(self.unpins.get(request_id, [])) >= pinned:
+                return self.unpins[request_id][-1]
+            self._next(timeout=0.02)
+        raise AssertionError(f"{request_id} is still pinned after {timeout} s")
 
     def drain(self, seconds: float = 0.0) -> None:
         """Read released events for ``seconds`` (at least everything already queued)."""
@@ -210,6 +359,10 @@ class PrefillProc:
     def unreleased(self) -> set[str]:
         return self.leased - self.released()
 
+    def alive(self) -> bool:
+        """True while the current incarnation's process runs."""
+        return self._proc is not None and self._proc.is_alive()
+
     def kill(self) -> None:
         """SIGKILL the current incarnation (events it had not queued yet are lost)."""
         assert self._proc is not None
@@ -218,7 +371,8 @@ class PrefillProc:
         self._proc.join(timeout=20)
 
     def stop(self) -> list[str]:
-        """Stop the current incarnation cleanly; returns the request ids it still held."""
+        """Stop the current incarnation cleanly; returns the request ids it still held (leases, and endings
+        waiting for a WRITE)."""
         if self._proc is None:
             return []
         if self._proc.is_alive():
@@ -235,7 +389,7 @@ class PrefillProc:
         code = self._proc.exitcode
         self._proc = None
         assert code == 0, f"prefill process exited with {code}"
-        return list(self.held_at_stop or [])
+        return sorted({*(self.held_at_stop or []), *(self.deferred_at_stop or [])})
 
 
 def pull_task(request_id: str, remote_request: str, port: int, local: list[int], remote: list[int],
@@ -260,6 +414,7 @@ class DecodeSide:
         self.worker.model = model_info(LAYOUT)
         self.worker.register_kv_caches(views, num_blocks)
         self.finished: dict[str, int] = {}
+        self.finished_at: dict[str, float] = {}  # request id → time.monotonic() it was first reported
         self.errors: set[int] = set()
 
     def start(self, *tasks: PullSpec) -> None:
@@ -270,6 +425,7 @@ class DecodeSide:
         _, recving = self.worker.get_finished()
         for rid in recving:
             self.finished[rid] = self.finished.get(rid, 0) + 1
+            self.finished_at.setdefault(rid, time.monotonic())
         self.errors |= self.worker.get_block_ids_with_load_errors()
         return recving
 

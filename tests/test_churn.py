@@ -26,8 +26,19 @@ Checked at the end:
   incarnations (by notification or lease expiry), and none is held at the
   end, so no block leaks.
 
-``P2PKV_CHURN_PULLS`` (default 1000) and ``P2PKV_CHURN_SEED`` change the
-run; the counts are printed as one ``CHURN`` JSON line (``pytest -s``).
+The same churn runs in push mode (``transfer_mode: push``: the prefill rank
+WRITEs each request's blocks when the decode worker asks), with the faults
+injected into the prefill process's NIXL agent instead (its WRITEs fail to
+start or fail while in flight: the decode worker re-handshakes and asks once
+more), and every hold must also end unpinned (no WRITE left queued or in
+flight). It runs without the prefill restarts: a decode worker in push mode
+does not re-handshake a restarted prefill engine (see
+``tests/test_faults.py::test_a_restarted_prefill_is_used_again_in_push_mode``);
+the death of either side mid-push is ``tests/test_faults.py``'s.
+
+``P2PKV_CHURN_PULLS`` (default 1000; push mode: ``P2PKV_CHURN_PUSH_PULLS``,
+default 400) and ``P2PKV_CHURN_SEED`` change the run; the counts are printed
+as one ``CHURN`` JSON line (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ import json
 import os
 import random
 import time
+
+import pytest
 
 from tests.faults import FaultyNixlAgent, inject, restore
 from tests.p2p_harness import DecodeSide, PrefillProc, free_port, notify_task, pull_task
@@ -52,17 +65,20 @@ FAULTS = [
     ("get_xfer_descs", "raise"), ("initialize_xfer", "raise"), ("transfer", "raise"), ("transfer", "err"),
     ("check_xfer_state", "raise"), ("check_xfer_state", "err"), ("release_xfer_handle", "raise"),
 ]
+"""NIXL calls of a READ (pull mode: the decode agent's) or of a WRITE (push mode: the prefill agent's)."""
 
 
-def test_churn_pulls_aborts_faults_and_prefill_restarts() -> None:
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
     t_start = time.monotonic()
-    n_pulls = int(os.environ.get("P2PKV_CHURN_PULLS", "1000"))
+    push = mode == "push"
+    n_pulls = int(os.environ.get("P2PKV_CHURN_PUSH_PULLS" if push else "P2PKV_CHURN_PULLS", "400" if push else "1000"))
     seed = int(os.environ.get("P2PKV_CHURN_SEED", "20261123"))
     rng = random.Random(seed)
     pf = PrefillProc(free_port(), seed=1, num_blocks=NUM_BLOCKS, lease_s=LEASE_S)
     pf.start()
     d = DecodeSide(NUM_BLOCKS, handshake_timeout_s=HANDSHAKE_TIMEOUT_S, handshake_retries=HANDSHAKE_RETRIES,
-                   transfer_timeout_s=10.0)
+                   transfer_timeout_s=10.0, transfer_mode=mode)
     counts = dict(pulls=0, aborts=0, completed=0, verified_blocks=0, failed=0, failed_blocks=0, hung=0,
                   reported_twice=0, restarts=0, faults_injected=0, faults_fired=0, failed_in_kill_batches=0,
                   failed_in_fault_batches=0, in_flight_at_kills=[], leases_moved_to_restarts=[],
@@ -70,7 +86,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts() -> None:
     blocks_of: dict[str, int] = {}  # prefill request id -> blocks it holds
     batch_no = 0
     n_batches = -(-n_pulls // round(BATCH * (1 - ABORT_RATE)))
-    kill_batches = [n_batches // 3, 2 * n_batches // 3]
+    kill_batches = [] if push else [n_batches // 3, 2 * n_batches // 3]
     try:
         while counts["pulls"] < n_pulls:
             batch_no += 1
@@ -101,9 +117,13 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts() -> None:
             counts["aborts"] += n_abort
 
             faulty: FaultyNixlAgent | None = None
-            if batch_no % FAULT_EVERY == 0 and batch_no not in kill_batches:
-                method, mode = rng.choice(FAULTS)
-                faulty = inject(d.worker, method, rng.randint(1, 20), mode)  # type: ignore[arg-type]
+            faulted = batch_no % FAULT_EVERY == 0 and batch_no not in kill_batches
+            if faulted:
+                method, how = rng.choice(FAULTS)
+                if push:
+                    pf.inject((method, rng.randint(1, 20), how, 1))
+                else:
+                    faulty = inject(d.worker, method, rng.randint(1, 20), how)  # type: ignore[arg-type]
                 counts["faults_injected"] += 1
 
             d.start(*tasks)
@@ -132,6 +152,8 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts() -> None:
             if faulty is not None:
                 counts["faults_fired"] += faulty.faults
                 restore(d.worker)
+            elif faulted:
+                counts["faults_fired"] += pf.restore()["faults"]
             counts["hung"] += len(missing)
 
             errors = d.take_errors()
@@ -146,7 +168,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts() -> None:
                     counts["failed"] += 1
                     counts["failed_blocks"] += len(local)
                     counts["failed_in_kill_batches"] += batch_no in kill_batches
-                    counts["failed_in_fault_batches"] += faulty is not None
+                    counts["failed_in_fault_batches"] += faulted
                     continue
                 assert not set(local) & errors, f"{rid}: only some of its blocks are load errors"
                 assert any(all(d.block_ok(lb, rb, expected[s]) for lb, rb in zip(local, remote, strict=True))
@@ -158,8 +180,13 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts() -> None:
                 d.finished.pop(rid, None)
             pf.drain()
 
-        # Every lease ends: by notification, or expiry for the pulls that failed.
-        all_released = pf.wait_released(set(pf.leased), LEASE_S + 10)
+        # Every lease ends: by notification, or expiry for the pulls that failed. The decode worker keeps
+        # stepping, as an engine does (its steps progress NIXL's sends of the last "done" notifications).
+        end = time.monotonic() + LEASE_S + 10
+        while pf.unreleased() and time.monotonic() < end:
+            d.step()
+            pf.drain(0.01)
+        all_released = not pf.unreleased()
         held = pf.stop()
     finally:
         d.close()
@@ -172,6 +199,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts() -> None:
         prefill_released_by_notification=sum(pf.notified.values()),
         prefill_released_by_expiry=sum(pf.expired.values()),
         prefill_released_twice=len(twice), prefill_never_released=len(never), prefill_held_at_end=len(held),
+        prefill_pinned_at_end=sum((pf.pinned_at_stop or {}).values()), mode=mode,
         blocks_leaked=sum(blocks_of.get(r, 0) for r in set(held) | set(never)),
         seconds=round(time.monotonic() - t_start, 1), seed=seed,
     )
@@ -179,7 +207,8 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts() -> None:
     assert counts["hung"] == 0, counts
     assert counts["reported_twice"] == 0, counts
     assert counts["completed"] + counts["failed"] == counts["pulls"] >= n_pulls, counts
-    assert counts["restarts"] == 2 and counts["faults_fired"] >= 1, counts
+    assert counts["restarts"] == (0 if push else 2) and counts["faults_fired"] >= 1, counts
+    assert counts["prefill_pinned_at_end"] == 0, counts
     assert not twice, f"released more than once on the prefill side: {twice[:20]}"
     assert all_released and not never, f"leased but never released: {never[:20]}"
     assert held == [] and counts["blocks_leaked"] == 0, counts

@@ -7,6 +7,8 @@ swallowed so cleanup still finishes.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -59,26 +61,37 @@ def test_shutdown_faults_are_swallowed(method: str) -> None:
     peer.close()
 
 
-def test_a_post_that_raises_releases_its_transfer_handle() -> None:
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_a_post_that_raises_releases_its_transfer_handle(op: str) -> None:
     """``transfer`` raising (a peer gone mid-post): TransferError, and the handle ``initialize_xfer`` made is
-    released (one ``release_xfer_handle``); the next READ moves the bytes."""
-    owner, reader = _agent("post-owner"), _agent("post-reader")
+    released (one ``release_xfer_handle``); the next xfer moves the bytes. A READ pulls the owner's cache into
+    the poster's; a WRITE (push mode: the prefill rank posts) puts the poster's cache into the peer's, whose
+    notification arrives with the bytes (the failed post's never does)."""
     src, _ = make_kv_caches("BLHNC", num_blocks=8, seed=3)
     dst, _ = make_kv_caches("BLHNC", num_blocks=8, fill=0.0)
     nbytes = src.numel() * src.element_size()
-    owner.register([Region(src.data_ptr(), nbytes)], "DRAM")
-    reader.register([Region(dst.data_ptr(), nbytes)], "DRAM")
-    peer = reader.add_peer(agent_info_for(owner))
-    local = np.array([(dst.data_ptr(), nbytes, 0)], dtype=np.uint64)
-    remote = np.array([(src.data_ptr(), nbytes, 0)], dtype=np.uint64)
-    counter = FaultyNixlAgent(reader._agent, "release_xfer_handle", 10**9)
-    reader._agent = FaultyNixlAgent(counter, "transfer", 1)
-    with pytest.raises(TransferError, match="could not start"):
-        reader.start_read(peer, local, remote, b"")
+    poster, other = _agent(f"post-{op.lower()}-poster"), _agent(f"post-{op.lower()}-other")
+    mine, theirs = (dst, src) if op == "READ" else (src, dst)
+    poster.register([Region(mine.data_ptr(), nbytes)], "DRAM")
+    other.register([Region(theirs.data_ptr(), nbytes)], "DRAM")
+    peer = poster.add_peer(agent_info_for(other))
+    local = np.array([(mine.data_ptr(), nbytes, 0)], dtype=np.uint64)
+    remote = np.array([(theirs.data_ptr(), nbytes, 0)], dtype=np.uint64)
+    counter = FaultyNixlAgent(poster._agent, "release_xfer_handle", 10**9)
+    poster._agent = FaultyNixlAgent(counter, "transfer", 1)
+    with pytest.raises(TransferError, match=f"NIXL {op} .* could not start"):
+        poster.start_xfer(op, peer, local, remote, b"failed-post")  # type: ignore[arg-type]
     assert counter.calls["release_xfer_handle"] == 1
-    handle = reader.start_read(peer, local, remote, b"")
-    while not reader.poll(handle):
-        owner.get_notifs()
+    assert torch.count_nonzero(dst) == 0
+    handle = poster.start_xfer(op, peer, local, remote, b"second-post")  # type: ignore[arg-type]
+    notes: list[bytes] = []
+    while not poster.poll(handle):
+        notes += other.get_notifs()
     assert torch.equal(dst, src)
-    reader.close()
-    owner.close()
+    if op == "WRITE":
+        end = time.monotonic() + 10
+        while not notes and time.monotonic() < end:
+            notes += other.get_notifs()
+        assert notes == [b"second-post"]
+    poster.close()
+    other.close()

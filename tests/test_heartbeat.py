@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from handshake import (
     HandshakeServer,
@@ -236,15 +237,17 @@ def test_queued_request_params_are_parsed_once_with_the_same_outcome() -> None:
     assert specs[0] == specs[1] == [("ok", (6, 7), (1, 2, 3), specs[0][0][3], 4, 10)]
 
 
-def test_pull_after_the_lease_expired_is_fenced() -> None:
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_pull_after_the_lease_expired_is_fenced(mode: str, caplog: pytest.LogCaptureFixture) -> None:
     """The prefill lease runs out before the decode engine pulls: the READ itself succeeds
     (the bytes are still there), but the blocks may have been reused, so the pull must be
-    reported as failed; a pull within its lease succeeds and is released by notification."""
+    reported as failed; a pull within its lease succeeds and is released by notification.
+    In push mode the prefill rank answers the push request ``expired`` and writes nothing."""
     from tests.workers import make_worker, task
 
     prefill = _prefill_worker(lease_s=0.3)
-    _, views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
-    decode = make_worker("decode-engine", free_port())
+    decode_base, views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
+    decode = make_worker("decode-engine", free_port(), transfer_mode=mode)
     decode.model = model_info("BLHNC")
     decode.register_kv_caches(views, NUM_BLOCKS)
     try:
@@ -269,10 +272,15 @@ def test_pull_after_the_lease_expired_is_fenced() -> None:
             time.sleep(0.01)
         assert finished == {"d-late", "d-ok"}
         assert errors == {1, 2}
+        assert "kind=lease_expired request=d-late " in caplog.text
         while "on-time" not in released and time.monotonic() < end:
             released += sorted(prefill.get_finished()[0])
+            decode.get_finished()  # the decode engine keeps stepping (its steps send the "done")
             time.sleep(0.01)
         assert released == ["late", "on-time"]
+        if mode == "push":  # nothing written for the expired hold; the other one's bytes moved
+            assert torch.count_nonzero(decode_base[[1, 2]]) == 0 and torch.count_nonzero(decode_base[5]) > 0
+            assert decode.stats.data["directions"] == {"push": 1}
     finally:
         decode.shutdown()
         prefill.shutdown()

@@ -25,6 +25,7 @@ from p2pkv.decode.peers import PeerId
 from p2pkv.decode.pull import PullState
 from p2pkv.metadata import PullSpec
 from p2pkv.params import RemotePrefill
+from tests.conftest import MODES
 from tests.faults import inject, restore
 from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, free_port, notify_task, pull_task
 
@@ -48,6 +49,16 @@ def prefill() -> Iterator[PrefillProc]:
 @pytest.fixture
 def decode() -> Iterator[DecodeSide]:
     d = DecodeSide(64, **FAST)
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture(params=MODES)
+def mode_decode(request: pytest.FixtureRequest) -> Iterator[DecodeSide]:
+    """A decode worker in each transfer mode (pull: it READs; push: the prefill rank WRITEs)."""
+    d = DecodeSide(64, transfer_mode=request.param, **FAST)
     try:
         yield d
     finally:
@@ -80,7 +91,11 @@ def good_pull(d: DecodeSide, pf: PrefillProc, local: list[int], remote: list[int
     assert d.pump({rid}, BOUND_S) == set(), f"{rid} was never reported"
     assert d.take_errors() == set()
     expect_bytes(d, pf, local, remote)
-    assert pf.wait_released({prid}, BOUND_S) and pf.notified.get(prid) == 1
+    end = time.monotonic() + BOUND_S
+    while prid not in pf.released() and time.monotonic() < end:  # decode steps send (and progress) its "done"
+        d.step()
+        pf.drain(0.005)
+    assert pf.notified.get(prid) == 1 and prid not in pf.expired
 
 
 def failure_lines(caplog: pytest.LogCaptureFixture, rid: str) -> list[str]:
@@ -91,11 +106,12 @@ def failure_lines(caplog: pytest.LogCaptureFixture, rid: str) -> list[str]:
 # ---- 1. an exception while advancing one pull fails that pull alone --------------------------------
 @pytest.mark.parametrize("fault", ["block_id_beyond_int64", "planning_bug"])
 def test_a_pull_whose_planning_raises_after_its_handshake_fails_alone(
-        prefill: PrefillProc, decode: DecodeSide, caplog: pytest.LogCaptureFixture,
+        prefill: PrefillProc, mode_decode: DecodeSide, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
     """Two pulls queued on one handshake; planning the first raises (a block id numpy cannot hold, or any
     bug). Before: the exception escaped ``_finish_handshakes``, both pulls stayed in HANDSHAKE forever and
-    their blocks leaked. Now the bad one fails alone and the good one moves exact bytes."""
+    their blocks leaked. Now the bad one fails alone and the good one moves exact bytes (pulled or pushed)."""
+    decode = mode_decode
     caplog.set_level(logging.ERROR, logger="p2pkv.decode")
     (bad, bad_p), (good, good_p) = new_ids(), new_ids()
     prefill.lease([bad_p, good_p])
@@ -218,12 +234,14 @@ def test_every_waiting_state_has_a_deadline() -> None:
     ([1, 64], [3, 4], None, "local block id 64 outside [0, 64)"),
 ], ids=["read_id_at_num_blocks", "unread_id_beyond_uint64", "unread_id_at_num_blocks", "local_id_at_num_blocks"])
 def test_block_ids_beyond_num_blocks_fail_as_bad_block_ids(
-        prefill: PrefillProc, decode: DecodeSide, caplog: pytest.LogCaptureFixture, local: list[int],
+        prefill: PrefillProc, mode_decode: DecodeSide, caplog: pytest.LogCaptureFixture, local: list[int],
         remote: list[int], remote_all: tuple[int, ...] | None, named: str) -> None:
     """A block id at or past the peer's (or our) ``num_blocks``, also among the params' ids not read (the
     fence names them all to the prefill rank): ``bad_block_ids`` naming the id and the bound, before any
     READ; the good pull posted with it moves exact bytes. Before: an unread id past 2**64 failed the fence
-    question of every pull batched with it, one at 64 was ``not_held``."""
+    question of every pull batched with it, one at 64 was ``not_held``. In push mode the bad pull is refused
+    before any push request: no hold is pinned, the prefill worker writes nothing for it."""
+    decode = mode_decode
     caplog.set_level(logging.ERROR, logger="p2pkv.decode")
     (bad, bad_p), (good, good_p) = new_ids(), new_ids()
     prefill.lease([bad_p, good_p])
@@ -235,6 +253,8 @@ def test_block_ids_beyond_num_blocks_fail_as_bad_block_ids(
     expect_bytes(decode, prefill, [10, 11], [12, 13])
     (line,) = failure_lines(caplog, bad)
     assert "kind=bad_block_ids" in line and named in line
+    prefill.drain(0.05)
+    assert not [p for p in prefill.pins if p[0] == bad_p], "a push request went out for the bad pull"
     good_pull(decode, prefill, [14, 15], [16, 17])
 
 
@@ -255,9 +275,11 @@ def test_canonical_host() -> None:
     assert PeerId.of(remote, 1) == PeerId(ENGINE, "127.0.0.1", 5001, 1)
 
 
-def test_sixteen_spellings_of_one_address_make_one_peer(prefill: PrefillProc, decode: DecodeSide) -> None:
-    """16 spellings of 127.0.0.1 in one batch: one handshake, one peer, one fence connection, and every
-    pull moves exact bytes. Before: 16 peers (or failed handshakes for the spellings ZMQ cannot parse)."""
+def test_sixteen_spellings_of_one_address_make_one_peer(prefill: PrefillProc, mode_decode: DecodeSide) -> None:
+    """16 spellings of 127.0.0.1 in one batch: one handshake, one peer, one fence connection (push: the one
+    link the push requests go on), and every pull moves exact bytes. Before: 16 peers (or failed handshakes for
+    the spellings ZMQ cannot parse)."""
+    decode = mode_decode
     pulls = []
     for i, host in enumerate(SPELLINGS):
         rid, prid = new_ids()

@@ -264,14 +264,17 @@ class Puller:
     def _collect_pushes(self) -> None:
         """Push replies (a refusal fails the pull as the fence would) and WRITE notifications."""
         for read, kind, why, retry in self.pushes.collect(time.monotonic(), self.config.handshake_timeout_s):
-            self._contained(read.pull, "failing a pushed pull", self._push_failed, read.pull, kind, why, retry)
+            self._contained(read.pull, "failing a pushed pull", self._push_failed, read, kind, why, retry)
 
-    def _push_failed(self, pull: Pull, kind: FailureKind, why: str, retry: bool) -> None:
-        self._abandon(pull)
+    def _push_failed(self, read: ReadPart, kind: FailureKind, why: str, retry: bool) -> None:
+        """A push request that failed: retried after a new handshake with that rank (it may have restarted),
+        or the pull fails."""
+        self._abandon(read.pull)
         if retry:
-            self._retry_or_fail(pull, kind, why)
+            self.peers.drop(read.peer_id, only=read.peer)
+            self._retry_or_fail(read.pull, kind, why)
         else:
-            self._fail(pull, kind, why)
+            self._fail(read.pull, kind, why)
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -294,7 +297,8 @@ class Puller:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
         event, exc = self.transfers.poll(read, now)
         if event is ReadEvent.FAILED:
-            self.peers.drop(read.peer_id, only=read.peer)
+            if not read.push_id:  # a push_failed note comes from a live prefill rank: keep it (and its dones)
+                self.peers.drop(read.peer_id, only=read.peer)
             self._abandon(pull)
             self._retry_or_fail(pull, _kind(exc), str(exc))
         elif event is ReadEvent.FIXUP_FAILED:

@@ -154,9 +154,10 @@ class Pushes:
     def replies(self) -> list[tuple[ReadPart, PushReply | Exception]]:
         """Answered push requests: the READ part and the reply (or why there is none).
 
-        A request refused (anything but ``accepted``) writes nothing: its part
-        is no longer open. One without a reply (an exception) may still have
-        been queued there: it stays open until notified or its window passes.
+        A request refused (a reply other than ``accepted``, or the server's
+        refusal of the request itself) writes nothing: its part is no longer
+        open. One without a reply (an exception) may still have been queued
+        there: it stays open until notified or its window passes.
         """
         done, self._replies = [(f, r) for f, r in self._replies if f.done()], [
             (f, r) for f, r in self._replies if not f.done()]
@@ -166,8 +167,9 @@ class Pushes:
                 reply: PushReply | Exception = future.result()
             except Exception as exc:  # a cancelled future too
                 reply = exc
-            if isinstance(reply, PushReply) and reply.status != "accepted":
-                self._open.pop(read.push_id, None)
+            refused = isinstance(reply, RemoteRefusedError)
+            if refused or (isinstance(reply, PushReply) and reply.status != "accepted"):
+                self._open.pop(read.push_id, None)  # nothing was queued there
             out.append((read, reply))
         return out
 
@@ -209,9 +211,10 @@ def failure_of_push(reply: PushReply | Exception, request_id: str) -> tuple[Fail
     reason, and whether the pull may retry (after a re-handshake, once) rather than fail.
 
     ``expired`` / ``not_held`` / ``unknown`` read as the fence's answers
-    (:func:`p2pkv.decode.fence.failure_of`); ``busy`` and ``refused`` fail
-    the pull; no reply (timeout, a closed connection) retries, since the
-    prefill engine may have restarted.
+    (:func:`p2pkv.decode.fence.failure_of`); ``busy`` fails the pull;
+    ``refused`` (rows or agent) and no reply (timeout, a closed connection)
+    retry after a new handshake, since the prefill engine may have
+    restarted (its memory, and so the rows, changed).
     """
     if isinstance(reply, RemoteRefusedError):
         return FailureKind.REFUSED, f"the prefill rank refused the push request: {reply}", False
@@ -224,4 +227,5 @@ def failure_of_push(reply: PushReply | Exception, request_id: str) -> tuple[Fail
         return kind, why, False
     if reply.status == "busy":
         return FailureKind.TRANSFER, f"the prefill rank is busy: {reply.message}", False
-    return FailureKind.REFUSED, f"the prefill rank refused the push: {reply.message}", False
+    # rows or agent refused: planned on another incarnation of that rank (a restart), so handshake again
+    return FailureKind.REFUSED, f"the prefill rank refused the push: {reply.message}", True

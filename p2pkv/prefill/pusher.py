@@ -52,7 +52,9 @@ class PushJob:
         agent_name: the decode rank's NIXL agent.
         source_rows / target_rows: uint64 ``[n, 3]`` rows (this rank's, the decode rank's).
         received: ``time.monotonic()`` when the request arrived.
-        window_s: seconds from ``received`` within which it may start (and be in flight).
+        window_s: seconds from ``received`` within which it may start (and be in flight): the
+            request's ``window_s``, less the time it took to arrive and be handled (counted from its
+            ``sent_at``, so a request handled late never writes after the decode rank stopped waiting).
         handle: the WRITE once posted.
     """
 
@@ -155,10 +157,13 @@ class Pusher:
             name = self.agent.add_peer(msg.agent)
         except Exception as exc:
             return "refused", f"agent: {exc}"
+        window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - time.time())
+        if window_s <= 0:  # the decode rank's wait, counted from when it sent the request, is over
+            return "refused", "window_s passed before the request was handled (a busy side channel)"
         held = self.holds.pin(msg.request_id, list(msg.block_ids))
         if held != "held":
             return held, ""
-        job = PushJob(msg.request_id, msg.push_id, name, source, target, time.monotonic(), float(msg.window_s))
+        job = PushJob(msg.request_id, msg.push_id, name, source, target, time.monotonic(), window_s)
         with self._lock:
             if name not in self._queued:
                 self._queued[name] = collections.deque()
