@@ -232,6 +232,8 @@ def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, mode, length) -
     kind, pair, stats, _, push_url = kind_pair
     if kind in ("mla", "hybrid") and length in (135, 136):
         pytest.skip("window/block alignments matter to the sliding-window model only")
+    if mode == "push" and length in (135, 136):
+        pytest.skip("push moves the rows pull plans: the alignment cases run in pull (the suite's time)")
     prompt = prompt_of(length) if mode == "pull" else prompt_of(length + 2000)[:length]
     proxy = pair.url("proxy") if mode == "pull" else push_url
     before = len(read_pull_stats(stats))

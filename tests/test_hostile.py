@@ -220,11 +220,12 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_hostile_params_fail_cleanly_and_harm_nothing(route, client, case) -> None:
+def test_hostile_params_fail_cleanly_and_harm_nothing(pair, client, case) -> None:
     """Straight to the decode engine: a clear failure within seconds, or (params refused up front)
-    the prompt prefilled locally with the right tokens; then the engines still serve correctly."""
-    p, _ = route
-    prompt = p.fresh("h" * (3 * BLOCK + 5))
+    the prompt prefilled locally with the right tokens; then the engines still serve correctly.
+    (Pull only: every case is refused by the capability check, before the direction matters.)"""
+    p, _ = pair
+    prompt = "h" * (3 * BLOCK + 5)
     params = HOSTILE[case](_prefill(client, p, prompt))
     resp, seconds = _decode(client, p, prompt, params)
     ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
