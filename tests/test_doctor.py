@@ -32,10 +32,14 @@ def test_doctor_passes_here() -> None:
     out = _doctor({**os.environ, "UCX_NET_DEVICES": "lo"}, port)
     assert out.returncode == 0, out.stdout + out.stderr
     checks = _report(out)
-    assert set(checks) == {"nixl", "ucx", "rdma", "gpu", "side_channel_port", "transports", "loopback_pull",
+    assert set(checks) == {"nixl", "ucx", "rdma", "gpu", "cpu", "side_channel_port", "transports", "loopback_pull",
                            "pair_dram", "pair_vram"}
     assert all(c["ok"] for c in checks.values())
     assert "GB/s" in checks["loopback_pull"]["detail"]
+    # The CPU features vLLM's CPU kernels dispatch on, and the MLA backend that follows from them here.
+    cpu = checks["cpu"]["detail"]
+    assert "torch ISA " in cpu and "AMX tiles " in cpu and "flags: " in cpu
+    assert cpu.endswith("an MLA model in float32 runs vLLM's CPU_MLA backend here")  # on every CPU
     # UCX's own choice for a peer on this host: TCP over lo and shared memory (cma); no RDMA NIC here.
     assert "tcp/lo" in checks["transports"]["detail"] and "RDMA: no" in checks["transports"]["detail"]
     # A READ and a WRITE between two processes: UCX's protocol selection names cma (process_vm_readv /

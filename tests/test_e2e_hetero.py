@@ -25,8 +25,8 @@ from p2pkv.tools.demo import (
     read_pull_stats,
     wait_blocks_released,
 )
-from p2pkv.tools.deploy.engines import EngineSpec
-from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
+from p2pkv.tools.deploy.engines import EngineSpec, start_engine
+from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 from tests.conftest import MODES, free_ports
 from tests.legs import prefill_then_decode
 
@@ -52,8 +52,7 @@ def engines(tiny_model, tmp_path_factory):
                                  tensor_parallel_size=tp, module_path="p2pkv.connector" if name == "t2" else "",
                                  extra_config={"stats_file": str(logs / f"{name}.jsonl"), "staging_mib": 16},
                                  env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": "hetero-test-secret"})
-    children = [start_child(s.name, s.command(), s.environment(), logs, f"http://127.0.0.1:{s.port}/health")
-                for s in specs.values()]
+    children = [start_engine(s, logs) for s in specs.values()]
     try:
         wait_healthy(children, 900)
         yield {n: f"http://127.0.0.1:{s.port}" for n, s in specs.items()}, logs

@@ -33,8 +33,8 @@ from p2pkv.tools.demo import (
     read_pull_stats,
     wait_blocks_released,
 )
-from p2pkv.tools.deploy.engines import EngineSpec
-from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
+from p2pkv.tools.deploy.engines import EngineSpec, start_engine
+from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
 from tests.conftest import MODES, free_ports, start_mode_proxy
 from tests.legs import prefill_then_decode
@@ -140,7 +140,7 @@ def kind_pair(request, tmp_path_factory):
                           side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
                           extra_config={"stats_file": str(extra.stats)},
                           env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": pair.secret}, **args)
-        children.append(start_child(spec.name, spec.command(), spec.environment(), logs, f"{extra.url}/health"))
+        children.append(start_engine(spec, logs))
     try:
         pair.start(timeout_s=900)
         wait_healthy(children, 900)

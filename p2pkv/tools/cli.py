@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -164,8 +165,17 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``p2pkv`` console script."""
+    """Entry point of the ``p2pkv`` console script.
+
+    The launchers' choices (``p2pkv.launch``: flags fitted to this machine's CPU) are logged to stderr.
+    """
     args = build_parser().parse_args(argv)
+    launch_log = logging.getLogger("p2pkv.launch")
+    if not launch_log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        launch_log.addHandler(handler)
+        launch_log.setLevel(logging.INFO)
     return int(args.func(args) or 0)
 
 

@@ -2,7 +2,8 @@
 
 Checks, each with a fix when it fails: NIXL installed and its UCX backend
 starting (version, plugins), the UCX version and transport settings, RDMA
-devices (``/sys/class/infiniband``), a GPU, the side-channel port being
+devices (``/sys/class/infiniband``), a GPU, the CPU features vLLM's CPU kernels use
+(:mod:`p2pkv.tools.deploy.cpu_backend`), the side-channel port being
 free, a loopback NIXL pull of host memory for about a second, bytes
 compared, with its GB/s, and between two processes, of host memory and
 (with a CUDA device) of GPU memory, a READ (the decode side pulls) and a
@@ -175,6 +176,15 @@ def check_gpu() -> Check:
     return Check("gpu", True, "no CUDA device: KV lives in host memory (NIXL DRAM)")
 
 
+def check_cpu() -> Check:
+    """The CPU features vLLM's CPU build picks kernels by, and the MLA backend p2pkv's launchers choose from them."""
+    from p2pkv.tools.deploy.cpu_backend import choose, read_cpu_report
+
+    report = read_cpu_report()
+    mla = choose(report, use_mla=True, dtype="float32", block_size=16).attention_backend
+    return Check("cpu", True, f"{report.summary()}; an MLA model in float32 runs vLLM's {mla} backend here")
+
+
 def check_port(host: str, port: int) -> Check:
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -248,7 +258,7 @@ def check_pair(mem_type: str) -> Check:
 
 def run_checks(host: str = "127.0.0.1", port: int = 5600, seconds: float = 1.0) -> list[Check]:
     """All checks, in order."""
-    checks = [check_nixl(), check_ucx(), check_rdma(), check_gpu(), check_port(host, port)]
+    checks = [check_nixl(), check_ucx(), check_rdma(), check_gpu(), check_cpu(), check_port(host, port)]
     if checks[0].ok:
         checks.append(check_transports())
         checks.append(check_loopback_pull(seconds))

@@ -74,7 +74,7 @@ def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_d
         LaunchError: a process died or never became healthy (everything the group started is stopped).
     """
     from p2pkv.tools.deploy.checks import check_port_free
-    from p2pkv.tools.deploy.engines import EngineSpec
+    from p2pkv.tools.deploy.engines import EngineSpec, start_engine
     from p2pkv.tools.deploy.local import LocalPair
     from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
 
@@ -87,8 +87,7 @@ def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_d
         engine = EngineSpec(name="aggregated", model=model, port=b + 300, host=host, block_size=opts.block_size,
                             dtype=opts.dtype, max_model_len=max_len, tensor_parallel_size=opts.tensor_parallel_size,
                             env={"UCX_NET_DEVICES": "lo"}, extra_args=opts.engine_args())
-        children = [start_child(engine.name, engine.command(), engine.environment(), log_dir,
-                                f"http://{host}:{engine.port}/health")]
+        children = [start_engine(engine, log_dir)]
         try:
             wait_healthy(children, opts.start_timeout_s)
         except BaseException:

@@ -6,6 +6,10 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2pkv.tools.deploy.cpu_backend import fit_to_cpu
+from p2pkv.tools.deploy.processes import Child, start_child
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class EngineSpec:
             tests and CPU runs; GPU pods leave it off).
         gpu_memory_utilization: share of the GPU's memory this engine may
             take (None: vLLM's default); engines sharing one GPU split it.
+        attention_backend: ``--attention-backend`` (None: vLLM's choice); on a CPU
+            :func:`p2pkv.tools.deploy.cpu_backend.fit_to_cpu` sets it where the choice
+            depends on the CPU.
         local_defaults: set the small-machine environment defaults (1 GiB CPU
             KV cache, one OMP thread, offline Hugging Face hub) unless already set;
             GPU pods leave them off.
@@ -61,6 +68,7 @@ class EngineSpec:
     enforce_eager: bool = True
     local_defaults: bool = True
     gpu_memory_utilization: float | None = None
+    attention_backend: str | None = None
 
     def kv_transfer_config(self) -> dict[str, object] | None:
         """The ``--kv-transfer-config`` JSON for this engine (None: no connector)."""
@@ -97,6 +105,8 @@ class EngineSpec:
         ]
         if self.enforce_eager:
             argv.append("--enforce-eager")
+        if self.attention_backend is not None:
+            argv += ["--attention-backend", self.attention_backend]
         if self.gpu_memory_utilization is not None:
             argv += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:.2f}"]
         if self.max_model_len is not None:
@@ -121,3 +131,12 @@ class EngineSpec:
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.side_channel_host or self.host
         env.update(self.env)
         return env
+
+
+def start_engine(spec: EngineSpec, log_dir: Path) -> Child:
+    """Start ``spec``'s engine, fitted to this machine's CPU first (:func:`p2pkv.tools.deploy.cpu_backend.fit_to_cpu`,
+    which logs each choice), with its output in ``log_dir/<name>.log``; wait for it with
+    :func:`p2pkv.tools.deploy.processes.wait_healthy`."""
+    spec = fit_to_cpu(spec)
+    return start_child(spec.name, spec.command(), spec.environment(), log_dir,
+                       f"http://{spec.host}:{spec.port}/health")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pkv.tools.deploy.checks import check_port_free
+from p2pkv.tools.deploy.cpu_backend import fit_to_cpu
 from p2pkv.tools.deploy.engines import EngineSpec
 from p2pkv.tools.deploy.processes import Child, LaunchError, start_child, stop_children, wait_healthy
 
@@ -73,7 +74,7 @@ class LocalPair:
         return round(0.85 / (3 if self.aggregated_port is not None else 2), 2)
 
     def engine_specs(self) -> list[EngineSpec]:
-        """The engines this pair starts."""
+        """The engines this pair starts, fitted to this machine's CPU (:func:`fit_to_cpu`: it logs each choice)."""
         common = dict(model=self.model, host=self.host, block_size=self.block_size, dtype=self.dtype,
                       max_model_len=self.max_model_len, connector=self.connector,
                       side_channel_host=self.host, env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": self.secret},
@@ -89,7 +90,7 @@ class LocalPair:
         ]
         if self.aggregated_port is not None:
             specs.append(EngineSpec(name="aggregated", port=self.aggregated_port, role=None, **common))
-        return specs
+        return [fit_to_cpu(spec) for spec in specs]
 
     def proxy_command(self) -> list[str]:
         """The proxy argv."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pkv.tools.deploy import checks
+from p2pkv.tools.deploy.cpu_backend import fit_to_cpu
 from p2pkv.tools.deploy.engines import EngineSpec
 from p2pkv.tools.deploy.processes import LaunchError
 
@@ -166,6 +167,8 @@ def prepare(opts: PodOptions) -> PodPlan:
                       dtype=opts.dtype, max_model_len=opts.max_model_len, tensor_parallel_size=tp,
                       extra_config=dict(opts.extra_config), env=engine_env, extra_args=opts.extra_args,
                       enforce_eager=gpus.available == 0, local_defaults=gpus.available == 0)
+    if gpus.available == 0:
+        spec = fit_to_cpu(spec)  # the CPU-dependent flags (an MLA model's backend), each logged
     wildcard = opts.host in ("", "0.0.0.0", "::")
     local = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(opts.host, opts.host)
     env = spec.environment()
