@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.heartbeat import HeartbeatBatch, HeartbeatSender
+from p2pkv.decode.load import DecodeLoad
 from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import (
     KVTransferParamsError,
@@ -84,7 +85,8 @@ class SchedulerSide:
         self._failed: dict[str, tuple[int, ...]] = {}
         self._traces: dict[str, tuple[str, int]] = {}
         self._tracing = bool(traces_endpoint(config.otlp_traces_endpoint))
-        self._queued: dict[str, RemotePrefill] = {}
+        self._queued: dict[str, RemotePrefill] = {}  # decode requests waiting, for lease heartbeats
+        self._loads: dict[str, DecodeLoad] = {}  # checked once, kept until allocated or finished
         self._next_heartbeat = 0.0
         self._secret = config.secret_bytes()  # signs the params this engine hands out, checks those it gets
         self.heartbeats = HeartbeatSender(engine_id, self._secret, timeout_s=min(1.0, config.handshake_timeout_s))
@@ -96,9 +98,11 @@ class SchedulerSide:
         if self.recompute_tokens and wants_remote_decode(request.kv_transfer_params):
             self._leave_tail_to_decode(request)
         if wants_remote_prefill(request.kv_transfer_params) and self.config.heartbeat_every_s > 0:
-            remote = self._remote(request)
-            if remote is not None:
-                self._queued[request.request_id] = remote
+            try:
+                self._queued[request.request_id] = parse_remote_prefill(request.kv_transfer_params,
+                                                                        secret=self._secret)
+            except KVTransferParamsError as exc:
+                self._refuse(request, exc)
 
     def _leave_tail_to_decode(self, request: Request) -> None:
         """Drop the prompt's last ``recompute_tokens`` tokens from a request prefilled for a decode engine.
@@ -140,75 +144,70 @@ class SchedulerSide:
         return batches
 
     # ---- decode side -------------------------------------------------
-    def _remote(self, request: Request, check_prompt: bool = False) -> RemotePrefill | None:
-        """The request's validated pull source; None (logged, prefilled locally instead) when invalid.
-
-        ``check_prompt``: the params must be for a prompt of this request's length. A queued
-        request's params were parsed on arrival (``on_new_request``) and are not parsed again.
-        """
-        params = request.kv_transfer_params
+    def _check(self, request: Request) -> DecodeLoad | None:
+        """The request's :class:`DecodeLoad` from its params, checked (the capability's HMAC and expiry
+        included; a queued request's params were parsed and checked on arrival and are not parsed again);
+        None (logged, prefilled locally instead) when they are refused."""
         try:
             remote = self._queued.get(request.request_id)
             if remote is None:
-                remote = parse_remote_prefill(params, secret=self._secret)
-            prompt = len(request.prompt_token_ids or ()) - remote.appended_tokens
-            if prompt < 1:
-                raise KVTransferParamsError(
-                    f"kv_transfer_params.appended_tokens={remote.appended_tokens} but the prompt has only "
-                    f"{prompt + remote.appended_tokens} tokens: the params belong to another prompt")
-            loaded = self._loaded_tokens(request, remote)
-            if check_prompt and remote.num_tokens and remote.num_tokens != loaded:
-                why = (f"the prefill prompt has {prompt} tokens" if loaded == prompt else
-                       f"this model's prefill engine computes all but the last {prompt - loaded} of the prefill "
-                       f"prompt's {prompt} tokens")
-                raise KVTransferParamsError(
-                    f"kv_transfer_params.remote_num_tokens={remote.num_tokens} but {why}: the params belong to "
-                    "another prompt (send each prompt with its own params)")
-            if len(remote.groups()) != self.kv_groups:
-                raise KVTransferParamsError(
-                    f"kv_transfer_params.remote_block_ids has {len(remote.groups())} KV cache group(s), this "
-                    f"engine has {self.kv_groups}: run prefill and decode with the same model and the same "
-                    "hybrid KV cache manager setting (--disable-hybrid-kv-cache-manager on both or neither)")
-            return remote
+                remote = parse_remote_prefill(request.kv_transfer_params, secret=self._secret)
+            return DecodeLoad.of(remote, len(request.prompt_token_ids or ()), self.recompute_tokens, self.kv_groups)
         except KVTransferParamsError as exc:
-            logger.error(
-                "p2pkv: request %s: %s; prefilling it locally instead", request.request_id, exc
-            )
-            params["do_remote_prefill"] = False
-            self._queued.pop(request.request_id, None)  # prefilled here: no more lease heartbeats for it
+            self._refuse(request, exc)
             return None
 
+    def _refuse(self, request: Request, exc: KVTransferParamsError) -> None:
+        """Params refused: logged, and the request prefilled locally instead."""
+        logger.error("p2pkv: request %s: %s; prefilling it locally instead", request.request_id, exc)
+        request.kv_transfer_params["do_remote_prefill"] = False
+        self._queued.pop(request.request_id, None)  # prefilled here: no more lease heartbeats for it
+
+    def _load(self, request: Request) -> DecodeLoad | None:
+        """The request's :class:`DecodeLoad`: the one kept since it was first checked, else checked now and
+        kept until its blocks are allocated or it finishes; None when its params are refused."""
+        load = self._loads.get(request.request_id)
+        if load is None and (load := self._check(request)) is not None:
+            self._loads[request.request_id] = load
+        return load
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Prompt tokens to load from the prefill engine, asynchronously: all but ``recompute_tokens``."""
+        """Prompt tokens to load from the prefill engine, asynchronously: all but ``recompute_tokens``.
+
+        The first call for a request checks its params and keeps the outcome
+        (:class:`p2pkv.decode.load.DecodeLoad`); later calls and
+        :meth:`update_state_after_alloc` use what it kept and check nothing again.
+        """
         if not wants_remote_prefill(request.kv_transfer_params):
             return 0, False
-        remote = self._remote(request, check_prompt=True)
-        if remote is None:
+        load = self._load(request)
+        if load is None:
             return 0, False
-        count = self._loaded_tokens(request, remote) - num_computed_tokens
+        count = load.loaded_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
-
-    def _loaded_tokens(self, request: Request, remote: RemotePrefill) -> int:
-        """Prompt tokens (from token 0) whose KV a full load leaves on this engine.
-
-        The prefill prompt is this request's prompt less the tokens the proxy
-        appended (``appended_tokens``); of it, all but ``recompute_tokens``.
-        """
-        prompt = len(request.prompt_token_ids or ()) - remote.appended_tokens
-        return prompt - self.recompute_tokens if prompt > self.recompute_tokens else prompt
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        """Record the pull for a request whose local blocks were just allocated."""
+        """Record the pull for a request whose local blocks were just allocated.
+
+        Uses the :class:`~p2pkv.decode.load.DecodeLoad` kept by
+        :meth:`get_num_new_matched_tokens` as it is (no check is made again);
+        without one the load is reported failed (:meth:`fail_load`: its blocks
+        as load errors), never left unanswered.
+        """
         params = request.kv_transfer_params
         if not wants_remote_prefill(params):
             return
-        remote = self._remote(request)
-        if remote is None:
-            return
         params["do_remote_prefill"] = False  # a second call (more blocks) must not pull again
         self._queued.pop(request.request_id, None)
+        load = self._loads.pop(request.request_id, None)
+        if load is None:
+            logger.error("p2pkv: request %s: blocks allocated for a load that was never checked; its load fails",
+                         request.request_id)
+            self.fail_load(request, blocks, num_external_tokens)
+            return
+        remote = load.remote
         if self.kv_groups > 1:
             local, remote_ids = group_pairs(remote, blocks) if num_external_tokens > 0 else ((), ())
             first_token, num_tokens = 0, -1  # the lists already pair up block for block
@@ -223,7 +222,7 @@ class SchedulerSide:
                 # The whole remote list goes along: the worker maps tokens to blocks once
                 # it knows the prefill engine's block size (it may differ from ours).
                 remote_ids = tuple(remote.block_ids) if local else ()
-            num_tokens = self._loaded_tokens(request, remote)
+            num_tokens = load.loaded_tokens
         self._pulls.append(
             PullSpec(
                 request_id=request.request_id,
@@ -241,6 +240,7 @@ class SchedulerSide:
 
     def fail_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """A pull that could not be set up: the workers report it failed (its blocks as load errors)."""
+        self._loads.pop(request.request_id, None)
         if isinstance(request.kv_transfer_params, dict):
             request.kv_transfer_params["do_remote_prefill"] = False
         if num_external_tokens > 0:
@@ -285,13 +285,14 @@ class SchedulerSide:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
-        self._queued.pop(request.request_id, None)
+        queued = self._queued.pop(request.request_id, None)
+        load = self._loads.pop(request.request_id, None)  # kept no longer, whatever the request's end
         if wants_remote_prefill(params):
             # Finished (aborted) before its blocks were allocated: tell the
             # prefill engine it can free its copy now.
-            remote = self._remote(request)
+            params["do_remote_prefill"] = False
+            remote = load.remote if load is not None else queued or self._source_of_unloaded(request)
             if remote is not None:
-                params["do_remote_prefill"] = False
                 self._pulls.append(PullSpec(request.request_id, (), (), remote, report=False))
             return False, None
         if not wants_remote_decode(params):
@@ -320,6 +321,16 @@ class SchedulerSide:
             first_token=self.recompute_tokens == 0,
         )
         return True, (sign_params(answer, self._secret, expiry) if self._secret else answer)
+
+    def _source_of_unloaded(self, request: Request) -> RemotePrefill | None:
+        """Where a request that finished before its params were first checked would have loaded from; None
+        (logged) when its params are refused: its prefill engine's lease frees the hold then."""
+        try:
+            return parse_remote_prefill(request.kv_transfer_params, secret=self._secret)
+        except KVTransferParamsError as exc:
+            logger.warning("p2pkv: request %s finished before its load; its params are refused (%s), so its "
+                           "prefill engine is not told to free it now (its lease frees it)", request.request_id, exc)
+            return None
 
     def _trace_aborted(self, request: Request, params: dict[str, Any]) -> None:
         """A request aborted on the prefill engine ends its hold before it began: a ``p2pkv.hold`` span of no

@@ -1,0 +1,87 @@
+"""What a decode engine loads for one request, decided once, when vLLM first asks.
+
+The decode scheduler checks a request's ``kv_transfer_params`` (every type,
+range and charset, the capability's HMAC and expiry, the prompt length and
+the KV cache group count) the first time vLLM asks how many tokens it may
+load (``get_num_new_matched_tokens``; params already parsed on arrival for
+lease heartbeats are not parsed again), and keeps the outcome, a
+:class:`DecodeLoad`, until vLLM has allocated the request's blocks
+(``update_state_after_alloc``) or the request finishes. Allocation uses the
+kept value as it is and checks nothing again: a capability that expires
+between the two calls cannot turn a load vLLM was promised into no load at
+all (a request vLLM would wait on for ever). If the prefill engine's hold
+has really ended by then, the pull fails (its fence question) and its
+blocks reach vLLM as load errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from p2pkv.params import KVTransferParamsError, RemotePrefill
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """One request's load from a prefill engine, as checked when vLLM first asked.
+
+    Attributes:
+        remote: where the KV is: the prefill engine, its request id and its
+            block ids (``remote.block_ids``, in the prefill engine's blocks),
+            capability checked.
+        prompt_tokens: tokens of the prefill prompt: this request's prompt
+            less the tokens the proxy appended (``remote.appended_tokens``);
+            at least 1.
+        loaded_tokens: prompt tokens, from token 0, whose KV a full load
+            leaves on this engine: all ``prompt_tokens`` but the last
+            ``recompute_tokens`` (tokens), which the decode engine computes
+            itself.
+    """
+
+    remote: RemotePrefill
+    prompt_tokens: int
+    loaded_tokens: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.loaded_tokens <= self.prompt_tokens:
+            raise ValueError(f"loaded_tokens={self.loaded_tokens} must be in 1..prompt_tokens={self.prompt_tokens}")
+
+    @classmethod
+    def of(cls, remote: RemotePrefill, request_tokens: int, recompute_tokens: int, kv_groups: int) -> DecodeLoad:
+        """The load of ``remote``'s KV into a request with ``request_tokens`` prompt tokens.
+
+        Args:
+            remote: the request's parsed (and capability-checked) params.
+            request_tokens: this request's prompt length (tokens; the proxy's
+                appended tokens included).
+            recompute_tokens: trailing prompt tokens the decode engine
+                computes itself instead of loading (tokens; see
+                :class:`p2pkv.scheduler.SchedulerSide`).
+            kv_groups: KV cache groups of this engine.
+
+        Raises:
+            KVTransferParamsError: the params belong to another prompt
+                (``appended_tokens`` leaves no prompt, or ``remote_num_tokens``
+                is not the tokens this engine would load), or name another
+                number of KV cache groups than this engine has. The message
+                names the key.
+        """
+        prompt = request_tokens - remote.appended_tokens
+        if prompt < 1:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.appended_tokens={remote.appended_tokens} but the prompt has only "
+                f"{request_tokens} tokens: the params belong to another prompt")
+        loaded = prompt - recompute_tokens if prompt > recompute_tokens else prompt
+        if remote.num_tokens and remote.num_tokens != loaded:
+            why = (f"the prefill prompt has {prompt} tokens" if loaded == prompt else
+                   f"this model's prefill engine computes all but the last {prompt - loaded} of the prefill "
+                   f"prompt's {prompt} tokens")
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_num_tokens={remote.num_tokens} but {why}: the params belong to "
+                "another prompt (send each prompt with its own params)")
+        if len(remote.groups()) != kv_groups:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_block_ids has {len(remote.groups())} KV cache group(s), this "
+                f"engine has {kv_groups}: run prefill and decode with the same model and the same "
+                "hybrid KV cache manager setting (--disable-hybrid-kv-cache-manager on both or neither)")
+        return cls(remote, prompt, loaded)

@@ -1,0 +1,171 @@
+"""The decode scheduler checks a request's params once and keeps the outcome (``DecodeLoad``) until allocation.
+
+vLLM asks ``get_num_new_matched_tokens`` (the load is promised: the request
+waits for it) and later calls ``update_state_after_alloc``. A capability that
+expired in between once made the second call refuse the params silently: no
+pull and no failure, so vLLM waited on the request for ever. Driven here with
+plain request objects, as vLLM's scheduler calls the hooks; the params'
+clock is moved between the calls.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import p2pkv.params as params_module
+from p2pkv.config import P2pKvConfig
+from p2pkv.decode.load import DecodeLoad
+from p2pkv.params import (
+    CLOCK_SKEW_S,
+    KVTransferParamsError,
+    RemotePrefill,
+    make_prefill_response_params,
+    sign_params,
+)
+from p2pkv.scheduler import SchedulerSide
+
+SECRET = "a-side-channel-secret-of-32-byte"
+NOW = 1_800_000_000.0
+EXPIRY = NOW + 10
+PROMPT = 10
+BLOCKS = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],), get_unhashed_block_ids_all_groups=lambda: [[6, 7]])
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The time the params' capability is checked at (seconds since the Unix epoch), settable; and how often
+    a capability's HMAC is checked (``clock[1]``)."""
+    now = [NOW, 0]
+    real_check = params_module.check_capability
+
+    def check_capability(*args, **kwargs):  # type: ignore[no-untyped-def]
+        now[1] += 1
+        return real_check(*args, **kwargs)
+
+    monkeypatch.setattr(params_module, "time", SimpleNamespace(time=lambda: now[0]))
+    monkeypatch.setattr(params_module, "check_capability", check_capability)
+    return now
+
+
+def _sched(heartbeat_interval_s: float = 0.0) -> SchedulerSide:
+    config = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=heartbeat_interval_s, secret=SECRET)
+    return SchedulerSide("decode-engine", config, 4, "127.0.0.1", 5600, 1)
+
+
+def _request(rid: str, prompt: int = PROMPT) -> SimpleNamespace:
+    params = make_prefill_response_params(engine_id="prefill-engine", request_id=f"prefill-{rid}",
+                                          host="127.0.0.1", port=5601, block_ids=[1, 2, 3], tp_size=1,
+                                          num_tokens=PROMPT, expiry_time=EXPIRY)
+    return SimpleNamespace(request_id=rid, kv_transfer_params=sign_params(params, SECRET.encode(), EXPIRY),
+                           prompt_token_ids=[0] * prompt)
+
+
+@pytest.mark.parametrize("heartbeat_interval_s", [0.0, 5.0], ids=["parsed_when_asked", "parsed_on_arrival"])
+def test_a_capability_expiring_between_the_match_and_the_allocation_still_pulls(
+        clock: list[float], heartbeat_interval_s: float) -> None:
+    """Checked once (one HMAC check for the request), kept, and used as it is after the capability expired.
+    Before: the second call checked again, refused, and recorded neither a pull nor a failure."""
+    sched = _sched(heartbeat_interval_s)
+    try:
+        req = _request("r")
+        sched.on_new_request(req)
+        assert sched.get_num_new_matched_tokens(req, 0) == (PROMPT, True)
+        assert sched.get_num_new_matched_tokens(req, 4) == (PROMPT - 4, True)  # asked again: no blocks yet
+        clock[0] = EXPIRY + CLOCK_SKEW_S + 1
+        sched.update_state_after_alloc(req, BLOCKS, PROMPT - 4)
+        meta = sched.build_connector_meta()
+        assert [(p.request_id, p.local_block_ids, p.remote_block_ids, p.remote.request_id, p.num_tokens, p.report)
+                for p in meta.pulls] == [("r", (6, 7), (1, 2, 3), "prefill-r", PROMPT, True)]
+        assert meta.failed == {}
+        assert clock[1] == 1, f"the capability's HMAC was checked {clock[1]} times"
+        assert sched._loads == {}
+    finally:
+        sched.shutdown()
+
+
+def test_params_already_expired_when_first_asked_are_prefilled_locally(clock: list[float]) -> None:
+    sched = _sched()
+    try:
+        req = _request("late")
+        clock[0] = EXPIRY + CLOCK_SKEW_S + 1
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert req.kv_transfer_params["do_remote_prefill"] is False
+        sched.update_state_after_alloc(req, BLOCKS, 0)
+        meta = sched.build_connector_meta()
+        assert meta.pulls == [] and meta.failed == {} and sched._loads == {}
+    finally:
+        sched.shutdown()
+
+
+def test_an_allocation_without_a_checked_load_reports_its_blocks_failed(clock: list[float]) -> None:
+    """No kept load at allocation (vLLM asked nothing first): the blocks reach vLLM as load errors, not silence."""
+    sched = _sched()
+    try:
+        req = _request("unasked")
+        sched.update_state_after_alloc(req, BLOCKS, PROMPT)
+        meta = sched.build_connector_meta()
+        assert meta.pulls == [] and meta.failed == {"unasked": (6, 7)}
+        assert req.kv_transfer_params["do_remote_prefill"] is False
+    finally:
+        sched.shutdown()
+
+
+@pytest.mark.parametrize("heartbeat_interval_s", [0.0, 5.0], ids=["parsed_when_asked", "parsed_on_arrival"])
+def test_the_kept_load_is_dropped_when_the_request_finishes_or_is_aborted(
+        clock: list[float], heartbeat_interval_s: float) -> None:
+    """Aborted after the match (its capability expired since): the prefill engine is still told to free the
+    hold, from the kept load; finished after its pull: nothing kept either. Nothing stays behind."""
+    sched = _sched(heartbeat_interval_s)
+    try:
+        aborted, pulled = _request("aborted"), _request("pulled")
+        for req in (aborted, pulled):
+            sched.on_new_request(req)
+            assert sched.get_num_new_matched_tokens(req, 0) == (PROMPT, True)
+        assert set(sched._loads) == {"aborted", "pulled"}
+        clock[0] = EXPIRY + CLOCK_SKEW_S + 1
+        assert sched.request_finished(aborted, []) == (False, None)
+        sched.update_state_after_alloc(pulled, BLOCKS, PROMPT)
+        assert sched.request_finished(pulled, [6, 7]) == (False, None)
+        assert sched._loads == {} and sched._queued == {}
+        meta = sched.build_connector_meta()
+        assert [(p.request_id, p.local_block_ids, p.remote.request_id, p.report) for p in meta.pulls] == [
+            ("aborted", (), "prefill-aborted", False), ("pulled", (6, 7), "prefill-pulled", True)]
+        assert clock[1] == 2, "each request's capability is checked once"
+    finally:
+        sched.shutdown()
+
+
+def test_a_refused_request_keeps_nothing(clock: list[float]) -> None:
+    sched = _sched()
+    try:
+        req = _request("other-prompt", prompt=PROMPT - 1)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert sched._loads == {}
+    finally:
+        sched.shutdown()
+
+
+def _remote(**kw: object) -> RemotePrefill:
+    args: dict = {"engine_id": "p", "request_id": "r", "host": "h", "port": 1, "block_ids": (1, 2, 3), "tp_size": 1}
+    args.update(kw)
+    return RemotePrefill(**args)  # type: ignore[arg-type]
+
+
+def test_decode_load_counts_tokens() -> None:
+    """prompt_tokens: the request's prompt less the appended tokens; loaded_tokens: less ``recompute_tokens``."""
+    assert DecodeLoad.of(_remote(num_tokens=10), 10, 0, 1) == DecodeLoad(_remote(num_tokens=10), 10, 10)
+    assert DecodeLoad.of(_remote(num_tokens=9, appended_tokens=1), 11, 1, 1) == \
+        DecodeLoad(_remote(num_tokens=9, appended_tokens=1), 10, 9)
+    assert DecodeLoad.of(_remote(), 1, 1, 1).loaded_tokens == 1  # a one-token prompt is loaded whole
+    with pytest.raises(KVTransferParamsError, match="appended_tokens"):
+        DecodeLoad.of(_remote(appended_tokens=3), 3, 0, 1)
+    with pytest.raises(KVTransferParamsError, match="remote_num_tokens=10 but the prefill prompt has 9"):
+        DecodeLoad.of(_remote(num_tokens=10), 9, 0, 1)
+    with pytest.raises(KVTransferParamsError, match="computes all but the last 1"):
+        DecodeLoad.of(_remote(num_tokens=10), 10, 1, 1)
+    with pytest.raises(KVTransferParamsError, match="1 KV cache group"):
+        DecodeLoad.of(_remote(), 10, 0, 2)
+    with pytest.raises(ValueError, match="loaded_tokens"):
+        DecodeLoad(_remote(), 3, 4)
