@@ -120,7 +120,8 @@ class WorkerSide:
         self.desc = layout_desc(self.layout, m, attn, mem_type=mem_type, device_id=device_id)
         stager = Stager(self.agent, tensors, self.layout, self.desc, int(self.config.staging_mib * 2**20))
         rank = LocalRank(self.engine_id, self.tp_rank, self.tp_size, self.layout, self.desc, device_id)
-        self.puller = Puller(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m)
+        self.puller = Puller(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m,
+                             secret=self._secret)
         self.agent.on_transport = self._on_transport
         info = self._agent_info()
         self.puller.pushes.make_info = self._agent_info

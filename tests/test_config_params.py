@@ -49,6 +49,29 @@ def test_secret_comes_from_the_environment_or_a_file_never_the_extra_config(tmp_
     assert load_config({"secret_file": str(path)}, environ={}).require_secret() == key.encode()
 
 
+def test_a_workers_pulls_use_the_key_it_loaded_and_never_read_the_secret_file_again(tmp_path) -> None:
+    """The secret file is read once, when the worker starts: its pulls (fence, handshakes, notifications,
+    pushes) sign with that key even after the file changed or went away. Before: the puller read the file
+    again when the KV caches were registered, failing on a file gone, or signing with another key."""
+    from p2pkv.tools.bench.synth import make_kv_caches
+    from tests.workers import NUM_BLOCKS, SHAPE, free_port, make_worker
+
+    key = "0123456789abcdef-side-channel"
+    path = tmp_path / "secret"
+    path.write_text(key + "\n")
+    worker = make_worker("decode-engine", free_port(), secret_file=str(path), insecure=False)
+    try:
+        path.unlink()  # a rotated Kubernetes secret is swapped under the running engine
+        _, views = make_kv_caches("BLHNC", seed=1, **SHAPE)
+        worker.register_kv_caches(views, NUM_BLOCKS)
+        puller = worker.puller
+        assert puller is not None
+        users = (puller.fence, puller.keeper, puller.notifier, puller.pushes)
+        assert all(user.secret == key.encode() for user in users)
+    finally:
+        worker.shutdown()
+
+
 @pytest.mark.parametrize("where", ["env", "file"])
 def test_a_short_secret_is_refused_naming_the_minimum_and_how_to_make_one(tmp_path, where: str) -> None:
     short = "  0123456789abcde \n"  # 15 bytes once stripped

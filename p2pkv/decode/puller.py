@@ -69,22 +69,25 @@ class Puller:
 
     Args:
         rank: this rank (engine id, TP rank and size, KV layout, device).
-        config: p2pkv settings (timeouts, secret, stats file, transfer mode).
+        config: p2pkv settings (timeouts, stats file, transfer mode).
         agent: the rank's NIXL agent, KV memory registered.
         stager: the staging area for pulls that need a fixup.
         compat_hash: what handshakes must match.
         stats: the worker's statistics, appended to.
         model: this engine's model facts that limit pairings (window, KV cache groups).
+        secret: the side-channel key the worker loaded (None: insecure); the
+            settings' ``secret_file`` is not read again.
     """
 
     def __init__(self, rank: LocalRank, config: P2pKvConfig, agent: NixlTransferAgent, stager: Stager,
-                 compat_hash: str, stats: StatsBuffer, model: ModelInfo | None = None) -> None:
+                 compat_hash: str, stats: StatsBuffer, model: ModelInfo | None = None, *,
+                 secret: bytes | None) -> None:
         self.rank = rank
         self.config = config
         self.agent = agent
         self.stager = stager
         self.stats = stats
-        self._secret = config.secret_bytes()
+        self._secret = secret
         self.progress = Progress(self._advance, f"p2pkv-pulls-tp{rank.tp_rank}", config.pull_poll_interval_s,
                                  on_start=lambda: bind_device(rank.desc.mem_type, rank.device_id))
         self.lock = self.progress.lock
