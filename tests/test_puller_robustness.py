@@ -27,7 +27,7 @@ from p2pkv.metadata import PullSpec
 from p2pkv.params import RemotePrefill
 from tests.conftest import MODES
 from tests.faults import inject, restore
-from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, free_port, notify_task, pull_task
+from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, free_port, pull_task
 
 BOUND_S = 10.0
 FAST = dict(handshake_timeout_s=1.0, handshake_retries=1, transfer_timeout_s=10.0)
@@ -138,27 +138,23 @@ def test_a_pull_whose_planning_raises_after_its_handshake_fails_alone(
     good_pull(decode, prefill, [5, 6], [11, 12])
 
 
-@pytest.mark.parametrize("fault", ["surrogate_request_id", "notify_bug"])
 def test_a_notify_that_raises_does_not_stop_later_pulls_being_reported(
-        prefill: PrefillProc, decode: DecodeSide, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
-    """A request whose "done" notification cannot be encoded (a lone surrogate in its id, or any bug).
-    Before: ``step`` raised before clearing its notify list, so from then on no pull of the worker was
-    ever reported finished. Now the bad one is refused up front (surrogate) or its notify is logged and
-    skipped, and the pulls after it are reported with exact bytes."""
-    if fault == "surrogate_request_id":
-        decode.start(notify_task("d-aborted", "x\ud800", prefill.port))
-    else:
-        real_encode = notifier_module.encode_done
+        prefill: PrefillProc, decode: DecodeSide, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose "done" notification cannot be encoded (any bug; ids are ASCII, checked with the params,
+    ``tests/test_params_capability.py``). Before: ``step`` raised before clearing its notify list, so from
+    then on no pull of the worker was ever reported finished. Now its notify is logged and skipped, and the
+    pulls after it are reported with exact bytes."""
+    real_encode = notifier_module.encode_done
 
-        def encode_done(note, secret=None):  # type: ignore[no-untyped-def]
-            if note.request_id == "p-notify-bug":
-                raise UnicodeEncodeError("utf-8", "x", 0, 1, "injected")
-            return real_encode(note, secret)
+    def encode_done(note, secret=None):  # type: ignore[no-untyped-def]
+        if note.request_id == "p-notify-bug":
+            raise UnicodeEncodeError("utf-8", "x", 0, 1, "injected")
+        return real_encode(note, secret)
 
-        monkeypatch.setattr(notifier_module, "encode_done", encode_done)
-        prefill.lease(["p-notify-bug"])
-        decode.start(pull_task("d-notify-bug", "p-notify-bug", prefill.port, [30], [31]))
-        assert decode.pump({"d-notify-bug"}, BOUND_S) == set()
+    monkeypatch.setattr(notifier_module, "encode_done", encode_done)
+    prefill.lease(["p-notify-bug"])
+    decode.start(pull_task("d-notify-bug", "p-notify-bug", prefill.port, [30], [31]))
+    assert decode.pump({"d-notify-bug"}, BOUND_S) == set()
     decode.pump(set(), 0.2)
     for local, remote in (([40, 41], [1, 2]), ([42], [3])):
         good_pull(decode, prefill, local, remote)

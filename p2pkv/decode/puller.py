@@ -418,22 +418,15 @@ def _needs(spec: PullSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[Rank
 
 
 def _refusal(spec: PullSpec, engine_id: str) -> str | None:
-    """Why ``spec`` is refused before anyone is contacted, or None.
+    """Why ``spec`` is refused before anyone is contacted, or None: params naming this engine itself.
 
-    Params naming this engine itself; params with a string UTF-8 cannot
-    encode (a lone surrogate): such a pull could be neither fenced nor
-    notified, and would fail the fence questions it is batched with.
+    (Ids and hosts are ASCII: :func:`p2pkv.params.parse_remote_prefill` accepts only
+    :data:`~p2pkv.params.ID_PATTERN` / :data:`~p2pkv.params.HOST_PATTERN`.)
     """
     if spec.remote.engine_id == engine_id:
         return (f"refused: kv_transfer_params.remote_engine_id={spec.remote.engine_id!r} is this engine: the "
                 "request was prefilled here; send its prefill leg to another engine (a proxy's --prefill and "
                 "--decode must differ)")
-    for key, text in (("remote_engine_id", spec.remote.engine_id), ("remote_request_id", spec.remote.request_id),
-                      ("remote_host", spec.remote.host)):
-        try:
-            text.encode()
-        except UnicodeEncodeError:
-            return f"refused: kv_transfer_params.{key} is not valid UTF-8"
     return None
 
 
