@@ -79,26 +79,112 @@ BLOCK = 32
 
 
 @pytest.fixture(scope="session")
-def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """One P/D pair behind the proxy plus an aggregated engine, shared by the engine tests that use it.
+def otlp():
+    """A session-wide OTLP/HTTP span receiver on 127.0.0.1 (:class:`p2pkv.tools.trace.receiver.OtlpReceiver`):
+    the shared pair's proxy and engines export every span to it."""
+    from p2pkv.tools.trace.receiver import OtlpReceiver
 
-    Yields ``(LocalPair, pull stats file)``; the decode engine gives up a handshake (and a fence question) after 3 s.
+    with OtlpReceiver("127.0.0.1", 0) as receiver:
+        yield receiver
+
+
+@dataclasses.dataclass
+class Launched:
+    """The shared pair as ``p2pkv launch local`` started it.
+
+    Attributes:
+        pair: the pair's settings (a :class:`p2pkv.tools.deploy.local.LocalPair` the launcher process runs;
+            its URLs, secret and log folder).
+        stats: the decode engine's pull stats file (JSONL).
+        proc: the launcher process.
+        lines: what the launcher printed so far (stdout and stderr).
+        more: engines started beside the pair for the heterogeneous rows (``tests/test_e2e_hetero.py``),
+            name → URL: ``d64`` (TP 1, 64-token blocks) and ``t2`` (TP 2, 32-token blocks); the pair's prefill
+            engine is the third (TP 1, 32-token blocks). Each writes its pull stats to ``<log dir>/<name>.jsonl``
+            (the pair's prefill engine to ``prefill.jsonl``).
     """
+
+    pair: Any
+    stats: Path
+    proc: Any
+    lines: list[str]
+    more: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -> Launched:
+    """One P/D pair behind the proxy plus an aggregated engine, started by ``p2pkv launch local`` (so the
+    launcher runs as users run it) and shared by the engine tests; its spans go to :func:`otlp`.
+
+    The decode engine gives up a handshake (and a fence question) after 3 s. At the end of the session the
+    launcher gets SIGTERM and must stop everything and exit 0 (a teardown error otherwise).
+    """
+    import json
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
     from p2pkv.tools.deploy.local import LocalPair
+    from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 
     logs = tmp_path_factory.mktemp("logs")
     proxy, prefill, decode, agg, side = free_ports(5)
     stats = logs / "pulls.jsonl"
-    p = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
-                  aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,
-                  decode_extra_config={"stats_file": str(stats), "handshake_timeout_s": 3.0,
-                                       "handshake_retries": 1},
-                  max_model_len=1024)
-    p.start(timeout_s=900)
+    extra = {"stats_file": str(logs / "prefill.jsonl")}
+    decode_extra = {"stats_file": str(stats), "handshake_timeout_s": 3.0, "handshake_retries": 1}
+    pair = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
+                     aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,
+                     extra_config=extra, decode_extra_config=decode_extra, max_model_len=1024,
+                     otlp_traces_endpoint=otlp.url)
+    argv = [sys.executable, "-m", "p2pkv.tools.cli", "launch", "local", "--model", str(tiny_model),
+            "--proxy-port", str(proxy), "--prefill-port", str(prefill), "--decode-port", str(decode),
+            "--aggregated-port", str(agg), "--side-channel-port", str(side), "--block-size", str(BLOCK),
+            "--max-model-len", "1024", "--log-dir", str(logs), "--kv-connector-extra-config", json.dumps(extra),
+            "--decode-extra-config", json.dumps(decode_extra), "--otlp-traces-endpoint", otlp.url]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "P2PKV_SECRET": pair.secret})
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    more = _more_engines(tiny_model, logs, pair.secret)  # start while the pair starts
     try:
-        yield p, stats
+        deadline = time.monotonic() + 900
+        while not any(x.startswith("ready:") for x in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.5)
+        wait_healthy(list(more.values()), 900)
+        yield Launched(pair, stats, proc, lines, {name: child.health_url[:-len("/health")]
+                                                  for name, child in more.items()})
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, "p2pkv launch local did not stop cleanly:\n" + "".join(lines[-40:])
     finally:
-        p.stop()
+        stop_children(list(more.values()))
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _more_engines(model: Path, logs: Path, secret: str) -> dict[str, Any]:
+    """Start ``d64`` and ``t2`` (see :class:`Launched`); name → their :class:`~p2pkv.tools.deploy.processes.Child`."""
+    from p2pkv.tools.deploy.engines import EngineSpec, start_engine
+
+    d64, t2, d64_side, t2_side = free_ports(4)
+    more = {}
+    for name, port, side, block, tp in (("d64", d64, d64_side, 64, 1), ("t2", t2, t2_side, 32, 2)):
+        spec = EngineSpec(name=name, model=str(model), port=port, role="prefill", side_channel_port=side,
+                          side_channel_host="127.0.0.1", block_size=block, max_model_len=1024, tensor_parallel_size=tp,
+                          module_path="p2pkv.connector" if name == "t2" else "",
+                          extra_config={"stats_file": str(logs / f"{name}.jsonl"), "staging_mib": 16},
+                          env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": secret})
+        more[name] = start_engine(spec, logs)
+    return more
+
+
+@pytest.fixture(scope="session")
+def pair(launched: Launched):
+    """``(LocalPair, pull stats file)`` of the shared pair (:func:`launched`)."""
+    return launched.pair, launched.stats
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import socket
 import subprocess
@@ -313,15 +314,27 @@ def test_client_flags_and_options() -> None:
                                 dataset_path="/p.jsonl").argv())
     assert "--dataset-name custom --dataset-path /p.jsonl --custom-output-len 16 --skip-chat-template" in text
     assert "--random-input-len" not in text
+    salted = ClientPoint("http://h:1", "/m", "p2pkv", 4, 8, 64, 16, 3, "/r", "f.json", "x-", cache_salt="s-1").argv()
+    assert json.loads(salted[salted.index("--extra-body") + 1]) == {"cache_salt": "s-1"}
+    assert "--extra-body" not in argv
     opts = ServeBenchOptions(extra_engine_args=("--max-num-seqs", "8"))
     assert opts.engine_args() == ("--no-enable-prefix-caching", "--max-num-seqs", "8")
     assert ServeBenchOptions(prefix_caching=True).engine_args() == ()
     for bad in (ServeBenchOptions(systems=("p2pkv", "vllm")), ServeBenchOptions(concurrency=(0,)),
                 ServeBenchOptions(systems=("p2pkv-push", "p2pkv-push")), ServeBenchOptions(concurrency=(2, 2)),
                 ServeBenchOptions(num_prompts=0), ServeBenchOptions(dataset="sharegpt"),
-                ServeBenchOptions(first_token_from="proxy")):
+                ServeBenchOptions(first_token_from="proxy"), ServeBenchOptions(p2pkv_engines=("http://p:1",))):
         with pytest.raises(ValueError):
             bad.validate()
+
+
+def test_attaching_to_a_running_pair_needs_its_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    attached = ServeBenchOptions(p2pkv_engines=("http://127.0.0.1:1", "http://127.0.0.1:2"))
+    monkeypatch.delenv("P2PKV_SECRET", raising=False)
+    with pytest.raises(ValueError, match="set P2PKV_SECRET to the running pair's secret"):
+        attached.validate()
+    monkeypatch.setenv("P2PKV_SECRET", "0123456789abcdef")
+    attached.validate()
 
 
 def test_text_prompts_are_readable_seeded_and_as_long_as_asked(tmp_path: Path) -> None:
@@ -368,15 +381,20 @@ def _free_base_port() -> int:
 
 
 @pytest.mark.engines
-def test_bench_serve_end_to_end(tiny_model: Path, tmp_path: Path) -> None:
-    """All four systems (pull and push on one pair, two proxies), one concurrency point, the prefill probe on:
-    exit 0, answers equal, every transfer in its system's direction, JSON and plot written."""
+def test_bench_serve_end_to_end(tiny_model: Path, tmp_path: Path, pair) -> None:
+    """All four systems, one concurrency point, the prefill probe on: the p2pkv systems on the engine tests'
+    shared pair (``--p2pkv-engines``: a proxy per system, each with its own cache_salt, so push is not served
+    from pull's cached prompts), the aggregated system on its aggregated engine, NixlConnector on a pair the
+    bench starts: exit 0, answers equal, every transfer in its system's direction, JSON and plot written."""
+    shared, _ = pair
     out_json, out_png = tmp_path / "serve.json", tmp_path / "serve.png"
     cmd = [sys.executable, "-m", "p2pkv.tools.cli", "bench", "serve", "--model", str(tiny_model),
            "--concurrency", "2", "--num-prompts", "4", "--input-len", "80", "--output-len", "6",
            "--base-port", str(_free_base_port()), "--work-dir", str(tmp_path / "work"), "--prefill-probe",
-           "--json", str(out_json), "--plot", str(out_png)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+           "--p2pkv-engines", f"{shared.url('prefill')},{shared.url('decode')}",
+           "--aggregated-engine", shared.url("aggregated"), "--json", str(out_json), "--plot", str(out_png)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, "P2PKV_SECRET": shared.secret})
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     result = json.loads(out_json.read_text())
     assert list(result["systems"]) == ["p2pkv-pull", "p2pkv-push", "nixl", "aggregated"]

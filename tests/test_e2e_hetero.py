@@ -1,8 +1,9 @@
 """End to end with engines of different block sizes and TP sizes: real vLLM engines, p2pkv on all.
 
 Three engines run p2pkv in ``kv_both`` mode, so each can prefill for the
-others: TP 1 with 32-token blocks, TP 1 with 64-token blocks (vLLM's CPU
-attention needs multiples of 32) and TP 2 with 32-token blocks. Rows:
+others (the shared pair's prefill engine and two started beside it): TP 1
+with 32-token blocks, TP 1 with 64-token blocks (vLLM's CPU attention needs
+multiples of 32) and TP 2 with 32-token blocks. Rows:
 block 32 → 64 (prefill block smaller), block 64 → 32 (prefill block
 larger, which vLLM's own NixlConnector does not support), TP 2 → 1,
 TP 1 → 2, and TP 2 block 32 → TP 1 block 64. The decoded tokens must
@@ -25,9 +26,7 @@ from p2pkv.tools.demo import (
     read_pull_stats,
     wait_blocks_released,
 )
-from p2pkv.tools.deploy.engines import EngineSpec, start_engine
-from p2pkv.tools.deploy.processes import stop_children, wait_healthy
-from tests.conftest import MODES, free_ports
+from tests.conftest import MODES
 from tests.legs import prefill_then_decode
 
 pytestmark = pytest.mark.engines
@@ -42,37 +41,27 @@ PROMPTS = {
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("hetero-logs")
-    p32, p64, pt2, s32, s64, st2 = free_ports(6)
-    specs = {}
-    for name, port, side, block, tp in (("e32", p32, s32, 32, 1), ("d64", p64, s64, 64, 1), ("t2", pt2, st2, 32, 2)):
-        specs[name] = EngineSpec(name=name, model=str(tiny_model), port=port, role="prefill", side_channel_port=side,
-                                 side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
-                                 tensor_parallel_size=tp, module_path="p2pkv.connector" if name == "t2" else "",
-                                 extra_config={"stats_file": str(logs / f"{name}.jsonl"), "staging_mib": 16},
-                                 env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": "hetero-test-secret"})
-    children = [start_engine(s, logs) for s in specs.values()]
-    try:
-        wait_healthy(children, 900)
-        yield {n: f"http://127.0.0.1:{s.port}" for n, s in specs.items()}, logs
-    finally:
-        stop_children(children)
+def engines(launched):
+    """``({name: URL}, {name: pull stats file})``: ``e32`` is the shared pair's prefill engine, ``d64`` and ``t2``
+    were started beside the pair (``tests/conftest.py``)."""
+    logs = launched.pair.log_dir
+    urls = {"e32": launched.pair.url("prefill"), **launched.more}
+    return urls, {"e32": logs / "prefill.jsonl", **{name: logs / f"{name}.jsonl" for name in launched.more}}
 
 
 @pytest.mark.parametrize("row", list(PROMPTS))
 @pytest.mark.parametrize("mode", MODES)
 def test_tokens_equal_across_block_and_tp_sizes(engines, mode, row) -> None:
-    urls, logs = engines
+    urls, stats = engines
     prefill, decode, prompt = PROMPTS[row]
     prompt = prompt if mode == "pull" else prompt[::-1]  # nothing of it in the prefix caches of the pull run
     with httpx.Client(timeout=300.0) as client:
-        pulls_before = len(read_pull_stats(logs / f"{decode}.jsonl"))
+        pulls_before = len(read_pull_stats(stats[decode]))
         pd = prefill_then_decode(client, urls[prefill], urls[decode], prompt, max_tokens=12, mode=mode)
         ref = complete(client, urls[prefill], prompt, max_tokens=12)
         assert pd.token_ids == ref.token_ids
         assert max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
-        pulls = read_pull_stats(logs / f"{decode}.jsonl")[pulls_before:]
+        pulls = read_pull_stats(stats[decode])[pulls_before:]
         if decode == "t2":  # both ranks of the TP 2 engine pull (one head each): two lines
             assert len(pulls) == 2 and pulls[1]["bytes"] == pulls[0]["bytes"]
             pulls = pulls[:1]

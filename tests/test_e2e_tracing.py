@@ -1,7 +1,7 @@
 """One trace per client request, across the proxy, the prefill engine and the decode engine (real engines).
 
-A traced pair (prefill, decode, the bundled proxy) exports its spans over
-OTLP/HTTP to an in-test receiver (:class:`p2pkv.tools.trace.receiver.OtlpReceiver`,
+The shared pair (prefill, decode, the bundled proxy) exports its spans over
+OTLP/HTTP to the session's receiver (:class:`p2pkv.tools.trace.receiver.OtlpReceiver`,
 decoding the protobuf with ``opentelemetry-proto``): the proxy's request and
 leg spans, vLLM's own request spans, p2pkv's hold span on the prefill engine
 and pull span (with its phases) on the decode engine must share one trace id
@@ -11,9 +11,7 @@ with the right parents.
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -27,34 +25,10 @@ pytestmark = pytest.mark.engines
 
 
 @pytest.fixture(scope="module")
-def traced(tiny_model, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, OtlpReceiver]]:
-    """A prefill/decode pair and proxy exporting every span to a receiver on 127.0.0.1; the decode engine is
-    configured ``transfer_mode: push`` (the setting's path through a real engine: the prefill engine WRITEs)."""
-    from p2pkv.tools.deploy.local import LocalPair
-
-    with OtlpReceiver("127.0.0.1", 0) as receiver:
-        url = receiver.url
-        proxy, prefill, decode, side = free_ports(4)
-        pair = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
-                         side_channel_port=side, block_size=BLOCK, log_dir=tmp_path_factory.mktemp("traced"),
-                         extra_config={"otlp_traces_endpoint": url},
-                         decode_extra_config={"handshake_timeout_s": 2.0, "handshake_retries": 1,
-                                              "transfer_mode": "push"},
-                         engine_args=("--otlp-traces-endpoint", url), proxy_args=("--otlp-traces-endpoint", url),
-                         max_model_len=1024)
-        old = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # vLLM's own exporter (grpc otherwise)
-        try:
-            pair.start(timeout_s=900)
-        finally:
-            if old is None:
-                os.environ.pop("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-            else:
-                os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = old
-        try:
-            yield pair, receiver
-        finally:
-            pair.stop()
+def traced(routes, otlp) -> tuple[object, OtlpReceiver]:
+    """The shared pair (``tests/conftest.py``: its proxy and engines export every span to the session's
+    receiver on 127.0.0.1), seen through its push proxy (the prefill engine WRITEs), and that receiver."""
+    return routes["push"], otlp
 
 
 def _one(spans: list[SpanRecord], name: str, trace_id: str) -> SpanRecord:
@@ -108,7 +82,7 @@ def test_a_request_is_one_trace_across_proxy_prefill_and_decode(traced, client) 
     assert pull.parent_span_id == decode_leg.span_id and pull.service == "p2pkv-decode"
     assert hold.attributes["p2pkv.hold.end"] == "notified" and hold.attributes["p2pkv.blocks"] >= 1
     assert pull.attributes["p2pkv.remote_request_id"] == hold.attributes["p2pkv.request_id"]
-    assert pull.attributes["p2pkv.bytes"] > 0 and pull.attributes["p2pkv.mode"] == "push"  # transfer_mode: push
+    assert pull.attributes["p2pkv.bytes"] > 0 and pull.attributes["p2pkv.mode"] == "push"  # the push proxy
     assert pull.status_code != "ERROR"
     phases = {s.name: s for s in spans if s.trace_id == trace and s.parent_span_id == pull.span_id}
     assert {"p2pkv.pull.transfer", "p2pkv.pull.fence", "p2pkv.pull.notify"} <= set(phases)

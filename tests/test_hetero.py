@@ -163,6 +163,9 @@ ROWS = {  # name: (prefill, decode, how the decode ranks pull)
     "CPU attention block 32 -> 64": (Side(32, "CPU"), Side(64, "CPU"), "staged"),
     "CPU attention block 64 -> 32, TP 1 -> 2": (Side(64, "CPU"), Side(32, "CPU", tp_size=2), "staged"),
     "CPU attention TP 2 -> 1": (Side(32, "CPU", tp_size=2), Side(32, "CPU"), "paged"),
+    "CPU attention block 64 -> 32": (Side(64, "CPU"), Side(32, "CPU"), "staged"),
+    "CPU attention TP 1 -> 2": (Side(32, "CPU"), Side(32, "CPU", tp_size=2), "paged"),
+    "CPU attention TP 2 block 32 -> TP 1 block 64": (Side(32, "CPU", tp_size=2), Side(64, "CPU"), "staged"),
     "MLA TP 2 -> TP 1": (Side(32, "NHD", tp_size=2, is_mla=True), Side(32, "NHD", is_mla=True), "direct"),
     "MLA TP 2 -> TP 1, block 32 -> 16": (Side(32, "NHD", tp_size=2, is_mla=True), Side(16, "NHD", is_mla=True),
                                          "staged"),
@@ -177,6 +180,17 @@ def mode(worker: WorkerSide) -> set[str]:
 @pytest.mark.parametrize("row", list(ROWS))
 def test_every_token_lands_in_the_right_slot_of_the_right_rank(row: str) -> None:
     pull_and_check(row, "cpu")
+
+
+VLLM_CPU_ROWS = ["CPU attention block 32 -> 64", "CPU attention block 64 -> 32", "CPU attention TP 2 -> 1",
+                 "CPU attention TP 1 -> 2", "CPU attention TP 2 block 32 -> TP 1 block 64"]
+"""The pairings of block size and TP size between engines of vLLM's CPU attention layout, in push mode too:
+the prefill ranks WRITE into the decode ranks' blocks, or into their staging when a fixup follows."""
+
+
+@pytest.mark.parametrize("row", VLLM_CPU_ROWS)
+def test_every_token_lands_in_the_right_slot_when_pushed(row: str) -> None:
+    pull_and_check(row, "cpu", transfer_mode="push")
 
 
 GPU_ROWS = ["block 16 -> 64", "block 64 -> 16", "HND -> NHD", "TP 1 -> 2", "TP 2 -> 1, NHD",
@@ -230,8 +244,9 @@ def decode_workers(side: Side, device: str, **config: float) -> Iterator[list[tu
             worker.shutdown()
 
 
-def pull_and_check(row: str, device: str) -> None:
-    """Pull one 150-token request between the row's engines and compare every decode rank's cache."""
+def pull_and_check(row: str, device: str, transfer_mode: str = "pull") -> None:
+    """Move one 150-token request between the row's engines (``transfer_mode``: the decode ranks READ, or the
+    prefill ranks WRITE) and compare every decode rank's cache."""
     prefill_side, decode_side, how = ROWS[row]
     tokens, first_token = 150, 0
     rng = np.random.default_rng(len(row))
@@ -239,7 +254,8 @@ def pull_and_check(row: str, device: str) -> None:
     local_ids = block_ids(rng, -(-tokens // decode_side.block_size))
     with running_prefill(prefill_side, remote_ids, tokens, device) as (prefill_port, out), \
             decode_workers(decode_side, device) as decoders:
-        remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), prefill_side.tp_size)
+        remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), prefill_side.tp_size,
+                               transfer_mode=transfer_mode)
         task = PullSpec("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
                         num_tokens=tokens)
         for worker, _, _ in decoders:
@@ -255,6 +271,9 @@ def pull_and_check(row: str, device: str) -> None:
             time.sleep(0.002)
         assert not pending, f"decode ranks {pending} never finished"
         assert all(mode(w) == {how} for w, _, _ in decoders), [mode(w) for w, _, _ in decoders]
+        for rank, (worker, _, _) in enumerate(decoders):
+            directions = (worker.take_stats() or {}).get("directions", {})
+            assert directions == {transfer_mode: 1}, f"decode rank {rank}: {directions}"
         for rank, (_, base, _) in enumerate(decoders):
             expected, _ = make_cache(decode_side, rank, "cpu", local_ids, tokens)
             assert torch.equal(base.cpu(), expected), f"decode rank {rank}: blocks differ from the position codes"

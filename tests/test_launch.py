@@ -398,37 +398,25 @@ def test_gpu_pods_keep_cuda_graphs_and_leave_the_environment_alone(tmp_path, cap
 
 
 @pytest.mark.engines
-def test_launch_local_pair_and_proxy_answer_a_request(tiny_model, tmp_path) -> None:
-    """`p2pkv launch local`: both engines and the proxy come up, a request through the proxy is answered
-    (the decode engine pulled the prompt's KV), and SIGTERM stops everything with exit 0."""
-    proxy, prefill, decode, side = free_ports(4)
-    argv = [sys.executable, "-m", "p2pkv.tools.cli", "launch", "local", "--model", str(tiny_model),
-            "--proxy-port", str(proxy), "--prefill-port", str(prefill), "--decode-port", str(decode),
-            "--side-channel-port", str(side), "--log-dir", str(tmp_path)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 600
-        while not any(x.startswith("ready:") for x in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            time.sleep(0.5)
-        body = {"model": "model", "prompt": "launch local " * 8, "max_tokens": 4, "temperature": 0.0,
-                "ignore_eos": True}
-        resp = httpx.post(f"http://127.0.0.1:{proxy}/v1/completions", json=body, timeout=120)
-        assert resp.status_code == 200, resp.text
-        assert resp.json()["usage"]["completion_tokens"] == 4
-        deadline = time.monotonic() + 60  # pull stats reach /metrics with the engine's next stats update
-        while _pulls_total(decode) < 1:
-            assert time.monotonic() < deadline, "the decode engine never reported a pull"
-            time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0, "".join(lines)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+def test_launch_local_pair_and_proxy_answer_a_request(launched, client) -> None:
+    """`p2pkv launch local` (the engine tests' shared pair is started by it): it printed each engine's command
+    and `ready`, a request through its proxy is answered with the KV pulled by the decode engine, and at the end
+    of the session SIGTERM stops everything with exit 0 (checked by the ``launched`` fixture's teardown)."""
+    out = "".join(launched.lines)
+    for name in ("prefill", "decode", "aggregated"):
+        assert f"[{name}] " in out and "vllm.entrypoints.openai.api_server" in out, out
+    assert f"ready: proxy on {launched.pair.url('proxy')}" in out
+    assert launched.proc.poll() is None
+    decode = launched.pair.decode_port
+    before = _pulls_total(decode)
+    body = {"model": "model", "prompt": "launch local " * 8, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    resp = client.post(f"{launched.pair.url('proxy')}/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 4
+    deadline = time.monotonic() + 60  # pull stats reach /metrics with the engine's next stats update
+    while _pulls_total(decode) < before + 1:
+        assert time.monotonic() < deadline, "the decode engine never reported a pull"
+        time.sleep(1.0)
 
 
 def _pulls_total(port: int) -> float:

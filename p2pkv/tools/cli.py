@@ -103,6 +103,19 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     launch.add_argument("--block-size", type=int, default=32)
     launch.add_argument("--dtype", default="float32")
     launch.add_argument("--log-dir", default=".p2pkv/logs")
+    launch.add_argument("--aggregated-port", type=int, default=None,
+                        help="also start one plain engine (no connector) on this port, for comparisons")
+    launch.add_argument("--max-model-len", type=int, default=2048, help="longest sequence (tokens)")
+    launch.add_argument("--kv-connector-extra-config", default="{}", metavar="JSON",
+                        help="more p2pkv settings for both engines")
+    launch.add_argument("--decode-extra-config", default="{}", metavar="JSON",
+                        help="more p2pkv settings for the decode engine only")
+    launch.add_argument("--extra-vllm-args", default="", metavar="ARGS",
+                        help="more `vllm serve` flags for every engine, in one shell-split string")
+    launch.add_argument("--proxy-args", default="", metavar="ARGS",
+                        help="more `p2pkv proxy` flags, in one shell-split string (e.g. '--transfer-mode push')")
+    launch.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
+                        help="export the proxy's, p2pkv's and vLLM's spans there over OTLP/HTTP (docs/tracing.md)")
     launch.set_defaults(func=_cmd_launch)
     from p2pkv.tools.deploy.pod_cli import add_arguments as _add_pod_arguments
 

@@ -122,7 +122,8 @@ def run_point(client: Any, dep: Deployment, opts: ServeBenchOptions, model: str,
                         num_prompts=opts.num_prompts, input_len=opts.input_len, output_len=opts.output_len,
                         seed=seed, result_dir=str(work / "results"), result_filename=f"{dep.name}-c{conc}.json",
                         request_id_prefix=f"{dep.name}-c{conc}-{uuid.uuid4().hex[:8]}-",
-                        dataset_path=dataset_path(opts, work, seed))
+                        dataset_path=dataset_path(opts, work, seed),
+                        cache_salt=f"{dep.name}-{uuid.uuid4().hex[:8]}")
     decode0, proxy0, prefill0 = (_scrape(client, u) for u in (dep.decode_url, dep.proxy_url, dep.prefill_url))
     probe = PrefillProbe(dep.prefill_url, opts.input_len, opts.output_len, seed).start() \
         if opts.prefill_probe and dep.prefill_url else None
@@ -281,7 +282,7 @@ def run_serve_bench(opts: ServeBenchOptions, argv: list[str] | None = None) -> S
     seeds = opts.seeds()
     result = ServeResult(command=command_line(argv if argv is not None else sys.argv),
                          machine=serve_report.machine(), config=dataclasses.replace(opts, model=model), seeds=seeds)
-    groups = plan_groups(opts.systems, share_engines=not opts.prefix_caching)
+    groups = plan_groups(opts.systems, share_engines=not opts.prefix_caching or bool(opts.p2pkv_engines))
     progress(f"model {model}; systems {' then '.join('+'.join(g) for g in groups)}; concurrency "
              f"{list(opts.concurrency)}; {opts.num_prompts} prompts per point; work dir {work}")
     prompts = {c: sample_prompts(ClientPoint("http://unused", model, "prompts", c, opts.num_prompts, opts.input_len,

@@ -17,6 +17,7 @@ same seed, same tokenizer).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ class ClientPoint:
         request_id_prefix: prefix of the request ids (unique per run).
         dataset_path: a JSONL file of prompts (vLLM's ``custom`` dataset,
             see :func:`write_text_prompts`); empty: vLLM's ``random`` dataset.
+        cache_salt: every request's ``cache_salt`` (vLLM salts its prefix cache's block hashes with it), so
+            engines shared by several systems, or with prefix caching on, never answer one run from another's
+            cached blocks; empty: none.
     """
 
     base_url: str
@@ -55,6 +59,7 @@ class ClientPoint:
     result_filename: str
     request_id_prefix: str
     dataset_path: str = ""
+    cache_salt: str = ""
 
     def argv(self) -> list[str]:
         """The ``vllm bench serve`` flags of this run: its dataset, greedy, EOS ignored, detailed result."""
@@ -72,6 +77,7 @@ class ClientPoint:
             "--request-id-prefix", self.request_id_prefix,
             "--save-result", "--save-detailed", "--result-dir", self.result_dir,
             "--result-filename", self.result_filename,
+            *(("--extra-body", json.dumps({"cache_salt": self.cache_salt})) if self.cache_salt else ()),
         ]
 
 

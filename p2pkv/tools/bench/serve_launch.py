@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,8 @@ def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_d
     max_len = max(2048, opts.input_len + opts.output_len)
     specs = [SYSTEM_SPECS[n] for n in names]
     t0 = time.monotonic()
+    if specs[0].connector is None and opts.aggregated_engine:
+        return StartedGroup([Deployment(names[0], opts.aggregated_engine, 0.0)], lambda: None)
     if specs[0].connector is None:
         check_port_free(host, b + 300, "--base-port (+300, aggregated)")
         engine = EngineSpec(name="aggregated", model=model, port=b + 300, host=host, block_size=opts.block_size,
@@ -98,6 +101,8 @@ def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_d
     connector = specs[0].connector
     if any(s.connector != connector for s in specs):
         raise ValueError(f"systems {', '.join(names)} do not share one kind of engines")
+    if connector == "p2pkv" and opts.p2pkv_engines:
+        return _attach_pair(specs, opts, log_dir, t0)
     pair = LocalPair(model=model, host=host, proxy_port=b, prefill_port=b + 100, decode_port=b + 200,
                      side_channel_port=b + 400, block_size=opts.block_size, dtype=opts.dtype,
                      max_model_len=max_len, log_dir=log_dir, connector=connector,
@@ -128,3 +133,33 @@ def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_d
         stop()
         raise
     return StartedGroup(started, stop)
+
+
+def _attach_pair(specs: Sequence[SystemSpec], opts: ServeBenchOptions, log_dir: Path, t0: float) -> StartedGroup:
+    """The p2pkv systems on the running pair of ``--p2pkv-engines``: a proxy per system (``--base-port``, then
+    +600, +601, ...), each with its ``--transfer-mode``; stopping stops only those proxies.
+
+    Raises:
+        LaunchError: a proxy died or never became healthy (the ones started are stopped).
+    """
+    from p2pkv.tools.deploy.checks import check_port_free
+    from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
+
+    prefill, decode = opts.p2pkv_engines
+    proxies, started = [], []
+    try:
+        for i, spec in enumerate(specs):
+            t1, port = time.monotonic(), opts.base_port + (EXTRA_PROXY_PORT + i - 1 if i else 0)
+            check_port_free(opts.host, port, f"--base-port (the {spec.name} proxy)")
+            url = f"http://{opts.host}:{port}"
+            argv = [sys.executable, "-m", "p2pkv.tools.proxy", "--host", opts.host, "--port", str(port),
+                    "--prefill", prefill.split("://", 1)[-1], "--decode", decode.split("://", 1)[-1],
+                    *proxy_args(spec, opts)]
+            proxies.append(start_child(f"proxy-{spec.name}", argv, dict(os.environ), log_dir, f"{url}/health"))
+            wait_healthy(proxies[-1:], PROXY_START_TIMEOUT_S)
+            started.append(Deployment(spec.name, url, time.monotonic() - (t0 if i == 0 else t1), decode_url=decode,
+                                      prefill_url=prefill, proxy_url=url, pull_names=P2PKV_PULL))
+    except BaseException:
+        stop_children(proxies)
+        raise
+    return StartedGroup(started, lambda: stop_children(proxies))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import shlex
 from dataclasses import dataclass, field
 
@@ -53,6 +54,10 @@ class ServeBenchOptions:
             engine requests of its own, one at a time, and measure their TTFT
             and TPOT (:class:`~p2pkv.tools.bench.serve_results.ProbeResult`).
         start_timeout_s: how long engines may take to become healthy (seconds).
+        p2pkv_engines: ``(prefill URL, decode URL)`` of a p2pkv pair already running (e.g. ``p2pkv launch
+            local``'s, with ``P2PKV_SECRET`` set to its secret): the p2pkv systems run there, each behind a
+            proxy of its own, instead of on a pair the bench starts. Empty: start one.
+        aggregated_engine: URL of a plain engine already running for the ``aggregated`` system ("": start one).
     """
 
     model: str = ""
@@ -74,6 +79,8 @@ class ServeBenchOptions:
     dataset: str = "text"
     prefill_probe: bool = False
     start_timeout_s: float = 900.0
+    p2pkv_engines: tuple[str, ...] = ()
+    aggregated_engine: str = ""
 
     def validate(self) -> None:
         """Raises ValueError naming the bad flag."""
@@ -93,6 +100,10 @@ class ServeBenchOptions:
                              "(pip install 'p2pkv[bench]'), or pass --dataset random")
         if self.first_token_from not in ("prefill", "decode"):
             raise ValueError(f"--first-token-from {self.first_token_from}: choose prefill or decode")
+        if self.p2pkv_engines and len(self.p2pkv_engines) != 2:
+            raise ValueError(f"--p2pkv-engines {','.join(self.p2pkv_engines)}: give PREFILL_URL,DECODE_URL")
+        if self.p2pkv_engines and not os.environ.get("P2PKV_SECRET"):
+            raise ValueError("--p2pkv-engines: set P2PKV_SECRET to the running pair's secret (its proxies need it)")
 
     def engine_args(self) -> tuple[str, ...]:
         """Extra ``vllm serve`` flags of every engine."""
@@ -146,6 +157,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a time, --input-len characters, --output-len tokens, streamed) and report their TTFT and "
                         "TPOT: whether the traffic, a push in particular, slows the prefill engine")
     p.add_argument("--start-timeout", type=float, default=d.start_timeout_s, help="seconds for engines to start")
+    p.add_argument("--p2pkv-engines", default="", metavar="PREFILL_URL,DECODE_URL",
+                   help="run the p2pkv systems on this running pair (P2PKV_SECRET: its secret) instead of starting "
+                        "one; each system gets its own proxy and its own cache_salt")
+    p.add_argument("--aggregated-engine", default="", metavar="URL",
+                   help="run the aggregated system on this running engine instead of starting one")
     p.add_argument("--json", metavar="PATH", help="write the results here")
     p.add_argument("--plot", metavar="PNG", help="TTFT/TPOT p50 vs concurrency (needs matplotlib: p2pkv[bench])")
 
@@ -159,4 +175,6 @@ def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
         base_port=args.base_port, host=args.host, work_dir=args.work_dir,
         tensor_parallel_size=args.tensor_parallel_size, extra_engine_args=tuple(shlex.split(args.extra_engine_args)),
         prefix_caching=args.prefix_caching, first_token_from=args.first_token_from, dataset=args.dataset,
-        prefill_probe=args.prefill_probe, start_timeout_s=args.start_timeout)
+        prefill_probe=args.prefill_probe, start_timeout_s=args.start_timeout,
+        p2pkv_engines=tuple(u.strip().rstrip("/") for u in args.p2pkv_engines.split(",") if u.strip()),
+        aggregated_engine=args.aggregated_engine.rstrip("/"))

@@ -14,6 +14,7 @@ from pathlib import Path
 from p2pkv.tools.deploy.checks import check_port_free
 from p2pkv.tools.deploy.cpu_backend import fit_to_cpu
 from p2pkv.tools.deploy.engines import EngineSpec
+from p2pkv.tools.deploy.pod_cli import parse_extra_args, parse_extra_config
 from p2pkv.tools.deploy.processes import Child, LaunchError, start_child, stop_children, wait_healthy
 
 
@@ -39,6 +40,8 @@ class LocalPair:
         proxy_args: more ``p2pkv proxy`` flags (e.g. ``--first-token-from decode``).
         secret: the side-channel secret the two engines and the proxy share
             (``P2PKV_SECRET`` in their environments; a fresh random one when empty).
+        otlp_traces_endpoint: when set, the proxy, both engines' p2pkv spans and vLLM's own request
+            spans export there over OTLP/HTTP (docs/tracing.md).
     """
 
     model: str
@@ -60,6 +63,7 @@ class LocalPair:
     proxy_args: tuple[str, ...] = ()
     children: list[Child] = field(default_factory=list)
     secret: str = ""
+    otlp_traces_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if not self.secret:
@@ -75,18 +79,23 @@ class LocalPair:
 
     def engine_specs(self) -> list[EngineSpec]:
         """The engines this pair starts, fitted to this machine's CPU (:func:`fit_to_cpu`: it logs each choice)."""
+        env = {"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": self.secret}
+        engine_args, extra = tuple(self.engine_args), dict(self.extra_config)
+        if self.otlp_traces_endpoint:
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # vLLM's own exporter (grpc otherwise)
+            engine_args += ("--otlp-traces-endpoint", self.otlp_traces_endpoint)
+            extra["otlp_traces_endpoint"] = self.otlp_traces_endpoint
         common = dict(model=self.model, host=self.host, block_size=self.block_size, dtype=self.dtype,
                       max_model_len=self.max_model_len, connector=self.connector,
-                      side_channel_host=self.host, env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": self.secret},
-                      tensor_parallel_size=self.tensor_parallel_size, extra_args=tuple(self.engine_args),
+                      side_channel_host=self.host, env=env,
+                      tensor_parallel_size=self.tensor_parallel_size, extra_args=engine_args,
                       gpu_memory_utilization=self._gpu_share())
         specs = [
             EngineSpec(name="prefill", port=self.prefill_port, role="prefill",
-                       side_channel_port=self.side_channel_port, extra_config=dict(self.extra_config),
-                       **common),
+                       side_channel_port=self.side_channel_port, extra_config=extra, **common),
             EngineSpec(name="decode", port=self.decode_port, role="decode",
                        side_channel_port=self.side_channel_port + 100,
-                       extra_config={**self.extra_config, **self.decode_extra_config}, **common),
+                       extra_config={**extra, **self.decode_extra_config}, **common),
         ]
         if self.aggregated_port is not None:
             specs.append(EngineSpec(name="aggregated", port=self.aggregated_port, role=None, **common))
@@ -96,7 +105,8 @@ class LocalPair:
         """The proxy argv."""
         return [sys.executable, "-m", "p2pkv.tools.proxy", "--host", self.host, "--port", str(self.proxy_port),
                 "--prefill", f"{self.host}:{self.prefill_port}",
-                "--decode", f"{self.host}:{self.decode_port}", *self.proxy_args]
+                "--decode", f"{self.host}:{self.decode_port}", *self.proxy_args,
+                *(("--otlp-traces-endpoint", self.otlp_traces_endpoint) if self.otlp_traces_endpoint else ())]
 
     def check(self) -> None:
         """Validate before starting anything.
@@ -178,10 +188,19 @@ def main(args: argparse.Namespace) -> int:
     Returns:
         0 when stopped by a signal; 1 when a process died or never became healthy.
     """
-    pair = LocalPair(model=args.model, host=args.host, prefill_port=args.prefill_port,
-                     decode_port=args.decode_port, proxy_port=args.proxy_port,
-                     side_channel_port=args.side_channel_port, block_size=args.block_size,
-                     dtype=args.dtype, log_dir=Path(args.log_dir))
+    try:
+        pair = LocalPair(model=args.model, host=args.host, prefill_port=args.prefill_port,
+                         decode_port=args.decode_port, proxy_port=args.proxy_port,
+                         side_channel_port=args.side_channel_port, aggregated_port=args.aggregated_port,
+                         block_size=args.block_size, dtype=args.dtype, max_model_len=args.max_model_len,
+                         log_dir=Path(args.log_dir), extra_config=parse_extra_config(args.kv_connector_extra_config),
+                         decode_extra_config=parse_extra_config(args.decode_extra_config, "--decode-extra-config"),
+                         engine_args=parse_extra_args(args.extra_vllm_args),
+                         proxy_args=parse_extra_args(args.proxy_args, "--proxy-args"),
+                         otlp_traces_endpoint=args.otlp_traces_endpoint)
+    except LaunchError as exc:
+        print(f"p2pkv launch: {exc}", file=sys.stderr)
+        return 2
     for spec in pair.engine_specs():
         print(f"[{spec.name}] {' '.join(spec.command())}")
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt))

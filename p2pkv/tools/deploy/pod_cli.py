@@ -59,10 +59,14 @@ def _int_env(environ: dict[str, str], name: str) -> int | None:
         raise LaunchError(f"{name}={raw}: not an integer port") from exc
 
 
-def _extra_config(text: str) -> dict[str, object]:
+def parse_extra_config(text: str, flag: str = "--kv-connector-extra-config") -> dict[str, object]:
+    """``flag``'s JSON object of p2pkv settings, checked as the engine will check it.
+
+    Raises:
+        LaunchError: not JSON, not an object, a side-channel key (it has its own flag), or a bad setting.
+    """
     from p2pkv.config import ConfigError, load_config
 
-    flag = "--kv-connector-extra-config"
     try:
         extra = json.loads(text or "{}")
     except json.JSONDecodeError as exc:
@@ -79,15 +83,20 @@ def _extra_config(text: str) -> dict[str, object]:
     return extra
 
 
-def _extra_args(text: str) -> tuple[str, ...]:
+def parse_extra_args(text: str, flag: str = "--extra-vllm-args") -> tuple[str, ...]:
+    """``flag``'s more command-line flags, shell-split (``--extra-vllm-args``: ``vllm serve`` flags).
+
+    Raises:
+        LaunchError: the text does not split, or (``--extra-vllm-args``) names a flag the launcher sets itself.
+    """
     try:
         args = tuple(shlex.split(text))
     except ValueError as exc:
-        raise LaunchError(f"--extra-vllm-args: cannot split {text!r} ({exc}); check the quotes") from exc
-    for arg in args:
+        raise LaunchError(f"{flag}: cannot split {text!r} ({exc}); check the quotes") from exc
+    for arg in args if flag == "--extra-vllm-args" else ():
         own = _OWN_FLAGS.get(arg.split("=", 1)[0])
         if own is not None:
-            raise LaunchError(f"--extra-vllm-args: {arg.split('=', 1)[0]} is set by the launcher; use {own}")
+            raise LaunchError(f"{flag}: {arg.split('=', 1)[0]} is set by the launcher; use {own}")
     return args
 
 
@@ -106,8 +115,8 @@ def options_from_args(args: argparse.Namespace) -> PodOptions:
     opts = PodOptions(role=role, model=model, host=args.host, port=DEFAULT_PORTS[role],
                       tensor_parallel_size=args.tensor_parallel_size, gpu_ids=args.gpu_ids,
                       block_size=args.block_size, dtype=args.dtype, max_model_len=args.max_model_len,
-                      extra_config=_extra_config(args.kv_connector_extra_config),
-                      extra_args=_extra_args(args.extra_vllm_args), proxy_url=args.proxy_url,
+                      extra_config=parse_extra_config(args.kv_connector_extra_config),
+                      extra_args=parse_extra_args(args.extra_vllm_args), proxy_url=args.proxy_url,
                       log_dir=Path(args.log_dir))
     if args.secret_file:
         opts.extra_config["secret_file"] = str(Path(args.secret_file).resolve())
