@@ -2,12 +2,21 @@
 
 Every request names its time (``sent_at``) and carries a random nonce
 (:class:`handshake.messages.Request`). A server accepts a request only when
-``sent_at`` lies within ``window_s`` of its own clock and the nonce was not
-seen within the window. Nonces are remembered until they leave the window,
-at most ``capacity`` of them: when full, the oldest is forgotten and the
-window's lower edge moves up to its time, so a request as old as a forgotten
-nonce is refused as stale — memory stays bounded and a replay is never let
-through (the price under a flood is a shorter effective window).
+``sent_at`` lies at most ``window_s`` in the past and at most
+``future_skew_s`` in the future of its own clock, and the nonce was not seen
+within the window. Nonces are remembered until they leave the window, at
+most ``capacity`` of them: when full, the oldest is forgotten and the
+window's lower edge (the floor) moves up to its time, so a request as old as
+a forgotten nonce is refused as stale — memory stays bounded (the price
+under a flood is a shorter effective window).
+
+The floor never moves past the server's clock: a flood of requests dated in
+the future (a peer whose clock runs fast, or one holding the secret) cannot
+make honest requests sent after it stale. Such requests are refused beyond
+``future_skew_s``, and a forgotten nonce whose request was dated after the
+clock at the time it was forgotten (at most ``future_skew_s`` ahead) could
+be accepted again until that time passes — only by a sender that fills the
+whole cache within the skew, which needs the secret (docs/security.md).
 
 The scheme is the usual timestamp-plus-nonce cache of replay protection
 (e.g. Kerberos' replay cache, RFC 4120 §3.2.3).
@@ -22,11 +31,14 @@ from collections.abc import Callable
 
 from handshake.errors import ReplayedRequestError, StaleRequestError
 
-__all__ = ["DEFAULT_CAPACITY", "DEFAULT_WINDOW_S", "ReplayGuard"]
+__all__ = ["DEFAULT_CAPACITY", "DEFAULT_FUTURE_SKEW_S", "DEFAULT_WINDOW_S", "ReplayGuard"]
 
 DEFAULT_WINDOW_S = 30.0
 """How far (seconds) a request's ``sent_at`` may lie from the server's clock: the clocks of the engines and
 the proxy must agree to well within this (NTP keeps them within milliseconds)."""
+
+DEFAULT_FUTURE_SKEW_S = 5.0
+"""How far (seconds) a request's ``sent_at`` may lie ahead of the server's clock."""
 
 DEFAULT_CAPACITY = 1 << 17
 """Nonces remembered at most (about 100 bytes each: ~13 MiB), i.e. 4,000 requests a second over 30 s."""
@@ -38,26 +50,31 @@ class ReplayGuard:
     Thread-safe.
 
     Args:
-        window_s: accepted distance (seconds) between a request's ``sent_at``
-            and ``clock()``, both ways.
+        window_s: how far (seconds) a request's ``sent_at`` may lie before ``clock()``.
         capacity: most nonces remembered (>= 1).
         clock: seconds since the Unix epoch (injectable for tests).
+        future_skew_s: how far (seconds) a request's ``sent_at`` may lie after ``clock()``
+            (0 <= future_skew_s <= window_s).
 
     Raises:
-        ValueError: ``window_s`` <= 0 or ``capacity`` < 1.
+        ValueError: ``window_s`` <= 0, ``capacity`` < 1, or ``future_skew_s`` outside ``[0, window_s]``.
     """
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S, capacity: int = DEFAULT_CAPACITY,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, future_skew_s: float = DEFAULT_FUTURE_SKEW_S) -> None:
         if window_s <= 0 or capacity < 1:
             raise ValueError(f"window_s must be > 0 s and capacity >= 1, got {window_s} and {capacity}")
+        if not 0 <= future_skew_s <= window_s:
+            raise ValueError(f"future_skew_s must be in [0, window_s={window_s:g}] s, got {future_skew_s}")
         self.window_s = window_s
+        self.future_skew_s = future_skew_s
         self.capacity = capacity
         self._clock = clock
         self._lock = threading.Lock()
         self._seen: set[bytes] = set()
         self._by_time: list[tuple[float, bytes]] = []  # min-heap of (sent_at, nonce)
-        self._floor = float("-inf")  # requests sent at or before this are refused (a nonce of then was forgotten)
+        self._floor = float("-inf")  # requests sent at or before this are refused (a nonce of then was forgotten);
+        # never above the clock at the time it was raised
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -75,11 +92,12 @@ class ReplayGuard:
             ReplayedRequestError: the nonce was seen within the window; field ``nonce``.
         """
         now = self._clock()
-        if not abs(now - sent_at) <= self.window_s:  # also refuses NaN
+        if not now - self.window_s <= sent_at <= now + self.future_skew_s:  # also refuses NaN
+            fast = "; the sender's clock runs ahead of this server's" if sent_at > now else ""
             raise StaleRequestError(
-                f"request sent_at is {now - sent_at:+.1f} s from this server's clock, outside the "
-                f"{self.window_s:g} s freshness window; synchronise the engines' clocks (NTP) or resend",
-                field="sent_at")
+                f"request sent_at is {sent_at - now:+.1f} s from this server's clock, outside the freshness "
+                f"window ({self.window_s:g} s back, {self.future_skew_s:g} s ahead){fast}; synchronise the "
+                "engines' clocks (NTP) or resend", field="sent_at")
         with self._lock:
             self._expire(now)
             if sent_at <= self._floor:
@@ -94,7 +112,7 @@ class ReplayGuard:
             while len(self._seen) > self.capacity:
                 t, old = heapq.heappop(self._by_time)
                 self._seen.discard(old)
-                self._floor = max(self._floor, t)
+                self._floor = max(self._floor, min(t, now))
 
     def _expire(self, now: float) -> None:
         """Forget nonces whose requests are out of the window anyway."""

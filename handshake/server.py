@@ -35,7 +35,7 @@ from handshake.messages import (
     ReleaseHolds,
     Request,
 )
-from handshake.replay import DEFAULT_WINDOW_S, ReplayGuard
+from handshake.replay import DEFAULT_FUTURE_SKEW_S, DEFAULT_WINDOW_S, ReplayGuard
 
 __all__ = ["HandshakeServer"]
 
@@ -91,9 +91,11 @@ class HandshakeServer:
             returns its ``(status, message)`` (:data:`handshake.messages.PushStatus`).
             A server without it refuses push requests. It must be quick
             (queue the WRITE, never post it there) and thread-safe.
-        freshness_s: a request's ``sent_at`` must lie within this many
-            seconds of the server's clock, and its nonce is refused if seen
+        freshness_s: a request's ``sent_at`` may lie at most this many
+            seconds before the server's clock, and its nonce is refused if seen
             within it (:class:`handshake.replay.ReplayGuard`).
+        future_skew_s: a request's ``sent_at`` may lie at most this many
+            seconds after the server's clock.
 
     With a ``secret`` the socket speaks CURVE (keys derived from the secret,
     :class:`handshake._net.CurveKeys`): a client without the secret cannot
@@ -117,6 +119,7 @@ class HandshakeServer:
         on_release: OnRelease | None = None,
         freshness_s: float = DEFAULT_WINDOW_S,
         on_push: OnPush | None = None,
+        future_skew_s: float = DEFAULT_FUTURE_SKEW_S,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
@@ -135,7 +138,7 @@ class HandshakeServer:
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._replay = ReplayGuard(freshness_s)
+        self._replay = ReplayGuard(freshness_s, future_skew_s=future_skew_s)
         self._auth: ThreadAuthenticator | None = None
         self.stats: dict[str, int] = {"served": 0, "refused": 0}
         self._holds = HoldAnswers(on_heartbeat, on_release, self.stats)

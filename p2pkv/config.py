@@ -61,6 +61,9 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             be below ``lease_s``.
         handshake_timeout_s: seconds one side-channel request may take.
         handshake_retries: side-channel attempts before a pull is failed.
+        max_clock_skew_s: how far (seconds) a side-channel request's ``sent_at``
+            may lie ahead of this engine's clock before it is refused as stale
+            (a peer's clock running fast); requests up to 30 s old are accepted.
         transfer_timeout_s: seconds a NIXL READ may stay in flight before
             its blocks are reported as load errors.
         secret: shared secret: every side-channel message is HMAC-SHA256
@@ -159,6 +162,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float | None = None
     handshake_timeout_s: float = 5.0
     handshake_retries: int = 3
+    max_clock_skew_s: float = 5.0
     transfer_timeout_s: float = 60.0
     secret: str = ""
     secret_file: str = ""
@@ -241,6 +245,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.max_clock_skew_s <= 30:
+            raise ConfigError(f"max_clock_skew_s must be 0 .. 30 seconds, got {self.max_clock_skew_s}")
         if self.heartbeat_interval_s is not None and not 0 <= self.heartbeat_interval_s < self.lease_s:
             raise ConfigError(
                 f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 and below "

@@ -204,7 +204,7 @@ def test_replay_guard_refuses_a_nonce_seen_within_the_window() -> None:
         guard.check(b"a" * 16, 1000.0)
     assert info.value.field == "nonce"
     with pytest.raises(ReplayedRequestError):  # a replay with another sent_at (unsigned time) is no better
-        guard.check(b"a" * 16, 1010.0)
+        guard.check(b"a" * 16, 1004.0)
     for sent_at in (969.9, 1030.1, float("nan"), float("inf")):
         with pytest.raises(StaleRequestError):
             guard.check(b"b" * 16, sent_at)
@@ -217,6 +217,7 @@ def test_replay_guard_refuses_a_nonce_seen_within_the_window() -> None:
 def test_replay_guard_memory_is_bounded_and_eviction_raises_the_floor() -> None:
     clock = Clock()
     guard = ReplayGuard(window_s=30.0, capacity=4, clock=clock)
+    clock.now = 1010.0  # every request below is dated in the past
     nonces = [bytes([i]) * 16 for i in range(10)]
     for i, nonce in enumerate(nonces):
         guard.check(nonce, 1000.0 + i)
