@@ -29,16 +29,23 @@ import torch
 from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import RemotePrefill
 from p2pkv.prefill.holds import HoldEnd
+from p2pkv.prefill.pusher import Pusher
 from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests.faults import FaultyNixlAgent
 from tests.workers import free_port, make_worker, model_info
 
-__all__ = ["ENGINE", "LAYOUT", "DecodeSide", "PrefillProc", "free_port", "notify_task", "pull_task"]
+__all__ = ["ENGINE", "LAYOUT", "DecodeSide", "PrefillProc", "free_port", "notify_task", "pull_task", "writes_left"]
 
 ENGINE = "prefill-engine"
 LAYOUT = "BLHNC"  # one contiguous run of bytes per block: cheap exact comparisons
 MAX_LIFE_S = 170.0  # a prefill process never outlives this, whatever the test does
+
+
+def writes_left(pusher: Pusher) -> int:
+    """WRITEs a prefill rank's pusher has queued or in flight."""
+    with pusher._lock:
+        return sum(map(len, pusher._queued.values())) + sum(map(len, pusher._in_flight.values()))
 
 
 def shape(num_blocks: int) -> dict[str, int]:
@@ -171,7 +178,7 @@ class _Control:
         """The pusher's counters and queue, and the holds' leases, pins and deferred endings."""
         pusher, holds = self.worker.pusher, self.worker.holds
         assert pusher is not None
-        return {"counters": dataclasses.asdict(pusher.counters), "pending": pusher.pending(),
+        return {"counters": dataclasses.asdict(pusher.counters), "pending": writes_left(pusher),
                 "held": sorted(holds.leases._deadline), "pins": dict(holds._pins), "deferred": sorted(holds._deferred)}
 
 

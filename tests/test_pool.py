@@ -30,20 +30,32 @@ def _eventually(check, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyp
     return True
 
 
+def _threads(pool: FairPool) -> int:
+    """Threads alive in ``pool``."""
+    with pool._cv:
+        return len(pool._threads)
+
+
+def _keys(pool: FairPool) -> set[str]:
+    """Keys of ``pool`` with calls waiting or running (a key with none is forgotten)."""
+    with pool._cv:
+        return set(pool._keys)
+
+
 def test_one_slow_key_holds_at_most_per_key_threads_and_never_delays_another_key() -> None:
     pool = FairPool("p2pkv-test-pool", max_threads=4, per_key=2)
     release, running = threading.Event(), []
     try:
         slow = [pool.submit("unreachable", f"slow-{i}", _blocker(release, running, f"slow-{i}")) for i in range(50)]
         time.sleep(0.2)
-        assert running == ["slow-0", "slow-1"] and pool.threads == 2
+        assert running == ["slow-0", "slow-1"] and _threads(pool) == 2
         t0 = time.monotonic()
         assert pool.submit("good", "good", lambda: "answer").result(timeout=2) == "answer"
         assert time.monotonic() - t0 < 0.5
-        assert pool.threads <= 4
+        assert _threads(pool) <= 4
         release.set()
         assert [f.result(timeout=10) for f in slow] == [f"slow-{i}" for i in range(50)]
-        assert pool.threads <= 4 and pool.keys() == set()
+        assert _threads(pool) <= 4 and _keys(pool) == set()
     finally:
         release.set()
         pool.close()
@@ -105,7 +117,7 @@ def test_background_calls_get_cancel_lanes_run_in_order_and_close_ends_them() ->
     hung = [bg.call(f"p2pkv-handshake-{i}", waits, key="127.0.0.2") for i in range(3)]
     lane = [bg.call("p2pkv-fence-x", lane_call, i, lane="x:1") for i in range(20)]
     assert [f.result(timeout=5) for f in lane] == list(range(20)) == seen
-    assert bg.threads <= 3 and bg.lanes == set()
+    assert _threads(bg._calls) + _threads(bg._lanes) <= 3 and _keys(bg._lanes) == set()
     time.sleep(0.1)
     names = {t.name for t in threading.enumerate()}
     assert "p2pkv-handshake-0" in names and "p2pkv-handshake-1" not in names  # per_key=1: one at a time

@@ -288,7 +288,7 @@ def test_sixteen_spellings_of_one_address_make_one_peer(prefill: PrefillProc, mo
         expect_bytes(decode, prefill, list(p.local_block_ids), list(p.remote_block_ids))
     puller = decode.worker.puller
     assert list(puller.peers.peers) == [PeerId(ENGINE, "127.0.0.1", prefill.port, 0)]
-    assert puller.fence.links <= {("127.0.0.1", prefill.port)}
+    assert set(puller.fence._links) <= {("127.0.0.1", prefill.port)}
 
 
 # ---- 5. peers capped and idle ones dropped -------------------------------------------------------------
@@ -318,9 +318,9 @@ def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(pre
         assert d.pump({rid}, BOUND_S) == set() and d.take_errors() == set()
         expect_bytes(d, prefill, [3, 4], [5, 6])
         assert list(puller.peers.peers) == [PeerId(ENGINE, "localhost", prefill.port, 0)]
-        assert ("127.0.0.1", prefill.port) not in puller.fence.links
+        assert ("127.0.0.1", prefill.port) not in puller.fence._links
         assert _eventually(lambda: link._sock.closed), "the dropped peer's fence connection stayed open"
-        assert _eventually(lambda: f"127.0.0.1:{prefill.port}" not in puller.background.lanes)
+        assert _eventually(lambda: f"127.0.0.1:{prefill.port}" not in puller.background._lanes._keys)
         # A READ stuck in flight on "localhost": no peer can be dropped for another spelling.
         inject(d.worker, "check_xfer_state", 1, "proc", times=None)
         (stuck, stuck_p), (refused, refused_p) = new_ids(), new_ids()
@@ -342,7 +342,7 @@ def test_idle_peers_are_dropped_with_their_link(prefill: PrefillProc, caplog: py
         good_pull(d, prefill, [1], [2])
         link = puller.fence._links[("127.0.0.1", prefill.port)]
         assert _eventually(lambda: not d.step() and not puller.peers.peers, 5.0), "the idle peer was kept"
-        assert _eventually(lambda: link._sock.closed) and puller.fence.links == set()
+        assert _eventually(lambda: link._sock.closed) and puller.fence._links == {}
         assert "unused for more than peer_idle_s=0.5 s" in caplog.text
         good_pull(d, prefill, [3], [4])  # handshakes again
     finally:
@@ -366,7 +366,8 @@ def test_tp_size_512_at_an_unreachable_host_never_runs_more_threads_than_the_cap
             time.sleep(0.005)
         assert "d-512" in d.finished and d.take_errors() == {1, 2}
         assert most - before <= CALL_THREADS + LANE_THREADS, f"{most - before} threads for one request"
-        assert d.worker.puller.background.threads <= CALL_THREADS + LANE_THREADS
+        bg = d.worker.puller.background
+        assert len(bg._calls._threads) + len(bg._lanes._threads) <= CALL_THREADS + LANE_THREADS
         assert d.worker.puller.peers.handshakes == {}  # the ones nobody waited for were never started
     finally:
         t0 = time.monotonic()

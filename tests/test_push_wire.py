@@ -42,6 +42,7 @@ from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.tools.doctor import loopback_info
+from tests.p2p_harness import writes_left
 
 HOST = "127.0.0.1"
 KEY = b"push-wire-test-secret"
@@ -267,7 +268,7 @@ def blocks_equal(pair: Pair, local: list[int], remote: list[int]) -> bool:
 
 def nothing_queued(pf: Prefill, pair: Pair) -> None:
     """Refused: no pin, nothing pending, no byte written, no notification (waited for briefly)."""
-    assert pf.holds._pins == {} and pf.pusher.pending() == 0
+    assert pf.holds._pins == {} and writes_left(pf.pusher) == 0
     assert pf.pusher.counters.accepted == 0
     time.sleep(0.05)
     assert pair.decode.take_notifs(PUSH_PREFIX) == []
@@ -286,7 +287,7 @@ def test_an_accepted_push_writes_exactly_the_rows_then_notifies_and_unpins(prefi
     end = time.monotonic() + 5
     while prefill.holds._pins and time.monotonic() < end:
         time.sleep(0.002)
-    assert prefill.holds._pins == {} and prefill.pusher.pending() == 0
+    assert prefill.holds._pins == {} and writes_left(prefill.pusher) == 0
     assert (prefill.pusher.counters.written, prefill.pusher.counters.failed) == (1, 0)
 
 
@@ -356,7 +357,7 @@ def test_a_full_queue_answers_busy_and_pins_only_what_it_queued(prefill: Prefill
         second = ask(prefill, pair, "b", [2], descs(pair.layout, [2]), descs(pair.decode_layout, [2]),
                      push_id=bytes(16))
         assert (first.status, second.status) == ("accepted", "busy") and "already wait" in second.message
-        assert holds._pins == {"a": 1} and pusher.pending() == 1
+        assert holds._pins == {"a": 1} and writes_left(pusher) == 1
     finally:
         del pusher._post_in_turn
     pusher._wake.set()
@@ -365,7 +366,7 @@ def test_a_full_queue_answers_busy_and_pins_only_what_it_queued(prefill: Prefill
     end = time.monotonic() + 5
     while holds._pins and time.monotonic() < end:
         time.sleep(0.002)
-    assert holds._pins == {} and pusher.pending() == 0
+    assert holds._pins == {} and writes_left(pusher) == 0
 
 
 def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(prefill: Prefill, pair: Pair) -> None:

@@ -116,16 +116,6 @@ class KVLayout:
         """True when one segment covers all layers (one descriptor per block)."""
         return len(self.segments) == 1 and self.segments[0].num_layers == self.num_layers
 
-    def block_ranges(self, block_id: int) -> list[tuple[int, int]]:
-        """``(addr, length)`` byte ranges of one block, one per segment.
-
-        Raises:
-            LayoutError: ``block_id`` is outside ``[0, num_blocks)``.
-        """
-        if not 0 <= block_id < self.num_blocks:
-            raise LayoutError(f"block id {block_id} outside [0, {self.num_blocks})")
-        return [(s.addr + block_id * s.block_stride, s.length) for s in self.segments]
-
 
 def _page_bytes(info: TensorInfo, block_dim: int) -> int:
     """Bytes of one block's page: the dims after ``block_dim`` must be dense."""

@@ -397,14 +397,6 @@ class TransportWatch:
             warn_vram_over_tcp(report)
         return report
 
-    def before_read(self, peer: str) -> None:
-        """:meth:`before_xfer` for a READ."""
-        self.before_xfer(peer, "READ")
-
-    def after_read(self, peer: str, mem_type: str) -> TransportReport | None:
-        """:meth:`after_xfer` for a READ."""
-        return self.after_xfer(peer, mem_type, "READ")
-
     def _relevant(self, selections: list[Selection], peer: str, mem_type: str, op: XferOp) -> list[Selection]:
         """The selections of ``op`` for this memory type, without UCX's own-worker (``self``) endpoint
         unless ``peer`` is this agent (UCX selects a ``put`` on it when NIXL connects)."""

@@ -65,7 +65,7 @@ class Background:
         Returns:
             A Future holding the result, or the exception ``fn`` raised, or
             :class:`p2pkv.decode.pool.PoolFull` (too many calls queued, or closed);
-            cancelled when :meth:`close` or :meth:`close_lane` came first.
+            cancelled when :meth:`close` came first.
         """
         def run() -> Any:
             return fn(*args, cancel=self.stop, **kwargs)
@@ -81,20 +81,6 @@ class Background:
             self._on_done()  # type: ignore[misc]
         except Exception:
             logger.exception("p2pkv: a side-channel call's completion hook failed")
-
-    def close_lane(self, lane: str) -> int:
-        """Cancel ``lane``'s calls not yet started; how many (the running one ends by itself)."""
-        return self._lanes.cancel(lane)
-
-    @property
-    def lanes(self) -> set[str]:
-        """Lanes with calls waiting or running."""
-        return self._lanes.keys()
-
-    @property
-    def threads(self) -> int:
-        """Threads alive in both pools."""
-        return self._calls.threads + self._lanes.threads
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Cancel every call and wait for the threads (at most ``timeout_s`` seconds in all). Idempotent."""

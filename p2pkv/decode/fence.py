@@ -120,11 +120,6 @@ class Fence:
         if done.done() and not done.cancelled() and done.exception() is not None:  # refused: close it here
             link.close()
 
-    @property
-    def links(self) -> set[tuple[str, int]]:
-        """``(host, port)`` of the open connections."""
-        return set(self._links)
-
     def close(self) -> None:
         """Close the connections to the prefill ranks (after the calls on them ended). Idempotent."""
         for link in self._links.values():

@@ -112,29 +112,6 @@ class FairPool:
                 thread.start()
         return future
 
-    def cancel(self, key: str) -> int:
-        """Cancel ``key``'s calls not yet started (their Futures are cancelled); how many."""
-        with self._cv:
-            k = self._keys.get(key)
-            if k is None:
-                return 0
-            n = 0
-            while k.queue:
-                n += k.queue.popleft().future.cancel()
-            self._forget_if_empty(key, k)
-            return n
-
-    def keys(self) -> set[str]:
-        """Keys with calls waiting or running."""
-        with self._cv:
-            return set(self._keys)
-
-    @property
-    def threads(self) -> int:
-        """Threads now alive in the pool."""
-        with self._cv:
-            return len(self._threads)
-
     def close(self, timeout_s: float = 2.0) -> None:
         """Cancel every call not yet started and wait (``timeout_s`` seconds in all) for the threads. Idempotent.
 

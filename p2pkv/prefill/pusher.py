@@ -256,11 +256,6 @@ class Pusher:
         except Exception as exc:
             logger.debug("p2pkv: push_failed notification to %s not sent: %s", job.agent_name, exc)
 
-    def pending(self) -> int:
-        """WRITEs queued or in flight."""
-        with self._lock:
-            return sum(map(len, self._queued.values())) + sum(map(len, self._in_flight.values()))
-
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the thread; queued WRITEs are dropped, WRITEs in flight cancelled (best effort). Idempotent."""
         self._stop.set()

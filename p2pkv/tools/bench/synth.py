@@ -86,11 +86,6 @@ class KVShape:
         """Bytes of one block over all layers (one cross-layer descriptor)."""
         return self.page_bytes * self.num_layers
 
-    @property
-    def token_bytes(self) -> int:
-        """KV bytes of one token over all layers."""
-        return self.block_bytes // self.block_size
-
     def blocks_for(self, tokens: int) -> int:
         """Blocks that hold ``tokens`` tokens."""
         return math.ceil(tokens / self.block_size)
