@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ PREFIX = b"p2pkv:done:"
 PUSH_PREFIX = b"p2pkv:push"
 """What both "pushed" and "push_failed" notifications start with."""
 _PUSHED, _PUSH_FAILED = b"p2pkv:pushed:", b"p2pkv:push_failed:"
+_COUNT = re.compile(r"[0-9]{1,9}")
+"""A "done" notification's count of notifiers, as :func:`encode_done` writes it."""
 
 
 @dataclass(frozen=True)
@@ -67,11 +70,14 @@ def encode_done(note: DoneNotification, secret: bytes | None = None) -> bytes:
 
 
 def parse_done(msg: bytes, secret: bytes | None = None) -> DoneNotification | None:
-    """Parse a notification; None when it is not a p2pkv "done" message, or (with ``secret``)
-    its MAC is missing or wrong.
+    """Parse a "done" notification: exactly what :func:`encode_done` makes.
 
-    A body without ``|`` names only the request (one notifier); a count that
-    does not parse counts as 1; without a digest, ``blocks`` is ``""``.
+    Returns:
+        The notification; None when ``msg`` is not a p2pkv "done" message,
+        (with ``secret``) its MAC is missing or wrong, or its body is not
+        ``<request_id>|<reader>:<notifiers>|<digest>`` with ``notifiers`` a
+        decimal count of at least 1 (the request id may hold ``|``; the
+        reader and digest hold none).
     """
     if not msg.startswith(PREFIX):
         return None
@@ -81,20 +87,12 @@ def parse_done(msg: bytes, secret: bytes | None = None) -> DoneNotification | No
             return None
         msg = data
     body = msg[len(PREFIX):].decode(errors="replace")
-    request_id, sep, tail = body.rpartition("|")  # from the right: a request id may hold "|"
-    if not sep:
-        return DoneNotification(body)
-    blocks = ""
-    if ":" not in tail:  # ...|<reader>:<notifiers>|<digest>: a hex digest has no ":", a reader always has
-        blocks, (request_id, sep, tail) = tail, request_id.rpartition("|")
-        if not sep:
-            return DoneNotification(request_id, "", 1, blocks)
-    reader, _, count = tail.rpartition(":")
-    try:
-        notifiers = max(1, int(count))
-    except ValueError:
-        reader, notifiers = tail, 1
-    return DoneNotification(request_id, reader, notifiers, blocks)
+    rest, sep, blocks = body.rpartition("|")  # from the right: a request id may hold "|"
+    request_id, sep2, tail = rest.rpartition("|")
+    reader, sep3, count = tail.rpartition(":")
+    if not (sep and sep2 and sep3 and _COUNT.fullmatch(count)) or int(count) < 1:
+        return None
+    return DoneNotification(request_id, reader, int(count), blocks)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from types import SimpleNamespace
 
 import pytest
@@ -24,8 +26,26 @@ def test_notification_round_trip_and_mac() -> None:
     tampered = signed.replace(blocks_digest([4, 5, 6]).encode(), blocks_digest([4, 5, 7]).encode())
     assert tampered != signed and parse_done(tampered, KEY) is None, "a tampered block digest must not count"
     assert parse_done(b"something else", KEY) is None
-    assert parse_done(b"p2pkv:done:legacy") == DoneNotification("legacy")
-    assert parse_done(b"p2pkv:done:r|decode:1:2") == DoneNotification("r", "decode:1", 2)  # without a digest
+
+
+@pytest.mark.parametrize("body", [
+    b"legacy",  # no "|": only a request id
+    b"r|decode:1:2",  # no digest
+    b"r|decode:1:two|" + blocks_digest([1]).encode(),  # a count that does not parse
+    b"r|decode:1:0|" + blocks_digest([1]).encode(),  # no notifier
+    b"r|decode:1:-1|" + blocks_digest([1]).encode(),
+    b"r|decode:1: 2|" + blocks_digest([1]).encode(),
+    b"r|decode|" + blocks_digest([1]).encode(),  # no count
+    b"r:2|" + blocks_digest([1]).encode(),  # no reader
+    b"",
+])
+def test_only_what_the_encoder_makes_is_a_done_notification(body: bytes) -> None:
+    """Formats nothing sends free nothing: a body without "|", without a digest, or whose count does not
+    parse as a count of notifiers (>= 1). Before: read as one notifier, or with no digest."""
+    assert parse_done(b"p2pkv:done:" + body) is None
+    signed = b"p2pkv:done:" + body
+    signed += b"#" + hmac.new(KEY, signed, hashlib.sha256).hexdigest().encode()
+    assert parse_done(signed, KEY) is None, "signed, and still not what the encoder makes"
 
 
 @pytest.mark.parametrize("blocks", [blocks_digest([4, 5, 6]), ""], ids=["digest", "no_digest"])
