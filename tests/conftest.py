@@ -16,6 +16,11 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that start engines run in one pytest-xdist worker (``--dist loadgroup``: they share the session's
+    engines); GPU tests are skipped without a CUDA device."""
+    for item in items:
+        if "engines" in item.keywords:
+            item.add_marker(pytest.mark.xdist_group("engines"))
     try:
         import torch
 
@@ -42,6 +47,19 @@ _HANDED_OUT: collections.deque[int] = collections.deque(maxlen=100)
 """The last base ports :func:`free_ports` handed out in this test process (older ones are bound or given up)."""
 
 
+def port_range() -> tuple[int, int]:
+    """``[low, high)``: this test process's share of the ports 20000-31999 (below the kernel's ephemeral range).
+
+    Under pytest-xdist each worker (``PYTEST_XDIST_WORKER`` ``gw<i>`` of ``PYTEST_XDIST_WORKER_COUNT``) gets
+    its own slice, so two workers never hand out the same port before either has bound it.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    span = (32000 - 20000) // count // 8 * 8
+    return 20000 + index * span, 20000 + (index + 1) * span
+
+
 def free_ports(n: int, run: int = 2) -> list[int]:
     """``n`` distinct TCP ports free on 127.0.0.1 right now, each followed by ``run - 1`` free ports.
 
@@ -58,9 +76,10 @@ def free_ports(n: int, run: int = 2) -> list[int]:
     start and share its connections.
     """
     rng = random.Random()
+    low, high = port_range()
     chosen: list[int] = []
     while len(chosen) < n:
-        base = rng.randrange(20000, 32000, 8)
+        base = rng.randrange(low, high, 8)
         if any(abs(base + shift - c) < 8 for c in _HANDED_OUT for shift in (-100, 0, 100)):
             continue
         try:
@@ -98,17 +117,12 @@ class Launched:
         stats: the decode engine's pull stats file (JSONL).
         proc: the launcher process.
         lines: what the launcher printed so far (stdout and stderr).
-        more: engines started beside the pair for the heterogeneous rows (``tests/test_e2e_hetero.py``),
-            name → URL: ``d64`` (TP 1, 64-token blocks) and ``t2`` (TP 2, 32-token blocks); the pair's prefill
-            engine is the third (TP 1, 32-token blocks). Each writes its pull stats to ``<log dir>/<name>.jsonl``
-            (the pair's prefill engine to ``prefill.jsonl``).
     """
 
     pair: Any
     stats: Path
     proc: Any
     lines: list[str]
-    more: dict[str, str]
 
 
 @pytest.fixture(scope="session")
@@ -116,8 +130,9 @@ def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -
     """One P/D pair behind the proxy plus an aggregated engine, started by ``p2pkv launch local`` (so the
     launcher runs as users run it) and shared by the engine tests; its spans go to :func:`otlp`.
 
-    The decode engine gives up a handshake (and a fence question) after 3 s. At the end of the session the
-    launcher gets SIGTERM and must stop everything and exit 0 (a teardown error otherwise).
+    The decode engine gives up a handshake (and a fence question) after 3 s; the prefill engine writes its own
+    pull stats (when it decodes for ``tests/test_e2e_hetero.py``) to ``prefill.jsonl`` beside. At the end of
+    the session the launcher gets SIGTERM and must stop everything and exit 0 (a teardown error otherwise).
     """
     import json
     import signal
@@ -127,7 +142,6 @@ def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -
     import time
 
     from p2pkv.tools.deploy.local import LocalPair
-    from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 
     logs = tmp_path_factory.mktemp("logs")
     proxy, prefill, decode, agg, side = free_ports(5)
@@ -147,38 +161,22 @@ def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -
                             env={**os.environ, "P2PKV_SECRET": pair.secret})
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
-    more = _more_engines(tiny_model, logs, pair.secret)  # start while the pair starts
     try:
         deadline = time.monotonic() + 900
         while not any(x.startswith("ready:") for x in lines):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
             time.sleep(0.5)
-        wait_healthy(list(more.values()), 900)
-        yield Launched(pair, stats, proc, lines, {name: child.health_url[:-len("/health")]
-                                                  for name, child in more.items()})
+        yield Launched(pair, stats, proc, lines)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, "p2pkv launch local did not stop cleanly:\n" + "".join(lines[-40:])
     finally:
-        stop_children(list(more.values()))
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-def _more_engines(model: Path, logs: Path, secret: str) -> dict[str, Any]:
-    """Start ``d64`` and ``t2`` (see :class:`Launched`); name → their :class:`~p2pkv.tools.deploy.processes.Child`."""
-    from p2pkv.tools.deploy.engines import EngineSpec, start_engine
-
-    d64, t2, d64_side, t2_side = free_ports(4)
-    more = {}
-    for name, port, side, block, tp in (("d64", d64, d64_side, 64, 1), ("t2", t2, t2_side, 32, 2)):
-        spec = EngineSpec(name=name, model=str(model), port=port, role="prefill", side_channel_port=side,
-                          side_channel_host="127.0.0.1", block_size=block, max_model_len=1024, tensor_parallel_size=tp,
-                          module_path="p2pkv.connector" if name == "t2" else "",
-                          extra_config={"stats_file": str(logs / f"{name}.jsonl"), "staging_mib": 16},
-                          env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": secret})
-        more[name] = start_engine(spec, logs)
-    return more
+        if proc.poll() is None:  # the launcher stops its engines on SIGTERM; SIGKILL would leave them running
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture(scope="session")

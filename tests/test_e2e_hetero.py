@@ -1,7 +1,7 @@
 """End to end with engines of different block sizes and TP sizes: real vLLM engines, p2pkv on all.
 
 Three engines run p2pkv in ``kv_both`` mode, so each can prefill for the
-others (the shared pair's prefill engine and two started beside it): TP 1
+others (the shared pair's prefill engine and two started here): TP 1
 with 32-token blocks, TP 1 with 64-token blocks (vLLM's CPU attention needs
 multiples of 32) and TP 2 with 32-token blocks. Rows:
 block 32 → 64 (prefill block smaller), block 64 → 32 (prefill block
@@ -26,7 +26,9 @@ from p2pkv.tools.demo import (
     read_pull_stats,
     wait_blocks_released,
 )
-from tests.conftest import MODES
+from p2pkv.tools.deploy.engines import EngineSpec, start_engine
+from p2pkv.tools.deploy.processes import stop_children, wait_healthy
+from tests.conftest import MODES, free_ports
 from tests.legs import prefill_then_decode
 
 pytestmark = pytest.mark.engines
@@ -41,12 +43,26 @@ PROMPTS = {
 
 
 @pytest.fixture(scope="module")
-def engines(launched):
-    """``({name: URL}, {name: pull stats file})``: ``e32`` is the shared pair's prefill engine, ``d64`` and ``t2``
-    were started beside the pair (``tests/conftest.py``)."""
-    logs = launched.pair.log_dir
-    urls = {"e32": launched.pair.url("prefill"), **launched.more}
-    return urls, {"e32": logs / "prefill.jsonl", **{name: logs / f"{name}.jsonl" for name in launched.more}}
+def engines(launched, tmp_path_factory):
+    """``({name: URL}, {name: pull stats file})``: ``e32`` is the shared pair's prefill engine; ``d64`` and ``t2``
+    start here."""
+    logs = tmp_path_factory.mktemp("hetero-logs")
+    d64, t2, d64_side, t2_side = free_ports(4)
+    specs = {}
+    for name, port, side, block, tp in (("d64", d64, d64_side, 64, 1), ("t2", t2, t2_side, 32, 2)):
+        specs[name] = EngineSpec(name=name, model=launched.pair.model, port=port, role="prefill",
+                                 side_channel_port=side, side_channel_host="127.0.0.1", block_size=block,
+                                 max_model_len=1024, tensor_parallel_size=tp,
+                                 module_path="p2pkv.connector" if name == "t2" else "",
+                                 extra_config={"stats_file": str(logs / f"{name}.jsonl"), "staging_mib": 16},
+                                 env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": launched.pair.secret})
+    children = [start_engine(s, logs) for s in specs.values()]
+    try:
+        wait_healthy(children, 900)
+        urls = {"e32": launched.pair.url("prefill"), **{n: f"http://127.0.0.1:{s.port}" for n, s in specs.items()}}
+        yield urls, {"e32": launched.pair.log_dir / "prefill.jsonl", **{n: logs / f"{n}.jsonl" for n in specs}}
+    finally:
+        stop_children(children)
 
 
 @pytest.mark.parametrize("row", list(PROMPTS))
