@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import deploy_support
 from tests.deploy_support import (
     ENGINE_PORTS,
     K8S,
@@ -24,6 +25,17 @@ from tests.deploy_support import (
     parse_p2pkv,
     require_launch_role,
 )
+
+
+def test_a_missing_launch_subcommand_fails_rather_than_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifests and compose file run ``p2pkv launch prefill|decode``: a subcommand gone missing must
+    fail the tests that parse them, naming it. Before: they were skipped, hiding the regression."""
+    monkeypatch.setattr(deploy_support, "launch_roles", lambda: {"prefill"})
+    require_launch_role("prefill")
+    with pytest.raises(BaseException) as info:  # a skip is caught too: it must fail the test
+        require_launch_role("decode")
+    assert info.type is pytest.fail.Exception, f"{info.type.__name__}: {info.value}"
+    assert "p2pkv launch decode" in str(info.value)
 
 
 def _k8s_docs() -> dict[tuple[str, str], dict[str, Any]]:
