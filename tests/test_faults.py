@@ -736,10 +736,11 @@ def test_push_persistent_release_fault_never_fails_a_pull(prefill: PrefillProc, 
 
 
 def test_push_write_fault_in_one_pull_of_a_batch(prefill: PrefillProc, push_decode: DecodeSide) -> None:
-    """The third of eight WRITEs fails: its pull drops the peer (others' pushes in flight on it) and retries.
-    Every pull finishes once with exact bytes or all its blocks as load errors, no other block is reported,
-    every hold ends once and nothing stays pinned. (Holds whose "done" the peer drop cost end by their lease:
-    ``test_a_sibling_write_failure_does_not_cost_a_finished_pull_its_done``.)"""
+    """The third of eight WRITEs fails: the prefill rank says so ("push_failed"), and that pull retries with
+    the peer kept (the other pulls' pushes in flight on it, their "done"s queued for it: see
+    ``test_a_sibling_write_failure_does_not_cost_a_finished_pull_its_done``). Every pull finishes once with
+    exact bytes or all its blocks as load errors, no other block is reported, every hold ends once and nothing
+    stays pinned."""
     d = push_decode
     prefill.inject(("transfer", 3, "err", 1))
     tasks, pairs = [], {}
@@ -766,7 +767,7 @@ def test_push_write_fault_in_one_pull_of_a_batch(prefill: PrefillProc, push_deco
     prids = {p for p, _, _ in pairs.values()}
     assert released(d, prefill, prids)
     prefill.drain(0.05)
-    assert all(prefill.times_released(p) == 1 for p in prids)  # by "done" or lease: see the xfail below
+    assert all(prefill.times_released(p) == 1 for p in prids)  # by its "done", or by its 3 s lease were one lost
 
 
 def test_a_sibling_write_failure_does_not_cost_a_finished_pull_its_done(prefill: PrefillProc,

@@ -1,12 +1,18 @@
 """Freeing the prefill holds of a pull that failed.
 
-A failed pull is never retried: vLLM recomputes the request's blocks on the
-decode engine (or fails the request). The prefill engine would otherwise keep
-the request's blocks until its lease ends (``lease_s``, 30 s by default) —
+A pull that has failed for good (a peer failure is retried once, after a
+fresh handshake; see :class:`p2pkv.decode.puller.Puller`) is not tried
+again: vLLM recomputes the request's blocks on the decode engine (or fails
+the request, per ``kv_load_failure_policy``). The prefill engine would
+otherwise keep the request's blocks until its lease ends (``lease_s``) —
 for a pull refused at handshake, every time. So the decode rank tells each
-prefill rank it answers for ("done" notifications) to free the request now,
-over the side channel (:func:`handshake.release_holds`), on a daemon thread.
-A prefill rank that cannot be reached keeps the lease as its fallback.
+prefill rank it answers for (those its "done" notifications go to) to free
+the request now, over the side channel (:func:`handshake.release_holds`),
+on the worker's bounded pool of side-channel calls
+(:class:`p2pkv.decode.background.Background`: at most
+:data:`~p2pkv.decode.background.CALLS_PER_HOST` at once per host; cancelled
+when the worker closes). A prefill rank that cannot be reached keeps the
+lease as its fallback.
 """
 
 from __future__ import annotations
