@@ -138,10 +138,29 @@ def _require(params: dict[str, Any], key: str, kind: type | tuple[type, ...]) ->
 def _text(params: dict[str, Any], key: str, pattern: re.Pattern[str] = ID_PATTERN) -> str:
     value = _require(params, key, str)
     if not pattern.fullmatch(value):
-        shown = value[:64].encode("ascii", "backslashreplace").decode()
-        raise KVTransferParamsError(f"kv_transfer_params.{key}={shown!r}{'...' if len(value) > 64 else ''} "
+        head = value[:SHOWN_CHARS].encode("ascii", "backslashreplace").decode()
+        raise KVTransferParamsError(f"kv_transfer_params.{key}={head!r}{'...' if len(value) > SHOWN_CHARS else ''} "
                                     f"({len(value)} characters) must match {pattern.pattern}")
     return value
+
+
+MAC_FORM = re.compile(r"[0-9]{1,12}\.[0-9a-f]{64}")
+"""``<expiry>.<MAC>`` of a capability: decimal seconds since the epoch, HMAC-SHA256 in lowercase hex."""
+
+SHOWN_CHARS = 64
+"""Characters of a refused value an error message (and so a log line) shows at most."""
+
+
+def shown(value: Any) -> str:
+    """``repr(value)`` cut to :data:`SHOWN_CHARS` characters, for error messages and logs: whoever sends the params
+    chooses every byte, so a refused value is never written whole (an int of millions of digits is described by
+    its size: its ``repr`` alone would cost seconds, or raise)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"<int of {value.bit_length()} bits>"
+    if isinstance(value, list | tuple | dict | str | bytes) and len(value) > SHOWN_CHARS:
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def _optional_int(params: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -149,33 +168,36 @@ def _optional_int(params: dict[str, Any], key: str, default: int, lo: int, hi: i
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise KVTransferParamsError(f"kv_transfer_params.{key}={value!r} must be an int in {lo}..{hi}")
+        raise KVTransferParamsError(f"kv_transfer_params.{key}={shown(value)} must be an int in {lo}..{hi}")
     return value
 
 
-def _block_id_list(raw: Any, key: str) -> tuple[int, ...]:
-    if not isinstance(raw, list | tuple) or len(raw) > MAX_BLOCK_IDS:
-        raise KVTransferParamsError(f"kv_transfer_params.{key} must be a list of at most {MAX_BLOCK_IDS} block ids")
+def _block_id_list(raw: Any, key: str, max_blocks: int) -> tuple[int, ...]:
+    if not isinstance(raw, list | tuple) or len(raw) > max_blocks:
+        count = f" (got {len(raw)})" if isinstance(raw, list | tuple) else ""
+        raise KVTransferParamsError(f"kv_transfer_params.{key} must be a list of at most {max_blocks} block ids"
+                                    f"{count}: no longer prompt fits this engine")
     ints = set(map(type, raw)) <= {int}
     if ints and (not raw or (min(raw) >= 0 and max(raw) <= MAX_BLOCK_ID)):  # the common case, ~3x faster than
         return tuple(raw)  # the loop
     for b in raw:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BLOCK_ID:
-            raise KVTransferParamsError(f"kv_transfer_params.{key} holds {b!r}; block ids are ints in "
+            raise KVTransferParamsError(f"kv_transfer_params.{key} holds {shown(b)}; block ids are ints in "
                                         f"0..{MAX_BLOCK_ID}")
     return tuple(raw)
 
 
-def _block_ids(raw: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(block_ids, group_sizes)`` from ``[ids...]`` or NixlConnector's per-group ``[[ids...], ...]``."""
+def _block_ids(raw: Any, max_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(block_ids, group_sizes)`` from ``[ids...]`` or NixlConnector's per-group ``[[ids...], ...]``; at most
+    ``max_blocks`` per KV cache group, counted before any id is looked at."""
     if not isinstance(raw, list | tuple):
         raise KVTransferParamsError("kv_transfer_params.remote_block_ids must be a list")
     if not raw or not isinstance(raw[0], list | tuple):
-        return _block_id_list(raw, "remote_block_ids"), ()
+        return _block_id_list(raw, "remote_block_ids", max_blocks), ()
     if len(raw) > MAX_KV_CACHE_GROUPS:
         raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has {len(raw)} KV cache groups, more "
                                     f"than {MAX_KV_CACHE_GROUPS}")
-    groups = [_block_id_list(g, f"remote_block_ids[{i}]") for i, g in enumerate(raw)]
+    groups = [_block_id_list(g, f"remote_block_ids[{i}]", max_blocks) for i, g in enumerate(raw)]
     flat = tuple(b for g in groups for b in g)
     if len(flat) > MAX_BLOCK_IDS:
         raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has more than {MAX_BLOCK_IDS} entries")
@@ -192,9 +214,13 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     return bool(params) and bool(params.get("do_remote_decode"))
 
 
-def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None,
-                         now: float | None = None) -> RemotePrefill:
+def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None, now: float | None = None,
+                         max_blocks: int = MAX_BLOCK_IDS) -> RemotePrefill:
     """Parse and validate the params a decode engine received, and with ``secret`` check their capability.
+
+    The cheap refusals come first: with ``secret``, a capability that is missing, malformed or expired is
+    refused before any other key is read, and the block id lists are counted against ``max_blocks`` before
+    any id is looked at; the MAC, which covers every block id, is computed last.
 
     Args:
         params: the request's ``kv_transfer_params``.
@@ -202,6 +228,9 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None,
             unexpired ``p2pkv_capability`` made with it; None (an insecure
             deployment) accepts params without one.
         now: the time (seconds since the Unix epoch; default: now).
+        max_blocks: most block ids per KV cache group a request may name: the
+            decode engine's ``max_model_len`` in its blocks (and never more than
+            :data:`MAX_BLOCK_IDS`).
 
     Raises:
         KVTransferParamsError: a key is missing, has a wrong type or is out of
@@ -211,12 +240,15 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None,
     """
     if not isinstance(params, dict):
         raise KVTransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
+    now = time.time() if now is None else now
+    expiry = _capability_expiry(params.get(CAPABILITY_KEY), now) if secret else 0
     port = _require(params, "remote_port", int)
     tp_size = _optional_int(params, "tp_size", 1, 1, MAX_TP_SIZE)
     if not 0 < port < 65536 or port + tp_size > 65536:
         raise KVTransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port (with tp_size "
                                     f"{tp_size}: base port + rank must be below 65536)")
-    block_ids, group_sizes = _block_ids(_require(params, "remote_block_ids", (list, tuple)))
+    block_ids, group_sizes = _block_ids(_require(params, "remote_block_ids", (list, tuple)),
+                                        min(max_blocks, MAX_BLOCK_IDS))
     remote = RemotePrefill(
         engine_id=_text(params, "remote_engine_id"),
         request_id=_text(params, "remote_request_id"),
@@ -230,7 +262,7 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None,
         transfer_mode=_transfer_mode(params),
     )
     if secret:
-        check_capability(remote, params.get(CAPABILITY_KEY), secret, time.time() if now is None else now)
+        _check_mac(remote, params[CAPABILITY_KEY], expiry, secret)
     return remote
 
 
@@ -244,7 +276,7 @@ def _transfer_mode(params: dict[str, Any]) -> str:
     if value is None or value == "auto":
         return ""
     if value not in ("pull", "push"):
-        raise KVTransferParamsError(f"kv_transfer_params.{TRANSFER_MODE_KEY}={str(value)[:32]!r}: expected "
+        raise KVTransferParamsError(f"kv_transfer_params.{TRANSFER_MODE_KEY}={shown(value)}: expected "
                                     "\"pull\", \"push\" or \"auto\" (or leave it out: the decode engine's "
                                     "transfer_mode decides)")
     return value
@@ -266,9 +298,18 @@ def check_capability(remote: RemotePrefill, capability: Any, secret: bytes, now:
     """Check ``kv_transfer_params.p2pkv_capability`` of the params ``remote`` was parsed from.
 
     Raises:
-        KVTransferParamsError: the capability is missing or malformed, its
-            MAC does not cover these params (altered, or made with another
-            secret), or it expired more than :data:`CLOCK_SKEW_S` ago.
+        KVTransferParamsError: the capability is missing or malformed, it
+            expired more than :data:`CLOCK_SKEW_S` ago, or its MAC does not
+            cover these params (altered, or made with another secret).
+    """
+    _check_mac(remote, capability, _capability_expiry(capability, now), secret)
+
+
+def _capability_expiry(capability: Any, now: float) -> int:
+    """The expiry (seconds since the epoch) a capability names, checked for form and time only (O(1)).
+
+    Raises:
+        KVTransferParamsError: missing, malformed, or expired more than :data:`CLOCK_SKEW_S` ago.
     """
     key = f"kv_transfer_params.{CAPABILITY_KEY}"
     if not isinstance(capability, str) or not capability:
@@ -277,17 +318,22 @@ def check_capability(remote: RemotePrefill, capability: Any, secret: bytes, now:
             "secret (pass the prefill engine's kv_transfer_params through unchanged)")
     version, _, rest = capability.partition(".")
     expiry_text, _, mac = rest.partition(".")
-    if version != "v1" or not expiry_text.isdigit() or len(expiry_text) > 12 or len(mac) != 64:
+    if version != "v1" or not MAC_FORM.fullmatch(f"{expiry_text}.{mac}"):
         raise KVTransferParamsError(f"{key} is malformed: expected v1.<expiry>.<64 hex digits>")
     expiry = int(expiry_text)
-    if not hmac.compare_digest(mac, capability_mac(remote, expiry, secret)):
-        raise KVTransferParamsError(
-            f"{key} does not match the params: they were altered after the prefill engine signed them, or "
-            "signed with another secret (every engine and the proxy must share one secret)")
     if now > expiry + CLOCK_SKEW_S:
         raise KVTransferParamsError(
             f"{key} expired {now - expiry:.0f} s ago: the prefill engine's hold has ended (its lease_s); "
             "send the request through the proxy again")
+    return expiry
+
+
+def _check_mac(remote: RemotePrefill, capability: str, expiry: int, secret: bytes) -> None:
+    """Raises KVTransferParamsError when the capability's MAC does not cover ``remote`` and ``expiry``."""
+    if not hmac.compare_digest(capability.rpartition(".")[2], capability_mac(remote, expiry, secret)):
+        raise KVTransferParamsError(
+            f"kv_transfer_params.{CAPABILITY_KEY} does not match the params: they were altered after the prefill "
+            "engine signed them, or signed with another secret (every engine and the proxy must share one secret)")
 
 
 def sign_params(params: dict[str, Any], secret: bytes, expiry: float) -> dict[str, Any]:

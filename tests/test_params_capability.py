@@ -100,3 +100,52 @@ def test_ids_hosts_and_block_ids_are_bounded_before_anything_else(key, value) ->
     2**63 left pulls in HANDSHAKE for ever (OverflowError while planning)."""
     with pytest.raises(KVTransferParamsError, match=key):
         parse_remote_prefill({**_signed(), key: value}, secret=SECRET, now=NOW)
+
+
+class Untouchable(list):
+    """A block id list that fails the test if its ids are gone through (its length and first item, which tells
+    one list from per-group lists, may be read)."""
+
+    def __iter__(self):
+        raise AssertionError("the block ids were gone through before the cheap refusals")
+
+
+def test_unsigned_params_are_refused_before_any_block_id_is_read() -> None:
+    """Unsigned, or expired: refused from the capability's form and time alone (no block id, no MAC)."""
+    huge = Untouchable(range(1 << 20))
+    unsigned = {**_signed(), "remote_block_ids": huge}
+    del unsigned[CAPABILITY_KEY]
+    with pytest.raises(KVTransferParamsError, match=f"{CAPABILITY_KEY} is missing"):
+        parse_remote_prefill(unsigned, secret=SECRET, now=NOW)
+    expired = {**_signed(expiry_time=NOW - 100), "remote_block_ids": huge}
+    expired[CAPABILITY_KEY] = f"v1.{int(NOW) - 100}.{'0' * 64}"
+    with pytest.raises(KVTransferParamsError, match="expired"):
+        parse_remote_prefill(expired, secret=SECRET, now=NOW)
+
+
+def test_block_lists_longer_than_the_engine_takes_are_refused_by_their_length() -> None:
+    """A signed-looking capability with more block ids than the decode engine's longest prompt: refused from the
+    list's length, before any id is looked at; a list the engine takes parses."""
+    params = _signed(block_ids=list(range(8)), group_sizes=[])
+    parse_remote_prefill(params, secret=SECRET, now=NOW, max_blocks=8)
+    with pytest.raises(KVTransferParamsError, match="at most 7 block ids \\(got 8\\)"):
+        parse_remote_prefill({**params, "remote_block_ids": Untouchable(range(8))}, secret=SECRET, now=NOW,
+                             max_blocks=7)
+    with pytest.raises(KVTransferParamsError, match=r"remote_block_ids\[1\] must be a list of at most 2"):
+        parse_remote_prefill({**params, "remote_block_ids": [[1], Untouchable(range(3))]}, secret=SECRET, now=NOW,
+                             max_blocks=2)
+
+
+@pytest.mark.parametrize("key", ["tp_size", "appended_tokens", "remote_num_tokens", "remote_block_ids",
+                                 "p2pkv_transfer_mode"])
+def test_a_refused_value_is_never_shown_whole(key: str) -> None:
+    """An 8 MiB value (an int of ~20 million digits, or a list of a million ids) in an error, so in a log line,
+    is described by its size."""
+    huge = 1 << (8 * 8 * 1024 * 1024)
+    value = [[huge]] if key == "remote_block_ids" else huge
+    with pytest.raises(KVTransferParamsError) as info:
+        parse_remote_prefill({**_signed(), key: value}, secret=SECRET, now=NOW)
+    assert len(str(info.value)) < 400 and f"<int of {huge.bit_length()} bits>" in str(info.value)
+    with pytest.raises(KVTransferParamsError) as info:
+        parse_remote_prefill({**_signed(), "tp_size": list(range(1 << 20))}, secret=SECRET, now=NOW)
+    assert len(str(info.value)) < 400 and "<list of 1048576 items>" in str(info.value)
