@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 import p2pkv.params as params_module
+import p2pkv.scheduler as scheduler_module
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.load import DecodeLoad
 from p2pkv.params import (
@@ -36,16 +37,16 @@ BLOCKS = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],), get_unhashed_block_
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The time the params' capability is checked at (seconds since the Unix epoch), settable; and how often
-    a capability's HMAC is checked (``clock[1]``)."""
+    the scheduler parsed params with the secret, checking their capability's HMAC (``clock[1]``)."""
     now = [NOW, 0]
-    real_check = params_module.check_capability
+    real_parse = scheduler_module.parse_remote_prefill
 
-    def check_capability(*args, **kwargs):  # type: ignore[no-untyped-def]
-        now[1] += 1
-        return real_check(*args, **kwargs)
+    def parse_remote_prefill(params, *, secret, **kwargs):  # type: ignore[no-untyped-def]
+        now[1] += bool(secret)
+        return real_parse(params, secret=secret, **kwargs)
 
     monkeypatch.setattr(params_module, "time", SimpleNamespace(time=lambda: now[0]))
-    monkeypatch.setattr(params_module, "check_capability", check_capability)
+    monkeypatch.setattr(scheduler_module, "parse_remote_prefill", parse_remote_prefill)
     return now
 
 
