@@ -104,6 +104,7 @@ class _Control:
         self._ends: dict[str, HoldEnd] = {}
         self._stall_until = 0.0
         self._push_delay_s = 0.0
+        self._next_push_delays: list[float] = []
         holds, pusher, server = worker.holds, worker.pusher, worker.server
         assert pusher is not None and server is not None
         pin, unpin, end_holds = holds.pin, holds.unpin, holds._end
@@ -128,8 +129,9 @@ class _Control:
                 post(now)
 
         def delayed_on_push(msg: object) -> tuple[str, str]:
-            if self._push_delay_s:
-                time.sleep(self._push_delay_s)
+            delay = self._next_push_delays.pop(0) if self._next_push_delays else self._push_delay_s
+            if delay:
+                time.sleep(delay)
             return on_push(msg)  # type: ignore[misc]
 
         holds.pin, holds.unpin, holds._end = recording_pin, recording_unpin, recording_end  # type: ignore[method-assign]
@@ -169,6 +171,10 @@ class _Control:
     def delay_push(self, seconds: float) -> None:
         """Hold the side-channel thread ``seconds`` before it handles each push request (a busy prefill)."""
         self._push_delay_s = seconds
+
+    def delay_next_push(self, seconds: float) -> None:
+        """Hold the side-channel thread ``seconds`` before it handles the next push request only (one stall)."""
+        self._next_push_delays.append(seconds)
 
     def take_pushes(self, on: bool) -> None:
         """False: the side channel refuses push requests, as one without push support does; True: serves them."""
@@ -306,7 +312,8 @@ class PrefillProc:
 
     def call(self, name: str, *args: object, timeout: float = 30.0) -> object:
         """Run ``name(*args)`` of the incarnation's control (``inject``, ``restore``, ``stall_pusher``,
-        ``delay_push``, ``take_pushes``, ``state``: see ``_Control``) between two of its steps; its result."""
+        ``delay_push``, ``delay_next_push``, ``take_pushes``, ``state``: see ``_Control``) between two of its
+        steps; its result."""
         self._token += 1
         self._cmds.put(("call", self._token, name, args))
         deadline = time.monotonic() + timeout

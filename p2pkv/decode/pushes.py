@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from handshake import AgentInfo, PushReply, RemoteRefusedError, request_push
+from handshake import AgentInfo, HandshakeTimeoutError, PushReply, RemoteRefusedError, request_push
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
@@ -40,8 +40,24 @@ RETRY_UNKNOWN_S = 0.002
 finished request at its engine's next step, which may come after its HTTP answer reached the proxy)."""
 
 
+class PushNotSent(RuntimeError):
+    """A push request that was never sent (so nothing can have been queued for it): its window passed while
+    it waited for its lane, or it was taken off the lane because an earlier request to the same prefill
+    rank got no reply."""
+
+
 class Pushes:
     """A decode rank's push requests and their outcomes.
+
+    The requests to one prefill rank go one at a time on its lane (the
+    fence's connection), each waiting up to ``timeout_s`` for its reply.
+    So that a request queued behind others never grants the prefill rank
+    more time than this rank waits for it, its window is counted from when
+    it was posted (what is left of it when it is sent; none left: not sent).
+    And once one request to a prefill rank (that incarnation of it) got no
+    reply, the requests to it still waiting for the lane are taken off and
+    their pulls retried at once (after a new handshake), as every READ of a
+    failed peer is, rather than each waiting out its own reply timeout.
 
     Args:
         background: where the side-channel calls run (on each prefill rank's lane).
@@ -88,9 +104,9 @@ class Pushes:
         read.first_pushed_at = read.first_pushed_at or read.pushed_at
         self._open[read.push_id] = read
         future = self.background.call(
-            f"p2pkv-push-{pid.host}:{pid.port}", request_push, pid.host, pid.port, remote.request_id,
-            list(remote.block_ids), read.push_id, info, read.remote_descs.astype("<u8").tobytes(),
-            read.local_descs.astype("<u8").tobytes(), self.window_s, self.engine_id, secret=self.secret,
+            f"p2pkv-push-{pid.host}:{pid.port}", _send_push, read.pushed_at + self.window_s, pid.host, pid.port,
+            remote.request_id, list(remote.block_ids), read.push_id, info, read.remote_descs.astype("<u8").tobytes(),
+            read.local_descs.astype("<u8").tobytes(), self.engine_id, secret=self.secret,
             timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), engine_id=pid.engine_id,
             tp_rank=pid.tp_rank, lane=f"{pid.host}:{pid.port}")
         self._replies.append((future, read))
@@ -155,19 +171,33 @@ class Pushes:
         """Answered push requests: the READ part and the reply (or why there is none).
 
         A request refused (a reply other than ``accepted``, or the server's
-        refusal of the request itself) writes nothing: its part is no longer
-        open. One without a reply (an exception) may still have been queued
-        there: it stays open until notified or its window passes.
+        refusal of the request itself) or never sent (:class:`PushNotSent`)
+        writes nothing: its part is no longer open. One without a reply (an
+        exception) may still have been queued there: it stays open until
+        notified or its window passes. Requests still waiting for the lane
+        to a prefill rank whose earlier request got no reply are taken off
+        it (answered :class:`PushNotSent`).
         """
         done, self._replies = [(f, r) for f, r in self._replies if f.done()], [
             (f, r) for f, r in self._replies if not f.done()]
+        silent = [r.peer for f, r in done if not f.cancelled() and isinstance(f.exception(), HandshakeTimeoutError)]
+        if silent:
+            waiting = [(f, r) for f, r in self._replies if any(r.peer is p for p in silent) and f.cancel()]
+            self._replies = [(f, r) for f, r in self._replies if not f.cancelled()]
+            done += waiting
+            if waiting:
+                logger.warning("p2pkv: a push request to %s got no reply; %d more waiting for it retried at once",
+                               silent[0].agent_name, len(waiting))
         out: list[tuple[ReadPart, PushReply | Exception]] = []
         for future, read in done:
             try:
                 reply: PushReply | Exception = future.result()
             except Exception as exc:  # a cancelled future too
                 reply = exc
-            refused = isinstance(reply, RemoteRefusedError)
+            if future.cancelled():
+                reply = PushNotSent("not sent: an earlier push request to that prefill rank got no reply (it may "
+                                    "have restarted)")
+            refused = isinstance(reply, RemoteRefusedError | PushNotSent)
             if refused or (isinstance(reply, PushReply) and reply.status != "accepted"):
                 self._open.pop(read.push_id, None)  # nothing was queued there
             out.append((read, reply))
@@ -204,6 +234,23 @@ class Pushes:
         """``time.monotonic()`` until which a given-up push may still write (its window from sending, plus a
         reply timeout of slack for the request's time on the wire)."""
         return read.pushed_at + self.window_s + self.timeout_s
+
+
+def _send_push(deadline: float, host: str, port: int, request_id: str, block_ids: list[int], push_id: bytes,
+               agent: AgentInfo, source_rows: bytes, target_rows: bytes, requester_engine_id: str,
+               **kwargs: object) -> PushReply:
+    """:func:`handshake.request_push` (on the lane's thread) with what is left at the time of ``deadline``
+    (``time.monotonic()``: when it was posted plus its window) as its window.
+
+    Raises:
+        PushNotSent: nothing is left (it waited for the lane that long); nothing was sent.
+        The errors of :func:`handshake.request_push`.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise PushNotSent("not sent: its window passed while it waited behind earlier requests to that prefill rank")
+    return request_push(host, port, request_id, block_ids, push_id, agent, source_rows, target_rows, left,
+                        requester_engine_id, **kwargs)  # type: ignore[arg-type]
 
 
 def failure_of_push(reply: PushReply | Exception, request_id: str) -> tuple[FailureKind, str, bool] | None:
