@@ -12,12 +12,11 @@ import pytest
 from p2pkv.tools.deploy.cpu_backend import (
     CpuReport,
     choose,
-    fit_to_cpu,
     model_dtype,
     model_uses_mla,
     read_cpu_report,
 )
-from p2pkv.tools.deploy.engines import EngineSpec
+from p2pkv.tools.deploy.engines import EngineSpec, fit_to_cpu
 from p2pkv.tools.deploy.local import LocalPair
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
 

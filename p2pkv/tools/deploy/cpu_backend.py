@@ -9,7 +9,8 @@ reference backend (``CPU_MLA``), which takes float32 and 16-token blocks
 only. The same engine command line therefore starts on one CPU and fails on
 another. :func:`choose` makes the choice explicit from a :class:`CpuReport`
 instead, so a pair runs the same kernels on every CPU, and says why in
-:attr:`EngineChoice.reasons` (the launcher logs each one).
+:attr:`EngineChoice.reasons`; :func:`p2pkv.tools.deploy.engines.fit_to_cpu` applies it to an engine's
+flags and logs each reason.
 
 The rule (pure, tested with made-up reports in ``tests/test_cpu_backend.py``):
 
@@ -25,18 +26,11 @@ The rule (pure, tested with made-up reports in ``tests/test_cpu_backend.py``):
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import logging
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from p2pkv.tools.deploy.engines import EngineSpec
-
-logger = logging.getLogger("p2pkv.launch")
+from typing import Literal
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8",
              "amx_fp16", "asimd", "sve", "bf16")
@@ -179,24 +173,3 @@ def this_cpu() -> CpuReport:
     if _REPORT is None:
         _REPORT = read_cpu_report()
     return _REPORT
-
-
-def fit_to_cpu(spec: EngineSpec, report: CpuReport | None = None) -> EngineSpec:
-    """``spec`` (a :class:`p2pkv.tools.deploy.engines.EngineSpec`) with the CPU-dependent flags :func:`choose`
-    settles on, each reason logged at INFO on ``p2pkv.launch`` with the engine's name.
-
-    Unchanged where the engine runs on a GPU (a CUDA device is visible) or nothing depends on the CPU.
-    """
-    if report is None:
-        import torch
-
-        if torch.cuda.is_available():
-            return spec
-        report = this_cpu()
-    choice = choose(report, use_mla=model_uses_mla(spec.model), dtype=model_dtype(spec.model, spec.dtype),
-                    block_size=spec.block_size)
-    for reason in choice.reasons:
-        logger.info("p2pkv launch [%s]: %s", spec.name, reason)
-    if not choice.reasons:
-        return spec
-    return dataclasses.replace(spec, attention_backend=choice.attention_backend, block_size=choice.block_size)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2pkv.tools.deploy.cpu_backend import fit_to_cpu
+from p2pkv.tools.deploy.cpu_backend import CpuReport, choose, model_dtype, model_uses_mla, this_cpu
 from p2pkv.tools.deploy.processes import Child, start_child
 
 
@@ -140,3 +142,24 @@ def start_engine(spec: EngineSpec, log_dir: Path) -> Child:
     spec = fit_to_cpu(spec)
     return start_child(spec.name, spec.command(), spec.environment(), log_dir,
                        f"http://{spec.host}:{spec.port}/health")
+
+
+def fit_to_cpu(spec: EngineSpec, report: CpuReport | None = None) -> EngineSpec:
+    """``spec`` with the CPU-dependent flags :func:`p2pkv.tools.deploy.cpu_backend.choose` settles on, each reason
+    logged at INFO on ``p2pkv.launch`` with the engine's name.
+
+    Unchanged where the engine runs on a GPU (a CUDA device is visible) or nothing depends on the CPU.
+    """
+    if report is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return spec
+        report = this_cpu()
+    choice = choose(report, use_mla=model_uses_mla(spec.model), dtype=model_dtype(spec.model, spec.dtype),
+                    block_size=spec.block_size)
+    for reason in choice.reasons:
+        logging.getLogger("p2pkv.launch").info("p2pkv launch [%s]: %s", spec.name, reason)
+    if not choice.reasons:
+        return spec
+    return dataclasses.replace(spec, attention_backend=choice.attention_backend, block_size=choice.block_size)

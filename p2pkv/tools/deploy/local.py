@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pkv.tools.deploy.checks import check_port_free
-from p2pkv.tools.deploy.cpu_backend import fit_to_cpu
-from p2pkv.tools.deploy.engines import EngineSpec
+from p2pkv.tools.deploy.engines import EngineSpec, fit_to_cpu
 from p2pkv.tools.deploy.pod_cli import parse_extra_args, parse_extra_config
 from p2pkv.tools.deploy.processes import Child, LaunchError, start_child, stop_children, wait_healthy
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pkv.tools.deploy import checks
-from p2pkv.tools.deploy.cpu_backend import fit_to_cpu
-from p2pkv.tools.deploy.engines import EngineSpec
+from p2pkv.tools.deploy.engines import EngineSpec, fit_to_cpu
 from p2pkv.tools.deploy.processes import LaunchError
 
 DEFAULT_PORTS = {"prefill": 8100, "decode": 8200}
