@@ -100,7 +100,8 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = SchedulerSide(self.engine_id, self.config, block_size, host,
                                            base_port, self.tp_size,
                                            recompute_tokens(kv_cache_config),
-                                           num_kv_cache_groups(kv_cache_config))
+                                           num_kv_cache_groups(kv_cache_config),
+                                           max_blocks=vllm_config.model_config.max_model_len)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -11,6 +11,7 @@ from p2pkv.decode.heartbeat import HeartbeatBatch, HeartbeatSender
 from p2pkv.decode.load import DecodeLoad
 from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import (
+    MAX_BLOCK_IDS,
     KVTransferParamsError,
     RemotePrefill,
     make_prefill_response_params,
@@ -58,6 +59,10 @@ class SchedulerSide:
             group per type; 1 otherwise). With more than one, a pull pairs
             each group's blocks with the prefill engine's of the same group,
             block for block (both engines use one block size).
+        max_blocks: most block ids per KV cache group that params may name (a
+            request's params naming more are refused before their ids are read):
+            this engine's ``max_model_len`` in tokens, which bounds the blocks of
+            its longest prompt whatever the prefill engine's block size.
     """
 
     def __init__(
@@ -70,6 +75,7 @@ class SchedulerSide:
         tp_size: int,
         recompute_tokens: int = 0,
         kv_groups: int = 1,
+        max_blocks: int = MAX_BLOCK_IDS,
     ) -> None:
         self.engine_id = engine_id
         self.config = config
@@ -79,6 +85,7 @@ class SchedulerSide:
         self.tp_size = tp_size
         self.recompute_tokens = recompute_tokens
         self.kv_groups = kv_groups
+        self.max_blocks = max_blocks
         self._pulls: list[PullSpec] = []
         self._leases: dict[str, float] = {}
         self._blocks: dict[str, tuple[int, ...]] = {}
@@ -100,7 +107,8 @@ class SchedulerSide:
         if wants_remote_prefill(request.kv_transfer_params) and self.config.heartbeat_every_s > 0:
             try:
                 self._queued[request.request_id] = parse_remote_prefill(request.kv_transfer_params,
-                                                                        secret=self._secret)
+                                                                        secret=self._secret,
+                                                                        max_blocks=self.max_blocks)
             except KVTransferParamsError as exc:
                 self._refuse(request, exc)
 
@@ -151,7 +159,8 @@ class SchedulerSide:
         try:
             remote = self._queued.get(request.request_id)
             if remote is None:
-                remote = parse_remote_prefill(request.kv_transfer_params, secret=self._secret)
+                remote = parse_remote_prefill(request.kv_transfer_params, secret=self._secret,
+                                              max_blocks=self.max_blocks)
             return DecodeLoad.of(remote, len(request.prompt_token_ids or ()), self.recompute_tokens, self.kv_groups)
         except KVTransferParamsError as exc:
             self._refuse(request, exc)
@@ -326,7 +335,7 @@ class SchedulerSide:
         """Where a request that finished before its params were first checked would have loaded from; None
         (logged) when its params are refused: its prefill engine's lease frees the hold then."""
         try:
-            return parse_remote_prefill(request.kv_transfer_params, secret=self._secret)
+            return parse_remote_prefill(request.kv_transfer_params, secret=self._secret, max_blocks=self.max_blocks)
         except KVTransferParamsError as exc:
             logger.warning("p2pkv: request %s finished before its load; its params are refused (%s), so its "
                            "prefill engine is not told to free it now (its lease frees it)", request.request_id, exc)
