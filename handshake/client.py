@@ -50,6 +50,7 @@ def _fresh() -> dict[str, object]:
     return {"sent_at": time.time(), "nonce": os.urandom(NONCE_BYTES)}
 
 logger = logging.getLogger("p2pkv.handshake")
+timing_logger = logging.getLogger("p2pkv.handshake.timing")
 
 
 def fetch_agent_info(
@@ -126,7 +127,7 @@ def fetch_agent_info(
                                       requester_engine_id=requester_engine_id, compat_hash=compat_hash,
                                       **_fresh())  # type: ignore[arg-type]
             reply = _exchange(ctx, host, endpoint, encode(request, secret), timeout_s, max_message_bytes, cancel,
-                              secret)
+                              secret, request.nonce)
             if reply is not None:
                 info = _check_reply(reply, endpoint, request, secret, max_message_bytes)
                 if info.engine_id != engine_id:
@@ -160,8 +161,10 @@ def _exchange(
     max_message_bytes: int,
     cancel: threading.Event | None = None,
     secret: bytes | None = None,
+    nonce: bytes = b"",
 ) -> list[bytes] | None:
-    """Send one request on a fresh socket (CURVE with ``secret``); the reply frames, or None on timeout or cancel."""
+    """Send one request (its ``nonce``, for the timing log) on a fresh socket (CURVE with ``secret``); the reply
+    frames, or None on timeout or cancel."""
     sock = ctx.socket(zmq.DEALER)
     try:
         configure_socket(sock, host, max_message_bytes, secret)
@@ -173,19 +176,59 @@ def _exchange(
                 field="host",
                 code="config",
             ) from exc
-        try:
-            sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or (cancel is not None and cancel.is_set()):
-                return None
-            if sock.poll(max(1, int(min(left, 0.1) * 1000)), zmq.POLLIN):
-                return sock.recv_multipart(zmq.NOBLOCK)
+        return _await_reply(sock, endpoint, frames, nonce, None, timeout_s, cancel)
     finally:
         sock.close(linger=0)
+
+
+def _await_reply(sock: zmq.Socket, endpoint: str, frames: list[bytes], nonce: bytes,
+                 checks: tuple[bytes | None, int] | None, timeout_s: float,
+                 cancel: threading.Event | None) -> list[bytes] | None:
+    """Send ``frames`` (the request with ``nonce``) on ``sock`` and wait up to ``timeout_s`` seconds for the
+    reply: the first one, or with ``checks`` (secret, size limit: a long-lived connection) the first one that
+    decodes to a reply with that nonce (or none: a refusal of a request that did not decode) or does not
+    decode at all (the caller explains it); replies to earlier requests are skipped. None on timeout or
+    cancel, or when ZMQ's send queue is full.
+
+    The socket is looked at once more after the deadline, so a reply that came in time is not lost because
+    this thread got the CPU only later. Times are logged at DEBUG on ``p2pkv.handshake.timing``.
+    """
+    sent = time.monotonic()
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        logger.warning("side-channel request to %s not sent: ZMQ's send queue to it is full", endpoint)
+        return None
+    deadline, skipped = sent + timeout_s, 0
+    while True:
+        left = deadline - time.monotonic()
+        last = left <= 0 or (cancel is not None and cancel.is_set())
+        if not sock.poll(0 if last else max(1, int(min(left, 0.1) * 1000)), zmq.POLLIN):
+            if last:
+                if timing_logger.isEnabledFor(logging.DEBUG):
+                    timing_logger.debug("side channel %s: no reply to %s within %.1f ms (sent at %.6f; %d "
+                                        "replies to earlier requests skipped)", endpoint, nonce[:4].hex(),
+                                        (time.monotonic() - sent) * 1e3, sent, skipped)
+                return None
+            continue
+        reply = sock.recv_multipart(zmq.NOBLOCK)
+        if checks is not None and not _answers(reply, nonce, *checks):
+            skipped += 1
+            continue
+        if timing_logger.isEnabledFor(logging.DEBUG):
+            timing_logger.debug("side channel %s: reply to %s after %.2f ms (sent at %.6f; %d replies to earlier "
+                                "requests skipped)", endpoint, nonce[:4].hex(), (time.monotonic() - sent) * 1e3,
+                                sent, skipped)
+        return reply
+
+
+def _answers(reply: list[bytes], nonce: bytes, secret: bytes | None, max_message_bytes: int) -> bool:
+    """True unless ``reply`` is a well-formed reply to another request than ``nonce``'s."""
+    try:
+        answer = decode(reply, secret, max_message_bytes)
+    except HandshakeError:
+        return True  # the caller explains it
+    return not isinstance(answer, HoldsReply | PushReply | ErrorReply) or answer.nonce in (nonce, b"")
 
 
 def _check_reply(
@@ -378,7 +421,8 @@ def request_push(host: str, port: int, request_id: str, block_ids: list[int], pu
     frames = encode(msg, secret)
     endpoint = tcp_endpoint(host, port)
     reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
-             _exchange(zmq.Context.instance(), host, endpoint, frames, timeout_s, MAX_MESSAGE_BYTES, cancel, secret))
+             _exchange(zmq.Context.instance(), host, endpoint, frames, timeout_s, MAX_MESSAGE_BYTES, cancel, secret,
+                       msg.nonce))
     if reply is None and cancel is not None and cancel.is_set():
         raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
     if reply is None:
@@ -425,7 +469,7 @@ def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes 
     for msg in msgs:
         frames = encode(msg, secret)
         reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
-                 _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel, secret))
+                 _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel, secret, msg.nonce))
         if reply is None and cancel is not None and cancel.is_set():
             raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
         if reply is None:
@@ -466,28 +510,19 @@ class HoldLink:
         self._lock = threading.Lock()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         configure_socket(self._sock, host, max_message_bytes, secret)
-        self._sock.connect(tcp_endpoint(host, port))
+        self.endpoint = tcp_endpoint(host, port)
+        self._sock.connect(self.endpoint)
 
     def exchange(self, frames: list[bytes], nonce: bytes, secret: bytes | None, timeout_s: float,
                  cancel: threading.Event | None) -> list[bytes] | None:
-        """Send ``frames``; the reply frames to them (matched by ``nonce``), or None on timeout or cancel."""
+        """Send ``frames``; the reply frames to them (matched by ``nonce``), or None on timeout or cancel.
+
+        Replies to earlier calls that timed out are skipped. A reply that
+        arrived within ``timeout_s`` seconds is taken even when this thread
+        gets to look only later (a busy host)."""
         with self._lock:
-            try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.Again:
-                return None
-            deadline = time.monotonic() + timeout_s
-            while (left := deadline - time.monotonic()) > 0 and not (cancel is not None and cancel.is_set()):
-                if not self._sock.poll(max(1, int(min(left, 0.1) * 1000)), zmq.POLLIN):
-                    continue
-                reply = self._sock.recv_multipart(zmq.NOBLOCK)
-                try:
-                    answer = decode(reply, secret, self.max_message_bytes)
-                except HandshakeError:
-                    return reply  # the caller explains it
-                if not isinstance(answer, HoldsReply | PushReply | ErrorReply) or answer.nonce in (nonce, b""):
-                    return reply
-            return None
+            return _await_reply(self._sock, self.endpoint, frames, nonce, (secret, self.max_message_bytes),
+                                timeout_s, cancel)
 
     def close(self) -> None:
         """Close the connection. Idempotent."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from types import TracebackType
 
 import zmq
@@ -37,11 +39,50 @@ from handshake.messages import (
 )
 from handshake.replay import DEFAULT_FUTURE_SKEW_S, DEFAULT_WINDOW_S, ReplayGuard
 
-__all__ = ["HandshakeServer"]
+__all__ = ["HandshakeServer", "RequestTimes"]
 
 logger = logging.getLogger("p2pkv.handshake")
+timing_logger = logging.getLogger("p2pkv.handshake.timing")
+"""Per-request timings of the server and the client, at DEBUG (one line per request; nothing is formatted
+when DEBUG is off)."""
 
 _JOIN_TIMEOUT_S = 2.0
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """When the serving thread took one request through its steps (``time.monotonic()`` seconds, one clock
+    for every process of a host), and what the request was.
+
+    Attributes:
+        received: its frames were read off the socket.
+        started: its checks (size, HMAC, destination, freshness) passed and its handler began.
+        ended: the handler returned (the reply was encoded).
+        sent: the reply was handed to ZMQ (0.0: dropped).
+        kind: the request's type tag (``"hold_query"``, ...; ``""`` when it did not decode).
+        nonce: its nonce (``b""`` when it did not decode).
+        sent_at: its ``sent_at`` (the requester's ``time.time()``; 0.0 when it did not decode).
+        received_wall: ``time.time()`` at ``received``: ``received_wall - sent_at`` is the time it spent on
+            the wire and in the server's receive queue (across hosts, plus their clock offset).
+    """
+
+    received: float = 0.0
+    started: float = 0.0
+    ended: float = 0.0
+    sent: float = 0.0
+    kind: str = ""
+    nonce: bytes = b""
+    sent_at: float = 0.0
+    received_wall: float = 0.0
+
+    def describe(self) -> str:
+        """One log line's worth (milliseconds)."""
+        started = self.started or self.ended
+        wire = f"{(self.received_wall - self.sent_at) * 1e3:.1f} ms" if self.sent_at else "?"
+        sent = f"reply sent {(self.sent - self.ended) * 1e3:.2f} ms after" if self.sent else "reply dropped"
+        return (f"{self.kind or 'undecodable request'} {self.nonce[:4].hex() or '-'}: on the wire and queued "
+                f"{wire} (since its sent_at), checks {(started - self.received) * 1e3:.2f} ms, handler "
+                f"{(self.ended - started) * 1e3:.2f} ms, {sent}; received at {self.received:.6f}")
 
 
 class _ClientKey:
@@ -102,9 +143,15 @@ class HandshakeServer:
     complete the ZMTP handshake, so it can send nothing, and every byte
     after the handshake is encrypted.
 
+    A reply whose requester has gone (it stopped waiting and closed its
+    connection) or whose queue is full is dropped, logged and counted
+    (``replies_dropped``): the socket is a ``ZMQ_ROUTER_MANDATORY`` router, so
+    no reply vanishes unseen. Each request's times (:class:`RequestTimes`)
+    are logged at DEBUG on ``p2pkv.handshake.timing``.
+
     Attributes:
-        stats: counters: ``"served"``, ``"refused"``, ``"heartbeats"`` and
-            ``"refused_<code>"`` per refusal code.
+        stats: counters: ``"served"``, ``"refused"``, ``"heartbeats"``,
+            ``"replies_dropped"`` and ``"refused_<code>"`` per refusal code.
     """
 
     def __init__(
@@ -200,6 +247,7 @@ class HandshakeServer:
         sock = ctx.socket(zmq.ROUTER)
         try:
             configure_socket(sock, self._host, self._max_message_bytes, self._secret, server=True)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
             if self._port == 0:
                 self._port = sock.bind_to_random_port(tcp_address(self._host))
             else:
@@ -281,20 +329,28 @@ class HandshakeServer:
                     logger.error("handshake server receive failed: %s", exc)
                     self._stop.wait(self._poll_ms / 1000)
                     continue
-                reply = self._respond(frames[1:])
+                times = RequestTimes(received=time.monotonic(), received_wall=time.time())
+                reply = self._respond(frames[1:], times)
+                times.ended = time.monotonic()
                 try:
                     sock.send_multipart([frames[0], *reply], zmq.NOBLOCK)
-                except zmq.ZMQError as exc:  # peer gone or its queue full: drop
-                    logger.debug("handshake reply dropped: %s", exc)
+                    times.sent = time.monotonic()
+                except zmq.ZMQError as exc:  # requester gone (EHOSTUNREACH) or its queue full (EAGAIN)
+                    self.stats["replies_dropped"] = self.stats.get("replies_dropped", 0) + 1
+                    logger.warning("handshake reply dropped (%s): %s", exc, times.describe())
+                    continue
+                if timing_logger.isEnabledFor(logging.DEBUG):
+                    timing_logger.debug("side channel served %s", times.describe())
         finally:
             sock.close(linger=0)
 
-    def _respond(self, body: list[bytes]) -> list[bytes]:
+    def _respond(self, body: list[bytes], times: RequestTimes | None = None) -> list[bytes]:
         """Reply frames for one request; never raises.
 
         Checks, in order: frames, size and HMAC (:func:`handshake.codec.decode`),
         the message type, the destination, freshness and the nonce; only then
-        is the request served.
+        is the request served. ``times`` gets the request's kind, nonce and
+        ``sent_at``, and when its handler started.
         """
         nonce = b""
         try:
@@ -305,8 +361,12 @@ class HandshakeServer:
                     f"push_request), got "
                     f"{type(msg).__name__}", field="type")
             nonce = msg.nonce
+            if times is not None:
+                times.kind, times.nonce, times.sent_at = msg.__struct_config__.tag, msg.nonce, msg.sent_at
             info = self._destination(msg)
             self._replay.check(msg.nonce, msg.sent_at)
+            if times is not None:
+                times.started = time.monotonic()
             match msg:
                 case MetadataRequest():
                     self._log_compat(msg)

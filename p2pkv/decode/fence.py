@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from handshake import HoldLink, HoldsReply, query_holds
 from p2pkv.decode.background import Background
@@ -70,7 +71,7 @@ class Fence:
     def __init__(self, background: Background, engine_id: str, secret: bytes | None, timeout_s: float) -> None:
         self.background, self.engine_id, self.secret, self.timeout_s = background, engine_id, secret, timeout_s
         self._batches: dict[PeerId, tuple[str, int, list[tuple[ReadPart, Phase]]]] = {}
-        self._in_flight: list[tuple[Future, list[tuple[ReadPart, Phase]]]] = []
+        self._in_flight: list[tuple[Future, list[tuple[ReadPart, Phase]], dict[str, Any]]] = []
         self._links: dict[tuple[str, int], HoldLink] = {}
 
     def add(self, read: ReadPart, phase: Phase) -> None:
@@ -86,20 +87,23 @@ class Fence:
         """
         batches, self._batches = self._batches, {}
         for pid, (host, port, entries) in batches.items():
+            times: dict[str, Any] = {"queued": time.time()}
             try:
-                future = self._ask(pid, host, port, entries)
+                future = self._ask(pid, host, port, entries, times)
             except Exception as exc:  # answered with it
                 future = Future()
                 future.set_exception(exc)
-            self._in_flight.append((future, entries))
+            self._in_flight.append((future, entries, times))
 
-    def _ask(self, pid: PeerId, host: str, port: int, entries: list[tuple[ReadPart, Phase]]) -> Future:
-        """Send one batch of questions to prefill rank ``pid`` on its lane; the answer's Future."""
+    def _ask(self, pid: PeerId, host: str, port: int, entries: list[tuple[ReadPart, Phase]],
+             times: dict[str, Any]) -> Future:
+        """Send one batch of questions to prefill rank ``pid`` on its lane; the answer's Future. ``times`` gets
+        when the question left (``sent``) and when its answer came or the wait ended (``answered``)."""
         ids = [r.pull.spec.remote.request_id for r, _ in entries]
         blocks = [list(r.pull.spec.remote.block_ids) for r, _ in entries]
         link = self.link(host, port)
-        return self.background.call(f"p2pkv-fence-{host}:{port}", query_holds, host, port, ids, blocks,
-                                    self.engine_id, FENCE_EXTEND_S, secret=self.secret,
+        return self.background.call(f"p2pkv-fence-{host}:{port}", _timed, times, query_holds, host, port, ids,
+                                    blocks, self.engine_id, FENCE_EXTEND_S, secret=self.secret,
                                     timeout_s=self.timeout_s, link=link, engine_id=pid.engine_id,
                                     tp_rank=pid.tp_rank, lane=f"{host}:{port}")
 
@@ -143,12 +147,15 @@ class Fence:
         return out
 
     def answers(self) -> list[tuple[ReadPart, Phase, Hold | Exception]]:
-        """Finished questions: the READ, the phase, and what the prefill rank said (or why it is unknown)."""
+        """Finished questions: the READ, the phase, and what the prefill rank said (or why it is unknown).
+
+        Each is also recorded in its pull's :attr:`~p2pkv.decode.pull.Pull.questions` (when it was queued,
+        left, and was answered, and the answer)."""
         out: list[tuple[ReadPart, Phase, Hold | Exception]] = []
         pending = []
-        for future, entries in self._in_flight:
+        for future, entries, times in self._in_flight:
             if not future.done():
-                pending.append((future, entries))
+                pending.append((future, entries, times))
                 continue
             try:
                 reply: HoldsReply | Exception = future.result()
@@ -157,6 +164,9 @@ class Fence:
             for read, phase in entries:
                 answer = reply if isinstance(reply, Exception) else hold_of(read.pull.spec.remote.request_id, reply)
                 out.append((read, phase, answer))
+                asked = times["queued"]
+                read.pull.questions.append({"phase": phase.value, "queued": asked, "sent": times.get("sent", asked),
+                                            "answered": times.get("answered", asked), "answer": _said(answer)})
         self._in_flight = pending
         return out
 
@@ -188,10 +198,14 @@ def judge(phase: Phase, answer: Hold | Exception, unanswered: int, waited_s: flo
     return Verdict.CONFIRMED if phase is Phase.AFTER else Verdict.WAIT
 
 
-def failure_of(answer: Hold | Exception, request_id: str) -> tuple[FailureKind, str]:
-    """The failure kind and reason for an answer judged :attr:`Verdict.FAIL`."""
+def failure_of(answer: Hold | Exception, request_id: str,
+               questions: list[dict[str, Any]] | None = None) -> tuple[FailureKind, str]:
+    """The failure kind and reason for an answer judged :attr:`Verdict.FAIL` (an unanswered one with the times
+    of the pull's ``questions``, :func:`describe_questions`)."""
     if isinstance(answer, Exception):
-        return FailureKind.UNCONFIRMED, f"could not confirm that the prefill engine still held the blocks: {answer}"
+        when = f" ({describe_questions(questions)})" if questions else ""
+        return FailureKind.UNCONFIRMED, (f"could not confirm that the prefill engine still held the blocks: "
+                                         f"{answer}{when}")
     if answer is Hold.EXPIRED:
         return FailureKind.LEASE_EXPIRED, ("the prefill lease expired before the pull finished; its blocks may "
                                            "have been reused (raise lease_s or check the lease heartbeats)")
@@ -201,6 +215,32 @@ def failure_of(answer: Hold | Exception, request_id: str) -> tuple[FailureKind, 
     return FailureKind.NOT_HELD, (f"the prefill engine no longer holds request {request_id!r} with these "
                                   "remote_block_ids (already pulled and released, released after a failed "
                                   "decode, or block ids of another request); prefill the prompt again")
+
+
+def describe_questions(questions: list[dict[str, Any]]) -> str:
+    """Where each fence question's time went (milliseconds): waiting for its lane, then on the wire and at the
+    prefill rank (the prefill rank's side of it is logged at DEBUG on ``p2pkv.handshake.timing``)."""
+    parts = []
+    for q in questions:
+        sent = q["sent"]
+        parts.append(f"{q['phase']}-READ question at {q['queued']:.3f}: {(sent - q['queued']) * 1e3:.1f} ms waiting "
+                     f"for its lane, {(q['answered'] - sent) * 1e3:.1f} ms until {q['answer']}")
+    return "; ".join(parts)
+
+
+def _said(answer: Hold | Exception) -> str:
+    """An answer as the pull's record shows it."""
+    return answer.value if isinstance(answer, Hold) else f"no answer ({type(answer).__name__})"
+
+
+def _timed(times: dict[str, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, with when it began (``times["sent"]``) and ended (``times["answered"]``,
+    ``time.time()``)."""
+    times["sent"] = time.time()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        times["answered"] = time.time()
 
 
 def _close_link(link: HoldLink, cancel: threading.Event | None = None) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -113,6 +114,9 @@ class Pull:
             reported (its blocks handed back to vLLM) only once they have ended.
         marks: wall-clock times (``time.time()`` seconds) of its phases' ends
             (see :meth:`p2pkv.telemetry.stats.StatsBuffer.record_phases`).
+        questions: its fence questions and their answers, each with when it was
+            queued on its lane, left, and was answered (or given up on),
+            ``time.time()`` seconds (:meth:`p2pkv.decode.fence.Fence.answers`).
     """
 
     spec: PullSpec
@@ -127,6 +131,7 @@ class Pull:
     num_descriptors: int = 0
     draining: int = 0
     marks: dict[str, float] = field(default_factory=dict)
+    questions: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def taken(cls, spec: PullSpec) -> Pull:

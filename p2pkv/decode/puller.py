@@ -316,7 +316,7 @@ class Puller:
         """Act on the verdict on one fence answer about ``read`` (:meth:`p2pkv.decode.fence.Fence.verdicts`)."""
         if verdict is Verdict.FAIL:
             self._abandon(read.pull)
-            self._fail(read.pull, *failure_of(answer, read.pull.spec.remote.request_id))
+            self._fail(read.pull, *failure_of(answer, read.pull.spec.remote.request_id, read.pull.questions))
         elif verdict is Verdict.CONFIRMED:
             read.confirmed = True
             self._confirm_if_done(read.pull)
@@ -396,7 +396,7 @@ def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
             "request_id": spec.request_id, "remote_request_id": spec.remote.request_id,
             "peer": ",".join(r.peer.agent_name for r in pull.reads), "blocks": len(spec.local_block_ids),
             "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds, "direction": direction,
-            "marks": pull.marks})
+            "marks": pull.marks, "fence": pull.questions})
 
 
 def _needs(spec: PullSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[RankRead], list[int], list[PeerId]] | str:
