@@ -31,10 +31,15 @@ WRITEs each request's blocks when the decode worker asks), with the faults
 injected into the prefill process's NIXL agent instead (its WRITEs fail to
 start or fail while in flight: the decode worker re-handshakes and asks once
 more), and every hold must also end unpinned (no WRITE left queued or in
-flight). It runs without the prefill restarts: a decode worker in push mode
-does not re-handshake a restarted prefill engine (see
-``tests/test_faults.py::test_a_restarted_prefill_is_used_again_in_push_mode``);
-the death of either side mid-push is ``tests/test_faults.py``'s.
+flight). Both restarts happen there too. A killed prefill process answers no
+push request; the first one that goes unanswered makes the decode worker
+retry the others still queued for that process at once, after a new
+handshake (they used to wait out one reply timeout each on the prefill
+rank's lane, so the batch's last pulls timed out "still in flight" with
+their requests never sent: ``tests/test_push_lane.py``). So a kill batch's pulls move the new
+incarnation's bytes, or fail as load errors when the new process came up
+after the handshake window, or, for a push the dead process had accepted,
+after ``transfer_timeout_s``.
 
 ``P2PKV_CHURN_PULLS`` (default 1000; push mode: ``P2PKV_CHURN_PUSH_PULLS``,
 default 400) and ``P2PKV_CHURN_SEED`` change the run; the counts are printed
@@ -86,7 +91,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
     blocks_of: dict[str, int] = {}  # prefill request id -> blocks it holds
     batch_no = 0
     n_batches = -(-n_pulls // round(BATCH * (1 - ABORT_RATE)))
-    kill_batches = [] if push else [n_batches // 3, 2 * n_batches // 3]
+    kill_batches = [n_batches // 3 + 1, 2 * n_batches // 3 + 1]  # not fault batches (every FAULT_EVERY-th)
     try:
         while counts["pulls"] < n_pulls:
             batch_no += 1
@@ -207,7 +212,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
     assert counts["hung"] == 0, counts
     assert counts["reported_twice"] == 0, counts
     assert counts["completed"] + counts["failed"] == counts["pulls"] >= n_pulls, counts
-    assert counts["restarts"] == (0 if push else 2) and counts["faults_fired"] >= 1, counts
+    assert counts["restarts"] == 2 and counts["faults_fired"] >= 1, counts
     assert counts["prefill_pinned_at_end"] == 0, counts
     assert not twice, f"released more than once on the prefill side: {twice[:20]}"
     assert all_released and not never, f"leased but never released: {never[:20]}"
