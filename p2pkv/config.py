@@ -59,6 +59,15 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             prefill engines to extend the leases of requests still queued
             here; 0 turns heartbeats off; unset means ``lease_s / 4``. Must
             be below ``lease_s``.
+        role: what this engine does: ``prefill`` (holds blocks for decode
+            engines), ``decode`` (loads from prefill engines; holds nothing for
+            anyone: ``do_remote_decode`` is answered without a hold) or
+            ``both``; empty: from vLLM's ``kv_role`` (``kv_producer`` prefill,
+            ``kv_consumer`` decode, ``kv_both`` both, with a warning that any
+            HTTP caller can make the engine hold blocks). See :func:`engine_role`.
+        max_held_fraction: most of this engine's KV cache (a fraction of its
+            blocks) held for decode engines at once; past it a prefill request
+            is answered without a hold (the decode engine prefills it).
         handshake_timeout_s: seconds one side-channel request may take.
         handshake_retries: side-channel attempts before a pull is failed.
         max_clock_skew_s: how far (seconds) a side-channel request's ``sent_at``
@@ -160,6 +169,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channel_port: int = 5600
     lease_s: float = 120.0
     heartbeat_interval_s: float | None = None
+    role: Literal["prefill", "decode", "both", ""] = ""
+    max_held_fraction: float = 0.5
     handshake_timeout_s: float = 5.0
     handshake_retries: int = 3
     max_clock_skew_s: float = 5.0
@@ -245,6 +256,9 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 < self.max_held_fraction <= 1:
+            raise ConfigError(f"max_held_fraction must be in (0, 1] (a share of the KV cache's blocks), got "
+                              f"{self.max_held_fraction}")
         if not 0 <= self.max_clock_skew_s <= 30:
             raise ConfigError(f"max_clock_skew_s must be 0 .. 30 seconds, got {self.max_clock_skew_s}")
         if self.heartbeat_interval_s is not None and not 0 <= self.heartbeat_interval_s < self.lease_s:
@@ -331,3 +345,28 @@ def load_config(
         return msgspec.convert(merged, P2pKvConfig, strict=False)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"bad p2pkv setting: {exc} (in kv_connector_extra_config or P2PKV_*)") from exc
+
+
+Role = Literal["prefill", "decode", "both"]
+"""What an engine does with p2pkv: hold blocks for decode engines, load from prefill engines, or both."""
+
+KV_ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+"""vLLM's ``kv_role`` → the role it means when ``role`` is not set."""
+
+
+def engine_role(config: P2pKvConfig, kv_role: str | None) -> tuple[Role, str]:
+    """This engine's role, and a warning to log at start ("" for none).
+
+    ``role`` wins; else vLLM's ``kv_role`` decides (:data:`KV_ROLES`; unknown or unset: ``both``). An engine
+    that ends up ``both`` without ``role`` set gets the warning: any caller of its HTTP API can make it hold
+    blocks (up to ``max_held_fraction`` of its KV cache) by sending ``do_remote_decode``.
+    """
+    if config.role:
+        return config.role, ""
+    role = KV_ROLES.get(kv_role or "", "both")
+    if role != "both":
+        return role, ""
+    return role, (f"p2pkv: this engine runs as both prefill and decode (kv_role {kv_role or 'unset'}, no role "
+                  "setting): any caller of its HTTP API can make it hold KV blocks for a remote decode (up to "
+                  f"max_held_fraction={config.max_held_fraction:g} of its cache) by sending do_remote_decode; set "
+                  "kv_connector_extra_config role (prefill or decode), or P2PKV_ROLE, to say what it does")

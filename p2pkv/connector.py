@@ -34,7 +34,9 @@ from p2pkv.compat import (
     state_layer_names,
 )
 from p2pkv.config import P2pKvConfig, load_config
+from p2pkv.config import engine_role as p2pkv_role
 from p2pkv.metadata import P2pKvMetadata
+from p2pkv.params import MAX_BLOCK_IDS
 from p2pkv.scheduler import SchedulerSide
 from p2pkv.telemetry.metrics import P2pKvPromMetrics, P2pKvStats
 from p2pkv.worker import WorkerSide
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger("p2pkv.connector")
@@ -53,6 +56,13 @@ logger = logging.getLogger("p2pkv.connector")
 
 class P2pKvConnectorMetadata(P2pKvMetadata, KVConnectorMetadata):
     """:class:`~p2pkv.metadata.P2pKvMetadata` as the ``KVConnectorMetadata`` vLLM passes on."""
+
+
+def max_blocks(vllm_config: VllmConfig) -> int:
+    """Most block ids per KV cache group a decode request's params may name: ``max_model_len`` (tokens: a block
+    holds at least one), or :data:`p2pkv.params.MAX_BLOCK_IDS` without a model config."""
+    length = getattr(vllm_config.model_config, "max_model_len", None)
+    return min(int(length), MAX_BLOCK_IDS) if isinstance(length, int) and length > 0 else MAX_BLOCK_IDS
 
 
 def side_channel_host(config: P2pKvConfig) -> str:
@@ -97,11 +107,15 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            engine_role, warning = p2pkv_role(self.config, ktc.kv_role)
+            if warning:
+                logger.warning(warning)
             self.scheduler = SchedulerSide(self.engine_id, self.config, block_size, host,
                                            base_port, self.tp_size,
                                            recompute_tokens(kv_cache_config),
                                            num_kv_cache_groups(kv_cache_config),
-                                           max_blocks=vllm_config.model_config.max_model_len)
+                                           max_blocks=max_blocks(vllm_config), role=engine_role,
+                                           num_blocks=getattr(kv_cache_config, "num_blocks", None))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -239,6 +253,12 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
         return P2pKvConnectorMetadata(pulls=meta.pulls, send_leases=meta.send_leases, send_blocks=meta.send_blocks,
                                       failed=meta.failed, idle=scheduler_output.total_num_scheduled_tokens == 0,
                                       send_traces=meta.send_traces)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """The workers' step output: holds they released (``finished_sending``) count no more against the cap."""
+        assert self.scheduler is not None
+        if connector_output.finished_sending:
+            self.scheduler.on_sent(connector_output.finished_sending)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))

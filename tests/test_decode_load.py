@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 import p2pkv.params as params_module
-import p2pkv.scheduler as scheduler_module
+import p2pkv.decode.scheduling as scheduler_module
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.load import DecodeLoad
 from p2pkv.params import (
@@ -81,7 +81,7 @@ def test_a_capability_expiring_between_the_match_and_the_allocation_still_pulls(
                 for p in meta.pulls] == [("r", (6, 7), (1, 2, 3), "prefill-r", PROMPT, True)]
         assert meta.failed == {}
         assert clock[1] == 1, f"the capability's HMAC was checked {clock[1]} times"
-        assert sched._loads == {}
+        assert sched.decode._loads == {}
     finally:
         sched.shutdown()
 
@@ -95,7 +95,7 @@ def test_params_already_expired_when_first_asked_are_prefilled_locally(clock: li
         assert req.kv_transfer_params["do_remote_prefill"] is False
         sched.update_state_after_alloc(req, BLOCKS, 0)
         meta = sched.build_connector_meta()
-        assert meta.pulls == [] and meta.failed == {} and sched._loads == {}
+        assert meta.pulls == [] and meta.failed == {} and sched.decode._loads == {}
     finally:
         sched.shutdown()
 
@@ -124,12 +124,12 @@ def test_the_kept_load_is_dropped_when_the_request_finishes_or_is_aborted(
         for req in (aborted, pulled):
             sched.on_new_request(req)
             assert sched.get_num_new_matched_tokens(req, 0) == (PROMPT, True)
-        assert set(sched._loads) == {"aborted", "pulled"}
+        assert set(sched.decode._loads) == {"aborted", "pulled"}
         clock[0] = EXPIRY + CLOCK_SKEW_S + 1
         assert sched.request_finished(aborted, []) == (False, None)
         sched.update_state_after_alloc(pulled, BLOCKS, PROMPT)
         assert sched.request_finished(pulled, [6, 7]) == (False, None)
-        assert sched._loads == {} and sched._queued == {}
+        assert sched.decode._loads == {} and sched.decode._queued == {}
         meta = sched.build_connector_meta()
         assert [(p.request_id, p.local_block_ids, p.remote.request_id, p.report) for p in meta.pulls] == [
             ("aborted", (), "prefill-aborted", False), ("pulled", (6, 7), "prefill-pulled", True)]
@@ -143,7 +143,7 @@ def test_a_refused_request_keeps_nothing(clock: list[float]) -> None:
     try:
         req = _request("other-prompt", prompt=PROMPT - 1)
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-        assert sched._loads == {}
+        assert sched.decode._loads == {}
     finally:
         sched.shutdown()
 

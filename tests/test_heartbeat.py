@@ -195,7 +195,7 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
             sched.on_new_request(reqs[-1])
         sched.on_new_request(SimpleNamespace(request_id="plain", kv_transfer_params=None, prompt_token_ids=[0]))
         # request 0 got its blocks (pull scheduled), request 1 was aborted while queued
-        sched._queued.pop("decode-0")
+        sched.decode._queued.pop("decode-0")
         sched.request_finished(reqs[1], [])
         assert sched.send_heartbeats(now=100.0) == 1
         assert event.wait(30.0)
@@ -203,7 +203,7 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
         assert sched.send_heartbeats(now=101.0) == 0  # not before the interval
         assert sched.send_heartbeats(now=106.0) == 1
         sched.shutdown()
-        assert sched.heartbeats.failed == 0 and sched.heartbeats.sent == 2
+        assert sched.decode.heartbeats.failed == 0 and sched.decode.heartbeats.sent == 2
         # The aborted request produced a notify-only task for its prefill engine.
         meta = sched.build_connector_meta()
         assert [(t.request_id, t.local_block_ids, t.report) for t in meta.pulls] == [("decode-1", (), False)]
@@ -224,13 +224,13 @@ def test_queued_request_params_are_parsed_once_with_the_same_outcome() -> None:
                                                   expiry_time=None)
             reqs[rid] = SimpleNamespace(request_id=rid, kv_transfer_params=params, prompt_token_ids=[0] * prompt)
             sched.on_new_request(reqs[rid])
-        assert len(sched._queued) == (2 if interval else 0)
+        assert len(sched.decode._queued) == (2 if interval else 0)
         assert sched.get_num_new_matched_tokens(reqs["other-prompt"], 0) == (0, False)
         assert reqs["other-prompt"].kv_transfer_params["do_remote_prefill"] is False
-        assert "other-prompt" not in sched._queued  # prefilled locally: its prefill lease is not kept alive
+        assert "other-prompt" not in sched.decode._queued  # prefilled locally: its prefill lease is not kept alive
         assert sched.get_num_new_matched_tokens(reqs["ok"], 4) == (6, True)
         sched.update_state_after_alloc(reqs["ok"], blocks, 6)
-        assert "ok" not in sched._queued
+        assert "ok" not in sched.decode._queued
         specs.append([(t.request_id, t.local_block_ids, t.remote_block_ids, t.remote, t.first_token, t.num_tokens)
                       for t in sched.build_connector_meta().pulls])
         sched.shutdown()

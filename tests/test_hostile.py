@@ -191,15 +191,35 @@ def test_retry_of_a_decode_leg_succeeds_until_the_decode_engine_gives_the_hold_u
 
 
 def test_params_naming_the_decode_engine_itself_are_refused(pair, client) -> None:
-    """The prefill leg sent to the decode engine (both legs on one engine): refused by name, its hold freed now."""
+    """Both legs on one engine (the prefill engine: it may hold, and load): the params name the engine that
+    would load them, refused by name, its hold freed now."""
     p, _ = pair
     prompt = "s" * 70
-    resp = _post(client, p.url("decode"), {"prompt": prompt, "max_tokens": 1,
-                                           "kv_transfer_params": {"do_remote_decode": True}})
-    refused, seconds = _decode(client, p, prompt, resp.json()["kv_transfer_params"])
-    assert _failed(refused) and seconds < 10.0
-    assert "is this engine: the request was prefilled here" in (p.log_dir / "decode.log").read_text()
-    assert wait_blocks_released(client, p.url("decode"), timeout_s=5) == 0.0  # not after the 30 s lease
+    resp = _post(client, p.url("prefill"), {"prompt": prompt, "max_tokens": 1,
+                                            "kv_transfer_params": {"do_remote_decode": True}})
+    body = {"prompt": prompt, "max_tokens": 4, "kv_transfer_params": resp.json()["kv_transfer_params"]}
+    start = time.monotonic()
+    refused = _post(client, p.url("prefill"), body)
+    assert _failed(refused) and time.monotonic() - start < 10.0
+    assert "is this engine: the request was prefilled here" in (p.log_dir / "prefill.log").read_text()
+    assert wait_blocks_released(client, p.url("prefill"), timeout_s=5) == 0.0  # not after the lease
+    _still_serving(p, client)
+
+
+def test_no_http_caller_can_make_the_decode_engine_hold_blocks(pair, client) -> None:
+    """``do_remote_decode`` sent to the decode engine (``role: decode``, as ``p2pkv launch`` starts it): answered
+    at once without a hold, the params saying why and naming the setting; nothing of its KV cache stays in use,
+    however many such requests come, and it keeps serving."""
+    p, _ = pair
+    for i in range(4):
+        resp = _post(client, p.url("decode"), {"prompt": f"pin the decode cache {i} " * 40, "max_tokens": 1,
+                                               "kv_transfer_params": {"do_remote_decode": True}})
+        assert resp.status_code == 200, resp.text
+        params = resp.json()["kv_transfer_params"]
+        assert params["do_remote_prefill"] is False and "role is decode" in params["p2pkv_no_hold"]
+        assert CAPABILITY_KEY not in params and "remote_block_ids" not in params
+    assert wait_blocks_released(client, p.url("decode"), timeout_s=5) == 0.0  # held by nobody, not for the lease
+    assert "answered without a hold: this engine's role is decode" in (p.log_dir / "decode.log").read_text()
     _still_serving(p, client)
 
 

@@ -259,7 +259,7 @@ def test_pod_dry_run_prints_the_command_with_the_connector_config(tmp_path, caps
     assert cmd[cmd.index("--max-model-len") + 1] == "512" and cmd[cmd.index("--host") + 1] == "0.0.0.0"
     assert ktc["kv_connector"] == "P2pKvConnector" and "kv_connector_module_path" not in ktc  # the plugin
     extra = ktc["kv_connector_extra_config"]
-    assert extra == {"side_channel_host": "127.0.0.1", "side_channel_port": side, "lease_s": 30}
+    assert extra == {"side_channel_host": "127.0.0.1", "side_channel_port": side, "lease_s": 30, "role": "decode"}
     assert "launch-test-secret" not in out and "dry run" in out
     assert "(from --side-channel-host)" in out and "warning: side channel on 127.0.0.1" in out
     assert "http://10.0.0.9:8000 must list this engine" in out and "--decode" in out

@@ -23,7 +23,8 @@ class EngineSpec:
         model: model directory or name.
         port: HTTP port of the OpenAI server.
         host: HTTP bind address.
-        role: ``"prefill"``, ``"decode"`` or ``None`` (no connector).
+        role: ``"prefill"``, ``"decode"`` or ``None`` (no connector); also p2pkv's ``role`` setting
+            (a decode engine holds no blocks for others; ``extra_config`` may say ``both``).
         side_channel_host: p2pkv side-channel address (P/D engines).
         side_channel_port: p2pkv side-channel base port (P/D engines).
         block_size: tokens per KV block.
@@ -82,7 +83,7 @@ class EngineSpec:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             return {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                     "kv_buffer_device": device, "kv_connector_extra_config": dict(self.extra_config)}
-        extra: dict[str, object] = {"side_channel_port": self.side_channel_port}
+        extra: dict[str, object] = {"side_channel_port": self.side_channel_port, "role": self.role}
         if self.side_channel_host:
             extra["side_channel_host"] = self.side_channel_host
         extra.update(self.extra_config)

@@ -1,0 +1,161 @@
+"""The prefill half of the connector's scheduler side: which finished requests hold their blocks for a decode
+engine, and the signed ``kv_transfer_params`` that say where they are.
+
+An engine holds blocks only when its role allows it (``role``: ``prefill`` or ``both``), and never more than
+``max_held_fraction`` of its KV cache at once: past that a request is answered without a hold (its params say
+so and the decode engine prefills it itself), so no caller of the engine's HTTP API can pin its cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from p2pkv.config import P2pKvConfig, Role
+from p2pkv.params import make_prefill_response_params, sign_params, wants_remote_decode
+from p2pkv.prefill.holds import HoldEnd
+from p2pkv.prefill.spans import emit_hold_span
+from p2pkv.telemetry.tracing import TRACEPARENT_KEY, Tracing, parse_traceparent, traces_endpoint
+
+logger = logging.getLogger("p2pkv.scheduler")
+
+Request = Any
+"""vLLM's ``vllm.v1.request.Request`` (this package does not import vLLM; :mod:`p2pkv.scheduler` does)."""
+
+NO_HOLD_KEY = "p2pkv_no_hold"
+"""``kv_transfer_params`` key of an answer given without a hold: why (the decode engine prefills the prompt)."""
+
+
+class PrefillScheduling:
+    """Holds for remote decodes, decided when a request finishes.
+
+    Args:
+        engine_id: this engine's id (named in the params it hands out).
+        config: p2pkv settings (``lease_s``, ``max_held_fraction``, tracing).
+        role: what this engine does (:func:`p2pkv.config.engine_role`); ``decode`` holds nothing.
+        host / port: where decode engines reach this engine's side channel (rank 0's port).
+        tp_size: this engine's tensor-parallel size.
+        secret: signs the params (None: an insecure deployment, unsigned params).
+        recompute_tokens: prompt tokens a decode engine computes itself (see
+            :class:`p2pkv.scheduler.SchedulerSide`); with any, the request's first
+            token is not handed to the client from here.
+        num_blocks: blocks of this engine's KV cache (None or 0: unknown, no cap).
+    """
+
+    def __init__(self, engine_id: str, config: P2pKvConfig, role: Role, host: str, port: int, tp_size: int,
+                 secret: bytes | None, recompute_tokens: int = 0, num_blocks: int | None = None) -> None:
+        self.engine_id = engine_id
+        self.config = config
+        self.role = role
+        self.host = host
+        self.port = port
+        self.tp_size = tp_size
+        self.recompute_tokens = recompute_tokens
+        self._secret = secret
+        self.max_held_blocks = (None if not num_blocks or num_blocks <= 0 else
+                                max(1, int(num_blocks * config.max_held_fraction)))
+        self._tracing = bool(traces_endpoint(config.otlp_traces_endpoint))
+        self._held: dict[str, int] = {}  # request id → blocks held, until the workers report it sent
+        self.leases: dict[str, float] = {}
+        self.blocks: dict[str, tuple[int, ...]] = {}
+        self.traces: dict[str, tuple[str, int]] = {}
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks held for remote decodes now."""
+        return sum(self._held.values())
+
+    def take(self) -> tuple[dict[str, float], dict[str, tuple[int, ...]], dict[str, tuple[str, int]]]:
+        """This step's new leases, their block ids and trace contexts (for the workers), then forgotten."""
+        out = self.leases, self.blocks, self.traces
+        self.leases, self.blocks, self.traces = {}, {}, {}
+        return out
+
+    def on_new_request(self, request: Request) -> None:
+        """Leave a request prefilled for a decode engine its last ``recompute_tokens`` to the decode engine."""
+        if self.recompute_tokens and self.role != "decode" and wants_remote_decode(request.kv_transfer_params):
+            leave_tail_to_decode(request, self.recompute_tokens)
+
+    def on_sent(self, request_ids: set[str] | frozenset[str]) -> None:
+        """The workers released these requests' holds (notified, released, expired): their blocks count no more."""
+        for request_id in request_ids:
+            self._held.pop(request_id, None)
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...],
+                         completed: bool) -> tuple[bool, dict[str, Any] | None]:
+        """Hold a finished request's blocks (every KV cache group's) for a decode engine and say where they are.
+
+        Args:
+            request: the finished request (its ``kv_transfer_params`` ask for a remote decode).
+            block_ids: its block ids per KV cache group, in token order (a sliding-window group's blocks
+                behind the window are vLLM's null block, id 0).
+            completed: it finished by length or stop (not aborted).
+
+        Returns:
+            ``(hold, params)``: ``hold`` True when the blocks stay allocated until the decode side's
+            notification or the lease (``lease_s``) ends; ``params`` the NixlConnector-compatible
+            ``kv_transfer_params`` for the decode engine, or, without a hold because of this engine's role or
+            cap, params saying so (:data:`NO_HOLD_KEY`: the decode engine prefills the prompt itself).
+        """
+        params = request.kv_transfer_params
+        if not completed:
+            self._trace_aborted(request, params)
+            return False, None  # aborted on the prefill side: free the blocks now
+        flat = tuple(b for group in block_ids for b in group)
+        if not any(flat):
+            return False, None
+        refusal = self._refusal(len(flat))
+        if refusal is not None:
+            logger.warning("p2pkv: request %s asks for a remote decode; answered without a hold: %s",
+                           request.request_id, refusal)
+            return False, {"do_remote_prefill": False, NO_HOLD_KEY: refusal}
+        self._held[request.request_id] = len(flat)
+        self.leases[request.request_id] = time.monotonic() + self.config.lease_s
+        self.blocks[request.request_id] = flat
+        if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
+            self.traces[request.request_id] = (trace, time.time_ns())
+        expiry = time.time() + self.config.lease_s
+        answer = make_prefill_response_params(
+            engine_id=self.engine_id, request_id=request.request_id, host=self.host, port=self.port,
+            block_ids=flat, group_sizes=tuple(len(g) for g in block_ids) if len(block_ids) > 1 else (),
+            tp_size=self.tp_size, num_tokens=request.num_computed_tokens, expiry_time=expiry,
+            first_token=self.recompute_tokens == 0)
+        return True, (sign_params(answer, self._secret, expiry) if self._secret else answer)
+
+    def _refusal(self, blocks: int) -> str | None:
+        """Why ``blocks`` more may not be held now (None: they may)."""
+        if self.role == "decode":
+            return ("this engine's role is decode (kv_connector_extra_config role, or kv_role kv_consumer): it "
+                    "holds no blocks for other engines; send prefill legs to a prefill engine")
+        cap = self.max_held_blocks
+        if cap is not None and self.held_blocks + blocks > cap:
+            return (f"{self.held_blocks} of this engine's blocks are already held for decode engines and {blocks} "
+                    f"more would pass max_held_fraction={self.config.max_held_fraction:g} ({cap} blocks); "
+                    "the decode engine prefills this prompt itself")
+        return None
+
+    def _trace_aborted(self, request: Request, params: dict[str, Any]) -> None:
+        """A request aborted on the prefill engine ends its hold before it began: a ``p2pkv.hold`` span of no
+        length, ended ``aborted`` (with tracing on and a trace context in its params)."""
+        if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
+            tracing = Tracing.get("p2pkv-prefill", traces_endpoint(self.config.otlp_traces_endpoint))
+            if tracing is not None:
+                emit_hold_span(tracing, request.request_id, trace, time.time_ns(), HoldEnd.ABORTED, self.engine_id,
+                               None, 0)
+
+
+def leave_tail_to_decode(request: Request, tokens: int) -> None:
+    """Drop the prompt's last ``tokens`` tokens from a request prefilled for a decode engine.
+
+    The decode engine computes them (see ``recompute_tokens``); the request then ends after one sampled token,
+    which no client should read (the proxy takes only ``kv_transfer_params`` from the prefill engine). A request
+    that skips the prefix cache (prompt logprobs) is left whole: the decode engine then refuses its params and
+    prefills it itself.
+    """
+    if request.prompt_token_ids is None or request.num_prompt_tokens <= tokens or request.skip_reading_prefix_cache:
+        return
+    del request.prompt_token_ids[-tokens:]
+    del request._all_token_ids[-tokens:]
+    request.num_prompt_tokens -= tokens
+    request.max_tokens = 1
