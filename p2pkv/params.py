@@ -20,10 +20,12 @@ the params through unchanged keep working.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import hmac
 import math
 import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +89,10 @@ class RemotePrefill:
             the client): the decode request's prompt is the prefill prompt
             plus these, and the decode engine computes them itself (tokens;
             0 when nothing was appended).
+        prompt_digest: :func:`prompt_digest` of the ``num_tokens`` prompt token ids
+            the prefill engine computed (``remote_prompt_digest``; "" when the
+            sender gave none): the decode engine loads only into a prompt that
+            starts with exactly those tokens.
         transfer_mode: ``kv_transfer_params.p2pkv_transfer_mode`` — ``"pull"``
             or ``"push"`` for this request (A/B comparisons, tests), or ``""``:
             the decode engine's ``transfer_mode`` decides. Not covered by the
@@ -103,6 +109,7 @@ class RemotePrefill:
     group_sizes: tuple[int, ...] = ()
     appended_tokens: int = 0
     transfer_mode: str = ""
+    prompt_digest: str = ""
 
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """``block_ids`` split into one tuple per KV cache group."""
@@ -141,6 +148,33 @@ def _text(params: dict[str, Any], key: str, pattern: re.Pattern[str] = ID_PATTER
         head = value[:SHOWN_CHARS].encode("ascii", "backslashreplace").decode()
         raise KVTransferParamsError(f"kv_transfer_params.{key}={head!r}{'...' if len(value) > SHOWN_CHARS else ''} "
                                     f"({len(value)} characters) must match {pattern.pattern}")
+    return value
+
+
+DIGEST_KEY = "remote_prompt_digest"
+"""``kv_transfer_params`` key of the prefill prompt's :func:`prompt_digest`."""
+DIGEST_FORM = re.compile(r"[0-9a-f]{32}")
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """SHA-256 (first 128 bits, hex) of prompt token ids as little-endian int64s: which tokens a hold's KV is of.
+
+    Raises:
+        OverflowError: a token id beyond int64 (no tokenizer makes one).
+    """
+    packed = array.array("q", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return hashlib.sha256(packed.tobytes()).hexdigest()[:32]
+
+
+def _digest(params: dict[str, Any]) -> str:
+    value = params.get(DIGEST_KEY)
+    if value is None:
+        return ""
+    if not isinstance(value, str) or not DIGEST_FORM.fullmatch(value):
+        raise KVTransferParamsError(f"kv_transfer_params.{DIGEST_KEY}={shown(value)} must be 32 lowercase hex "
+                                    "digits (the prefill engine's digest of the prompt it computed)")
     return value
 
 
@@ -260,6 +294,7 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None, now: f
         group_sizes=group_sizes,
         appended_tokens=_optional_int(params, "appended_tokens", 0, 0, MAX_APPENDED_TOKENS),
         transfer_mode=_transfer_mode(params),
+        prompt_digest=_digest(params),
     )
     if secret:
         _check_mac(remote, params[CAPABILITY_KEY], expiry, secret)
@@ -287,10 +322,15 @@ def capability_mac(remote: RemotePrefill, expiry: int, secret: bytes) -> str:
 
     The message is the msgpack encoding of a list (a label, engine id,
     request id, host, port, tp_size, block ids per KV cache group, token
-    count, expiry): one byte string per value, with no room for ambiguity.
+    count, appended tokens, prompt digest, expiry): one byte string per
+    value, with no room for ambiguity. Everything that decides what the KV
+    means is in it; the flags proxies and routers rewrite
+    (``do_remote_decode``, ``do_remote_prefill``), the transfer mode and the
+    trace context are not.
     """
-    fields = ["p2pkv kv_transfer_params v1", remote.engine_id, remote.request_id, remote.host, remote.port,
-              remote.tp_size, [list(g) for g in remote.groups()], remote.num_tokens, expiry]
+    fields = ["p2pkv kv_transfer_params v2", remote.engine_id, remote.request_id, remote.host, remote.port,
+              remote.tp_size, [list(g) for g in remote.groups()], remote.num_tokens, remote.appended_tokens,
+              remote.prompt_digest, expiry]
     return hmac.new(secret, msgspec.msgpack.encode(fields), hashlib.sha256).hexdigest()
 
 
@@ -351,6 +391,31 @@ def sign_params(params: dict[str, Any], secret: bytes, expiry: float) -> dict[st
     return params
 
 
+def with_appended_tokens(params: dict[str, Any], appended: int, secret: bytes | None,
+                         now: float | None = None) -> dict[str, Any]:
+    """A copy of a prefill engine's ``params`` saying the proxy appended ``appended`` tokens to the prompt, and,
+    with ``secret``, signed again (``appended_tokens`` is covered by the capability) with the same expiry.
+
+    Only params whose capability checks are signed again (the proxy is no signing oracle); others get the
+    count unsigned, which the decode engine refuses (it prefills the prompt itself).
+
+    Raises:
+        ValueError: ``appended`` outside ``0..MAX_APPENDED_TOKENS``.
+    """
+    if not 0 <= appended <= MAX_APPENDED_TOKENS:
+        raise ValueError(f"appended must be in 0..{MAX_APPENDED_TOKENS} tokens, got {appended}")
+    out = {**params, "appended_tokens": appended}
+    if not secret:
+        return out
+    try:
+        parse_remote_prefill(params, secret=secret, now=now)
+    except KVTransferParamsError:
+        return out
+    expiry = int(str(params[CAPABILITY_KEY]).split(".")[1])
+    out[CAPABILITY_KEY] = f"v1.{expiry}.{capability_mac(parse_remote_prefill(out, secret=None), expiry, secret)}"
+    return out
+
+
 def make_prefill_response_params(
     *,
     engine_id: str,
@@ -363,6 +428,7 @@ def make_prefill_response_params(
     expiry_time: float | None,
     group_sizes: Sequence[int] = (),
     first_token: bool = True,
+    prompt_digest: str = "",
 ) -> dict[str, Any]:
     """The params a prefill engine returns with a finished request (NixlConnector keys, plus p2pkv's).
 
@@ -373,6 +439,8 @@ def make_prefill_response_params(
     the client at once and append it to the decode request's prompt (see
     ``appended_tokens``); False when the engine computed only part of the
     prompt (an attention-window model, see ``recompute_tokens``).
+    ``prompt_digest``: :func:`prompt_digest` of the ``num_tokens`` prompt token
+    ids computed (sent as ``remote_prompt_digest`` when given).
     """
     return {
         "do_remote_prefill": True,
@@ -390,4 +458,5 @@ def make_prefill_response_params(
         "transfer_mode": "pull",
         "kv_connector": SENDER,
         "first_token": first_token,
+        **({DIGEST_KEY: prompt_digest} if prompt_digest else {}),
     }

@@ -156,17 +156,17 @@ def _remote(**kw: object) -> RemotePrefill:
 
 def test_decode_load_counts_tokens() -> None:
     """prompt_tokens: the request's prompt less the appended tokens; loaded_tokens: less ``recompute_tokens``."""
-    assert DecodeLoad.of(_remote(num_tokens=10), 10, 0, 1) == DecodeLoad(_remote(num_tokens=10), 10, 10)
-    assert DecodeLoad.of(_remote(num_tokens=9, appended_tokens=1), 11, 1, 1) == \
+    assert DecodeLoad.of(_remote(num_tokens=10), range(10), 0, 1) == DecodeLoad(_remote(num_tokens=10), 10, 10)
+    assert DecodeLoad.of(_remote(num_tokens=9, appended_tokens=1), range(11), 1, 1) == \
         DecodeLoad(_remote(num_tokens=9, appended_tokens=1), 10, 9)
-    assert DecodeLoad.of(_remote(), 1, 1, 1).loaded_tokens == 1  # a one-token prompt is loaded whole
+    assert DecodeLoad.of(_remote(), range(1), 1, 1).loaded_tokens == 1  # a one-token prompt is loaded whole
     with pytest.raises(KVTransferParamsError, match="appended_tokens"):
-        DecodeLoad.of(_remote(appended_tokens=3), 3, 0, 1)
+        DecodeLoad.of(_remote(appended_tokens=3), range(3), 0, 1)
     with pytest.raises(KVTransferParamsError, match="remote_num_tokens=10 but the prefill prompt has 9"):
-        DecodeLoad.of(_remote(num_tokens=10), 9, 0, 1)
+        DecodeLoad.of(_remote(num_tokens=10), range(9), 0, 1)
     with pytest.raises(KVTransferParamsError, match="computes all but the last 1"):
-        DecodeLoad.of(_remote(num_tokens=10), 10, 1, 1)
+        DecodeLoad.of(_remote(num_tokens=10), range(10), 1, 1)
     with pytest.raises(KVTransferParamsError, match="1 KV cache group"):
-        DecodeLoad.of(_remote(), 10, 0, 2)
+        DecodeLoad.of(_remote(), range(10), 0, 2)
     with pytest.raises(ValueError, match="loaded_tokens"):
         DecodeLoad(_remote(), 3, 4)

@@ -223,6 +223,27 @@ def test_no_http_caller_can_make_the_decode_engine_hold_blocks(pair, client) -> 
     _still_serving(p, client)
 
 
+def test_params_moved_to_another_prompt_are_prefilled_locally(pair, client) -> None:
+    """A's signed params sent with prompt B: of the same length (the prompt digest differs), or with more tokens
+    claimed as appended (appended_tokens is signed: altered, the capability fails). B is prefilled on the decode
+    engine and answered as one engine answers it; A's own pull then still works and frees its hold."""
+    p, _ = pair
+    a = "moved params " * 8
+    params = _prefill(client, p, a)
+    body = {"max_tokens": 6, "ignore_eos": True}
+    for other, extra in ((a.upper(), {}), (a + "x", {"appended_tokens": 1}), ("B" * 300 + a, {"appended_tokens": 300})):
+        resp, _ = _decode(client, p, other, {**params, **extra})
+        ref = _post(client, p.url("aggregated"), {"prompt": other, **body})
+        assert resp.status_code == 200 and _texts(resp.json()) == _texts(ref.json()), other[:20]
+    log = (p.log_dir / "decode.log").read_text()
+    assert "remote_prompt_digest does not match this request's first" in log
+    assert "p2pkv_capability does not match the params" in log
+    resp, _ = _decode(client, p, a, params)
+    assert resp.status_code == 200 and _texts(resp.json()) == _texts(_post(client, p.url("aggregated"),
+                                                                           {"prompt": a, **body}).json())
+    assert wait_blocks_released(client, p.url("prefill"), timeout_s=30) == 0.0
+
+
 HOSTILE = {
     "tp_size as text": lambda q: {**q, "tp_size": "two"},
     "huge tp_size": lambda q: {**q, "tp_size": 10**9},

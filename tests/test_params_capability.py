@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from p2pkv.decode.load import DecodeLoad
 from p2pkv.params import (
     CAPABILITY_KEY,
     CLOCK_SKEW_S,
@@ -15,7 +16,9 @@ from p2pkv.params import (
     KVTransferParamsError,
     make_prefill_response_params,
     parse_remote_prefill,
+    prompt_digest,
     sign_params,
+    with_appended_tokens,
 )
 
 SECRET = b"a-side-channel-secret-of-32-byte"
@@ -47,6 +50,8 @@ def test_signed_params_parse_and_carry_one_extra_field() -> None:
     ("remote_block_ids", [[3, 4, 8], [0, 0, 7]]),
     ("remote_block_ids", [[3, 4], [9, 0, 0, 7]]),  # same ids, other groups
     (CAPABILITY_KEY, "v1.1800000120." + "0" * 64),
+    ("appended_tokens", 1),  # which tokens the KV stands for: covered since the proxy signs what it appends
+    ("remote_prompt_digest", "0" * 32),
 ])
 def test_any_change_to_what_a_pull_uses_is_refused(key, value) -> None:
     with pytest.raises(KVTransferParamsError, match=CAPABILITY_KEY):
@@ -54,9 +59,38 @@ def test_any_change_to_what_a_pull_uses_is_refused(key, value) -> None:
 
 
 def test_fields_a_pull_does_not_use_may_change() -> None:
-    """A proxy appends its first token; routers may add their own keys: the capability still holds."""
-    params = {**_signed(), "appended_tokens": 1, "first_token": True, "x-router": "a"}
-    assert parse_remote_prefill(params, secret=SECRET, now=NOW).appended_tokens == 1
+    """Routers may rewrite the flags they own and add their own keys (llm-d's sidecar rewrites do_remote_decode /
+    do_remote_prefill, vLLM's router copies the params): the capability still holds."""
+    params = {**_signed(), "do_remote_decode": True, "do_remote_prefill": False, "first_token": True, "x-router": "a",
+              "p2pkv_transfer_mode": "push", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+    assert parse_remote_prefill(params, secret=SECRET, now=NOW).transfer_mode == "push"
+
+
+def test_the_proxy_signs_the_tokens_it_appends_and_nothing_else() -> None:
+    """with_appended_tokens: the appended count is signed again with the same expiry; params that do not check
+    are not signed (no signing oracle) and so are refused by the decode engine."""
+    params = _signed(prompt_digest=prompt_digest(range(90)))
+    appended = with_appended_tokens(params, 1, SECRET, now=NOW)
+    remote = parse_remote_prefill(appended, secret=SECRET, now=NOW)
+    assert remote.appended_tokens == 1 and remote.prompt_digest == prompt_digest(range(90))
+    assert appended[CAPABILITY_KEY].split(".")[1] == params[CAPABILITY_KEY].split(".")[1]
+    forged = with_appended_tokens({**params, "remote_port": 5601}, 1, SECRET, now=NOW)
+    with pytest.raises(KVTransferParamsError, match=CAPABILITY_KEY):
+        parse_remote_prefill(forged, secret=SECRET, now=NOW)
+    assert with_appended_tokens(params, 2, None)["appended_tokens"] == 2  # insecure: nothing to sign
+
+
+def test_the_load_checks_the_prompt_against_its_digest() -> None:
+    """Params of a 90-token prompt: loaded into a prompt starting with those 90 tokens (any continuation the
+    proxy appended), refused for any other prompt of the same length or with other content."""
+    ids = list(range(1000, 1090))
+    remote = parse_remote_prefill(with_appended_tokens(_signed(group_sizes=[], block_ids=[1, 2, 3],
+                                                               prompt_digest=prompt_digest(ids)), 1, SECRET, now=NOW),
+                                  secret=SECRET, now=NOW)
+    assert DecodeLoad.of(remote, [*ids, 7], 0, 1).loaded_tokens == 90
+    for other in ([*ids[:-1], 5, 7], [5, *ids[1:], 7], [*ids[::-1], 7]):
+        with pytest.raises(KVTransferParamsError, match="remote_prompt_digest does not match"):
+            DecodeLoad.of(remote, other, 0, 1)
 
 
 @pytest.mark.parametrize("capability", [None, "", 7, "v2.1.2", "v1.abc." + "0" * 64, "v1.1." + "0" * 63,

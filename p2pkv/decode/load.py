@@ -16,9 +16,10 @@ blocks reach vLLM as load errors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2pkv.params import KVTransferParamsError, RemotePrefill
+from p2pkv.params import DIGEST_KEY, KVTransferParamsError, RemotePrefill, prompt_digest
 
 
 @dataclass(frozen=True)
@@ -47,12 +48,13 @@ class DecodeLoad:
             raise ValueError(f"loaded_tokens={self.loaded_tokens} must be in 1..prompt_tokens={self.prompt_tokens}")
 
     @classmethod
-    def of(cls, remote: RemotePrefill, request_tokens: int, recompute_tokens: int, kv_groups: int) -> DecodeLoad:
-        """The load of ``remote``'s KV into a request with ``request_tokens`` prompt tokens.
+    def of(cls, remote: RemotePrefill, prompt_token_ids: Sequence[int], recompute_tokens: int,
+           kv_groups: int) -> DecodeLoad:
+        """The load of ``remote``'s KV into a request whose prompt is ``prompt_token_ids``.
 
         Args:
             remote: the request's parsed (and capability-checked) params.
-            request_tokens: this request's prompt length (tokens; the proxy's
+            prompt_token_ids: this request's prompt token ids (the proxy's
                 appended tokens included).
             recompute_tokens: trailing prompt tokens the decode engine
                 computes itself instead of loading (tokens; see
@@ -61,11 +63,13 @@ class DecodeLoad:
 
         Raises:
             KVTransferParamsError: the params belong to another prompt
-                (``appended_tokens`` leaves no prompt, or ``remote_num_tokens``
-                is not the tokens this engine would load), or name another
+                (``appended_tokens`` leaves no prompt, ``remote_num_tokens``
+                is not the tokens this engine would load, or the tokens it
+                would load are not those ``remote_prompt_digest`` names), or name another
                 number of KV cache groups than this engine has. The message
                 names the key.
         """
+        request_tokens = len(prompt_token_ids)
         prompt = request_tokens - remote.appended_tokens
         if prompt < 1:
             raise KVTransferParamsError(
@@ -79,6 +83,10 @@ class DecodeLoad:
             raise KVTransferParamsError(
                 f"kv_transfer_params.remote_num_tokens={remote.num_tokens} but {why}: the params belong to "
                 "another prompt (send each prompt with its own params)")
+        if remote.prompt_digest and prompt_digest(prompt_token_ids[:loaded]) != remote.prompt_digest:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.{DIGEST_KEY} does not match this request's first {loaded} prompt tokens: "
+                "the params belong to another prompt (send each prompt with its own params)")
         if len(remote.groups()) != kv_groups:
             raise KVTransferParamsError(
                 f"kv_transfer_params.remote_block_ids has {len(remote.groups())} KV cache group(s), this "

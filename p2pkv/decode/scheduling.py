@@ -106,7 +106,7 @@ class DecodeScheduling:
             remote = self._queued.get(request.request_id)
             if remote is None:
                 remote = self._parse(request)
-            return DecodeLoad.of(remote, len(request.prompt_token_ids or ()), self.recompute_tokens, self.kv_groups)
+            return DecodeLoad.of(remote, request.prompt_token_ids or (), self.recompute_tokens, self.kv_groups)
         except KVTransferParamsError as exc:
             self._refuse(request, exc)
             return None

@@ -303,7 +303,7 @@ class Proxy:
         token's bytes handed to the client.
         """
         writer = FirstTokenStream(path, body, first)
-        continuation = decode_body(path, body, first, params)
+        continuation = decode_body(path, body, first, params, self.secret)
         hand_over = None if trace is None else trace.first_token(params, first.finish_reason)
 
         async def stream() -> AsyncIterator[bytes]:

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from p2pkv.params import SENDER
+from p2pkv.params import SENDER, with_appended_tokens
 
 FirstTokenSource = Literal["prefill", "decode"]
 """Where a streaming request's first token comes from: the prefill engine's answer, or the decode engine."""
@@ -165,17 +165,19 @@ def read_first_token(path: str, body: dict[str, Any], answer: dict[str, Any]) ->
                       created=int(answer.get("created") or 0), model=str(answer.get("model") or ""))
 
 
-def decode_body(path: str, body: dict[str, Any], first: FirstToken, params: dict[str, Any]) -> dict[str, Any]:
+def decode_body(path: str, body: dict[str, Any], first: FirstToken, params: dict[str, Any],
+                secret: bytes | None = None) -> dict[str, Any]:
     """The decode engine's request: continue after ``first``.
 
     The prompt becomes the prefill prompt's token ids plus ``first.token_id``
     (completions: ``prompt``; chat: ``kv_transfer_params.prompt_token_ids``,
     which vLLM uses instead of rendering ``messages``), ``max_tokens`` one
-    less, and ``kv_transfer_params.appended_tokens`` 1.
+    less, and ``kv_transfer_params.appended_tokens`` 1, signed again with
+    ``secret`` (the capability covers it: :func:`p2pkv.params.with_appended_tokens`).
     """
     out = dict(body)
     ids = [*first.prompt_token_ids, first.token_id]
-    kv = {**params, "appended_tokens": 1}
+    kv = with_appended_tokens(params, 1, secret)
     if path == COMPLETIONS:
         out["prompt"] = ids
     else:
