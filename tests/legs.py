@@ -4,17 +4,28 @@ from __future__ import annotations
 
 import httpx
 
-from p2pkv.params import TRANSFER_MODE_KEY
+from p2pkv.params import CAPABILITY_KEY, DIGEST_KEY, TRANSFER_MODE_KEY, prompt_digest, sign_params
 from p2pkv.tools.demo import Answer
 
 
+def moved_to(client: httpx.Client, engine: str, params: dict, prompt: str, secret: str) -> dict:
+    """``params`` signed again with ``secret`` for ``prompt`` (its token ids as ``engine`` tokenizes them): what a
+    holder of the secret can do, and the negative controls do on purpose, to load one prompt's KV into another."""
+    ids = client.post(f"{engine}/tokenize", json={"model": "model", "prompt": prompt}).json()["tokens"]
+    expiry = int(params[CAPABILITY_KEY].split(".")[1])
+    moved = {k: v for k, v in params.items() if k != CAPABILITY_KEY}
+    moved[DIGEST_KEY] = prompt_digest(ids[:moved["remote_num_tokens"]])
+    return sign_params(moved, secret.encode(), expiry)
+
+
 def prefill_then_decode(client: httpx.Client, prefill: str, decode: str, prompt: str, max_tokens: int = 8,
-                        prefilled: str | None = None, mode: str = "") -> Answer:
+                        prefilled: str | None = None, mode: str = "", secret: str = "") -> Answer:
     """Prefill ``prefilled`` (default: ``prompt``) on one engine, then decode ``prompt`` on the other with its KV.
 
     Greedy, ``max_tokens`` tokens, with token ids and logprobs. ``mode``
     (``"pull"``/``"push"``): the decode leg asks for that direction
     (``kv_transfer_params.p2pkv_transfer_mode``); ``""``: the engine's setting.
+    With ``prefilled``, ``secret`` signs its params for ``prompt`` (:func:`moved_to`).
 
     Raises:
         httpx.HTTPStatusError: the decode engine answered an error.
@@ -23,6 +34,8 @@ def prefill_then_decode(client: httpx.Client, prefill: str, decode: str, prompt:
             "temperature": 0.0, "kv_transfer_params": {"do_remote_decode": True}}
     params = client.post(f"{prefill}/v1/completions", json=body).json()["kv_transfer_params"]
     assert params["do_remote_prefill"] is True
+    if prefilled is not None and prefilled != prompt:
+        params = moved_to(client, decode, params, prompt, secret)
     if mode:
         params = {**params, TRANSFER_MODE_KEY: mode}
     body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,

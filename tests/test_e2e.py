@@ -25,6 +25,7 @@ from p2pkv.tools.demo import (
     wait_blocks_released,
 )
 from tests.conftest import BLOCK, free_ports
+from tests.legs import moved_to
 
 pytestmark = pytest.mark.engines
 
@@ -92,7 +93,8 @@ def _decode(client: httpx.Client, url: str, prompt: str, params: dict) -> Answer
 
 
 def test_negative_control_wrong_kv_changes_output(route, client) -> None:
-    """Give the decode engine another prompt's KV: the comparison must catch it.
+    """Give the decode engine another prompt's KV (its params signed again for ``c``, as only a holder of the
+    secret can: the digest of the prompt would refuse them otherwise): the comparison must catch it.
 
     ``c`` is decoded with ``b``'s pulled KV; ``c`` is used nowhere else, so the
     wrong blocks the decode engine caches under ``c``'s prefix hash harm no
@@ -104,7 +106,7 @@ def test_negative_control_wrong_kv_changes_output(route, client) -> None:
     params_a = _prefill(client, p.url("prefill"), a)
     params_b = _prefill(client, p.url("prefill"), b)
     right = _decode(client, p.url("decode"), a, p.params(params_a))
-    wrong = _decode(client, p.url("decode"), c, p.params(params_b))
+    wrong = _decode(client, p.url("decode"), c, p.params(moved_to(client, p.url("decode"), params_b, c, p.secret)))
     ref_a = complete(client, p.url("aggregated"), a, max_tokens=8)
     ref_c = complete(client, p.url("aggregated"), c, max_tokens=8)
     assert right.token_ids == ref_a.token_ids and max_logprob_diff(right, ref_a) <= LOGPROB_TOLERANCE

@@ -348,7 +348,8 @@ def test_negative_control_other_kv_changes_the_answer(kind_pair, client) -> None
     kind, pair, _, _, _ = kind_pair
     a, b, c = ("a" * 50 + " first prompt", "b" * 50 + " other prompt", "c" * 50 + " third prompt")
     right = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), a, mode="push")
-    wrong = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), c, prefilled=b, mode="push")
+    wrong = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), c, prefilled=b, mode="push",
+                                secret=pair.secret)
     ref_a = complete(client, pair.url("prefill"), a, max_tokens=8)
     ref_c = complete(client, pair.url("prefill"), c, max_tokens=8)
     assert right.token_ids == ref_a.token_ids and max_logprob_diff(right, ref_a) <= TOLERANCE[kind]

@@ -360,7 +360,9 @@ def test_capability_covers_what_a_pull_uses(pair, client) -> None:
     changes = {"remote_engine_id": "other", "remote_request_id": "other", "remote_host": "localhost",
                "remote_port": params["remote_port"] + 1, "tp_size": 2,
                "remote_num_tokens": params["remote_num_tokens"] + 1,
-               "remote_block_ids": [[*params["remote_block_ids"][0][:-1], 7]]}
+               "remote_block_ids": [[*params["remote_block_ids"][0][:-1], 7]], "appended_tokens": 1,
+               "remote_prompt_digest": "0" * 32}
+    assert len(params["remote_prompt_digest"]) == 32
     for key, value in changes.items():
         with pytest.raises(ValueError, match=CAPABILITY_KEY):
             parse_remote_prefill({**params, key: value}, secret=secret)
