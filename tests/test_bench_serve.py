@@ -38,6 +38,7 @@ from p2pkv.tools.bench.serve_results import (
     SystemResult,
 )
 from p2pkv.tools.bench.serve_systems import DEFAULT_SYSTEMS, plan_groups
+from tests.conftest import port_range
 
 PROXY_BEFORE = """# HELP p2pkv_proxy_overhead_seconds Time the proxy itself adds
 # TYPE p2pkv_proxy_overhead_seconds histogram
@@ -369,7 +370,8 @@ def test_engine_spec_appends_extra_args() -> None:
 def _free_base_port() -> int:
     """A base port whose +0..+600 ports (step 100) and +601 are all free on 127.0.0.1."""
     for _ in range(200):
-        base = random.randrange(20000, 40000, 10)
+        low, high = port_range()
+        base = random.randrange(low, high - 700, 10)
         try:
             for off in (*range(0, 700, 100), 601):
                 with socket.socket() as s:
