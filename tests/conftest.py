@@ -15,6 +15,7 @@ import pytest
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that start engines run in one pytest-xdist worker (``--dist loadgroup``: they share the session's
     engines); GPU tests are skipped without a CUDA device."""
