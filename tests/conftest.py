@@ -15,13 +15,34 @@ import pytest
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
+ENGINE_MODULES = frozenset({
+    "tests/test_bench_serve.py", "tests/test_e2e.py", "tests/test_e2e_first_token.py", "tests/test_e2e_models.py",
+    "tests/test_e2e_tracing.py", "tests/test_hostile.py", "tests/test_launch.py",
+})
+"""Test modules with tests that start or use real engines (marked ``engines``): under pytest-xdist they all run
+in one worker, which starts the session's engines once (:func:`pytest_xdist_make_scheduler`)."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's load-scope scheduling with one scope for :data:`ENGINE_MODULES` and one per test elsewhere.
+
+    (xdist's own ``loadgroup`` marks do not reach pytest 9's node ids.)
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "engines" if nodeid.split("::")[0] in ENGINE_MODULES else nodeid
+
+    return EngineModulesTogether(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that start engines run in one pytest-xdist worker (``--dist loadgroup``: they share the session's
-    engines); GPU tests are skipped without a CUDA device."""
-    for item in items:
-        if "engines" in item.keywords:
-            item.add_marker(pytest.mark.xdist_group("engines"))
+    """A test marked ``engines`` outside :data:`ENGINE_MODULES` is a usage error (under xdist it would start a
+    second copy of the session's engines in another worker); GPU tests are skipped without a CUDA device."""
+    stray = sorted({i.nodeid.split("::")[0] for i in items if "engines" in i.keywords} - ENGINE_MODULES)
+    if stray:
+        raise pytest.UsageError(f"{', '.join(stray)} start engines: add them to ENGINE_MODULES in tests/conftest.py")
     try:
         import torch
 
