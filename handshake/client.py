@@ -6,7 +6,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Collection, Iterator
 
+import msgspec
 import zmq
 
 from handshake._net import configure_socket, tcp_endpoint
@@ -183,12 +185,12 @@ def _exchange(
 
 def _await_reply(sock: zmq.Socket, endpoint: str, frames: list[bytes], nonce: bytes,
                  checks: tuple[bytes | None, int] | None, timeout_s: float,
-                 cancel: threading.Event | None) -> list[bytes] | None:
+                 cancel: threading.Event | None, earlier: Collection[bytes] = ()) -> list[bytes] | None:
     """Send ``frames`` (the request with ``nonce``) on ``sock`` and wait up to ``timeout_s`` seconds for the
     reply: the first one, or with ``checks`` (secret, size limit: a long-lived connection) the first one that
-    decodes to a reply with that nonce (or none: a refusal of a request that did not decode) or does not
-    decode at all (the caller explains it); replies to earlier requests are skipped. None on timeout or
-    cancel, or when ZMQ's send queue is full.
+    decodes to a reply with that nonce or one of the ``earlier`` ones (or none: a refusal of a request that
+    did not decode) or does not decode at all (the caller explains it); replies to other earlier requests
+    are skipped. None on timeout or cancel, or when ZMQ's send queue is full.
 
     The socket is looked at once more after the deadline, so a reply that came in time is not lost because
     this thread got the CPU only later. Times are logged at DEBUG on ``p2pkv.handshake.timing``.
@@ -212,7 +214,7 @@ def _await_reply(sock: zmq.Socket, endpoint: str, frames: list[bytes], nonce: by
                 return None
             continue
         reply = sock.recv_multipart(zmq.NOBLOCK)
-        if checks is not None and not _answers(reply, nonce, *checks):
+        if checks is not None and not _answers(reply, {nonce, *earlier}, *checks):
             skipped += 1
             continue
         if timing_logger.isEnabledFor(logging.DEBUG):
@@ -222,13 +224,13 @@ def _await_reply(sock: zmq.Socket, endpoint: str, frames: list[bytes], nonce: by
         return reply
 
 
-def _answers(reply: list[bytes], nonce: bytes, secret: bytes | None, max_message_bytes: int) -> bool:
-    """True unless ``reply`` is a well-formed reply to another request than ``nonce``'s."""
+def _answers(reply: list[bytes], nonces: Collection[bytes], secret: bytes | None, max_message_bytes: int) -> bool:
+    """True unless ``reply`` is a well-formed reply to another request than those with ``nonces``."""
     try:
         answer = decode(reply, secret, max_message_bytes)
     except HandshakeError:
         return True  # the caller explains it
-    return not isinstance(answer, HoldsReply | PushReply | ErrorReply) or answer.nonce in (nonce, b"")
+    return not isinstance(answer, HoldsReply | PushReply | ErrorReply) or not answer.nonce or answer.nonce in nonces
 
 
 def _check_reply(
@@ -354,6 +356,7 @@ def query_holds(
     timeout_s: float = 1.0,
     cancel: threading.Event | None = None,
     link: HoldLink | None = None,
+    attempts: int = 1,
     *,
     engine_id: str,
     tp_rank: int,
@@ -363,6 +366,13 @@ def query_holds(
 
     With ``link`` (to ``host:port``) the question goes over that long-lived
     connection instead of a fresh one.
+
+    A question without a reply within ``timeout_s`` seconds is asked again,
+    as a new request (its own nonce and time), up to ``attempts`` times in
+    all; over ``link`` a reply to any of them answers it: the earlier ones
+    asked the same, so a reply that comes only while the next one waits is
+    as good (a busy host can hold either side's thread for longer than a
+    timeout).
 
     Returns:
         A :class:`HoldsReply`: ids ``expired``, ``not_held`` (released, or
@@ -374,7 +384,7 @@ def query_holds(
     """
     msgs = _hold_requests(HoldQuery, request_ids, block_ids, requester_engine_id, engine_id, tp_rank,
                           extend_s=extend_s)
-    return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel, link)
+    return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel, link, attempts)
 
 
 def release_holds(host: str, port: int, request_ids: list[str], block_ids: list[list[int]],
@@ -461,15 +471,22 @@ def _hold_requests(kind: type[HoldRequest], request_ids: list[str], block_ids: l
 
 def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes | None, timeout_s: float,
                    max_message_bytes: int, cancel: threading.Event | None,
-                   link: HoldLink | None = None) -> HoldsReply:
-    """Send each message, check each reply is this request's answer, and sum them."""
+                   link: HoldLink | None = None, attempts: int = 1) -> HoldsReply:
+    """Send each message (each up to ``attempts`` times, see :func:`query_holds`), check each reply is that
+    message's answer, and sum them."""
     endpoint = tcp_endpoint(host, port)
     ctx = zmq.Context.instance()  # shared: a heartbeat also fences every finished pull, so it must be cheap
     total = HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=0)
     for msg in msgs:
-        frames = encode(msg, secret)
-        reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
-                 _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel, secret, msg.nonce))
+        reply, nonces = None, []
+        for sent in _attempts(msg, attempts):
+            nonces.append(sent.nonce)
+            frames = encode(sent, secret)
+            reply = (link.exchange(frames, sent.nonce, secret, timeout_s, cancel, nonces[:-1]) if link is not None
+                     else _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel, secret,
+                                    sent.nonce))
+            if reply is not None or (cancel is not None and cancel.is_set()):
+                break
         if reply is None and cancel is not None and cancel.is_set():
             raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
         if reply is None:
@@ -478,15 +495,22 @@ def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes 
             raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint)
         answer = decode(reply, secret, max_message_bytes)
         if isinstance(answer, ErrorReply):
-            _check_refusal(answer, msg.nonce, endpoint)
+            _check_refusal(answer, answer.nonce if answer.nonce in nonces else nonces[-1], endpoint)
         if not isinstance(answer, HoldsReply):
             raise MalformedMessageError(f"{endpoint} answered with {type(answer).__name__}", field="type")
-        if answer.nonce != msg.nonce or answer.request_ids != msg.request_ids:
+        if answer.nonce not in nonces or answer.request_ids != msg.request_ids:
             raise MalformedMessageError(f"reply from {endpoint} answers another request", field="nonce")
         total = HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=total.accepted + answer.accepted,
                            expired=total.expired + answer.expired, not_held=total.not_held + answer.not_held,
                            unknown=total.unknown + answer.unknown)
     return total
+
+
+def _attempts(msg: HoldRequest, attempts: int) -> Iterator[HoldRequest]:
+    """``msg``, then up to ``attempts - 1`` copies of it, each with its own time and nonce."""
+    yield msg
+    for _ in range(attempts - 1):
+        yield msgspec.structs.replace(msg, **_fresh())
 
 
 class HoldLink:
@@ -514,15 +538,16 @@ class HoldLink:
         self._sock.connect(self.endpoint)
 
     def exchange(self, frames: list[bytes], nonce: bytes, secret: bytes | None, timeout_s: float,
-                 cancel: threading.Event | None) -> list[bytes] | None:
-        """Send ``frames``; the reply frames to them (matched by ``nonce``), or None on timeout or cancel.
+                 cancel: threading.Event | None, earlier: Collection[bytes] = ()) -> list[bytes] | None:
+        """Send ``frames``; the reply frames to them (matched by ``nonce``, or by one of the ``earlier``
+        nonces: requests this one asks again), or None on timeout or cancel.
 
-        Replies to earlier calls that timed out are skipped. A reply that
-        arrived within ``timeout_s`` seconds is taken even when this thread
-        gets to look only later (a busy host)."""
+        Replies to other earlier calls that timed out are skipped. A reply
+        that arrived within ``timeout_s`` seconds is taken even when this
+        thread gets to look only later (a busy host)."""
         with self._lock:
             return _await_reply(self._sock, self.endpoint, frames, nonce, (secret, self.max_message_bytes),
-                                timeout_s, cancel)
+                                timeout_s, cancel, earlier)
 
     def close(self) -> None:
         """Close the connection. Idempotent."""

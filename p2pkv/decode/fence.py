@@ -8,7 +8,10 @@ decode worker asks each prefill rank (one :class:`handshake.HoldQuery`
 per rank and step, off the engine thread, naming the request ids and the
 block ids read) twice: when it posts the READs, to fail a pull of blocks no
 longer held at once, and after the READs are done, to confirm the hold
-lasted through them. Only confirmed pulls reach vLLM.
+lasted through them. Only confirmed pulls reach vLLM. A question after the
+READ that gets no reply within the side channel's timeout is asked again
+(:data:`FENCE_ATTEMPTS` in all, in one call), and a reply to either answers
+it: one that comes late, while the next waits, is an answer all the same.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ if TYPE_CHECKING:
 
 FENCE_EXTEND_S = 10.0
 """Lease extension (seconds) a fence question asks for: the notification follows within a step."""
+
+FENCE_ATTEMPTS = 2
+"""Times a question after the READ is asked (each waiting ``timeout_s``) before the pull fails ``unconfirmed``;
+a reply to any of them answers it (:func:`handshake.query_holds`)."""
 
 
 class Phase(str, enum.Enum):
@@ -102,10 +109,11 @@ class Fence:
         ids = [r.pull.spec.remote.request_id for r, _ in entries]
         blocks = [list(r.pull.spec.remote.block_ids) for r, _ in entries]
         link = self.link(host, port)
+        attempts = FENCE_ATTEMPTS if any(phase is Phase.AFTER for _, phase in entries) else 1
         return self.background.call(f"p2pkv-fence-{host}:{port}", _timed, times, query_holds, host, port, ids,
                                     blocks, self.engine_id, FENCE_EXTEND_S, secret=self.secret,
-                                    timeout_s=self.timeout_s, link=link, engine_id=pid.engine_id,
-                                    tp_rank=pid.tp_rank, lane=f"{host}:{port}")
+                                    timeout_s=self.timeout_s, link=link, attempts=attempts,
+                                    engine_id=pid.engine_id, tp_rank=pid.tp_rank, lane=f"{host}:{port}")
 
     def link(self, host: str, port: int) -> HoldLink:
         """The long-lived connection to ``host:port`` (opened on first use; push requests share it)."""
@@ -138,9 +146,8 @@ class Fence:
             pull = read.pull
             if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
                 continue  # that attempt was abandoned
-            verdict = judge(phase, answer, read.unanswered, now - pull.started, grace_s)
+            verdict = judge(phase, answer, now - pull.started, grace_s)
             if verdict is Verdict.ASK_AGAIN:
-                read.unanswered += isinstance(answer, Exception)  # a busy prefill engine may miss one
                 self.add(read, phase)
             else:
                 out.append((read, verdict, answer))
@@ -177,20 +184,19 @@ class Verdict(str, enum.Enum):
     WAIT = "wait"
     """Nothing now: held when posted, or a question before the READ got no answer (the one after settles it)."""
     ASK_AGAIN = "ask_again"
-    """Ask again: no answer after the READ (once), or the prefill rank does not know the hold yet."""
+    """Ask again: the prefill rank does not know the hold yet."""
     CONFIRMED = "confirmed"
     """Held through the READ."""
     FAIL = "fail"
-    """Not held, expired, or unanswered twice: the pull fails (see :func:`failure_of`)."""
+    """Not held, expired, or no reply to the question after the READ (asked :data:`FENCE_ATTEMPTS` times):
+    the pull fails (see :func:`failure_of`)."""
 
 
-def judge(phase: Phase, answer: Hold | Exception, unanswered: int, waited_s: float, grace_s: float) -> Verdict:
-    """The verdict on ``answer`` to a ``phase`` question, after ``unanswered`` earlier questions got
-    none and ``waited_s`` seconds since the READ was posted (``UNKNOWN`` is retried for ``grace_s``)."""
+def judge(phase: Phase, answer: Hold | Exception, waited_s: float, grace_s: float) -> Verdict:
+    """The verdict on ``answer`` to a ``phase`` question, ``waited_s`` seconds after the READ was posted
+    (``UNKNOWN`` is asked again for ``grace_s``)."""
     if isinstance(answer, Exception):
-        if phase is Phase.BEFORE:
-            return Verdict.WAIT
-        return Verdict.ASK_AGAIN if unanswered < 1 else Verdict.FAIL
+        return Verdict.WAIT if phase is Phase.BEFORE else Verdict.FAIL
     if answer is Hold.UNKNOWN and waited_s < grace_s:
         return Verdict.ASK_AGAIN  # the prefill worker may not have been told of the hold yet
     if answer is not Hold.HELD:

@@ -54,7 +54,6 @@ class ReadPart:
         done: ``time.monotonic()`` when seen done (0: not yet).
         abandoned: given up (its pull failed or retried): no longer in flight, never done.
         confirmed: the prefill rank confirmed the lease held.
-        unanswered: fence questions after the READ that got no answer (one is asked again).
         push_id: in push mode, the push request's id (the prefill rank WRITEs
             instead: :mod:`p2pkv.decode.pushes`); ``b""`` for a READ.
         pushed_at / first_pushed_at: ``time.monotonic()`` when the (first) push request was sent.
@@ -74,7 +73,6 @@ class ReadPart:
     done: float = 0.0
     abandoned: bool = False
     confirmed: bool = False
-    unanswered: int = 0
     push_id: bytes = b""
     pushed_at: float = 0.0
     first_pushed_at: float = 0.0
