@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -29,6 +29,9 @@ PROTOCOL_VERSION = 6
   is a closed set.
 * 6: push: :class:`PushRequest` (a decode rank asks a prefill rank to WRITE a held request's
   blocks into its memory) and :class:`PushReply`.
+* 7: :class:`AgentInfo` declares its ``staging`` regions (memory outside the KV cache a peer may
+  WRITE into), so a prefill rank checks a push's target rows against the regions the requester
+  declared.
 """
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
@@ -137,6 +140,10 @@ class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             model, dtypes, KV cache groups, ...), compared field by field by
             the requester.
         layout: the KV memory description.
+        staging: registered memory outside the KV cache that a peer may WRITE
+            into (a decode rank's staging area, once it has registered one;
+            empty before). With ``layout.regions``, every byte a push may
+            write (:class:`PushRequest`).
     """
 
     engine_id: str
@@ -147,6 +154,7 @@ class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metadata_digest: bytes
     compat_hash: str
     layout: KVLayoutDesc
+    staging: list[KVRegion] = msgspec.field(default_factory=list)
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -163,7 +171,8 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
         to_rank: the tensor-parallel rank of the worker it is for.
         sent_at: when it was sent (seconds since the Unix epoch, the sender's clock).
         nonce: 16..64 random bytes, echoed in the reply.
-        requester_engine_id: the sending side's id (for logs).
+        requester_engine_id: the sending side's engine id (for logs; a
+            :class:`PushRequest`'s ``agent`` must be this engine's own).
     """
 
     protocol_version: int
@@ -323,6 +332,12 @@ class PushRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True
     ``target_rows`` of the agent in ``agent`` whose notification
     (``p2pkv:pushed:<push_id hex>``) reaches the sender after the bytes.
 
+    ``agent`` must be the sender's own: its ``engine_id`` is
+    ``requester_engine_id`` and its ``agent_name`` the name p2pkv gives that
+    engine's rank ``agent.tp_rank`` (``p2pkv-<engine id>-tp<rank>-<12 hex>``,
+    also the name inside its NIXL metadata), so one engine's request never
+    loads, replaces or writes into another engine's agent.
+
     Attributes:
         request_id: the prefill-side request id (``remote_request_id``).
         block_ids: every prefill block id of the hold (``remote_block_ids``, groups flattened).
@@ -331,7 +346,8 @@ class PushRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True
             against its digest before NIXL loads it; its layout).
         source_rows: the prefill rank's bytes to WRITE (:data:`Rows`).
         target_rows: where they land in the sender's registered memory (same
-            lengths row by row).
+            lengths row by row), each row inside one of the regions ``agent``
+            declares (``layout.regions`` or ``staging``, same device id).
         window_s: seconds from receipt within which the WRITE may start; past
             it the sender has given up (its blocks may be reused), so a WRITE
             not yet posted is dropped and one in flight cancelled.
