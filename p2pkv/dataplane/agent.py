@@ -102,9 +102,74 @@ def unique_agent_name(engine_id: str, tp_rank: int) -> str:
 
     NIXL keeps a remote name poisoned after bad metadata, and a restarted
     engine must not be confused with its previous life, so every agent gets
-    a fresh suffix.
+    a fresh suffix (12 hex digits).
     """
     return f"p2pkv-{engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:12]}"
+
+
+def is_agent_name_of(name: str, engine_id: str, tp_rank: int) -> bool:
+    """True when ``name`` is one :func:`unique_agent_name` gives rank ``tp_rank`` of ``engine_id``.
+
+    No other (engine id, rank) pair has such a name (the rank's digits run
+    from the last ``-tp`` to the 12-digit suffix), so a check of this binds an
+    agent name to one identity.
+    """
+    prefix = f"p2pkv-{engine_id}-tp{tp_rank}-"
+    suffix = name[len(prefix):]
+    return (tp_rank >= 0 and name.startswith(prefix) and len(suffix) == 12
+            and all(c in "0123456789abcdef" for c in suffix))
+
+
+_SERDES_AGENT = b"nixlSerDes|Agent"
+
+
+def metadata_agent_name(metadata: bytes) -> str | None:
+    """The agent name NIXL reads from serialized agent metadata, without loading it.
+
+    NIXL's metadata (``nixlSerDes``) opens with the tag ``Agent``, an 8-byte
+    little-endian length and the name; NIXL loads (or replaces) the remote
+    agent of that name, whatever the side channel said. Checked before
+    :meth:`NixlTransferAgent.add_peer` hands metadata to NIXL.
+
+    Returns:
+        The name, or None when the metadata does not open that way (or the
+        name is not UTF-8).
+    """
+    head = len(_SERDES_AGENT)
+    if not metadata.startswith(_SERDES_AGENT) or len(metadata) < head + 8:
+        return None
+    length = int.from_bytes(metadata[head:head + 8], "little")
+    end = head + 8 + length
+    if length > 4096 or len(metadata) <= end or metadata[end:end + 1] != b"|":
+        return None
+    try:
+        return metadata[head + 8:end].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def check_peer_info(info: AgentInfo) -> None:
+    """Check a peer's :class:`AgentInfo` before NIXL sees its metadata: the digest, and that the metadata
+    names the agent the side channel named (else NIXL would load it under another name, replacing that
+    agent's metadata).
+
+    Raises:
+        handshake.MetadataDigestError: the metadata does not match its digest.
+        TransferError: the metadata names another agent, or cannot be read.
+    """
+    verify_agent_info(info)
+    inside = metadata_agent_name(info.agent_metadata)
+    if inside != info.agent_name:
+        raise TransferError(f"peer metadata names agent {inside!r} but the side channel said {info.agent_name!r}"
+                            if inside is not None else
+                            f"peer metadata for {info.agent_name!r} does not start with the agent name "
+                            "(not NIXL metadata, or a NIXL version whose format p2pkv does not read)")
+
+
+PeerRole = Literal["prefill", "decode"]
+"""Why a worker loaded a remote agent: a ``prefill`` rank it pulls from (or asks to push), or a ``decode`` rank
+that asked it to push. One remote agent may be both (engines with ``role: both``); it leaves NIXL when neither
+needs it any more."""
 
 
 class NixlTransferAgent:
@@ -173,6 +238,7 @@ class NixlTransferAgent:
         self._reg_descs: list[object] = []
         self._mem_type = "DRAM"
         self._peers: dict[str, bytes] = {}  # remote agent name → digest of the metadata NIXL holds
+        self._roles: dict[str, set[PeerRole]] = {}  # remote agent name → why it is loaded
         self.registrations = 0
         """How many times memory was registered (a peer that writes here needs metadata newer than that)."""
         self._closed = False
@@ -215,41 +281,61 @@ class NixlTransferAgent:
         except Exception as exc:
             raise TransferError(f"NIXL get_agent_metadata of {self.name} failed: {exc}", exc) from exc
 
-    def add_peer(self, info: AgentInfo) -> str:
-        """Verify a peer's metadata digest, then load it into NIXL (again, when the peer's metadata changed:
-        NIXL then also knows memory it registered since, such as a decode rank's staging area).
+    def add_peer(self, info: AgentInfo, role: PeerRole = "prefill") -> str:
+        """Verify a peer's metadata (:func:`check_peer_info`), then load it into NIXL (again, when the peer's
+        metadata changed: NIXL then also knows memory it registered since, such as a decode rank's staging
+        area). Loading again while an xfer to that peer is in flight is the caller's to avoid.
+
+        Args:
+            info: the peer's :class:`AgentInfo`.
+            role: why it is loaded (:data:`PeerRole`); :meth:`remove_peer` with the same role undoes it.
 
         Returns:
             The remote agent name to pull from.
 
         Raises:
             handshake.MetadataDigestError: the metadata does not match its digest.
-            TransferError: NIXL refused the metadata.
+            TransferError: the metadata names another agent, or NIXL refused it.
         """
-        verify_agent_info(info)
+        check_peer_info(info)
         if self._peers.get(info.agent_name) == info.metadata_digest:
+            self._roles.setdefault(info.agent_name, set()).add(role)
             return info.agent_name  # known, same metadata (a new digest: it registered more memory, reloaded)
         try:
             name = self._agent.add_remote_agent(info.agent_metadata)
         except Exception as exc:
             raise TransferError(f"NIXL add_remote_agent for {info.agent_name} failed: {exc}", exc) from exc
         name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != info.agent_name:
-            self._agent.remove_remote_agent(name)
+        if name != info.agent_name:  # checked above; only a NIXL that reads its metadata otherwise gets here
+            if name not in self._peers:
+                self._agent.remove_remote_agent(name)
             raise TransferError(
                 f"peer metadata names agent {name!r} but the side channel said {info.agent_name!r}"
             )
         self._peers[name] = info.metadata_digest
+        self._roles.setdefault(name, set()).add(role)
         return name
 
-    def remove_peer(self, name: str) -> None:
-        """Forget a peer (after it disconnected or restarted). Idempotent."""
+    def remove_peer(self, name: str, role: PeerRole = "prefill") -> None:
+        """Forget a peer for ``role`` (after it disconnected, restarted or went idle); NIXL removes its remote
+        agent once no role needs it. Removing it while an xfer to it is in flight is the caller's to avoid.
+        Idempotent."""
+        roles = self._roles.get(name)
+        if roles is not None:
+            roles.discard(role)
+            if roles:
+                return
+            del self._roles[name]
         if name in self._peers:
             del self._peers[name]
             try:
                 self._agent.remove_remote_agent(name)
             except Exception as exc:
                 logger.warning("p2pkv: remove_remote_agent(%s) failed: %s", name, exc)
+
+    def peers(self, role: PeerRole | None = None) -> list[str]:
+        """The remote agents loaded in NIXL now (for ``role`` only, when given)."""
+        return [n for n in self._peers if role is None or role in self._roles.get(n, ())]
 
     def start_read(self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray,
                    notif: bytes = b"") -> XferHandle:
@@ -381,6 +467,7 @@ class NixlTransferAgent:
         if self._closed:
             return
         self._closed = True
+        self._roles.clear()
         for peer in list(self._peers):
             self.remove_peer(peer)
         for descs in self._reg_descs:

@@ -211,3 +211,53 @@ def check_rows_in_blocks(rows: np.ndarray, segments: Sequence[Segment], num_bloc
         bad = int(np.argmin(inside))
         raise PlanError(f"descriptor row {bad} ({int(addr[bad]):#x}, {int(length[bad])} B) is not inside the held "
                         f"blocks of this rank's KV cache")
+
+
+def check_rows_in_regions(rows: np.ndarray, regions: Sequence[tuple[int, int, int]]) -> None:
+    """Check that every byte descriptor rows name lies inside one of ``regions``, on its device.
+
+    What a prefill rank checks before it WRITEs into a decode rank (push):
+    the target rows must lie in memory the decode rank's :class:`handshake.AgentInfo`
+    declares (its KV cache regions and staging), so a request cannot aim a
+    WRITE anywhere else that agent registered. Overlapping or touching
+    regions of one device count as one. Vectorised over rows (numpy).
+
+    Args:
+        rows: uint64 ``[n, 3]`` ``(addr, bytes, device_id)``.
+        regions: ``(base address, length in bytes, device id)`` of each declared region.
+
+    Raises:
+        PlanError: a row of zero bytes, beyond 2**62, or with a byte outside every region of its device (the
+            first such row is named).
+    """
+    if rows.ndim != 2 or rows.shape[1] != 3:
+        raise PlanError(f"descriptor rows must be [n, 3], got shape {rows.shape}")
+    if not rows.shape[0]:
+        return
+    if int(rows.max()) >= 1 << 62 or int(rows[:, 1].min()) == 0:
+        raise PlanError("a descriptor row has zero bytes or an address/length/device beyond 2**62")
+    addr, length, device = (rows[:, i].astype(np.int64) for i in range(3))
+    inside = np.zeros(addr.size, dtype=bool)
+    devices = [int(device[0])] if (device == device[0]).all() else np.unique(device).tolist()
+    for dev in devices:
+        spans: list[list[int]] = []  # merged [start, end) of this device's regions, in address order
+        for base, size, _ in sorted(r for r in regions if r[2] == dev and r[1] > 0 and 0 <= r[0] < 1 << 62):
+            end = min(base + size, 1 << 62)
+            if spans and base <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], end)
+            else:
+                spans.append([base, end])
+        if not spans:
+            continue
+        starts = np.array([s for s, _ in spans], dtype=np.int64)
+        ends = np.array([e for _, e in spans], dtype=np.int64)
+        on = device == dev
+        idx = np.searchsorted(starts, addr[on], side="right") - 1
+        ok = idx >= 0
+        ok[ok] &= addr[on][ok] + length[on][ok] <= ends[idx[ok]]
+        inside[on] = ok
+    if not inside.all():
+        bad = int(np.argmin(inside))
+        raise PlanError(f"descriptor row {bad} ({int(addr[bad]):#x}, {int(length[bad])} B, device "
+                        f"{int(device[bad])}) is not inside the memory the agent declares (KV cache regions and "
+                        "staging)")

@@ -31,6 +31,9 @@ from p2pkv.prefill.leases import LeaseTable
 
 logger = logging.getLogger("p2pkv.prefill")
 
+PinAnswer = Literal["held", "expired", "not_held", "unknown"]
+"""What :meth:`PrefillHolds.pin` (and :meth:`PrefillHolds.check`) answer about a hold."""
+
 
 class HoldEnd(str, enum.Enum):
     """Why a hold ended."""
@@ -87,7 +90,18 @@ class PrefillHolds:
         """True while a request's blocks are held (or wait for a WRITE from them to end)."""
         return len(self.leases) > 0 or bool(self._deferred)
 
-    def pin(self, request_id: str, block_ids: list[int]) -> Literal["held", "expired", "not_held", "unknown"]:
+    def check(self, request_id: str, block_ids: list[int]) -> PinAnswer:
+        """Side-channel thread: what :meth:`pin` would answer now, changing nothing (a push request is checked
+        against its hold before anything is loaded or queued for it).
+
+        Returns:
+            ``"held"`` (it holds exactly ``block_ids``), or why not: ``"expired"`` (its lease ran out),
+            ``"not_held"`` (released, ending, or other block ids), ``"unknown"`` (never told to hold it).
+        """
+        with self._lock:
+            return self._answer(request_id, block_ids)
+
+    def pin(self, request_id: str, block_ids: list[int]) -> PinAnswer:
         """Side-channel thread: keep ``request_id``'s hold until :meth:`unpin`, if it holds exactly ``block_ids``.
 
         Returns:
@@ -96,16 +110,22 @@ class PrefillHolds:
             (never told to hold it).
         """
         with self._lock:
-            if request_id in self._expired or self._deferred.get(request_id) is HoldEnd.EXPIRED:
-                return "expired"
-            if request_id in self._released or request_id in self._deferred:
-                return "not_held"
-            if request_id not in self._blocks:
-                return "unknown"
-            if self._blocks[request_id] not in (None, frozenset(block_ids)):
-                return "not_held"
-            self._pins[request_id] = self._pins.get(request_id, 0) + 1
-            return "held"
+            answer = self._answer(request_id, block_ids)
+            if answer == "held":
+                self._pins[request_id] = self._pins.get(request_id, 0) + 1
+            return answer
+
+    def _answer(self, request_id: str, block_ids: list[int]) -> PinAnswer:
+        """:meth:`check`'s answer; the caller holds the lock."""
+        if request_id in self._expired or self._deferred.get(request_id) is HoldEnd.EXPIRED:
+            return "expired"
+        if request_id in self._released or request_id in self._deferred:
+            return "not_held"
+        if request_id not in self._blocks:
+            return "unknown"
+        if self._blocks[request_id] not in (None, frozenset(block_ids)):
+            return "not_held"
+        return "held"
 
     def unpin(self, request_id: str) -> None:
         """A WRITE from ``request_id``'s blocks has ended (or will never start); thread-safe."""
