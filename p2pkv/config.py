@@ -163,6 +163,15 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         push_max_queued: WRITEs a prefill rank lets wait for one decode rank;
             past it a push request is answered ``busy`` (the pull fails and
             vLLM recomputes per ``kv_load_failure_policy``).
+        push_max_agents: most decode ranks a prefill rank keeps loaded for
+            push (a NIXL remote agent and its WRITE queue each). A new decode
+            rank past it takes the place of the least recently used one with
+            no WRITE queued or in flight; when every one has, its push
+            request is answered ``busy``.
+        push_agent_idle_s: a decode rank with no WRITE queued or in flight
+            for this long (seconds) is unloaded from the prefill rank (its
+            next push request loads it again); one whose WRITE failed is
+            unloaded as soon as it has none.
     """
 
     side_channel_host: str = ""
@@ -197,6 +206,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transfer_mode: Literal["pull", "push", "auto"] = "auto"
     push_max_in_flight: int = 4
     push_max_queued: int = 256
+    push_max_agents: int = 256
+    push_agent_idle_s: float = 60.0
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.
@@ -290,6 +301,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                               f"{self.push_max_in_flight}")
         if not 1 <= self.push_max_queued <= 65536:
             raise ConfigError(f"push_max_queued must be 1..65536 (WRITEs per decode rank), got {self.push_max_queued}")
+        if not 1 <= self.push_max_agents <= 65536:
+            raise ConfigError(f"push_max_agents must be 1..65536 (decode ranks), got {self.push_max_agents}")
+        if self.push_agent_idle_s <= 0:
+            raise ConfigError(f"push_agent_idle_s must be > 0 seconds, got {self.push_agent_idle_s}")
 
 
 _FIELDS = P2pKvConfig.__struct_fields__

@@ -74,6 +74,7 @@ class WorkerSide:
         self.desc: KVLayoutDesc | None = None
         self.puller: Puller | None = None
         self.pusher: Pusher | None = None
+        self._stager: Stager | None = None
         self.holds = PrefillHolds(config.lease_s)
         self._secret = config.require_secret()  # before anything starts: no secret, no side channel
         self.stats = StatsBuffer()
@@ -118,7 +119,8 @@ class WorkerSide:
         m = self.model
         attn = attn_layout_of(first, m.num_kv_heads, m.block_size, m.kv_layout, m.attn_layout)
         self.desc = layout_desc(self.layout, m, attn, mem_type=mem_type, device_id=device_id)
-        stager = Stager(self.agent, tensors, self.layout, self.desc, int(self.config.staging_mib * 2**20))
+        stager = self._stager = Stager(self.agent, tensors, self.layout, self.desc,
+                                       int(self.config.staging_mib * 2**20))
         rank = LocalRank(self.engine_id, self.tp_rank, self.tp_size, self.layout, self.desc, device_id)
         self.puller = Puller(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m,
                              secret=self._secret)
@@ -128,6 +130,7 @@ class WorkerSide:
         secret = self._secret
         self.pusher = Pusher(self.agent, self.holds, self.layout, secret,
                              max_in_flight=self.config.push_max_in_flight, max_queued=self.config.push_max_queued,
+                             max_agents=self.config.push_max_agents, agent_idle_s=self.config.push_agent_idle_s,
                              poll_interval_s=self.config.pull_poll_interval_s or 0.0002,
                              on_start=lambda: bind_device(mem_type, device_id))
         if secret is None:
@@ -144,12 +147,14 @@ class WorkerSide:
                     self.layout.block_bytes, self.host, self.server.port)
 
     def _agent_info(self) -> AgentInfo:
-        """This rank's :class:`AgentInfo`: NIXL metadata of everything registered now, and the KV layout."""
+        """This rank's :class:`AgentInfo`: NIXL metadata of everything registered now, the KV layout, and the
+        staging area once registered (where a prefill rank may WRITE besides the KV cache)."""
         assert self.agent is not None and self.desc is not None
         meta = self.agent.metadata()
+        staging = self._stager.regions() if self._stager is not None else []
         return AgentInfo(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
                          agent_name=self.agent.name, agent_metadata=meta, metadata_digest=compute_digest(meta),
-                         compat_hash=self.compat_hash, layout=self.desc)
+                         compat_hash=self.compat_hash, layout=self.desc, staging=staging)
 
     def _on_transport(self, report: TransportReport) -> None:
         """UCX said how a peer's READs move: counted, and (``transfer_mode: auto``) the peer's direction.

@@ -44,8 +44,7 @@ MAX_LIFE_S = 170.0  # a prefill process never outlives this, whatever the test d
 
 def writes_left(pusher: Pusher) -> int:
     """WRITEs a prefill rank's pusher has queued or in flight."""
-    with pusher._lock:
-        return sum(map(len, pusher._queued.values())) + sum(map(len, pusher._in_flight.values()))
+    return pusher.writes_left()
 
 
 def shape(num_blocks: int) -> dict[str, int]:

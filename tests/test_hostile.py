@@ -379,16 +379,22 @@ def _usage_back_to(client: httpx.Client, url: str, usage: float, timeout_s: floa
     return kv_cache_usage(client, url) <= usage
 
 
-def test_the_secret_is_on_no_command_line_and_in_no_log(pair, client) -> None:
+def test_the_secret_is_on_no_command_line_and_in_no_log(launched, client) -> None:
     """vLLM logs its non-default arguments (the connector's extra config among them) and ``ps`` shows
     every command line: the secret reaches the engines and the proxy only through their environment."""
-    p, _ = pair
+    import psutil
+
+    p = launched.pair
     complete(client, p.url("proxy"), "one more request, so every process has logged something", 2)
-    assert p.children, "no processes"
-    for child in p.children:
-        cmdline = open(f"/proc/{child.proc.pid}/cmdline", "rb").read()  # noqa: SIM115
-        assert p.secret.encode() not in cmdline, f"the secret is on {child.name}'s command line"
-        assert p.secret not in child.log_path.read_text(errors="replace"), f"the secret is in {child.name}'s log"
+    processes = [psutil.Process(launched.proc.pid), *psutil.Process(launched.proc.pid).children(recursive=True)]
+    assert len(processes) >= 4, "the launcher, its engines and its proxy"
+    for proc in processes:
+        assert p.secret not in " ".join(proc.cmdline()), f"the secret is on {proc.name()}'s command line"
+    logs = sorted(p.log_dir.glob("*.log"))
+    assert {"prefill.log", "decode.log", "aggregated.log", "proxy.log"} <= {log.name for log in logs}
+    for log in logs:
+        assert p.secret not in log.read_text(errors="replace"), f"the secret is in {log}"
+    assert p.secret not in "".join(launched.lines), "the secret is in what the launcher printed"
 
 
 def test_nothing_left_held(route, client) -> None:

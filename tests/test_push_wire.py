@@ -14,17 +14,18 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 import zmq
 
 from handshake import (
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,
     HandshakeServer,
+    KVRegion,
     PushReply,
     PushRequest,
     RemoteRefusedError,
@@ -34,7 +35,7 @@ from handshake import (
 )
 from handshake._net import configure_socket
 from handshake.testing import make_agent_info
-from p2pkv.dataplane.agent import NixlTransferAgent
+from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
 from p2pkv.dataplane.layout import KVLayout, describe_torch_kv_caches
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, encode_pushed, parse_pushed
@@ -47,6 +48,7 @@ from tests.p2p_harness import writes_left
 HOST = "127.0.0.1"
 KEY = b"push-wire-test-secret"
 ENGINE = "prefill-engine"  # make_agent_info's engine id: the servers serve rank 0 of it
+DECODE = "decode-engine"  # the requester of every push request here
 NUM_BLOCKS = 16
 SHAPE = dict(num_layers=2, num_blocks=NUM_BLOCKS, num_heads=2, block_size=16, head_dim=8)
 PID = bytes(range(16))
@@ -147,7 +149,7 @@ def exchange(port: int, frames: list[bytes], secret: bytes | None = KEY, timeout
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     try:
-        configure_socket(sock, HOST, MAX_MESSAGE_BYTES, secret)
+        configure_socket(sock, HOST, secret=secret)
         sock.connect(f"tcp://{HOST}:{port}")
         sock.send_multipart(frames)
         assert sock.poll(int(timeout_s * 1000)), "no reply"
@@ -201,16 +203,26 @@ class Pair:
 def pair() -> Iterator[Pair]:
     source, views = make_kv_caches("BLHNC", seed=7, **SHAPE)
     target, decode_views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
-    prefill, dec = NixlTransferAgent("push-wire-prefill"), NixlTransferAgent("push-wire-decode")
+    prefill = NixlTransferAgent(unique_agent_name(ENGINE, 0))
+    dec = NixlTransferAgent(unique_agent_name(DECODE, 0))
     layout, decode_layout = describe_torch_kv_caches(views, NUM_BLOCKS), describe_torch_kv_caches(decode_views,
                                                                                                   NUM_BLOCKS)
     prefill.register(layout.regions, "DRAM")
     dec.register(decode_layout.regions, "DRAM")
     try:
-        yield Pair(prefill, dec, layout, decode_layout, source, target, loopback_info(dec))
+        yield Pair(prefill, dec, layout, decode_layout, source, target, decode_info_of(dec, decode_layout))
     finally:
         dec.close()
         prefill.close()
+
+
+def decode_info_of(agent: NixlTransferAgent, layout: KVLayout, engine_id: str = "decode-engine") -> AgentInfo:
+    """A decode rank's :class:`AgentInfo` as its worker sends it: rank 0 of ``engine_id``, ``agent``'s real NIXL
+    metadata, ``layout``'s segments as its regions."""
+    info = loopback_info(agent)
+    regions = [KVRegion(base_addr=seg.addr, length=NUM_BLOCKS * seg.block_stride) for seg in layout.segments]
+    return msgspec.structs.replace(info, engine_id=engine_id, layout=msgspec.structs.replace(info.layout,
+                                                                                            regions=regions))
 
 
 def descs(layout: KVLayout, ids: list[int]) -> np.ndarray:
@@ -267,8 +279,9 @@ def blocks_equal(pair: Pair, local: list[int], remote: list[int]) -> bool:
 
 
 def nothing_queued(pf: Prefill, pair: Pair) -> None:
-    """Refused: no pin, nothing pending, no byte written, no notification (waited for briefly)."""
+    """Refused: no pin, nothing pending, no agent loaded, no byte written, no notification (waited for briefly)."""
     assert pf.holds._pins == {} and writes_left(pf.pusher) == 0
+    assert pf.pusher.agents() == {} and pair.prefill.peers() == []
     assert pf.pusher.counters.accepted == 0
     time.sleep(0.05)
     assert pair.decode.take_notifs(PUSH_PREFIX) == []

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from handshake import KVLayoutDesc
+from handshake import KVLayoutDesc, KVRegion
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.blockmap import StagedRead
 from p2pkv.dataplane.layout import KVLayout, Region, Segment
@@ -81,11 +81,22 @@ class Stager:
                 self._bases[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         self._local_groups = page_groups(layout.segments, page_bytes(desc))
 
+    @property
+    def device_id(self) -> int:
+        """NIXL device id of the staging area (the GPU index; 0 for DRAM)."""
+        return (self.device.index or 0) if self.device.type == "cuda" else 0
+
+    def regions(self) -> list[KVRegion]:
+        """The staging area as :class:`handshake.AgentInfo` declares it (``staging``): one region once
+        registered (on first use), none before."""
+        if self._buffer is None:
+            return []
+        return [KVRegion(base_addr=self._buffer.data_ptr(), length=self._buffer.numel(), device_id=self.device_id)]
+
     def _area(self) -> torch.Tensor:
         if self._buffer is None:
             buf = torch.empty(self.arena.capacity, dtype=torch.uint8, device=self.device)
-            self.agent.register([Region(buf.data_ptr(), buf.numel())], self.agent.mem_type,
-                                self.device.index or 0 if self.device.type == "cuda" else 0)
+            self.agent.register([Region(buf.data_ptr(), buf.numel())], self.agent.mem_type, self.device_id)
             self._buffer = buf
         return self._buffer
 

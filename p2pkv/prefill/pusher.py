@@ -5,18 +5,30 @@ held request, its block ids and descriptor rows on both sides. The side-channel
 thread (:meth:`Pusher.on_push`) checks it and queues it; the pusher thread
 posts NIXL WRITEs, at most ``max_in_flight`` per decode rank, taking the
 decode ranks in turn (one slow or busy decode rank never starves another),
-polls them, and drops or cancels what the decode rank has given up on
-(``window_s``). The engine thread does none of this work.
+polls them, drops or cancels what the decode rank has given up on
+(``window_s``), and unloads decode ranks that have been idle
+(:mod:`p2pkv.prefill.agents`). The engine thread does none of this work.
 
-Checks, in order, before a WRITE is queued: the decode agent's metadata
-against its digest (:func:`handshake.verify_agent_info`, then NIXL loads
-it), the rows (``[n, 3]``, paired lengths), every source byte inside the
-held request's blocks (:func:`p2pkv.dataplane.plan.check_rows_in_blocks`),
-and the hold itself, which is then pinned (:meth:`p2pkv.prefill.holds.PrefillHolds.pin`):
-nothing ends it until the WRITE has ended, so a WRITE never reads blocks
-vLLM has been given back. The WRITE's NIXL notification
-(:func:`p2pkv.notification.encode_pushed`) reaches the decode rank after
-its bytes; a WRITE that never happens or fails is reported with a
+Checks, in order, before a WRITE is queued, each refusing with nothing
+loaded, pinned or queued: the rows (``[n, 3]``, paired lengths); the agent
+is the requester's own (its engine id the request's sender, its name the
+one p2pkv gives that engine's rank, :func:`p2pkv.dataplane.agent.is_agent_name_of`)
+and its metadata matches its digest and names that agent
+(:func:`p2pkv.dataplane.agent.check_peer_info`); every source byte inside
+the held request's blocks (:func:`p2pkv.dataplane.plan.check_rows_in_blocks`);
+every target byte inside the memory the agent declares
+(:func:`p2pkv.dataplane.plan.check_rows_in_regions`); the window; the hold
+itself (:meth:`p2pkv.prefill.holds.PrefillHolds.check`); room for the decode
+rank (``max_queued``, ``max_agents``: else ``busy``). Then the hold is pinned
+(:meth:`p2pkv.prefill.holds.PrefillHolds.pin`): nothing ends it until the
+WRITE has ended, so a WRITE never reads blocks vLLM has been given back.
+NIXL loads the decode agent then, on the side-channel thread, when that
+decode rank has nothing queued or in flight (so NIXL's refusal is the reply,
+``refused``); otherwise the pusher thread loads it again just before the
+WRITE, once no WRITE to its previous metadata is in flight (new metadata:
+staging registered since; a new agent name: the decode worker restarted).
+The WRITE's NIXL notification (:func:`p2pkv.notification.encode_pushed`)
+reaches the decode rank after its bytes; a WRITE that never happens or fails is reported with a
 "push_failed" notification instead.
 """
 
@@ -26,50 +38,29 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
-from handshake import PushRequest
+from handshake import AgentInfo, PushRequest
 from handshake.messages import PushStatus
-from p2pkv.dataplane.agent import NixlTransferAgent, XferHandle
+from p2pkv.dataplane.agent import NixlTransferAgent, check_peer_info, is_agent_name_of
 from p2pkv.dataplane.layout import KVLayout
-from p2pkv.dataplane.plan import PlanError, check_block_ids, check_rows_in_blocks
+from p2pkv.dataplane.plan import PlanError, check_block_ids, check_rows_in_blocks, check_rows_in_regions
 from p2pkv.notification import PushedNotification, encode_pushed
+from p2pkv.prefill.agents import Identity, PushAgent, PushAgents, PushJob
 from p2pkv.prefill.holds import PrefillHolds
+
+__all__ = ["PushCounters", "PushJob", "Pusher", "requester_identity", "take_in_turn"]
 
 logger = logging.getLogger("p2pkv.prefill")
 
+K = TypeVar("K", bound=Hashable)
 
-@dataclass(eq=False)
-class PushJob:
-    """One WRITE a decode rank asked for.
-
-    Attributes:
-        request_id: the held request (prefill-side id).
-        push_id: names the WRITE in its notification.
-        agent_name: the decode rank's NIXL agent.
-        source_rows / target_rows: uint64 ``[n, 3]`` rows (this rank's, the decode rank's).
-        received: ``time.monotonic()`` when the request arrived.
-        window_s: seconds from ``received`` within which it may start (and be in flight): the
-            request's ``window_s``, less the time it took to arrive and be handled (counted from its
-            ``sent_at``, so a request handled late never writes after the decode rank stopped waiting).
-        handle: the WRITE once posted.
-    """
-
-    request_id: str
-    push_id: bytes
-    agent_name: str
-    source_rows: np.ndarray
-    target_rows: np.ndarray
-    received: float
-    window_s: float
-    handle: XferHandle | None = None
-
-    def overdue(self, now: float) -> bool:
-        """Past its window: the decode rank has given up on it."""
-        return now > self.received + self.window_s
+SWEEP_S = 0.05
+"""How often (seconds, on the pusher's clock) the pusher thread looks for idle decode ranks to unload."""
 
 
 @dataclass
@@ -81,6 +72,7 @@ class PushCounters:
     written: int = 0
     failed: int = 0
     bytes: int = 0
+    unloaded: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
 
 
@@ -94,13 +86,17 @@ class Pusher:
         secret: the side-channel secret (signs the notifications), or None.
         max_in_flight: WRITEs in flight per decode rank at once.
         max_queued: WRITEs waiting per decode rank; more are answered ``busy``.
+        max_agents: decode ranks loaded at once (:class:`p2pkv.prefill.agents.PushAgents`).
+        agent_idle_s: seconds a decode rank with nothing queued or in flight stays loaded.
         poll_interval_s: how often (seconds) the thread polls WRITEs in flight.
         on_start: run first on the pusher thread (binds the KV cache's GPU).
+        clock: monotonic clock in seconds for windows and idle times (``time.monotonic``; tests pass a fake).
     """
 
     def __init__(self, agent: NixlTransferAgent, holds: PrefillHolds, layout: KVLayout, secret: bytes | None, *,
-                 max_in_flight: int = 4, max_queued: int = 256, poll_interval_s: float = 0.0002,
-                 on_start: Callable[[], None] | None = None) -> None:
+                 max_in_flight: int = 4, max_queued: int = 256, max_agents: int = 256, agent_idle_s: float = 60.0,
+                 poll_interval_s: float = 0.0002, on_start: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.agent = agent
         self.holds = holds
         self.layout = layout
@@ -110,14 +106,25 @@ class Pusher:
         self.poll_interval_s = poll_interval_s
         self.counters = PushCounters()
         self._on_start = on_start
+        self._clock = clock
         self._lock = threading.Lock()
+        self._nixl_lock = threading.Lock()  # decode agents' loads and removals (both threads); taken before _lock
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._queued: dict[str, collections.deque[PushJob]] = {}  # decode agent → jobs, in arrival order
-        self._in_flight: dict[str, list[PushJob]] = {}  # decode agent → WRITEs posted
-        self._turn: collections.deque[str] = collections.deque()  # decode agents, the next to post first
+        self._agents = PushAgents(max_agents, agent_idle_s, clock)
+        self._next_sweep = float("-inf")
         self._thread = threading.Thread(target=self._run, name="p2pkv-push", daemon=True)
         self._thread.start()
+
+    def agents(self) -> dict[Identity, str | None]:
+        """The decode ranks known now: identity → the agent name NIXL holds for it (None: not loaded yet)."""
+        with self._lock:
+            return {a.identity: a.loaded.agent_name if a.loaded is not None else None for a in self._agents.values()}
+
+    def writes_left(self) -> int:
+        """WRITEs queued, being posted or in flight, over every decode rank."""
+        with self._lock:
+            return sum(len(a.queued) + a.starting + len(a.in_flight) for a in self._agents.values())
 
     # ---- side-channel thread ----------------------------------------------------------
     def on_push(self, msg: PushRequest) -> tuple[PushStatus, str]:
@@ -144,32 +151,60 @@ class Pusher:
             return "refused", "source_rows/target_rows must be uint64 [n, 3] rows (24 bytes each)"
         if source.shape != target.shape or not np.array_equal(source[:, 1], target[:, 1]):
             return "refused", "source_rows and target_rows do not pair up row by row (count or lengths)"
+        identity, why = requester_identity(msg)
+        if identity is None:
+            return "refused", why
+        try:
+            check_peer_info(msg.agent)
+        except Exception as exc:
+            return "refused", f"agent: {exc}"
         try:
             check_block_ids(msg.block_ids, self.layout.num_blocks, "held")
             check_rows_in_blocks(source, self.layout.segments, self.layout.num_blocks, msg.block_ids)
         except PlanError as exc:
             return "refused", f"source_rows: {exc}"
-        with self._lock:
-            full = len(self._queued.get(msg.agent.agent_name, ())) >= self.max_queued
-        if full:
-            return "busy", f"{self.max_queued} WRITEs already wait for this decode rank; retry or pull"
+        declared = [(r.base_addr, r.length, r.device_id) for r in (*msg.agent.layout.regions, *msg.agent.staging)]
         try:
-            name = self.agent.add_peer(msg.agent)
-        except Exception as exc:
-            return "refused", f"agent: {exc}"
+            check_rows_in_regions(target, declared)
+        except PlanError as exc:
+            return "refused", f"target_rows: {exc}"
         window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - time.time())
         if window_s <= 0:  # the decode rank's wait, counted from when it sent the request, is over
             return "refused", "window_s passed before the request was handled (a busy side channel)"
-        held = self.holds.pin(msg.request_id, list(msg.block_ids))
+        block_ids = list(msg.block_ids)
+        held = self.holds.check(msg.request_id, block_ids)
         if held != "held":
             return held, ""
-        job = PushJob(msg.request_id, msg.push_id, name, source, target, time.monotonic(), window_s)
-        with self._lock:
-            if name not in self._queued:
-                self._queued[name] = collections.deque()
-                self._in_flight[name] = []
-                self._turn.append(name)
-            self._queued[name].append(job)
+        job = PushJob(msg.request_id, msg.push_id, msg.agent.agent_name, source, target, self._clock(), window_s,
+                      msg.agent)
+        with self._lock:  # room, pin and queue at once: the pusher thread sees all of it or none
+            known = self._agents.get(identity)
+            if known is not None and len(known.queued) >= self.max_queued:
+                return "busy", f"{self.max_queued} WRITEs already wait for this decode rank; retry or pull"
+            if not self._agents.has_room(identity):
+                return "busy", (f"{self._agents.max_agents} decode ranks already have WRITEs queued or in flight "
+                                "here (push_max_agents); retry or pull")
+            held = self.holds.pin(msg.request_id, block_ids)
+            if held != "held":  # ended since the check
+                return held, ""
+            entry = self._agents.admit(identity)
+            assert entry is not None  # has_room, under the same lock
+            load_now = entry.idle and not _same(entry.loaded, msg.agent)
+            if load_now:  # nothing of it queued or in flight: loaded here, so a refusal is the reply
+                entry.starting += 1
+            else:  # loaded (again) by the pusher thread before this WRITE, once none is in flight
+                entry.queued.append(job)
+        if load_now:
+            ready, why = self._load(entry, msg.agent)
+            with self._lock:
+                entry.starting -= 1
+                if ready:
+                    entry.queued.append(job)
+                else:
+                    entry.broken = True
+            if not ready:
+                self.holds.unpin(msg.request_id)
+                return "refused", why
         self._wake.set()
         return "accepted", ""
 
@@ -179,7 +214,7 @@ class Pusher:
             self._on_start()
         while not self._stop.is_set():
             try:
-                busy = self._cycle(time.monotonic())
+                busy = self._cycle(self._clock())
             except Exception:
                 logger.exception("p2pkv: the push thread failed a cycle")
                 busy = True
@@ -190,48 +225,125 @@ class Pusher:
             self._wake.clear()
 
     def _cycle(self, now: float) -> bool:
-        """Drop overdue jobs, post what fits (decode agents in turn), poll WRITEs in flight; True while any is."""
+        """Unload evicted decode agents, post what fits (decode agents in turn), poll WRITEs in flight; True
+        while any is queued or in flight."""
+        self._unload(now)
         self._post_in_turn(now)
         with self._lock:
-            posted = [(name, job) for name, jobs in self._in_flight.items() for job in jobs]
-        for name, job in posted:
-            if self._poll(job, now):
+            posted = [(agent, job) for agent in self._agents.values() for job in agent.in_flight]
+        for agent, job in posted:
+            if self._poll(agent, job, now):
                 with self._lock:
-                    self._in_flight[name].remove(job)
+                    agent.in_flight.remove(job)
+                    self._agents.touch(agent)
         with self._lock:
-            return any(self._in_flight.values()) or any(self._queued.values())
+            return any(not a.idle for a in self._agents.values())
+
+    def _unload(self, now: float) -> None:
+        """Evict idle (or broken) decode agents now and then; remove every evicted one's agent from NIXL."""
+        with self._lock:
+            if now >= self._next_sweep:
+                self._next_sweep = now + SWEEP_S
+                self._agents.evict_idle()
+        with self._nixl_lock:
+            self._apply_unloads()
+
+    def _apply_unloads(self) -> None:
+        """Remove the evicted decode agents from NIXL (they have nothing in flight); the caller holds the NIXL
+        lock, so no load of the same name runs meanwhile (a name an entry has loaded again is kept)."""
+        with self._lock:
+            names = self._agents.take_unloads()
+            self.counters.unloaded += len(names)
+        for name in names:
+            self.agent.remove_peer(name, "decode")
 
     def _post_in_turn(self, now: float) -> None:
-        """Post what fits now: decode agents in turn (:func:`take_in_turn`), each up to ``max_in_flight``."""
+        """Post what fits now: decode agents in turn (:func:`take_in_turn`), each up to ``max_in_flight``,
+        each one's agent loaded (or reloaded, once nothing is in flight to it) before its WRITE; WRITEs that
+        must wait for a reload go back to the front of their queue, in order."""
         with self._lock:
-            order = list(self._turn)
-            self._turn.rotate(-1)  # the next cycle starts with the next agent
-            flying = {name: len(jobs) for name, jobs in self._in_flight.items()}
-            taken = take_in_turn(self._queued, flying, order, self.max_in_flight)
-        for name, job in taken:
+            agents = {a.identity: a for a in self._agents.values()}
+            flying = {i: len(a.in_flight) + a.starting for i, a in agents.items()}
+            taken = take_in_turn({i: a.queued for i, a in agents.items()}, flying, self._agents.order(),
+                                 self.max_in_flight)
+            for identity, _ in taken:
+                agents[identity].starting += 1
+        deferred: dict[Identity, list[PushJob]] = {}
+        for identity, job in taken:
+            agent = agents[identity]
+            posted = False
+            if identity in deferred:
+                deferred[identity].append(job)
+                continue
             if job.overdue(now):
-                self._finish(job, "the decode rank's window passed before the WRITE could start")
-            elif self._start(job):
-                with self._lock:
-                    self._in_flight[name].append(job)
+                if agent.loaded is None:  # loaded only to tell the decode rank (a notification needs its agent)
+                    assert job.info is not None
+                    self._load(agent, job.info)
+                self._finish(agent, job, "the decode rank's window passed before the WRITE could start")
+            else:
+                assert job.info is not None
+                ready, why = self._load(agent, job.info)
+                if ready is None:
+                    deferred[identity] = [job]
+                    continue
+                if not ready:
+                    self._finish(agent, job, why, broken=True)
+                else:
+                    posted = self._start(agent, job)
+            with self._lock:
+                agent.starting -= 1
+                if posted:
+                    agent.in_flight.append(job)
+        with self._lock:
+            for identity, jobs in deferred.items():
+                agents[identity].queued.extendleft(reversed(jobs))
+                agents[identity].starting -= len(jobs)
 
-    def _start(self, job: PushJob) -> bool:
+    def _load(self, agent: PushAgent, info: AgentInfo) -> tuple[bool | None, str]:
+        """Make NIXL hold ``info``'s metadata for ``agent`` (evicted agents removed first): ``(True, "")``
+        when it does, ``(None, "")`` when a WRITE to the agent's current metadata is still in flight (loaded
+        again only after it), ``(False, why)`` when NIXL refused it. Either thread; loads and removals of
+        decode agents are serialised (the NIXL lock)."""
+        if _same(agent.loaded, info):
+            return True, ""
+        with self._lock:
+            if agent.in_flight:
+                return None, ""
+        with self._nixl_lock:
+            self._apply_unloads()
+            loaded = agent.loaded
+            if loaded is not None and loaded.agent_name != info.agent_name:  # a restarted decode worker
+                self.agent.remove_peer(loaded.agent_name, "decode")
+                with self._lock:
+                    agent.loaded = None
+            try:
+                self.agent.add_peer(info, "decode")
+            except Exception as exc:
+                self.agent.remove_peer(info.agent_name, "decode")
+                with self._lock:
+                    agent.loaded = None
+                return False, f"agent: {exc}"
+            with self._lock:
+                agent.loaded = info
+        return True, ""
+
+    def _start(self, agent: PushAgent, job: PushJob) -> bool:
         """Post ``job``'s WRITE; False (and the job finished as failed) when NIXL refused it."""
         notif = encode_pushed(PushedNotification(job.push_id, True), self.secret)
         try:
             job.handle = self.agent.start_write(job.agent_name, job.source_rows, job.target_rows, notif)
         except Exception as exc:
-            self._finish(job, f"WRITE could not start: {exc}")
+            self._finish(agent, job, f"WRITE could not start: {exc}", broken=True)
             return False
         return True
 
-    def _poll(self, job: PushJob, now: float) -> bool:
+    def _poll(self, agent: PushAgent, job: PushJob, now: float) -> bool:
         """Poll one WRITE; True once it has ended (done, failed, or cancelled past its window)."""
         assert job.handle is not None
         try:
             done = self.agent.poll(job.handle)
         except Exception as exc:
-            self._finish(job, f"WRITE failed: {exc}")
+            self._finish(agent, job, f"WRITE failed: {exc}", broken=True)
             return True
         if done:
             with self._lock:
@@ -240,40 +352,68 @@ class Pusher:
             self.holds.unpin(job.request_id)
             return True
         if job.overdue(now) and self.agent.cancel(job.handle):
-            self._finish(job, "WRITE cancelled: still in flight when the decode rank's window passed")
+            self._finish(agent, job, "WRITE cancelled: still in flight when the decode rank's window passed")
             return True
         return False  # not cancelled (still active): polled until it ends, the hold kept meanwhile
 
-    def _finish(self, job: PushJob, why: str) -> None:
-        """A job that wrote nothing (or failed): unpin its hold, tell the decode rank (best effort)."""
+    def _finish(self, agent: PushAgent, job: PushJob, why: str, broken: bool = False) -> None:
+        """A job that wrote nothing (or failed): unpin its hold, tell the decode rank (best effort); ``broken``:
+        the agent itself failed (unloaded as soon as it is idle)."""
         with self._lock:
             self.counters.failed += 1
+            agent.broken = agent.broken or broken
         self.holds.unpin(job.request_id)
-        logger.warning("p2pkv: push of request %s to %s: %s", job.request_id[:64], job.agent_name, why)
+        logger.warning("p2pkv: push of request %s to %s: %s", job.request_id[:64], job.agent_name[:96], why)
         try:
             self.agent.send_notif(job.agent_name, encode_pushed(PushedNotification(job.push_id, False, why),
                                                                 self.secret))
         except Exception as exc:
-            logger.debug("p2pkv: push_failed notification to %s not sent: %s", job.agent_name, exc)
+            logger.debug("p2pkv: push_failed notification to %s not sent: %s", job.agent_name[:96], exc)
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Stop the thread; queued WRITEs are dropped, WRITEs in flight cancelled (best effort). Idempotent."""
+        """Stop the thread; queued WRITEs are dropped, WRITEs in flight cancelled (best effort), the decode
+        agents removed from NIXL. Idempotent."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
         with self._lock:
-            jobs = [j for q in self._queued.values() for j in q] + [j for f in self._in_flight.values() for j in f]
-            self._queued.clear()
-            self._in_flight.clear()
-            self._turn.clear()
+            agents = self._agents.clear()
+            jobs = [j for a in agents for j in (*a.queued, *a.in_flight)]
+            for agent in agents:
+                agent.queued.clear()
+                agent.in_flight.clear()
         for job in jobs:
             if job.handle is not None:
                 self.agent.cancel(job.handle)
             self.holds.unpin(job.request_id)
+        with self._nixl_lock:
+            self._apply_unloads()
 
 
-def take_in_turn(queued: dict[str, collections.deque[PushJob]], in_flight: dict[str, int], order: list[str],
-                 limit: int) -> list[tuple[str, PushJob]]:
+def requester_identity(msg: PushRequest) -> tuple[Identity | None, str]:
+    """The decode rank a push request comes from, ``(engine id, tp rank)``, if its agent is its own.
+
+    Its agent's ``engine_id`` must be the request's ``requester_engine_id``
+    and its ``agent_name`` one p2pkv gives rank ``agent.tp_rank`` of that
+    engine (``p2pkv-<engine id>-tp<rank>-<12 hex>``), so a request loads,
+    replaces and writes into only its own engine's agents.
+
+    Returns:
+        ``(identity, "")``, or ``(None, why)`` naming the field.
+    """
+    info = msg.agent
+    if info.engine_id != msg.requester_engine_id:
+        return None, (f"agent.engine_id {info.engine_id[:64]!r} is not the requester's engine id "
+                      f"{msg.requester_engine_id[:64]!r}: a push writes only into the requester's own agent")
+    if not 0 <= info.tp_rank < info.tp_size or not is_agent_name_of(info.agent_name, info.engine_id, info.tp_rank):
+        return None, (f"agent.agent_name {info.agent_name[:96]!r} is not the agent of rank {info.tp_rank} (of "
+                      f"{info.tp_size}) of engine {info.engine_id[:64]!r} (p2pkv-<engine id>-tp<rank>-<12 hex>): "
+                      "a push writes only into the requester's own agent")
+    return (info.engine_id, info.tp_rank), ""
+
+
+def take_in_turn(queued: dict[K, collections.deque[PushJob]], in_flight: dict[K, int], order: list[K],
+                 limit: int) -> list[tuple[K, PushJob]]:
     """Which queued WRITEs to post now, in posting order: one per decode agent per round, agents in ``order``,
     until each agent has ``limit`` in flight or nothing queued (round-robin, so one busy decode rank never
     starves another). Pops what it takes from ``queued``.
@@ -285,7 +425,7 @@ def take_in_turn(queued: dict[str, collections.deque[PushJob]], in_flight: dict[
         limit: most WRITEs in flight per agent.
     """
     flying = {name: in_flight.get(name, 0) for name in order}
-    taken: list[tuple[str, PushJob]] = []
+    taken: list[tuple[K, PushJob]] = []
     while True:
         round_ = [name for name in order if queued.get(name) and flying[name] < limit]
         if not round_:
@@ -293,6 +433,12 @@ def take_in_turn(queued: dict[str, collections.deque[PushJob]], in_flight: dict[
         for name in round_:
             taken.append((name, queued[name].popleft()))
             flying[name] += 1
+
+
+def _same(loaded: AgentInfo | None, info: AgentInfo) -> bool:
+    """``loaded`` is ``info``'s agent with the same metadata."""
+    return loaded is not None and (loaded.agent_name, loaded.metadata_digest) == (info.agent_name,
+                                                                                 info.metadata_digest)
 
 
 def _rows(data: bytes) -> np.ndarray | None:

@@ -1,0 +1,244 @@
+"""Push mode over real NIXL agents: a push request loads, replaces and writes into only its requester's own
+agent, only inside the memory that agent declares, loads nothing for a request it refuses, and the decode
+agents a prefill rank loads leave NIXL when idle.
+
+Two real NIXL agents in this process (UCX over loopback) behind a real side channel and
+:class:`p2pkv.prefill.pusher.Pusher`. What NIXL has loaded is asked of NIXL itself
+(``check_remote_metadata``). The same rules at scale, and with WRITEs held in flight, are in
+``tests/test_push_agents.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from handshake import AgentInfo, KVRegion, PushReply, compute_digest, request_push
+from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
+from p2pkv.dataplane.layout import KVLayout, Region, describe_torch_kv_caches
+from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
+from p2pkv.prefill.holds import PrefillHolds
+from p2pkv.prefill.pusher import Pusher
+from p2pkv.tools.bench.synth import make_kv_caches
+from tests.test_push_wire import ENGINE, HOST, KEY, NUM_BLOCKS, SHAPE, _server, decode_info_of, descs
+
+VICTIM = "decode-engine"
+ATTACKER = "attacker-engine"
+
+
+@dataclass
+class Agents:
+    """A prefill agent with a KV cache (random values), a decode agent with a zeroed one, both registered."""
+
+    prefill: NixlTransferAgent
+    decode: NixlTransferAgent
+    layout: KVLayout
+    decode_layout: KVLayout
+    source: torch.Tensor
+    target: torch.Tensor
+    spare: torch.Tensor  # more memory of the decode rank (registered by the tests that need it)
+
+    def info(self, staging: list[KVRegion] | None = None) -> AgentInfo:
+        """The decode rank's AgentInfo now (its current NIXL metadata)."""
+        return msgspec.structs.replace(decode_info_of(self.decode, self.decode_layout, VICTIM),
+                                       staging=staging or [])
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[Agents]:
+    source, views = make_kv_caches("BLHNC", seed=11, **SHAPE)
+    target, decode_views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
+    prefill = NixlTransferAgent(unique_agent_name(ENGINE, 0))
+    dec = NixlTransferAgent(unique_agent_name(VICTIM, 0))
+    layout, decode_layout = (describe_torch_kv_caches(v, NUM_BLOCKS) for v in (views, decode_views))
+    prefill.register(layout.regions, "DRAM")
+    dec.register(decode_layout.regions, "DRAM")
+    try:
+        yield Agents(prefill, dec, layout, decode_layout, source, target, torch.zeros(1 << 16, dtype=torch.uint8))
+    finally:
+        dec.close()
+        prefill.close()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Prefill:
+    holds: PrefillHolds
+    pusher: Pusher
+    port: int
+    clock: FakeClock
+
+
+@pytest.fixture
+def prefill(agents: Agents) -> Iterator[Prefill]:
+    agents.target.zero_()
+    agents.spare.zero_()
+    agents.decode.take_notifs(PUSH_PREFIX)
+    holds, clock = PrefillHolds(lease_s=30.0), FakeClock()
+    pusher = Pusher(agents.prefill, holds, agents.layout, KEY, max_agents=4, agent_idle_s=30.0, clock=clock)
+    with _server(pusher.on_push, secret=KEY) as srv:
+        try:
+            yield Prefill(holds, pusher, srv.port, clock)
+        finally:
+            pusher.close()
+    assert not agents.prefill.peers(), "the pusher left decode agents in NIXL"
+
+
+def send(pf: Prefill, requester: str, info: AgentInfo, request_id: str, source: np.ndarray,
+         target: np.ndarray, block_ids: list[int]) -> PushReply:
+    return request_push(HOST, pf.port, request_id, block_ids, bytes(16), info, source.astype("<u8").tobytes(),
+                        target.astype("<u8").tobytes(), 5.0, requester, secret=KEY, timeout_s=5.0,
+                        engine_id=ENGINE, tp_rank=0)
+
+
+def nixl_knows(agent: NixlTransferAgent, name: str) -> bool:
+    """Whether NIXL holds metadata of remote agent ``name`` (asked of NIXL, not of p2pkv's bookkeeping)."""
+    return bool(agent._agent.check_remote_metadata(name))
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "never happened"
+        time.sleep(0.002)
+
+
+def pushed(agents: Agents) -> PushedNotification:
+    """The next push notification the decode agent receives."""
+    found: list[PushedNotification] = []
+
+    def arrived() -> bool:
+        found.extend(n for n in (parse_pushed(m, KEY) for m in agents.decode.take_notifs(PUSH_PREFIX)) if n)
+        return bool(found)
+
+    wait_until(arrived)
+    return found[0]
+
+
+def own_push(agents: Agents, pf: Prefill, request_id: str, blocks: list[int], into: list[int]) -> None:
+    """The decode rank pushes its own request; the bytes land."""
+    pf.holds.hold(request_id, 1e12, tuple(blocks))
+    reply = send(pf, VICTIM, agents.info(), request_id, descs(agents.layout, blocks),
+                 descs(agents.decode_layout, into), blocks)
+    assert reply.status == "accepted", reply
+    assert pushed(agents).ok
+    assert all(torch.equal(agents.target[d], agents.source[s]) for d, s in zip(into, blocks, strict=True))
+
+
+# ---- nothing for a request that is refused ----------------------------------------------------------------------
+def test_a_request_for_an_id_never_held_loads_no_agent(agents: Agents, prefill: Prefill) -> None:
+    reply = send(prefill, VICTIM, agents.info(), "never-held", descs(agents.layout, [2]),
+                 descs(agents.decode_layout, [2]), [2])
+    assert reply.status == "unknown"
+    assert not nixl_knows(agents.prefill, agents.decode.name), "NIXL loaded the agent of a request it refused"
+    assert prefill.pusher.agents() == {} and prefill.pusher.writes_left() == 0
+
+
+# ---- another engine's agent -------------------------------------------------------------------------------------
+def test_an_agent_under_another_engines_name_loads_nothing_and_the_owner_still_pushes(agents: Agents,
+                                                                                      prefill: Prefill) -> None:
+    """Another engine sends one push request, for an id never held, carrying an agent of its own named like
+    the victim's (its NIXL metadata names the victim's agent). It must not make NIXL map the victim's name to
+    that metadata: the victim's own pushes work after it."""
+    impostor = NixlTransferAgent(agents.decode.name)
+    try:
+        meta = impostor.metadata()
+        forged = msgspec.structs.replace(agents.info(), engine_id=ATTACKER, agent_metadata=meta,
+                                         metadata_digest=compute_digest(meta))
+        reply = send(prefill, ATTACKER, forged, "never-held", descs(agents.layout, [3]),
+                     descs(agents.decode_layout, [3]), [3])
+        assert reply.status == "refused" and "agent" in reply.message, reply
+        assert not nixl_knows(agents.prefill, agents.decode.name) and prefill.pusher.agents() == {}
+        own_push(agents, prefill, "first", [1], [1])
+        own_push(agents, prefill, "second", [4, 5], [6, 7])
+        assert prefill.pusher.agents() == {(VICTIM, 0): agents.decode.name}
+    finally:
+        impostor.close()
+
+
+def test_a_push_naming_another_engines_agent_writes_nothing(agents: Agents, prefill: Prefill) -> None:
+    """The victim's genuine AgentInfo (any secret holder can fetch it), sent by another engine."""
+    prefill.holds.hold("attack", 1e12, (3,))
+    reply = send(prefill, ATTACKER, agents.info(), "attack", descs(agents.layout, [3]),
+                 descs(agents.decode_layout, [3]), [3])
+    assert reply.status == "refused" and "requester" in reply.message, reply
+    time.sleep(0.05)
+    assert torch.count_nonzero(agents.target) == 0, "the WRITE reached another engine's memory"
+    assert not nixl_knows(agents.prefill, agents.decode.name) and prefill.holds._pins == {}
+
+
+# ---- only the memory the agent declares --------------------------------------------------------------------------
+def test_rows_into_registered_memory_the_agent_does_not_declare_are_refused(agents: Agents,
+                                                                            prefill: Prefill) -> None:
+    spare = agents.spare
+    agents.decode.register([Region(spare.data_ptr(), spare.numel())], "DRAM")
+    prefill.holds.hold("r", 1e12, (3,))
+    source = descs(agents.layout, [3])
+    into_spare = source.copy()
+    into_spare[:, 0] = spare.data_ptr() + np.arange(len(source), dtype=np.uint64) * source[:, 1]
+    reply = send(prefill, VICTIM, agents.info(), "r", source, into_spare, [3])
+    assert reply.status == "refused" and "target_rows" in reply.message, reply
+    time.sleep(0.05)
+    assert torch.count_nonzero(spare) == 0 and prefill.pusher.agents() == {}
+    assert not nixl_knows(agents.prefill, agents.decode.name)
+    # Declared as staging, the same rows are written (the decode rank's staging area, registered after its
+    # first push: its agent is loaded again with the new metadata).
+    own_push(agents, prefill, "kv", [1], [1])
+    staged = agents.info(staging=[KVRegion(base_addr=spare.data_ptr(), length=spare.numel())])
+    reply = send(prefill, VICTIM, staged, "r", source, into_spare, [3])
+    assert reply.status == "accepted", reply
+    assert pushed(agents).ok
+    n = int(source[:, 1].sum())
+    assert torch.equal(spare[:n], agents.source[3].flatten().view(torch.uint8)[:n])
+
+
+# ---- bounded ----------------------------------------------------------------------------------------------------
+def alias(info: AgentInfo, engine_id: str) -> AgentInfo:
+    """``info`` as another engine's agent: its NIXL metadata renamed (the same UCX worker behind it), so NIXL
+    loads it as a remote agent of its own."""
+    name = unique_agent_name(engine_id, 0)
+    head = b"nixlSerDes|Agent"
+    length = int.from_bytes(info.agent_metadata[len(head):len(head) + 8], "little")
+    rest = info.agent_metadata[len(head) + 8 + length:]
+    meta = head + len(name).to_bytes(8, "little") + name.encode() + rest
+    return msgspec.structs.replace(info, engine_id=engine_id, agent_name=name, agent_metadata=meta,
+                                   metadata_digest=compute_digest(meta))
+
+
+def test_sixty_requests_from_agents_never_seen_again_leave_nixl(agents: Agents, prefill: Prefill) -> None:
+    """60 push requests, each from an agent never seen again, 30 of them for ids never held: NIXL never holds
+    more than ``max_agents`` (4) of them, none of the 30, and none once they have been idle ``agent_idle_s``."""
+    infos = [alias(agents.info(), f"gone-{i}") for i in range(60)]
+    most = 0
+    for i, info in enumerate(infos):
+        held = i % 2 == 0
+        if held:
+            prefill.holds.hold(f"r{i}", 1e12, (i % NUM_BLOCKS,))
+        reply = send(prefill, info.engine_id, info, f"r{i}", descs(agents.layout, [i % NUM_BLOCKS]),
+                     descs(agents.decode_layout, [i % NUM_BLOCKS]), [i % NUM_BLOCKS])
+        assert reply.status == ("accepted" if held else "unknown"), (i, reply)
+        # (the decode agent takes its notifications meanwhile: its UCX worker answers the new endpoint)
+        wait_until(lambda: not agents.decode.take_notifs(PUSH_PREFIX) and prefill.pusher.writes_left() == 0)
+        known = [j for j, other in enumerate(infos) if nixl_knows(agents.prefill, other.agent_name)]
+        assert all(j % 2 == 0 for j in known), f"agents of requests for ids never held loaded: {known}"
+        most = max(most, len(known))
+        assert len(prefill.pusher.agents()) <= 4
+    assert most <= 4 and prefill.pusher.counters.written == 30
+    prefill.clock.now += 31.0
+    prefill.pusher._wake.set()
+    wait_until(lambda: not prefill.pusher.agents())
+    assert not [info for info in infos if nixl_knows(agents.prefill, info.agent_name)]
+    agents.decode.take_notifs(PUSH_PREFIX)
