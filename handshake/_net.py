@@ -9,10 +9,28 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils import z85
 
-__all__ = ["CurveKeys", "configure_socket", "tcp_address", "tcp_endpoint", "transport_limit"]
+from handshake.codec import FRAME_BYTES
+
+__all__ = ["FRAME_LIMIT", "HANDSHAKE_S", "CurveKeys", "configure_socket", "tcp_address", "tcp_endpoint"]
 
 RECEIVE_QUEUE_MESSAGES = 64
 """Messages a side-channel socket queues before ZMQ stops reading from that peer (``ZMQ_RCVHWM``)."""
+
+CURVE_FRAME_OVERHEAD = 33
+"""Bytes CURVE adds to a frame on the wire (its MESSAGE command: name 8, nonce 8, MAC 16, flags 1); ZMQ's
+per-frame limit counts them."""
+
+FRAME_LIMIT = FRAME_BYTES + 64
+"""Per-frame limit (bytes) given to ``ZMQ_MAXMSGSIZE``: the largest payload frame
+(:data:`handshake.codec.FRAME_BYTES`) plus the CURVE framing (:data:`CURVE_FRAME_OVERHEAD`, rounded up).
+
+A peer sending a longer frame is disconnected by libzmq before the frame is buffered, and this holds before
+the CURVE handshake too (its commands are frames): so it is also the most a connection that never completes
+the handshake can make a side channel buffer (``docs/security.md``)."""
+
+HANDSHAKE_S = 5.0
+"""Seconds a connection may take to complete the ZMTP/CURVE handshake (``ZMQ_HANDSHAKE_IVL``; libzmq's
+default is 30): a peer that has not completed it by then is disconnected. An honest one takes about 3 ms."""
 
 
 def _is_ipv6(host: str) -> bool:
@@ -29,17 +47,6 @@ def tcp_address(host: str) -> str:
 def tcp_endpoint(host: str, port: int) -> str:
     """``tcp://host:port``, with IPv6 literals in brackets."""
     return f"{tcp_address(host)}:{port}"
-
-
-def transport_limit(max_message_bytes: int) -> int:
-    """Per-frame limit (bytes) given to ZMQ_MAXMSGSIZE.
-
-    Twice the application limit: frames slightly over ``max_message_bytes``
-    still reach the application and get a typed ``too_large`` refusal, while
-    grossly oversized frames are dropped by libzmq before they are buffered
-    (the sending peer is disconnected, so it sees a timeout).
-    """
-    return 2 * max_message_bytes
 
 
 @dataclass(frozen=True)
@@ -68,21 +75,29 @@ class CurveKeys:
         return CurveKeys(zmq.curve_public(server), server, zmq.curve_public(client), client)
 
 
-def configure_socket(sock: zmq.Socket, host: str, max_message_bytes: int, secret: bytes | None = None,
-                     server: bool = False) -> None:
-    """Linger 0, frame size limit, receive queue, IPv6 support and (with ``secret``) CURVE on a fresh socket.
+def configure_socket(sock: zmq.Socket, host: str, *, secret: bytes | None = None, server: bool = False,
+                     handshake_s: float = HANDSHAKE_S) -> None:
+    """Linger 0, frame size limit, handshake time limit, receive queue, IPv6 support and (with ``secret``)
+    CURVE on a fresh socket.
 
     Args:
         sock: a new ZMQ socket (before bind/connect).
         host: the address it binds or connects to.
-        max_message_bytes: application message limit (bytes); see :func:`transport_limit`.
         secret: the shared secret; when set the socket speaks CURVE with the
             keys :meth:`CurveKeys.derive` makes of it.
         server: the socket binds (CURVE server; its context needs the ZAP
             handler of :func:`handshake.server` to check client keys).
+        handshake_s: seconds a connection may take to complete its handshake
+            (``ZMQ_HANDSHAKE_IVL``; :data:`HANDSHAKE_S`).
+
+    Raises:
+        ValueError: ``handshake_s`` is not positive.
     """
+    if not handshake_s > 0:
+        raise ValueError(f"handshake_s must be > 0 seconds, got {handshake_s}")
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, transport_limit(max_message_bytes))
+    sock.setsockopt(zmq.MAXMSGSIZE, FRAME_LIMIT)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(handshake_s * 1000)))
     sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
     if _is_ipv6(host):
         sock.setsockopt(zmq.IPV6, 1)

@@ -26,6 +26,7 @@ from handshake.errors import (
 )
 from handshake.messages import (
     MAX_HEARTBEAT_IDS,
+    MAX_HOLD_BLOCK_IDS,
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AgentInfo,
@@ -128,7 +129,7 @@ def fetch_agent_info(
             request = MetadataRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
                                       requester_engine_id=requester_engine_id, compat_hash=compat_hash,
                                       **_fresh())  # type: ignore[arg-type]
-            reply = _exchange(ctx, host, endpoint, encode(request, secret), timeout_s, max_message_bytes, cancel,
+            reply = _exchange(ctx, host, endpoint, encode(request, secret), timeout_s, cancel,
                               secret, request.nonce)
             if reply is not None:
                 info = _check_reply(reply, endpoint, request, secret, max_message_bytes)
@@ -160,7 +161,6 @@ def _exchange(
     endpoint: str,
     frames: list[bytes],
     timeout_s: float,
-    max_message_bytes: int,
     cancel: threading.Event | None = None,
     secret: bytes | None = None,
     nonce: bytes = b"",
@@ -169,7 +169,7 @@ def _exchange(
     frames, or None on timeout or cancel."""
     sock = ctx.socket(zmq.DEALER)
     try:
-        configure_socket(sock, host, max_message_bytes, secret)
+        configure_socket(sock, host, secret=secret)
         try:
             sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -365,7 +365,10 @@ def query_holds(
     ``request_ids`` with ``block_ids`` (one list per id)? Held ones are extended to ``extend_s`` from now.
 
     With ``link`` (to ``host:port``) the question goes over that long-lived
-    connection instead of a fresh one.
+    connection instead of a fresh one. A batch over the bounds of one
+    :class:`HoldQuery` (:data:`~handshake.messages.MAX_HEARTBEAT_IDS` ids,
+    :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS` block ids) is asked in
+    several, one after the other.
 
     A question without a reply within ``timeout_s`` seconds is asked again,
     as a new request (its own nonce and time), up to ``attempts`` times in
@@ -379,7 +382,8 @@ def query_holds(
         without those blocks) and ``unknown`` there; the others are held.
 
     Raises:
-        ValueError: ``block_ids`` does not have one list per request id.
+        ValueError: ``block_ids`` does not have one list per request id, or one
+            is longer than :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS`.
         The errors of :func:`send_heartbeat`.
     """
     msgs = _hold_requests(HoldQuery, request_ids, block_ids, requester_engine_id, engine_id, tp_rank,
@@ -397,7 +401,8 @@ def release_holds(host: str, port: int, request_ids: list[str], block_ids: list[
         A :class:`HoldsReply`; ``accepted`` counts the holds released.
 
     Raises:
-        ValueError: ``block_ids`` does not have one list per request id.
+        ValueError: ``block_ids`` does not have one list per request id, or one
+            is longer than :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS`.
         The errors of :func:`send_heartbeat`.
     """
     msgs = _hold_requests(ReleaseHolds, request_ids, block_ids, requester_engine_id, engine_id, tp_rank)
@@ -431,7 +436,7 @@ def request_push(host: str, port: int, request_id: str, block_ids: list[int], pu
     frames = encode(msg, secret)
     endpoint = tcp_endpoint(host, port)
     reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
-             _exchange(zmq.Context.instance(), host, endpoint, frames, timeout_s, MAX_MESSAGE_BYTES, cancel, secret,
+             _exchange(zmq.Context.instance(), host, endpoint, frames, timeout_s, cancel, secret,
                        msg.nonce))
     if reply is None and cancel is not None and cancel.is_set():
         raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
@@ -452,20 +457,34 @@ def request_push(host: str, port: int, request_id: str, block_ids: list[int], pu
 def _hold_requests(kind: type[HoldRequest], request_ids: list[str], block_ids: list[list[int]] | None,
                    requester_engine_id: str, engine_id: str, tp_rank: int, **fields: float) -> list[HoldRequest]:
     """``kind`` requests for ``request_ids`` (with their ``block_ids``, unless None) to rank ``tp_rank`` of
-    ``engine_id``, in chunks of at most MAX_HEARTBEAT_IDS ids (one request when there are none), each with
-    its own time and nonce.
+    ``engine_id``, each with its own time and nonce: as many as it takes to carry at most
+    :data:`~handshake.messages.MAX_HEARTBEAT_IDS` ids and :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS` block ids
+    each (one request when there are no ids).
 
     Raises:
-        ValueError: ``block_ids`` does not have one list per request id.
+        ValueError: ``block_ids`` does not have one list per request id, or one list is longer than
+            :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS`.
     """
     if block_ids is not None and len(block_ids) != len(request_ids):
         raise ValueError(f"block_ids has {len(block_ids)} lists for {len(request_ids)} request ids")
+    chunks: list[tuple[int, int]] = []  # [start, end) of each request's ids
+    start, blocks = 0, 0
+    for i in range(len(request_ids)):
+        n = 0 if block_ids is None else len(block_ids[i])
+        if n > MAX_HOLD_BLOCK_IDS:
+            raise ValueError(f"request {request_ids[i][:64]!r} has {n} block ids, more than a hold request carries "
+                             f"({MAX_HOLD_BLOCK_IDS})")
+        if i - start == MAX_HEARTBEAT_IDS or blocks + n > MAX_HOLD_BLOCK_IDS:
+            chunks.append((start, i))
+            start, blocks = i, 0
+        blocks += n
+    chunks.append((start, len(request_ids)))
     out = []
-    for i in range(0, max(len(request_ids), 1), MAX_HEARTBEAT_IDS):
-        blocks = {} if block_ids is None else {"block_ids": block_ids[i:i + MAX_HEARTBEAT_IDS]}
+    for a, b in chunks:
+        extra = {} if block_ids is None else {"block_ids": block_ids[a:b]}
         out.append(kind(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
-                        requester_engine_id=requester_engine_id, request_ids=request_ids[i:i + MAX_HEARTBEAT_IDS],
-                        **blocks, **fields, **_fresh()))  # type: ignore[arg-type]
+                        requester_engine_id=requester_engine_id, request_ids=request_ids[a:b],
+                        **extra, **fields, **_fresh()))  # type: ignore[arg-type]
     return out
 
 
@@ -483,8 +502,7 @@ def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes 
             nonces.append(sent.nonce)
             frames = encode(sent, secret)
             reply = (link.exchange(frames, sent.nonce, secret, timeout_s, cancel, nonces[:-1]) if link is not None
-                     else _exchange(ctx, host, endpoint, frames, timeout_s, max_message_bytes, cancel, secret,
-                                    sent.nonce))
+                     else _exchange(ctx, host, endpoint, frames, timeout_s, cancel, secret, sent.nonce))
             if reply is not None or (cancel is not None and cancel.is_set()):
                 break
         if reply is None and cancel is not None and cancel.is_set():
@@ -533,7 +551,7 @@ class HoldLink:
         self.host, self.port, self.max_message_bytes = host, port, max_message_bytes
         self._lock = threading.Lock()
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
-        configure_socket(self._sock, host, max_message_bytes, secret)
+        configure_socket(self._sock, host, secret=secret)
         self.endpoint = tcp_endpoint(host, port)
         self._sock.connect(self.endpoint)
 

@@ -2,12 +2,17 @@
 
 A message is a list of ZMQ frames:
 
-* frame 0: the msgpack encoding (msgspec, strict) of one
-  :data:`~handshake.messages.Message`;
-* frame 1, only when a shared secret is configured:
-  ``HMAC-SHA256(secret, frame 0)`` (32 bytes).
+* the payload: the msgpack encoding (msgspec, strict) of one
+  :data:`~handshake.messages.Message`, cut into frames of
+  :data:`FRAME_BYTES` (the last one shorter; most messages are one frame);
+* last, only when a shared secret is configured: ``HMAC-SHA256(secret,
+  payload)`` (32 bytes).
 
-:func:`decode` checks, in this order, the frame count, the size, the HMAC
+Frames are cut so that ZMQ's per-frame limit (``ZMQ_MAXMSGSIZE``,
+:data:`handshake._net.FRAME_LIMIT`) can be small: it is also all that a
+peer can make a server buffer before the CURVE handshake completes.
+
+:func:`decode` checks, in this order, the size, the frames, the HMAC
 (constant-time compare) and only then parses the payload, so unauthenticated
 or oversized input never reaches the msgpack decoder. Nothing is pickled.
 """
@@ -30,7 +35,9 @@ from handshake.errors import (
     ProtocolVersionError,
 )
 from handshake.messages import (
+    MAX_ID_CHARS,
     MAX_MESSAGE_BYTES,
+    MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,
@@ -39,7 +46,9 @@ from handshake.messages import (
 )
 
 __all__ = [
+    "FRAME_BYTES",
     "MAC_BYTES",
+    "check_bounds",
     "compute_digest",
     "decode",
     "encode",
@@ -51,13 +60,15 @@ __all__ = [
 MAC_BYTES = 32
 """Length (bytes) of the HMAC-SHA256 frame."""
 
+FRAME_BYTES = 256 * 1024
+"""Largest payload frame (bytes): a longer payload is cut into frames of exactly this size and a last, shorter
+one. ZMQ's per-frame limit is this plus the CURVE framing (:data:`handshake._net.FRAME_LIMIT`)."""
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message, strict=True)
 _PATH_RE = re.compile(r" - at `\$(?P<path>[^`]*)`$")
 _NAMED_FIELD_RE = re.compile(r"(?:unknown|missing required) field `(?P<name>[^`]*)`")
 
-_MAX_FIELD_CHARS = 256
-_MAX_TEXT_CHARS = 2048
 
 Frame = bytes | bytearray | memoryview
 
@@ -76,7 +87,8 @@ def encode(msg: Message, secret: bytes | None = None) -> list[bytes]:
             carries the payload's HMAC-SHA256.
 
     Returns:
-        ``[payload]`` or ``[payload, mac]``.
+        The payload's frames (one unless it is longer than :data:`FRAME_BYTES`),
+        then the HMAC frame with a secret.
 
     Raises:
         MalformedMessageError: ``msg`` cannot be encoded (e.g. an int
@@ -88,9 +100,11 @@ def encode(msg: Message, secret: bytes | None = None) -> list[bytes]:
         raise MalformedMessageError(
             f"cannot encode {type(msg).__name__}: {exc}; fix the field values before sending"
         ) from exc
+    frames = [payload] if len(payload) <= FRAME_BYTES else [
+        payload[i:i + FRAME_BYTES] for i in range(0, len(payload), FRAME_BYTES)]
     if secret:
-        return [payload, sign(payload, secret)]
-    return [payload]
+        frames.append(sign(payload, secret))
+    return frames
 
 
 def decode(
@@ -109,9 +123,10 @@ def decode(
         The decoded :data:`~handshake.messages.Message`.
 
     Raises:
-        MalformedMessageError: wrong frame count, empty payload, invalid
-            msgpack, unknown/missing field or wrong type (``field`` is the
-            dotted path of the offending field when msgspec names one).
+        MalformedMessageError: wrong frame count or payload frames not cut
+            at :data:`FRAME_BYTES`, empty payload, invalid msgpack,
+            unknown/missing field, wrong type or a bound exceeded (``field``
+            is the dotted path of the offending field when msgspec names one).
         MessageTooLargeError: the frames exceed ``max_message_bytes``.
         AuthenticationError: the HMAC frame is missing or wrong.
         ProtocolVersionError: the message carries another protocol version.
@@ -134,20 +149,23 @@ def decode(
             "configure the same shared secret on both peers",
             field="hmac",
         )
-    if not secret and len(frames) == 2 and len(frames[1]) == MAC_BYTES:
+    if not secret and len(frames) == 2 and len(frames[1]) == MAC_BYTES and len(frames[0]) != FRAME_BYTES:
         raise AuthenticationError(
             "message carries an HMAC frame but this side has no shared secret; "
             "configure the same shared secret on both peers",
             field="hmac",
         )
-    if len(frames) != expected:
-        hint = f"send exactly {expected} frame(s): payload" + (" and HMAC" if secret else "")
+    parts = frames[:-1] if secret else frames
+    if (any(len(f) != FRAME_BYTES for f in parts[:-1]) or len(parts[-1]) > FRAME_BYTES
+            or (len(parts) > 1 and not parts[-1])):
         raise MalformedMessageError(
-            f"message has {len(frames)} frames, expected {expected}; {hint}", field="frames"
+            f"message has {len(frames)} frames that are not a payload cut into frames of {FRAME_BYTES} bytes "
+            f"(the last one 1..{FRAME_BYTES}){' and its HMAC' if secret else ''}; send {expected} frame(s) for "
+            f"a payload of up to {FRAME_BYTES} bytes, one more per {FRAME_BYTES} bytes beyond", field="frames"
         )
-    payload = bytes(frames[0])
+    payload = b"".join(parts) if len(parts) > 1 else bytes(parts[0])
     if secret:
-        mac = bytes(frames[1])
+        mac = bytes(frames[-1])
         if not hmac.compare_digest(mac, sign(payload, secret)):
             raise AuthenticationError(
                 "HMAC frame does not match the payload; configure the same shared secret on both peers",
@@ -212,6 +230,21 @@ def _field_from_error(text: str) -> str:
     return path
 
 
+def check_bounds(msg: Message | AgentInfo) -> None:
+    """Check ``msg`` against every bound the wire contract sets (what the peer's decoder checks), before it is sent.
+
+    Raises:
+        MalformedMessageError: a bound is exceeded (or a value cannot be encoded); ``field`` names it.
+    """
+    try:
+        msgspec.msgpack.decode(_ENCODER.encode(msg), type=type(msg), strict=True)
+    except msgspec.ValidationError as exc:
+        field = _field_from_error(str(exc))
+        raise MalformedMessageError(f"{type(msg).__name__} exceeds the wire contract: {exc}", field=field) from exc
+    except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+        raise MalformedMessageError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+
+
 def compute_digest(agent_metadata: bytes) -> bytes:
     """SHA-256 (32 bytes) of NIXL agent metadata bytes."""
     return hashlib.sha256(agent_metadata).digest()
@@ -238,14 +271,15 @@ _REFUSAL_CODES: frozenset[str] = frozenset(RefusalCode.__args__)
 def error_from_exception(exc: HandshakeError, nonce: bytes = b"") -> ErrorReply:
     """The :class:`ErrorReply` a server sends for ``exc``, bound to the request with ``nonce``.
 
-    ``field`` and ``message`` are truncated (to 256 and 2048 characters) so a
+    ``field`` and ``message`` are truncated (to 256 and 2048 characters, the bounds of
+    :class:`ErrorReply`) so a
     refusal never echoes a large request back; a code outside
     :data:`~handshake.messages.RefusalCode` is sent as ``"internal"``.
     """
     return ErrorReply(
         protocol_version=PROTOCOL_VERSION,
         code=exc.code if exc.code in _REFUSAL_CODES else "internal",  # type: ignore[arg-type]
-        field=exc.field[:_MAX_FIELD_CHARS],
-        message=exc.message[:_MAX_TEXT_CHARS],
+        field=exc.field[:MAX_ID_CHARS],
+        message=exc.message[:MAX_TEXT_CHARS],
         nonce=nonce,
     )

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -32,13 +32,38 @@ PROTOCOL_VERSION = 7
 * 7: :class:`AgentInfo` declares its ``staging`` regions (memory outside the KV cache a peer may
   WRITE into), so a prefill rank checks a push's target rows against the regions the requester
   declared.
+* 8: every list, string and bytes field is bounded (:data:`MAX_MESSAGE_BYTES` is derived from the
+  bounds; a hold request carries at most :data:`MAX_HOLD_BLOCK_IDS` block ids in all), and a payload
+  over 256 KiB travels in frames of 256 KiB (:mod:`handshake.codec`).
 """
-
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-"""Largest message (bytes, all frames together) a server or client accepts; larger input is refused."""
 
 MAX_ID_CHARS = 256
 """Longest engine id or request id on the wire (characters)."""
+
+MAX_NAME_CHARS = 512
+"""Longest NIXL agent name (characters; p2pkv's embed the engine id)."""
+
+MAX_WORD_CHARS = 64
+"""Longest layout name, attention layout, dtype or memory type (characters)."""
+
+MAX_COMPAT_CHARS = 16384
+"""Longest compatibility fingerprint (characters; p2pkv's are under 2048)."""
+
+MAX_TEXT_CHARS = 2048
+"""Longest refusal message or push reply message (characters)."""
+
+MAX_AGENT_METADATA_BYTES = 4 * 1024 * 1024
+"""Largest NIXL agent metadata (bytes). Measured with UCX: about 45 bytes per registered region over TCP
+(1024 regions: 45 KiB), more with RDMA and GPU keys; a worker registers one region per KV cache tensor and
+one for staging."""
+
+MAX_REGIONS = 4096
+"""Most memory regions one :class:`KVLayoutDesc` (and one ``staging`` list) describes."""
+
+MAX_HOLD_BLOCK_IDS = 1 << 20
+"""Most block ids one :class:`HoldQuery` or :class:`ReleaseHolds` carries, all its lists together: one
+request's hold at its largest (p2pkv's ``MAX_BLOCK_IDS``, every KV cache group), which a release must name
+whole. Senders split longer batches (:func:`handshake.client.query_holds`)."""
 
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
 """Random bytes (16..64) a request carries and its reply echoes: a reply answers that request only, and a
@@ -49,6 +74,15 @@ EchoedNonce = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 """An engine id or request id."""
+
+Word = Annotated[str, msgspec.Meta(max_length=MAX_WORD_CHARS)]
+"""A layout name, dtype or memory type."""
+
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+"""A human-readable message."""
+
+CompatHash = Annotated[str, msgspec.Meta(max_length=MAX_COMPAT_CHARS)]
+"""A compatibility fingerprint (:mod:`handshake.compat`)."""
 
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
 """A tensor-parallel rank."""
@@ -83,6 +117,10 @@ class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_index: int = -1
 
 
+Regions = Annotated[list[KVRegion], msgspec.Meta(max_length=MAX_REGIONS)]
+"""Memory regions (at most :data:`MAX_REGIONS`)."""
+
+
 class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How one worker's KV cache sits in memory.
 
@@ -108,9 +146,9 @@ class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         is_mla: an MLA latent cache (no head split across ranks).
     """
 
-    kv_layout: str
-    attn_layout: str
-    dtype: str
+    kv_layout: Word
+    attn_layout: Word
+    dtype: Word
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -118,8 +156,8 @@ class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_blocks: int
     block_len: int
     block_stride: int
-    mem_type: str
-    regions: list[KVRegion]
+    mem_type: Word
+    regions: Regions
     total_num_kv_heads: int = 0
     is_mla: bool = False
 
@@ -146,15 +184,15 @@ class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             write (:class:`PushRequest`).
     """
 
-    engine_id: str
+    engine_id: Id
     tp_rank: int
     tp_size: int
-    agent_name: str
-    agent_metadata: bytes
-    metadata_digest: bytes
-    compat_hash: str
+    agent_name: Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=MAX_AGENT_METADATA_BYTES)]
+    metadata_digest: Annotated[bytes, msgspec.Meta(max_length=64)]
+    compat_hash: CompatHash
     layout: KVLayoutDesc
-    staging: list[KVRegion] = msgspec.field(default_factory=list)
+    staging: Regions = msgspec.field(default_factory=list)
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -192,7 +230,7 @@ class MetadataRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=
             refuses the reply).
     """
 
-    compat_hash: str
+    compat_hash: CompatHash
 
 
 class MetadataReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="metadata_reply"):
@@ -211,15 +249,17 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="e
 
     Attributes:
         code: machine-readable reason (:data:`RefusalCode`).
-        field: the offending field (``""`` when not about one field).
-        message: human-readable explanation that names the fix.
+        field: the offending field (``""`` when not about one field; at most
+            256 characters).
+        message: human-readable explanation that names the fix (at most
+            :data:`MAX_TEXT_CHARS`).
         nonce: the refused request's nonce (empty when it did not decode).
     """
 
     protocol_version: int
     code: RefusalCode
-    field: str
-    message: str
+    field: Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+    message: Text
     nonce: EchoedNonce = b""
 
 
@@ -227,8 +267,21 @@ MAX_HEARTBEAT_IDS = 4096
 """Most request ids one hold request (:class:`LeaseHeartbeat`, :class:`HoldQuery`, :class:`ReleaseHolds`) carries."""
 
 RequestIds = Annotated[list[Id], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
-BlockIdLists = Annotated[list[list[BlockId]], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
+BlockIdLists = Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=MAX_HOLD_BLOCK_IDS)]],
+                         msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)]
+"""One block id list per request id; with :func:`_check_block_ids`, at most :data:`MAX_HOLD_BLOCK_IDS` in all."""
 ExtendS = Annotated[float, msgspec.Meta(gt=0, le=3600)]
+
+
+def _check_block_ids(block_ids: list[list[int]]) -> None:
+    """Refuse more than :data:`MAX_HOLD_BLOCK_IDS` block ids in all (run when decoding, after the fields).
+
+    Raises:
+        ValueError: too many (msgspec reports it as a validation error of the field ``block_ids``).
+    """
+    total = sum(len(ids) for ids in block_ids)
+    if total > MAX_HOLD_BLOCK_IDS:
+        raise ValueError(f"Expected at most {MAX_HOLD_BLOCK_IDS} block ids in all, got {total} - at `$.block_ids`")
 
 
 class LeaseHeartbeat(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="lease_heartbeat"):
@@ -260,6 +313,9 @@ class HoldQuery(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, 
     block_ids: BlockIdLists
     extend_s: ExtendS
 
+    def __post_init__(self) -> None:
+        _check_block_ids(self.block_ids)
+
 
 class ReleaseHolds(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="release_holds"):
     """Tell a prefill worker that nobody will pull these requests: free their blocks now.
@@ -278,6 +334,9 @@ class ReleaseHolds(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tru
 
     request_ids: RequestIds
     block_ids: BlockIdLists
+
+    def __post_init__(self) -> None:
+        _check_block_ids(self.block_ids)
 
 
 class HoldsReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="holds_reply"):
@@ -354,7 +413,7 @@ class PushRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True
     """
 
     request_id: Id
-    block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=1 << 20)]
+    block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=MAX_HOLD_BLOCK_IDS)]
     push_id: PushId
     agent: AgentInfo
     source_rows: Rows
@@ -376,10 +435,64 @@ class PushReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="pu
 
     protocol_version: int
     status: PushStatus
-    message: str = ""
+    message: Text = ""
     nonce: EchoedNonce = b""
 
 
 Message = (MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply
            | PushRequest | PushReply)
 """Every message that travels on the side channel."""
+
+# -- the largest message ----------------------------------------------------------------------------------------
+# Upper bounds (bytes) of each message's msgpack encoding, from the bounds above. msgspec writes a Struct as a map
+# of its field names (and its tag); a str bounded in characters takes at most 4 bytes per character (UTF-8).
+
+
+def _text(chars: int) -> int:
+    """Bytes of a str of at most ``chars`` characters: 4 per character and a 5-byte header."""
+    return 4 * chars + 5
+
+
+def _blob(n: int) -> int:
+    """Bytes of a bytes value (or a list of 1-byte items) of at most ``n`` bytes, with a 5-byte header."""
+    return n + 5
+
+
+_FIXED = 1024
+"""One Struct's map header, tag, field names and numbers (ints and floats take at most 9 bytes), besides its
+strings, bytes and lists: the largest, :class:`KVLayoutDesc` (14 fields), takes under 400."""
+
+_REGION = 128
+"""One :class:`KVRegion` (6 field names, 6 ints): at most 114."""
+
+_REQUEST = _FIXED + 2 * _text(MAX_ID_CHARS) + _blob(64)
+"""The fields every :class:`Request` carries (two engine ids, the nonce): 3,151."""
+
+AGENT_INFO_BYTES = (_FIXED + _text(MAX_ID_CHARS) + _text(MAX_NAME_CHARS) + _blob(MAX_AGENT_METADATA_BYTES)
+                    + _blob(64) + _text(MAX_COMPAT_CHARS)
+                    + _FIXED + 4 * _text(MAX_WORD_CHARS) + 2 * _blob(MAX_REGIONS * _REGION))
+"""The largest :class:`AgentInfo`: 4 MiB of metadata, 64 KiB of fingerprint, 2 x 4096 regions of 128 bytes
+(layout and staging), names: 5,314,679 (5.07 MiB)."""
+
+HOLD_REQUEST_BYTES = (_REQUEST + _blob(MAX_HEARTBEAT_IDS * _text(MAX_ID_CHARS))
+                      + _blob(5 * MAX_HEARTBEAT_IDS + 5 * MAX_HOLD_BLOCK_IDS))
+"""The largest :class:`LeaseHeartbeat`, :class:`HoldQuery` or :class:`ReleaseHolds`: 4096 ids of 1,029 bytes,
+2**20 block ids of 5 bytes (msgpack uint32) in 4096 lists: 9,481,305 (9.04 MiB)."""
+
+HOLDS_REPLY_BYTES = _FIXED + 4 * _blob(MAX_HEARTBEAT_IDS * _text(MAX_ID_CHARS)) + _blob(64)
+"""The largest :class:`HoldsReply`: four lists of 4096 ids: 16,860,249 (16.08 MiB)."""
+
+PUSH_REQUEST_BYTES = (_REQUEST + _text(MAX_ID_CHARS) + _blob(5 * MAX_HOLD_BLOCK_IDS) + _blob(32) + AGENT_INFO_BYTES
+                      + 2 * _blob(MAX_PUSH_ROWS * 24))
+"""The largest :class:`PushRequest`: 2**20 block ids (5 MiB), an :class:`AgentInfo`, 2 x 6 MiB of rows:
+23,144,703 (22.07 MiB), the largest message."""
+
+_MiB = 1024 * 1024
+MAX_MESSAGE_BYTES = -(-(max(PUSH_REQUEST_BYTES, HOLDS_REPLY_BYTES, HOLD_REQUEST_BYTES,
+                            _FIXED + AGENT_INFO_BYTES + _blob(64)) + 32) // _MiB) * _MiB
+"""Largest message (bytes, all frames together: its payload and 32 bytes of HMAC) a server or client accepts;
+larger input is refused. The largest message any sender within the bounds above makes, and its HMAC, rounded up
+to a MiB: 23 MiB, for :data:`PUSH_REQUEST_BYTES` (the others: :data:`HOLDS_REPLY_BYTES`,
+:data:`HOLD_REQUEST_BYTES`, a :class:`MetadataReply` of :data:`AGENT_INFO_BYTES` and 1 KiB). It is a total, never
+a buffer a peer can make a server fill before the CURVE handshake: a frame is at most 256 KiB
+(:data:`handshake.codec.FRAME_BYTES`)."""

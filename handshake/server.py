@@ -11,9 +11,10 @@ from types import TracebackType
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from handshake._net import CurveKeys, configure_socket, tcp_address, tcp_endpoint
-from handshake.codec import decode, encode, error_from_exception, verify_agent_info
+from handshake._net import HANDSHAKE_S, CurveKeys, configure_socket, tcp_address, tcp_endpoint
+from handshake.codec import check_bounds, decode, encode, error_from_exception, verify_agent_info
 from handshake.compat import describe, mismatches
+from handshake.connections import MAX_CONNECTIONS, MAX_HANDSHAKES, ConnectionLimits
 from handshake.errors import (
     HandshakeBindError,
     HandshakeError,
@@ -137,11 +138,21 @@ class HandshakeServer:
             within it (:class:`handshake.replay.ReplayGuard`).
         future_skew_s: a request's ``sent_at`` may lie at most this many
             seconds after the server's clock.
+        max_connections: most peers connected at once; newer connections
+            are cut (:class:`handshake.connections.ConnectionLimits`).
+        max_handshakes: most connections at once that are not past their
+            HELLO (what a peer without the secret never gets past); the
+            oldest are cut.
+        handshake_s: seconds a connection may take to complete its
+            handshake before libzmq drops it (``ZMQ_HANDSHAKE_IVL``).
 
     With a ``secret`` the socket speaks CURVE (keys derived from the secret,
     :class:`handshake._net.CurveKeys`): a client without the secret cannot
     complete the ZMTP handshake, so it can send nothing, and every byte
-    after the handshake is encrypted.
+    after the handshake is encrypted. What a connection may cost before its
+    handshake completes is bounded: one frame
+    (:data:`handshake._net.FRAME_LIMIT` bytes), for at most ``handshake_s``
+    seconds, for at most ``max_handshakes`` connections at once.
 
     A reply whose requester has gone (it stopped waiting and closed its
     connection) or whose queue is full is dropped, logged and counted
@@ -151,7 +162,9 @@ class HandshakeServer:
 
     Attributes:
         stats: counters: ``"served"``, ``"refused"``, ``"heartbeats"``,
-            ``"replies_dropped"`` and ``"refused_<code>"`` per refusal code.
+            ``"replies_dropped"``, ``"refused_<code>"`` per refusal code, and
+            ``"connections_cut"`` / ``"connections_cut_handshaking"``
+            (:class:`handshake.connections.ConnectionLimits`).
     """
 
     def __init__(
@@ -167,11 +180,21 @@ class HandshakeServer:
         freshness_s: float = DEFAULT_WINDOW_S,
         on_push: OnPush | None = None,
         future_skew_s: float = DEFAULT_FUTURE_SKEW_S,
+        max_connections: int = MAX_CONNECTIONS,
+        max_handshakes: int = MAX_HANDSHAKES,
+        handshake_s: float = HANDSHAKE_S,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
         if max_message_bytes <= 0:
             raise ValueError(f"max_message_bytes must be > 0, got {max_message_bytes}")
+        if max_connections < 1 or not 1 <= max_handshakes <= max_connections:
+            raise ValueError(f"need 1 <= max_handshakes ({max_handshakes}) <= max_connections ({max_connections})")
+        if not handshake_s > 0:
+            raise ValueError(f"handshake_s must be > 0 seconds, got {handshake_s}")
+        self._limits_args = (max_connections, max_handshakes)
+        self._handshake_s = handshake_s
+        self._limits: ConnectionLimits | None = None
         self._host = host
         self._port = port
         self._compat_hash = compat_hash
@@ -212,11 +235,16 @@ class HandshakeServer:
         May be called before or after :meth:`start`, from any thread.
 
         Raises:
+            MalformedMessageError: ``info`` exceeds a bound of the wire
+                contract (e.g. more than
+                :data:`~handshake.messages.MAX_AGENT_METADATA_BYTES` of
+                metadata), so no peer would take it; ``field`` names it.
             MetadataDigestError: ``info.metadata_digest`` does not match
                 ``info.agent_metadata``.
             IncompatiblePeerError: ``info.compat_hash`` differs from the
                 server's ``compat_hash``.
         """
+        check_bounds(info)
         verify_agent_info(info)
         if info.compat_hash != self._compat_hash:
             raise IncompatiblePeerError(
@@ -246,13 +274,17 @@ class HandshakeServer:
             self._auth.configure_curve_callback("p2pkv", _ClientKey(CurveKeys.derive(self._secret).client_public))
         sock = ctx.socket(zmq.ROUTER)
         try:
-            configure_socket(sock, self._host, self._max_message_bytes, self._secret, server=True)
+            configure_socket(sock, self._host, secret=self._secret, server=True, handshake_s=self._handshake_s)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable reply raises instead of vanishing
+            self._limits = ConnectionLimits(sock, *self._limits_args, self.stats)
             if self._port == 0:
                 self._port = sock.bind_to_random_port(tcp_address(self._host))
             else:
                 sock.bind(self.endpoint)
         except zmq.ZMQBaseError as exc:
+            if self._limits is not None:
+                self._limits.close()
+                self._limits = None
             sock.close(linger=0)
             self._stop_auth()
             ctx.term()
@@ -284,9 +316,11 @@ class HandshakeServer:
             if thread.is_alive():  # pragma: no cover - the loop polls with a timeout
                 logger.warning("handshake server thread did not stop within %.1f s", _JOIN_TIMEOUT_S)
                 return
-        elif self._sock is not None:
+        elif self._sock is not None:  # pragma: no cover - a socket without its thread: start() failed midway
+            if self._limits is not None:
+                self._limits.close()
             self._sock.close(linger=0)
-        self._sock = None
+        self._sock = self._limits = None
         self._stop_auth()
         if self._ctx is not None:
             self._ctx.term()
@@ -313,12 +347,18 @@ class HandshakeServer:
     # -- serving thread ---------------------------------------------------
 
     def _serve(self) -> None:
-        sock = self._sock
-        assert sock is not None
+        sock, limits = self._sock, self._limits
+        assert sock is not None and limits is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(limits.monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
-                    if not sock.poll(self._poll_ms, zmq.POLLIN):
+                    ready = dict(poller.poll(self._poll_ms))
+                    if limits.monitor in ready:
+                        limits.update()
+                    if sock not in ready:
                         continue
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -342,6 +382,7 @@ class HandshakeServer:
                 if timing_logger.isEnabledFor(logging.DEBUG):
                     timing_logger.debug("side channel served %s", times.describe())
         finally:
+            limits.close()
             sock.close(linger=0)
 
     def _respond(self, body: list[bytes], times: RequestTimes | None = None) -> list[bytes]:

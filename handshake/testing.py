@@ -76,7 +76,7 @@ def curve_authenticator(ctx: zmq.Context, secret: bytes) -> ThreadAuthenticator:
 
     What :class:`HandshakeServer` runs when it has a secret, for test fakes that
     play a server with their own ROUTER socket (configured with
-    ``handshake._net.configure_socket(sock, host, limit, secret, server=True)``).
+    ``handshake._net.configure_socket(sock, host, secret=secret, server=True)``).
     Stop it (``.stop()``) before terminating ``ctx``.
     """
     client_public = CurveKeys.derive(secret).client_public
@@ -100,11 +100,13 @@ def _serve_child(
     secret: bytes | None,
     max_message_bytes: int,
     log_level: int,
+    options: dict[str, float],
 ) -> None:
     """Entry point of the server process: serve until the parent says stop."""
     logging.getLogger("p2pkv.handshake").setLevel(log_level)
     decoder = msgspec.msgpack.Decoder(AgentInfo)
-    server = HandshakeServer(host, 0, compat_hash, secret=secret, max_message_bytes=max_message_bytes)
+    server = HandshakeServer(host, 0, compat_hash, secret=secret, max_message_bytes=max_message_bytes,
+                             **options)  # type: ignore[arg-type]
     try:
         for raw in infos:
             server.set_info(decoder.decode(raw))
@@ -134,6 +136,8 @@ class ServerProcess:
         host: interface to bind.
         start_timeout_s: how long (seconds) to wait for the server to listen.
         log_level: level of the ``p2pkv.handshake`` logger in the child.
+        server_options: more keyword arguments of :class:`HandshakeServer`
+            (``max_connections``, ``max_handshakes``, ``handshake_s``).
 
     Raises (from :meth:`start`):
         RuntimeError: the server did not start within ``start_timeout_s``.
@@ -149,6 +153,7 @@ class ServerProcess:
         host: str = "127.0.0.1",
         start_timeout_s: float = 30.0,
         log_level: int = logging.ERROR,
+        server_options: dict[str, float] | None = None,
     ) -> None:
         self.host = host
         self.port = 0
@@ -159,7 +164,8 @@ class ServerProcess:
         payloads = [msgspec.msgpack.encode(info) for info in infos]
         self._proc = ctx.Process(
             target=_serve_child,
-            args=(child_conn, host, compat_hash, payloads, secret, max_message_bytes, log_level),
+            args=(child_conn, host, compat_hash, payloads, secret, max_message_bytes, log_level,
+                  dict(server_options or {})),
             name="p2pkv-handshake-test-server",
             daemon=True,
         )

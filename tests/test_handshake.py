@@ -28,6 +28,8 @@ from handshake import (
     encode,
     fetch_agent_info,
 )
+from handshake._net import FRAME_LIMIT
+from handshake.codec import FRAME_BYTES
 from handshake.testing import ServerProcess, make_agent_info
 
 HOST = "127.0.0.1"
@@ -210,10 +212,19 @@ def test_bad_request_refused_then_still_serving(server: ServerProcess, case: str
     assert fetch(server.port) == INFOS[0]
 
 
-def test_grossly_oversized_frame_dropped_then_still_serving(server: ServerProcess) -> None:
-    # Over twice the limit: libzmq drops it (ZMQ_MAXMSGSIZE) before buffering.
-    assert raw_exchange(server.port, [b"\x00" * (4 * LIMIT)], timeout_s=0.5) is None
+def test_frame_over_the_frame_limit_dropped_then_still_serving(server: ServerProcess) -> None:
+    # Over ZMQ_MAXMSGSIZE (FRAME_LIMIT): libzmq drops the connection before buffering the frame.
+    assert raw_exchange(server.port, [b"\x00" * (FRAME_LIMIT + 1)], timeout_s=0.5) is None
     assert server.is_alive()
+    assert fetch(server.port) == INFOS[0]
+
+
+def test_message_over_the_limit_in_frames_refused_too_large(server: ServerProcess) -> None:
+    # Frames within the frame limit reach the server, which refuses their total (typed), then still serves.
+    reply = raw_exchange(server.port, [b"\x00" * FRAME_BYTES, b"\x00" * 8])
+    assert reply is not None
+    msg = decode(reply)
+    assert isinstance(msg, ErrorReply) and (msg.code, msg.field) == ("too_large", "frames")
     assert fetch(server.port) == INFOS[0]
 
 

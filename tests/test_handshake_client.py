@@ -12,7 +12,6 @@ import pytest
 import zmq
 
 from handshake import (
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AuthenticationError,
     ErrorReply,
@@ -46,7 +45,7 @@ def fake_server(respond: Responder, port: int = 0, secret: bytes | None = None) 
     ctx = zmq.Context()
     auth = curve_authenticator(ctx, secret) if secret else None
     sock = ctx.socket(zmq.ROUTER)
-    configure_socket(sock, HOST, MAX_MESSAGE_BYTES, secret, server=True)
+    configure_socket(sock, HOST, secret=secret, server=True)
     if port:
         sock.bind(f"tcp://{HOST}:{port}")
     else:

@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from handshake import (
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     ErrorReply,
     HandshakeError,
@@ -74,7 +73,7 @@ class Peer:
         self.secret = secret
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
-        configure_socket(self.sock, HOST, MAX_MESSAGE_BYTES, secret)  # CURVE with a secret
+        configure_socket(self.sock, HOST, secret=secret)  # CURVE with a secret
         self.sock.connect(f"tcp://{HOST}:{proc.port}")
 
     def exchange(self, frames: list[bytes]) -> ErrorReply | MetadataReply:

@@ -22,7 +22,6 @@ import pytest
 import zmq
 
 from handshake import (
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     ErrorReply,
     HandshakeServer,
@@ -75,7 +74,7 @@ def exchange(port: int, frames: list[bytes], secret: bytes | None = SECRET, time
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     try:
-        configure_socket(sock, HOST, MAX_MESSAGE_BYTES, secret)
+        configure_socket(sock, HOST, secret=secret)
         if keys is not None:
             sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = keys
         sock.connect(f"tcp://{HOST}:{port}")
@@ -116,7 +115,7 @@ def fake_server(respond: Callable[[list[bytes]], list[bytes]] | None, secret: by
     ctx = zmq.Context()
     auth = curve_authenticator(ctx, secret) if secret else None
     sock = ctx.socket(zmq.ROUTER)
-    configure_socket(sock, HOST, MAX_MESSAGE_BYTES, secret, server=True)
+    configure_socket(sock, HOST, secret=secret, server=True)
     port = sock.bind_to_random_port(f"tcp://{HOST}")
     received: list[list[bytes]] = []
     stop = threading.Event()
@@ -439,9 +438,10 @@ def test_client_sends_nothing_to_an_impostor(impostor_secret: bytes | None) -> N
 
 
 # -- f. memory bound -------------------------------------------------------------------------
-# Attack: a peer without the secret sends one huge multipart message (24 frames of 16 MiB: each frame
-# under the transport limit of 32 MiB) to make the server buffer it. Before protocol 5 libzmq read and
-# buffered all of it (~384 MiB) before the application refused it as too large.
+# Attack: a peer without the secret sends one huge multipart message (24 frames of 16 MiB; each was under
+# the transport limit of 32 MiB before protocol 7, which has frames of at most 256 KiB) to make the server
+# buffer it. Before protocol 5 libzmq read and buffered all of it (~384 MiB) before the application refused
+# it as too large. What hostile connections cost before their handshake: tests/test_side_channel_limits.py.
 
 
 def rss_bytes(pid: int) -> int:
