@@ -53,6 +53,14 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             IP), never loopback unless that is all there is.
         side_channel_port: base TCP port of the side channel; tp_rank ``r``
             of data-parallel rank ``d`` listens on ``port + d * tp_size + r``.
+        side_channel_max_connections: most peers connected to one rank's
+            side channel at once; newer connections are cut. A prefill rank
+            holds one long-lived connection per decode rank that reads from
+            it and a few short-lived ones (docs/security.md).
+        side_channel_max_handshakes: most connections to one rank's side
+            channel at once that are not past their CURVE HELLO (what a peer
+            without the secret never gets past); the oldest are cut. Each
+            costs at most one 256 KiB frame.
         lease_s: seconds a prefill engine holds a finished request's blocks
             for a decode engine to pull them before releasing them anyway.
         heartbeat_interval_s: how often (seconds) a decode engine asks the
@@ -176,6 +184,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     side_channel_host: str = ""
     side_channel_port: int = 5600
+    side_channel_max_connections: int = 1024
+    side_channel_max_handshakes: int = 64
     lease_s: float = 120.0
     heartbeat_interval_s: float | None = None
     role: Literal["prefill", "decode", "both", ""] = ""
@@ -264,6 +274,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"side_channel_port={self.side_channel_port} is not a TCP port; "
                 "use 1..65535 in kv_connector_extra_config or P2PKV_SIDE_CHANNEL_PORT"
             )
+        if not 1 <= self.side_channel_max_handshakes <= self.side_channel_max_connections <= 65536:
+            raise ConfigError(
+                f"need 1 <= side_channel_max_handshakes ({self.side_channel_max_handshakes}) <= "
+                f"side_channel_max_connections ({self.side_channel_max_connections}) <= 65536 (connections)")
         for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

@@ -138,7 +138,9 @@ class WorkerSide:
                            "reaches it can read this engine's KV cache", self.host, self.port)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
                                       on_heartbeat=self.holds.on_heartbeat, on_release=self.holds.on_release,
-                                      on_push=self.pusher.on_push, future_skew_s=self.config.max_clock_skew_s)
+                                      on_push=self.pusher.on_push, future_skew_s=self.config.max_clock_skew_s,
+                                      max_connections=self.config.side_channel_max_connections,
+                                      max_handshakes=self.config.side_channel_max_handshakes)
         self.server.set_info(info)
         self.server.start()
         logger.info("p2pkv: rank %d registered %d %s region(s), %d segment(s) per block (%s, %s pages), "
