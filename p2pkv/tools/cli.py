@@ -151,6 +151,8 @@ BENCHES: tuple[tuple[str, str, str, str, str], ...] = (
      "p2pkv.tools.bench.scheduler_hooks", "add_arguments", "cli_main"),
     ("prepped", "building a READ: initialize_xfer on coalesced rows vs make_prepped_xfer on prepared lists",
      "p2pkv.tools.bench.prepped", "add_arguments", "cli_main"),
+    ("side-channel", "fence questions from many clients to a prefill engine's side channel while 3 engines prefill",
+     "p2pkv.tools.bench.side_channel", "add_arguments", "cli_main"),
 )
 """The ``p2pkv bench`` subcommands, in ``--help`` order: (name, help, module, the module's function adding the
 options to a parser, the module's function running it from the parsed options and returning the exit code)."""
