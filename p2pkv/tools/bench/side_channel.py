@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import signal
 import string
 import sys
 import tempfile
@@ -130,6 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      aggregated_port=b + 300, side_channel_port=b + 500,
                      log_dir=Path(args.log_dir or tempfile.mkdtemp(prefix="p2pkv-bench-sc-")))
     t0 = time.monotonic()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the engines (finally) when terminated
     pair.start()
     started_s = time.monotonic() - t0
     try:
