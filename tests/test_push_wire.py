@@ -261,11 +261,11 @@ def ask(pf: Prefill, pair: Pair, request_id: str, block_ids: list[int], source: 
                         wire[1], 5.0, "decode-engine", secret=KEY, timeout_s=5.0, engine_id=ENGINE, tp_rank=0)
 
 
-def wait_note(pair: Pair, timeout_s: float = 10.0) -> PushedNotification:
-    """The next push notification the decode agent receives (parsed with the secret)."""
+def wait_note(pair: Pair, timeout_s: float = 10.0, agent: NixlTransferAgent | None = None) -> PushedNotification:
+    """The next push notification the decode agent (or ``agent``) receives (parsed with the secret)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        for msg in pair.decode.take_notifs(PUSH_PREFIX):
+        for msg in (agent or pair.decode).take_notifs(PUSH_PREFIX):
             note = parse_pushed(msg, KEY)
             assert note is not None, msg
             return note
@@ -382,15 +382,30 @@ def test_a_full_queue_answers_busy_and_pins_only_what_it_queued(prefill: Prefill
     assert holds._pins == {} and writes_left(pusher) == 0
 
 
-def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(prefill: Prefill, pair: Pair) -> None:
+@pytest.fixture
+def fresh_decode(pair: Pair) -> Iterator[tuple[NixlTransferAgent, AgentInfo]]:
+    """A decode agent no prefill agent has ever connected to (the decode cache's memory registered again)."""
+    agent = NixlTransferAgent(unique_agent_name(DECODE, 0))
+    agent.register(pair.decode_layout.regions, "DRAM")
+    try:
+        yield agent, decode_info_of(agent, pair.decode_layout)
+    finally:
+        agent.close()
+
+
+def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(
+        prefill: Prefill, pair: Pair, fresh_decode: tuple[NixlTransferAgent, AgentInfo]) -> None:
     """Queued behind a held-back pusher past its ``window_s``: never written, a "push_failed" note, unpinned,
-    and a release that came meanwhile applies once."""
+    and a release that came meanwhile applies once. The decode agent is new to the prefill agent and nothing
+    else progresses the prefill agent (no engine steps, no WRITE): the pusher itself must, or UCX's wire-up
+    never completes and the note never arrives."""
     pusher, holds = prefill.pusher, prefill.holds
+    decode_agent, decode_info = fresh_decode
     holds.hold("late", 1e12, (6,))
     pusher._post_in_turn = lambda now: None  # type: ignore[method-assign]
     try:
         wire = [descs(pair.layout, [6]).astype("<u8").tobytes(), descs(pair.decode_layout, [6]).astype("<u8").tobytes()]
-        reply = request_push(HOST, prefill.server.port, "late", [6], PID, pair.decode_info, wire[0], wire[1], 0.2,
+        reply = request_push(HOST, prefill.server.port, "late", [6], PID, decode_info, wire[0], wire[1], 0.2,
                              "decode-engine", secret=KEY, timeout_s=5.0, engine_id=ENGINE, tp_rank=0)
         assert reply.status == "accepted"
         assert holds.on_release(["late"], [[6]]) == 1
@@ -400,7 +415,7 @@ def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(prefill:
     finally:
         del pusher._post_in_turn
     pusher._wake.set()
-    note = wait_note(pair)
+    note = wait_note(pair, agent=decode_agent)
     assert note.push_id == PID and not note.ok and "window passed" in note.reason
     assert torch.count_nonzero(pair.target) == 0
     end = time.monotonic() + 5

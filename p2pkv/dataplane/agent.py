@@ -441,6 +441,13 @@ class NixlTransferAgent:
         except Exception as exc:
             raise TransferError(f"NIXL send_notif to {peer} failed: {exc}", exc) from exc
 
+    def progress(self) -> None:
+        """Progress NIXL's workers without taking anything: a notification sent to a peer just loaded may wait
+        for this side's worker to finish connecting (UCX wire-up), and notifications received meanwhile stay
+        in their inboxes for :meth:`take_notifs`. Thread-safe."""
+        with self._notif_lock:
+            self._sort_new_notifs()
+
     def get_notifs(self) -> list[bytes]:
         """Notifications received since the last call (all peers) not taken by :meth:`take_notifs`'s prefixes."""
         return self.take_notifs(b"")
@@ -455,12 +462,16 @@ class NixlTransferAgent:
         """
         with self._notif_lock:
             self._inbox.setdefault(prefix, [])
-            for msgs in self._agent.get_new_notifs().values():
-                for msg in msgs:
-                    key = next((p for p in self._inbox if p and msg.startswith(p)), b"")
-                    self._inbox[key].append(msg)
+            self._sort_new_notifs()
             out, self._inbox[prefix] = self._inbox[prefix], []
         return out
+
+    def _sort_new_notifs(self) -> None:
+        """Take what NIXL received (progressing its workers) into the inboxes; the caller holds the lock."""
+        for msgs in self._agent.get_new_notifs().values():
+            for msg in msgs:
+                key = next((p for p in self._inbox if p and msg.startswith(p)), b"")
+                self._inbox[key].append(msg)
 
     def close(self) -> None:
         """Remove peers, deregister memory. Idempotent."""

@@ -61,6 +61,11 @@ K = TypeVar("K", bound=Hashable)
 
 SWEEP_S = 0.05
 """How often (seconds, on the pusher's clock) the pusher thread looks for idle decode ranks to unload."""
+NOTIFY_PROGRESS_S = 2.0
+"""How long (seconds) the pusher thread keeps progressing NIXL after a "push_failed" notification, so that it
+is delivered while nothing else progresses the prefill agent (NIXL's UCX backend sends it without blocking)."""
+NOTIFY_POLL_S = 0.005
+"""How often (seconds) it progresses NIXL meanwhile."""
 
 
 @dataclass
@@ -113,6 +118,7 @@ class Pusher:
         self._stop = threading.Event()
         self._agents = PushAgents(max_agents, agent_idle_s, clock)
         self._next_sweep = float("-inf")
+        self._notify_until = float("-inf")  # progress NIXL until then: a push_failed notification may be queued
         self._thread = threading.Thread(target=self._run, name="p2pkv-push", daemon=True)
         self._thread.start()
 
@@ -220,6 +226,9 @@ class Pusher:
                 busy = True
             if busy:
                 self._wake.wait(self.poll_interval_s)
+            elif self._clock() < self._notify_until:
+                self.agent.progress()
+                self._wake.wait(NOTIFY_POLL_S)
             else:
                 self._wake.wait(1.0)
             self._wake.clear()
@@ -369,6 +378,11 @@ class Pusher:
                                                                 self.secret))
         except Exception as exc:
             logger.debug("p2pkv: push_failed notification to %s not sent: %s", job.agent_name[:96], exc)
+            return
+        # Without a WRITE to poll, nothing else progresses this agent: to a decode agent loaded just now the
+        # notification waits for UCX's wire-up, which needs this side's worker (the engine's steps do not run
+        # while it is idle).
+        self._notify_until = self._clock() + NOTIFY_PROGRESS_S
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the thread; queued WRITEs are dropped, WRITEs in flight cancelled (best effort), the decode
