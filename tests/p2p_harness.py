@@ -32,7 +32,9 @@ from p2pkv.prefill.holds import HoldEnd
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.worker import WorkerSide
+from tests import warm_processes
 from tests.faults import FaultyNixlAgent
+from tests.warm_processes import Channels, WarmProcess
 from tests.workers import free_port, make_worker, model_info
 
 __all__ = ["ENGINE", "LAYOUT", "DecodeSide", "PrefillProc", "free_port", "notify_task", "pull_task", "writes_left"]
@@ -52,7 +54,8 @@ def shape(num_blocks: int) -> dict[str, int]:
 
 
 def _prefill_main(port: int, seed: int, num_blocks: int, leases: dict[str, float], lease_s: float,
-                  cmds: mp.Queue, out: mp.Queue) -> None:
+                  channels: Channels) -> None:
+    cmds, out = channels.inbox, channels.outbox
     parent = os.getppid()
     _, views = make_kv_caches(LAYOUT, seed=seed, **shape(num_blocks))
     worker = make_worker(ENGINE, port, lease_s=lease_s)
@@ -219,7 +222,7 @@ class PrefillProc:
     released_by_incarnation: list[set[str]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._ctx = mp.get_context("spawn")
+        self._warm: WarmProcess | None = None  # the warm process running the current incarnation
         self._proc: mp.process.BaseProcess | None = None
         self._token = 0
         self._ready = False
@@ -235,14 +238,13 @@ class PrefillProc:
         assert self._proc is None or not self._proc.is_alive()
         if seed is not None:
             self.seed = seed
-        self._cmds, self._out = self._ctx.Queue(), self._ctx.Queue()
         leases = dict(leases or {})
         self.leased |= set(leases)
         self.released_by_incarnation.append(set())
-        self._proc = self._ctx.Process(
-            target=_prefill_main, daemon=True,
-            args=(self.port, self.seed, self.num_blocks, leases, self.lease_s, self._cmds, self._out))
-        self._proc.start()
+        self._warm = warm_processes.take()
+        self._proc = self._warm.process
+        channels = self._warm.run(_prefill_main, self.port, self.seed, self.num_blocks, leases, self.lease_s)
+        self._cmds, self._out = channels.inbox, channels.outbox
         self._ready = False
 
     def poll_ready(self) -> bool:
@@ -378,30 +380,26 @@ class PrefillProc:
 
     def kill(self) -> None:
         """SIGKILL the current incarnation (events it had not queued yet are lost)."""
-        assert self._proc is not None
+        assert self._proc is not None and self._warm is not None
         self.drain(0.05)
-        self._proc.kill()
-        self._proc.join(timeout=20)
+        warm_processes.give_back(self._warm, kill=True)
 
     def stop(self) -> list[str]:
         """Stop the current incarnation cleanly; returns the request ids it still held (leases, and endings
         waiting for a WRITE)."""
         if self._proc is None:
             return []
+        said_bye = False
         if self._proc.is_alive():
             self._cmds.put(("stop",))
             end = time.monotonic() + 30
-            while time.monotonic() < end:
+            while time.monotonic() < end and not said_bye:
                 msg = self._next(timeout=end - time.monotonic())
-                if msg is not None and msg[0] == "bye":
-                    break
-        self._proc.join(timeout=20)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(timeout=10)
-        code = self._proc.exitcode
+                said_bye = msg is not None and msg[0] == "bye"
+        assert self._warm is not None
         self._proc = None
-        assert code == 0, f"prefill process exited with {code}"
+        returned = warm_processes.give_back(self._warm) and said_bye
+        assert returned, f"the prefill incarnation did not stop cleanly (exit code {self._warm.process.exitcode})"
         return sorted({*(self.held_at_stop or []), *(self.deferred_at_stop or [])})
 
 

@@ -31,7 +31,9 @@ from p2pkv.decode.pull import PullState
 from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import RemotePrefill
 from p2pkv.worker import WorkerSide
+from tests import warm_processes
 from tests.conftest import free_ports
+from tests.warm_processes import Channels
 
 LAYERS, HEAD_DIM, NUM_BLOCKS = 2, 4, 40
 
@@ -124,8 +126,11 @@ RIDS = ("req-0", "req-1", "req-2")
 """More request ids the prefill process holds (same blocks), for several pulls in one test."""
 
 
-def prefill_main(side: Side, port: int, block_ids: list[int], tokens: int, rid: str, device: str, out: mp.Queue,
-                 stop: mp.Event) -> None:
+def prefill_main(side: Side, port: int, block_ids: list[int], tokens: int, rid: str, device: str,
+                 channels: Channels) -> None:
+    """The prefill ranks of ``side`` in a warm process (:mod:`tests.warm_processes`): "ready" once they serve,
+    then ``(rank, released ids, leases expired)`` per release, until ``channels.stop``."""
+    out, stop = channels.outbox, channels.stop
     workers = make_workers("prefill", side, port, device, block_ids, tokens)
     for worker, _, _ in workers:
         worker.start_load_kv(P2pKvMetadata(send_leases={r: time.monotonic() + 120 for r in (rid, *RIDS)}))
@@ -218,18 +223,14 @@ def running_prefill(side: Side, block_ids: list[int], tokens: int,
     """A prefill process serving request ``req`` (``tokens`` prompt tokens in ``block_ids``), every rank
     ready; yields its base side-channel port and its report queue; stopped on exit."""
     port = free_ports(1, run=side.tp_size)[0]
-    ctx = mp.get_context("spawn")
-    out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=prefill_main, args=(side, port, block_ids, tokens, "req", device, out, stop))
-    proc.start()
+    proc = warm_processes.take()
+    channels = proc.run(prefill_main, side, port, block_ids, tokens, "req", device)
     try:
-        assert out.get(timeout=60) == "ready"
-        yield port, out
+        assert channels.outbox.get(timeout=60) == "ready"
+        yield port, channels.outbox
     finally:
-        stop.set()
-        proc.join(timeout=20)
-        if proc.is_alive():
-            proc.kill()
+        channels.stop.set()
+        warm_processes.give_back(proc)
 
 
 @contextlib.contextmanager
