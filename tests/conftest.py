@@ -22,6 +22,10 @@ ENGINE_MODULES = frozenset({
 """Test modules with tests that start or use real engines (marked ``engines``): under pytest-xdist they all run
 in one worker, which starts the session's engines once (:func:`pytest_xdist_make_scheduler`)."""
 
+ENGINE_FIXTURES = frozenset({"launched", "kind_pair"})
+"""Fixtures that start engines: a test that uses one (directly or through another fixture) must be marked
+``engines``."""
+
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist's load-scope scheduling with one scope for :data:`ENGINE_MODULES` and one per test elsewhere.
@@ -43,6 +47,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stray = sorted({i.nodeid.split("::")[0] for i in items if "engines" in i.keywords} - ENGINE_MODULES)
     if stray:
         raise pytest.UsageError(f"{', '.join(stray)} start engines: add them to ENGINE_MODULES in tests/conftest.py")
+    unmarked = sorted(i.nodeid for i in items if "engines" not in i.keywords
+                      and not ENGINE_FIXTURES.isdisjoint(getattr(i, "fixturenames", ())))
+    if unmarked:  # scripts/test.sh runs them with the in-process tests, several at once: engines would start twice
+        raise pytest.UsageError(f"{', '.join(unmarked[:5])} use engines: mark them pytest.mark.engines")
     try:
         import torch
 

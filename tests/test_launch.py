@@ -123,6 +123,27 @@ def test_local_pair_checks_the_secret(tmp_path, monkeypatch) -> None:
     assert pair.secret not in " ".join(pair.proxy_command())
 
 
+@pytest.mark.parametrize(("fields", "bind", "one_process"), [
+    ({}, None, True),
+    ({"tensor_parallel_size": 2}, None, False),
+    ({"extra_args": ("--data-parallel-size", "2")}, None, False),
+    ({"extra_args": ("--data-parallel-size=2",)}, None, False),
+    ({"extra_args": ("-dp", "1")}, None, True),
+    ({}, "auto", False),
+    ({"local_defaults": False}, None, False),
+], ids=["tp1", "tp2", "dp2", "dp2=", "dp1", "threads bound", "gpu pod"])
+def test_one_rank_engines_run_their_worker_in_the_engine_core(fields: dict, bind: str | None, one_process: bool,
+                                                              monkeypatch) -> None:
+    """With the small-machine defaults, threads unbound and one rank, vLLM's worker runs in the EngineCore
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); anything else keeps vLLM's own executor choice."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    if bind is not None:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    env = EngineSpec(name="e", model="m", port=1, **fields).environment()
+    assert (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is one_process
+
+
 def _pod(tmp_path: Path, *flags: str, role: str = "prefill") -> list[str]:
     """``launch ROLE --dry-run`` on free ports with the side channel on loopback, plus ``flags``."""
     http, side = free_ports(2)
