@@ -80,14 +80,17 @@ _HANDED_OUT: collections.deque[int] = collections.deque(maxlen=100)
 def port_range() -> tuple[int, int]:
     """``[low, high)``: this test process's share of the ports 20000-31999 (below the kernel's ephemeral range).
 
-    Under pytest-xdist each worker (``PYTEST_XDIST_WORKER`` ``gw<i>`` of ``PYTEST_XDIST_WORKER_COUNT``) gets
-    its own slice, so two workers never hand out the same port before either has bound it.
+    ``P2PKV_TEST_PORTS`` (``"low-high"``) narrows that for a whole pytest run (scripts/test.sh gives the
+    in-process and the engine run halves of their own); under pytest-xdist each worker (``PYTEST_XDIST_WORKER``
+    ``gw<i>`` of ``PYTEST_XDIST_WORKER_COUNT``) then gets its own slice, so two test processes never hand out
+    the same port before either has bound it.
     """
+    low, high = (int(p) for p in os.environ.get("P2PKV_TEST_PORTS", "20000-32000").split("-"))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     count = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     index = int(worker[2:]) if worker[2:].isdigit() else 0
-    span = (32000 - 20000) // count // 8 * 8
-    return 20000 + index * span, 20000 + (index + 1) * span
+    span = (high - low) // count // 8 * 8
+    return low + index * span, low + (index + 1) * span
 
 
 def free_ports(n: int, run: int = 2) -> list[int]:
