@@ -23,10 +23,10 @@ engines_log=$(mktemp)
 # The engine tests start at once at the lowest priority: their engines start on the CPU the in-process tests
 # leave idle, and the in-process tests' timing sees only their own load (a nice-19 process gets about 1.5 %
 # of a core that a nice-0 process wants).
-pass env P2PKV_TEST_PORTS=26000-32000 nice -n 19 .venv/bin/python -m pytest -m engines --durations=25 "$@" > "$engines_log" 2>&1 &
+pass env P2PKV_TEST_PORTS=28000-32000 nice -n 19 .venv/bin/python -m pytest -m engines --durations=25 "$@" > "$engines_log" 2>&1 &
 engines=$!
 echo "== in-process tests ($workers workers; the engine tests start meanwhile at nice 19)"
-pass env P2PKV_TEST_PORTS=20000-26000 .venv/bin/python -m pytest -n "$workers" -m "not engines" --durations=25 "$@" || status=$?
+pass env P2PKV_TEST_PORTS=20000-28000 .venv/bin/python -m pytest -n "$workers" -m "not engines" --durations=25 "$@" || status=$?
 echo "== engine tests (one process)"
 wait "$engines" || status=$?
 cat "$engines_log"

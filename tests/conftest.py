@@ -73,8 +73,9 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
-_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=100)
-"""The last base ports :func:`free_ports` handed out in this test process (older ones are bound or given up)."""
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=32)
+"""The last base ports :func:`free_ports` handed out in this test process (older ones are bound or given up):
+each keeps about 45 ports from being handed out, so a few thousand ports per process leave plenty."""
 
 
 def port_range() -> tuple[int, int]:
@@ -101,17 +102,22 @@ def free_ports(n: int, run: int = 2) -> list[int]:
     is not taken by the time the process that needs it binds it; ``run``
     leaves room for the side channel of TP ranks (port + tp_rank).
 
-    No port of the last 100 runs handed out in this test process is handed
+    No port of the last 32 runs handed out in this test process is handed
     out again, nor one 100 above or below them (``LocalPair`` puts the decode side
     channel at ``side_channel_port + 100``): fixtures often pick ports for
     several engines before any of them binds, and vLLM's API server binds
     with ``SO_REUSEPORT``, so two engines given the same port would both
     start and share its connections.
+
+    Raises:
+        RuntimeError: no such run found in 10,000 tries (this process's port range is too narrow).
     """
     rng = random.Random()
     low, high = port_range()
     chosen: list[int] = []
-    while len(chosen) < n:
+    for _ in range(10_000):
+        if len(chosen) == n:
+            return chosen
         base = rng.randrange(low, high, 8)
         if any(abs(base + shift - c) < 8 for c in _HANDED_OUT for shift in (-100, 0, 100)):
             continue
@@ -123,7 +129,9 @@ def free_ports(n: int, run: int = 2) -> list[int]:
             continue
         chosen.append(base)
         _HANDED_OUT.append(base)
-    return chosen
+    if len(chosen) == n:
+        return chosen
+    raise RuntimeError(f"no {n} free runs of {run} ports in [{low}, {high}) after 10,000 tries")
 
 
 BLOCK = 32
