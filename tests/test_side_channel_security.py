@@ -502,14 +502,13 @@ def test_unauthenticated_huge_message_does_not_grow_server_memory() -> None:
         dealer.linger = 0
         dealer.connect(f"tcp://{HOST}:{proc.port}")
         frame = zmq.Frame(b"\x00" * (16 * MiB))
-        queued, end = False, time.monotonic() + 10
-        while not queued and time.monotonic() < end:
-            try:  # a blocking send waits forever while no connection has a pipe: the server ends each handshake
-                dealer.send_multipart([frame] * 24, copy=False, flags=zmq.DONTWAIT)
-                queued = True
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            try:  # a blocking send waits forever once the server has ended the handshake before it (no pipe left);
+                dealer.send_multipart([frame] * 24, copy=False, flags=zmq.DONTWAIT)  # a polite client's extra:
+                break  # the raw stream above is the attack, whatever libzmq does with this one
             except zmq.Again:
                 time.sleep(0.005)
-        assert queued, "libzmq never queued the 384 MiB message"
         time.sleep(1.0)  # libzmq keeps reconnecting; the server refuses every handshake
         dealer.close(0)
         ctx.term()

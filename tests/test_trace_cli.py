@@ -229,7 +229,7 @@ def test_p2pkv_trace_listens_saves_and_draws(tmp_path: Path, capsys: pytest.Capt
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(p2pkv(argv)))
     thread.start()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # a guard against a hang only: starting its server may take a while
     while True:  # until it listens
         try:
             socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
