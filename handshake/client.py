@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Collection, Iterator
+from typing import TypeVar
 
 import msgspec
 import zmq
@@ -53,6 +54,8 @@ def _fresh() -> dict[str, object]:
     return {"sent_at": time.time(), "nonce": os.urandom(NONCE_BYTES)}
 
 logger = logging.getLogger("p2pkv.handshake")
+
+R = TypeVar("R", HoldsReply, PushReply)
 timing_logger = logging.getLogger("p2pkv.handshake.timing")
 
 
@@ -438,18 +441,33 @@ def request_push(host: str, port: int, request_id: str, block_ids: list[int], pu
     reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
              _exchange(zmq.Context.instance(), host, endpoint, frames, timeout_s, cancel, secret,
                        msg.nonce))
+    return _answer(reply, PushReply, [msg.nonce], endpoint, secret, timeout_s, cancel, MAX_MESSAGE_BYTES)
+
+
+def _answer(reply: list[bytes] | None, kind: type[R], nonces: list[bytes], endpoint: str, secret: bytes | None,
+            timeout_s: float, cancel: threading.Event | None, max_message_bytes: int) -> R:
+    """The ``kind`` reply to the request sent last under ``nonces`` (or an earlier one: a question asked again),
+    checked in this order: a reply at all (cancelled, else timed out), an unsigned refusal of our
+    authentication, the codec's checks, a refusal, the message type, the nonce.
+
+    Raises:
+        HandshakeCancelledError: no reply and ``cancel`` is set.
+        HandshakeTimeoutError: no reply within ``timeout_s`` seconds.
+        RemoteRefusedError: the server refused the request.
+        HandshakeError: any other failure (bad reply, authentication, another type, a reply to another request).
+    """
     if reply is None and cancel is not None and cancel.is_set():
-        raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
+        raise HandshakeCancelledError(f"side-channel call to {endpoint} cancelled (shutting down)")
     if reply is None:
-        raise HandshakeTimeoutError(f"no reply from {host}:{port} within {timeout_s:g} s")
-    if (refusal := _unsigned_auth_refusal(reply, MAX_MESSAGE_BYTES)) is not None:
+        raise HandshakeTimeoutError(f"no reply from {endpoint} within {timeout_s:g} s")
+    if (refusal := _unsigned_auth_refusal(reply, max_message_bytes)) is not None:
         raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint)
-    answer = decode(reply, secret, MAX_MESSAGE_BYTES)
+    answer = decode(reply, secret, max_message_bytes)
     if isinstance(answer, ErrorReply):
-        _check_refusal(answer, msg.nonce, endpoint)
-    if not isinstance(answer, PushReply):
+        _check_refusal(answer, answer.nonce if answer.nonce in nonces else nonces[-1], endpoint)
+    if not isinstance(answer, kind):
         raise MalformedMessageError(f"{endpoint} answered with {type(answer).__name__}", field="type")
-    if answer.nonce != msg.nonce:
+    if answer.nonce not in nonces:
         raise MalformedMessageError(f"reply from {endpoint} answers another request", field="nonce")
     return answer
 
@@ -505,18 +523,8 @@ def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes 
                      else _exchange(ctx, host, endpoint, frames, timeout_s, cancel, secret, sent.nonce))
             if reply is not None or (cancel is not None and cancel.is_set()):
                 break
-        if reply is None and cancel is not None and cancel.is_set():
-            raise HandshakeCancelledError(f"side-channel call to {host}:{port} cancelled (shutting down)")
-        if reply is None:
-            raise HandshakeTimeoutError(f"no reply from {host}:{port} within {timeout_s:g} s")
-        if (refusal := _unsigned_auth_refusal(reply, max_message_bytes)) is not None:
-            raise RemoteRefusedError(refusal.code, refusal.field, refusal.message, endpoint=endpoint)
-        answer = decode(reply, secret, max_message_bytes)
-        if isinstance(answer, ErrorReply):
-            _check_refusal(answer, answer.nonce if answer.nonce in nonces else nonces[-1], endpoint)
-        if not isinstance(answer, HoldsReply):
-            raise MalformedMessageError(f"{endpoint} answered with {type(answer).__name__}", field="type")
-        if answer.nonce not in nonces or answer.request_ids != msg.request_ids:
+        answer = _answer(reply, HoldsReply, nonces, endpoint, secret, timeout_s, cancel, max_message_bytes)
+        if answer.request_ids != msg.request_ids:
             raise MalformedMessageError(f"reply from {endpoint} answers another request", field="nonce")
         total = HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=total.accepted + answer.accepted,
                            expired=total.expired + answer.expired, not_held=total.not_held + answer.not_held,
