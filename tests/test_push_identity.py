@@ -239,6 +239,8 @@ def test_sixty_requests_from_agents_never_seen_again_leave_nixl(agents: Agents, 
     assert most <= 4 and prefill.pusher.counters.written == 30
     prefill.clock.now += 31.0
     prefill.pusher._wake.set()
-    wait_until(lambda: not prefill.pusher.agents())
+    # the pusher forgets an idle agent first, then removes it from NIXL (outside its table's lock): wait for both
+    wait_until(lambda: not prefill.pusher.agents()
+               and not any(nixl_knows(agents.prefill, info.agent_name) for info in infos))
     assert not [info for info in infos if nixl_knows(agents.prefill, info.agent_name)]
     agents.decode.take_notifs(PUSH_PREFIX)
