@@ -163,6 +163,8 @@ def test_repeated_pull_fails_at_once_and_a_fresh_one_works(route, client) -> Non
     first, _ = _decode(client, p, prompt, params)
     ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
     assert _texts(first.json()) == _texts(ref)
+    # the prefill frees the hold at the decode's "done", a NIXL notification after the answer: wait for it
+    assert wait_blocks_released(client, p.url("prefill"), timeout_s=5) == 0.0
     again, seconds = _decode(client, p, prompt, params)  # the blocks were released after the first pull
     assert _failed(again) and seconds < 10.0, f"took {seconds:.1f} s"
     _still_serving(p, client)
