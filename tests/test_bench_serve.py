@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import math
 import os
@@ -9,6 +10,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from p2pkv.tools.bench.serve_metrics import (
     proxy_overhead,
     pull_stats,
 )
-from p2pkv.tools.bench.serve_prefill import prefill_latency, stream_timing
+from p2pkv.tools.bench.serve_prefill import PrefillProbe, prefill_latency, stream_timing
 from p2pkv.tools.bench.serve_results import (
     Latency,
     Percentiles,
@@ -304,6 +306,43 @@ def test_prefill_latency_from_scrapes_and_the_probes_stream() -> None:
     assert Percentiles.of([4.0, 1.0, 2.0, 3.0]) == Percentiles(2.5, 2.5, pytest.approx(3.97))
 
 
+class _Completions(http.server.BaseHTTPRequestHandler):
+    """A streamed ``/v1/completions`` stand-in: ``server.chunks`` is what every answer carries."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for chunk in self.server.chunks:  # type: ignore[attr-defined]
+            self.wfile.write(f"data: {chunk}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("chunks", "requests", "error"), [
+    (['{"choices": [{"text": "a"}]}', '{"choices": [{"text": "b"}]}'], 1, ""),
+    (['{"choices": 5}'], 0, "TypeError"),  # a stream it cannot read is a failure, not a dead thread
+], ids=["answers", "unreadable"])
+def test_the_probe_measures_at_least_one_request_per_point(chunks: list[str], requests: int, error: str) -> None:
+    """Stopped as soon as it started (a point shorter than one probe request), the probe still sends
+    and reports one request; any failure is counted with its name."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Completions)
+    server.chunks = chunks  # type: ignore[attr-defined]
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = PrefillProbe(f"http://127.0.0.1:{server.server_address[1]}", 8, 2, seed=0).start().stop()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (result.requests, result.failed) == (requests, 1 - requests)
+    assert result.first_error.startswith(error) and bool(result.first_error) == bool(error)
+    if requests:
+        assert result.ttft_ms.p50 > 0 and result.tpot_ms.p50 >= 0
+
+
 def test_client_flags_and_options() -> None:
     argv = ClientPoint("http://h:1", "/m", "p2pkv", 4, 8, 64, 16, 3, "/r", "f.json", "x-").argv()
     flags = " ".join(argv)
@@ -417,7 +456,7 @@ def test_bench_serve_end_to_end(tiny_model: Path, tmp_path: Path, pair) -> None:
         prefill = result["systems"][name]["points"][0]["prefill"]
         assert prefill["legs"]["count"] == 4 and prefill["legs"]["mean_ms"] > 0, name
         assert prefill["engine_ttft"]["count"] >= 4 + prefill["probe"]["requests"], name
-        assert prefill["probe"]["requests"] >= 1 and prefill["probe"]["failed"] == 0, name
+        assert prefill["probe"]["requests"] >= 1 and prefill["probe"]["failed"] == 0, (name, prefill["probe"])
         assert prefill["probe"]["tpot_ms"]["p50"] > 0, name
     aggregated = result["systems"]["aggregated"]["points"][0]
     assert aggregated["pull"] is None and aggregated["prefill"] is None

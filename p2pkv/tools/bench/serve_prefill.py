@@ -37,6 +37,8 @@ ENGINE_PREFILL = "vllm:request_prefill_time_seconds"
 
 PROBE_TIMEOUT_S = 120.0
 """Most seconds one probe request may take."""
+PROBE_START_S = 10.0
+"""Most seconds :meth:`PrefillProbe.start` waits for the probe's thread to be ready to send."""
 
 
 def prefill_latency(prefill: Snapshot | None, proxy: Snapshot | None,
@@ -108,6 +110,11 @@ def stream_timing(lines: Any, sent: float, clock: Any = time.perf_counter) -> tu
 class PrefillProbe:
     """Requests of the prefill engine's own, one at a time from a thread, while a point runs.
 
+    Every point gets at least one probe request: :meth:`start` returns once
+    the thread is about to send its first, and the thread checks for
+    :meth:`stop` only after a request has ended (a point shorter than one
+    probe request still measures that request, the one it overlapped).
+
     Args:
         url: the prefill engine (``http://host:port``).
         prompt_chars: characters per probe prompt.
@@ -118,6 +125,7 @@ class PrefillProbe:
     def __init__(self, url: str, prompt_chars: int, max_tokens: int, seed: int) -> None:
         self.url, self.prompt_chars, self.max_tokens, self.seed = url, prompt_chars, max_tokens, seed
         self._stop = threading.Event()
+        self._sending = threading.Event()
         self._thread: threading.Thread | None = None
         self._ttfts: list[float] = []
         self._tpots: list[float] = []
@@ -125,9 +133,10 @@ class PrefillProbe:
         self._first_error = ""
 
     def start(self) -> PrefillProbe:
-        """Start sending (returns self)."""
+        """Start sending; returns (self) once the first request is about to be sent."""
         self._thread = threading.Thread(target=self._run, name="prefill-probe", daemon=True)
         self._thread.start()
+        self._sending.wait(PROBE_START_S)
         return self
 
     def stop(self) -> ProbeResult:
@@ -135,29 +144,47 @@ class PrefillProbe:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(PROBE_TIMEOUT_S + 5.0)
+            if self._thread.is_alive():
+                self._fail(f"a probe request still ran {PROBE_TIMEOUT_S + 5.0:.0f} s after the point ended")
         return ProbeResult(requests=len(self._ttfts), failed=self._failed, ttft_ms=Percentiles.of(self._ttfts),
                            tpot_ms=Percentiles.of(self._tpots), first_error=self._first_error)
+
+    def _fail(self, message: str) -> None:
+        self._failed += 1
+        self._first_error = self._first_error or message
 
     def _run(self) -> None:
         import httpx
 
-        with httpx.Client(timeout=httpx.Timeout(PROBE_TIMEOUT_S)) as client:
+        try:
+            client = httpx.Client(timeout=httpx.Timeout(PROBE_TIMEOUT_S))
+        except Exception as exc:  # reported as the probe's failure, never a dead thread
+            self._fail(f"{type(exc).__name__}: {exc}")
+            self._sending.set()
+            return
+        with client:
             index = 0
-            while not self._stop.is_set():
-                body = {"model": "model", "prompt": probe_prompt(index, self.prompt_chars, self.seed),
-                        "max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
-                        "stream_options": {"include_usage": True}}
+            while True:
+                self._sending.set()
+                self._one(client, index)
                 index += 1
-                sent = time.perf_counter()
-                try:
-                    with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
-                        resp.raise_for_status()
-                        ttft, span, tokens = stream_timing(resp.iter_lines(), sent)
-                except (httpx.HTTPError, ValueError) as exc:
-                    self._failed += 1
-                    self._first_error = self._first_error or f"{type(exc).__name__}: {exc}"
-                    self._stop.wait(0.1)
-                    continue
-                self._ttfts.append(1e3 * ttft)
-                if tokens > 1:
-                    self._tpots.append(1e3 * span / (tokens - 1))
+                if self._stop.is_set():
+                    return
+
+    def _one(self, client: Any, index: int) -> None:
+        """Send probe request ``index`` and record its timing or its failure."""
+        body = {"model": "model", "prompt": probe_prompt(index, self.prompt_chars, self.seed),
+                "max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        sent = time.perf_counter()
+        try:
+            with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                ttft, span, tokens = stream_timing(resp.iter_lines(), sent)
+        except Exception as exc:  # any failure is counted and named, the probe goes on
+            self._fail(f"{type(exc).__name__}: {exc}")
+            self._stop.wait(0.1)
+            return
+        self._ttfts.append(1e3 * ttft)
+        if tokens > 1:
+            self._tpots.append(1e3 * span / (tokens - 1))

@@ -119,7 +119,8 @@ class ProbeResult:
 
     One probe request at a time goes straight to the prefill engine (no
     ``kv_transfer_params``: an ordinary request, streamed), the next as soon
-    as the last ends, for as long as the point's client runs.
+    as the last ends, for as long as the point's client runs, and at least
+    one per point.
 
     Attributes:
         requests: probe requests that completed.
