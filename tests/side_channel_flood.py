@@ -2,7 +2,7 @@
 still answered meanwhile.
 
 A :class:`handshake.HandshakeServer` with a secret (CURVE) runs in its own process
-(:class:`handshake.testing.ServerProcess`), so its RSS is the server's alone. This process opens ``--hostile``
+(:class:`tests.handshake_support.ServerProcess`), so its RSS is the server's alone. This process opens ``--hostile``
 raw TCP connections to it, all of one kind:
 
 * ``hello``: the ZMTP greeting offering CURVE, then a HELLO command announced as ``--hello-mib`` MiB and sent
@@ -39,7 +39,7 @@ from pathlib import Path
 import zmq
 
 from handshake import HandshakeError, fetch_agent_info
-from handshake.testing import ServerProcess, make_agent_info
+from tests.handshake_support import ServerProcess, make_agent_info
 
 HOST = "127.0.0.1"
 COMPAT = "compat-test"

@@ -11,8 +11,8 @@ import pytest
 
 from handshake import HandshakeServer, IncompatiblePeerError, fetch_agent_info
 from handshake.compat import OPAQUE, describe, fingerprint, mismatches
-from handshake.testing import make_agent_info
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
+from tests.handshake_support import make_agent_info
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from handshake import (
 )
 from handshake._net import FRAME_LIMIT
 from handshake.codec import FRAME_BYTES
-from handshake.testing import ServerProcess, make_agent_info
+from tests.handshake_support import ServerProcess, make_agent_info
 
 HOST = "127.0.0.1"
 COMPAT = "compat-test"

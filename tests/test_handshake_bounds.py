@@ -31,8 +31,8 @@ from handshake import (
 from handshake import messages as m
 from handshake.client import _hold_requests
 from handshake.codec import FRAME_BYTES, MAC_BYTES
-from handshake.testing import make_agent_info
 from p2pkv.params import MAX_BLOCK_IDS
+from tests.handshake_support import make_agent_info
 
 SECRET = b"k" * 16
 WIDE = "\U0001f600"  # 4 bytes in UTF-8: the widest a bounded string can be

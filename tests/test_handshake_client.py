@@ -27,7 +27,7 @@ from handshake import (
 )
 from handshake._net import configure_socket
 from handshake.codec import sign
-from handshake.testing import curve_authenticator, make_agent_info
+from tests.handshake_support import curve_authenticator, make_agent_info
 
 HOST = "127.0.0.1"
 COMPAT = "compat-test"

@@ -36,7 +36,7 @@ from handshake import (
     verify_agent_info,
 )
 from handshake.codec import MAC_BYTES, error_from_exception, sign
-from handshake.testing import make_agent_info
+from tests.handshake_support import make_agent_info
 
 SECRET = b"k" * 16
 INFO = make_agent_info(0)
@@ -224,7 +224,7 @@ def test_error_types() -> None:
 
 def test_no_vllm_torch_or_pickle() -> None:
     code = (
-        "import sys, handshake, handshake.testing\n"
+        "import sys, handshake\n"
         "bad = [m for m in ('vllm', 'torch') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

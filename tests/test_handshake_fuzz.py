@@ -28,7 +28,7 @@ from handshake import (
 )
 from handshake._net import configure_socket
 from handshake.codec import sign
-from handshake.testing import ServerProcess, make_agent_info
+from tests.handshake_support import ServerProcess, make_agent_info
 
 HOST = "127.0.0.1"
 COMPAT = "compat-test"

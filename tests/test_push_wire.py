@@ -34,7 +34,6 @@ from handshake import (
     request_push,
 )
 from handshake._net import configure_socket
-from handshake.testing import make_agent_info
 from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
 from p2pkv.dataplane.layout import KVLayout, describe_torch_kv_caches
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
@@ -43,6 +42,7 @@ from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.tools.bench.synth import make_kv_caches
 from p2pkv.tools.doctor import loopback_info
+from tests.handshake_support import make_agent_info
 from tests.p2p_harness import writes_left
 
 HOST = "127.0.0.1"

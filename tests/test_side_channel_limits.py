@@ -19,7 +19,7 @@ import pytest
 
 from handshake import HandshakeServer, HandshakeTimeoutError, HoldLink, fetch_agent_info, query_holds
 from handshake._net import FRAME_LIMIT
-from handshake.testing import make_agent_info
+from tests.handshake_support import make_agent_info
 from tests.side_channel_flood import is_closed, open_hostile
 
 HOST = "127.0.0.1"

@@ -41,7 +41,7 @@ from handshake import (
     release_holds,
 )
 from handshake._net import CurveKeys, configure_socket
-from handshake.testing import ServerProcess, curve_authenticator, make_agent_info
+from tests.handshake_support import ServerProcess, curve_authenticator, make_agent_info
 
 HOST = "127.0.0.1"
 COMPAT = "compat-test"

@@ -15,7 +15,7 @@ import pytest
 
 import handshake.client as client
 from handshake import HandshakeServer, HoldLink, HoldStatus, query_holds
-from handshake.testing import make_agent_info
+from tests.handshake_support import make_agent_info
 from tests.p2p_harness import DecodeSide, PrefillProc, free_port, pull_task
 
 HOST = "127.0.0.1"

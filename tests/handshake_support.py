@@ -1,4 +1,4 @@
-"""Test helpers: sample AgentInfo and a handshake server in its own process.
+"""Test support: sample AgentInfo and a handshake server in its own process.
 
 Used by the side-channel tests and by tests of code that talks to a side
 channel. Imports neither vllm nor torch. The parent and the server process
