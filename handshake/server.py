@@ -5,39 +5,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from types import TracebackType
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from handshake._net import HANDSHAKE_S, CurveKeys, configure_socket, tcp_address, tcp_endpoint
-from handshake.codec import check_bounds, decode, encode, error_from_exception, verify_agent_info
-from handshake.compat import describe, mismatches
 from handshake.connections import MAX_CONNECTIONS, MAX_HANDSHAKES, ConnectionLimits
-from handshake.errors import (
-    HandshakeBindError,
-    HandshakeError,
-    IncompatiblePeerError,
-    MalformedMessageError,
-    UnknownRankError,
-    WrongDestinationError,
-)
+from handshake.dispatch import Dispatcher, RequestTimes
+from handshake.errors import HandshakeBindError
 from handshake.holds import HoldAnswers, OnHeartbeat, OnPush, OnRelease
-from handshake.messages import (
-    MAX_MESSAGE_BYTES,
-    PROTOCOL_VERSION,
-    AgentInfo,
-    HoldQuery,
-    HoldsReply,
-    LeaseHeartbeat,
-    MetadataReply,
-    MetadataRequest,
-    PushReply,
-    PushRequest,
-    ReleaseHolds,
-    Request,
-)
+from handshake.messages import MAX_MESSAGE_BYTES, AgentInfo
 from handshake.replay import DEFAULT_FUTURE_SKEW_S, DEFAULT_WINDOW_S, ReplayGuard
 
 __all__ = ["HandshakeServer", "RequestTimes"]
@@ -48,42 +26,6 @@ timing_logger = logging.getLogger("p2pkv.handshake.timing")
 when DEBUG is off)."""
 
 _JOIN_TIMEOUT_S = 2.0
-
-
-@dataclass(slots=True)
-class RequestTimes:
-    """When the serving thread took one request through its steps (``time.monotonic()`` seconds, one clock
-    for every process of a host), and what the request was.
-
-    Attributes:
-        received: its frames were read off the socket.
-        started: its checks (size, HMAC, destination, freshness) passed and its handler began.
-        ended: the handler returned (the reply was encoded).
-        sent: the reply was handed to ZMQ (0.0: dropped).
-        kind: the request's type tag (``"hold_query"``, ...; ``""`` when it did not decode).
-        nonce: its nonce (``b""`` when it did not decode).
-        sent_at: its ``sent_at`` (the requester's ``time.time()``; 0.0 when it did not decode).
-        received_wall: ``time.time()`` at ``received``: ``received_wall - sent_at`` is the time it spent on
-            the wire and in the server's receive queue (across hosts, plus their clock offset).
-    """
-
-    received: float = 0.0
-    started: float = 0.0
-    ended: float = 0.0
-    sent: float = 0.0
-    kind: str = ""
-    nonce: bytes = b""
-    sent_at: float = 0.0
-    received_wall: float = 0.0
-
-    def describe(self) -> str:
-        """One log line's worth (milliseconds)."""
-        started = self.started or self.ended
-        wire = f"{(self.received_wall - self.sent_at) * 1e3:.1f} ms" if self.sent_at else "?"
-        sent = f"reply sent {(self.sent - self.ended) * 1e3:.2f} ms after" if self.sent else "reply dropped"
-        return (f"{self.kind or 'undecodable request'} {self.nonce[:4].hex() or '-'}: on the wire and queued "
-                f"{wire} (since its sent_at), checks {(started - self.received) * 1e3:.2f} ms, handler "
-                f"{(self.ended - started) * 1e3:.2f} ms, {sent}; received at {self.received:.6f}")
 
 
 class _ClientKey:
@@ -97,11 +39,11 @@ class _ClientKey:
 
 
 class HandshakeServer:
-    """Serves :class:`AgentInfo` per ``tp_rank`` on a ZMQ ROUTER socket.
+    """Serves :class:`AgentInfo` per ``tp_rank``, and the hold and push requests, on a ZMQ ROUTER socket.
 
-    Each request is answered with exactly one reply: a
-    :class:`~handshake.messages.MetadataReply` or an
-    :class:`~handshake.messages.ErrorReply` naming the offending field. Bad
+    Each request is answered with exactly one reply: its handler's (one
+    table keyed by request type, :class:`handshake.dispatch.Dispatcher`) or
+    an :class:`~handshake.messages.ErrorReply` naming the offending field. Bad
     input never stops the server. Serving happens in a daemon thread that
     polls with a timeout, so :meth:`close` returns within about
     ``poll_interval_s``.
@@ -197,22 +139,19 @@ class HandshakeServer:
         self._limits: ConnectionLimits | None = None
         self._host = host
         self._port = port
-        self._compat_hash = compat_hash
         self._secret = secret or None
-        self._max_message_bytes = max_message_bytes
         self._poll_ms = max(1, int(poll_interval_s * 1000))
-        self._infos: dict[int, AgentInfo] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._replay = ReplayGuard(freshness_s, future_skew_s=future_skew_s)
         self._auth: ThreadAuthenticator | None = None
         self.stats: dict[str, int] = {"served": 0, "refused": 0}
-        self._holds = HoldAnswers(on_heartbeat, on_release, self.stats)
-        self._on_push = on_push
+        self._dispatch = Dispatcher(compat_hash, self._secret, max_message_bytes,
+                                    ReplayGuard(freshness_s, future_skew_s=future_skew_s),
+                                    HoldAnswers(on_heartbeat, on_release, self.stats), on_push, self.stats)
 
     @property
     def host(self) -> str:
@@ -244,16 +183,7 @@ class HandshakeServer:
             IncompatiblePeerError: ``info.compat_hash`` differs from the
                 server's ``compat_hash``.
         """
-        check_bounds(info)
-        verify_agent_info(info)
-        if info.compat_hash != self._compat_hash:
-            raise IncompatiblePeerError(
-                f"AgentInfo for rank {info.tp_rank} has compat_hash {info.compat_hash!r} but the "
-                f"server was created with {self._compat_hash!r}; build both from the same config",
-                field="compat_hash",
-            )
-        with self._lock:
-            self._infos[info.tp_rank] = info
+        self._dispatch.set_info(info)
 
     def start(self) -> None:
         """Bind the ROUTER socket and start serving in a daemon thread.
@@ -370,7 +300,7 @@ class HandshakeServer:
                     self._stop.wait(self._poll_ms / 1000)
                     continue
                 times = RequestTimes(received=time.monotonic(), received_wall=time.time())
-                reply = self._respond(frames[1:], times)
+                reply = self._dispatch.respond(frames[1:], times)
                 times.ended = time.monotonic()
                 try:
                     sock.send_multipart([frames[0], *reply], zmq.NOBLOCK)
@@ -384,88 +314,3 @@ class HandshakeServer:
         finally:
             limits.close()
             sock.close(linger=0)
-
-    def _respond(self, body: list[bytes], times: RequestTimes | None = None) -> list[bytes]:
-        """Reply frames for one request; never raises.
-
-        Checks, in order: frames, size and HMAC (:func:`handshake.codec.decode`),
-        the message type, the destination, freshness and the nonce; only then
-        is the request served. ``times`` gets the request's kind, nonce and
-        ``sent_at``, and when its handler started.
-        """
-        nonce = b""
-        try:
-            msg = decode(body, self._secret, self._max_message_bytes)
-            if not isinstance(msg, Request):
-                raise MalformedMessageError(
-                    f"a server takes requests (type metadata_request, lease_heartbeat, hold_query, release_holds, "
-                    f"push_request), got "
-                    f"{type(msg).__name__}", field="type")
-            nonce = msg.nonce
-            if times is not None:
-                times.kind, times.nonce, times.sent_at = msg.__struct_config__.tag, msg.nonce, msg.sent_at
-            info = self._destination(msg)
-            self._replay.check(msg.nonce, msg.sent_at)
-            if times is not None:
-                times.started = time.monotonic()
-            match msg:
-                case MetadataRequest():
-                    self._log_compat(msg)
-                    reply: MetadataReply | HoldsReply | PushReply = MetadataReply(
-                        protocol_version=PROTOCOL_VERSION, info=info, nonce=msg.nonce)
-                case LeaseHeartbeat() | HoldQuery() | ReleaseHolds():
-                    reply = self._holds.answer(msg)
-                case PushRequest():
-                    reply = self._push(msg)
-            frames = encode(reply, self._secret)
-        except HandshakeError as exc:
-            return self._refuse(exc, nonce)
-        except Exception as exc:  # a bug must not stop the server
-            logger.exception("handshake server failed on a request")
-            return self._refuse(
-                HandshakeError(f"internal server error: {exc!r}; see the server log", code="internal"), nonce)
-        self.stats["served"] += 1
-        return frames
-
-    def _push(self, msg: PushRequest) -> PushReply:
-        """Hand a push request to ``on_push``; refused (``malformed``, field ``type``) without one."""
-        if self._on_push is None:
-            raise MalformedMessageError("this side channel takes no push requests (it holds no requests, or its "
-                                        "p2pkv predates push); use transfer_mode pull", field="type")
-        status, message = self._on_push(msg)
-        self.stats["pushes"] = self.stats.get("pushes", 0) + 1
-        return PushReply(protocol_version=PROTOCOL_VERSION, status=status, message=message[:1024], nonce=msg.nonce)
-
-    def _destination(self, msg: Request) -> AgentInfo:
-        """The served rank the request names; refuses another rank or engine id."""
-        with self._lock:
-            info = self._infos.get(msg.to_rank)
-            known = sorted(self._infos)
-        requester = msg.requester_engine_id[:64]
-        if info is None:
-            raise UnknownRankError(
-                f"no AgentInfo for to_rank {msg.to_rank} (requested by {requester!r}); this server "
-                f"has ranks {known}; check the tensor-parallel sizes and that the rank has started",
-                field="to_rank",
-            )
-        if msg.to_engine_id != info.engine_id:
-            raise WrongDestinationError(
-                f"the request names another engine (to_engine_id {msg.to_engine_id[:64]!r}) than the one serving "
-                "this address; check remote_host/remote_port of the kv_transfer_params (a replayed or misrouted "
-                "request)", field="to_engine_id")
-        return info
-
-    def _log_compat(self, msg: MetadataRequest) -> None:
-        diffs = mismatches(self._compat_hash, msg.compat_hash)
-        if diffs:  # the requester refuses us on its side (it sees both values); say why here too
-            logger.warning("requester %r cannot exchange KV with this engine: %s", msg.requester_engine_id[:64],
-                           describe(diffs, "this engine", "the requester"))
-
-    def _refuse(self, exc: HandshakeError, nonce: bytes = b"") -> list[bytes]:
-        reply = error_from_exception(exc, nonce)
-        self.stats["refused"] += 1
-        key = f"refused_{reply.code}"
-        self.stats[key] = self.stats.get(key, 0) + 1
-        logger.warning("handshake request refused (%s, field %r): %s", reply.code, reply.field, reply.message)
-        # An "auth" refusal goes unsigned: the requester does not share our key.
-        return encode(reply, None if reply.code == "auth" else self._secret)

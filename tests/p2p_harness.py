@@ -110,7 +110,7 @@ class _Control:
         holds, pusher, server = worker.holds, worker.pusher, worker.server
         assert pusher is not None and server is not None
         pin, unpin, end_holds = holds.pin, holds.unpin, holds._end
-        post, on_push = pusher._post_in_turn, server._on_push
+        post, on_push = pusher._post_in_turn, server._dispatch._on_push
 
         def recording_pin(request_id: str, block_ids: list[int]) -> str:
             answer = pin(request_id, block_ids)
@@ -138,7 +138,7 @@ class _Control:
 
         holds.pin, holds.unpin, holds._end = recording_pin, recording_unpin, recording_end  # type: ignore[method-assign]
         pusher._post_in_turn = stalled_post  # type: ignore[method-assign]
-        server._on_push = self._on_push = delayed_on_push  # type: ignore[assignment]
+        server._dispatch._on_push = self._on_push = delayed_on_push  # type: ignore[assignment]
 
     def take_ends(self) -> dict[str, HoldEnd]:
         """Why each hold ended since the last call (request id → :class:`HoldEnd`)."""

@@ -28,6 +28,7 @@ from handshake import (
     encode,
     fetch_agent_info,
 )
+from handshake import messages as m
 from handshake._net import FRAME_LIMIT
 from handshake.codec import FRAME_BYTES
 from tests.handshake_support import ServerProcess, make_agent_info
@@ -285,6 +286,24 @@ def test_set_info_validates() -> None:
     with pytest.raises(IncompatiblePeerError):
         server.set_info(make_agent_info(0, compat_hash="other"))
     server.close()
+
+
+def test_every_request_type_has_one_handler_and_a_request_without_one_is_refused() -> None:
+    """The dispatch table covers every request type of the wire contract; a type missing from it is refused
+    naming the field ``type`` (and the server goes on)."""
+    def leaves(cls: type) -> set[type]:
+        subs = cls.__subclasses__()
+        return set().union(*(leaves(s) for s in subs)) if subs else {cls}
+
+    with HandshakeServer(HOST, 0, COMPAT) as server:
+        server.set_info(INFOS[0])
+        dispatch = server._dispatch
+        assert set(dispatch.handlers) == leaves(m.Request) and len(dispatch.handlers) == 5
+        del dispatch.handlers[m.MetadataRequest]
+        with pytest.raises(RemoteRefusedError) as info:
+            fetch(server.port)
+        assert (info.value.code, info.value.field) == ("malformed", "type")
+        assert "lease_heartbeat" in str(info.value) and "metadata_request" not in str(info.value)
 
 
 def test_bind_failure_names_host_and_port() -> None:

@@ -99,7 +99,7 @@ def test_a_reply_to_a_requester_gone_is_counted_not_lost_unseen(server: Handshak
     the reply it could not deliver (before, ZMQ dropped it without a word)."""
     caplog.set_level(logging.WARNING, logger="p2pkv.handshake")
     release = threading.Event()
-    server._holds._on_heartbeat = lambda ids, s, b: (release.wait(5.0), HoldStatus())[1]  # a busy handler
+    server._dispatch._holds._on_heartbeat = lambda ids, s, b: (release.wait(5.0), HoldStatus())[1]  # a busy handler
     link = HoldLink(HOST, server.port, SECRET)
     try:
         with pytest.raises(Exception, match="no reply"):
