@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from handshake.client import HoldLink, fetch_agent_info, query_holds, release_holds, request_push, send_heartbeat
 from handshake.codec import compute_digest, decode, encode, verify_agent_info
+from handshake.destination import Destination
 from handshake.errors import (
     AuthenticationError,
     HandshakeBindError,
@@ -49,12 +50,12 @@ from handshake.replay import ReplayGuard
 from handshake.server import HandshakeServer
 
 __all__ = [
-    "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AgentInfo", "AuthenticationError", "ErrorReply", "HandshakeBindError",
-    "HandshakeCancelledError", "HandshakeError", "HandshakeServer", "HandshakeTimeoutError", "HoldLink", "HoldQuery",
-    "HoldStatus", "HoldsReply", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion", "LeaseHeartbeat",
-    "MalformedMessageError", "Message", "MessageTooLargeError", "MetadataDigestError", "MetadataReply",
-    "MetadataRequest", "ProtocolVersionError", "PushReply", "PushRequest", "ReleaseHolds", "RemoteRefusedError",
-    "ReplayGuard", "ReplayedRequestError", "Request", "StaleRequestError", "UnknownRankError",
+    "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AgentInfo", "AuthenticationError", "Destination", "ErrorReply",
+    "HandshakeBindError", "HandshakeCancelledError", "HandshakeError", "HandshakeServer", "HandshakeTimeoutError",
+    "HoldLink", "HoldQuery", "HoldStatus", "HoldsReply", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion",
+    "LeaseHeartbeat", "MalformedMessageError", "Message", "MessageTooLargeError", "MetadataDigestError",
+    "MetadataReply", "MetadataRequest", "ProtocolVersionError", "PushReply", "PushRequest", "ReleaseHolds",
+    "RemoteRefusedError", "ReplayGuard", "ReplayedRequestError", "Request", "StaleRequestError", "UnknownRankError",
     "WrongDestinationError", "compute_digest", "decode", "encode", "fetch_agent_info", "query_holds", "release_holds",
     "request_push", "send_heartbeat", "verify_agent_info",
 ]

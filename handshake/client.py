@@ -1,4 +1,5 @@
-"""The side-channel client: fetch one remote rank's AgentInfo."""
+"""The side-channel client: one remote rank's AgentInfo, hold requests and push requests, each to a
+:class:`~handshake.destination.Destination`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import zmq
 from handshake._net import configure_socket, tcp_endpoint
 from handshake.codec import decode, encode, verify_agent_info
 from handshake.compat import OPAQUE, describe, mismatches
+from handshake.destination import Destination
 from handshake.errors import (
     AuthenticationError,
     HandshakeCancelledError,
@@ -60,9 +62,7 @@ timing_logger = logging.getLogger("p2pkv.handshake.timing")
 
 
 def fetch_agent_info(
-    host: str,
-    port: int,
-    tp_rank: int,
+    to: Destination,
     requester_engine_id: str,
     compat_hash: str,
     secret: bytes | None = None,
@@ -71,10 +71,8 @@ def fetch_agent_info(
     backoff_s: float = 0.2,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     cancel: threading.Event | None = None,
-    *,
-    engine_id: str,
 ) -> AgentInfo:
-    """Ask the handshake server at ``host:port`` for rank ``tp_rank``'s info.
+    """Ask the side channel of ``to`` for that rank's info.
 
     Each attempt is a new request (its own nonce and time: the server refuses
     a request it has seen) on a fresh DEALER socket (linger 0, CURVE with a
@@ -83,9 +81,7 @@ def fetch_agent_info(
     error is final.
 
     Args:
-        host: server host name or address.
-        port: server TCP port.
-        tp_rank: the remote tensor-parallel rank whose info is wanted.
+        to: the rank whose info is wanted (its engine id is the one the peer must have).
         requester_engine_id: this engine's id (shown in the server's logs).
         compat_hash: this engine's compatibility fingerprint (:mod:`handshake.compat`); the
             reply's must equal it, field by field.
@@ -97,7 +93,6 @@ def fetch_agent_info(
         max_message_bytes: largest accepted reply (bytes).
         cancel: when set (by another thread), the wait ends within 0.1 s
             and :class:`HandshakeCancelledError` is raised.
-        engine_id: the engine id the peer must have; the request names it as its destination.
 
     Returns:
         The verified :class:`AgentInfo` (rank, engine id, compat hash,
@@ -121,7 +116,7 @@ def fetch_agent_info(
         raise ValueError(f"retries is the total number of attempts and must be >= 1, got {retries}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
-    endpoint = tcp_endpoint(host, port)
+    endpoint, host, port, engine_id = to.endpoint, to.host, to.port, to.engine_id
     ctx = zmq.Context()
     try:
         for attempt in range(1, retries + 1):
@@ -129,7 +124,7 @@ def fetch_agent_info(
                 break
             if attempt > 1 and cancel is None:
                 time.sleep(backoff_s * 2 ** (attempt - 2))
-            request = MetadataRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
+            request = MetadataRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=to.tp_rank,
                                       requester_engine_id=requester_engine_id, compat_hash=compat_hash,
                                       **_fresh())  # type: ignore[arg-type]
             reply = _exchange(ctx, host, endpoint, encode(request, secret), timeout_s, cancel,
@@ -148,7 +143,7 @@ def fetch_agent_info(
     if cancel is not None and cancel.is_set():
         raise HandshakeCancelledError(f"handshake with {host}:{port} cancelled (shutting down)")
     raise HandshakeTimeoutError(
-        f"no reply from the handshake server at {host}:{port} for tp_rank {tp_rank} after "
+        f"no reply from the handshake server at {host}:{port} for tp_rank {to.tp_rank} after "
         f"{retries} attempt(s) of {timeout_s:g} s each; check that the prefill engine is up "
         f"and that its side-channel port {port} is reachable from this host "
         "(host name, firewall, port number)"
@@ -312,8 +307,7 @@ def _unsigned_auth_refusal(frames: list[bytes], max_message_bytes: int) -> Error
 
 
 def send_heartbeat(
-    host: str,
-    port: int,
+    to: Destination,
     request_ids: list[str],
     requester_engine_id: str,
     extend_s: float,
@@ -321,11 +315,8 @@ def send_heartbeat(
     timeout_s: float = 1.0,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     cancel: threading.Event | None = None,
-    *,
-    engine_id: str,
-    tp_rank: int,
 ) -> HoldsReply:
-    """Ask prefill rank ``tp_rank`` of ``engine_id`` (at ``host:port``) to extend the leases of
+    """Ask prefill rank ``to`` to extend the leases of
     ``request_ids`` to ``extend_s`` seconds from now.
 
     One attempt (a heartbeat is repeated anyway); ids are sent in chunks of
@@ -343,14 +334,12 @@ def send_heartbeat(
         HandshakeError: any other failure (bad reply, authentication, a reply
             to another request).
     """
-    msgs = _hold_requests(LeaseHeartbeat, request_ids, None, requester_engine_id, engine_id, tp_rank,
-                          extend_s=extend_s)
-    return _hold_exchange(host, port, msgs, secret, timeout_s, max_message_bytes, cancel)
+    msgs = _hold_requests(LeaseHeartbeat, to, request_ids, None, requester_engine_id, extend_s=extend_s)
+    return _hold_exchange(to, msgs, secret, timeout_s, max_message_bytes, cancel)
 
 
 def query_holds(
-    host: str,
-    port: int,
+    to: Destination,
     request_ids: list[str],
     block_ids: list[list[int]],
     requester_engine_id: str,
@@ -360,14 +349,11 @@ def query_holds(
     cancel: threading.Event | None = None,
     link: HoldLink | None = None,
     attempts: int = 1,
-    *,
-    engine_id: str,
-    tp_rank: int,
 ) -> HoldsReply:
-    """A pull's fence question (:class:`HoldQuery`): does prefill rank ``tp_rank`` of ``engine_id`` hold
+    """A pull's fence question (:class:`HoldQuery`): does prefill rank ``to`` hold
     ``request_ids`` with ``block_ids`` (one list per id)? Held ones are extended to ``extend_s`` from now.
 
-    With ``link`` (to ``host:port``) the question goes over that long-lived
+    With ``link`` (to ``to``'s side channel) the question goes over that long-lived
     connection instead of a fresh one. A batch over the bounds of one
     :class:`HoldQuery` (:data:`~handshake.messages.MAX_HEARTBEAT_IDS` ids,
     :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS` block ids) is asked in
@@ -389,15 +375,14 @@ def query_holds(
             is longer than :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS`.
         The errors of :func:`send_heartbeat`.
     """
-    msgs = _hold_requests(HoldQuery, request_ids, block_ids, requester_engine_id, engine_id, tp_rank,
-                          extend_s=extend_s)
-    return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel, link, attempts)
+    msgs = _hold_requests(HoldQuery, to, request_ids, block_ids, requester_engine_id, extend_s=extend_s)
+    return _hold_exchange(to, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel, link, attempts)
 
 
-def release_holds(host: str, port: int, request_ids: list[str], block_ids: list[list[int]],
+def release_holds(to: Destination, request_ids: list[str], block_ids: list[list[int]],
                   requester_engine_id: str, secret: bytes | None = None, timeout_s: float = 1.0,
-                  cancel: threading.Event | None = None, *, engine_id: str, tp_rank: int) -> HoldsReply:
-    """Tell prefill rank ``tp_rank`` of ``engine_id`` that nobody will pull ``request_ids``: it frees each
+                  cancel: threading.Event | None = None) -> HoldsReply:
+    """Tell prefill rank ``to`` that nobody will pull ``request_ids``: it frees each
     hold whose block ids are exactly its ``block_ids`` list at its next step.
 
     Returns:
@@ -408,18 +393,18 @@ def release_holds(host: str, port: int, request_ids: list[str], block_ids: list[
             is longer than :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS`.
         The errors of :func:`send_heartbeat`.
     """
-    msgs = _hold_requests(ReleaseHolds, request_ids, block_ids, requester_engine_id, engine_id, tp_rank)
-    return _hold_exchange(host, port, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel)
+    msgs = _hold_requests(ReleaseHolds, to, request_ids, block_ids, requester_engine_id)
+    return _hold_exchange(to, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel)
 
 
-def request_push(host: str, port: int, request_id: str, block_ids: list[int], push_id: bytes, agent: AgentInfo,
+def request_push(to: Destination, request_id: str, block_ids: list[int], push_id: bytes, agent: AgentInfo,
                  source_rows: bytes, target_rows: bytes, window_s: float, requester_engine_id: str,
                  secret: bytes | None = None, timeout_s: float = 1.0, cancel: threading.Event | None = None,
-                 link: HoldLink | None = None, *, engine_id: str, tp_rank: int) -> PushReply:
-    """Ask prefill rank ``tp_rank`` of ``engine_id`` to WRITE ``request_id``'s blocks into this rank's memory
+                 link: HoldLink | None = None) -> PushReply:
+    """Ask prefill rank ``to`` to WRITE ``request_id``'s blocks into this rank's memory
     (:class:`PushRequest`: its fields, units and checks).
 
-    With ``link`` (to ``host:port``) the request goes over that long-lived connection.
+    With ``link`` (to ``to``'s side channel) the request goes over that long-lived connection.
 
     Returns:
         The :class:`PushReply` (``accepted``: the WRITE's notification follows).
@@ -432,14 +417,14 @@ def request_push(host: str, port: int, request_id: str, block_ids: list[int], pu
             rank, stale, or a server that takes no pushes).
         HandshakeError: any other failure (bad reply, authentication, a reply to another request).
     """
-    msg = PushRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
+    msg = PushRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
                       requester_engine_id=requester_engine_id, request_id=request_id, block_ids=block_ids,
                       push_id=push_id, agent=agent, source_rows=source_rows, target_rows=target_rows,
                       window_s=window_s, **_fresh())  # type: ignore[arg-type]
     frames = encode(msg, secret)
-    endpoint = tcp_endpoint(host, port)
+    endpoint = to.endpoint
     reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
-             _exchange(zmq.Context.instance(), host, endpoint, frames, timeout_s, cancel, secret,
+             _exchange(zmq.Context.instance(), to.host, endpoint, frames, timeout_s, cancel, secret,
                        msg.nonce))
     return _answer(reply, PushReply, [msg.nonce], endpoint, secret, timeout_s, cancel, MAX_MESSAGE_BYTES)
 
@@ -472,10 +457,10 @@ def _answer(reply: list[bytes] | None, kind: type[R], nonces: list[bytes], endpo
     return answer
 
 
-def _hold_requests(kind: type[HoldRequest], request_ids: list[str], block_ids: list[list[int]] | None,
-                   requester_engine_id: str, engine_id: str, tp_rank: int, **fields: float) -> list[HoldRequest]:
-    """``kind`` requests for ``request_ids`` (with their ``block_ids``, unless None) to rank ``tp_rank`` of
-    ``engine_id``, each with its own time and nonce: as many as it takes to carry at most
+def _hold_requests(kind: type[HoldRequest], to: Destination, request_ids: list[str],
+                   block_ids: list[list[int]] | None, requester_engine_id: str, **fields: float) -> list[HoldRequest]:
+    """``kind`` requests for ``request_ids`` (with their ``block_ids``, unless None) to rank ``to``, each
+    with its own time and nonce: as many as it takes to carry at most
     :data:`~handshake.messages.MAX_HEARTBEAT_IDS` ids and :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS` block ids
     each (one request when there are no ids).
 
@@ -500,18 +485,18 @@ def _hold_requests(kind: type[HoldRequest], request_ids: list[str], block_ids: l
     out = []
     for a, b in chunks:
         extra = {} if block_ids is None else {"block_ids": block_ids[a:b]}
-        out.append(kind(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=tp_rank,
+        out.append(kind(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
                         requester_engine_id=requester_engine_id, request_ids=request_ids[a:b],
                         **extra, **fields, **_fresh()))  # type: ignore[arg-type]
     return out
 
 
-def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes | None, timeout_s: float,
+def _hold_exchange(to: Destination, msgs: list[HoldRequest], secret: bytes | None, timeout_s: float,
                    max_message_bytes: int, cancel: threading.Event | None,
                    link: HoldLink | None = None, attempts: int = 1) -> HoldsReply:
     """Send each message (each up to ``attempts`` times, see :func:`query_holds`), check each reply is that
     message's answer, and sum them."""
-    endpoint = tcp_endpoint(host, port)
+    endpoint = to.endpoint
     ctx = zmq.Context.instance()  # shared: a heartbeat also fences every finished pull, so it must be cheap
     total = HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=0)
     for msg in msgs:
@@ -520,7 +505,7 @@ def _hold_exchange(host: str, port: int, msgs: list[HoldRequest], secret: bytes 
             nonces.append(sent.nonce)
             frames = encode(sent, secret)
             reply = (link.exchange(frames, sent.nonce, secret, timeout_s, cancel, nonces[:-1]) if link is not None
-                     else _exchange(ctx, host, endpoint, frames, timeout_s, cancel, secret, sent.nonce))
+                     else _exchange(ctx, to.host, endpoint, frames, timeout_s, cancel, secret, sent.nonce))
             if reply is not None or (cancel is not None and cancel.is_set()):
                 break
         answer = _answer(reply, HoldsReply, nonces, endpoint, secret, timeout_s, cancel, max_message_bytes)

@@ -180,7 +180,7 @@ class _Control:
 
     def take_pushes(self, on: bool) -> None:
         """False: the side channel refuses push requests, as one without push support does; True: serves them."""
-        self.worker.server._on_push = self._on_push if on else None  # type: ignore[union-attr]
+        self.worker.server._dispatch._on_push = self._on_push if on else None  # type: ignore[union-attr]
 
     def state(self) -> dict:
         """The pusher's counters and queue, and the holds' leases, pins and deferred endings."""

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import zmq
 
-from handshake import HandshakeError, fetch_agent_info
+from handshake import Destination, HandshakeError, fetch_agent_info
 from tests.handshake_support import ServerProcess, make_agent_info
 
 HOST = "127.0.0.1"
@@ -137,8 +137,8 @@ def _honest(port: int, stop: threading.Event, latencies: list[float], errors: li
     while not stop.wait(0.05):
         t = time.monotonic()
         try:
-            fetch_agent_info(HOST, port, 0, "decode-engine", COMPAT, secret=SECRET, timeout_s=2.0, retries=1,
-                             engine_id=ENGINE)
+            fetch_agent_info(Destination(HOST, port, ENGINE, 0), "decode-engine", COMPAT, secret=SECRET, timeout_s=2.0,
+                             retries=1)
             latencies.append(time.monotonic() - t)
         except HandshakeError as exc:
             errors.append(f"{exc.code}: {str(exc)[:80]}")
@@ -180,8 +180,8 @@ def run(hostile: int, kind: str, hello_mib: float = 31.0, hold_s: float = 12.0,
     with ServerProcess(COMPAT, [make_agent_info(0)], secret=SECRET, server_options=server_options) as proc:
         assert proc.pid is not None
         for _ in range(3):  # warm up: lazily allocated state exists before the baseline is taken
-            fetch_agent_info(HOST, proc.port, 0, "decode-engine", COMPAT, secret=SECRET, timeout_s=5.0,
-                             engine_id=ENGINE)
+            fetch_agent_info(Destination(HOST, proc.port, ENGINE, 0), "decode-engine", COMPAT, secret=SECRET,
+                             timeout_s=5.0)
         time.sleep(0.2)
         before = rss_bytes(proc.pid)
         result.rss_before_mib = before / MiB

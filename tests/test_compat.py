@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from handshake import HandshakeServer, IncompatiblePeerError, fetch_agent_info
+from handshake import Destination, HandshakeServer, IncompatiblePeerError, fetch_agent_info
 from handshake.compat import OPAQUE, describe, fingerprint, mismatches
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
 from tests.handshake_support import make_agent_info
@@ -51,8 +51,8 @@ def _refusal(mine: str, theirs: str) -> IncompatiblePeerError:
     server = HandshakeServer("127.0.0.1", 0, theirs)
     server.set_info(make_agent_info(0, compat_hash=theirs))
     with server, pytest.raises(IncompatiblePeerError) as info:
-        fetch_agent_info("127.0.0.1", server.port, 0, "decode", mine, timeout_s=5.0, retries=1,
-                         engine_id="prefill-engine")
+        fetch_agent_info(Destination("127.0.0.1", server.port, "prefill-engine", 0), "decode", mine, timeout_s=5.0,
+                         retries=1)
     return info.value
 
 

@@ -44,7 +44,7 @@ import pytest
 import torch
 import zmq
 
-from handshake import PROTOCOL_VERSION, HoldQuery, HoldsReply, MetadataReply, encode, fetch_agent_info
+from handshake import PROTOCOL_VERSION, Destination, HoldQuery, HoldsReply, MetadataReply, encode, fetch_agent_info
 from handshake import decode as decode_message
 from handshake.compat import fingerprint
 from p2pkv.metadata import P2pKvMetadata
@@ -435,8 +435,8 @@ def fake_side_channel(respond: Callable[[list[bytes]], list[bytes]] | None,
 def real_reply(pf: PrefillProc, nonce: bytes | None = None) -> Callable[[list[bytes]], list[bytes]]:
     """Answers with the prefill process's own (valid) metadata, echoing each request's nonce
     (or always ``nonce``: a reply captured from another exchange)."""
-    info = fetch_agent_info(HOST, pf.port, 0, "test", fingerprint(COMPAT_FIELDS), timeout_s=5.0, retries=2,
-                            engine_id=ENGINE)
+    info = fetch_agent_info(Destination(HOST, pf.port, ENGINE, 0), "test", fingerprint(COMPAT_FIELDS), timeout_s=5.0,
+                            retries=2)
 
     def respond(body: list[bytes]) -> list[bytes]:
         echoed = decode_message(body, None).nonce if nonce is None else nonce

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from handshake import PROTOCOL_VERSION, HoldQuery, HoldsReply, MetadataReply, encode, fetch_agent_info
+from handshake import PROTOCOL_VERSION, Destination, HoldQuery, HoldsReply, MetadataReply, encode, fetch_agent_info
 from handshake import decode as decode_message
 from handshake.compat import fingerprint
 from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, free_port, pull_task
@@ -32,8 +32,8 @@ LATE_S = 1.4  # past one timeout, well within two
 def late_fence_side_channel(pf: PrefillProc) -> Iterator[tuple[int, list[str]]]:
     """A side channel (a ROUTER in a thread) with ``pf``'s real metadata, answering at once, that answers
     every fence question "held", :data:`LATE_S` after it came. Yields ``(port, kinds of requests seen)``."""
-    info = fetch_agent_info(HOST, pf.port, 0, "test", fingerprint(COMPAT_FIELDS), timeout_s=5.0, retries=2,
-                            engine_id=ENGINE)
+    info = fetch_agent_info(Destination(HOST, pf.port, ENGINE, 0), "test", fingerprint(COMPAT_FIELDS), timeout_s=5.0,
+                            retries=2)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0

@@ -15,6 +15,7 @@ import zmq
 from handshake import (
     PROTOCOL_VERSION,
     AgentInfo,
+    Destination,
     ErrorReply,
     HandshakeBindError,
     HandshakeServer,
@@ -56,9 +57,9 @@ def secret_server() -> Iterator[ServerProcess]:
 
 
 def fetch(port: int, tp_rank: int = 0, **kwargs: object) -> AgentInfo:
-    args: dict = {"compat_hash": COMPAT, "timeout_s": 5.0, "retries": 1, "engine_id": ENGINE}
+    args: dict = {"compat_hash": COMPAT, "timeout_s": 5.0, "retries": 1}
     args.update(kwargs)
-    return fetch_agent_info(HOST, port, tp_rank, "decode-engine", **args)
+    return fetch_agent_info(Destination(HOST, port, ENGINE, tp_rank), "decode-engine", **args)
 
 
 def raw_exchange(port: int, frames: list[bytes], timeout_s: float = 5.0) -> list[bytes] | None:
@@ -236,7 +237,7 @@ def test_timeout_when_nothing_listens() -> None:
     port = free_port()
     start = time.monotonic()
     with pytest.raises(HandshakeTimeoutError) as info:
-        fetch_agent_info(HOST, port, 0, "d", COMPAT, timeout_s=0.3, retries=3, backoff_s=0.05, engine_id=ENGINE)
+        fetch_agent_info(Destination(HOST, port, ENGINE, 0), "d", COMPAT, timeout_s=0.3, retries=3, backoff_s=0.05)
     assert time.monotonic() - start < 10
     text = str(info.value)
     assert f"{HOST}:{port}" in text and "3 attempt" in text and "0.3 s" in text

@@ -12,6 +12,7 @@ import pytest
 from handshake import (
     PROTOCOL_VERSION,
     AgentInfo,
+    Destination,
     ErrorReply,
     HandshakeServer,
     HoldQuery,
@@ -35,6 +36,7 @@ from p2pkv.params import MAX_BLOCK_IDS
 from tests.handshake_support import make_agent_info
 
 SECRET = b"k" * 16
+TO = Destination("127.0.0.1", 1, "p", 0)
 WIDE = "\U0001f600"  # 4 bytes in UTF-8: the widest a bounded string can be
 BIG = (1 << 63) - 1  # 9 bytes in msgpack
 IDS = [WIDE * m.MAX_ID_CHARS] * m.MAX_HEARTBEAT_IDS
@@ -165,7 +167,7 @@ def test_a_two_frame_payload_without_a_secret_is_not_taken_for_an_hmac() -> None
 def test_hold_batches_are_split_within_the_bounds() -> None:
     ids = [f"r{i}" for i in range(m.MAX_HEARTBEAT_IDS + 10)]
     blocks = [[i] * (200_000 if i < 10 else 1) for i in range(len(ids))]  # 2 M block ids in the first 10 ids
-    msgs = _hold_requests(HoldQuery, ids, blocks, "d", "p", 0, extend_s=1.0)
+    msgs = _hold_requests(HoldQuery, TO, ids, blocks, "d", extend_s=1.0)
     assert [len(msg.request_ids) for msg in msgs] == [5, m.MAX_HEARTBEAT_IDS, 5]  # by block ids, by ids
     for msg in msgs:
         assert len(msg.request_ids) <= m.MAX_HEARTBEAT_IDS
@@ -173,10 +175,10 @@ def test_hold_batches_are_split_within_the_bounds() -> None:
         assert decode(encode(msg, SECRET), SECRET) == msg
     assert [i for msg in msgs for i in msg.request_ids] == ids
     assert [b for msg in msgs for b in msg.block_ids] == blocks  # type: ignore[union-attr]
-    assert len(_hold_requests(LeaseHeartbeat, ids, None, "d", "p", 0, extend_s=1.0)) == 2
-    assert len(_hold_requests(LeaseHeartbeat, [], None, "d", "p", 0, extend_s=1.0)) == 1
+    assert len(_hold_requests(LeaseHeartbeat, TO, ids, None, "d", extend_s=1.0)) == 2
+    assert len(_hold_requests(LeaseHeartbeat, TO, [], None, "d", extend_s=1.0)) == 1
     with pytest.raises(ValueError, match="block ids"):
-        _hold_requests(ReleaseHolds, ["a"], [[1] * (m.MAX_HOLD_BLOCK_IDS + 1)], "d", "p", 0)
+        _hold_requests(ReleaseHolds, TO, ["a"], [[1] * (m.MAX_HOLD_BLOCK_IDS + 1)], "d")
 
 
 def test_a_fence_batch_over_one_message_is_asked_in_several_and_answered() -> None:
@@ -190,8 +192,8 @@ def test_a_fence_batch_over_one_message_is_asked_in_several_and_answered() -> No
     srv = HandshakeServer("127.0.0.1", 0, "compat-test", secret=SECRET, on_heartbeat=on_heartbeat)
     srv.set_info(make_agent_info(0))
     with srv:
-        reply = query_holds("127.0.0.1", srv.port, ["a", "b", "c"], [list(range(400_000))] * 3, "d", 5.0,
-                            secret=SECRET, timeout_s=10.0, engine_id="prefill-engine", tp_rank=0)
+        reply = query_holds(Destination("127.0.0.1", srv.port, "prefill-engine", 0), ["a", "b", "c"],
+                            [list(range(400_000))] * 3, "d", 5.0, secret=SECRET, timeout_s=10.0)
     assert reply.accepted == 3 and asked == [["a", "b"], ["c"]]
 
 

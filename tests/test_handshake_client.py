@@ -14,6 +14,7 @@ import zmq
 from handshake import (
     PROTOCOL_VERSION,
     AuthenticationError,
+    Destination,
     ErrorReply,
     HandshakeError,
     IncompatiblePeerError,
@@ -97,9 +98,9 @@ def refuse_with(code: str = "unknown_rank", nonce: bytes | None = None) -> Respo
 
 
 def fetch(port: int, **kwargs: object) -> object:
-    args: dict = {"timeout_s": 2.0, "retries": 1, "engine_id": ENGINE}
+    args: dict = {"timeout_s": 2.0, "retries": 1}
     args.update(kwargs)
-    return fetch_agent_info(HOST, port, 0, "d", COMPAT, **args)
+    return fetch_agent_info(Destination(HOST, port, ENGINE, 0), "d", COMPAT, **args)
 
 
 CASES: dict[str, tuple[Responder, type[HandshakeError], str]] = {
@@ -201,7 +202,7 @@ def test_client_retries_timeouts_then_succeeds() -> None:
     result: list[object] = []
     fetcher = threading.Thread(
         target=lambda: result.append(
-            fetch_agent_info(HOST, port, 0, "d", COMPAT, timeout_s=0.4, retries=5, backoff_s=0.05, engine_id=ENGINE)
+            fetch_agent_info(Destination(HOST, port, ENGINE, 0), "d", COMPAT, timeout_s=0.4, retries=5, backoff_s=0.05)
         )
     )
     fetcher.start()
@@ -216,8 +217,6 @@ def test_client_retries_timeouts_then_succeeds() -> None:
 
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="retries"):
-        fetch_agent_info(HOST, 1, 0, "d", COMPAT, retries=0, engine_id=ENGINE)
+        fetch_agent_info(Destination(HOST, 1, ENGINE, 0), "d", COMPAT, retries=0)
     with pytest.raises(ValueError, match="timeout_s"):
-        fetch_agent_info(HOST, 1, 0, "d", COMPAT, timeout_s=0, engine_id=ENGINE)
-    with pytest.raises(TypeError, match="engine_id"):  # the destination is required
-        fetch_agent_info(HOST, 1, 0, "d", COMPAT)  # type: ignore[call-arg]
+        fetch_agent_info(Destination(HOST, 1, ENGINE, 0), "d", COMPAT, timeout_s=0)

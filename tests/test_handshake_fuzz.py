@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from handshake import (
     PROTOCOL_VERSION,
+    Destination,
     ErrorReply,
     HandshakeError,
     MetadataReply,
@@ -105,8 +106,8 @@ def peer(request: pytest.FixtureRequest) -> Iterator[Peer]:
         client.close()
         # The server survived everything and still serves a valid request.
         assert proc.is_alive()
-        info = fetch_agent_info(HOST, proc.port, 1, "fuzz", COMPAT, secret=secret, timeout_s=5.0, retries=1,
-                                engine_id=ENGINE)
+        info = fetch_agent_info(Destination(HOST, proc.port, ENGINE, 1), "fuzz", COMPAT, secret=secret, timeout_s=5.0,
+                                retries=1)
         assert info == INFOS[1]
 
 

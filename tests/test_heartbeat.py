@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from handshake import (
+    Destination,
     HandshakeServer,
     HandshakeTimeoutError,
     HoldLink,
@@ -43,7 +44,7 @@ def _server(secret: bytes | None = None, **callbacks: object) -> HandshakeServer
 
 
 def _beat(port: int, ids: list[str], extend_s: float = 30.0, **kwargs: object) -> HoldsReply:
-    return send_heartbeat(HOST, port, ids, "decode", extend_s, engine_id=ENGINE, tp_rank=0,
+    return send_heartbeat(Destination(HOST, port, ENGINE, 0), ids, "decode", extend_s,
                           **kwargs)  # type: ignore[arg-type]
 
 
@@ -53,10 +54,10 @@ def test_heartbeat_round_trip_and_refusal() -> None:
         assert _beat(srv.port, ["a", "b"]).accepted == 2
         assert got == [(["a", "b"], 30.0, [])]  # a heartbeat asks about no block ids
         with pytest.raises(RemoteRefusedError) as info:  # another destination: not extended
-            send_heartbeat(HOST, srv.port, ["a"], "decode", 30.0, engine_id="other-engine", tp_rank=0)
+            send_heartbeat(Destination(HOST, srv.port, "other-engine", 0), ["a"], "decode", 30.0)
         assert (info.value.code, info.value.field) == ("wrong_destination", "to_engine_id")
         with pytest.raises(RemoteRefusedError) as info:
-            send_heartbeat(HOST, srv.port, ["a"], "decode", 30.0, engine_id=ENGINE, tp_rank=1)
+            send_heartbeat(Destination(HOST, srv.port, ENGINE, 1), ["a"], "decode", 30.0)
         assert (info.value.code, info.value.field) == ("unknown_rank", "to_rank")
         assert len(got) == 1
     with _server() as srv, pytest.raises(RemoteRefusedError, match="holds no requests"):
@@ -82,16 +83,16 @@ def test_hold_queries_and_releases_carry_block_ids() -> None:
         return 1
 
     with _server(secret=b"k", on_heartbeat=on_heartbeat, on_release=on_release) as srv:
-        reply = query_holds(HOST, srv.port, ["a", "b"], [[1, 2], [3]], "decode", 5.0, secret=b"k",
-                            engine_id=ENGINE, tp_rank=0)
+        reply = query_holds(Destination(HOST, srv.port, ENGINE, 0), ["a", "b"], [[1, 2], [3]], "decode", 5.0,
+                            secret=b"k")
         assert (reply.accepted, reply.not_held) == (2, ["b"])
         assert asked == [(["a", "b"], 5.0, [[1, 2], [3]])]
-        reply = release_holds(HOST, srv.port, ["a"], [[1, 2]], "decode", secret=b"k", engine_id=ENGINE, tp_rank=0)
+        reply = release_holds(Destination(HOST, srv.port, ENGINE, 0), ["a"], [[1, 2]], "decode", secret=b"k")
         assert reply.accepted == 1 and freed == [(["a"], [[1, 2]])]
         with pytest.raises(ValueError, match="block_ids"):
-            release_holds(HOST, srv.port, ["a", "b"], [[1]], "decode", secret=b"k", engine_id=ENGINE, tp_rank=0)
+            release_holds(Destination(HOST, srv.port, ENGINE, 0), ["a", "b"], [[1]], "decode", secret=b"k")
         with pytest.raises(RemoteRefusedError) as info:  # a release for another engine frees nothing
-            release_holds(HOST, srv.port, ["a"], [[1, 2]], "decode", secret=b"k", engine_id="other", tp_rank=0)
+            release_holds(Destination(HOST, srv.port, "other", 0), ["a"], [[1, 2]], "decode", secret=b"k")
         assert info.value.code == "wrong_destination" and len(freed) == 1
 
 
@@ -107,8 +108,8 @@ def test_hold_link_reuses_one_connection_and_skips_a_late_reply() -> None:
         return HoldStatus(not_held=[i for i in ids if i.startswith("gone")])
 
     def ask(ids: list[str], link: HoldLink, **kwargs: object) -> HoldsReply:
-        return query_holds(HOST, srv.port, ids, [[1]] * len(ids), "d", 5.0, secret=b"k", link=link,
-                           engine_id=ENGINE, tp_rank=0, **kwargs)  # type: ignore[arg-type]
+        return query_holds(Destination(HOST, srv.port, ENGINE, 0), ids, [[1]] * len(ids), "d", 5.0, secret=b"k",
+                           link=link, **kwargs)  # type: ignore[arg-type]
 
     with _server(secret=b"k", on_heartbeat=on_heartbeat) as srv:
         link = HoldLink(HOST, srv.port, secret=b"k")
@@ -125,8 +126,8 @@ def test_hold_link_reuses_one_connection_and_skips_a_late_reply() -> None:
         wrong = HoldLink(HOST, srv.port, secret=b"wrong")  # another secret: the link never connects
         try:
             with pytest.raises(HandshakeTimeoutError):
-                query_holds(HOST, srv.port, ["a"], [[1]], "d", 5.0, secret=b"wrong", link=wrong, timeout_s=0.3,
-                            engine_id=ENGINE, tp_rank=0)
+                query_holds(Destination(HOST, srv.port, ENGINE, 0), ["a"], [[1]], "d", 5.0, secret=b"wrong", link=wrong,
+                            timeout_s=0.3)
             assert srv.stats["heartbeats"] == 3
         finally:
             wrong.close()
@@ -159,8 +160,7 @@ def test_heartbeats_keep_a_lease_until_they_stop() -> None:
         released: list[str] = []
         end = time.monotonic() + 2.0
         while time.monotonic() < end:  # 3x the lease, heartbeats every 0.2 s
-            send_heartbeat("127.0.0.1", port, ["kept", "unknown"], "decode", 0.6, engine_id="prefill-engine",
-                           tp_rank=0)
+            send_heartbeat(Destination("127.0.0.1", port, "prefill-engine", 0), ["kept", "unknown"], "decode", 0.6)
             for _ in range(4):
                 released += sorted(worker.get_finished()[0])
                 time.sleep(0.05)

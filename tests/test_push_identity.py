@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from handshake import AgentInfo, KVRegion, PushReply, compute_digest, request_push
+from handshake import AgentInfo, Destination, KVRegion, PushReply, compute_digest, request_push
 from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
 from p2pkv.dataplane.layout import KVLayout, Region, describe_torch_kv_caches
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
@@ -99,9 +99,9 @@ def prefill(agents: Agents) -> Iterator[Prefill]:
 
 def send(pf: Prefill, requester: str, info: AgentInfo, request_id: str, source: np.ndarray,
          target: np.ndarray, block_ids: list[int]) -> PushReply:
-    return request_push(HOST, pf.port, request_id, block_ids, bytes(16), info, source.astype("<u8").tobytes(),
-                        target.astype("<u8").tobytes(), 5.0, requester, secret=KEY, timeout_s=5.0,
-                        engine_id=ENGINE, tp_rank=0)
+    return request_push(Destination(HOST, pf.port, ENGINE, 0), request_id, block_ids, bytes(16), info,
+                        source.astype("<u8").tobytes(), target.astype("<u8").tobytes(), 5.0, requester, secret=KEY,
+                        timeout_s=5.0)
 
 
 def nixl_knows(agent: NixlTransferAgent, name: str) -> bool:

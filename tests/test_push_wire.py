@@ -23,6 +23,7 @@ import zmq
 from handshake import (
     PROTOCOL_VERSION,
     AgentInfo,
+    Destination,
     ErrorReply,
     HandshakeServer,
     KVRegion,
@@ -115,8 +116,9 @@ def _mac(data: bytes) -> bytes:
 def test_a_server_without_on_push_refuses_naming_the_fix() -> None:
     with _server(None, secret=KEY) as srv:
         with pytest.raises(RemoteRefusedError) as info:
-            request_push(HOST, srv.port, "req", [1], PID, make_agent_info(0, engine_id="decode"), b"", b"", 5.0,
-                         "decode-engine", secret=KEY, timeout_s=5.0, engine_id=ENGINE, tp_rank=0)
+            request_push(Destination(HOST, srv.port, ENGINE, 0), "req", [1], PID,
+                         make_agent_info(0, engine_id="decode"), b"", b"", 5.0, "decode-engine", secret=KEY,
+                         timeout_s=5.0)
         assert (info.value.code, info.value.field) == ("malformed", "type")
         assert "takes no push requests" in str(info.value) and "transfer_mode pull" in str(info.value)
         assert srv.stats["served"] == 0 and srv.stats["refused"] == 1
@@ -257,8 +259,8 @@ def ask(pf: Prefill, pair: Pair, request_id: str, block_ids: list[int], source: 
         target: np.ndarray | bytes, agent: AgentInfo | None = None, push_id: bytes = PID) -> PushReply:
     """Send one push request for ``request_id`` to ``pf``'s side channel."""
     wire = [r if isinstance(r, bytes) else r.astype("<u8").tobytes() for r in (source, target)]
-    return request_push(HOST, pf.server.port, request_id, block_ids, push_id, agent or pair.decode_info, wire[0],
-                        wire[1], 5.0, "decode-engine", secret=KEY, timeout_s=5.0, engine_id=ENGINE, tp_rank=0)
+    return request_push(Destination(HOST, pf.server.port, ENGINE, 0), request_id, block_ids, push_id,
+                        agent or pair.decode_info, wire[0], wire[1], 5.0, "decode-engine", secret=KEY, timeout_s=5.0)
 
 
 def wait_note(pair: Pair, timeout_s: float = 10.0, agent: NixlTransferAgent | None = None) -> PushedNotification:
@@ -405,8 +407,8 @@ def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(
     pusher._post_in_turn = lambda now: None  # type: ignore[method-assign]
     try:
         wire = [descs(pair.layout, [6]).astype("<u8").tobytes(), descs(pair.decode_layout, [6]).astype("<u8").tobytes()]
-        reply = request_push(HOST, prefill.server.port, "late", [6], PID, decode_info, wire[0], wire[1], 0.2,
-                             "decode-engine", secret=KEY, timeout_s=5.0, engine_id=ENGINE, tp_rank=0)
+        reply = request_push(Destination(HOST, prefill.server.port, ENGINE, 0), "late", [6], PID, decode_info, wire[0],
+                             wire[1], 0.2, "decode-engine", secret=KEY, timeout_s=5.0)
         assert reply.status == "accepted"
         assert holds.on_release(["late"], [[6]]) == 1
         stats = {"leases_expired": 0, "leases_notified": 0}

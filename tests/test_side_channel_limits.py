@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from handshake import HandshakeServer, HandshakeTimeoutError, HoldLink, fetch_agent_info, query_holds
+from handshake import Destination, HandshakeServer, HandshakeTimeoutError, HoldLink, fetch_agent_info, query_holds
 from handshake._net import FRAME_LIMIT
 from tests.handshake_support import make_agent_info
 from tests.side_channel_flood import is_closed, open_hostile
@@ -51,14 +51,14 @@ def hostile(port: int, n: int, kind: str = "idle", hello_bytes: int = 0) -> Iter
 
 
 def fetch(port: int, timeout_s: float = 5.0) -> object:
-    return fetch_agent_info(HOST, port, 0, "decode-engine", COMPAT, secret=SECRET, timeout_s=timeout_s, retries=1,
-                            engine_id=ENGINE)
+    return fetch_agent_info(Destination(HOST, port, ENGINE, 0), "decode-engine", COMPAT, secret=SECRET,
+                            timeout_s=timeout_s, retries=1)
 
 
 def ask(link: HoldLink, timeout_s: float = 5.0) -> int:
     """A fence question over ``link`` (a long-lived connection); how many ids the server took."""
-    return query_holds(HOST, link.port, ["r1"], [[1]], "decode-engine", 10.0, secret=SECRET, timeout_s=timeout_s,
-                       link=link, engine_id=ENGINE, tp_rank=0).accepted
+    return query_holds(Destination(HOST, link.port, ENGINE, 0), ["r1"], [[1]], "decode-engine", 10.0, secret=SECRET,
+                       timeout_s=timeout_s, link=link).accepted
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:

@@ -23,6 +23,7 @@ import zmq
 
 from handshake import (
     PROTOCOL_VERSION,
+    Destination,
     ErrorReply,
     HandshakeServer,
     HandshakeTimeoutError,
@@ -142,8 +143,8 @@ def fake_server(respond: Callable[[list[bytes]], list[bytes]] | None, secret: by
 
 
 def fetch(port: int, secret: bytes | None = SECRET, timeout_s: float = 5.0) -> object:
-    return fetch_agent_info(HOST, port, 0, "decode-engine", COMPAT, secret=secret, timeout_s=timeout_s, retries=1,
-                            engine_id=ENGINE)
+    return fetch_agent_info(Destination(HOST, port, ENGINE, 0), "decode-engine", COMPAT, secret=secret,
+                            timeout_s=timeout_s, retries=1)
 
 
 # -- a. replay and staleness ---------------------------------------------------
@@ -300,8 +301,8 @@ def refusal(nonce: bytes | None) -> Callable[[list[bytes]], list[bytes]]:
 
 CALLS = {
     "metadata": lambda port: fetch(port),
-    "release": lambda port: release_holds(HOST, port, ["r1"], [[1, 2]], "decode-engine", secret=SECRET,
-                                          timeout_s=5.0, engine_id=ENGINE, tp_rank=0),
+    "release": lambda port: release_holds(Destination(HOST, port, ENGINE, 0), ["r1"], [[1, 2]], "decode-engine",
+                                          secret=SECRET, timeout_s=5.0),
 }
 
 
@@ -431,8 +432,8 @@ def test_client_sends_nothing_to_an_impostor(impostor_secret: bytes | None) -> N
             fetch(port, timeout_s=0.5)
         assert "same secret" in str(info.value)
         with pytest.raises(HandshakeTimeoutError):
-            release_holds(HOST, port, ["r1"], [[1, 2]], "decode-engine", secret=SECRET, timeout_s=0.5,
-                          engine_id=ENGINE, tp_rank=0)
+            release_holds(Destination(HOST, port, ENGINE, 0), ["r1"], [[1, 2]], "decode-engine", secret=SECRET,
+                          timeout_s=0.5)
         time.sleep(0.1)
         assert received == []
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import handshake.client as client
-from handshake import HandshakeServer, HoldLink, HoldStatus, query_holds
+from handshake import Destination, HandshakeServer, HoldLink, HoldStatus, query_holds
 from tests.handshake_support import make_agent_info
 from tests.p2p_harness import DecodeSide, PrefillProc, free_port, pull_task
 
@@ -35,8 +35,8 @@ def server() -> Iterator[HandshakeServer]:
 
 
 def ask(port: int, link: HoldLink, timeout_s: float = 5.0) -> None:
-    query_holds(HOST, port, ["r-1"], [[1, 2]], "decode-engine", 10.0, secret=SECRET, timeout_s=timeout_s,
-                link=link, engine_id=ENGINE, tp_rank=0)
+    query_holds(Destination(HOST, port, ENGINE, 0), ["r-1"], [[1, 2]], "decode-engine", 10.0, secret=SECRET,
+                timeout_s=timeout_s, link=link)
 
 
 def test_both_sides_log_each_requests_times_at_debug(server: HandshakeServer, caplog: pytest.LogCaptureFixture) -> None:

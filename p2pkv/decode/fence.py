@@ -110,10 +110,9 @@ class Fence:
         blocks = [list(r.pull.spec.remote.block_ids) for r, _ in entries]
         link = self.link(host, port)
         attempts = FENCE_ATTEMPTS if any(phase is Phase.AFTER for _, phase in entries) else 1
-        return self.background.call(f"p2pkv-fence-{host}:{port}", _timed, times, query_holds, host, port, ids,
+        return self.background.call(f"p2pkv-fence-{host}:{port}", _timed, times, query_holds, pid.destination, ids,
                                     blocks, self.engine_id, FENCE_EXTEND_S, secret=self.secret,
-                                    timeout_s=self.timeout_s, link=link, attempts=attempts,
-                                    engine_id=pid.engine_id, tp_rank=pid.tp_rank, lane=f"{host}:{port}")
+                                    timeout_s=self.timeout_s, link=link, attempts=attempts, lane=f"{host}:{port}")
 
     def link(self, host: str, port: int) -> HoldLink:
         """The long-lived connection to ``host:port`` (opened on first use; push requests share it)."""

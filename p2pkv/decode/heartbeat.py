@@ -15,7 +15,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from handshake import HandshakeError, send_heartbeat
+from handshake import Destination, HandshakeError, send_heartbeat
 
 logger = logging.getLogger("p2pkv.decode.heartbeat")
 
@@ -72,9 +72,9 @@ class HeartbeatSender:
     def _run(self) -> None:
         while (batch := self._queue.get()) is not None:
             try:
-                send_heartbeat(batch.host, batch.port, list(batch.request_ids), self.engine_id,
-                               batch.extend_s, secret=self.secret, timeout_s=self.timeout_s,
-                               engine_id=batch.engine_id, tp_rank=batch.tp_rank)
+                send_heartbeat(Destination(batch.host, batch.port, batch.engine_id, batch.tp_rank),
+                               list(batch.request_ids), self.engine_id, batch.extend_s, secret=self.secret,
+                               timeout_s=self.timeout_s)
                 self.sent += 1
             except HandshakeError as exc:
                 self.failed += 1

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from handshake import AgentInfo, KVLayoutDesc, fetch_agent_info
+from handshake import AgentInfo, Destination, KVLayoutDesc, fetch_agent_info
 from p2pkv.dataplane.layout import Segment
 from p2pkv.dataplane.negotiate import ModelInfo, PeerPlan, Placement, page_slices, plan_peer, remote_segments
 from p2pkv.decode.background import Background
@@ -84,6 +84,11 @@ class PeerId:
         """Prefill rank ``tp_rank`` of the engine ``remote`` names (its port: base port + rank; its host
         canonical, :func:`canonical_host`)."""
         return cls(remote.engine_id, canonical_host(remote.host), remote.port + tp_rank, tp_rank)
+
+    @property
+    def destination(self) -> Destination:
+        """Where a side-channel request for this rank goes, and whom it names."""
+        return Destination(self.host, self.port, self.engine_id, self.tp_rank)
 
     def __str__(self) -> str:
         return f"{self.engine_id} rank {self.tp_rank} at {self.host}:{self.port}"
@@ -157,9 +162,8 @@ class PeerTable:
         hs = self.handshakes.get(peer_id)
         if hs is None:
             future = background.call(f"p2pkv-handshake-{peer_id.host}:{peer_id.port}", fetch_agent_info,
-                                     peer_id.host, peer_id.port, peer_id.tp_rank, engine_id, compat_hash,
-                                     secret=secret, timeout_s=timeout_s, retries=retries,
-                                     backoff_s=HANDSHAKE_BACKOFF_S, engine_id=peer_id.engine_id,
+                                     peer_id.destination, engine_id, compat_hash, secret=secret,
+                                     timeout_s=timeout_s, retries=retries, backoff_s=HANDSHAKE_BACKOFF_S,
                                      key=peer_id.host)
             hs = self.handshakes[peer_id] = Handshake(future)
         return hs

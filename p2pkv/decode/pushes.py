@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from handshake import AgentInfo, HandshakeTimeoutError, PushReply, RemoteRefusedError, request_push
+from handshake import AgentInfo, Destination, HandshakeTimeoutError, PushReply, RemoteRefusedError, request_push
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
@@ -104,11 +104,10 @@ class Pushes:
         read.first_pushed_at = read.first_pushed_at or read.pushed_at
         self._open[read.push_id] = read
         future = self.background.call(
-            f"p2pkv-push-{pid.host}:{pid.port}", _send_push, read.pushed_at + self.window_s, pid.host, pid.port,
+            f"p2pkv-push-{pid.host}:{pid.port}", _send_push, read.pushed_at + self.window_s, pid.destination,
             remote.request_id, list(remote.block_ids), read.push_id, info, read.remote_descs.astype("<u8").tobytes(),
             read.local_descs.astype("<u8").tobytes(), self.engine_id, secret=self.secret,
-            timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), engine_id=pid.engine_id,
-            tp_rank=pid.tp_rank, lane=f"{pid.host}:{pid.port}")
+            timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}")
         self._replies.append((future, read))
 
     def info(self) -> AgentInfo:
@@ -236,7 +235,7 @@ class Pushes:
         return read.pushed_at + self.window_s + self.timeout_s
 
 
-def _send_push(deadline: float, host: str, port: int, request_id: str, block_ids: list[int], push_id: bytes,
+def _send_push(deadline: float, to: Destination, request_id: str, block_ids: list[int], push_id: bytes,
                agent: AgentInfo, source_rows: bytes, target_rows: bytes, requester_engine_id: str,
                **kwargs: object) -> PushReply:
     """:func:`handshake.request_push` (on the lane's thread) with what is left at the time of ``deadline``
@@ -249,7 +248,7 @@ def _send_push(deadline: float, host: str, port: int, request_id: str, block_ids
     left = deadline - time.monotonic()
     if left <= 0:
         raise PushNotSent("not sent: its window passed while it waited behind earlier requests to that prefill rank")
-    return request_push(host, port, request_id, block_ids, push_id, agent, source_rows, target_rows, left,
+    return request_push(to, request_id, block_ids, push_id, agent, source_rows, target_rows, left,
                         requester_engine_id, **kwargs)  # type: ignore[arg-type]
 
 

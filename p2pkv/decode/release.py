@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from handshake import HandshakeError, release_holds
+from handshake import Destination, HandshakeError, release_holds
 from p2pkv.decode.background import Background
 from p2pkv.params import RemotePrefill
 
@@ -58,8 +58,9 @@ def free_hold(remote: RemotePrefill, rank: int, requester: str, secret: bytes | 
     """
     host, port = remote.host, remote.port + rank
     try:
-        return release_holds(host, port, [remote.request_id], [list(remote.block_ids)], requester, secret=secret,
-                             timeout_s=timeout_s, cancel=cancel, engine_id=remote.engine_id, tp_rank=rank).accepted
+        return release_holds(Destination(host, port, remote.engine_id, rank), [remote.request_id],
+                             [list(remote.block_ids)], requester, secret=secret, timeout_s=timeout_s,
+                             cancel=cancel).accepted
     except HandshakeError as exc:
         logger.warning("p2pkv: %s could not free prefill request %s on %s:%d (%s); its lease frees it",
                        requester, remote.request_id, host, port, exc)

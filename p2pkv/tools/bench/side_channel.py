@@ -72,7 +72,7 @@ def _asker(params: dict[str, Any], secret: bytes, seconds: float, interval_s: fl
     with ``timing_log`` logs each question's times there)."""
     import logging
 
-    from handshake import HandshakeTimeoutError, HoldLink, query_holds
+    from handshake import Destination, HandshakeTimeoutError, HoldLink, query_holds
 
     if timing_log:
         handler = logging.FileHandler(timing_log)
@@ -87,9 +87,9 @@ def _asker(params: dict[str, Any], secret: bytes, seconds: float, interval_s: fl
     end = time.monotonic() + seconds
     while (start := time.monotonic()) < end:
         try:
-            reply = query_holds(host, port, [rid], [blocks], "bench-side-channel", 10.0, secret=secret,
-                                timeout_s=timeout_s, link=link, attempts=ATTEMPTS,
-                                engine_id=params["remote_engine_id"], tp_rank=0)
+            reply = query_holds(Destination(host, port, params["remote_engine_id"], 0), [rid], [blocks],
+                                "bench-side-channel", 10.0, secret=secret, timeout_s=timeout_s, link=link,
+                                attempts=ATTEMPTS)
             latencies.append(time.monotonic() - start)
             not_held += bool(reply.expired or reply.not_held or reply.unknown)
         except HandshakeTimeoutError:

@@ -151,15 +151,15 @@ class Decode:
         """
         import torch
 
-        from handshake import fetch_agent_info
+        from handshake import Destination, fetch_agent_info
         from p2pkv.dataplane.negotiate import layout_desc, remote_segments
 
         opts, shape = self.opts, self.opts.shape
         for lay in PREFILL_CACHE_LAYOUTS:
             local, base = self.layouts[lay], self.caches[lay]
             t0 = time.perf_counter()
-            info = fetch_agent_info(host, ready[lay]["port"], 0, "bench-decode", "p2pkv-bench:" + shape.key(),
-                                    engine_id=f"bench-prefill-{lay}")
+            info = fetch_agent_info(Destination(host, ready[lay]["port"], f"bench-prefill-{lay}", 0), "bench-decode",
+                                    "p2pkv-bench:" + shape.key())
             t1 = time.perf_counter()
             check_compatible(layout_desc(local, shape.model_info(lay), "HND", mem_type=self.mem_type), info.layout)
             name = self.agent.add_peer(info)
