@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -35,6 +35,9 @@ PROTOCOL_VERSION = 8
 * 8: every list, string and bytes field is bounded (:data:`MAX_MESSAGE_BYTES` is derived from the
   bounds; a hold request carries at most :data:`MAX_HOLD_BLOCK_IDS` block ids in all), and a payload
   over 256 KiB travels in frames of 256 KiB (:mod:`handshake.codec`).
+* 9: the NIXL notifications ("done", "pushed"; :mod:`p2pkv.notification`) are msgpack-encoded Structs,
+  as strict as these, instead of text; a peer of version 8 would drop them, so it never passes the
+  handshake.
 """
 
 MAX_ID_CHARS = 256
@@ -373,7 +376,7 @@ Rows = Annotated[bytes, msgspec.Meta(max_length=MAX_PUSH_ROWS * 24)]
 """Descriptor rows: uint64 ``[n, 3]`` ``(addr, bytes, device_id)``, little-endian, row-major (``n * 24`` bytes)."""
 
 PushId = Annotated[bytes, msgspec.Meta(min_length=16, max_length=32)]
-"""Random bytes naming one WRITE in its notification (``p2pkv:pushed:<hex>``)."""
+"""Random bytes naming one WRITE in its notification (:class:`p2pkv.notification.PushedNotification`)."""
 
 WindowS = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 
@@ -389,7 +392,7 @@ class PushRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True
     keeps the hold (no release, notification or lease expiry ends it) until
     the WRITE has ended, and posts a NIXL WRITE of ``source_rows`` into
     ``target_rows`` of the agent in ``agent`` whose notification
-    (``p2pkv:pushed:<push_id hex>``) reaches the sender after the bytes.
+    (:class:`p2pkv.notification.PushedNotification`) reaches the sender after the bytes.
 
     ``agent`` must be the sender's own: its ``engine_id`` is
     ``requester_engine_id`` and its ``agent_name`` the name p2pkv gives that

@@ -6,9 +6,17 @@ import hashlib
 import hmac
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
-from p2pkv.notification import DoneNotification, blocks_digest, encode_done, parse_done
+from p2pkv.notification import (
+    MAX_NOTIFICATION_BYTES,
+    PREFIX,
+    DoneNotification,
+    blocks_digest,
+    encode_done,
+    parse_done,
+)
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.telemetry.stats import empty_stats
 
@@ -22,36 +30,54 @@ def test_notification_round_trip_and_mac() -> None:
     assert parse_done(signed, KEY) == note
     assert parse_done(encode_done(note), KEY) is None, "an unsigned notification must not count"
     assert parse_done(signed, b"other") is None
-    assert parse_done(signed.replace(b":2|", b":1|"), KEY) is None, "a tampered count must not count"
+    recount = encode_done(msgspec.structs.replace(note, notifiers=1))[len(PREFIX):]
+    assert parse_done(PREFIX + recount + signed[-32:], KEY) is None, "a tampered count must not count"
     tampered = signed.replace(blocks_digest([4, 5, 6]).encode(), blocks_digest([4, 5, 7]).encode())
     assert tampered != signed and parse_done(tampered, KEY) is None, "a tampered block digest must not count"
+    assert parse_done(signed[:-1], KEY) is None and parse_done(signed + b"0", KEY) is None
     assert parse_done(b"something else", KEY) is None
 
 
+GOOD = {"request_id": "r", "reader": "decode:1", "notifiers": 2, "blocks": blocks_digest([1])}
+
+
 @pytest.mark.parametrize("body", [
-    b"legacy",  # no "|": only a request id
-    b"r|decode:1:2",  # no digest
-    b"r|decode:1:two|" + blocks_digest([1]).encode(),  # a count that does not parse
-    b"r|decode:1:0|" + blocks_digest([1]).encode(),  # no notifier
-    b"r|decode:1:-1|" + blocks_digest([1]).encode(),
-    b"r|decode:1: 2|" + blocks_digest([1]).encode(),
-    b"r|decode|" + blocks_digest([1]).encode(),  # no count
-    b"r:2|" + blocks_digest([1]).encode(),  # no reader
+    b"r|decode:1:2|" + blocks_digest([1]).encode(),  # the text format of protocol 8
+    msgspec.msgpack.encode("r"),  # not a map
+    msgspec.msgpack.encode({**GOOD, "notifiers": "2"}),  # a count that is not a number
+    msgspec.msgpack.encode({**GOOD, "notifiers": 0}),  # no notifier
+    msgspec.msgpack.encode({**GOOD, "notifiers": -1}),
+    msgspec.msgpack.encode({**GOOD, "notifiers": 1 << 40}),
+    msgspec.msgpack.encode({**GOOD, "blocks": "not a digest"}),
+    msgspec.msgpack.encode({**GOOD, "request_id": ""}),
+    msgspec.msgpack.encode({**GOOD, "request_id": "r" * 257}),
+    msgspec.msgpack.encode({**GOOD, "extra": 1}),  # an unknown field
+    msgspec.msgpack.encode({k: v for k, v in GOOD.items() if k != "request_id"}),  # a missing one
+    msgspec.msgpack.encode(GOOD) + b"\x00",  # trailing bytes
     b"",
 ])
 def test_only_what_the_encoder_makes_is_a_done_notification(body: bytes) -> None:
-    """Formats nothing sends free nothing: a body without "|", without a digest, or whose count does not
-    parse as a count of notifiers (>= 1). Before: read as one notifier, or with no digest."""
-    assert parse_done(b"p2pkv:done:" + body) is None
-    signed = b"p2pkv:done:" + body
-    signed += b"#" + hmac.new(KEY, signed, hashlib.sha256).hexdigest().encode()
+    """Bodies nothing sends free nothing, signed or not: every field typed and bounded, none unknown or
+    missing (the same strictness as the side channel's messages)."""
+    assert parse_done(PREFIX + msgspec.msgpack.encode(GOOD)) == DoneNotification(**GOOD)  # the control
+    assert parse_done(PREFIX + body) is None
+    signed = PREFIX + body
+    signed += hmac.new(KEY, signed, hashlib.sha256).digest()
     assert parse_done(signed, KEY) is None, "signed, and still not what the encoder makes"
+
+
+def test_an_oversized_notification_is_dropped_before_its_mac_is_checked() -> None:
+    note = DoneNotification("r" * 256, "d" * 512, 2, blocks_digest([1]))
+    assert parse_done(encode_done(note, KEY), KEY) == note  # the largest valid one fits
+    huge = PREFIX + b"x" * MAX_NOTIFICATION_BYTES
+    assert parse_done(huge + hmac.new(KEY, huge, hashlib.sha256).digest(), KEY) is None
 
 
 @pytest.mark.parametrize("blocks", [blocks_digest([4, 5, 6]), ""], ids=["digest", "no_digest"])
 def test_request_id_with_bars_round_trips(blocks: str) -> None:
-    """Request ids are chosen by clients (vLLM takes them from the X-Request-Id header) and may contain "|"."""
-    note = DoneNotification("req|with|bars", "decode:1", 2, blocks)
+    """Request ids are chosen by clients (vLLM takes them from the X-Request-Id header) and may contain "|",
+    "#" or ":" (no separator in the wire format to confuse)."""
+    note = DoneNotification("req|with#bars:", "decode:1", 2, blocks)
     assert parse_done(encode_done(note)) == note
     assert parse_done(encode_done(note, KEY), KEY) == note
 

@@ -9,6 +9,8 @@ notification sent.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
 import time
 from collections.abc import Iterator
@@ -85,31 +87,40 @@ def test_the_mac_is_checked(note: PushedNotification) -> None:
     signed = encode_pushed(note, KEY)
     assert parse_pushed(signed, b"another secret") is None
     assert parse_pushed(encode_pushed(note), KEY) is None, "an unsigned note must not count"
-    other_id = signed.replace(PID.hex().encode(), bytes(16).hex().encode())
+    other_id = signed.replace(PID, bytes(16))
     assert other_id != signed and parse_pushed(other_id, KEY) is None, "a tampered push id"
-    flipped = signed.replace(b"p2pkv:pushed:", b"p2pkv:push_failed:") if note.ok else signed.replace(
-        b"p2pkv:push_failed:", b"p2pkv:pushed:")
+    flipped = encode_pushed(msgspec.structs.replace(note, ok=not note.ok)) + signed[-32:]
     assert parse_pushed(flipped, KEY) is None, "ok turned into failed (or back)"
     assert parse_pushed(signed[:-1], KEY) is None and parse_pushed(signed + b"0", KEY) is None
-    assert parse_pushed(signed.rpartition(b"#")[0], KEY) is None, "MAC stripped"
+    assert parse_pushed(signed[:-32], KEY) is None, "MAC stripped"
+
+
+@pytest.mark.parametrize("body", [
+    {"push_id": PID.hex(), "ok": True},  # the id as text
+    {"push_id": bytes(8), "ok": True},  # too short
+    {"push_id": bytes(33), "ok": True},  # too long
+    {"push_id": PID, "ok": "yes"},
+    {"push_id": PID, "ok": False, "reason": "x" * 201},
+    {"push_id": PID, "ok": True, "extra": 1},
+    {"ok": True},
+], ids=["hex_id", "short_id", "long_id", "ok_text", "long_reason", "unknown_field", "no_id"])
+def test_only_what_the_encoder_makes_is_a_pushed_notification(body: dict) -> None:
+    """Strict like the side channel's messages: typed, bounded, nothing unknown or missing."""
+    raw = PUSH_PREFIX + msgspec.msgpack.encode(body)
+    assert parse_pushed(raw) is None
+    assert parse_pushed(raw + hmac.new(KEY, raw, hashlib.sha256).digest(), KEY) is None
 
 
 @pytest.mark.parametrize("wire", [
-    b"", b"p2pkv:done:req|decode:0:1|abc", b"p2pkv:push", b"p2pkv:pushed:zz", b"p2pkv:pushed:abc",
-    b"p2pkv:push_failed:xyz|why", b"p2pkv:pushed:\xff\xfe", b"\x00" * 40, b"p2pkv:pushes:" + PID.hex().encode(),
-], ids=["empty", "done", "prefix_only", "not_hex", "odd_hex", "failed_not_hex", "not_ascii", "zeros", "other_tag"])
+    b"", b"p2pkv:done:req|decode:0:1|abc", b"p2pkv:push:", b"p2pkv:pushed:" + PID.hex().encode(),
+    b"p2pkv:push_failed:" + PID.hex().encode() + b"|why", b"p2pkv:push:\xff\xfe", b"\x00" * 40,
+    b"p2pkv:pushes:" + msgspec.msgpack.encode({"push_id": PID, "ok": True}),
+], ids=["empty", "done", "prefix_only", "protocol_8_ok", "protocol_8_failed", "not_msgpack", "zeros", "other_tag"])
 @pytest.mark.parametrize("secret", [None, KEY], ids=["open", "signed"])
 def test_garbage_parses_to_none(wire: bytes, secret: bytes | None) -> None:
     assert parse_pushed(wire, secret) is None
     if secret:  # a valid MAC over garbage does not make it a note either
-        assert parse_pushed(wire + b"#" + _mac(wire), secret) is None
-
-
-def _mac(data: bytes) -> bytes:
-    import hashlib
-    import hmac
-
-    return hmac.new(KEY, data, hashlib.sha256).hexdigest().encode()
+        assert parse_pushed(wire + hmac.new(KEY, wire, hashlib.sha256).digest(), secret) is None
 
 
 # ---- a side channel without push ------------------------------------------------------------------------------

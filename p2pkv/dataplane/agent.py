@@ -456,7 +456,7 @@ class NixlTransferAgent:
         """Notifications starting with ``prefix`` received since the last call (``b""``: every other one).
 
         Two consumers share one agent (a decode worker's pulls thread takes
-        ``p2pkv:pushed:`` messages, the engine thread the rest), so what NIXL
+        the "pushed" notifications, the engine thread the rest), so what NIXL
         hands over is sorted into per-prefix inboxes; a prefix is known once
         it has been asked for. Thread-safe.
         """

@@ -5,7 +5,7 @@ a READ (:func:`p2pkv.decode.reads.plan_read`: local blocks, or staging when
 a fixup follows). Instead of posting a READ, :meth:`Pushes.post` sends them
 in a :class:`handshake.PushRequest` on the prefill rank's lane (the fence's
 long-lived connection); the prefill rank WRITEs and its NIXL notification
-(:mod:`p2pkv.notification`, ``p2pkv:pushed:<push_id hex>``) arrives after
+(:class:`p2pkv.notification.PushedNotification`) arrives after
 the bytes. Until a push request is answered ``accepted`` or refused, and an
 accepted one notified, its target memory may still be written: a pull that
 gives up waits for that (or for the request's window) before its blocks go
