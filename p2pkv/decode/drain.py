@@ -1,50 +1,66 @@
 """Parts of given-up pulls that may still write into local blocks, waited out before vLLM gets the blocks back.
 
-A failed pull's READs are cancelled (:func:`p2pkv.decode.reads.abandon`);
-NIXL refuses to release one still active, whose bytes may still land, and a
-push the prefill rank accepted cannot be cancelled from here at all. Such
-parts *drain*: the pull is reported to vLLM (its blocks handed back) only
-once each has ended — the READ done or failed, the push notified or refused
-— or its deadline passed (``transfer_timeout_s`` after the cancel; a push's
-window, :meth:`p2pkv.decode.pushes.Pushes.drain_deadline`).
+A failed pull's parts in flight are given up (:meth:`Drain.abandon`, each
+by its mover): NIXL refuses to release a READ still active, whose bytes
+may still land, and a push the prefill rank accepted cannot be cancelled from
+here at all. Such parts *drain*: the pull is reported to vLLM (its blocks
+handed back) only once each has ended in its mover's word
+(:meth:`p2pkv.decode.movers.Mover.ended`: the READ done or failed, the push
+notified or refused) or its deadline passed (``transfer_timeout_s`` after
+the cancel; a push's window, :meth:`p2pkv.decode.pushes.Pushes.drain_deadline`).
 """
 
 from __future__ import annotations
 
 import time
 
-from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.stager import Stager
+from p2pkv.decode.direction import Direction
+from p2pkv.decode.movers import Mover
 from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId
-from p2pkv.decode.pull import Pull, ReadPart
-from p2pkv.decode.pushes import Pushes
-from p2pkv.decode.reads import abandon
+from p2pkv.decode.pull import Part, Pull
+from p2pkv.decode.reads import release_unposted
 
 
 class Drain:
     """The parts still draining on one decode rank.
 
     Args:
-        agent: the rank's NIXL agent (READs are polled there).
-        stager: the staging area (a cancelled part's staging is quarantined).
-        pushes: the rank's push requests (whether one has ended).
+        stager: the staging area (a given-up part's staging is quarantined).
         outcomes: where a pull goes once its last part has drained.
-        quarantine_s: how long a cancelled READ NIXL kept may still land (seconds).
+        movers: the mover of each direction.
     """
 
-    def __init__(self, agent: NixlTransferAgent, stager: Stager, pushes: Pushes, outcomes: Outcomes,
-                 quarantine_s: float) -> None:
-        self.agent = agent
+    def __init__(self, stager: Stager, outcomes: Outcomes, movers: dict[Direction, Mover]) -> None:
         self.stager = stager
-        self.pushes = pushes
         self.outcomes = outcomes
-        self.quarantine_s = quarantine_s
-        self._parts: list[tuple[ReadPart, float]] = []  # part, time.monotonic() deadline
+        self.movers = movers
+        self._parts: list[tuple[Part, float]] = []  # part, time.monotonic() deadline
 
     def abandon(self, pull: Pull) -> None:
-        """Give up ``pull``'s parts in flight and start its next attempt; those that may still write drain."""
-        self._parts += abandon(pull, self.agent, self.stager, self.quarantine_s, self.pushes.drain_deadline)
+        """Give up ``pull``'s parts in flight and start its next attempt (late fence answers are then ignored).
+
+        Each part's mover gives it up (:meth:`p2pkv.decode.movers.Mover.give_up`):
+        a READ NIXL cancels has ended; one it would not cancel, and a push (its
+        prefill rank may still WRITE until its window has passed), drain until
+        they end or their deadline passes. The staging of a part given up is
+        quarantined for as long as its mover says it may still land; unposted
+        staging is given back.
+        """
+        for read in pull.reads:
+            if not read.in_flight or read.direction is None:
+                continue
+            deadline, quarantine = self.movers[read.direction].give_up(read, time.monotonic())
+            if deadline is not None:
+                pull.draining += 1
+                self._parts.append((read, deadline))
+            read.abandoned = True
+            if read.stage is not None:
+                self.stager.quarantine(read.stage, quarantine)
+                read.stage = None
+        release_unposted(pull, self.stager)
+        pull.attempt += 1
 
     def poll(self) -> None:
         """Report the pulls whose last draining part has ended (or passed its deadline)."""
@@ -58,14 +74,9 @@ class Drain:
                 self.outcomes.report(read.pull)
         self._parts = keep
 
-    def _ended(self, read: ReadPart) -> bool:
-        """True once a given-up READ or push can write nothing more."""
-        if read.push_id:
-            return self.pushes.ended(read)
-        try:
-            return self.agent.poll(read.handle)
-        except Exception:
-            return True
+    def _ended(self, read: Part) -> bool:
+        """True once a given-up part can write nothing more."""
+        return read.direction is None or self.movers[read.direction].ended(read)
 
     def __bool__(self) -> bool:
         return bool(self._parts)

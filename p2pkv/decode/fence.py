@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from handshake import HoldLink, HoldsReply, query_holds
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
-from p2pkv.decode.pull import PullState, ReadPart
+from p2pkv.decode.pull import Part, PullState
 
 if TYPE_CHECKING:
     from p2pkv.decode.peers import PeerId
@@ -77,11 +77,11 @@ class Fence:
 
     def __init__(self, background: Background, engine_id: str, secret: bytes | None, timeout_s: float) -> None:
         self.background, self.engine_id, self.secret, self.timeout_s = background, engine_id, secret, timeout_s
-        self._batches: dict[PeerId, tuple[str, int, list[tuple[ReadPart, Phase]]]] = {}
-        self._in_flight: list[tuple[Future, list[tuple[ReadPart, Phase]], dict[str, Any]]] = []
+        self._batches: dict[PeerId, tuple[str, int, list[tuple[Part, Phase]]]] = {}
+        self._in_flight: list[tuple[Future, list[tuple[Part, Phase]], dict[str, Any]]] = []
         self._links: dict[tuple[str, int], HoldLink] = {}
 
-    def add(self, read: ReadPart, phase: Phase) -> None:
+    def add(self, read: Part, phase: Phase) -> None:
         """Queue a question about ``read`` for its prefill rank in this step's batch."""
         pid = read.peer_id
         self._batches.setdefault(pid, (pid.host, pid.port, []))[2].append((read, phase))
@@ -102,7 +102,7 @@ class Fence:
                 future.set_exception(exc)
             self._in_flight.append((future, entries, times))
 
-    def _ask(self, pid: PeerId, host: str, port: int, entries: list[tuple[ReadPart, Phase]],
+    def _ask(self, pid: PeerId, host: str, port: int, entries: list[tuple[Part, Phase]],
              times: dict[str, Any]) -> Future:
         """Send one batch of questions to prefill rank ``pid`` on its lane; the answer's Future. ``times`` gets
         when the question left (``sent``) and when its answer came or the wait ended (``answered``)."""
@@ -137,7 +137,7 @@ class Fence:
             link.close()
         self._links.clear()
 
-    def verdicts(self, now: float, grace_s: float) -> list[tuple[ReadPart, Verdict, Hold | Exception]]:
+    def verdicts(self, now: float, grace_s: float) -> list[tuple[Part, Verdict, Hold | Exception]]:
         """Judge the answers of the current attempts' questions at ``now`` (``time.monotonic()``); those to
         ask again are queued again here (:attr:`Verdict.ASK_AGAIN`), the rest returned (``WAIT``: nothing to do)."""
         out = []
@@ -152,12 +152,12 @@ class Fence:
                 out.append((read, verdict, answer))
         return out
 
-    def answers(self) -> list[tuple[ReadPart, Phase, Hold | Exception]]:
+    def answers(self) -> list[tuple[Part, Phase, Hold | Exception]]:
         """Finished questions: the READ, the phase, and what the prefill rank said (or why it is unknown).
 
         Each is also recorded in its pull's :attr:`~p2pkv.decode.pull.Pull.questions` (when it was queued,
         left, and was answered, and the answer)."""
-        out: list[tuple[ReadPart, Phase, Hold | Exception]] = []
+        out: list[tuple[Part, Phase, Hold | Exception]] = []
         pending = []
         for future, entries, times in self._in_flight:
             if not future.done():

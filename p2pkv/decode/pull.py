@@ -1,10 +1,11 @@
-"""One decode-side pull: its states, and the READs it is made of.
+"""One decode-side pull: its states, and the parts it is made of.
 
 A *pull* loads one request's prompt KV from the prefill engine into the
-decode engine's blocks. It is made of one *READ* (a NIXL READ xfer) per
-prefill rank it reads from: one when both engines have the same TP size.
-The lifecycle that moves pulls between states is
-:class:`p2pkv.decode.puller.Puller`.
+decode engine's blocks. It is made of one *part* per prefill rank it loads
+from (one when both engines have the same TP size), each moved one way: a
+NIXL READ by this rank, or a WRITE by the prefill rank (its
+:class:`p2pkv.decode.movers.Mover`). The lifecycle that moves pulls between
+states is :class:`p2pkv.decode.puller.Puller`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from p2pkv.dataplane.agent import XferHandle
 from p2pkv.dataplane.stager import Stage
+from p2pkv.decode.direction import Direction
 from p2pkv.decode.peers import Peer, PeerId, canonical_host
 from p2pkv.metadata import PullSpec
 
@@ -31,9 +33,9 @@ class PullState(str, enum.Enum):
     STAGING = "staging"
     """Waiting for room in the staging area (pulls from peers with other block shapes)."""
     READING = "reading"
-    """READs posted; each step polls them."""
+    """Parts posted (READs, or push requests); each step polls them."""
     FENCING = "fencing"
-    """Every READ done; waiting for the prefill ranks to confirm their leases held."""
+    """Every part done; waiting for the prefill ranks to confirm their leases held."""
     DONE = "done"
     """Confirmed, prefill ranks notified, reported to vLLM as received."""
     FAILED = "failed"
@@ -41,21 +43,28 @@ class PullState(str, enum.Enum):
 
 
 @dataclass(eq=False)
-class ReadPart:
-    """One READ of a pull: one prefill rank's share of the blocks.
+class Part:
+    """One part of a pull: one prefill rank's share of the blocks, moved one way (its ``direction``'s
+    :class:`p2pkv.decode.movers.Mover`).
 
     Attributes:
         pull: the pull it belongs to.
-        attempt: the pull's attempt this READ belongs to (a retry starts a new one).
-        peer_id / peer: the prefill rank read from.
+        attempt: the pull's attempt this part belongs to (a retry starts a new one).
+        peer_id / peer: the prefill rank it comes from.
         local_descs / remote_descs: uint64 ``[n, 3]`` ``(addr, bytes, device_id)`` rows.
-        stage: staging it READs into (``STAGED`` plans), else None.
-        handle: the NIXL READ once posted.
+        stage: staging it lands in (``STAGED`` plans), else None.
+        direction: which way it moves, once posted (None: not posted).
+        live: posted and not released (NIXL releases a failed READ's handle: nothing of it is left to
+            cancel or wait for); with ``done`` and ``abandoned``, whether it is in flight.
         done: ``time.monotonic()`` when seen done (0: not yet).
         abandoned: given up (its pull failed or retried): no longer in flight, never done.
         confirmed: the prefill rank confirmed the lease held.
-        push_id: in push mode, the push request's id (the prefill rank WRITEs
-            instead: :mod:`p2pkv.decode.pushes`); ``b""`` for a READ.
+
+    The state of one way (set and read only by its mover):
+
+    Attributes:
+        handle: a READ's NIXL xfer once posted (:class:`p2pkv.decode.movers.ReadMover`).
+        push_id: a push request's id (:class:`p2pkv.decode.movers.PushMover`, :mod:`p2pkv.decode.pushes`).
         pushed_at / first_pushed_at: ``time.monotonic()`` when the (first) push request was sent.
         arrived: the push's notification: True once its bytes landed, False
             when the prefill rank reported it failed; None while waiting.
@@ -69,6 +78,8 @@ class ReadPart:
     local_descs: np.ndarray
     remote_descs: np.ndarray
     stage: Stage | None = None
+    direction: Direction | None = None
+    live: bool = False
     handle: XferHandle | None = None
     done: float = 0.0
     abandoned: bool = False
@@ -81,8 +92,8 @@ class ReadPart:
 
     @property
     def in_flight(self) -> bool:
-        """Posted (or its push requested) and not yet seen done."""
-        return (self.handle is not None or bool(self.push_id)) and not self.done and not self.abandoned
+        """Posted, not ended in NIXL's or the prefill rank's word, not yet seen done, not given up."""
+        return self.live and not self.done and not self.abandoned
 
     @property
     def num_bytes(self) -> int:
@@ -123,7 +134,7 @@ class Pull:
     since: float = field(default_factory=time.monotonic)
     peers: tuple[PeerId, ...] = ()
     attempt: int = 0
-    reads: list[ReadPart] = field(default_factory=list)
+    reads: list[Part] = field(default_factory=list)
     notify: list[tuple[PeerId, int]] = field(default_factory=list)
     num_bytes: int = 0
     num_descriptors: int = 0
@@ -152,3 +163,8 @@ class Pull:
     def failed(self) -> bool:
         """True once ``FAILED``."""
         return self.state is PullState.FAILED
+
+    def direction(self) -> Direction:
+        """How its bytes moved, for metrics and spans: its first posted part's direction (its parts share
+        one, except under ``transfer_mode`` auto while a peer's choice changes); pull before any is posted."""
+        return next((r.direction for r in self.reads if r.direction is not None), Direction.PULL)

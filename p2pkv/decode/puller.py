@@ -48,11 +48,12 @@ from p2pkv.decode.drain import Drain
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, Verdict, failure_of
 from p2pkv.decode.keeper import PeerKeeper
+from p2pkv.decode.movers import movers
 from p2pkv.decode.notifier import Notifier
 from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.progress import Progress
-from p2pkv.decode.pull import Pull, PullState, ReadPart
+from p2pkv.decode.pull import Part, Pull, PullState
 from p2pkv.decode.pushes import Pushes
 from p2pkv.decode.reads import ReadEvent, plan_reads, release_unposted
 from p2pkv.decode.release import release_failed
@@ -105,8 +106,9 @@ class Puller:
         self.pushes = Pushes(self.background, self.fence, agent, rank.engine_id, self._secret,
                              config.handshake_timeout_s, config.transfer_timeout_s)
         self.directions = Directions(config.transfer_mode)
-        self.transfers = Transfers(agent, stager, self.fence, self.pushes, self.directions)
-        self.drain = Drain(agent, stager, self.pushes, self.outcomes, config.transfer_timeout_s)
+        ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s)
+        self.transfers = Transfers(ways, self.directions)
+        self.drain = Drain(stager, self.outcomes, ways)
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
@@ -144,7 +146,7 @@ class Puller:
                             ("checking deadlines", self._expire), ("asking fence questions", self.fence.send),
                             ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers))):
             self._contained(None, what, phase)
-        return bool(self.drain) or any(r.in_flight and (r.stage is None or r.push_id)
+        return bool(self.drain) or any(r.in_flight and self.transfers.mover_of(r).polled_soon(r)
                                            for p in self.in_state(PullState.READING) for r in p.reads)
 
     def _contained(self, pull: Pull | None, what: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -188,8 +190,8 @@ class Puller:
         self.background.close()
         self.fence.close()
         with self.lock:
-            for read in [r for pull in self.pulls for r in pull.reads if r.in_flight and r.handle is not None]:
-                self.agent.cancel(read.handle)
+            for read in [r for pull in self.pulls for r in pull.reads if r.in_flight]:
+                self.transfers.mover_of(read).stop(read)
             self.pulls.clear()
 
     # ---- transitions ----------------------------------------------------------
@@ -269,7 +271,7 @@ class Puller:
         for read, kind, why, retry in self.pushes.collect(time.monotonic(), self.config.handshake_timeout_s):
             self._contained(read.pull, "failing a pushed pull", self._push_failed, read, kind, why, retry)
 
-    def _push_failed(self, read: ReadPart, kind: FailureKind, why: str, retry: bool) -> None:
+    def _push_failed(self, read: Part, kind: FailureKind, why: str, retry: bool) -> None:
         """A push request that failed: retried after a new handshake with that rank (it may have restarted),
         or the pull fails."""
         self._abandon(read.pull)
@@ -296,11 +298,11 @@ class Puller:
             self._to(pull, PullState.FENCING)
             self._confirm_if_done(pull)
 
-    def _poll(self, pull: Pull, read: ReadPart, now: float) -> None:
+    def _poll(self, pull: Pull, read: Part, now: float) -> None:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
         event, exc = self.transfers.poll(read, now)
         if event is ReadEvent.FAILED:
-            if not read.push_id:  # a push_failed note comes from a live prefill rank: keep it (and its dones)
+            if not self.transfers.mover_of(read).keeps_peer_on_failure:
                 self.peers.drop(read.peer_id, only=read.peer)
             self._abandon(pull)
             self._retry_or_fail(pull, _kind(exc), str(exc))
@@ -312,7 +314,7 @@ class Puller:
         for read, verdict, answer in self.fence.verdicts(time.monotonic(), self.config.handshake_timeout_s):
             self._contained(read.pull, "acting on a fence answer", self._judged, read, verdict, answer)
 
-    def _judged(self, read: ReadPart, verdict: Verdict, answer: Hold | Exception) -> None:
+    def _judged(self, read: Part, verdict: Verdict, answer: Hold | Exception) -> None:
         """Act on the verdict on one fence answer about ``read`` (:meth:`p2pkv.decode.fence.Fence.verdicts`)."""
         if verdict is Verdict.FAIL:
             self._abandon(read.pull)
@@ -388,7 +390,7 @@ def _log_failure(spec: PullSpec, kind: FailureKind, why: str) -> bool:
 def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
     """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
     spec, seconds = pull.spec, max(r.done for r in pull.reads) - pull.started
-    direction = "push" if any(r.push_id for r in pull.reads) else "pull"
+    direction = pull.direction().value
     stats.record_pull(pull.num_bytes, seconds, pull.num_descriptors, direction)
     stats.record_phases(pull.marks)
     if stats_file:

@@ -27,7 +27,7 @@ from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, failure_of
-from p2pkv.decode.pull import ReadPart
+from p2pkv.decode.pull import Part
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 
 logger = logging.getLogger("p2pkv.decode")
@@ -87,12 +87,12 @@ class Pushes:
         self.make_info: Callable[[], AgentInfo] | None = None
         self._info: AgentInfo | None = None
         self._info_registrations = -1
-        self._open: dict[bytes, ReadPart] = {}  # push id → its READ part, until notified or given up
-        self._replies: list[tuple[Future, ReadPart]] = []
-        self._again: list[tuple[float, ReadPart]] = []  # (time.monotonic() to send again at, part)
+        self._open: dict[bytes, Part] = {}  # push id → its READ part, until notified or given up
+        self._replies: list[tuple[Future, Part]] = []
+        self._again: list[tuple[float, Part]] = []  # (time.monotonic() to send again at, part)
         agent.take_notifs(PUSH_PREFIX)  # from now on the engine thread's get_notifs leaves these to us
 
-    def post(self, read: ReadPart) -> None:
+    def post(self, read: Part) -> None:
         """Send ``read``'s push request (its rows: the prefill rank's ``remote_descs`` into our ``local_descs``).
 
         Raises:
@@ -123,7 +123,7 @@ class Pushes:
             self._info = self.make_info()
         return self._info
 
-    def again(self, read: ReadPart, delay_s: float = RETRY_UNKNOWN_S) -> None:
+    def again(self, read: Part, delay_s: float = RETRY_UNKNOWN_S) -> None:
         """Send ``read``'s push request again after ``delay_s`` seconds (its hold was not known yet there)."""
         self._again.append((time.monotonic() + delay_s, read))
 
@@ -134,11 +134,11 @@ class Pushes:
             if read.attempt == read.pull.attempt and not read.pull.finished:
                 self.post(read)
 
-    def unknown_for(self, read: ReadPart, now: float) -> float:
+    def unknown_for(self, read: Part, now: float) -> float:
         """Seconds since ``read``'s first push request (how long its hold has been unknown there)."""
         return now - read.first_pushed_at
 
-    def collect(self, now: float, grace_s: float) -> list[tuple[ReadPart, FailureKind, str, bool]]:
+    def collect(self, now: float, grace_s: float) -> list[tuple[Part, FailureKind, str, bool]]:
         """Send what is due again, read replies and notifications at ``now`` (``time.monotonic()``).
 
         A notification sets its part's ``arrived`` (and ``failure``). A reply
@@ -166,7 +166,7 @@ class Pushes:
             read.arrived, read.failure = note.ok, note.reason
         return failed
 
-    def replies(self) -> list[tuple[ReadPart, PushReply | Exception]]:
+    def replies(self) -> list[tuple[Part, PushReply | Exception]]:
         """Answered push requests: the READ part and the reply (or why there is none).
 
         A request refused (a reply other than ``accepted``, or the server's
@@ -187,7 +187,7 @@ class Pushes:
             if waiting:
                 logger.warning("p2pkv: a push request to %s got no reply; %d more waiting for it retried at once",
                                silent[0].agent_name, len(waiting))
-        out: list[tuple[ReadPart, PushReply | Exception]] = []
+        out: list[tuple[Part, PushReply | Exception]] = []
         for future, read in done:
             try:
                 reply: PushReply | Exception = future.result()
@@ -202,7 +202,7 @@ class Pushes:
             out.append((read, reply))
         return out
 
-    def arrivals(self, now: float) -> list[tuple[ReadPart, PushedNotification]]:
+    def arrivals(self, now: float) -> list[tuple[Part, PushedNotification]]:
         """The WRITE notifications received since the last call, each with its open READ part.
 
         Notifications that parse badly, carry a bad MAC or name no open push
@@ -225,11 +225,11 @@ class Pushes:
             del self._open[push_id]
         return out
 
-    def ended(self, read: ReadPart) -> bool:
+    def ended(self, read: Part) -> bool:
         """True once ``read``'s push can write nothing more (notified, refused, or forgotten)."""
         return read.push_id not in self._open
 
-    def drain_deadline(self, read: ReadPart) -> float:
+    def drain_deadline(self, read: Part) -> float:
         """``time.monotonic()`` until which a given-up push may still write (its window from sending, plus a
         reply timeout of slack for the request's time on the wire)."""
         return read.pushed_at + self.window_s + self.timeout_s

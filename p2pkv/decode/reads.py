@@ -1,15 +1,13 @@
-"""A pull's READs: planning which remote bytes land where (each transfer mode), polling and cancelling them.
+"""A pull's parts: planning which remote bytes land where (each placement), landing and giving them up.
 
-The mechanics of one READ; what its pull does about each outcome (retry,
-fail, fence) is :class:`p2pkv.decode.puller.Puller`'s.
+The mechanics shared by every way a part moves; what differs by way is its
+mover's (:mod:`p2pkv.decode.movers`), and what its pull does about each
+outcome (retry, fail, fence) is :class:`p2pkv.decode.puller.Puller`'s.
 """
 
 from __future__ import annotations
 
 import enum
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,11 +19,8 @@ from p2pkv.dataplane.plan import build_descriptors, check_block_ids, coalesce_ru
 from p2pkv.dataplane.stager import Stage, Stager
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.decode.peers import Peer, PeerId
-from p2pkv.decode.pull import Pull, ReadPart
+from p2pkv.decode.pull import Part, Pull
 from p2pkv.metadata import PullSpec
-
-if TYPE_CHECKING:
-    from p2pkv.dataplane.agent import NixlTransferAgent
 
 Descriptors = tuple[np.ndarray, np.ndarray, Stage | None]
 """``(local_descs, remote_descs, stage)``: uint64 ``[n, 3]`` rows each, and the staging READ into (or None)."""
@@ -100,63 +95,38 @@ def plan_reads(pull: Pull, ranks: list[int], peers: dict[PeerId, Peer], layout: 
                                   "staging_mib holds; raise staging_mib in kv_connector_extra_config")
             return False
         if planned[0].size:
-            pull.reads.append(ReadPart(pull, pull.attempt, pid, peers[pid], *planned))
+            pull.reads.append(Part(pull, pull.attempt, pid, peers[pid], *planned))
     return True
 
 
 def release_unposted(pull: Pull, stager: Stager) -> None:
-    """Give back the staging of ``pull``'s READs not yet posted."""
-    for read in [r for r in pull.reads if r.stage is not None and r.handle is None and not r.push_id]:
+    """Give back the staging of ``pull``'s parts not yet posted."""
+    for read in [r for r in pull.reads if r.stage is not None and r.direction is None]:
         stager.release(read.stage)
         read.stage = None
 
 
 class ReadEvent(str, enum.Enum):
-    """What polling a READ in flight found."""
+    """What polling a part in flight found."""
 
     IN_FLIGHT = "in_flight"
     """Not done yet."""
     DONE = "done"
     """Done: its bytes counted in its pull, a staged READ fixed up into the local blocks."""
     FAILED = "failed"
-    """NIXL failed it (the peer may be gone); its handle is released, its staging given back."""
+    """It failed (NIXL failed the READ, or the prefill rank reported its WRITE failed); its staging given back."""
     FIXUP_FAILED = "fixup_failed"
     """Done, but the fixup of its staging into the local blocks raised (its staging given back)."""
 
 
-def poll_read(agent: NixlTransferAgent, stager: Stager, read: ReadPart,
-              now: float) -> tuple[ReadEvent, Exception | None]:
-    """Poll one READ in flight at ``now`` (``time.monotonic()`` seconds); the event and, if it failed, why.
-
-    A pushed part (``read.push_id``) is not polled in NIXL: its notification
-    (``read.arrived``) says whether the prefill rank's WRITE landed.
-    """
-    if read.push_id:
-        if read.arrived is None:
-            return ReadEvent.IN_FLIGHT, None
-        if not read.arrived:
-            release_stage(stager, read)
-            return ReadEvent.FAILED, RuntimeError(read.failure or "the prefill rank's WRITE failed")
-        return land(stager, read, now, read.num_bytes, int(read.local_descs.shape[0]))
-    try:
-        done = agent.poll(read.handle)
-    except Exception as exc:
-        read.handle = None  # NIXL released it
-        release_stage(stager, read)
-        return ReadEvent.FAILED, exc
-    if not done:
-        return ReadEvent.IN_FLIGHT, None
-    return land(stager, read, now, read.handle.num_bytes, read.handle.num_descriptors)
-
-
-def release_stage(stager: Stager, read: ReadPart) -> None:
+def release_stage(stager: Stager, read: Part) -> None:
     """Give back ``read``'s staging (if any)."""
     if read.stage is not None:
         stager.release(read.stage)
         read.stage = None
 
 
-def land(stager: Stager, read: ReadPart, now: float, num_bytes: int,
+def land(stager: Stager, read: Part, now: float, num_bytes: int,
          num_descriptors: int) -> tuple[ReadEvent, Exception | None]:
     """A READ (or push) whose bytes arrived at ``now``: count them in its pull, fix up staging into the local blocks."""
     read.done = now
@@ -170,40 +140,3 @@ def land(stager: Stager, read: ReadPart, now: float, num_bytes: int,
         finally:
             release_stage(stager, read)
     return ReadEvent.DONE, None
-
-
-def abandon(pull: Pull, agent: NixlTransferAgent, stager: Stager, quarantine_s: float,
-            push_deadline: Callable[[ReadPart], float]) -> list[tuple[ReadPart, float]]:
-    """Cancel ``pull``'s READs in flight and start its next attempt (late fence answers are then ignored).
-
-    The staging of a cancelled READ is quarantined for ``quarantine_s``
-    seconds (it may still land); unposted staging is given back. A pushed
-    part cannot be cancelled from here: it drains until its notification, or
-    until ``push_deadline(read)`` (``time.monotonic()``), past which the
-    prefill rank no longer writes.
-
-    Returns:
-        The READs NIXL would not release (still active: their bytes may land
-        in the local blocks) and the pushes still open, each with the
-        ``time.monotonic()`` deadline until which to wait for them to end.
-    """
-    draining = []
-    for read in pull.reads:
-        if read.in_flight:
-            if read.push_id:
-                pull.draining += 1
-                deadline = push_deadline(read)
-                draining.append((read, deadline))
-                quarantine = max(0.0, deadline - time.monotonic())
-            else:
-                quarantine = quarantine_s
-                if not agent.cancel(read.handle):
-                    pull.draining += 1
-                    draining.append((read, time.monotonic() + quarantine_s))
-            read.abandoned = True
-            if read.stage is not None:
-                stager.quarantine(read.stage, quarantine)
-                read.stage = None
-    release_unposted(pull, stager)
-    pull.attempt += 1
-    return draining

@@ -96,7 +96,7 @@ class PullSpans:
             "p2pkv.peer.ranks": sorted({r.peer_id.tp_rank for r in reads}),
             "p2pkv.blocks": len(spec.local_block_ids), "p2pkv.bytes": pull.num_bytes,
             "p2pkv.descriptors": pull.num_descriptors, "p2pkv.attempts": pull.attempt + 1,
-            "p2pkv.mode": "push" if any(r.push_id for r in reads) else "pull",
+            "p2pkv.mode": pull.direction().value,
             "p2pkv.plan": sorted({r.peer.plan.placement.value for r in reads}),
             "p2pkv.transport": sorted({transports[r.peer.agent_name].transport for r in reads
                                        if r.peer.agent_name in transports}),

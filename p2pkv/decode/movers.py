@@ -1,0 +1,186 @@
+"""Who moves a part's bytes, and how: one :class:`Mover` per :class:`~p2pkv.decode.direction.Direction`.
+
+A pull is made of parts, one per prefill rank (:class:`p2pkv.decode.pull.Part`).
+Each part is moved one way, chosen when it starts
+(:class:`p2pkv.decode.direction.Directions`): this rank READs it
+(:class:`ReadMover`), or asks its prefill rank to WRITE it
+(:class:`PushMover`). Everything that differs between the ways lives in the
+part's mover: posting, whether it is still in flight, polling, what follows
+when its bytes landed (a fence question after a READ; nothing after a push,
+whose prefill rank kept the hold until its WRITE ended), giving it up (a READ
+is cancelled, a push drains until its window has passed), whether it has
+ended, and whether a failure says its peer is gone. The lifecycle around
+them (:class:`p2pkv.decode.puller.Puller`, :mod:`p2pkv.decode.drain`,
+:mod:`p2pkv.decode.reads`) never asks which way a part moves.
+
+A new way (a layer-streamed push, say) is a new :class:`Mover` and one entry
+in :func:`movers`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+from p2pkv.decode.direction import Direction
+from p2pkv.decode.fence import Fence, Phase
+from p2pkv.decode.reads import ReadEvent, land, release_stage
+
+if TYPE_CHECKING:
+    from p2pkv.dataplane.agent import NixlTransferAgent
+    from p2pkv.dataplane.stager import Stager
+    from p2pkv.decode.pull import Part
+    from p2pkv.decode.pushes import Pushes
+
+
+class Mover(ABC):
+    """How the parts of one direction move.
+
+    Attributes:
+        direction: the direction it moves parts in (the metric and span label).
+        keeps_peer_on_failure: a failure comes from a prefill rank that is
+            alive (it said so): keep the peer and its queued notifications
+            instead of dropping it and handshaking again.
+    """
+
+    direction: Direction
+    keeps_peer_on_failure: bool = False
+
+    @abstractmethod
+    def post(self, part: Part) -> None:
+        """Start moving ``part``.
+
+        Raises:
+            Exception: it could not start (NIXL refused the READ, or the push request could not be built).
+        """
+
+    @abstractmethod
+    def polled_soon(self, part: Part) -> bool:
+        """True when ``part`` in flight should be polled again soon from the pulls' thread."""
+
+    @abstractmethod
+    def poll(self, part: Part, now: float) -> tuple[ReadEvent, Exception | None]:
+        """Poll ``part`` in flight at ``now`` (``time.monotonic()`` seconds); the event and, if it failed, why."""
+
+    @abstractmethod
+    def landed(self, part: Part) -> None:
+        """``part``'s bytes have landed: start what confirms it (or confirm it)."""
+
+    @abstractmethod
+    def give_up(self, part: Part, now: float) -> tuple[float | None, float]:
+        """Stop waiting for ``part`` (in flight) at ``now``.
+
+        Returns:
+            ``(deadline, quarantine_s)``: the ``time.monotonic()`` until which
+            it may still write into our memory (None: it ended here), and how
+            long its staging, if any, must stay unused (seconds).
+        """
+
+    @abstractmethod
+    def ended(self, part: Part) -> bool:
+        """True once ``part``, given up, can write nothing more."""
+
+    def stop(self, part: Part) -> None:  # noqa: B027 - nothing to do for most ways
+        """The rank is shutting down: end what can be ended of ``part`` (no waiting)."""
+
+
+class ReadMover(Mover):
+    """This rank READs the part (pull): posted and polled in NIXL; fenced before and after.
+
+    Args:
+        agent: the rank's NIXL agent.
+        stager: the staging area (a staged part is fixed up when it lands).
+        fence: where the READ's questions go.
+        quarantine_s: how long a cancelled READ NIXL kept may still land (seconds).
+    """
+
+    direction = Direction.PULL
+
+    def __init__(self, agent: NixlTransferAgent, stager: Stager, fence: Fence, quarantine_s: float) -> None:
+        self.agent = agent
+        self.stager = stager
+        self.fence = fence
+        self.quarantine_s = quarantine_s
+
+    def post(self, part: Part) -> None:
+        part.handle = self.agent.start_read(part.peer.agent_name, part.local_descs, part.remote_descs)
+        self.fence.add(part, Phase.BEFORE)
+
+    def polled_soon(self, part: Part) -> bool:
+        return part.stage is None  # a staged READ's fixup runs at the engine step
+
+    def poll(self, part: Part, now: float) -> tuple[ReadEvent, Exception | None]:
+        try:
+            done = self.agent.poll(part.handle)
+        except Exception as exc:
+            part.handle, part.live = None, False  # NIXL released it
+            release_stage(self.stager, part)
+            return ReadEvent.FAILED, exc
+        if not done:
+            return ReadEvent.IN_FLIGHT, None
+        return land(self.stager, part, now, part.handle.num_bytes, part.handle.num_descriptors)
+
+    def landed(self, part: Part) -> None:
+        self.fence.add(part, Phase.AFTER)
+
+    def give_up(self, part: Part, now: float) -> tuple[float | None, float]:
+        if self.agent.cancel(part.handle):
+            return None, self.quarantine_s
+        return now + self.quarantine_s, self.quarantine_s
+
+    def ended(self, part: Part) -> bool:
+        try:
+            return self.agent.poll(part.handle)
+        except Exception:
+            return True
+
+    def stop(self, part: Part) -> None:
+        self.agent.cancel(part.handle)
+
+
+class PushMover(Mover):
+    """The prefill rank WRITEs the part when asked (push): no NIXL handle here, its notification says when
+    the bytes landed; confirmed then (the prefill rank kept the hold until its WRITE ended).
+
+    Args:
+        pushes: where the push request goes and its notification comes from.
+        stager: the staging area (a staged part is fixed up when it lands).
+    """
+
+    direction = Direction.PUSH
+    keeps_peer_on_failure = True  # a failed push is reported by a live prefill rank
+
+    def __init__(self, pushes: Pushes, stager: Stager) -> None:
+        self.pushes = pushes
+        self.stager = stager
+
+    def post(self, part: Part) -> None:
+        self.pushes.post(part)
+
+    def polled_soon(self, part: Part) -> bool:
+        return True
+
+    def poll(self, part: Part, now: float) -> tuple[ReadEvent, Exception | None]:
+        if part.arrived is None:
+            return ReadEvent.IN_FLIGHT, None
+        if not part.arrived:
+            release_stage(self.stager, part)
+            return ReadEvent.FAILED, RuntimeError(part.failure or "the prefill rank's WRITE failed")
+        return land(self.stager, part, now, part.num_bytes, int(part.local_descs.shape[0]))
+
+    def landed(self, part: Part) -> None:
+        part.confirmed = True
+
+    def give_up(self, part: Part, now: float) -> tuple[float | None, float]:
+        deadline = self.pushes.drain_deadline(part)
+        return deadline, max(0.0, deadline - now)
+
+    def ended(self, part: Part) -> bool:
+        return self.pushes.ended(part)
+
+
+def movers(agent: NixlTransferAgent, stager: Stager, fence: Fence, pushes: Pushes,
+           quarantine_s: float) -> dict[Direction, Mover]:
+    """The mover of each direction for one decode rank: the one registration point of the ways a part moves."""
+    return {Direction.PULL: ReadMover(agent, stager, fence, quarantine_s),
+            Direction.PUSH: PushMover(pushes, stager)}
