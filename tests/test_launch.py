@@ -347,10 +347,26 @@ def test_gpu_pods_keep_cuda_graphs_and_leave_the_environment_alone(tmp_path, cap
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(checks, "cuda_device_count", lambda: 2)
     out, argv, _ = _dry_run(_pod(tmp_path, "--tensor-parallel-size", "2", "--block-size", "16"), capsys)
-    assert "--enforce-eager" not in argv and "OMP_NUM_THREADS" not in out
+    assert "--enforce-eager" not in argv and "OMP_NUM_THREADS" not in out and "TORCHDYNAMO_DISABLE" not in out
     monkeypatch.setattr(checks, "cuda_device_count", lambda: 0)
     out, argv, _ = _dry_run(_pod(tmp_path), capsys)
-    assert "--enforce-eager" in argv and "OMP_NUM_THREADS" in out
+    assert "--enforce-eager" in argv and "OMP_NUM_THREADS" in out and "TORCHDYNAMO_DISABLE" in out
+
+
+@pytest.mark.parametrize(("fields", "preset", "expected"), [
+    ({}, None, "1"),
+    ({}, "0", "0"),  # the user's own setting wins
+    ({"enforce_eager": False}, None, None),
+    ({"local_defaults": False}, None, None),
+], ids=["eager_cpu", "user_set", "not_eager", "gpu_pod"])
+def test_eager_cpu_engines_compile_nothing_at_run_time(fields: dict, preset: str | None, expected: str | None,
+                                                       monkeypatch) -> None:
+    """An eager small-machine engine runs with torch.compile off everywhere, so a first logprobs request does
+    not compile vLLM's sampler helper on the engine thread; GPU pods and non-eager engines keep vLLM's choice."""
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    if preset is not None:
+        monkeypatch.setenv("TORCHDYNAMO_DISABLE", preset)
+    assert EngineSpec(name="e", model="m", port=1, **fields).environment().get("TORCHDYNAMO_DISABLE") == expected
 
 
 @pytest.mark.engines

@@ -48,7 +48,11 @@ class EngineSpec:
             depends on the CPU.
         local_defaults: set the small-machine environment defaults (1 GiB CPU
             KV cache, one OMP thread, offline Hugging Face hub) unless already set;
-            GPU pods leave them off.
+            GPU pods leave them off. With ``enforce_eager`` too, torch.compile is
+            off in the whole engine (``TORCHDYNAMO_DISABLE=1``): vLLM's
+            ``--enforce-eager`` leaves its sampler's compiled helpers on, and the
+            first request asking for logprobs then compiles one (Inductor and a C++
+            compiler: seconds of CPU, on the engine thread, while the request waits).
     """
 
     name: str
@@ -128,6 +132,8 @@ class EngineSpec:
             env.setdefault("OMP_NUM_THREADS", "1")
             env.setdefault("HF_HUB_OFFLINE", "1")
             env.setdefault("TRANSFORMERS_OFFLINE", "1")
+            if self.enforce_eager:
+                env.setdefault("TORCHDYNAMO_DISABLE", "1")  # vllm/v1/sample/ops/logprobs.py compiles at run time
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         if self.connector == "nixl" and self.role is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
