@@ -1,6 +1,6 @@
 """A prefill worker in its own process that can be told what to lease, and a decode pump.
 
-Shared by ``tests/test_faults.py``, ``tests/test_churn.py`` and
+Shared by ``tests/fault_injection/``, ``tests/test_churn.py`` and
 ``tests/test_puller_robustness.py``. The prefill process runs a real
 :class:`p2pkv.worker.WorkerSide` with a synthetic ``BLHNC`` KV cache (random
 values from ``seed``) and a real NIXL agent. The test process sends it
