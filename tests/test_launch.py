@@ -123,6 +123,33 @@ def test_local_pair_checks_the_secret(tmp_path, monkeypatch) -> None:
     assert pair.secret not in " ".join(pair.proxy_command())
 
 
+@pytest.mark.parametrize(("fields", "bind", "in_core", "uni_flag"), [
+    ({}, None, True, False),
+    ({"tensor_parallel_size": 2}, None, False, False),
+    ({"extra_args": ("--data-parallel-size", "2")}, None, True, True),
+    ({"extra_args": ("--data-parallel-size=2",)}, None, True, True),
+    ({"extra_args": ("-dp", "2", "--distributed-executor-backend", "mp")}, None, True, False),
+    ({}, "auto", False, False),
+    ({"extra_args": ("--data-parallel-size", "2"), "env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}, None, False, False),
+    ({"local_defaults": False}, None, False, False),
+    ({"enforce_eager": False}, None, False, False),
+], ids=["tp1", "tp2", "dp2", "dp2=", "dp2 mp asked", "threads bound", "threads bound by spec", "gpu pod", "not eager"])
+def test_tp1_engines_run_their_worker_in_the_engine_core(fields: dict, bind: str | None, in_core: bool,
+                                                         uni_flag: bool, monkeypatch) -> None:
+    """With the small-machine defaults, threads unbound and TP 1, vLLM's worker runs in each EngineCore process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and ``--distributed-executor-backend uni`` for several DP ranks, for
+    which vLLM would pick mp); anything else keeps vLLM's own executor choice."""
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    if bind is not None:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    spec = EngineSpec(name="e", model="m", port=1, **fields)
+    assert (spec.environment().get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0") is in_core
+    argv, flag = spec.command(), "--distributed-executor-backend"
+    backend = argv[argv.index(flag) + 1] if flag in argv else None
+    assert (backend == "uni") is uni_flag
+
+
 def _pod(tmp_path: Path, *flags: str, role: str = "prefill") -> list[str]:
     """``launch ROLE --dry-run`` on free ports with the side channel on loopback, plus ``flags``."""
     http, side = free_ports(2)
