@@ -10,7 +10,6 @@ on corrupted metadata).
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Literal
 import numpy as np
 
 from handshake import AgentInfo, verify_agent_info
+from p2pkv.dataplane.inboxes import Inboxes
 from p2pkv.dataplane.layout import Region
 from p2pkv.dataplane.plan import split_rows
 from p2pkv.dataplane.transport import TransportReport, TransportWatch
@@ -242,8 +242,7 @@ class NixlTransferAgent:
         self.registrations = 0
         """How many times memory was registered (a peer that writes here needs metadata newer than that)."""
         self._closed = False
-        self._notif_lock = threading.Lock()
-        self._inbox: dict[bytes, list[bytes]] = {b"": []}  # prefix → notifications not yet taken
+        self._inboxes = Inboxes(lambda: self._agent.get_new_notifs())
 
     @property
     def mem_type(self) -> str:
@@ -445,33 +444,17 @@ class NixlTransferAgent:
         """Progress NIXL's workers without taking anything: a notification sent to a peer just loaded may wait
         for this side's worker to finish connecting (UCX wire-up), and notifications received meanwhile stay
         in their inboxes for :meth:`take_notifs`. Thread-safe."""
-        with self._notif_lock:
-            self._sort_new_notifs()
+        self._inboxes.progress()
 
     def get_notifs(self) -> list[bytes]:
         """Notifications received since the last call (all peers) not taken by :meth:`take_notifs`'s prefixes."""
-        return self.take_notifs(b"")
+        return self._inboxes.take(b"")
 
     def take_notifs(self, prefix: bytes) -> list[bytes]:
-        """Notifications starting with ``prefix`` received since the last call (``b""``: every other one).
-
-        Two consumers share one agent (a decode worker's pulls thread takes
-        the "pushed" notifications, the engine thread the rest), so what NIXL
-        hands over is sorted into per-prefix inboxes; a prefix is known once
-        it has been asked for. Thread-safe.
-        """
-        with self._notif_lock:
-            self._inbox.setdefault(prefix, [])
-            self._sort_new_notifs()
-            out, self._inbox[prefix] = self._inbox[prefix], []
-        return out
-
-    def _sort_new_notifs(self) -> None:
-        """Take what NIXL received (progressing its workers) into the inboxes; the caller holds the lock."""
-        for msgs in self._agent.get_new_notifs().values():
-            for msg in msgs:
-                key = next((p for p in self._inbox if p and msg.startswith(p)), b"")
-                self._inbox[key].append(msg)
+        """Notifications starting with ``prefix`` received since the last call (``b""``: every other one);
+        sorted by prefix for the readers sharing this agent (:class:`p2pkv.dataplane.inboxes.Inboxes`).
+        Thread-safe."""
+        return self._inboxes.take(prefix)
 
     def close(self) -> None:
         """Remove peers, deregister memory. Idempotent."""
