@@ -165,7 +165,7 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], list[bytes]], str, str, bool]] = {
         False,
     ),
     "wrong_version_other_schema": (
-        lambda: [msgspec.msgpack.encode({"type": "hello_v9", "protocol_version": 9, "x": 1})],
+        lambda: [msgspec.msgpack.encode({"type": "hello_v99", "protocol_version": PROTOCOL_VERSION + 1, "x": 1})],
         "version",
         "protocol_version",
         False,
