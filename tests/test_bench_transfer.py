@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing as mp
 import socket
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from p2pkv.tools.bench.transfer import METHODS, READV_METHODS, run_transfer_benc
 from p2pkv.tools.bench.transfer_control import ControlClient, ControlServer, PeerError
 from p2pkv.tools.bench.transfer_options import TransferBenchOptions
 from p2pkv.tools.bench.transfer_push import PUSH_METHODS, Pusher
+from tests import warm_processes
 
 TINY = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=16)
 
@@ -184,7 +184,7 @@ def test_device_cuda_without_cuda_fails_fast(monkeypatch, capsys) -> None:
     rc = transfer.main(["--device", "cuda", "--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64"])
     assert rc == 2
     assert time.monotonic() - t0 < 5
-    assert not mp.active_children()  # refused before the prefill process started
+    assert not warm_processes.others()  # refused before the prefill process started
     err = capsys.readouterr().err
     assert "--device cuda" in err and "no CUDA device" in err and "--device cpu" in err
 
@@ -374,7 +374,7 @@ def test_bench_transfer_decode_without_a_prefill_at_peer_fails() -> None:
 def test_split_role_options_are_checked_first(argv: list[str], message: str, capsys) -> None:
     assert transfer.main([*argv, *TINY_FLAGS]) == 2
     assert message in capsys.readouterr().err
-    assert not mp.active_children()
+    assert not warm_processes.others()
 
 
 def test_control_channel_survives_probes_and_garbage() -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Channels", "WarmProcess", "give_back", "take"]
+__all__ = ["Channels", "WarmProcess", "give_back", "others", "take"]
 
 WARM_IMPORTS = ("torch", "numpy", "p2pkv.worker", "tests.workers")
 """Modules a warm process imports before its first job."""
@@ -83,6 +83,13 @@ def take() -> WarmProcess:
         if proc.process.is_alive():
             return proc
     return WarmProcess()
+
+
+def others() -> list[mp.process.BaseProcess]:
+    """This process's live children but the idle warm processes (kept for the next :func:`take`): what a test
+    that must leave no child behind checks."""
+    idle = {p.process.pid for p in _IDLE}
+    return [c for c in mp.active_children() if c.pid not in idle]
 
 
 def give_back(proc: WarmProcess, kill: bool = False) -> bool:
