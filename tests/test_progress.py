@@ -135,7 +135,8 @@ def test_start_load_kv_polls_reads_and_sends_fence_questions_itself(prefill: Pre
         [first] = puller.pulls
         time.sleep(0.1)  # its READ (within one host) is done; nothing has polled it
         d.start(pull_task("d-5", "p-5", prefill.port, [52, 53], [42, 43]))
-        assert first.state is PullState.FENCING and "read" in first.marks
+        assert first.state in (PullState.FENCING, PullState.DONE) and "read" in first.marks  # DONE: its answer
+        # came too (on a busy host the question can leave its lane after the READ, and its answer confirms it)
         assert d.pump({"d-4", "d-5"}, 30.0) == set()
         expected = prefill.expected()
         assert all(d.block_ok(lb, rb, expected) for lb, rb in ((50, 40), (51, 41), (52, 42), (53, 43)))
