@@ -30,7 +30,7 @@ from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import RemotePrefill
 from p2pkv.prefill.holds import HoldEnd
 from p2pkv.prefill.pusher import Pusher
-from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests import warm_processes
 from tests.faults import FaultyNixlAgent

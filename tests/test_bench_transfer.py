@@ -31,8 +31,7 @@ import pytest
 import torch
 
 from p2pkv.dataplane.plan import coalesce_runs
-from p2pkv.tools.bench import machine, report, transfer
-from p2pkv.tools.bench.synth import (
+from p2pkv.testing import (
     KVShape,
     allocate_blocks,
     make_shaped_kv_caches,
@@ -41,6 +40,7 @@ from p2pkv.tools.bench.synth import (
     run_ranges,
     size_cache,
 )
+from p2pkv.tools.bench import machine, report, transfer
 from p2pkv.tools.bench.transfer import METHODS, READV_METHODS, run_transfer_bench
 from p2pkv.tools.bench.transfer_control import ControlClient, ControlServer, PeerError
 from p2pkv.tools.bench.transfer_options import TransferBenchOptions

@@ -55,7 +55,7 @@ def test_a_workers_pulls_use_the_key_it_loaded_and_never_read_the_secret_file_ag
     """The secret file is read once, when the worker starts: its pulls (fence, handshakes, notifications,
     pushes) sign with that key even after the file changed or went away. Before: the puller read the file
     again when the KV caches were registered, failing on a file gone, or signing with another key."""
-    from p2pkv.tools.bench.synth import make_kv_caches
+    from p2pkv.testing import make_kv_caches
     from tests.workers import NUM_BLOCKS, SHAPE, free_port, make_worker
 
     key = "0123456789abcdef-side-channel"

@@ -26,7 +26,7 @@ from p2pkv.config import ConfigError, P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import make_prefill_response_params
 from p2pkv.scheduler import SchedulerSide
-from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests.handshake_support import make_agent_info
 from tests.workers import COMPAT_FIELDS, NUM_BLOCKS, SHAPE, free_port, model_info

@@ -17,7 +17,7 @@ from p2pkv.dataplane.layout import (
     tensor_info,
 )
 from p2pkv.dataplane.plan import PlanError, build_descriptors, coalesce_runs, split_rows
-from p2pkv.tools.bench.synth import KV_LAYOUTS, block_bytes, make_kv_caches
+from p2pkv.testing import KV_LAYOUTS, block_bytes, make_kv_caches
 
 
 def _block_rows(kv: KVLayout, block: int) -> list[tuple[int, int]]:

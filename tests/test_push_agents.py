@@ -28,7 +28,7 @@ from p2pkv.dataplane.layout import KVLayout, describe_torch_kv_caches
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
-from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.testing import make_kv_caches
 
 NUM_BLOCKS = 8
 SHAPE = dict(num_layers=2, num_blocks=NUM_BLOCKS, num_heads=2, block_size=4, head_dim=4)

@@ -19,7 +19,7 @@ import pytest
 from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.direction import Direction, choose
 from p2pkv.metadata import P2pKvMetadata
-from p2pkv.tools.bench.synth import block_bytes, make_kv_caches
+from p2pkv.testing import block_bytes, make_kv_caches
 from tests.workers import SHAPE, free_port, make_worker, model_info, prefill_main, run_until_received, task
 
 LAYOUT = "BLHNC"

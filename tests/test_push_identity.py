@@ -25,7 +25,7 @@ from p2pkv.dataplane.layout import KVLayout, Region, describe_torch_kv_caches
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
-from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.testing import make_kv_caches
 from tests.test_push_wire import ENGINE, HOST, KEY, NUM_BLOCKS, SHAPE, _server, decode_info_of, descs
 
 VICTIM = "decode-engine"

@@ -43,7 +43,7 @@ from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, encode_pushed, parse_pushed
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
-from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.testing import make_kv_caches
 from p2pkv.tools.doctor import loopback_info
 from tests.handshake_support import make_agent_info
 from tests.p2p_harness import writes_left

@@ -18,7 +18,7 @@ import torch
 
 from handshake.compat import fingerprint
 from p2pkv.metadata import P2pKvMetadata
-from p2pkv.tools.bench.synth import block_bytes, make_kv_caches
+from p2pkv.testing import block_bytes, make_kv_caches
 from tests.workers import (
     COMPAT_FIELDS,
     NUM_BLOCKS,

@@ -14,7 +14,7 @@ from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo
 from p2pkv.metadata import P2pKvMetadata, PullSpec
 from p2pkv.params import RemotePrefill
-from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
 
 NUM_BLOCKS = 64

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from p2pkv.metadata import P2pKvMetadata
-from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests.conftest import MODES
 from tests.fault_injection.support import (

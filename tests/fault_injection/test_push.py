@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from p2pkv.metadata import P2pKvMetadata
-from p2pkv.tools.bench.synth import make_kv_caches
+from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests.fault_injection.support import (
     BOUND_S,

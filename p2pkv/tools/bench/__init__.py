@@ -1,7 +1,5 @@
 """Benchmarks of p2pkv's KV transfer path (``p2pkv bench ...``).
 
-* :mod:`p2pkv.tools.bench.synth`: synthetic KV caches shaped like a real model's
-  and synthetic block placements shaped like a real allocator's.
 * :mod:`p2pkv.tools.bench.transfer`: ``p2pkv bench transfer``, a two-process NIXL
   pull benchmark against an in-process memcpy of the same bytes.
 * :mod:`p2pkv.tools.bench.report`: ``p2pkv bench transfer``'s table, plot and target
@@ -13,6 +11,7 @@
 * :mod:`p2pkv.tools.bench.scheduler_hooks`: ``p2pkv bench scheduler``, the
   connector's scheduler hooks per engine step at a steady request load.
 
+Synthetic KV caches and block placements come from :mod:`p2pkv.testing`.
 Shared by the benches: :mod:`p2pkv.tools.bench.table` (text tables and their
 cells), :mod:`p2pkv.tools.bench.plotting` (matplotlib, headless, and PNG
 files), :mod:`p2pkv.tools.bench.machine` (the command line, host, device and

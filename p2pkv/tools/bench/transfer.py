@@ -88,8 +88,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.dataplane.plan import coalesce_runs
+from p2pkv.testing import GiB, make_placements, size_cache
 from p2pkv.tools.bench import machine, report
-from p2pkv.tools.bench.synth import GiB, make_placements, size_cache
 from p2pkv.tools.bench.transfer_control import PeerError
 from p2pkv.tools.bench.transfer_decode import Decode
 from p2pkv.tools.bench.transfer_options import (

@@ -3,7 +3,7 @@
 :class:`Decode` holds two destination caches (``BLHNC`` and ``LBHNC``) on
 one :class:`p2pkv.dataplane.agent.NixlTransferAgent`, fetches both prefill caches'
 AgentInfo over their side channels (timed), and pulls requests (block ids
-from :func:`p2pkv.tools.bench.synth.make_placements`) by one method at a time; see
+from :func:`p2pkv.testing.make_placements`) by one method at a time; see
 :mod:`p2pkv.tools.bench.transfer` for the methods. In push mode it has the
 prefill WRITE the same requests into the same destination blocks instead
 (:meth:`Decode.verified_push`, :meth:`Decode.timed_push`;
@@ -22,8 +22,8 @@ import numpy as np
 
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
+from p2pkv.testing import make_shaped_kv_caches, ranges_equal, run_ranges
 from p2pkv.tools.bench.readv import Readv, ReadvError
-from p2pkv.tools.bench.synth import make_shaped_kv_caches, ranges_equal, run_ranges
 from p2pkv.tools.bench.transfer_options import PREFILL_CACHE_LAYOUTS, remote_seed
 from p2pkv.tools.bench.transfer_push import PUSH_LAYOUT, PushClient, PushError, pair_descriptors
 

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2pkv.tools.bench.synth import ITEMSIZES, LLAMA3_8B, KVShape
+from p2pkv.testing import ITEMSIZES, LLAMA3_8B, KVShape
 
 DEVICES = ("cpu", "cuda")
 """``--device`` choices: host memory (NIXL ``DRAM``) or GPU memory (NIXL ``VRAM``)."""

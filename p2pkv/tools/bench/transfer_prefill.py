@@ -2,7 +2,7 @@
 
 The prefill side owns two synthetic KV caches of one model shape,
 cross-layer (``BLHNC``) and layer-compact (``LBHNC``), filled with the
-pattern of :mod:`p2pkv.tools.bench.synth` (seed :func:`remote_seed`), each
+pattern of :mod:`p2pkv.testing` (seed :func:`remote_seed`), each
 registered and served by its own :class:`p2pkv.worker.WorkerSide` (NIXL
 agent + side channel), progresses NIXL (drains the decode's completion
 notifications) and, in push mode, WRITEs requests into the decode's caches
@@ -34,8 +34,8 @@ import traceback
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from p2pkv.testing import KVShape, make_shaped_kv_caches
 from p2pkv.tools.bench import machine
-from p2pkv.tools.bench.synth import KVShape, make_shaped_kv_caches
 from p2pkv.tools.bench.transfer_control import ControlClient, ControlServer
 from p2pkv.tools.bench.transfer_options import (
     PREFILL_CACHE_LAYOUTS,

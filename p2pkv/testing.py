@@ -9,8 +9,8 @@ range is caught, and the expected bytes of any range can be recomputed in
 another process without holding the cache (:func:`pattern_bytes`).
 
 Caches live on any torch device (host memory by default, or a GPU); the
-pattern and its checks work on either. Used by the tests
-(``tests/kvsynth.py`` re-exports it) and by ``p2pkv bench transfer``.
+pattern and its checks work on either. Used by the tests (CPU and GPU) and by
+``p2pkv bench transfer``; nothing in the connector imports it.
 """
 
 from __future__ import annotations
