@@ -250,7 +250,7 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         meta = self.scheduler.build_connector_meta()
-        return P2pKvConnectorMetadata(pulls=meta.pulls, send_leases=meta.send_leases, send_blocks=meta.send_blocks,
+        return P2pKvConnectorMetadata(loads=meta.loads, send_leases=meta.send_leases, send_blocks=meta.send_blocks,
                                       failed=meta.failed, idle=scheduler_output.total_num_scheduled_tokens == 0,
                                       send_traces=meta.send_traces)
 

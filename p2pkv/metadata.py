@@ -13,8 +13,8 @@ from p2pkv.params import RemotePrefill
 
 
 @dataclass(frozen=True)
-class PullSpec:
-    """One pull a decode worker must run.
+class LoadSpec:
+    """One transfer (read or pushed) a decode worker must run: a request's KV load.
 
     Attributes:
         request_id: the local (decode engine) request id.
@@ -57,7 +57,7 @@ class P2pKvMetadata:
     """Per-step connector metadata.
 
     Attributes:
-        pulls: pulls to start (decode side).
+        loads: the transfers to start (decode side), read or pushed.
         send_leases: prefill request id → ``time.monotonic()`` deadline (seconds)
             after which its held blocks are released even without a
             notification (prefill side).
@@ -73,7 +73,7 @@ class P2pKvMetadata:
             for requests whose hold is traced (empty with tracing off).
     """
 
-    pulls: list[PullSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
     send_leases: dict[str, float] = field(default_factory=dict)
     send_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     failed: dict[str, tuple[int, ...]] = field(default_factory=dict)

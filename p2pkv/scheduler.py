@@ -119,7 +119,7 @@ class SchedulerSide:
             logger.exception("p2pkv: sending lease heartbeats failed")
         pulls, failed = self.decode.take()
         leases, blocks, traces = self.prefill.take()
-        return P2pKvMetadata(pulls=pulls, send_leases=leases, send_blocks=blocks, failed=failed,
+        return P2pKvMetadata(loads=pulls, send_leases=leases, send_blocks=blocks, failed=failed,
                              send_traces=traces)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -2,7 +2,7 @@
 
 Registers the KV memory with NIXL and serves its description on the side
 channel; on the decode side hands each step's pulls to
-:class:`p2pkv.decode.puller.Puller`; on the prefill side holds finished
+:class:`p2pkv.decode.receiver.Receiver`; on the prefill side holds finished
 requests' blocks (:class:`p2pkv.prefill.holds.PrefillHolds`) until every
 decode reader has said "done" (:mod:`p2pkv.notification`) or the lease ends,
 and WRITEs them into decode ranks that ask (push mode, :class:`p2pkv.prefill.pusher.Pusher`).
@@ -29,7 +29,7 @@ from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
 from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.transport import TransportReport
-from p2pkv.decode.puller import Puller, bind_device
+from p2pkv.decode.receiver import Receiver, bind_device
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import parse_done
 from p2pkv.prefill.holds import PrefillHolds
@@ -72,7 +72,7 @@ class WorkerSide:
         self.server: HandshakeServer | None = None
         self.layout: KVLayout | None = None
         self.desc: KVLayoutDesc | None = None
-        self.puller: Puller | None = None
+        self.receiver: Receiver | None = None
         self.pusher: Pusher | None = None
         self._stager: Stager | None = None
         self.holds = PrefillHolds(config.lease_s)
@@ -122,11 +122,11 @@ class WorkerSide:
         stager = self._stager = Stager(self.agent, tensors, self.layout, self.desc,
                                        int(self.config.staging_mib * 2**20))
         rank = LocalRank(self.engine_id, self.tp_rank, self.tp_size, self.layout, self.desc, device_id)
-        self.puller = Puller(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m,
+        self.receiver = Receiver(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m,
                              secret=self._secret)
         self.agent.on_transport = self._on_transport
         info = self._agent_info()
-        self.puller.pushes.make_info = self._agent_info
+        self.receiver.pushes.make_info = self._agent_info
         secret = self._secret
         self.pusher = Pusher(self.agent, self.holds, self.layout, secret,
                              max_in_flight=self.config.push_max_in_flight, max_queued=self.config.push_max_queued,
@@ -164,8 +164,8 @@ class WorkerSide:
         if report.op != "READ":
             return
         self.stats.record_transport(report.mem_type, report.transport)
-        if self.puller is not None:
-            self.puller.directions.on_transport(report)
+        if self.receiver is not None:
+            self.receiver.directions.on_transport(report)
 
     def start_load_kv(self, meta: P2pKvMetadata) -> None:
         """Take this step's new leases (prefill side) and pulls (decode side)."""
@@ -175,8 +175,8 @@ class WorkerSide:
         if self._tracing is not None:
             for rid, (trace, start_ns) in meta.send_traces.items():
                 self._hold_traces[rid] = (trace, start_ns, len(meta.send_blocks.get(rid, ())))
-        if self.puller is not None:
-            self.puller.start(meta.pulls, meta.failed)
+        if self.receiver is not None:
+            self.receiver.start(meta.loads, meta.failed)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` request ids since the last call.
@@ -185,31 +185,31 @@ class WorkerSide:
         pulls or holds pending, first waits up to ``idle_wait_s`` for a pull to
         end (see :class:`p2pkv.config.P2pKvConfig`).
         """
-        if self.agent is None or self.puller is None:
+        if self.agent is None or self.receiver is None:
             return set(), set()
         recving = self._step()
         sending = self._released()
         idle = self._idle and not recving and not sending and self._should_wait()
-        if idle and self.puller.outcomes.wait(self.config.idle_wait_s):
+        if idle and self.receiver.outcomes.wait(self.config.idle_wait_s):
             recving = self._step()
         return sending, recving
 
     def _step(self) -> set[str]:
-        """:meth:`Puller.step`, its exceptions logged: a bug must not end vLLM's engine loop (the pulls it
+        """:meth:`Receiver.step`, its exceptions logged: a bug must not end vLLM's engine loop (the pulls it
         touched end by their timeouts)."""
-        assert self.puller is not None
+        assert self.receiver is not None
         try:
-            return self.puller.step()
+            return self.receiver.step()
         except Exception:
             logger.exception("p2pkv: advancing the pulls failed")
             return set()
 
     def _should_wait(self) -> bool:
         """Pulls or holds pending and a wait allowed: the pulls' thread advances pulls meanwhile."""
-        assert self.puller is not None
+        assert self.receiver is not None
         if self.config.idle_wait_s <= 0:
             return False
-        if self.puller.busy:
+        if self.receiver.busy:
             return self.config.pull_poll_interval_s > 0  # without the thread, pulls advance only in steps
         return self.holds.pending()
 
@@ -237,9 +237,9 @@ class WorkerSide:
 
     def take_stats(self) -> dict | None:
         """Pull statistics since the last call (see :mod:`p2pkv.telemetry.stats`), or None if none."""
-        if self.puller is None:
+        if self.receiver is None:
             return self.stats.take()
-        with self.puller.lock:  # the pulls' thread records into it too
+        with self.receiver.lock:  # the pulls' thread records into it too
             return self.stats.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -249,22 +249,22 @@ class WorkerSide:
         group there, so vLLM takes those failures by request
         (:meth:`take_failed`) and stops the engine on a block id.
         """
-        if self.puller is None:
+        if self.receiver is None:
             return set()
-        errors = self.puller.take_load_errors()
+        errors = self.receiver.take_load_errors()
         return errors if self.model.kv_groups <= 1 else set()
 
     def take_failed(self) -> set[str]:
         """Request ids whose pull failed, among those :meth:`get_finished` reported since the last call."""
-        return self.puller.take_failed() if self.puller is not None else set()
+        return self.receiver.take_failed() if self.receiver is not None else set()
 
     def shutdown(self) -> None:
         """Close the side channel, cancel pulls, drop peers, deregister memory. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self.puller is not None:
-            self.puller.close()
+        if self.receiver is not None:
+            self.receiver.close()
         if self.server is not None:
             self.server.close()
         if self.pusher is not None:

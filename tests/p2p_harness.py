@@ -1,7 +1,7 @@
 """A prefill worker in its own process that can be told what to lease, and a decode pump.
 
 Shared by ``tests/fault_injection/``, ``tests/test_churn.py`` and
-``tests/test_puller_robustness.py``. The prefill process runs a real
+``tests/test_receiver_robustness.py``. The prefill process runs a real
 :class:`p2pkv.worker.WorkerSide` with a synthetic ``BLHNC`` KV cache (random
 values from ``seed``) and a real NIXL agent. The test process sends it
 commands (``lease``, ``stop``, and :meth:`PrefillProc.call`: faults injected
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pkv.metadata import P2pKvMetadata, PullSpec
+from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.params import RemotePrefill
 from p2pkv.prefill.holds import HoldEnd
 from p2pkv.prefill.pusher import Pusher
@@ -404,15 +404,15 @@ class PrefillProc:
 
 
 def pull_task(request_id: str, remote_request: str, port: int, local: list[int], remote: list[int],
-              engine: str = ENGINE) -> PullSpec:
+              engine: str = ENGINE) -> LoadSpec:
     rp = RemotePrefill(engine, remote_request, "127.0.0.1", port, tuple(remote), 1)
-    return PullSpec(request_id, tuple(local), tuple(remote), rp)
+    return LoadSpec(request_id, tuple(local), tuple(remote), rp)
 
 
-def notify_task(request_id: str, remote_request: str, port: int, engine: str = ENGINE) -> PullSpec:
+def notify_task(request_id: str, remote_request: str, port: int, engine: str = ENGINE) -> LoadSpec:
     """What the scheduler sends for an aborted request: notify the prefill side, load nothing."""
     rp = RemotePrefill(engine, remote_request, "127.0.0.1", port, (), 1)
-    return PullSpec(request_id, (), (), rp, report=False)
+    return LoadSpec(request_id, (), (), rp, report=False)
 
 
 class DecodeSide:
@@ -428,8 +428,8 @@ class DecodeSide:
         self.finished_at: dict[str, float] = {}  # request id → time.monotonic() it was first reported
         self.errors: set[int] = set()
 
-    def start(self, *tasks: PullSpec) -> None:
-        self.worker.start_load_kv(P2pKvMetadata(pulls=list(tasks)))
+    def start(self, *tasks: LoadSpec) -> None:
+        self.worker.start_load_kv(P2pKvMetadata(loads=list(tasks)))
 
     def step(self) -> set[str]:
         """One ``get_finished`` + ``get_block_ids_with_load_errors`` (what vLLM calls each step)."""

@@ -72,8 +72,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read() -> None:
     graph = import_graph()
-    assert "p2pkv.decode.puller" in graph["p2pkv.worker"]
-    assert "p2pkv.dataplane.agent" in graph["p2pkv.decode.puller"]
+    assert "p2pkv.decode.receiver" in graph["p2pkv.worker"]
+    assert "p2pkv.dataplane.agent" in graph["p2pkv.decode.receiver"]
 
 
 def test_no_import_cycles() -> None:

@@ -30,7 +30,7 @@ def test_bench_scheduler_runs_and_its_hooks_make_the_pulls_and_holds_it_reports(
         assert case["hooks"]["build_connector_meta"]["calls"] == case["steps"] == counts["metas"]
         assert case["hooks"]["request_finished"]["calls"] == n
         if case["side"] == "decode":
-            # one PullSpec per admitted request, with exactly its local blocks (7 for 100 tokens), no holds
+            # one LoadSpec per admitted request, with exactly its local blocks (7 for 100 tokens), no holds
             assert counts["pulls"] == n and counts["pull_blocks"] == 7 * n and counts["promoted"] == n
             assert counts["holds"] == counts["leases_sent"] == 0
             assert case["hooks"]["update_state_after_alloc"]["calls"] == 2 * n  # on admission and on promotion

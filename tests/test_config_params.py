@@ -53,7 +53,7 @@ def test_secret_comes_from_the_environment_or_a_file_never_the_extra_config(tmp_
 
 def test_a_workers_pulls_use_the_key_it_loaded_and_never_read_the_secret_file_again(tmp_path) -> None:
     """The secret file is read once, when the worker starts: its pulls (fence, handshakes, notifications,
-    pushes) sign with that key even after the file changed or went away. Before: the puller read the file
+    pushes) sign with that key even after the file changed or went away. Before: the receiver read the file
     again when the KV caches were registered, failing on a file gone, or signing with another key."""
     from p2pkv.testing import make_kv_caches
     from tests.workers import NUM_BLOCKS, SHAPE, free_port, make_worker
@@ -66,9 +66,9 @@ def test_a_workers_pulls_use_the_key_it_loaded_and_never_read_the_secret_file_ag
         path.unlink()  # a rotated Kubernetes secret is swapped under the running engine
         _, views = make_kv_caches("BLHNC", seed=1, **SHAPE)
         worker.register_kv_caches(views, NUM_BLOCKS)
-        puller = worker.puller
-        assert puller is not None
-        users = (puller.fence, puller.keeper, puller.notifier, puller.pushes)
+        receiver = worker.receiver
+        assert receiver is not None
+        users = (receiver.fence, receiver.keeper, receiver.notifier, receiver.pushes)
         assert all(user.secret == key.encode() for user in users)
     finally:
         worker.shutdown()

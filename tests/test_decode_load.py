@@ -78,7 +78,7 @@ def test_a_capability_expiring_between_the_match_and_the_allocation_still_pulls(
         sched.update_state_after_alloc(req, BLOCKS, PROMPT - 4)
         meta = sched.build_connector_meta()
         assert [(p.request_id, p.local_block_ids, p.remote_block_ids, p.remote.request_id, p.num_tokens, p.report)
-                for p in meta.pulls] == [("r", (6, 7), (1, 2, 3), "prefill-r", PROMPT, True)]
+                for p in meta.loads] == [("r", (6, 7), (1, 2, 3), "prefill-r", PROMPT, True)]
         assert meta.failed == {}
         assert clock[1] == 1, f"the capability's HMAC was checked {clock[1]} times"
         assert sched.decode._loads == {}
@@ -95,7 +95,7 @@ def test_params_already_expired_when_first_asked_are_prefilled_locally(clock: li
         assert req.kv_transfer_params["do_remote_prefill"] is False
         sched.update_state_after_alloc(req, BLOCKS, 0)
         meta = sched.build_connector_meta()
-        assert meta.pulls == [] and meta.failed == {} and sched.decode._loads == {}
+        assert meta.loads == [] and meta.failed == {} and sched.decode._loads == {}
     finally:
         sched.shutdown()
 
@@ -107,7 +107,7 @@ def test_an_allocation_without_a_checked_load_reports_its_blocks_failed(clock: l
         req = _request("unasked")
         sched.update_state_after_alloc(req, BLOCKS, PROMPT)
         meta = sched.build_connector_meta()
-        assert meta.pulls == [] and meta.failed == {"unasked": (6, 7)}
+        assert meta.loads == [] and meta.failed == {"unasked": (6, 7)}
         assert req.kv_transfer_params["do_remote_prefill"] is False
     finally:
         sched.shutdown()
@@ -131,7 +131,7 @@ def test_the_kept_load_is_dropped_when_the_request_finishes_or_is_aborted(
         assert sched.request_finished(pulled, [6, 7]) == (False, None)
         assert sched.decode._loads == {} and sched.decode._queued == {}
         meta = sched.build_connector_meta()
-        assert [(p.request_id, p.local_block_ids, p.remote.request_id, p.report) for p in meta.pulls] == [
+        assert [(p.request_id, p.local_block_ids, p.remote.request_id, p.report) for p in meta.loads] == [
             ("aborted", (), "prefill-aborted", False), ("pulled", (6, 7), "prefill-pulled", True)]
         assert clock[1] == 2, "each request's capability is checked once"
     finally:

@@ -206,7 +206,7 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
         assert sched.decode.heartbeats.failed == 0 and sched.decode.heartbeats.sent == 2
         # The aborted request produced a notify-only task for its prefill engine.
         meta = sched.build_connector_meta()
-        assert [(t.request_id, t.local_block_ids, t.report) for t in meta.pulls] == [("decode-1", (), False)]
+        assert [(t.request_id, t.local_block_ids, t.report) for t in meta.loads] == [("decode-1", (), False)]
 
 
 def test_queued_request_params_are_parsed_once_with_the_same_outcome() -> None:
@@ -232,7 +232,7 @@ def test_queued_request_params_are_parsed_once_with_the_same_outcome() -> None:
         sched.update_state_after_alloc(reqs["ok"], blocks, 6)
         assert "ok" not in sched.decode._queued
         specs.append([(t.request_id, t.local_block_ids, t.remote_block_ids, t.remote, t.first_token, t.num_tokens)
-                      for t in sched.build_connector_meta().pulls])
+                      for t in sched.build_connector_meta().loads])
         sched.shutdown()
     assert specs[0] == specs[1] == [("ok", (6, 7), (1, 2, 3), specs[0][0][3], 4, 10)]
 
@@ -260,7 +260,7 @@ def test_pull_after_the_lease_expired_is_fenced(mode: str, caplog: pytest.LogCap
             released += sorted(prefill.get_finished()[0])
             time.sleep(0.02)
         assert released == ["late"]
-        decode.start_load_kv(P2pKvMetadata(pulls=[task("d-late", "late", port, [1, 2], [3, 4]),
+        decode.start_load_kv(P2pKvMetadata(loads=[task("d-late", "late", port, [1, 2], [3, 4]),
                                                  task("d-ok", "on-time", port, [5], [6])]))
         errors: set[int] = set()
         finished: set[str] = set()

@@ -27,8 +27,8 @@ import torch
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo
 from p2pkv.dataplane.topology import heads_per_rank, rank_first_head
-from p2pkv.decode.pull import PullState
-from p2pkv.metadata import P2pKvMetadata, PullSpec
+from p2pkv.decode.transfer import TransferState
+from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.params import RemotePrefill
 from p2pkv.worker import WorkerSide
 from tests import warm_processes
@@ -179,7 +179,7 @@ ROWS = {  # name: (prefill, decode, how the decode ranks pull)
 
 def mode(worker: WorkerSide) -> set[str]:
     """How ``worker`` pulls from the prefill ranks it reads."""
-    return {p.plan.placement.value for p in worker.puller.peers.peers.values() if p.plan.read.num_heads}
+    return {p.plan.placement.value for p in worker.receiver.peers.peers.values() if p.plan.read.num_heads}
 
 
 @pytest.mark.parametrize("row", list(ROWS))
@@ -257,10 +257,10 @@ def pull_and_check(row: str, device: str, transfer_mode: str = "pull") -> None:
             decode_workers(decode_side, device) as decoders:
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), prefill_side.tp_size,
                                transfer_mode=transfer_mode)
-        task = PullSpec("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
+        task = LoadSpec("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
                         num_tokens=tokens)
         for worker, _, _ in decoders:
-            worker.start_load_kv(P2pKvMetadata(pulls=[task]))
+            worker.start_load_kv(P2pKvMetadata(loads=[task]))
         pending = set(range(len(decoders)))
         deadline = time.monotonic() + 60
         while pending and time.monotonic() < deadline:
@@ -303,16 +303,16 @@ def test_staging_full_waits_and_too_large_fails(caplog) -> None:
             decode_workers(decode_side, "cpu", staging_mib=0.0625) as decoders:
         worker, base, _ = decoders[0]
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), 1)
-        small = [PullSpec(f"d-{i}", tuple(range(6 * i, 6 * i + 6)), tuple(remote_ids[12 * i:12 * i + 12]),
+        small = [LoadSpec(f"d-{i}", tuple(range(6 * i, 6 * i + 6)), tuple(remote_ids[12 * i:12 * i + 12]),
                           dataclasses.replace(remote, request_id=RIDS[i]), num_tokens=192) for i in range(3)]
-        worker.start_load_kv(P2pKvMetadata(pulls=small))
+        worker.start_load_kv(P2pKvMetadata(loads=small))
         done: set[str] = set()
         waited: set[str] = set()
         deadline = time.monotonic() + 60
         while len(done) < 3 and time.monotonic() < deadline:
             worker.start_load_kv(P2pKvMetadata())
             done |= worker.get_finished()[1]
-            waited |= {p.request_id for p in worker.puller.in_state(PullState.STAGING)}
+            waited |= {p.request_id for p in worker.receiver.in_state(TransferState.STAGING)}
             time.sleep(0.002)
         assert done == {"d-0", "d-1", "d-2"} and worker.get_block_ids_with_load_errors() == set()
         assert waited == {"d-2"}  # two 24 KiB pulls staged at once, the third waited for room
@@ -320,12 +320,12 @@ def test_staging_full_waits_and_too_large_fails(caplog) -> None:
         for i in range(3):  # pull i moved prompt tokens 192i.. (prefill blocks 12i..) into local blocks 6i..6i+5
             fill(decode_side, 0, views, list(range(6 * i, 6 * i + 6)), 192, first=192 * i)
         assert torch.equal(base, expected)
-        big = PullSpec("d-big", tuple(range(20, 40)), tuple(remote_ids), remote, num_tokens=tokens)
-        worker.start_load_kv(P2pKvMetadata(pulls=[big]))
+        big = LoadSpec("d-big", tuple(range(20, 40)), tuple(remote_ids), remote, num_tokens=tokens)
+        worker.start_load_kv(P2pKvMetadata(loads=[big]))
         deadline = time.monotonic() + 30
         while "d-big" not in worker.get_finished()[1] and time.monotonic() < deadline:
             time.sleep(0.002)
         assert worker.get_block_ids_with_load_errors() == set(range(20, 40))
         assert "kind=staging" in caplog.text and "staging_mib" in caplog.text
         assert torch.equal(base, expected)  # nothing was read for the refused pull
-        assert worker.puller is not None and worker.puller.stager.idle
+        assert worker.receiver is not None and worker.receiver.stager.idle

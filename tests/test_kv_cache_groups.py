@@ -34,7 +34,7 @@ from p2pkv.compat import (
 )
 from p2pkv.config import P2pKvConfig
 from p2pkv.connector import P2pKvConnector
-from p2pkv.dataplane.negotiate import ModelInfo, Placement, PullRefused, plan_peer
+from p2pkv.dataplane.negotiate import ModelInfo, PairRefused, Placement, plan_peer
 from p2pkv.scheduler import SchedulerSide
 from tests.workers import one_layer_desc
 
@@ -92,7 +92,7 @@ def test_decode_pairs_each_group_and_skips_the_window_groups_freed_blocks() -> N
     full = [cached[0], *(KVCacheBlock(i) for i in range(50, 57))]  # 8 blocks: the 100th token needs one more
     window = [cached[1], *(KVCacheBlock(i) for i in range(60, 67))]
     sched.update_state_after_alloc(req, KVCacheBlocks((full, window)), 99 - BLOCK)
-    (spec,) = sched.build_connector_meta().pulls
+    (spec,) = sched.build_connector_meta().loads
     assert spec.num_tokens == -1 and spec.first_token == 0  # the lists pair block for block
     assert spec.local_block_ids == (50, 51, 52, 53, 54, 55, 62, 63, 64, 65)
     assert spec.remote_block_ids == (11, 12, 13, 14, 15, 16, 30, 31, 32, 33)
@@ -127,7 +127,7 @@ def test_groups_need_one_block_size_on_both_sides() -> None:
     groups = ModelInfo("LBHNC", "float32", 2, 16, 16, local_attention=True, kv_groups=2)
     assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(16), 0, 1, groups).placement is Placement.DIRECT
     for local, remote in ((16, 32), (32, 16)):
-        with pytest.raises(PullRefused, match=f"prefill block_size={remote}, decode block_size={local}; start both "
+        with pytest.raises(PairRefused, match=f"prefill block_size={remote}, decode block_size={local}; start both "
                                               "engines with the same --block-size"):
             plan_peer(one_layer_desc(local), 0, 1, one_layer_desc(remote), 0, 1, groups)
 
@@ -178,6 +178,6 @@ def test_a_hybrid_model_pulls_only_direct() -> None:
     hybrid = ModelInfo("LBHNC", "float32", 2, 16, 16, kv_groups=2, state_groups=True)
     assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(16), 0, 1, hybrid).placement is Placement.DIRECT
     same_size = ModelInfo("LBHNC", "float32", 2, 16, 16, state_groups=True)
-    with pytest.raises(PullRefused, match="Mamba/SSM state, whose pages p2pkv moves whole, but the engines differ in "
+    with pytest.raises(PairRefused, match="Mamba/SSM state, whose pages p2pkv moves whole, but the engines differ in "
                                           "block_size 32→16"):
         plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(32), 0, 1, same_size)

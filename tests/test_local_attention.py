@@ -27,7 +27,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from p2pkv.compat import frees_blocks_behind_window
 from p2pkv.config import P2pKvConfig
-from p2pkv.dataplane.negotiate import ModelInfo, Placement, PullRefused, plan_peer
+from p2pkv.dataplane.negotiate import ModelInfo, PairRefused, Placement, plan_peer
 from p2pkv.params import make_prefill_response_params
 from p2pkv.scheduler import SchedulerSide
 from tests.workers import one_layer_desc
@@ -98,7 +98,7 @@ def test_decode_engine_loads_all_but_the_last_token_and_skips_null_blocks() -> N
     null = KVCacheBlock(0, is_null=True)
     blocks = KVCacheBlocks(([null, null, null] + [KVCacheBlock(i) for i in (5, 6, 7, 8)],))
     sched.update_state_after_alloc(req, blocks, 99)
-    (spec,) = sched.build_connector_meta().pulls
+    (spec,) = sched.build_connector_meta().loads
     assert spec.local_block_ids == (5, 6, 7, 8)  # block 0 (vLLM's null block) is never written
     assert (spec.first_token, spec.num_tokens) == (3 * BLOCK, 99)
     assert spec.remote_block_ids == (0, 0, 20, 21, 22, 23, 24)  # read from token 48 on: block 22 onwards
@@ -118,7 +118,7 @@ _WINDOW_MODEL = ModelInfo("LBHNC", "float32", 2, 16, 32, local_attention=True)
 
 
 def test_a_decode_block_larger_than_the_prefill_block_is_refused_with_the_fix() -> None:
-    with pytest.raises(PullRefused, match="start the decode engine with --block-size 16 or smaller"):
+    with pytest.raises(PairRefused, match="start the decode engine with --block-size 16 or smaller"):
         plan_peer(one_layer_desc(32), 0, 1, one_layer_desc(16), 0, 1, _WINDOW_MODEL)
     assert plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(32), 0, 1, _WINDOW_MODEL).placement is Placement.STAGED
     full_attention = plan_peer(one_layer_desc(32), 0, 1, one_layer_desc(16), 0, 1)
@@ -131,7 +131,7 @@ def test_appended_tokens_are_computed_by_the_decode_engine() -> None:
     req = _request("a", 101, {**_params(100, 7), "appended_tokens": 1})
     assert full.get_num_new_matched_tokens(req, 0) == (100, True)
     full.update_state_after_alloc(req, KVCacheBlocks(([KVCacheBlock(i) for i in range(5, 12)],)), 100)
-    (spec,) = full.build_connector_meta().pulls
+    (spec,) = full.build_connector_meta().loads
     assert spec.num_tokens == 100
     window = _sched(1)
     assert window.get_num_new_matched_tokens(_request("w", 101, {**_params(99, 7), "appended_tokens": 1}), 0) \

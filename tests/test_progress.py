@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from p2pkv.decode.progress import Progress
-from p2pkv.decode.pull import PullState
+from p2pkv.decode.transfer import TransferState
 from p2pkv.metadata import P2pKvMetadata
 from tests.p2p_harness import DecodeSide, PrefillProc, free_port, pull_task
 
@@ -83,12 +83,12 @@ def test_a_pull_finishes_between_engine_steps(prefill: PrefillProc) -> None:
         d.start(pull_task("d-warm", "p-warm", prefill.port, [1], [2]))
         assert d.pump({"d-warm"}, 30.0) == set()  # handshake done (engine steps allowed here)
         d.start(pull_task("d-1", "p-1", prefill.port, [10, 11, 12], [20, 21, 22]))
-        puller = d.worker.puller
-        assert puller is not None
+        receiver = d.worker.receiver
+        assert receiver is not None
         deadline = time.monotonic() + 10.0
-        while puller.pulls and time.monotonic() < deadline:  # DONE pulls leave the list
+        while receiver.pulls and time.monotonic() < deadline:  # DONE pulls leave the list
             time.sleep(0.001)
-        assert not puller.pulls and not puller.in_state(PullState.READING)
+        assert not receiver.pulls and not receiver.in_state(TransferState.READING)
         assert d.step() == {"d-1"}  # the first engine step after it hands it to vLLM
         expected = prefill.expected()
         assert all(d.block_ok(lb, rb, expected) for lb, rb in ((10, 20), (11, 21), (12, 22)))
@@ -129,13 +129,13 @@ def test_start_load_kv_polls_reads_and_sends_fence_questions_itself(prefill: Pre
         prefill.lease(["p-warm4", "p-4", "p-5"])
         d.start(pull_task("d-warm4", "p-warm4", prefill.port, [1], [2]))
         assert d.pump({"d-warm4"}, 30.0) == set()  # handshake done
-        puller = d.worker.puller
-        assert puller is not None
+        receiver = d.worker.receiver
+        assert receiver is not None
         d.start(pull_task("d-4", "p-4", prefill.port, [50, 51], [40, 41]))
-        [first] = puller.pulls
+        [first] = receiver.pulls
         time.sleep(0.1)  # its READ (within one host) is done; nothing has polled it
         d.start(pull_task("d-5", "p-5", prefill.port, [52, 53], [42, 43]))
-        assert first.state in (PullState.FENCING, PullState.DONE) and "read" in first.marks  # DONE: its answer
+        assert first.state in (TransferState.FENCING, TransferState.DONE) and "read" in first.marks  # DONE: its answer
         # came too (on a busy host the question can leave its lane after the READ, and its answer confirms it)
         assert d.pump({"d-4", "d-5"}, 30.0) == set()
         expected = prefill.expected()

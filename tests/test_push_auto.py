@@ -76,14 +76,14 @@ def test_auto_pulls_over_cma_then_pushes_once_reads_are_reported_over_tcp(prefil
     worker.register_kv_caches(views, SHAPE["num_blocks"])
     caplog.set_level(logging.INFO, logger="p2pkv.decode")
     try:
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", port, [3, 4], [10, 11])]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, [3, 4], [10, 11])]))
         assert run_until_received(worker, "d-1") == set()
         assert out.get(timeout=30) == ["req-1"]
-        (peer,) = worker.puller.directions.choices
-        choice = worker.puller.directions.choices[peer]
+        (peer,) = worker.receiver.directions.choices
+        choice = worker.receiver.directions.choices[peer]
         assert choice.direction is Direction.PULL and "cma (zero-copy)" in choice.reason  # UCX's real report
         worker._on_transport(_report(peer, "VRAM", "tcp", "software emulation"))  # as the agent hands it over
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-2", "req-2", port, [20, 21, 22], [30, 31, 32])]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-2", "req-2", port, [20, 21, 22], [30, 31, 32])]))
         assert run_until_received(worker, "d-2") == set()
         assert out.get(timeout=30) == ["req-2"]
         assert worker.stats.data["directions"] == {"pull": 1, "push": 1}
@@ -92,7 +92,7 @@ def test_auto_pulls_over_cma_then_pushes_once_reads_are_reported_over_tcp(prefil
         # A request that names its direction wins over the peer's choice.
         spec = task("d-3", "req-3", port, [40], [50])
         spec = dataclasses.replace(spec, remote=dataclasses.replace(spec.remote, transfer_mode="pull"))
-        worker.start_load_kv(P2pKvMetadata(pulls=[spec]))
+        worker.start_load_kv(P2pKvMetadata(loads=[spec]))
         assert run_until_received(worker, "d-3") == set()
         assert worker.stats.data["directions"] == {"pull": 2, "push": 1}
         assert block_bytes(views, LAYOUT, 40) == block_bytes(expected, LAYOUT, 50)

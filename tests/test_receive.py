@@ -6,14 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pkv.dataplane.blockmap import direct_pairs, staged_read
-from p2pkv.metadata import PullSpec
+from p2pkv.metadata import LoadSpec
 from p2pkv.params import RemotePrefill
 
 REMOTE = RemotePrefill("p", "r", "127.0.0.1", 1, (), 1)
 
 
-def task(local: list[int], remote: list[int], first: int, num_tokens: int) -> PullSpec:
-    return PullSpec("d", tuple(local), tuple(remote), REMOTE, first_token=first, num_tokens=num_tokens)
+def task(local: list[int], remote: list[int], first: int, num_tokens: int) -> LoadSpec:
+    return LoadSpec("d", tuple(local), tuple(remote), REMOTE, first_token=first, num_tokens=num_tokens)
 
 
 def test_example_from_the_docstring() -> None:

@@ -66,7 +66,7 @@ def test_pull_moves_exactly_the_requested_blocks(prefill, mode) -> None:
         # Runs that coalesce (3,4,5 -> 10,11,12), a lone block, a reversed pair.
         local = [3, 4, 5, 20, 40, 39]
         remote = [10, 11, 12, 7, 63, 0]
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", port, local, remote)]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, local, remote)]))
         assert run_until_received(worker, "d-1") == set()
         for lb, rb in zip(local, remote, strict=True):
             assert block_bytes(views, layout, lb) == block_bytes(expected, layout, rb)
@@ -76,15 +76,15 @@ def test_pull_moves_exactly_the_requested_blocks(prefill, mode) -> None:
         # The prefill side is told and releases exactly that request.
         assert out.get(timeout=30) == ["req-1"]
         # Second pull reuses the peer: no new handshake.
-        served_before = len(worker.puller.peers.peers)
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-2", "req-2", port, [50], [51])]))
+        served_before = len(worker.receiver.peers.peers)
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-2", "req-2", port, [50], [51])]))
         assert run_until_received(worker, "d-2") == set()
-        assert len(worker.puller.peers.peers) == served_before == 1
+        assert len(worker.receiver.peers.peers) == served_before == 1
         assert block_bytes(views, layout, 50) == block_bytes(expected, layout, 51)
         assert out.get(timeout=30) == ["req-2"]
         assert worker.stats.data["directions"] == {mode: 2}
         # Nothing left to do: the pulls' thread and the push thread wait, they do not poll.
-        assert idle_cpu_s([worker.puller.progress._thread, worker.pusher._thread]) < 0.1
+        assert idle_cpu_s([worker.receiver.progress._thread, worker.pusher._thread]) < 0.1
     finally:
         worker.shutdown()
     assert base.abs().sum() > 0
@@ -100,10 +100,10 @@ def test_incompatible_model_shape_is_refused_and_reported(prefill, caplog) -> No
     worker.model = dataclasses.replace(model_info("LBHNC"), head_dim=8)
     worker.register_kv_caches(views, NUM_BLOCKS)
     try:
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
         assert run_until_received(worker, "d-1") == {1, 2}
         assert torch.count_nonzero(next(iter(views.values()))) == 0
-        assert worker.puller.peers.peers == {}
+        assert worker.receiver.peers.peers == {}
         assert "kind=refused" in caplog.text and "head_dim: prefill has 16, decode has 8" in caplog.text
         assert out.get(timeout=10) == ["req-1"]  # the hold is freed now, not when its 60 s lease ends
     finally:
@@ -119,10 +119,10 @@ def test_incompatible_engine_is_refused_before_any_read(prefill, caplog) -> None
     worker.compat_hash = fingerprint({**COMPAT_FIELDS, "kv_cache_dtype": "fp8_e5m2"})
     worker.register_kv_caches(views, NUM_BLOCKS)
     try:
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
         assert run_until_received(worker, "d-1") == {1, 2}
         assert torch.count_nonzero(next(iter(views.values()))) == 0
-        assert worker.puller.peers.peers == {}
+        assert worker.receiver.peers.peers == {}
         assert "kind=refused" in caplog.text
         assert "kv_cache_dtype: the peer has 'auto', this side has 'fp8_e5m2'" in caplog.text
     finally:
@@ -135,7 +135,7 @@ def test_unreachable_prefill_marks_blocks_failed() -> None:
     worker.model = model_info("LBHNC")
     worker.register_kv_caches(views, NUM_BLOCKS)
     try:
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", free_port(), [5, 6, 7], [1, 2, 3])]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", free_port(), [5, 6, 7], [1, 2, 3])]))
         assert run_until_received(worker, "d-1", timeout_s=20) == {5, 6, 7}
     finally:
         worker.shutdown()
@@ -161,19 +161,19 @@ def test_restarted_prefill_is_used_again_without_restarting_decode() -> None:
     first, out1, _ = _start_prefill(ctx, port, ["req-1"], seed=1)
     second = None
     try:
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "req-1", port, [1, 2], [3, 4])]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, [1, 2], [3, 4])]))
         assert run_until_received(worker, "d-1") == set()
         assert out1.get(timeout=30) == ["req-1"]
-        old_agent = next(iter(worker.puller.peers.peers.values())).agent_name
+        old_agent = next(iter(worker.receiver.peers.peers.values())).agent_name
         first.kill()
         first.join(timeout=20)
         second, out2, stop2 = _start_prefill(ctx, port, ["req-9"], seed=2)
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-9", "req-9", port, [10, 11, 12], [20, 21, 22])]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-9", "req-9", port, [10, 11, 12], [20, 21, 22])]))
         assert run_until_received(worker, "d-9") == set()
         _, expected = make_kv_caches("BLHNC", seed=2, **SHAPE)
         for lb, rb in ((10, 20), (11, 21), (12, 22)):
             assert block_bytes(views, "BLHNC", lb) == block_bytes(expected, "BLHNC", rb)
-        assert next(iter(worker.puller.peers.peers.values())).agent_name != old_agent
+        assert next(iter(worker.receiver.peers.peers.values())).agent_name != old_agent
         assert out2.get(timeout=30) == ["req-9"]
         stop2.set()
     finally:

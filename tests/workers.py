@@ -12,7 +12,7 @@ from handshake import KVLayoutDesc, KVRegion
 from handshake.compat import fingerprint
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo
-from p2pkv.metadata import P2pKvMetadata, PullSpec
+from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.params import RemotePrefill
 from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
@@ -78,9 +78,9 @@ def run_until_received(worker: WorkerSide, request_id: str, timeout_s: float = 3
     raise AssertionError(f"{request_id} never finished receiving")
 
 
-def task(request_id: str, remote_request: str, port: int, local: list[int], remote: list[int]) -> PullSpec:
+def task(request_id: str, remote_request: str, port: int, local: list[int], remote: list[int]) -> LoadSpec:
     rp = RemotePrefill("prefill-engine", remote_request, "127.0.0.1", port, tuple(remote), 1)
-    return PullSpec(request_id, tuple(local), tuple(remote), rp)
+    return LoadSpec(request_id, tuple(local), tuple(remote), rp)
 
 
 

@@ -1,6 +1,6 @@
 """Which tokens a pull moves, and which remote and local blocks hold them.
 
-A :class:`~p2pkv.metadata.PullSpec` names local blocks for prompt tokens
+A :class:`~p2pkv.metadata.LoadSpec` names local blocks for prompt tokens
 ``[first_token, ...)`` in the decode engine's block size and remote blocks
 for the prompt from token 0 in the prefill engine's block size. The pull
 moves tokens ``[first_token, end)`` where ``end`` is the least of the prompt
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from p2pkv.dataplane.plan import PlanError
-from p2pkv.metadata import PullSpec
+from p2pkv.metadata import LoadSpec
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -23,7 +23,7 @@ class BlockCountError(PlanError):
     """The block ids do not cover the prompt tokens the pull must move."""
 
 
-def token_end(spec: PullSpec, local_block_size: int, remote_block_size: int) -> int:
+def token_end(spec: LoadSpec, local_block_size: int, remote_block_size: int) -> int:
     """One past the last prompt token the pull moves (tokens).
 
     Raises:
@@ -42,7 +42,7 @@ def token_end(spec: PullSpec, local_block_size: int, remote_block_size: int) -> 
     return min(end, spec.num_tokens) if spec.num_tokens >= 0 else end
 
 
-def direct_pairs(spec: PullSpec, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def direct_pairs(spec: LoadSpec, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(local_ids, remote_ids)`` paired block for block, for peers with the same block size.
 
     Tasks with ``num_tokens == -1`` already pair up and are returned as they are.
@@ -72,7 +72,7 @@ class StagedRead:
     dst_block_ids: tuple[int, ...]
 
 
-def staged_read(spec: PullSpec, local_block_size: int, remote_block_size: int) -> StagedRead:
+def staged_read(spec: LoadSpec, local_block_size: int, remote_block_size: int) -> StagedRead:
     """The :class:`StagedRead` of a spec between engines of any two block sizes.
 
     Example: prefill block 64, decode block 16, ``first_token`` 32, 100 prompt

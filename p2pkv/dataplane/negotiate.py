@@ -33,7 +33,7 @@ INTERLEAVED_LAYOUTS = frozenset({"BHLNC", "BNLHC", "BHNLC", "BNHLC"})
 """Block-outermost layouts whose layers interleave inside a block: no per-layer page to fix up."""
 
 
-class PullRefused(RuntimeError):
+class PairRefused(RuntimeError):
     """A pull cannot run against this peer (model shape differs, or a pairing p2pkv cannot map)."""
 
 
@@ -157,7 +157,7 @@ def _must_match(local: KVLayoutDesc, remote: KVLayoutDesc, local_tp: int, remote
     pairs["pages per block (layers x K/V split)"] = (pages_per_block(local), pages_per_block(remote))
     for name, (mine, theirs) in pairs.items():
         if mine != theirs:
-            raise PullRefused(f"prefill and decode differ in {name}: prefill has {theirs!r}, decode has {mine!r}; "
+            raise PairRefused(f"prefill and decode differ in {name}: prefill has {theirs!r}, decode has {mine!r}; "
                               f"run both engines with the same model and {name}")
 
 
@@ -174,7 +174,7 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
     state (``state_groups``) pulls only in :attr:`Placement.DIRECT`.
 
     Raises:
-        PullRefused: model shape differs (names the field and both values),
+        PairRefused: model shape differs (names the field and both values),
             heads cannot be mapped between the TP sizes, the peer is not a
             rank this decode rank reads from, or the blocks differ in a way
             the fixup cannot handle (interleaved layer layouts, per-head row
@@ -183,11 +183,11 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
     _must_match(local, remote, local_tp, remote_tp)
     model = model or ModelInfo("", "", 0, 0, local.block_size)
     if model.kv_groups > 1 and local.block_size != remote.block_size:
-        raise PullRefused(f"the model has {model.kv_groups} KV cache groups (vLLM's hybrid KV cache manager), which "
+        raise PairRefused(f"the model has {model.kv_groups} KV cache groups (vLLM's hybrid KV cache manager), which "
                           f"p2pkv pulls block for block: prefill block_size={remote.block_size}, decode "
                           f"block_size={local.block_size}; start both engines with the same --block-size")
     if model.local_attention and local.block_size > remote.block_size:
-        raise PullRefused(f"sliding-window (local attention) model: decode block_size={local.block_size} is larger "
+        raise PairRefused(f"sliding-window (local attention) model: decode block_size={local.block_size} is larger "
                           f"than prefill block_size={remote.block_size}, so a decode block would hold tokens whose "
                           f"prefill block is already freed; start the decode engine with --block-size "
                           f"{remote.block_size} or smaller")
@@ -196,12 +196,12 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
         expected = (heads_per_rank(total_heads(local, local_tp), local_tp),
                     heads_per_rank(total_heads(remote, remote_tp), remote_tp))
     except TopologyError as exc:
-        raise PullRefused(f"prefill tp_size={remote_tp}, decode tp_size={local_tp}: {exc}") from exc
+        raise PairRefused(f"prefill tp_size={remote_tp}, decode tp_size={local_tp}: {exc}") from exc
     heads = (local.num_kv_heads, remote.num_kv_heads)
     if local.is_mla:
         heads = expected  # a latent cache reports no heads: one replicated row per token
     elif heads != expected:
-        raise PullRefused(f"KV heads per rank: decode has {heads[0]} (expected {expected[0]} at tp_size={local_tp}), "
+        raise PairRefused(f"KV heads per rank: decode has {heads[0]} (expected {expected[0]} at tp_size={local_tp}), "
                           f"prefill has {heads[1]} (expected {expected[1]} at tp_size={remote_tp}); "
                           "check both engines' tensor-parallel sizes")
     read = next((r for r in reads if r.remote_rank == remote_rank), None)
@@ -214,19 +214,19 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
     if same_blocks or read.num_heads == 0:
         return PeerPlan(read, Placement.DIRECT)
     if "CPU" in (local.attn_layout, remote.attn_layout) and local.attn_layout != remote.attn_layout:
-        raise PullRefused(f"prefill attn_layout={remote.attn_layout}, decode attn_layout={local.attn_layout}: vLLM's "
+        raise PairRefused(f"prefill attn_layout={remote.attn_layout}, decode attn_layout={local.attn_layout}: vLLM's "
                           "CPU attention pages (K stored transposed) pair only with CPU attention pages; run both "
                           "engines on the same platform")
     for side, desc in (("prefill", remote), ("decode", local)):
         if desc.kv_layout in INTERLEAVED_LAYOUTS:
-            raise PullRefused(f"{side} kv_layout={desc.kv_layout} interleaves layers inside a block, which p2pkv "
+            raise PairRefused(f"{side} kv_layout={desc.kv_layout} interleaves layers inside a block, which p2pkv "
                               "cannot re-block or permute; use LBHNC/BLHNC (or the same block size, layout and "
                               "TP size on both engines)")
         if desc.block_len % desc.regions[0].num_layers or page_bytes(desc) % (desc.num_kv_heads * desc.block_size):
-            raise PullRefused(f"{side} page of {desc.block_len} B is not [heads={desc.num_kv_heads}, "
+            raise PairRefused(f"{side} page of {desc.block_len} B is not [heads={desc.num_kv_heads}, "
                               f"block_size={desc.block_size}, row] bytes; p2pkv cannot fix up this layout")
     if head_bytes(local) != head_bytes(remote):
-        raise PullRefused(f"bytes per (token, head): prefill {head_bytes(remote)}, decode {head_bytes(local)}; "
+        raise PairRefused(f"bytes per (token, head): prefill {head_bytes(remote)}, decode {head_bytes(local)}; "
                           "run both engines with the same KV cache dtype and head size")
     diffs = [f"{name} {getattr(remote, name)}→{getattr(local, name)}" for name in ("block_size", "attn_layout")
              if getattr(local, name) != getattr(remote, name)]
@@ -237,7 +237,7 @@ def plan_peer(local: KVLayoutDesc, local_rank: int, local_tp: int, remote: KVLay
         local.attn_layout in HEAD_MAJOR or whole or local.is_mla)
     placement = Placement.PAGED if paged else Placement.STAGED
     if model.state_groups:
-        raise PullRefused(f"the model keeps Mamba/SSM state, whose pages p2pkv moves whole, but the engines differ in "
+        raise PairRefused(f"the model keeps Mamba/SSM state, whose pages p2pkv moves whole, but the engines differ in "
                           f"{', '.join(diffs) or 'segment layout'}; start both engines with the same --block-size, "
                           "KV cache layout and --tensor-parallel-size")
     return PeerPlan(read, placement, reason=", ".join(diffs) or "segment layout")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from handshake import KVLayoutDesc
 from p2pkv.dataplane.layout import KVLayout
-from p2pkv.dataplane.negotiate import PullRefused, total_heads
+from p2pkv.dataplane.negotiate import PairRefused, total_heads
 from p2pkv.dataplane.topology import RankRead, TopologyError, notifiers_of, notify_ranks, read_plan
 
 
@@ -39,20 +39,20 @@ class LocalRank:
         those it notifies (:mod:`p2pkv.dataplane.topology`).
 
         Raises:
-            PullRefused: the heads cannot be mapped between the two TP sizes.
+            PairRefused: the heads cannot be mapped between the two TP sizes.
         """
         args = (self.tp_rank, self.tp_size, remote_tp, total_heads(self.desc, self.tp_size), self.desc.is_mla)
         try:
             return read_plan(*args), notify_ranks(*args)
         except TopologyError as exc:
-            raise PullRefused(f"prefill tp_size={remote_tp}, decode tp_size={self.tp_size}: {exc}") from exc
+            raise PairRefused(f"prefill tp_size={remote_tp}, decode tp_size={self.tp_size}: {exc}") from exc
 
     def answered_ranks(self, remote_tp: int) -> list[int]:
         """The prefill ranks this rank tells about a request: those it notifies, or all of them when the TP
         sizes cannot pair."""
         try:
             return self.topology(remote_tp)[1]
-        except PullRefused:
+        except PairRefused:
             return list(range(remote_tp))
 
     def notifiers(self, remote_tp: int, ranks: list[int]) -> list[int]:

@@ -1,10 +1,10 @@
 """How long a pull may stay in each state before it fails with ``FailureKind.TIMEOUT``.
 
 Every state a pull waits in has a deadline, counted from when it entered
-that state (:attr:`p2pkv.decode.pull.Pull.since`), so no pull waits forever
+that state (:attr:`p2pkv.decode.transfer.Transfer.since`), so no pull waits forever
 on a handshake that never ends, staging that never frees, a READ that never
 completes or a fence answer that never comes; its local blocks are then
-reported as load errors like every failure. The puller checks them at each
+reported as load errors like every failure. The receiver checks them at each
 advance.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.peers import handshake_budget_s
-from p2pkv.decode.pull import Pull, PullState
+from p2pkv.decode.transfer import Transfer, TransferState
 
 HANDSHAKE_MARGIN_S = 2.0
 """Slack (seconds) past the longest handshake: a queued handshake waits for a free thread first."""
@@ -45,23 +45,23 @@ class Deadlines:
         t = config.transfer_timeout_s
         return cls(handshake_s=hs, staging_s=t, reading_s=t, fencing_s=t)
 
-    def limit(self, state: PullState) -> float | None:
+    def limit(self, state: TransferState) -> float | None:
         """Seconds a pull may stay in ``state`` (None: no limit, ``DONE`` and ``FAILED``)."""
-        if state is PullState.READING:
+        if state is TransferState.READING:
             return self.reading_s
-        if state is PullState.FENCING:
+        if state is TransferState.FENCING:
             return self.fencing_s
-        if state is PullState.HANDSHAKE:
+        if state is TransferState.HANDSHAKE:
             return self.handshake_s
-        return self.staging_s if state is PullState.STAGING else None
+        return self.staging_s if state is TransferState.STAGING else None
 
-    def overdue(self, pull: Pull, now: float) -> str | None:
+    def overdue(self, pull: Transfer, now: float) -> str | None:
         """Why ``pull`` is past its state's deadline at ``now`` (``time.monotonic()`` seconds), or None."""
         limit = self.limit(pull.state)
         if limit is None or now - pull.since <= limit:
             return None
-        what = {PullState.HANDSHAKE: "waiting for the handshake with its prefill ranks",
-                PullState.STAGING: "waiting for room in staging (staging_mib)",
-                PullState.READING: "READ still in flight",
-                PullState.FENCING: "waiting for the prefill ranks to confirm their holds"}[pull.state]
+        what = {TransferState.HANDSHAKE: "waiting for the handshake with its prefill ranks",
+                TransferState.STAGING: "waiting for room in staging (staging_mib)",
+                TransferState.READING: "READ still in flight",
+                TransferState.FENCING: "waiting for the prefill ranks to confirm their holds"}[pull.state]
         return f"timed out {what} after {limit:g} s (state {pull.state.value})"

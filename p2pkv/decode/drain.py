@@ -19,8 +19,8 @@ from p2pkv.decode.direction import Direction
 from p2pkv.decode.movers import Mover
 from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId
-from p2pkv.decode.pull import Part, Pull
 from p2pkv.decode.reads import release_unposted
+from p2pkv.decode.transfer import Part, Transfer
 
 
 class Drain:
@@ -38,7 +38,7 @@ class Drain:
         self.movers = movers
         self._parts: list[tuple[Part, float]] = []  # part, time.monotonic() deadline
 
-    def abandon(self, pull: Pull) -> None:
+    def abandon(self, pull: Transfer) -> None:
         """Give up ``pull``'s parts in flight and start its next attempt (late fence answers are then ignored).
 
         Each part's mover gives it up (:meth:`p2pkv.decode.movers.Mover.give_up`):

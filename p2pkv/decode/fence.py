@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from handshake import HoldLink, HoldsReply, query_holds
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
-from p2pkv.decode.pull import Part, PullState
+from p2pkv.decode.transfer import Part, TransferState
 
 if TYPE_CHECKING:
     from p2pkv.decode.peers import PeerId
@@ -143,7 +143,7 @@ class Fence:
         out = []
         for read, phase, answer in self.answers():
             pull = read.pull
-            if read.attempt != pull.attempt or pull.state not in (PullState.READING, PullState.FENCING):
+            if read.attempt != pull.attempt or pull.state not in (TransferState.READING, TransferState.FENCING):
                 continue  # that attempt was abandoned
             verdict = judge(phase, answer, now - pull.started, grace_s)
             if verdict is Verdict.ASK_AGAIN:
@@ -155,7 +155,7 @@ class Fence:
     def answers(self) -> list[tuple[Part, Phase, Hold | Exception]]:
         """Finished questions: the READ, the phase, and what the prefill rank said (or why it is unknown).
 
-        Each is also recorded in its pull's :attr:`~p2pkv.decode.pull.Pull.questions` (when it was queued,
+        Each is also recorded in its pull's :attr:`~p2pkv.decode.transfer.Transfer.questions` (when it was queued,
         left, and was answered, and the answer)."""
         out: list[tuple[Part, Phase, Hold | Exception]] = []
         pending = []

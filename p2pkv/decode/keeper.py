@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 
 from handshake import IncompatiblePeerError
 from p2pkv.config import P2pKvConfig
-from p2pkv.dataplane.negotiate import PullRefused
+from p2pkv.dataplane.negotiate import PairRefused
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence
 from p2pkv.decode.peers import PeerId, PeerTable
-from p2pkv.decode.pull import Pull, PullState
+from p2pkv.decode.transfer import Transfer, TransferState
 
 logger = logging.getLogger("p2pkv.decode")
 
@@ -48,7 +48,7 @@ class PeerKeeper:
         self.peers, self.fence, self.background, self.config = peers, fence, background, config
         self.engine_id, self.compat_hash, self.secret = engine_id, compat_hash, secret
         self._idle_check_at = 0.0  # time.monotonic() of the next look for idle peers
-        self._waiting: dict[PeerId, list[Pull]] = {}  # handshake in flight → the pulls begun again after it
+        self._waiting: dict[PeerId, list[Transfer]] = {}  # handshake in flight → the pulls begun again after it
 
     def handshake(self, missing: list[PeerId], busy: set[PeerId]) -> bool:
         """Start the handshakes with ``missing`` (those not in flight yet) if they fit in ``max_peers``,
@@ -72,11 +72,11 @@ class PeerKeeper:
                                  retries=self.config.handshake_retries)
         return True
 
-    def wait(self, pid: PeerId, pull: Pull) -> None:
+    def wait(self, pid: PeerId, pull: Transfer) -> None:
         """``pull`` waits for the handshake with ``pid`` (it begins again once that ended: :meth:`ready`)."""
         self._waiting.setdefault(pid, []).append(pull)
 
-    def ready(self, seconds: list[float]) -> Iterator[tuple[Pull, tuple[FailureKind, str] | None]]:
+    def ready(self, seconds: list[float]) -> Iterator[tuple[Transfer, tuple[FailureKind, str] | None]]:
         """The unfinished pulls that waited for a handshake that has ended, each with why it fails (or None:
         begin it again); see :meth:`completed`."""
         for pid, failure in self.completed(seconds):
@@ -86,7 +86,7 @@ class PeerKeeper:
     def cancel_unneeded(self) -> None:
         """Cancel the handshakes not started yet that no waiting pull needs any more (after one failed)."""
         needed = {pid for pulls in self._waiting.values() for p in pulls
-                  if p.state is PullState.HANDSHAKE for pid in p.peers}
+                  if p.state is TransferState.HANDSHAKE for pid in p.peers}
         for pid in self.peers.cancel_unneeded(needed):
             self._waiting.pop(pid, None)
 
@@ -97,7 +97,7 @@ class PeerKeeper:
             try:
                 peer = self.peers.add(pid, hs.future.result())
             except Exception as exc:
-                kind = FailureKind.REFUSED if isinstance(exc, PullRefused | IncompatiblePeerError) else \
+                kind = FailureKind.REFUSED if isinstance(exc, PairRefused | IncompatiblePeerError) else \
                     FailureKind.HANDSHAKE
                 yield pid, (kind, f"handshake with {pid} failed: {exc}")
                 continue

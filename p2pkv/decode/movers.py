@@ -1,6 +1,6 @@
 """Who moves a part's bytes, and how: one :class:`Mover` per :class:`~p2pkv.decode.direction.Direction`.
 
-A pull is made of parts, one per prefill rank (:class:`p2pkv.decode.pull.Part`).
+A pull is made of parts, one per prefill rank (:class:`p2pkv.decode.transfer.Part`).
 Each part is moved one way, chosen when it starts
 (:class:`p2pkv.decode.direction.Directions`): this rank READs it
 (:class:`ReadMover`), or asks its prefill rank to WRITE it
@@ -10,7 +10,7 @@ when its bytes landed (a fence question after a READ; nothing after a push,
 whose prefill rank kept the hold until its WRITE ended), giving it up (a READ
 is cancelled, a push drains until its window has passed), whether it has
 ended, and whether a failure says its peer is gone. The lifecycle around
-them (:class:`p2pkv.decode.puller.Puller`, :mod:`p2pkv.decode.drain`,
+them (:class:`p2pkv.decode.receiver.Receiver`, :mod:`p2pkv.decode.drain`,
 :mod:`p2pkv.decode.reads`) never asks which way a part moves.
 
 A new way (a layer-streamed push, say) is a new :class:`Mover` and one entry
@@ -29,8 +29,8 @@ from p2pkv.decode.reads import ReadEvent, land, release_stage
 if TYPE_CHECKING:
     from p2pkv.dataplane.agent import NixlTransferAgent
     from p2pkv.dataplane.stager import Stager
-    from p2pkv.decode.pull import Part
     from p2pkv.decode.pushes import Pushes
+    from p2pkv.decode.transfer import Part
 
 
 class Mover(ABC):

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.decode.peers import PeerId, PeerTable
-from p2pkv.decode.pull import Pull
-from p2pkv.decode.spans import PullSpans
+from p2pkv.decode.spans import TransferSpans
+from p2pkv.decode.transfer import Transfer
 from p2pkv.notification import DoneNotification, blocks_digest, encode_done
 
 logger = logging.getLogger("p2pkv.decode")
@@ -36,11 +36,11 @@ class Notifier:
     """
 
     def __init__(self, agent: NixlTransferAgent, peers: PeerTable, reader: str, secret: bytes | None,
-                 spans: PullSpans | None) -> None:
+                 spans: TransferSpans | None) -> None:
         self.agent, self.peers, self.reader, self.secret, self.spans = agent, peers, reader, secret, spans
-        self.pending: list[Pull] = []
+        self.pending: list[Transfer] = []
 
-    def add(self, pull: Pull) -> None:
+    def add(self, pull: Transfer) -> None:
         """Notify ``pull``'s prefill ranks at the next :meth:`send`."""
         self.pending.append(pull)
 
@@ -56,7 +56,7 @@ class Notifier:
             if self.spans is not None:
                 contained(None, "tracing a pull", self.spans.ended, pull)
 
-    def notify(self, pull: Pull) -> None:
+    def notify(self, pull: Transfer) -> None:
         """Tell every prefill rank this decode rank answers for that it may free ``pull``'s blocks.
 
         Sent after the READs are done and fenced, not attached to them: a READ

@@ -6,7 +6,7 @@ import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from p2pkv.decode.pull import Pull
+    from p2pkv.decode.transfer import Transfer
 
 
 class Outcomes:
@@ -15,7 +15,7 @@ class Outcomes:
     vLLM learns of a finished pull from its request id (finished receiving);
     of a failed one also from its local block ids (load errors, one KV cache
     group) or its request id (failed receiving, several groups). Not
-    thread-safe on its own: the puller calls it under its lock, except
+    thread-safe on its own: the receiver calls it under its lock, except
     :meth:`wait`.
     """
 
@@ -36,7 +36,7 @@ class Outcomes:
                 self._failed.add(request_id)
         self._ended.set()
 
-    def report(self, pull: Pull) -> None:
+    def report(self, pull: Transfer) -> None:
         """Hand an ended pull to vLLM: finished receiving, and for a failed one its blocks as load errors."""
         self.add(pull.request_id, pull.spec.local_block_ids, failed=pull.failed, report=pull.spec.report)
 

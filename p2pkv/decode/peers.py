@@ -186,7 +186,7 @@ class PeerTable:
         """Plan the pairing with a handshaken prefill rank and load its metadata into NIXL.
 
         Raises:
-            p2pkv.dataplane.negotiate.PullRefused: the two ranks cannot pair.
+            p2pkv.dataplane.negotiate.PairRefused: the two ranks cannot pair.
             handshake.MetadataDigestError / p2pkv.dataplane.agent.TransferError: bad or refused metadata.
         """
         plan = plan_peer(self.local, self.tp_rank, self.tp_size, info.layout, peer_id.tp_rank, info.tp_size,

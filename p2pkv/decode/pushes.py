@@ -27,7 +27,7 @@ from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, failure_of
-from p2pkv.decode.pull import Part
+from p2pkv.decode.transfer import Part
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 
 logger = logging.getLogger("p2pkv.decode")

@@ -2,7 +2,7 @@
 
 The mechanics shared by every way a part moves; what differs by way is its
 mover's (:mod:`p2pkv.decode.movers`), and what its pull does about each
-outcome (retry, fail, fence) is :class:`p2pkv.decode.puller.Puller`'s.
+outcome (retry, fail, fence) is :class:`p2pkv.decode.receiver.Receiver`'s.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from p2pkv.dataplane.plan import build_descriptors, check_block_ids, coalesce_ru
 from p2pkv.dataplane.stager import Stage, Stager
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.decode.peers import Peer, PeerId
-from p2pkv.decode.pull import Part, Pull
-from p2pkv.metadata import PullSpec
+from p2pkv.decode.transfer import Part, Transfer
+from p2pkv.metadata import LoadSpec
 
 Descriptors = tuple[np.ndarray, np.ndarray, Stage | None]
 """``(local_descs, remote_descs, stage)``: uint64 ``[n, 3]`` rows each, and the staging READ into (or None)."""
@@ -28,7 +28,7 @@ Descriptors = tuple[np.ndarray, np.ndarray, Stage | None]
 _EMPTY = np.zeros((0, 3), dtype=np.uint64)
 
 
-def plan_read(spec: PullSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, device_id: int,
+def plan_read(spec: LoadSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, device_id: int,
               stager: Stager) -> Descriptors | None:
     """Descriptors for ``peer``'s share of ``spec`` (None: no room in staging yet).
 
@@ -74,7 +74,7 @@ def plan_read(spec: PullSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, 
             build_descriptors(peer.segments, rem, lengths, peer.device_id), stage)
 
 
-def plan_reads(pull: Pull, ranks: list[int], peers: dict[PeerId, Peer], layout: KVLayout, desc: KVLayoutDesc,
+def plan_reads(pull: Transfer, ranks: list[int], peers: dict[PeerId, Peer], layout: KVLayout, desc: KVLayoutDesc,
                device_id: int, stager: Stager) -> bool:
     """Plan ``pull``'s READ from each prefill rank in ``ranks`` into ``pull.reads`` (empty shares skipped).
 
@@ -99,7 +99,7 @@ def plan_reads(pull: Pull, ranks: list[int], peers: dict[PeerId, Peer], layout: 
     return True
 
 
-def release_unposted(pull: Pull, stager: Stager) -> None:
+def release_unposted(pull: Transfer, stager: Stager) -> None:
     """Give back the staging of ``pull``'s parts not yet posted."""
     for read in [r for r in pull.reads if r.stage is not None and r.direction is None]:
         stager.release(read.stage)

@@ -1,7 +1,7 @@
 """Freeing the prefill holds of a pull that failed.
 
 A pull that has failed for good (a peer failure is retried once, after a
-fresh handshake; see :class:`p2pkv.decode.puller.Puller`) is not tried
+fresh handshake; see :class:`p2pkv.decode.receiver.Receiver`) is not tried
 again: vLLM recomputes the request's blocks on the decode engine (or fails
 the request, per ``kv_load_failure_policy``). The prefill engine would
 otherwise keep the request's blocks until its lease ends (``lease_s``) —

@@ -11,7 +11,7 @@ from typing import Any
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.heartbeat import HeartbeatBatch, HeartbeatSender
 from p2pkv.decode.load import DecodeLoad
-from p2pkv.metadata import PullSpec
+from p2pkv.metadata import LoadSpec
 from p2pkv.params import (
     KVTransferParamsError,
     RemotePrefill,
@@ -51,14 +51,14 @@ class DecodeScheduling:
         self.max_blocks = max_blocks
         self._secret = secret
         self._tracing = tracing
-        self.pulls: list[PullSpec] = []
+        self.pulls: list[LoadSpec] = []
         self.failed: dict[str, tuple[int, ...]] = {}
         self._queued: dict[str, RemotePrefill] = {}  # decode requests waiting, for lease heartbeats
         self._loads: dict[str, DecodeLoad] = {}  # checked once, kept until allocated or finished
         self._next_heartbeat = 0.0
         self.heartbeats = HeartbeatSender(engine_id, secret, timeout_s=min(1.0, config.handshake_timeout_s))
 
-    def take(self) -> tuple[list[PullSpec], dict[str, tuple[int, ...]]]:
+    def take(self) -> tuple[list[LoadSpec], dict[str, tuple[int, ...]]]:
         """This step's new pulls and failed loads (for the workers), then forgotten."""
         out = self.pulls, self.failed
         self.pulls, self.failed = [], {}
@@ -175,7 +175,7 @@ class DecodeScheduling:
                 # it knows the prefill engine's block size (it may differ from ours).
                 remote_ids = tuple(remote.block_ids) if local else ()
             num_tokens = load.loaded_tokens
-        self.pulls.append(PullSpec(
+        self.pulls.append(LoadSpec(
             request_id=request.request_id, local_block_ids=tuple(local), remote_block_ids=tuple(remote_ids),
             remote=remote, report=num_external_tokens > 0, first_token=first_token, num_tokens=num_tokens,
             arrival=float(getattr(request, "arrival_time", 0.0) or 0.0), scheduled=time.time(),
@@ -203,7 +203,7 @@ class DecodeScheduling:
             params["do_remote_prefill"] = False
             remote = load.remote if load is not None else queued or self._source_of_unloaded(request)
             if remote is not None:
-                self.pulls.append(PullSpec(request.request_id, (), (), remote, report=False))
+                self.pulls.append(LoadSpec(request.request_id, (), (), remote, report=False))
 
     def _source_of_unloaded(self, request: Request) -> RemotePrefill | None:
         """Where a request that finished before its params were first checked would have loaded from; None

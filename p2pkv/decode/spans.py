@@ -2,9 +2,9 @@
 
 Emitted when a pull ends (after its "done" notifications, or when it fails),
 from the wall-clock marks the pull collected on its way
-(:attr:`p2pkv.decode.pull.Pull.marks`), under the decode leg's trace context
-(``kv_transfer_params.traceparent``, :attr:`p2pkv.metadata.PullSpec.traceparent`).
-Nothing runs while tracing is off: the puller holds no :class:`PullSpans` then.
+(:attr:`p2pkv.decode.transfer.Transfer.marks`), under the decode leg's trace context
+(``kv_transfer_params.traceparent``, :attr:`p2pkv.metadata.LoadSpec.traceparent`).
+Nothing runs while tracing is off: the receiver holds no :class:`TransferSpans` then.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.failures import FailureKind
-from p2pkv.decode.pull import Pull
+from p2pkv.decode.transfer import Transfer
 from p2pkv.telemetry.tracing import Tracing, context_of, traces_endpoint
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-class PullSpans:
+class TransferSpans:
     """Emits the spans of this decode rank's pulls.
 
     Args:
@@ -51,12 +51,12 @@ class PullSpans:
         self.tracing, self.engine_id, self.tp_rank, self.agent = tracing, engine_id, tp_rank, agent
 
     @classmethod
-    def start(cls, config: P2pKvConfig, engine_id: str, tp_rank: int, agent: NixlTransferAgent) -> PullSpans | None:
+    def start(cls, config: P2pKvConfig, engine_id: str, tp_rank: int, agent: NixlTransferAgent) -> TransferSpans | None:
         """The emitter, or None when tracing is off (``otlp_traces_endpoint`` / ``OTEL_EXPORTER_OTLP_*``)."""
         tracing = Tracing.get("p2pkv-decode", traces_endpoint(config.otlp_traces_endpoint))
         return None if tracing is None else cls(tracing, engine_id, tp_rank, agent)
 
-    def ended(self, pull: Pull, failure: tuple[FailureKind, str] | None = None) -> None:
+    def ended(self, pull: Transfer, failure: tuple[FailureKind, str] | None = None) -> None:
         """Emit ``pull``'s spans (now it is done, or failed with ``failure``: its kind and reason).
 
         A pull without a trace context (the client sent none, or no proxy
@@ -85,7 +85,7 @@ class PullSpans:
                 self.tracing.ended(child, _ns(min(max(marks[end_mark], first, start), end)))
         self.tracing.ended(span, _ns(end))
 
-    def _attributes(self, pull: Pull) -> dict[str, str | int | list[str] | list[int]]:
+    def _attributes(self, pull: Transfer) -> dict[str, str | int | list[str] | list[int]]:
         spec, remote = pull.spec, pull.spec.remote
         reads = pull.reads
         transports = self.agent.transports

@@ -5,15 +5,15 @@ which way each moves is :class:`p2pkv.decode.direction.Directions`'s, how is
 its :class:`p2pkv.decode.movers.Mover`'s (a READ gets its fence question when
 posted and again when done; a pushed part is confirmed when its notification
 lands); what the pull does about each outcome (retry, fail, confirm) is
-:class:`p2pkv.decode.puller.Puller`'s.
+:class:`p2pkv.decode.receiver.Receiver`'s.
 """
 
 from __future__ import annotations
 
 from p2pkv.decode.direction import Direction, Directions
 from p2pkv.decode.movers import Mover
-from p2pkv.decode.pull import Part, Pull
 from p2pkv.decode.reads import ReadEvent
+from p2pkv.decode.transfer import Part, Transfer
 
 
 class Transfers:
@@ -28,7 +28,7 @@ class Transfers:
         self.movers = movers
         self.directions = directions
 
-    def start(self, pull: Pull) -> tuple[Part, Exception] | None:
+    def start(self, pull: Transfer) -> tuple[Part, Exception] | None:
         """Post every part of ``pull`` with its direction's mover.
 
         Returns:

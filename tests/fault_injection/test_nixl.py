@@ -81,7 +81,7 @@ def test_persistent_fault_ends_as_load_error(prefill: PrefillProc, decode: Decod
     assert seconds < BOUND_S
     # Two attempts (the retry after a re-handshake), except a failed handshake: one.
     assert faulty.calls["add_remote_agent"] == (1 if method == "add_remote_agent" else 2)
-    assert decode.worker.puller.pulls == []  # nothing left behind for a later request
+    assert decode.worker.receiver.pulls == []  # nothing left behind for a later request
     restore(decode.worker)
     clean_pull_succeeds(decode, prefill)
 
@@ -167,11 +167,12 @@ def test_stale_failure_keeps_the_new_peer(prefill: PrefillProc, decode: DecodeSi
     prefill.lease([pa, pb])
     decode.start(pull_task(a, pa, prefill.port, [1, 2], [3, 4]), pull_task(b, pb, prefill.port, [5, 6], [7, 8]))
     end = time.monotonic() + BOUND_S
-    while not (b_fails.faults and w.puller.peers.handshakes) and time.monotonic() < end:  # B failed, re-handshake began
+    # B failed, re-handshake began
+    while not (b_fails.faults and w.receiver.peers.handshakes) and time.monotonic() < end:
         decode.step()
-    reads_in_flight = sum(r.in_flight for p in w.puller.pulls for r in p.reads)
+    reads_in_flight = sum(r.in_flight for p in w.receiver.pulls for r in p.reads)
     assert a_slow.faults == 1 and outer.calls["check_xfer_state"] == 2 and reads_in_flight == 1
-    (pending,) = w.puller.peers.handshakes.values()
+    (pending,) = w.receiver.peers.handshakes.values()
     assert pending.future is not None
     pending.future.result(timeout=BOUND_S)  # re-handshake done: B restarts, then A's poll fails
     assert decode.pump({a, b}, BOUND_S) == set()
@@ -190,7 +191,7 @@ def test_stuck_read_times_out_as_load_error(prefill: PrefillProc) -> None:
         _, _, errors, seconds = pull(d, prefill, local, remote)
         assert errors == set(local)
         assert 0.5 <= seconds < BOUND_S
-        assert faulty.calls["add_remote_agent"] == 1 and d.worker.puller.pulls == []
+        assert faulty.calls["add_remote_agent"] == 1 and d.worker.receiver.pulls == []
         restore(d.worker)
         clean_pull_succeeds(d, prefill)
     finally:
@@ -285,7 +286,7 @@ def test_push_persistent_write_fault_ends_as_load_error(prefill: PrefillProc, pu
     accepted, failed, written = pushes_since(before, settled(prefill))
     expected = (2, 0, 0, 0) if kind == "refused" else (1, 2, 2, 0)  # handshakes, accepted, failed, written
     assert (handshakes.calls["add_remote_agent"], accepted, failed, written) == expected
-    assert d.worker.puller.pulls == [] and torch.count_nonzero(d.base[local]) == 0
+    assert d.worker.receiver.pulls == [] and torch.count_nonzero(d.base[local]) == 0
     released_once_not_expired(prefill, prid, d)
     assert prefill.restore()["faults"] >= 1
     clean_pull_succeeds(d, prefill)
@@ -346,7 +347,7 @@ def test_a_sibling_write_failure_does_not_cost_a_finished_pull_its_done(prefill:
     re-handshake, B is done. Both holds must end by their "done", promptly, not by their leases."""
     d = push_decode
     clean_pull_succeeds(d, prefill)  # the peer is known: both push requests leave at once
-    pushes = d.worker.puller.pushes
+    pushes = d.worker.receiver.pushes
     arrivals, held = pushes.arrivals, []
 
     def both_at_once(now: float) -> list:

@@ -96,7 +96,7 @@ def test_side_channel_fault_fails_the_pull_cleanly(prefill: PrefillProc, case: s
             assert seen, "the fake side channel never got a request"
         assert errors == set(local)
         assert seconds < ZMQ_BOUND_S, f"failing took {seconds:.2f} s"
-        assert d.worker.puller.peers.peers == {} and d.worker.puller.peers.handshakes == {}
+        assert d.worker.receiver.peers.peers == {} and d.worker.receiver.peers.handshakes == {}
         clean_pull_succeeds(d, prefill)
     finally:
         d.close()

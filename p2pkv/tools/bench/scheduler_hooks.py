@@ -24,7 +24,7 @@ arriving, moving on and finishing every step:
 
 * ``decode``: ``--waiting`` requests in ``WAITING_FOR_REMOTE_KVS`` (pull
   scheduled, READ in flight); each step ``churn`` arrive with
-  ``do_remote_prefill`` params and are admitted (one ``PullSpec`` each),
+  ``do_remote_prefill`` params and are admitted (one ``LoadSpec`` each),
   ``churn`` have their KV reported received and are promoted, ``churn``
   running ones finish.
 * ``prefill``: ``--waiting`` finished requests whose blocks are held for a
@@ -253,7 +253,7 @@ class _Sim:
 
     def _count_meta(self, meta: Any) -> None:
         self.count["metas"] += 1
-        for pull in meta.pulls:
+        for pull in meta.loads:
             if pull.report and pull.local_block_ids == tuple(self.blocks[pull.request_id].get_block_ids()[0]):
                 self.count["pulls"] += 1
                 self.count["pull_blocks"] += len(pull.local_block_ids)

@@ -1,7 +1,8 @@
-"""The decode-side pull lifecycle: handshake, plan, post READs, poll, fence, notify, retry, fail.
+"""The decode-side transfer lifecycle: handshake, plan, post READs, poll, fence, notify, retry, fail.
 
-:class:`Puller` owns every pull of one decode worker and is the only code
-that moves a pull between its states (:class:`p2pkv.decode.pull.PullState`)::
+:class:`Receiver` owns every transfer (:class:`p2pkv.decode.transfer.Transfer`,
+called a pull below: READ by this rank or pushed to it) of one decode worker
+and is the only code that moves one between its states (:class:`p2pkv.decode.transfer.TransferState`)::
 
     HANDSHAKE ──► STAGING ──► READING ──► FENCING ──► DONE
         │  ▲          │           │           │
@@ -13,7 +14,7 @@ instead of this rank READing it (:mod:`p2pkv.decode.pushes`): the part waits
 in ``READING`` for the WRITE's notification, and needs no fence (the prefill
 rank keeps the hold until its WRITE has ended).
 
-Each engine step :meth:`Puller.step` finishes handshakes, polls READs and
+Each engine step :meth:`Receiver.step` finishes handshakes, polls READs and
 collects fence answers, and so does a thread between steps while READs are in
 flight or answers arrive (:mod:`p2pkv.decode.progress`); a pull that fails marks its local blocks as load
 errors and is still reported as received, so vLLM recomputes or fails the
@@ -35,7 +36,7 @@ from typing import Any
 
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
-from p2pkv.dataplane.negotiate import ModelInfo, PullRefused
+from p2pkv.dataplane.negotiate import ModelInfo, PairRefused
 from p2pkv.dataplane.plan import PlanError
 from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
@@ -53,20 +54,20 @@ from p2pkv.decode.notifier import Notifier
 from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.progress import Progress
-from p2pkv.decode.pull import Part, Pull, PullState
 from p2pkv.decode.pushes import Pushes
 from p2pkv.decode.reads import ReadEvent, plan_reads, release_unposted
 from p2pkv.decode.release import release_failed
-from p2pkv.decode.spans import PullSpans
+from p2pkv.decode.spans import TransferSpans
+from p2pkv.decode.transfer import Part, Transfer, TransferState
 from p2pkv.decode.transfers import Transfers
-from p2pkv.metadata import PullSpec
+from p2pkv.metadata import LoadSpec
 from p2pkv.telemetry.stats import StatsBuffer, append_json_line
 
 logger = logging.getLogger("p2pkv.decode")
 
 
-class Puller:
-    """Every pull of one decode rank.
+class Receiver:
+    """Every transfer (read or pushed) into one decode rank.
 
     Args:
         rank: this rank (engine id, TP rank and size, KV layout, device).
@@ -98,10 +99,10 @@ class Puller:
         self.keeper = PeerKeeper(self.peers, self.fence, self.background, engine_id=rank.engine_id,
                                  compat_hash=compat_hash, secret=self._secret, config=config)
         self.deadlines = Deadlines.of(config)
-        self.pulls: list[Pull] = []
-        self._staging_wait: list[Pull] = []
+        self.pulls: list[Transfer] = []
+        self._staging_wait: list[Transfer] = []
         self.outcomes = Outcomes()  # reported to vLLM at the next get_finished
-        self.spans = PullSpans.start(config, rank.engine_id, rank.tp_rank, agent)  # None: tracing off
+        self.spans = TransferSpans.start(config, rank.engine_id, rank.tp_rank, agent)  # None: tracing off
         self.notifier = Notifier(agent, self.peers, rank.name, self._secret, self.spans)
         self.pushes = Pushes(self.background, self.fence, agent, rank.engine_id, self._secret,
                              config.handshake_timeout_s, config.transfer_timeout_s)
@@ -111,14 +112,14 @@ class Puller:
         self.drain = Drain(stager, self.outcomes, ways)
 
     # ---- public surface -----------------------------------------------------
-    def start(self, specs: list[PullSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
+    def start(self, specs: list[LoadSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
         """Take this step's new pulls (after those that waited for staging), and the pulls the
         scheduler could not set up (``failed``: request id → local blocks, reported failed)."""
         with self.lock:
             for request_id, blocks in (failed or {}).items():
                 self.outcomes.add(request_id, blocks, failed=True)
                 self.stats.record_failure(FailureKind.REFUSED.value)
-            new, waiting, self._staging_wait = [Pull.taken(spec) for spec in specs], self._staging_wait, []
+            new, waiting, self._staging_wait = [Transfer.taken(spec) for spec in specs], self._staging_wait, []
             self.pulls += new
             for pull in [*waiting, *new]:
                 self._contained(pull, "starting the pull", self._begin, pull)
@@ -147,9 +148,9 @@ class Puller:
                             ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers))):
             self._contained(None, what, phase)
         return bool(self.drain) or any(r.in_flight and self.transfers.mover_of(r).polled_soon(r)
-                                           for p in self.in_state(PullState.READING) for r in p.reads)
+                                           for p in self.in_state(TransferState.READING) for r in p.reads)
 
-    def _contained(self, pull: Pull | None, what: str, fn: Callable[..., Any], *args: Any) -> None:
+    def _contained(self, pull: Transfer | None, what: str, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)``, one step of ``pull`` (None: of the worker); an exception is logged and fails
         that pull alone (``refused``, the exception in the reason), never the others."""
         try:
@@ -179,7 +180,7 @@ class Puller:
         with self.lock:
             return self.outcomes.take_failed()
 
-    def in_state(self, state: PullState) -> list[Pull]:
+    def in_state(self, state: TransferState) -> list[Transfer]:
         """Pulls now in ``state``."""
         with self.lock:
             return [p for p in self.pulls if p.state is state]
@@ -195,7 +196,7 @@ class Puller:
             self.pulls.clear()
 
     # ---- transitions ----------------------------------------------------------
-    def _to(self, pull: Pull, state: PullState) -> None:
+    def _to(self, pull: Transfer, state: TransferState) -> None:
         if state is not pull.state:
             pull.state, pull.since = state, time.monotonic()  # its deadline counts from here
         if pull.finished:
@@ -205,7 +206,7 @@ class Puller:
             if not pull.draining:
                 self.outcomes.report(pull)
 
-    def _begin(self, pull: Pull) -> None:
+    def _begin(self, pull: Transfer) -> None:
         """Map the TP topology, then wait for handshakes or start the READs."""
         needs = _needs(pull.spec, self.rank, self.peers)
         if isinstance(needs, str):
@@ -223,7 +224,7 @@ class Puller:
                        f"while max_peers={self.config.max_peers} are known or being handshaken and none can be "
                        "dropped (all in use); raise max_peers in kv_connector_extra_config")
             return
-        self._to(pull, PullState.HANDSHAKE)
+        self._to(pull, TransferState.HANDSHAKE)
         self.keeper.wait(missing[0], pull)  # begun again when done; waits for the rest then
 
     def _finish_handshakes(self) -> None:
@@ -234,7 +235,7 @@ class Puller:
                 pull.marks["handshaken"] = time.time()
                 self._contained(pull, "starting the pull after its handshake", self._begin, pull)
 
-    def _post(self, pull: Pull, reads: list[RankRead], notify: list[int]) -> None:
+    def _post(self, pull: Transfer, reads: list[RankRead], notify: list[int]) -> None:
         """Plan every READ of ``pull`` and post them (or wait for staging, or finish at once)."""
         spec = pull.spec
         counts = self.rank.notifiers(spec.remote.tp_size, notify)
@@ -243,7 +244,7 @@ class Puller:
         try:
             if not plan_reads(pull, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
                               self.rank.desc, self.rank.device_id, self.stager):
-                self._to(pull, PullState.STAGING)
+                self._to(pull, TransferState.STAGING)
                 self._staging_wait.append(pull)
                 return
         except (PlanError, StagingFull) as exc:
@@ -255,9 +256,9 @@ class Puller:
             return
         if not pull.reads:  # nothing to load (or a notify-only pull)
             self.notifier.add(pull)
-            self._to(pull, PullState.DONE)
+            self._to(pull, TransferState.DONE)
             return
-        self._to(pull, PullState.READING)
+        self._to(pull, TransferState.READING)
         if (failed := self.transfers.start(pull)) is not None:
             read, exc = failed
             self._abandon(pull)
@@ -283,22 +284,22 @@ class Puller:
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
-        for pull in self.in_state(PullState.READING):
+        for pull in self.in_state(TransferState.READING):
             self._contained(pull, "polling the READs", self._poll_pull, pull, now)
         self.stager.poll_releases()
 
-    def _poll_pull(self, pull: Pull, now: float) -> None:
+    def _poll_pull(self, pull: Transfer, now: float) -> None:
         for read in pull.reads:
-            if pull.state is not PullState.READING or read.attempt != pull.attempt:
+            if pull.state is not TransferState.READING or read.attempt != pull.attempt:
                 break  # abandoned (or retried) during this loop
             if read.in_flight and (read.stage is None or not self.progress.on_thread()):
                 self._poll(pull, read, now)  # a staged READ's fixup runs at the engine step
-        if pull.state is PullState.READING and all(r.done for r in pull.reads):
+        if pull.state is TransferState.READING and all(r.done for r in pull.reads):
             pull.marks["read"] = time.time()
-            self._to(pull, PullState.FENCING)
+            self._to(pull, TransferState.FENCING)
             self._confirm_if_done(pull)
 
-    def _poll(self, pull: Pull, read: Part, now: float) -> None:
+    def _poll(self, pull: Transfer, read: Part, now: float) -> None:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
         event, exc = self.transfers.poll(read, now)
         if event is ReadEvent.FAILED:
@@ -323,20 +324,20 @@ class Puller:
             read.confirmed = True
             self._confirm_if_done(read.pull)
 
-    def _confirm_if_done(self, pull: Pull) -> None:
+    def _confirm_if_done(self, pull: Transfer) -> None:
         """``FENCING`` with every part confirmed: the pull is done (recorded, prefill ranks to notify)."""
-        if pull.state is PullState.FENCING and all(r.confirmed for r in pull.reads):
+        if pull.state is TransferState.FENCING and all(r.confirmed for r in pull.reads):
             pull.marks["confirmed"] = time.time()
             _record(pull, self.stats, self.config.stats_file)
             self.notifier.add(pull)
-            self._to(pull, PullState.DONE)
+            self._to(pull, TransferState.DONE)
 
     # ---- endings ----------------------------------------------------------------
-    def _abandon(self, pull: Pull) -> None:
+    def _abandon(self, pull: Transfer) -> None:
         """Stop a failing pull's parts in flight; those that may still write drain (:mod:`p2pkv.decode.drain`)."""
         self.drain.abandon(pull)
 
-    def _retry_or_fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
+    def _retry_or_fail(self, pull: Transfer, kind: FailureKind, why: str) -> None:
         """After a peer failure: re-handshake (the prefill may have restarted) and retry once per pull."""
         if pull.attempt > 1:
             self._fail(pull, kind, why)
@@ -352,16 +353,16 @@ class Puller:
                 self._abandon(pull)
                 self._fail(pull, FailureKind.TIMEOUT, why)
 
-    def _fail(self, pull: Pull, kind: FailureKind, why: str) -> None:
+    def _fail(self, pull: Transfer, kind: FailureKind, why: str) -> None:
         """Report a pull as failed: its local blocks become load errors, the request finishes. Once per pull."""
         if pull.finished:
             return
-        spec, handshaking = pull.spec, pull.state is PullState.HANDSHAKE
+        spec, handshaking = pull.spec, pull.state is TransferState.HANDSHAKE
         if _log_failure(spec, kind, why):
             self.stats.record_failure(kind.value)
         if pull in self._staging_wait:
             self._staging_wait.remove(pull)
-        self._to(pull, PullState.FAILED)
+        self._to(pull, TransferState.FAILED)
         if self.spans is not None:
             self._contained(None, "tracing a pull", self.spans.ended, pull, (kind, why))
         if handshaking:  # the handshakes no other pull waits for are not started (a running one ends by itself)
@@ -375,7 +376,7 @@ class Puller:
         return {pid for p in self.pulls for pid in p.peers} | self.drain.peers() | self.notifier.needed_peers()
 
 
-def _log_failure(spec: PullSpec, kind: FailureKind, why: str) -> bool:
+def _log_failure(spec: LoadSpec, kind: FailureKind, why: str) -> bool:
     """Log a failed pull; False (a warning only, not a pull failure) for a request that ended before its pull."""
     if spec.report or spec.local_block_ids:
         logger.error("p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
@@ -387,7 +388,7 @@ def _log_failure(spec: PullSpec, kind: FailureKind, why: str) -> bool:
     return False
 
 
-def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
+def _record(pull: Transfer, stats: StatsBuffer, stats_file: str) -> None:
     """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
     spec, seconds = pull.spec, max(r.done for r in pull.reads) - pull.started
     direction = pull.direction().value
@@ -401,7 +402,7 @@ def _record(pull: Pull, stats: StatsBuffer, stats_file: str) -> None:
             "marks": pull.marks, "fence": pull.questions})
 
 
-def _needs(spec: PullSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[RankRead], list[int], list[PeerId]] | str:
+def _needs(spec: LoadSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[RankRead], list[int], list[PeerId]] | str:
     """The prefill ranks a pull of ``spec`` reads (with head slices) and notifies, and the peers they are; or
     why it is refused before anyone is contacted (:func:`_refusal`, TP sizes that cannot pair, a ``tp_size``
     other than the one the prefill engine told at its handshake)."""
@@ -409,7 +410,7 @@ def _needs(spec: PullSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[Rank
         return why
     try:
         reads, notify = rank.topology(spec.remote.tp_size)
-    except PullRefused as exc:
+    except PairRefused as exc:
         return f"refused: {exc}"
     ids = sorted(PeerId.of(spec.remote, r) for r in {r.remote_rank for r in reads} | set(notify))
     known = next((peers.peers[pid].info for pid in ids if pid in peers.peers), None)
@@ -419,7 +420,7 @@ def _needs(spec: PullSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[Rank
     return reads, notify, ids
 
 
-def _refusal(spec: PullSpec, engine_id: str) -> str | None:
+def _refusal(spec: LoadSpec, engine_id: str) -> str | None:
     """Why ``spec`` is refused before anyone is contacted, or None: params naming this engine itself.
 
     (Ids and hosts are ASCII: :func:`p2pkv.params.parse_remote_prefill` accepts only

@@ -20,10 +20,10 @@ import pytest
 
 import p2pkv.decode.notifier as notifier_module
 import p2pkv.decode.peers as peers_module
-import p2pkv.decode.puller as puller_module
+import p2pkv.decode.receiver as puller_module
 from p2pkv.decode.peers import PeerId
-from p2pkv.decode.pull import PullState
-from p2pkv.metadata import PullSpec
+from p2pkv.decode.transfer import TransferState
+from p2pkv.metadata import LoadSpec
 from p2pkv.params import RemotePrefill
 from tests.conftest import MODES
 from tests.faults import inject, restore
@@ -71,10 +71,10 @@ def new_ids() -> tuple[str, str]:
 
 
 def spec(rid: str, prid: str, port: int, local: list[int], remote: list[int], *, host: str = "127.0.0.1",
-         remote_all: tuple[int, ...] | None = None, tp_size: int = 1, report: bool = True) -> PullSpec:
+         remote_all: tuple[int, ...] | None = None, tp_size: int = 1, report: bool = True) -> LoadSpec:
     """A pull of ``remote`` into ``local``; ``remote_all``: the params' block ids if other than ``remote``."""
     rp = RemotePrefill(ENGINE, prid, host, port, tuple(remote) if remote_all is None else remote_all, tp_size)
-    return PullSpec(rid, tuple(local), tuple(remote), rp, report=report)
+    return LoadSpec(rid, tuple(local), tuple(remote), rp, report=report)
 
 
 def expect_bytes(d: DecodeSide, pf: PrefillProc, local: list[int], remote: list[int]) -> None:
@@ -134,7 +134,7 @@ def test_a_pull_whose_planning_raises_after_its_handshake_fails_alone(
         assert "kind=bad_block_ids" in line and str(2**64) in line and "outside [0, 64)" in line
     else:
         assert "kind=refused" in line and "RuntimeError('planning bug')" in line
-    assert decode.worker.puller.pulls == []
+    assert decode.worker.receiver.pulls == []
     good_pull(decode, prefill, [5, 6], [11, 12])
 
 
@@ -208,7 +208,7 @@ def test_a_handshake_that_never_completes_times_out(decode: DecodeSide, caplog: 
     assert 3.0 <= seconds < 6.0, seconds
     (line,) = failure_lines(caplog, "d-stuck")
     assert "kind=timeout" in line and "handshake" in line
-    assert decode.worker.puller.in_state(PullState.HANDSHAKE) == []
+    assert decode.worker.receiver.in_state(TransferState.HANDSHAKE) == []
 
 
 def test_every_waiting_state_has_a_deadline() -> None:
@@ -217,9 +217,9 @@ def test_every_waiting_state_has_a_deadline() -> None:
 
     cfg = P2pKvConfig(handshake_timeout_s=2.0, handshake_retries=3, transfer_timeout_s=30.0, insecure=True)
     d = Deadlines.of(cfg)
-    assert d.limit(PullState.HANDSHAKE) == pytest.approx(3 * 2.0 + 0.2 + 0.4 + HANDSHAKE_MARGIN_S)
-    assert d.limit(PullState.STAGING) == d.limit(PullState.READING) == d.limit(PullState.FENCING) == 30.0
-    assert d.limit(PullState.DONE) is None and d.limit(PullState.FAILED) is None
+    assert d.limit(TransferState.HANDSHAKE) == pytest.approx(3 * 2.0 + 0.2 + 0.4 + HANDSHAKE_MARGIN_S)
+    assert d.limit(TransferState.STAGING) == d.limit(TransferState.READING) == d.limit(TransferState.FENCING) == 30.0
+    assert d.limit(TransferState.DONE) is None and d.limit(TransferState.FAILED) is None
 
 
 # ---- 3. block ids bounded by the peer's num_blocks -----------------------------------------------------
@@ -286,9 +286,9 @@ def test_sixteen_spellings_of_one_address_make_one_peer(prefill: PrefillProc, mo
     assert decode.take_errors() == set()
     for p in pulls:
         expect_bytes(decode, prefill, list(p.local_block_ids), list(p.remote_block_ids))
-    puller = decode.worker.puller
-    assert list(puller.peers.peers) == [PeerId(ENGINE, "127.0.0.1", prefill.port, 0)]
-    assert set(puller.fence._links) <= {("127.0.0.1", prefill.port)}
+    receiver = decode.worker.receiver
+    assert list(receiver.peers.peers) == [PeerId(ENGINE, "127.0.0.1", prefill.port, 0)]
+    assert set(receiver.fence._links) <= {("127.0.0.1", prefill.port)}
 
 
 # ---- 5. peers capped and idle ones dropped -------------------------------------------------------------
@@ -306,21 +306,21 @@ def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(pre
     the second drops the first: its NIXL remote agent, its fence connection (closed), its lane. While a
     pull is in flight on the only peer, a pull needing another one is refused naming max_peers."""
     d = DecodeSide(64, max_peers=1, **FAST)
-    puller = d.worker.puller
+    receiver = d.worker.receiver
     try:
         good_pull(d, prefill, [1], [2])
         first = PeerId(ENGINE, "127.0.0.1", prefill.port, 0)
-        assert list(puller.peers.peers) == [first]
-        link = puller.fence._links[("127.0.0.1", prefill.port)]
+        assert list(receiver.peers.peers) == [first]
+        link = receiver.fence._links[("127.0.0.1", prefill.port)]
         rid, prid = new_ids()
         prefill.lease([prid])
         d.start(spec(rid, prid, prefill.port, [3, 4], [5, 6], host="localhost"))
         assert d.pump({rid}, BOUND_S) == set() and d.take_errors() == set()
         expect_bytes(d, prefill, [3, 4], [5, 6])
-        assert list(puller.peers.peers) == [PeerId(ENGINE, "localhost", prefill.port, 0)]
-        assert ("127.0.0.1", prefill.port) not in puller.fence._links
+        assert list(receiver.peers.peers) == [PeerId(ENGINE, "localhost", prefill.port, 0)]
+        assert ("127.0.0.1", prefill.port) not in receiver.fence._links
         assert _eventually(lambda: link._sock.closed), "the dropped peer's fence connection stayed open"
-        assert _eventually(lambda: f"127.0.0.1:{prefill.port}" not in puller.background._lanes._keys)
+        assert _eventually(lambda: f"127.0.0.1:{prefill.port}" not in receiver.background._lanes._keys)
         # A READ stuck in flight on "localhost": no peer can be dropped for another spelling.
         inject(d.worker, "check_xfer_state", 1, "proc", times=None)
         (stuck, stuck_p), (refused, refused_p) = new_ids(), new_ids()
@@ -328,7 +328,7 @@ def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(pre
         d.start(spec(stuck, stuck_p, prefill.port, [7], [8], host="localhost"))
         d.start(spec(refused, refused_p, prefill.port, [9], [10]))
         assert d.pump({refused}, BOUND_S) == set() and d.take_errors() == {9}
-        assert list(puller.peers.peers) == [PeerId(ENGINE, "localhost", prefill.port, 0)]
+        assert list(receiver.peers.peers) == [PeerId(ENGINE, "localhost", prefill.port, 0)]
         restore(d.worker)
     finally:
         d.close()
@@ -337,12 +337,12 @@ def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(pre
 def test_idle_peers_are_dropped_with_their_link(prefill: PrefillProc, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="p2pkv.decode")
     d = DecodeSide(64, peer_idle_s=0.5, **FAST)
-    puller = d.worker.puller
+    receiver = d.worker.receiver
     try:
         good_pull(d, prefill, [1], [2])
-        link = puller.fence._links[("127.0.0.1", prefill.port)]
-        assert _eventually(lambda: not d.step() and not puller.peers.peers, 5.0), "the idle peer was kept"
-        assert _eventually(lambda: link._sock.closed) and puller.fence._links == {}
+        link = receiver.fence._links[("127.0.0.1", prefill.port)]
+        assert _eventually(lambda: not d.step() and not receiver.peers.peers, 5.0), "the idle peer was kept"
+        assert _eventually(lambda: link._sock.closed) and receiver.fence._links == {}
         assert "unused for more than peer_idle_s=0.5 s" in caplog.text
         good_pull(d, prefill, [3], [4])  # handshakes again
     finally:
@@ -366,9 +366,9 @@ def test_tp_size_512_at_an_unreachable_host_never_runs_more_threads_than_the_cap
             time.sleep(0.005)
         assert "d-512" in d.finished and d.take_errors() == {1, 2}
         assert most - before <= CALL_THREADS + LANE_THREADS, f"{most - before} threads for one request"
-        bg = d.worker.puller.background
+        bg = d.worker.receiver.background
         assert len(bg._calls._threads) + len(bg._lanes._threads) <= CALL_THREADS + LANE_THREADS
-        assert d.worker.puller.peers.handshakes == {}  # the ones nobody waited for were never started
+        assert d.worker.receiver.peers.handshakes == {}  # the ones nobody waited for were never started
     finally:
         t0 = time.monotonic()
         d.close()
@@ -391,7 +391,7 @@ def test_a_pull_needing_more_than_max_peers_is_refused_alone(prefill: PrefillPro
         expect_bytes(d, prefill, [2, 3], [4, 5])
         (line,) = failure_lines(caplog, bad)
         assert "kind=refused" in line and "max_peers=4" in line
-        assert d.worker.puller.peers.handshakes == {}
+        assert d.worker.receiver.peers.handshakes == {}
     finally:
         d.close()
 

@@ -1,11 +1,15 @@
-"""One decode-side pull: its states, and the parts it is made of.
+"""One decode-side transfer: its states, and the parts it is made of.
 
-A *pull* loads one request's prompt KV from the prefill engine into the
-decode engine's blocks. It is made of one *part* per prefill rank it loads
-from (one when both engines have the same TP size), each moved one way: a
-NIXL READ by this rank, or a WRITE by the prefill rank (its
-:class:`p2pkv.decode.movers.Mover`). The lifecycle that moves pulls between
-states is :class:`p2pkv.decode.puller.Puller`.
+A *transfer* (:class:`Transfer`; vLLM's scheduler calls it the request's KV
+*load*, described to the workers by a :class:`p2pkv.metadata.LoadSpec`) brings
+one request's prompt KV from the prefill engine into the decode engine's
+blocks. It is made of one *part* per prefill rank it loads from (one when both
+engines have the same TP size), each moved one way: a NIXL READ by this rank
+(a *pull*), or a WRITE by the prefill rank (a *push*), by its
+:class:`p2pkv.decode.movers.Mover`. The lifecycle that moves transfers between
+states is :class:`p2pkv.decode.receiver.Receiver`. Settings, metrics and log
+lines keep the name "pull" for a transfer of either direction (their names are
+part of deployments' dashboards and configs).
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from p2pkv.dataplane.agent import XferHandle
 from p2pkv.dataplane.stager import Stage
 from p2pkv.decode.direction import Direction
 from p2pkv.decode.peers import Peer, PeerId, canonical_host
-from p2pkv.metadata import PullSpec
+from p2pkv.metadata import LoadSpec
 
 
-class PullState(str, enum.Enum):
+class TransferState(str, enum.Enum):
     """Where a pull is. Moves only forward, except ``READING``/``FENCING`` → ``HANDSHAKE`` on a retry."""
 
     HANDSHAKE = "handshake"
@@ -71,7 +75,7 @@ class Part:
         failure: why the push failed (the prefill rank's reason).
     """
 
-    pull: Pull
+    pull: Transfer
     attempt: int
     peer_id: PeerId
     peer: Peer
@@ -102,14 +106,14 @@ class Part:
 
 
 @dataclass(eq=False)
-class Pull:
+class Transfer:
     """One request's pull.
 
     Attributes:
         spec: what to pull (from the scheduler; its host canonical, see
             :func:`p2pkv.decode.peers.canonical_host`).
         started: ``time.monotonic()`` of the current attempt's first READ.
-        state: where it is (:class:`PullState`).
+        state: where it is (:class:`TransferState`).
         since: ``time.monotonic()`` when it entered ``state`` (its deadline
             counts from there, :mod:`p2pkv.decode.deadlines`).
         peers: every prefill rank it reads from or notifies (while it is under
@@ -128,9 +132,9 @@ class Pull:
             ``time.time()`` seconds (:meth:`p2pkv.decode.fence.Fence.answers`).
     """
 
-    spec: PullSpec
+    spec: LoadSpec
     started: float = 0.0
-    state: PullState = PullState.HANDSHAKE
+    state: TransferState = TransferState.HANDSHAKE
     since: float = field(default_factory=time.monotonic)
     peers: tuple[PeerId, ...] = ()
     attempt: int = 0
@@ -143,7 +147,7 @@ class Pull:
     questions: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def taken(cls, spec: PullSpec) -> Pull:
+    def taken(cls, spec: LoadSpec) -> Transfer:
         """A new pull of ``spec``, taken by the worker now (its first phase marks set, its host canonical)."""
         remote = dataclasses.replace(spec.remote, host=canonical_host(spec.remote.host))
         return cls(dataclasses.replace(spec, remote=remote),
@@ -157,12 +161,12 @@ class Pull:
     @property
     def finished(self) -> bool:
         """True once ``DONE`` or ``FAILED``."""
-        return self.state in (PullState.DONE, PullState.FAILED)
+        return self.state in (TransferState.DONE, TransferState.FAILED)
 
     @property
     def failed(self) -> bool:
         """True once ``FAILED``."""
-        return self.state is PullState.FAILED
+        return self.state is TransferState.FAILED
 
     def direction(self) -> Direction:
         """How its bytes moved, for metrics and spans: its first posted part's direction (its parts share
