@@ -7,7 +7,8 @@ posts NIXL WRITEs, at most ``max_in_flight`` per decode rank, taking the
 decode ranks in turn (one slow or busy decode rank never starves another),
 polls them, drops or cancels what the decode rank has given up on
 (``window_s``), and unloads decode ranks that have been idle
-(:mod:`p2pkv.prefill.agents`). The engine thread does none of this work.
+(:mod:`p2pkv.prefill.agents`; NIXL loads and removals: :mod:`p2pkv.prefill.loading`). The engine
+thread does none of this work.
 
 Checks, in order, before a WRITE is queued, each refusing with nothing
 loaded, pinned or queued: the rows (``[n, 3]``, paired lengths); the agent
@@ -44,7 +45,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from handshake import AgentInfo, PushRequest
+from handshake import PushRequest
 from handshake.messages import PushStatus
 from p2pkv.dataplane.agent import NixlTransferAgent, check_peer_info, is_agent_name_of
 from p2pkv.dataplane.layout import KVLayout
@@ -52,6 +53,7 @@ from p2pkv.dataplane.plan import PlanError, check_block_ids, check_rows_in_block
 from p2pkv.notification import PushedNotification, encode_pushed
 from p2pkv.prefill.agents import Identity, PushAgent, PushAgents, PushJob
 from p2pkv.prefill.holds import PrefillHolds
+from p2pkv.prefill.loading import DecodeAgentLoader, same_agent
 
 __all__ = ["PushCounters", "PushJob", "Pusher", "requester_identity", "take_in_turn"]
 
@@ -59,8 +61,6 @@ logger = logging.getLogger("p2pkv.prefill")
 
 K = TypeVar("K", bound=Hashable)
 
-SWEEP_S = 0.05
-"""How often (seconds, on the pusher's clock) the pusher thread looks for idle decode ranks to unload."""
 NOTIFY_PROGRESS_S = 2.0
 """How long (seconds) the pusher thread keeps progressing NIXL after a "push_failed" notification, so that it
 is delivered while nothing else progresses the prefill agent (NIXL's UCX backend sends it without blocking)."""
@@ -77,7 +77,6 @@ class PushCounters:
     written: int = 0
     failed: int = 0
     bytes: int = 0
-    unloaded: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
 
 
@@ -113,11 +112,10 @@ class Pusher:
         self._on_start = on_start
         self._clock = clock
         self._lock = threading.Lock()
-        self._nixl_lock = threading.Lock()  # decode agents' loads and removals (both threads); taken before _lock
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._agents = PushAgents(max_agents, agent_idle_s, clock)
-        self._next_sweep = float("-inf")
+        self.loader = DecodeAgentLoader(agent, self._agents, self._lock)
         self._notify_until = float("-inf")  # progress NIXL until then: a push_failed notification may be queued
         self._thread = threading.Thread(target=self._run, name="p2pkv-push", daemon=True)
         self._thread.start()
@@ -195,13 +193,13 @@ class Pusher:
                 return held, ""
             entry = self._agents.admit(identity)
             assert entry is not None  # has_room, under the same lock
-            load_now = entry.idle and not _same(entry.loaded, msg.agent)
+            load_now = entry.idle and not same_agent(entry.loaded, msg.agent)
             if load_now:  # nothing of it queued or in flight: loaded here, so a refusal is the reply
                 entry.starting += 1
             else:  # loaded (again) by the pusher thread before this WRITE, once none is in flight
                 entry.queued.append(job)
         if load_now:
-            ready, why = self._load(entry, msg.agent)
+            ready, why = self.loader.load(entry, msg.agent)
             with self._lock:
                 entry.starting -= 1
                 if ready:
@@ -236,7 +234,7 @@ class Pusher:
     def _cycle(self, now: float) -> bool:
         """Unload evicted decode agents, post what fits (decode agents in turn), poll WRITEs in flight; True
         while any is queued or in flight."""
-        self._unload(now)
+        self.loader.sweep(now)
         self._post_in_turn(now)
         with self._lock:
             posted = [(agent, job) for agent in self._agents.values() for job in agent.in_flight]
@@ -247,24 +245,6 @@ class Pusher:
                     self._agents.touch(agent)
         with self._lock:
             return any(not a.idle for a in self._agents.values())
-
-    def _unload(self, now: float) -> None:
-        """Evict idle (or broken) decode agents now and then; remove every evicted one's agent from NIXL."""
-        with self._lock:
-            if now >= self._next_sweep:
-                self._next_sweep = now + SWEEP_S
-                self._agents.evict_idle()
-        with self._nixl_lock:
-            self._apply_unloads()
-
-    def _apply_unloads(self) -> None:
-        """Remove the evicted decode agents from NIXL (they have nothing in flight); the caller holds the NIXL
-        lock, so no load of the same name runs meanwhile (a name an entry has loaded again is kept)."""
-        with self._lock:
-            names = self._agents.take_unloads()
-            self.counters.unloaded += len(names)
-        for name in names:
-            self.agent.remove_peer(name, "decode")
 
     def _post_in_turn(self, now: float) -> None:
         """Post what fits now: decode agents in turn (:func:`take_in_turn`), each up to ``max_in_flight``,
@@ -287,11 +267,11 @@ class Pusher:
             if job.overdue(now):
                 if agent.loaded is None:  # loaded only to tell the decode rank (a notification needs its agent)
                     assert job.info is not None
-                    self._load(agent, job.info)
+                    self.loader.load(agent, job.info)
                 self._finish(agent, job, "the decode rank's window passed before the WRITE could start")
             else:
                 assert job.info is not None
-                ready, why = self._load(agent, job.info)
+                ready, why = self.loader.load(agent, job.info)
                 if ready is None:
                     deferred[identity] = [job]
                     continue
@@ -307,34 +287,6 @@ class Pusher:
             for identity, jobs in deferred.items():
                 agents[identity].queued.extendleft(reversed(jobs))
                 agents[identity].starting -= len(jobs)
-
-    def _load(self, agent: PushAgent, info: AgentInfo) -> tuple[bool | None, str]:
-        """Make NIXL hold ``info``'s metadata for ``agent`` (evicted agents removed first): ``(True, "")``
-        when it does, ``(None, "")`` when a WRITE to the agent's current metadata is still in flight (loaded
-        again only after it), ``(False, why)`` when NIXL refused it. Either thread; loads and removals of
-        decode agents are serialised (the NIXL lock)."""
-        if _same(agent.loaded, info):
-            return True, ""
-        with self._lock:
-            if agent.in_flight:
-                return None, ""
-        with self._nixl_lock:
-            self._apply_unloads()
-            loaded = agent.loaded
-            if loaded is not None and loaded.agent_name != info.agent_name:  # a restarted decode worker
-                self.agent.remove_peer(loaded.agent_name, "decode")
-                with self._lock:
-                    agent.loaded = None
-            try:
-                self.agent.add_peer(info, "decode")
-            except Exception as exc:
-                self.agent.remove_peer(info.agent_name, "decode")
-                with self._lock:
-                    agent.loaded = None
-                return False, f"agent: {exc}"
-            with self._lock:
-                agent.loaded = info
-        return True, ""
 
     def _start(self, agent: PushAgent, job: PushJob) -> bool:
         """Post ``job``'s WRITE; False (and the job finished as failed) when NIXL refused it."""
@@ -400,8 +352,7 @@ class Pusher:
             if job.handle is not None:
                 self.agent.cancel(job.handle)
             self.holds.unpin(job.request_id)
-        with self._nixl_lock:
-            self._apply_unloads()
+        self.loader.remove_evicted()
 
 
 def requester_identity(msg: PushRequest) -> tuple[Identity | None, str]:
@@ -447,12 +398,6 @@ def take_in_turn(queued: dict[K, collections.deque[PushJob]], in_flight: dict[K,
         for name in round_:
             taken.append((name, queued[name].popleft()))
             flying[name] += 1
-
-
-def _same(loaded: AgentInfo | None, info: AgentInfo) -> bool:
-    """``loaded`` is ``info``'s agent with the same metadata."""
-    return loaded is not None and (loaded.agent_name, loaded.metadata_digest) == (info.agent_name,
-                                                                                 info.metadata_digest)
 
 
 def _rows(data: bytes) -> np.ndarray | None:
