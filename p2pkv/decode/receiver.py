@@ -150,17 +150,17 @@ class Receiver:
         return bool(self.drain) or any(r.in_flight and self.transfers.mover_of(r).polled_soon(r)
                                            for p in self.in_state(TransferState.READING) for r in p.reads)
 
-    def _contained(self, pull: Transfer | None, what: str, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)``, one step of ``pull`` (None: of the worker); an exception is logged and fails
+    def _contained(self, pull: Transfer | None, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn(*args, **kwargs)``, one step of ``pull`` (None: of the worker); an exception is logged and fails
         that pull alone (``refused``, the exception in the reason), never the others."""
         try:
-            fn(*args)
+            fn(*args, **kwargs)
         except Exception as exc:
             logger.exception("p2pkv: %s failed%s", what, f" (request {pull.request_id})" if pull else "")
             if pull is None or pull.finished:
                 return
             try:
-                self._abandon(pull)  # READs in flight must not land in blocks handed back to vLLM
+                self.drain.abandon(pull)  # READs in flight must not land in blocks handed back to vLLM
             except Exception:
                 logger.exception("p2pkv: cancelling the READs of %s failed", pull.request_id)
             self._fail(pull, FailureKind.REFUSED, f"unexpected error {what}: {exc!r}")
@@ -261,7 +261,7 @@ class Receiver:
         self._to(pull, TransferState.READING)
         if (failed := self.transfers.start(pull)) is not None:
             read, exc = failed
-            self._abandon(pull)
+            self.drain.abandon(pull)
             self.peers.drop(read.peer_id)
             self._retry_or_fail(pull, _kind(exc), f"pull from {read.peer.agent_name} could not start: {exc}")
             return
@@ -270,17 +270,20 @@ class Receiver:
     def _collect_pushes(self) -> None:
         """Push replies (a refusal fails the pull as the fence would) and WRITE notifications."""
         for read, kind, why, retry in self.pushes.collect(time.monotonic(), self.config.handshake_timeout_s):
-            self._contained(read.pull, "failing a pushed pull", self._push_failed, read, kind, why, retry)
+            self._contained(read.pull, "failing a pushed pull", self._part_failed, read, kind, why, retry=retry,
+                            drop_peer=retry)
 
-    def _push_failed(self, read: Part, kind: FailureKind, why: str, retry: bool) -> None:
-        """A push request that failed: retried after a new handshake with that rank (it may have restarted),
-        or the pull fails."""
-        self._abandon(read.pull)
-        if retry:
-            self.peers.drop(read.peer_id, only=read.peer)
-            self._retry_or_fail(read.pull, kind, why)
-        else:
+    def _part_failed(self, read: Part, kind: FailureKind, why: str, *, retry: bool, drop_peer: bool) -> None:
+        """One part failed: every part of its pull stops; with ``retry`` the pull is retried after a new
+        handshake with that rank (it may have restarted; its peer dropped first with ``drop_peer``), else
+        (or on its second failure) it fails."""
+        self.drain.abandon(read.pull)
+        if not retry:
             self._fail(read.pull, kind, why)
+            return
+        if drop_peer:
+            self.peers.drop(read.peer_id, only=read.peer)
+        self._retry_or_fail(read.pull, kind, why)
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
@@ -303,12 +306,10 @@ class Receiver:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
         event, exc = self.transfers.poll(read, now)
         if event is ReadEvent.FAILED:
-            if not self.transfers.mover_of(read).keeps_peer_on_failure:
-                self.peers.drop(read.peer_id, only=read.peer)
-            self._abandon(pull)
-            self._retry_or_fail(pull, _kind(exc), str(exc))
+            self._part_failed(read, _kind(exc), str(exc), retry=True,
+                              drop_peer=not self.transfers.mover_of(read).keeps_peer_on_failure)
         elif event is ReadEvent.FIXUP_FAILED:
-            self._abandon(pull)
+            self.drain.abandon(pull)
             self._fail(pull, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
 
     def _collect_fence(self) -> None:
@@ -318,7 +319,7 @@ class Receiver:
     def _judged(self, read: Part, verdict: Verdict, answer: Hold | Exception) -> None:
         """Act on the verdict on one fence answer about ``read`` (:meth:`p2pkv.decode.fence.Fence.verdicts`)."""
         if verdict is Verdict.FAIL:
-            self._abandon(read.pull)
+            self.drain.abandon(read.pull)
             self._fail(read.pull, *failure_of(answer, read.pull.spec.remote.request_id, read.pull.questions))
         elif verdict is Verdict.CONFIRMED:
             read.confirmed = True
@@ -333,10 +334,6 @@ class Receiver:
             self._to(pull, TransferState.DONE)
 
     # ---- endings ----------------------------------------------------------------
-    def _abandon(self, pull: Transfer) -> None:
-        """Stop a failing pull's parts in flight; those that may still write drain (:mod:`p2pkv.decode.drain`)."""
-        self.drain.abandon(pull)
-
     def _retry_or_fail(self, pull: Transfer, kind: FailureKind, why: str) -> None:
         """After a peer failure: re-handshake (the prefill may have restarted) and retry once per pull."""
         if pull.attempt > 1:
@@ -350,7 +347,7 @@ class Receiver:
         now = time.monotonic()
         for pull in list(self.pulls):
             if not pull.finished and (why := self.deadlines.overdue(pull, now)) is not None:
-                self._abandon(pull)
+                self.drain.abandon(pull)
                 self._fail(pull, FailureKind.TIMEOUT, why)
 
     def _fail(self, pull: Transfer, kind: FailureKind, why: str) -> None:
