@@ -20,11 +20,6 @@ bytes) four ways:
   on a second decode agent whose READs NIXL's UCX thread pool moves, each
   cut into ``--split-mib`` pieces (p2pkv's ``nixl_num_threads`` /
   ``nixl_split_mib``).
-* ``readv`` / ``readv_2t`` (``--role both`` on CPU only): the host's ceiling for
-  a copy between two processes without NIXL or UCX: ``process_vm_readv``
-  calls (what UCX's ``cma`` transport makes) of the ``cross_layer`` byte
-  ranges straight from the prefill process, from one thread / two threads
-  (:mod:`p2pkv.tools.bench.readv`).
 
 Directions (``--mode``, a comma-separated list, default ``pull``):
 
@@ -104,7 +99,7 @@ from p2pkv.tools.bench.transfer_options import (
 from p2pkv.tools.bench.transfer_prefill import RemotePrefill, SpawnedPrefill, log, serve
 from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushClient, PushError
 
-__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "READV_METHODS", "add_arguments", "build_parser",
+__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "add_arguments", "build_parser",
            "check_options", "cli_main", "main", "method_labels", "resolve_device", "run_prefill", "run_transfer_bench"]
 
 if TYPE_CHECKING:
@@ -119,13 +114,6 @@ METHODS: dict[str, str] = {
     "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
 }
 """Method key → what it measures (host memory; see :func:`method_labels`)."""
-
-READV_METHODS: dict[str, str] = {
-    "readv": "host ceiling: process_vm_readv of the cross-layer byte ranges from the prefill process, 1 thread "
-             "(no NIXL/UCX)",
-    "readv_2t": "host ceiling: the same process_vm_readv calls split over 2 threads",
-}
-"""Ceiling methods added when the prefill process is a child on this host with host memory."""
 
 CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
                      "between torch.cuda.synchronize() calls; the limit)")
@@ -297,9 +285,6 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         dec.connect(ready, link.host)
         if "push" in opts.modes:
             dec.enable_push(PushClient(link, dec.agent, max(60.0, opts.peer_timeout_s)))
-        if isinstance(link, SpawnedPrefill) and device.type == "cpu" and "pull" in opts.modes:
-            why = dec.enable_readv(link.proc.pid, READV_METHODS)
-            _log(opts, f"readv ceiling: {why or 'measured'}")
         _log(opts, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
         decode_rss = machine.peak_rss_bytes()
