@@ -114,13 +114,6 @@ def push_stats(label: str, nbytes: int, push_s: Sequence[float], writer_s: Seque
     return out
 
 
-def _method(result: dict[str, Any], tokens: int, method: str) -> dict[str, Any] | None:
-    for entry in result["results"]:
-        if entry["tokens"] == tokens:
-            return entry["methods"].get(method)
-    return None
-
-
 def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     """Check the measured numbers against :data:`TARGETS`.
 
@@ -150,7 +143,8 @@ def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     setup = {k: v["setup_ms"] for k, v in result["setup"]["peers"].items()}
     out.append({"name": "first_request_setup_ms", "target": "handshake + add_remote_agent < 50 ms",
                 "measured": setup, "met": max(setup.values()) < TARGETS["setup_ms"]})
-    cross, mem = _method(result, 4096, "cross_layer"), _method(result, 4096, "memcpy")
+    at_4k = next((e["methods"] for e in rows if e["tokens"] == 4096), {})
+    cross, mem = at_4k.get("cross_layer"), at_4k.get("memcpy")
     if result["config"]["shape"] == _LLAMA3_8B and cross is not None and mem is not None:
         ratio = cross["seconds_total"] / mem["seconds_total"]
         measured: Any = {"time_ratio_mean": ratio,

@@ -171,10 +171,6 @@ def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]
     return num_blocks, tokens, warnings
 
 
-def _log(opts: TransferBenchOptions, msg: str) -> None:
-    log(opts.quiet, msg)
-
-
 def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[str, Any]:
     placements = make_placements(opts.seed, tokens, opts.shape, dec.num_blocks, opts.requests, opts.fragmentation)
     runs = [int(coalesce_runs(lo, re, dec.num_blocks, dec.num_blocks)[2].size) for lo, re in placements]
@@ -192,13 +188,13 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
         for mode, method in work[i % len(work):] + work[:i % len(work)]:
             samples[mode, method].append(dec.timed(method, loc, rem) if mode == "pull"
                                          else dec.timed_push(method, loc, rem))
-        _log(opts, f"{tokens} tokens: request {i + 1}/{len(placements)} moved every way")
+        log(opts.quiet, f"{tokens} tokens: request {i + 1}/{len(placements)} moved every way")
     for method in dec.labels:
         plan_s, pull_s, descs = zip(*samples["pull", method], strict=True)
         res = entry["methods"][method] = report.method_stats(
             dec.labels[method], nbytes, pull_s, plan_s, descs, *warm[method])
         res["mode"] = None if method == "memcpy" else "pull"
-        _log(opts, f"{tokens} tokens  {method:<15} {res['gbps']:7.2f} GB/s  p50 {res['latency_ms']['p50']:8.2f} ms"
+        log(opts.quiet, f"{tokens} tokens  {method:<15} {res['gbps']:7.2f} GB/s  p50 {res['latency_ms']['p50']:8.2f} ms"
                    f"  {res['descriptors_per_request']['mean']:9.1f} desc/req  verified={res['verified']}")
     memcpy = entry["methods"]["memcpy"]["gbps"]
     for res in entry["methods"].values():
@@ -211,7 +207,7 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
             res = entry["push"][method] = report.push_stats(
                 PUSH_METHODS[method], nbytes, push_s, writer_s, plan_s, descs, seconds, warm_writer_s, verified)
             res["ratio_to_memcpy"] = res["gbps"] / memcpy
-            _log(opts, f"{tokens} tokens  {method + ' push':<20} {res['gbps']:7.2f} GB/s  p50 "
+            log(opts.quiet, f"{tokens} tokens  {method + ' push':<20} {res['gbps']:7.2f} GB/s  p50 "
                        f"{res['latency_ms']['p50']:8.2f} ms (writer {res['writer_xfer_ms']['p50']:8.2f} ms)  "
                        f"verified={res['verified']}")
     return entry
@@ -230,14 +226,19 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
     """
     import torch
 
-    num_blocks, tokens, warnings, device = _prepare(opts)
+    num_blocks, tokens, warnings = check_options(opts)
+    device = resolve_device(opts.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    for w in warnings:
+        log(opts.quiet, f"warning: {w}")
     threads = torch.get_num_threads()
     started, t_wall = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter()
     link: SpawnedPrefill | None = None
     dec: Decode | None = None
     try:
         torch.set_num_threads(opts.memcpy_threads or threads)  # restored below
-        _log(opts, f"{opts.shape.label()}; {num_blocks} blocks per cache "
+        log(opts.quiet, f"{opts.shape.label()}; {num_blocks} blocks per cache "
                    f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches per process on {device}")
         link = SpawnedPrefill(opts, num_blocks, device)
         dec = Decode(opts, num_blocks, device, method_labels(device, opts.modes))  # while the prefill starts
@@ -245,7 +246,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         dec.connect(ready, opts.host)
         if "push" in opts.modes:
             dec.enable_push(PushClient(link, dec.agent, 60.0))
-        _log(opts, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
+        log(opts.quiet, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
         decode_rss = machine.peak_rss_bytes()
         decode_gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
@@ -282,24 +283,6 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         result["setup"]["push_add_remote_agent_ms"] = dec.pusher.add_remote_agent_ms
     result["targets"] = report.evaluate_targets(result)
     return result
-
-
-def _prepare(opts: TransferBenchOptions) -> tuple[int, list[int], list[str], torch.device]:
-    """Checked options → ``(blocks per cache, token sizes, warnings, device)``; selects the GPU, logs
-    the warnings.
-
-    Raises:
-        ValueError: as :func:`check_options` and :func:`resolve_device`.
-    """
-    import torch
-
-    num_blocks, tokens, warnings = check_options(opts)
-    device = resolve_device(opts.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    for w in warnings:
-        _log(opts, f"warning: {w}")
-    return num_blocks, tokens, warnings, device
 
 
 def cli_main(args: argparse.Namespace) -> int:

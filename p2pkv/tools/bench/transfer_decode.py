@@ -29,7 +29,7 @@ from p2pkv.tools.bench.transfer_push import PUSH_LAYOUT, PushClient, PushError, 
 if TYPE_CHECKING:
     import torch
 
-    from handshake import AgentInfo, KVLayoutDesc
+    from handshake import AgentInfo
     from p2pkv.tools.bench.transfer_options import TransferBenchOptions
 
 PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC", "cross_layer_pool": "BLHNC"}
@@ -133,7 +133,7 @@ class Decode:
         import torch
 
         from handshake import Destination, fetch_agent_info
-        from p2pkv.dataplane.negotiate import layout_desc, remote_segments
+        from p2pkv.dataplane.negotiate import remote_segments
 
         opts, shape = self.opts, self.opts.shape
         for lay in PREFILL_CACHE_LAYOUTS:
@@ -142,7 +142,6 @@ class Decode:
             info = fetch_agent_info(Destination(host, ready[lay]["port"], f"bench-prefill-{lay}", 0), "bench-decode",
                                     "p2pkv-bench:" + shape.key())
             t1 = time.perf_counter()
-            check_compatible(layout_desc(local, shape.model_info(lay), "HND", mem_type=self.mem_type), info.layout)
             name = self.agent.add_peer(info)
             t2 = time.perf_counter()
             if lay == "BLHNC" and self.pool_agent is not None:
@@ -245,19 +244,3 @@ class Decode:
         t1 = time.perf_counter()
         return t1 - t0, self.execute(method, plan), plan["descs"]
 
-
-def check_compatible(local: KVLayoutDesc, remote: KVLayoutDesc) -> None:
-    """Refuse a peer whose blocks cannot be copied byte for byte into ours (same TP size).
-
-    Raises:
-        ValueError: names the field and both sides' values.
-    """
-    for name in ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "attn_layout", "block_len"):
-        mine, theirs = getattr(local, name), getattr(remote, name)
-        if mine != theirs:
-            raise ValueError(f"prefill and decode differ in {name}: prefill has {theirs!r}, decode has "
-                              f"{mine!r}; run both engines with the same {name}")
-    if len(local.regions) != len(remote.regions):
-        raise ValueError(f"prefill KV layout {remote.kv_layout} ({len(remote.regions)} segments per block) "
-                          f"differs from decode {local.kv_layout} ({len(local.regions)}); use the same "
-                          "kv_layout on both engines")
