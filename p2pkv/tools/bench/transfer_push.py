@@ -33,7 +33,7 @@ Units: seconds unless named (``*_ms``: milliseconds); offsets and lengths in byt
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -45,7 +45,6 @@ if TYPE_CHECKING:
     from handshake import AgentInfo
     from p2pkv.dataplane.agent import NixlTransferAgent
     from p2pkv.dataplane.layout import Segment
-    from p2pkv.tools.bench.transfer_prefill import SpawnedPrefill
     from p2pkv.worker import WorkerSide
 
 PUSH_METHODS: dict[str, str] = {
@@ -163,6 +162,22 @@ class Pusher:
         return {"op": "pushed", "id": req, "xfer_s": time.perf_counter() - t0}
 
 
+class PushLink(Protocol):
+    """The decode's way to the prefill's :class:`Pusher`
+    (:class:`p2pkv.tools.bench.transfer_prefill.SpawnedPrefill`)."""
+
+    def send(self, msg: dict[str, Any]) -> None:
+        """Send one message to the prefill."""
+
+    def receive(self, timeout_s: float) -> dict[str, Any]:
+        """The prefill's next reply (waits up to ``timeout_s`` seconds)."""
+        ...
+
+    def try_receive(self) -> dict[str, Any] | None:
+        """The prefill's next reply if one has arrived, else None (does not wait)."""
+        ...
+
+
 class PushError(RuntimeError):
     """The prefill could not push (its error, or no notification in time)."""
 
@@ -176,7 +191,7 @@ class PushClient:
         timeout_s: how long to wait for any reply or notification (seconds).
     """
 
-    def __init__(self, link: SpawnedPrefill, agent: NixlTransferAgent, timeout_s: float) -> None:
+    def __init__(self, link: PushLink, agent: NixlTransferAgent, timeout_s: float) -> None:
         self.link, self.agent, self.timeout_s = link, agent, timeout_s
         self._next = 0
         self.add_remote_agent_ms: dict[str, float] = {}
