@@ -1,17 +1,26 @@
-"""``p2pkv bench scheduler`` runs the real connector's scheduler hooks and reports what they produced (not timed)."""
+"""``scripts/bench_scheduler_hooks.py`` runs the real connector's scheduler hooks and reports what they produced
+(not timed)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
-from p2pkv.tools.cli import main
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_scheduler_hooks.py"
 
 
-def test_bench_scheduler_runs_and_its_hooks_make_the_pulls_and_holds_it_reports(tmp_path: Path) -> None:
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_scheduler_hooks", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scheduler_hooks_script_runs_and_its_hooks_make_the_pulls_and_holds_it_reports(tmp_path: Path) -> None:
     out = tmp_path / "sched.json"
-    rc = main(["bench", "scheduler", "--churn", "1,4", "--running", "8", "--waiting", "8", "--steps", "20",
-               "--warmup", "3", "--prompt-tokens", "100", "--block-size", "16", "--json", str(out), "--quiet"])
+    rc = _script().main(["--churn", "1,4", "--running", "8", "--waiting", "8", "--steps", "20", "--warmup", "3",
+                         "--prompt-tokens", "100", "--block-size", "16", "--json", str(out), "--quiet"])
     assert rc == 0
     result = json.loads(out.read_text())
     assert result["bench"] == "scheduler" and result["command"]
@@ -20,6 +29,7 @@ def test_bench_scheduler_runs_and_its_hooks_make_the_pulls_and_holds_it_reports(
     assert set(result["target"]["met"]) == {"decode/churn1", "decode/churn4", "prefill/churn1", "prefill/churn4"}
     assert [(c["side"], c["churn"]) for c in result["cases"]] == [
         ("decode", 1), ("decode", 4), ("prefill", 1), ("prefill", 4)]
+    assert result["timer_overhead_ns_per_call"] > 0
     for case in result["cases"]:
         n = case["churn"] * case["steps"]
         counts = case["counts"]
@@ -38,3 +48,8 @@ def test_bench_scheduler_runs_and_its_hooks_make_the_pulls_and_holds_it_reports(
             # every finished prefill is held, answered with do_remote_prefill params and leased to the workers
             assert counts["holds"] == counts["hold_params"] == counts["leases_sent"] == counts["released"] == n
             assert counts["pulls"] == 0
+
+
+def test_a_churn_above_the_held_requests_is_refused(capsys) -> None:
+    assert _script().main(["--churn", "9", "--running", "8", "--waiting", "8", "--quiet"]) == 2
+    assert "churn" in capsys.readouterr().err

@@ -6,23 +6,18 @@ and checks that every method ran, moved the same bytes, pulled them exactly
 for byte) and that cross-layer coalescing never needs more descriptors than
 the per-layer scheme. ``--device`` is checked on the CPU (parsing, failing
 fast without CUDA, the ``python -m`` entry staying off the proxy's web stack)
-and, on a GPU machine, end to end with the caches in GPU memory. The
-two-node mode is run on one host: ``--role prefill`` and ``--role decode
---peer 127.0.0.1`` as two subprocesses on free loopback ports, plus the
-control channel on its own and a ``--peer`` where nothing listens.
-``--mode pull,push`` runs both directions over the same caches (one host,
-spawned prefill) and ``--mode push`` alone across the two-node control
-channel; both check that each push moved the pulled bytes, exactly.
+and, on a GPU machine, end to end with the caches in GPU memory.
+``--mode pull,push`` runs both directions over the same caches and checks
+that each push moved the pulled bytes, exactly; ``--mode push`` alone pulls
+nothing.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -41,8 +36,7 @@ from p2pkv.testing import (
     size_cache,
 )
 from p2pkv.tools.bench import machine, report, transfer
-from p2pkv.tools.bench.transfer import METHODS, READV_METHODS, run_transfer_bench
-from p2pkv.tools.bench.transfer_control import ControlClient, ControlServer, PeerError
+from p2pkv.tools.bench.transfer import METHODS, run_transfer_bench
 from p2pkv.tools.bench.transfer_options import TransferBenchOptions
 from p2pkv.tools.bench.transfer_push import PUSH_METHODS, Pusher
 from tests import warm_processes
@@ -65,9 +59,7 @@ def test_bench_transfer_tiny_end_to_end(tmp_path) -> None:
     assert [e["tokens"] for e in data["results"]] == [64, 100]
     for entry in data["results"]:
         methods = entry["methods"]
-        # Prefill is a child on this host with host memory: the process_vm_readv ceiling is measured too.
-        assert set(methods) == set(METHODS) | set(READV_METHODS) | {"cross_layer_pool"}
-        assert methods["readv"]["descriptors_per_request"] == methods["cross_layer"]["descriptors_per_request"]
+        assert set(methods) == set(METHODS) | {"cross_layer_pool"}
         blocks = TINY.blocks_for(entry["tokens"])
         assert entry["blocks_per_request"] == blocks
         assert {m["bytes_total"] for m in methods.values()} == {2 * blocks * TINY.block_bytes}
@@ -90,13 +82,9 @@ def test_bench_transfer_tiny_end_to_end(tmp_path) -> None:
                                                    "first_request_setup_ms"}
     assert next(t for t in data["targets"] if t["name"] == "descriptors_le_runs")["met"] is True
     table = report.format_table(result)
-    assert all(name in table for name in (*METHODS, *READV_METHODS, "cross_layer_pool"))
-    ceiling = next(t for t in data["targets"] if t["name"] == "cpu_cross_layer_vs_memcpy_or_ceiling")
-    assert ceiling["met"] is None  # 4k and 16k tokens were not measured
+    assert all(name in table for name in (*METHODS, "cross_layer_pool"))
     assert data["config"]["device"] == "cpu" and data["config"]["nixl_mem_type"] == "DRAM"
-    assert data["role"] == data["config"]["role"] == "both" and data["peer"] is None and "prefill_machine" not in data
-    assert data["hosts"]["decode"] == {"hostname": socket.gethostname(), "address": "127.0.0.1"}
-    assert data["hosts"]["prefill"]["address"] == "127.0.0.1"
+    assert set(data["side_channel_ports"]) == {"BLHNC", "LBHNC"} and all(data["side_channel_ports"].values())
     assert data["machine"]["device"]["type"] == "cpu"
     assert "cpu (host memory, NIXL DRAM)" in table.splitlines()[0]
     gpu = copy.deepcopy(result)
@@ -142,6 +130,23 @@ def test_bench_transfer_pull_and_push(tmp_path: Path, capsys) -> None:
     assert "NO" not in table.split()
 
 
+def test_bench_transfer_push_only(tmp_path: Path) -> None:
+    path = tmp_path / "push.json"
+    rc = transfer.main(["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64", "--requests", "2",
+                        "--mode", "push", "--quiet", "--json", str(path)])
+    assert rc == 0
+    data = json.loads(path.read_text())
+    assert list(data["modes"]) == ["push"]
+    (entry,) = data["results"]
+    assert set(entry["methods"]) == {"memcpy"}  # nothing pulled
+    assert set(entry["push"]) == set(PUSH_METHODS)
+    for name, m in entry["push"].items():
+        assert m["verified"] is True, f"{name} pushed wrong bytes"
+        assert m["bytes_total"] == entry["methods"]["memcpy"]["bytes_total"] > 0
+    assert data["processes"]["prefill_notifications"] == 0  # no READ was announced: nothing was pulled
+    assert {t["met"] for t in data["targets"] if t["name"] != "first_request_setup_ms"} == {None}
+
+
 def test_mode_flag_parses() -> None:
     parser = transfer.build_parser()
     assert parser.parse_args([]).mode == ("pull",)
@@ -159,16 +164,15 @@ def test_pusher_answers_bad_requests_with_errors() -> None:
     assert pusher.handle({"op": "push_sideways"})["op"] == "error"
     reply = pusher.handle({"op": "push", "id": 3})  # never planned
     assert reply["op"] == "error" and "push" in reply["error"]
-    assert pusher.handle({"op": "push_peer", "infos": {"BLHNC": "not base64!"}})["op"] == "error"
+    assert pusher.handle({"op": "push_peer", "infos": {"BLHNC": "not an AgentInfo"}})["op"] == "error"
 
 
 def test_device_flag_parses() -> None:
     parser = transfer.build_parser()
     assert parser.parse_args([]).device == "cpu"
-    assert parser.parse_args([]).role == "both"
-    split = parser.parse_args(["--role", "decode", "--peer", "10.0.0.2", "--port", "6000", "--peer-timeout", "5"])
-    assert (split.role, split.peer, split.port, split.control_port, split.peer_timeout) == (
-        "decode", "10.0.0.2", 6000, 0, 5.0)
+    for gone in ("--role", "--peer", "--control-port"):  # one host only: nixlbench / kvbench cover several
+        with pytest.raises(SystemExit):
+            parser.parse_args([gone, "x"])
     assert parser.parse_args(["--device", "cuda", "--tokens", "1k,4k"]).device == "cuda"
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(["--device", "tpu"])
@@ -272,142 +276,3 @@ def test_pattern_check_catches_a_single_wrong_byte() -> None:
     assert not ranges_equal(raw, ranges, None, 6)
     raw[TINY.block_bytes + 3] ^= 1
     assert not ranges_equal(raw, ranges, None, 5)
-
-
-# --------------------------------------------------------------------------- two nodes (--role prefill / decode)
-
-TINY_FLAGS = ["--layers", "2", "--kv-heads", "2", "--head-dim", "16", "--tokens", "64", "--requests", "2"]
-
-
-def _free_ports() -> tuple[int, int]:
-    """``(port, control_port)`` free on 127.0.0.1 now, with ``port + 1`` free too (side channels)."""
-    from tests.conftest import free_ports
-
-    port, control = free_ports(2, run=2)
-    return port, control
-
-
-def _bench(*args: str) -> list[str]:
-    return [sys.executable, "-m", "p2pkv.tools.bench.transfer", *args, *TINY_FLAGS]
-
-
-def test_bench_transfer_split_roles_over_loopback(tmp_path: Path) -> None:
-    port, control = _free_ports()
-    ports = ["--port", str(port), "--control-port", str(control)]
-    logs = {name: (tmp_path / f"{name}.out", tmp_path / f"{name}.err") for name in ("prefill", "decode")}
-    with open(logs["prefill"][0], "w") as out, open(logs["prefill"][1], "w") as err:
-        prefill = subprocess.Popen(_bench("--role", "prefill", "--host", "127.0.0.1", *ports, "--serve-seconds", "600"),
-                                   stdout=out, stderr=err)
-    try:
-        path = tmp_path / "decode.json"
-        # Started at once: the decode side waits (--peer-timeout) for the prefill to be ready.
-        decode = subprocess.run(_bench("--role", "decode", "--peer", "127.0.0.1", *ports, "--peer-timeout", "300",
-                                       "--json", str(path)), capture_output=True, text=True, timeout=500)
-        assert decode.returncode == 0, decode.stdout + decode.stderr
-        assert prefill.wait(timeout=120) == 0, logs["prefill"][1].read_text()  # it exits by itself
-    finally:
-        if prefill.poll() is None:
-            prefill.kill()
-            prefill.wait()
-    (ready,) = [line for line in logs["prefill"][0].read_text().splitlines() if line.startswith("ready: ")]
-    assert f"127.0.0.1:{port}" in ready and f"127.0.0.1:{port + 1}" in ready and f"127.0.0.1:{control}" in ready
-    data = json.loads(path.read_text())
-    assert data["role"] == "decode" and data["peer"] == "127.0.0.1"
-    assert data["config"]["port"] == port and data["config"]["control_port"] == control
-    assert data["hosts"]["decode"] == {"hostname": socket.gethostname(), "address": "127.0.0.1"}
-    assert data["hosts"]["prefill"] == {"hostname": socket.gethostname(), "address": "127.0.0.1",
-                                        "side_channel_ports": {"BLHNC": port, "LBHNC": port + 1}}
-    assert data["prefill_machine"]["versions"]["torch"] and data["prefill_machine"]["device"]["type"] == "cpu"
-    (entry,) = data["results"]
-    assert set(entry["methods"]) == set(METHODS) | {"cross_layer_pool"}
-    for name, m in entry["methods"].items():
-        assert m["verified"] is True, f"{name} pulled wrong bytes"
-    assert data["processes"]["prefill_notifications"] >= 1 and data["processes"]["prefill_peak_rss_bytes"] > 0
-    assert {p["prefill_register_ms"] > 0 for p in data["setup"]["peers"].values()} == {True}
-
-
-def test_bench_transfer_split_roles_push_only(tmp_path: Path) -> None:
-    port, control = _free_ports()
-    ports = ["--port", str(port), "--control-port", str(control)]
-    err = tmp_path / "prefill.err"
-    with open(err, "w") as err_file:
-        prefill = subprocess.Popen(_bench("--role", "prefill", *ports, "--serve-seconds", "600"),
-                                   stdout=subprocess.DEVNULL, stderr=err_file)
-    try:
-        path = tmp_path / "decode.json"
-        decode = subprocess.run(_bench("--role", "decode", "--peer", "127.0.0.1", *ports, "--peer-timeout", "300",
-                                       "--mode", "push", "--json", str(path)), capture_output=True, text=True,
-                                timeout=500)
-        assert decode.returncode == 0, decode.stdout + decode.stderr
-        assert prefill.wait(timeout=120) == 0, err.read_text()
-    finally:
-        if prefill.poll() is None:
-            prefill.kill()
-            prefill.wait()
-    data = json.loads(path.read_text())
-    assert list(data["modes"]) == ["push"]
-    (entry,) = data["results"]
-    assert set(entry["methods"]) == {"memcpy"}  # nothing pulled
-    assert set(entry["push"]) == set(PUSH_METHODS)
-    for name, m in entry["push"].items():
-        assert m["verified"] is True, f"{name} pushed wrong bytes"
-        assert m["bytes_total"] == entry["methods"]["memcpy"]["bytes_total"] > 0
-    assert data["processes"]["prefill_notifications"] == 0  # no READ was announced: nothing was pulled
-    assert {t["met"] for t in data["targets"] if t["name"] != "first_request_setup_ms"} == {None}
-    assert "push x memcpy" in decode.stdout
-
-
-def test_bench_transfer_decode_without_a_prefill_at_peer_fails() -> None:
-    port, control = _free_ports()
-    out = subprocess.run(_bench("--role", "decode", "--peer", "127.0.0.1", "--port", str(port), "--control-port",
-                                str(control), "--peer-timeout", "2"), capture_output=True, text=True, timeout=300)
-    assert out.returncode == 3, out.stdout + out.stderr
-    assert "--peer 127.0.0.1" in out.stderr and f"control port {control}" in out.stderr
-    assert "Traceback" not in out.stderr
-
-
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--role", "decode"], "--role decode needs --peer"),
-    (["--peer", "10.0.0.2"], "only --role decode connects"),
-    (["--role", "prefill", "--port", "65535"], "--port 65535"),
-])
-def test_split_role_options_are_checked_first(argv: list[str], message: str, capsys) -> None:
-    assert transfer.main([*argv, *TINY_FLAGS]) == 2
-    assert message in capsys.readouterr().err
-    assert not warm_processes.others()
-
-
-def test_control_channel_survives_probes_and_garbage() -> None:
-    server = ControlServer("127.0.0.1", 0)
-    seen: list[dict] = []
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            msg = server.poll(0.05)
-            if msg is None:
-                continue
-            seen.append(msg)
-            if msg["op"] == "hello":
-                server.reply({"op": "ready", "n": msg["n"] + 1})
-            elif msg["op"] == "done":
-                server.reply({"op": "bye"})
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        socket.create_connection(("127.0.0.1", server.port), timeout=10).close()  # a port probe
-        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as bad:
-            bad.sendall(b"not json\n")
-            assert bad.recv(10) == b""  # dropped
-        client = ControlClient("127.0.0.1", server.port, 30)
-        assert client.request({"op": "hello", "n": 1}, "ready", 30) == {"op": "ready", "n": 2}
-        assert client.request({"op": "done"}, "bye", 30) == {"op": "bye"}
-        with pytest.raises(PeerError, match="expected a 'bye' reply"):
-            client.request({"op": "hello", "n": 5}, "bye", 30)
-        client.close()
-    finally:
-        stop.set()
-        thread.join(timeout=30)
-        server.close()
-    assert [m["op"] for m in seen][:5] == ["closed", "closed", "hello", "done", "hello"]

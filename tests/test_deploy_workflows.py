@@ -103,29 +103,15 @@ def test_gpu_workflow_jobs_and_commands() -> None:
     commands = [parse_p2pkv(argv) for argv in invoked]
     kinds = {(ns.command, getattr(ns, "bench_command", None)) for ns in commands}
     assert {("bench", "transfer"), ("demo", None), ("doctor", None)} <= kinds
-    benches: dict[str, tuple[dict[str, Any], argparse.Namespace]] = {}
+    benches: list[tuple[dict[str, Any], argparse.Namespace]] = []
     for job in wf["jobs"].values():
         for argv in _p2pkv_invocations(_run_lines({"jobs": {"job": job}})):
             ns = parse_p2pkv(argv)
             if (ns.command, getattr(ns, "bench_command", None)) == ("bench", "transfer"):
-                assert ns.device == "cuda"
-                benches[ns.role] = (job, ns)
-    assert set(benches) == {"both", "prefill", "decode"}
-    # One node: side channel on the runner's IB address, results uploaded.
-    job, bench = benches["both"]
-    assert bench.host.startswith("$") and bench.json and bench.json in _uploads(job)
-    # Two nodes: one job per role, concurrent, on two runners told apart by a label each;
-    # the decode side finds the prefill through a repository variable.
-    (prefill_job, prefill), (decode_job, decode) = benches["prefill"], benches["decode"]
-    assert set(prefill_job["runs-on"]) - set(decode_job["runs-on"])
-    assert set(decode_job["runs-on"]) - set(prefill_job["runs-on"])
-    assert "needs" not in prefill_job and "needs" not in decode_job  # concurrent: neither waits for the other
-    assert prefill.host.startswith("$") and not prefill.peer and prefill.serve_seconds > 0
-    assert decode.peer == "$P2PKV_PREFILL_IB_HOST" and "vars.P2PKV_PREFILL_IB_HOST" in str(wf["env"])
-    assert (prefill.port, prefill.control_port) == (decode.port, decode.control_port)
-    assert decode.json and decode.json in _uploads(decode_job) and decode.plot in _uploads(decode_job)
-    waits = " ".join(_run_lines({"jobs": {"decode": decode_job}}))
-    assert f"$P2PKV_PREFILL_IB_HOST/{decode.control_port or decode.port + 2}" in waits
+                benches.append((job, ns))
+    # One node: GPU memory, side channel on the runner's IB address, results uploaded.
+    ((job, bench),) = benches
+    assert bench.device == "cuda" and bench.host.startswith("$") and bench.json and bench.json in _uploads(job)
     # Only scripts that exist.
     for path in re.findall(r"(?:scripts|\.ci)/[\w./-]+", " ".join(lines)):
         assert (ROOT / path).exists(), f"{path} does not exist"

@@ -147,10 +147,6 @@ BENCHES: tuple[tuple[str, str, str, str, str], ...] = (
      "p2pkv.tools.bench.serve", "add_arguments", "main"),
     ("fixup", "post-receive fixup (re-block, HND/NHD, head slice) on the device vs a plain copy",
      "p2pkv.tools.bench.fixup", "add_arguments", "cli_main"),
-    ("scheduler", "the connector's scheduler hooks per engine step (decode pulls, prefill holds)",
-     "p2pkv.tools.bench.scheduler_hooks", "add_arguments", "cli_main"),
-    ("prepped", "building a READ: initialize_xfer on coalesced rows vs make_prepped_xfer on prepared lists",
-     "p2pkv.tools.bench.prepped", "add_arguments", "cli_main"),
     ("side-channel", "fence questions from many clients to a prefill engine's side channel while 3 engines prefill",
      "p2pkv.tools.bench.side_channel", "add_arguments", "cli_main"),
 )

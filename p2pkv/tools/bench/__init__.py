@@ -8,8 +8,6 @@
   p2pkv pair, a NixlConnector pair and one engine through the proxy.
 * :mod:`p2pkv.tools.bench.fixup`: ``p2pkv bench fixup``, the post-receive fixup
   against a plain device copy.
-* :mod:`p2pkv.tools.bench.scheduler_hooks`: ``p2pkv bench scheduler``, the
-  connector's scheduler hooks per engine step at a steady request load.
 
 Synthetic KV caches and block placements come from :mod:`p2pkv.testing`.
 Shared by the benches: :mod:`p2pkv.tools.bench.table` (text tables and their

@@ -38,7 +38,6 @@ Imports nothing heavy at module level (torch inside the functions), so the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
 import statistics
@@ -47,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from p2pkv.tools.bench.machine import command_line, machine_info
+from p2pkv.tools.bench.machine import command_line, machine_info, version
 from p2pkv.tools.bench.report import write_json
 from p2pkv.tools.bench.table import grid_lines, yes_no
 
@@ -264,19 +263,10 @@ def run_fixup_bench(*, device: str = "cpu", tokens: int = 4096, layers: int = 32
         results.append(run_case(table[name], device=dev, dtype=tdtype, pages=pages, head_elems=head_dim,
                                 tokens=tokens, impls=list(impls), iters=iters, warmup=warmup, seed=seed,
                                 verify=verify))
-    machine: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                               "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
-                               "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-    with contextlib.suppress(Exception):  # description only
-        machine.update(machine_info())
+    machine = {**machine_info(str(dev)), "platform": platform.platform(), "cpu_threads": torch.get_num_threads(),
+               "loadavg": list(os.getloadavg())}
     if dev.type == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name(dev)
-        try:
-            import triton
-
-            machine["triton"] = triton.__version__
-        except ImportError:
-            pass
+        machine.update(gpu=machine["device"]["name"], triton=version("triton"))
     return {"bench": "fixup", "command": command_line(sys.argv), "device": str(dev), "machine": machine,
             "shape": {"layers": layers, "pages": pages, "kv_heads": kv_heads, "head_dim": head_dim,
                       "dtype": dtype},

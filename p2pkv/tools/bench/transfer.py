@@ -1,6 +1,10 @@
 """``p2pkv bench transfer``: KV block pulls (and pushes) over NIXL between two processes vs memcpy.
 
-A *prefill* process owns two synthetic KV caches of one model shape,
+Both processes run on this host: this one is the *decode* side and spawns
+the *prefill* process (side channels on ``--host``, ephemeral ports). For
+runs across hosts, use NIXL's own ``nixlbench`` / ``kvbench``.
+
+The *prefill* process owns two synthetic KV caches of one model shape,
 cross-layer (``BLHNC``) and layer-compact (``LBHNC``), each registered and
 served by its own :class:`p2pkv.worker.WorkerSide` (NIXL agent + side
 channel; :mod:`p2pkv.tools.bench.transfer_prefill`). The *decode* process holds two
@@ -20,11 +24,6 @@ bytes) four ways:
   on a second decode agent whose READs NIXL's UCX thread pool moves, each
   cut into ``--split-mib`` pieces (p2pkv's ``nixl_num_threads`` /
   ``nixl_split_mib``).
-* ``readv`` / ``readv_2t`` (``--role both`` on CPU only): the host's ceiling for
-  a copy between two processes without NIXL or UCX: ``process_vm_readv``
-  calls (what UCX's ``cma`` transport makes) of the ``cross_layer`` byte
-  ranges straight from the prefill process, from one thread / two threads
-  (:mod:`p2pkv.tools.bench.readv`).
 
 Directions (``--mode``, a comma-separated list, default ``pull``):
 
@@ -32,7 +31,7 @@ Directions (``--mode``, a comma-separated list, default ``pull``):
 * ``push``: ``cross_layer``, ``per_layer`` and ``layer_coalesced`` again,
   with the same descriptor rows, but the prefill side posts NIXL WRITEs
   of the same blocks into the decode side's blocks, each with a
-  notification, when the decode side asks over the control link
+  notification, when the decode side asks over a pipe
   (:mod:`p2pkv.tools.bench.transfer_push`). A push is timed as a decode
   engine would see it: from sending the ask until the decode's agent hands
   over the WRITE's notification. The prefill's own post → DONE time is
@@ -40,25 +39,9 @@ Directions (``--mode``, a comma-separated list, default ``pull``):
   (``plan_us``; untimed, before the ask). ``memcpy`` is measured once per
   run either way, and every mode's GB/s is also given as a ratio to it.
 
-Where the two processes run (``--role``):
-
-* ``both`` (default): this process is the decode side and spawns the
-  prefill process on the same host (side channels on ``--host``, ephemeral
-  ports).
-* ``prefill`` / ``decode``: one node each. ``--role prefill`` serves in the
-  foreground (side channels on ``--host``:``--port`` and ``--port + 1``),
-  ``--role decode --peer HOST`` pulls from it; what ``both`` passes through
-  multiprocessing queues (readiness, side-channel ports, blocks per cache,
-  the prefill's statistics) travels over a small TCP control channel on
-  ``--control-port`` (:mod:`p2pkv.tools.bench.transfer_control`). Both sides derive
-  caches, patterns and block placements from the same flags
-  (``--seed``, shape, ``--num-blocks``/``--max-mem-gib``); the decode side
-  checks that they agree and tells the prefill when it is done, and the
-  prefill then exits.
-
 With ``device="cuda"`` (``--device cuda``) every cache lives in GPU memory
-(NIXL memory type ``VRAM``; with ``--role both`` both processes' on one GPU,
-and UCX moves the READs between them with ``cuda_ipc``), and ``memcpy`` is a
+(NIXL memory type ``VRAM``; both processes' on one GPU, and UCX moves the
+READs between them with ``cuda_ipc``), and ``memcpy`` is a
 device-to-device ``copy_`` of the same byte ranges on the decode side,
 timed between ``torch.cuda.synchronize()`` calls.
 
@@ -81,7 +64,6 @@ numpy, msgspec, pyzmq and NIXL).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from dataclasses import asdict
@@ -90,22 +72,21 @@ from typing import TYPE_CHECKING, Any
 from p2pkv.dataplane.plan import coalesce_runs
 from p2pkv.testing import GiB, make_placements, size_cache
 from p2pkv.tools.bench import machine, report
-from p2pkv.tools.bench.transfer_control import PeerError
 from p2pkv.tools.bench.transfer_decode import Decode
 from p2pkv.tools.bench.transfer_options import (
     DEVICES,
     MODES,
     PROCESS_OVERHEAD_BYTES,
-    ROLES,
     TransferBenchOptions,
     add_arguments,
+    log,
     options_from_args,
 )
-from p2pkv.tools.bench.transfer_prefill import RemotePrefill, SpawnedPrefill, log, serve
+from p2pkv.tools.bench.transfer_prefill import SpawnedPrefill
 from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushClient, PushError
 
-__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "READV_METHODS", "add_arguments", "build_parser",
-           "check_options", "cli_main", "main", "method_labels", "resolve_device", "run_prefill", "run_transfer_bench"]
+__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "add_arguments", "build_parser",
+           "check_options", "cli_main", "main", "method_labels", "resolve_device", "run_transfer_bench"]
 
 if TYPE_CHECKING:
     import argparse
@@ -119,13 +100,6 @@ METHODS: dict[str, str] = {
     "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
 }
 """Method key → what it measures (host memory; see :func:`method_labels`)."""
-
-READV_METHODS: dict[str, str] = {
-    "readv": "host ceiling: process_vm_readv of the cross-layer byte ranges from the prefill process, 1 thread "
-             "(no NIXL/UCX)",
-    "readv_2t": "host ceiling: the same process_vm_readv calls split over 2 threads",
-}
-"""Ceiling methods added when the prefill process is a child on this host with host memory."""
 
 CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
                      "between torch.cuda.synchronize() calls; the limit)")
@@ -168,9 +142,7 @@ def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]
     """``(num_blocks, token sizes that fit, warnings)``: two caches per process within ``max_mem_gib``.
 
     With ``device="cuda"`` the budget is GPU memory, and this GPU's free
-    memory must hold the caches now: both processes' (four caches) with
-    ``role="both"``, this side's two otherwise. Both sides of a split pair
-    compute the same ``num_blocks`` from the same flags.
+    memory must hold both processes' caches (four) now.
 
     Raises:
         ValueError: bad options, no usable CUDA device for ``--device cuda``,
@@ -181,18 +153,6 @@ def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]
     if not opts.modes or len(set(opts.modes)) != len(opts.modes) or set(opts.modes) - set(MODES):
         raise ValueError(f"--mode {','.join(opts.modes)}: expected a comma-separated list of {', '.join(MODES)}, "
                          "each at most once")
-    if opts.role not in ROLES:
-        raise ValueError(f"--role {opts.role}: expected one of {', '.join(ROLES)}")
-    if opts.role == "decode" and not opts.peer:
-        raise ValueError("--role decode needs --peer HOST: the address of the node running --role prefill")
-    if opts.peer and opts.role != "decode":
-        raise ValueError(f"--peer {opts.peer}: only --role decode connects to a peer (this is --role {opts.role})")
-    if opts.role != "both":
-        if not 0 < opts.port < 65535 or not 0 <= opts.control_port < 65536 or opts.port + 2 > 65535:
-            raise ValueError(f"--port {opts.port} / --control-port {opts.control_port}: need 1 <= --port <= 65533 "
-                             "(side channels on --port and --port + 1) and --control-port 0 (--port + 2) or a port")
-        if opts.serve_seconds <= 0 or opts.peer_timeout_s <= 0:
-            raise ValueError("--serve-seconds and --peer-timeout must be > 0")
     if opts.shape.page_bytes % 8:
         raise ValueError(f"a block's page is {opts.shape.page_bytes} B; the benchmark needs a multiple of 8")
     device = resolve_device(opts.device)
@@ -203,17 +163,12 @@ def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]
         import torch
 
         free, _ = torch.cuda.mem_get_info(device)
-        procs = 2 if opts.role == "both" else 1
-        need = procs * (2 * num_blocks * opts.shape.block_bytes + PROCESS_OVERHEAD_BYTES)
+        need = 2 * (2 * num_blocks * opts.shape.block_bytes + PROCESS_OVERHEAD_BYTES)
         if need > free:
-            raise ValueError(f"--device {opts.device}: {procs} process(es) with two caches of {num_blocks} blocks each "
+            raise ValueError(f"--device {opts.device}: 2 processes with two caches of {num_blocks} blocks each "
                              f"need {need / GiB:.2f} GiB of GPU memory but {device} has {free / GiB:.2f} GiB free; "
                              "lower --max-mem-gib or --num-blocks")
     return num_blocks, tokens, warnings
-
-
-def _log(opts: TransferBenchOptions, msg: str) -> None:
-    log(opts.quiet, msg)
 
 
 def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[str, Any]:
@@ -233,13 +188,13 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
         for mode, method in work[i % len(work):] + work[:i % len(work)]:
             samples[mode, method].append(dec.timed(method, loc, rem) if mode == "pull"
                                          else dec.timed_push(method, loc, rem))
-        _log(opts, f"{tokens} tokens: request {i + 1}/{len(placements)} moved every way")
+        log(opts.quiet, f"{tokens} tokens: request {i + 1}/{len(placements)} moved every way")
     for method in dec.labels:
         plan_s, pull_s, descs = zip(*samples["pull", method], strict=True)
         res = entry["methods"][method] = report.method_stats(
             dec.labels[method], nbytes, pull_s, plan_s, descs, *warm[method])
         res["mode"] = None if method == "memcpy" else "pull"
-        _log(opts, f"{tokens} tokens  {method:<15} {res['gbps']:7.2f} GB/s  p50 {res['latency_ms']['p50']:8.2f} ms"
+        log(opts.quiet, f"{tokens} tokens  {method:<15} {res['gbps']:7.2f} GB/s  p50 {res['latency_ms']['p50']:8.2f} ms"
                    f"  {res['descriptors_per_request']['mean']:9.1f} desc/req  verified={res['verified']}")
     memcpy = entry["methods"]["memcpy"]["gbps"]
     for res in entry["methods"].values():
@@ -252,55 +207,46 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
             res = entry["push"][method] = report.push_stats(
                 PUSH_METHODS[method], nbytes, push_s, writer_s, plan_s, descs, seconds, warm_writer_s, verified)
             res["ratio_to_memcpy"] = res["gbps"] / memcpy
-            _log(opts, f"{tokens} tokens  {method + ' push':<20} {res['gbps']:7.2f} GB/s  p50 "
+            log(opts.quiet, f"{tokens} tokens  {method + ' push':<20} {res['gbps']:7.2f} GB/s  p50 "
                        f"{res['latency_ms']['p50']:8.2f} ms (writer {res['writer_xfer_ms']['p50']:8.2f} ms)  "
                        f"verified={res['verified']}")
     return entry
 
 
 def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
-    """Run the whole benchmark as the decode side (``role`` ``"both"`` or ``"decode"``).
-
-    ``"both"`` spawns the prefill process and ends it before returning;
-    ``"decode"`` connects to the prefill at ``opts.peer`` and tells it when
-    it is done (it then exits).
+    """Run the whole benchmark: spawn the prefill process, measure as the decode side, end it.
 
     Returns:
         The results dict that :mod:`p2pkv.tools.bench.report` prints, writes and checks.
 
     Raises:
-        ValueError: bad options, or a peer whose caches differ from this side's.
-        PeerError: the prefill at ``--peer`` cannot be reached or stopped answering.
-        RuntimeError: the spawned prefill process failed or did not answer.
+        ValueError: bad options (see :func:`check_options`).
+        RuntimeError: the prefill process failed or did not answer.
         PushError: in push mode, the prefill could not push a request.
     """
     import torch
 
-    if opts.role == "prefill":
-        raise ValueError("--role prefill serves (run_prefill); it does not measure")
-    num_blocks, tokens, warnings, device = _prepare(opts)
+    num_blocks, tokens, warnings = check_options(opts)
+    device = resolve_device(opts.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    for w in warnings:
+        log(opts.quiet, f"warning: {w}")
     threads = torch.get_num_threads()
     started, t_wall = time.strftime("%Y-%m-%dT%H:%M:%S%z"), time.perf_counter()
-    link: SpawnedPrefill | RemotePrefill | None = None
+    link: SpawnedPrefill | None = None
     dec: Decode | None = None
     try:
-        if opts.role == "decode":  # before any cache exists: a bad --peer fails fast
-            link = RemotePrefill(opts, num_blocks, device)
-            _log(opts, f"prefill {link.hostname} at --peer {opts.peer} is ready")
         torch.set_num_threads(opts.memcpy_threads or threads)  # restored below
-        _log(opts, f"{opts.shape.label()}; {num_blocks} blocks per cache "
+        log(opts.quiet, f"{opts.shape.label()}; {num_blocks} blocks per cache "
                    f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches per process on {device}")
-        if link is None:
-            link = SpawnedPrefill(opts, num_blocks, device)
-        dec = Decode(opts, num_blocks, device, method_labels(device, opts.modes))  # while a spawned prefill starts
+        link = SpawnedPrefill(opts, num_blocks, device)
+        dec = Decode(opts, num_blocks, device, method_labels(device, opts.modes))  # while the prefill starts
         ready = link.ready()
-        dec.connect(ready, link.host)
+        dec.connect(ready, opts.host)
         if "push" in opts.modes:
-            dec.enable_push(PushClient(link, dec.agent, max(60.0, opts.peer_timeout_s)))
-        if isinstance(link, SpawnedPrefill) and device.type == "cpu" and "pull" in opts.modes:
-            why = dec.enable_readv(link.proc.pid, READV_METHODS)
-            _log(opts, f"readv ceiling: {why or 'measured'}")
-        _log(opts, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
+            dec.enable_push(PushClient(link, dec.agent, 60.0))
+        log(opts.quiet, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
         decode_rss = machine.peak_rss_bytes()
         decode_gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
@@ -315,10 +261,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "p2pkv bench transfer", "command": machine.command_line(opts.argv), "argv": list(opts.argv),
         "timestamp": started, "wall_s": time.perf_counter() - t_wall, "machine": machine.machine_info(str(device)),
-        "role": opts.role, "peer": opts.peer or None,
-        "hosts": {"decode": {"hostname": socket.gethostname(), "address": link.local_address},
-                  "prefill": {"hostname": link.hostname, "address": link.host,
-                              "side_channel_ports": {k: v["port"] for k, v in ready.items()}}},
+        "side_channel_ports": {k: v["port"] for k, v in ready.items()},
         "config": {**{k: v for k, v in asdict(opts).items() if k not in ("argv", "quiet")},
                    "device": str(device), "nixl_mem_type": dec.mem_type,
                    "tokens": tokens, "skipped_tokens": sorted(set(opts.tokens) - set(tokens)),
@@ -338,63 +281,19 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
     }
     if dec.pusher is not None:
         result["setup"]["push_add_remote_agent_ms"] = dec.pusher.add_remote_agent_ms
-    if link.machine is not None:
-        result["prefill_machine"] = link.machine
     result["targets"] = report.evaluate_targets(result)
     return result
-
-
-def _prepare(opts: TransferBenchOptions) -> tuple[int, list[int], list[str], torch.device]:
-    """Checked options → ``(blocks per cache, token sizes, warnings, device)``; selects the GPU, logs
-    the warnings.
-
-    Raises:
-        ValueError: as :func:`check_options` and :func:`resolve_device`.
-    """
-    import torch
-
-    num_blocks, tokens, warnings = check_options(opts)
-    device = resolve_device(opts.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    for w in warnings:
-        _log(opts, f"warning: {w}")
-    return num_blocks, tokens, warnings, device
-
-
-def run_prefill(opts: TransferBenchOptions) -> int:
-    """``--role prefill``: serve this node's caches until the decode side is done (see :func:`serve`).
-
-    Returns:
-        The exit code: 0 after a decode said done (or on SIGTERM/SIGINT), 1
-        when ``--serve-seconds`` passed first.
-
-    Raises:
-        ValueError: bad options, or a port that cannot be bound.
-    """
-
-    if opts.role != "prefill":
-        raise ValueError(f"run_prefill needs --role prefill, not {opts.role}")
-    num_blocks, _, _, device = _prepare(opts)
-    _log(opts, f"prefill: {opts.shape.label()}; {num_blocks} blocks per cache "
-               f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches on {device}")
-    return serve(opts, num_blocks, device)
 
 
 def cli_main(args: argparse.Namespace) -> int:
     """Run ``p2pkv bench transfer`` from parsed flags (:func:`p2pkv.tools.bench.transfer_options.add_arguments`).
 
     Returns:
-        0 ok; 1 a pull or push moved wrong bytes, or ``--role prefill`` saw
-        no decode finish within ``--serve-seconds``; 2 bad options; 3 the
-        prefill at ``--peer`` unreachable or gone, or it could not push.
+        0 ok; 1 a pull or push moved wrong bytes; 2 bad options; 3 the prefill could not push.
     """
     try:
-        opts = options_from_args(args)
-        if opts.role == "prefill":
-            return run_prefill(opts)
-        result = run_transfer_bench(opts)
-    except (ValueError, PeerError, PushError) as exc:
+        result = run_transfer_bench(options_from_args(args))
+    except (ValueError, PushError) as exc:
         print(f"p2pkv bench transfer: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 3
     print(report.format_table(result))

@@ -21,22 +21,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2pkv.dataplane.agent import NixlTransferAgent
-from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
+from p2pkv.dataplane.plan import coalesce_runs
 from p2pkv.testing import make_shaped_kv_caches, ranges_equal, run_ranges
-from p2pkv.tools.bench.readv import Readv, ReadvError
 from p2pkv.tools.bench.transfer_options import PREFILL_CACHE_LAYOUTS, remote_seed
 from p2pkv.tools.bench.transfer_push import PUSH_LAYOUT, PushClient, PushError, pair_descriptors
 
 if TYPE_CHECKING:
     import torch
 
-    from handshake import AgentInfo, KVLayoutDesc
+    from handshake import AgentInfo
     from p2pkv.tools.bench.transfer_options import TransferBenchOptions
 
 PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC", "cross_layer_pool": "BLHNC"}
 """NIXL method → the prefill cache (layout) it pulls from."""
-READV_THREADS = {"readv": 1, "readv_2t": 2}
-"""Ceiling method → threads; each reads the ``cross_layer`` byte ranges (``BLHNC``) with ``process_vm_readv``."""
 
 _NOTIF = b"p2pkv:done:bench"
 
@@ -103,24 +100,8 @@ class Decode:
                 f"descriptors cut into {opts.split_mib:g} MiB pieces (nixl_num_threads / nixl_split_mib)")
         self.peers: dict[str, dict[str, float]] = {}
         self.sides: dict[str, _Side] = {}
-        self.readv: Readv | None = None
         self.pusher: PushClient | None = None
         """Push mode's decode end (:meth:`enable_push`); None without ``--mode push``."""
-
-    def enable_readv(self, pid: int, labels: dict[str, str]) -> str:
-        """Add the ``process_vm_readv`` ceiling methods (``labels``) reading from process ``pid``, after
-        checking one small read works; ``""`` when added, else why not. Call after :meth:`connect`."""
-        side = self.sides["BLHNC"]
-        probe = build_descriptors(side.remote_segments, np.zeros(1, np.int64), np.ones(1, np.int64), 0)[:1]
-        local = build_descriptors(side.local_segments, np.zeros(1, np.int64), np.ones(1, np.int64), 0)[:1]
-        try:
-            readv = Readv(pid)
-            readv.read(local, probe)
-        except ReadvError as exc:
-            return f"not measured: {exc}"
-        self.readv = readv
-        self.labels.update(labels)
-        return ""
 
     def agent_infos(self) -> dict[str, AgentInfo]:
         """Layout → this side's AgentInfo for it: the decode agent's NIXL metadata and that destination
@@ -152,7 +133,7 @@ class Decode:
         import torch
 
         from handshake import Destination, fetch_agent_info
-        from p2pkv.dataplane.negotiate import layout_desc, remote_segments
+        from p2pkv.dataplane.negotiate import remote_segments
 
         opts, shape = self.opts, self.opts.shape
         for lay in PREFILL_CACHE_LAYOUTS:
@@ -161,7 +142,6 @@ class Decode:
             info = fetch_agent_info(Destination(host, ready[lay]["port"], f"bench-prefill-{lay}", 0), "bench-decode",
                                     "p2pkv-bench:" + shape.key())
             t1 = time.perf_counter()
-            check_compatible(layout_desc(local, shape.model_info(lay), "HND", mem_type=self.mem_type), info.layout)
             name = self.agent.add_peer(info)
             t2 = time.perf_counter()
             if lay == "BLHNC" and self.pool_agent is not None:
@@ -180,7 +160,7 @@ class Decode:
         if method == "memcpy":
             runs = coalesce_runs(loc, rem, self.num_blocks, self.num_blocks)
             return {"runs": runs, "descs": int(runs[0].size)}
-        side = self.sides[_layout(method)]
+        side = self.sides[PEER_LAYOUT[method]]
         ld, rd = pair_descriptors(method, side.local_segments, loc, self.device_id, side.remote_segments, rem,
                                   side.remote_device_id, self.num_blocks)
         return {"local": ld, "remote": rd, "descs": int(ld.shape[0])}
@@ -195,11 +175,6 @@ class Decode:
             for a, b, n in zip(ls, rs, lens, strict=True):
                 dst[a * bb:(a + n) * bb].copy_(src[b * bb:(b + n) * bb])
             self.sync()
-            return time.perf_counter() - t0
-        if method in READV_THREADS:
-            assert self.readv is not None
-            t0 = time.perf_counter()
-            self.readv.read(plan["local"], plan["remote"], READV_THREADS[method])
             return time.perf_counter() - t0
         side = self.sides[PEER_LAYOUT[method]]
         agent = self.pool_agent if method == "cross_layer_pool" and self.pool_agent is not None else self.agent
@@ -236,7 +211,7 @@ class Decode:
 
     def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None]:
         """Scrub a request's destination, pull it, compare with the source: ``(seconds, equal)``."""
-        check = self._scrub(None if method == "memcpy" else _layout(method), loc, rem)
+        check = self._scrub(None if method == "memcpy" else PEER_LAYOUT[method], loc, rem)
         seconds = self.execute(method, self.plan(method, loc, rem))
         if method in PEER_LAYOUT and method != "cross_layer_pool":
             self.peers[PEER_LAYOUT[method]].setdefault("first_pull_ms", seconds * 1e3)
@@ -269,24 +244,3 @@ class Decode:
         t1 = time.perf_counter()
         return t1 - t0, self.execute(method, plan), plan["descs"]
 
-
-def _layout(method: str) -> str:
-    """The prefill cache (layout) a pulling method reads."""
-    return "BLHNC" if method in READV_THREADS else PEER_LAYOUT[method]
-
-
-def check_compatible(local: KVLayoutDesc, remote: KVLayoutDesc) -> None:
-    """Refuse a peer whose blocks cannot be copied byte for byte into ours (same TP size).
-
-    Raises:
-        ValueError: names the field and both sides' values.
-    """
-    for name in ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "attn_layout", "block_len"):
-        mine, theirs = getattr(local, name), getattr(remote, name)
-        if mine != theirs:
-            raise ValueError(f"prefill and decode differ in {name}: prefill has {theirs!r}, decode has "
-                              f"{mine!r}; run both engines with the same {name}")
-    if len(local.regions) != len(remote.regions):
-        raise ValueError(f"prefill KV layout {remote.kv_layout} ({len(remote.regions)} segments per block) "
-                          f"differs from decode {local.kv_layout} ({len(local.regions)}); use the same "
-                          "kv_layout on both engines")

@@ -1,4 +1,4 @@
-"""Settings of ``p2pkv bench transfer``: the options, their command-line flags, the names both sides share."""
+"""Settings of ``p2pkv bench transfer``: the options, their command-line flags, the names both processes share."""
 
 from __future__ import annotations
 
@@ -19,21 +19,13 @@ CUDA context and the verification temporaries, in GPU memory)."""
 MODES = ("pull", "push")
 """``--mode`` choices: the decode side READs the blocks (pull), or the prefill side WRITEs them (push)."""
 
-ROLES = ("both", "prefill", "decode")
-"""``--role`` choices: both processes on this host, or one side of a two-node pair."""
-
 PREFILL_CACHE_LAYOUTS = ("BLHNC", "LBHNC")
-"""The prefill side's caches, in side-channel port order (``--port``, ``--port + 1``)."""
+"""The prefill side's caches (cross-layer, layer-compact), each served by its own side channel."""
 
 
 def remote_seed(seed: int, layout: str) -> int:
     """Pattern seed of the prefill side's ``layout`` cache."""
     return 2 * seed + 100 + PREFILL_CACHE_LAYOUTS.index(layout)
-
-
-def control_port(opts: TransferBenchOptions) -> int:
-    """The control channel's TCP port: ``--control-port``, or ``--port + 2``."""
-    return opts.control_port or opts.port + 2
 
 
 def log(quiet: bool, msg: str) -> None:
@@ -66,14 +58,14 @@ class TransferBenchOptions:
             p2pkv's ``nixl_split_mib`` does, so NIXL's thread pool shares a READ.
         memcpy_threads: torch threads for the memcpy method (0: torch default; host memory only).
         max_mem_gib: memory per process (GiB), two caches plus overhead: host
-            memory for ``device="cpu"``, GPU memory for ``"cuda"`` (with
-            ``role="both"`` both processes use the same GPU, so it must hold
-            twice this).
+            memory for ``device="cpu"``, GPU memory for ``"cuda"`` (both
+            processes use the same GPU, so it must hold twice this).
         device: where every cache lives: ``"cpu"`` (host memory, NIXL
             ``DRAM``), ``"cuda"`` (the current GPU) or ``"cuda:N"`` (NIXL
-            ``VRAM``; with ``role="both"`` the prefill process uses the same GPU).
+            ``VRAM``; the prefill process uses the same GPU).
         verify: compare one pulled request per method with its source, byte for byte.
-        host: side-channel (and, for ``role="prefill"``, control) bind address (loopback by default).
+        host: the prefill process's side-channel bind address (loopback by default; an RDMA
+            interface's address makes UCX go through the HCA).
         prefill_poll_ms: how often the prefill process progresses NIXL (drains
             notifications) without a progress thread. Pulls are READs without
             a notification (sent after completion, as the worker does), so
@@ -83,17 +75,6 @@ class TransferBenchOptions:
             (the decode side posts NIXL READs) and/or ``"push"`` (the prefill
             side posts NIXL WRITEs into the decode side's blocks, each with a
             notification the decode waits for).
-        role: ``"both"`` (spawn the prefill process on this host), ``"prefill"``
-            (serve in the foreground) or ``"decode"`` (pull from ``peer``).
-        peer: the prefill node's address (``role="decode"`` only).
-        port: side-channel TCP port of the prefill's ``BLHNC`` cache
-            (``LBHNC``: ``port + 1``) for ``role="prefill"``; ``role="both"``
-            uses ephemeral ports.
-        control_port: control channel TCP port of a split pair (0: ``port + 2``).
-        serve_seconds: ``role="prefill"`` exits after this many seconds at the
-            latest, counted from ready.
-        peer_timeout_s: ``role="decode"`` gives up when the prefill at ``peer``
-            does not accept the control connection (or answer it) within this many seconds.
         argv: command line to record in the results.
     """
 
@@ -117,12 +98,6 @@ class TransferBenchOptions:
     prefill_poll_ms: float = 0.5
     quiet: bool = False
     modes: tuple[str, ...] = ("pull",)
-    role: str = "both"
-    peer: str = ""
-    port: int = 5610
-    control_port: int = 0
-    serve_seconds: float = 900.0
-    peer_timeout_s: float = 60.0
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def nixl_settings(self) -> dict[str, Any]:
@@ -189,23 +164,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory per process (GiB; GPU memory with --device cuda): two KV caches plus about 0.75 GiB")
     p.add_argument("--device", choices=list(DEVICES), default=d.device,
                    help="where the KV caches live: cpu (host memory, NIXL DRAM) or cuda (the current GPU, NIXL "
-                        "VRAM; --role both: both processes on it, UCX cuda_ipc between them; memcpy is a "
+                        "VRAM; both processes on it, UCX cuda_ipc between them; memcpy is a "
                         "device-to-device copy)")
     p.add_argument("--no-verify", action="store_true", help="skip the byte-exact check of one pull per method")
-    p.add_argument("--host", default=d.host, help="side-channel address (--role prefill: also the control channel's)")
-    p.add_argument("--role", choices=list(ROLES), default=d.role,
-                   help="both: spawn the prefill process on this host (this process pulls); prefill: serve the "
-                        "caches in the foreground until a decode says done; decode: pull from the prefill at --peer")
-    p.add_argument("--peer", default=d.peer, metavar="HOST", help="--role decode: the prefill node's address")
-    p.add_argument("--port", type=int, default=d.port,
-                   help="split roles: side-channel port of the prefill's cross-layer cache, +1 for the "
-                        "layer-compact one (--role both: ephemeral ports)")
-    p.add_argument("--control-port", type=int, default=d.control_port,
-                   help="split roles: TCP control channel port (readiness, block counts, done; 0: --port + 2)")
-    p.add_argument("--serve-seconds", type=float, default=d.serve_seconds,
-                   help="--role prefill: exit after this many seconds at the latest (exit code 1: no decode finished)")
-    p.add_argument("--peer-timeout", type=float, default=d.peer_timeout_s,
-                   help="--role decode: seconds to wait for the prefill at --peer to accept and answer")
+    p.add_argument("--host", default=d.host, help="the prefill process's side-channel address (ephemeral ports)")
     p.add_argument("--prefill-poll-ms", type=float, default=d.prefill_poll_ms,
                    help="how often the prefill process progresses NIXL without a progress thread (ms)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
@@ -223,6 +185,4 @@ def options_from_args(args: argparse.Namespace) -> TransferBenchOptions:
         ucx_num_workers=args.ucx_num_workers, pool_threads=args.pool_threads, split_mib=args.split_mib,
         memcpy_threads=args.memcpy_threads, max_mem_gib=args.max_mem_gib,
         device=args.device, verify=not args.no_verify, host=args.host, prefill_poll_ms=args.prefill_poll_ms,
-        quiet=args.quiet, modes=tuple(args.mode), role=args.role, peer=args.peer, port=args.port,
-        control_port=args.control_port,
-        serve_seconds=args.serve_seconds, peer_timeout_s=args.peer_timeout)
+        quiet=args.quiet, modes=tuple(args.mode))

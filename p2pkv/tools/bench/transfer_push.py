@@ -7,9 +7,8 @@ a decode engine would wait for a pushing prefill. The descriptor rows are
 the ones a pull of the same request uses, with local and remote swapped
 (:func:`pair_descriptors`).
 
-Both sides talk over the bench's control link (multiprocessing queues
-with ``--role both``, the TCP control channel of
-:mod:`p2pkv.tools.bench.transfer_control` across nodes), request then reply:
+Both processes talk over a pipe (:class:`p2pkv.tools.bench.transfer_prefill.SpawnedPrefill`),
+request then reply:
 
 ===========================================  ======================================================
 decode → prefill                             prefill → decode
@@ -20,8 +19,8 @@ decode → prefill                             prefill → decode
 ===========================================  ======================================================
 
 ``push_peer`` hands the prefill the decode agent's NIXL metadata and both
-destination caches' layouts (one :class:`handshake.AgentInfo` per layout,
-msgpack in base64). ``push_plan`` (untimed, like a pull's planning) builds
+destination caches' layouts (one :class:`handshake.AgentInfo` per layout).
+``push_plan`` (untimed, like a pull's planning) builds
 one request's descriptors on the prefill; ``push`` posts the WRITE and
 polls it until DONE. The decode side times a push from sending ``push``
 until its agent hands over the WRITE's notification (what a decode engine
@@ -33,7 +32,6 @@ Units: seconds unless named (``*_ms``: milliseconds); offsets and lengths in byt
 
 from __future__ import annotations
 
-import base64
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -68,7 +66,7 @@ PUSH_NOTIF_PREFIX = b"p2pkv:bench:push:"
 MODE_LABELS: dict[str, str] = {
     "pull": "the decode side posts NIXL READs; timed from start_read to the poll that sees DONE",
     "push": "the prefill side posts NIXL WRITEs with a notification; timed on the decode side from its ask "
-            "(a control message) to the notification's arrival; writer_xfer_ms: the prefill's post -> DONE",
+            "(a message over a pipe) to the notification's arrival; writer_xfer_ms: the prefill's post -> DONE",
 }
 """What each ``--mode`` measures."""
 
@@ -92,31 +90,6 @@ def pair_descriptors(method: str, local_segments: Sequence[Segment], local_ids: 
     ls, rs, lens = coalesce_runs(local_ids, remote_ids, num_blocks, num_blocks)
     return (build_descriptors(local_segments, ls, lens, local_device),
             build_descriptors(remote_segments, rs, lens, remote_device))
-
-
-def encode_agent_info(info: AgentInfo) -> str:
-    """An AgentInfo as text for a JSON control message (msgpack, base64)."""
-    import msgspec
-
-    return base64.b64encode(msgspec.msgpack.encode(info)).decode("ascii")
-
-
-def decode_agent_info(text: str) -> AgentInfo:
-    """The AgentInfo of :func:`encode_agent_info` (its digest is checked when it is added as a peer).
-
-    Raises:
-        ValueError: not base64, or not a msgpack AgentInfo.
-    """
-    import binascii
-
-    import msgspec
-
-    from handshake import AgentInfo
-
-    try:
-        return msgspec.msgpack.decode(base64.b64decode(text, validate=True), type=AgentInfo)
-    except (binascii.Error, msgspec.DecodeError) as exc:
-        raise ValueError(f"push_peer: not an encoded AgentInfo: {exc}") from exc
 
 
 class Pusher:
@@ -158,8 +131,7 @@ class Pusher:
         from p2pkv.dataplane.negotiate import remote_segments
 
         took = {}
-        for layout, text in msg["infos"].items():
-            info = decode_agent_info(text)
+        for layout, info in msg["infos"].items():
             t0 = time.perf_counter()
             name = self._agent(layout).add_peer(info)
             took[layout] = (time.perf_counter() - t0) * 1e3
@@ -191,7 +163,8 @@ class Pusher:
 
 
 class PushLink(Protocol):
-    """How the decode side reaches the prefill's :class:`Pusher` (:mod:`p2pkv.tools.bench.transfer_prefill`)."""
+    """The decode's way to the prefill's :class:`Pusher`
+    (:class:`p2pkv.tools.bench.transfer_prefill.SpawnedPrefill`)."""
 
     def send(self, msg: dict[str, Any]) -> None:
         """Send one message to the prefill."""
@@ -213,7 +186,7 @@ class PushClient:
     """The decode's end of push mode: asks the prefill to push a request and waits for the notification.
 
     Args:
-        link: the control link to the prefill.
+        link: the spawned prefill process.
         agent: the decode's NIXL agent (the WRITEs land in its registered memory; it receives the notifications).
         timeout_s: how long to wait for any reply or notification (seconds).
     """
@@ -237,7 +210,7 @@ class PushClient:
     def connect(self, infos: dict[str, AgentInfo], device_id: int) -> None:
         """Give the prefill this side's agent and layouts (layout → AgentInfo); ``device_id``: this side's GPU."""
         reply = self._request({"op": "push_peer", "device_id": device_id,
-                               "infos": {lay: encode_agent_info(i) for lay, i in infos.items()}}, "push_peer_ok")
+                               "infos": infos}, "push_peer_ok")
         self.add_remote_agent_ms = dict(reply["add_remote_agent_ms"])
 
     def push(self, method: str, decode_ids: np.ndarray, prefill_ids: np.ndarray) -> tuple[float, float, float, int]:
