@@ -198,3 +198,32 @@ def test_worker_lowers_the_thread_switch_interval(setting: float, expected: floa
     finally:
         worker.shutdown()
         sys.setswitchinterval(old)
+
+
+@pytest.mark.parametrize("prefill", ["BLHNC"], indirect=True)
+def test_a_part_longer_than_one_push_request_is_read_instead(prefill, monkeypatch, caplog) -> None:
+    """A push request carries at most ``MAX_PUSH_ROWS`` descriptor rows: in push mode, a part with more is READ
+    (same bytes, same blocks; logged), and the next part that fits is pushed again."""
+    layout, port, out = prefill
+    monkeypatch.setattr("p2pkv.decode.movers.MAX_PUSH_ROWS", 2)  # the decode side's cap; 4 rows below
+    _, expected = make_kv_caches(layout, seed=1, **SHAPE)
+    _, views = make_kv_caches(layout, fill=0.0, **SHAPE)
+    worker = make_worker("decode-engine", free_port(), transfer_mode="push")
+    worker.model = model_info(layout)
+    worker.register_kv_caches(views, NUM_BLOCKS)
+    try:
+        local, remote = [3, 4, 5, 20, 40, 39], [10, 11, 12, 7, 63, 0]  # 4 runs: 4 rows of cross-layer blocks
+        with caplog.at_level("WARNING", logger="p2pkv.decode"):
+            worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, local, remote)]))
+            assert run_until_received(worker, "d-1") == set()
+        assert "moves its part from" in caplog.text and "by pull, not push: 4 descriptor rows" in caplog.text
+        for lb, rb in zip(local, remote, strict=True):
+            assert block_bytes(views, layout, lb) == block_bytes(expected, layout, rb)
+        assert out.get(timeout=30) == ["req-1"]
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-2", "req-2", port, [50], [51])]))  # 1 row: pushed
+        assert run_until_received(worker, "d-2") == set()
+        assert block_bytes(views, layout, 50) == block_bytes(expected, layout, 51)
+        assert out.get(timeout=30) == ["req-2"]
+        assert worker.stats.data["directions"] == {"pull": 1, "push": 1}
+    finally:
+        worker.shutdown()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from handshake.messages import MAX_PUSH_ROWS
 from p2pkv.decode.direction import Direction
 from p2pkv.decode.fence import Fence, Phase
 from p2pkv.decode.reads import ReadEvent, land, release_stage
@@ -41,10 +42,17 @@ class Mover(ABC):
         keeps_peer_on_failure: a failure comes from a prefill rank that is
             alive (it said so): keep the peer and its queued notifications
             instead of dropping it and handshaking again.
+        fallback: the direction that moves a part this mover cannot carry
+            (:meth:`cannot_carry`); None: it carries every part.
     """
 
     direction: Direction
     keeps_peer_on_failure: bool = False
+    fallback: Direction | None = None
+
+    def cannot_carry(self, part: Part) -> str | None:
+        """Why this way cannot move ``part`` at all (then its :attr:`fallback` does), or None when it can."""
+        return None
 
     @abstractmethod
     def post(self, part: Part) -> None:
@@ -149,10 +157,18 @@ class PushMover(Mover):
 
     direction = Direction.PUSH
     keeps_peer_on_failure = True  # a failed push is reported by a live prefill rank
+    fallback = Direction.PULL
 
     def __init__(self, pushes: Pushes, stager: Stager) -> None:
         self.pushes = pushes
         self.stager = stager
+
+    def cannot_carry(self, part: Part) -> str | None:
+        rows = int(part.remote_descs.shape[0])
+        if rows > MAX_PUSH_ROWS:
+            return (f"{rows} descriptor rows are more than one push request carries ({MAX_PUSH_ROWS}: "
+                    "handshake.MAX_PUSH_ROWS)")
+        return None
 
     def post(self, part: Part) -> None:
         self.pushes.post(part)

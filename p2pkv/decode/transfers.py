@@ -10,10 +10,14 @@ lands); what the pull does about each outcome (retry, fail, confirm) is
 
 from __future__ import annotations
 
+import logging
+
 from p2pkv.decode.direction import Direction, Directions
 from p2pkv.decode.movers import Mover
 from p2pkv.decode.reads import ReadEvent
 from p2pkv.decode.transfer import Part, Transfer
+
+logger = logging.getLogger("p2pkv.decode")
 
 
 class Transfers:
@@ -29,7 +33,8 @@ class Transfers:
         self.directions = directions
 
     def start(self, pull: Transfer) -> tuple[Part, Exception] | None:
-        """Post every part of ``pull`` with its direction's mover.
+        """Post every part of ``pull`` with its direction's mover, or with that mover's fallback's when it
+        cannot carry the part (a push request's rows are bounded: a longer part is READ; logged).
 
         Returns:
             The first part that could not start and why (the parts after it
@@ -37,6 +42,10 @@ class Transfers:
         """
         for read in pull.reads:
             mover = self.movers[self.directions.of(pull.spec.remote.transfer_mode, read.peer.agent_name)]
+            if (why := mover.cannot_carry(read)) is not None and mover.fallback is not None:
+                logger.warning("p2pkv: request %s moves its part from %s by %s, not %s: %s", pull.request_id,
+                               read.peer.agent_name, mover.fallback.value, mover.direction.value, why)
+                mover = self.movers[mover.fallback]
             try:
                 mover.post(read)
             except Exception as exc:
