@@ -10,6 +10,7 @@ and WRITEs them into decode ranks that ask (push mode, :class:`p2pkv.prefill.pus
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Any
@@ -74,6 +75,7 @@ class WorkerSide:
         self.desc: KVLayoutDesc | None = None
         self.receiver: Receiver | None = None
         self.pusher: Pusher | None = None
+        self._pushes_seen: dict[str, Any] = {}  # the pusher's counts at the last take_stats
         self._stager: Stager | None = None
         self.holds = PrefillHolds(config.lease_s)
         self._secret = config.require_secret()  # before anything starts: no secret, no side channel
@@ -236,10 +238,13 @@ class WorkerSide:
         return released
 
     def take_stats(self) -> dict | None:
-        """Pull statistics since the last call (see :mod:`p2pkv.telemetry.stats`), or None if none."""
-        if self.receiver is None:
-            return self.stats.take()
-        with self.receiver.lock:  # the pulls' thread records into it too
+        """Pull and push statistics since the last call (see :mod:`p2pkv.telemetry.stats`), or None if none."""
+        lock = self.receiver.lock if self.receiver is not None else contextlib.nullcontext()
+        with lock:  # the pulls' thread records into the buffer too
+            if self.pusher is not None:
+                now = self.pusher.snapshot()
+                self.stats.record_pushes(now, self._pushes_seen)
+                self._pushes_seen = now
             return self.stats.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -156,6 +156,13 @@ def test_connector_stats_aggregate_and_reduce() -> None:
     assert P2pKvStats().is_empty() and not a.is_empty()
     agg = a.aggregate(b)
     assert agg.data["pull_bytes"] == [100, 300] and agg.data["failures"] == {"timeout": 3, "handshake": 1}
+    assert agg.data["push_requests"] == {} and agg.data["push_bytes"] == 0  # counts absent from both: none
+    pushed = P2pKvStats(data={"push_requests": {"accepted": 2, "busy": 1}, "push_writes": {"written": 2},
+                              "push_bytes": 8192})
+    agg = agg.aggregate(pushed).aggregate(P2pKvStats(data={"push_requests": {"accepted": 1},
+                                                          "push_writes": {"failed": 1}, "push_bytes": 0}))
+    assert agg.data["push_requests"] == {"accepted": 3, "busy": 1}
+    assert agg.data["push_writes"] == {"written": 2, "failed": 1} and agg.data["push_bytes"] == 8192
     red = agg.reduce()
     assert red["pulls"] == 2 and red["failures"] == 4 and red["leases_expired"] == 1
     assert red["GB_per_s"] == round(400 / 2.0 / 1e9, 3) and red["avg_pull_ms"] == 1000.0

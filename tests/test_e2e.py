@@ -164,6 +164,15 @@ def test_pull_metrics_on_the_engines_metrics_endpoint(pair, client) -> None:
         complete(client, p.url("prefill"), "step", max_tokens=1)
         time.sleep(0.2)
     assert _metric(client, p.url("prefill"), "p2pkv:leases_notified_total") >= len(read_pull_stats(stats))
+    # The prefill engine's own push work: at least one WRITE (and its bytes) per pushed pull, each asked for.
+    pushed_bytes = sum(r["bytes"] for r in read_pull_stats(stats) if r.get("direction") == "push")
+    written = 'p2pkv:push_writes_total{'
+    text = client.get(f"{p.url('prefill')}/metrics").text
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(written) and 'outcome="written"' in line) >= pushed
+    assert _metric(client, p.url("prefill"), "p2pkv:push_bytes_total") >= pushed_bytes > 0
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("p2pkv:push_requests_total{") and 'status="accepted"' in line) >= pushed
     for phase in PULL_PHASES:  # every pull's handover phases, each once per pull
         text = client.get(f"{p.url('decode')}/metrics").text
         counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -124,6 +124,14 @@ class Pusher:
         """The decode ranks known now: identity → the agent name NIXL holds for it (None: not loaded yet)."""
         with self._lock:
             return {a.identity: a.loaded.agent_name if a.loaded is not None else None for a in self._agents.values()}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Cumulative counts since the start: push requests answered by reply status (``by_status``), WRITEs
+        ``written`` and ``failed``, ``bytes`` written, decode agents ``unloaded`` from NIXL."""
+        with self._lock:
+            c = self.counters
+            return {"by_status": dict(c.by_status), "written": c.written, "failed": c.failed, "bytes": c.bytes,
+                    "unloaded": self.loader.unloaded}
 
     def writes_left(self) -> int:
         """WRITEs queued, being posted or in flight, over every decode rank."""

@@ -17,7 +17,12 @@ engine's ``/metrics``:
   ``VRAM``/``cuda_ipc``, ``VRAM``/``tcp``; see :mod:`p2pkv.dataplane.transport`),
 - ``p2pkv:pulls_by_direction_total{direction=pull|push}`` (counter: completed
   pulls whose bytes the decode engine READ, or the prefill engine WRITE;
-  :mod:`p2pkv.decode.direction`).
+  :mod:`p2pkv.decode.direction`),
+- on a prefill engine in push mode (:mod:`p2pkv.prefill.pusher`):
+  ``p2pkv:push_requests_total{status=...}`` (push requests answered, by reply
+  status), ``p2pkv:push_writes_total{outcome=written|failed}``,
+  ``p2pkv:push_bytes_total`` and ``p2pkv:push_agents_unloaded_total``
+  (decode agents removed from NIXL: idle, or a WRITE to them failed).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from p2pkv.telemetry.stats import COUNT_KEYS, LIST_KEYS, empty_stats, is_empty
+from p2pkv.telemetry.stats import COUNT_KEYS, DICT_KEYS, LIST_KEYS, add_counts, empty_stats, is_empty
 
 
 class P2pKvStats(KVConnectorStats):
@@ -48,18 +53,10 @@ class P2pKvStats(KVConnectorStats):
             self.data[key] = list(self.data.get(key, [])) + list(other.data.get(key, []))
         for key in COUNT_KEYS:
             self.data[key] = self.data.get(key, 0) + other.data.get(key, 0)
-        failures = dict(self.data.get("failures", {}))
-        for kind, n in other.data.get("failures", {}).items():
-            failures[kind] = failures.get(kind, 0) + n
-        self.data["failures"] = failures
-        transports = dict(self.data.get("transports", {}))
-        for key, n in other.data.get("transports", {}).items():
-            transports[key] = transports.get(key, 0) + n
-        self.data["transports"] = transports
-        directions = dict(self.data.get("directions", {}))
-        for key, n in other.data.get("directions", {}).items():
-            directions[key] = directions.get(key, 0) + n
-        self.data["directions"] = directions
+        for key in DICT_KEYS:
+            counts = dict(self.data.get(key, {}))
+            add_counts(counts, other.data.get(key, {}))
+            self.data[key] = counts
         phases = {k: list(v) for k, v in self.data.get("phase_seconds", {}).items()}
         for phase, values in other.data.get("phase_seconds", {}).items():
             phases[phase] = phases.get(phase, []) + list(values)
@@ -127,6 +124,18 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
         self.directions = self._counter_cls(
             name="p2pkv:pulls_by_direction", documentation="Completed KV pulls by direction: pull (the decode "
             "engine READs) or push (the prefill engine WRITEs)", labelnames=[*labelnames, "direction"])
+        self.push_requests = self._counter_cls(
+            name="p2pkv:push_requests", documentation="Push requests this prefill engine answered, by reply status",
+            labelnames=[*labelnames, "status"])
+        self.push_writes = self._counter_cls(
+            name="p2pkv:push_writes", documentation="KV WRITEs this prefill engine posted for decode engines, by "
+            "outcome (written, failed)", labelnames=[*labelnames, "outcome"])
+        self.push_bytes = per_engine(self._counter_cls(
+            name="p2pkv:push_bytes", documentation="KV bytes this prefill engine WRITE into decode engines",
+            labelnames=labelnames))
+        self.push_agents_unloaded = per_engine(self._counter_cls(
+            name="p2pkv:push_agents_unloaded", documentation="Decode agents this prefill engine removed from NIXL "
+            "(idle, or a WRITE to them failed)", labelnames=labelnames))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -155,3 +164,11 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
             self.transports.labels(*labels, mem_type, transport).inc(n)
         for direction, n in data.get("directions", {}).items():
             self.directions.labels(*labels, direction).inc(n)
+        for status, n in data.get("push_requests", {}).items():
+            self.push_requests.labels(*labels, status).inc(n)
+        for outcome, n in data.get("push_writes", {}).items():
+            self.push_writes.labels(*labels, outcome).inc(n)
+        if data.get("push_bytes"):
+            self.push_bytes[engine_idx].inc(data["push_bytes"])
+        if data.get("push_agents_unloaded"):
+            self.push_agents_unloaded[engine_idx].inc(data["push_agents_unloaded"])

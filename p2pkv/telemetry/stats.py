@@ -13,8 +13,13 @@ from typing import Any
 
 LIST_KEYS = ("pull_bytes", "pull_seconds", "pull_descriptors", "handshake_seconds")
 """Per-event observations: bytes, seconds, descriptors, seconds."""
-COUNT_KEYS = ("leases_expired", "leases_notified")
-"""Plain counts of held prefill requests released by expiry / by notification."""
+COUNT_KEYS = ("leases_expired", "leases_notified", "push_bytes", "push_agents_unloaded")
+"""Plain counts: held prefill requests released by expiry / by notification; bytes this prefill rank WRITE
+into decode ranks (push mode), and decode agents it removed from NIXL (idle or broken)."""
+DICT_KEYS = ("failures", "transports", "directions", "push_requests", "push_writes")
+"""Counts by label: failed pulls by kind; peers by ``"<mem_type>:<transport>"`` of their first READ;
+finished pulls by direction (``"pull"``/``"push"``); push requests this prefill rank answered, by reply
+status (``accepted``, ``busy``, ``refused``, ...); its WRITEs by outcome (``written``/``failed``)."""
 PULL_PHASES = ("queue", "dispatch", "post", "read", "confirm")
 """The phases of a decode-side pull, in order (each in seconds, wall clock):
 
@@ -30,17 +35,22 @@ its own ``vllm:time_to_first_token_seconds`` covers the rest.
 
 
 def empty_stats() -> dict[str, Any]:
-    """A fresh payload: empty lists, zero counts, no failures (kind → count), no transports
-    (``"<mem_type>:<transport>"`` → peers whose first READ UCX moved that way), no directions
-    (``"pull"``/``"push"`` → finished pulls whose bytes moved that way)."""
-    return {**{k: [] for k in LIST_KEYS}, **{k: 0 for k in COUNT_KEYS}, "failures": {},
-            "phase_seconds": {}, "transports": {}, "directions": {}}
+    """A fresh payload: empty lists (:data:`LIST_KEYS`), zero counts (:data:`COUNT_KEYS`), empty counts by
+    label (:data:`DICT_KEYS`) and no phase durations."""
+    return {**{k: [] for k in LIST_KEYS}, **{k: 0 for k in COUNT_KEYS}, **{k: {} for k in DICT_KEYS},
+            "phase_seconds": {}}
 
 
 def is_empty(data: dict[str, Any]) -> bool:
     """True when the payload holds no observation."""
-    return not any(data.get(k) for k in (*LIST_KEYS, *COUNT_KEYS, "failures", "phase_seconds", "transports",
-                                         "directions"))
+    return not any(data.get(k) for k in (*LIST_KEYS, *COUNT_KEYS, *DICT_KEYS, "phase_seconds"))
+
+
+def add_counts(into: dict[str, int], counts: dict[str, int]) -> None:
+    """Add ``counts`` (label → count) into ``into``, label by label; zero counts are left out."""
+    for key, n in counts.items():
+        if n:
+            into[key] = into.get(key, 0) + n
 
 
 class StatsBuffer:
@@ -76,6 +86,16 @@ class StatsBuffer:
         (see :class:`p2pkv.dataplane.transport.TransportReport`)."""
         key = f"{mem_type}:{transport}"
         self.data["transports"][key] = self.data["transports"].get(key, 0) + 1
+
+    def record_pushes(self, now: dict[str, Any], before: dict[str, Any]) -> None:
+        """This prefill rank's push work between two snapshots of its pusher's cumulative counts
+        (:meth:`p2pkv.prefill.pusher.Pusher.snapshot`: ``by_status``, ``written``, ``failed``, ``bytes``,
+        ``unloaded``)."""
+        old = before.get("by_status", {})
+        add_counts(self.data["push_requests"], {k: n - old.get(k, 0) for k, n in now["by_status"].items()})
+        add_counts(self.data["push_writes"], {k: now[k] - before.get(k, 0) for k in ("written", "failed")})
+        self.data["push_bytes"] += now["bytes"] - before.get("bytes", 0)
+        self.data["push_agents_unloaded"] += now["unloaded"] - before.get("unloaded", 0)
 
     def take(self) -> dict[str, Any] | None:
         """The payload since the last call (None when empty); starts a fresh one."""
