@@ -1,5 +1,5 @@
 """Start the engines and proxies of one group of ``p2pkv bench serve`` systems (see
-:func:`p2pkv.tools.bench.serve_systems.plan_groups`).
+:func:`p2pkv.tools.bench.serve_options.plan_groups`).
 
 A group is one aggregated engine, or one prefill/decode pair with a proxy
 per system: the pair's own proxy (``--base-port``) for the first system,
@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from p2pkv.tools.bench.serve_metrics import NIXL_PULL, P2PKV_PULL
-from p2pkv.tools.bench.serve_options import EXTRA_PROXY_PORT, ServeBenchOptions
-from p2pkv.tools.bench.serve_systems import SYSTEM_SPECS, SystemSpec
+from p2pkv.tools.bench.serve_options import EXTRA_PROXY_PORT, SYSTEM_SPECS, ServeBenchOptions, SystemSpec
 
 PROXY_START_TIMEOUT_S = 60.0
 """Seconds a proxy may take to answer its health check."""
@@ -68,7 +67,7 @@ def proxy_args(spec: SystemSpec, opts: ServeBenchOptions) -> tuple[str, ...]:
 
 
 def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_dir: Path) -> StartedGroup:
-    """Start the engines of ``names`` (one group of :func:`~p2pkv.tools.bench.serve_systems.plan_groups`)
+    """Start the engines of ``names`` (one group of :func:`~p2pkv.tools.bench.serve_options.plan_groups`)
     and a proxy per system; wait until all are healthy.
 
     Raises:
