@@ -1,40 +1,30 @@
 """``p2pkv bench serve``: vLLM's ``bench serve`` through the bundled proxy, with p2pkv's own numbers.
 
-Starts, group by group on this host (:func:`~p2pkv.tools.bench.serve_options.plan_groups`),
-
-* ``p2pkv-pull`` and ``p2pkv-push``: one prefill/decode pair with p2pkv, each
-  system behind its own bundled proxy, whose ``--transfer-mode`` asks every
-  decode leg for that direction; their points are interleaved (c=1 pull,
-  c=1 push, c=2 push, c=2 pull, ...) so each comparison is made minutes apart
-  on the same engines;
-* ``nixl``: the same pair with vLLM's own NixlConnector behind the proxy;
-* ``aggregated``: one engine without a connector;
-* ``p2pkv`` (not by default): the p2pkv pair, the decode engine's own ``transfer_mode``,
-
-and drives each with vLLM's ``bench serve`` client
-(:mod:`~p2pkv.tools.bench.serve_client`; readable random ASCII prompts by
-default, ``--dataset random`` for vLLM's random token ids; fixed seed,
-greedy, EOS ignored) over a sweep of ``--max-concurrency`` values.
+Starts the systems group by group on this host (``p2pkv-pull`` and
+``p2pkv-push`` share one p2pkv pair, each behind its own proxy asking for its
+``--transfer-mode``, their points interleaved; ``nixl``: vLLM's
+NixlConnector pair; ``aggregated``: one engine; see
+:mod:`~p2pkv.tools.bench.serve_options`) and drives each with vLLM's
+``bench serve`` client (:mod:`~p2pkv.tools.bench.serve_client`; fixed seed,
+greedy, EOS ignored) over a sweep of ``--max-concurrency`` values. Engines
+run with prefix caching off unless asked: every request's KV is moved in full.
 
 The JSON document (``--json``) holds ``command``, ``machine``, ``config``,
 ``systems`` (per system ``label``, ``url``, ``startup_s``, ``engines``,
-``warmup_errors``, ``error`` and ``points``) and ``checks``. A point is
-vLLM's own result dict of that run, as ``vllm bench serve --save-result``
-writes it (``median_ttft_ms``, ``p99_tpot_ms``, ``output_throughput``, ...),
-plus p2pkv's numbers under ``p2pkv``: ``seed``, ``transfers`` (the decode
-engine's, with their ``directions``), ``proxy`` (its own time),
+``warmup_errors``, ``error``, ``points``) and ``checks``. A point is vLLM's
+own result dict, as ``vllm bench serve --save-result`` writes it
+(``median_ttft_ms``, ``p99_tpot_ms``, ``output_throughput``, ...), plus
+p2pkv's numbers under ``p2pkv``: ``seed``, ``transfers`` (the decode
+engine's, with their ``directions``), ``proxy`` (its own time per request),
 ``handover`` (:mod:`~p2pkv.tools.bench.handover`), ``second_token_p50_ms``,
-``prefill`` (the prefill engine's own latency, with ``probe`` under
-``--prefill-probe``: :mod:`~p2pkv.tools.bench.serve_prefill`) and
-``answers_sha256``.
+``prefill`` (the prefill engine's own latency, ``probe`` with
+``--prefill-probe``) and ``answers_sha256``.
 
-Checks (``checks``; any failure makes the exit code 1): every request
-succeeded; every system generated the same text for every prompt; the first
-point's first prompts, replayed one by one with ``return_token_ids``, gave
-the same token ids; every transfer of ``p2pkv-pull`` / ``p2pkv-push`` went
-that way. Engines run with prefix caching off unless asked, so every
-request's KV is computed by prefill and moved in full. Units: ms,
-requests/s, output tokens/s, bytes.
+The checks (exit code 1 when one fails): every request succeeded; every
+system generated the same text for every prompt; the first point's first
+prompts, replayed one by one, gave the same token ids; every transfer of
+``p2pkv-pull`` / ``p2pkv-push`` went that way. Units: ms, requests/s,
+output tokens/s, bytes.
 """
 
 from __future__ import annotations
