@@ -41,21 +41,10 @@ def probe_prompt(index: int, chars: int, seed: int) -> str:
 
 
 def stream_timing(lines: Any, sent: float, clock: Any = time.perf_counter) -> tuple[float, float, int]:
-    """Read one streamed completion (server-sent ``data:`` lines) and time it.
-
-    Args:
-        lines: its lines, as they arrive.
-        sent: ``clock()`` when the request was sent.
-        clock: the clock (seconds).
-
-    Returns:
-        ``(seconds to the first token, seconds from the first to the last
-        token, output tokens)``; tokens from the ``usage`` chunk when sent,
-        else the chunks that carried text.
-
-    Raises:
-        ValueError: the stream carried no token.
-    """
+    """``(seconds to the first token, seconds from the first to the last token, output tokens)`` of one
+    streamed completion (its server-sent ``data:`` lines, as they arrive) sent at ``clock()`` = ``sent``;
+    tokens from the ``usage`` chunk when sent, else the chunks that carried text. Raises ValueError when the
+    stream carried no token."""
     first = last = None
     chunks, usage_tokens = 0, None
     for line in lines:
@@ -78,18 +67,11 @@ def stream_timing(lines: Any, sent: float, clock: Any = time.perf_counter) -> tu
 
 
 class PrefillProbe:
-    """Requests of the prefill engine's own, one at a time from a thread, while a point runs.
+    """Requests of the prefill engine's own, one at a time from a thread, while a point runs: ``prompt_chars``
+    characters each (``seed`` picks them), ``max_tokens`` generated (greedy, EOS ignored), sent to ``url``.
 
-    Every point gets at least one probe request: :meth:`start` returns once
-    the thread is about to send its first, and the thread checks for
-    :meth:`stop` only after a request has ended (a point shorter than one
-    probe request still measures that request, the one it overlapped).
-
-    Args:
-        url: the prefill engine (``http://host:port``).
-        prompt_chars: characters per probe prompt.
-        max_tokens: tokens each probe request generates (greedy, EOS ignored).
-        seed: picks the prompts.
+    Every point gets at least one: :meth:`start` returns once the thread is about to send its first, and
+    the thread checks for :meth:`stop` only after a request has ended.
     """
 
     def __init__(self, url: str, prompt_chars: int, max_tokens: int, seed: int) -> None:
