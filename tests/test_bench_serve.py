@@ -58,12 +58,13 @@ def test_parse_prometheus_sums_label_sets_and_keeps_buckets() -> None:
         'p2pkv:pull_seconds_bucket{engine="0",le="0.001"} 3.0\n'
         'p2pkv:pull_seconds_bucket{engine="1",le="0.001"} 1.0\n'
         'p2pkv:pull_seconds_bucket{engine="0",le="+Inf"} 5.0\n'
-        'garbage line without value\n'
         'plain_gauge 7 1700000000\n')
     assert snap.value("p2pkv:pull_bytes_total") == 128.0
     assert snap.value("plain_gauge") == 7.0
     assert snap.value("missing") is None
     assert snap.buckets["p2pkv:pull_seconds_bucket"] == {0.001: 4.0, math.inf: 5.0}
+    with pytest.raises(ValueError):
+        parse_prometheus("garbage line without value\n")
 
 
 def test_the_proxys_own_time_from_the_delta_of_two_scrapes() -> None:

@@ -13,7 +13,6 @@ Units: ms (Prometheus' seconds converted), bytes.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +39,6 @@ ENGINE_QUEUE = "vllm:request_queue_time_seconds"
 ENGINE_PREFILL = "vllm:request_prefill_time_seconds"
 """vLLM's histogram of a request's prefill phase (scheduled → first token, seconds)."""
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?$")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
 @dataclass
 class Snapshot:
     """Samples of one scrape, summed over label sets except ``le``.
@@ -62,26 +57,23 @@ class Snapshot:
 
 
 def parse_prometheus(text: str) -> Snapshot:
-    """Parse the Prometheus text format: samples of one name summed over label sets (a label of
-    :data:`KEPT_LABELS` also kept as ``name|value``), buckets per ``le``; bad lines skipped."""
+    """Parse the Prometheus text format (with ``prometheus_client``'s parser): samples of one name summed
+    over label sets (a label of :data:`KEPT_LABELS` also kept as ``name|value``), buckets per ``le``.
+
+    Raises:
+        ValueError: a line that is not the text format.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
     snap = Snapshot()
-    for line in text.splitlines():
-        m = _SAMPLE.match(line.strip()) if line and not line.startswith("#") else None
-        if m is None:
-            continue
-        name, labels, raw = m.groups()
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        found = dict(_LABEL.findall(labels or ""))
-        for key in [name, *(f"{name}|{found[k]}" for k in KEPT_LABELS if k in found)]:
-            if "le" in found:
-                per_le = snap.buckets.setdefault(key, {})
-                bound = math.inf if found["le"] == "+Inf" else float(found["le"])
-                per_le[bound] = per_le.get(bound, 0.0) + value
-            else:
-                snap.values[key] = snap.values.get(key, 0.0) + value
+    for family in text_string_to_metric_families(text):
+        for name, labels, value, *_ in family.samples:
+            for key in [name, *(f"{name}|{labels[k]}" for k in KEPT_LABELS if k in labels)]:
+                if "le" in labels:
+                    per_le = snap.buckets.setdefault(key, {})
+                    per_le[float(labels["le"])] = per_le.get(float(labels["le"]), 0.0) + value
+                else:
+                    snap.values[key] = snap.values.get(key, 0.0) + value
     return snap
 
 
