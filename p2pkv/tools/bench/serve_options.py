@@ -181,8 +181,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "one; each system gets its own proxy and its own cache_salt")
     p.add_argument("--aggregated-engine", default="", metavar="URL",
                    help="run the aggregated system on this running engine instead of starting one")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--plot", metavar="PNG", help="TTFT/TPOT p50 vs concurrency (needs matplotlib: p2pkv[bench])")
+    p.add_argument("--json", metavar="PATH", help="write the run here: per point vLLM's own bench serve result, "
+                                                 "p2pkv's numbers under 'p2pkv'")
+    p.add_argument("--plot", metavar="NAME.png",
+                   help="TTFT/TPOT p50 and the prefill engine's latency vs concurrency, and the handover phases as "
+                        "NAME-handover.png (needs matplotlib: p2pkv[bench])")
 
 
 def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
