@@ -1,4 +1,4 @@
-"""``p2pkv bench serve``: the pure parts (metrics parsing, answer checks, targets) and one real run."""
+"""``p2pkv bench serve``: the pure parts (metrics, answer and direction checks, report, plots) and one real run."""
 
 from __future__ import annotations
 
@@ -15,31 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from p2pkv.tools.bench import handover, serve_compare, serve_report
+from p2pkv.tools.bench import handover, serve_report
 from p2pkv.tools.bench.serve import ServeBenchOptions, check_directions
-from p2pkv.tools.bench.serve_client import ClientPoint
+from p2pkv.tools.bench.serve_client import client_argv
 from p2pkv.tools.bench.serve_metrics import (
     P2PKV_PULL,
+    PROXY_OVERHEAD,
     delta,
-    histogram_p50_bound,
     histogram_quantile,
     latency,
     parse_prometheus,
-    proxy_overhead,
-    pull_stats,
+    prefill_latency,
+    transfers,
 )
-from p2pkv.tools.bench.serve_prefill import PrefillProbe, prefill_latency, stream_timing
-from p2pkv.tools.bench.serve_results import (
-    Latency,
-    Percentiles,
-    PointResult,
-    PrefillLatency,
-    ProbeResult,
-    PullStats,
-    ServeResult,
-    SystemResult,
-)
-from p2pkv.tools.bench.serve_systems import DEFAULT_SYSTEMS, plan_groups
+from p2pkv.tools.bench.serve_options import DEFAULT_SYSTEMS, plan_groups
+from p2pkv.tools.bench.serve_prefill import PrefillProbe, p50_p99, stream_timing
 from tests.conftest import port_range
 
 PROXY_BEFORE = """# HELP p2pkv_proxy_overhead_seconds Time the proxy itself adds
@@ -68,73 +58,46 @@ def test_parse_prometheus_sums_label_sets_and_keeps_buckets() -> None:
         'p2pkv:pull_seconds_bucket{engine="0",le="0.001"} 3.0\n'
         'p2pkv:pull_seconds_bucket{engine="1",le="0.001"} 1.0\n'
         'p2pkv:pull_seconds_bucket{engine="0",le="+Inf"} 5.0\n'
-        'garbage line without value\n'
         'plain_gauge 7 1700000000\n')
     assert snap.value("p2pkv:pull_bytes_total") == 128.0
     assert snap.value("plain_gauge") == 7.0
     assert snap.value("missing") is None
     assert snap.buckets["p2pkv:pull_seconds_bucket"] == {0.001: 4.0, math.inf: 5.0}
+    with pytest.raises(ValueError):
+        parse_prometheus("garbage line without value\n")
 
 
-def test_histogram_p50_bound() -> None:
-    assert histogram_p50_bound({0.0005: 3, 0.001: 8, 0.002: 10, math.inf: 10}) == 0.001
-    assert histogram_p50_bound({0.0005: 5, 0.001: 8, math.inf: 10}) == 0.0005  # exactly half
-    assert histogram_p50_bound({0.001: 0, 0.002: 1, math.inf: 4}) == math.inf
-    assert histogram_p50_bound({0.001: 0, math.inf: 0}) is None
-    assert histogram_p50_bound({}) is None
+def test_the_proxys_own_time_from_the_delta_of_two_scrapes() -> None:
+    ov = latency(delta(parse_prometheus(PROXY_BEFORE), parse_prometheus(PROXY_AFTER)), PROXY_OVERHEAD)
+    # cumulative delta: 1, 4, 6, 8 of 8 -> the median at the end of (0.5, 1] ms
+    assert ov == {"count": 8, "mean_ms": pytest.approx(2.0), "p50_ms": pytest.approx(1.0),
+                  "p99_ms": pytest.approx(2.0)}  # in the +Inf bucket: the last finite bound
+    assert latency(parse_prometheus("other_metric 1\n"), PROXY_OVERHEAD) is None
+    assert latency(None, PROXY_OVERHEAD) is None
+    assert histogram_quantile({0.001: 2, 0.002: 4, math.inf: 4}, 0.5) == pytest.approx(0.001)
+    assert histogram_quantile({0.001: 1, math.inf: 4}, 0.9) == pytest.approx(0.001)  # +Inf: the last bound
+    assert histogram_quantile({0.001: 0, math.inf: 0}, 0.5) is None and histogram_quantile({}, 0.5) is None
 
 
-def test_proxy_overhead_from_the_delta_of_two_scrapes() -> None:
-    ov = proxy_overhead(delta(parse_prometheus(PROXY_BEFORE), parse_prometheus(PROXY_AFTER)))
-    assert ov is not None
-    assert ov.requests == 8
-    # cumulative delta: 1, 4, 6, 8 of 8 -> the median lies in (0.5, 1] ms
-    assert ov.p50_bound_ms == pytest.approx(1.0)
-    assert ov.mean_ms == pytest.approx(2.0)  # 16 ms over 8 requests
-    assert ov.prefill_mean_ms is None  # no prefill histogram in these scrapes
-    with_prefill = parse_prometheus(PROXY_AFTER + "p2pkv_proxy_prefill_seconds_count 4\n"
-                                                  "p2pkv_proxy_prefill_seconds_sum 0.1\n")
-    assert proxy_overhead(with_prefill).prefill_mean_ms == pytest.approx(25.0)
-    assert proxy_overhead(parse_prometheus("other_metric 1\n")) is None
-
-
-def test_pull_stats_of_a_point() -> None:
+def test_transfers_of_a_point_and_their_directions() -> None:
     before = parse_prometheus("p2pkv:pull_bytes_total 1000\np2pkv:pull_seconds_sum 0.5\n"
                               "p2pkv:pull_seconds_count 5\np2pkv:pull_descriptors_sum 20\n")
     after = parse_prometheus("p2pkv:pull_bytes_total 5096\np2pkv:pull_seconds_sum 0.508\n"
                              "p2pkv:pull_seconds_count 9\np2pkv:pull_descriptors_sum 36\n")
-    stats = pull_stats(delta(before, after), P2PKV_PULL)
-    assert stats == PullStats(pulls=4, bytes=4096, seconds_total=pytest.approx(0.008), mean_ms=pytest.approx(2.0),
-                              descriptors_mean=pytest.approx(4.0), directions={})
-    assert pull_stats(parse_prometheus("vllm:other 1\n"), P2PKV_PULL) is None
+    assert transfers(delta(before, after), P2PKV_PULL) == {
+        "count": 4, "bytes": 4096, "mean_ms": pytest.approx(2.0), "descriptors_mean": pytest.approx(4.0),
+        "directions": {}}
+    assert transfers(parse_prometheus("vllm:other 1\n"), P2PKV_PULL) is None
     by_direction = parse_prometheus(
         'p2pkv:pull_seconds_count{engine="0"} 3\n'
         'p2pkv:pulls_by_direction_total{engine="0",model_name="m",direction="push"} 2.0\n'
         'p2pkv:pulls_by_direction_total{engine="0",model_name="m",direction="pull"} 1.0\n')
-    assert pull_stats(by_direction, P2PKV_PULL).directions == {"pull": 1, "push": 2}
+    assert transfers(by_direction, P2PKV_PULL)["directions"] == {"pull": 1, "push": 2}
 
 
 def _vllm_result(**over: object) -> dict:
-    base = {"completed": 4, "failed": 0, "duration": 2.0, "request_throughput": 2.0, "output_throughput": 16.0,
-            "total_output_tokens": 32, "mean_ttft_ms": 11.0, "median_ttft_ms": 10.0, "p99_ttft_ms": 20.0,
-            "mean_tpot_ms": 3.0, "median_tpot_ms": 2.5, "p99_tpot_ms": 4.0, "mean_itl_ms": 3.0,
-            "median_itl_ms": 2.0, "p99_itl_ms": 9.0, "errors": ["", "", "", ""],
-            "generated_texts": ["a", "b", "c", "d"]}
+    base = {"completed": 4, "failed": 0, "errors": ["", "", "", ""], "generated_texts": ["a", "b", "c", "d"]}
     return {**base, **over}
-
-
-def test_point_summary_reads_vllm_result() -> None:
-    import numpy as np
-
-    p = PointResult.from_client(_vllm_result(median_ttft_ms=np.float64(10.0)), concurrency=2, seed=5, num_prompts=4)
-    assert p.ttft_ms == Percentiles(mean=11.0, p50=10.0, p99=20.0)
-    assert type(p.ttft_ms.p50) is float  # numpy scalars would break JSON and the `is False` checks
-    assert p.tpot_ms.p99 == 4.0 and p.itl_ms.p50 == 2.0
-    assert p.e2el_ms == Percentiles()
-    assert (p.concurrency, p.seed, p.completed, p.request_throughput, p.output_throughput) == (2, 5, 4, 2.0, 16.0)
-    assert p.pull is None and p.prefill is None  # the engine-side parts are filled by run_point
-    with pytest.raises(KeyError):
-        PointResult.from_client({})
 
 
 def test_request_errors() -> None:
@@ -163,93 +126,36 @@ def test_answer_check_passes_on_equal_and_fails_naming_the_first_difference() ->
     with pytest.raises(serve_report.AnswerMismatch, match=r"prompt #1.*<missing>"):
         serve_report.check_answers({4: {"p2pkv": [[1, 2], [3]], "nixl": [[1, 2]]}}, "token ids")
     assert serve_report.first_difference({"p2pkv": [[5, 6]], "aggregated": [[5, 7]]}) == (0, "p2pkv", "aggregated")
+    assert serve_report.first_difference({"p2pkv": [[5, 6]]}) is None
 
 
-def _point(ttft: float, tok: float, pull: float | None, proxy: float | None, conc: int = 1,
-           legs: float | None = None, probe_tpot: float | None = None) -> PointResult:
-    p = PointResult(concurrency=conc, seed=0, num_prompts=8, completed=8, failed=0, duration_s=1.0,
-                    request_throughput=tok / 8, output_throughput=tok, total_output_tokens=64,
-                    ttft_ms=Percentiles(ttft, ttft, 2 * ttft), tpot_ms=Percentiles(1.0, 1.0, 1.0),
-                    itl_ms=Percentiles(1.0, 1.0, 1.0), e2el_ms=Percentiles())
-    if pull is not None:
-        p.pull = PullStats(pulls=4, bytes=4096, seconds_total=4 * pull / 1e3, mean_ms=pull, descriptors_mean=None)
-    if proxy is not None:
-        from p2pkv.tools.bench.serve_results import ProxyOverhead
-
-        p.proxy_overhead = ProxyOverhead(requests=8, p50_bound_ms=proxy, mean_ms=proxy / 2, prefill_mean_ms=legs)
-    if legs is not None:
-        probe = None if probe_tpot is None else ProbeResult(3, 0, Percentiles(20.0, 20.0, 30.0),
-                                                            Percentiles(probe_tpot, probe_tpot, probe_tpot))
-        p.prefill = PrefillLatency(legs=Latency(8, legs, legs, 2 * legs), engine_ttft=Latency(8, legs / 2, None, None),
-                                   engine_queue_mean_ms=0.1, engine_prefill_mean_ms=1.0, probe=probe)
-    return p
-
-
-def _result(p2pkv_ttft: float, nixl_ttft: float, agg_ttft: float, pull_ms: float, p2pkv_tok: float,
-            nixl_tok: float, proxy_p50: float, system: str = "p2pkv") -> ServeResult:
-    r = ServeResult(command="p2pkv bench serve", config=ServeBenchOptions(model="m", concurrency=(1,)), seeds={1: 0},
-                    machine={"cpu_model": "cpu", "usable_cpus": 2, "mem_total_bytes": 2**30, "versions": {}})
-    for name, point in ((system, _point(p2pkv_ttft, p2pkv_tok, pull_ms, proxy_p50)),
-                        ("nixl", _point(nixl_ttft, nixl_tok, 3.0, proxy_p50)),
-                        ("aggregated", _point(agg_ttft, 100.0, None, None))):
-        r.systems[name] = SystemResult(label=name, points=[point])
-    return r
+def _point(conc: int, ttft: float, tok: float, directions: dict[str, int] | None = None, legs: float | None = None,
+           probe_tpot: float | None = None) -> dict:
+    """A stored point: vLLM's result keys plus p2pkv's numbers."""
+    probe = None if probe_tpot is None else {"requests": 3, "failed": 0, "ttft_p50_ms": 20.0, "ttft_p99_ms": 30.0,
+                                             "tpot_p50_ms": probe_tpot, "tpot_p99_ms": probe_tpot, "first_error": ""}
+    pair = directions is not None
+    return {"max_concurrency": conc, "num_prompts": 4, "completed": 4, "failed": 0, "duration": 1.0,
+            "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": 1.0, "p99_tpot_ms": 1.5,
+            "request_throughput": tok / 8, "output_throughput": tok,
+            "p2pkv": {"seed": 0, "second_token_p50_ms": ttft + 1.0, "answers_sha256": "x",
+                      "transfers": {"count": 4, "bytes": 4096, "mean_ms": 2.5, "descriptors_mean": None,
+                                    "directions": directions} if pair else None,
+                      "proxy": {"count": 4, "mean_ms": 0.1, "p50_ms": 0.1, "p99_ms": 0.2} if pair else None,
+                      "handover": handover.breakdown(parse_prometheus(DECODE_PHASES), parse_prometheus(PROXY_PHASES))
+                      if pair else None,
+                      "prefill": {"legs": {"count": 4, "mean_ms": legs, "p50_ms": legs, "p99_ms": legs},
+                                  "engine_ttft": {"count": 4, "mean_ms": 5.0, "p50_ms": None, "p99_ms": None},
+                                  "engine_queue_mean_ms": 0.1, "engine_prefill_mean_ms": 1.0, "probe": probe}
+                      if pair else None}}
 
 
-def test_ratios_and_targets() -> None:
-    good = _result(p2pkv_ttft=110.0, nixl_ttft=120.0, agg_ttft=90.0, pull_ms=10.0, p2pkv_tok=100.0,
-                   nixl_tok=90.0, proxy_p50=1.0)
-    (r,) = serve_compare.ratios(good)
-    assert (r.system, r.baseline) == ("p2pkv", "nixl")
-    assert r.ttft_p50 == pytest.approx(110 / 120) and r.output_throughput == pytest.approx(100 / 90)
-    targets = {t.name: t for t in serve_compare.evaluate_targets(good)}
-    assert targets["p2pkv_vs_nixl"].met is True
-    assert targets["p2pkv_ttft_vs_aggregated"].met is True  # 110 <= (90 + 10) * 1.1
-    assert targets["p2pkv_ttft_vs_aggregated"].measured["p2pkv c=1"]["limit_ms"] == pytest.approx(110.0)
-    assert targets["proxy_overhead_p50"].met is True
-    assert targets["push_prefill_not_slowed"].met is None  # no push in this run
-
-    bad = _result(p2pkv_ttft=110.5, nixl_ttft=100.0, agg_ttft=90.0, pull_ms=10.0, p2pkv_tok=100.0,
-                  nixl_tok=101.0, proxy_p50=5.0)
-    bad.ratios, bad.targets = serve_compare.ratios(bad), serve_compare.evaluate_targets(bad)
-    targets = {t.name: t for t in bad.targets}
-    assert all(t.met is False for name, t in targets.items() if name != "push_prefill_not_slowed")
-    assert targets["p2pkv_vs_nixl"].measured["p2pkv c=1"]["output_throughput"]["met"] is False
-    table = serve_report.format_table(bad)
-    assert "NOT met" in table and "p2pkv / nixl" in table
-
-    only = _result(110.0, 120.0, 90.0, 10.0, 100.0, 90.0, 1.0)
-    del only.systems["nixl"]
-    targets = {t.name: t for t in serve_compare.evaluate_targets(only)}
-    assert targets["p2pkv_vs_nixl"].met is None and serve_compare.ratios(only) == []
-    assert targets["proxy_overhead_p50"].met is True
-
-
-def test_push_is_compared_with_pull_on_the_prefill_engines_own_latency() -> None:
-    """p2pkv-push / p2pkv-pull ratios include the prefill engine's latency; the not-slowed target checks it."""
-    r = _result(110.0, 120.0, 90.0, 10.0, 100.0, 90.0, 1.0, system="p2pkv-pull")
-    r.systems["p2pkv-pull"].points = [_point(110.0, 100.0, 10.0, 1.0, legs=40.0, probe_tpot=2.0)]
-    r.systems["p2pkv-push"] = SystemResult("push", points=[_point(99.0, 110.0, 8.0, 1.0, legs=42.0, probe_tpot=2.5)])
-    rats = serve_compare.ratios(r)
-    assert [(x.system, x.baseline) for x in rats] == [("p2pkv-push", "p2pkv-pull"), ("p2pkv-pull", "nixl"),
-                                                       ("p2pkv-push", "nixl")]
-    push = rats[0]
-    assert push.ttft_p50 == pytest.approx(0.9) and push.prefill_legs_mean == pytest.approx(1.05)
-    assert push.prefill_engine_ttft_mean == pytest.approx(1.05) and push.probe_tpot_p50 == pytest.approx(1.25)
-    assert push.probe_ttft_p50 == pytest.approx(1.0)
-    targets = {t.name: t for t in serve_compare.evaluate_targets(r)}
-    slowed = targets["push_prefill_not_slowed"]
-    assert slowed.met is False  # legs 42 <= 44 pass, probe TPOT 2.5 > 2.2 fails
-    entry = slowed.measured["p2pkv-push c=1"]
-    assert entry["prefill_legs_mean_ms"]["met"] is True and entry["probe_tpot_p50_ms"]["met"] is False
-    assert set(targets["p2pkv_vs_nixl"].measured) == {"p2pkv-pull c=1", "p2pkv-push c=1"}
-    r.ratios, r.targets = rats, list(targets.values())
-    table = serve_report.format_table(r)
-    assert "p2pkv-push / p2pkv-pull" in table and "prefill engine's own latency" in table
-    doc = json.loads(json.dumps(r.to_json()))  # plain JSON all the way down
-    assert doc["systems"]["p2pkv-push"]["points"][0]["prefill"]["probe"]["tpot_ms"]["p50"] == 2.5
-    assert doc["ratios"][0]["system"] == "p2pkv-push" and doc["config"]["seeds"] == {"1": 0}
-    assert doc["targets"][0]["measured"]["p2pkv-pull c=1"]["ttft_p50"]["met"] is True
+def _doc(**systems: list[dict]) -> dict:
+    return {"command": "p2pkv bench serve", "config": {"model": "/m", "num_prompts": 4, "input_len": 8,
+                                                       "output_len": 4, "prefix_caching": False, "concurrency": [1]},
+            "machine": {"cpu_model": "cpu", "usable_cpus": 2, "versions": {"vllm": "0"}},
+            "systems": {n.replace("_", "-"): {"points": pts} for n, pts in systems.items()},
+            "checks": {"answers": {"passed": True, "detail": "all equal"}}}
 
 
 def test_systems_sharing_engines_and_the_direction_check() -> None:
@@ -260,16 +166,36 @@ def test_systems_sharing_engines_and_the_direction_check() -> None:
         ("nixl",), ("p2pkv-push", "p2pkv-pull"), ("aggregated",)]
     assert plan_groups(DEFAULT_SYSTEMS, share_engines=False) == [("p2pkv-pull",), ("p2pkv-push",), ("nixl",),
                                                                  ("aggregated",)]
-    r = _result(110.0, 120.0, 90.0, 10.0, 100.0, 90.0, 1.0, system="p2pkv-pull")
-    r.systems["p2pkv-push"] = SystemResult("push", points=[_point(99.0, 110.0, 8.0, 1.0)])
-    r.systems["p2pkv-pull"].points[0].pull = PullStats(4, 4096, 0.01, 2.5, None, {"pull": 4})
-    r.systems["p2pkv-push"].points[0].pull = PullStats(4, 4096, 0.01, 2.5, None, {"pull": 1, "push": 3})
-    check = check_directions(r)
-    assert not check.passed and "p2pkv-push: 3 of 4 transfers went push" in check.detail
-    r.systems["p2pkv-push"].points[0].pull = PullStats(4, 4096, 0.01, 2.5, None, {"push": 4})
-    assert check_directions(r).passed and "p2pkv-push: all 4 push" in check_directions(r).detail
-    r.systems["p2pkv-push"].points[0].pull = None
-    assert not check_directions(r).passed  # nothing seen is not a pass
+    doc = _doc(p2pkv_pull=[_point(1, 10.0, 100.0, {"pull": 4})], p2pkv_push=[_point(1, 9.0, 110.0, {"pull": 1,
+                                                                                                   "push": 3})])
+    check = check_directions(doc["systems"])
+    assert not check["passed"] and "p2pkv-push: 3 of 4 transfers went push" in check["detail"]
+    doc["systems"]["p2pkv-push"]["points"] = [_point(1, 9.0, 110.0, {"push": 4})]
+    assert check_directions(doc["systems"]) == {"passed": True,
+                                                "detail": "p2pkv-pull: all 4 pull; p2pkv-push: all 4 push"}
+    doc["systems"]["p2pkv-push"]["points"][0]["p2pkv"]["transfers"] = None
+    assert not check_directions(doc["systems"])["passed"]  # nothing seen is not a pass
+
+
+def test_report_and_plots_of_a_document(tmp_path: Path) -> None:
+    """The report's tables and push / pull ratios come from vLLM's keys and p2pkv's numbers; both plots draw."""
+    doc = _doc(p2pkv_pull=[_point(1, 10.0, 100.0, {"pull": 4}, legs=40.0, probe_tpot=2.0)],
+               p2pkv_push=[_point(1, 9.0, 110.0, {"push": 4}, legs=42.0, probe_tpot=2.5)],
+               aggregated=[_point(1, 5.0, 200.0)])
+    table = serve_report.format_table(doc)
+    assert "TTFT p50" in table and "push 4" in table and "prefill engine's own latency" in table
+    assert "p2pkv-push / p2pkv-pull" in table and "answers: passed" in table
+    ratios = serve_report.ratio_lines(doc)[1].splitlines()[-1].split()
+    assert ratios[:4] == ["1", "0.900", "1.000", "1.100"] and ratios[-1] == "1.250"  # TTFT, TPOT, tok/s, probe
+    assert " 3/4" in "\n".join(handover.format_breakdown(doc["systems"]))
+    assert serve_report.ratio_lines(_doc(aggregated=[_point(1, 5.0, 200.0)])) == []
+    assert "p2pkv-pull" in serve_report.point_line("p2pkv-pull", doc["systems"]["p2pkv-pull"]["points"][0])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert serve_report.plot(doc, tmp_path / "s.png") and handover.plot(doc["systems"], tmp_path / "h.png")
+    assert (tmp_path / "s.png").stat().st_size > 0 and (tmp_path / "h.png").stat().st_size > 0
 
 
 def test_prefill_latency_from_scrapes_and_the_probes_stream() -> None:
@@ -284,16 +210,13 @@ def test_prefill_latency_from_scrapes_and_the_probes_stream() -> None:
                               'vllm:request_queue_time_seconds_count{engine="0"} 10\n'
                               'vllm:request_queue_time_seconds_sum{engine="0"} 0.005\n')
     pre = prefill_latency(engine, proxy)
-    assert pre is not None and pre.probe is None and pre.engine_prefill_mean_ms is None
-    assert pre.legs == Latency(count=8, mean_ms=pytest.approx(30.0), p50_ms=pytest.approx(30.0),
-                               p99_ms=pytest.approx(49.6))  # inside (10, 50] ms, linearly
-    assert pre.engine_ttft.count == 10 and pre.engine_ttft.mean_ms == pytest.approx(20.0)
-    assert pre.engine_ttft.p99_ms == pytest.approx(20.0)  # in the +Inf bucket: the last finite bound
-    assert pre.engine_queue_mean_ms == pytest.approx(0.5)
+    assert pre is not None and pre["engine_prefill_mean_ms"] is None
+    assert pre["legs"] == {"count": 8, "mean_ms": pytest.approx(30.0), "p50_ms": pytest.approx(30.0),
+                           "p99_ms": pytest.approx(49.6)}  # inside (10, 50] ms, linearly
+    assert pre["engine_ttft"]["count"] == 10 and pre["engine_ttft"]["mean_ms"] == pytest.approx(20.0)
+    assert pre["engine_ttft"]["p99_ms"] == pytest.approx(20.0)  # in the +Inf bucket: the last finite bound
+    assert pre["engine_queue_mean_ms"] == pytest.approx(0.5)
     assert prefill_latency(None, None) is None
-    assert latency(parse_prometheus("x 1\n"), "p2pkv_proxy_prefill_seconds") is None
-    assert histogram_quantile({0.001: 2, 0.002: 4, math.inf: 4}, 0.5) == pytest.approx(0.001)
-    assert histogram_quantile({0.001: 0, math.inf: 0}, 0.5) is None
 
     ticks = iter([1.010, 1.012, 1.030])  # three chunks with text after the request was sent at 1.000
     lines = ["", 'data: {"choices": [{"text": "a"}]}', 'data: {"choices": [{"text": ""}]}',
@@ -303,7 +226,7 @@ def test_prefill_latency_from_scrapes_and_the_probes_stream() -> None:
     assert (ttft, span, tokens) == (pytest.approx(0.010), pytest.approx(0.020), 5)
     with pytest.raises(ValueError):
         stream_timing(["data: [DONE]"], 0.0)
-    assert Percentiles.of([4.0, 1.0, 2.0, 3.0]) == Percentiles(2.5, 2.5, pytest.approx(3.97))
+    assert p50_p99([4.0, 1.0, 2.0, 3.0]) == (2.5, pytest.approx(3.97)) and p50_p99([]) == (None, None)
 
 
 class _Completions(http.server.BaseHTTPRequestHandler):
@@ -337,26 +260,28 @@ def test_the_probe_measures_at_least_one_request_per_point(chunks: list[str], re
     finally:
         server.shutdown()
         server.server_close()
-    assert (result.requests, result.failed) == (requests, 1 - requests)
-    assert result.first_error.startswith(error) and bool(result.first_error) == bool(error)
+    assert (result["requests"], result["failed"]) == (requests, 1 - requests)
+    assert result["first_error"].startswith(error) and bool(result["first_error"]) == bool(error)
     if requests:
-        assert result.ttft_ms.p50 > 0 and result.tpot_ms.p50 >= 0
+        assert result["ttft_p50_ms"] > 0 and result["tpot_p50_ms"] >= 0
 
 
-def test_client_flags_and_options() -> None:
-    argv = ClientPoint("http://h:1", "/m", "p2pkv", 4, 8, 64, 16, 3, "/r", "f.json", "x-").argv()
+def test_client_flags_and_options(tmp_path: Path) -> None:
+    opts = ServeBenchOptions(num_prompts=8, input_len=64, output_len=16, dataset="random")
+    argv = client_argv(opts, "/m", 4, 3, tmp_path, "http://h:1", "p2pkv")
     flags = " ".join(argv)
     for expected in ("--dataset-name random", "--random-input-len 64", "--random-output-len 16", "--seed 3",
                      "--max-concurrency 4", "--num-prompts 8", "--temperature 0", "--ignore-eos",
-                     "--save-result", "--save-detailed", "--metric-percentiles 50,99", "--base-url http://h:1"):
+                     "--save-result", "--save-detailed", "--metric-percentiles 50,99", "--base-url http://h:1",
+                     "--result-filename p2pkv-c4.json"):
         assert expected in flags
-    text = " ".join(ClientPoint("http://h:1", "/m", "p2pkv", 4, 8, 64, 16, 3, "/r", "f.json", "x-",
-                                dataset_path="/p.jsonl").argv())
-    assert "--dataset-name custom --dataset-path /p.jsonl --custom-output-len 16 --skip-chat-template" in text
-    assert "--random-input-len" not in text
-    salted = ClientPoint("http://h:1", "/m", "p2pkv", 4, 8, 64, 16, 3, "/r", "f.json", "x-", cache_salt="s-1").argv()
-    assert json.loads(salted[salted.index("--extra-body") + 1]) == {"cache_salt": "s-1"}
     assert "--extra-body" not in argv
+    text = " ".join(client_argv(ServeBenchOptions(num_prompts=8, input_len=64, output_len=16), "/m", 4, 3, tmp_path))
+    prompts = tmp_path / "prompts" / "text-64-8-3.jsonl"
+    assert f"--dataset-name custom --dataset-path {prompts} --custom-output-len 16 --skip-chat-template" in text
+    assert prompts.exists() and "--random-input-len" not in text
+    salted = client_argv(opts, "/m", 4, 3, tmp_path, cache_salt="s-1")
+    assert json.loads(salted[salted.index("--extra-body") + 1]) == {"cache_salt": "s-1"}
     opts = ServeBenchOptions(extra_engine_args=("--max-num-seqs", "8"))
     assert opts.engine_args() == ("--no-enable-prefix-caching", "--max-num-seqs", "8")
     assert ServeBenchOptions(prefix_caching=True).engine_args() == ()
@@ -426,7 +351,7 @@ def test_bench_serve_end_to_end(tiny_model: Path, tmp_path: Path, pair) -> None:
     """All four systems, one concurrency point, the prefill probe on: the p2pkv systems on the engine tests'
     shared pair (``--p2pkv-engines``: a proxy per system, each with its own cache_salt, so push is not served
     from pull's cached prompts), the aggregated system on its aggregated engine, NixlConnector on a pair the
-    bench starts: exit 0, answers equal, every transfer in its system's direction, JSON and plot written."""
+    bench starts: exit 0, answers equal, every transfer in its system's direction, JSON and plots written."""
     shared, _ = pair
     out_json, out_png = tmp_path / "serve.json", tmp_path / "serve.png"
     cmd = [sys.executable, "-m", "p2pkv.tools.cli", "bench", "serve", "--model", str(tiny_model),
@@ -441,37 +366,38 @@ def test_bench_serve_end_to_end(tiny_model: Path, tmp_path: Path, pair) -> None:
     assert list(result["systems"]) == ["p2pkv-pull", "p2pkv-push", "nixl", "aggregated"]
     assert result["systems"]["p2pkv-push"]["engines"] == ["p2pkv-pull", "p2pkv-push"]  # one pair, two proxies
     for name, sys_result in result["systems"].items():
-        (point,) = sys_result["points"]
-        assert point["completed"] == 4 and point["failed"] == 0, name
-        assert point["output_throughput"] > 0 and point["request_throughput"] > 0, name
-        assert point["ttft_ms"]["p50"] > 0, name
+        (point,) = sys_result["points"]  # vLLM's own result of the point, without the per-request lists
+        assert point["completed"] == 4 and point["failed"] == 0 and point["max_concurrency"] == 2, name
+        assert point["output_throughput"] > 0 and point["median_ttft_ms"] > 0 and point["label"] == name, name
+        assert "generated_texts" not in point and "ttfts" not in point, name
+        assert point["p2pkv"]["second_token_p50_ms"] > point["median_ttft_ms"] * 0.5, name
     for name, direction in (("p2pkv-pull", "pull"), ("p2pkv-push", "push")):
-        point = result["systems"][name]["points"][0]
-        assert point["pull"]["bytes"] > 0 and point["pull"]["pulls"] >= 4, name
-        assert point["pull"]["directions"] == {direction: point["pull"]["pulls"]}, name
-        assert point["proxy_overhead"]["requests"] == 4, name
-        first = point["handover"]
+        extra = result["systems"][name]["points"][0]["p2pkv"]
+        assert extra["transfers"]["bytes"] > 0 and extra["transfers"]["count"] >= 4, name
+        assert extra["transfers"]["directions"] == {direction: extra["transfers"]["count"]}, name
+        assert extra["proxy"]["count"] == 4, name
+        first = extra["handover"]
         assert first["first_token_from_prefill"] + first["first_token_from_decode"] == 4  # vLLM's client streams
+        assert first["read"] > 0 and first["confirm"] is not None, name
     for name in ("p2pkv-pull", "p2pkv-push", "nixl"):
-        prefill = result["systems"][name]["points"][0]["prefill"]
+        prefill = result["systems"][name]["points"][0]["p2pkv"]["prefill"]
         assert prefill["legs"]["count"] == 4 and prefill["legs"]["mean_ms"] > 0, name
         assert prefill["engine_ttft"]["count"] >= 4 + prefill["probe"]["requests"], name
         assert prefill["probe"]["requests"] >= 1 and prefill["probe"]["failed"] == 0, (name, prefill["probe"])
-        assert prefill["probe"]["tpot_ms"]["p50"] > 0, name
-    aggregated = result["systems"]["aggregated"]["points"][0]
-    assert aggregated["pull"] is None and aggregated["prefill"] is None
+        assert prefill["probe"]["tpot_p50_ms"] > 0, name
+    aggregated = result["systems"]["aggregated"]["points"][0]["p2pkv"]
+    assert aggregated["transfers"] is None and aggregated["prefill"] is None
     assert all(c["passed"] for c in result["checks"].values()), result["checks"]
     assert result["checks"]["tokens"]["compared"] == 16
     assert "p2pkv-push: all 4 push" in result["checks"]["directions"]["detail"]
-    assert len({p["answers_sha256"] for s in result["systems"].values() for p in s["points"]}) == 1
-    assert {(r["system"], r["baseline"]) for r in result["ratios"]} >= {("p2pkv-push", "p2pkv-pull")}
+    assert len({p["p2pkv"]["answers_sha256"] for s in result["systems"].values() for p in s["points"]}) == 1
     assert "bench serve" in result["command"] and result["machine"]["versions"].get("vllm")
-    assert "TTFT p50" in proc.stdout and "targets:" in proc.stdout and "p2pkv-push / p2pkv-pull" in proc.stdout
+    assert "TTFT p50" in proc.stdout and "p2pkv-push / p2pkv-pull" in proc.stdout and "handover" in proc.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return
-    assert out_png.stat().st_size > 0
+    assert out_png.stat().st_size > 0 and (tmp_path / "serve-handover.png").stat().st_size > 0
 
 
 DECODE_PHASES = """p2pkv:pull_phase_seconds_bucket{engine="0",phase="read",le="0.0005"} 3.0
@@ -493,33 +419,20 @@ p2pkv_proxy_first_tokens_total{source="decode"} 1.0
 """
 
 
-def test_handover_breakdown_per_phase_and_targets() -> None:
-    """Phase-labelled histograms stay apart; means in ms; second-token times from vLLM's lists; the targets."""
+def test_handover_breakdown_per_phase() -> None:
+    """Phase-labelled histograms stay apart; means in ms; second-token times from vLLM's lists."""
     b = handover.breakdown(delta(parse_prometheus(""), parse_prometheus(DECODE_PHASES)),
                            parse_prometheus(PROXY_PHASES))
-    assert b.read == pytest.approx(0.5) and b.confirm == pytest.approx(2.0)
-    assert b.prefill == pytest.approx(25.0) and b.decode_first_byte == pytest.approx(15.0)
-    assert b.decode_ttft == pytest.approx(10.0) and b.read_p50_bound_ms == pytest.approx(0.5)
-    assert b.queue is None and b.proxy is None  # not exported in these scrapes
-    assert (b.first_token_from_prefill, b.first_token_from_decode) == (3, 1)
-    assert b.phase("confirm") == pytest.approx(2.0) and b.phase("no such phase") is None
+    assert b["read"] == pytest.approx(0.5) and b["confirm"] == pytest.approx(2.0)
+    assert b["prefill"] == pytest.approx(25.0) and b["decode_first_byte"] == pytest.approx(15.0)
+    assert b["decode_ttft"] == pytest.approx(10.0)
+    assert b["queue"] is None and b["proxy"] is None  # not exported in these scrapes
+    assert (b["first_token_from_prefill"], b["first_token_from_decode"]) == (3, 1)
     nixl = handover.breakdown(parse_prometheus("vllm:nixl_xfer_time_seconds_count 2\n"
                                                "vllm:nixl_xfer_time_seconds_sum 0.01\n"), None)
-    assert nixl.read == pytest.approx(5.0) and nixl.confirm is None and nixl.prefill is None
-    second = handover.second_token_ms({"ttfts": [0.010, 0.020, 0.030], "itls": [[0.001, 0.5], [0.002], []]})
-    assert second.p50 == pytest.approx(16.5)  # 11 and 22 ms; the request without a second token is left out
-
-    result = _result(p2pkv_ttft=12.0, nixl_ttft=30.0, agg_ttft=10.0, pull_ms=1.0, p2pkv_tok=1.0, nixl_tok=1.0,
-                     proxy_p50=1.0)
-    for name, second_p50 in (("p2pkv", 25.0), ("aggregated", 12.0)):
-        point = result.systems[name].points[0]
-        point.second_token_ms = Percentiles(second_p50, second_p50, second_p50)
-        point.handover = b
-    targets = {t.name: t for t in handover.evaluate(result)}
-    assert targets["ttft_vs_aggregated"].met is True  # 12 <= 1.3 x 10
-    assert targets["ttft_vs_nixl"].met is True  # 12 <= 15 and 24 <= 30
-    assert targets["second_token_vs_aggregated"].met is False  # 25 > 2 x 12
-    assert targets["tpot_vs_aggregated"].met is True and targets["read_p50"].met is True
-    assert list(targets["read_p50"].measured) == ["p2pkv c=1"]
-    table = "\n".join(handover.format_breakdown(result))
-    assert "decode_first_byte" in table and " 3/4" in table
+    assert nixl["read"] == pytest.approx(5.0) and nixl["confirm"] is None and nixl["prefill"] is None
+    second = handover.second_token_p50_ms({"ttfts": [0.010, 0.020, 0.030], "itls": [[0.001, 0.5], [0.002], []]})
+    assert second == pytest.approx(16.5)  # 11 and 22 ms; the request without a second token is left out
+    assert handover.second_token_p50_ms({}) is None
+    # without the queue phase (NixlConnector's case) the rest of the decode leg is its first byte - read
+    assert handover.stack_of(b) == pytest.approx([25.0, 0.0, 0.0, 0.0, 0.5, 2.0, 14.5, 0.0])

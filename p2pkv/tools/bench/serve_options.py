@@ -1,4 +1,10 @@
-"""The settings and flags of ``p2pkv bench serve``.
+"""The settings, flags and systems of ``p2pkv bench serve``.
+
+A system is what the benchmark's client talks to: a proxy in front of a
+prefill/decode pair, or one aggregated engine. The p2pkv systems differ only
+in the proxy's ``--transfer-mode`` (the direction every decode leg asks for),
+so they run on one pair of engines, each behind its own proxy
+(:func:`plan_groups`).
 
 Ports (``--base-port`` BASE): the first proxy BASE, prefill BASE+100, decode
 BASE+200, aggregated BASE+300, side channels BASE+400 (prefill) and BASE+500
@@ -12,9 +18,52 @@ import argparse
 import importlib.util
 import os
 import shlex
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 
-from p2pkv.tools.bench.serve_systems import DEFAULT_SYSTEMS, SYSTEMS
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One system: ``name``; ``label`` (what it is); ``connector`` of its pair (``"p2pkv"``, ``"nixl"``, or
+    None for one aggregated engine); ``transfer_mode``, its proxy's ``--transfer-mode`` (``"pull"``: the
+    decode engine READs; ``"push"``: the prefill engine WRITEs; ``""``: the decode engine's setting)."""
+
+    name: str
+    label: str
+    connector: str | None
+    transfer_mode: str = ""
+
+
+SYSTEM_SPECS: dict[str, SystemSpec] = {spec.name: spec for spec in (
+    SystemSpec("p2pkv-pull", "p2pkv P/D pair, decode READs (proxy --transfer-mode pull)", "p2pkv", "pull"),
+    SystemSpec("p2pkv-push", "p2pkv P/D pair, prefill WRITEs (proxy --transfer-mode push)", "p2pkv", "push"),
+    SystemSpec("nixl", "NixlConnector P/D pair + proxy", "nixl"),
+    SystemSpec("aggregated", "one aggregated engine", None),
+    SystemSpec("p2pkv", "p2pkv P/D pair, the decode engine's transfer_mode (auto)", "p2pkv"),
+)}
+"""Every system this benchmark can run, by name."""
+
+SYSTEMS = tuple(SYSTEM_SPECS)
+"""``--systems`` choices."""
+DEFAULT_SYSTEMS = ("p2pkv-pull", "p2pkv-push", "nixl", "aggregated")
+"""The systems of a run without ``--systems``, in this order."""
+EXPECTED_DIRECTION = {n: s.transfer_mode for n, s in SYSTEM_SPECS.items() if s.connector == "p2pkv" and s.transfer_mode}
+"""p2pkv system → the direction every one of its transfers must take (``p2pkv:pulls_by_direction_total``)."""
+
+
+def plan_groups(systems: Sequence[str], share_engines: bool = True) -> list[tuple[str, ...]]:
+    """Which systems run on which engines, in run order: one group per set of engines, started once, its
+    systems measured back to back. With ``share_engines`` the p2pkv systems share one pair (each behind its
+    own proxy) at the place of the first of them; without (prefix caching on), each gets its own."""
+    groups: list[tuple[str, ...]] = []
+    shared = [n for n in systems if SYSTEM_SPECS[n].connector == "p2pkv"] if share_engines else []
+    for name in systems:
+        if name not in shared:
+            groups.append((name,))
+        elif name == shared[0]:
+            groups.append(tuple(shared))
+    return groups
+
 
 DATASETS = ("text", "random")
 """``--dataset`` choices (see :class:`ServeBenchOptions`)."""
@@ -25,40 +74,9 @@ EXTRA_PROXY_PORT = 600
 
 @dataclass
 class ServeBenchOptions:
-    """Settings of one ``p2pkv bench serve`` run.
-
-    Attributes:
-        model: model directory ("" : make the tiny random-weight model in ``work_dir``).
-        systems: which of :data:`~p2pkv.tools.bench.serve_systems.SYSTEMS` to
-            run, in this order (the p2pkv systems, sharing one pair, run back
-            to back at the place of the first of them).
-        concurrency: ``--max-concurrency`` values of the sweep (requests in flight).
-        num_prompts: requests per point.
-        input_len / output_len: prompt and generated tokens per request.
-        block_size: tokens per KV block.
-        dtype: model dtype.
-        seed: dataset seed of the first point; point *i* uses ``seed + i``.
-        base_port: first of the ports (see the module docstring).
-        host: address everything binds to.
-        work_dir: tiny model, engine logs, vLLM's per-point result files.
-        tensor_parallel_size: TP size of every engine.
-        extra_engine_args: more ``vllm serve`` flags for every engine.
-        prefix_caching: leave vLLM's prefix caching on (then every p2pkv
-            system gets its own pair: shared engines would serve the second
-            system's prompts from the first one's cache).
-        first_token_from: the proxy's ``--first-token-from`` (``prefill`` or ``decode``).
-        dataset: ``text`` (readable random ASCII prompts of ``input_len``
-            characters, :func:`~p2pkv.tools.bench.serve_client.write_text_prompts`)
-            or ``random`` (vLLM's random token ids).
-        prefill_probe: during every point of a P/D pair, send the prefill
-            engine requests of its own, one at a time, and measure their TTFT
-            and TPOT (:class:`~p2pkv.tools.bench.serve_results.ProbeResult`).
-        start_timeout_s: how long engines may take to become healthy (seconds).
-        p2pkv_engines: ``(prefill URL, decode URL)`` of a p2pkv pair already running (e.g. ``p2pkv launch
-            local``'s, with ``P2PKV_SECRET`` set to its secret): the p2pkv systems run there, each behind a
-            proxy of its own, instead of on a pair the bench starts. Empty: start one.
-        aggregated_engine: URL of a plain engine already running for the ``aggregated`` system ("": start one).
-    """
+    """Settings of one ``p2pkv bench serve`` run: each field is the flag of the same name (see
+    :func:`add_arguments`; ``start_timeout_s`` is ``--start-timeout``, in seconds). Lengths are in tokens;
+    ``p2pkv_engines`` is ``(prefill URL, decode URL)`` of a running pair, empty to start one."""
 
     model: str = ""
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
@@ -156,25 +174,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="during every point of a P/D pair, also send the prefill engine its own requests (one at "
                         "a time, --input-len characters, --output-len tokens, streamed) and report their TTFT and "
                         "TPOT: whether the traffic, a push in particular, slows the prefill engine")
-    p.add_argument("--start-timeout", type=float, default=d.start_timeout_s, help="seconds for engines to start")
+    p.add_argument("--start-timeout", dest="start_timeout_s", type=float, default=d.start_timeout_s,
+                   help="seconds for engines to start")
     p.add_argument("--p2pkv-engines", default="", metavar="PREFILL_URL,DECODE_URL",
                    help="run the p2pkv systems on this running pair (P2PKV_SECRET: its secret) instead of starting "
                         "one; each system gets its own proxy and its own cache_salt")
     p.add_argument("--aggregated-engine", default="", metavar="URL",
                    help="run the aggregated system on this running engine instead of starting one")
-    p.add_argument("--json", metavar="PATH", help="write the results here")
-    p.add_argument("--plot", metavar="PNG", help="TTFT/TPOT p50 vs concurrency (needs matplotlib: p2pkv[bench])")
+    p.add_argument("--json", metavar="PATH", help="write the run here: per point vLLM's own bench serve result, "
+                                                 "p2pkv's numbers under 'p2pkv'")
+    p.add_argument("--plot", metavar="NAME.png",
+                   help="TTFT/TPOT p50 and the prefill engine's latency vs concurrency, and the handover phases as "
+                        "NAME-handover.png (needs matplotlib: p2pkv[bench])")
 
 
 def options_from_args(args: argparse.Namespace) -> ServeBenchOptions:
     """The options of parsed flags (not validated)."""
-    return ServeBenchOptions(
-        model=args.model, systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
-        concurrency=tuple(args.concurrency), num_prompts=args.num_prompts, input_len=args.input_len,
-        output_len=args.output_len, block_size=args.block_size, dtype=args.dtype, seed=args.seed,
-        base_port=args.base_port, host=args.host, work_dir=args.work_dir,
-        tensor_parallel_size=args.tensor_parallel_size, extra_engine_args=tuple(shlex.split(args.extra_engine_args)),
-        prefix_caching=args.prefix_caching, first_token_from=args.first_token_from, dataset=args.dataset,
-        prefill_probe=args.prefill_probe, start_timeout_s=args.start_timeout,
-        p2pkv_engines=tuple(u.strip().rstrip("/") for u in args.p2pkv_engines.split(",") if u.strip()),
-        aggregated_engine=args.aggregated_engine.rstrip("/"))
+    def split(text: str) -> tuple[str, ...]:
+        return tuple(x.strip().rstrip("/") for x in text.split(",") if x.strip())
+
+    given = {f.name: getattr(args, f.name) for f in fields(ServeBenchOptions)}
+    return ServeBenchOptions(**{**given, "systems": split(args.systems), "concurrency": tuple(args.concurrency),
+                                "extra_engine_args": tuple(shlex.split(args.extra_engine_args)),
+                                "p2pkv_engines": split(args.p2pkv_engines),
+                                "aggregated_engine": args.aggregated_engine.rstrip("/")})

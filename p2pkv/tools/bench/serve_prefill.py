@@ -1,20 +1,12 @@
-"""Is the prefill engine slowed? Its own latency over a ``p2pkv bench serve`` point.
+"""``--prefill-probe``: is the prefill engine slowed while it serves, and pushes, a point's KV?
 
 In push mode the prefill engine's worker WRITEs held blocks into the decode
 engine from a thread of its own process, while the same engine keeps
-prefilling the next requests. Two measurements say whether that costs the
-prefill engine time, per point and system (compared in the same run with
-the same engines pulling, :data:`~p2pkv.tools.bench.serve_systems.PUSH_BASELINE`):
-
-- always, from ``/metrics`` deltas (:func:`prefill_latency`): the prefill
-  legs' round trip as the proxy sees it (``p2pkv_proxy_prefill_seconds``) and
-  the prefill engine's own TTFT, queue and prefill time (vLLM's histograms);
-- with ``--prefill-probe`` (:class:`PrefillProbe`): requests of the prefill
-  engine's own, sent straight to it one at a time while the point runs; their
-  TTFT and TPOT (exact, per request) show what an ordinary request on that
-  engine goes through while it serves, and pushes, the point's KV.
-
-Units: ms (Prometheus' seconds are converted).
+prefilling the next requests. Besides the ``/metrics`` deltas
+(:func:`p2pkv.tools.bench.serve_metrics.prefill_latency`), :class:`PrefillProbe`
+sends the prefill engine requests of its own, one at a time, while the point
+runs; their TTFT and TPOT (exact, per request) show what an ordinary request
+on that engine goes through meanwhile. Units: ms.
 """
 
 from __future__ import annotations
@@ -23,17 +15,8 @@ import json
 import random
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
-
-from p2pkv.tools.bench.serve_metrics import PROXY_PREFILL, Snapshot, latency, mean_ms
-from p2pkv.tools.bench.serve_results import Latency, Percentiles, PrefillLatency, ProbeResult
-
-ENGINE_TTFT = "vllm:time_to_first_token_seconds"
-"""vLLM's TTFT histogram (a request's arrival at the engine → its first token), seconds."""
-ENGINE_QUEUE = "vllm:request_queue_time_seconds"
-"""vLLM's histogram of a request's time waiting to be scheduled, seconds."""
-ENGINE_PREFILL = "vllm:request_prefill_time_seconds"
-"""vLLM's histogram of a request's prefill phase (scheduled → first token), seconds."""
 
 PROBE_TIMEOUT_S = 120.0
 """Most seconds one probe request may take."""
@@ -41,24 +24,11 @@ PROBE_START_S = 10.0
 """Most seconds :meth:`PrefillProbe.start` waits for the probe's thread to be ready to send."""
 
 
-def prefill_latency(prefill: Snapshot | None, proxy: Snapshot | None,
-                    probe: ProbeResult | None = None) -> PrefillLatency | None:
-    """The prefill engine's own latency over one point.
+def p50_p99(values_ms: Sequence[float]) -> tuple[float | None, float | None]:
+    """Median and 99th percentile (linear interpolation, as vLLM's client) of values in ms; Nones for none."""
+    import numpy as np
 
-    Args:
-        prefill: ``after - before`` of the prefill engine's scrapes (None: not scraped).
-        proxy: ``after - before`` of the proxy's scrapes (None: no proxy).
-        probe: what the probe measured in the point, if it ran.
-
-    Returns:
-        The latency, or None when neither the prefill engine nor the proxy was scraped.
-    """
-    if prefill is None and proxy is None:
-        return None
-    legs: Latency | None = latency(proxy, PROXY_PREFILL) if proxy is not None else None
-    return PrefillLatency(legs=legs, engine_ttft=latency(prefill, ENGINE_TTFT) if prefill is not None else None,
-                          engine_queue_mean_ms=mean_ms(prefill, ENGINE_QUEUE),
-                          engine_prefill_mean_ms=mean_ms(prefill, ENGINE_PREFILL), probe=probe)
+    return (float(np.percentile(values_ms, 50)), float(np.percentile(values_ms, 99))) if values_ms else (None, None)
 
 
 def probe_prompt(index: int, chars: int, seed: int) -> str:
@@ -71,21 +41,10 @@ def probe_prompt(index: int, chars: int, seed: int) -> str:
 
 
 def stream_timing(lines: Any, sent: float, clock: Any = time.perf_counter) -> tuple[float, float, int]:
-    """Read one streamed completion (server-sent ``data:`` lines) and time it.
-
-    Args:
-        lines: its lines, as they arrive.
-        sent: ``clock()`` when the request was sent.
-        clock: the clock (seconds).
-
-    Returns:
-        ``(seconds to the first token, seconds from the first to the last
-        token, output tokens)``; tokens from the ``usage`` chunk when sent,
-        else the chunks that carried text.
-
-    Raises:
-        ValueError: the stream carried no token.
-    """
+    """``(seconds to the first token, seconds from the first to the last token, output tokens)`` of one
+    streamed completion (its server-sent ``data:`` lines, as they arrive) sent at ``clock()`` = ``sent``;
+    tokens from the ``usage`` chunk when sent, else the chunks that carried text. Raises ValueError when the
+    stream carried no token."""
     first = last = None
     chunks, usage_tokens = 0, None
     for line in lines:
@@ -108,18 +67,11 @@ def stream_timing(lines: Any, sent: float, clock: Any = time.perf_counter) -> tu
 
 
 class PrefillProbe:
-    """Requests of the prefill engine's own, one at a time from a thread, while a point runs.
+    """Requests of the prefill engine's own, one at a time from a thread, while a point runs: ``prompt_chars``
+    characters each (``seed`` picks them), ``max_tokens`` generated (greedy, EOS ignored), sent to ``url``.
 
-    Every point gets at least one probe request: :meth:`start` returns once
-    the thread is about to send its first, and the thread checks for
-    :meth:`stop` only after a request has ended (a point shorter than one
-    probe request still measures that request, the one it overlapped).
-
-    Args:
-        url: the prefill engine (``http://host:port``).
-        prompt_chars: characters per probe prompt.
-        max_tokens: tokens each probe request generates (greedy, EOS ignored).
-        seed: picks the prompts.
+    Every point gets at least one: :meth:`start` returns once the thread is about to send its first, and
+    the thread checks for :meth:`stop` only after a request has ended.
     """
 
     def __init__(self, url: str, prompt_chars: int, max_tokens: int, seed: int) -> None:
@@ -139,15 +91,18 @@ class PrefillProbe:
         self._sending.wait(PROBE_START_S)
         return self
 
-    def stop(self) -> ProbeResult:
-        """Stop after the request in flight ends; what the probe measured."""
+    def stop(self) -> dict[str, Any]:
+        """Stop after the request in flight ends; what the probe measured: ``requests``, ``failed``,
+        ``ttft_p50_ms``, ``ttft_p99_ms``, ``tpot_p50_ms``, ``tpot_p99_ms`` (TPOT: (last - first token) /
+        (tokens - 1), vLLM's definition), ``first_error`` ("" when none failed)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(PROBE_TIMEOUT_S + 5.0)
             if self._thread.is_alive():
                 self._fail(f"a probe request still ran {PROBE_TIMEOUT_S + 5.0:.0f} s after the point ended")
-        return ProbeResult(requests=len(self._ttfts), failed=self._failed, ttft_ms=Percentiles.of(self._ttfts),
-                           tpot_ms=Percentiles.of(self._tpots), first_error=self._first_error)
+        (t50, t99), (p50, p99) = p50_p99(self._ttfts), p50_p99(self._tpots)
+        return {"requests": len(self._ttfts), "failed": self._failed, "ttft_p50_ms": t50, "ttft_p99_ms": t99,
+                "tpot_p50_ms": p50, "tpot_p99_ms": p99, "first_error": self._first_error}
 
     def _fail(self, message: str) -> None:
         self._failed += 1
