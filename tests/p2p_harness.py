@@ -37,11 +37,17 @@ from tests.faults import FaultyNixlAgent
 from tests.warm_processes import Channels, WarmProcess
 from tests.workers import free_port, make_worker, model_info
 
-__all__ = ["ENGINE", "LAYOUT", "DecodeSide", "PrefillProc", "free_port", "notify_task", "pull_task", "writes_left"]
+__all__ = [
+    "DECODE_CFG", "ENGINE", "LAYOUT", "DecodeSide", "PrefillProc", "free_port", "notify_task", "pull_task",
+    "writes_left",
+]
 
 ENGINE = "prefill-engine"
 LAYOUT = "BLHNC"  # one contiguous run of bytes per block: cheap exact comparisons
 MAX_LIFE_S = 170.0  # a prefill process never outlives this, whatever the test does
+DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0, pull_poll_interval_s=0.0)
+"""A :class:`DecodeSide`'s settings in the ``decode`` fixtures (``tests/conftest.py``): faults are injected per
+call, so only the test steps the pulls."""
 
 
 def writes_left(pusher: Pusher) -> int:

@@ -23,8 +23,6 @@ from tests.workers import COMPAT_FIELDS
 
 HOST = "127.0.0.1"
 BOUND_S = 10.0  # a failed or retried pull is reported within this (it takes well under a second)
-DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0,
-                  pull_poll_interval_s=0.0)  # faults are injected per call: only the test steps the pulls
 
 _ids = itertools.count()
 def new_ids() -> tuple[str, str]:
@@ -128,9 +126,9 @@ def wait_pinned(d: DecodeSide, pf: PrefillProc, prid: str, timeout_s: float = BO
 
 @contextlib.contextmanager
 def fake_side_channel(respond: Callable[[list[bytes]], list[bytes]] | None,
-                      delay_s: float = 0.0) -> Iterator[tuple[int, list[list[bytes]]]]:
-    """A ROUTER socket in a thread: answers each request with ``respond(body)`` after ``delay_s``
-    (``respond=None``: never answers). Yields ``(port, requests seen)``."""
+                      delay_s: float | Callable[[list[bytes]], float] = 0.0) -> Iterator[tuple[int, list[list[bytes]]]]:
+    """A ROUTER socket in a thread: answers each request with ``respond(body)`` after ``delay_s`` (seconds, or
+    ``delay_s(body)``; ``respond=None``: never answers). Yields ``(port, requests seen)``."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
@@ -145,7 +143,8 @@ def fake_side_channel(respond: Callable[[list[bytes]], list[bytes]] | None,
                 identity, *body = sock.recv_multipart()
                 seen.append(body)
                 if respond is not None and (reply := respond(body)) is not None:  # None: no answer
-                    due.append((time.monotonic() + delay_s, [identity, *reply]))
+                    delay = delay_s(body) if callable(delay_s) else delay_s
+                    due.append((time.monotonic() + delay, [identity, *reply]))
             now = time.monotonic()
             for item in [x for x in due if x[0] <= now]:
                 due.remove(item)
