@@ -312,12 +312,13 @@ def route(request, pair, routes):
 
 
 @pytest.fixture(scope="module")
-def prefill() -> Iterator[PrefillProc]:
-    """The module's prefill process (:class:`tests.p2p_harness.PrefillProc`, seed 1); at its end nothing was
-    released twice or without a lease, and no hold stayed pinned by a WRITE."""
-    from tests.p2p_harness import PrefillProc, free_port
+def prefill(request: pytest.FixtureRequest) -> Iterator[PrefillProc]:
+    """The module's prefill process (:class:`tests.p2p_harness.PrefillProc`, seed 1; its cache's layout the
+    indirect parameter, ``BLHNC`` without one); at its end nothing was released twice or without a lease, and no
+    hold stayed pinned by a WRITE."""
+    from tests.p2p_harness import LAYOUT, PrefillProc, free_port
 
-    pf = PrefillProc(free_port(), seed=1, num_blocks=64, lease_s=30.0)
+    pf = PrefillProc(free_port(), seed=1, num_blocks=64, lease_s=30.0, layout=getattr(request, "param", LAYOUT))
     pf.start()
     try:
         yield pf

@@ -1,9 +1,10 @@
 """A prefill worker in its own process that can be told what to lease, and a decode pump.
 
-Shared by ``tests/fault_injection/``, ``tests/test_churn.py`` and
-``tests/test_puller_robustness.py``. The prefill process runs a real
-:class:`p2pkv.worker.WorkerSide` with a synthetic ``BLHNC`` KV cache (random
-values from ``seed``) and a real NIXL agent. The test process sends it
+The one way the tests run a prefill rank in a process of its own (``tests/fault_injection/``, the ``prefill``
+fixture of ``tests/conftest.py``, ``tests/test_churn.py``, ``tests/test_transfer.py``, ...; only
+``tests/test_hetero.py``'s multi-rank prefill engines run their own job in :mod:`tests.warm_processes`). The
+prefill process runs a real :class:`p2pkv.worker.WorkerSide` with a synthetic KV cache (``BLHNC`` unless told
+otherwise; random values from ``seed``) and a real NIXL agent. The test process sends it
 commands (``lease``, ``stop``, and :meth:`PrefillProc.call`: faults injected
 into its NIXL agent, its pusher held back, its side channel slowed, its
 state read) and reads back every ``finished_sending`` set it produces, split
@@ -59,13 +60,12 @@ def shape(num_blocks: int) -> dict[str, int]:
     return dict(num_layers=4, num_blocks=num_blocks, num_heads=2, block_size=32, head_dim=16)
 
 
-def _prefill_main(port: int, seed: int, num_blocks: int, leases: dict[str, float], lease_s: float,
+def _prefill_main(port: int, seed: int, num_blocks: int, layout: str, leases: dict[str, float], lease_s: float,
                   channels: Channels) -> None:
     cmds, out = channels.inbox, channels.outbox
     parent = os.getppid()
-    _, views = make_kv_caches(LAYOUT, seed=seed, **shape(num_blocks))
-    worker = make_worker(ENGINE, port, lease_s=lease_s)
-    worker.model = model_info(LAYOUT)
+    _, views = make_kv_caches(layout, seed=seed, **shape(num_blocks))
+    worker = make_worker(ENGINE, port, layout, lease_s=lease_s)
     worker.register_kv_caches(views, num_blocks)
     control = _Control(worker, out)
     now = time.monotonic()
@@ -203,6 +203,9 @@ class PrefillProc:
     Attributes:
         port: side-channel port (the same after a restart).
         seed: seed of the cache values (block ``b`` holds ``expected(seed)[b]``).
+        num_blocks, lease_s: the cache's blocks; the leases' default seconds.
+        layout: the cache's layout (:func:`p2pkv.testing.make_kv_caches`; ``expected`` and :class:`DecodeSide`
+            compare blocks as ``BLHNC`` ones).
         notified, expired: request id → times released that way (all incarnations).
         released_at: request id → ``time.monotonic()`` of each release (the host's clock, the same in every process).
         leased: every request id leased so far.
@@ -216,6 +219,7 @@ class PrefillProc:
     seed: int = 1
     num_blocks: int = 64
     lease_s: float = 30.0
+    layout: str = LAYOUT
     notified: dict[str, int] = field(default_factory=dict)
     expired: dict[str, int] = field(default_factory=dict)
     released_at: dict[str, list[float]] = field(default_factory=dict)
@@ -249,7 +253,8 @@ class PrefillProc:
         self.released_by_incarnation.append(set())
         self._warm = warm_processes.take()
         self._proc = self._warm.process
-        channels = self._warm.run(_prefill_main, self.port, self.seed, self.num_blocks, leases, self.lease_s)
+        channels = self._warm.run(_prefill_main, self.port, self.seed, self.num_blocks, self.layout, leases,
+                                  self.lease_s)
         self._cmds, self._out = channels.inbox, channels.outbox
         self._ready = False
 
@@ -280,7 +285,7 @@ class PrefillProc:
         """The prefill cache of ``seed`` (default: the current one), ``[blocks, ...]``."""
         seed = self.seed if seed is None else seed
         if seed not in self._expected:
-            self._expected[seed], _ = make_kv_caches(LAYOUT, seed=seed, **shape(self.num_blocks))
+            self._expected[seed], _ = make_kv_caches(self.layout, seed=seed, **shape(self.num_blocks))
         return self._expected[seed]
 
     def lease(self, ids: list[str], seconds: float | None = None) -> None:
