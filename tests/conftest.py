@@ -233,7 +233,7 @@ def pair(launched: Launched):
 
 @pytest.fixture(scope="session")
 def client():
-    """An HTTP client for the engine tests."""
+    """An HTTP client (120 s timeout) for the tests that talk HTTP to engines, real or fake, and proxies."""
     import httpx
 
     with httpx.Client(timeout=120.0) as c:

@@ -34,7 +34,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def servers():
+def proxy_servers():
     p1, p2, d = FakeEngine("p1", "prefill"), FakeEngine("p2", "prefill"), FakeEngine("d", "decode")
     refusing = socket.socket()
     refusing.bind(("127.0.0.1", 0))
@@ -50,16 +50,10 @@ def servers():
 
 
 @pytest.fixture
-def stack(servers: Stack) -> Stack:
-    for e in (servers.p1, servers.p2, servers.d):
+def stack(proxy_servers: Stack) -> Stack:
+    for e in (proxy_servers.p1, proxy_servers.p2, proxy_servers.d):
         e.reset()
-    return servers
-
-
-@pytest.fixture
-def client():
-    with httpx.Client(timeout=10) as c:
-        yield c
+    return proxy_servers
 
 
 def metric(text: str, name: str, **labels: str) -> float:
