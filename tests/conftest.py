@@ -352,3 +352,13 @@ def mode_decode(request: pytest.FixtureRequest) -> Iterator[DecodeSide]:
     """:func:`decode` in each transfer mode (pull: it READs; push: the prefill rank WRITEs; the test runs once per
     mode)."""
     yield from _decode_side(request, transfer_mode=request.param)
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[Any]:
+    """The module's two NIXL agents in this process (:class:`tests.push_support.Agents`): a prefill agent with a
+    KV cache, a decode agent with a zeroed one, both registered."""
+    from tests.push_support import make_agents
+
+    with make_agents() as made:
+        yield made
