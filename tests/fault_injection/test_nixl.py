@@ -164,6 +164,32 @@ def test_persistent_release_fault_never_fails_a_pull(prefill: PrefillProc, decod
     assert faulty.calls["add_remote_agent"] == 1
 
 
+def pull_batch_whole_or_failed(d: DecodeSide, pf: PrefillProc, lease_s: float | None = None) -> set[str]:
+    """Eight pulls of 2 blocks in one batch (leased for ``lease_s``, default the process's): each finishes
+    exactly once, with exact bytes or all its blocks in load errors, and no other block is reported. The
+    prefill request ids."""
+    tasks, pairs = [], {}
+    for i in range(8):
+        rid, prid = new_ids()
+        local, remote = [2 * i, 2 * i + 1], [63 - i, 40 + i]
+        tasks.append(pull_task(rid, prid, pf.port, local, remote))
+        pairs[rid] = (prid, local, remote)
+    pf.lease([p for p, _, _ in pairs.values()], seconds=lease_s)
+    d.start(*tasks)
+    assert d.pump(set(pairs), BOUND_S) == set()
+    d.pump(set(), 0.05)
+    assert all(d.finished[r] == 1 for r in pairs)
+    errors = d.take_errors()
+    for _, local, remote in pairs.values():
+        if set(local) <= errors:
+            errors -= set(local)
+        else:
+            assert not set(local) & errors, "a pull's blocks were partly reported"
+            assert_bytes(d, pf, local, remote)
+    assert errors == set(), f"load errors for blocks of no pull: {sorted(errors)}"
+    return {p for p, _, _ in pairs.values()}
+
+
 @pytest.mark.parametrize(("method", "mode"), [("check_xfer_state", "raise"), ("check_xfer_state", "err"),
                                               ("transfer", "raise")])
 def test_fault_in_one_pull_of_a_batch(prefill: PrefillProc, decode: DecodeSide, method: str, mode: str) -> None:
@@ -172,26 +198,8 @@ def test_fault_in_one_pull_of_a_batch(prefill: PrefillProc, decode: DecodeSide, 
     errors, and no other block is reported. (Zero load errors is what the retry aims for; see
     ``test_stale_failure_keeps_the_new_peer`` for why some may still fail.)"""
     faulty = inject(decode.worker, method, 3, mode)  # type: ignore[arg-type]
-    tasks, pairs = [], {}
-    for i in range(8):
-        rid, prid = new_ids()
-        local, remote = [2 * i, 2 * i + 1], [63 - i, 40 + i]
-        tasks.append(pull_task(rid, prid, prefill.port, local, remote))
-        pairs[rid] = (prid, local, remote)
-    prefill.lease([p for p, _, _ in pairs.values()])
-    decode.start(*tasks)
-    assert decode.pump(set(pairs), BOUND_S) == set()
-    decode.pump(set(), 0.05)
+    pull_batch_whole_or_failed(decode, prefill)
     assert faulty.faults == 1
-    assert all(decode.finished[r] == 1 for r in pairs)
-    errors = decode.take_errors()
-    for _, local, remote in pairs.values():
-        if set(local) <= errors:
-            errors -= set(local)
-        else:
-            assert not set(local) & errors, "a pull's blocks were partly reported"
-            assert_bytes(decode, prefill, local, remote)
-    assert errors == set(), f"load errors for blocks of no pull: {sorted(errors)}"
     restore(decode.worker)
     clean_pull_succeeds(decode, prefill)
 
@@ -304,28 +312,9 @@ def test_push_write_fault_in_one_pull_of_a_batch(prefill: PrefillProc, push_deco
     stays pinned."""
     d = push_decode
     prefill.inject(("transfer", 3, "err", 1))
-    tasks, pairs = [], {}
-    for i in range(8):
-        rid, prid = new_ids()
-        local, remote = [2 * i, 2 * i + 1], [63 - i, 40 + i]
-        tasks.append(pull_task(rid, prid, prefill.port, local, remote))
-        pairs[rid] = (prid, local, remote)
-    prefill.lease([p for p, _, _ in pairs.values()], seconds=3.0)  # a lost "done" falls back on a short lease
-    d.start(*tasks)
-    assert d.pump(set(pairs), BOUND_S) == set()
-    d.pump(set(), 0.05)
+    prids = pull_batch_whole_or_failed(d, prefill, lease_s=3.0)  # a lost "done" falls back on a short lease
     assert prefill.restore()["faults"] == 1
-    assert all(d.finished[r] == 1 for r in pairs)
-    errors = d.take_errors()
-    for _, local, remote in pairs.values():
-        if set(local) <= errors:
-            errors -= set(local)
-        else:
-            assert not set(local) & errors, "a pull's blocks were partly reported"
-            assert_bytes(d, prefill, local, remote)
-    assert errors == set(), f"load errors for blocks of no pull: {sorted(errors)}"
     settled(prefill)
-    prids = {p for p, _, _ in pairs.values()}
     assert released(d, prefill, prids)
     prefill.drain(0.05)
     assert all(prefill.times_released(p) == 1 for p in prids)  # by its "done", or by its 3 s lease were one lost
