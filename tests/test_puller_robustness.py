@@ -33,6 +33,7 @@ from tests.fault_injection.support import (
 )
 from tests.faults import inject, restore
 from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, free_port, pull_task
+from tests.polling import eventually
 
 DECODE_CFG = dict(handshake_timeout_s=1.0, handshake_retries=1, transfer_timeout_s=10.0)
 """This module's decode workers (the ``decode`` fixtures' too): the pulls' thread polls, as in an engine."""
@@ -242,15 +243,6 @@ def test_sixteen_spellings_of_one_address_make_one_peer(prefill: PrefillProc, mo
 
 
 # ---- 5. peers capped and idle ones dropped -------------------------------------------------------------
-def _eventually(check, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(prefill: PrefillProc) -> None:
     """``max_peers=1``; "127.0.0.1" and "localhost" are two peers (names are not resolved). A pull through
     the second drops the first: its NIXL remote agent, its fence connection (closed), its lane. While a
@@ -269,8 +261,8 @@ def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(pre
         assert_bytes(d, prefill, [3, 4], [5, 6])
         assert list(puller.peers.peers) == [PeerId(ENGINE, "localhost", prefill.port, 0)]
         assert ("127.0.0.1", prefill.port) not in puller.fence._links
-        assert _eventually(lambda: link._sock.closed), "the dropped peer's fence connection stayed open"
-        assert _eventually(lambda: f"127.0.0.1:{prefill.port}" not in puller.background._lanes._keys)
+        assert eventually(lambda: link._sock.closed), "the dropped peer's fence connection stayed open"
+        assert eventually(lambda: f"127.0.0.1:{prefill.port}" not in puller.background._lanes._keys)
         # A READ stuck in flight on "localhost": no peer can be dropped for another spelling.
         inject(d.worker, "check_xfer_state", 1, "proc", times=None)
         (stuck, stuck_p), (refused, refused_p) = new_ids(), new_ids()
@@ -291,8 +283,8 @@ def test_idle_peers_are_dropped_with_their_link(prefill: PrefillProc, caplog: py
     try:
         good_pull(d, prefill, [1], [2])
         link = puller.fence._links[("127.0.0.1", prefill.port)]
-        assert _eventually(lambda: not d.step() and not puller.peers.peers, 5.0), "the idle peer was kept"
-        assert _eventually(lambda: link._sock.closed) and puller.fence._links == {}
+        assert eventually(lambda: not d.step() and not puller.peers.peers, 5.0), "the idle peer was kept"
+        assert eventually(lambda: link._sock.closed) and puller.fence._links == {}
         assert "unused for more than peer_idle_s=0.5 s" in caplog.text
         good_pull(d, prefill, [3], [4])  # handshakes again
     finally:

@@ -11,7 +11,7 @@ Two real NIXL agents in this process (UCX over loopback) behind a real side chan
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -25,6 +25,7 @@ from p2pkv.dataplane.layout import Region
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
+from tests.polling import wait_until
 from tests.push_support import DECODE, ENGINE, HOST, KEY, NUM_BLOCKS, Agents, descs, side_channel
 
 VICTIM = DECODE
@@ -72,13 +73,6 @@ def send(pf: Prefill, requester: str, info: AgentInfo, request_id: str, source: 
 def nixl_knows(agent: NixlTransferAgent, name: str) -> bool:
     """Whether NIXL holds metadata of remote agent ``name`` (asked of NIXL, not of p2pkv's bookkeeping)."""
     return bool(agent._agent.check_remote_metadata(name))
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "never happened"
-        time.sleep(0.002)
 
 
 def pushed(agents: Agents) -> PushedNotification:
