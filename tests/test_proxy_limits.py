@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from p2pkv.tools.proxy import create_app
-from tests.fake_engines import CHUNKS, ERROR_BODY, Concurrency, FakeEngine, Served
+from tests.fake_engines import CHUNKS, ERROR_BODY, Concurrency, FakeEngine, Served, fresh, stop_all
 
 LIMIT = 4096
 """The test proxy's --max-body-bytes."""
@@ -42,15 +42,12 @@ def limits_servers() -> Iterator[Pair]:
     proxies = [Served(create_app(*urls, 10.0, max_body_bytes=LIMIT, max_fanout=FANOUT, max_prompts=MAX_PROMPTS)),
                Served(create_app(*urls, 10.0, max_fanout=1))]
     yield Pair(p, d, *(s.url for s in proxies))
-    for s in proxies + engines:
-        s.stop()
+    stop_all(*proxies, *engines)
 
 
 @pytest.fixture
 def limited_pair(limits_servers: Pair) -> Pair:
-    for e in (limits_servers.p, limits_servers.d):
-        e.reset()
-    return limits_servers
+    return fresh(limits_servers, limits_servers.p, limits_servers.d)
 
 
 def _error(r: httpx.Response, status: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from p2pkv.tools.proxy import PREFILL_PARAMS, create_app
 from p2pkv.tools.proxy.spans import DECODE_SPAN, FIRST_TOKEN_SPAN, PREFILL_SPAN, REQUEST_SPAN, SERVICE_NAME
 from p2pkv.tools.trace.otlp import SpanRecord
 from p2pkv.tools.trace.receiver import OtlpReceiver
-from tests.fake_engines import KV_PARAMS, FakeEngine, Served
+from tests.fake_engines import KV_PARAMS, FakeEngine, Served, fresh, stop_all
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -54,17 +54,14 @@ def tracing_servers():
                Served(create_app([up], [ud], 10.0)),
                Served(create_app([up], [ud], 10.0, otlp_traces_endpoint=blind_endpoint))]
     yield Stack(p, d, receiver, *(s.url for s in proxies), blind_endpoint, up, ud)
-    for s in proxies + engines:
-        s.stop()
+    stop_all(*proxies, *engines)
     receiver.stop()
     dead.close()
 
 
 @pytest.fixture
 def tracing_stack(tracing_servers: Stack) -> Stack:
-    for e in (tracing_servers.p, tracing_servers.d):
-        e.reset()
-    return tracing_servers
+    return fresh(tracing_servers, tracing_servers.p, tracing_servers.d)
 
 
 def traceparent(span: SpanRecord, sent: object) -> object:

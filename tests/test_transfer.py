@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from handshake.compat import fingerprint
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.testing import block_bytes, make_kv_caches
+from p2pkv.worker import WorkerSide
 from tests.fault_injection.support import released_once_not_expired
 from tests.p2p_harness import PrefillProc
 from tests.workers import (
@@ -76,47 +78,49 @@ def test_pull_moves_exactly_the_requested_blocks(prefill: PrefillProc, mode: str
     assert base.abs().sum() > 0
 
 
+def refused_at_handshake(prefill: PrefillProc, request_id: str, change: Callable[[WorkerSide], object]) -> None:
+    """A decode worker (an ``LBHNC`` cache) that ``change`` made incompatible pulls ``request_id`` from ``prefill``:
+    the pull ends at the handshake, its blocks as load errors, no byte written, no peer kept."""
+    _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
+    worker = make_worker("decode-engine", free_port())
+    change(worker)
+    worker.register_kv_caches(views, NUM_BLOCKS)
+    try:
+        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", request_id, prefill.port, [1, 2], [1, 2])]))
+        assert run_until_received(worker, "d-1") == {1, 2}
+        assert torch.count_nonzero(next(iter(views.values()))) == 0
+        assert worker.puller.peers.peers == {}
+    finally:
+        worker.shutdown()
+
+
 @pytest.mark.parametrize("prefill", ["LBHNC"], indirect=True)
 def test_incompatible_model_shape_is_refused_and_reported(prefill: PrefillProc,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     """A peer whose model shape differs (here head_dim) is refused at handshake, before any READ; the prefill
     engine is told to free the request at once (the side channel's ``ReleaseHolds``)."""
-    port = prefill.port
     prefill.lease(["shape-1"], 60.0)
-    _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
-    worker = make_worker("decode-engine", free_port())
-    worker.model = dataclasses.replace(model_info("LBHNC"), head_dim=8)
-    worker.register_kv_caches(views, NUM_BLOCKS)
-    try:
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "shape-1", port, [1, 2], [1, 2])]))
-        assert run_until_received(worker, "d-1") == {1, 2}
-        assert torch.count_nonzero(next(iter(views.values()))) == 0
-        assert worker.puller.peers.peers == {}
-        assert "kind=refused" in caplog.text and "head_dim: prefill has 16, decode has 8" in caplog.text
-        released_once_not_expired(prefill, "shape-1")  # the hold is freed now, not when its 60 s lease ends
-    finally:
-        worker.shutdown()
+
+    def other_head_dim(worker: WorkerSide) -> None:
+        worker.model = dataclasses.replace(model_info("LBHNC"), head_dim=8)
+
+    refused_at_handshake(prefill, "shape-1", other_head_dim)
+    assert "kind=refused" in caplog.text and "head_dim: prefill has 16, decode has 8" in caplog.text
+    released_once_not_expired(prefill, "shape-1")  # the hold is freed now, not when its 60 s lease ends
 
 
 @pytest.mark.parametrize("prefill", ["LBHNC"], indirect=True)
 def test_incompatible_engine_is_refused_before_any_read(prefill: PrefillProc,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     """A prefill rank whose compatibility fields differ (here its KV cache dtype) is refused at handshake."""
-    port = prefill.port
     prefill.lease(["engine-1"])
-    _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
-    worker = make_worker("decode-engine", free_port())
-    worker.compat_hash = fingerprint({**COMPAT_FIELDS, "kv_cache_dtype": "fp8_e5m2"})
-    worker.register_kv_caches(views, NUM_BLOCKS)
-    try:
-        worker.start_load_kv(P2pKvMetadata(pulls=[task("d-1", "engine-1", port, [1, 2], [1, 2])]))
-        assert run_until_received(worker, "d-1") == {1, 2}
-        assert torch.count_nonzero(next(iter(views.values()))) == 0
-        assert worker.puller.peers.peers == {}
-        assert "kind=refused" in caplog.text
-        assert "kv_cache_dtype: the peer has 'auto', this side has 'fp8_e5m2'" in caplog.text
-    finally:
-        worker.shutdown()
+
+    def other_kv_cache_dtype(worker: WorkerSide) -> None:
+        worker.compat_hash = fingerprint({**COMPAT_FIELDS, "kv_cache_dtype": "fp8_e5m2"})
+
+    refused_at_handshake(prefill, "engine-1", other_kv_cache_dtype)
+    assert "kind=refused" in caplog.text
+    assert "kv_cache_dtype: the peer has 'auto', this side has 'fp8_e5m2'" in caplog.text
 
 
 def test_unreachable_prefill_marks_blocks_failed() -> None:
