@@ -238,7 +238,7 @@ class WorkerSide:
         return released
 
     def take_stats(self) -> dict | None:
-        """Pull and push statistics since the last call (see :mod:`p2pkv.telemetry.stats`), or None if none."""
+        """Transfer and push statistics since the last call (see :mod:`p2pkv.telemetry.stats`), or None if none."""
         lock = self.receiver.lock if self.receiver is not None else contextlib.nullcontext()
         with lock:  # the pulls' thread records into the buffer too
             if self.pusher is not None:

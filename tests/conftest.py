@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model, free ports, and CUDA detection for GPU tests."""
+"""Shared fixtures: the tiny model, free ports, CUDA detection for GPU tests, the engine tests' shared pair, and
+the worker tests' prefill process and decode workers (:mod:`tests.p2p_harness`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import dataclasses
 import os
 import random
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.p2p_harness import DecodeSide, PrefillProc
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -228,7 +233,7 @@ def pair(launched: Launched):
 
 @pytest.fixture(scope="session")
 def client():
-    """An HTTP client for the engine tests."""
+    """An HTTP client (120 s timeout) for the tests that talk HTTP to engines, real or fake, and proxies."""
     import httpx
 
     with httpx.Client(timeout=120.0) as c:
@@ -304,3 +309,56 @@ def routes(pair):
 def route(request, pair, routes):
     """``(Route, pull stats file)``: the shared pair in each transfer mode (tests run once per mode)."""
     return routes[request.param], pair[1]
+
+
+@pytest.fixture(scope="module")
+def prefill(request: pytest.FixtureRequest) -> Iterator[PrefillProc]:
+    """The module's prefill process (:class:`tests.p2p_harness.PrefillProc`, seed 1; its cache's layout the
+    indirect parameter, ``BLHNC`` without one); at its end nothing was released twice or without a lease, and no
+    hold stayed pinned by a WRITE."""
+    from tests.p2p_harness import LAYOUT, PrefillProc, free_port
+
+    pf = PrefillProc(free_port(), seed=1, num_blocks=64, lease_s=30.0, layout=getattr(request, "param", LAYOUT))
+    pf.start()
+    try:
+        yield pf
+    finally:
+        pf.stop()
+    twice = {r for r in pf.leased if pf.times_released(r) > 1}
+    assert not twice, f"requests released more than once on the prefill side: {sorted(twice)}"
+    assert not pf.released() - pf.leased, "released requests that were never leased"
+    assert not pf.pinned_at_stop, f"holds still pinned by a WRITE at the end: {pf.pinned_at_stop}"
+
+
+def _decode_side(request: pytest.FixtureRequest, **cfg: Any) -> Iterator[DecodeSide]:
+    from tests.p2p_harness import DECODE_CFG, DecodeSide
+
+    d = DecodeSide(64, **cfg, **getattr(request.module, "DECODE_CFG", DECODE_CFG))
+    try:
+        yield d
+    finally:
+        d.close()
+
+
+@pytest.fixture
+def decode(request: pytest.FixtureRequest) -> Iterator[DecodeSide]:
+    """A decode worker (:class:`tests.p2p_harness.DecodeSide`, 64 blocks) in this process, set up with the test
+    module's ``DECODE_CFG`` if it has one, else :data:`tests.p2p_harness.DECODE_CFG`."""
+    yield from _decode_side(request)
+
+
+@pytest.fixture(params=MODES)
+def mode_decode(request: pytest.FixtureRequest) -> Iterator[DecodeSide]:
+    """:func:`decode` in each transfer mode (pull: it READs; push: the prefill rank WRITEs; the test runs once per
+    mode)."""
+    yield from _decode_side(request, transfer_mode=request.param)
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[Any]:
+    """The module's two NIXL agents in this process (:class:`tests.push_support.Agents`): a prefill agent with a
+    KV cache, a decode agent with a zeroed one, both registered."""
+    from tests.push_support import make_agents
+
+    with make_agents() as made:
+        yield made

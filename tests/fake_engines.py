@@ -6,11 +6,13 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+T = TypeVar("T")
 
 KV_PARAMS: dict[str, Any] = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]],
                              "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "<id>",
@@ -191,3 +193,16 @@ class Served:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=5)
+
+
+def fresh(stack: T, *engines: FakeEngine) -> T:
+    """``stack`` (a module's fake engines and proxies) with ``engines`` reset, as a test should find them."""
+    for engine in engines:
+        engine.reset()
+    return stack
+
+
+def stop_all(*served: Served) -> None:
+    """Stop every server of ``served``."""
+    for s in served:
+        s.stop()

@@ -1,4 +1,4 @@
-"""Test support: sample AgentInfo and a handshake server in its own process.
+"""Test support: sample AgentInfo, a handshake server in its own process, a fake side channel in a thread.
 
 Used by the side-channel tests and by tests of code that talks to a side
 channel. Imports neither vllm nor torch. The parent and the server process
@@ -10,19 +10,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import threading
+import time
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
-from types import TracebackType
 
 import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from handshake._net import CurveKeys
+from handshake._net import CurveKeys, configure_socket
 from handshake.codec import compute_digest
 from handshake.messages import MAX_MESSAGE_BYTES, AgentInfo, KVLayoutDesc, KVRegion
 from handshake.server import HandshakeServer
 
-__all__ = ["ServerProcess", "curve_authenticator", "make_agent_info"]
+__all__ = ["ServerProcess", "curve_authenticator", "fake_router", "make_agent_info"]
 
 
 def make_agent_info(
@@ -90,6 +92,53 @@ def curve_authenticator(ctx: zmq.Context, secret: bytes) -> ThreadAuthenticator:
     auth.start()
     auth.configure_curve_callback("p2pkv", _Key())
     return auth
+
+
+@contextlib.contextmanager
+def fake_router(respond: Callable[[list[bytes]], list[bytes] | None] | None, *, secret: bytes | None = None,
+                port: int = 0, host: str = "127.0.0.1",
+                delay_s: float | Callable[[list[bytes]], float] = 0.0) -> Iterator[tuple[int, list[list[bytes]]]]:
+    """A side channel played by a ROUTER socket in a thread (a CURVE server of ``secret`` when set, on ``port`` or
+    a random one): records each request and answers it with ``respond(body)`` after ``delay_s`` (seconds, or
+    ``delay_s(body)``); ``respond=None``, or an answer ``None`` or ``[]``, leaves it unanswered. Yields
+    ``(port, requests received)``."""
+    ctx = zmq.Context()
+    auth = curve_authenticator(ctx, secret) if secret else None
+    sock = ctx.socket(zmq.ROUTER)
+    configure_socket(sock, host, secret=secret, server=True)
+    if port:
+        sock.bind(f"tcp://{host}:{port}")
+    else:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    received: list[list[bytes]] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        due: list[tuple[float, list[bytes]]] = []
+        while not stop.is_set():
+            if sock.poll(5):
+                identity, *body = sock.recv_multipart()
+                received.append(body)
+                if respond is not None and (reply := respond(body)):
+                    delay = delay_s(body) if callable(delay_s) else delay_s
+                    due.append((time.monotonic() + delay, [identity, *reply]))
+            now = time.monotonic()
+            for item in [x for x in due if x[0] <= now]:
+                due.remove(item)
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send_multipart(item[1], zmq.NOBLOCK)
+        sock.close(0)
+
+    thread = threading.Thread(target=loop, name="fake-side-channel", daemon=True)
+    thread.start()
+    try:
+        yield port, received
+    finally:
+        stop.set()
+        thread.join(2)
+        if auth is not None:
+            auth.stop()
+        ctx.term()
 
 
 def _serve_child(
@@ -222,10 +271,5 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -1,9 +1,11 @@
 """A prefill worker in its own process that can be told what to lease, and a decode pump.
 
-Shared by ``tests/fault_injection/``, ``tests/test_churn.py`` and
-``tests/test_receiver_robustness.py``. The prefill process runs a real
-:class:`p2pkv.worker.WorkerSide` with a synthetic ``BLHNC`` KV cache (random
-values from ``seed``) and a real NIXL agent. The test process sends it
+The one way the tests run prefill ranks in a process of their own (``tests/fault_injection/``, the ``prefill``
+fixture of ``tests/conftest.py``, ``tests/test_churn.py``, ``tests/test_transfer.py``, ``tests/test_hetero.py``,
+...), in the reused processes of :mod:`tests.warm_processes`. The prefill process runs a real
+:class:`p2pkv.worker.WorkerSide` with a synthetic KV cache (``BLHNC`` unless told otherwise; random values from
+``seed``) and a real NIXL agent, or the ranks it is given (:data:`Ranks`: ``tests/test_hetero.py``'s TP ranks with
+position-coded caches). The test process sends it
 commands (``lease``, ``stop``, and :meth:`PrefillProc.call`: faults injected
 into its NIXL agent, its pusher held back, its side channel slowed, its
 state read) and reads back every ``finished_sending`` set it produces, split
@@ -17,18 +19,21 @@ into them ended.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.params import RemotePrefill
-from p2pkv.prefill.holds import HoldEnd
+from p2pkv.prefill.holds import HoldEnd, PrefillHolds
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
@@ -37,11 +42,17 @@ from tests.faults import FaultyNixlAgent
 from tests.warm_processes import Channels, WarmProcess
 from tests.workers import free_port, make_worker, model_info
 
-__all__ = ["ENGINE", "LAYOUT", "DecodeSide", "PrefillProc", "free_port", "notify_task", "pull_task", "writes_left"]
+__all__ = [
+    "DECODE_CFG", "ENGINE", "LAYOUT", "DecodeSide", "PrefillProc", "Ranks", "free_port", "notify_task", "pull_task",
+    "synthetic_rank", "writes_left",
+]
 
 ENGINE = "prefill-engine"
 LAYOUT = "BLHNC"  # one contiguous run of bytes per block: cheap exact comparisons
 MAX_LIFE_S = 170.0  # a prefill process never outlives this, whatever the test does
+DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0, pull_poll_interval_s=0.0)
+"""A :class:`DecodeSide`'s settings in the ``decode`` fixtures (``tests/conftest.py``): faults are injected per
+call, so only the test steps the pulls."""
 
 
 def writes_left(pusher: Pusher) -> int:
@@ -53,17 +64,32 @@ def shape(num_blocks: int) -> dict[str, int]:
     return dict(num_layers=4, num_blocks=num_blocks, num_heads=2, block_size=32, head_dim=16)
 
 
-def _prefill_main(port: int, seed: int, num_blocks: int, leases: dict[str, float], lease_s: float,
-                  channels: Channels) -> None:
+Ranks = Callable[[int], list[tuple[WorkerSide, object]]]
+"""What a prefill process runs: ``ranks(port)`` makes its prefill ranks (rank ``r``'s side channel on ``port + r``),
+registered, each with what must live as long as it (its KV cache); a module-level function or a
+``functools.partial`` of one (it is sent to the process)."""
+
+
+def synthetic_rank(seed: int, num_blocks: int, layout: str, lease_s: float,
+                   port: int) -> list[tuple[WorkerSide, object]]:
+    """One prefill rank of :data:`ENGINE` with a synthetic ``layout`` cache of ``num_blocks`` (random values from
+    ``seed``): :class:`PrefillProc`'s ranks unless it is given others."""
+    _, views = make_kv_caches(layout, seed=seed, **shape(num_blocks))
+    worker = make_worker(ENGINE, port, layout, lease_s=lease_s)
+    worker.register_kv_caches(views, num_blocks)
+    return [(worker, views)]
+
+
+def _prefill_main(ranks: Ranks, port: int, leases: dict[str, float], channels: Channels) -> None:
     cmds, out = channels.inbox, channels.outbox
     parent = os.getppid()
-    _, views = make_kv_caches(LAYOUT, seed=seed, **shape(num_blocks))
-    worker = make_worker(ENGINE, port, lease_s=lease_s)
-    worker.model = model_info(LAYOUT)
-    worker.register_kv_caches(views, num_blocks)
-    control = _Control(worker, out)
+    built = ranks(port)  # the caches in it live until the process ends
+    workers = [worker for worker, _ in built]
+    control = _Control(workers[0], out)
+    ends = [control._ends, *(_recording_ends(w.holds) for w in workers[1:])]
     now = time.monotonic()
-    worker.start_load_kv(P2pKvMetadata(send_leases={r: now + s for r, s in leases.items()}))
+    for worker in workers:
+        worker.start_load_kv(P2pKvMetadata(send_leases={r: now + s for r, s in leases.items()}))
     out.put(("ready", os.getpid()))
     end = time.monotonic() + MAX_LIFE_S
     while time.monotonic() < end and os.getppid() == parent:
@@ -76,24 +102,45 @@ def _prefill_main(port: int, seed: int, num_blocks: int, leases: dict[str, float
         if cmd is not None and cmd[0] == "lease":
             _, ids, seconds, token = cmd
             now = time.monotonic()
-            worker.start_load_kv(P2pKvMetadata(send_leases={r: now + seconds for r in ids}))
+            for worker in workers:
+                worker.start_load_kv(P2pKvMetadata(send_leases={r: now + seconds for r in ids}))
             out.put(("leased", token))
         if cmd is not None and cmd[0] == "call":
             _, token, name, args = cmd
             out.put(("result", token, getattr(control, name)(*args)))
-        sending, _ = worker.get_finished()
-        if sending:
-            ends = control.take_ends()
-            expired = {r for r in sending if ends.get(r) is HoldEnd.EXPIRED}
-            out.put(("released", sorted(sending - expired), sorted(expired), time.monotonic()))
-    holds = worker.holds
-    out.put(("held", sorted(holds.leases._deadline), sorted(holds._deferred), dict(holds._pins)))
-    worker.shutdown()
+        for rank, worker in enumerate(workers):
+            sending, _ = worker.get_finished()
+            if sending:
+                ended = dict(ends[rank])
+                ends[rank].clear()
+                expired = {r for r in sending if ended.get(r) is HoldEnd.EXPIRED}
+                out.put(("released", rank, sorted(sending - expired), sorted(expired), time.monotonic()))
+    pins: collections.Counter[str] = collections.Counter()
+    for worker in workers:
+        pins.update(worker.holds._pins)
+    out.put(("held", sorted({r for w in workers for r in w.holds.leases._deadline}),
+             sorted({r for w in workers for r in w.holds._deferred}), dict(pins)))
+    for worker in workers:
+        worker.shutdown()
     out.put(("bye",))
 
 
+def _recording_ends(holds: PrefillHolds) -> dict[str, HoldEnd]:
+    """Record why each hold of ``holds`` ends (request id → :class:`HoldEnd`) in the dict returned."""
+    ends: dict[str, HoldEnd] = {}
+    end_holds = holds._end
+
+    def recording_end(ending: dict[str, HoldEnd], now: float) -> dict[str, HoldEnd]:
+        ended = end_holds(ending, now)
+        ends.update(ended)
+        return ended
+
+    holds._end = recording_end  # type: ignore[method-assign]
+    return ends
+
+
 class _Control:
-    """What the test process may do to a prefill worker (``PrefillProc.call``), and the events it reports.
+    """What the test process may do to a prefill worker, rank 0 (``PrefillProc.call``), and the events it reports.
 
     Every pin and unpin of a hold (push mode: a WRITE queued, then ended) is sent to the test process with
     its ``time.monotonic()`` (one clock for every process of the host), and why each hold ended is kept for
@@ -103,13 +150,13 @@ class _Control:
     def __init__(self, worker: WorkerSide, out: mp.Queue) -> None:
         self.worker, self.out = worker, out
         self._faults: list[FaultyNixlAgent] = []
-        self._ends: dict[str, HoldEnd] = {}
         self._stall_until = 0.0
         self._push_delay_s = 0.0
         self._next_push_delays: list[float] = []
         holds, pusher, server = worker.holds, worker.pusher, worker.server
         assert pusher is not None and server is not None
-        pin, unpin, end_holds = holds.pin, holds.unpin, holds._end
+        self._ends = _recording_ends(holds)
+        pin, unpin = holds.pin, holds.unpin
         post, on_push = pusher._post_in_turn, server._dispatch._on_push
 
         def recording_pin(request_id: str, block_ids: list[int]) -> str:
@@ -121,11 +168,6 @@ class _Control:
             unpin(request_id)
             out.put(("unpin", request_id, time.monotonic()))
 
-        def recording_end(ending: dict[str, HoldEnd], now: float) -> dict[str, HoldEnd]:
-            ended = end_holds(ending, now)
-            self._ends.update(ended)
-            return ended
-
         def stalled_post(now: float) -> None:
             if time.monotonic() >= self._stall_until:
                 post(now)
@@ -136,14 +178,9 @@ class _Control:
                 time.sleep(delay)
             return on_push(msg)  # type: ignore[misc]
 
-        holds.pin, holds.unpin, holds._end = recording_pin, recording_unpin, recording_end  # type: ignore[method-assign]
+        holds.pin, holds.unpin = recording_pin, recording_unpin  # type: ignore[method-assign]
         pusher._post_in_turn = stalled_post  # type: ignore[method-assign]
         server._dispatch._on_push = self._on_push = delayed_on_push  # type: ignore[assignment]
-
-    def take_ends(self) -> dict[str, HoldEnd]:
-        """Why each hold ended since the last call (request id → :class:`HoldEnd`)."""
-        ends, self._ends = self._ends, {}
-        return ends
 
     def inject(self, *faults: tuple[str, int, str, int | None]) -> None:
         """Wrap the NIXL agent in one :class:`tests.faults.FaultyNixlAgent` per ``(method, n, mode, times)``."""
@@ -197,7 +234,14 @@ class PrefillProc:
     Attributes:
         port: side-channel port (the same after a restart).
         seed: seed of the cache values (block ``b`` holds ``expected(seed)[b]``).
-        notified, expired: request id → times released that way (all incarnations).
+        num_blocks, lease_s: the cache's blocks; the leases' default seconds.
+        layout: the cache's layout (:func:`p2pkv.testing.make_kv_caches`; ``expected`` and :class:`DecodeSide`
+            compare blocks as ``BLHNC`` ones).
+        ranks: the prefill ranks to run instead of :func:`synthetic_rank` of the fields above (:data:`Ranks`:
+            several ranks, other caches); leases and the released events are every rank's, the control
+            (:meth:`call`) rank 0's.
+        released_by_rank: rank → the request ids it released, in order (all incarnations).
+        notified, expired: request id → times released that way (all incarnations and ranks).
         released_at: request id → ``time.monotonic()`` of each release (the host's clock, the same in every process).
         leased: every request id leased so far.
         pins: ``(request id, answer, time.monotonic())`` of every pin asked for (push mode: a WRITE to queue).
@@ -210,6 +254,8 @@ class PrefillProc:
     seed: int = 1
     num_blocks: int = 64
     lease_s: float = 30.0
+    layout: str = LAYOUT
+    ranks: Ranks | None = None
     notified: dict[str, int] = field(default_factory=dict)
     expired: dict[str, int] = field(default_factory=dict)
     released_at: dict[str, list[float]] = field(default_factory=dict)
@@ -220,6 +266,7 @@ class PrefillProc:
     deferred_at_stop: list[str] | None = None
     pinned_at_stop: dict[str, int] | None = None
     released_by_incarnation: list[set[str]] = field(default_factory=list)
+    released_by_rank: dict[int, list[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._warm: WarmProcess | None = None  # the warm process running the current incarnation
@@ -243,7 +290,8 @@ class PrefillProc:
         self.released_by_incarnation.append(set())
         self._warm = warm_processes.take()
         self._proc = self._warm.process
-        channels = self._warm.run(_prefill_main, self.port, self.seed, self.num_blocks, leases, self.lease_s)
+        ranks = self.ranks or functools.partial(synthetic_rank, self.seed, self.num_blocks, self.layout, self.lease_s)
+        channels = self._warm.run(_prefill_main, ranks, self.port, leases)
         self._cmds, self._out = channels.inbox, channels.outbox
         self._ready = False
 
@@ -274,7 +322,7 @@ class PrefillProc:
         """The prefill cache of ``seed`` (default: the current one), ``[blocks, ...]``."""
         seed = self.seed if seed is None else seed
         if seed not in self._expected:
-            self._expected[seed], _ = make_kv_caches(LAYOUT, seed=seed, **shape(self.num_blocks))
+            self._expected[seed], _ = make_kv_caches(self.layout, seed=seed, **shape(self.num_blocks))
         return self._expected[seed]
 
     def lease(self, ids: list[str], seconds: float | None = None) -> None:
@@ -295,7 +343,8 @@ class PrefillProc:
         except queue.Empty:
             return None
         if msg[0] == "released":
-            _, notified, expired, at = msg
+            _, rank, notified, expired, at = msg
+            self.released_by_rank.setdefault(rank, []).extend((*notified, *expired))
             for rid in notified:
                 self.notified[rid] = self.notified.get(rid, 0) + 1
             for rid in expired:

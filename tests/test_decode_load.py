@@ -10,6 +10,8 @@ clock is moved between the calls.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -50,9 +52,15 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return now
 
 
-def _sched(heartbeat_interval_s: float = 0.0) -> SchedulerSide:
+@contextlib.contextmanager
+def scheduler(heartbeat_interval_s: float = 0.0) -> Iterator[SchedulerSide]:
+    """A decode engine's scheduler side (blocks of 4 tokens), shut down on exit."""
     config = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=heartbeat_interval_s, secret=SECRET)
-    return SchedulerSide("decode-engine", config, 4, "127.0.0.1", 5600, 1)
+    sched = SchedulerSide("decode-engine", config, 4, "127.0.0.1", 5600, 1)
+    try:
+        yield sched
+    finally:
+        sched.shutdown()
 
 
 def _request(rid: str, prompt: int = PROMPT) -> SimpleNamespace:
@@ -68,8 +76,7 @@ def test_a_capability_expiring_between_the_match_and_the_allocation_still_pulls(
         clock: list[float], heartbeat_interval_s: float) -> None:
     """Checked once (one HMAC check for the request), kept, and used as it is after the capability expired.
     Before: the second call checked again, refused, and recorded neither a pull nor a failure."""
-    sched = _sched(heartbeat_interval_s)
-    try:
+    with scheduler(heartbeat_interval_s) as sched:
         req = _request("r")
         sched.on_new_request(req)
         assert sched.get_num_new_matched_tokens(req, 0) == (PROMPT, True)
@@ -82,13 +89,10 @@ def test_a_capability_expiring_between_the_match_and_the_allocation_still_pulls(
         assert meta.failed == {}
         assert clock[1] == 1, f"the capability's HMAC was checked {clock[1]} times"
         assert sched.decode._loads == {}
-    finally:
-        sched.shutdown()
 
 
 def test_params_already_expired_when_first_asked_are_prefilled_locally(clock: list[float]) -> None:
-    sched = _sched()
-    try:
+    with scheduler() as sched:
         req = _request("late")
         clock[0] = EXPIRY + CLOCK_SKEW_S + 1
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -96,21 +100,16 @@ def test_params_already_expired_when_first_asked_are_prefilled_locally(clock: li
         sched.update_state_after_alloc(req, BLOCKS, 0)
         meta = sched.build_connector_meta()
         assert meta.loads == [] and meta.failed == {} and sched.decode._loads == {}
-    finally:
-        sched.shutdown()
 
 
 def test_an_allocation_without_a_checked_load_reports_its_blocks_failed(clock: list[float]) -> None:
     """No kept load at allocation (vLLM asked nothing first): the blocks reach vLLM as load errors, not silence."""
-    sched = _sched()
-    try:
+    with scheduler() as sched:
         req = _request("unasked")
         sched.update_state_after_alloc(req, BLOCKS, PROMPT)
         meta = sched.build_connector_meta()
         assert meta.loads == [] and meta.failed == {"unasked": (6, 7)}
         assert req.kv_transfer_params["do_remote_prefill"] is False
-    finally:
-        sched.shutdown()
 
 
 @pytest.mark.parametrize("heartbeat_interval_s", [0.0, 5.0], ids=["parsed_when_asked", "parsed_on_arrival"])
@@ -118,8 +117,7 @@ def test_the_kept_load_is_dropped_when_the_request_finishes_or_is_aborted(
         clock: list[float], heartbeat_interval_s: float) -> None:
     """Aborted after the match (its capability expired since): the prefill engine is still told to free the
     hold, from the kept load; finished after its pull: nothing kept either. Nothing stays behind."""
-    sched = _sched(heartbeat_interval_s)
-    try:
+    with scheduler(heartbeat_interval_s) as sched:
         aborted, pulled = _request("aborted"), _request("pulled")
         for req in (aborted, pulled):
             sched.on_new_request(req)
@@ -134,18 +132,13 @@ def test_the_kept_load_is_dropped_when_the_request_finishes_or_is_aborted(
         assert [(p.request_id, p.local_block_ids, p.remote.request_id, p.report) for p in meta.loads] == [
             ("aborted", (), "prefill-aborted", False), ("pulled", (6, 7), "prefill-pulled", True)]
         assert clock[1] == 2, "each request's capability is checked once"
-    finally:
-        sched.shutdown()
 
 
 def test_a_refused_request_keeps_nothing(clock: list[float]) -> None:
-    sched = _sched()
-    try:
+    with scheduler() as sched:
         req = _request("other-prompt", prompt=PROMPT - 1)
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         assert sched.decode._loads == {}
-    finally:
-        sched.shutdown()
 
 
 def _remote(**kw: object) -> RemotePrefill:

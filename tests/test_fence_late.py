@@ -10,76 +10,38 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-import time
 from collections.abc import Iterator
 
 import pytest
-import zmq
 
-from handshake import PROTOCOL_VERSION, Destination, HoldQuery, HoldsReply, MetadataReply, encode, fetch_agent_info
+from handshake import PROTOCOL_VERSION, HoldQuery, HoldsReply, encode
 from handshake import decode as decode_message
-from handshake.compat import fingerprint
-from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, free_port, pull_task
-from tests.workers import COMPAT_FIELDS
+from tests.fault_injection.support import fake_side_channel, real_reply
+from tests.p2p_harness import DecodeSide, PrefillProc, pull_task
 
-HOST = "127.0.0.1"
 TIMEOUT_S = 1.0
 LATE_S = 1.4  # past one timeout, well within two
 
 
 @contextlib.contextmanager
-def late_fence_side_channel(pf: PrefillProc) -> Iterator[tuple[int, list[str]]]:
-    """A side channel (a ROUTER in a thread) with ``pf``'s real metadata, answering at once, that answers
-    every fence question "held", :data:`LATE_S` after it came. Yields ``(port, kinds of requests seen)``."""
-    info = fetch_agent_info(Destination(HOST, pf.port, ENGINE, 0), "test", fingerprint(COMPAT_FIELDS), timeout_s=5.0,
-                            retries=2)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.linger = 0
-    port = sock.bind_to_random_port(f"tcp://{HOST}")
-    seen: list[str] = []
-    stop = threading.Event()
+def late_fence_side_channel(pf: PrefillProc) -> Iterator[tuple[int, list[list[bytes]]]]:
+    """A side channel (:func:`tests.fault_injection.support.fake_side_channel`) with ``pf``'s real metadata,
+    answering at once, that answers every fence question "held", :data:`LATE_S` after it came. Yields
+    ``(port, requests seen)``."""
+    metadata = real_reply(pf)
 
-    def loop() -> None:
-        due: list[tuple[float, list[bytes]]] = []
-        while not stop.is_set():
-            if sock.poll(5):
-                identity, *body = sock.recv_multipart()
-                msg = decode_message(body, None)
-                seen.append(type(msg).__name__)
-                if isinstance(msg, HoldQuery):
-                    reply = HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
-                                       request_ids=msg.request_ids, nonce=msg.nonce)
-                    due.append((time.monotonic() + LATE_S, [identity, *encode(reply, None)]))
-                else:
-                    reply = MetadataReply(protocol_version=PROTOCOL_VERSION, info=info, nonce=msg.nonce)
-                    due.append((time.monotonic(), [identity, *encode(reply, None)]))
-            now = time.monotonic()
-            for item in [x for x in due if x[0] <= now]:
-                due.remove(item)
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.send_multipart(item[1], zmq.NOBLOCK)
-        sock.close(0)
+    def respond(body: list[bytes]) -> list[bytes]:
+        msg = decode_message(body, None)
+        if not isinstance(msg, HoldQuery):
+            return metadata(body)
+        return encode(HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
+                                 request_ids=msg.request_ids, nonce=msg.nonce), None)
 
-    thread = threading.Thread(target=loop, name="late-side-channel", daemon=True)
-    thread.start()
-    try:
-        yield port, seen
-    finally:
-        stop.set()
-        thread.join(2)
-        ctx.term()
+    def delay(body: list[bytes]) -> float:
+        return LATE_S if isinstance(decode_message(body, None), HoldQuery) else 0.0
 
-
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[PrefillProc]:
-    pf = PrefillProc(free_port(), seed=1, num_blocks=64, lease_s=30.0)
-    pf.start()
-    try:
-        yield pf
-    finally:
-        pf.stop()
+    with fake_side_channel(respond, delay) as channel:
+        yield channel
 
 
 def test_a_late_reply_to_the_first_question_after_the_read_confirms_the_pull(
@@ -96,6 +58,7 @@ def test_a_late_reply_to_the_first_question_after_the_read_confirms_the_pull(
         failures = [r.getMessage() for r in caplog.records if "pull failed" in r.getMessage()]
         assert failures == [] and d.take_errors() == set(), failures
         assert all(d.block_ok(lb, rb, prefill.expected()) for lb, rb in ((3, 5), (4, 6)))
-        assert seen.count("HoldQuery") >= 3, seen  # before the READ, after it, and after it again
+        kinds = [type(decode_message(body, None)).__name__ for body in seen]
+        assert kinds.count("HoldQuery") >= 3, kinds  # before the READ, after it, and after it again
     finally:
         d.close()

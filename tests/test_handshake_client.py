@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
-import zmq
 
 from handshake import (
     PROTOCOL_VERSION,
@@ -26,9 +25,8 @@ from handshake import (
     encode,
     fetch_agent_info,
 )
-from handshake._net import configure_socket
 from handshake.codec import sign
-from tests.handshake_support import curve_authenticator, make_agent_info
+from tests.handshake_support import fake_router, make_agent_info
 
 HOST = "127.0.0.1"
 COMPAT = "compat-test"
@@ -41,37 +39,10 @@ Responder = Callable[[list[bytes]], list[bytes]]
 
 @contextlib.contextmanager
 def fake_server(respond: Responder, port: int = 0, secret: bytes | None = None) -> Iterator[int]:
-    """A ROUTER socket in a thread answering each request with ``respond`` (a CURVE server with ``secret``);
-    ``respond`` returning ``[]`` leaves the request unanswered."""
-    ctx = zmq.Context()
-    auth = curve_authenticator(ctx, secret) if secret else None
-    sock = ctx.socket(zmq.ROUTER)
-    configure_socket(sock, HOST, secret=secret, server=True)
-    if port:
-        sock.bind(f"tcp://{HOST}:{port}")
-    else:
-        port = sock.bind_to_random_port(f"tcp://{HOST}")
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            if sock.poll(50):
-                identity, *body = sock.recv_multipart()
-                reply = respond(body)
-                if reply:  # [] : no answer
-                    sock.send_multipart([identity, *reply])
-        sock.close(0)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
-        yield port
-    finally:
-        stop.set()
-        thread.join(2)
-        if auth is not None:
-            auth.stop()
-        ctx.term()
+    """A fake side channel (:func:`tests.handshake_support.fake_router`; a CURVE server with ``secret``) answering
+    each request with ``respond``; ``respond`` returning ``[]`` leaves the request unanswered."""
+    with fake_router(respond, secret=secret, port=port) as (bound, _):
+        yield bound
 
 
 def reply_with(

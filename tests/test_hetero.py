@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing as mp
-import queue
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,9 +30,8 @@ from p2pkv.decode.transfer import TransferState
 from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.params import RemotePrefill
 from p2pkv.worker import WorkerSide
-from tests import warm_processes
 from tests.conftest import free_ports
-from tests.warm_processes import Channels
+from tests.p2p_harness import PrefillProc
 
 LAYERS, HEAD_DIM, NUM_BLOCKS = 2, 4, 40
 
@@ -126,24 +124,12 @@ RIDS = ("req-0", "req-1", "req-2")
 """More request ids the prefill process holds (same blocks), for several pulls in one test."""
 
 
-def prefill_main(side: Side, port: int, block_ids: list[int], tokens: int, rid: str, device: str,
-                 channels: Channels) -> None:
-    """The prefill ranks of ``side`` in a warm process (:mod:`tests.warm_processes`): "ready" once they serve,
-    then ``(rank, released ids, leases expired)`` per release, until ``channels.stop``."""
-    out, stop = channels.outbox, channels.stop
-    workers = make_workers("prefill", side, port, device, block_ids, tokens)
-    for worker, _, _ in workers:
-        worker.start_load_kv(P2pKvMetadata(send_leases={r: time.monotonic() + 120 for r in (rid, *RIDS)}))
-    out.put("ready")
-    deadline = time.monotonic() + 120
-    while not stop.is_set() and time.monotonic() < deadline:
-        for rank, (worker, _, _) in enumerate(workers):
-            sending, _ = worker.get_finished()
-            if sending:
-                out.put((rank, sorted(sending), worker.take_stats()["leases_expired"]))
-        time.sleep(0.002)
-    for worker, _, _ in workers:
-        worker.shutdown()
+def prefill_ranks(side: Side, device: str, block_ids: list[int], tokens: int,
+                  port: int) -> list[tuple[WorkerSide, object]]:
+    """The prefill ranks of ``side`` (:data:`tests.p2p_harness.Ranks`), their caches holding the position codes of
+    ``tokens`` prompt tokens in ``block_ids``."""
+    return [(worker, (base, views)) for worker, base, views in make_workers("prefill", side, port, device, block_ids,
+                                                                            tokens)]
 
 
 ROWS = {  # name: (prefill, decode, how the decode ranks pull)
@@ -218,19 +204,16 @@ def block_ids(rng: np.random.Generator, count: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def running_prefill(side: Side, block_ids: list[int], tokens: int,
-                    device: str) -> Iterator[tuple[int, mp.Queue]]:
-    """A prefill process serving request ``req`` (``tokens`` prompt tokens in ``block_ids``), every rank
-    ready; yields its base side-channel port and its report queue; stopped on exit."""
-    port = free_ports(1, run=side.tp_size)[0]
-    proc = warm_processes.take()
-    channels = proc.run(prefill_main, side, port, block_ids, tokens, "req", device)
+def running_prefill(side: Side, block_ids: list[int], tokens: int, device: str) -> Iterator[PrefillProc]:
+    """A prefill process (:class:`tests.p2p_harness.PrefillProc`) serving request ``req`` and :data:`RIDS`
+    (``tokens`` prompt tokens in ``block_ids``), every rank ready; stopped on exit."""
+    pf = PrefillProc(free_ports(1, run=side.tp_size)[0],
+                     ranks=functools.partial(prefill_ranks, side, device, block_ids, tokens))
+    pf.start({rid: 120.0 for rid in ("req", *RIDS)})
     try:
-        assert channels.outbox.get(timeout=60) == "ready"
-        yield port, channels.outbox
+        yield pf
     finally:
-        channels.stop.set()
-        warm_processes.give_back(proc)
+        pf.stop()
 
 
 @contextlib.contextmanager
@@ -253,9 +236,9 @@ def pull_and_check(row: str, device: str, transfer_mode: str = "pull") -> None:
     rng = np.random.default_rng(len(row))
     remote_ids = block_ids(rng, -(-tokens // prefill_side.block_size))
     local_ids = block_ids(rng, -(-tokens // decode_side.block_size))
-    with running_prefill(prefill_side, remote_ids, tokens, device) as (prefill_port, out), \
+    with running_prefill(prefill_side, remote_ids, tokens, device) as prefill, \
             decode_workers(decode_side, device) as decoders:
-        remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), prefill_side.tp_size,
+        remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill.port, tuple(remote_ids), prefill_side.tp_size,
                                transfer_mode=transfer_mode)
         task = LoadSpec("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
                         num_tokens=tokens)
@@ -278,18 +261,14 @@ def pull_and_check(row: str, device: str, transfer_mode: str = "pull") -> None:
         for rank, (_, base, _) in enumerate(decoders):
             expected, _ = make_cache(decode_side, rank, "cpu", local_ids, tokens)
             assert torch.equal(base.cpu(), expected), f"decode rank {rank}: blocks differ from the position codes"
-        released: dict[int, list[str]] = {}
         end = time.monotonic() + 20
-        while len(released) < prefill_side.tp_size and time.monotonic() < end:
+        while len(prefill.released_by_rank) < prefill_side.tp_size and time.monotonic() < end:
             for worker, _, _ in decoders:  # vLLM steps on (the request decodes): each step progresses NIXL's sends
                 worker.get_finished()
-            try:
-                rank, ids, expired = out.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            assert expired == 0
-            released[rank] = ids
-        assert released == {r: ["req"] for r in range(prefill_side.tp_size)}
+            prefill.drain(0.02)
+        prefill.drain(0.05)
+        assert prefill.expired == {}
+        assert prefill.released_by_rank == {r: ["req"] for r in range(prefill_side.tp_size)}
 
 
 def test_staging_full_waits_and_too_large_fails(caplog) -> None:
@@ -299,10 +278,10 @@ def test_staging_full_waits_and_too_large_fails(caplog) -> None:
     prefill_side, decode_side = Side(16), Side(32)
     tokens = NUM_BLOCKS * 16
     remote_ids = list(range(NUM_BLOCKS))
-    with running_prefill(prefill_side, remote_ids, tokens, "cpu") as (prefill_port, _), \
+    with running_prefill(prefill_side, remote_ids, tokens, "cpu") as prefill, \
             decode_workers(decode_side, "cpu", staging_mib=0.0625) as decoders:
         worker, base, _ = decoders[0]
-        remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill_port, tuple(remote_ids), 1)
+        remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill.port, tuple(remote_ids), 1)
         small = [LoadSpec(f"d-{i}", tuple(range(6 * i, 6 * i + 6)), tuple(remote_ids[12 * i:12 * i + 12]),
                           dataclasses.replace(remote, request_id=RIDS[i]), num_tokens=192) for i in range(3)]
         worker.start_load_kv(P2pKvMetadata(loads=small))

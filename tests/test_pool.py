@@ -10,6 +10,7 @@ import pytest
 
 from p2pkv.decode.background import Background
 from p2pkv.decode.pool import FairPool, PoolFull
+from tests.polling import eventually
 
 
 def _blocker(release: threading.Event, running: list[str], name: str):  # type: ignore[no-untyped-def]
@@ -19,15 +20,6 @@ def _blocker(release: threading.Event, running: list[str], name: str):  # type: 
         return name
 
     return fn
-
-
-def _eventually(check, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _threads(pool: FairPool) -> int:
@@ -82,7 +74,7 @@ def test_a_full_queue_refuses_and_close_cancels_the_rest_quickly() -> None:
     stop = threading.Event()
     try:
         futures = [pool.submit("k", "c0", lambda: stop.wait(30))]
-        assert _eventually(lambda: futures[0].running())
+        assert eventually(lambda: futures[0].running())
         futures += [pool.submit("k", f"c{i}", lambda: stop.wait(30)) for i in range(1, 5)]
         assert isinstance(futures[4].exception(timeout=1), PoolFull)
         t0 = time.monotonic()

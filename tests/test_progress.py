@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-
-import pytest
 
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.transfer import TransferState
 from p2pkv.metadata import P2pKvMetadata
-from tests.p2p_harness import DecodeSide, PrefillProc, free_port, pull_task
+from tests.p2p_harness import DecodeSide, PrefillProc, pull_task
 
 
 def test_progress_polls_while_active_sleeps_until_woken_and_stops() -> None:
@@ -62,16 +59,6 @@ def test_no_thread_at_interval_zero_and_a_failing_start_leaves_no_thread() -> No
     assert calls == []  # the engine step still advances the pulls
     broken.close()
     assert not any(t.name.startswith("p2pkv-test-") for t in threading.enumerate())
-
-
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[PrefillProc]:
-    pf = PrefillProc(free_port(), seed=3, num_blocks=64, lease_s=30.0)
-    pf.start()
-    try:
-        yield pf
-    finally:
-        pf.stop()
 
 
 def test_a_pull_finishes_between_engine_steps(prefill: PrefillProc) -> None:

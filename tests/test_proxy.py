@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2pkv.tools.proxy import PREFILL_PARAMS, create_app
-from tests.fake_engines import CHUNKS, ERROR_BODY, KV_PARAMS, FakeEngine, Served
+from tests.fake_engines import CHUNKS, ERROR_BODY, KV_PARAMS, FakeEngine, Served, fresh, stop_all
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def servers():
+def proxy_servers():
     p1, p2, d = FakeEngine("p1", "prefill"), FakeEngine("p2", "prefill"), FakeEngine("d", "decode")
     refusing = socket.socket()
     refusing.bind(("127.0.0.1", 0))
@@ -44,22 +44,13 @@ def servers():
     proxies = [Served(create_app([u1, u2], [ud], 10.0)), Served(create_app([u1], [refused], 10.0)),
                Served(create_app([u1], [ud], 0.5))]
     yield Stack(p1, p2, d, *(s.url for s in proxies), refused, [u1, u2])
-    for s in proxies + engines:
-        s.stop()
+    stop_all(*proxies, *engines)
     refusing.close()
 
 
 @pytest.fixture
-def stack(servers: Stack) -> Stack:
-    for e in (servers.p1, servers.p2, servers.d):
-        e.reset()
-    return servers
-
-
-@pytest.fixture
-def client():
-    with httpx.Client(timeout=10) as c:
-        yield c
+def stack(proxy_servers: Stack) -> Stack:
+    return fresh(proxy_servers, proxy_servers.p1, proxy_servers.p2, proxy_servers.d)
 
 
 def metric(text: str, name: str, **labels: str) -> float:

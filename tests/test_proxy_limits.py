@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from p2pkv.tools.proxy import create_app
-from tests.fake_engines import CHUNKS, ERROR_BODY, Concurrency, FakeEngine, Served
+from tests.fake_engines import CHUNKS, ERROR_BODY, Concurrency, FakeEngine, Served, fresh, stop_all
 
 LIMIT = 4096
 """The test proxy's --max-body-bytes."""
@@ -35,28 +35,19 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[Pair]:
+def limits_servers() -> Iterator[Pair]:
     p, d = FakeEngine("p", "prefill"), FakeEngine("d", "decode")
     engines = [Served(e.app) for e in (p, d)]
     urls = [[s.url] for s in engines]
     proxies = [Served(create_app(*urls, 10.0, max_body_bytes=LIMIT, max_fanout=FANOUT, max_prompts=MAX_PROMPTS)),
                Served(create_app(*urls, 10.0, max_fanout=1))]
     yield Pair(p, d, *(s.url for s in proxies))
-    for s in proxies + engines:
-        s.stop()
+    stop_all(*proxies, *engines)
 
 
 @pytest.fixture
-def pair(servers: Pair) -> Pair:
-    for e in (servers.p, servers.d):
-        e.reset()
-    return servers
-
-
-@pytest.fixture
-def client() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=10) as c:
-        yield c
+def limited_pair(limits_servers: Pair) -> Pair:
+    return fresh(limits_servers, limits_servers.p, limits_servers.d)
 
 
 def _error(r: httpx.Response, status: int) -> dict[str, Any]:
@@ -74,15 +65,15 @@ def _body_of(size: int) -> bytes:
     return head + b"x" * (size - len(head) - 2) + b'"}'
 
 
-def test_body_at_the_limit_is_served(pair: Pair, client: httpx.Client) -> None:
-    r = client.post(pair.url(), content=_body_of(LIMIT), headers={"content-type": "application/json"})
-    assert r.status_code == 200 and len(pair.d.seen) == 1
+def test_body_at_the_limit_is_served(limited_pair: Pair, client: httpx.Client) -> None:
+    r = client.post(limited_pair.url(), content=_body_of(LIMIT), headers={"content-type": "application/json"})
+    assert r.status_code == 200 and len(limited_pair.d.seen) == 1
 
 
-def test_body_over_the_limit_is_413_from_content_length(pair: Pair, client: httpx.Client) -> None:
-    err = _error(client.post(pair.url(), content=_body_of(LIMIT + 1)), 413)
+def test_body_over_the_limit_is_413_from_content_length(limited_pair: Pair, client: httpx.Client) -> None:
+    err = _error(client.post(limited_pair.url(), content=_body_of(LIMIT + 1)), 413)
     assert str(LIMIT) in err["message"] and "--max-body-bytes" in err["message"]
-    assert pair.asked() == 0
+    assert limited_pair.asked() == 0
 
 
 def test_chunked_body_over_the_limit_is_413_without_reading_it_all() -> None:
@@ -108,7 +99,7 @@ def test_chunked_body_over_the_limit_is_413_without_reading_it_all() -> None:
     assert pulled[0] <= LIMIT + chunk, f"the proxy read {pulled[0]} bytes of a body over {LIMIT}"
 
 
-def test_a_413_closes_the_connection_so_the_client_stops_sending(pair: Pair, client: httpx.Client) -> None:
+def test_a_413_closes_the_connection_so_the_client_stops_sending(limited_pair: Pair, client: httpx.Client) -> None:
     """Over real HTTP: the server does not drain the rest of an oversized chunked upload."""
     sent, total = [0], 256 * 1024 * 1024
 
@@ -120,13 +111,13 @@ def test_a_413_closes_the_connection_so_the_client_stops_sending(pair: Pair, cli
         yield b'"}'
 
     try:
-        r: httpx.Response | None = client.post(pair.url(), content=chunks())
+        r: httpx.Response | None = client.post(limited_pair.url(), content=chunks())
     except httpx.TransportError:  # the proxy closed while the client was still writing: also a refusal
         r = None
     if r is not None:
         assert _error(r, 413)["code"] == 413 and r.headers["connection"] == "close"
     assert sent[0] < total // 8, f"the client sent {sent[0]} bytes of an oversized body"
-    assert pair.asked() == 0
+    assert limited_pair.asked() == 0
 
 
 # ---- JSON types ---------------------------------------------------------------------------------------------
@@ -168,22 +159,22 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
 
 @pytest.mark.parametrize(("path", "body", "field"), BAD_FIELDS,
                          ids=[f"{f}={json.dumps(b.get(f, b))[:20]}" for _, b, f in BAD_FIELDS])
-def test_a_field_of_the_wrong_type_is_400_naming_it(pair: Pair, client: httpx.Client, path: str,
+def test_a_field_of_the_wrong_type_is_400_naming_it(limited_pair: Pair, client: httpx.Client, path: str,
                                                     body: dict[str, Any], field: str) -> None:
-    err = _error(client.post(pair.url(path), json=body), 400)
+    err = _error(client.post(limited_pair.url(path), json=body), 400)
     assert err["param"] == field and field in err["message"]
-    assert pair.asked() == 0
+    assert limited_pair.asked() == 0
 
 
 @pytest.mark.parametrize(("content", "expected"), [
     (b"[1, 2]", "JSON object, got array"), (b'"text"', "JSON object, got string"), (b"null", "got null"),
     (b"{not json", "not JSON"), (b"[" * 4000, "not JSON"), (b"\xff\xfe", "not JSON"),
 ], ids=["array", "string", "null", "broken", "deep", "not-utf8"])
-def test_a_body_that_is_not_an_object_is_400(pair: Pair, client: httpx.Client, content: bytes,
+def test_a_body_that_is_not_an_object_is_400(limited_pair: Pair, client: httpx.Client, content: bytes,
                                              expected: str) -> None:
-    err = _error(client.post(pair.url(), content=content), 400)
+    err = _error(client.post(limited_pair.url(), content=content), 400)
     assert expected in err["message"]
-    assert pair.asked() == 0
+    assert limited_pair.asked() == 0
 
 
 @pytest.mark.parametrize("body", [
@@ -191,43 +182,43 @@ def test_a_body_that_is_not_an_object_is_400(pair: Pair, client: httpx.Client, c
     {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0.5, "seed": 1, "n": 1, "kv_transfer_params": {}},
     {"prompt": [[1, 2], [3]], "stream": False},
 ], ids=["nulls", "token-ids", "token-id-lists"])
-def test_well_typed_bodies_pass(pair: Pair, client: httpx.Client, body: dict[str, Any]) -> None:
-    assert client.post(pair.url(), json=body).status_code == 200
+def test_well_typed_bodies_pass(limited_pair: Pair, client: httpx.Client, body: dict[str, Any]) -> None:
+    assert client.post(limited_pair.url(), json=body).status_code == 200
 
 
-def test_more_prompts_than_the_cap_is_400_naming_the_flag(pair: Pair, client: httpx.Client) -> None:
-    assert client.post(pair.url(), json={"prompt": ["a"] * MAX_PROMPTS}).status_code == 200
-    pair.p.reset()
-    pair.d.reset()
-    err = _error(client.post(pair.url(), json={"prompt": [[1]] * (MAX_PROMPTS + 1)}), 400)
+def test_more_prompts_than_the_cap_is_400_naming_the_flag(limited_pair: Pair, client: httpx.Client) -> None:
+    assert client.post(limited_pair.url(), json={"prompt": ["a"] * MAX_PROMPTS}).status_code == 200
+    limited_pair.p.reset()
+    limited_pair.d.reset()
+    err = _error(client.post(limited_pair.url(), json={"prompt": [[1]] * (MAX_PROMPTS + 1)}), 400)
     assert err["param"] == "prompt" and f"--max-prompts {MAX_PROMPTS}" in err["message"]
-    assert pair.asked() == 0
+    assert limited_pair.asked() == 0
 
 
 # ---- bounded fan-out ----------------------------------------------------------------------------------------
 
 
-def _slow_pairs(pair: Pair) -> Concurrency:
+def _slow_pairs(limited_pair: Pair) -> Concurrency:
     tracker = Concurrency()
-    for e in (pair.p, pair.d):
+    for e in (limited_pair.p, limited_pair.d):
         e.tracker, e.delay_s = tracker, 0.05
     return tracker
 
 
-def test_a_batch_runs_at_most_max_fanout_pairs_at_once(pair: Pair, client: httpx.Client) -> None:
-    tracker = _slow_pairs(pair)
+def test_a_batch_runs_at_most_max_fanout_pairs_at_once(limited_pair: Pair, client: httpx.Client) -> None:
+    tracker = _slow_pairs(limited_pair)
     prompts = [f"p{i}" for i in range(12)]
-    r = client.post(pair.url(), json={"prompt": prompts, "max_tokens": 4})
+    r = client.post(limited_pair.url(), json={"prompt": prompts, "max_tokens": 4})
     assert r.status_code == 200
     assert [(c["index"], c["text"]) for c in r.json()["choices"]] == [(i, "decoded") for i in range(12)]
     assert tracker.peak == FANOUT  # both engines together: never more than FANOUT requests in flight
-    assert sorted(s["body"]["prompt"] for s in pair.p.seen) == sorted(s["body"]["prompt"] for s in pair.d.seen) \
-        == sorted(prompts)
+    prompts_seen = [sorted(s["body"]["prompt"] for s in e.seen) for e in (limited_pair.p, limited_pair.d)]
+    assert prompts_seen == [sorted(prompts)] * 2
 
 
-def test_a_streamed_batch_runs_at_most_max_fanout_pairs_at_once(pair: Pair, client: httpx.Client) -> None:
-    tracker = _slow_pairs(pair)
-    with client.stream("POST", pair.url(), json={"prompt": [f"p{i}" for i in range(9)], "stream": True}) as r:
+def test_a_streamed_batch_runs_at_most_max_fanout_pairs_at_once(limited_pair: Pair, client: httpx.Client) -> None:
+    tracker = _slow_pairs(limited_pair)
+    with client.stream("POST", limited_pair.url(), json={"prompt": [f"p{i}" for i in range(9)], "stream": True}) as r:
         assert r.status_code == 200
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
@@ -237,20 +228,20 @@ def test_a_streamed_batch_runs_at_most_max_fanout_pairs_at_once(pair: Pair, clie
     assert tracker.peak == FANOUT
 
 
-def test_a_failed_pair_stops_the_batch(pair: Pair, client: httpx.Client) -> None:
+def test_a_failed_pair_stops_the_batch(limited_pair: Pair, client: httpx.Client) -> None:
     """One pair at a time: the second prompt's decode leg fails, its error is the answer, later prompts never
     reach an engine."""
-    pair.d.fail_prompt = "p1"
-    r = client.post(f"{pair.serial}/v1/completions", json={"prompt": ["p0", "p1", "p2", "p3"]})
+    limited_pair.d.fail_prompt = "p1"
+    r = client.post(f"{limited_pair.serial}/v1/completions", json={"prompt": ["p0", "p1", "p2", "p3"]})
     assert r.status_code == 400 and r.json() == ERROR_BODY
-    assert [s["body"]["prompt"] for s in pair.p.seen] == ["p0", "p1"]
-    assert [s["body"]["prompt"] for s in pair.d.seen] == ["p0", "p1"]
+    assert [s["body"]["prompt"] for s in limited_pair.p.seen] == ["p0", "p1"]
+    assert [s["body"]["prompt"] for s in limited_pair.d.seen] == ["p0", "p1"]
 
 
-def test_a_streamed_batch_reports_a_later_failure_in_the_stream(pair: Pair, client: httpx.Client) -> None:
-    pair.d.fail_prompt = "p1"
+def test_a_streamed_batch_reports_a_later_failure_in_the_stream(limited_pair: Pair, client: httpx.Client) -> None:
+    limited_pair.d.fail_prompt = "p1"
     body = {"prompt": ["p0", "p1", "p2"], "stream": True}
-    with client.stream("POST", f"{pair.serial}/v1/completions", json=body) as r:
+    with client.stream("POST", f"{limited_pair.serial}/v1/completions", json=body) as r:
         assert r.status_code == 200
         events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
     assert events[-1] == "[DONE]"
@@ -260,8 +251,8 @@ def test_a_streamed_batch_reports_a_later_failure_in_the_stream(pair: Pair, clie
     assert indices == {0, 2}  # the prompts after the failed one still ran
 
 
-def test_a_streamed_batch_failing_first_answers_the_error(pair: Pair, client: httpx.Client) -> None:
-    pair.d.fail_prompt = "p0"
-    r = client.post(f"{pair.serial}/v1/completions", json={"prompt": ["p0", "p1"], "stream": True})
+def test_a_streamed_batch_failing_first_answers_the_error(limited_pair: Pair, client: httpx.Client) -> None:
+    limited_pair.d.fail_prompt = "p0"
+    r = client.post(f"{limited_pair.serial}/v1/completions", json={"prompt": ["p0", "p1"], "stream": True})
     assert r.status_code == 400 and r.json() == ERROR_BODY
-    assert [s["body"]["prompt"] for s in pair.p.seen] == ["p0"]  # the batch stopped before p1's prefill
+    assert [s["body"]["prompt"] for s in limited_pair.p.seen] == ["p0"]  # the batch stopped before p1's prefill

@@ -14,6 +14,7 @@ Time is a fake clock (idle times), moved by hand; waits are for the pusher threa
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.testing import make_kv_caches
+from tests import polling
 
 NUM_BLOCKS = 8
 SHAPE = dict(num_layers=2, num_blocks=NUM_BLOCKS, num_heads=2, block_size=4, head_dim=4)
@@ -177,11 +179,7 @@ class Rig:
         self.pusher._wake.set()
 
 
-def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "the pusher thread never got there"
-        time.sleep(0.0005)
+wait_until = functools.partial(polling.wait_until, message="the pusher thread never got there", interval_s=0.0005)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing as mp
 
 import pytest
 
@@ -20,25 +19,11 @@ from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.direction import Direction, choose
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.testing import block_bytes, make_kv_caches
-from tests.workers import SHAPE, free_port, make_worker, model_info, prefill_main, run_until_received, task
+from tests.fault_injection.support import released_once_not_expired
+from tests.p2p_harness import PrefillProc
+from tests.workers import SHAPE, free_port, make_worker, model_info, run_until_received, task
 
 LAYOUT = "BLHNC"
-
-
-@pytest.fixture
-def prefill():
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=prefill_main, args=(LAYOUT, port, ["req-1", "req-2", "req-3"], out, stop))
-    proc.start()
-    assert out.get(timeout=60) == "ready"
-    yield port, out
-    stop.set()
-    proc.join(timeout=20)
-    if proc.is_alive():
-        proc.kill()
-    assert proc.exitcode == 0
 
 
 def _report(peer: str, mem_type: str, transport: str, protocol: str = "zero-copy") -> TransportReport:
@@ -67,8 +52,10 @@ def test_settings_other_than_auto_are_kept_whatever_ucx_says() -> None:
     assert choose("auto", None).direction is Direction.PULL  # no READ from the peer yet
 
 
-def test_auto_pulls_over_cma_then_pushes_once_reads_are_reported_over_tcp(prefill, caplog) -> None:
-    port, out = prefill
+def test_auto_pulls_over_cma_then_pushes_once_reads_are_reported_over_tcp(prefill: PrefillProc,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    port = prefill.port
+    prefill.lease(["req-1", "req-2", "req-3"])
     _, expected = make_kv_caches(LAYOUT, seed=1, **SHAPE)
     base, views = make_kv_caches(LAYOUT, fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port(), transfer_mode="auto")
@@ -78,14 +65,14 @@ def test_auto_pulls_over_cma_then_pushes_once_reads_are_reported_over_tcp(prefil
     try:
         worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, [3, 4], [10, 11])]))
         assert run_until_received(worker, "d-1") == set()
-        assert out.get(timeout=30) == ["req-1"]
+        released_once_not_expired(prefill, "req-1", timeout_s=30)
         (peer,) = worker.receiver.directions.choices
         choice = worker.receiver.directions.choices[peer]
         assert choice.direction is Direction.PULL and "cma (zero-copy)" in choice.reason  # UCX's real report
         worker._on_transport(_report(peer, "VRAM", "tcp", "software emulation"))  # as the agent hands it over
         worker.start_load_kv(P2pKvMetadata(loads=[task("d-2", "req-2", port, [20, 21, 22], [30, 31, 32])]))
         assert run_until_received(worker, "d-2") == set()
-        assert out.get(timeout=30) == ["req-2"]
+        released_once_not_expired(prefill, "req-2", timeout_s=30)
         assert worker.stats.data["directions"] == {"pull": 1, "push": 1}
         for local, remote in ((3, 10), (4, 11), (20, 30), (21, 31), (22, 32)):
             assert block_bytes(views, LAYOUT, local) == block_bytes(expected, LAYOUT, remote)

@@ -11,7 +11,7 @@ Two real NIXL agents in this process (UCX over loopback) behind a real side chan
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
@@ -21,49 +21,15 @@ import torch
 
 from handshake import AgentInfo, Destination, KVRegion, PushReply, compute_digest, request_push
 from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
-from p2pkv.dataplane.layout import KVLayout, Region, describe_torch_kv_caches
+from p2pkv.dataplane.layout import Region
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
-from p2pkv.testing import make_kv_caches
-from tests.test_push_wire import ENGINE, HOST, KEY, NUM_BLOCKS, SHAPE, _server, decode_info_of, descs
+from tests.polling import wait_until
+from tests.push_support import DECODE, ENGINE, HOST, KEY, NUM_BLOCKS, Agents, descs, side_channel
 
-VICTIM = "decode-engine"
+VICTIM = DECODE
 ATTACKER = "attacker-engine"
-
-
-@dataclass
-class Agents:
-    """A prefill agent with a KV cache (random values), a decode agent with a zeroed one, both registered."""
-
-    prefill: NixlTransferAgent
-    decode: NixlTransferAgent
-    layout: KVLayout
-    decode_layout: KVLayout
-    source: torch.Tensor
-    target: torch.Tensor
-    spare: torch.Tensor  # more memory of the decode rank (registered by the tests that need it)
-
-    def info(self, staging: list[KVRegion] | None = None) -> AgentInfo:
-        """The decode rank's AgentInfo now (its current NIXL metadata)."""
-        return msgspec.structs.replace(decode_info_of(self.decode, self.decode_layout, VICTIM),
-                                       staging=staging or [])
-
-
-@pytest.fixture(scope="module")
-def agents() -> Iterator[Agents]:
-    source, views = make_kv_caches("BLHNC", seed=11, **SHAPE)
-    target, decode_views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
-    prefill = NixlTransferAgent(unique_agent_name(ENGINE, 0))
-    dec = NixlTransferAgent(unique_agent_name(VICTIM, 0))
-    layout, decode_layout = (describe_torch_kv_caches(v, NUM_BLOCKS) for v in (views, decode_views))
-    prefill.register(layout.regions, "DRAM")
-    dec.register(decode_layout.regions, "DRAM")
-    try:
-        yield Agents(prefill, dec, layout, decode_layout, source, target, torch.zeros(1 << 16, dtype=torch.uint8))
-    finally:
-        dec.close()
-        prefill.close()
 
 
 class FakeClock:
@@ -83,13 +49,13 @@ class Prefill:
 
 
 @pytest.fixture
-def prefill(agents: Agents) -> Iterator[Prefill]:
+def clocked_pusher(agents: Agents) -> Iterator[Prefill]:
     agents.target.zero_()
     agents.spare.zero_()
     agents.decode.take_notifs(PUSH_PREFIX)
     holds, clock = PrefillHolds(lease_s=30.0), FakeClock()
     pusher = Pusher(agents.prefill, holds, agents.layout, KEY, max_agents=4, agent_idle_s=30.0, clock=clock)
-    with _server(pusher.on_push, secret=KEY) as srv:
+    with side_channel(pusher.on_push, secret=KEY) as srv:
         try:
             yield Prefill(holds, pusher, srv.port, clock)
         finally:
@@ -107,13 +73,6 @@ def send(pf: Prefill, requester: str, info: AgentInfo, request_id: str, source: 
 def nixl_knows(agent: NixlTransferAgent, name: str) -> bool:
     """Whether NIXL holds metadata of remote agent ``name`` (asked of NIXL, not of p2pkv's bookkeeping)."""
     return bool(agent._agent.check_remote_metadata(name))
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < end, "never happened"
-        time.sleep(0.002)
 
 
 def pushed(agents: Agents) -> PushedNotification:
@@ -139,17 +98,17 @@ def own_push(agents: Agents, pf: Prefill, request_id: str, blocks: list[int], in
 
 
 # ---- nothing for a request that is refused ----------------------------------------------------------------------
-def test_a_request_for_an_id_never_held_loads_no_agent(agents: Agents, prefill: Prefill) -> None:
-    reply = send(prefill, VICTIM, agents.info(), "never-held", descs(agents.layout, [2]),
+def test_a_request_for_an_id_never_held_loads_no_agent(agents: Agents, clocked_pusher: Prefill) -> None:
+    reply = send(clocked_pusher, VICTIM, agents.info(), "never-held", descs(agents.layout, [2]),
                  descs(agents.decode_layout, [2]), [2])
     assert reply.status == "unknown"
     assert not nixl_knows(agents.prefill, agents.decode.name), "NIXL loaded the agent of a request it refused"
-    assert prefill.pusher.agents() == {} and prefill.pusher.writes_left() == 0
+    assert clocked_pusher.pusher.agents() == {} and clocked_pusher.pusher.writes_left() == 0
 
 
 # ---- another engine's agent -------------------------------------------------------------------------------------
 def test_an_agent_under_another_engines_name_loads_nothing_and_the_owner_still_pushes(agents: Agents,
-                                                                                      prefill: Prefill) -> None:
+                                                                                      clocked_pusher: Prefill) -> None:
     """Another engine sends one push request, for an id never held, carrying an agent of its own named like
     the victim's (its NIXL metadata names the victim's agent). It must not make NIXL map the victim's name to
     that metadata: the victim's own pushes work after it."""
@@ -158,47 +117,47 @@ def test_an_agent_under_another_engines_name_loads_nothing_and_the_owner_still_p
         meta = impostor.metadata()
         forged = msgspec.structs.replace(agents.info(), engine_id=ATTACKER, agent_metadata=meta,
                                          metadata_digest=compute_digest(meta))
-        reply = send(prefill, ATTACKER, forged, "never-held", descs(agents.layout, [3]),
+        reply = send(clocked_pusher, ATTACKER, forged, "never-held", descs(agents.layout, [3]),
                      descs(agents.decode_layout, [3]), [3])
         assert reply.status == "refused" and "agent" in reply.message, reply
-        assert not nixl_knows(agents.prefill, agents.decode.name) and prefill.pusher.agents() == {}
-        own_push(agents, prefill, "first", [1], [1])
-        own_push(agents, prefill, "second", [4, 5], [6, 7])
-        assert prefill.pusher.agents() == {(VICTIM, 0): agents.decode.name}
+        assert not nixl_knows(agents.prefill, agents.decode.name) and clocked_pusher.pusher.agents() == {}
+        own_push(agents, clocked_pusher, "first", [1], [1])
+        own_push(agents, clocked_pusher, "second", [4, 5], [6, 7])
+        assert clocked_pusher.pusher.agents() == {(VICTIM, 0): agents.decode.name}
     finally:
         impostor.close()
 
 
-def test_a_push_naming_another_engines_agent_writes_nothing(agents: Agents, prefill: Prefill) -> None:
+def test_a_push_naming_another_engines_agent_writes_nothing(agents: Agents, clocked_pusher: Prefill) -> None:
     """The victim's genuine AgentInfo (any secret holder can fetch it), sent by another engine."""
-    prefill.holds.hold("attack", 1e12, (3,))
-    reply = send(prefill, ATTACKER, agents.info(), "attack", descs(agents.layout, [3]),
+    clocked_pusher.holds.hold("attack", 1e12, (3,))
+    reply = send(clocked_pusher, ATTACKER, agents.info(), "attack", descs(agents.layout, [3]),
                  descs(agents.decode_layout, [3]), [3])
     assert reply.status == "refused" and "requester" in reply.message, reply
     time.sleep(0.05)
     assert torch.count_nonzero(agents.target) == 0, "the WRITE reached another engine's memory"
-    assert not nixl_knows(agents.prefill, agents.decode.name) and prefill.holds._pins == {}
+    assert not nixl_knows(agents.prefill, agents.decode.name) and clocked_pusher.holds._pins == {}
 
 
 # ---- only the memory the agent declares --------------------------------------------------------------------------
 def test_rows_into_registered_memory_the_agent_does_not_declare_are_refused(agents: Agents,
-                                                                            prefill: Prefill) -> None:
+                                                                            clocked_pusher: Prefill) -> None:
     spare = agents.spare
     agents.decode.register([Region(spare.data_ptr(), spare.numel())], "DRAM")
-    prefill.holds.hold("r", 1e12, (3,))
+    clocked_pusher.holds.hold("r", 1e12, (3,))
     source = descs(agents.layout, [3])
     into_spare = source.copy()
     into_spare[:, 0] = spare.data_ptr() + np.arange(len(source), dtype=np.uint64) * source[:, 1]
-    reply = send(prefill, VICTIM, agents.info(), "r", source, into_spare, [3])
+    reply = send(clocked_pusher, VICTIM, agents.info(), "r", source, into_spare, [3])
     assert reply.status == "refused" and "target_rows" in reply.message, reply
     time.sleep(0.05)
-    assert torch.count_nonzero(spare) == 0 and prefill.pusher.agents() == {}
+    assert torch.count_nonzero(spare) == 0 and clocked_pusher.pusher.agents() == {}
     assert not nixl_knows(agents.prefill, agents.decode.name)
     # Declared as staging, the same rows are written (the decode rank's staging area, registered after its
     # first push: its agent is loaded again with the new metadata).
-    own_push(agents, prefill, "kv", [1], [1])
+    own_push(agents, clocked_pusher, "kv", [1], [1])
     staged = agents.info(staging=[KVRegion(base_addr=spare.data_ptr(), length=spare.numel())])
-    reply = send(prefill, VICTIM, staged, "r", source, into_spare, [3])
+    reply = send(clocked_pusher, VICTIM, staged, "r", source, into_spare, [3])
     assert reply.status == "accepted", reply
     assert pushed(agents).ok
     n = int(source[:, 1].sum())
@@ -218,7 +177,7 @@ def alias(info: AgentInfo, engine_id: str) -> AgentInfo:
                                    metadata_digest=compute_digest(meta))
 
 
-def test_sixty_requests_from_agents_never_seen_again_leave_nixl(agents: Agents, prefill: Prefill) -> None:
+def test_sixty_requests_from_agents_never_seen_again_leave_nixl(agents: Agents, clocked_pusher: Prefill) -> None:
     """60 push requests, each from an agent never seen again, 30 of them for ids never held: NIXL never holds
     more than ``max_agents`` (4) of them, none of the 30, and none once they have been idle ``agent_idle_s``."""
     infos = [alias(agents.info(), f"gone-{i}") for i in range(60)]
@@ -226,21 +185,21 @@ def test_sixty_requests_from_agents_never_seen_again_leave_nixl(agents: Agents, 
     for i, info in enumerate(infos):
         held = i % 2 == 0
         if held:
-            prefill.holds.hold(f"r{i}", 1e12, (i % NUM_BLOCKS,))
-        reply = send(prefill, info.engine_id, info, f"r{i}", descs(agents.layout, [i % NUM_BLOCKS]),
+            clocked_pusher.holds.hold(f"r{i}", 1e12, (i % NUM_BLOCKS,))
+        reply = send(clocked_pusher, info.engine_id, info, f"r{i}", descs(agents.layout, [i % NUM_BLOCKS]),
                      descs(agents.decode_layout, [i % NUM_BLOCKS]), [i % NUM_BLOCKS])
         assert reply.status == ("accepted" if held else "unknown"), (i, reply)
         # (the decode agent takes its notifications meanwhile: its UCX worker answers the new endpoint)
-        wait_until(lambda: not agents.decode.take_notifs(PUSH_PREFIX) and prefill.pusher.writes_left() == 0)
+        wait_until(lambda: not agents.decode.take_notifs(PUSH_PREFIX) and clocked_pusher.pusher.writes_left() == 0)
         known = [j for j, other in enumerate(infos) if nixl_knows(agents.prefill, other.agent_name)]
         assert all(j % 2 == 0 for j in known), f"agents of requests for ids never held loaded: {known}"
         most = max(most, len(known))
-        assert len(prefill.pusher.agents()) <= 4
-    assert most <= 4 and prefill.pusher.counters.written == 30
-    prefill.clock.now += 31.0
-    prefill.pusher._wake.set()
+        assert len(clocked_pusher.pusher.agents()) <= 4
+    assert most <= 4 and clocked_pusher.pusher.counters.written == 30
+    clocked_pusher.clock.now += 31.0
+    clocked_pusher.pusher._wake.set()
     # the pusher forgets an idle agent first, then removes it from NIXL (outside its table's lock): wait for both
-    wait_until(lambda: not prefill.pusher.agents()
+    wait_until(lambda: not clocked_pusher.pusher.agents()
                and not any(nixl_knows(agents.prefill, info.agent_name) for info in infos))
     assert not [info for info in infos if nixl_knows(agents.prefill, info.agent_name)]
     agents.decode.take_notifs(PUSH_PREFIX)

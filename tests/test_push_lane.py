@@ -21,26 +21,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 
 import pytest
 
-from tests.p2p_harness import DecodeSide, PrefillProc, free_port, pull_task
+from tests.p2p_harness import DecodeSide, PrefillProc, pull_task
 
 N = 6
 STALL_S = 2.5
 BOUND_S = 20.0
 PUSH_CFG = dict(transfer_mode="push", handshake_timeout_s=0.5, transfer_timeout_s=2.0, pull_poll_interval_s=0.0)
-
-
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[PrefillProc]:
-    pf = PrefillProc(free_port(), seed=1, num_blocks=64, lease_s=30.0)
-    pf.start()
-    try:
-        yield pf
-    finally:
-        pf.stop()
 
 
 def batch(d: DecodeSide, pf: PrefillProc, tag: str) -> dict[str, tuple[str, list[int], list[int]]]:

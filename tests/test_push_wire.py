@@ -8,7 +8,6 @@ notification sent.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import os
@@ -28,7 +27,6 @@ from handshake import (
     Destination,
     ErrorReply,
     HandshakeServer,
-    KVRegion,
     PushReply,
     PushRequest,
     RemoteRefusedError,
@@ -38,22 +36,13 @@ from handshake import (
 )
 from handshake._net import configure_socket
 from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
-from p2pkv.dataplane.layout import KVLayout, describe_torch_kv_caches
-from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, encode_pushed, parse_pushed
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
-from p2pkv.testing import make_kv_caches
-from p2pkv.tools.doctor import loopback_info
 from tests.handshake_support import make_agent_info
 from tests.p2p_harness import writes_left
+from tests.push_support import DECODE, ENGINE, HOST, KEY, NUM_BLOCKS, Agents, decode_info_of, descs, side_channel
 
-HOST = "127.0.0.1"
-KEY = b"push-wire-test-secret"
-ENGINE = "prefill-engine"  # make_agent_info's engine id: the servers serve rank 0 of it
-DECODE = "decode-engine"  # the requester of every push request here
-NUM_BLOCKS = 16
-SHAPE = dict(num_layers=2, num_blocks=NUM_BLOCKS, num_heads=2, block_size=16, head_dim=8)
 PID = bytes(range(16))
 
 
@@ -125,7 +114,7 @@ def test_garbage_parses_to_none(wire: bytes, secret: bytes | None) -> None:
 
 # ---- a side channel without push ------------------------------------------------------------------------------
 def test_a_server_without_on_push_refuses_naming_the_fix() -> None:
-    with _server(None, secret=KEY) as srv:
+    with side_channel(None, secret=KEY) as srv:
         with pytest.raises(RemoteRefusedError) as info:
             request_push(Destination(HOST, srv.port, ENGINE, 0), "req", [1], PID,
                          make_agent_info(0, engine_id="decode"), b"", b"", 5.0, "decode-engine", secret=KEY,
@@ -176,7 +165,7 @@ def test_a_replayed_push_request_is_refused_and_queues_nothing_again() -> None:
     recorder = Recorder()
     request = push_request()
     frames = encode(request, KEY)
-    with _server(recorder, secret=KEY) as srv:
+    with side_channel(recorder, secret=KEY) as srv:
         first = decode(exchange(srv.port, frames), KEY)
         assert isinstance(first, PushReply) and (first.status, first.nonce) == ("accepted", request.nonce)
         again = decode(exchange(srv.port, frames), KEY)
@@ -192,58 +181,13 @@ def test_a_replayed_push_request_is_refused_and_queues_nothing_again() -> None:
 ], ids=["other_engine", "other_rank", "stale"])
 def test_a_push_request_for_another_destination_or_stale_is_refused(overrides: dict, code: str, field: str) -> None:
     recorder = Recorder()
-    with _server(recorder, secret=KEY) as srv:
+    with side_channel(recorder, secret=KEY) as srv:
         reply = decode(exchange(srv.port, encode(push_request(**overrides), KEY)), KEY)
         assert isinstance(reply, ErrorReply) and (reply.code, reply.field) == (code, field)
         assert recorder.seen == [] and srv.stats["served"] == 0
 
 
 # ---- a real Pusher behind the server ------------------------------------------------------------------------------
-@dataclass
-class Pair:
-    """A prefill agent with a KV cache (random values) and a decode agent with a zeroed one, both registered."""
-
-    prefill: NixlTransferAgent
-    decode: NixlTransferAgent
-    layout: KVLayout
-    decode_layout: KVLayout
-    source: torch.Tensor
-    target: torch.Tensor
-    decode_info: AgentInfo
-
-
-@pytest.fixture(scope="module")
-def pair() -> Iterator[Pair]:
-    source, views = make_kv_caches("BLHNC", seed=7, **SHAPE)
-    target, decode_views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
-    prefill = NixlTransferAgent(unique_agent_name(ENGINE, 0))
-    dec = NixlTransferAgent(unique_agent_name(DECODE, 0))
-    layout, decode_layout = describe_torch_kv_caches(views, NUM_BLOCKS), describe_torch_kv_caches(decode_views,
-                                                                                                  NUM_BLOCKS)
-    prefill.register(layout.regions, "DRAM")
-    dec.register(decode_layout.regions, "DRAM")
-    try:
-        yield Pair(prefill, dec, layout, decode_layout, source, target, decode_info_of(dec, decode_layout))
-    finally:
-        dec.close()
-        prefill.close()
-
-
-def decode_info_of(agent: NixlTransferAgent, layout: KVLayout, engine_id: str = "decode-engine") -> AgentInfo:
-    """A decode rank's :class:`AgentInfo` as its worker sends it: rank 0 of ``engine_id``, ``agent``'s real NIXL
-    metadata, ``layout``'s segments as its regions."""
-    info = loopback_info(agent)
-    regions = [KVRegion(base_addr=seg.addr, length=NUM_BLOCKS * seg.block_stride) for seg in layout.segments]
-    return msgspec.structs.replace(info, engine_id=engine_id, layout=msgspec.structs.replace(info.layout,
-                                                                                            regions=regions))
-
-
-def descs(layout: KVLayout, ids: list[int]) -> np.ndarray:
-    """Descriptor rows of blocks ``ids`` (in order) of ``layout``."""
-    starts, _, lengths = coalesce_runs(ids, ids, NUM_BLOCKS, NUM_BLOCKS)
-    return build_descriptors(layout.segments, starts, lengths)
-
-
 @dataclass
 class Prefill:
     """A prefill rank's push path: its holds, its pusher, its side channel (rank 0 of ENGINE)."""
@@ -254,31 +198,31 @@ class Prefill:
 
 
 @pytest.fixture
-def prefill(pair: Pair) -> Iterator[Prefill]:
-    pair.target.zero_()
-    pair.decode.take_notifs(PUSH_PREFIX)  # notes a previous test left
+def push_server(agents: Agents) -> Iterator[Prefill]:
+    agents.target.zero_()
+    agents.decode.take_notifs(PUSH_PREFIX)  # notes a previous test left
     holds = PrefillHolds(lease_s=30.0)
-    pusher = Pusher(pair.prefill, holds, pair.layout, KEY, max_in_flight=1, max_queued=1)
-    with _server(pusher.on_push, secret=KEY) as srv:
+    pusher = Pusher(agents.prefill, holds, agents.layout, KEY, max_in_flight=1, max_queued=1)
+    with side_channel(pusher.on_push, secret=KEY) as srv:
         try:
             yield Prefill(holds, pusher, srv)
         finally:
             pusher.close()
 
 
-def ask(pf: Prefill, pair: Pair, request_id: str, block_ids: list[int], source: np.ndarray | bytes,
+def ask(pf: Prefill, agents: Agents, request_id: str, block_ids: list[int], source: np.ndarray | bytes,
         target: np.ndarray | bytes, agent: AgentInfo | None = None, push_id: bytes = PID) -> PushReply:
     """Send one push request for ``request_id`` to ``pf``'s side channel."""
     wire = [r if isinstance(r, bytes) else r.astype("<u8").tobytes() for r in (source, target)]
     return request_push(Destination(HOST, pf.server.port, ENGINE, 0), request_id, block_ids, push_id,
-                        agent or pair.decode_info, wire[0], wire[1], 5.0, "decode-engine", secret=KEY, timeout_s=5.0)
+                        agent or agents.decode_info, wire[0], wire[1], 5.0, "decode-engine", secret=KEY, timeout_s=5.0)
 
 
-def wait_note(pair: Pair, timeout_s: float = 10.0, agent: NixlTransferAgent | None = None) -> PushedNotification:
+def wait_note(agents: Agents, timeout_s: float = 10.0, agent: NixlTransferAgent | None = None) -> PushedNotification:
     """The next push notification the decode agent (or ``agent``) receives (parsed with the secret)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
-        for msg in (agent or pair.decode).take_notifs(PUSH_PREFIX):
+        for msg in (agent or agents.decode).take_notifs(PUSH_PREFIX):
             note = parse_pushed(msg, KEY)
             assert note is not None, msg
             return note
@@ -286,35 +230,37 @@ def wait_note(pair: Pair, timeout_s: float = 10.0, agent: NixlTransferAgent | No
     raise AssertionError("no push notification arrived")
 
 
-def blocks_equal(pair: Pair, local: list[int], remote: list[int]) -> bool:
+def blocks_equal(agents: Agents, local: list[int], remote: list[int]) -> bool:
     """The decode cache's blocks ``local`` hold the prefill cache's blocks ``remote``."""
-    return all(torch.equal(pair.target[lb], pair.source[rb]) for lb, rb in zip(local, remote, strict=True))
+    return all(torch.equal(agents.target[lb], agents.source[rb]) for lb, rb in zip(local, remote, strict=True))
 
 
-def nothing_queued(pf: Prefill, pair: Pair) -> None:
+def nothing_queued(pf: Prefill, agents: Agents) -> None:
     """Refused: no pin, nothing pending, no agent loaded, no byte written, no notification (waited for briefly)."""
     assert pf.holds._pins == {} and writes_left(pf.pusher) == 0
-    assert pf.pusher.agents() == {} and pair.prefill.peers() == []
+    assert pf.pusher.agents() == {} and agents.prefill.peers() == []
     assert pf.pusher.counters.accepted == 0
     time.sleep(0.05)
-    assert pair.decode.take_notifs(PUSH_PREFIX) == []
-    assert torch.count_nonzero(pair.target) == 0
+    assert agents.decode.take_notifs(PUSH_PREFIX) == []
+    assert torch.count_nonzero(agents.target) == 0
 
 
-def test_an_accepted_push_writes_exactly_the_rows_then_notifies_and_unpins(prefill: Prefill, pair: Pair) -> None:
+def test_an_accepted_push_writes_exactly_the_rows_then_notifies_and_unpins(push_server: Prefill,
+                                                                           agents: Agents) -> None:
     """Control for the refusals: the same path with good rows writes the bytes, then says so."""
-    prefill.holds.hold("req", 1e12, (3, 4, 9))
-    reply = ask(prefill, pair, "req", [3, 4, 9], descs(pair.layout, [3, 4, 9]), descs(pair.decode_layout, [5, 6, 1]))
+    push_server.holds.hold("req", 1e12, (3, 4, 9))
+    reply = ask(push_server, agents, "req", [3, 4, 9], descs(agents.layout, [3, 4, 9]),
+                descs(agents.decode_layout, [5, 6, 1]))
     assert reply.status == "accepted", reply
-    assert wait_note(pair) == PushedNotification(PID, True)
-    assert blocks_equal(pair, [5, 6, 1], [3, 4, 9])
+    assert wait_note(agents) == PushedNotification(PID, True)
+    assert blocks_equal(agents, [5, 6, 1], [3, 4, 9])
     untouched = [b for b in range(NUM_BLOCKS) if b not in (5, 6, 1)]
-    assert torch.count_nonzero(pair.target[untouched]) == 0
+    assert torch.count_nonzero(agents.target[untouched]) == 0
     end = time.monotonic() + 5
-    while prefill.holds._pins and time.monotonic() < end:
+    while push_server.holds._pins and time.monotonic() < end:
         time.sleep(0.002)
-    assert prefill.holds._pins == {} and writes_left(prefill.pusher) == 0
-    assert (prefill.pusher.counters.written, prefill.pusher.counters.failed) == (1, 0)
+    assert push_server.holds._pins == {} and writes_left(push_server.pusher) == 0
+    assert (push_server.pusher.counters.written, push_server.pusher.counters.failed) == (1, 0)
 
 
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 8 * 4  # layers x heads x block_size x 2*head_dim x float32
@@ -335,10 +281,11 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize(("case", "status", "named"), REFUSALS, ids=[c for c, _, _ in REFUSALS])
-def test_a_refused_push_queues_nothing(prefill: Prefill, pair: Pair, case: str, status: str, named: str) -> None:
-    prefill.holds.hold("req", 1e12, (3, 4))
-    src, dst = descs(pair.layout, [3, 4]), descs(pair.decode_layout, [5, 6])
-    request_id, block_ids, agent = "req", [3, 4], pair.decode_info
+def test_a_refused_push_queues_nothing(push_server: Prefill, agents: Agents, case: str, status: str,
+                                       named: str) -> None:
+    push_server.holds.hold("req", 1e12, (3, 4))
+    src, dst = descs(agents.layout, [3, 4]), descs(agents.decode_layout, [5, 6])
+    request_id, block_ids, agent = "req", [3, 4], agents.decode_info
     if case == "rows_not_24_bytes":
         src = src.astype("<u8").tobytes()[:-1]  # type: ignore[assignment]
     elif case == "row_counts_differ":
@@ -348,7 +295,7 @@ def test_a_refused_push_queues_nothing(prefill: Prefill, pair: Pair, case: str, 
         src[0, 1] = dst[0, 1] = BLOCK_BYTES
         src[0, 1] += 8
     elif case == "row_outside_the_hold":  # block 5 for 4: two rows each side, the second outside the hold
-        src, dst = descs(pair.layout, [3, 5]), descs(pair.decode_layout, [5, 7])
+        src, dst = descs(agents.layout, [3, 5]), descs(agents.decode_layout, [5, 7])
     elif case == "row_of_zero_bytes":
         src, dst = src.copy(), dst.copy()
         src[0, 1] = dst[0, 1] = 0
@@ -363,32 +310,32 @@ def test_a_refused_push_queues_nothing(prefill: Prefill, pair: Pair, case: str, 
     elif case == "unknown_request":
         request_id = "never-held"
     elif case == "other_block_ids":
-        block_ids, src = [3], descs(pair.layout, [3])
-        dst = descs(pair.decode_layout, [5])
-    reply = ask(prefill, pair, request_id, block_ids, src, dst, agent)
+        block_ids, src = [3], descs(agents.layout, [3])
+        dst = descs(agents.decode_layout, [5])
+    reply = ask(push_server, agents, request_id, block_ids, src, dst, agent)
     assert reply.status == status and named in reply.message, reply
-    nothing_queued(prefill, pair)
-    assert prefill.pusher.counters.by_status == {status: 1}
+    nothing_queued(push_server, agents)
+    assert push_server.pusher.counters.by_status == {status: 1}
 
 
-def test_a_full_queue_answers_busy_and_pins_only_what_it_queued(prefill: Prefill, pair: Pair) -> None:
+def test_a_full_queue_answers_busy_and_pins_only_what_it_queued(push_server: Prefill, agents: Agents) -> None:
     """``max_queued=1`` with the pusher thread held back: the second request is ``busy`` (no pin); once the
     thread runs, the first one is written and its hold unpinned."""
-    pusher, holds = prefill.pusher, prefill.holds
+    pusher, holds = push_server.pusher, push_server.holds
     holds.hold("a", 1e12, (1,))
     holds.hold("b", 1e12, (2,))
     pusher._post_in_turn = lambda now: None  # type: ignore[method-assign]
     try:
-        first = ask(prefill, pair, "a", [1], descs(pair.layout, [1]), descs(pair.decode_layout, [1]))
-        second = ask(prefill, pair, "b", [2], descs(pair.layout, [2]), descs(pair.decode_layout, [2]),
+        first = ask(push_server, agents, "a", [1], descs(agents.layout, [1]), descs(agents.decode_layout, [1]))
+        second = ask(push_server, agents, "b", [2], descs(agents.layout, [2]), descs(agents.decode_layout, [2]),
                      push_id=bytes(16))
         assert (first.status, second.status) == ("accepted", "busy") and "already wait" in second.message
         assert holds._pins == {"a": 1} and writes_left(pusher) == 1
     finally:
         del pusher._post_in_turn
     pusher._wake.set()
-    assert wait_note(pair) == PushedNotification(PID, True)
-    assert blocks_equal(pair, [1], [1]) and torch.count_nonzero(pair.target[2]) == 0
+    assert wait_note(agents) == PushedNotification(PID, True)
+    assert blocks_equal(agents, [1], [1]) and torch.count_nonzero(agents.target[2]) == 0
     end = time.monotonic() + 5
     while holds._pins and time.monotonic() < end:
         time.sleep(0.002)
@@ -396,30 +343,30 @@ def test_a_full_queue_answers_busy_and_pins_only_what_it_queued(prefill: Prefill
 
 
 @pytest.fixture
-def fresh_decode(pair: Pair) -> Iterator[tuple[NixlTransferAgent, AgentInfo]]:
+def fresh_decode(agents: Agents) -> Iterator[tuple[NixlTransferAgent, AgentInfo]]:
     """A decode agent no prefill agent has ever connected to (the decode cache's memory registered again)."""
     agent = NixlTransferAgent(unique_agent_name(DECODE, 0))
-    agent.register(pair.decode_layout.regions, "DRAM")
+    agent.register(agents.decode_layout.regions, "DRAM")
     try:
-        yield agent, decode_info_of(agent, pair.decode_layout)
+        yield agent, decode_info_of(agent, agents.decode_layout)
     finally:
         agent.close()
 
 
 def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(
-        prefill: Prefill, pair: Pair, fresh_decode: tuple[NixlTransferAgent, AgentInfo]) -> None:
+        push_server: Prefill, agents: Agents, fresh_decode: tuple[NixlTransferAgent, AgentInfo]) -> None:
     """Queued behind a held-back pusher past its ``window_s``: never written, a "push_failed" note, unpinned,
     and a release that came meanwhile applies once. The decode agent is new to the prefill agent and nothing
     else progresses the prefill agent (no engine steps, no WRITE): the pusher itself must, or UCX's wire-up
     never completes and the note never arrives."""
-    pusher, holds = prefill.pusher, prefill.holds
+    pusher, holds = push_server.pusher, push_server.holds
     decode_agent, decode_info = fresh_decode
     holds.hold("late", 1e12, (6,))
     pusher._post_in_turn = lambda now: None  # type: ignore[method-assign]
     try:
-        wire = [descs(pair.layout, [6]).astype("<u8").tobytes(), descs(pair.decode_layout, [6]).astype("<u8").tobytes()]
-        reply = request_push(Destination(HOST, prefill.server.port, ENGINE, 0), "late", [6], PID, decode_info, wire[0],
-                             wire[1], 0.2, "decode-engine", secret=KEY, timeout_s=5.0)
+        wire = [descs(layout, [6]).astype("<u8").tobytes() for layout in (agents.layout, agents.decode_layout)]
+        reply = request_push(Destination(HOST, push_server.server.port, ENGINE, 0), "late", [6], PID, decode_info,
+                             wire[0], wire[1], 0.2, "decode-engine", secret=KEY, timeout_s=5.0)
         assert reply.status == "accepted"
         assert holds.on_release(["late"], [[6]]) == 1
         stats = {"leases_expired": 0, "leases_notified": 0}
@@ -428,21 +375,11 @@ def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(
     finally:
         del pusher._post_in_turn
     pusher._wake.set()
-    note = wait_note(pair, agent=decode_agent)
+    note = wait_note(agents, agent=decode_agent)
     assert note.push_id == PID and not note.ok and "window passed" in note.reason
-    assert torch.count_nonzero(pair.target) == 0
+    assert torch.count_nonzero(agents.target) == 0
     end = time.monotonic() + 5
     while holds._pins and time.monotonic() < end:
         time.sleep(0.002)
     assert holds._pins == {} and pusher.counters.failed == 1
     assert holds.released([], stats) == {"late"} and holds.released([], stats) == set()
-
-
-@contextlib.contextmanager
-def _server(on_push: object, secret: bytes | None) -> Iterator[HandshakeServer]:
-    """An in-process side channel serving rank 0 of ENGINE with ``on_push`` (None: it takes no pushes)."""
-    srv = HandshakeServer(HOST, 0, "compat-test", secret=secret, on_push=on_push,  # type: ignore[arg-type]
-                          on_heartbeat=lambda ids, s, b: None, on_release=lambda ids, b: 0)
-    srv.set_info(make_agent_info(0))
-    with srv:
-        yield srv

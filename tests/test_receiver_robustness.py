@@ -10,11 +10,9 @@ that good pulls, in the same batch or after it, move exact bytes.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -25,49 +23,20 @@ from p2pkv.decode.peers import PeerId
 from p2pkv.decode.transfer import TransferState
 from p2pkv.metadata import LoadSpec
 from p2pkv.params import RemotePrefill
-from tests.conftest import MODES
+from tests.fault_injection.support import (
+    BOUND_S,
+    assert_bytes,
+    failure_lines,
+    new_ids,
+    pull,
+    released_once_not_expired,
+)
 from tests.faults import inject, restore
 from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, free_port, pull_task
+from tests.polling import eventually
 
-BOUND_S = 10.0
-FAST = dict(handshake_timeout_s=1.0, handshake_retries=1, transfer_timeout_s=10.0)
-_ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[PrefillProc]:
-    pf = PrefillProc(free_port(), seed=5, num_blocks=64, lease_s=30.0)
-    pf.start()
-    try:
-        yield pf
-    finally:
-        pf.stop()
-    twice = {r for r in pf.leased if pf.times_released(r) > 1}
-    assert not twice, f"requests released more than once on the prefill side: {sorted(twice)}"
-
-
-@pytest.fixture
-def decode() -> Iterator[DecodeSide]:
-    d = DecodeSide(64, **FAST)
-    try:
-        yield d
-    finally:
-        d.close()
-
-
-@pytest.fixture(params=MODES)
-def mode_decode(request: pytest.FixtureRequest) -> Iterator[DecodeSide]:
-    """A decode worker in each transfer mode (pull: it READs; push: the prefill rank WRITEs)."""
-    d = DecodeSide(64, transfer_mode=request.param, **FAST)
-    try:
-        yield d
-    finally:
-        d.close()
-
-
-def new_ids() -> tuple[str, str]:
-    n = next(_ids)
-    return f"d-{n}", f"p-{n}"
+DECODE_CFG = dict(handshake_timeout_s=1.0, handshake_retries=1, transfer_timeout_s=10.0)
+"""This module's decode workers (the ``decode`` fixtures' too): the pulls' thread polls, as in an engine."""
 
 
 def spec(rid: str, prid: str, port: int, local: list[int], remote: list[int], *, host: str = "127.0.0.1",
@@ -77,30 +46,12 @@ def spec(rid: str, prid: str, port: int, local: list[int], remote: list[int], *,
     return LoadSpec(rid, tuple(local), tuple(remote), rp, report=report)
 
 
-def expect_bytes(d: DecodeSide, pf: PrefillProc, local: list[int], remote: list[int]) -> None:
-    expected = pf.expected()
-    bad = [lb for lb, rb in zip(local, remote, strict=True) if not d.block_ok(lb, rb, expected)]
-    assert not bad, f"local blocks {bad} do not hold the prefill bytes"
-
-
 def good_pull(d: DecodeSide, pf: PrefillProc, local: list[int], remote: list[int]) -> None:
     """Lease, pull and check: reported once, no load errors, exact bytes, the hold released by notification."""
-    rid, prid = new_ids()
-    pf.lease([prid])
-    d.start(pull_task(rid, prid, pf.port, local, remote))
-    assert d.pump({rid}, BOUND_S) == set(), f"{rid} was never reported"
-    assert d.take_errors() == set()
-    expect_bytes(d, pf, local, remote)
-    end = time.monotonic() + BOUND_S
-    while prid not in pf.released() and time.monotonic() < end:  # decode steps send (and progress) its "done"
-        d.step()
-        pf.drain(0.005)
-    assert pf.notified.get(prid) == 1 and prid not in pf.expired
-
-
-def failure_lines(caplog: pytest.LogCaptureFixture, rid: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "pull failed" in r.getMessage() and f"request={rid} " in
-            r.getMessage()]
+    _, prid, errors, _ = pull(d, pf, local, remote)
+    assert errors == set()
+    assert_bytes(d, pf, local, remote)
+    released_once_not_expired(pf, prid, d)
 
 
 # ---- 1. an exception while advancing one pull fails that pull alone --------------------------------
@@ -128,7 +79,7 @@ def test_a_pull_whose_planning_raises_after_its_handshake_fails_alone(
     decode.start(spec(bad, bad_p, prefill.port, [1, 2], bad_remote), spec(good, good_p, prefill.port, [3, 4], [9, 10]))
     assert decode.pump({bad, good}, BOUND_S) == set(), "pulls hung behind the handshake"
     assert decode.take_errors() == {1, 2}
-    expect_bytes(decode, prefill, [3, 4], [9, 10])
+    assert_bytes(decode, prefill, [3, 4], [9, 10])
     (line,) = failure_lines(caplog, bad)
     if fault == "block_id_beyond_int64":
         assert "kind=bad_block_ids" in line and str(2**64) in line and "outside [0, 64)" in line
@@ -246,7 +197,7 @@ def test_block_ids_beyond_num_blocks_fail_as_bad_block_ids(
                  spec(good, good_p, prefill.port, [10, 11], [12, 13]))
     assert decode.pump({bad, good}, BOUND_S) == set()
     assert decode.take_errors() == set(local)
-    expect_bytes(decode, prefill, [10, 11], [12, 13])
+    assert_bytes(decode, prefill, [10, 11], [12, 13])
     (line,) = failure_lines(caplog, bad)
     assert "kind=bad_block_ids" in line and named in line
     prefill.drain(0.05)
@@ -285,27 +236,18 @@ def test_sixteen_spellings_of_one_address_make_one_peer(prefill: PrefillProc, mo
     assert decode.pump({p.request_id for p in pulls}, BOUND_S) == set()
     assert decode.take_errors() == set()
     for p in pulls:
-        expect_bytes(decode, prefill, list(p.local_block_ids), list(p.remote_block_ids))
+        assert_bytes(decode, prefill, list(p.local_block_ids), list(p.remote_block_ids))
     receiver = decode.worker.receiver
     assert list(receiver.peers.peers) == [PeerId(ENGINE, "127.0.0.1", prefill.port, 0)]
     assert set(receiver.fence._links) <= {("127.0.0.1", prefill.port)}
 
 
 # ---- 5. peers capped and idle ones dropped -------------------------------------------------------------
-def _eventually(check, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(prefill: PrefillProc) -> None:
     """``max_peers=1``; "127.0.0.1" and "localhost" are two peers (names are not resolved). A pull through
     the second drops the first: its NIXL remote agent, its fence connection (closed), its lane. While a
     pull is in flight on the only peer, a pull needing another one is refused naming max_peers."""
-    d = DecodeSide(64, max_peers=1, **FAST)
+    d = DecodeSide(64, max_peers=1, **DECODE_CFG)
     receiver = d.worker.receiver
     try:
         good_pull(d, prefill, [1], [2])
@@ -316,11 +258,11 @@ def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(pre
         prefill.lease([prid])
         d.start(spec(rid, prid, prefill.port, [3, 4], [5, 6], host="localhost"))
         assert d.pump({rid}, BOUND_S) == set() and d.take_errors() == set()
-        expect_bytes(d, prefill, [3, 4], [5, 6])
+        assert_bytes(d, prefill, [3, 4], [5, 6])
         assert list(receiver.peers.peers) == [PeerId(ENGINE, "localhost", prefill.port, 0)]
         assert ("127.0.0.1", prefill.port) not in receiver.fence._links
-        assert _eventually(lambda: link._sock.closed), "the dropped peer's fence connection stayed open"
-        assert _eventually(lambda: f"127.0.0.1:{prefill.port}" not in receiver.background._lanes._keys)
+        assert eventually(lambda: link._sock.closed), "the dropped peer's fence connection stayed open"
+        assert eventually(lambda: f"127.0.0.1:{prefill.port}" not in receiver.background._lanes._keys)
         # A READ stuck in flight on "localhost": no peer can be dropped for another spelling.
         inject(d.worker, "check_xfer_state", 1, "proc", times=None)
         (stuck, stuck_p), (refused, refused_p) = new_ids(), new_ids()
@@ -336,13 +278,13 @@ def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(pre
 
 def test_idle_peers_are_dropped_with_their_link(prefill: PrefillProc, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="p2pkv.decode")
-    d = DecodeSide(64, peer_idle_s=0.5, **FAST)
+    d = DecodeSide(64, peer_idle_s=0.5, **DECODE_CFG)
     receiver = d.worker.receiver
     try:
         good_pull(d, prefill, [1], [2])
         link = receiver.fence._links[("127.0.0.1", prefill.port)]
-        assert _eventually(lambda: not d.step() and not receiver.peers.peers, 5.0), "the idle peer was kept"
-        assert _eventually(lambda: link._sock.closed) and receiver.fence._links == {}
+        assert eventually(lambda: not d.step() and not receiver.peers.peers, 5.0), "the idle peer was kept"
+        assert eventually(lambda: link._sock.closed) and receiver.fence._links == {}
         assert "unused for more than peer_idle_s=0.5 s" in caplog.text
         good_pull(d, prefill, [3], [4])  # handshakes again
     finally:
@@ -380,7 +322,7 @@ def test_a_pull_needing_more_than_max_peers_is_refused_alone(prefill: PrefillPro
     """A pull naming 8 prefill ranks with ``max_peers=4``, beside a good pull: refused naming max_peers
     before any handshake; the good one moves exact bytes."""
     caplog.set_level(logging.ERROR, logger="p2pkv.decode")
-    d = DecodeSide(64, max_peers=4, **FAST)
+    d = DecodeSide(64, max_peers=4, **DECODE_CFG)
     try:
         (bad, bad_p), (good, good_p) = new_ids(), new_ids()
         prefill.lease([bad_p, good_p])
@@ -388,7 +330,7 @@ def test_a_pull_needing_more_than_max_peers_is_refused_alone(prefill: PrefillPro
                 spec(good, good_p, prefill.port, [2, 3], [4, 5]))
         assert d.pump({bad, good}, BOUND_S) == set()
         assert d.take_errors() == {1}
-        expect_bytes(d, prefill, [2, 3], [4, 5])
+        assert_bytes(d, prefill, [2, 3], [4, 5])
         (line,) = failure_lines(caplog, bad)
         assert "kind=refused" in line and "max_peers=4" in line
         assert d.worker.receiver.peers.handshakes == {}

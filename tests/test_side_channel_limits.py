@@ -11,15 +11,17 @@ connections not past their HELLO at most ``max_handshakes`` (the oldest are cut)
 from __future__ import annotations
 
 import contextlib
+import functools
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
 from handshake import Destination, HandshakeServer, HandshakeTimeoutError, HoldLink, fetch_agent_info, query_holds
 from handshake._net import FRAME_LIMIT
 from tests.handshake_support import make_agent_info
+from tests.polling import eventually
 from tests.side_channel_flood import is_closed, open_hostile
 
 HOST = "127.0.0.1"
@@ -61,13 +63,7 @@ def ask(link: HoldLink, timeout_s: float = 5.0) -> int:
                        timeout_s=timeout_s, link=link).accepted
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
+wait_for = functools.partial(eventually, timeout_s=10.0, interval_s=0.02)
 
 
 def test_a_frame_over_the_frame_limit_is_dropped_before_the_handshake() -> None:

@@ -42,7 +42,7 @@ from handshake import (
     release_holds,
 )
 from handshake._net import CurveKeys, configure_socket
-from tests.handshake_support import ServerProcess, curve_authenticator, make_agent_info
+from tests.handshake_support import ServerProcess, fake_router, make_agent_info
 
 HOST = "127.0.0.1"
 COMPAT = "compat-test"
@@ -108,38 +108,11 @@ def serving(engine_id: str = ENGINE, secret: bytes | None = SECRET, metadata: by
         yield srv, released
 
 
-@contextlib.contextmanager
 def fake_server(respond: Callable[[list[bytes]], list[bytes]] | None, secret: bytes | None
-                ) -> Iterator[tuple[int, list[list[bytes]]]]:
-    """A ROUTER in a thread (a CURVE server of ``secret`` when set) that records each request it receives and
+                ) -> contextlib.AbstractContextManager[tuple[int, list[list[bytes]]]]:
+    """A fake side channel (a CURVE server of ``secret`` when set) that records each request it receives and
     answers it with ``respond`` (None: never answers). Yields its port and the requests received."""
-    ctx = zmq.Context()
-    auth = curve_authenticator(ctx, secret) if secret else None
-    sock = ctx.socket(zmq.ROUTER)
-    configure_socket(sock, HOST, secret=secret, server=True)
-    port = sock.bind_to_random_port(f"tcp://{HOST}")
-    received: list[list[bytes]] = []
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            if sock.poll(20):
-                identity, *body = sock.recv_multipart()
-                received.append(body)
-                if respond is not None:
-                    sock.send_multipart([identity, *respond(body)])
-        sock.close(0)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
-        yield port, received
-    finally:
-        stop.set()
-        thread.join(2)
-        if auth is not None:
-            auth.stop()
-        ctx.term()
+    return fake_router(respond, secret=secret)
 
 
 def fetch(port: int, secret: bytes | None = SECRET, timeout_s: float = 5.0) -> object:

@@ -24,7 +24,7 @@ ENGINE = "prefill-engine"  # make_agent_info's
 
 
 @pytest.fixture
-def server() -> Iterator[HandshakeServer]:
+def inproc_server() -> Iterator[HandshakeServer]:
     srv = HandshakeServer(HOST, 0, "compat-test", secret=SECRET, on_heartbeat=lambda ids, s, b: HoldStatus())
     srv.set_info(make_agent_info(0))
     srv.start()
@@ -39,17 +39,18 @@ def ask(port: int, link: HoldLink, timeout_s: float = 5.0) -> None:
                 timeout_s=timeout_s, link=link)
 
 
-def test_both_sides_log_each_requests_times_at_debug(server: HandshakeServer, caplog: pytest.LogCaptureFixture) -> None:
+def test_both_sides_log_each_requests_times_at_debug(inproc_server: HandshakeServer,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
     """One fence question: the server logs its receive, checks, handler and reply times, the client its send and
     reply, both naming the request by the same nonce prefix; with DEBUG off neither logs a line."""
-    link = HoldLink(HOST, server.port, SECRET)
+    link = HoldLink(HOST, inproc_server.port, SECRET)
     try:
         caplog.set_level(logging.INFO, logger="p2pkv.handshake.timing")
-        ask(server.port, link)
+        ask(inproc_server.port, link)
         time.sleep(0.2)  # the server logs (or not) just after it sent the reply
         assert not [r for r in caplog.records if r.name == "p2pkv.handshake.timing"]
         caplog.set_level(logging.DEBUG, logger="p2pkv.handshake.timing")
-        ask(server.port, link)
+        ask(inproc_server.port, link)
         end = time.monotonic() + 5  # the server logs after sending: maybe just after the client's line
         while len([r for r in caplog.records if r.name == "p2pkv.handshake.timing"]) < 2 and time.monotonic() < end:
             time.sleep(0.01)
@@ -65,14 +66,14 @@ def test_both_sides_log_each_requests_times_at_debug(server: HandshakeServer, ca
         assert part in served[0], served[0]
 
 
-def test_a_reply_that_came_in_time_is_taken_when_its_asker_looks_late(server: HandshakeServer,
+def test_a_reply_that_came_in_time_is_taken_when_its_asker_looks_late(inproc_server: HandshakeServer,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The asking thread is descheduled across its deadline (a busy host): the reply, in its socket since long
     before the deadline, answers the question (before: the thread saw the deadline passed and reported no
     reply without looking)."""
-    link = HoldLink(HOST, server.port, SECRET)
+    link = HoldLink(HOST, inproc_server.port, SECRET)
     try:
-        ask(server.port, link)  # connected and authenticated
+        ask(inproc_server.port, link)  # connected and authenticated
         real, me = time.monotonic, threading.get_ident()
         calls = {"n": 0}
 
@@ -86,32 +87,35 @@ def test_a_reply_that_came_in_time_is_taken_when_its_asker_looks_late(server: Ha
             return real()
 
         monkeypatch.setattr(client.time, "monotonic", late_clock)
-        ask(server.port, link, timeout_s=1.0)
+        ask(inproc_server.port, link, timeout_s=1.0)
         assert calls["n"] >= 2
     finally:
         monkeypatch.undo()
         link.close()
 
 
-def test_a_reply_to_a_requester_gone_is_counted_not_lost_unseen(server: HandshakeServer,
+def test_a_reply_to_a_requester_gone_is_counted_not_lost_unseen(inproc_server: HandshakeServer,
                                                                 caplog: pytest.LogCaptureFixture) -> None:
     """A requester that stopped waiting and closed its connection before the reply: the server counts and logs
     the reply it could not deliver (before, ZMQ dropped it without a word)."""
     caplog.set_level(logging.WARNING, logger="p2pkv.handshake")
     release = threading.Event()
-    server._dispatch._holds._on_heartbeat = lambda ids, s, b: (release.wait(5.0), HoldStatus())[1]  # a busy handler
-    link = HoldLink(HOST, server.port, SECRET)
+    def busy(ids, s, b):  # type: ignore[no-untyped-def]  # a busy handler
+        return (release.wait(5.0), HoldStatus())[1]
+
+    inproc_server._dispatch._holds._on_heartbeat = busy
+    link = HoldLink(HOST, inproc_server.port, SECRET)
     try:
         with pytest.raises(Exception, match="no reply"):
-            ask(server.port, link, timeout_s=0.3)
+            ask(inproc_server.port, link, timeout_s=0.3)
     finally:
         link.close()
     time.sleep(1.0)  # the server's ZMQ notices the closed connection
     release.set()
     end = time.monotonic() + 5
-    while not server.stats.get("replies_dropped") and time.monotonic() < end:
+    while not inproc_server.stats.get("replies_dropped") and time.monotonic() < end:
         time.sleep(0.01)
-    assert server.stats.get("replies_dropped") == 1
+    assert inproc_server.stats.get("replies_dropped") == 1
     assert any("handshake reply dropped" in r.getMessage() for r in caplog.records)
 
 

@@ -10,8 +10,8 @@ the request when the completion notification arrives.
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,6 +19,9 @@ import torch
 from handshake.compat import fingerprint
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.testing import block_bytes, make_kv_caches
+from p2pkv.worker import WorkerSide
+from tests.fault_injection.support import released_once_not_expired
+from tests.p2p_harness import PrefillProc
 from tests.workers import (
     COMPAT_FIELDS,
     NUM_BLOCKS,
@@ -27,34 +30,18 @@ from tests.workers import (
     idle_cpu_s,
     make_worker,
     model_info,
-    prefill_main,
     run_until_received,
     task,
 )
 
 
-@pytest.fixture
-def prefill(request):
-    layout = request.param
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=prefill_main, args=(layout, port, ["req-1", "req-2"], out, stop))
-    proc.start()
-    assert out.get(timeout=60) == "ready"
-    yield layout, port, out
-    stop.set()
-    proc.join(timeout=20)
-    if proc.is_alive():
-        proc.kill()
-    assert proc.exitcode == 0
-
-
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("prefill", ["LBHNC", "BLHNC", "KV_SPLIT"], indirect=True)
-def test_pull_moves_exactly_the_requested_blocks(prefill, mode) -> None:
+def test_pull_moves_exactly_the_requested_blocks(prefill: PrefillProc, mode: str) -> None:
     """Pull (READs) and push (the prefill rank WRITEs) move the same bytes into the same blocks."""
-    layout, port, out = prefill
+    layout, port = prefill.layout, prefill.port
+    first, second = f"{mode}-1", f"{mode}-2"
+    prefill.lease([first, second])
     _, expected = make_kv_caches(layout, seed=1, **SHAPE)
     base, views = make_kv_caches(layout, fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port(), transfer_mode=mode)
@@ -66,7 +53,7 @@ def test_pull_moves_exactly_the_requested_blocks(prefill, mode) -> None:
         # Runs that coalesce (3,4,5 -> 10,11,12), a lone block, a reversed pair.
         local = [3, 4, 5, 20, 40, 39]
         remote = [10, 11, 12, 7, 63, 0]
-        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, local, remote)]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", first, port, local, remote)]))
         assert run_until_received(worker, "d-1") == set()
         for lb, rb in zip(local, remote, strict=True):
             assert block_bytes(views, layout, lb) == block_bytes(expected, layout, rb)
@@ -74,14 +61,15 @@ def test_pull_moves_exactly_the_requested_blocks(prefill, mode) -> None:
         for b in set(range(NUM_BLOCKS)) - set(local):
             assert block_bytes(views, layout, b) == zero, f"block {b} was touched"
         # The prefill side is told and releases exactly that request.
-        assert out.get(timeout=30) == ["req-1"]
+        released_once_not_expired(prefill, first, timeout_s=30)
+        assert second not in prefill.released()
         # Second pull reuses the peer: no new handshake.
         served_before = len(worker.receiver.peers.peers)
-        worker.start_load_kv(P2pKvMetadata(loads=[task("d-2", "req-2", port, [50], [51])]))
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-2", second, port, [50], [51])]))
         assert run_until_received(worker, "d-2") == set()
         assert len(worker.receiver.peers.peers) == served_before == 1
         assert block_bytes(views, layout, 50) == block_bytes(expected, layout, 51)
-        assert out.get(timeout=30) == ["req-2"]
+        released_once_not_expired(prefill, second, timeout_s=30)
         assert worker.stats.data["directions"] == {mode: 2}
         # Nothing left to do: the pulls' thread and the push thread wait, they do not poll.
         assert idle_cpu_s([worker.receiver.progress._thread, worker.pusher._thread]) < 0.1
@@ -90,43 +78,49 @@ def test_pull_moves_exactly_the_requested_blocks(prefill, mode) -> None:
     assert base.abs().sum() > 0
 
 
+def refused_at_handshake(prefill: PrefillProc, request_id: str, change: Callable[[WorkerSide], object]) -> None:
+    """A decode worker (an ``LBHNC`` cache) that ``change`` made incompatible pulls ``request_id`` from ``prefill``:
+    the pull ends at the handshake, its blocks as load errors, no byte written, no peer kept."""
+    _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
+    worker = make_worker("decode-engine", free_port())
+    change(worker)
+    worker.register_kv_caches(views, NUM_BLOCKS)
+    try:
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", request_id, prefill.port, [1, 2], [1, 2])]))
+        assert run_until_received(worker, "d-1") == {1, 2}
+        assert torch.count_nonzero(next(iter(views.values()))) == 0
+        assert worker.receiver.peers.peers == {}
+    finally:
+        worker.shutdown()
+
+
 @pytest.mark.parametrize("prefill", ["LBHNC"], indirect=True)
-def test_incompatible_model_shape_is_refused_and_reported(prefill, caplog) -> None:
+def test_incompatible_model_shape_is_refused_and_reported(prefill: PrefillProc,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
     """A peer whose model shape differs (here head_dim) is refused at handshake, before any READ; the prefill
     engine is told to free the request at once (the side channel's ``ReleaseHolds``)."""
-    _, port, out = prefill
-    _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
-    worker = make_worker("decode-engine", free_port())
-    worker.model = dataclasses.replace(model_info("LBHNC"), head_dim=8)
-    worker.register_kv_caches(views, NUM_BLOCKS)
-    try:
-        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
-        assert run_until_received(worker, "d-1") == {1, 2}
-        assert torch.count_nonzero(next(iter(views.values()))) == 0
-        assert worker.receiver.peers.peers == {}
-        assert "kind=refused" in caplog.text and "head_dim: prefill has 16, decode has 8" in caplog.text
-        assert out.get(timeout=10) == ["req-1"]  # the hold is freed now, not when its 60 s lease ends
-    finally:
-        worker.shutdown()
+    prefill.lease(["shape-1"], 60.0)
+
+    def other_head_dim(worker: WorkerSide) -> None:
+        worker.model = dataclasses.replace(model_info("LBHNC"), head_dim=8)
+
+    refused_at_handshake(prefill, "shape-1", other_head_dim)
+    assert "kind=refused" in caplog.text and "head_dim: prefill has 16, decode has 8" in caplog.text
+    released_once_not_expired(prefill, "shape-1")  # the hold is freed now, not when its 60 s lease ends
 
 
 @pytest.mark.parametrize("prefill", ["LBHNC"], indirect=True)
-def test_incompatible_engine_is_refused_before_any_read(prefill, caplog) -> None:
+def test_incompatible_engine_is_refused_before_any_read(prefill: PrefillProc,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     """A prefill rank whose compatibility fields differ (here its KV cache dtype) is refused at handshake."""
-    _, port, _ = prefill
-    _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
-    worker = make_worker("decode-engine", free_port())
-    worker.compat_hash = fingerprint({**COMPAT_FIELDS, "kv_cache_dtype": "fp8_e5m2"})
-    worker.register_kv_caches(views, NUM_BLOCKS)
-    try:
-        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, [1, 2], [1, 2])]))
-        assert run_until_received(worker, "d-1") == {1, 2}
-        assert torch.count_nonzero(next(iter(views.values()))) == 0
-        assert worker.receiver.peers.peers == {}
-        assert "kind=refused" in caplog.text
-        assert "kv_cache_dtype: the peer has 'auto', this side has 'fp8_e5m2'" in caplog.text
-    finally:
-        worker.shutdown()
+    prefill.lease(["engine-1"])
+
+    def other_kv_cache_dtype(worker: WorkerSide) -> None:
+        worker.compat_hash = fingerprint({**COMPAT_FIELDS, "kv_cache_dtype": "fp8_e5m2"})
+
+    refused_at_handshake(prefill, "engine-1", other_kv_cache_dtype)
+    assert "kind=refused" in caplog.text
+    assert "kv_cache_dtype: the peer has 'auto', this side has 'fp8_e5m2'" in caplog.text
 
 
 def test_unreachable_prefill_marks_blocks_failed() -> None:
@@ -141,48 +135,35 @@ def test_unreachable_prefill_marks_blocks_failed() -> None:
         worker.shutdown()
 
 
-def _start_prefill(ctx, port: int, leases: list[str], seed: int):
-    out, stop = ctx.Queue(), ctx.Event()
-    proc = ctx.Process(target=prefill_main, args=("BLHNC", port, leases, out, stop, seed))
-    proc.start()
-    assert out.get(timeout=60) == "ready"
-    return proc, out, stop
-
-
 def test_restarted_prefill_is_used_again_without_restarting_decode() -> None:
     """Kill the prefill process, start a new one (new NIXL agent, same engine_id and port):
     the decode worker notices the dead peer, re-handshakes and pulls from the new one."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
     _, views = make_kv_caches("BLHNC", fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port())
     worker.model = model_info("BLHNC")
     worker.register_kv_caches(views, NUM_BLOCKS)
-    first, out1, _ = _start_prefill(ctx, port, ["req-1"], seed=1)
-    second = None
+    pf = PrefillProc(free_port())
+    pf.start({"req-1": 60.0}, seed=1)
     try:
+        port = pf.port
         worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, [1, 2], [3, 4])]))
         assert run_until_received(worker, "d-1") == set()
-        assert out1.get(timeout=30) == ["req-1"]
+        released_once_not_expired(pf, "req-1", timeout_s=30)
         old_agent = next(iter(worker.receiver.peers.peers.values())).agent_name
-        first.kill()
-        first.join(timeout=20)
-        second, out2, stop2 = _start_prefill(ctx, port, ["req-9"], seed=2)
+        pf.kill()
+        pf.start({"req-9": 60.0}, seed=2)
         worker.start_load_kv(P2pKvMetadata(loads=[task("d-9", "req-9", port, [10, 11, 12], [20, 21, 22])]))
         assert run_until_received(worker, "d-9") == set()
         _, expected = make_kv_caches("BLHNC", seed=2, **SHAPE)
         for lb, rb in ((10, 20), (11, 21), (12, 22)):
             assert block_bytes(views, "BLHNC", lb) == block_bytes(expected, "BLHNC", rb)
         assert next(iter(worker.receiver.peers.peers.values())).agent_name != old_agent
-        assert out2.get(timeout=30) == ["req-9"]
-        stop2.set()
+        released_once_not_expired(pf, "req-9", timeout_s=30)
+        assert pf.released_by_incarnation == [{"req-1"}, {"req-9"}]
     finally:
         worker.shutdown()
-        for proc in (first, second):
-            if proc is not None:
-                proc.join(timeout=20)
-                if proc.is_alive():
-                    proc.kill()
+        if pf.alive():
+            pf.stop()
 
 
 @pytest.mark.parametrize("setting,expected", [(0.001, 0.001), (0.0, 0.005), (0.01, 0.005)])
@@ -201,10 +182,12 @@ def test_worker_lowers_the_thread_switch_interval(setting: float, expected: floa
 
 
 @pytest.mark.parametrize("prefill", ["BLHNC"], indirect=True)
-def test_a_part_longer_than_one_push_request_is_read_instead(prefill, monkeypatch, caplog) -> None:
+def test_a_part_longer_than_one_push_request_is_read_instead(prefill: PrefillProc, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
     """A push request carries at most ``MAX_PUSH_ROWS`` descriptor rows: in push mode, a part with more is READ
     (same bytes, same blocks; logged), and the next part that fits is pushed again."""
-    layout, port, out = prefill
+    layout, port = prefill.layout, prefill.port
+    prefill.lease(["long-1", "short-2"])
     monkeypatch.setattr("p2pkv.decode.movers.MAX_PUSH_ROWS", 2)  # the decode side's cap; 4 rows below
     _, expected = make_kv_caches(layout, seed=1, **SHAPE)
     _, views = make_kv_caches(layout, fill=0.0, **SHAPE)
@@ -214,16 +197,16 @@ def test_a_part_longer_than_one_push_request_is_read_instead(prefill, monkeypatc
     try:
         local, remote = [3, 4, 5, 20, 40, 39], [10, 11, 12, 7, 63, 0]  # 4 runs: 4 rows of cross-layer blocks
         with caplog.at_level("WARNING", logger="p2pkv.decode"):
-            worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, local, remote)]))
+            worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "long-1", port, local, remote)]))
             assert run_until_received(worker, "d-1") == set()
-        assert "moves its part from" in caplog.text and "by pull, not push: 4 descriptor rows" in caplog.text
+        assert "by pull, not push: 4 descriptor rows are more than one push request carries" in caplog.text
         for lb, rb in zip(local, remote, strict=True):
             assert block_bytes(views, layout, lb) == block_bytes(expected, layout, rb)
-        assert out.get(timeout=30) == ["req-1"]
-        worker.start_load_kv(P2pKvMetadata(loads=[task("d-2", "req-2", port, [50], [51])]))  # 1 row: pushed
+        released_once_not_expired(prefill, "long-1", timeout_s=30)
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-2", "short-2", port, [50], [51])]))  # 1 row: pushed
         assert run_until_received(worker, "d-2") == set()
         assert block_bytes(views, layout, 50) == block_bytes(expected, layout, 51)
-        assert out.get(timeout=30) == ["req-2"]
+        released_once_not_expired(prefill, "short-2", timeout_s=30)
         assert worker.stats.data["directions"] == {"pull": 1, "push": 1}
     finally:
         worker.shutdown()

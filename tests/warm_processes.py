@@ -1,5 +1,5 @@
 """Spawned processes with their imports done, reused by the tests that run prefill ranks in a process of
-their own (``tests/test_hetero.py``, ``tests/p2p_harness.py``).
+their own (:class:`tests.p2p_harness.PrefillProc`).
 
 A spawned process spends seconds importing torch, NIXL and p2pkv before it
 runs a line of the test; a :class:`WarmProcess` has done that once and runs

@@ -1,8 +1,7 @@
-"""Worker-level test helpers: synthetic-cache WorkerSides, a prefill process, pull specs."""
+"""Worker-level test helpers: synthetic-cache WorkerSides, pull specs (a prefill process: :mod:`tests.p2p_harness`)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -12,9 +11,8 @@ from handshake import KVLayoutDesc, KVRegion
 from handshake.compat import fingerprint
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo
-from p2pkv.metadata import LoadSpec, P2pKvMetadata
+from p2pkv.metadata import LoadSpec
 from p2pkv.params import RemotePrefill
-from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
 
 NUM_BLOCKS = 64
@@ -48,24 +46,6 @@ def make_worker(engine_id: str, port: int, layout: str = "BLHNC", **cfg) -> Work
     cfg.setdefault("insecure", "secret" not in cfg)  # synthetic caches on loopback; secured pairs: tests pass one
     config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
     return WorkerSide(engine_id, config, 0, 1, "127.0.0.1", port, fingerprint(COMPAT_FIELDS), model_info(layout))
-
-
-def prefill_main(layout: str, port: int, lease_ids: list[str], out: mp.Queue, stop: mp.Event,
-                 seed: int = 1) -> None:
-    _, views = make_kv_caches(layout, seed=seed, **SHAPE)
-    worker = make_worker("prefill-engine", port, layout)
-    worker.register_kv_caches(views, NUM_BLOCKS)
-    worker.start_load_kv(P2pKvMetadata(send_leases={r: time.monotonic() + 60 for r in lease_ids}))
-    out.put("ready")
-    released: set[str] = set()
-    deadline = time.monotonic() + 60
-    while not stop.is_set() and time.monotonic() < deadline:
-        sending, _ = worker.get_finished()
-        if sending:
-            released |= sending
-            out.put(sorted(sending))
-        time.sleep(0.005)
-    worker.shutdown()
 
 
 def run_until_received(worker: WorkerSide, request_id: str, timeout_s: float = 30) -> set[int]:

@@ -1,6 +1,7 @@
 """The fault-injection tests: a real prefill :class:`~p2pkv.worker.WorkerSide` in its own process
 (:class:`tests.p2p_harness.PrefillProc`, one per module: ``prefill``) and a real decode ``WorkerSide`` in the
-test's (``decode``; per transfer mode: ``mode_decode``; push: ``push_decode``), stepped only by the test.
+test's (``decode``; per transfer mode: ``mode_decode``; push: ``push_decode``), stepped only by the test
+(``prefill``, ``decode`` and ``mode_decode`` are ``tests/conftest.py``'s; here: ``victim``, ``push_decode``).
 
 The documented behaviour is ``p2pkv/worker.py``'s and ``docs/reliability.md``'s; one module per fault family:
 ``test_nixl.py`` (a NIXL call of a READ, or of a push's WRITE, fails), ``test_side_channel.py`` (the side
@@ -14,25 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.conftest import MODES
-from tests.fault_injection.support import DECODE_CFG
-from tests.p2p_harness import DecodeSide, PrefillProc, free_port
-
-
-@pytest.fixture(scope="module")
-def prefill() -> Iterator[PrefillProc]:
-    """The module's prefill process; at its end nothing was released twice or without a lease, and no hold
-    stayed pinned by a WRITE."""
-    pf = PrefillProc(free_port(), seed=1, num_blocks=64, lease_s=30.0)
-    pf.start()
-    try:
-        yield pf
-    finally:
-        pf.stop()
-    twice = {r for r in pf.leased if pf.times_released(r) > 1}
-    assert not twice, f"requests released more than once on the prefill side: {sorted(twice)}"
-    assert not pf.released() - pf.leased, "released requests that were never leased"
-    assert not pf.pinned_at_stop, f"holds still pinned by a WRITE at the end: {pf.pinned_at_stop}"
+from tests.p2p_harness import DECODE_CFG, DecodeSide, PrefillProc, free_port
 
 
 @pytest.fixture
@@ -45,25 +28,6 @@ def victim() -> Iterator[PrefillProc]:
     finally:
         if pf.alive():
             pf.stop()
-
-
-@pytest.fixture
-def decode() -> Iterator[DecodeSide]:
-    d = DecodeSide(64, **DECODE_CFG)
-    try:
-        yield d
-    finally:
-        d.close()
-
-
-@pytest.fixture(params=MODES)
-def mode_decode(request: pytest.FixtureRequest) -> Iterator[DecodeSide]:
-    """A decode worker in each transfer mode (the test runs once per mode)."""
-    d = DecodeSide(64, transfer_mode=request.param, **DECODE_CFG)
-    try:
-        yield d
-    finally:
-        d.close()
 
 
 @pytest.fixture

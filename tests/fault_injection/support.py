@@ -7,24 +7,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-import zmq
 
 from handshake import PROTOCOL_VERSION, Destination, MetadataReply, encode, fetch_agent_info
 from handshake import decode as decode_message
 from handshake.compat import fingerprint
 from tests.faults import FaultyNixlAgent, inject
+from tests.handshake_support import fake_router
 from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, pull_task
 from tests.workers import COMPAT_FIELDS
 
 HOST = "127.0.0.1"
 BOUND_S = 10.0  # a failed or retried pull is reported within this (it takes well under a second)
-DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0,
-                  pull_poll_interval_s=0.0)  # faults are injected per call: only the test steps the pulls
 
 _ids = itertools.count()
 def new_ids() -> tuple[str, str]:
@@ -126,41 +123,12 @@ def wait_pinned(d: DecodeSide, pf: PrefillProc, prid: str, timeout_s: float = BO
     raise AssertionError(f"the prefill worker never accepted a push of {prid}")
 
 
-@contextlib.contextmanager
-def fake_side_channel(respond: Callable[[list[bytes]], list[bytes]] | None,
-                      delay_s: float = 0.0) -> Iterator[tuple[int, list[list[bytes]]]]:
-    """A ROUTER socket in a thread: answers each request with ``respond(body)`` after ``delay_s``
-    (``respond=None``: never answers). Yields ``(port, requests seen)``."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.linger = 0
-    port = sock.bind_to_random_port(f"tcp://{HOST}")
-    seen: list[list[bytes]] = []
-    stop = threading.Event()
-
-    def loop() -> None:
-        due: list[tuple[float, list[bytes]]] = []
-        while not stop.is_set():
-            if sock.poll(5):
-                identity, *body = sock.recv_multipart()
-                seen.append(body)
-                if respond is not None and (reply := respond(body)) is not None:  # None: no answer
-                    due.append((time.monotonic() + delay_s, [identity, *reply]))
-            now = time.monotonic()
-            for item in [x for x in due if x[0] <= now]:
-                due.remove(item)
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.send_multipart(item[1], zmq.NOBLOCK)
-        sock.close(0)
-
-    thread = threading.Thread(target=loop, name="fake-side-channel", daemon=True)
-    thread.start()
-    try:
-        yield port, seen
-    finally:
-        stop.set()
-        thread.join(2)
-        ctx.term()
+def fake_side_channel(respond: Callable[[list[bytes]], list[bytes] | None] | None,
+                      delay_s: float | Callable[[list[bytes]], float] = 0.0
+                      ) -> contextlib.AbstractContextManager[tuple[int, list[list[bytes]]]]:
+    """A fake side channel on 127.0.0.1 (:func:`tests.handshake_support.fake_router`): answers each request with
+    ``respond(body)`` after ``delay_s`` (``respond=None``: never answers). Yields ``(port, requests seen)``."""
+    return fake_router(respond, delay_s=delay_s)
 
 
 def real_reply(pf: PrefillProc, nonce: bytes | None = None) -> Callable[[list[bytes]], list[bytes]]:

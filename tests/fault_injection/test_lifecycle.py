@@ -12,13 +12,9 @@ from p2pkv.metadata import P2pKvMetadata
 from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests.conftest import MODES
-from tests.fault_injection.support import (
-    DECODE_CFG,
-    fake_side_channel,
-    pull,
-)
+from tests.fault_injection.support import fake_side_channel, pull
 from tests.faults import FaultyNixlAgent
-from tests.p2p_harness import LAYOUT, DecodeSide, PrefillProc, free_port, notify_task, pull_task, shape
+from tests.p2p_harness import DECODE_CFG, LAYOUT, DecodeSide, PrefillProc, free_port, notify_task, pull_task, shape
 from tests.workers import make_worker, model_info
 
 

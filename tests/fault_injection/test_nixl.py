@@ -33,57 +33,124 @@ from tests.fault_injection.support import (
 from tests.faults import FaultyNixlAgent, inject, restore
 from tests.p2p_harness import DecodeSide, PrefillProc, pull_task
 
-# ---- one fault on the first call -------------------------------------------------------
-# (method, mode, outcome): "retried" = re-handshake + retry succeeds; "ignored" = no retry
-# needed; "failed" = load errors at once.
-SINGLE = [
-    ("get_xfer_descs", "raise", "retried"),
-    ("initialize_xfer", "raise", "retried"),
-    ("transfer", "raise", "retried"),
-    ("transfer", "err", "retried"),
-    ("check_xfer_state", "raise", "retried"),
-    ("check_xfer_state", "err", "retried"),
-    ("release_xfer_handle", "raise", "ignored"),
-    ("add_remote_agent", "raise", "failed"),
-]
+# ---- one table: a fault on the first call, or on every call -----------------------------------------------
+# (transfer mode, NIXL method, how it fails) → (outcome of one fault on its first call, of a fault on every call).
+# pull: the decode rank's READ fails (its agent); push: the prefill rank's WRITE fails (its agent).
+# First call: "retried" = pull: re-handshake and retry, which succeeds; push: a "push_failed" note and the push
+# alone retried (the peer kept), whose WRITE lands. "moved" = push: the WRITE was posted before its poll failed:
+# its own note or the failure's comes first, exact bytes either way. "ignored" = nothing to retry. "failed" =
+# load errors at once (a failed handshake is final). "rehandshaken" = push: the prefill rank's NIXL refused the
+# decode agent: a new handshake, the push retried.
+# Every call: "load errors" (pull: two attempts, one for a failed handshake); push: the failure kind logged,
+# "transfer" (two pushes, both failed) or "refused" (two handshakes, no push accepted); None: not run here
+# (release_xfer_handle has its own tests below).
+FAULTS: dict[tuple[str, str, str], tuple[str, str | None]] = {
+    ("pull", "get_xfer_descs", "raise"): ("retried", "load errors"),
+    ("pull", "initialize_xfer", "raise"): ("retried", "load errors"),
+    ("pull", "transfer", "raise"): ("retried", "load errors"),
+    ("pull", "transfer", "err"): ("retried", "load errors"),
+    ("pull", "check_xfer_state", "raise"): ("retried", "load errors"),
+    ("pull", "check_xfer_state", "err"): ("retried", "load errors"),
+    ("pull", "release_xfer_handle", "raise"): ("ignored", None),
+    ("pull", "add_remote_agent", "raise"): ("failed", "load errors"),
+    ("push", "get_xfer_descs", "raise"): ("retried", "transfer"),
+    ("push", "initialize_xfer", "raise"): ("retried", None),
+    ("push", "transfer", "raise"): ("retried", "transfer"),
+    ("push", "transfer", "err"): ("retried", "transfer"),
+    ("push", "check_xfer_state", "raise"): ("moved", None),
+    ("push", "check_xfer_state", "err"): ("moved", None),
+    ("push", "release_xfer_handle", "raise"): ("ignored", None),
+    ("push", "add_remote_agent", "raise"): ("rehandshaken", "refused"),
+}
+FIRST_CALL = [(*key, first) for key, (first, _) in FAULTS.items()]
+EVERY_CALL = [(*key, every) for key, (_, every) in FAULTS.items() if every is not None]
 
 
-@pytest.mark.parametrize(("method", "mode", "outcome"), SINGLE, ids=[f"{m}-{k}" for m, k, _ in SINGLE])
-def test_first_call_fault(prefill: PrefillProc, decode: DecodeSide, method: str, mode: str, outcome: str) -> None:
-    faulty = inject(decode.worker, method, 1, mode)  # type: ignore[arg-type]
+def fault_id(case: tuple[str, ...]) -> str:
+    return "-".join(case[:3])
+
+
+def decode_in(request: pytest.FixtureRequest, transfer_mode: str) -> DecodeSide:
+    """The test's decode worker in ``transfer_mode`` (the ``decode`` or the ``push_decode`` fixture)."""
+    return request.getfixturevalue("decode" if transfer_mode == "pull" else "push_decode")
+
+
+@pytest.mark.parametrize(("transfer_mode", "method", "mode", "outcome"), FIRST_CALL, ids=map(fault_id, FIRST_CALL))
+def test_first_call_fault(prefill: PrefillProc, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture,
+                          transfer_mode: str, method: str, mode: str, outcome: str) -> None:
+    """One fault costs nothing but a retry (push: of the push alone after a failed WRITE, the peer kept; after a
+    new handshake when the prefill rank refused the decode agent, it may have restarted), except a failed
+    handshake of a pull: its blocks as load errors at once. Every hold ends once, nothing stays pinned, and a
+    clean pull follows."""
+    caplog.set_level(logging.ERROR, logger="p2pkv.decode")
+    d = decode_in(request, transfer_mode)
     local, remote = [3, 4, 5, 20], [10, 11, 12, 7]
-    _, prid, errors, seconds = pull(decode, prefill, local, remote)
-    assert faulty.faults == 1
-    assert seconds < BOUND_S
-    if outcome == "failed":
-        assert errors == set(local)
-        assert faulty.calls["add_remote_agent"] == 1  # a failed handshake is final: no retry
+    if transfer_mode == "pull":
+        faulty = inject(d.worker, method, 1, mode)  # type: ignore[arg-type]
+        _, prid, errors, seconds = pull(d, prefill, local, remote)
+        assert faulty.faults == 1
+        assert seconds < BOUND_S
+        if outcome == "failed":
+            assert errors == set(local)
+            assert faulty.calls["add_remote_agent"] == 1  # a failed handshake is final: no retry
+        else:
+            assert errors == set()
+            assert_bytes(d, prefill, local, remote)
+            # "retried": the peer was dropped and handshaken again, once.
+            assert faulty.calls["add_remote_agent"] == (2 if outcome == "retried" else 1)
+            assert prefill.wait_released({prid}, BOUND_S)
     else:
-        assert errors == set()
-        assert_bytes(decode, prefill, local, remote)
-        # "retried": the peer was dropped and handshaken again, once.
-        assert faulty.calls["add_remote_agent"] == (2 if outcome == "retried" else 1)
-        assert prefill.wait_released({prid}, BOUND_S)
-    clean_pull_succeeds(decode, prefill)
+        handshakes = counting_handshakes(d)
+        before = settled(prefill)
+        prefill.inject((method, 1, mode, 1))
+        rid, prid, errors, seconds = pull(d, prefill, local, remote)
+        assert prefill.restore()["faults"] == 1
+        assert seconds < BOUND_S
+        accepted, failed, written = pushes_since(before, settled(prefill))
+        assert errors == set() and failure_lines(caplog, rid) == []
+        assert_bytes(d, prefill, local, remote)
+        expected = {"rehandshaken": (2, 1, 0, 1), "retried": (1, 2, 1, 1), "ignored": (1, 1, 0, 1)}  # handshakes,
+        if outcome in expected:  # accepted, failed, written ("moved": either note may come first)
+            assert (handshakes.calls["add_remote_agent"], accepted, failed, written) == expected[outcome]
+        released_once_not_expired(prefill, prid, d)
+    clean_pull_succeeds(d, prefill)
 
 
-# ---- a fault on every call ---------------------------------------------------------------
-ALWAYS = [(m, k) for m, k, outcome in SINGLE if outcome != "ignored"]
-
-
-@pytest.mark.parametrize(("method", "mode"), ALWAYS, ids=[f"{m}-{k}" for m, k in ALWAYS])
-def test_persistent_fault_ends_as_load_error(prefill: PrefillProc, decode: DecodeSide, method: str,
-                                             mode: str) -> None:
-    faulty = inject(decode.worker, method, 1, mode, times=None)  # type: ignore[arg-type]
+@pytest.mark.parametrize(("transfer_mode", "method", "mode", "outcome"), EVERY_CALL, ids=map(fault_id, EVERY_CALL))
+def test_persistent_fault_ends_as_load_error(prefill: PrefillProc, request: pytest.FixtureRequest,
+                                             caplog: pytest.LogCaptureFixture, transfer_mode: str, method: str,
+                                             mode: str, outcome: str) -> None:
+    """The call fails every time: exactly the pull's blocks as load errors after two attempts (the retry; one
+    for a failed handshake of a pull; push: the push retried, or a new handshake when the decode agent is
+    refused, with the failure kind named), nothing left behind (no pull, no byte written, the hold freed once,
+    nothing pinned); then a clean pull works."""
+    caplog.set_level(logging.ERROR, logger="p2pkv.decode")
+    d = decode_in(request, transfer_mode)
     local, remote = [7, 8, 30], [7, 9, 33]
-    _, _, errors, seconds = pull(decode, prefill, local, remote)
-    assert errors == set(local)
-    assert seconds < BOUND_S
-    # Two attempts (the retry after a re-handshake), except a failed handshake: one.
-    assert faulty.calls["add_remote_agent"] == (1 if method == "add_remote_agent" else 2)
-    assert decode.worker.receiver.pulls == []  # nothing left behind for a later request
-    restore(decode.worker)
-    clean_pull_succeeds(decode, prefill)
+    if transfer_mode == "pull":
+        faulty = inject(d.worker, method, 1, mode, times=None)  # type: ignore[arg-type]
+        _, _, errors, seconds = pull(d, prefill, local, remote)
+        assert errors == set(local)
+        assert seconds < BOUND_S
+        # Two attempts (the retry after a re-handshake), except a failed handshake: one.
+        assert faulty.calls["add_remote_agent"] == (1 if method == "add_remote_agent" else 2)
+        assert d.worker.receiver.pulls == []  # nothing left behind for a later request
+        restore(d.worker)
+    else:
+        handshakes = counting_handshakes(d)
+        before = settled(prefill)
+        prefill.inject((method, 1, mode, None))
+        rid, prid, errors, seconds = pull(d, prefill, local, remote)
+        assert errors == set(local) and seconds < BOUND_S
+        (line,) = failure_lines(caplog, rid)
+        assert f"kind={outcome}" in line, line
+        accepted, failed, written = pushes_since(before, settled(prefill))
+        expected = (2, 0, 0, 0) if outcome == "refused" else (1, 2, 2, 0)  # handshakes, accepted, failed, written
+        assert (handshakes.calls["add_remote_agent"], accepted, failed, written) == expected
+        assert d.worker.receiver.pulls == [] and torch.count_nonzero(d.base[local]) == 0
+        released_once_not_expired(prefill, prid, d)
+        assert prefill.restore()["faults"] >= 1
+    clean_pull_succeeds(d, prefill)
 
 
 def test_persistent_release_fault_never_fails_a_pull(prefill: PrefillProc, decode: DecodeSide) -> None:
@@ -97,6 +164,32 @@ def test_persistent_release_fault_never_fails_a_pull(prefill: PrefillProc, decod
     assert faulty.calls["add_remote_agent"] == 1
 
 
+def pull_batch_whole_or_failed(d: DecodeSide, pf: PrefillProc, lease_s: float | None = None) -> set[str]:
+    """Eight pulls of 2 blocks in one batch (leased for ``lease_s``, default the process's): each finishes
+    exactly once, with exact bytes or all its blocks in load errors, and no other block is reported. The
+    prefill request ids."""
+    tasks, pairs = [], {}
+    for i in range(8):
+        rid, prid = new_ids()
+        local, remote = [2 * i, 2 * i + 1], [63 - i, 40 + i]
+        tasks.append(pull_task(rid, prid, pf.port, local, remote))
+        pairs[rid] = (prid, local, remote)
+    pf.lease([p for p, _, _ in pairs.values()], seconds=lease_s)
+    d.start(*tasks)
+    assert d.pump(set(pairs), BOUND_S) == set()
+    d.pump(set(), 0.05)
+    assert all(d.finished[r] == 1 for r in pairs)
+    errors = d.take_errors()
+    for _, local, remote in pairs.values():
+        if set(local) <= errors:
+            errors -= set(local)
+        else:
+            assert not set(local) & errors, "a pull's blocks were partly reported"
+            assert_bytes(d, pf, local, remote)
+    assert errors == set(), f"load errors for blocks of no pull: {sorted(errors)}"
+    return {p for p, _, _ in pairs.values()}
+
+
 @pytest.mark.parametrize(("method", "mode"), [("check_xfer_state", "raise"), ("check_xfer_state", "err"),
                                               ("transfer", "raise")])
 def test_fault_in_one_pull_of_a_batch(prefill: PrefillProc, decode: DecodeSide, method: str, mode: str) -> None:
@@ -105,26 +198,8 @@ def test_fault_in_one_pull_of_a_batch(prefill: PrefillProc, decode: DecodeSide, 
     errors, and no other block is reported. (Zero load errors is what the retry aims for; see
     ``test_stale_failure_keeps_the_new_peer`` for why some may still fail.)"""
     faulty = inject(decode.worker, method, 3, mode)  # type: ignore[arg-type]
-    tasks, pairs = [], {}
-    for i in range(8):
-        rid, prid = new_ids()
-        local, remote = [2 * i, 2 * i + 1], [63 - i, 40 + i]
-        tasks.append(pull_task(rid, prid, prefill.port, local, remote))
-        pairs[rid] = (prid, local, remote)
-    prefill.lease([p for p, _, _ in pairs.values()])
-    decode.start(*tasks)
-    assert decode.pump(set(pairs), BOUND_S) == set()
-    decode.pump(set(), 0.05)
+    pull_batch_whole_or_failed(decode, prefill)
     assert faulty.faults == 1
-    assert all(decode.finished[r] == 1 for r in pairs)
-    errors = decode.take_errors()
-    for _, local, remote in pairs.values():
-        if set(local) <= errors:
-            errors -= set(local)
-        else:
-            assert not set(local) & errors, "a pull's blocks were partly reported"
-            assert_bytes(decode, prefill, local, remote)
-    assert errors == set(), f"load errors for blocks of no pull: {sorted(errors)}"
     restore(decode.worker)
     clean_pull_succeeds(decode, prefill)
 
@@ -217,81 +292,6 @@ def test_cancelled_read_nixl_keeps_active_holds_its_blocks_until_it_ends(prefill
         d.close()
 
 
-# (method, mode, outcome): "retried" = a "push_failed" note, re-handshake, the second push writes; "moved" = the
-# WRITE was posted before its poll failed: its own note or the failure's comes first, exact bytes either way;
-# "ignored" = nothing to retry; "refused" = the decode agent refused by NIXL there: the push is refused.
-PUSH_SINGLE = [
-    ("get_xfer_descs", "raise", "retried"),
-    ("initialize_xfer", "raise", "retried"),
-    ("transfer", "raise", "retried"),
-    ("transfer", "err", "retried"),
-    ("check_xfer_state", "raise", "moved"),
-    ("check_xfer_state", "err", "moved"),
-    ("release_xfer_handle", "raise", "ignored"),
-    ("add_remote_agent", "raise", "rehandshaken"),
-]
-
-
-@pytest.mark.parametrize(("method", "mode", "outcome"), PUSH_SINGLE, ids=[f"{m}-{k}" for m, k, _ in PUSH_SINGLE])
-def test_push_first_write_fault(prefill: PrefillProc, push_decode: DecodeSide, caplog: pytest.LogCaptureFixture,
-                                method: str, mode: str, outcome: str) -> None:
-    """One fault on the prefill rank's NIXL agent (the push analogue of ``test_first_call_fault``): one fault
-    costs nothing but a retry — of the push alone after a failed WRITE (the prefill rank said so: the peer is
-    kept), after a new handshake when the prefill rank refused the decode agent (it may have restarted).
-    Every hold ends once, nothing stays pinned."""
-    caplog.set_level(logging.ERROR, logger="p2pkv.decode")
-    d = push_decode
-    handshakes = counting_handshakes(d)
-    before = settled(prefill)
-    prefill.inject((method, 1, mode, 1))
-    local, remote = [3, 4, 5, 20], [10, 11, 12, 7]
-    rid, prid, errors, seconds = pull(d, prefill, local, remote)
-    assert prefill.restore()["faults"] == 1
-    assert seconds < BOUND_S
-    accepted, failed, written = pushes_since(before, settled(prefill))
-    assert errors == set() and failure_lines(caplog, rid) == []
-    assert_bytes(d, prefill, local, remote)
-    if outcome == "rehandshaken":
-        assert (handshakes.calls["add_remote_agent"], accepted, failed, written) == (2, 1, 0, 1)
-    else:
-        if outcome == "retried":
-            assert (handshakes.calls["add_remote_agent"], accepted, failed, written) == (1, 2, 1, 1)
-        elif outcome == "ignored":
-            assert (handshakes.calls["add_remote_agent"], accepted, failed, written) == (1, 1, 0, 1)
-    released_once_not_expired(prefill, prid, d)
-    clean_pull_succeeds(d, prefill)
-
-
-PUSH_ALWAYS = [("get_xfer_descs", "raise", "transfer"), ("transfer", "raise", "transfer"),
-               ("transfer", "err", "transfer"), ("add_remote_agent", "raise", "refused")]
-
-
-@pytest.mark.parametrize(("method", "mode", "kind"), PUSH_ALWAYS, ids=[f"{m}-{k}" for m, k, _ in PUSH_ALWAYS])
-def test_push_persistent_write_fault_ends_as_load_error(prefill: PrefillProc, push_decode: DecodeSide,
-                                                        caplog: pytest.LogCaptureFixture, method: str, mode: str,
-                                                        kind: str) -> None:
-    """Every WRITE fails on the prefill side: two pushes (the retry of the push; after a new handshake when
-    the decode agent is refused), then exactly the pull's blocks as load errors with the kind named; the hold
-    freed once, nothing pinned."""
-    caplog.set_level(logging.ERROR, logger="p2pkv.decode")
-    d = push_decode
-    handshakes = counting_handshakes(d)
-    before = settled(prefill)
-    prefill.inject((method, 1, mode, None))
-    local, remote = [7, 8, 30], [7, 9, 33]
-    rid, prid, errors, seconds = pull(d, prefill, local, remote)
-    assert errors == set(local) and seconds < BOUND_S
-    (line,) = failure_lines(caplog, rid)
-    assert f"kind={kind}" in line, line
-    accepted, failed, written = pushes_since(before, settled(prefill))
-    expected = (2, 0, 0, 0) if kind == "refused" else (1, 2, 2, 0)  # handshakes, accepted, failed, written
-    assert (handshakes.calls["add_remote_agent"], accepted, failed, written) == expected
-    assert d.worker.receiver.pulls == [] and torch.count_nonzero(d.base[local]) == 0
-    released_once_not_expired(prefill, prid, d)
-    assert prefill.restore()["faults"] >= 1
-    clean_pull_succeeds(d, prefill)
-
-
 def test_push_persistent_release_fault_never_fails_a_pull(prefill: PrefillProc, push_decode: DecodeSide) -> None:
     """The prefill side's ``release_xfer_handle`` always fails: logged, every push still lands and is notified."""
     prefill.inject(("release_xfer_handle", 1, "raise", None))
@@ -313,28 +313,9 @@ def test_push_write_fault_in_one_pull_of_a_batch(prefill: PrefillProc, push_deco
     stays pinned."""
     d = push_decode
     prefill.inject(("transfer", 3, "err", 1))
-    tasks, pairs = [], {}
-    for i in range(8):
-        rid, prid = new_ids()
-        local, remote = [2 * i, 2 * i + 1], [63 - i, 40 + i]
-        tasks.append(pull_task(rid, prid, prefill.port, local, remote))
-        pairs[rid] = (prid, local, remote)
-    prefill.lease([p for p, _, _ in pairs.values()], seconds=3.0)  # a lost "done" falls back on a short lease
-    d.start(*tasks)
-    assert d.pump(set(pairs), BOUND_S) == set()
-    d.pump(set(), 0.05)
+    prids = pull_batch_whole_or_failed(d, prefill, lease_s=3.0)  # a lost "done" falls back on a short lease
     assert prefill.restore()["faults"] == 1
-    assert all(d.finished[r] == 1 for r in pairs)
-    errors = d.take_errors()
-    for _, local, remote in pairs.values():
-        if set(local) <= errors:
-            errors -= set(local)
-        else:
-            assert not set(local) & errors, "a pull's blocks were partly reported"
-            assert_bytes(d, prefill, local, remote)
-    assert errors == set(), f"load errors for blocks of no pull: {sorted(errors)}"
     settled(prefill)
-    prids = {p for p, _, _ in pairs.values()}
     assert released(d, prefill, prids)
     prefill.drain(0.05)
     assert all(prefill.times_released(p) == 1 for p in prids)  # by its "done", or by its 3 s lease were one lost
