@@ -44,3 +44,15 @@ def prefill_then_decode(client: httpx.Client, prefill: str, decode: str, prompt:
     resp.raise_for_status()
     choice = resp.json()["choices"][0]
     return Answer(choice["text"], choice["token_ids"], choice["logprobs"]["token_logprobs"])
+
+
+def assert_decode_refused(client: httpx.Client, prefill: str, decode: str, prompt: str) -> None:
+    """Prefill ``prompt`` on one engine, then send its decode leg (4 tokens, greedy) to the other, and check that
+    the decode engine did not answer it as a finished completion: an HTTP error, or a finish reason other than
+    ``length``/``stop`` (vLLM's answer to a load it refused)."""
+    body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    params = client.post(f"{prefill}/v1/completions", json=body).json()["kv_transfer_params"]
+    body = {"model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": params}
+    resp = client.post(f"{decode}/v1/completions", json=body)
+    assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")

@@ -38,7 +38,7 @@ from p2pkv.tools.deploy.engines import EngineSpec, start_engine
 from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
 from tests.conftest import MODES, free_ports, start_mode_proxy
-from tests.legs import prefill_then_decode
+from tests.legs import assert_decode_refused, prefill_then_decode
 from tests.pod_launch import PodLaunch
 
 pytestmark = pytest.mark.engines
@@ -226,13 +226,7 @@ def test_hybrid_other_block_size_is_refused(kind_pair, block128, client, directi
     _, pair, _, _, _ = kind_pair
     prefill, decode, log = ((pair.url("prefill"), block128.url, block128.log) if direction == "64 -> 128" else
                             (block128.url, pair.url("decode"), pair.log_dir / "decode.log"))
-    prompt = prompt_of(5000 + len(direction))[:150]
-    body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": {"do_remote_decode": True}}
-    params = client.post(f"{prefill}/v1/completions", json=body).json()["kv_transfer_params"]
-    body = {"model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": params}
-    resp = client.post(f"{decode}/v1/completions", json=body)
-    assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
+    assert_decode_refused(client, prefill, decode, prompt_of(5000 + len(direction))[:150])
     small, large = (64, 128) if direction == "64 -> 128" else (128, 64)
     assert (f"prefill block_size={small}, decode block_size={large}; start both engines with the same --block-size"
             in log.read_text())
@@ -326,13 +320,7 @@ def test_sliding_window_larger_decode_block_is_refused(kind_pair, dp2, client) -
     """Decode with 64-token blocks from a prefill with 32: refused with the fix named; both engines keep serving."""
     _, pair, _, _, _ = kind_pair
     url, log = dp2.url, dp2.log
-    prompt = prompt_of(2135)[:135]
-    body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": {"do_remote_decode": True}}
-    params = client.post(f"{pair.url('prefill')}/v1/completions", json=body).json()["kv_transfer_params"]
-    body = {"model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": params}
-    resp = client.post(f"{url}/v1/completions", json=body)
-    assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
+    assert_decode_refused(client, pair.url("prefill"), url, prompt_of(2135)[:135])
     assert "start the decode engine with --block-size 32 or smaller" in log.read_text()
     ok = complete(client, url, "still serving?", max_tokens=4)
     assert ok.token_ids == complete(client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
