@@ -189,21 +189,21 @@ def tp2(kind_pair) -> ExtraEngine:
 
 @pytest.mark.parametrize("direction", ["TP 2 -> TP 1", "TP 1 -> TP 2"])
 @pytest.mark.parametrize("mode", MODES)
-def test_mla_pairs_across_tp_sizes(kind_pair, tp2, client, mode, direction) -> None:
+def test_mla_pairs_across_tp_sizes(kind_pair, tp2, slow_client, mode, direction) -> None:
     """MLA between TP sizes: every rank holds the whole latent cache, so one prefill rank is read per decode rank."""
     _, pair, stats, _, _ = kind_pair
     prefill, decode, stats = ((tp2.url, pair.url("decode"), stats) if direction == "TP 2 -> TP 1" else
                               (pair.url("prefill"), tp2.url, tp2.stats))
     prompt = prompt_of(4000 + len(direction) + (0 if mode == "pull" else 100))[:100]
     before = len(read_pull_stats(stats))
-    pd = prefill_then_decode(client, prefill, decode, prompt, mode=mode)
-    ref = complete(client, pair.url("prefill"), prompt, max_tokens=8)
+    pd = prefill_then_decode(slow_client, prefill, decode, prompt, mode=mode)
+    ref = complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
     assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= TOLERANCE["mla"]
     pulls = read_pull_stats(stats)[before:]
     ranks = 2 if decode == tp2.url else 1  # each decode rank reads its own copy: one line each
     assert len(pulls) == ranks and all(p["bytes"] == pulled_blocks("mla", 100) * BLOCK_BYTES["mla"]
                                        and p["direction"] == mode for p in pulls)
-    assert wait_blocks_released(client, prefill, timeout_s=30) == 0.0
+    assert wait_blocks_released(slow_client, prefill, timeout_s=30) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -221,30 +221,31 @@ def test_the_hybrid_third_engine_runs_as_a_pod(kind_pair, block128) -> None:
 
 
 @pytest.mark.parametrize("direction", ["64 -> 128", "128 -> 64"])
-def test_hybrid_other_block_size_is_refused(kind_pair, block128, client, direction) -> None:
+def test_hybrid_other_block_size_is_refused(kind_pair, block128, slow_client, direction) -> None:
     """SSM state pages move whole, block for block: another block size is refused naming both; both keep serving."""
     _, pair, _, _, _ = kind_pair
     prefill, decode, log = ((pair.url("prefill"), block128.url, block128.log) if direction == "64 -> 128" else
                             (block128.url, pair.url("decode"), pair.log_dir / "decode.log"))
-    assert_decode_refused(client, prefill, decode, prompt_of(5000 + len(direction))[:150])
+    assert_decode_refused(slow_client, prefill, decode, prompt_of(5000 + len(direction))[:150])
     small, large = (64, 128) if direction == "64 -> 128" else (128, 64)
     assert (f"prefill block_size={small}, decode block_size={large}; start both engines with the same --block-size"
             in log.read_text())
-    assert wait_blocks_released(client, prefill, timeout_s=30) == 0.0
+    assert wait_blocks_released(slow_client, prefill, timeout_s=30) == 0.0
     for url in (prefill, decode):
-        ok = complete(client, url, "still serving?", max_tokens=4)
-        assert ok.token_ids == complete(client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
+        ok = complete(slow_client, url, "still serving?", max_tokens=4)
+        assert ok.token_ids == complete(slow_client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
 
 
 @pytest.fixture(scope="module")
-def client():
+def slow_client():
+    """An HTTP client with a 300 s timeout: a model kind's first requests may wait for its engines' warm-up."""
     with httpx.Client(timeout=300.0) as c:
         yield c
 
 
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("mode", MODES)
-def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, mode, length) -> None:
+def test_tokens_and_logprobs_equal_one_engine(kind_pair, slow_client, mode, length) -> None:
     """Each prompt twice through the proxy (the second time both engines have it cached) and once on one engine,
     through the proxy of each transfer mode (another prompt of the same length for push)."""
     kind, pair, stats, _, push_url = kind_pair
@@ -255,8 +256,8 @@ def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, mode, length) -
     prompt = prompt_of(length) if mode == "pull" else prompt_of(length + 2000)[:length]
     proxy = pair.url("proxy") if mode == "pull" else push_url
     before = len(read_pull_stats(stats))
-    answers = [complete(client, proxy, prompt, max_tokens=12) for _ in range(2)]
-    ref = complete(client, pair.url("prefill"), prompt, max_tokens=12)
+    answers = [complete(slow_client, proxy, prompt, max_tokens=12) for _ in range(2)]
+    ref = complete(slow_client, pair.url("prefill"), prompt, max_tokens=12)
     for pd in answers:
         assert len(pd.token_ids) == 12
         assert pd.token_ids == ref.token_ids
@@ -266,10 +267,10 @@ def test_tokens_and_logprobs_equal_one_engine(kind_pair, client, mode, length) -
     assert pulls[0]["direction"] == ("push" if mode == "push" else "pull")  # the pair's proxy: auto, cma → pull
     assert pulls[0]["blocks"] == pulled_blocks(kind, length)
     assert pulls[0]["bytes"] == pulls[0]["blocks"] * BLOCK_BYTES[kind]
-    assert wait_blocks_released(client, pair.url("prefill"), timeout_s=30) == 0.0
+    assert wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
 
 
-def test_sliding_window_pull_moves_only_the_window(kind_pair, client) -> None:
+def test_sliding_window_pull_moves_only_the_window(kind_pair, slow_client) -> None:
     """A prompt many windows long: a sliding-window layer's bytes are the window's blocks, a small part of the prompt's.
 
     Interleaved-window: the full-attention group moves all 19 blocks, the sliding-window group 2 of them.
@@ -279,8 +280,8 @@ def test_sliding_window_pull_moves_only_the_window(kind_pair, client) -> None:
         pytest.skip("sliding-window models only")
     length = 600
     before = len(read_pull_stats(stats))
-    pd = complete(client, pair.url("proxy"), prompt_of(length), max_tokens=8)
-    ref = complete(client, pair.url("prefill"), prompt_of(length), max_tokens=8)
+    pd = complete(slow_client, pair.url("proxy"), prompt_of(length), max_tokens=8)
+    ref = complete(slow_client, pair.url("prefill"), prompt_of(length), max_tokens=8)
     assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
     pull = read_pull_stats(stats)[before]
     blocks = -(-length // BLOCK[kind])  # 19: every layer's share of the prompt, per KV cache group
@@ -295,39 +296,39 @@ def test_sliding_window_pull_moves_only_the_window(kind_pair, client) -> None:
     # them to a prompt that shares the first tokens (vLLM caches a request's full blocks once loaded).
     for cut in (250, 300, 500):
         shared = prompt_of(length)[:cut]
-        on_decode = complete(client, pair.url("decode"), shared, max_tokens=8)
-        ref = complete(client, pair.url("prefill"), shared, max_tokens=8)
+        on_decode = complete(slow_client, pair.url("decode"), shared, max_tokens=8)
+        ref = complete(slow_client, pair.url("prefill"), shared, max_tokens=8)
         assert on_decode.token_ids == ref.token_ids and max_logprob_diff(on_decode, ref) <= LOGPROB_TOLERANCE
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, dp2, client, mode) -> None:
+def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, dp2, slow_client, mode) -> None:
     """Prefill with 64-token blocks, decode with 32: tokens equal, only the window's decode blocks move."""
     _, pair, stats, _, _ = kind_pair
     url = dp2.url
     for length in (135, 167, 300):
         prompt = prompt_of(length + (1000 if mode == "pull" else 1500))[:length]  # not cached on either engine yet
         before = len(read_pull_stats(stats))
-        pd = prefill_then_decode(client, url, pair.url("decode"), prompt, mode=mode)
-        ref = complete(client, pair.url("prefill"), prompt, max_tokens=8)
+        pd = prefill_then_decode(slow_client, url, pair.url("decode"), prompt, mode=mode)
+        ref = complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
         assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
         assert read_pull_stats(stats)[before]["blocks"] == pulled_blocks("sliding-window", length)
         assert read_pull_stats(stats)[before]["direction"] == mode
-        assert wait_blocks_released(client, url, timeout_s=30) == 0.0
+        assert wait_blocks_released(slow_client, url, timeout_s=30) == 0.0
 
 
-def test_sliding_window_larger_decode_block_is_refused(kind_pair, dp2, client) -> None:
+def test_sliding_window_larger_decode_block_is_refused(kind_pair, dp2, slow_client) -> None:
     """Decode with 64-token blocks from a prefill with 32: refused with the fix named; both engines keep serving."""
     _, pair, _, _, _ = kind_pair
     url, log = dp2.url, dp2.log
-    assert_decode_refused(client, pair.url("prefill"), url, prompt_of(2135)[:135])
+    assert_decode_refused(slow_client, pair.url("prefill"), url, prompt_of(2135)[:135])
     assert "start the decode engine with --block-size 32 or smaller" in log.read_text()
-    ok = complete(client, url, "still serving?", max_tokens=4)
-    assert ok.token_ids == complete(client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
+    ok = complete(slow_client, url, "still serving?", max_tokens=4)
+    assert ok.token_ids == complete(slow_client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
 
 
-def _on_rank(client: httpx.Client, url: str, rank: int, body: dict) -> dict:
-    resp = client.post(f"{url}/v1/completions", json={"model": "model", "temperature": 0.0, **body},
+def _on_rank(slow_client: httpx.Client, url: str, rank: int, body: dict) -> dict:
+    resp = slow_client.post(f"{url}/v1/completions", json={"model": "model", "temperature": 0.0, **body},
                        headers={"X-data-parallel-rank": str(rank)})
     resp.raise_for_status()
     return resp.json()
@@ -335,35 +336,36 @@ def _on_rank(client: httpx.Client, url: str, rank: int, body: dict) -> dict:
 
 @pytest.mark.parametrize(("prefill_rank", "decode_rank"), [(0, 1), (1, 0)])
 @pytest.mark.parametrize("mode", MODES)
-def test_data_parallel_rank_pulls_from_the_rank_that_prefilled(dp2, client, mode, prefill_rank, decode_rank) -> None:
+def test_data_parallel_rank_pulls_from_the_rank_that_prefilled(dp2, slow_client, mode, prefill_rank,
+                                                               decode_rank) -> None:
     """One engine, two DP ranks: prefill on one, decode on the other; the params name the prefill rank's port."""
     prompt = prompt_of(3000 + prefill_rank + (0 if mode == "pull" else 10))[:150]
-    params = _on_rank(client, dp2.url, prefill_rank, {"prompt": prompt, "max_tokens": 1,
+    params = _on_rank(slow_client, dp2.url, prefill_rank, {"prompt": prompt, "max_tokens": 1,
                                                       "kv_transfer_params": {"do_remote_decode": True}})
     params = {**params["kv_transfer_params"], TRANSFER_MODE_KEY: mode}
     assert params["remote_port"] == dp2.side_channel_port + prefill_rank  # TP 1: one side channel per DP rank
     before = len(read_pull_stats(dp2.stats))
     body = {"prompt": prompt, "max_tokens": 12, "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
-    answers = [_on_rank(client, dp2.url, decode_rank, {**body, "kv_transfer_params": params})["choices"][0],
-               _on_rank(client, dp2.url, prefill_rank, body)["choices"][0]]
+    answers = [_on_rank(slow_client, dp2.url, decode_rank, {**body, "kv_transfer_params": params})["choices"][0],
+               _on_rank(slow_client, dp2.url, prefill_rank, body)["choices"][0]]
     pd, ref = (Answer(c["text"], c["token_ids"], c["logprobs"]["token_logprobs"]) for c in answers)
     assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
     pulls = read_pull_stats(dp2.stats)[before:]
     assert len(pulls) == 1 and pulls[0]["blocks"] == pulled_blocks("sliding-window", 150, block=64)
     assert pulls[0]["direction"] == mode
-    assert wait_blocks_released(client, dp2.url, timeout_s=30) == 0.0
+    assert wait_blocks_released(slow_client, dp2.url, timeout_s=30) == 0.0
 
 
-def test_negative_control_other_kv_changes_the_answer(kind_pair, client) -> None:
+def test_negative_control_other_kv_changes_the_answer(kind_pair, slow_client) -> None:
     """Decode prompt ``c`` with prompt ``b``'s KV (pushed): the answer must depart from ``c``'s own (so the KV
     matters, in push mode too; the pull mode's negative control is in ``tests/test_e2e.py``)."""
     kind, pair, _, _, _ = kind_pair
     a, b, c = ("a" * 50 + " first prompt", "b" * 50 + " other prompt", "c" * 50 + " third prompt")
-    right = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), a, mode="push")
-    wrong = prefill_then_decode(client, pair.url("prefill"), pair.url("decode"), c, prefilled=b, mode="push",
+    right = prefill_then_decode(slow_client, pair.url("prefill"), pair.url("decode"), a, mode="push")
+    wrong = prefill_then_decode(slow_client, pair.url("prefill"), pair.url("decode"), c, prefilled=b, mode="push",
                                 secret=pair.secret)
-    ref_a = complete(client, pair.url("prefill"), a, max_tokens=8)
-    ref_c = complete(client, pair.url("prefill"), c, max_tokens=8)
+    ref_a = complete(slow_client, pair.url("prefill"), a, max_tokens=8)
+    ref_c = complete(slow_client, pair.url("prefill"), c, max_tokens=8)
     assert right.token_ids == ref_a.token_ids and max_logprob_diff(right, ref_a) <= TOLERANCE[kind]
     assert wrong.token_ids != ref_c.token_ids or max_logprob_diff(wrong, ref_c) > 100 * TOLERANCE[kind]
 
