@@ -17,6 +17,7 @@ from handshake.errors import HandshakeBindError
 from handshake.holds import HoldAnswers, OnHeartbeat, OnPush, OnRelease
 from handshake.messages import MAX_MESSAGE_BYTES, AgentInfo
 from handshake.replay import DEFAULT_FUTURE_SKEW_S, DEFAULT_WINDOW_S, ReplayGuard
+from handshake.watchdog import StallWatchdog
 
 __all__ = ["HandshakeServer", "RequestTimes"]
 
@@ -87,6 +88,9 @@ class HandshakeServer:
             oldest are cut.
         handshake_s: seconds a connection may take to complete its
             handshake before libzmq drops it (``ZMQ_HANDSHAKE_IVL``).
+        stall_s: seconds the serving loop may go without a turn before a
+            WARNING with every thread's stack is logged
+            (:class:`handshake.watchdog.StallWatchdog`); 0: no watchdog.
 
     With a ``secret`` the socket speaks CURVE (keys derived from the secret,
     :class:`handshake._net.CurveKeys`): a client without the secret cannot
@@ -125,6 +129,7 @@ class HandshakeServer:
         max_connections: int = MAX_CONNECTIONS,
         max_handshakes: int = MAX_HANDSHAKES,
         handshake_s: float = HANDSHAKE_S,
+        stall_s: float = 0.0,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
@@ -134,6 +139,10 @@ class HandshakeServer:
             raise ValueError(f"need 1 <= max_handshakes ({max_handshakes}) <= max_connections ({max_connections})")
         if not handshake_s > 0:
             raise ValueError(f"handshake_s must be > 0 seconds, got {handshake_s}")
+        if stall_s < 0:
+            raise ValueError(f"stall_s must be >= 0 seconds (0: no watchdog), got {stall_s}")
+        self._stall_s = stall_s
+        self._watchdog: StallWatchdog | None = None
         self._limits_args = (max_connections, max_handshakes)
         self._handshake_s = handshake_s
         self._limits: ConnectionLimits | None = None
@@ -225,8 +234,12 @@ class HandshakeServer:
                 errno=getattr(exc, "errno", None),
             ) from exc
         self._ctx, self._sock = ctx, sock
+        if self._stall_s > 0:
+            self._watchdog = StallWatchdog(f"the side channel on {self.endpoint}", self._stall_s)
         self._thread = threading.Thread(target=self._serve, name=f"p2pkv-handshake:{self._port}", daemon=True)
         self._thread.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
         logger.info("handshake server listening on %s", self.endpoint)
 
     def close(self) -> None:
@@ -240,6 +253,8 @@ class HandshakeServer:
                 return
             self._closed = True
         self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.close()
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join(timeout=_JOIN_TIMEOUT_S)
@@ -284,6 +299,8 @@ class HandshakeServer:
         poller.register(limits.monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                if self._watchdog is not None:
+                    self._watchdog.beat()
                 try:
                     ready = dict(poller.poll(self._poll_ms))
                     if limits.monitor in ready:

@@ -61,6 +61,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             channel at once that are not past their CURVE HELLO (what a peer
             without the secret never gets past); the oldest are cut. Each
             costs at most one 256 KiB frame.
+        side_channel_stall_s: seconds a rank's side-channel loop may go
+            without a turn (it answers every fence question, heartbeat and
+            push request) before a WARNING with every thread's stack is
+            logged, once per stall; 0 turns the watchdog off.
         lease_s: seconds a prefill engine holds a finished request's blocks
             for a decode engine to pull them before releasing them anyway.
         heartbeat_interval_s: how often (seconds) a decode engine asks the
@@ -186,6 +190,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channel_port: int = 5600
     side_channel_max_connections: int = 1024
     side_channel_max_handshakes: int = 64
+    side_channel_stall_s: float = 5.0
     lease_s: float = 120.0
     heartbeat_interval_s: float | None = None
     role: Literal["prefill", "decode", "both", ""] = ""
@@ -278,6 +283,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(
                 f"need 1 <= side_channel_max_handshakes ({self.side_channel_max_handshakes}) <= "
                 f"side_channel_max_connections ({self.side_channel_max_connections}) <= 65536 (connections)")
+        if self.side_channel_stall_s < 0:
+            raise ConfigError(f"side_channel_stall_s must be >= 0 seconds (0: off), got {self.side_channel_stall_s}")
         for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")

@@ -142,7 +142,8 @@ class WorkerSide:
                                       on_heartbeat=self.holds.on_heartbeat, on_release=self.holds.on_release,
                                       on_push=self.pusher.on_push, future_skew_s=self.config.max_clock_skew_s,
                                       max_connections=self.config.side_channel_max_connections,
-                                      max_handshakes=self.config.side_channel_max_handshakes)
+                                      max_handshakes=self.config.side_channel_max_handshakes,
+                                      stall_s=self.config.side_channel_stall_s)
         self.server.set_info(info)
         self.server.start()
         logger.info("p2pkv: rank %d registered %d %s region(s), %d segment(s) per block (%s, %s pages), "
