@@ -140,7 +140,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
                 # only after decode gave up on the dead one (handshake window closed), so the
                 # batch's pulls fail.
                 quick = batch_no == kill_batches[0]
-                counts["in_flight_at_kills"].append(len(d.worker.receiver.pulls))
+                counts["in_flight_at_kills"].append(len(d.worker.receiver.transfers))
                 pf.kill()
                 t_kill = time.monotonic()
                 if not quick:

@@ -73,9 +73,9 @@ def test_a_pull_finishes_between_engine_steps(prefill: PrefillProc) -> None:
         receiver = d.worker.receiver
         assert receiver is not None
         deadline = time.monotonic() + 10.0
-        while receiver.pulls and time.monotonic() < deadline:  # DONE pulls leave the list
+        while receiver.transfers and time.monotonic() < deadline:  # DONE pulls leave the list
             time.sleep(0.001)
-        assert not receiver.pulls and not receiver.in_state(TransferState.READING)
+        assert not receiver.transfers and not receiver.in_state(TransferState.READING)
         assert d.step() == {"d-1"}  # the first engine step after it hands it to vLLM
         expected = prefill.expected()
         assert all(d.block_ok(lb, rb, expected) for lb, rb in ((10, 20), (11, 21), (12, 22)))
@@ -119,7 +119,7 @@ def test_start_load_kv_polls_reads_and_sends_fence_questions_itself(prefill: Pre
         receiver = d.worker.receiver
         assert receiver is not None
         d.start(pull_task("d-4", "p-4", prefill.port, [50, 51], [40, 41]))
-        [first] = receiver.pulls
+        [first] = receiver.transfers
         time.sleep(0.1)  # its READ (within one host) is done; nothing has polled it
         d.start(pull_task("d-5", "p-5", prefill.port, [52, 53], [42, 43]))
         assert first.state in (TransferState.FENCING, TransferState.DONE) and "read" in first.marks  # DONE: its answer

@@ -85,7 +85,7 @@ def test_a_pull_whose_planning_raises_after_its_handshake_fails_alone(
         assert "kind=bad_block_ids" in line and str(2**64) in line and "outside [0, 64)" in line
     else:
         assert "kind=refused" in line and "RuntimeError('planning bug')" in line
-    assert decode.worker.receiver.pulls == []
+    assert decode.worker.receiver.transfers == []
     good_pull(decode, prefill, [5, 6], [11, 12])
 
 

@@ -55,13 +55,13 @@ class Deadlines:
             return self.handshake_s
         return self.staging_s if state is TransferState.STAGING else None
 
-    def overdue(self, pull: Transfer, now: float) -> str | None:
+    def overdue(self, transfer: Transfer, now: float) -> str | None:
         """Why ``pull`` is past its state's deadline at ``now`` (``time.monotonic()`` seconds), or None."""
-        limit = self.limit(pull.state)
-        if limit is None or now - pull.since <= limit:
+        limit = self.limit(transfer.state)
+        if limit is None or now - transfer.since <= limit:
             return None
         what = {TransferState.HANDSHAKE: "waiting for the handshake with its prefill ranks",
                 TransferState.STAGING: "waiting for room in staging (staging_mib)",
                 TransferState.READING: "READ still in flight",
-                TransferState.FENCING: "waiting for the prefill ranks to confirm their holds"}[pull.state]
-        return f"timed out {what} after {limit:g} s (state {pull.state.value})"
+                TransferState.FENCING: "waiting for the prefill ranks to confirm their holds"}[transfer.state]
+        return f"timed out {what} after {limit:g} s (state {transfer.state.value})"

@@ -38,7 +38,7 @@ class Drain:
         self.movers = movers
         self._parts: list[tuple[Part, float]] = []  # part, time.monotonic() deadline
 
-    def abandon(self, pull: Transfer) -> None:
+    def abandon(self, transfer: Transfer) -> None:
         """Give up ``pull``'s parts in flight and start its next attempt (late fence answers are then ignored).
 
         Each part's mover gives it up (:meth:`p2pkv.decode.movers.Mover.give_up`):
@@ -48,19 +48,19 @@ class Drain:
         quarantined for as long as its mover says it may still land; unposted
         staging is given back.
         """
-        for read in pull.reads:
+        for read in transfer.reads:
             if not read.in_flight or read.direction is None:
                 continue
             deadline, quarantine = self.movers[read.direction].give_up(read, time.monotonic())
             if deadline is not None:
-                pull.draining += 1
+                transfer.draining += 1
                 self._parts.append((read, deadline))
             read.abandoned = True
             if read.stage is not None:
                 self.stager.quarantine(read.stage, quarantine)
                 read.stage = None
-        release_unposted(pull, self.stager)
-        pull.attempt += 1
+        release_unposted(transfer, self.stager)
+        transfer.attempt += 1
 
     def poll(self) -> None:
         """Report the pulls whose last draining part has ended (or passed its deadline)."""
@@ -69,9 +69,9 @@ class Drain:
             if not self._ended(read) and now < deadline:
                 keep.append((read, deadline))
                 continue
-            read.pull.draining -= 1
-            if read.pull.finished and not read.pull.draining:
-                self.outcomes.report(read.pull)
+            read.transfer.draining -= 1
+            if read.transfer.finished and not read.transfer.draining:
+                self.outcomes.report(read.transfer)
         self._parts = keep
 
     def _ended(self, read: Part) -> bool:

@@ -106,8 +106,8 @@ class Fence:
              times: dict[str, Any]) -> Future:
         """Send one batch of questions to prefill rank ``pid`` on its lane; the answer's Future. ``times`` gets
         when the question left (``sent``) and when its answer came or the wait ended (``answered``)."""
-        ids = [r.pull.spec.remote.request_id for r, _ in entries]
-        blocks = [list(r.pull.spec.remote.block_ids) for r, _ in entries]
+        ids = [r.transfer.spec.remote.request_id for r, _ in entries]
+        blocks = [list(r.transfer.spec.remote.block_ids) for r, _ in entries]
         link = self.link(host, port)
         attempts = FENCE_ATTEMPTS if any(phase is Phase.AFTER for _, phase in entries) else 1
         return self.background.call(f"p2pkv-fence-{host}:{port}", _timed, times, query_holds, pid.destination, ids,
@@ -142,10 +142,10 @@ class Fence:
         ask again are queued again here (:attr:`Verdict.ASK_AGAIN`), the rest returned (``WAIT``: nothing to do)."""
         out = []
         for read, phase, answer in self.answers():
-            pull = read.pull
-            if read.attempt != pull.attempt or pull.state not in (TransferState.READING, TransferState.FENCING):
+            transfer = read.transfer
+            if read.attempt != transfer.attempt or transfer.state not in (TransferState.READING, TransferState.FENCING):
                 continue  # that attempt was abandoned
-            verdict = judge(phase, answer, now - pull.started, grace_s)
+            verdict = judge(phase, answer, now - transfer.started, grace_s)
             if verdict is Verdict.ASK_AGAIN:
                 self.add(read, phase)
             else:
@@ -168,10 +168,10 @@ class Fence:
             except Exception as exc:
                 reply = exc
             for read, phase in entries:
-                answer = reply if isinstance(reply, Exception) else hold_of(read.pull.spec.remote.request_id, reply)
+                answer = reply if isinstance(reply, Exception) else hold_of(read.transfer.spec.remote.request_id, reply)
                 out.append((read, phase, answer))
                 asked = times["queued"]
-                read.pull.questions.append({"phase": phase.value, "queued": asked, "sent": times.get("sent", asked),
+                read.transfer.questions.append({"phase": phase.value, "queued": asked, "sent": times.get("sent", asked),
                                             "answered": times.get("answered", asked), "answer": _said(answer)})
         self._in_flight = pending
         return out

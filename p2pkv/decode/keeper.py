@@ -72,20 +72,20 @@ class PeerKeeper:
                                  retries=self.config.handshake_retries)
         return True
 
-    def wait(self, pid: PeerId, pull: Transfer) -> None:
+    def wait(self, pid: PeerId, transfer: Transfer) -> None:
         """``pull`` waits for the handshake with ``pid`` (it begins again once that ended: :meth:`ready`)."""
-        self._waiting.setdefault(pid, []).append(pull)
+        self._waiting.setdefault(pid, []).append(transfer)
 
     def ready(self, seconds: list[float]) -> Iterator[tuple[Transfer, tuple[FailureKind, str] | None]]:
         """The unfinished pulls that waited for a handshake that has ended, each with why it fails (or None:
         begin it again); see :meth:`completed`."""
         for pid, failure in self.completed(seconds):
-            for pull in [p for p in self._waiting.pop(pid, []) if not p.finished]:
-                yield pull, failure
+            for transfer in [p for p in self._waiting.pop(pid, []) if not p.finished]:
+                yield transfer, failure
 
     def cancel_unneeded(self) -> None:
         """Cancel the handshakes not started yet that no waiting pull needs any more (after one failed)."""
-        needed = {pid for pulls in self._waiting.values() for p in pulls
+        needed = {pid for transfers in self._waiting.values() for p in transfers
                   if p.state is TransferState.HANDSHAKE for pid in p.peers}
         for pid in self.peers.cancel_unneeded(needed):
             self._waiting.pop(pid, None)

@@ -40,23 +40,23 @@ class Notifier:
         self.agent, self.peers, self.reader, self.secret, self.spans = agent, peers, reader, secret, spans
         self.pending: list[Transfer] = []
 
-    def add(self, pull: Transfer) -> None:
+    def add(self, transfer: Transfer) -> None:
         """Notify ``pull``'s prefill ranks at the next :meth:`send`."""
-        self.pending.append(pull)
+        self.pending.append(transfer)
 
     def needed_peers(self) -> set[PeerId]:
         """Prefill ranks a queued notification still goes to (never dropped meanwhile)."""
-        return {pid for pull in self.pending for pid, _ in pull.notify}
+        return {pid for transfer in self.pending for pid, _ in transfer.notify}
 
     def send(self, contained: Contained) -> None:
         """Send every queued notification (the queue is emptied first: one that raises is not sent again)."""
-        pulls, self.pending = self.pending, []
-        for pull in pulls:
-            contained(pull, "notifying the prefill ranks", self.notify, pull)
+        transfers, self.pending = self.pending, []
+        for transfer in transfers:
+            contained(transfer, "notifying the prefill ranks", self.notify, transfer)
             if self.spans is not None:
-                contained(None, "tracing a pull", self.spans.ended, pull)
+                contained(None, "tracing a pull", self.spans.ended, transfer)
 
-    def notify(self, pull: Transfer) -> None:
+    def notify(self, transfer: Transfer) -> None:
         """Tell every prefill rank this decode rank answers for that it may free ``pull``'s blocks.
 
         Sent after the READs are done and fenced, not attached to them: a READ
@@ -64,8 +64,8 @@ class Notifier:
         NIXL. One that cannot be sent is logged; the prefill lease frees the
         blocks instead.
         """
-        rid, digest = pull.spec.remote.request_id, blocks_digest(pull.spec.remote.block_ids)
-        for pid, notifiers in pull.notify:
+        rid, digest = transfer.spec.remote.request_id, blocks_digest(transfer.spec.remote.block_ids)
+        for pid, notifiers in transfer.notify:
             peer = self.peers.peers.get(pid)
             if peer is None:
                 logger.warning("p2pkv: cannot notify %s about %s (peer gone); its lease frees the blocks", pid, rid)
@@ -75,7 +75,7 @@ class Notifier:
                 self.agent.send_notif(peer.agent_name, encode_done(note, self.secret))
             except TransferError as exc:
                 logger.warning("p2pkv: %s; the prefill engine frees the blocks when the lease ends", exc)
-        pull.marks["notified"] = time.time()
+        transfer.marks["notified"] = time.time()
 
 
 

@@ -36,9 +36,10 @@ class Outcomes:
                 self._failed.add(request_id)
         self._ended.set()
 
-    def report(self, pull: Transfer) -> None:
+    def report(self, transfer: Transfer) -> None:
         """Hand an ended pull to vLLM: finished receiving, and for a failed one its blocks as load errors."""
-        self.add(pull.request_id, pull.spec.local_block_ids, failed=pull.failed, report=pull.spec.report)
+        self.add(transfer.request_id, transfer.spec.local_block_ids, failed=transfer.failed,
+                 report=transfer.spec.report)
 
     def take_finished(self) -> set[str]:
         """Request ids ended since the last call (loaded or failed)."""

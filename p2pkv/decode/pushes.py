@@ -99,7 +99,7 @@ class Pushes:
             RuntimeError: the worker has not set :attr:`make_info`.
         """
         info = self.info()
-        pid, remote = read.peer_id, read.pull.spec.remote
+        pid, remote = read.peer_id, read.transfer.spec.remote
         read.push_id, read.pushed_at = os.urandom(PUSH_ID_BYTES), time.monotonic()
         read.first_pushed_at = read.first_pushed_at or read.pushed_at
         self._open[read.push_id] = read
@@ -131,7 +131,7 @@ class Pushes:
         """Send the requests :meth:`again` scheduled for ``now`` or earlier (parts abandoned since: dropped)."""
         due, self._again = [r for t, r in self._again if t <= now], [(t, r) for t, r in self._again if t > now]
         for read in due:
-            if read.attempt == read.pull.attempt and not read.pull.finished:
+            if read.attempt == read.transfer.attempt and not read.transfer.finished:
                 self.post(read)
 
     def unknown_for(self, read: Part, now: float) -> float:
@@ -153,13 +153,13 @@ class Pushes:
         self.send_due(now)
         failed = []
         for read, reply in self.replies():
-            if read.attempt != read.pull.attempt or read.pull.finished:
+            if read.attempt != read.transfer.attempt or read.transfer.finished:
                 continue
             if (isinstance(reply, PushReply) and reply.status == "unknown"
                     and self.unknown_for(read, now) < grace_s):
                 self.again(read)
                 continue
-            why = failure_of_push(reply, read.pull.spec.remote.request_id)
+            why = failure_of_push(reply, read.transfer.spec.remote.request_id)
             if why is not None:
                 failed.append((read, *why))
         for read, note in self.arrivals(now):

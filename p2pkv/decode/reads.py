@@ -74,7 +74,7 @@ def plan_read(spec: LoadSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, 
             build_descriptors(peer.segments, rem, lengths, peer.device_id), stage)
 
 
-def plan_reads(pull: Transfer, ranks: list[int], peers: dict[PeerId, Peer], layout: KVLayout, desc: KVLayoutDesc,
+def plan_reads(transfer: Transfer, ranks: list[int], peers: dict[PeerId, Peer], layout: KVLayout, desc: KVLayoutDesc,
                device_id: int, stager: Stager) -> bool:
     """Plan ``pull``'s READ from each prefill rank in ``ranks`` into ``pull.reads`` (empty shares skipped).
 
@@ -86,22 +86,22 @@ def plan_reads(pull: Transfer, ranks: list[int], peers: dict[PeerId, Peer], layo
         p2pkv.dataplane.staging.StagingFull: the pull can never fit in staging.
     """
     for rank in ranks:
-        pid = PeerId.of(pull.spec.remote, rank)
-        planned = plan_read(pull.spec, peers[pid], layout, desc, device_id, stager)
+        pid = PeerId.of(transfer.spec.remote, rank)
+        planned = plan_read(transfer.spec, peers[pid], layout, desc, device_id, stager)
         if planned is None:  # no room yet: wait for pulls in flight to finish
-            release_unposted(pull, stager)
+            release_unposted(transfer, stager)
             if stager.idle:  # nothing else holds staging: this pull can never fit
                 raise StagingFull(f"a pull from {len(ranks)} prefill ranks needs more staging than "
                                   "staging_mib holds; raise staging_mib in kv_connector_extra_config")
             return False
         if planned[0].size:
-            pull.reads.append(Part(pull, pull.attempt, pid, peers[pid], *planned))
+            transfer.reads.append(Part(transfer, transfer.attempt, pid, peers[pid], *planned))
     return True
 
 
-def release_unposted(pull: Transfer, stager: Stager) -> None:
+def release_unposted(transfer: Transfer, stager: Stager) -> None:
     """Give back the staging of ``pull``'s parts not yet posted."""
-    for read in [r for r in pull.reads if r.stage is not None and r.direction is None]:
+    for read in [r for r in transfer.reads if r.stage is not None and r.direction is None]:
         stager.release(read.stage)
         read.stage = None
 
@@ -130,8 +130,8 @@ def land(stager: Stager, read: Part, now: float, num_bytes: int,
          num_descriptors: int) -> tuple[ReadEvent, Exception | None]:
     """A READ (or push) whose bytes arrived at ``now``: count them in its pull, fix up staging into the local blocks."""
     read.done = now
-    read.pull.num_bytes += num_bytes
-    read.pull.num_descriptors += num_descriptors
+    read.transfer.num_bytes += num_bytes
+    read.transfer.num_descriptors += num_descriptors
     if read.stage is not None:
         try:
             stager.fixup(read.stage, read.peer.info.layout, read.peer.plan.read)

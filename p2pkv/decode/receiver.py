@@ -99,7 +99,7 @@ class Receiver:
         self.keeper = PeerKeeper(self.peers, self.fence, self.background, engine_id=rank.engine_id,
                                  compat_hash=compat_hash, secret=self._secret, config=config)
         self.deadlines = Deadlines.of(config)
-        self.pulls: list[Transfer] = []
+        self.transfers: list[Transfer] = []
         self._staging_wait: list[Transfer] = []
         self.outcomes = Outcomes()  # reported to vLLM at the next get_finished
         self.spans = TransferSpans.start(config, rank.engine_id, rank.tp_rank, agent)  # None: tracing off
@@ -108,7 +108,7 @@ class Receiver:
                              config.handshake_timeout_s, config.transfer_timeout_s)
         self.directions = Directions(config.transfer_mode)
         ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s)
-        self.transfers = Transfers(ways, self.directions)
+        self.parts = Transfers(ways, self.directions)
         self.drain = Drain(stager, self.outcomes, ways)
 
     # ---- public surface -----------------------------------------------------
@@ -120,9 +120,9 @@ class Receiver:
                 self.outcomes.add(request_id, blocks, failed=True)
                 self.stats.record_failure(FailureKind.REFUSED.value)
             new, waiting, self._staging_wait = [Transfer.taken(spec) for spec in specs], self._staging_wait, []
-            self.pulls += new
-            for pull in [*waiting, *new]:
-                self._contained(pull, "starting the pull", self._begin, pull)
+            self.transfers += new
+            for transfer in [*waiting, *new]:
+                self._contained(transfer, "starting the pull", self._begin, transfer)
             if new or waiting:  # poll the READs and send fence questions now: the pulls' thread may wait
                 self._advance()
         self.progress.wake()
@@ -147,28 +147,29 @@ class Receiver:
                             ("checking deadlines", self._expire), ("asking fence questions", self.fence.send),
                             ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers))):
             self._contained(None, what, phase)
-        return bool(self.drain) or any(r.in_flight and self.transfers.mover_of(r).polled_soon(r)
+        return bool(self.drain) or any(r.in_flight and self.parts.mover_of(r).polled_soon(r)
                                            for p in self.in_state(TransferState.READING) for r in p.reads)
 
-    def _contained(self, pull: Transfer | None, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    def _contained(self, transfer: Transfer | None, what: str, fn: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> None:
         """Run ``fn(*args, **kwargs)``, one step of ``pull`` (None: of the worker); an exception is logged and fails
         that pull alone (``refused``, the exception in the reason), never the others."""
         try:
             fn(*args, **kwargs)
         except Exception as exc:
-            logger.exception("p2pkv: %s failed%s", what, f" (request {pull.request_id})" if pull else "")
-            if pull is None or pull.finished:
+            logger.exception("p2pkv: %s failed%s", what, f" (request {transfer.request_id})" if transfer else "")
+            if transfer is None or transfer.finished:
                 return
             try:
-                self.drain.abandon(pull)  # READs in flight must not land in blocks handed back to vLLM
+                self.drain.abandon(transfer)  # READs in flight must not land in blocks handed back to vLLM
             except Exception:
-                logger.exception("p2pkv: cancelling the READs of %s failed", pull.request_id)
-            self._fail(pull, FailureKind.REFUSED, f"unexpected error {what}: {exc!r}")
+                logger.exception("p2pkv: cancelling the READs of %s failed", transfer.request_id)
+            self._fail(transfer, FailureKind.REFUSED, f"unexpected error {what}: {exc!r}")
 
     @property
     def busy(self) -> bool:
         """True while a pull is under way (taken and not yet handed to vLLM as finished)."""
-        return bool(self.pulls or self._staging_wait or self.outcomes.finished)
+        return bool(self.transfers or self._staging_wait or self.outcomes.finished)
 
     def take_load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call."""
@@ -183,7 +184,7 @@ class Receiver:
     def in_state(self, state: TransferState) -> list[Transfer]:
         """Pulls now in ``state``."""
         with self.lock:
-            return [p for p in self.pulls if p.state is state]
+            return [p for p in self.transfers if p.state is state]
 
     def close(self) -> None:
         """Stop the progress thread, cancel side-channel calls and READs in flight. Idempotent."""
@@ -191,177 +192,178 @@ class Receiver:
         self.background.close()
         self.fence.close()
         with self.lock:
-            for read in [r for pull in self.pulls for r in pull.reads if r.in_flight]:
-                self.transfers.mover_of(read).stop(read)
-            self.pulls.clear()
+            for read in [r for transfer in self.transfers for r in transfer.reads if r.in_flight]:
+                self.parts.mover_of(read).stop(read)
+            self.transfers.clear()
 
     # ---- transitions ----------------------------------------------------------
-    def _to(self, pull: Transfer, state: TransferState) -> None:
-        if state is not pull.state:
-            pull.state, pull.since = state, time.monotonic()  # its deadline counts from here
-        if pull.finished:
-            self.peers.touch(pull.peers)  # idle from now on
-            if pull in self.pulls:
-                self.pulls.remove(pull)
-            if not pull.draining:
-                self.outcomes.report(pull)
+    def _to(self, transfer: Transfer, state: TransferState) -> None:
+        if state is not transfer.state:
+            transfer.state, transfer.since = state, time.monotonic()  # its deadline counts from here
+        if transfer.finished:
+            self.peers.touch(transfer.peers)  # idle from now on
+            if transfer in self.transfers:
+                self.transfers.remove(transfer)
+            if not transfer.draining:
+                self.outcomes.report(transfer)
 
-    def _begin(self, pull: Transfer) -> None:
+    def _begin(self, transfer: Transfer) -> None:
         """Map the TP topology, then wait for handshakes or start the READs."""
-        needs = _needs(pull.spec, self.rank, self.peers)
+        needs = _needs(transfer.spec, self.rank, self.peers)
         if isinstance(needs, str):
-            self._fail(pull, FailureKind.REFUSED, needs)
+            self._fail(transfer, FailureKind.REFUSED, needs)
             return
         reads, notify, ids = needs
-        pull.peers = tuple(ids)
+        transfer.peers = tuple(ids)
         self.peers.touch(ids)
         missing = [pid for pid in ids if pid not in self.peers.peers]
         if not missing:
-            self._post(pull, reads, notify)
+            self._post(transfer, reads, notify)
             return
         if not self.keeper.handshake(missing, self._busy_peers()):
-            self._fail(pull, FailureKind.REFUSED, f"refused: the pull needs {len(missing)} more prefill rank(s) "
+            self._fail(transfer, FailureKind.REFUSED, f"refused: the pull needs {len(missing)} more prefill rank(s) "
                        f"while max_peers={self.config.max_peers} are known or being handshaken and none can be "
                        "dropped (all in use); raise max_peers in kv_connector_extra_config")
             return
-        self._to(pull, TransferState.HANDSHAKE)
-        self.keeper.wait(missing[0], pull)  # begun again when done; waits for the rest then
+        self._to(transfer, TransferState.HANDSHAKE)
+        self.keeper.wait(missing[0], transfer)  # begun again when done; waits for the rest then
 
     def _finish_handshakes(self) -> None:
-        for pull, failure in self.keeper.ready(self.stats.data["handshake_seconds"]):
+        for transfer, failure in self.keeper.ready(self.stats.data["handshake_seconds"]):
             if failure is not None:
-                self._contained(pull, "failing the pull", self._fail, pull, *failure)
+                self._contained(transfer, "failing the pull", self._fail, transfer, *failure)
             else:  # _begin, not _post: a failed start drops the peer for the rest
-                pull.marks["handshaken"] = time.time()
-                self._contained(pull, "starting the pull after its handshake", self._begin, pull)
+                transfer.marks["handshaken"] = time.time()
+                self._contained(transfer, "starting the pull after its handshake", self._begin, transfer)
 
-    def _post(self, pull: Transfer, reads: list[RankRead], notify: list[int]) -> None:
+    def _post(self, transfer: Transfer, reads: list[RankRead], notify: list[int]) -> None:
         """Plan every READ of ``pull`` and post them (or wait for staging, or finish at once)."""
-        spec = pull.spec
+        spec = transfer.spec
         counts = self.rank.notifiers(spec.remote.tp_size, notify)
-        pull.notify = [(PeerId.of(spec.remote, r), n) for r, n in zip(notify, counts, strict=True)]
-        pull.reads, pull.started, pull.num_bytes, pull.num_descriptors = [], time.monotonic(), 0, 0
+        transfer.notify = [(PeerId.of(spec.remote, r), n) for r, n in zip(notify, counts, strict=True)]
+        transfer.reads, transfer.started, transfer.num_bytes, transfer.num_descriptors = [], time.monotonic(), 0, 0
         try:
-            if not plan_reads(pull, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
+            if not plan_reads(transfer, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
                               self.rank.desc, self.rank.device_id, self.stager):
-                self._to(pull, TransferState.STAGING)
-                self._staging_wait.append(pull)
+                self._to(transfer, TransferState.STAGING)
+                self._staging_wait.append(transfer)
                 return
         except (PlanError, StagingFull) as exc:
-            release_unposted(pull, self.stager)
+            release_unposted(transfer, self.stager)
             if isinstance(exc, PlanError):
-                self._fail(pull, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
+                self._fail(transfer, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
             else:
-                self._fail(pull, FailureKind.STAGING, str(exc))
+                self._fail(transfer, FailureKind.STAGING, str(exc))
             return
-        if not pull.reads:  # nothing to load (or a notify-only pull)
-            self.notifier.add(pull)
-            self._to(pull, TransferState.DONE)
+        if not transfer.reads:  # nothing to load (or a notify-only pull)
+            self.notifier.add(transfer)
+            self._to(transfer, TransferState.DONE)
             return
-        self._to(pull, TransferState.READING)
-        if (failed := self.transfers.start(pull)) is not None:
+        self._to(transfer, TransferState.READING)
+        if (failed := self.parts.start(transfer)) is not None:
             read, exc = failed
-            self.drain.abandon(pull)
+            self.drain.abandon(transfer)
             self.peers.drop(read.peer_id)
-            self._retry_or_fail(pull, _kind(exc), f"pull from {read.peer.agent_name} could not start: {exc}")
+            self._retry_or_fail(transfer, _kind(exc), f"pull from {read.peer.agent_name} could not start: {exc}")
             return
-        pull.marks["posted"] = time.time()
+        transfer.marks["posted"] = time.time()
 
     def _collect_pushes(self) -> None:
         """Push replies (a refusal fails the pull as the fence would) and WRITE notifications."""
         for read, kind, why, retry in self.pushes.collect(time.monotonic(), self.config.handshake_timeout_s):
-            self._contained(read.pull, "failing a pushed pull", self._part_failed, read, kind, why, retry=retry,
+            self._contained(read.transfer, "failing a pushed pull", self._part_failed, read, kind, why, retry=retry,
                             drop_peer=retry)
 
     def _part_failed(self, read: Part, kind: FailureKind, why: str, *, retry: bool, drop_peer: bool) -> None:
         """One part failed: every part of its pull stops; with ``retry`` the pull is retried after a new
         handshake with that rank (it may have restarted; its peer dropped first with ``drop_peer``), else
         (or on its second failure) it fails."""
-        self.drain.abandon(read.pull)
+        self.drain.abandon(read.transfer)
         if not retry:
-            self._fail(read.pull, kind, why)
+            self._fail(read.transfer, kind, why)
             return
         if drop_peer:
             self.peers.drop(read.peer_id, only=read.peer)
-        self._retry_or_fail(read.pull, kind, why)
+        self._retry_or_fail(read.transfer, kind, why)
 
     def _poll_reads(self) -> None:
         now = time.monotonic()
-        for pull in self.in_state(TransferState.READING):
-            self._contained(pull, "polling the READs", self._poll_pull, pull, now)
+        for transfer in self.in_state(TransferState.READING):
+            self._contained(transfer, "polling the READs", self._poll_pull, transfer, now)
         self.stager.poll_releases()
 
-    def _poll_pull(self, pull: Transfer, now: float) -> None:
-        for read in pull.reads:
-            if pull.state is not TransferState.READING or read.attempt != pull.attempt:
+    def _poll_pull(self, transfer: Transfer, now: float) -> None:
+        for read in transfer.reads:
+            if transfer.state is not TransferState.READING or read.attempt != transfer.attempt:
                 break  # abandoned (or retried) during this loop
             if read.in_flight and (read.stage is None or not self.progress.on_thread()):
-                self._poll(pull, read, now)  # a staged READ's fixup runs at the engine step
-        if pull.state is TransferState.READING and all(r.done for r in pull.reads):
-            pull.marks["read"] = time.time()
-            self._to(pull, TransferState.FENCING)
-            self._confirm_if_done(pull)
+                self._poll(transfer, read, now)  # a staged READ's fixup runs at the engine step
+        if transfer.state is TransferState.READING and all(r.done for r in transfer.reads):
+            transfer.marks["read"] = time.time()
+            self._to(transfer, TransferState.FENCING)
+            self._confirm_if_done(transfer)
 
-    def _poll(self, pull: Transfer, read: Part, now: float) -> None:
+    def _poll(self, transfer: Transfer, read: Part, now: float) -> None:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
-        event, exc = self.transfers.poll(read, now)
+        event, exc = self.parts.poll(read, now)
         if event is ReadEvent.FAILED:
             self._part_failed(read, _kind(exc), str(exc), retry=True,
-                              drop_peer=not self.transfers.mover_of(read).keeps_peer_on_failure)
+                              drop_peer=not self.parts.mover_of(read).keeps_peer_on_failure)
         elif event is ReadEvent.FIXUP_FAILED:
-            self.drain.abandon(pull)
-            self._fail(pull, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
+            self.drain.abandon(transfer)
+            self._fail(transfer, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
 
     def _collect_fence(self) -> None:
         for read, verdict, answer in self.fence.verdicts(time.monotonic(), self.config.handshake_timeout_s):
-            self._contained(read.pull, "acting on a fence answer", self._judged, read, verdict, answer)
+            self._contained(read.transfer, "acting on a fence answer", self._judged, read, verdict, answer)
 
     def _judged(self, read: Part, verdict: Verdict, answer: Hold | Exception) -> None:
         """Act on the verdict on one fence answer about ``read`` (:meth:`p2pkv.decode.fence.Fence.verdicts`)."""
         if verdict is Verdict.FAIL:
-            self.drain.abandon(read.pull)
-            self._fail(read.pull, *failure_of(answer, read.pull.spec.remote.request_id, read.pull.questions))
+            self.drain.abandon(read.transfer)
+            transfer = read.transfer
+            self._fail(transfer, *failure_of(answer, transfer.spec.remote.request_id, transfer.questions))
         elif verdict is Verdict.CONFIRMED:
             read.confirmed = True
-            self._confirm_if_done(read.pull)
+            self._confirm_if_done(read.transfer)
 
-    def _confirm_if_done(self, pull: Transfer) -> None:
+    def _confirm_if_done(self, transfer: Transfer) -> None:
         """``FENCING`` with every part confirmed: the pull is done (recorded, prefill ranks to notify)."""
-        if pull.state is TransferState.FENCING and all(r.confirmed for r in pull.reads):
-            pull.marks["confirmed"] = time.time()
-            _record(pull, self.stats, self.config.stats_file)
-            self.notifier.add(pull)
-            self._to(pull, TransferState.DONE)
+        if transfer.state is TransferState.FENCING and all(r.confirmed for r in transfer.reads):
+            transfer.marks["confirmed"] = time.time()
+            _record(transfer, self.stats, self.config.stats_file)
+            self.notifier.add(transfer)
+            self._to(transfer, TransferState.DONE)
 
     # ---- endings ----------------------------------------------------------------
-    def _retry_or_fail(self, pull: Transfer, kind: FailureKind, why: str) -> None:
+    def _retry_or_fail(self, transfer: Transfer, kind: FailureKind, why: str) -> None:
         """After a peer failure: re-handshake (the prefill may have restarted) and retry once per pull."""
-        if pull.attempt > 1:
-            self._fail(pull, kind, why)
+        if transfer.attempt > 1:
+            self._fail(transfer, kind, why)
             return
-        logger.warning("p2pkv: %s; re-handshaking and retrying request %s once", why, pull.request_id)
-        self._begin(pull)
+        logger.warning("p2pkv: %s; re-handshaking and retrying request %s once", why, transfer.request_id)
+        self._begin(transfer)
 
     def _expire(self) -> None:
         """Fail every pull past its state's deadline (``timeout``)."""
         now = time.monotonic()
-        for pull in list(self.pulls):
-            if not pull.finished and (why := self.deadlines.overdue(pull, now)) is not None:
-                self.drain.abandon(pull)
-                self._fail(pull, FailureKind.TIMEOUT, why)
+        for transfer in list(self.transfers):
+            if not transfer.finished and (why := self.deadlines.overdue(transfer, now)) is not None:
+                self.drain.abandon(transfer)
+                self._fail(transfer, FailureKind.TIMEOUT, why)
 
-    def _fail(self, pull: Transfer, kind: FailureKind, why: str) -> None:
+    def _fail(self, transfer: Transfer, kind: FailureKind, why: str) -> None:
         """Report a pull as failed: its local blocks become load errors, the request finishes. Once per pull."""
-        if pull.finished:
+        if transfer.finished:
             return
-        spec, handshaking = pull.spec, pull.state is TransferState.HANDSHAKE
+        spec, handshaking = transfer.spec, transfer.state is TransferState.HANDSHAKE
         if _log_failure(spec, kind, why):
             self.stats.record_failure(kind.value)
-        if pull in self._staging_wait:
-            self._staging_wait.remove(pull)
-        self._to(pull, TransferState.FAILED)
+        if transfer in self._staging_wait:
+            self._staging_wait.remove(transfer)
+        self._to(transfer, TransferState.FAILED)
         if self.spans is not None:
-            self._contained(None, "tracing a pull", self.spans.ended, pull, (kind, why))
+            self._contained(None, "tracing a pull", self.spans.ended, transfer, (kind, why))
         if handshaking:  # the handshakes no other pull waits for are not started (a running one ends by itself)
             self.keeper.cancel_unneeded()
         release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size), self.rank.name,
@@ -370,7 +372,7 @@ class Receiver:
     # ---- peers ------------------------------------------------------------------------
     def _busy_peers(self) -> set[PeerId]:
         """Peers a pull under way, a cancelled READ or a notification still needs (never dropped)."""
-        return {pid for p in self.pulls for pid in p.peers} | self.drain.peers() | self.notifier.needed_peers()
+        return {pid for p in self.transfers for pid in p.peers} | self.drain.peers() | self.notifier.needed_peers()
 
 
 def _log_failure(spec: LoadSpec, kind: FailureKind, why: str) -> bool:
@@ -385,18 +387,19 @@ def _log_failure(spec: LoadSpec, kind: FailureKind, why: str) -> bool:
     return False
 
 
-def _record(pull: Transfer, stats: StatsBuffer, stats_file: str) -> None:
+def _record(transfer: Transfer, stats: StatsBuffer, stats_file: str) -> None:
     """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
-    spec, seconds = pull.spec, max(r.done for r in pull.reads) - pull.started
-    direction = pull.direction().value
-    stats.record_pull(pull.num_bytes, seconds, pull.num_descriptors, direction)
-    stats.record_phases(pull.marks)
+    spec, seconds = transfer.spec, max(r.done for r in transfer.reads) - transfer.started
+    direction = transfer.direction().value
+    stats.record_pull(transfer.num_bytes, seconds, transfer.num_descriptors, direction)
+    stats.record_phases(transfer.marks)
     if stats_file:
         append_json_line(stats_file, {
             "request_id": spec.request_id, "remote_request_id": spec.remote.request_id,
-            "peer": ",".join(r.peer.agent_name for r in pull.reads), "blocks": len(spec.local_block_ids),
-            "bytes": pull.num_bytes, "descriptors": pull.num_descriptors, "seconds": seconds, "direction": direction,
-            "marks": pull.marks, "fence": pull.questions})
+            "peer": ",".join(r.peer.agent_name for r in transfer.reads), "blocks": len(spec.local_block_ids),
+            "bytes": transfer.num_bytes, "descriptors": transfer.num_descriptors, "seconds": seconds,
+            "direction": direction,
+            "marks": transfer.marks, "fence": transfer.questions})
 
 
 def _needs(spec: LoadSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[RankRead], list[int], list[PeerId]] | str:

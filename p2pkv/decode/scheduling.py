@@ -51,7 +51,7 @@ class DecodeScheduling:
         self.max_blocks = max_blocks
         self._secret = secret
         self._tracing = tracing
-        self.pulls: list[LoadSpec] = []
+        self.transfers: list[LoadSpec] = []
         self.failed: dict[str, tuple[int, ...]] = {}
         self._queued: dict[str, RemotePrefill] = {}  # decode requests waiting, for lease heartbeats
         self._loads: dict[str, DecodeLoad] = {}  # checked once, kept until allocated or finished
@@ -60,8 +60,8 @@ class DecodeScheduling:
 
     def take(self) -> tuple[list[LoadSpec], dict[str, tuple[int, ...]]]:
         """This step's new pulls and failed loads (for the workers), then forgotten."""
-        out = self.pulls, self.failed
-        self.pulls, self.failed = [], {}
+        out = self.transfers, self.failed
+        self.transfers, self.failed = [], {}
         return out
 
     def on_new_request(self, request: Request) -> None:
@@ -175,7 +175,7 @@ class DecodeScheduling:
                 # it knows the prefill engine's block size (it may differ from ours).
                 remote_ids = tuple(remote.block_ids) if local else ()
             num_tokens = load.loaded_tokens
-        self.pulls.append(LoadSpec(
+        self.transfers.append(LoadSpec(
             request_id=request.request_id, local_block_ids=tuple(local), remote_block_ids=tuple(remote_ids),
             remote=remote, report=num_external_tokens > 0, first_token=first_token, num_tokens=num_tokens,
             arrival=float(getattr(request, "arrival_time", 0.0) or 0.0), scheduled=time.time(),
@@ -203,7 +203,7 @@ class DecodeScheduling:
             params["do_remote_prefill"] = False
             remote = load.remote if load is not None else queued or self._source_of_unloaded(request)
             if remote is not None:
-                self.pulls.append(LoadSpec(request.request_id, (), (), remote, report=False))
+                self.transfers.append(LoadSpec(request.request_id, (), (), remote, report=False))
 
     def _source_of_unloaded(self, request: Request) -> RemotePrefill | None:
         """Where a request that finished before its params were first checked would have loaded from; None

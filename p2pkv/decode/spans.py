@@ -56,23 +56,23 @@ class TransferSpans:
         tracing = Tracing.get("p2pkv-decode", traces_endpoint(config.otlp_traces_endpoint))
         return None if tracing is None else cls(tracing, engine_id, tp_rank, agent)
 
-    def ended(self, pull: Transfer, failure: tuple[FailureKind, str] | None = None) -> None:
+    def ended(self, transfer: Transfer, failure: tuple[FailureKind, str] | None = None) -> None:
         """Emit ``pull``'s spans (now it is done, or failed with ``failure``: its kind and reason).
 
         A pull without a trace context (the client sent none, or no proxy
         traced the request) emits nothing.
         """
-        parent = context_of(pull.spec.traceparent)
+        parent = context_of(transfer.spec.traceparent)
         if parent is None:
             return
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
-        marks, now = pull.marks, time.time()
+        marks, now = transfer.marks, time.time()
         start = next((marks[m] for m in ("arrival", "scheduled", "taken") if marks.get(m)), now)
         end = max(start, marks.get("notified") or marks.get("confirmed") or now)
         span = self.tracing.tracer.start_span("p2pkv.pull", context=parent, start_time=_ns(start),
-                                              attributes=self._attributes(pull))
+                                              attributes=self._attributes(transfer))
         if failure is not None:
             span.set_attribute("p2pkv.failure_kind", failure[0].value)
             span.set_status(Status(StatusCode.ERROR, f"{failure[0].value}: {failure[1]}"[:512]))
@@ -85,18 +85,18 @@ class TransferSpans:
                 self.tracing.ended(child, _ns(min(max(marks[end_mark], first, start), end)))
         self.tracing.ended(span, _ns(end))
 
-    def _attributes(self, pull: Transfer) -> dict[str, str | int | list[str] | list[int]]:
-        spec, remote = pull.spec, pull.spec.remote
-        reads = pull.reads
+    def _attributes(self, transfer: Transfer) -> dict[str, str | int | list[str] | list[int]]:
+        spec, remote = transfer.spec, transfer.spec.remote
+        reads = transfer.reads
         transports = self.agent.transports
         return {
             "p2pkv.request_id": spec.request_id, "p2pkv.remote_request_id": remote.request_id,
             "p2pkv.engine_id": self.engine_id, "p2pkv.tp_rank": self.tp_rank,
             "p2pkv.peer.engine_id": remote.engine_id, "p2pkv.peer.host": remote.host,
             "p2pkv.peer.ranks": sorted({r.peer_id.tp_rank for r in reads}),
-            "p2pkv.blocks": len(spec.local_block_ids), "p2pkv.bytes": pull.num_bytes,
-            "p2pkv.descriptors": pull.num_descriptors, "p2pkv.attempts": pull.attempt + 1,
-            "p2pkv.mode": pull.direction().value,
+            "p2pkv.blocks": len(spec.local_block_ids), "p2pkv.bytes": transfer.num_bytes,
+            "p2pkv.descriptors": transfer.num_descriptors, "p2pkv.attempts": transfer.attempt + 1,
+            "p2pkv.mode": transfer.direction().value,
             "p2pkv.plan": sorted({r.peer.plan.placement.value for r in reads}),
             "p2pkv.transport": sorted({transports[r.peer.agent_name].transport for r in reads
                                        if r.peer.agent_name in transports}),

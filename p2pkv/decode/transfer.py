@@ -48,12 +48,12 @@ class TransferState(str, enum.Enum):
 
 @dataclass(eq=False)
 class Part:
-    """One part of a pull: one prefill rank's share of the blocks, moved one way (its ``direction``'s
+    """One part of a transfer: one prefill rank's share of the blocks, moved one way (its ``direction``'s
     :class:`p2pkv.decode.movers.Mover`).
 
     Attributes:
-        pull: the pull it belongs to.
-        attempt: the pull's attempt this part belongs to (a retry starts a new one).
+        transfer: the transfer it belongs to.
+        attempt: the transfer's attempt this part belongs to (a retry starts a new one).
         peer_id / peer: the prefill rank it comes from.
         local_descs / remote_descs: uint64 ``[n, 3]`` ``(addr, bytes, device_id)`` rows.
         stage: staging it lands in (``STAGED`` plans), else None.
@@ -61,7 +61,7 @@ class Part:
         live: posted and not released (NIXL releases a failed READ's handle: nothing of it is left to
             cancel or wait for); with ``done`` and ``abandoned``, whether it is in flight.
         done: ``time.monotonic()`` when seen done (0: not yet).
-        abandoned: given up (its pull failed or retried): no longer in flight, never done.
+        abandoned: given up (its transfer failed or retried): no longer in flight, never done.
         confirmed: the prefill rank confirmed the lease held.
 
     The state of one way (set and read only by its mover):
@@ -75,7 +75,7 @@ class Part:
         failure: why the push failed (the prefill rank's reason).
     """
 
-    pull: Transfer
+    transfer: Transfer
     attempt: int
     peer_id: PeerId
     peer: Peer
@@ -107,10 +107,10 @@ class Part:
 
 @dataclass(eq=False)
 class Transfer:
-    """One request's pull.
+    """One request's transfer (its parts read or pushed).
 
     Attributes:
-        spec: what to pull (from the scheduler; its host canonical, see
+        spec: what to load (from the scheduler; its host canonical, see
             :func:`p2pkv.decode.peers.canonical_host`).
         started: ``time.monotonic()`` of the current attempt's first READ.
         state: where it is (:class:`TransferState`).
@@ -119,11 +119,11 @@ class Transfer:
         peers: every prefill rank it reads from or notifies (while it is under
             way, none of them is evicted).
         attempt: 0 for the first try, 1 after the one retry a peer failure allows.
-        reads: the current attempt's READs.
+        reads: the current attempt's parts (READ or pushed).
         notify: prefill ranks to notify when done, each with how many decode
             ranks notify it.
         num_bytes / num_descriptors: moved so far by the current attempt.
-        draining: cancelled READs NIXL would not release yet; a failed pull is
+        draining: cancelled READs NIXL would not release yet; a failed transfer is
             reported (its blocks handed back to vLLM) only once they have ended.
         marks: wall-clock times (``time.time()`` seconds) of its phases' ends
             (see :meth:`p2pkv.telemetry.stats.StatsBuffer.record_phases`).

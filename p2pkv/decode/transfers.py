@@ -32,7 +32,7 @@ class Transfers:
         self.movers = movers
         self.directions = directions
 
-    def start(self, pull: Transfer) -> tuple[Part, Exception] | None:
+    def start(self, transfer: Transfer) -> tuple[Part, Exception] | None:
         """Post every part of ``pull`` with its direction's mover, or with that mover's fallback's when it
         cannot carry the part (a push request's rows are bounded: a longer part is READ; logged).
 
@@ -40,10 +40,10 @@ class Transfers:
             The first part that could not start and why (the parts after it
             are not started), or None.
         """
-        for read in pull.reads:
-            mover = self.movers[self.directions.of(pull.spec.remote.transfer_mode, read.peer.agent_name)]
+        for read in transfer.reads:
+            mover = self.movers[self.directions.of(transfer.spec.remote.transfer_mode, read.peer.agent_name)]
             if (why := mover.cannot_carry(read)) is not None and mover.fallback is not None:
-                logger.warning("p2pkv: request %s moves its part from %s by %s, not %s: %s", pull.request_id,
+                logger.warning("p2pkv: request %s moves its part from %s by %s, not %s: %s", transfer.request_id,
                                read.peer.agent_name, mover.fallback.value, mover.direction.value, why)
                 mover = self.movers[mover.fallback]
             try:

@@ -134,7 +134,7 @@ def test_persistent_fault_ends_as_load_error(prefill: PrefillProc, request: pyte
         assert seconds < BOUND_S
         # Two attempts (the retry after a re-handshake), except a failed handshake: one.
         assert faulty.calls["add_remote_agent"] == (1 if method == "add_remote_agent" else 2)
-        assert d.worker.receiver.pulls == []  # nothing left behind for a later request
+        assert d.worker.receiver.transfers == []  # nothing left behind for a later request
         restore(d.worker)
     else:
         handshakes = counting_handshakes(d)
@@ -147,7 +147,7 @@ def test_persistent_fault_ends_as_load_error(prefill: PrefillProc, request: pyte
         accepted, failed, written = pushes_since(before, settled(prefill))
         expected = (2, 0, 0, 0) if outcome == "refused" else (1, 2, 2, 0)  # handshakes, accepted, failed, written
         assert (handshakes.calls["add_remote_agent"], accepted, failed, written) == expected
-        assert d.worker.receiver.pulls == [] and torch.count_nonzero(d.base[local]) == 0
+        assert d.worker.receiver.transfers == [] and torch.count_nonzero(d.base[local]) == 0
         released_once_not_expired(prefill, prid, d)
         assert prefill.restore()["faults"] >= 1
     clean_pull_succeeds(d, prefill)
@@ -245,7 +245,7 @@ def test_stale_failure_keeps_the_new_peer(prefill: PrefillProc, decode: DecodeSi
     # B failed, re-handshake began
     while not (b_fails.faults and w.receiver.peers.handshakes) and time.monotonic() < end:
         decode.step()
-    reads_in_flight = sum(r.in_flight for p in w.receiver.pulls for r in p.reads)
+    reads_in_flight = sum(r.in_flight for p in w.receiver.transfers for r in p.reads)
     assert a_slow.faults == 1 and outer.calls["check_xfer_state"] == 2 and reads_in_flight == 1
     (pending,) = w.receiver.peers.handshakes.values()
     assert pending.future is not None
@@ -266,7 +266,7 @@ def test_stuck_read_times_out_as_load_error(prefill: PrefillProc) -> None:
         _, _, errors, seconds = pull(d, prefill, local, remote)
         assert errors == set(local)
         assert 0.5 <= seconds < BOUND_S
-        assert faulty.calls["add_remote_agent"] == 1 and d.worker.receiver.pulls == []
+        assert faulty.calls["add_remote_agent"] == 1 and d.worker.receiver.transfers == []
         restore(d.worker)
         clean_pull_succeeds(d, prefill)
     finally:

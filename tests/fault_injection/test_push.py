@@ -221,7 +221,7 @@ def test_prefill_killed_after_accepting_a_push(victim: PrefillProc, caplog: pyte
         (line,) = failure_lines(caplog, rid)
         assert any(f"kind={k}" in line for k in ("timeout", "transfer", "disconnect")), line
         assert torch.count_nonzero(d.base[local]) == 0
-        assert d.worker.receiver.pulls == []
+        assert d.worker.receiver.transfers == []
     finally:
         d.close()
     assert victim.times_released(prid) == 0 and not victim.alive()
