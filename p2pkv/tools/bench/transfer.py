@@ -75,6 +75,7 @@ from p2pkv.tools.bench import machine, report
 from p2pkv.tools.bench.transfer_decode import Decode
 from p2pkv.tools.bench.transfer_options import (
     DEVICES,
+    METHODS,
     MODES,
     PROCESS_OVERHEAD_BYTES,
     TransferBenchOptions,
@@ -92,14 +93,6 @@ if TYPE_CHECKING:
     import argparse
 
     import torch
-
-METHODS: dict[str, str] = {
-    "memcpy": "in-process memcpy of the same byte ranges (torch copy_ per run; the limit)",
-    "cross_layer": "p2pkv: cross-layer blocks (BLHNC) + run coalescing",
-    "per_layer": "NixlConnector scheme: layer-compact (LBHNC), 1 descriptor per block per layer",
-    "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
-}
-"""Method key → what it measures (host memory; see :func:`method_labels`)."""
 
 CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
                      "between torch.cuda.synchronize() calls; the limit)")

@@ -23,17 +23,14 @@ import numpy as np
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.plan import coalesce_runs
 from p2pkv.testing import make_shaped_kv_caches, ranges_equal, run_ranges
-from p2pkv.tools.bench.transfer_options import PREFILL_CACHE_LAYOUTS, remote_seed
-from p2pkv.tools.bench.transfer_push import PUSH_LAYOUT, PushClient, PushError, pair_descriptors
+from p2pkv.tools.bench.transfer_options import PEER_LAYOUT, PREFILL_CACHE_LAYOUTS, remote_seed
+from p2pkv.tools.bench.transfer_push import PushClient, PushError, pair_descriptors
 
 if TYPE_CHECKING:
     import torch
 
     from handshake import AgentInfo
     from p2pkv.tools.bench.transfer_options import TransferBenchOptions
-
-PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC", "cross_layer_pool": "BLHNC"}
-"""NIXL method → the prefill cache (layout) it pulls from."""
 
 _NOTIF = b"p2pkv:done:bench"
 
@@ -220,7 +217,7 @@ class Decode:
     def verified_push(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None, float]:
         """Scrub a request's destination, have the prefill push it, compare with the source:
         ``(seconds from the ask to the notification, equal, the prefill's post -> DONE seconds)``."""
-        check = self._scrub(PUSH_LAYOUT[method], loc, rem)
+        check = self._scrub(PEER_LAYOUT[method], loc, rem)
         _, seconds, writer_s, _ = self.timed_push(method, loc, rem)
         return seconds, check(), writer_s
 
