@@ -90,47 +90,31 @@ def make_cases(kv_heads: int) -> dict[str, Case]:
     return {c.name: c for c in cases}
 
 
-def _timed(fn: Any, device: Any, warmup: int, iters: int) -> list[float]:
-    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones."""
+def _timed(fn: Any, device: Any, warmup: int, iters: int, queued: bool = False) -> list[float]:
+    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones; ``queued`` (CUDA only):
+    one seconds-per-call figure of ``iters`` calls queued back to back (one event pair around all of them)."""
     import torch
 
     for _ in range(warmup):
         fn()
-    out = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) / 1e3)
-    else:
+    if device.type != "cuda":
+        out = []
         for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-    return out
-
-
-def _pipelined(fn: Any, device: Any, iters: int) -> float:
-    """Seconds per call of ``iters`` calls queued back to back (one timing around all of them)."""
-    import torch
-
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) / iters
+        return out
     torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    out = []
+    for _ in range(1 if queued else iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters if queued else 1):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3 / (iters if queued else 1))
+    return out
 
 
 def _bits(t: Any) -> Any:
@@ -170,7 +154,7 @@ def run_case(case: Case, *, device: Any, dtype: Any, pages: int, head_elems: int
                         case.dst_head_start, case.num_heads)
     copy_s = _timed(lambda: dst_flat.copy_(src_flat), device, warmup, iters)
     copy_med = statistics.median(copy_s)
-    copy_pipe = _pipelined(lambda: dst_flat.copy_(src_flat), device, iters) if device.type == "cuda" else None
+    copy_pipe = _timed(lambda: dst_flat.copy_(src_flat), device, 0, iters, True)[0] if device.type == "cuda" else None
     out: dict[str, Any] = {
         "name": case.name, "src_fmt": f"{sf.layout} bs{sf.block_size} h{sf.num_heads}",
         "dst_fmt": f"{df.layout} bs{df.block_size} h{df.num_heads}", "src_head_start": case.src_head_start,
@@ -215,7 +199,7 @@ def _measure_impl(impl: str, args: tuple, dst: Any, check_pages: list[int], expe
     m: dict[str, Any] = {"ms": med * 1e3, "gbps": gbps, "x_copy": gbps / copy["gbps"],
                          "all_ms": [x * 1e3 for x in times], "verified": verified, "peak_extra_bytes": extra}
     if copy_pipe:
-        pipe = nbytes / _pipelined(lambda: fixup_pages(*args, impl=impl), device, iters) / 1e9
+        pipe = nbytes / _timed(lambda: fixup_pages(*args, impl=impl), device, 0, iters, True)[0] / 1e9
         m.update(pipelined_gbps=pipe, pipelined_x_copy=pipe / copy["pipelined_gbps"])
     return m
 
