@@ -38,6 +38,7 @@ Imports nothing heavy at module level (torch inside the functions), so the
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import statistics
@@ -294,8 +295,13 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """``"a, b"`` → ``("a", "b")``."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``p2pkv bench fixup``."""
+    """The options of ``p2pkv bench fixup`` (each named as :func:`run_fixup_bench`'s keyword)."""
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
     p.add_argument("--tokens", type=int, default=4096, help="tokens in the request")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement (median reported)")
@@ -304,12 +310,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", help="torch dtype name, e.g. bfloat16, float16, float32")
-    p.add_argument("--cases", default=",".join(CASE_NAMES), help=f"comma-separated, among {', '.join(CASE_NAMES)}")
-    p.add_argument("--impls", default=None, help="comma-separated among torch, runs, triton, auto "
-                                                  "(default: torch,runs, plus triton on CUDA)")
+    p.add_argument("--cases", type=_names, default=CASE_NAMES, help=f"comma-separated, among {', '.join(CASE_NAMES)}")
+    p.add_argument("--impls", type=_names, default=None, help="comma-separated among torch, runs, triton, auto "
+                                                               "(default: torch,runs, plus triton on CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--no-verify", action="store_true", help="skip the bitwise check against fixup_reference")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the bitwise check against fixup_reference")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -318,14 +325,10 @@ def cli_main(args: argparse.Namespace) -> int:
     """Run ``p2pkv bench fixup`` from parsed arguments; exit code 1 when a check failed."""
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kwargs = {k: v for k, v in vars(args).items() if k in inspect.signature(run_fixup_bench).parameters}
+    kwargs["device"] = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        result = run_fixup_bench(
-            device=device, tokens=args.tokens, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
-            dtype=args.dtype, iters=args.iters, warmup=args.warmup,
-            cases=tuple(c.strip() for c in args.cases.split(",") if c.strip()),
-            impls=tuple(i.strip() for i in args.impls.split(",")) if args.impls else None,
-            seed=args.seed, verify=not args.no_verify, threads=args.threads, quiet=args.quiet)
+        result = run_fixup_bench(**kwargs)
     except ValueError as exc:
         print(f"p2pkv bench fixup: {exc}", file=sys.stderr)
         return 2
