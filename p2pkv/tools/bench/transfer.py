@@ -4,14 +4,12 @@ Both processes run on this host: this one is the *decode* side and spawns
 the *prefill* process (side channels on ``--host``, ephemeral ports). For
 runs across hosts, use NIXL's own ``nixlbench`` / ``kvbench``.
 
-The *prefill* process owns two synthetic KV caches of one model shape,
-cross-layer (``BLHNC``) and layer-compact (``LBHNC``), each registered and
-served by its own :class:`p2pkv.worker.WorkerSide` (NIXL agent + side
-channel; :mod:`p2pkv.tools.bench.transfer_prefill`). The *decode* process holds two
-destination caches on one :class:`p2pkv.dataplane.agent.NixlTransferAgent`
-(:mod:`p2pkv.tools.bench.transfer_decode`), fetches both peers' AgentInfo over the
-side channel (timed), and pulls the same requests (same block ids, same
-bytes) four ways:
+The *prefill* process serves two synthetic KV caches of one model shape,
+cross-layer (``BLHNC``) and layer-compact (``LBHNC``)
+(:mod:`p2pkv.tools.bench.transfer_prefill`); the *decode* process holds two
+destination caches on one NIXL agent (:mod:`p2pkv.tools.bench.transfer_decode`),
+fetches both peers' AgentInfo over the side channel (timed), and pulls the
+same requests (same block ids, same bytes) four ways:
 
 * ``memcpy``: torch ``copy_`` of the same byte ranges between two tensors in
   this process, one copy per coalesced run: the limit.
@@ -29,15 +27,14 @@ Directions (``--mode``, a comma-separated list, default ``pull``):
 
 * ``pull``: the methods above; the decode side posts NIXL READs.
 * ``push``: ``cross_layer``, ``per_layer`` and ``layer_coalesced`` again,
-  with the same descriptor rows, but the prefill side posts NIXL WRITEs
-  of the same blocks into the decode side's blocks, each with a
-  notification, when the decode side asks over a pipe
-  (:mod:`p2pkv.tools.bench.transfer_push`). A push is timed as a decode
-  engine would see it: from sending the ask until the decode's agent hands
-  over the WRITE's notification. The prefill's own post → DONE time is
-  reported apart (``writer_xfer_ms``), and so is its descriptor planning
-  (``plan_us``; untimed, before the ask). ``memcpy`` is measured once per
-  run either way, and every mode's GB/s is also given as a ratio to it.
+  with the same descriptor rows, but the prefill side WRITEs the same blocks
+  into the decode side's, each with a notification, when the decode side
+  asks; timed from the ask to the notification
+  (:mod:`p2pkv.tools.bench.transfer_push`: the prefill's own post → DONE
+  time and planning are reported apart).
+
+``memcpy`` is measured once per run either way, and every mode's GB/s is
+also given as a ratio to it.
 
 With ``device="cuda"`` (``--device cuda``) every cache lives in GPU memory
 (NIXL memory type ``VRAM``; both processes' on one GPU, and UCX moves the
@@ -76,10 +73,10 @@ from p2pkv.tools.bench.transfer_decode import Decode
 from p2pkv.tools.bench.transfer_options import (
     DEVICES,
     METHODS,
-    MODES,
     PROCESS_OVERHEAD_BYTES,
     TransferBenchOptions,
     add_arguments,
+    check_modes,
     log,
     options_from_args,
 )
@@ -143,9 +140,7 @@ def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]
     """
     if opts.requests < 1 or not opts.tokens or min(opts.tokens) < 1 or opts.fragmentation < 0:
         raise ValueError("need --requests >= 1, token sizes >= 1 and --fragmentation >= 0")
-    if not opts.modes or len(set(opts.modes)) != len(opts.modes) or set(opts.modes) - set(MODES):
-        raise ValueError(f"--mode {','.join(opts.modes)}: expected a comma-separated list of {', '.join(MODES)}, "
-                         "each at most once")
+    check_modes(opts.modes)
     if opts.shape.page_bytes % 8:
         raise ValueError(f"a block's page is {opts.shape.page_bytes} B; the benchmark needs a multiple of 8")
     device = resolve_device(opts.device)

@@ -76,9 +76,9 @@ class Decode:
         made = {lay: make_shaped_kv_caches(lay, shape, num_blocks, seed=2 * opts.seed + 200 + i, device=device)
                 for i, lay in enumerate(PREFILL_CACHE_LAYOUTS)}
         self.sync()
-        self.agent = NixlTransferAgent(
-            unique_agent_name("bench-decode", 0), ("UCX",), opts.progress_thread, opts.num_threads,
-            P2pKvConfig(**opts.nixl_settings()).backend_params(), split_bytes=int(opts.split_mib * 2**20))
+        settings = P2pKvConfig(**opts.nixl_settings()).backend_params()
+        self.agent = NixlTransferAgent(unique_agent_name("bench-decode", 0), ("UCX",), opts.progress_thread,
+                                       opts.num_threads, settings, split_bytes=int(opts.split_mib * 2**20))
         self.caches = {lay: base for lay, (base, _) in made.items()}
         self.layouts = {lay: describe_torch_kv_caches(views, num_blocks) for lay, (_, views) in made.items()}
         t0 = time.perf_counter()
@@ -87,10 +87,9 @@ class Decode:
         self.pool_agent: NixlTransferAgent | None = None
         if opts.pool_threads > 0 and "pull" in opts.modes:
             # the same BLHNC memory on a second agent whose READs a thread pool moves
-            self.pool_agent = NixlTransferAgent(
-                unique_agent_name("bench-decode-pool", 0), ("UCX",), opts.progress_thread, opts.pool_threads,
-                P2pKvConfig(**opts.nixl_settings()).backend_params(), report_transport=False,
-                split_bytes=int(opts.split_mib * 2**20))
+            self.pool_agent = NixlTransferAgent(unique_agent_name("bench-decode-pool", 0), ("UCX",),
+                                                opts.progress_thread, opts.pool_threads, settings,
+                                                report_transport=False, split_bytes=int(opts.split_mib * 2**20))
             self.pool_agent.register(self.layouts["BLHNC"].regions, self.mem_type, self.device_id)
             self.labels["cross_layer_pool"] = (
                 f"p2pkv cross-layer READs (as cross_layer) on NIXL's UCX thread pool: {opts.pool_threads} threads, "

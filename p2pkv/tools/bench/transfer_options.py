@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from p2pkv.testing import ITEMSIZES, LLAMA3_8B, KVShape
@@ -121,18 +121,21 @@ def _token_list(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _mode_list(text: str) -> tuple[str, ...]:
-    """``"pull,push"`` → ``("pull", "push")``.
+def check_modes(modes: tuple[str, ...]) -> tuple[str, ...]:
+    """``modes`` if it is a non-empty list of :data:`MODES`, each at most once.
 
     Raises:
-        argparse.ArgumentTypeError: an unknown or repeated mode, or none.
+        ValueError: an unknown or repeated mode, or none (the message names ``--mode``).
     """
-    modes = tuple(part.strip().lower() for part in text.split(",") if part.strip())
-    bad = [m for m in modes if m not in MODES]
-    if not modes or bad or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(MODES)}, "
-                                         "each at most once")
+    if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
+        raise ValueError(f"--mode {','.join(modes)}: expected a comma-separated list of {', '.join(MODES)}, "
+                         "each at most once")
     return modes
+
+
+def _mode_list(text: str) -> tuple[str, ...]:
+    """``"pull,push"`` → ``("pull", "push")`` (:func:`check_modes`; argparse turns its ValueError into exit 2)."""
+    return check_modes(tuple(part.strip().lower() for part in text.split(",") if part.strip()))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -179,12 +182,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> TransferBenchOptions:
-    """:class:`TransferBenchOptions` from the flags of :func:`add_arguments`."""
+    """:class:`TransferBenchOptions` from the flags of :func:`add_arguments` (each flag named as its field)."""
     shape = KVShape(args.layers, args.kv_heads, args.head_dim, args.dtype, args.block_size)
-    return TransferBenchOptions(
-        shape=shape, tokens=tuple(args.tokens), requests=args.requests, num_blocks=args.num_blocks,
-        seed=args.seed, fragmentation=args.fragmentation, progress_thread=args.progress_thread,
-        num_threads=args.num_threads, pool_threads=args.pool_threads, split_mib=args.split_mib,
-        memcpy_threads=args.memcpy_threads, max_mem_gib=args.max_mem_gib,
-        device=args.device, verify=not args.no_verify, host=args.host, prefill_poll_ms=args.prefill_poll_ms,
-        quiet=args.quiet, modes=tuple(args.mode))
+    named = {f.name: getattr(args, f.name) for f in fields(TransferBenchOptions) if f.name in vars(args)}
+    return TransferBenchOptions(**named, shape=shape, verify=not args.no_verify, modes=tuple(args.mode))
