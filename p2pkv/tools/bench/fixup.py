@@ -118,12 +118,6 @@ def _timed(fn: Any, device: Any, warmup: int, iters: int, queued: bool = False) 
     return out
 
 
-def _bits(t: Any) -> Any:
-    import torch
-
-    return t.contiguous().view(torch.uint8)
-
-
 def run_case(case: Case, *, device: Any, dtype: Any, pages: int, head_elems: int, tokens: int, impls: list[str],
              iters: int, warmup: int, seed: int, verify: bool) -> dict[str, Any]:
     """Measure one case: the copy baseline and each implementation; returns a JSON-able dict."""
@@ -193,7 +187,7 @@ def _measure_impl(impl: str, args: tuple, dst: Any, check_pages: list[int], expe
         extra = torch.cuda.max_memory_allocated(device) - before
     verified = None
     if expected is not None:
-        verified = bool(torch.equal(_bits(dst[check_pages].cpu()), _bits(expected)))
+        verified = bool(torch.equal(dst[check_pages].cpu().view(torch.uint8), expected.view(torch.uint8)))
     times = _timed(lambda: fixup_pages(*args, impl=impl), device, warmup, iters)
     med = statistics.median(times)
     gbps = nbytes / med / 1e9

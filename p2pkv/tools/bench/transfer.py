@@ -81,7 +81,7 @@ from p2pkv.tools.bench.transfer_options import (
     options_from_args,
 )
 from p2pkv.tools.bench.transfer_prefill import SpawnedPrefill
-from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushClient, PushError
+from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushError
 
 __all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "add_arguments", "build_parser",
            "check_options", "cli_main", "main", "method_labels", "resolve_device", "run_transfer_bench"]
@@ -233,7 +233,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         ready = link.ready()
         dec.connect(ready, opts.host)
         if "push" in opts.modes:
-            dec.enable_push(PushClient(link, dec.agent, 60.0))
+            dec.enable_push(link)
         log(opts.quiet, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
         decode_rss = machine.peak_rss_bytes()

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from handshake import AgentInfo
     from p2pkv.tools.bench.transfer_options import TransferBenchOptions
+    from p2pkv.tools.bench.transfer_prefill import SpawnedPrefill
 
 _NOTIF = b"p2pkv:done:bench"
 
@@ -113,11 +114,11 @@ class Decode:
                                                   device_id=self.device_id))
                 for lay, local in self.layouts.items()}
 
-    def enable_push(self, client: PushClient) -> None:
-        """Push mode: hand the prefill this side's agent and layouts through ``client`` (its
-        ``add_remote_agent`` times land in ``client.add_remote_agent_ms``)."""
-        client.connect(self.agent_infos(), self.device_id)
-        self.pusher = client
+    def enable_push(self, link: SpawnedPrefill) -> None:
+        """Push mode: hand the prefill this side's agent and layouts over ``link`` (the prefill's
+        ``add_remote_agent`` times land in ``self.pusher.add_remote_agent_ms``)."""
+        self.pusher = PushClient(link, self.agent, 60.0)
+        self.pusher.connect(self.agent_infos(), self.device_id)
 
     def connect(self, ready: dict[str, Any], host: str) -> None:
         """Handshake with both prefill caches' side channels at ``host`` and load their metadata (timed).
