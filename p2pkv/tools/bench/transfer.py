@@ -83,17 +83,13 @@ from p2pkv.tools.bench.transfer_options import (
 from p2pkv.tools.bench.transfer_prefill import SpawnedPrefill
 from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushError
 
-__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "add_arguments", "build_parser",
-           "check_options", "cli_main", "main", "method_labels", "resolve_device", "run_transfer_bench"]
+__all__ = ["METHODS", "PUSH_METHODS", "add_arguments", "build_parser", "check_options", "cli_main", "main",
+           "resolve_device", "run_transfer_bench"]
 
 if TYPE_CHECKING:
     import argparse
 
     import torch
-
-CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
-                     "between torch.cuda.synchronize() calls; the limit)")
-"""What ``memcpy`` measures with ``--device cuda``."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -119,13 +115,6 @@ def resolve_device(name: str) -> torch.device:
     if idx >= count:
         raise ValueError(f"--device {name}: only {count} CUDA device(s) visible")
     return torch.device("cuda", idx)
-
-
-def method_labels(device: torch.device, modes: tuple[str, ...] = ("pull",)) -> dict[str, str]:
-    """:data:`METHODS` (only ``memcpy`` unless ``"pull"`` is in ``modes``), with ``memcpy`` described as a
-    device-to-device copy on a GPU."""
-    labels = {**METHODS, "memcpy": CUDA_MEMCPY_LABEL} if device.type == "cuda" else dict(METHODS)
-    return labels if "pull" in modes else {"memcpy": labels["memcpy"]}
 
 
 def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]]:
@@ -229,7 +218,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         log(opts.quiet, f"{opts.shape.label()}; {num_blocks} blocks per cache "
                    f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches per process on {device}")
         link = SpawnedPrefill(opts, num_blocks, device)
-        dec = Decode(opts, num_blocks, device, method_labels(device, opts.modes))  # while the prefill starts
+        dec = Decode(opts, num_blocks, device)  # while the prefill starts
         ready = link.ready()
         dec.connect(ready, opts.host)
         if "push" in opts.modes:

@@ -23,7 +23,13 @@ import numpy as np
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.plan import coalesce_runs
 from p2pkv.testing import make_shaped_kv_caches, ranges_equal, run_ranges
-from p2pkv.tools.bench.transfer_options import PEER_LAYOUT, PREFILL_CACHE_LAYOUTS, remote_seed
+from p2pkv.tools.bench.transfer_options import (
+    CUDA_MEMCPY_LABEL,
+    METHODS,
+    PEER_LAYOUT,
+    PREFILL_CACHE_LAYOUTS,
+    remote_seed,
+)
 from p2pkv.tools.bench.transfer_push import PushClient, PushError, pair_descriptors
 
 if TYPE_CHECKING:
@@ -56,11 +62,9 @@ class Decode:
         opts: the benchmark's settings.
         num_blocks: blocks per cache (the prefill side's caches have as many).
         device: where the destination caches live.
-        labels: method → what it measures (:func:`p2pkv.tools.bench.transfer.method_labels`).
     """
 
-    def __init__(self, opts: TransferBenchOptions, num_blocks: int, device: torch.device,
-                 labels: dict[str, str]) -> None:
+    def __init__(self, opts: TransferBenchOptions, num_blocks: int, device: torch.device) -> None:
         import torch
 
         from p2pkv.config import P2pKvConfig
@@ -70,7 +74,9 @@ class Decode:
         self.opts, self.num_blocks, self.device = opts, num_blocks, device
         cuda = device.type == "cuda"
         self.mem_type, self.device_id = ("VRAM", device.index or 0) if cuda else ("DRAM", 0)
-        self.labels = labels
+        labels = {**METHODS, "memcpy": CUDA_MEMCPY_LABEL} if cuda else dict(METHODS)
+        self.labels = labels if "pull" in opts.modes else {"memcpy": labels["memcpy"]}
+        """Method → what it measures: the pull methods (none without ``--mode pull``) and ``memcpy``."""
         self.sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
         shape = opts.shape
         # Caches first: on a GPU the CUDA context then exists before UCX starts.

@@ -28,7 +28,11 @@ METHODS: dict[str, str] = {
     "per_layer": "NixlConnector scheme: layer-compact (LBHNC), 1 descriptor per block per layer",
     "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
 }
-"""Method key → what it measures (host memory; see :func:`p2pkv.tools.bench.transfer.method_labels`)."""
+"""Method key → what it measures (host memory; the decode side's ``labels`` say what it measured)."""
+
+CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
+                     "between torch.cuda.synchronize() calls; the limit)")
+"""What ``memcpy`` measures with ``--device cuda``."""
 
 PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC", "cross_layer_pool": "BLHNC"}
 """NIXL method → the cache (layout, the same on both sides) it moves from and into."""
