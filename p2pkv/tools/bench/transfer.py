@@ -156,8 +156,8 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
     entry: dict[str, Any] = {"tokens": tokens, "blocks_per_request": blocks, "runs_per_request": report.counts(runs),
                              "bytes_per_request": nbytes, "methods": {}}
     pushes = list(PUSH_METHODS) if "push" in opts.modes else []
-    warm = {method: dec.verified_pull(method, *placements[0]) for method in dec.labels}
-    warm_push = {method: dec.verified_push(method, *placements[0]) for method in pushes}
+    verified = {method: dec.verified_pull(method, *placements[0]) for method in dec.labels}
+    verified_push = {method: dec.verified_push(method, *placements[0]) for method in pushes}
     work = [("pull", m) for m in dec.labels] + [("push", m) for m in pushes]
     samples: dict[tuple[str, str], list[tuple[float, ...]]] = {w: [] for w in work}
     for i, (loc, rem) in enumerate(placements):
@@ -168,8 +168,7 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
         log(opts.quiet, f"{tokens} tokens: request {i + 1}/{len(placements)} moved every way")
     for method in dec.labels:
         plan_s, pull_s, descs = zip(*samples["pull", method], strict=True)
-        res = entry["methods"][method] = report.method_stats(
-            dec.labels[method], nbytes, pull_s, plan_s, descs, *warm[method])
+        res = entry["methods"][method] = report.method_stats(nbytes, pull_s, plan_s, descs, verified[method])
         res["mode"] = None if method == "memcpy" else "pull"
         log(opts.quiet, f"{tokens} tokens  {method:<15} {res['gbps']:7.2f} GB/s  p50 {res['latency_ms']['p50']:8.2f} ms"
                    f"  {res['descriptors_per_request']['mean']:9.1f} desc/req  verified={res['verified']}")
@@ -180,9 +179,8 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
         entry["push"] = {}
         for method in pushes:
             plan_s, push_s, writer_s, descs = zip(*samples["push", method], strict=True)
-            seconds, verified, warm_writer_s = warm_push[method]
-            res = entry["push"][method] = report.push_stats(
-                PUSH_METHODS[method], nbytes, push_s, writer_s, plan_s, descs, seconds, warm_writer_s, verified)
+            res = entry["push"][method] = report.push_stats(nbytes, push_s, writer_s, plan_s, descs,
+                                                            verified_push[method])
             res["ratio_to_memcpy"] = res["gbps"] / memcpy
             log(opts.quiet, f"{tokens} tokens  {method + ' push':<20} {res['gbps']:7.2f} GB/s  p50 "
                        f"{res['latency_ms']['p50']:8.2f} ms (writer {res['writer_xfer_ms']['p50']:8.2f} ms)  "
@@ -238,10 +236,9 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "p2pkv bench transfer", "command": machine.command_line(opts.argv), "argv": list(opts.argv),
         "timestamp": started, "wall_s": time.perf_counter() - t_wall, "machine": machine.machine_info(str(device)),
-        "side_channel_ports": {k: v["port"] for k, v in ready.items()},
         "config": {**{k: v for k, v in asdict(opts).items() if k not in ("argv", "quiet")},
                    "device": str(device), "nixl_mem_type": dec.mem_type,
-                   "tokens": tokens, "skipped_tokens": sorted(set(opts.tokens) - set(tokens)),
+                   "tokens": tokens,
                    "shape_label": opts.shape.label(), "block_bytes": opts.shape.block_bytes,
                    "page_bytes": opts.shape.page_bytes, "num_blocks": num_blocks,
                    "cache_bytes": num_blocks * opts.shape.block_bytes, "torch_threads": opts.memcpy_threads or threads,

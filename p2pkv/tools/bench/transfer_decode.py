@@ -212,20 +212,21 @@ class Decode:
         self.sync()  # scrubbed before NIXL (its own CUDA streams) writes
         return lambda: ranges_equal(dst, ranges, src, seed) if self.opts.verify else None
 
-    def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None]:
-        """Scrub a request's destination, pull it, compare with the source: ``(seconds, equal)``."""
+    def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> bool | None:
+        """Scrub a request's destination, pull it (a peer's first pull: its ``first_pull_ms``), compare
+        with the source: equal (None: not checked)."""
         check = self._scrub(None if method == "memcpy" else PEER_LAYOUT[method], loc, rem)
         seconds = self.execute(method, self.plan(method, loc, rem))
         if method in PEER_LAYOUT and method != "cross_layer_pool":
             self.peers[PEER_LAYOUT[method]].setdefault("first_pull_ms", seconds * 1e3)
-        return seconds, check()
+        return check()
 
-    def verified_push(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None, float]:
-        """Scrub a request's destination, have the prefill push it, compare with the source:
-        ``(seconds from the ask to the notification, equal, the prefill's post -> DONE seconds)``."""
+    def verified_push(self, method: str, loc: np.ndarray, rem: np.ndarray) -> bool | None:
+        """Scrub a request's destination, have the prefill push it, compare with the source: equal (None:
+        not checked)."""
         check = self._scrub(PEER_LAYOUT[method], loc, rem)
-        _, seconds, writer_s, _ = self.timed_push(method, loc, rem)
-        return seconds, check(), writer_s
+        self.timed_push(method, loc, rem)
+        return check()
 
     def timed_push(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, float, float, int]:
         """One push of a request into this side's blocks ``loc`` from the prefill's ``rem``:
