@@ -24,11 +24,9 @@ def test_grid_right_aligns_every_column_to_its_widest_cell() -> None:
 def test_cell_values() -> None:
     assert (table.number(None), table.number(1.25), table.number(1.25, ".2f")) == ("n/a", "1.2", "1.25")
     assert [table.yes_no(v) for v in (True, False, None)] == ["yes", "NO", "-"]
-    assert table.yes_no(None, "n/a") == "n/a"
     assert [table.target_mark(v) for v in (True, False, None)] == ["met", "NOT met", "not measured"]
     value = {"c=1": {"ratio": 0.91234, "met": True, "limit": None}, "runs": 3}
     assert table.measured(value) == "c=1: ratio: 0.912, met: True, limit: None, runs: 3"
-    assert table.measured(value, key_sep=" ", verdicts=True) == "c=1 ratio 0.912, met yes, limit n/a, runs 3"
 
 
 def test_pyplot_says_what_is_missing_without_matplotlib(monkeypatch, capsys) -> None:

@@ -84,7 +84,6 @@ def test_bench_transfer_tiny_end_to_end(tmp_path) -> None:
     table = report.format_table(result)
     assert all(name in table for name in (*METHODS, "cross_layer_pool"))
     assert data["config"]["device"] == "cpu" and data["config"]["nixl_mem_type"] == "DRAM"
-    assert set(data["side_channel_ports"]) == {"BLHNC", "LBHNC"} and all(data["side_channel_ports"].values())
     assert data["machine"]["device"]["type"] == "cpu"
     assert "cpu (host memory, NIXL DRAM)" in table.splitlines()[0]
     gpu = copy.deepcopy(result)

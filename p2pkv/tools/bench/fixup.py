@@ -38,6 +38,7 @@ Imports nothing heavy at module level (torch inside the functions), so the
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import platform
 import statistics
@@ -90,53 +91,31 @@ def make_cases(kv_heads: int) -> dict[str, Case]:
     return {c.name: c for c in cases}
 
 
-def _timed(fn: Any, device: Any, warmup: int, iters: int) -> list[float]:
-    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones."""
+def _timed(fn: Any, device: Any, warmup: int, iters: int, queued: bool = False) -> list[float]:
+    """Seconds of each of ``iters`` calls of ``fn`` after ``warmup`` untimed ones; ``queued`` (CUDA only):
+    one seconds-per-call figure of ``iters`` calls queued back to back (one event pair around all of them)."""
     import torch
 
     for _ in range(warmup):
         fn()
-    out = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) / 1e3)
-    else:
+    if device.type != "cuda":
+        out = []
         for _ in range(iters):
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
-    return out
-
-
-def _pipelined(fn: Any, device: Any, iters: int) -> float:
-    """Seconds per call of ``iters`` calls queued back to back (one timing around all of them)."""
-    import torch
-
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) / iters
+        return out
     torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-def _bits(t: Any) -> Any:
-    import torch
-
-    return t.contiguous().view(torch.uint8)
+    out = []
+    for _ in range(1 if queued else iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters if queued else 1):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / 1e3 / (iters if queued else 1))
+    return out
 
 
 def run_case(case: Case, *, device: Any, dtype: Any, pages: int, head_elems: int, tokens: int, impls: list[str],
@@ -170,7 +149,7 @@ def run_case(case: Case, *, device: Any, dtype: Any, pages: int, head_elems: int
                         case.dst_head_start, case.num_heads)
     copy_s = _timed(lambda: dst_flat.copy_(src_flat), device, warmup, iters)
     copy_med = statistics.median(copy_s)
-    copy_pipe = _pipelined(lambda: dst_flat.copy_(src_flat), device, iters) if device.type == "cuda" else None
+    copy_pipe = _timed(lambda: dst_flat.copy_(src_flat), device, 0, iters, True)[0] if device.type == "cuda" else None
     out: dict[str, Any] = {
         "name": case.name, "src_fmt": f"{sf.layout} bs{sf.block_size} h{sf.num_heads}",
         "dst_fmt": f"{df.layout} bs{df.block_size} h{df.num_heads}", "src_head_start": case.src_head_start,
@@ -208,14 +187,14 @@ def _measure_impl(impl: str, args: tuple, dst: Any, check_pages: list[int], expe
         extra = torch.cuda.max_memory_allocated(device) - before
     verified = None
     if expected is not None:
-        verified = bool(torch.equal(_bits(dst[check_pages].cpu()), _bits(expected)))
+        verified = bool(torch.equal(dst[check_pages].cpu().view(torch.uint8), expected.view(torch.uint8)))
     times = _timed(lambda: fixup_pages(*args, impl=impl), device, warmup, iters)
     med = statistics.median(times)
     gbps = nbytes / med / 1e9
     m: dict[str, Any] = {"ms": med * 1e3, "gbps": gbps, "x_copy": gbps / copy["gbps"],
                          "all_ms": [x * 1e3 for x in times], "verified": verified, "peak_extra_bytes": extra}
     if copy_pipe:
-        pipe = nbytes / _pipelined(lambda: fixup_pages(*args, impl=impl), device, iters) / 1e9
+        pipe = nbytes / _timed(lambda: fixup_pages(*args, impl=impl), device, 0, iters, True)[0] / 1e9
         m.update(pipelined_gbps=pipe, pipelined_x_copy=pipe / copy["pipelined_gbps"])
     return m
 
@@ -310,8 +289,13 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """``"a, b"`` → ``("a", "b")``."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``p2pkv bench fixup``."""
+    """The options of ``p2pkv bench fixup`` (each named as :func:`run_fixup_bench`'s keyword)."""
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
     p.add_argument("--tokens", type=int, default=4096, help="tokens in the request")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement (median reported)")
@@ -320,12 +304,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", help="torch dtype name, e.g. bfloat16, float16, float32")
-    p.add_argument("--cases", default=",".join(CASE_NAMES), help=f"comma-separated, among {', '.join(CASE_NAMES)}")
-    p.add_argument("--impls", default=None, help="comma-separated among torch, runs, triton, auto "
-                                                  "(default: torch,runs, plus triton on CUDA)")
+    p.add_argument("--cases", type=_names, default=CASE_NAMES, help=f"comma-separated, among {', '.join(CASE_NAMES)}")
+    p.add_argument("--impls", type=_names, default=None, help="comma-separated among torch, runs, triton, auto "
+                                                               "(default: torch,runs, plus triton on CUDA)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--no-verify", action="store_true", help="skip the bitwise check against fixup_reference")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the bitwise check against fixup_reference")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -334,14 +319,10 @@ def cli_main(args: argparse.Namespace) -> int:
     """Run ``p2pkv bench fixup`` from parsed arguments; exit code 1 when a check failed."""
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kwargs = {k: v for k, v in vars(args).items() if k in inspect.signature(run_fixup_bench).parameters}
+    kwargs["device"] = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        result = run_fixup_bench(
-            device=device, tokens=args.tokens, layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim,
-            dtype=args.dtype, iters=args.iters, warmup=args.warmup,
-            cases=tuple(c.strip() for c in args.cases.split(",") if c.strip()),
-            impls=tuple(i.strip() for i in args.impls.split(",")) if args.impls else None,
-            seed=args.seed, verify=not args.no_verify, threads=args.threads, quiet=args.quiet)
+        result = run_fixup_bench(**kwargs)
     except ValueError as exc:
         print(f"p2pkv bench fixup: {exc}", file=sys.stderr)
         return 2

@@ -56,62 +56,50 @@ def counts(xs: Sequence[int]) -> dict[str, Any]:
     return {"mean": sum(xs) / len(xs), "min": int(min(xs)), "max": int(max(xs)), "all": [int(x) for x in xs]}
 
 
-def method_stats(label: str, nbytes: int, pull_s: Sequence[float], plan_s: Sequence[float],
-                 descs: Sequence[int], warmup_s: float, verified: bool | None) -> dict[str, Any]:
+def method_stats(nbytes: int, pull_s: Sequence[float], plan_s: Sequence[float], descs: Sequence[int],
+                 verified: bool | None) -> dict[str, Any]:
     """Results of one method at one request size.
 
     Args:
-        label: what the method is.
         nbytes: bytes per request.
         pull_s: seconds of each timed request.
         plan_s: seconds of each request's descriptor planning.
         descs: descriptors (memcpy: copies) of each request.
-        warmup_s: seconds of the untimed warm-up/verified pull.
-        verified: its bytes equal the source (None: not checked).
+        verified: the untimed warm-up's bytes equal the source (None: not checked).
 
     Returns:
         ``gbps`` (1e9 B/s over all timed requests), ``gbps_best`` (of the
         fastest request: least disturbed by other load), ``latency_ms`` and
         ``plan_us`` summaries, ``descriptors_per_request`` counts, totals.
     """
-    return {"label": label, "requests": len(pull_s), "bytes_per_request": nbytes,
+    return {"requests": len(pull_s), "bytes_per_request": nbytes,
             "bytes_total": nbytes * len(pull_s), "seconds_total": float(sum(pull_s)),
             "gbps": nbytes * len(pull_s) / sum(pull_s) / 1e9, "gbps_best": nbytes / min(pull_s) / 1e9,
             "descriptors_per_request": counts(descs),
-            "latency_ms": summarize(pull_s, 1e3), "plan_us": summarize(plan_s, 1e6),
-            "warmup_pull_ms": warmup_s * 1e3, "verified": verified}
+            "latency_ms": summarize(pull_s, 1e3), "plan_us": summarize(plan_s, 1e6), "verified": verified}
 
 
-def push_stats(label: str, nbytes: int, push_s: Sequence[float], writer_s: Sequence[float],
-               plan_s: Sequence[float], descs: Sequence[int], warmup_s: float, warmup_writer_s: float,
-               verified: bool | None) -> dict[str, Any]:
+def push_stats(nbytes: int, push_s: Sequence[float], writer_s: Sequence[float], plan_s: Sequence[float],
+               descs: Sequence[int], verified: bool | None) -> dict[str, Any]:
     """Results of one method pushed at one request size: :func:`method_stats` of the times the decode
     side saw, plus the writer's.
 
     Args:
-        label: what the method is.
         nbytes: bytes per request.
         push_s: seconds of each timed request on the decode side, from its ask to the WRITE's notification.
         writer_s: seconds of each timed request's WRITE on the prefill side (post -> DONE).
         plan_s: seconds of each request's descriptor planning (on the prefill side).
         descs: descriptors of each request.
-        warmup_s / warmup_writer_s: the untimed warm-up/verified push, as ``push_s`` / ``writer_s``.
-        verified: its bytes equal the source (None: not checked).
+        verified: the untimed warm-up's bytes equal the source (None: not checked).
 
     Returns:
-        :func:`method_stats` keys (``gbps``, ``latency_ms``, ... of ``push_s``; ``warmup_push_ms`` in
-        place of ``warmup_pull_ms``), ``mode`` ``"push"``, ``writer_xfer_ms`` (summary),
-        ``writer_gbps`` (1e9 B/s over all timed WRITEs), ``ask_and_notify_ms`` (summary of each
-        request's decode-side time minus its writer time: the ask's and the notification's way, and the
-        polling on both sides) and ``warmup_writer_ms``.
+        :func:`method_stats` keys (``gbps``, ``latency_ms``, ... of ``push_s``), ``mode`` ``"push"``,
+        ``writer_xfer_ms`` (summary) and ``ask_and_notify_ms`` (summary of each request's decode-side
+        time minus its writer time: the ask's and the notification's way, and the polling on both sides).
     """
-    out = method_stats(label, nbytes, push_s, plan_s, descs, warmup_s, verified)
-    out["warmup_push_ms"] = out.pop("warmup_pull_ms")
-    out.update(mode="push", writer_xfer_ms=summarize(writer_s, 1e3),
-               writer_gbps=nbytes * len(writer_s) / sum(writer_s) / 1e9,
-               ask_and_notify_ms=summarize([p - w for p, w in zip(push_s, writer_s, strict=True)], 1e3),
-               warmup_writer_ms=warmup_writer_s * 1e3)
-    return out
+    return {**method_stats(nbytes, push_s, plan_s, descs, verified), "mode": "push",
+            "writer_xfer_ms": summarize(writer_s, 1e3),
+            "ask_and_notify_ms": summarize([p - w for p, w in zip(push_s, writer_s, strict=True)], 1e3)}
 
 
 def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:

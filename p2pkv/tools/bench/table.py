@@ -47,9 +47,9 @@ def number(value: float | None, spec: str = ".1f") -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def yes_no(ok: bool | None, unknown: str = "-") -> str:
-    """A check's outcome in a cell: ``yes``, ``NO`` (capitals, to stand out), or ``unknown`` when not checked."""
-    return unknown if ok is None else "yes" if ok else "NO"
+def yes_no(ok: bool | None) -> str:
+    """A check's outcome in a cell: ``yes``, ``NO`` (capitals, to stand out), or ``-`` when not checked."""
+    return "-" if ok is None else "yes" if ok else "NO"
 
 
 def target_mark(met: bool | None) -> str:
@@ -57,23 +57,9 @@ def target_mark(met: bool | None) -> str:
     return {True: "met", False: "NOT met", None: "not measured"}[met]
 
 
-def measured(value: Any, key_sep: str = ": ", verdicts: bool = False) -> str:
-    """What a target measured, on one line.
-
-    Args:
-        value: a number, a (nested) dict of them, or anything printable.
-        key_sep: between a dict's key and its value.
-        verdicts: write booleans and None as :func:`yes_no` does (None as
-            ``n/a``) rather than ``True``/``False``/``None``.
-
-    Returns:
-        Dicts as ``key<key_sep>value`` pairs joined by ``", "`` (recursively),
-        floats to 3 significant digits, the rest as ``str``.
-    """
+def measured(value: Any) -> str:
+    """What a target measured, on one line: a dict as ``key: value`` pairs joined by ``", "`` (recursively),
+    floats to 3 significant digits, the rest as ``str``."""
     if isinstance(value, dict):
-        return ", ".join(f"{k}{key_sep}{measured(v, key_sep, verdicts)}" for k, v in value.items())
-    if verdicts and (isinstance(value, bool) or value is None):
-        return yes_no(value, "n/a")
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
+        return ", ".join(f"{k}: {measured(v)}" for k, v in value.items())
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -4,14 +4,12 @@ Both processes run on this host: this one is the *decode* side and spawns
 the *prefill* process (side channels on ``--host``, ephemeral ports). For
 runs across hosts, use NIXL's own ``nixlbench`` / ``kvbench``.
 
-The *prefill* process owns two synthetic KV caches of one model shape,
-cross-layer (``BLHNC``) and layer-compact (``LBHNC``), each registered and
-served by its own :class:`p2pkv.worker.WorkerSide` (NIXL agent + side
-channel; :mod:`p2pkv.tools.bench.transfer_prefill`). The *decode* process holds two
-destination caches on one :class:`p2pkv.dataplane.agent.NixlTransferAgent`
-(:mod:`p2pkv.tools.bench.transfer_decode`), fetches both peers' AgentInfo over the
-side channel (timed), and pulls the same requests (same block ids, same
-bytes) four ways:
+The *prefill* process serves two synthetic KV caches of one model shape,
+cross-layer (``BLHNC``) and layer-compact (``LBHNC``)
+(:mod:`p2pkv.tools.bench.transfer_prefill`); the *decode* process holds two
+destination caches on one NIXL agent (:mod:`p2pkv.tools.bench.transfer_decode`),
+fetches both peers' AgentInfo over the side channel (timed), and pulls the
+same requests (same block ids, same bytes) four ways:
 
 * ``memcpy``: torch ``copy_`` of the same byte ranges between two tensors in
   this process, one copy per coalesced run: the limit.
@@ -29,15 +27,14 @@ Directions (``--mode``, a comma-separated list, default ``pull``):
 
 * ``pull``: the methods above; the decode side posts NIXL READs.
 * ``push``: ``cross_layer``, ``per_layer`` and ``layer_coalesced`` again,
-  with the same descriptor rows, but the prefill side posts NIXL WRITEs
-  of the same blocks into the decode side's blocks, each with a
-  notification, when the decode side asks over a pipe
-  (:mod:`p2pkv.tools.bench.transfer_push`). A push is timed as a decode
-  engine would see it: from sending the ask until the decode's agent hands
-  over the WRITE's notification. The prefill's own post → DONE time is
-  reported apart (``writer_xfer_ms``), and so is its descriptor planning
-  (``plan_us``; untimed, before the ask). ``memcpy`` is measured once per
-  run either way, and every mode's GB/s is also given as a ratio to it.
+  with the same descriptor rows, but the prefill side WRITEs the same blocks
+  into the decode side's, each with a notification, when the decode side
+  asks; timed from the ask to the notification
+  (:mod:`p2pkv.tools.bench.transfer_push`: the prefill's own post → DONE
+  time and planning are reported apart).
+
+``memcpy`` is measured once per run either way, and every mode's GB/s is
+also given as a ratio to it.
 
 With ``device="cuda"`` (``--device cuda``) every cache lives in GPU memory
 (NIXL memory type ``VRAM``; both processes' on one GPU, and UCX moves the
@@ -75,35 +72,24 @@ from p2pkv.tools.bench import machine, report
 from p2pkv.tools.bench.transfer_decode import Decode
 from p2pkv.tools.bench.transfer_options import (
     DEVICES,
-    MODES,
+    METHODS,
     PROCESS_OVERHEAD_BYTES,
     TransferBenchOptions,
     add_arguments,
+    check_modes,
     log,
     options_from_args,
 )
 from p2pkv.tools.bench.transfer_prefill import SpawnedPrefill
-from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushClient, PushError
+from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushError
 
-__all__ = ["CUDA_MEMCPY_LABEL", "METHODS", "PUSH_METHODS", "add_arguments", "build_parser",
-           "check_options", "cli_main", "main", "method_labels", "resolve_device", "run_transfer_bench"]
+__all__ = ["METHODS", "PUSH_METHODS", "add_arguments", "build_parser", "check_options", "cli_main", "main",
+           "resolve_device", "run_transfer_bench"]
 
 if TYPE_CHECKING:
     import argparse
 
     import torch
-
-METHODS: dict[str, str] = {
-    "memcpy": "in-process memcpy of the same byte ranges (torch copy_ per run; the limit)",
-    "cross_layer": "p2pkv: cross-layer blocks (BLHNC) + run coalescing",
-    "per_layer": "NixlConnector scheme: layer-compact (LBHNC), 1 descriptor per block per layer",
-    "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
-}
-"""Method key → what it measures (host memory; see :func:`method_labels`)."""
-
-CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
-                     "between torch.cuda.synchronize() calls; the limit)")
-"""What ``memcpy`` measures with ``--device cuda``."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -131,13 +117,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", idx)
 
 
-def method_labels(device: torch.device, modes: tuple[str, ...] = ("pull",)) -> dict[str, str]:
-    """:data:`METHODS` (only ``memcpy`` unless ``"pull"`` is in ``modes``), with ``memcpy`` described as a
-    device-to-device copy on a GPU."""
-    labels = {**METHODS, "memcpy": CUDA_MEMCPY_LABEL} if device.type == "cuda" else dict(METHODS)
-    return labels if "pull" in modes else {"memcpy": labels["memcpy"]}
-
-
 def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]]:
     """``(num_blocks, token sizes that fit, warnings)``: two caches per process within ``max_mem_gib``.
 
@@ -150,9 +129,7 @@ def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]
     """
     if opts.requests < 1 or not opts.tokens or min(opts.tokens) < 1 or opts.fragmentation < 0:
         raise ValueError("need --requests >= 1, token sizes >= 1 and --fragmentation >= 0")
-    if not opts.modes or len(set(opts.modes)) != len(opts.modes) or set(opts.modes) - set(MODES):
-        raise ValueError(f"--mode {','.join(opts.modes)}: expected a comma-separated list of {', '.join(MODES)}, "
-                         "each at most once")
+    check_modes(opts.modes)
     if opts.shape.page_bytes % 8:
         raise ValueError(f"a block's page is {opts.shape.page_bytes} B; the benchmark needs a multiple of 8")
     device = resolve_device(opts.device)
@@ -179,8 +156,8 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
     entry: dict[str, Any] = {"tokens": tokens, "blocks_per_request": blocks, "runs_per_request": report.counts(runs),
                              "bytes_per_request": nbytes, "methods": {}}
     pushes = list(PUSH_METHODS) if "push" in opts.modes else []
-    warm = {method: dec.verified_pull(method, *placements[0]) for method in dec.labels}
-    warm_push = {method: dec.verified_push(method, *placements[0]) for method in pushes}
+    verified = {method: dec.verified_pull(method, *placements[0]) for method in dec.labels}
+    verified_push = {method: dec.verified_push(method, *placements[0]) for method in pushes}
     work = [("pull", m) for m in dec.labels] + [("push", m) for m in pushes]
     samples: dict[tuple[str, str], list[tuple[float, ...]]] = {w: [] for w in work}
     for i, (loc, rem) in enumerate(placements):
@@ -191,8 +168,7 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
         log(opts.quiet, f"{tokens} tokens: request {i + 1}/{len(placements)} moved every way")
     for method in dec.labels:
         plan_s, pull_s, descs = zip(*samples["pull", method], strict=True)
-        res = entry["methods"][method] = report.method_stats(
-            dec.labels[method], nbytes, pull_s, plan_s, descs, *warm[method])
+        res = entry["methods"][method] = report.method_stats(nbytes, pull_s, plan_s, descs, verified[method])
         res["mode"] = None if method == "memcpy" else "pull"
         log(opts.quiet, f"{tokens} tokens  {method:<15} {res['gbps']:7.2f} GB/s  p50 {res['latency_ms']['p50']:8.2f} ms"
                    f"  {res['descriptors_per_request']['mean']:9.1f} desc/req  verified={res['verified']}")
@@ -203,9 +179,8 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
         entry["push"] = {}
         for method in pushes:
             plan_s, push_s, writer_s, descs = zip(*samples["push", method], strict=True)
-            seconds, verified, warm_writer_s = warm_push[method]
-            res = entry["push"][method] = report.push_stats(
-                PUSH_METHODS[method], nbytes, push_s, writer_s, plan_s, descs, seconds, warm_writer_s, verified)
+            res = entry["push"][method] = report.push_stats(nbytes, push_s, writer_s, plan_s, descs,
+                                                            verified_push[method])
             res["ratio_to_memcpy"] = res["gbps"] / memcpy
             log(opts.quiet, f"{tokens} tokens  {method + ' push':<20} {res['gbps']:7.2f} GB/s  p50 "
                        f"{res['latency_ms']['p50']:8.2f} ms (writer {res['writer_xfer_ms']['p50']:8.2f} ms)  "
@@ -241,11 +216,11 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         log(opts.quiet, f"{opts.shape.label()}; {num_blocks} blocks per cache "
                    f"({num_blocks * opts.shape.block_bytes / GiB:.2f} GiB), 2 caches per process on {device}")
         link = SpawnedPrefill(opts, num_blocks, device)
-        dec = Decode(opts, num_blocks, device, method_labels(device, opts.modes))  # while the prefill starts
+        dec = Decode(opts, num_blocks, device)  # while the prefill starts
         ready = link.ready()
         dec.connect(ready, opts.host)
         if "push" in opts.modes:
-            dec.enable_push(PushClient(link, dec.agent, 60.0))
+            dec.enable_push(link)
         log(opts.quiet, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
         decode_rss = machine.peak_rss_bytes()
@@ -261,10 +236,9 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "p2pkv bench transfer", "command": machine.command_line(opts.argv), "argv": list(opts.argv),
         "timestamp": started, "wall_s": time.perf_counter() - t_wall, "machine": machine.machine_info(str(device)),
-        "side_channel_ports": {k: v["port"] for k, v in ready.items()},
         "config": {**{k: v for k, v in asdict(opts).items() if k not in ("argv", "quiet")},
                    "device": str(device), "nixl_mem_type": dec.mem_type,
-                   "tokens": tokens, "skipped_tokens": sorted(set(opts.tokens) - set(tokens)),
+                   "tokens": tokens,
                    "shape_label": opts.shape.label(), "block_bytes": opts.shape.block_bytes,
                    "page_bytes": opts.shape.page_bytes, "num_blocks": num_blocks,
                    "cache_bytes": num_blocks * opts.shape.block_bytes, "torch_threads": opts.memcpy_threads or threads,

@@ -23,17 +23,21 @@ import numpy as np
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.plan import coalesce_runs
 from p2pkv.testing import make_shaped_kv_caches, ranges_equal, run_ranges
-from p2pkv.tools.bench.transfer_options import PREFILL_CACHE_LAYOUTS, remote_seed
-from p2pkv.tools.bench.transfer_push import PUSH_LAYOUT, PushClient, PushError, pair_descriptors
+from p2pkv.tools.bench.transfer_options import (
+    CUDA_MEMCPY_LABEL,
+    METHODS,
+    PEER_LAYOUT,
+    PREFILL_CACHE_LAYOUTS,
+    remote_seed,
+)
+from p2pkv.tools.bench.transfer_push import PushClient, PushError, pair_descriptors
 
 if TYPE_CHECKING:
     import torch
 
     from handshake import AgentInfo
     from p2pkv.tools.bench.transfer_options import TransferBenchOptions
-
-PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC", "cross_layer_pool": "BLHNC"}
-"""NIXL method → the prefill cache (layout) it pulls from."""
+    from p2pkv.tools.bench.transfer_prefill import SpawnedPrefill
 
 _NOTIF = b"p2pkv:done:bench"
 
@@ -58,11 +62,9 @@ class Decode:
         opts: the benchmark's settings.
         num_blocks: blocks per cache (the prefill side's caches have as many).
         device: where the destination caches live.
-        labels: method → what it measures (:func:`p2pkv.tools.bench.transfer.method_labels`).
     """
 
-    def __init__(self, opts: TransferBenchOptions, num_blocks: int, device: torch.device,
-                 labels: dict[str, str]) -> None:
+    def __init__(self, opts: TransferBenchOptions, num_blocks: int, device: torch.device) -> None:
         import torch
 
         from p2pkv.config import P2pKvConfig
@@ -72,16 +74,18 @@ class Decode:
         self.opts, self.num_blocks, self.device = opts, num_blocks, device
         cuda = device.type == "cuda"
         self.mem_type, self.device_id = ("VRAM", device.index or 0) if cuda else ("DRAM", 0)
-        self.labels = labels
+        labels = {**METHODS, "memcpy": CUDA_MEMCPY_LABEL} if cuda else dict(METHODS)
+        self.labels = labels if "pull" in opts.modes else {"memcpy": labels["memcpy"]}
+        """Method → what it measures: the pull methods (none without ``--mode pull``) and ``memcpy``."""
         self.sync: Callable[[], None] = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
         shape = opts.shape
         # Caches first: on a GPU the CUDA context then exists before UCX starts.
         made = {lay: make_shaped_kv_caches(lay, shape, num_blocks, seed=2 * opts.seed + 200 + i, device=device)
                 for i, lay in enumerate(PREFILL_CACHE_LAYOUTS)}
         self.sync()
-        self.agent = NixlTransferAgent(
-            unique_agent_name("bench-decode", 0), ("UCX",), opts.progress_thread, opts.num_threads,
-            P2pKvConfig(**opts.nixl_settings()).backend_params(), split_bytes=int(opts.split_mib * 2**20))
+        settings = P2pKvConfig(**opts.nixl_settings()).backend_params()
+        self.agent = NixlTransferAgent(unique_agent_name("bench-decode", 0), ("UCX",), opts.progress_thread,
+                                       opts.num_threads, settings, split_bytes=int(opts.split_mib * 2**20))
         self.caches = {lay: base for lay, (base, _) in made.items()}
         self.layouts = {lay: describe_torch_kv_caches(views, num_blocks) for lay, (_, views) in made.items()}
         t0 = time.perf_counter()
@@ -90,10 +94,9 @@ class Decode:
         self.pool_agent: NixlTransferAgent | None = None
         if opts.pool_threads > 0 and "pull" in opts.modes:
             # the same BLHNC memory on a second agent whose READs a thread pool moves
-            self.pool_agent = NixlTransferAgent(
-                unique_agent_name("bench-decode-pool", 0), ("UCX",), opts.progress_thread, opts.pool_threads,
-                P2pKvConfig(**opts.nixl_settings()).backend_params(), report_transport=False,
-                split_bytes=int(opts.split_mib * 2**20))
+            self.pool_agent = NixlTransferAgent(unique_agent_name("bench-decode-pool", 0), ("UCX",),
+                                                opts.progress_thread, opts.pool_threads, settings,
+                                                report_transport=False, split_bytes=int(opts.split_mib * 2**20))
             self.pool_agent.register(self.layouts["BLHNC"].regions, self.mem_type, self.device_id)
             self.labels["cross_layer_pool"] = (
                 f"p2pkv cross-layer READs (as cross_layer) on NIXL's UCX thread pool: {opts.pool_threads} threads, "
@@ -117,11 +120,11 @@ class Decode:
                                                   device_id=self.device_id))
                 for lay, local in self.layouts.items()}
 
-    def enable_push(self, client: PushClient) -> None:
-        """Push mode: hand the prefill this side's agent and layouts through ``client`` (its
-        ``add_remote_agent`` times land in ``client.add_remote_agent_ms``)."""
-        client.connect(self.agent_infos(), self.device_id)
-        self.pusher = client
+    def enable_push(self, link: SpawnedPrefill) -> None:
+        """Push mode: hand the prefill this side's agent and layouts over ``link`` (the prefill's
+        ``add_remote_agent`` times land in ``self.pusher.add_remote_agent_ms``)."""
+        self.pusher = PushClient(link, self.agent, 60.0)
+        self.pusher.connect(self.agent_infos(), self.device_id)
 
     def connect(self, ready: dict[str, Any], host: str) -> None:
         """Handshake with both prefill caches' side channels at ``host`` and load their metadata (timed).
@@ -209,20 +212,21 @@ class Decode:
         self.sync()  # scrubbed before NIXL (its own CUDA streams) writes
         return lambda: ranges_equal(dst, ranges, src, seed) if self.opts.verify else None
 
-    def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None]:
-        """Scrub a request's destination, pull it, compare with the source: ``(seconds, equal)``."""
+    def verified_pull(self, method: str, loc: np.ndarray, rem: np.ndarray) -> bool | None:
+        """Scrub a request's destination, pull it (a peer's first pull: its ``first_pull_ms``), compare
+        with the source: equal (None: not checked)."""
         check = self._scrub(None if method == "memcpy" else PEER_LAYOUT[method], loc, rem)
         seconds = self.execute(method, self.plan(method, loc, rem))
         if method in PEER_LAYOUT and method != "cross_layer_pool":
             self.peers[PEER_LAYOUT[method]].setdefault("first_pull_ms", seconds * 1e3)
-        return seconds, check()
+        return check()
 
-    def verified_push(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, bool | None, float]:
-        """Scrub a request's destination, have the prefill push it, compare with the source:
-        ``(seconds from the ask to the notification, equal, the prefill's post -> DONE seconds)``."""
-        check = self._scrub(PUSH_LAYOUT[method], loc, rem)
-        _, seconds, writer_s, _ = self.timed_push(method, loc, rem)
-        return seconds, check(), writer_s
+    def verified_push(self, method: str, loc: np.ndarray, rem: np.ndarray) -> bool | None:
+        """Scrub a request's destination, have the prefill push it, compare with the source: equal (None:
+        not checked)."""
+        check = self._scrub(PEER_LAYOUT[method], loc, rem)
+        self.timed_push(method, loc, rem)
+        return check()
 
     def timed_push(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, float, float, int]:
         """One push of a request into this side's blocks ``loc`` from the prefill's ``rem``:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from p2pkv.testing import ITEMSIZES, LLAMA3_8B, KVShape
@@ -21,6 +21,21 @@ MODES = ("pull", "push")
 
 PREFILL_CACHE_LAYOUTS = ("BLHNC", "LBHNC")
 """The prefill side's caches (cross-layer, layer-compact), each served by its own side channel."""
+
+METHODS: dict[str, str] = {
+    "memcpy": "in-process memcpy of the same byte ranges (torch copy_ per run; the limit)",
+    "cross_layer": "p2pkv: cross-layer blocks (BLHNC) + run coalescing",
+    "per_layer": "NixlConnector scheme: layer-compact (LBHNC), 1 descriptor per block per layer",
+    "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
+}
+"""Method key → what it measures (host memory; the decode side's ``labels`` say what it measured)."""
+
+CUDA_MEMCPY_LABEL = ("in-process device-to-device copy of the same byte ranges (torch copy_ per run, "
+                     "between torch.cuda.synchronize() calls; the limit)")
+"""What ``memcpy`` measures with ``--device cuda``."""
+
+PEER_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC", "cross_layer_pool": "BLHNC"}
+"""NIXL method → the cache (layout, the same on both sides) it moves from and into."""
 
 
 def remote_seed(seed: int, layout: str) -> int:
@@ -48,8 +63,6 @@ class TransferBenchOptions:
             allocator hands out (1: every block alone; 0: one run per request).
         progress_thread: NIXL progress threads on every agent.
         num_threads: UCX backend worker threads (0: NIXL default).
-        ucx_error_handling_mode: ``"peer"``, ``"none"`` or ``""`` (NIXL default), as in P2pKvConfig.
-        ucx_num_workers: UCX workers per agent (0: NIXL default).
         pool_threads: also pull ``cross_layer`` through a second decode agent
             with NIXL's UCX thread pool of this many threads
             (``cross_layer_pool``); 0: not measured.
@@ -86,8 +99,6 @@ class TransferBenchOptions:
     fragmentation: int = 32
     progress_thread: bool = False
     num_threads: int = 0
-    ucx_error_handling_mode: str = ""
-    ucx_num_workers: int = 0
     pool_threads: int = 2
     split_mib: float = 4.0
     memcpy_threads: int = 0
@@ -102,8 +113,7 @@ class TransferBenchOptions:
 
     def nixl_settings(self) -> dict[str, Any]:
         """:class:`p2pkv.config.P2pKvConfig` keywords for both sides' NIXL agents."""
-        return {"nixl_progress_thread": self.progress_thread, "nixl_num_threads": self.num_threads,
-                "ucx_error_handling_mode": self.ucx_error_handling_mode, "ucx_num_workers": self.ucx_num_workers}
+        return {"nixl_progress_thread": self.progress_thread, "nixl_num_threads": self.num_threads}
 
 
 def _token_list(text: str) -> tuple[int, ...]:
@@ -115,18 +125,21 @@ def _token_list(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _mode_list(text: str) -> tuple[str, ...]:
-    """``"pull,push"`` → ``("pull", "push")``.
+def check_modes(modes: tuple[str, ...]) -> tuple[str, ...]:
+    """``modes`` if it is a non-empty list of :data:`MODES`, each at most once.
 
     Raises:
-        argparse.ArgumentTypeError: an unknown or repeated mode, or none.
+        ValueError: an unknown or repeated mode, or none (the message names ``--mode``).
     """
-    modes = tuple(part.strip().lower() for part in text.split(",") if part.strip())
-    bad = [m for m in modes if m not in MODES]
-    if not modes or bad or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(MODES)}, "
-                                         "each at most once")
+    if not modes or set(modes) - set(MODES) or len(set(modes)) != len(modes):
+        raise ValueError(f"--mode {','.join(modes)}: expected a comma-separated list of {', '.join(MODES)}, "
+                         "each at most once")
     return modes
+
+
+def _mode_list(text: str) -> tuple[str, ...]:
+    """``"pull,push"`` → ``("pull", "push")`` (:func:`check_modes`; argparse turns its ValueError into exit 2)."""
+    return check_modes(tuple(part.strip().lower() for part in text.split(",") if part.strip()))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,9 +163,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest run of consecutive block ids per allocation (1: all scattered, 0: contiguous)")
     p.add_argument("--progress-thread", action="store_true", help="NIXL progress thread on every agent")
     p.add_argument("--num-threads", type=int, default=0, help="UCX backend threads (0: NIXL default)")
-    p.add_argument("--ucx-error-handling-mode", choices=["", "peer", "none"], default="",
-                   help="UCX endpoint error handling ('': NIXL default)")
-    p.add_argument("--ucx-num-workers", type=int, default=0, help="UCX workers per agent (0: NIXL default)")
     p.add_argument("--pool-threads", type=int, default=d.pool_threads,
                    help="also measure cross_layer_pool: cross-layer READs on NIXL's UCX thread pool of this many "
                         "threads (0: not measured)")
@@ -176,13 +186,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> TransferBenchOptions:
-    """:class:`TransferBenchOptions` from the flags of :func:`add_arguments`."""
+    """:class:`TransferBenchOptions` from the flags of :func:`add_arguments` (each flag named as its field)."""
     shape = KVShape(args.layers, args.kv_heads, args.head_dim, args.dtype, args.block_size)
-    return TransferBenchOptions(
-        shape=shape, tokens=tuple(args.tokens), requests=args.requests, num_blocks=args.num_blocks,
-        seed=args.seed, fragmentation=args.fragmentation, progress_thread=args.progress_thread,
-        num_threads=args.num_threads, ucx_error_handling_mode=args.ucx_error_handling_mode,
-        ucx_num_workers=args.ucx_num_workers, pool_threads=args.pool_threads, split_mib=args.split_mib,
-        memcpy_threads=args.memcpy_threads, max_mem_gib=args.max_mem_gib,
-        device=args.device, verify=not args.no_verify, host=args.host, prefill_poll_ms=args.prefill_poll_ms,
-        quiet=args.quiet, modes=tuple(args.mode))
+    named = {f.name: getattr(args, f.name) for f in fields(TransferBenchOptions) if f.name in vars(args)}
+    return TransferBenchOptions(**named, shape=shape, verify=not args.no_verify, modes=tuple(args.mode))

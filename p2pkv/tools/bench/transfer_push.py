@@ -33,11 +33,12 @@ Units: seconds unless named (``*_ms``: milliseconds); offsets and lengths in byt
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
+from p2pkv.tools.bench.transfer_options import METHODS, PEER_LAYOUT
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -47,15 +48,9 @@ if TYPE_CHECKING:
     from p2pkv.dataplane.layout import Segment
     from p2pkv.worker import WorkerSide
 
-PUSH_METHODS: dict[str, str] = {
-    "cross_layer": "p2pkv: cross-layer blocks (BLHNC) + run coalescing",
-    "per_layer": "NixlConnector scheme: layer-compact (LBHNC), 1 descriptor per block per layer",
-    "layer_coalesced": "layer-compact (LBHNC) + run coalescing, 1 descriptor per run per layer",
-}
-"""Methods measured in push mode (the NIXL methods with one agent per prefill cache) → what they move."""
-
-PUSH_LAYOUT = {"cross_layer": "BLHNC", "per_layer": "LBHNC", "layer_coalesced": "LBHNC"}
-"""Push method → the cache (layout, the same on both sides) it writes from and into."""
+PUSH_METHODS: dict[str, str] = {m: METHODS[m] for m in ("cross_layer", "per_layer", "layer_coalesced")}
+"""Methods measured in push mode (the NIXL methods with one agent per prefill cache) → what they move;
+each writes from and into the cache :data:`~p2pkv.tools.bench.transfer_options.PEER_LAYOUT` names."""
 
 WRITE_TIMEOUT_S = 120.0
 """The prefill gives up on a WRITE not DONE after this many seconds (and answers an error)."""
@@ -140,7 +135,7 @@ class Pusher:
 
     def _plan(self, msg: dict[str, Any]) -> dict[str, Any]:
         method, req = str(msg["method"]), int(msg["id"])
-        layout = PUSH_LAYOUT[method]
+        layout = PEER_LAYOUT[method]
         peer, segments, device = self._peers[layout]
         t0 = time.perf_counter()
         local, remote = pair_descriptors(
@@ -162,22 +157,6 @@ class Pusher:
         return {"op": "pushed", "id": req, "xfer_s": time.perf_counter() - t0}
 
 
-class PushLink(Protocol):
-    """The decode's way to the prefill's :class:`Pusher`
-    (:class:`p2pkv.tools.bench.transfer_prefill.SpawnedPrefill`)."""
-
-    def send(self, msg: dict[str, Any]) -> None:
-        """Send one message to the prefill."""
-
-    def receive(self, timeout_s: float) -> dict[str, Any]:
-        """The prefill's next reply (waits up to ``timeout_s`` seconds)."""
-        ...
-
-    def try_receive(self) -> dict[str, Any] | None:
-        """The prefill's next reply if one has arrived, else None (does not wait)."""
-        ...
-
-
 class PushError(RuntimeError):
     """The prefill could not push (its error, or no notification in time)."""
 
@@ -186,12 +165,13 @@ class PushClient:
     """The decode's end of push mode: asks the prefill to push a request and waits for the notification.
 
     Args:
-        link: the spawned prefill process.
+        link: the spawned prefill process (:class:`p2pkv.tools.bench.transfer_prefill.SpawnedPrefill`:
+            ``send``, ``receive(timeout_s)``, ``try_receive()``).
         agent: the decode's NIXL agent (the WRITEs land in its registered memory; it receives the notifications).
         timeout_s: how long to wait for any reply or notification (seconds).
     """
 
-    def __init__(self, link: PushLink, agent: NixlTransferAgent, timeout_s: float) -> None:
+    def __init__(self, link: Any, agent: NixlTransferAgent, timeout_s: float) -> None:
         self.link, self.agent, self.timeout_s = link, agent, timeout_s
         self._next = 0
         self.add_remote_agent_ms: dict[str, float] = {}
