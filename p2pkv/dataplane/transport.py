@@ -49,7 +49,9 @@ until the agent closes; a few KiB per selection).
 
 from __future__ import annotations
 
+import ctypes
 import fnmatch
+import importlib.util
 import logging
 import os
 import re
@@ -434,3 +436,21 @@ def warn_vram_over_tcp(report: TransportReport) -> bool:
     logger.warning("p2pkv: GPU memory (VRAM) %s go over TCP (UCX selected %s): expect about 0.5 GB/s instead of "
                    "device speed. Fix: %s", what, report.detail, vram_over_tcp_fix(report.op))
     return True
+
+
+def ucx_version() -> str | None:
+    """The version string of the UCX library (``libucp``) bundled with the installed NIXL wheel, or None when
+    no wheel's library answers (``ucp_get_version_string``)."""
+    for mod in ("nixl_cu13", "nixl_cu12", "nixl"):
+        spec = importlib.util.find_spec(mod)
+        if spec is None or spec.origin is None:
+            continue
+        libs = Path(spec.origin).parent.parent / f"{mod}.libs"
+        for lib in sorted(libs.glob("libucp*.so*")):
+            try:
+                fn = ctypes.CDLL(str(lib)).ucp_get_version_string
+                fn.restype = ctypes.c_char_p
+                return fn().decode()
+            except (OSError, AttributeError):
+                continue
+    return None

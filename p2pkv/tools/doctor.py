@@ -15,8 +15,6 @@ check). Exit code 1 when any check fails.
 
 from __future__ import annotations
 
-import ctypes
-import glob
 import importlib.metadata
 import importlib.util
 import json
@@ -34,6 +32,7 @@ import numpy as np
 from handshake import AgentInfo, KVLayoutDesc, KVRegion, compute_digest
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.dataplane.layout import Region
+from p2pkv.dataplane.transport import ucx_version
 from p2pkv.tools.doctor_pair import PairError, pair_transfers, verdict
 
 
@@ -67,22 +66,6 @@ def _version(*dists: str) -> str:
     return ""
 
 
-def _ucx_version() -> str:
-    """The version of the UCX library bundled with the installed NIXL wheel."""
-    for mod in ("nixl_cu13", "nixl_cu12"):
-        spec = importlib.util.find_spec(mod)
-        if spec is None or spec.origin is None:
-            continue
-        for lib in glob.glob(os.path.join(os.path.dirname(spec.origin), "..", f"{mod}.libs", "libucp*")):
-            try:
-                ucp = ctypes.CDLL(lib)
-                ucp.ucp_get_version_string.restype = ctypes.c_char_p
-                return ucp.ucp_get_version_string().decode()
-            except (OSError, AttributeError):
-                continue
-    return "unknown"
-
-
 def check_nixl() -> Check:
     version = _version("nixl-cu13", "nixl-cu12", "nixl")
     if not version:
@@ -100,7 +83,7 @@ def check_nixl() -> Check:
 
 def check_ucx() -> Check:
     env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    return Check("ucx", True, f"UCX {_ucx_version()}; environment: {env or 'defaults'}")
+    return Check("ucx", True, f"UCX {ucx_version() or 'unknown'}; environment: {env or 'defaults'}")
 
 
 def check_rdma() -> Check:

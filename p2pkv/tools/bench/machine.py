@@ -8,7 +8,6 @@ library bundled with the NIXL wheel). Units: bytes for memory sizes.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.metadata
 import importlib.util
 import os
@@ -18,6 +17,8 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from p2pkv.dataplane.transport import ucx_version
 
 
 def command_line(argv: Sequence[str]) -> str:
@@ -51,23 +52,6 @@ def _cpu_model() -> str | None:
     """The CPU's model name from ``/proc/cpuinfo`` (else :func:`platform.processor`, else None)."""
     return next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                  if line.startswith("model name")), platform.processor() or None)
-
-
-def _ucx_version() -> str | None:
-    """UCX version of the libucp bundled with the installed NIXL wheel."""
-    for mod in ("nixl_cu13", "nixl_cu12", "nixl"):
-        spec = importlib.util.find_spec(mod)
-        if spec is None or spec.origin is None:
-            continue
-        libs = Path(spec.origin).parent.parent / f"{mod}.libs"
-        for lib in sorted(libs.glob("libucp*.so*")):
-            try:
-                fn = ctypes.CDLL(str(lib)).ucp_get_version_string
-                fn.restype = ctypes.c_char_p
-                return fn().decode()
-            except (OSError, AttributeError):
-                continue
-    return None
 
 
 def version(*dists: str) -> str | None:
@@ -138,7 +122,7 @@ def machine_info(device: str | None = None) -> dict[str, Any]:
     mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
                     if line.startswith("MemTotal:")), 0)
     versions = {name: version(name) for name in ("torch", "numpy", "nixl", "nixl-cu13", "nixl-cu12")}
-    versions["ucx"] = _ucx_version()
+    versions["ucx"] = ucx_version()
     info: dict[str, Any] = {
         "cpu_model": _cpu_model(),
         "logical_cpus": os.cpu_count(),
