@@ -6,18 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pkv.prefill.leases import LeaseTable
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import FakeClock
 
 
 def test_no_head_of_line_stranding() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     leases = LeaseTable(clock)
     leases.hold("long", 100.0)
     leases.hold("a", 5.0)
@@ -31,7 +24,7 @@ def test_no_head_of_line_stranding() -> None:
 
 
 def test_release_and_extend_are_exactly_once() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     leases = LeaseTable(clock)
     leases.hold("r", 10.0)
     assert leases.extend("r", 20.0)  # now 0 + 20
@@ -51,7 +44,7 @@ def test_release_and_extend_are_exactly_once() -> None:
 @given(st.lists(st.tuples(st.sampled_from(["hold", "extend", "release", "tick"]),
                           st.integers(0, 5), st.floats(0, 50)), max_size=60))
 def test_each_lease_ends_once_and_never_early(ops) -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     leases = LeaseTable(clock)
     model: dict[str, float] = {}
     ended: list[str] = []

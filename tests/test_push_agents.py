@@ -31,21 +31,12 @@ from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.testing import make_kv_caches
 from tests import polling
+from tests.clock import FakeClock
 
 NUM_BLOCKS = 8
 SHAPE = dict(num_layers=2, num_blocks=NUM_BLOCKS, num_heads=2, block_size=4, head_dim=4)
 BASE = 0x7F00_0000_0000  # where every fake decode rank's KV cache lies (its declared region)
 REGION = 1 << 20
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand (seconds)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass(eq=False)

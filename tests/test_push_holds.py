@@ -16,16 +16,7 @@ from p2pkv.notification import DoneNotification, blocks_digest
 from p2pkv.prefill.holds import HoldEnd, PrefillHolds
 from p2pkv.prefill.leases import LeaseTable
 from p2pkv.telemetry.stats import empty_stats
-
-
-class FakeClock:
-    """A monotonic clock the test moves by hand (seconds)."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import FakeClock
 
 
 def holds_on(clock: FakeClock, lease_s: float = 30.0) -> PrefillHolds:
@@ -49,7 +40,7 @@ def step(holds: PrefillHolds, notes: list[DoneNotification] | None = None) -> tu
 
 # ---- what pin answers ------------------------------------------------------------------------------------
 def test_pin_answers_like_the_fence() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     holds = holds_on(clock)
     holds.hold("held", 10.0, (4, 5, 6))
     holds.hold("no-blocks", 10.0)  # block ids not known: any list is taken
@@ -69,7 +60,7 @@ def test_pin_answers_like_the_fence() -> None:
 
 
 def test_unpin_of_what_was_never_pinned_changes_nothing() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     holds = holds_on(clock)
     holds.hold("r", 10.0, (1,))
     holds.unpin("r")
@@ -96,7 +87,7 @@ WHY = {"released": HoldEnd.RELEASED, "expired": HoldEnd.EXPIRED, "notified": Hol
 
 def test_an_ending_while_pinned_waits_for_the_unpin_then_applies_once() -> None:
     for how, why in WHY.items():
-        clock = FakeClock()
+        clock = FakeClock(0.0)
         holds = holds_on(clock)
         holds.hold("r", 10.0, (1, 2))
         assert holds.pin("r", [1, 2]) == "held"
@@ -119,7 +110,7 @@ def test_an_ending_while_pinned_waits_for_the_unpin_then_applies_once() -> None:
 
 
 def test_the_last_of_several_pins_frees_the_hold() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     holds = holds_on(clock)
     holds.hold("r", 10.0, (1, 2))
     assert [holds.pin("r", [1, 2]) for _ in range(3)] == ["held"] * 3  # three decode ranks, one WRITE each
@@ -133,7 +124,7 @@ def test_the_last_of_several_pins_frees_the_hold() -> None:
 
 def test_several_endings_while_pinned_free_it_once() -> None:
     """A release, then the lease running out, then a late "done", all while a WRITE is in flight."""
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     holds = holds_on(clock)
     holds.hold("r", 10.0, (1, 2))
     holds.hold("other", 10.0, (3,))
@@ -150,7 +141,7 @@ def test_several_endings_while_pinned_free_it_once() -> None:
 
 
 def test_a_pinned_hold_that_nothing_ends_is_kept_after_the_unpin() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     holds = holds_on(clock)
     holds.hold("r", 10.0, (1, 2))
     assert holds.pin("r", [1, 2]) == "held"
@@ -163,7 +154,7 @@ def test_a_pinned_hold_that_nothing_ends_is_kept_after_the_unpin() -> None:
 
 
 def test_unpinned_holds_are_not_held_back_by_a_pinned_one() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     holds = holds_on(clock)
     holds.hold("pinned", 10.0, (1,))
     holds.hold("free", 10.0, (2,))
@@ -178,7 +169,7 @@ def test_a_pin_that_lands_while_the_hold_is_being_ended_is_refused() -> None:
     "held" for a hold being handed back to vLLM (its WRITE would read freed blocks). Ending a hold (deciding
     it ends, forgetting its blocks) is one critical section: a pin sent from another thread in the middle of
     it waits for it, then finds the hold ended."""
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     holds = holds_on(clock)
     holds.hold("r", 10.0, (1, 2))
     answers: list[str] = []
@@ -208,7 +199,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["pin", "unpin", "release", "done", "ti
 @settings(max_examples=300, deadline=None)
 @given(OPS)
 def test_every_hold_ends_once_and_never_while_pinned(ops: list[tuple[str, int, float]]) -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     holds = holds_on(clock, lease_s=10.0)
     blocks = {f"r{i}": (10 * i, 10 * i + 1) for i in range(3)}
     for rid, ids in blocks.items():

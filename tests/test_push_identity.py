@@ -25,19 +25,12 @@ from p2pkv.dataplane.layout import Region
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
+from tests.clock import FakeClock
 from tests.polling import wait_until
 from tests.push_support import DECODE, ENGINE, HOST, KEY, NUM_BLOCKS, Agents, descs, side_channel
 
 VICTIM = DECODE
 ATTACKER = "attacker-engine"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @dataclass

@@ -8,16 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from handshake import ReplayedRequestError, ReplayGuard, StaleRequestError
+from tests.clock import FakeClock
 
 WINDOW, SKEW, CAPACITY = 30.0, 5.0, 16
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _check(guard: ReplayGuard, nonce: bytes, sent_at: float) -> bool:
@@ -36,7 +29,7 @@ requests = st.lists(st.tuples(st.floats(0, 3), st.floats(-40, 40), st.integers(0
 @settings(max_examples=300, deadline=None)
 @given(requests)
 def test_a_request_is_accepted_only_inside_the_window_and_memory_stays_bounded(ops) -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = ReplayGuard(WINDOW, CAPACITY, clock, future_skew_s=SKEW)
     for step, offset, nonce in ops:
         clock.now += step
@@ -49,7 +42,7 @@ def test_a_request_is_accepted_only_inside_the_window_and_memory_stays_bounded(o
 @given(st.lists(st.tuples(st.floats(0, 3), st.floats(-40, 0), st.integers(0, 40)), max_size=200))
 def test_no_request_dated_in_the_past_is_accepted_twice(ops) -> None:
     """Floods and eviction included: a forgotten nonce's request is refused as stale, never let through."""
-    clock = Clock()
+    clock = FakeClock()
     guard = ReplayGuard(WINDOW, CAPACITY, clock, future_skew_s=SKEW)
     accepted: set[tuple[bytes, float]] = set()
     for step, offset, nonce in ops:
@@ -69,7 +62,7 @@ def test_no_flood_makes_honest_requests_after_it_stale(flood: int, ahead: float,
                                                       latency: float) -> None:
     """Whatever a flood was dated (up to the skew ahead: a fast clock, or a secret holder), a request sent
     after it stopped is accepted: the floor never passes the server's clock."""
-    clock = Clock()
+    clock = FakeClock()
     guard = ReplayGuard(WINDOW, CAPACITY, clock, future_skew_s=SKEW)
     for i in range(flood):
         clock.now += spread / flood
@@ -83,13 +76,13 @@ def test_no_flood_makes_honest_requests_after_it_stale(flood: int, ahead: float,
 @pytest.mark.parametrize(("offset", "accepted"), [(-30.0, True), (-30.01, False), (5.0, True), (5.01, False),
                                                   (29.0, False)])
 def test_skew_ahead_is_bounded_separately_from_age(offset: float, accepted: bool) -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = ReplayGuard(WINDOW, CAPACITY, clock, future_skew_s=SKEW)
     assert _check(guard, b"n" * 16, clock.now + offset) is accepted
 
 
 def test_a_request_from_a_fast_clock_is_refused_naming_the_cause() -> None:
-    guard = ReplayGuard(WINDOW, CAPACITY, Clock(), future_skew_s=SKEW)
+    guard = ReplayGuard(WINDOW, CAPACITY, FakeClock(), future_skew_s=SKEW)
     with pytest.raises(StaleRequestError, match="the sender's clock runs ahead of this server's") as info:
         guard.check(b"n" * 16, 1000.0 + 29.0)
     assert info.value.field == "sent_at"

@@ -42,6 +42,7 @@ from handshake import (
     release_holds,
 )
 from handshake._net import CurveKeys, configure_socket
+from tests.clock import FakeClock
 from tests.handshake_support import ServerProcess, fake_router, make_agent_info
 
 HOST = "127.0.0.1"
@@ -161,16 +162,8 @@ def test_stale_request_is_refused(make: Callable[..., object], skew_s: float) ->
         assert srv.stats["served"] == 0 and released.calls == []
 
 
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_replay_guard_refuses_a_nonce_seen_within_the_window() -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = ReplayGuard(window_s=30.0, capacity=8, clock=clock)
     guard.check(b"a" * 16, 1000.0)
     with pytest.raises(ReplayedRequestError) as info:
@@ -188,7 +181,7 @@ def test_replay_guard_refuses_a_nonce_seen_within_the_window() -> None:
 
 
 def test_replay_guard_memory_is_bounded_and_eviction_raises_the_floor() -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = ReplayGuard(window_s=30.0, capacity=4, clock=clock)
     clock.now = 1010.0  # every request below is dated in the past
     nonces = [bytes([i]) * 16 for i in range(10)]
@@ -211,7 +204,7 @@ def test_replay_guard_memory_is_bounded_and_eviction_raises_the_floor() -> None:
 
 
 def test_replay_guard_forgets_nonces_after_the_window() -> None:
-    clock = Clock()
+    clock = FakeClock()
     guard = ReplayGuard(window_s=30.0, capacity=100, clock=clock)
     for i in range(50):
         guard.check(bytes([i]) * 16, 1000.0)

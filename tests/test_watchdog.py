@@ -10,23 +10,14 @@ import pytest
 
 from handshake import Destination, HandshakeServer, send_heartbeat
 from handshake.watchdog import StallWatchdog
+from tests.clock import FakeClock
 from tests.handshake_support import make_agent_info
 
 HOST = "127.0.0.1"
 
 
-class Clock:
-    """A monotonic clock the test moves (seconds)."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_stall_is_reported_once_with_stacks_then_its_end(caplog: pytest.LogCaptureFixture) -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     dog = StallWatchdog("the loop", stall_s=2.0, clock=clock)
     with caplog.at_level(logging.INFO, logger="p2pkv.handshake"):
         clock.now += 1.9
