@@ -48,7 +48,7 @@ class Drain:
         quarantined for as long as its mover says it may still land; unposted
         staging is given back.
         """
-        for read in transfer.reads:
+        for read in transfer.parts:
             if not read.in_flight or read.direction is None:
                 continue
             deadline, quarantine = self.movers[read.direction].give_up(read, time.monotonic())

@@ -76,7 +76,7 @@ def plan_read(spec: LoadSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, 
 
 def plan_reads(transfer: Transfer, ranks: list[int], peers: dict[PeerId, Peer], layout: KVLayout, desc: KVLayoutDesc,
                device_id: int, stager: Stager) -> bool:
-    """Plan ``pull``'s READ from each prefill rank in ``ranks`` into ``pull.reads`` (empty shares skipped).
+    """Plan ``pull``'s READ from each prefill rank in ``ranks`` into ``pull.parts`` (empty shares skipped).
 
     Returns:
         False when staging has no room yet (the pull waits; nothing stays reserved).
@@ -95,13 +95,13 @@ def plan_reads(transfer: Transfer, ranks: list[int], peers: dict[PeerId, Peer], 
                                   "staging_mib holds; raise staging_mib in kv_connector_extra_config")
             return False
         if planned[0].size:
-            transfer.reads.append(Part(transfer, transfer.attempt, pid, peers[pid], *planned))
+            transfer.parts.append(Part(transfer, transfer.attempt, pid, peers[pid], *planned))
     return True
 
 
 def release_unposted(transfer: Transfer, stager: Stager) -> None:
     """Give back the staging of ``pull``'s parts not yet posted."""
-    for read in [r for r in transfer.reads if r.stage is not None and r.direction is None]:
+    for read in [r for r in transfer.parts if r.stage is not None and r.direction is None]:
         stager.release(read.stage)
         read.stage = None
 

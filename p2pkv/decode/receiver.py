@@ -108,7 +108,7 @@ class Receiver:
                              config.handshake_timeout_s, config.transfer_timeout_s)
         self.directions = Directions(config.transfer_mode)
         ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s)
-        self.parts = Transfers(ways, self.directions)
+        self.moves = Transfers(ways, self.directions)
         self.drain = Drain(stager, self.outcomes, ways)
 
     # ---- public surface -----------------------------------------------------
@@ -147,8 +147,8 @@ class Receiver:
                             ("checking deadlines", self._expire), ("asking fence questions", self.fence.send),
                             ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers))):
             self._contained(None, what, phase)
-        return bool(self.drain) or any(r.in_flight and self.parts.mover_of(r).polled_soon(r)
-                                           for p in self.in_state(TransferState.READING) for r in p.reads)
+        return bool(self.drain) or any(r.in_flight and self.moves.mover_of(r).polled_soon(r)
+                                           for p in self.in_state(TransferState.READING) for r in p.parts)
 
     def _contained(self, transfer: Transfer | None, what: str, fn: Callable[..., Any], *args: Any,
                    **kwargs: Any) -> None:
@@ -192,8 +192,8 @@ class Receiver:
         self.background.close()
         self.fence.close()
         with self.lock:
-            for read in [r for transfer in self.transfers for r in transfer.reads if r.in_flight]:
-                self.parts.mover_of(read).stop(read)
+            for read in [r for transfer in self.transfers for r in transfer.parts if r.in_flight]:
+                self.moves.mover_of(read).stop(read)
             self.transfers.clear()
 
     # ---- transitions ----------------------------------------------------------
@@ -241,7 +241,7 @@ class Receiver:
         spec = transfer.spec
         counts = self.rank.notifiers(spec.remote.tp_size, notify)
         transfer.notify = [(PeerId.of(spec.remote, r), n) for r, n in zip(notify, counts, strict=True)]
-        transfer.reads, transfer.started, transfer.num_bytes, transfer.num_descriptors = [], time.monotonic(), 0, 0
+        transfer.parts, transfer.started, transfer.num_bytes, transfer.num_descriptors = [], time.monotonic(), 0, 0
         try:
             if not plan_reads(transfer, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
                               self.rank.desc, self.rank.device_id, self.stager):
@@ -255,12 +255,12 @@ class Receiver:
             else:
                 self._fail(transfer, FailureKind.STAGING, str(exc))
             return
-        if not transfer.reads:  # nothing to load (or a notify-only pull)
+        if not transfer.parts:  # nothing to load (or a notify-only pull)
             self.notifier.add(transfer)
             self._to(transfer, TransferState.DONE)
             return
         self._to(transfer, TransferState.READING)
-        if (failed := self.parts.start(transfer)) is not None:
+        if (failed := self.moves.start(transfer)) is not None:
             read, exc = failed
             self.drain.abandon(transfer)
             self.peers.drop(read.peer_id)
@@ -293,22 +293,22 @@ class Receiver:
         self.stager.poll_releases()
 
     def _poll_pull(self, transfer: Transfer, now: float) -> None:
-        for read in transfer.reads:
+        for read in transfer.parts:
             if transfer.state is not TransferState.READING or read.attempt != transfer.attempt:
                 break  # abandoned (or retried) during this loop
             if read.in_flight and (read.stage is None or not self.progress.on_thread()):
                 self._poll(transfer, read, now)  # a staged READ's fixup runs at the engine step
-        if transfer.state is TransferState.READING and all(r.done for r in transfer.reads):
+        if transfer.state is TransferState.READING and all(r.done for r in transfer.parts):
             transfer.marks["read"] = time.time()
             self._to(transfer, TransferState.FENCING)
             self._confirm_if_done(transfer)
 
     def _poll(self, transfer: Transfer, read: Part, now: float) -> None:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
-        event, exc = self.parts.poll(read, now)
+        event, exc = self.moves.poll(read, now)
         if event is ReadEvent.FAILED:
             self._part_failed(read, _kind(exc), str(exc), retry=True,
-                              drop_peer=not self.parts.mover_of(read).keeps_peer_on_failure)
+                              drop_peer=not self.moves.mover_of(read).keeps_peer_on_failure)
         elif event is ReadEvent.FIXUP_FAILED:
             self.drain.abandon(transfer)
             self._fail(transfer, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
@@ -329,7 +329,7 @@ class Receiver:
 
     def _confirm_if_done(self, transfer: Transfer) -> None:
         """``FENCING`` with every part confirmed: the pull is done (recorded, prefill ranks to notify)."""
-        if transfer.state is TransferState.FENCING and all(r.confirmed for r in transfer.reads):
+        if transfer.state is TransferState.FENCING and all(r.confirmed for r in transfer.parts):
             transfer.marks["confirmed"] = time.time()
             _record(transfer, self.stats, self.config.stats_file)
             self.notifier.add(transfer)
@@ -389,14 +389,14 @@ def _log_failure(spec: LoadSpec, kind: FailureKind, why: str) -> bool:
 
 def _record(transfer: Transfer, stats: StatsBuffer, stats_file: str) -> None:
     """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
-    spec, seconds = transfer.spec, max(r.done for r in transfer.reads) - transfer.started
+    spec, seconds = transfer.spec, max(r.done for r in transfer.parts) - transfer.started
     direction = transfer.direction().value
     stats.record_pull(transfer.num_bytes, seconds, transfer.num_descriptors, direction)
     stats.record_phases(transfer.marks)
     if stats_file:
         append_json_line(stats_file, {
             "request_id": spec.request_id, "remote_request_id": spec.remote.request_id,
-            "peer": ",".join(r.peer.agent_name for r in transfer.reads), "blocks": len(spec.local_block_ids),
+            "peer": ",".join(r.peer.agent_name for r in transfer.parts), "blocks": len(spec.local_block_ids),
             "bytes": transfer.num_bytes, "descriptors": transfer.num_descriptors, "seconds": seconds,
             "direction": direction,
             "marks": transfer.marks, "fence": transfer.questions})

@@ -87,7 +87,7 @@ class TransferSpans:
 
     def _attributes(self, transfer: Transfer) -> dict[str, str | int | list[str] | list[int]]:
         spec, remote = transfer.spec, transfer.spec.remote
-        reads = transfer.reads
+        reads = transfer.parts
         transports = self.agent.transports
         return {
             "p2pkv.request_id": spec.request_id, "p2pkv.remote_request_id": remote.request_id,

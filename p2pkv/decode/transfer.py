@@ -119,7 +119,7 @@ class Transfer:
         peers: every prefill rank it reads from or notifies (while it is under
             way, none of them is evicted).
         attempt: 0 for the first try, 1 after the one retry a peer failure allows.
-        reads: the current attempt's parts (READ or pushed).
+        parts: the current attempt's parts (READ or pushed), one per prefill rank it loads from.
         notify: prefill ranks to notify when done, each with how many decode
             ranks notify it.
         num_bytes / num_descriptors: moved so far by the current attempt.
@@ -138,7 +138,7 @@ class Transfer:
     since: float = field(default_factory=time.monotonic)
     peers: tuple[PeerId, ...] = ()
     attempt: int = 0
-    reads: list[Part] = field(default_factory=list)
+    parts: list[Part] = field(default_factory=list)
     notify: list[tuple[PeerId, int]] = field(default_factory=list)
     num_bytes: int = 0
     num_descriptors: int = 0
@@ -171,4 +171,4 @@ class Transfer:
     def direction(self) -> Direction:
         """How its bytes moved, for metrics and spans: its first posted part's direction (its parts share
         one, except under ``transfer_mode`` auto while a peer's choice changes); pull before any is posted."""
-        return next((r.direction for r in self.reads if r.direction is not None), Direction.PULL)
+        return next((r.direction for r in self.parts if r.direction is not None), Direction.PULL)

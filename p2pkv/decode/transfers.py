@@ -40,7 +40,7 @@ class Transfers:
             The first part that could not start and why (the parts after it
             are not started), or None.
         """
-        for read in transfer.reads:
+        for read in transfer.parts:
             mover = self.movers[self.directions.of(transfer.spec.remote.transfer_mode, read.peer.agent_name)]
             if (why := mover.cannot_carry(read)) is not None and mover.fallback is not None:
                 logger.warning("p2pkv: request %s moves its part from %s by %s, not %s: %s", transfer.request_id,

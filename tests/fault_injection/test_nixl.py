@@ -245,7 +245,7 @@ def test_stale_failure_keeps_the_new_peer(prefill: PrefillProc, decode: DecodeSi
     # B failed, re-handshake began
     while not (b_fails.faults and w.receiver.peers.handshakes) and time.monotonic() < end:
         decode.step()
-    reads_in_flight = sum(r.in_flight for p in w.receiver.transfers for r in p.reads)
+    reads_in_flight = sum(r.in_flight for p in w.receiver.transfers for r in p.parts)
     assert a_slow.faults == 1 and outer.calls["check_xfer_state"] == 2 and reads_in_flight == 1
     (pending,) = w.receiver.peers.handshakes.values()
     assert pending.future is not None
