@@ -47,7 +47,9 @@ def test_one_slow_key_holds_at_most_per_key_threads_and_never_delays_another_key
         assert _threads(pool) <= 4
         release.set()
         assert [f.result(timeout=10) for f in slow] == [f"slow-{i}" for i in range(50)]
-        assert _threads(pool) <= 4 and _keys(pool) == set()
+        # A call's future is set before its thread forgets the key: the last key goes a moment later.
+        assert eventually(lambda: _keys(pool) == set()), _keys(pool)
+        assert _threads(pool) <= 4
     finally:
         release.set()
         pool.close()
