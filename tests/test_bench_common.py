@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 
 import pytest
@@ -76,3 +77,23 @@ def test_every_bench_in_the_table_parses_and_runs_its_module(name: str, capsys) 
     assert "".join(help_text.split()) in "".join(capsys.readouterr().out.split())  # wrapped by argparse
     args = parser.parse_args(["bench", name])
     assert args.bench_command == name and args.func is getattr(module, run)
+
+
+def test_the_command_parses_on_a_gpu_node_without_the_proxy_dependencies() -> None:
+    """`p2pkv doctor` and `p2pkv bench transfer` run where FastAPI/Starlette are not installed (a GPU node that
+    only moves KV caches; the H200 check in docs/benchmarks/transfer-h200.md ran so)."""
+    code = ("import sys\n"
+            "for name in ('fastapi', 'starlette', 'uvicorn'):\n"
+            "    sys.modules[name] = None  # importing it raises ImportError\n"
+            "from p2pkv.tools.cli import build_parser\n"
+            "args = build_parser().parse_args(['bench', 'transfer', '--device', 'cpu'])\n"
+            "assert args.device == 'cpu'\n"
+            "build_parser().parse_args(['doctor', '--json'])\n"
+            "from p2pkv.tools import proxy\n"
+            "try:\n"
+            "    proxy.create_app\n"
+            "except ImportError as exc:\n"
+            "    print('proxy needs', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "proxy needs" in out.stdout  # the proxy itself still imports FastAPI when used

@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from starlette.requests import Request
+if TYPE_CHECKING:
+    from starlette.requests import Request
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
