@@ -28,7 +28,7 @@ from p2pkv.dataplane.transport import (
     summarize,
     warn_vram_over_tcp,
 )
-from p2pkv.tools.doctor_pair import pair_transfers, verdict
+from p2pkv.tools.doctor_pair import PairResult, pair_transfers, verdict
 from tests.p2p_harness import DecodeSide, PrefillProc, free_port, pull_task
 
 BOUND_S = 20.0
@@ -230,6 +230,33 @@ def test_vram_pair_over_tcp_fails_the_check_with_the_fix(monkeypatch: pytest.Mon
     assert result.bytes_ok and result.write_bytes_ok and result.report.vram_over_tcp, detail
     assert result.write_report.vram_over_tcp, detail
     assert not ok and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on" in fix and "WRITEs: " in fix
+
+
+def _vram_pair(read: str, read_protocol: str, write: str, write_protocol: str) -> PairResult:
+    """A VRAM pair's result as the H200 run reported it (docs/benchmarks/transfer-h200.md), transports chosen."""
+    return PairResult("VRAM", 16 << 20, 0.03, True,
+                      TransportReport("src", "VRAM", read, "intra-node", "get_multi", "READ", read_protocol), 6e-5,
+                      True, TransportReport("dst", "VRAM", write, "intra-node", "put_multi", "WRITE", write_protocol))
+
+
+def test_vram_pair_whose_reads_alone_go_over_tcp_passes_because_auto_pushes() -> None:
+    """One GPU without NVLink: UCX READs over TCP but WRITEs by cuda_ipc; transfer_mode auto (the default) pushes."""
+    ok, detail, fix = verdict(_vram_pair("tcp", "software emulation", "cuda_ipc", "zero-copy"))
+    assert ok, detail
+    assert detail.splitlines()[3] == ("transfer_mode auto (the default) and push move this pair's KV by cuda_ipc "
+                                      "WRITEs; transfer_mode pull would READ over TCP")
+    assert fix.startswith("READs: ") and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on" in fix
+
+
+@pytest.mark.parametrize(("read", "read_protocol", "write", "write_protocol"), [
+    ("tcp", "software emulation", "tcp", "software emulation"),  # no cuda_ipc at all
+    ("cuda_ipc", "zero-copy", "tcp", "software emulation"),  # WRITEs slow: push and auto would be
+])
+def test_vram_pair_whose_writes_go_over_tcp_fails(read: str, read_protocol: str, write: str,
+                                                   write_protocol: str) -> None:
+    ok, detail, fix = verdict(_vram_pair(read, read_protocol, write, write_protocol))
+    assert not ok and len(detail.splitlines()) == 3 and "WRITEs: " in fix, (detail, fix)
+    assert ("READs: " in fix) == (read == "tcp")
 
 
 def _dot(label: str) -> str:

@@ -13,9 +13,13 @@ transport off UCX's own protocol selection
 (:class:`p2pkv.dataplane.transport.TransportWatch`), exactly as a worker does
 at its first xfer with a peer; the child prints its WRITE's report on stdout.
 
-For GPU memory the check fails when UCX moves either direction over TCP (the
-silent fallback that makes VRAM transfers ~1000× slower than the device),
-naming the fix; without a CUDA device it is skipped (reported ok, with the reason).
+For GPU memory the check fails when UCX moves the WRITEs, or both directions,
+over TCP (the silent fallback that makes VRAM transfers ~1000× slower than the
+device), naming the fix. READs alone over TCP pass, saying so and still
+naming the fix: ``transfer_mode: auto`` (the default) then has the prefill
+side WRITE (UCX turns cuda_ipc GET off without NVLink, so this is what a
+single-GPU or PCIe node shows). Without a CUDA device it is skipped (reported
+ok, with the reason).
 """
 
 from __future__ import annotations
@@ -334,7 +338,10 @@ def _line(result: PairResult, op: str) -> str:
 def verdict(result: PairResult) -> tuple[bool, str, str]:
     """``(ok, detail, fix)`` of a pair's READ and WRITE: bytes must match; GPU memory must not go over TCP.
 
-    ``detail`` is three lines: the pair, then one line per direction.
+    ``detail`` is three lines: the pair, then one line per direction; a fourth
+    when only the READs go over TCP while the WRITEs are zero-copy, which
+    passes (``transfer_mode: auto`` pushes there) with ``fix`` naming what
+    would make READs fast too.
     """
     detail = (f"{result.mem_type} pair on this host, {result.nbytes >> 20} MiB each way "
               f"(the fastest of {result.xfers}):\n{_line(result, 'READ')}\n{_line(result, 'WRITE')}")
@@ -347,8 +354,9 @@ def verdict(result: PairResult) -> tuple[bool, str, str]:
         return True, detail, ""
     fix = "; ".join(f"{r.op}s: {vram_over_tcp_fix(r.op)}" for r in slow)
     if [r.op for r in slow] == ["READ"] and is_zero_copy(result.write_report):
-        fix += (f"; or let the prefill side WRITE (transfer_mode: push, or auto): WRITEs move by "
-                f"{result.write_report.transport} here")
+        return True, detail + (f"\ntransfer_mode auto (the default) and push move this pair's KV by "
+                               f"{result.write_report.transport} WRITEs; transfer_mode pull would READ over "
+                               f"TCP"), fix
     return False, detail, fix
 
 
