@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# p2pkv on one CUDA GPU, in one call of about 6 minutes: GPU memory moved by NIXL in both directions.
+#
+#   bash scripts/gpu-check.sh            # results under $OUT (default ./gpu-check-out)
+#   DEVICE=cpu TOKENS=256,1k bash scripts/gpu-check.sh   # a dry run of every step on a machine without a GPU
+#
+# Needs python3 with torch (CUDA) and pytest. Wheels in .whl/ (nixl, nixl-cu13, msgspec, pyzmq for
+# this python) are installed first to /tmp/site when present: a machine with no registry gets p2pkv's
+# dependencies that way (docs/benchmarks/transfer-gpu.md says how the wheels were fetched).
+#
+# Writes, in this order (each step has its own time limit, so one hang does not cost the rest):
+#   log.txt                 every step's output
+#   auto.json               scripts/gpu_auto_choice.py: the VRAM pair's READ/WRITE transports, with UCX's
+#                           defaults and with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on, and what transfer_mode auto picks
+#   transfer.json           p2pkv bench transfer --device "$DEVICE" --mode pull,push, Llama-3-8B-shaped caches, 1k/4k/16k
+#   transfer-getzcopy.json  the same pulls with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on (4k/16k)
+#   fixup.json              p2pkv bench fixup --device "$DEVICE" (torch, runs, triton)
+#   doctor.json             p2pkv doctor --json
+#   tests.log               pytest -m gpu
+set -u -o pipefail
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+LOG=$OUT/log.txt
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+DEVICE=${DEVICE:-cuda}
+TOKENS=${TOKENS:-1024,4k,16k}
+BIG=${TOKENS#*,}  # the GET_ZCOPY pulls: all but the smallest size
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >>"$LOG" 2>&1 || { echo "installing .whl/ failed" | tee -a "$LOG"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+step() {  # step NAME SECONDS COMMAND...: run with a limit, log its output and time
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name (limit ${limit}s): $*" >>"$LOG"
+  timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+}
+
+step env 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PY -c 'import torch, nixl, sys; print(sys.version); \
+print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); print(nixl.__file__)'; \
+$PY -c 'from p2pkv.dataplane.transport import ucx_version; print(\"UCX\", ucx_version())'"
+step auto 150 $PY scripts/gpu_auto_choice.py --json "$OUT/auto.json" --mib 256
+LLAMA8B=(--layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --block-size 16)
+step transfer 240 $PY -m p2pkv.tools.cli bench transfer --device "$DEVICE" --mode pull,push "${LLAMA8B[@]}" \
+  --tokens "$TOKENS" --requests 4 --max-mem-gib 24 --json "$OUT/transfer.json"
+step transfer-getzcopy 120 env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on $PY -m p2pkv.tools.cli bench transfer \
+  --device "$DEVICE" --mode pull "${LLAMA8B[@]}" --tokens "$BIG" --requests 4 --max-mem-gib 24 \
+  --json "$OUT/transfer-getzcopy.json"
+step fixup 120 $PY -m p2pkv.tools.cli bench fixup --device "$DEVICE" --json "$OUT/fixup.json"
+step doctor 120 bash -c "$PY -m p2pkv.tools.cli doctor --json > '$OUT/doctor.json'"
+step tests 240 bash -c "$PY -m pytest -m gpu -p no:cacheprovider -q -rA -o addopts= tests/test_hetero.py \
+  tests/test_doctor.py tests/test_transport.py tests/test_bench_transfer.py tests/test_fixup.py > '$OUT/tests.log' 2>&1"
+tail -n 3 "$OUT/tests.log"
