@@ -6,7 +6,7 @@
 #
 # Needs python3 with torch (CUDA) and pytest. Wheels in .whl/ (nixl, nixl-cu13, msgspec, pyzmq for
 # this python) are installed first to /tmp/site when present: a machine with no registry gets p2pkv's
-# dependencies that way (docs/benchmarks/transfer-gpu.md says how the wheels were fetched).
+# dependencies that way (`bash scripts/gpu-wheels.sh` fetches them).
 #
 # Writes, in this order (each step has its own time limit, so one hang does not cost the rest):
 #   log.txt                 every step's output
