@@ -342,9 +342,10 @@ def _decode_side(request: pytest.FixtureRequest, **cfg: Any) -> Iterator[DecodeS
 
 @pytest.fixture
 def decode(request: pytest.FixtureRequest) -> Iterator[DecodeSide]:
-    """A decode worker (:class:`tests.p2p_harness.DecodeSide`, 64 blocks) in this process, set up with the test
-    module's ``DECODE_CFG`` if it has one, else :data:`tests.p2p_harness.DECODE_CFG`."""
-    yield from _decode_side(request)
+    """A decode worker (:class:`tests.p2p_harness.DecodeSide`, 64 blocks) in this process that pulls
+    (``transfer_mode: pull``: under ``auto`` a probe READ would come first, and the fault tests count READs), set
+    up with the test module's ``DECODE_CFG`` if it has one, else :data:`tests.p2p_harness.DECODE_CFG`."""
+    yield from _decode_side(request, transfer_mode="pull")
 
 
 @pytest.fixture(params=MODES)

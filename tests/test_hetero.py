@@ -195,6 +195,20 @@ def test_every_token_lands_in_the_right_slot_on_cuda(row: str) -> None:
     pull_and_check(row, "cuda")
 
 
+@pytest.mark.gpu
+def test_auto_chooses_by_the_probe_before_the_first_request_on_cuda() -> None:
+    """GPU memory: the probe READ after the handshake tells ``auto`` how UCX moves READs of VRAM (over TCP
+    without an NVLink peer, unless cuda_ipc GET is on), and the first request already goes that way."""
+    pull_and_check("block 16 -> 64", "cuda", transfer_mode="auto")
+
+
+def probed_choice(worker: WorkerSide) -> str:
+    """The direction ``auto`` chose for a decode worker's one prefill agent, which its probe READ decided."""
+    (choice,) = worker.receiver.directions.choices.values()
+    assert not choice.reason.startswith("auto: no READ"), choice.reason  # decided before the first request
+    return choice.direction.value
+
+
 def block_ids(rng: np.random.Generator, count: int) -> list[int]:
     """``count`` distinct block ids: a run of consecutive ids (as an allocator hands out), then scattered ones."""
     run = count // 2
@@ -230,7 +244,8 @@ def decode_workers(side: Side, device: str, **config: float) -> Iterator[list[tu
 
 def pull_and_check(row: str, device: str, transfer_mode: str = "pull") -> None:
     """Move one 150-token request between the row's engines (``transfer_mode``: the decode ranks READ, or the
-    prefill ranks WRITE) and compare every decode rank's cache."""
+    prefill ranks WRITE, or ``auto``: as each decode rank's probe READ decided) and compare every decode rank's
+    cache."""
     prefill_side, decode_side, how = ROWS[row]
     tokens, first_token = 150, 0
     rng = np.random.default_rng(len(row))
@@ -257,7 +272,8 @@ def pull_and_check(row: str, device: str, transfer_mode: str = "pull") -> None:
         assert all(mode(w) == {how} for w, _, _ in decoders), [mode(w) for w, _, _ in decoders]
         for rank, (worker, _, _) in enumerate(decoders):
             directions = (worker.take_stats() or {}).get("directions", {})
-            assert directions == {transfer_mode: 1}, f"decode rank {rank}: {directions}"
+            expected = probed_choice(worker) if transfer_mode == "auto" else transfer_mode
+            assert directions == {expected: 1}, f"decode rank {rank}: {directions}"
         for rank, (_, base, _) in enumerate(decoders):
             expected, _ = make_cache(decode_side, rank, "cpu", local_ids, tokens)
             assert torch.equal(base.cpu(), expected), f"decode rank {rank}: blocks differ from the position codes"

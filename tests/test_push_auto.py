@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from handshake import KVRegion
+from p2pkv.dataplane.agent import TransferError
 from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.direction import Direction, choose
+from p2pkv.decode.probe import PROBE_BYTES, TransportProbe
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.testing import block_bytes, make_kv_caches
+from p2pkv.worker import WorkerSide
+from tests.clock import FakeClock
 from tests.fault_injection.support import released_once_not_expired
 from tests.p2p_harness import PrefillProc
 from tests.workers import SHAPE, free_port, make_worker, model_info, run_until_received, task
@@ -52,16 +59,24 @@ def test_settings_other_than_auto_are_kept_whatever_ucx_says() -> None:
     assert choose("auto", None).direction is Direction.PULL  # no READ from the peer yet
 
 
-def test_auto_pulls_over_cma_then_pushes_once_reads_are_reported_over_tcp(prefill: PrefillProc,
-                                                                          caplog: pytest.LogCaptureFixture) -> None:
-    port = prefill.port
-    prefill.lease(["req-1", "req-2", "req-3"])
+def _auto_decode_worker(caplog: pytest.LogCaptureFixture) -> tuple[dict[str, torch.Tensor], torch.Tensor,
+                                                                  dict[str, torch.Tensor], WorkerSide]:
+    """The prefill's expected caches, then a zeroed decode cache (its base tensor and per-layer views) and a decode
+    worker in ``auto`` on it; ``p2pkv.decode``'s INFO lines captured."""
     _, expected = make_kv_caches(LAYOUT, seed=1, **SHAPE)
     base, views = make_kv_caches(LAYOUT, fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port(), transfer_mode="auto")
     worker.model = model_info(LAYOUT)
     worker.register_kv_caches(views, SHAPE["num_blocks"])
     caplog.set_level(logging.INFO, logger="p2pkv.decode")
+    return expected, base, views, worker
+
+
+def test_auto_pulls_over_cma_then_pushes_once_reads_are_reported_over_tcp(prefill: PrefillProc,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    port = prefill.port
+    prefill.lease(["req-1", "req-2", "req-3"])
+    expected, base, views, worker = _auto_decode_worker(caplog)
     try:
         worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "req-1", port, [3, 4], [10, 11])]))
         assert run_until_received(worker, "d-1") == set()
@@ -88,3 +103,78 @@ def test_auto_pulls_over_cma_then_pushes_once_reads_are_reported_over_tcp(prefil
     logged = [r.getMessage() for r in caplog.records if "from prefill agent" in r.getMessage()]
     assert any("push from prefill agent" in m and "VRAM move by tcp" in m for m in logged)
     assert base.abs().sum() > 0
+
+
+def test_auto_pushes_the_first_request_when_the_probe_finds_reads_over_tcp(
+        prefill: PrefillProc, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The decode rank's UCX may use TCP only, so READs of this pair go over TCP; the probe READ right after the
+    handshake says so, and the very first request is pushed (before the probe it was READ over TCP)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    prefill.lease(["req-t1"])
+    expected, base, views, worker = _auto_decode_worker(caplog)
+    try:
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-t1", "req-t1", port := prefill.port, [5, 6], [12, 13])]))
+        assert run_until_received(worker, "d-t1") == set()
+        released_once_not_expired(prefill, "req-t1", timeout_s=30)
+        assert worker.stats.data["directions"] == {"push": 1}, port
+        (peer,) = worker.receiver.directions.choices
+        assert "DRAM move by tcp, not zero-copy" in worker.receiver.directions.choices[peer].reason
+        assert worker.receiver.agent.transports[peer].transport == "tcp"
+        for local, remote in ((5, 12), (6, 13)):
+            assert block_bytes(views, LAYOUT, local) == block_bytes(expected, LAYOUT, remote)
+    finally:
+        worker.shutdown()
+    logged = [r.getMessage() for r in caplog.records if "from prefill agent" in r.getMessage()]
+    assert not any(m.startswith("p2pkv: pull from prefill agent") for m in logged), logged  # pushed from the start
+    assert base.abs().sum() > 0
+
+
+class _StuckAgent:
+    """A NIXL agent whose READs never finish or fail at once (fault injection for the probe)."""
+
+    mem_type = "DRAM"
+
+    def __init__(self, fail: bool, clock: FakeClock) -> None:
+        self.fail, self.clock = fail, clock
+        self.transports: dict[str, TransportReport] = {}
+        self.registered: list[tuple] = []
+        self.posted: list[tuple] = []
+        self.cancelled = 0
+
+    def register(self, regions, mem_type, device_id) -> None:
+        self.registered.append((regions, mem_type, device_id))
+
+    def start_read(self, peer, local, remote):
+        if self.fail:
+            raise TransferError("peer gone")
+        self.posted.append((peer, local.copy(), remote.copy()))
+        return "xfer"
+
+    def poll(self, xfer) -> bool:
+        self.clock.now += 0.3  # each look takes 0.3 s
+        return False
+
+    def cancel(self, xfer) -> bool:
+        self.cancelled += 1
+        return True
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_probe_that_hangs_or_fails_is_given_up_and_the_peer_is_pulled_from(fail: bool,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    agent = _StuckAgent(fail, clock)
+    probe = TransportProbe(agent, torch.device("cpu"), 0, timeout_s=1.0, clock=clock)
+    (regions, mem_type, _), = agent.registered
+    assert mem_type == "DRAM" and regions[0].length == PROBE_BYTES
+    peer = SimpleNamespace(agent_name="prefill-a", info=SimpleNamespace(layout=SimpleNamespace(
+        regions=[KVRegion(base_addr=1 << 20, length=1024, device_id=0)])))
+    probe.run(peer)
+    probe.run(peer)  # once per remote agent
+    assert probe.probed == {"prefill-a": False}
+    assert agent.cancelled == (0 if fail else 1)
+    if not fail:
+        ((name, local, remote),) = agent.posted
+        assert name == "prefill-a" and remote.tolist() == [[1 << 20, 1024, 0]] and local[0, 1] == 1024
+    assert any("probe READ from prefill agent prefill-a failed" in r.getMessage() for r in caplog.records)

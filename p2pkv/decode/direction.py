@@ -4,7 +4,8 @@
 or ``auto``; a request may name one in ``kv_transfer_params``
 (``p2pkv_transfer_mode``). ``auto`` pulls from a peer until UCX has said how
 it moves that peer's READs (:class:`p2pkv.dataplane.transport.TransportReport`,
-learned from the first READ), then keeps pulling where the READ is zero-copy
+learned from a probe READ right after the handshake, :mod:`p2pkv.decode.probe`,
+or else from the first READ), then keeps pulling where the READ is zero-copy
 (cma, cuda_ipc, RDMA verbs) and pushes where it is not (GPU memory over TCP,
 the case where UCX turns ``cuda_ipc`` GET off without NVLink). No I/O but a log
 line when a peer's choice is new or changes.

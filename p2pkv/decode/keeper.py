@@ -23,7 +23,7 @@ from p2pkv.dataplane.negotiate import PairRefused
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence
-from p2pkv.decode.peers import PeerId, PeerTable
+from p2pkv.decode.peers import Peer, PeerId, PeerTable
 from p2pkv.decode.transfer import Transfer, TransferState
 
 logger = logging.getLogger("p2pkv.decode")
@@ -49,6 +49,8 @@ class PeerKeeper:
         self.engine_id, self.compat_hash, self.secret = engine_id, compat_hash, secret
         self._idle_check_at = 0.0  # time.monotonic() of the next look for idle peers
         self._waiting: dict[PeerId, list[Transfer]] = {}  # handshake in flight → the pulls begun again after it
+        self.on_peer: Callable[[Peer], None] | None = None
+        """Called with each peer added, before its waiting pulls begin again (the transport probe)."""
 
     def handshake(self, missing: list[PeerId], busy: set[PeerId]) -> bool:
         """Start the handshakes with ``missing`` (those not in flight yet) if they fit in ``max_peers``,
@@ -102,6 +104,8 @@ class PeerKeeper:
                 yield pid, (kind, f"handshake with {pid} failed: {exc}")
                 continue
             seconds.append(time.monotonic() - hs.started)
+            if self.on_peer is not None:
+                self.on_peer(peer)
             plan = peer.plan
             logger.info("p2pkv: handshake with %s done (agent %s, %s%s)", pid, peer.agent_name, plan.placement.value,
                         f": {plan.reason}" if plan.reason else "")

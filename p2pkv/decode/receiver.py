@@ -53,6 +53,7 @@ from p2pkv.decode.movers import movers
 from p2pkv.decode.notifier import Notifier
 from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerId, PeerTable
+from p2pkv.decode.probe import TransportProbe
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.pushes import Pushes
 from p2pkv.decode.reads import ReadEvent, plan_reads, release_unposted
@@ -107,6 +108,8 @@ class Receiver:
         self.pushes = Pushes(self.background, self.fence, agent, rank.engine_id, self._secret,
                              config.handshake_timeout_s, config.transfer_timeout_s)
         self.directions = Directions(config.transfer_mode)
+        if config.transfer_mode == "auto" and config.report_transport:  # learn each new peer's READs at once
+            self.keeper.on_peer = TransportProbe(agent, stager.device, stager.device_id).run
         ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s)
         self.moves = Transfers(ways, self.directions)
         self.drain = Drain(stager, self.outcomes, ways)
