@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import handshake.messages as messages
 from handshake.codec import check_bounds, decode, encode, error_from_exception, verify_agent_info
 from handshake.compat import describe, mismatches
 from handshake.errors import (
@@ -28,26 +29,14 @@ from handshake.errors import (
     WrongDestinationError,
 )
 from handshake.holds import HoldAnswers, OnPush
-from handshake.messages import (
-    PROTOCOL_VERSION,
-    AgentInfo,
-    HoldQuery,
-    HoldsReply,
-    LeaseHeartbeat,
-    MetadataReply,
-    MetadataRequest,
-    PushReply,
-    PushRequest,
-    ReleaseHolds,
-    Request,
-)
+from handshake.messages import PROTOCOL_VERSION, AgentInfo
 from handshake.replay import ReplayGuard
 
 __all__ = ["Dispatcher", "Handler", "Reply", "RequestTimes"]
 
 logger = logging.getLogger("p2pkv.handshake")
 
-Reply = MetadataReply | HoldsReply | PushReply
+Reply = messages.MetadataReply | messages.HoldsReply | messages.PushReply
 """What a handler answers (an :class:`~handshake.messages.ErrorReply` comes from a raised
 :class:`~handshake.errors.HandshakeError` instead)."""
 Handler = Callable[[Any, AgentInfo], Reply]
@@ -120,12 +109,12 @@ class Dispatcher:
         self.stats = stats
         self._infos: dict[int, AgentInfo] = {}
         self._lock = threading.Lock()
-        self.handlers: dict[type[Request], Handler] = {
-            MetadataRequest: self._metadata,
-            LeaseHeartbeat: self._hold,
-            HoldQuery: self._hold,
-            ReleaseHolds: self._hold,
-            PushRequest: self._push,
+        self.handlers: dict[type[messages.Request], Handler] = {
+            messages.MetadataRequest: self._metadata,
+            messages.LeaseHeartbeat: self._hold,
+            messages.HoldQuery: self._hold,
+            messages.ReleaseHolds: self._hold,
+            messages.PushRequest: self._push,
         }
 
     def set_info(self, info: AgentInfo) -> None:
@@ -180,28 +169,30 @@ class Dispatcher:
         self.stats["served"] += 1
         return frames
 
-    def _metadata(self, msg: MetadataRequest, info: AgentInfo) -> MetadataReply:
+    def _metadata(self, msg: messages.MetadataRequest, info: AgentInfo) -> messages.MetadataReply:
         """The named rank's AgentInfo; a requester with another compatibility fingerprint is logged."""
         diffs = mismatches(self._compat_hash, msg.compat_hash)
         if diffs:  # the requester refuses us on its side (it sees both values); say why here too
             logger.warning("requester %r cannot exchange KV with this engine: %s", msg.requester_engine_id[:64],
                            describe(diffs, "this engine", "the requester"))
-        return MetadataReply(protocol_version=PROTOCOL_VERSION, info=info, nonce=msg.nonce)
+        return messages.MetadataReply(protocol_version=PROTOCOL_VERSION, info=info, nonce=msg.nonce)
 
-    def _hold(self, msg: LeaseHeartbeat | HoldQuery | ReleaseHolds, info: AgentInfo) -> HoldsReply:
+    def _hold(self, msg: messages.LeaseHeartbeat | messages.HoldQuery | messages.ReleaseHolds,
+              info: AgentInfo) -> messages.HoldsReply:
         """A hold request, answered by the prefill worker's hold callbacks."""
         return self._holds.answer(msg)
 
-    def _push(self, msg: PushRequest, info: AgentInfo) -> PushReply:
+    def _push(self, msg: messages.PushRequest, info: AgentInfo) -> messages.PushReply:
         """Hand a push request to ``on_push``; refused (``malformed``, field ``type``) without one."""
         if self._on_push is None:
             raise MalformedMessageError("this side channel takes no push requests (it holds no requests, or its "
                                         "p2pkv predates push); use transfer_mode pull", field="type")
         status, message = self._on_push(msg)
         self.stats["pushes"] = self.stats.get("pushes", 0) + 1
-        return PushReply(protocol_version=PROTOCOL_VERSION, status=status, message=message[:1024], nonce=msg.nonce)
+        return messages.PushReply(protocol_version=PROTOCOL_VERSION, status=status, message=message[:1024],
+                                  nonce=msg.nonce)
 
-    def _destination(self, msg: Request) -> AgentInfo:
+    def _destination(self, msg: messages.Request) -> AgentInfo:
         """The served rank the request names; refuses another rank or engine id."""
         with self._lock:
             info = self._infos.get(msg.to_rank)

@@ -26,14 +26,7 @@ import httpx
 import pytest
 
 from p2pkv.params import TRANSFER_MODE_KEY
-from p2pkv.tools.demo import (
-    LOGPROB_TOLERANCE,
-    Answer,
-    complete,
-    max_logprob_diff,
-    read_pull_stats,
-    wait_blocks_released,
-)
+from p2pkv.tools import demo
 from p2pkv.tools.deploy.engines import EngineSpec, start_engine
 from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
@@ -55,8 +48,8 @@ SPECS = {"sliding-window": TinyModelSpec(kind="sliding-window", sliding_window=W
 logprob within one engine (the same prompt positions computed in a prompt of N - 1 and of N tokens, or a token
 computed by the SDPA prefill path and by the decode kernel), and a decode engine always computes the last prompt
 token with the decode kernel; at 0.02 they agree within 2e-3 and another prompt's KV still changes the tokens."""
-TOLERANCE = {"sliding-window": LOGPROB_TOLERANCE, "interleaved-window": LOGPROB_TOLERANCE, "mla": 5e-3,
-             "hybrid": LOGPROB_TOLERANCE}
+TOLERANCE = {"sliding-window": demo.LOGPROB_TOLERANCE, "interleaved-window": demo.LOGPROB_TOLERANCE, "mla": 5e-3,
+             "hybrid": demo.LOGPROB_TOLERANCE}
 """Largest logprob difference from one engine: exact kernels on the sliding-window path; the MLA kernels' gap."""
 LAYERS = 4
 BLOCK_BYTES = {"sliding-window": LAYERS * 32 * 2 * 2 * 32 * 4, "interleaved-window": LAYERS // 2 * 32 * 2 * 2 * 32 * 4,
@@ -195,15 +188,15 @@ def test_mla_pairs_across_tp_sizes(kind_pair, tp2, slow_client, mode, direction)
     prefill, decode, stats = ((tp2.url, pair.url("decode"), stats) if direction == "TP 2 -> TP 1" else
                               (pair.url("prefill"), tp2.url, tp2.stats))
     prompt = prompt_of(4000 + len(direction) + (0 if mode == "pull" else 100))[:100]
-    before = len(read_pull_stats(stats))
+    before = len(demo.read_pull_stats(stats))
     pd = prefill_then_decode(slow_client, prefill, decode, prompt, mode=mode)
-    ref = complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
-    assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= TOLERANCE["mla"]
-    pulls = read_pull_stats(stats)[before:]
+    ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
+    assert pd.token_ids == ref.token_ids and demo.max_logprob_diff(pd, ref) <= TOLERANCE["mla"]
+    pulls = demo.read_pull_stats(stats)[before:]
     ranks = 2 if decode == tp2.url else 1  # each decode rank reads its own copy: one line each
     assert len(pulls) == ranks and all(p["bytes"] == pulled_blocks("mla", 100) * BLOCK_BYTES["mla"]
                                        and p["direction"] == mode for p in pulls)
-    assert wait_blocks_released(slow_client, prefill, timeout_s=30) == 0.0
+    assert demo.wait_blocks_released(slow_client, prefill, timeout_s=30) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -230,10 +223,10 @@ def test_hybrid_other_block_size_is_refused(kind_pair, block128, slow_client, di
     small, large = (64, 128) if direction == "64 -> 128" else (128, 64)
     assert (f"prefill block_size={small}, decode block_size={large}; start both engines with the same --block-size"
             in log.read_text())
-    assert wait_blocks_released(slow_client, prefill, timeout_s=30) == 0.0
+    assert demo.wait_blocks_released(slow_client, prefill, timeout_s=30) == 0.0
     for url in (prefill, decode):
-        ok = complete(slow_client, url, "still serving?", max_tokens=4)
-        assert ok.token_ids == complete(slow_client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
+        ok = demo.complete(slow_client, url, "still serving?", max_tokens=4)
+        assert ok.token_ids == demo.complete(slow_client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
 
 
 @pytest.fixture(scope="module")
@@ -255,19 +248,19 @@ def test_tokens_and_logprobs_equal_one_engine(kind_pair, slow_client, mode, leng
         pytest.skip("push moves the rows pull plans: the alignment cases run in pull (the suite's time)")
     prompt = prompt_of(length) if mode == "pull" else prompt_of(length + 2000)[:length]
     proxy = pair.url("proxy") if mode == "pull" else push_url
-    before = len(read_pull_stats(stats))
-    answers = [complete(slow_client, proxy, prompt, max_tokens=12) for _ in range(2)]
-    ref = complete(slow_client, pair.url("prefill"), prompt, max_tokens=12)
+    before = len(demo.read_pull_stats(stats))
+    answers = [demo.complete(slow_client, proxy, prompt, max_tokens=12) for _ in range(2)]
+    ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=12)
     for pd in answers:
         assert len(pd.token_ids) == 12
         assert pd.token_ids == ref.token_ids
-        assert max_logprob_diff(pd, ref) <= TOLERANCE[kind]
-    pulls = read_pull_stats(stats)[before:]
+        assert demo.max_logprob_diff(pd, ref) <= TOLERANCE[kind]
+    pulls = demo.read_pull_stats(stats)[before:]
     assert pulls, "the decode engine must pull this prompt's KV"
     assert pulls[0]["direction"] == ("push" if mode == "push" else "pull")  # the pair's proxy: auto, cma → pull
     assert pulls[0]["blocks"] == pulled_blocks(kind, length)
     assert pulls[0]["bytes"] == pulls[0]["blocks"] * BLOCK_BYTES[kind]
-    assert wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
+    assert demo.wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
 
 
 def test_sliding_window_pull_moves_only_the_window(kind_pair, slow_client) -> None:
@@ -279,11 +272,11 @@ def test_sliding_window_pull_moves_only_the_window(kind_pair, slow_client) -> No
     if kind in ("mla", "hybrid"):
         pytest.skip("sliding-window models only")
     length = 600
-    before = len(read_pull_stats(stats))
-    pd = complete(slow_client, pair.url("proxy"), prompt_of(length), max_tokens=8)
-    ref = complete(slow_client, pair.url("prefill"), prompt_of(length), max_tokens=8)
-    assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
-    pull = read_pull_stats(stats)[before]
+    before = len(demo.read_pull_stats(stats))
+    pd = demo.complete(slow_client, pair.url("proxy"), prompt_of(length), max_tokens=8)
+    ref = demo.complete(slow_client, pair.url("prefill"), prompt_of(length), max_tokens=8)
+    assert pd.token_ids == ref.token_ids and demo.max_logprob_diff(pd, ref) <= demo.LOGPROB_TOLERANCE
+    pull = demo.read_pull_stats(stats)[before]
     blocks = -(-length // BLOCK[kind])  # 19: every layer's share of the prompt, per KV cache group
     window_blocks = 2
     if kind == "sliding-window":
@@ -296,9 +289,9 @@ def test_sliding_window_pull_moves_only_the_window(kind_pair, slow_client) -> No
     # them to a prompt that shares the first tokens (vLLM caches a request's full blocks once loaded).
     for cut in (250, 300, 500):
         shared = prompt_of(length)[:cut]
-        on_decode = complete(slow_client, pair.url("decode"), shared, max_tokens=8)
-        ref = complete(slow_client, pair.url("prefill"), shared, max_tokens=8)
-        assert on_decode.token_ids == ref.token_ids and max_logprob_diff(on_decode, ref) <= LOGPROB_TOLERANCE
+        on_decode = demo.complete(slow_client, pair.url("decode"), shared, max_tokens=8)
+        ref = demo.complete(slow_client, pair.url("prefill"), shared, max_tokens=8)
+        assert on_decode.token_ids == ref.token_ids and demo.max_logprob_diff(on_decode, ref) <= demo.LOGPROB_TOLERANCE
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -308,13 +301,13 @@ def test_sliding_window_larger_prefill_block_is_re_blocked(kind_pair, dp2, slow_
     url = dp2.url
     for length in (135, 167, 300):
         prompt = prompt_of(length + (1000 if mode == "pull" else 1500))[:length]  # not cached on either engine yet
-        before = len(read_pull_stats(stats))
+        before = len(demo.read_pull_stats(stats))
         pd = prefill_then_decode(slow_client, url, pair.url("decode"), prompt, mode=mode)
-        ref = complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
-        assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
-        assert read_pull_stats(stats)[before]["blocks"] == pulled_blocks("sliding-window", length)
-        assert read_pull_stats(stats)[before]["direction"] == mode
-        assert wait_blocks_released(slow_client, url, timeout_s=30) == 0.0
+        ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
+        assert pd.token_ids == ref.token_ids and demo.max_logprob_diff(pd, ref) <= demo.LOGPROB_TOLERANCE
+        assert demo.read_pull_stats(stats)[before]["blocks"] == pulled_blocks("sliding-window", length)
+        assert demo.read_pull_stats(stats)[before]["direction"] == mode
+        assert demo.wait_blocks_released(slow_client, url, timeout_s=30) == 0.0
 
 
 def test_sliding_window_larger_decode_block_is_refused(kind_pair, dp2, slow_client) -> None:
@@ -323,8 +316,8 @@ def test_sliding_window_larger_decode_block_is_refused(kind_pair, dp2, slow_clie
     url, log = dp2.url, dp2.log
     assert_decode_refused(slow_client, pair.url("prefill"), url, prompt_of(2135)[:135])
     assert "start the decode engine with --block-size 32 or smaller" in log.read_text()
-    ok = complete(slow_client, url, "still serving?", max_tokens=4)
-    assert ok.token_ids == complete(slow_client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
+    ok = demo.complete(slow_client, url, "still serving?", max_tokens=4)
+    assert ok.token_ids == demo.complete(slow_client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
 
 
 def _on_rank(slow_client: httpx.Client, url: str, rank: int, body: dict) -> dict:
@@ -344,16 +337,16 @@ def test_data_parallel_rank_pulls_from_the_rank_that_prefilled(dp2, slow_client,
                                                       "kv_transfer_params": {"do_remote_decode": True}})
     params = {**params["kv_transfer_params"], TRANSFER_MODE_KEY: mode}
     assert params["remote_port"] == dp2.side_channel_port + prefill_rank  # TP 1: one side channel per DP rank
-    before = len(read_pull_stats(dp2.stats))
+    before = len(demo.read_pull_stats(dp2.stats))
     body = {"prompt": prompt, "max_tokens": 12, "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
     answers = [_on_rank(slow_client, dp2.url, decode_rank, {**body, "kv_transfer_params": params})["choices"][0],
                _on_rank(slow_client, dp2.url, prefill_rank, body)["choices"][0]]
-    pd, ref = (Answer(c["text"], c["token_ids"], c["logprobs"]["token_logprobs"]) for c in answers)
-    assert pd.token_ids == ref.token_ids and max_logprob_diff(pd, ref) <= LOGPROB_TOLERANCE
-    pulls = read_pull_stats(dp2.stats)[before:]
+    pd, ref = (demo.Answer(c["text"], c["token_ids"], c["logprobs"]["token_logprobs"]) for c in answers)
+    assert pd.token_ids == ref.token_ids and demo.max_logprob_diff(pd, ref) <= demo.LOGPROB_TOLERANCE
+    pulls = demo.read_pull_stats(dp2.stats)[before:]
     assert len(pulls) == 1 and pulls[0]["blocks"] == pulled_blocks("sliding-window", 150, block=64)
     assert pulls[0]["direction"] == mode
-    assert wait_blocks_released(slow_client, dp2.url, timeout_s=30) == 0.0
+    assert demo.wait_blocks_released(slow_client, dp2.url, timeout_s=30) == 0.0
 
 
 def test_negative_control_other_kv_changes_the_answer(kind_pair, slow_client) -> None:
@@ -364,10 +357,10 @@ def test_negative_control_other_kv_changes_the_answer(kind_pair, slow_client) ->
     right = prefill_then_decode(slow_client, pair.url("prefill"), pair.url("decode"), a, mode="push")
     wrong = prefill_then_decode(slow_client, pair.url("prefill"), pair.url("decode"), c, prefilled=b, mode="push",
                                 secret=pair.secret)
-    ref_a = complete(slow_client, pair.url("prefill"), a, max_tokens=8)
-    ref_c = complete(slow_client, pair.url("prefill"), c, max_tokens=8)
-    assert right.token_ids == ref_a.token_ids and max_logprob_diff(right, ref_a) <= TOLERANCE[kind]
-    assert wrong.token_ids != ref_c.token_ids or max_logprob_diff(wrong, ref_c) > 100 * TOLERANCE[kind]
+    ref_a = demo.complete(slow_client, pair.url("prefill"), a, max_tokens=8)
+    ref_c = demo.complete(slow_client, pair.url("prefill"), c, max_tokens=8)
+    assert right.token_ids == ref_a.token_ids and demo.max_logprob_diff(right, ref_a) <= TOLERANCE[kind]
+    assert wrong.token_ids != ref_c.token_ids or demo.max_logprob_diff(wrong, ref_c) > 100 * TOLERANCE[kind]
 
 
 def test_decode_log_shows_the_pairing(kind_pair) -> None:
