@@ -178,3 +178,6 @@ def test_a_probe_that_hangs_or_fails_is_given_up_and_the_peer_is_pulled_from(fai
         ((name, local, remote),) = agent.posted
         assert name == "prefill-a" and remote.tolist() == [[1 << 20, 1024, 0]] and local[0, 1] == 1024
     assert any("probe READ from prefill agent prefill-a failed" in r.getMessage() for r in caplog.records)
+    empty = SimpleNamespace(agent_name="prefill-b", info=SimpleNamespace(layout=SimpleNamespace(regions=[])))
+    probe.run(empty)  # no memory to READ: no probe, no error
+    assert probe.probed["prefill-b"] is False and len(agent.posted) == (0 if fail else 1)

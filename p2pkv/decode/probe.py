@@ -67,7 +67,11 @@ class TransportProbe:
         """
         if peer.agent_name in self.probed or peer.agent_name in self.agent.transports:
             return
-        region = peer.info.layout.regions[0]
+        regions = [r for r in peer.info.layout.regions if r.length > 0]
+        if not regions:  # nothing registered to READ from: its first request's READ (if any) reports
+            self.probed[peer.agent_name] = False
+            return
+        region = regions[0]
         nbytes = min(PROBE_BYTES, region.length)
         local = np.array([[self.buffer.data_ptr(), nbytes, self.device_id]], dtype=np.uint64)
         remote = np.array([[region.base_addr, nbytes, region.device_id]], dtype=np.uint64)
