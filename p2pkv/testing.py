@@ -9,8 +9,10 @@ range is caught, and the expected bytes of any range can be recomputed in
 another process without holding the cache (:func:`pattern_bytes`).
 
 Caches live on any torch device (host memory by default, or a GPU); the
-pattern and its checks work on either. Used by the tests (CPU and GPU) and by
-``p2pkv bench transfer``; nothing in the connector imports it.
+pattern and its checks work on either. Also :func:`fixup_reference`, the
+post-receive fixup as plain loops (the tests' oracle). Used by the tests (CPU
+and GPU), ``p2pkv bench transfer`` and ``scripts/bench_fixup.py``; nothing in
+the connector imports it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+    from p2pkv.dataplane.fixup import PageFormat
     from p2pkv.dataplane.negotiate import ModelInfo
 
 KV_LAYOUTS = ("LBHNC", "BLHNC", "KV_SPLIT")
@@ -364,3 +367,26 @@ def ranges_equal(dst: torch.Tensor, ranges: list[tuple[int, int, int]], src: tor
             if not torch.equal(dst[d + k:d + k + m], want):
                 return False
     return True
+
+
+def fixup_reference(src: torch.Tensor, src_fmt: PageFormat, dst: torch.Tensor, dst_fmt: PageFormat,
+                    dst_block_ids: torch.Tensor, num_tokens: int, src_token_offset: int = 0,
+                    src_head_start: int = 0, dst_head_start: int = 0, num_heads: int | None = None) -> None:
+    """:func:`p2pkv.dataplane.fixup.fixup_pages` as plain loops over tokens and heads (slow; the oracle of
+    the tests and of ``scripts/bench_fixup.py``'s check).
+
+    Same arguments, semantics and errors as ``fixup_pages``.
+    """
+    from p2pkv.dataplane.fixup import validate
+
+    nh = validate(src, src_fmt, dst, dst_fmt, dst_block_ids, num_tokens, src_token_offset,
+                  src_head_start, dst_head_start, num_heads)
+    c = src_fmt.head_elems
+    ids = dst_block_ids.tolist()
+    for k in range(num_tokens):
+        s, t = divmod(src_token_offset + k, src_fmt.block_size)
+        b, u = ids[k // dst_fmt.block_size], k % dst_fmt.block_size
+        for h in range(nh):
+            a = src_fmt.row_offset(t, src_head_start + h)
+            z = dst_fmt.row_offset(u, dst_head_start + h)
+            dst[:, b, z:z + c] = src[:, s, a:a + c]

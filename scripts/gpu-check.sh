@@ -14,7 +14,7 @@
 #                           defaults and with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on, and what transfer_mode auto picks
 #   transfer.json           p2pkv bench transfer --device "$DEVICE" --mode pull,push, Llama-3-8B-shaped caches, 1k/4k/16k
 #   transfer-getzcopy.json  the same pulls with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on (4k/16k)
-#   fixup.json              p2pkv bench fixup --device "$DEVICE" (torch, runs, triton)
+#   fixup.json              scripts/bench_fixup.py --device "$DEVICE" (torch, runs, triton)
 #   doctor.json             p2pkv doctor --json
 #   tests.log               pytest -m gpu
 set -u -o pipefail
@@ -54,7 +54,7 @@ step transfer 240 $PY -m p2pkv.tools.cli bench transfer --device "$DEVICE" --mod
 step transfer-getzcopy 120 env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on $PY -m p2pkv.tools.cli bench transfer \
   --device "$DEVICE" --mode pull "${LLAMA8B[@]}" --tokens "$BIG" --requests 4 --max-mem-gib 24 \
   --json "$OUT/transfer-getzcopy.json"
-step fixup 120 $PY -m p2pkv.tools.cli bench fixup --device "$DEVICE" --json "$OUT/fixup.json"
+step fixup 120 $PY scripts/bench_fixup.py --device "$DEVICE" --json "$OUT/fixup.json"
 step doctor 120 bash -c "$PY -m p2pkv.tools.cli doctor --json > '$OUT/doctor.json'"
 step tests 240 bash -c "$PY -m pytest -m gpu -p no:cacheprovider -q -rA -o addopts= tests/test_hetero.py \
   tests/test_doctor.py tests/test_transport.py tests/test_bench_transfer.py tests/test_fixup.py > '$OUT/tests.log' 2>&1"

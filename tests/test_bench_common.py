@@ -25,9 +25,6 @@ def test_grid_right_aligns_every_column_to_its_widest_cell() -> None:
 def test_cell_values() -> None:
     assert (table.number(None), table.number(1.25), table.number(1.25, ".2f")) == ("n/a", "1.2", "1.25")
     assert [table.yes_no(v) for v in (True, False, None)] == ["yes", "NO", "-"]
-    assert [table.target_mark(v) for v in (True, False, None)] == ["met", "NOT met", "not measured"]
-    value = {"c=1": {"ratio": 0.91234, "met": True, "limit": None}, "runs": 3}
-    assert table.measured(value) == "c=1: ratio: 0.912, met: True, limit: None, runs: 3"
 
 
 def test_pyplot_says_what_is_missing_without_matplotlib(monkeypatch, capsys) -> None:
@@ -52,7 +49,7 @@ def test_save_writes_the_png_into_a_new_folder(tmp_path) -> None:
 def test_machine_record() -> None:
     assert machine.command_line(["/usr/local/bin/p2pkv", "bench", "fixup", "--x", "a b"]) == (
         "p2pkv bench fixup --x 'a b'")
-    assert machine.command_line(["p2pkv/tools/bench/fixup.py"]) == "python -m p2pkv.tools.bench.fixup"
+    assert machine.command_line(["p2pkv/tools/bench/transfer.py"]) == "python -m p2pkv.tools.bench.transfer"
     assert machine.command_line(["other.py", "x"]) == "other.py x"
     assert machine.version("no-such-dist-p2pkv", "pytest") == pytest.__version__
     assert machine.version("no-such-dist-p2pkv") is None

@@ -3,18 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_scheduler_hooks.py"
+from tests.script_loader import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_scheduler_hooks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_scheduler_hooks")
 
 
 def test_scheduler_hooks_script_runs_and_its_hooks_make_the_pulls_and_holds_it_reports(tmp_path: Path) -> None:

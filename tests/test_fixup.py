@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import subprocess
@@ -15,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pkv.dataplane.fixup import PageFormat, fixup_pages, staging_pieces
-from p2pkv.tools.bench.fixup import fixup_reference
+from p2pkv.testing import fixup_reference
+from tests.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.float64]
@@ -338,9 +340,9 @@ def test_cuda_out_of_range_ids() -> None:
 
 
 def test_bench_smoke_cpu() -> None:
-    from p2pkv.tools.bench.fixup import CASE_NAMES, format_table, run_fixup_bench
-
-    result = run_fixup_bench(device="cpu", tokens=40, layers=1, kv_heads=2, head_dim=8, iters=1, warmup=0)
+    bench = load_script("bench_fixup")
+    CASE_NAMES, format_table = bench.CASE_NAMES, bench.format_table
+    result = bench.run_fixup_bench(device="cpu", tokens=40, layers=1, kv_heads=2, head_dim=8, iters=1, warmup=0)
     assert [c["name"] for c in result["cases"]] == list(CASE_NAMES)
     for c in result["cases"]:
         assert c["bytes"] == 40 * 2 * c["num_heads"] * 8 * 2
@@ -350,9 +352,9 @@ def test_bench_smoke_cpu() -> None:
     assert all(name in table for name in CASE_NAMES)
 
 
-def test_bench_cli_parses() -> None:
-    from p2pkv.tools.cli import build_parser
-
-    args = build_parser().parse_args(["bench", "fixup", "--device", "cpu", "--tokens", "64", "--iters", "3"])
+def test_bench_options_parse() -> None:
+    bench = load_script("bench_fixup")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--tokens", "64", "--iters", "3"])
     assert (args.device, args.tokens, args.iters) == ("cpu", 64, 3)
-    assert callable(args.func)

@@ -145,8 +145,6 @@ BENCHES: tuple[tuple[str, str, str, str, str], ...] = (
      "p2pkv.tools.bench.transfer", "add_arguments", "cli_main"),
     ("serve", "serving benchmark through the proxy: p2pkv vs NixlConnector vs one engine, answers checked",
      "p2pkv.tools.bench.serve", "add_arguments", "main"),
-    ("fixup", "post-receive fixup (re-block, HND/NHD, head slice) on the device vs a plain copy",
-     "p2pkv.tools.bench.fixup", "add_arguments", "cli_main"),
 )
 """The ``p2pkv bench`` subcommands, in ``--help`` order: (name, help, module, the module's function adding the
 options to a parser, the module's function running it from the parsed options and returning the exit code)."""

@@ -6,8 +6,6 @@
   checks; the JSON file of every bench.
 * :mod:`p2pkv.tools.bench.serve`: ``p2pkv bench serve``, a serving benchmark of a
   p2pkv pair, a NixlConnector pair and one engine through the proxy.
-* :mod:`p2pkv.tools.bench.fixup`: ``p2pkv bench fixup``, the post-receive fixup
-  against a plain device copy.
 
 Synthetic KV caches and block placements come from :mod:`p2pkv.testing`.
 Shared by the benches: :mod:`p2pkv.tools.bench.table` (text tables and their
@@ -16,7 +14,9 @@ files), :mod:`p2pkv.tools.bench.machine` (the command line, host, device and
 versions a result records). The ``p2pkv bench`` subcommands are listed in
 :data:`p2pkv.tools.cli.BENCHES`.
 
-Nothing here is imported by the connector itself.
+The post-receive fixup's kernels are measured by ``scripts/bench_fixup.py``,
+and the scheduler hooks by ``scripts/bench_scheduler_hooks.py``. Nothing here
+is imported by the connector itself.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``p2pkv bench fixup``: the post-receive fixup (:func:`p2pkv.dataplane.fixup.fixup_pages`) vs a plain copy.
+#!/usr/bin/env python3
+"""The post-receive fixup (:func:`p2pkv.dataplane.fixup.fixup_pages`) vs a plain copy (docs/benchmarks/fixup.md).
 
 For a model KV shape (default Llama-3-8B: 32 layers, 8 KV heads, head_dim
 128, bfloat16; ``P = 2 * layers`` pages per block: each layer's K and V) and
@@ -27,12 +28,10 @@ made, end recorded and waited for: the host's launch overhead counts); on CPU
 with ``time.perf_counter``. On CUDA a second figure, "back to back", times
 ``--iters`` calls queued without waiting (one event pair around them), as a
 pipelined caller sees it. Before timing, each implementation's output is
-compared bitwise with :func:`fixup_reference` on the first and
+compared bitwise with :func:`p2pkv.testing.fixup_reference` on the first and
 last page of every block (whole pages: untouched blocks and heads included).
 
-Imports nothing heavy at module level (torch inside the functions), so the
-``p2pkv`` command's parser stays cheap. Also runnable as
-``python -m p2pkv.tools.bench.fixup``.
+    PYTHONPATH=. python scripts/bench_fixup.py --device cuda --json out.json
 """
 
 from __future__ import annotations
@@ -45,16 +44,12 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from p2pkv.testing import fixup_reference
 from p2pkv.tools.bench.machine import command_line, machine_info, version
 from p2pkv.tools.bench.report import write_json
 from p2pkv.tools.bench.table import grid_lines, yes_no
-
-if TYPE_CHECKING:
-    import torch
-
-    from p2pkv.dataplane.fixup import PageFormat
 
 CASE_NAMES = ("block16to64", "block64to16", "hnd_to_nhd", "nhd_to_hnd", "tp_split", "tp_merge", "all")
 
@@ -295,7 +290,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``p2pkv bench fixup`` (each named as :func:`run_fixup_bench`'s keyword)."""
+    """The options of this script (each named as :func:`run_fixup_bench`'s keyword)."""
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
     p.add_argument("--tokens", type=int, default=4096, help="tokens in the request")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per measurement (median reported)")
@@ -316,7 +311,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    """Run ``p2pkv bench fixup`` from parsed arguments; exit code 1 when a check failed."""
+    """Run the bench from parsed arguments; exit code 1 when a check failed."""
     import torch
 
     kwargs = {k: v for k, v in vars(args).items() if k in inspect.signature(run_fixup_bench).parameters}
@@ -324,7 +319,7 @@ def cli_main(args: argparse.Namespace) -> int:
     try:
         result = run_fixup_bench(**kwargs)
     except ValueError as exc:
-        print(f"p2pkv bench fixup: {exc}", file=sys.stderr)
+        print(f"bench_fixup: {exc}", file=sys.stderr)
         return 2
     print(format_table(result))
     if args.json:
@@ -333,32 +328,9 @@ def cli_main(args: argparse.Namespace) -> int:
     return 0 if all(m["verified"] is not False for c in result["cases"] for m in c["impls"].values()) else 1
 
 
-def fixup_reference(src: torch.Tensor, src_fmt: PageFormat, dst: torch.Tensor, dst_fmt: PageFormat,
-                    dst_block_ids: torch.Tensor, num_tokens: int, src_token_offset: int = 0,
-                    src_head_start: int = 0, dst_head_start: int = 0, num_heads: int | None = None) -> None:
-    """:func:`p2pkv.dataplane.fixup.fixup_pages` as plain loops over tokens and heads (slow; the oracle of
-    this benchmark's ``--verify`` and of the tests).
-
-    Same arguments, semantics and errors as ``fixup_pages``.
-    """
-    from p2pkv.dataplane.fixup import validate
-
-    nh = validate(src, src_fmt, dst, dst_fmt, dst_block_ids, num_tokens, src_token_offset,
-                  src_head_start, dst_head_start, num_heads)
-    c = src_fmt.head_elems
-    ids = dst_block_ids.tolist()
-    for k in range(num_tokens):
-        s, t = divmod(src_token_offset + k, src_fmt.block_size)
-        b, u = ids[k // dst_fmt.block_size], k % dst_fmt.block_size
-        for h in range(nh):
-            a = src_fmt.row_offset(t, src_head_start + h)
-            z = dst_fmt.row_offset(u, dst_head_start + h)
-            dst[:, b, z:z + c] = src[:, s, a:a + c]
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``python -m p2pkv.tools.bench.fixup [options]``: the same as ``p2pkv bench fixup``."""
-    parser = argparse.ArgumentParser(prog="p2pkv bench fixup", description=__doc__.split("\n\n")[0])
+    """``python scripts/bench_fixup.py [options]``."""
+    parser = argparse.ArgumentParser(prog="bench_fixup.py", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     return cli_main(parser.parse_args(argv))
 
