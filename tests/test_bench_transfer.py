@@ -78,9 +78,9 @@ def test_bench_transfer_tiny_end_to_end(tmp_path) -> None:
         setup = data["setup"]["peers"][peer]
         assert setup["setup_ms"] == setup["handshake_ms"] + setup["add_remote_agent_ms"]
         assert "first_pull_ms" in setup
-    assert {t["name"] for t in data["targets"]} >= {"cross_layer_vs_memcpy", "descriptors_le_runs",
-                                                   "first_request_setup_ms"}
-    assert next(t for t in data["targets"] if t["name"] == "descriptors_le_runs")["met"] is True
+    for entry in data["results"]:  # cross-layer blocks: one descriptor per contiguous run of blocks, at most
+        cross = entry["methods"]["cross_layer"]["descriptors_per_request"]["all"]
+        assert all(d <= r for d, r in zip(cross, entry["runs_per_request"]["all"], strict=True))
     table = report.format_table(result)
     assert all(name in table for name in (*METHODS, "cross_layer_pool"))
     assert data["config"]["device"] == "cpu" and data["config"]["nixl_mem_type"] == "DRAM"
@@ -143,7 +143,6 @@ def test_bench_transfer_push_only(tmp_path: Path) -> None:
         assert m["verified"] is True, f"{name} pushed wrong bytes"
         assert m["bytes_total"] == entry["methods"]["memcpy"]["bytes_total"] > 0
     assert data["processes"]["prefill_notifications"] == 0  # no READ was announced: nothing was pulled
-    assert {t["met"] for t in data["targets"] if t["name"] != "first_request_setup_ms"} == {None}
 
 
 def test_mode_flag_parses() -> None:

@@ -25,17 +25,7 @@ from typing import Any
 
 from p2pkv.tools.bench import plotting
 from p2pkv.tools.bench.machine import device_text
-from p2pkv.tools.bench.table import grid, measured, target_mark, yes_no
-
-TARGETS = {
-    "cross_vs_memcpy": 0.9,
-    "cross_vs_per_layer": 1.5,
-    "setup_ms": 50.0,
-    "llama8b_4k_time_vs_memcpy": 1.15,
-}
-"""Target thresholds: throughput ratios (×), first-request setup (ms), time ratio (×)."""
-
-_LLAMA3_8B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16", "block_size": 16}
+from p2pkv.tools.bench.table import grid, yes_no
 
 
 def summarize(xs: Sequence[float], scale: float = 1.0) -> dict[str, float]:
@@ -102,52 +92,8 @@ def push_stats(nbytes: int, push_s: Sequence[float], writer_s: Sequence[float], 
             "ask_and_notify_ms": summarize([p - w for p, w in zip(push_s, writer_s, strict=True)], 1e3)}
 
 
-def evaluate_targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """Check the measured numbers against :data:`TARGETS`.
-
-    Returns:
-        One dict per target: ``name``, ``target`` (text), ``measured``
-        (numbers per token size or per peer) and ``met`` (bool, or None when
-        this run could not measure it).
-    """
-    rows = result["results"]
-    pulled = bool(rows) and all("cross_layer" in e["methods"] and "per_layer" in e["methods"] for e in rows)
-    out: list[dict[str, Any]] = []
-    cross_mem = {e["tokens"]: e["methods"]["cross_layer"]["ratio_to_memcpy"] for e in rows} if pulled else None
-    out.append({"name": "cross_layer_vs_memcpy", "target": ">= 0.9x memcpy GB/s for 1k-32k tokens",
-                "measured": cross_mem,
-                "met": all(v >= TARGETS["cross_vs_memcpy"] for v in cross_mem.values()) if cross_mem else None})
-    cross_pl = ({e["tokens"]: e["methods"]["cross_layer"]["gbps"] / e["methods"]["per_layer"]["gbps"] for e in rows}
-                if pulled else None)
-    out.append({"name": "cross_layer_vs_per_layer", "target": ">= 1.5x per-layer (NixlConnector scheme) GB/s",
-                "measured": cross_pl,
-                "met": all(v >= TARGETS["cross_vs_per_layer"] for v in cross_pl.values()) if cross_pl else None})
-    desc = {e["tokens"]: {"descriptors": e["methods"]["cross_layer"]["descriptors_per_request"]["mean"],
-                          "runs": e["runs_per_request"]["mean"]} for e in rows} if pulled else None
-    desc_ok = all(d <= r for e in rows for d, r in zip(e["methods"]["cross_layer"]["descriptors_per_request"]["all"],
-                                                       e["runs_per_request"]["all"], strict=True)) if pulled else None
-    out.append({"name": "descriptors_le_runs", "target": "cross-layer descriptors per request <= contiguous block runs",
-                "measured": desc, "met": desc_ok})
-    setup = {k: v["setup_ms"] for k, v in result["setup"]["peers"].items()}
-    out.append({"name": "first_request_setup_ms", "target": "handshake + add_remote_agent < 50 ms",
-                "measured": setup, "met": max(setup.values()) < TARGETS["setup_ms"]})
-    at_4k = next((e["methods"] for e in rows if e["tokens"] == 4096), {})
-    cross, mem = at_4k.get("cross_layer"), at_4k.get("memcpy")
-    if result["config"]["shape"] == _LLAMA3_8B and cross is not None and mem is not None:
-        ratio = cross["seconds_total"] / mem["seconds_total"]
-        measured: Any = {"time_ratio_mean": ratio,
-                         "time_ratio_p50": cross["latency_ms"]["p50"] / mem["latency_ms"]["p50"],
-                         "cross_layer_p50_ms": cross["latency_ms"]["p50"], "memcpy_p50_ms": mem["latency_ms"]["p50"]}
-        met: bool | None = ratio <= TARGETS["llama8b_4k_time_vs_memcpy"]
-    else:
-        measured, met = None, None
-    out.append({"name": "llama3_8b_4k_pull_vs_memcpy",
-                "target": "4k-token Llama-3-8B pull (512 MiB) <= 1.15x memcpy time", "measured": measured, "met": met})
-    return out
-
-
 def format_table(result: dict[str, Any]) -> str:
-    """The human-readable report: configuration, one row per size and method, setup, targets."""
+    """The human-readable report: configuration, one row per size and method, setup."""
     cfg, mach = result["config"], result["machine"]
     lines = [
         f"p2pkv bench transfer on {device_text(result)}: {cfg['shape_label']}",
@@ -189,10 +135,6 @@ def format_table(result: dict[str, Any]) -> str:
     if "push_add_remote_agent_ms" in result["setup"]:
         lines.append("  push: prefill add_remote_agent of the decode " + ", ".join(
             f"{lay} {ms:.2f} ms" for lay, ms in result["setup"]["push_add_remote_agent_ms"].items()))
-    lines.append("")
-    lines.append("targets:")
-    for t in result["targets"]:
-        lines.append(f"  [{target_mark(t['met'])}] {t['target']}: {measured(t['measured'])}")
     for w in result.get("warnings", []):
         lines.append(f"warning: {w}")
     return "\n".join(lines)

@@ -2,8 +2,7 @@
 
 Every bench prints its results as right-aligned columns two spaces apart
 under a header and a line of dashes (:func:`grid`). The cells are text the
-caller formats; :func:`number`, :func:`yes_no`, :func:`target_mark` and
-:func:`measured` are the conversions the reports share. Units are the
+caller formats; :func:`number` and :func:`yes_no` are the conversions the reports share. Units are the
 caller's (a column's header names them). Pure functions, standard library
 only.
 """
@@ -11,7 +10,6 @@ only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 
 def grid_lines(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -50,16 +48,3 @@ def number(value: float | None, spec: str = ".1f") -> str:
 def yes_no(ok: bool | None) -> str:
     """A check's outcome in a cell: ``yes``, ``NO`` (capitals, to stand out), or ``-`` when not checked."""
     return "-" if ok is None else "yes" if ok else "NO"
-
-
-def target_mark(met: bool | None) -> str:
-    """A target's verdict: ``met``, ``NOT met``, or ``not measured`` (None)."""
-    return {True: "met", False: "NOT met", None: "not measured"}[met]
-
-
-def measured(value: Any) -> str:
-    """What a target measured, on one line: a dict as ``key: value`` pairs joined by ``", "`` (recursively),
-    floats to 3 significant digits, the rest as ``str``."""
-    if isinstance(value, dict):
-        return ", ".join(f"{k}: {measured(v)}" for k, v in value.items())
-    return f"{value:.3g}" if isinstance(value, float) else str(value)
