@@ -10,6 +10,7 @@ Two real NIXL agents in this process (UCX over loopback) behind a real side chan
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
 from tests.clock import FakeClock
 from tests.polling import wait_until
-from tests.push_support import DECODE, ENGINE, HOST, KEY, NUM_BLOCKS, Agents, descs, side_channel
+from tests.push_support import DECODE, ENGINE, HOST, KEY, NUM_BLOCKS, Agents, descs, make_agents, side_channel
 
 VICTIM = DECODE
 ATTACKER = "attacker-engine"
@@ -196,3 +197,44 @@ def test_sixty_requests_from_agents_never_seen_again_leave_nixl(agents: Agents, 
                and not any(nixl_knows(agents.prefill, info.agent_name) for info in infos))
     assert not [info for info in infos if nixl_knows(agents.prefill, info.agent_name)]
     agents.decode.take_notifs(PUSH_PREFIX)
+
+
+class _SlowRemoval:
+    """A NIXL agent whose ``remove_remote_agent`` sets ``removing``, then sleeps 0.2 s (the GIL released) before it
+    removes: another thread loading the same agent meanwhile must not be undone by it."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+        self.removing = threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def remove_remote_agent(self, name: str) -> object:
+        self.removing.set()
+        time.sleep(0.2)
+        return self._inner.remove_remote_agent(name)  # type: ignore[attr-defined]
+
+
+def test_a_remote_agent_loaded_for_one_role_while_the_other_role_drops_it_stays_loaded() -> None:
+    """A ``role: both`` engine: its decode side drops a peer it pulled from (the last ``prefill`` use) while its
+    prefill side loads the same agent as the ``decode`` rank it pushes to, on another thread. The agent must stay
+    loaded for the push, in the table and in NIXL (real NIXL)."""
+    with make_agents() as pair:
+        agent, info = pair.prefill, pair.decode_info
+        nixl = agent._agent
+        slow = _SlowRemoval(nixl)
+        agent._agent = slow
+        try:
+            name = agent.add_peer(info, "prefill")
+            dropping = threading.Thread(target=agent.remove_peer, args=(name, "prefill"))
+            dropping.start()
+            assert slow.removing.wait(10)
+            assert agent.add_peer(info, "decode") == name  # while NIXL is removing it for the other role
+            dropping.join(10)
+        finally:
+            agent._agent = nixl
+        assert agent.peers("decode") == [name] and agent.peers("prefill") == []
+        assert nixl.check_remote_metadata(name)  # still loaded in NIXL: a WRITE to it would work
+        agent.remove_peer(name, "decode")
+        assert agent.peers() == [] and not nixl.check_remote_metadata(name)

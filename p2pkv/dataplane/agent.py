@@ -10,6 +10,7 @@ on corrupted metadata).
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -175,6 +176,11 @@ needs it any more."""
 class NixlTransferAgent:
     """One NIXL agent with registered KV memory.
 
+    Its peer table (:meth:`add_peer`, :meth:`remove_peer`, :meth:`peers`) has
+    a lock of its own: on a ``role: both`` engine the decode side's progress
+    thread and the prefill side's side-channel and pusher threads load and
+    drop remote agents at once, possibly the same one under its two roles.
+
     Args:
         name: agent name (see :func:`unique_agent_name`).
         backends: NIXL backends to create, e.g. ``["UCX"]``.
@@ -239,6 +245,7 @@ class NixlTransferAgent:
         self._mem_type = "DRAM"
         self._peers: dict[str, bytes] = {}  # remote agent name → digest of the metadata NIXL holds
         self._roles: dict[str, set[PeerRole]] = {}  # remote agent name → why it is loaded
+        self._peer_lock = threading.Lock()  # a role: both engine loads peers from its decode and prefill threads
         self.registrations = 0
         """How many times memory was registered (a peer that writes here needs metadata newer than that)."""
         self._closed = False
@@ -297,44 +304,47 @@ class NixlTransferAgent:
             TransferError: the metadata names another agent, or NIXL refused it.
         """
         check_peer_info(info)
-        if self._peers.get(info.agent_name) == info.metadata_digest:
-            self._roles.setdefault(info.agent_name, set()).add(role)
-            return info.agent_name  # known, same metadata (a new digest: it registered more memory, reloaded)
-        try:
-            name = self._agent.add_remote_agent(info.agent_metadata)
-        except Exception as exc:
-            raise TransferError(f"NIXL add_remote_agent for {info.agent_name} failed: {exc}", exc) from exc
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != info.agent_name:  # checked above; only a NIXL that reads its metadata otherwise gets here
-            if name not in self._peers:
-                self._agent.remove_remote_agent(name)
-            raise TransferError(
-                f"peer metadata names agent {name!r} but the side channel said {info.agent_name!r}"
-            )
-        self._peers[name] = info.metadata_digest
-        self._roles.setdefault(name, set()).add(role)
-        return name
+        with self._peer_lock:
+            if self._peers.get(info.agent_name) == info.metadata_digest:
+                self._roles.setdefault(info.agent_name, set()).add(role)
+                return info.agent_name  # known, same metadata (a new digest: it registered more memory, reloaded)
+            try:
+                name = self._agent.add_remote_agent(info.agent_metadata)
+            except Exception as exc:
+                raise TransferError(f"NIXL add_remote_agent for {info.agent_name} failed: {exc}", exc) from exc
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            if name != info.agent_name:  # checked above; only a NIXL that reads its metadata otherwise gets here
+                if name not in self._peers:
+                    self._agent.remove_remote_agent(name)
+                raise TransferError(
+                    f"peer metadata names agent {name!r} but the side channel said {info.agent_name!r}"
+                )
+            self._peers[name] = info.metadata_digest
+            self._roles.setdefault(name, set()).add(role)
+            return name
 
     def remove_peer(self, name: str, role: PeerRole = "prefill") -> None:
         """Forget a peer for ``role`` (after it disconnected, restarted or went idle); NIXL removes its remote
         agent once no role needs it. Removing it while an xfer to it is in flight is the caller's to avoid.
         Idempotent."""
-        roles = self._roles.get(name)
-        if roles is not None:
-            roles.discard(role)
-            if roles:
-                return
-            del self._roles[name]
-        if name in self._peers:
-            del self._peers[name]
-            try:
-                self._agent.remove_remote_agent(name)
-            except Exception as exc:
-                logger.warning("p2pkv: remove_remote_agent(%s) failed: %s", name, exc)
+        with self._peer_lock:
+            roles = self._roles.get(name)
+            if roles is not None:
+                roles.discard(role)
+                if roles:
+                    return
+                del self._roles[name]
+            if name in self._peers:
+                del self._peers[name]
+                try:
+                    self._agent.remove_remote_agent(name)
+                except Exception as exc:
+                    logger.warning("p2pkv: remove_remote_agent(%s) failed: %s", name, exc)
 
     def peers(self, role: PeerRole | None = None) -> list[str]:
         """The remote agents loaded in NIXL now (for ``role`` only, when given)."""
-        return [n for n in self._peers if role is None or role in self._roles.get(n, ())]
+        with self._peer_lock:
+            return [n for n in self._peers if role is None or role in self._roles.get(n, ())]
 
     def start_read(self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray,
                    notif: bytes = b"") -> XferHandle:
