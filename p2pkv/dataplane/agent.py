@@ -10,7 +10,6 @@ on corrupted metadata).
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from handshake import AgentInfo, verify_agent_info
 from p2pkv.dataplane.inboxes import Inboxes
 from p2pkv.dataplane.layout import Region
 from p2pkv.dataplane.plan import split_rows
+from p2pkv.dataplane.remote_agents import PeerRole, RemoteAgents, WrongAgentName
 from p2pkv.dataplane.transport import TransportReport, TransportWatch
 
 logger = logging.getLogger("p2pkv.dataplane.agent")
@@ -167,19 +167,13 @@ def check_peer_info(info: AgentInfo) -> None:
                             "(not NIXL metadata, or a NIXL version whose format p2pkv does not read)")
 
 
-PeerRole = Literal["prefill", "decode"]
-"""Why a worker loaded a remote agent: a ``prefill`` rank it pulls from (or asks to push), or a ``decode`` rank
-that asked it to push. One remote agent may be both (engines with ``role: both``); it leaves NIXL when neither
-needs it any more."""
-
-
 class NixlTransferAgent:
     """One NIXL agent with registered KV memory.
 
-    Its peer table (:meth:`add_peer`, :meth:`remove_peer`, :meth:`peers`) has
-    a lock of its own: on a ``role: both`` engine the decode side's progress
-    thread and the prefill side's side-channel and pusher threads load and
-    drop remote agents at once, possibly the same one under its two roles.
+    Its peer table (:meth:`add_peer`, :meth:`remove_peer`, :meth:`peers`) is
+    a :class:`p2pkv.dataplane.remote_agents.RemoteAgents`, with a lock of its
+    own: on a ``role: both`` engine several threads load and drop remote
+    agents at once, possibly the same one under its two roles.
 
     Args:
         name: agent name (see :func:`unique_agent_name`).
@@ -243,9 +237,8 @@ class NixlTransferAgent:
         self._split_bytes = split_bytes if num_threads > 0 else 0
         self._reg_descs: list[object] = []
         self._mem_type = "DRAM"
-        self._peers: dict[str, bytes] = {}  # remote agent name → digest of the metadata NIXL holds
-        self._roles: dict[str, set[PeerRole]] = {}  # remote agent name → why it is loaded
-        self._peer_lock = threading.Lock()  # a role: both engine loads peers from its decode and prefill threads
+        self._remote = RemoteAgents(lambda meta: self._agent.add_remote_agent(meta),
+                                    lambda name: self._agent.remove_remote_agent(name))
         self.registrations = 0
         """How many times memory was registered (a peer that writes here needs metadata newer than that)."""
         self._closed = False
@@ -304,47 +297,22 @@ class NixlTransferAgent:
             TransferError: the metadata names another agent, or NIXL refused it.
         """
         check_peer_info(info)
-        with self._peer_lock:
-            if self._peers.get(info.agent_name) == info.metadata_digest:
-                self._roles.setdefault(info.agent_name, set()).add(role)
-                return info.agent_name  # known, same metadata (a new digest: it registered more memory, reloaded)
-            try:
-                name = self._agent.add_remote_agent(info.agent_metadata)
-            except Exception as exc:
-                raise TransferError(f"NIXL add_remote_agent for {info.agent_name} failed: {exc}", exc) from exc
-            name = name.decode() if isinstance(name, bytes) else str(name)
-            if name != info.agent_name:  # checked above; only a NIXL that reads its metadata otherwise gets here
-                if name not in self._peers:
-                    self._agent.remove_remote_agent(name)
-                raise TransferError(
-                    f"peer metadata names agent {name!r} but the side channel said {info.agent_name!r}"
-                )
-            self._peers[name] = info.metadata_digest
-            self._roles.setdefault(name, set()).add(role)
-            return name
+        try:
+            return self._remote.add(info, role)
+        except WrongAgentName as exc:
+            raise TransferError(str(exc)) from exc
+        except Exception as exc:
+            raise TransferError(f"NIXL add_remote_agent for {info.agent_name} failed: {exc}", exc) from exc
 
     def remove_peer(self, name: str, role: PeerRole = "prefill") -> None:
         """Forget a peer for ``role`` (after it disconnected, restarted or went idle); NIXL removes its remote
         agent once no role needs it. Removing it while an xfer to it is in flight is the caller's to avoid.
         Idempotent."""
-        with self._peer_lock:
-            roles = self._roles.get(name)
-            if roles is not None:
-                roles.discard(role)
-                if roles:
-                    return
-                del self._roles[name]
-            if name in self._peers:
-                del self._peers[name]
-                try:
-                    self._agent.remove_remote_agent(name)
-                except Exception as exc:
-                    logger.warning("p2pkv: remove_remote_agent(%s) failed: %s", name, exc)
+        self._remote.remove(name, role)
 
     def peers(self, role: PeerRole | None = None) -> list[str]:
         """The remote agents loaded in NIXL now (for ``role`` only, when given)."""
-        with self._peer_lock:
-            return [n for n in self._peers if role is None or role in self._roles.get(n, ())]
+        return self._remote.names(role)
 
     def start_read(self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray,
                    notif: bytes = b"") -> XferHandle:
@@ -471,9 +439,7 @@ class NixlTransferAgent:
         if self._closed:
             return
         self._closed = True
-        self._roles.clear()
-        for peer in list(self._peers):
-            self.remove_peer(peer)
+        self._remote.clear()
         for descs in self._reg_descs:
             try:
                 self._agent.deregister_memory(descs)
