@@ -6,6 +6,9 @@ without the secret they cannot make params that pass the check.
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import pytest
 
 from p2pkv.decode.load import DecodeLoad
@@ -183,3 +186,31 @@ def test_a_refused_value_is_never_shown_whole(key: str) -> None:
     with pytest.raises(KVTransferParamsError) as info:
         parse_remote_prefill({**_signed(), "tp_size": list(range(1 << 20))}, secret=SECRET, now=NOW)
     assert len(str(info.value)) < 400 and "<list of 1048576 items>" in str(info.value)
+
+
+@pytest.mark.parametrize("kw", [
+    {},
+    {"group_sizes": [], "block_ids": [5, 6, 7], "tp_size": 1},
+    {"group_sizes": [2, 0, 1], "block_ids": [1, 2, 3], "prompt_digest": "ab" * 16},
+    {"group_sizes": [3], "block_ids": [8, 9, 10], "num_tokens": 0, "expiry_time": NOW + 0.25},
+])
+def test_params_signed_as_they_are_made_equal_params_signed_afterwards(kw: dict) -> None:
+    """The prefill scheduler signs while it builds its answer (no parsing back): the same capability as
+    sign_params gives, which the decode engine accepts."""
+    args: dict = {"engine_id": "prefill-0", "request_id": "cmpl-abc-0", "host": "127.0.0.1", "port": 5600,
+                  "block_ids": [3, 4, 9, 0, 0, 7], "group_sizes": [3, 3], "tp_size": 2, "num_tokens": 90,
+                  "expiry_time": NOW + 120, **kw}
+    made = make_prefill_response_params(**args, secret=SECRET)
+    assert made == sign_params(make_prefill_response_params(**args), SECRET, args["expiry_time"])
+    assert parse_remote_prefill(made, secret=SECRET, now=NOW).block_ids == tuple(args["block_ids"])
+    with pytest.raises(ValueError, match="expiry_time"):
+        make_prefill_response_params(**{**args, "expiry_time": None}, secret=SECRET)
+
+
+def test_the_prompt_digest_is_sha256_of_little_endian_int64s() -> None:
+    ids = [0, 1, 151_000, 2**62, 7]
+    assert prompt_digest(ids) == hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()[:32]
+    assert prompt_digest(range(3)) == prompt_digest([0, 1, 2]) and prompt_digest([]) == hashlib.sha256(
+        b"").hexdigest()[:32]
+    with pytest.raises(OverflowError, match="int64"):
+        prompt_digest([1, 2**63])

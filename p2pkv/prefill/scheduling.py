@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from p2pkv.config import P2pKvConfig, Role
-from p2pkv.params import make_prefill_response_params, prompt_digest, sign_params, wants_remote_decode
+from p2pkv.params import make_prefill_response_params, prompt_digest, wants_remote_decode
 from p2pkv.prefill.holds import HoldEnd
 from p2pkv.prefill.spans import emit_hold_span
 from p2pkv.telemetry.tracing import TRACEPARENT_KEY, Tracing, parse_traceparent, traces_endpoint
@@ -120,8 +120,8 @@ class PrefillScheduling:
             engine_id=self.engine_id, request_id=request.request_id, host=self.host, port=self.port,
             block_ids=flat, group_sizes=tuple(len(g) for g in block_ids) if len(block_ids) > 1 else (),
             tp_size=self.tp_size, num_tokens=request.num_computed_tokens, expiry_time=expiry,
-            first_token=self.recompute_tokens == 0, prompt_digest=computed_digest(request))
-        return True, (sign_params(answer, self._secret, expiry) if self._secret else answer)
+            first_token=self.recompute_tokens == 0, prompt_digest=computed_digest(request), secret=self._secret)
+        return True, answer
 
     def _refusal(self, blocks: int) -> str | None:
         """Why ``blocks`` more may not be held now (None: they may)."""
