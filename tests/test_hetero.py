@@ -195,6 +195,15 @@ def test_every_token_lands_in_the_right_slot_on_cuda(row: str) -> None:
     pull_and_check(row, "cuda")
 
 
+@pytest.mark.parametrize(("row", "cap", "expect"), [("TP 2 -> 1", 8, "push"), ("block 16 -> 64", 0, "pull")])
+def test_parts_longer_than_a_push_request_are_cut_and_staged_ones_read(row: str, cap: int, expect: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Push mode with a push request's row cap (``MAX_PUSH_ROWS``) made small: a part into local pages (TP 2 -> 1,
+    head slices, many rows) is pushed in several requests; a staged part, fixed up whole, is READ instead."""
+    monkeypatch.setattr("p2pkv.decode.movers.MAX_PUSH_ROWS", cap)
+    pull_and_check(row, "cpu", transfer_mode="push", expect=expect)
+
+
 @pytest.mark.gpu
 def test_auto_chooses_by_the_probe_before_the_first_request_on_cuda() -> None:
     """GPU memory: the probe READ after the handshake tells ``auto`` how UCX moves READs of VRAM (over TCP
@@ -242,10 +251,10 @@ def decode_workers(side: Side, device: str, **config: float) -> Iterator[list[tu
             worker.shutdown()
 
 
-def pull_and_check(row: str, device: str, transfer_mode: str = "pull") -> None:
+def pull_and_check(row: str, device: str, transfer_mode: str = "pull", expect: str | None = None) -> None:
     """Move one 150-token request between the row's engines (``transfer_mode``: the decode ranks READ, or the
-    prefill ranks WRITE, or ``auto``: as each decode rank's probe READ decided) and compare every decode rank's
-    cache."""
+    prefill ranks WRITE, or ``auto``: as each decode rank's probe READ decided; ``expect``: the direction the
+    transfers must have taken, if not that) and compare every decode rank's cache."""
     prefill_side, decode_side, how = ROWS[row]
     tokens, first_token = 150, 0
     rng = np.random.default_rng(len(row))
@@ -272,7 +281,7 @@ def pull_and_check(row: str, device: str, transfer_mode: str = "pull") -> None:
         assert all(mode(w) == {how} for w, _, _ in decoders), [mode(w) for w, _, _ in decoders]
         for rank, (worker, _, _) in enumerate(decoders):
             directions = (worker.take_stats() or {}).get("directions", {})
-            expected = probed_choice(worker) if transfer_mode == "auto" else transfer_mode
+            expected = expect or (probed_choice(worker) if transfer_mode == "auto" else transfer_mode)
             assert directions == {expected: 1}, f"decode rank {rank}: {directions}"
         for rank, (_, base, _) in enumerate(decoders):
             expected, _ = make_cache(decode_side, rank, "cpu", local_ids, tokens)

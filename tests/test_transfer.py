@@ -182,31 +182,31 @@ def test_worker_lowers_the_thread_switch_interval(setting: float, expected: floa
 
 
 @pytest.mark.parametrize("prefill", ["BLHNC"], indirect=True)
-def test_a_part_longer_than_one_push_request_is_read_instead(prefill: PrefillProc, monkeypatch: pytest.MonkeyPatch,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
-    """A push request carries at most ``MAX_PUSH_ROWS`` descriptor rows: in push mode, a part with more is READ
-    (same bytes, same blocks; logged), and the next part that fits is pushed again."""
+def test_a_part_longer_than_one_push_request_is_pushed_in_several(prefill: PrefillProc,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push request carries at most ``MAX_PUSH_ROWS`` descriptor rows: in push mode, a part with more is cut
+    into parts of at most that many rows, each its own push request (the prefill rank pins the hold once per
+    request), all WRITTEN: same bytes, same blocks, and the hold released once."""
     layout, port = prefill.layout, prefill.port
-    prefill.lease(["long-1", "short-2"])
-    monkeypatch.setattr("p2pkv.decode.movers.MAX_PUSH_ROWS", 2)  # the decode side's cap; 4 rows below
+    prefill.lease(["long-1"])
+    monkeypatch.setattr("p2pkv.decode.movers.MAX_PUSH_ROWS", 2)  # the decode side's cap; 5 rows below
     _, expected = make_kv_caches(layout, seed=1, **SHAPE)
     _, views = make_kv_caches(layout, fill=0.0, **SHAPE)
     worker = make_worker("decode-engine", free_port(), transfer_mode="push")
     worker.model = model_info(layout)
     worker.register_kv_caches(views, NUM_BLOCKS)
+    posted: list[int] = []
+    post = worker.receiver.pushes.post
+    monkeypatch.setattr(worker.receiver.pushes, "post", lambda part: (posted.append(len(part.remote_descs)),
+                                                                      post(part)))
     try:
-        local, remote = [3, 4, 5, 20, 40, 39], [10, 11, 12, 7, 63, 0]  # 4 runs: 4 rows of cross-layer blocks
-        with caplog.at_level("WARNING", logger="p2pkv.decode"):
-            worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "long-1", port, local, remote)]))
-            assert run_until_received(worker, "d-1") == set()
-        assert "by pull, not push: 4 descriptor rows are more than one push request carries" in caplog.text
+        local, remote = [3, 4, 5, 20, 40, 39, 8], [10, 11, 12, 7, 63, 0, 30]  # 5 runs of cross-layer blocks
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-1", "long-1", port, local, remote)]))
+        assert run_until_received(worker, "d-1") == set()
+        assert sorted(posted) == [1, 2, 2]  # three push requests, none over the cap
         for lb, rb in zip(local, remote, strict=True):
             assert block_bytes(views, layout, lb) == block_bytes(expected, layout, rb)
         released_once_not_expired(prefill, "long-1", timeout_s=30)
-        worker.start_load_kv(P2pKvMetadata(loads=[task("d-2", "short-2", port, [50], [51])]))  # 1 row: pushed
-        assert run_until_received(worker, "d-2") == set()
-        assert block_bytes(views, layout, 50) == block_bytes(expected, layout, 51)
-        released_once_not_expired(prefill, "short-2", timeout_s=30)
-        assert worker.stats.data["directions"] == {"pull": 1, "push": 1}
+        assert worker.stats.data["directions"] == {"push": 1}
     finally:
         worker.shutdown()

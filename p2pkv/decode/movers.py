@@ -1,6 +1,7 @@
 """Who moves a part's bytes, and how: one :class:`Mover` per :class:`~p2pkv.decode.direction.Direction`.
 
-A pull is made of parts, one per prefill rank (:class:`p2pkv.decode.transfer.Part`).
+A pull is made of parts, one per prefill rank (:class:`p2pkv.decode.transfer.Part`; a mover may cut one
+into several it moves apart, :meth:`Mover.split`).
 Each part is moved one way, chosen when it starts
 (:class:`p2pkv.decode.direction.Directions`): this rank READs it
 (:class:`ReadMover`), or asks its prefill rank to WRITE it
@@ -19,6 +20,7 @@ in :func:`movers`.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -53,6 +55,10 @@ class Mover(ABC):
     def cannot_carry(self, part: Part) -> str | None:
         """Why this way cannot move ``part`` at all (then its :attr:`fallback` does), or None when it can."""
         return None
+
+    def split(self, part: Part) -> list[Part]:
+        """``part`` as the parts this way moves it in (itself, unless it is longer than one move carries)."""
+        return [part]
 
     @abstractmethod
     def post(self, part: Part) -> None:
@@ -165,10 +171,20 @@ class PushMover(Mover):
 
     def cannot_carry(self, part: Part) -> str | None:
         rows = int(part.remote_descs.shape[0])
-        if rows > MAX_PUSH_ROWS:
-            return (f"{rows} descriptor rows are more than one push request carries ({MAX_PUSH_ROWS}: "
-                    "handshake.MAX_PUSH_ROWS)")
+        if rows > MAX_PUSH_ROWS and part.stage is not None:
+            return (f"{rows} descriptor rows into staging are more than one push request carries "
+                    f"({MAX_PUSH_ROWS}: handshake.MAX_PUSH_ROWS), and a staged part is fixed up whole")
         return None
+
+    def split(self, part: Part) -> list[Part]:
+        """A part into local blocks with more rows than one push request carries (``MAX_PUSH_ROWS``): one part
+        per request, each its slice of the rows (a staged part stays whole: :meth:`cannot_carry`)."""
+        rows = int(part.remote_descs.shape[0])
+        if rows <= MAX_PUSH_ROWS or part.stage is not None:
+            return [part]
+        return [dataclasses.replace(part, local_descs=part.local_descs[i:i + MAX_PUSH_ROWS],
+                                    remote_descs=part.remote_descs[i:i + MAX_PUSH_ROWS])
+                for i in range(0, rows, MAX_PUSH_ROWS)]
 
     def post(self, part: Part) -> None:
         self.pushes.post(part)

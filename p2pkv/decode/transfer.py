@@ -119,7 +119,8 @@ class Transfer:
         peers: every prefill rank it reads from or notifies (while it is under
             way, none of them is evicted).
         attempt: 0 for the first try, 1 after the one retry a peer failure allows.
-        parts: the current attempt's parts (READ or pushed), one per prefill rank it loads from.
+        parts: the current attempt's parts (READ or pushed), one per prefill rank it loads from (several
+            when one is longer than a push request carries: :meth:`p2pkv.decode.movers.Mover.split`).
         notify: prefill ranks to notify when done, each with how many decode
             ranks notify it.
         num_bytes / num_descriptors: moved so far by the current attempt.

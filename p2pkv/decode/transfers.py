@@ -33,24 +33,37 @@ class Transfers:
         self.directions = directions
 
     def start(self, transfer: Transfer) -> tuple[Part, Exception] | None:
-        """Post every part of ``pull`` with its direction's mover, or with that mover's fallback's when it
-        cannot carry the part (a push request's rows are bounded: a longer part is READ; logged).
+        """Post every part of ``pull`` with its direction's mover: cut first into the parts that mover moves
+        (a push request's rows are bounded: a longer part goes in several), or with that mover's fallback's
+        when it cannot carry the part (a staged part too long for one push request is READ; logged).
 
         Returns:
             The first part that could not start and why (the parts after it
             are not started), or None.
         """
-        for read in transfer.parts:
+        i = 0
+        while i < len(transfer.parts):
+            read = transfer.parts[i]
             mover = self.movers[self.directions.of(transfer.spec.remote.transfer_mode, read.peer.agent_name)]
-            if (why := mover.cannot_carry(read)) is not None and mover.fallback is not None:
-                logger.warning("p2pkv: request %s moves its part from %s by %s, not %s: %s", transfer.request_id,
-                               read.peer.agent_name, mover.fallback.value, mover.direction.value, why)
-                mover = self.movers[mover.fallback]
-            try:
-                mover.post(read)
-            except Exception as exc:
-                return read, exc
-            read.direction, read.live = mover.direction, True
+            pieces = mover.split(read)
+            transfer.parts[i:i + 1] = pieces
+            i += len(pieces)
+            for piece in pieces:
+                if (failed := self._post(transfer, mover, piece)) is not None:
+                    return failed
+        return None
+
+    def _post(self, transfer: Transfer, mover: Mover, read: Part) -> tuple[Part, Exception] | None:
+        """Post one part with ``mover``, or its fallback when it cannot carry it; the part and why, if it failed."""
+        if (why := mover.cannot_carry(read)) is not None and mover.fallback is not None:
+            logger.warning("p2pkv: request %s moves its part from %s by %s, not %s: %s", transfer.request_id,
+                           read.peer.agent_name, mover.fallback.value, mover.direction.value, why)
+            mover = self.movers[mover.fallback]
+        try:
+            mover.post(read)
+        except Exception as exc:
+            return read, exc
+        read.direction, read.live = mover.direction, True
         return None
 
     def poll(self, read: Part, now: float) -> tuple[ReadEvent, Exception | None]:
