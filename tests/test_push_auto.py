@@ -181,3 +181,22 @@ def test_a_probe_that_hangs_or_fails_is_given_up_and_the_peer_is_pulled_from(fai
     empty = SimpleNamespace(agent_name="prefill-b", info=SimpleNamespace(layout=SimpleNamespace(regions=[])))
     probe.run(empty)  # no memory to READ: no probe, no error
     assert probe.probed["prefill-b"] is False and len(agent.posted) == (0 if fail else 1)
+
+
+def test_a_probe_that_raises_leaves_the_pull_to_go_on(prefill: PrefillProc, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever the probe does after a handshake, the pull that waited for it begins (here: pulled)."""
+    def broken(self: TransportProbe, peer: object) -> None:
+        raise RuntimeError("probe bug")
+
+    monkeypatch.setattr(TransportProbe, "run", broken)
+    prefill.lease(["req-b1"])
+    expected, _, views, worker = _auto_decode_worker(caplog)
+    try:
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-b1", "req-b1", prefill.port, [7], [9])]))
+        assert run_until_received(worker, "d-b1") == set()
+        assert block_bytes(views, LAYOUT, 7) == block_bytes(expected, LAYOUT, 9)
+        released_once_not_expired(prefill, "req-b1", timeout_s=30)
+    finally:
+        worker.shutdown()
+    assert "on_peer failed" in caplog.text and "probe bug" in caplog.text

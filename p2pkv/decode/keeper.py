@@ -105,7 +105,10 @@ class PeerKeeper:
                 continue
             seconds.append(time.monotonic() - hs.started)
             if self.on_peer is not None:
-                self.on_peer(peer)
+                try:
+                    self.on_peer(peer)
+                except Exception:  # the peer is added: its waiting pulls must begin again whatever the hook did
+                    logger.exception("p2pkv: after the handshake with %s, on_peer failed", pid)
             plan = peer.plan
             logger.info("p2pkv: handshake with %s done (agent %s, %s%s)", pid, peer.agent_name, plan.placement.value,
                         f": {plan.reason}" if plan.reason else "")
