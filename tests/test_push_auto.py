@@ -21,7 +21,7 @@ from handshake import KVRegion
 from p2pkv.dataplane.agent import TransferError
 from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.direction import Direction, choose
-from p2pkv.decode.probe import PROBE_BYTES, TransportProbe
+from p2pkv.decode.probe import PROBE_BYTES, PROBE_REMEMBERED, TransportProbe
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.testing import block_bytes, make_kv_caches
 from p2pkv.worker import WorkerSide
@@ -181,6 +181,9 @@ def test_a_probe_that_hangs_or_fails_is_given_up_and_the_peer_is_pulled_from(fai
     empty = SimpleNamespace(agent_name="prefill-b", info=SimpleNamespace(layout=SimpleNamespace(regions=[])))
     probe.run(empty)  # no memory to READ: no probe, no error
     assert probe.probed["prefill-b"] is False and len(agent.posted) == (0 if fail else 1)
+    for i in range(PROBE_REMEMBERED + 5):  # restarted prefill ranks, each under a new name: the table stays bounded
+        probe.run(SimpleNamespace(agent_name=f"gone-{i}", info=empty.info))
+    assert len(probe.probed) == PROBE_REMEMBERED and f"gone-{PROBE_REMEMBERED + 4}" in probe.probed
 
 
 def test_a_probe_that_raises_leaves_the_pull_to_go_on(prefill: PrefillProc, monkeypatch: pytest.MonkeyPatch,

@@ -35,6 +35,10 @@ logger = logging.getLogger("p2pkv.decode")
 PROBE_BYTES = 4096
 """Bytes of the probe READ (at most the peer's first region)."""
 
+PROBE_REMEMBERED = 1024
+"""Remote agents whose probe is remembered (the oldest forgotten first: restarted prefill ranks come back under
+new agent names, so the table stays bounded)."""
+
 PROBE_TIMEOUT_S = 1.0
 """How long a probe may take (seconds) before it is cancelled; the peer is then pulled from until a READ reports."""
 
@@ -57,7 +61,8 @@ class TransportProbe:
         self.buffer = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
         agent.register([Region(self.buffer.data_ptr(), PROBE_BYTES)], agent.mem_type, device_id)
         self.probed: dict[str, bool] = {}
-        """Remote agent name → whether its probe READ finished (a failed or late one: False)."""
+        """Remote agent name → whether its probe READ finished (a failed or late one: False); the last
+        :data:`PROBE_REMEMBERED`."""
 
     def run(self, peer: Peer) -> None:
         """READ a few bytes from ``peer`` once per remote agent; the agent reports the transport when it is done.
@@ -67,6 +72,8 @@ class TransportProbe:
         """
         if peer.agent_name in self.probed or peer.agent_name in self.agent.transports:
             return
+        while len(self.probed) >= PROBE_REMEMBERED:
+            del self.probed[next(iter(self.probed))]
         regions = [r for r in peer.info.layout.regions if r.length > 0]
         if not regions:  # nothing registered to READ from: its first request's READ (if any) reports
             self.probed[peer.agent_name] = False
