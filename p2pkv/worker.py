@@ -127,6 +127,7 @@ class WorkerSide:
         self.receiver = Receiver(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m,
                              secret=self._secret)
         self.agent.on_transport = self._on_transport
+        self.agent.on_peer_removed = self._on_peer_removed
         info = self._agent_info()
         self.receiver.pushes.make_info = self._agent_info
         secret = self._secret
@@ -169,6 +170,13 @@ class WorkerSide:
         self.stats.record_transport(report.mem_type, report.transport)
         if self.receiver is not None:
             self.receiver.directions.on_transport(report)
+
+    def _on_peer_removed(self, agent_name: str) -> None:
+        """A remote agent left NIXL: the decode side forgets its direction and probe (any thread)."""
+        if self.receiver is not None:
+            self.receiver.directions.forget(agent_name)
+            if self.receiver.probe is not None:
+                self.receiver.probe.forget(agent_name)
 
     def start_load_kv(self, meta: P2pKvMetadata) -> None:
         """Take this step's new leases (prefill side) and pulls (decode side)."""

@@ -111,7 +111,7 @@ def test_auto_pushes_the_first_request_when_the_probe_finds_reads_over_tcp(
     handshake says so, and the very first request is pushed (before the probe it was READ over TCP)."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    prefill.lease(["req-t1"])
+    prefill.lease(["req-t1", "req-t2"])
     expected, base, views, worker = _auto_decode_worker(caplog)
     try:
         worker.start_load_kv(P2pKvMetadata(loads=[task("d-t1", "req-t1", port := prefill.port, [5, 6], [12, 13])]))
@@ -123,6 +123,17 @@ def test_auto_pushes_the_first_request_when_the_probe_finds_reads_over_tcp(
         assert worker.receiver.agent.transports[peer].transport == "tcp"
         for local, remote in ((5, 12), (6, 13)):
             assert block_bytes(views, LAYOUT, local) == block_bytes(expected, LAYOUT, remote)
+        # The peer dropped (idle, say): what was learned of it goes with it; back again, it is probed again.
+        (pid,) = worker.receiver.peers.peers
+        with worker.receiver.lock:
+            worker.receiver.keeper.forget(pid, "dropped by the test")
+        assert worker.receiver.directions.choices == {} and peer not in worker.receiver.agent.transports
+        worker.start_load_kv(P2pKvMetadata(loads=[task("d-t2", "req-t2", port, [15], [22])]))
+        assert run_until_received(worker, "d-t2") == set()
+        released_once_not_expired(prefill, "req-t2", timeout_s=30)
+        assert worker.stats.data["directions"] == {"push": 2}
+        assert worker.receiver.agent.transports[peer].transport == "tcp"
+        assert block_bytes(views, LAYOUT, 15) == block_bytes(expected, LAYOUT, 22)
     finally:
         worker.shutdown()
     logged = [r.getMessage() for r in caplog.records if "from prefill agent" in r.getMessage()]
@@ -172,7 +183,7 @@ def test_a_probe_that_hangs_or_fails_is_given_up_and_the_peer_is_pulled_from(fai
         regions=[KVRegion(base_addr=1 << 20, length=1024, device_id=0)])))
     probe.run(peer)
     probe.run(peer)  # once per remote agent
-    assert probe.probed == {"prefill-a": False}
+    assert probe.failed == {"prefill-a": None}
     assert agent.cancelled == (0 if fail else 1)
     if not fail:
         ((name, local, remote),) = agent.posted
@@ -180,10 +191,13 @@ def test_a_probe_that_hangs_or_fails_is_given_up_and_the_peer_is_pulled_from(fai
     assert any("probe READ from prefill agent prefill-a failed" in r.getMessage() for r in caplog.records)
     empty = SimpleNamespace(agent_name="prefill-b", info=SimpleNamespace(layout=SimpleNamespace(regions=[])))
     probe.run(empty)  # no memory to READ: no probe, no error
-    assert probe.probed["prefill-b"] is False and len(agent.posted) == (0 if fail else 1)
+    assert "prefill-b" in probe.failed and len(agent.posted) == (0 if fail else 1)
     for i in range(PROBE_REMEMBERED + 5):  # restarted prefill ranks, each under a new name: the table stays bounded
         probe.run(SimpleNamespace(agent_name=f"gone-{i}", info=empty.info))
-    assert len(probe.probed) == PROBE_REMEMBERED and f"gone-{PROBE_REMEMBERED + 4}" in probe.probed
+    assert len(probe.failed) == PROBE_REMEMBERED and f"gone-{PROBE_REMEMBERED + 4}" in probe.failed
+    probe.forget("gone-0")  # forgetting one that is not there is fine
+    probe.forget(f"gone-{PROBE_REMEMBERED + 4}")
+    assert f"gone-{PROBE_REMEMBERED + 4}" not in probe.failed
 
 
 def test_a_probe_that_raises_leaves_the_pull_to_go_on(prefill: PrefillProc, monkeypatch: pytest.MonkeyPatch,

@@ -214,6 +214,8 @@ class NixlTransferAgent:
         self._watch = TransportWatch(name) if report_transport and "UCX" in backends else None
         self.on_transport: Callable[[TransportReport], None] | None = None
         """Called with each peer's :class:`TransportReport` after its first READ (from the polling thread)."""
+        self.on_peer_removed: Callable[[str], None] | None = None
+        """Called with a remote agent's name once it left NIXL (from the thread that removed it)."""
         for backend in backends:
             if backend not in self._agent.plugin_list:
                 continue
@@ -307,8 +309,14 @@ class NixlTransferAgent:
     def remove_peer(self, name: str, role: PeerRole = "prefill") -> None:
         """Forget a peer for ``role`` (after it disconnected, restarted or went idle); NIXL removes its remote
         agent once no role needs it. Removing it while an xfer to it is in flight is the caller's to avoid.
-        Idempotent."""
-        self._remote.remove(name, role)
+        Idempotent. Once it is removed, what UCX reported of it is forgotten and :attr:`on_peer_removed` is
+        called with its name."""
+        if not self._remote.remove(name, role):
+            return
+        if self._watch is not None:
+            self._watch.forget(name)
+        if self.on_peer_removed is not None:
+            self.on_peer_removed(name)
 
     def peers(self, role: PeerRole | None = None) -> list[str]:
         """The remote agents loaded in NIXL now (for ``role`` only, when given)."""

@@ -72,20 +72,26 @@ class RemoteAgents:
             self._roles.setdefault(name, set()).add(role)
             return name
 
-    def remove(self, name: str, role: PeerRole) -> None:
-        """``role`` no longer needs ``name``; NIXL removes it once no role does. Idempotent."""
+    def remove(self, name: str, role: PeerRole) -> bool:
+        """``role`` no longer needs ``name``; NIXL removes it once no role does. Idempotent.
+
+        Returns:
+            True when this call removed it from NIXL (no role needs it any more).
+        """
         with self._lock:
             roles = self._roles.get(name)
             if roles is not None:
                 roles.discard(role)
                 if roles:
-                    return
+                    return False
                 del self._roles[name]
-            if self._digests.pop(name, None) is not None:
-                try:
-                    self._unload(name)
-                except Exception as exc:
-                    logger.warning("p2pkv: remove_remote_agent(%s) failed: %s", name, exc)
+            if self._digests.pop(name, None) is None:
+                return False
+            try:
+                self._unload(name)
+            except Exception as exc:
+                logger.warning("p2pkv: remove_remote_agent(%s) failed: %s", name, exc)
+            return True
 
     def names(self, role: PeerRole | None = None) -> list[str]:
         """The remote agents loaded now (for ``role`` only, when given)."""

@@ -415,6 +415,15 @@ class TransportWatch:
                 continue
         return parse_selections(files)
 
+    def forget(self, peer: str) -> None:
+        """Drop what was learned of ``peer`` (its agent left NIXL): its next first READ or WRITE reports again,
+        and the tables stay as large as the peers loaded, not as all the agent names ever seen."""
+        with self._lock:
+            self.reports.pop(peer, None)
+            self.write_reports.pop(peer, None)
+            for op in UCX_OPS:
+                self._before.pop((op, peer), None)
+
     def close(self) -> None:
         """Remove the private directory (a user's ``UCX_PROTO_INFO_DIR`` stays). Idempotent."""
         if self._own:

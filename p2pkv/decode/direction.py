@@ -93,6 +93,10 @@ class Directions:
         if self.setting == "auto" and report.op == "READ":
             self._choose(report.peer, choose("auto", report))
 
+    def forget(self, agent_name: str) -> None:
+        """The prefill agent left NIXL: its choice goes (a new one is made if it comes back)."""
+        self.choices.pop(agent_name, None)
+
     def _choose(self, name: str, choice: Choice) -> None:
         if self.choices.get(name) != choice:
             logger.info("p2pkv: %s from prefill agent %s (%s)", choice.direction.value, name, choice.reason)

@@ -36,8 +36,7 @@ PROBE_BYTES = 4096
 """Bytes of the probe READ (at most the peer's first region)."""
 
 PROBE_REMEMBERED = 1024
-"""Remote agents whose probe is remembered (the oldest forgotten first: restarted prefill ranks come back under
-new agent names, so the table stays bounded)."""
+"""Remote agents whose failed probe is remembered (the oldest forgotten first), at most."""
 
 PROBE_TIMEOUT_S = 1.0
 """How long a probe may take (seconds) before it is cancelled; the peer is then pulled from until a READ reports."""
@@ -60,9 +59,9 @@ class TransportProbe:
         self.agent, self.device_id, self.timeout_s, self.clock = agent, device_id, timeout_s, clock
         self.buffer = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
         agent.register([Region(self.buffer.data_ptr(), PROBE_BYTES)], agent.mem_type, device_id)
-        self.probed: dict[str, bool] = {}
-        """Remote agent name → whether its probe READ finished (a failed or late one: False); the last
-        :data:`PROBE_REMEMBERED`."""
+        self.failed: dict[str, None] = {}
+        """Remote agents whose probe READ failed or was late (not probed again while loaded); the last
+        :data:`PROBE_REMEMBERED`. One that finished is known by the agent's transport report."""
 
     def run(self, peer: Peer) -> None:
         """READ a few bytes from ``peer`` once per remote agent; the agent reports the transport when it is done.
@@ -70,13 +69,11 @@ class TransportProbe:
         Never raises: a probe that fails or takes longer than ``timeout_s`` is
         logged and cancelled, and the peer is pulled from until a request's READ reports.
         """
-        if peer.agent_name in self.probed or peer.agent_name in self.agent.transports:
+        if peer.agent_name in self.failed or peer.agent_name in self.agent.transports:
             return
-        while len(self.probed) >= PROBE_REMEMBERED:
-            del self.probed[next(iter(self.probed))]
         regions = [r for r in peer.info.layout.regions if r.length > 0]
         if not regions:  # nothing registered to READ from: its first request's READ (if any) reports
-            self.probed[peer.agent_name] = False
+            self._failed(peer.agent_name)
             return
         region = regions[0]
         nbytes = min(PROBE_BYTES, region.length)
@@ -91,9 +88,17 @@ class TransportProbe:
                     raise TransferError(f"not done within {self.timeout_s:g} s")
                 time.sleep(0.0005)
         except TransferError as exc:
-            self.probed[peer.agent_name] = False
+            self._failed(peer.agent_name)
             logger.warning("p2pkv: probe READ from prefill agent %s failed (%s); pulling from it until a "
                            "request's READ says how READs move", peer.agent_name, exc)
             return
-        self.probed[peer.agent_name] = True
         logger.debug("p2pkv: probe READ from %s took %.2f ms", peer.agent_name, (self.clock() - started) * 1e3)
+
+    def forget(self, agent_name: str) -> None:
+        """The prefill agent left NIXL: probe it again if it is loaded again."""
+        self.failed.pop(agent_name, None)
+
+    def _failed(self, agent_name: str) -> None:
+        while len(self.failed) >= PROBE_REMEMBERED:
+            del self.failed[next(iter(self.failed))]
+        self.failed[agent_name] = None

@@ -108,8 +108,10 @@ class Receiver:
         self.pushes = Pushes(self.background, self.fence, agent, rank.engine_id, self._secret,
                              config.handshake_timeout_s, config.transfer_timeout_s)
         self.directions = Directions(config.transfer_mode)
+        self.probe: TransportProbe | None = None
         if config.transfer_mode == "auto" and config.report_transport:  # learn each new peer's READs at once
-            self.keeper.on_peer = TransportProbe(agent, stager.device, stager.device_id).run
+            self.probe = TransportProbe(agent, stager.device, stager.device_id)
+            self.keeper.on_peer = self.probe.run
         ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s)
         self.moves = Transfers(ways, self.directions)
         self.drain = Drain(stager, self.outcomes, ways)
