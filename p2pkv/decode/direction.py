@@ -84,9 +84,11 @@ class Directions:
         """The direction for a part from ``agent_name`` of a request that asked for ``requested`` (``""``: none)."""
         if requested in ("pull", "push"):
             return Direction(requested)
-        if agent_name not in self.choices:
-            self._choose(agent_name, choose(self.setting, None))
-        return self.choices[agent_name].direction
+        choice = self.choices.get(agent_name)  # one look: forget() may run on another thread
+        if choice is None:
+            choice = choose(self.setting, None)
+            self._choose(agent_name, choice)
+        return choice.direction
 
     def on_transport(self, report: TransportReport) -> None:
         """UCX said how one peer's READs move: under ``auto`` that decides the peer's direction from now on."""
@@ -94,7 +96,7 @@ class Directions:
             self._choose(report.peer, choose("auto", report))
 
     def forget(self, agent_name: str) -> None:
-        """The prefill agent left NIXL: its choice goes (a new one is made if it comes back)."""
+        """The prefill agent left NIXL: its choice goes (a new one is made if it comes back). Any thread."""
         self.choices.pop(agent_name, None)
 
     def _choose(self, name: str, choice: Choice) -> None:
