@@ -123,10 +123,11 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             timeouts); ``""`` keeps NIXL's default.
         ucx_num_workers: UCX workers per agent (0: NIXL default).
         report_transport: learn from UCX's own protocol selection which
-            transport moves each peer's READs, log it at the first pull
-            from the peer (a warning naming the fix when GPU memory goes
-            over TCP) and count it in ``p2pkv:peer_transport_total``; UCX
-            then also prints each READ protocol table on its log stream.
+            transport moves each peer's READs, log it at the first READ
+            from the peer (under ``auto`` the probe's; a warning naming the
+            fix when GPU memory goes over TCP) and count it in
+            ``p2pkv:peer_transport_total``; UCX then also prints each READ
+            protocol table on its log stream. Off, ``auto`` always pulls.
         stats_file: when set, every finished pull appends one JSON line
             (request id, peer, bytes, descriptors, seconds) to this file.
         pull_poll_interval_s: seconds between two polls of a decode worker's
@@ -167,8 +168,9 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         transfer_mode: who moves a pull's bytes (decode side; ``docs/push.md``):
             ``pull`` (this decode engine READs from the prefill engine),
             ``push`` (it asks the prefill rank to WRITE into its blocks), or
-            ``auto`` (pull from a peer until UCX reports how its READs move,
-            then push where they are not zero-copy, e.g. GPU memory over TCP).
+            ``auto`` (a 4 KiB probe READ right after each handshake tells how
+            UCX moves that peer's READs: pull where they are zero-copy, push
+            where not, e.g. GPU memory over TCP; ``p2pkv.decode.probe``).
             A request's ``kv_transfer_params.p2pkv_transfer_mode`` wins.
         push_max_in_flight: a prefill rank posts at most this many WRITEs at
             once for one decode rank (others wait, decode ranks served in turn).
