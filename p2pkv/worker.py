@@ -118,6 +118,7 @@ class WorkerSide:
                                        self.config.backend_params(), self.config.report_transport,
                                        int(self.config.nixl_split_mib * 2**20))
         self.agent.register(self.layout.regions, mem_type, device_id)
+        self.agent.set_auto_push(self.config.transfer_mode == "auto")
         m = self.model
         attn = attn_layout_of(first, m.num_kv_heads, m.block_size, m.kv_layout, m.attn_layout)
         self.desc = layout_desc(self.layout, m, attn, mem_type=mem_type, device_id=device_id)

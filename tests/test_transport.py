@@ -212,6 +212,22 @@ def test_vram_over_tcp_is_warned_once_naming_the_fix(monkeypatch: pytest.MonkeyP
     assert "hostPID: true" in write_msg
 
 
+def test_vram_reads_over_tcp_under_auto_are_told_at_info_with_the_fix(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Under ``transfer_mode: auto`` the prefill rank WRITEs where READs crawl: no warning to alarm anyone, one
+    INFO line saying so and what would make READs fast too. WRITEs over TCP still warn."""
+    monkeypatch.setattr(transport, "_warned_vram_tcp", set())
+    slow = TransportReport("peer-a", "VRAM", "tcp", "intra-node", "get_multi into cuda from cuda: tcp/lo")
+    slow_write = TransportReport("peer-b", "VRAM", "tcp", "intra-node", "", "WRITE", "zero-copy")
+    with caplog.at_level(logging.INFO, logger="p2pkv.dataplane.transport"):
+        assert warn_vram_over_tcp(slow, pushed_instead=True)
+        assert warn_vram_over_tcp(slow_write, pushed_instead=True)
+    (read_rec, write_rec) = caplog.records
+    assert read_rec.levelno == logging.INFO and "transfer_mode auto has the prefill rank WRITE instead" in (
+        read_rec.getMessage()) and "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on" in read_rec.getMessage()
+    assert write_rec.levelno == logging.WARNING and "WRITEs to peer-b go over TCP" in write_rec.getMessage()
+
+
 @pytest.mark.gpu
 def test_vram_pair_with_cuda_ipc_get_enabled_does_not_use_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")

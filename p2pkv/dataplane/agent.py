@@ -457,6 +457,13 @@ class NixlTransferAgent:
         if self._watch is not None:
             self._watch.close()
 
+    def set_auto_push(self, on: bool) -> None:
+        """This agent's owner pushes where its READs are not zero-copy (``transfer_mode: auto``): a slow READ
+        of GPU memory is then reported at INFO, not as a warning
+        (:func:`p2pkv.dataplane.transport.warn_vram_over_tcp`)."""
+        if self._watch is not None:
+            self._watch.auto_push = on
+
     @property
     def transports(self) -> dict[str, TransportReport]:
         """Peer name → which UCX transport moved its READs (peers with a finished READ; empty when not reported)."""

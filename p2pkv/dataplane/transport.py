@@ -328,6 +328,9 @@ class TransportWatch:
     """
 
     def __init__(self, agent_name: str, environ: dict[str, str] | None = None) -> None:
+        self.auto_push = False
+        """This agent's READs are pushed instead where they are not zero-copy (``transfer_mode: auto``): slow
+        READs of GPU memory are then told at INFO (:func:`warn_vram_over_tcp`). Set by the agent's owner."""
         env = os.environ if environ is None else environ
         user_dir = env.get("UCX_PROTO_INFO_DIR", "")
         self._own = not user_dir
@@ -396,7 +399,7 @@ class TransportWatch:
             logger.info("p2pkv: WRITEs to %s from %s move over UCX %s (%s, %s; UCX's selection: %s)", peer,
                         mem_type, report.transport, report.node or "endpoint kind unknown", zero_copy, report.detail)
         if report.vram_over_tcp:
-            warn_vram_over_tcp(report)
+            warn_vram_over_tcp(report, pushed_instead=self.auto_push)
         return report
 
     def _relevant(self, selections: list[Selection], peer: str, mem_type: str, op: XferOp) -> list[Selection]:
@@ -435,13 +438,22 @@ def vram_over_tcp_fix(op: XferOp) -> str:
     return VRAM_OVER_TCP_FIX if op == "READ" else VRAM_WRITE_OVER_TCP_FIX
 
 
-def warn_vram_over_tcp(report: TransportReport) -> bool:
-    """Log the GPU-memory-over-TCP warning once per process and op; True if this call logged it."""
+def warn_vram_over_tcp(report: TransportReport, pushed_instead: bool = False) -> bool:
+    """Log the GPU-memory-over-TCP warning once per process and op; True if this call logged it.
+
+    ``pushed_instead``: READs under ``transfer_mode: auto``, which has the prefill rank WRITE where READs are not
+    zero-copy; then it is an INFO line saying so, naming what would make READs fast too.
+    """
     with _warn_lock:
         if report.op in _warned_vram_tcp:
             return False
         _warned_vram_tcp.add(report.op)
     what = f"READs from {report.peer}" if report.op == "READ" else f"WRITEs to {report.peer}"
+    if pushed_instead and report.op == "READ":
+        logger.info("p2pkv: GPU memory (VRAM) %s go over TCP (UCX selected %s); transfer_mode auto has the "
+                    "prefill rank WRITE instead. To READ at device speed too: %s", what, report.detail,
+                    vram_over_tcp_fix(report.op))
+        return True
     logger.warning("p2pkv: GPU memory (VRAM) %s go over TCP (UCX selected %s): expect about 0.5 GB/s instead of "
                    "device speed. Fix: %s", what, report.detail, vram_over_tcp_fix(report.op))
     return True
