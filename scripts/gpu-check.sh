@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# p2pkv on one CUDA GPU, in one call of about 6 minutes: GPU memory moved by NIXL in both directions.
+# p2pkv on one CUDA GPU, in one run of about 5 minutes: GPU memory moved by NIXL in both directions.
 #
 #   bash scripts/gpu-check.sh            # results under $OUT (default ./gpu-check-out)
 #   DEVICE=cpu TOKENS=256,1k bash scripts/gpu-check.sh   # a dry run of every step on a machine without a GPU
