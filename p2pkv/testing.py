@@ -11,7 +11,7 @@ another process without holding the cache (:func:`pattern_bytes`).
 Caches live on any torch device (host memory by default, or a GPU); the
 pattern and its checks work on either. Also :func:`fixup_reference`, the
 post-receive fixup as plain loops (the tests' oracle). Used by the tests (CPU
-and GPU), ``p2pkv bench transfer`` and ``scripts/bench_fixup.py``; nothing in
+and GPU), ``scripts/bench_transfer.py`` and ``scripts/bench_fixup.py``; nothing in
 the connector imports it.
 """
 

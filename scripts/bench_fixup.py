@@ -48,7 +48,7 @@ from typing import Any
 
 from p2pkv.testing import fixup_reference
 from p2pkv.tools.bench.machine import command_line, machine_info, version
-from p2pkv.tools.bench.report import write_json
+from p2pkv.tools.bench.results import write_json
 from p2pkv.tools.bench.table import grid_lines, yes_no
 
 CASE_NAMES = ("block16to64", "block64to16", "hnd_to_nhd", "nhd_to_hnd", "tp_split", "tp_merge", "all")

@@ -217,7 +217,7 @@ def run_case(side: str, churn: int, *, running: int = 256, waiting: int = 256, s
         ValueError: unknown side, or a churn above the running or waiting count.
         RuntimeError: the state was not reached.
     """
-    from p2pkv.tools.bench.report import summarize
+    from p2pkv.tools.bench.results import summarize
 
     if side not in SIDES or not 0 < churn <= min(running, waiting):
         raise ValueError(f"side must be one of {SIDES} and 0 < churn <= running, waiting; got {side!r}, {churn}")
@@ -347,7 +347,7 @@ def plot(result: dict[str, Any], path: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the flags, run, print the tables; write ``--json`` / ``--plot``. Exit code 2 on a bad option."""
-    from p2pkv.tools.bench.report import write_json
+    from p2pkv.tools.bench.results import write_json
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sides", default=",".join(SIDES), help="comma-separated among decode, prefill")

@@ -12,7 +12,7 @@
 #   log.txt                 every step's output
 #   auto.json               scripts/gpu_auto_choice.py: the VRAM pair's READ/WRITE transports, with UCX's
 #                           defaults and with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on, and what transfer_mode auto picks
-#   transfer.json           p2pkv bench transfer --device "$DEVICE" --mode pull,push, Llama-3-8B-shaped caches, 1k/4k/16k
+#   transfer.json           scripts/bench_transfer.py --device "$DEVICE" --mode pull,push, Llama-3-8B-shaped caches, 1k/4k/16k
 #   transfer-getzcopy.json  the same pulls with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on (4k/16k)
 #   fixup.json              scripts/bench_fixup.py --device "$DEVICE" (torch, runs, triton)
 #   doctor.json             p2pkv doctor --json
@@ -49,9 +49,9 @@ print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0)); pri
 $PY -c 'from p2pkv.dataplane.transport import ucx_version; print(\"UCX\", ucx_version())'"
 step auto 150 $PY scripts/gpu_auto_choice.py --json "$OUT/auto.json" --mib 256
 LLAMA8B=(--layers 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --block-size 16)
-step transfer 240 $PY -m p2pkv.tools.cli bench transfer --device "$DEVICE" --mode pull,push "${LLAMA8B[@]}" \
+step transfer 240 $PY scripts/bench_transfer.py --device "$DEVICE" --mode pull,push "${LLAMA8B[@]}" \
   --tokens "$TOKENS" --requests 4 --max-mem-gib 24 --json "$OUT/transfer.json"
-step transfer-getzcopy 120 env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on $PY -m p2pkv.tools.cli bench transfer \
+step transfer-getzcopy 120 env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on $PY scripts/bench_transfer.py \
   --device "$DEVICE" --mode pull "${LLAMA8B[@]}" --tokens "$BIG" --requests 4 --max-mem-gib 24 \
   --json "$OUT/transfer-getzcopy.json"
 step fixup 120 $PY scripts/bench_fixup.py --device "$DEVICE" --json "$OUT/fixup.json"

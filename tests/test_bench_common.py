@@ -47,16 +47,14 @@ def test_save_writes_the_png_into_a_new_folder(tmp_path) -> None:
 
 
 def test_machine_record() -> None:
-    assert machine.command_line(["/usr/local/bin/p2pkv", "bench", "fixup", "--x", "a b"]) == (
-        "p2pkv bench fixup --x 'a b'")
-    assert machine.command_line(["p2pkv/tools/bench/transfer.py"]) == "python -m p2pkv.tools.bench.transfer"
+    assert machine.command_line(["/usr/local/bin/p2pkv", "bench", "serve", "--x", "a b"]) == (
+        "p2pkv bench serve --x 'a b'")
+    assert machine.command_line(["p2pkv/tools/bench/serve.py"]) == "python -m p2pkv.tools.bench.serve"
     assert machine.command_line(["other.py", "x"]) == "other.py x"
     assert machine.version("no-such-dist-p2pkv", "pytest") == pytest.__version__
     assert machine.version("no-such-dist-p2pkv") is None
     info = machine.machine_info("cpu")
     assert info["usable_cpus"] >= 1 and info["mem_total_bytes"] >= 0 and info["device"]["type"] == "cpu"
-    assert machine.device_text({"machine": info}) == "cpu (host memory, NIXL DRAM)"
-    assert machine.peak_rss_bytes() > 0
 
 
 @pytest.mark.parametrize("name", [b[0] for b in BENCHES])
@@ -77,15 +75,14 @@ def test_every_bench_in_the_table_parses_and_runs_its_module(name: str, capsys) 
 
 
 def test_the_command_parses_on_a_gpu_node_without_the_proxy_dependencies() -> None:
-    """`p2pkv doctor` and `p2pkv bench transfer` run where FastAPI/Starlette are not installed (a GPU node that
-    only moves KV caches; the H200 check in docs/benchmarks/transfer-h200.md ran so)."""
+    """`p2pkv doctor` runs where FastAPI/Starlette are not installed (a GPU node that only moves KV caches;
+    the H200 check in docs/benchmarks/transfer-h200.md ran so)."""
     code = ("import sys\n"
             "for name in ('fastapi', 'starlette', 'uvicorn'):\n"
             "    sys.modules[name] = None  # importing it raises ImportError\n"
             "from p2pkv.tools.cli import build_parser\n"
-            "args = build_parser().parse_args(['bench', 'transfer', '--device', 'cpu'])\n"
-            "assert args.device == 'cpu'\n"
-            "build_parser().parse_args(['doctor', '--json'])\n"
+            "args = build_parser().parse_args(['doctor', '--json'])\n"
+            "assert args.json\n"
             "from p2pkv.tools import proxy\n"
             "try:\n"
             "    proxy.create_app\n"

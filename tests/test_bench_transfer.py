@@ -1,11 +1,11 @@
-"""``p2pkv bench transfer`` end to end on a tiny shape, plus its synthetic-data helpers.
+"""``scripts/bench_transfer.py`` end to end on a tiny shape, plus its synthetic-data helpers.
 
 The end-to-end test spawns the real prefill process (NIXL over UCX loopback)
 and checks that every method ran, moved the same bytes, pulled them exactly
 (the benchmark compares one pulled request per method with its source byte
 for byte) and that cross-layer coalescing never needs more descriptors than
 the per-layer scheme. ``--device`` is checked on the CPU (parsing, failing
-fast without CUDA, the ``python -m`` entry staying off the proxy's web stack)
+fast without CUDA, the script staying off the proxy's web stack)
 and, on a GPU machine, end to end with the caches in GPU memory.
 ``--mode pull,push`` runs both directions over the same caches and checks
 that each push moved the pulled bytes, exactly; ``--mode push`` alone pulls
@@ -35,26 +35,32 @@ from p2pkv.testing import (
     run_ranges,
     size_cache,
 )
-from p2pkv.tools.bench import machine, report, transfer
-from p2pkv.tools.bench.transfer import METHODS, run_transfer_bench
-from p2pkv.tools.bench.transfer_options import TransferBenchOptions
-from p2pkv.tools.bench.transfer_push import PUSH_METHODS, Pusher
+from p2pkv.tools.bench import machine
+from p2pkv.tools.bench.results import write_json
 from tests import warm_processes
+from tests.script_loader import SCRIPTS, load_script
+
+transfer = load_script("bench_transfer")  # puts scripts/ on sys.path for its transfer_bench package
+from transfer_bench import report  # noqa: E402
+from transfer_bench.options import TransferBenchOptions, peak_rss_bytes  # noqa: E402
+from transfer_bench.push import PUSH_METHODS, Pusher  # noqa: E402
+
+METHODS, run_transfer_bench = transfer.METHODS, transfer.run_transfer_bench
 
 TINY = KVShape(num_layers=2, num_kv_heads=2, head_dim=16, dtype="bfloat16", block_size=16)
 
 
 def test_bench_transfer_tiny_end_to_end(tmp_path) -> None:
     opts = TransferBenchOptions(shape=TINY, tokens=(64, 100), requests=2, fragmentation=2, quiet=True,
-                                argv=["p2pkv", "bench", "transfer", "--layers", "2"])
+                                argv=["/src/scripts/bench_transfer.py", "--layers", "2"])
     t0 = time.monotonic()
     result = run_transfer_bench(opts)
     assert time.monotonic() - t0 < 60
     path = tmp_path / "bench.json"
-    report.write_json(result, path)
+    write_json(result, path)
     data = json.loads(path.read_text())
 
-    assert data["command"] == "p2pkv bench transfer --layers 2"
+    assert data["command"] == "python scripts/bench_transfer.py --layers 2"
     assert data["machine"]["cpu_model"] and data["machine"]["versions"]["torch"]
     assert [e["tokens"] for e in data["results"]] == [64, 100]
     for entry in data["results"]:
@@ -192,28 +198,36 @@ def test_device_cuda_without_cuda_fails_fast(monkeypatch, capsys) -> None:
 
 
 def test_module_entry_avoids_web_stack() -> None:
-    """``python -m p2pkv.tools.bench.transfer`` (the GPU-machine entry) parses the flags without the proxy's imports."""
+    """``python scripts/bench_transfer.py`` (as run on a GPU machine) parses the flags without the proxy's imports."""
     code = """
 import runpy, sys
 import torch
 torch.cuda.is_available = lambda: False
-sys.argv = ["transfer.py", "--device", "cuda", "--tokens", "64"]
+sys.argv = [SCRIPT, "--device", "cuda", "--tokens", "64"]
 try:
-    runpy.run_module("p2pkv.tools.bench.transfer", run_name="__main__", alter_sys=True)
+    runpy.run_path(SCRIPT, run_name="__main__")
     rc = 0
 except SystemExit as exc:
     rc = exc.code
 web = sorted(m for m in sys.modules if m.split(".")[0] in {"fastapi", "httpx", "starlette", "uvicorn", "vllm"})
 print(rc, web)
 """
+    code = code.replace("SCRIPT", repr(str(SCRIPTS / "bench_transfer.py")))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split("\n")[-2] == "2 []", out.stdout + out.stderr
     assert "--device cuda" in out.stderr
 
 
-def test_command_line_names_the_module_entry() -> None:
-    assert machine.command_line(["/home/u/p2pkv/p2pkv/tools/bench/transfer.py", "--device", "cuda"]) == (
-        "python -m p2pkv.tools.bench.transfer --device cuda")
+def test_machine_and_memory_records() -> None:
+    assert report.device_text({"machine": machine.machine_info("cpu")}) == "cpu (host memory, NIXL DRAM)"
+    assert peak_rss_bytes() > 0
+
+
+def test_command_line_names_the_module_or_script() -> None:
+    assert machine.command_line(["/home/u/p2pkv/p2pkv/tools/bench/serve.py", "--runs", "2"]) == (
+        "python -m p2pkv.tools.bench.serve --runs 2")
+    assert machine.command_line(["/home/u/p2pkv/scripts/bench_transfer.py", "--device", "cuda"]) == (
+        "python scripts/bench_transfer.py --device cuda")
     assert machine.command_line(["/usr/local/bin/p2pkv", "bench", "transfer"]) == "p2pkv bench transfer"
 
 
@@ -221,7 +235,7 @@ def test_command_line_names_the_module_entry() -> None:
 def test_bench_transfer_tiny_cuda() -> None:
     opts = TransferBenchOptions(shape=TINY, tokens=(64,), requests=1, fragmentation=2, device="cuda", quiet=True,
                                 max_mem_gib=2.0, modes=("pull", "push"),
-                                argv=["p2pkv", "bench", "transfer", "--device", "cuda", "--mode", "pull,push"])
+                                argv=["/src/scripts/bench_transfer.py", "--device", "cuda", "--mode", "pull,push"])
     result = run_transfer_bench(opts)
     dev = result["machine"]["device"]
     assert dev["type"] == "cuda" and dev["name"] == torch.cuda.get_device_name(dev["index"])

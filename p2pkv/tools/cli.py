@@ -141,8 +141,6 @@ def _add_doctor_and_proxy(sub: argparse._SubParsersAction) -> None:
 
 
 BENCHES: tuple[tuple[str, str, str, str, str], ...] = (
-    ("transfer", "KV block pulls over NIXL between two processes vs memcpy (cross-layer vs per-layer)",
-     "p2pkv.tools.bench.transfer", "add_arguments", "cli_main"),
     ("serve", "serving benchmark through the proxy: p2pkv vs NixlConnector vs one engine, answers checked",
      "p2pkv.tools.bench.serve", "add_arguments", "main"),
 )

@@ -12,7 +12,6 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
-import resource
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,9 +23,10 @@ from p2pkv.dataplane.transport import ucx_version
 def command_line(argv: Sequence[str]) -> str:
     """The command as a user would type it (shell-quoted).
 
-    ``p2pkv ...`` for the console script; ``python -m p2pkv.tools.bench.transfer
+    ``p2pkv ...`` for the console script; ``python -m p2pkv.tools.bench.serve
     ...`` when ``argv[0]`` is a module file of the p2pkv package (how
-    ``python -m`` fills it in); anything else as it is.
+    ``python -m`` fills it in); ``python scripts/<name>.py ...`` for a script
+    of the checkout's ``scripts/`` folder; anything else as it is.
     """
     args = list(argv)
     if args:
@@ -34,6 +34,8 @@ def command_line(argv: Sequence[str]) -> str:
         parents = list(path.parts[:-1])
         if path.name == "p2pkv":
             args[0] = "p2pkv"
+        elif path.suffix == ".py" and parents[-1:] == ["scripts"]:
+            args[0:1] = ["python", f"scripts/{path.name}"]
         elif path.suffix == ".py" and "p2pkv" in parents:
             top = len(parents) - 1 - parents[::-1].index("p2pkv")
             args[0:1] = ["python", "-m", ".".join([*parents[top:], path.stem])]
@@ -64,11 +66,6 @@ def version(*dists: str) -> str | None:
     return None
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident memory of this process (bytes; Linux ``ru_maxrss`` is in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def device_info(device: str) -> dict[str, Any]:
     """What holds the KV caches: ``type`` (``cpu``/``cuda``), ``name`` and, for a GPU, its details.
 
@@ -93,18 +90,6 @@ def device_info(device: str) -> dict[str, Any]:
             "total_memory_bytes": int(props.total_memory), "compute_capability": f"{props.major}.{props.minor}",
             "multiprocessors": int(props.multi_processor_count), "cuda_runtime": torch.version.cuda,
             "driver": driver}
-
-
-def device_text(result: dict[str, Any]) -> str:
-    """One-line description of where a result's caches lived, e.g. ``cuda:0 NVIDIA H100 80GB HBM3 (VRAM)``.
-
-    Args:
-        result: a bench result with a ``machine`` (:func:`machine_info`), its ``device`` optional (CPU then).
-    """
-    dev = result.get("machine", {}).get("device") or {"type": "cpu", "nixl_mem_type": "DRAM"}
-    if dev["type"] != "cuda":
-        return "cpu (host memory, NIXL DRAM)"
-    return f"cuda:{dev['index']} {dev['name']} (GPU memory, NIXL VRAM)"
 
 
 def machine_info(device: str | None = None) -> dict[str, Any]:

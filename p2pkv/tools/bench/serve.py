@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pkv.tools.bench import handover, serve_report
+from p2pkv.tools.bench.results import write_json
 from p2pkv.tools.bench.serve_launch import Deployment, StartedGroup, start_group
 from p2pkv.tools.bench.serve_metrics import (
     PROXY_OVERHEAD,
@@ -365,8 +366,7 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
     print(serve_report.format_table(doc))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        write_json(doc, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     labels = {n: s.label for n, s in SYSTEM_SPECS.items()}
     if args.plot and serve_report.plot(doc, args.plot, labels):

@@ -12,7 +12,7 @@ Run it with ``p2pkv proxy`` or ``python -m p2pkv.tools.proxy --prefill HOST:PORT
 variables) each request is traced (:mod:`p2pkv.tools.proxy.spans`, docs/tracing.md).
 
 The names below are imported when first used, so the ``p2pkv`` command's
-other subcommands (``doctor``, ``bench transfer``) run where FastAPI is not
+other subcommands (``doctor``, ``trace``) run where FastAPI is not
 installed, e.g. on a GPU node that only moves KV caches.
 """
 

@@ -1,8 +1,9 @@
-"""Settings of ``p2pkv bench transfer``: the options, their command-line flags, the names both processes share."""
+"""Settings of ``scripts/bench_transfer.py``: the options, their command-line flags, the names both processes share."""
 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -43,10 +44,15 @@ def remote_seed(seed: int, layout: str) -> int:
     return 2 * seed + 100 + PREFILL_CACHE_LAYOUTS.index(layout)
 
 
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process (bytes; Linux ``ru_maxrss`` is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def log(quiet: bool, msg: str) -> None:
     """A progress line on stderr (none when ``quiet``)."""
     if not quiet:
-        print(f"[p2pkv bench transfer] {msg}", file=sys.stderr, flush=True)
+        print(f"[bench_transfer] {msg}", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -143,7 +149,7 @@ def _mode_list(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``p2pkv bench transfer`` (defaults from :class:`TransferBenchOptions`)."""
+    """The flags of ``scripts/bench_transfer.py`` (defaults from :class:`TransferBenchOptions`)."""
     d = TransferBenchOptions()
     p.add_argument("--layers", type=int, default=d.shape.num_layers, help="attention layers")
     p.add_argument("--kv-heads", type=int, default=d.shape.num_kv_heads, help="KV heads")

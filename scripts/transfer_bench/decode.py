@@ -1,13 +1,13 @@
-"""The decode side of ``p2pkv bench transfer``: destination caches, one NIXL agent, the ways to pull.
+"""The decode side of ``scripts/bench_transfer.py``: destination caches, one NIXL agent, the ways to pull.
 
 :class:`Decode` holds two destination caches (``BLHNC`` and ``LBHNC``) on
 one :class:`p2pkv.dataplane.agent.NixlTransferAgent`, fetches both prefill caches'
 AgentInfo over their side channels (timed), and pulls requests (block ids
 from :func:`p2pkv.testing.make_placements`) by one method at a time; see
-:mod:`p2pkv.tools.bench.transfer` for the methods. In push mode it has the
+``scripts/bench_transfer.py`` for the methods. In push mode it has the
 prefill WRITE the same requests into the same destination blocks instead
 (:meth:`Decode.verified_push`, :meth:`Decode.timed_push`;
-:mod:`p2pkv.tools.bench.transfer_push`). Units: seconds unless named
+:mod:`transfer_bench.push`). Units: seconds unless named
 (``*_ms``: milliseconds); offsets and lengths in bytes.
 """
 
@@ -23,21 +23,23 @@ import numpy as np
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.plan import coalesce_runs
 from p2pkv.testing import make_shaped_kv_caches, ranges_equal, run_ranges
-from p2pkv.tools.bench.transfer_options import (
+
+from transfer_bench.options import (
     CUDA_MEMCPY_LABEL,
     METHODS,
     PEER_LAYOUT,
     PREFILL_CACHE_LAYOUTS,
     remote_seed,
 )
-from p2pkv.tools.bench.transfer_push import PushClient, PushError, pair_descriptors
+from transfer_bench.push import PushClient, PushError, pair_descriptors
 
 if TYPE_CHECKING:
     import torch
 
     from handshake import AgentInfo
-    from p2pkv.tools.bench.transfer_options import TransferBenchOptions
-    from p2pkv.tools.bench.transfer_prefill import SpawnedPrefill
+
+    from transfer_bench.options import TransferBenchOptions
+    from transfer_bench.prefill import SpawnedPrefill
 
 _NOTIF = b"p2pkv:done:bench"
 
@@ -234,7 +236,7 @@ class Decode:
         post -> DONE seconds, descriptors)``.
 
         Raises:
-            p2pkv.tools.bench.transfer_push.PushError: the prefill could not push (or push mode is off).
+            transfer_bench.push.PushError: the prefill could not push (or push mode is off).
         """
         if self.pusher is None:
             raise PushError("push mode is not enabled (enable_push)")

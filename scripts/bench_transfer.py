@@ -1,4 +1,5 @@
-"""``p2pkv bench transfer``: KV block pulls (and pushes) over NIXL between two processes vs memcpy.
+#!/usr/bin/env python3
+"""KV block pulls (and pushes) over NIXL between two processes vs memcpy (docs/benchmarks/transfer-*.md).
 
 Both processes run on this host: this one is the *decode* side and spawns
 the *prefill* process (side channels on ``--host``, ephemeral ports). For
@@ -6,8 +7,8 @@ runs across hosts, use NIXL's own ``nixlbench`` / ``kvbench``.
 
 The *prefill* process serves two synthetic KV caches of one model shape,
 cross-layer (``BLHNC``) and layer-compact (``LBHNC``)
-(:mod:`p2pkv.tools.bench.transfer_prefill`); the *decode* process holds two
-destination caches on one NIXL agent (:mod:`p2pkv.tools.bench.transfer_decode`),
+(:mod:`transfer_bench.prefill`); the *decode* process holds two
+destination caches on one NIXL agent (:mod:`transfer_bench.decode`),
 fetches both peers' AgentInfo over the side channel (timed), and pulls the
 same requests (same block ids, same bytes) four ways:
 
@@ -30,7 +31,7 @@ Directions (``--mode``, a comma-separated list, default ``pull``):
   with the same descriptor rows, but the prefill side WRITEs the same blocks
   into the decode side's, each with a notification, when the decode side
   asks; timed from the ask to the notification
-  (:mod:`p2pkv.tools.bench.transfer_push`: the prefill's own post → DONE
+  (:mod:`transfer_bench.push`: the prefill's own post → DONE
   time and planning are reported apart).
 
 ``memcpy`` is measured once per run either way, and every mode's GB/s is
@@ -53,9 +54,11 @@ method of every mode in rotating order, so all see the same background load.
 
 Units: bytes; GB/s are 1e9 bytes per second; times in ms or µs as named.
 
-Run it as ``p2pkv bench transfer`` or, on a machine without the proxy's web
-stack, as ``python -m p2pkv.tools.bench.transfer`` (same flags; needs only torch,
-numpy, msgspec, pyzmq and NIXL).
+Run it as ``python scripts/bench_transfer.py [flags]`` from a checkout (it
+needs only torch, numpy, msgspec, pyzmq and NIXL, not the proxy's web stack).
+Before it was a script it was ``p2pkv bench transfer``, with the same flags:
+the commands recorded in older results run it.
+The modules it uses live in ``scripts/transfer_bench/``.
 """
 
 from __future__ import annotations
@@ -64,13 +67,19 @@ import os
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # transfer_bench, here and in the spawned prefill
 
 from p2pkv.dataplane.plan import coalesce_runs
 from p2pkv.testing import GiB, make_placements, size_cache
-from p2pkv.tools.bench import machine, report
-from p2pkv.tools.bench.transfer_decode import Decode
-from p2pkv.tools.bench.transfer_options import (
+from p2pkv.tools.bench import machine
+from p2pkv.tools.bench.results import write_json
+
+from transfer_bench import report
+from transfer_bench.decode import Decode
+from transfer_bench.options import (
     DEVICES,
     METHODS,
     PROCESS_OVERHEAD_BYTES,
@@ -79,9 +88,10 @@ from p2pkv.tools.bench.transfer_options import (
     check_modes,
     log,
     options_from_args,
+    peak_rss_bytes,
 )
-from p2pkv.tools.bench.transfer_prefill import SpawnedPrefill
-from p2pkv.tools.bench.transfer_push import MODE_LABELS, PUSH_METHODS, PushError
+from transfer_bench.prefill import SpawnedPrefill
+from transfer_bench.push import MODE_LABELS, PUSH_METHODS, PushError
 
 __all__ = ["METHODS", "PUSH_METHODS", "add_arguments", "build_parser", "check_options", "cli_main", "main",
            "resolve_device", "run_transfer_bench"]
@@ -192,7 +202,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
     """Run the whole benchmark: spawn the prefill process, measure as the decode side, end it.
 
     Returns:
-        The results dict that :mod:`p2pkv.tools.bench.report` prints, writes and checks.
+        The results dict that :mod:`transfer_bench.report` prints, writes and checks.
 
     Raises:
         ValueError: bad options (see :func:`check_options`).
@@ -223,7 +233,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
             dec.enable_push(link)
         log(opts.quiet, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
-        decode_rss = machine.peak_rss_bytes()
+        decode_rss = peak_rss_bytes()
         decode_gpu = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
         dec.close()
         done = link.finish()
@@ -234,7 +244,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         if link is not None:
             link.close()
     result: dict[str, Any] = {
-        "benchmark": "p2pkv bench transfer", "command": machine.command_line(opts.argv), "argv": list(opts.argv),
+        "benchmark": "transfer", "command": machine.command_line(opts.argv), "argv": list(opts.argv),
         "timestamp": started, "wall_s": time.perf_counter() - t_wall, "machine": machine.machine_info(str(device)),
         "config": {**{k: v for k, v in asdict(opts).items() if k not in ("argv", "quiet")},
                    "device": str(device), "nixl_mem_type": dec.mem_type,
@@ -259,7 +269,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    """Run ``p2pkv bench transfer`` from parsed flags (:func:`p2pkv.tools.bench.transfer_options.add_arguments`).
+    """Run the benchmark from parsed flags (:func:`transfer_bench.options.add_arguments`).
 
     Returns:
         0 ok; 1 a pull or push moved wrong bytes; 2 bad options; 3 the prefill could not push.
@@ -267,11 +277,11 @@ def cli_main(args: argparse.Namespace) -> int:
     try:
         result = run_transfer_bench(options_from_args(args))
     except (ValueError, PushError) as exc:
-        print(f"p2pkv bench transfer: {exc}", file=sys.stderr)
+        print(f"bench_transfer: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 3
     print(report.format_table(result))
     if args.json:
-        report.write_json(result, args.json)
+        write_json(result, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot and report.plot(result, args.plot):
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -280,10 +290,10 @@ def cli_main(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m p2pkv.tools.bench.transfer``: the flags of ``p2pkv bench transfer``."""
+    """The parser of ``python scripts/bench_transfer.py``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m p2pkv.tools.bench.transfer",
+    parser = argparse.ArgumentParser(prog="python scripts/bench_transfer.py",
                                      description="KV block pulls and pushes over NIXL between two processes "
                                                  "vs memcpy")
     add_arguments(parser)
@@ -291,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m p2pkv.tools.bench.transfer [flags]``: ``p2pkv bench transfer`` without the rest of the CLI.
+    """``python scripts/bench_transfer.py [flags]``; exit codes as :func:`cli_main`.
 
-    Same flags and exit codes; imports only the benchmark's own dependencies, not the proxy.
+    Imports only the benchmark's own dependencies, not the proxy.
     """
     return cli_main(build_parser().parse_args(argv))
 

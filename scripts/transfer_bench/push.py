@@ -1,4 +1,4 @@
-"""The push direction of ``p2pkv bench transfer`` (``--mode push``): the prefill side WRITEs.
+"""The push direction of ``scripts/bench_transfer.py`` (``--mode push``): the prefill side WRITEs.
 
 In push mode the prefill process posts NIXL WRITEs of a request's blocks
 from its cache into the decode process's blocks, each carrying a
@@ -7,7 +7,7 @@ a decode engine would wait for a pushing prefill. The descriptor rows are
 the ones a pull of the same request uses, with local and remote swapped
 (:func:`pair_descriptors`).
 
-Both processes talk over a pipe (:class:`p2pkv.tools.bench.transfer_prefill.SpawnedPrefill`),
+Both processes talk over a pipe (:class:`transfer_bench.prefill.SpawnedPrefill`),
 request then reply:
 
 ===========================================  ======================================================
@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
-from p2pkv.tools.bench.transfer_options import METHODS, PEER_LAYOUT
+
+from transfer_bench.options import METHODS, PEER_LAYOUT
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 
 PUSH_METHODS: dict[str, str] = {m: METHODS[m] for m in ("cross_layer", "per_layer", "layer_coalesced")}
 """Methods measured in push mode (the NIXL methods with one agent per prefill cache) → what they move;
-each writes from and into the cache :data:`~p2pkv.tools.bench.transfer_options.PEER_LAYOUT` names."""
+each writes from and into the cache :data:`~transfer_bench.options.PEER_LAYOUT` names."""
 
 WRITE_TIMEOUT_S = 120.0
 """The prefill gives up on a WRITE not DONE after this many seconds (and answers an error)."""
@@ -165,7 +166,7 @@ class PushClient:
     """The decode's end of push mode: asks the prefill to push a request and waits for the notification.
 
     Args:
-        link: the spawned prefill process (:class:`p2pkv.tools.bench.transfer_prefill.SpawnedPrefill`:
+        link: the spawned prefill process (:class:`transfer_bench.prefill.SpawnedPrefill`:
             ``send``, ``receive(timeout_s)``, ``try_receive()``).
         agent: the decode's NIXL agent (the WRITEs land in its registered memory; it receives the notifications).
         timeout_s: how long to wait for any reply or notification (seconds).

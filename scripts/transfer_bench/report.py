@@ -1,4 +1,4 @@
-"""Output of ``p2pkv bench transfer``: per-method statistics, table, JSON, plot, target checks.
+"""Output of ``scripts/bench_transfer.py``: per-method statistics, table, plot.
 
 A result's ``results`` has one entry per request size: ``methods`` holds the
 in-process ``memcpy`` baseline and the pull methods (``--mode pull``: the
@@ -8,37 +8,35 @@ decode side READs; ``mode`` ``"pull"``, memcpy's ``None``), ``push`` (with
 same run's memcpy.
 
 Works on the plain results dict of
-:func:`p2pkv.tools.bench.transfer.run_transfer_bench` (its ``machine`` and
+``bench_transfer.run_transfer_bench`` (its ``machine`` and
 ``command``: :mod:`p2pkv.tools.bench.machine`); imports nothing heavy
 (matplotlib only inside :func:`plot`, through :mod:`p2pkv.tools.bench.plotting`).
-:func:`write_json` writes every bench's results file. Units: GB/s are 1e9
+The JSON file: :func:`p2pkv.tools.bench.results.write_json`. Units: GB/s are 1e9
 bytes/s, MiB are 2**20 bytes, times in ms or µs as named.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from p2pkv.tools.bench import plotting
-from p2pkv.tools.bench.machine import device_text
+from p2pkv.tools.bench.results import summarize
 from p2pkv.tools.bench.table import grid, yes_no
 
 
-def summarize(xs: Sequence[float], scale: float = 1.0) -> dict[str, float]:
-    """p50 / p99 / mean / min / max of ``xs`` times ``scale`` (e.g. 1e3: seconds → ms).
+def device_text(result: dict[str, Any]) -> str:
+    """One-line description of where a result's caches lived, e.g. ``cuda:0 NVIDIA H100 80GB HBM3 (VRAM)``.
 
-    Percentiles interpolate linearly between samples (numpy's default), so
-    with few samples p99 is close to the max.
+    Args:
+        result: a bench result with a ``machine`` (:func:`p2pkv.tools.bench.machine.machine_info`), its
+            ``device`` optional (CPU then).
     """
-    import numpy as np
-
-    a = np.asarray(xs, dtype=np.float64) * scale
-    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean()),
-            "min": float(a.min()), "max": float(a.max())}
+    dev = result.get("machine", {}).get("device") or {"type": "cpu", "nixl_mem_type": "DRAM"}
+    if dev["type"] != "cuda":
+        return "cpu (host memory, NIXL DRAM)"
+    return f"cuda:{dev['index']} {dev['name']} (GPU memory, NIXL VRAM)"
 
 
 def counts(xs: Sequence[int]) -> dict[str, Any]:
@@ -96,7 +94,7 @@ def format_table(result: dict[str, Any]) -> str:
     """The human-readable report: configuration, one row per size and method, setup."""
     cfg, mach = result["config"], result["machine"]
     lines = [
-        f"p2pkv bench transfer on {device_text(result)}: {cfg['shape_label']}",
+        f"bench transfer on {device_text(result)}: {cfg['shape_label']}",
         f"  {cfg['requests']} requests per size, fragmentation (max run) {cfg['fragmentation']}, "
         f"{cfg['num_blocks']} blocks per cache ({cfg['cache_bytes'] / 2**30:.2f} GiB), "
         f"progress thread {'on' if cfg['progress_thread'] else 'off'}, torch threads {cfg['torch_threads']}",
@@ -159,14 +157,6 @@ def _mode_table(result: dict[str, Any]) -> str:
     return grid(header, rows)
 
 
-def write_json(result: dict[str, Any], path: str | os.PathLike[str], indent: int = 2) -> None:
-    """Write the results as JSON indented by ``indent`` spaces, one newline at the end (creates the parent
-    folder)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(result, indent=indent, sort_keys=False) + "\n", encoding="utf-8")
-
-
 def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
     """Plot GB/s, p50 latency (ms) and descriptors per request per size and method, pushes (hatched)
     next to pulls; False without matplotlib."""
@@ -202,7 +192,7 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
              else f"{result['machine']['cpu_model']}, {result['machine']['usable_cpus']} cores")
     modes = "pull and push (hatched: the prefill WRITEs)" if pushed and result["results"][0]["methods"].get(
         "cross_layer") else "push (hatched: the prefill WRITEs)" if pushed else "pull"
-    fig.suptitle(f"p2pkv bench transfer, {modes}: {result['config']['shape_label']} ({where})", fontsize=10)
+    fig.suptitle(f"bench transfer, {modes}: {result['config']['shape_label']} ({where})", fontsize=10)
     fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
     plotting.save(fig, path)
     return True

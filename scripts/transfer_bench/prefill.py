@@ -1,4 +1,4 @@
-"""The prefill process of ``p2pkv bench transfer``, and the decode process's handle on it.
+"""The prefill process of ``scripts/bench_transfer.py``, and the decode process's handle on it.
 
 The prefill process is spawned by the decode process on the same host
 (:class:`SpawnedPrefill`). It owns two synthetic KV caches of one model
@@ -8,7 +8,7 @@ registered and served by its own :class:`p2pkv.worker.WorkerSide` (NIXL
 agent + side channel on ``--host``, ephemeral ports), progresses NIXL
 (drains the decode's completion notifications) and, in push mode, WRITEs
 requests into the decode's caches when asked
-(:mod:`p2pkv.tools.bench.transfer_push`) until told to stop. Everything
+(:mod:`transfer_bench.push`) until told to stop. Everything
 between the two processes goes over one pipe, sent and received in the
 calling thread (a spinning thread holding the GIL cannot delay it).
 
@@ -25,9 +25,9 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.testing import KVShape, make_shaped_kv_caches
-from p2pkv.tools.bench import machine
-from p2pkv.tools.bench.transfer_options import PREFILL_CACHE_LAYOUTS, TransferBenchOptions, remote_seed
-from p2pkv.tools.bench.transfer_push import Pusher
+
+from transfer_bench.options import PREFILL_CACHE_LAYOUTS, TransferBenchOptions, peak_rss_bytes, remote_seed
+from transfer_bench.push import Pusher
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +80,7 @@ def _prefill_main(shape_d: dict[str, Any], num_blocks: int, seed: int, nixl: dic
                     break
                 conn.send(pusher.handle(msg))
             notifs += sum(len(w.agent.get_notifs()) for w in workers.values() if w.agent is not None)
-        conn.send({"op": "done", "notifs": notifs, "peak_rss_bytes": machine.peak_rss_bytes(),
+        conn.send({"op": "done", "notifs": notifs, "peak_rss_bytes": peak_rss_bytes(),
                    "peak_gpu_bytes": torch.cuda.max_memory_reserved(dev) if cuda else None})
     except BaseException:
         with contextlib.suppress(OSError):
@@ -111,7 +111,7 @@ class SpawnedPrefill:
         return RuntimeError(f"prefill process gone (exit code {self.proc.exitcode}): {exc}")
 
     def send(self, msg: dict[str, Any]) -> None:
-        """Send a message to it (push mode's: :mod:`p2pkv.tools.bench.transfer_push`).
+        """Send a message to it (push mode's: :mod:`transfer_bench.push`).
 
         Raises:
             RuntimeError: it is gone.

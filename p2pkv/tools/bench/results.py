@@ -1,0 +1,38 @@
+"""What every bench writes: timing statistics and the JSON results file.
+
+Used by ``p2pkv bench serve`` and the ``scripts/bench_*.py`` microbenchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def summarize(xs: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """p50 / p99 / mean / min / max of ``xs`` times ``scale`` (e.g. 1e3: seconds → ms).
+
+    Percentiles interpolate linearly between samples (numpy's default), so
+    with few samples p99 is close to the max.
+
+    Raises:
+        ValueError: ``xs`` is empty.
+    """
+    import numpy as np
+
+    a = np.asarray(xs, dtype=np.float64) * scale
+    if a.size == 0:
+        raise ValueError("summarize: no samples")
+    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean()),
+            "min": float(a.min()), "max": float(a.max())}
+
+
+def write_json(result: dict[str, Any], path: str | os.PathLike[str], indent: int = 2) -> None:
+    """Write the results as JSON indented by ``indent`` spaces, one newline at the end (creates the parent
+    folder)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(result, indent=indent, sort_keys=False) + "\n", encoding="utf-8")
