@@ -1,0 +1,309 @@
+"""Layer-streamed transfer on a prefill rank: WRITE each layer's KV of a request while the prefill still runs.
+
+One :class:`LayerStream` per request and decode rank. The prefill tells it,
+after each attention layer, which of the prompt's blocks that layer has
+computed (:meth:`LayerStream.computed`; on a GPU with a ``ready`` test, for
+example ``torch.cuda.Event.query`` of an event recorded after the layer, so
+the forward never waits for a transfer). Once the decode rank's destination
+is known (:meth:`LayerStream.target`), :meth:`LayerStream.pump` WRITEs every
+computed layer whose ``ready`` holds: layers computed before the destination
+arrived go at once, in one WRITE, and the rest one WRITE per layer as they
+come. After :meth:`LayerStream.finish` (no layer left to compute) and every
+WRITE's end, the decode rank gets one "pushed" notification
+(:class:`p2pkv.notification.PushedNotification`) naming the stream's
+``push_id``: attached to the last WRITE when nothing else is in flight (NIXL
+delivers it after that WRITE's bytes, and the earlier WRITEs have ended),
+sent on its own otherwise. A failed WRITE, or :meth:`LayerStream.abort`,
+stops the stream: WRITEs in flight are cancelled, the decode rank is told
+``ok=False`` with the reason, and the stream has :attr:`LayerStream.ended`
+only once no WRITE NIXL refused to cancel can still write (the caller keeps
+the source blocks until then).
+
+A chunk ending inside a block sends that block; the next chunk sends it
+again whole, which rewrites the earlier tokens with the same bytes. So that
+an older WRITE never lands over a newer one, a layer's chunk waits while a
+WRITE holding that layer is in flight.
+
+Not thread-safe: one thread calls every method of a stream (the caller
+queues the forward's calls to it), and keeps progressing the agent after
+the stream has ended, as NIXL sends a notification while its worker
+progresses. The decode rank's destination must have
+been checked by the caller, as a push request's rows are: its agent loaded
+under that decode rank's own name, every target page inside the regions that
+agent registered.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from p2pkv.dataplane.agent import TransferError
+from p2pkv.dataplane.layers import LayerRows, layer_rows
+from p2pkv.notification import PushedNotification, encode_pushed
+
+if TYPE_CHECKING:
+    from p2pkv.dataplane.agent import XferHandle
+    from p2pkv.dataplane.layout import Segment
+
+logger = logging.getLogger(__name__)
+
+
+class Writer(Protocol):
+    """What a stream needs of :class:`p2pkv.dataplane.agent.NixlTransferAgent`."""
+
+    def start_write(self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray,
+                    notif: bytes) -> XferHandle: ...
+
+    def poll(self, xfer: XferHandle) -> bool: ...
+
+    def cancel(self, xfer: XferHandle) -> bool: ...
+
+    def send_notif(self, peer: str, msg: bytes) -> None: ...
+
+
+class StreamState(str, enum.Enum):
+    """Where a :class:`LayerStream` is."""
+
+    WAITING = "waiting"
+    """The decode rank's destination is not known yet; computed layers wait."""
+    STREAMING = "streaming"
+    """Layers are WRITTEN as they are computed."""
+    ENDED = "ended"
+    """The decode rank has been told (landed, or not), and no WRITE can still write."""
+
+
+@dataclass(frozen=True)
+class StreamTarget:
+    """Where a decode rank wants the request's KV: its blocks for a range of the prompt's blocks.
+
+    Attributes:
+        agent: the decode rank's NIXL agent name (loaded by the caller).
+        pages: the decode rank's :func:`p2pkv.dataplane.layers.page_segments`.
+        block_ids: decode block ids for prompt blocks ``first_block ..``, int.
+        first_block: the prompt block index of ``block_ids[0]`` (blocks the decode
+            engine has cached itself come before it and are not sent).
+        num_blocks: blocks in the decode rank's cache (every id below it).
+        device_id: the decode rank's device id in its rows.
+        push_id: names the stream in its "pushed" notification (16–32 bytes).
+    """
+
+    agent: str
+    pages: tuple[Segment, ...]
+    block_ids: tuple[int, ...]
+    first_block: int
+    num_blocks: int
+    device_id: int
+    push_id: bytes
+
+
+@dataclass
+class _Chunk:
+    """Prompt blocks ``first_block ..`` of one layer, computed (once ``ready`` holds) into ``source_ids``."""
+
+    layer: int
+    first_block: int
+    source_ids: tuple[int, ...]
+    ready: Callable[[], bool] | None
+
+
+@dataclass
+class StreamCounters:
+    """What one stream did (seconds on its clock; None until it happened)."""
+
+    writes: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    first_post: float | None = None
+    last_post: float | None = None
+    notified: float | None = None
+    layers_posted: list[int] = field(default_factory=list)
+
+
+class LayerStream:
+    """One request's layer-streamed WRITEs from this prefill rank into one decode rank.
+
+    Args:
+        request_id: the prefill request id (log lines).
+        pages: this rank's :func:`p2pkv.dataplane.layers.page_segments`.
+        num_blocks: blocks in this rank's cache.
+        device_id: this rank's device id in its rows.
+        writer: posts and polls the WRITEs (the rank's NIXL agent).
+        secret: signs the "pushed" notification (None: unsigned).
+        clock: monotonic seconds (tests pass a fake).
+    """
+
+    def __init__(self, request_id: str, pages: Sequence[Segment], num_blocks: int, device_id: int, writer: Writer,
+                 secret: bytes | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.request_id = request_id
+        self._pages = tuple(pages)
+        self._num_blocks = num_blocks
+        self._device_id = device_id
+        self._writer = writer
+        self._secret = secret
+        self._clock = clock
+        self._target: StreamTarget | None = None
+        self._waiting: list[_Chunk] = []
+        self._inflight: list[tuple[XferHandle, frozenset[int]]] = []  # each WRITE with its layers
+        self._finished = False
+        self._notify_with_write = False
+        self.failure: str | None = None
+        self.state = StreamState.WAITING
+        self.counters = StreamCounters()
+
+    @property
+    def ended(self) -> bool:
+        """The decode rank has been told, and no WRITE of this stream can still write."""
+        return self.state is StreamState.ENDED and not self._inflight
+
+    def computed(self, layer: int, first_block: int, source_ids: Sequence[int],
+                 ready: Callable[[], bool] | None = None) -> None:
+        """Layer ``layer`` of prompt blocks ``first_block ..`` is computed into this rank's ``source_ids``.
+
+        Args:
+            layer: the attention layer (0-based).
+            first_block: the prompt block index of ``source_ids[0]``.
+            source_ids: this rank's block ids, in prompt order.
+            ready: True once the layer's values are in memory (None: they are now).
+        """
+        if self.state is StreamState.ENDED:
+            return
+        self._waiting.append(_Chunk(layer, first_block, tuple(source_ids), ready))
+
+    def target(self, target: StreamTarget) -> None:
+        """The decode rank's destination arrived: from the next :meth:`pump` on, computed layers are WRITTEN.
+
+        Raises:
+            ValueError: a destination was already given.
+        """
+        if self._target is not None:
+            raise ValueError(f"request {self.request_id}: the stream already has a destination")
+        self._target = target
+        if self.state is StreamState.WAITING:
+            self.state = StreamState.STREAMING
+
+    def finish(self) -> None:
+        """No layer is left to compute: once every WRITE has ended, the decode rank is told."""
+        self._finished = True
+
+    def abort(self, reason: str) -> None:
+        """Stop: nothing more is posted, WRITEs in flight are cancelled, the decode rank is told ``reason``."""
+        if self.state is not StreamState.ENDED:
+            self._fail(reason)
+
+    def pump(self) -> bool:
+        """Post what is ready, poll what is in flight, and tell the decode rank when all has landed.
+
+        Returns:
+            True while the stream has work left (call again), False once it has ended.
+        """
+        if self.state is StreamState.STREAMING:
+            try:
+                self._poll()
+                self._post_ready()
+                if self._finished and not self._waiting and not self._inflight and not self._notify_with_write:
+                    self._notify(PushedNotification(self._target.push_id, True))
+            except TransferError as exc:
+                self._fail(str(exc))
+        elif self._inflight:
+            self._poll_after_end()
+        return not self.ended
+
+    def _post_ready(self) -> None:
+        """One WRITE of every waiting chunk whose layer is ready (in order: a chunk not ready, or a WRITE of its
+        layer in flight, holds that layer's later chunks back, so a block's older bytes never land last)."""
+        ready: list[_Chunk] = []
+        held: set[int] = {layer for _, layers in self._inflight for layer in layers}
+        for chunk in self._waiting:
+            if chunk.layer in held or (chunk.ready is not None and not chunk.ready()):
+                held.add(chunk.layer)
+            else:
+                ready.append(chunk)
+        if not ready:
+            return
+        self._waiting = [c for c in self._waiting if c not in ready]
+        rows = [r for chunk in ready for r in self._rows(chunk)]
+        if not rows:
+            return
+        source = np.concatenate([r.source for r in rows])
+        target = np.concatenate([r.target for r in rows])
+        last = self._finished and not self._waiting and not self._inflight
+        note = encode_pushed(PushedNotification(self._target.push_id, True), self._secret) if last else b""
+        xfer = self._writer.start_write(self._target.agent, source, target, note)
+        self._inflight.append((xfer, frozenset(chunk.layer for chunk in ready)))
+        self._notify_with_write = last
+        now = self._clock()
+        c = self.counters
+        c.writes += 1
+        c.bytes += xfer.num_bytes
+        c.descriptors += int(source.shape[0])
+        c.first_post = now if c.first_post is None else c.first_post
+        c.last_post = now
+        c.layers_posted.extend(sorted({chunk.layer for chunk in ready}))
+
+    def _rows(self, chunk: _Chunk) -> list[LayerRows]:
+        """The rows of ``chunk`` that fall in the target's blocks (none when it covers none)."""
+        t = self._target
+        lo = max(chunk.first_block, t.first_block)
+        hi = min(chunk.first_block + len(chunk.source_ids), t.first_block + len(t.block_ids))
+        if lo >= hi:
+            return []
+        source_ids = chunk.source_ids[lo - chunk.first_block:hi - chunk.first_block]
+        target_ids = t.block_ids[lo - t.first_block:hi - t.first_block]
+        pick = [i for i, p in enumerate(self._pages) if p.layer_start == chunk.layer]
+        return layer_rows([self._pages[i] for i in pick], [t.pages[i] for i in pick], source_ids, target_ids,
+                          source_num_blocks=self._num_blocks, target_num_blocks=t.num_blocks,
+                          source_device=self._device_id, target_device=t.device_id)
+
+    def _poll(self) -> None:
+        """Drop the WRITEs that have ended; a failed one is dropped too (NIXL has released it) and raises
+        TransferError."""
+        for entry in list(self._inflight):
+            try:
+                done = self._writer.poll(entry[0])
+            except TransferError:
+                self._inflight.remove(entry)
+                raise
+            if done:
+                self._inflight.remove(entry)
+        if self._notify_with_write and not self._inflight and not self._waiting:
+            self._ended()
+
+    def _poll_after_end(self) -> None:
+        """After a failure: wait out the WRITEs NIXL would not cancel (their errors are the failure's)."""
+        still = []
+        for xfer, layers in self._inflight:
+            try:
+                if not self._writer.poll(xfer):
+                    still.append((xfer, layers))
+            except TransferError:
+                pass
+        self._inflight = still
+
+    def _fail(self, reason: str) -> None:
+        logger.warning("p2pkv: stream of request %s stopped: %s", self.request_id, reason)
+        self.failure = reason
+        self._waiting.clear()
+        self._inflight = [(x, layers) for x, layers in self._inflight if not self._writer.cancel(x)]
+        if self._target is not None:
+            self._notify(PushedNotification(self._target.push_id, False, reason))
+        else:
+            self._ended()
+
+    def _notify(self, note: PushedNotification) -> None:
+        """Send the "pushed" notification on its own (failures to send are logged: the decode's window ends it)."""
+        try:
+            self._writer.send_notif(self._target.agent, encode_pushed(note, self._secret))
+        except TransferError as exc:
+            logger.warning("p2pkv: stream of request %s: notification not sent: %s", self.request_id, exc)
+        self._ended()
+
+    def _ended(self) -> None:
+        self.state = StreamState.ENDED
+        self.counters.notified = self._clock()

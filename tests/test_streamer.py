@@ -1,0 +1,299 @@
+"""Layer-streamed WRITEs (:mod:`p2pkv.prefill.streamer`) and their rows by layer (:mod:`p2pkv.dataplane.layers`).
+
+The streams run over two real NIXL agents in this process (UCX moves host
+memory), and every test compares the decode cache's bytes with the prefill
+cache's, layer by layer and block by block: the blocks asked for hold the
+prefill's values, every other block is still zero. A fake writer is used only
+to inject a failed WRITE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from p2pkv.dataplane.agent import NixlTransferAgent, TransferError, unique_agent_name
+from p2pkv.dataplane.layers import layer_rows, page_segments
+from p2pkv.dataplane.layout import KVLayout, LayoutError, Segment, describe_torch_kv_caches
+from p2pkv.dataplane.plan import PlanError
+from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
+from p2pkv.prefill.streamer import LayerStream, StreamState, StreamTarget
+from p2pkv.testing import make_kv_caches
+from p2pkv.tools.doctor import loopback_info
+
+LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 4, 24, 2, 16, 8
+PAGE = HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4  # float32, K and V side by side
+PUSH_ID = b"stream-test-push-id-0001"
+KEY = b"stream-test-secret"
+
+
+def _layout(layout: str, **kw: object) -> tuple[torch.Tensor, dict[str, torch.Tensor], KVLayout]:
+    base, views = make_kv_caches(layout, num_layers=LAYERS, num_blocks=BLOCKS, num_heads=HEADS,
+                                 block_size=BLOCK_SIZE, head_dim=HEAD_DIM, **kw)
+    return base, views, describe_torch_kv_caches(views, BLOCKS)
+
+
+# --- rows by layer -------------------------------------------------------------------------------------------------
+
+
+def test_a_cross_layer_block_cuts_into_one_page_per_layer() -> None:
+    _, _, layout = _layout("BLHNC", fill=0.0)
+    (seg,) = layout.segments
+    pages = page_segments(layout.segments, PAGE)
+    assert [(p.addr - seg.addr, p.length, p.layer_start, p.block_stride) for p in pages] == [
+        (q * PAGE, PAGE, q, seg.block_stride) for q in range(LAYERS)]
+    _, _, split = _layout("KV_SPLIT", fill=0.0)
+    half = page_segments(split.segments, PAGE // 2)
+    assert [(p.layer_start, p.kv_index) for p in half] == [(q, kv) for q in range(LAYERS) for kv in (0, 1)]
+    with pytest.raises(LayoutError, match="not one 3-B page per layer"):
+        page_segments(layout.segments, 3)
+    with pytest.raises(LayoutError, match="one .* page per layer"):  # layers interleaved inside a page
+        page_segments([Segment(0, 2 * PAGE, 4 * PAGE, 0, 4)], PAGE)
+
+
+def test_rows_by_layer_pair_up_and_cost_one_row_per_block_in_a_cross_layer_cache() -> None:
+    _, _, cross = _layout("BLHNC", fill=0.0)
+    _, _, per_layer = _layout("LBHNC", fill=0.0)
+    src_ids, dst_ids = [3, 4, 5, 9], [10, 11, 12, 2]
+    rows = layer_rows(page_segments(cross.segments, PAGE), page_segments(per_layer.segments, PAGE), src_ids, dst_ids,
+                      source_num_blocks=BLOCKS, target_num_blocks=BLOCKS, target_device=1)
+    assert [r.layer for r in rows] == list(range(LAYERS))
+    for r in rows:
+        assert r.source.shape == r.target.shape == (4, 3)  # cross-layer pages stride by the block: one row each
+        assert np.array_equal(r.source[:, 1], r.target[:, 1]) and r.num_bytes == 4 * PAGE
+        assert set(r.target[:, 2].tolist()) == {1}
+    both_per_layer = layer_rows(page_segments(per_layer.segments, PAGE), page_segments(per_layer.segments, PAGE),
+                                src_ids, dst_ids, source_num_blocks=BLOCKS, target_num_blocks=BLOCKS)
+    assert [r.source.shape[0] for r in both_per_layer] == [2] * LAYERS  # runs 3-5→10-12 and 9→2 coalesce
+    _, _, split = _layout("KV_SPLIT", fill=0.0)
+    with pytest.raises(PlanError, match="pages per block"):
+        layer_rows(page_segments(split.segments, PAGE // 2), page_segments(cross.segments, PAGE), [1], [1],
+                   source_num_blocks=BLOCKS, target_num_blocks=BLOCKS)
+    with pytest.raises(PlanError, match="repeat"):
+        layer_rows(page_segments(cross.segments, PAGE), page_segments(cross.segments, PAGE), [1, 2], [5, 5],
+                   source_num_blocks=BLOCKS, target_num_blocks=BLOCKS)
+    with pytest.raises(PlanError, match=f"outside \\[0, {BLOCKS}\\)"):
+        layer_rows(page_segments(cross.segments, PAGE), page_segments(cross.segments, PAGE), [BLOCKS], [0],
+                   source_num_blocks=BLOCKS, target_num_blocks=BLOCKS)
+
+
+# --- streams over NIXL ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pair:
+    """A prefill agent with a random cross-layer cache and a decode agent with a zeroed per-layer one."""
+
+    prefill: NixlTransferAgent
+    decode: NixlTransferAgent
+    decode_name: str
+    source: dict[str, torch.Tensor]
+    target: dict[str, torch.Tensor]
+    source_pages: list[Segment]
+    target_pages: list[Segment]
+
+    def stream(self, writer: object | None = None) -> LayerStream:
+        return LayerStream("req-1", self.source_pages, BLOCKS, 0, writer or self.prefill, secret=KEY)
+
+    def target_of(self, block_ids: list[int], first_block: int = 0) -> StreamTarget:
+        return StreamTarget(self.decode_name, tuple(self.target_pages), tuple(block_ids), first_block, BLOCKS, 0,
+                            PUSH_ID)
+
+    def notes(self, timeout_s: float = 5.0) -> list[PushedNotification]:
+        """The "pushed" notifications the decode agent received (waits up to ``timeout_s`` for the first)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.prefill.progress()  # a notification goes out as the sender's worker progresses
+            got = [parse_pushed(m, KEY) for m in self.decode.take_notifs(PUSH_PREFIX)]
+            if got or time.monotonic() > deadline:
+                return got
+            time.sleep(0.002)
+
+    def landed(self, src_ids: list[int], dst_ids: list[int], layers: range = range(LAYERS)) -> bool:
+        """Layers ``layers`` of decode blocks ``dst_ids`` hold the prefill's ``src_ids``; the rest is zero."""
+        for layer in range(LAYERS):
+            src, dst = self.source[f"layers.{layer}"], self.target[f"layers.{layer}"]
+            want = torch.zeros_like(dst)
+            if layer in layers:
+                want[dst_ids] = src[src_ids]
+            if not torch.equal(dst, want):
+                return False
+        return True
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    _, source, src_layout = _layout("BLHNC", seed=3)
+    _, target, dst_layout = _layout("LBHNC", fill=0.0)
+    prefill = NixlTransferAgent(unique_agent_name("prefill-engine", 0))
+    decode = NixlTransferAgent(unique_agent_name("decode-engine", 0))
+    try:
+        prefill.register(src_layout.regions, "DRAM")
+        decode.register(dst_layout.regions, "DRAM")
+        name = prefill.add_peer(loopback_info(decode), role="decode")
+        decode.take_notifs(PUSH_PREFIX)  # "pushed" notifications kept apart from now on, as a receiver asks
+        yield Pair(prefill, decode, name, source, target, page_segments(src_layout.segments, PAGE),
+                   page_segments(dst_layout.segments, PAGE))
+    finally:
+        with contextlib.suppress(Exception):
+            decode.close()
+        prefill.close()
+
+
+def _drain(stream: LayerStream, pair: Pair, timeout_s: float = 10.0) -> None:
+    """Pump until the stream ends, progressing the decode agent as its receiver's thread does."""
+    deadline = time.monotonic() + timeout_s
+    while stream.pump():
+        assert time.monotonic() < deadline, f"stream still {stream.state} after {timeout_s} s"
+        pair.decode.progress()
+        time.sleep(0.0005)
+
+
+class Flag:
+    """A ``ready`` test the test flips (an event recorded after a layer, on a GPU)."""
+
+    def __init__(self) -> None:
+        self.set = False
+
+    def __call__(self) -> bool:
+        return self.set
+
+
+def test_each_layer_is_written_once_ready_and_the_last_write_carries_the_notification(pair: Pair) -> None:
+    src, dst = [5, 6, 7, 20], [0, 1, 2, 9]
+    stream = pair.stream()
+    stream.target(pair.target_of(dst))
+    flags = [Flag() for _ in range(LAYERS)]
+    for layer in range(LAYERS):
+        stream.computed(layer, 0, src, flags[layer])
+    stream.pump()
+    assert stream.counters.writes == 0, "nothing may be written before its layer is ready"
+    flags[2].set = True  # layer 2 before layers 0 and 1: layers go independently
+    stream.pump()
+    assert stream.counters.layers_posted == [2]
+    for layer in (0, 1, 3):
+        flags[layer].set = True
+        stream.pump()
+    stream.finish()
+    _drain(stream, pair)
+    assert pair.notes() == [PushedNotification(PUSH_ID, True)]
+    assert pair.landed(src, dst)
+    assert stream.counters.writes == LAYERS and sorted(stream.counters.layers_posted) == list(range(LAYERS))
+    assert stream.counters.bytes == LAYERS * len(src) * PAGE and stream.failure is None
+
+
+def test_layers_computed_before_the_destination_arrives_go_in_one_write(pair: Pair) -> None:
+    src, dst = [1, 2, 3], [4, 5, 6]
+    stream = pair.stream()
+    for layer in range(2):
+        stream.computed(layer, 0, src)
+    assert stream.pump() and stream.state is StreamState.WAITING and stream.counters.writes == 0
+    stream.target(pair.target_of(dst))
+    stream.pump()
+    assert stream.counters.writes == 1 and stream.counters.layers_posted == [0, 1]
+    for layer in range(2, LAYERS):
+        stream.computed(layer, 0, src)
+        stream.pump()
+    stream.finish()
+    _drain(stream, pair)
+    assert pair.notes() == [PushedNotification(PUSH_ID, True)] and pair.landed(src, dst)
+    assert stream.counters.writes == 1 + (LAYERS - 2)
+
+
+def test_a_destination_after_the_prefill_has_finished_is_one_plain_push(pair: Pair) -> None:
+    src, dst = [8, 9], [3, 4]
+    stream = pair.stream()
+    for layer in range(LAYERS):
+        stream.computed(layer, 0, src)
+    stream.finish()
+    stream.target(pair.target_of(dst))
+    _drain(stream, pair)
+    assert stream.counters.writes == 1 and pair.notes() == [PushedNotification(PUSH_ID, True)]
+    assert pair.landed(src, dst)
+
+
+def test_chunks_stream_with_their_shared_block_sent_again_and_cached_blocks_skipped(pair: Pair) -> None:
+    """Chunked prefill: chunk 1 ends inside prompt block 2, chunk 2 covers blocks 2..4. The decode engine has
+    prompt block 0 cached itself (``first_block`` 1): block 0 is never written."""
+    src = [10, 11, 12, 13, 14]
+    dst = [7, 8, 9, 15]  # prompt blocks 1..4
+    stream = pair.stream()
+    stream.target(pair.target_of(dst, first_block=1))
+    for layer in range(LAYERS):
+        stream.computed(layer, 0, src[:3])
+        stream.pump()
+    for layer in range(LAYERS):
+        stream.computed(layer, 2, src[2:])
+        stream.pump()
+    stream.finish()
+    _drain(stream, pair)
+    assert pair.notes() == [PushedNotification(PUSH_ID, True)]
+    assert pair.landed(src[1:], dst)
+    assert stream.counters.bytes == LAYERS * (2 + 3) * PAGE  # block 2 twice, block 0 never
+
+
+def test_an_aborted_stream_stops_writing_and_tells_the_decode_rank(pair: Pair) -> None:
+    src, dst = [1, 2], [3, 4]
+    stream = pair.stream()
+    stream.target(pair.target_of(dst))
+    stream.computed(0, 0, src)
+    stream.pump()
+    stream.computed(1, 0, src, lambda: False)
+    stream.abort("the decode leg was aborted")
+    stream.computed(2, 0, src)
+    _drain(stream, pair)
+    assert stream.ended and stream.failure == "the decode leg was aborted"
+    assert pair.notes() == [PushedNotification(PUSH_ID, False, "the decode leg was aborted")]
+    assert stream.counters.layers_posted == [0]
+    assert pair.landed(src, dst, layers=range(1))
+
+
+def test_an_abort_before_the_destination_ends_the_stream_without_a_word(pair: Pair) -> None:
+    stream = pair.stream()
+    stream.computed(0, 0, [1])
+    stream.abort("lease expired")
+    assert not stream.pump() and stream.ended and stream.counters.writes == 0
+    assert pair.notes(timeout_s=0.2) == []
+
+
+class FailingWriter:
+    """The prefill agent, but the first WRITE to end is reported failed (a peer gone mid-stream)."""
+
+    def __init__(self, agent: NixlTransferAgent) -> None:
+        self.agent, self.failed = agent, False
+        self.start_write: Callable[..., object] = agent.start_write
+        self.cancel = agent.cancel
+        self.send_notif = agent.send_notif
+
+    def poll(self, xfer: object) -> bool:
+        done = self.agent.poll(xfer)  # NIXL releases the WRITE once it has ended, failed or not
+        if done and not self.failed:
+            self.failed = True
+            raise TransferError("NIXL WRITE to decode ended in error")
+        return done
+
+
+def test_a_failed_write_ends_the_stream_with_its_reason(pair: Pair) -> None:
+    src, dst = [1], [2]
+    stream = pair.stream(FailingWriter(pair.prefill))
+    stream.target(pair.target_of(dst))
+    stream.computed(0, 0, src)
+    _drain(stream, pair)  # ends when the WRITE fails, though the prefill is not finished
+    stream.computed(1, 0, src)
+    assert not stream.pump() and stream.ended
+    (note,) = pair.notes()
+    assert not note.ok and "ended in error" in note.reason
+    assert stream.counters.layers_posted == [0], "nothing is posted after a failed WRITE"
+
+
+def test_the_destination_is_given_once(pair: Pair) -> None:
+    stream = pair.stream()
+    stream.target(pair.target_of([1]))
+    with pytest.raises(ValueError, match="already has a destination"):
+        stream.target(pair.target_of([2]))
