@@ -92,6 +92,7 @@ from transfer_bench.options import (
 )
 from transfer_bench.prefill import SpawnedPrefill
 from transfer_bench.push import MODE_LABELS, PUSH_METHODS, PushError
+from transfer_bench.stream import STREAM_METHODS, WAYS
 
 __all__ = ["METHODS", "PUSH_METHODS", "add_arguments", "build_parser", "check_options", "cli_main", "main",
            "resolve_device", "run_transfer_bench"]
@@ -140,6 +141,8 @@ def check_options(opts: TransferBenchOptions) -> tuple[int, list[int], list[str]
     if opts.requests < 1 or not opts.tokens or min(opts.tokens) < 1 or opts.fragmentation < 0:
         raise ValueError("need --requests >= 1, token sizes >= 1 and --fragmentation >= 0")
     check_modes(opts.modes)
+    if "stream" in opts.modes and (opts.layer_ms < 0 or (opts.layer_ms == 0 and opts.device == "cpu")):
+        raise ValueError(f"--layer-ms {opts.layer_ms:g}: expected > 0 (or 0 with --device cuda: a GEMM per layer)")
     if opts.shape.page_bytes % 8:
         raise ValueError(f"a block's page is {opts.shape.page_bytes} B; the benchmark needs a multiple of 8")
     device = resolve_device(opts.device)
@@ -166,13 +169,18 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
     entry: dict[str, Any] = {"tokens": tokens, "blocks_per_request": blocks, "runs_per_request": report.counts(runs),
                              "bytes_per_request": nbytes, "methods": {}}
     pushes = list(PUSH_METHODS) if "push" in opts.modes else []
+    streams = [f"{m}/{w}" for m in STREAM_METHODS for w in WAYS] if "stream" in opts.modes else []
     verified = {method: dec.verified_pull(method, *placements[0]) for method in dec.labels}
     verified_push = {method: dec.verified_push(method, *placements[0]) for method in pushes}
-    work = [("pull", m) for m in dec.labels] + [("push", m) for m in pushes]
-    samples: dict[tuple[str, str], list[tuple[float, ...]]] = {w: [] for w in work}
+    verified_stream = {s: dec.verified_stream(*s.split("/"), *placements[0]) for s in streams}
+    work = [("pull", m) for m in dec.labels] + [("push", m) for m in pushes] + [("stream", s) for s in streams]
+    samples: dict[tuple[str, str], list[Any]] = {w: [] for w in work}
     for i, (loc, rem) in enumerate(placements):
         # Interleaved, in rotating order: every method of every mode sees the same background load.
         for mode, method in work[i % len(work):] + work[:i % len(work)]:
+            if mode == "stream":
+                samples[mode, method].append(dec.timed_stream(*method.split("/"), loc, rem))
+                continue
             samples[mode, method].append(dec.timed(method, loc, rem) if mode == "pull"
                                          else dec.timed_push(method, loc, rem))
         log(opts.quiet, f"{tokens} tokens: request {i + 1}/{len(placements)} moved every way")
@@ -195,6 +203,13 @@ def _bench_tokens(dec: Decode, opts: TransferBenchOptions, tokens: int) -> dict[
             log(opts.quiet, f"{tokens} tokens  {method + ' push':<20} {res['gbps']:7.2f} GB/s  p50 "
                        f"{res['latency_ms']['p50']:8.2f} ms (writer {res['writer_xfer_ms']['p50']:8.2f} ms)  "
                        f"verified={res['verified']}")
+    if streams:
+        entry["stream"] = report.stream_stats({s: samples["stream", s] for s in streams}, verified_stream,
+                                              opts.shape.num_layers)
+        for name, res in entry["stream"].items():
+            log(opts.quiet, f"{tokens} tokens  {name:<22} wait after the last layer p50 "
+                       f"{res['wait_after_last_layer_ms']['p50']:8.2f} ms  total p50 {res['total_ms']['p50']:8.2f} ms"
+                       f"  verified={res['verified']}")
     return entry
 
 
@@ -229,7 +244,7 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
         dec = Decode(opts, num_blocks, device)  # while the prefill starts
         ready = link.ready()
         dec.connect(ready, opts.host)
-        if "push" in opts.modes:
+        if {"push", "stream"} & set(opts.modes):
             dec.enable_push(link)
         log(opts.quiet, "handshakes: " + ", ".join(f"{k} {v['setup_ms']:.1f} ms" for k, v in dec.peers.items()))
         results = [_bench_tokens(dec, opts, t) for t in tokens]
@@ -255,7 +270,8 @@ def run_transfer_bench(opts: TransferBenchOptions) -> dict[str, Any]:
                    "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")}},
         "methods": dict(dec.labels),
         "modes": {mode: {"mode": mode, "label": MODE_LABELS[mode],
-                         "methods": [m for m in dec.labels if m != "memcpy"] if mode == "pull" else list(PUSH_METHODS)}
+                         "methods": ([m for m in dec.labels if m != "memcpy"] if mode == "pull"
+                                     else list(PUSH_METHODS) if mode == "push" else list(STREAM_METHODS))}
                   for mode in opts.modes},
         "setup": {"decode_register_ms": dec.register_ms, "peers": dec.peers},
         "processes": {"decode_peak_rss_bytes": decode_rss, "prefill_peak_rss_bytes": done["peak_rss_bytes"],

@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu-check.sh            # results under $OUT (default ./gpu-check-out)
 #   DEVICE=cpu TOKENS=256,1k bash scripts/gpu-check.sh   # a dry run of every step on a machine without a GPU
+#   STEPS=stream,stream-tcp,tests bash scripts/gpu-check.sh   # only the steps named
 #
 # Needs python3 with torch (CUDA) and pytest. Wheels in .whl/ (nixl, nixl-cu13, msgspec, pyzmq for
 # this python) are installed first to /tmp/site when present: a machine with no registry gets p2pkv's
@@ -16,6 +17,10 @@
 #   transfer-getzcopy.json  the same pulls with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on (4k/16k)
 #   fixup.json              scripts/bench_fixup.py --device "$DEVICE" (torch, runs, triton)
 #   doctor.json             p2pkv doctor --json
+#   stream.json             --mode stream: each layer WRITTEN as a stand-in forward (one GEMM of a Llama-3-8B
+#                           layer's FLOPs per layer on a GPU, LAYER_MS ms per layer on the CPU) computes it,
+#                           against one WRITE after the last layer; STREAM_TOKENS (1k/4k/8k)
+#   stream-tcp.json         the same over UCX's tcp transport only (a link slower than the forward), 1k/4k
 #   tests.log               pytest -m gpu
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -37,6 +42,7 @@ fi
 
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log its output and time
   local name=$1 limit=$2; shift 2
+  if [[ -n ${STEPS:-} && ",$STEPS," != *",$name,"* ]]; then return; fi
   local t0=$SECONDS
   echo "=== $name (limit ${limit}s): $*" >>"$LOG"
   timeout --kill-after=10 "$limit" "$@" >>"$LOG" 2>&1
@@ -56,6 +62,14 @@ step transfer-getzcopy 120 env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on $PY scripts/benc
   --json "$OUT/transfer-getzcopy.json"
 step fixup 120 $PY scripts/bench_fixup.py --device "$DEVICE" --json "$OUT/fixup.json"
 step doctor 120 bash -c "$PY -m p2pkv.tools.cli doctor --json > '$OUT/doctor.json'"
+if [[ $DEVICE == cpu ]]; then LAYER_MS=${LAYER_MS:-2}; else LAYER_MS=${LAYER_MS:-0}; fi
+STREAM_TOKENS=${STREAM_TOKENS:-1024,4k,8k}
+step stream 150 $PY scripts/bench_transfer.py --device "$DEVICE" --mode stream "${LLAMA8B[@]}" --tokens "$STREAM_TOKENS" \
+  --layer-ms "$LAYER_MS" --requests 5 --max-mem-gib 24 --json "$OUT/stream.json"
+step stream-tcp 200 env UCX_TLS=tcp,cuda_copy,self $PY scripts/bench_transfer.py --device "$DEVICE" --mode stream \
+  "${LLAMA8B[@]}" --tokens "${STREAM_TOKENS%,*}" --layer-ms "$LAYER_MS" --requests 3 --max-mem-gib 24 \
+  --json "$OUT/stream-tcp.json"
 step tests 240 bash -c "$PY -m pytest -m gpu -p no:cacheprovider -q -rA -o addopts= tests/test_hetero.py \
-  tests/test_doctor.py tests/test_transport.py tests/test_bench_transfer.py tests/test_fixup.py > '$OUT/tests.log' 2>&1"
+  tests/test_doctor.py tests/test_transport.py tests/test_bench_transfer.py tests/test_fixup.py \
+  tests/test_streamer.py > '$OUT/tests.log' 2>&1"
 tail -n 3 "$OUT/tests.log"

@@ -151,6 +151,27 @@ def test_bench_transfer_push_only(tmp_path: Path) -> None:
     assert data["processes"]["prefill_notifications"] == 0  # no READ was announced: nothing was pulled
 
 
+def test_bench_transfer_stream_writes_each_layer_and_waits_less_after_the_last(tmp_path: Path) -> None:
+    """``--mode stream``: every way moves the exact bytes; a streamed request takes one WRITE per layer, its bulk
+    twin one WRITE, and the table shows both."""
+    path = tmp_path / "stream.json"
+    rc = transfer.main(["--layers", "4", "--kv-heads", "2", "--head-dim", "16", "--tokens", "256", "--requests", "2",
+                        "--mode", "stream", "--layer-ms", "3", "--quiet", "--json", str(path)])
+    assert rc == 0
+    data = json.loads(path.read_text())
+    (entry,) = data["results"]
+    assert set(entry["stream"]) == {f"{m}/{w}" for m in ("cross_layer", "per_layer") for w in ("stream", "bulk")}
+    for name, r in entry["stream"].items():
+        assert r["verified"] is True, f"{name} moved wrong bytes"
+        assert r["writes"]["all"] == ([4, 4] if name.endswith("/stream") else [1, 1])
+        assert r["compute_ms"]["min"] >= 4 * 3 * 0.9  # the stand-in forward ran its layers
+        assert r["wait_after_last_layer_ms"]["p50"] > 0
+    assert entry["stream"]["cross_layer/stream"]["layer_transfer_ms"] > 0
+    assert "stream vs bulk push" in report.format_table(data)
+    with pytest.raises(ValueError, match="--layer-ms 0"):
+        transfer.check_options(TransferBenchOptions(shape=TINY, tokens=(64,), modes=("stream",), layer_ms=0))
+
+
 def test_mode_flag_parses() -> None:
     parser = transfer.build_parser()
     assert parser.parse_args([]).mode == ("pull",)

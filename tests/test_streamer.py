@@ -53,7 +53,7 @@ def test_a_cross_layer_block_cuts_into_one_page_per_layer() -> None:
     assert [(p.layer_start, p.kv_index) for p in half] == [(q, kv) for q in range(LAYERS) for kv in (0, 1)]
     with pytest.raises(LayoutError, match="not one 3-B page per layer"):
         page_segments(layout.segments, 3)
-    with pytest.raises(LayoutError, match="one .* page per layer"):  # layers interleaved inside a page
+    with pytest.raises(LayoutError, match=r"one .* page per layer"):  # layers interleaved inside a page
         page_segments([Segment(0, 2 * PAGE, 4 * PAGE, 0, 4)], PAGE)
 
 
@@ -127,15 +127,16 @@ class Pair:
         return True
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    _, source, src_layout = _layout("BLHNC", seed=3)
-    _, target, dst_layout = _layout("LBHNC", fill=0.0)
+@contextlib.contextmanager
+def _pair(device: str = "cpu") -> Iterator[Pair]:
+    _, source, src_layout = _layout("BLHNC", seed=3, device=device)
+    _, target, dst_layout = _layout("LBHNC", fill=0.0, device=device)
+    mem = "VRAM" if device.startswith("cuda") else "DRAM"
     prefill = NixlTransferAgent(unique_agent_name("prefill-engine", 0))
     decode = NixlTransferAgent(unique_agent_name("decode-engine", 0))
     try:
-        prefill.register(src_layout.regions, "DRAM")
-        decode.register(dst_layout.regions, "DRAM")
+        prefill.register(src_layout.regions, mem)
+        decode.register(dst_layout.regions, mem)
         name = prefill.add_peer(loopback_info(decode), role="decode")
         decode.take_notifs(PUSH_PREFIX)  # "pushed" notifications kept apart from now on, as a receiver asks
         yield Pair(prefill, decode, name, source, target, page_segments(src_layout.segments, PAGE),
@@ -144,6 +145,12 @@ def pair() -> Iterator[Pair]:
         with contextlib.suppress(Exception):
             decode.close()
         prefill.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    with _pair() as made:
+        yield made
 
 
 def _drain(stream: LayerStream, pair: Pair, timeout_s: float = 10.0) -> None:
@@ -297,3 +304,28 @@ def test_the_destination_is_given_once(pair: Pair) -> None:
     stream.target(pair.target_of([1]))
     with pytest.raises(ValueError, match="already has a destination"):
         stream.target(pair.target_of([2]))
+
+
+@pytest.mark.gpu
+def test_layers_in_gpu_memory_are_written_only_after_their_events() -> None:
+    """On a GPU the forward runs ahead of the host: each layer is a kernel, then an event. The stream WRITEs a
+    layer (VRAM to VRAM) only once its event has completed, and every byte lands."""
+    src, dst = [2, 3, 4, 11], [5, 6, 7, 8]
+    with _pair("cuda") as pair:
+        pair.decode.take_notifs(PUSH_PREFIX)
+        stream = pair.stream()
+        stream.target(pair.target_of(dst))
+        torch.cuda.synchronize()
+        for layer in range(LAYERS):
+            torch.cuda._sleep(100_000_000)  # tens of milliseconds of GPU time per layer
+            event = torch.cuda.Event()
+            event.record()
+            stream.computed(layer, 0, src, event.query)
+            stream.pump()
+        assert stream.counters.writes == 0, "a layer was written before its kernel finished"
+        stream.finish()
+        _drain(stream, pair, timeout_s=30)
+        assert pair.notes() == [PushedNotification(PUSH_ID, True)]
+        torch.cuda.synchronize()
+        assert pair.landed(src, dst)
+        assert stream.counters.writes == LAYERS

@@ -106,7 +106,8 @@ class Decode:
         self.peers: dict[str, dict[str, float]] = {}
         self.sides: dict[str, _Side] = {}
         self.pusher: PushClient | None = None
-        """Push mode's decode end (:meth:`enable_push`); None without ``--mode push``."""
+        """Push mode's decode end (:meth:`enable_push`); None without ``--mode push`` or ``stream``."""
+        self._streams = 0
 
     def agent_infos(self) -> dict[str, AgentInfo]:
         """Layout → this side's AgentInfo for it: the decode agent's NIXL metadata and that destination
@@ -125,8 +126,11 @@ class Decode:
     def enable_push(self, link: SpawnedPrefill) -> None:
         """Push mode: hand the prefill this side's agent and layouts over ``link`` (the prefill's
         ``add_remote_agent`` times land in ``self.pusher.add_remote_agent_ms``)."""
+        from p2pkv.notification import PUSH_PREFIX
+
         self.pusher = PushClient(link, self.agent, 60.0)
         self.pusher.connect(self.agent_infos(), self.device_id)
+        self.agent.take_notifs(PUSH_PREFIX)  # stream mode's "pushed" notifications kept apart from now on
 
     def connect(self, ready: dict[str, Any], host: str) -> None:
         """Handshake with both prefill caches' side channels at ``host`` and load their metadata (timed).
@@ -242,6 +246,30 @@ class Decode:
             raise PushError("push mode is not enabled (enable_push)")
         self.sync()
         return self.pusher.push(method, np.asarray(loc), np.asarray(rem))
+
+    def timed_stream(self, method: str, way: str, loc: np.ndarray, rem: np.ndarray) -> dict[str, float]:
+        """One request WRITTEN by the prefill while (``way`` ``stream``) or after (``bulk``) its stand-in forward
+        computes it: :func:`transfer_bench.stream.timed_stream`'s times.
+
+        Raises:
+            RuntimeError: the prefill could not stream (or push mode is off).
+        """
+        from transfer_bench.stream import stream_request, timed_stream
+
+        if self.pusher is None:
+            raise PushError("push mode is not enabled (enable_push)")
+        self.sync()
+        self._streams += 1
+        shape = self.opts.shape
+        msg = stream_request(method, way, self._streams, shape.num_layers, len(loc) * shape.block_size,
+                             shape.page_bytes, self.opts.layer_ms, str(self.device), np.asarray(loc), np.asarray(rem))
+        return timed_stream(self.pusher.link, self.agent, msg, 60.0)
+
+    def verified_stream(self, method: str, way: str, loc: np.ndarray, rem: np.ndarray) -> bool | None:
+        """Scrub a request's destination, have the prefill stream it, compare with the source."""
+        check = self._scrub(PEER_LAYOUT[method], loc, rem)
+        self.timed_stream(method, way, loc, rem)
+        return check()
 
     def timed(self, method: str, loc: np.ndarray, rem: np.ndarray) -> tuple[float, float, int]:
         """``(planning seconds, pull seconds, descriptors)`` of one request."""

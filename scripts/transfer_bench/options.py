@@ -17,7 +17,7 @@ PROCESS_OVERHEAD_BYTES = 768 << 20
 """Bytes one benchmark process needs besides its two caches (torch, NIXL, UCX; on a GPU: the
 CUDA context and the verification temporaries, in GPU memory)."""
 
-MODES = ("pull", "push")
+MODES = ("pull", "push", "stream")
 """``--mode`` choices: the decode side READs the blocks (pull), or the prefill side WRITEs them (push)."""
 
 PREFILL_CACHE_LAYOUTS = ("BLHNC", "LBHNC")
@@ -93,7 +93,11 @@ class TransferBenchOptions:
         modes: directions to measure, in order (:data:`MODES`): ``"pull"``
             (the decode side posts NIXL READs) and/or ``"push"`` (the prefill
             side posts NIXL WRITEs into the decode side's blocks, each with a
-            notification the decode waits for).
+            notification the decode waits for) and/or ``"stream"`` (the prefill
+            side WRITEs each layer while a stand-in forward computes the next,
+            :mod:`transfer_bench.stream`).
+        layer_ms: stream mode: how long the stand-in forward takes per layer (milliseconds; 0 on a GPU: one
+            GEMM of a Llama-3-8B layer's FLOPs for the request's tokens).
         argv: command line to record in the results.
     """
 
@@ -115,6 +119,7 @@ class TransferBenchOptions:
     prefill_poll_ms: float = 0.5
     quiet: bool = False
     modes: tuple[str, ...] = ("pull",)
+    layer_ms: float = 2.0
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def nixl_settings(self) -> dict[str, Any]:
@@ -163,7 +168,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", type=_mode_list, default=d.modes, metavar="MODES",
                    help="directions to measure, comma-separated: pull (the decode side posts NIXL READs), push "
                         "(the prefill side posts NIXL WRITEs into the decode's blocks, timed from the decode's ask "
-                        "to the WRITE's notification); e.g. pull,push")
+                        "to the WRITE's notification), stream (the prefill side WRITEs each layer as a stand-in "
+                        "forward computes it, against one WRITE after the last layer); e.g. pull,push")
+    p.add_argument("--layer-ms", type=float, default=d.layer_ms,
+                   help="--mode stream: the stand-in forward's time per layer (ms; a torch.cuda._sleep kernel on a "
+                        "GPU, the host busy on the CPU; 0 on a GPU: a GEMM of a Llama-3-8B layer's FLOPs)")
     p.add_argument("--seed", type=int, default=d.seed, help="block placement seed")
     p.add_argument("--fragmentation", type=int, default=d.fragmentation, metavar="MAX_RUN",
                    help="longest run of consecutive block ids per allocation (1: all scattered, 0: contiguous)")

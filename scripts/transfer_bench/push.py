@@ -16,6 +16,7 @@ decode → prefill                             prefill → decode
 ``{"op": "push_peer", "infos": ...}``        ``{"op": "push_peer_ok", "add_remote_agent_ms": ...}``
 ``{"op": "push_plan", "id": n, ...}``        ``{"op": "push_planned", "plan_s": ..., "descs": ...}``
 ``{"op": "push", "id": n}``                  ``{"op": "pushed", "xfer_s": ...}`` (after the WRITE is DONE)
+``{"op": "stream", "id": n, ...}``           ``{"op": "streamed", ...}`` (:mod:`transfer_bench.stream`)
 ===========================================  ======================================================
 
 ``push_peer`` hands the prefill the decode agent's NIXL metadata and both
@@ -63,6 +64,9 @@ MODE_LABELS: dict[str, str] = {
     "pull": "the decode side posts NIXL READs; timed from start_read to the poll that sees DONE",
     "push": "the prefill side posts NIXL WRITEs with a notification; timed on the decode side from its ask "
             "(a message over a pipe) to the notification's arrival; writer_xfer_ms: the prefill's post -> DONE",
+    "stream": "the prefill side WRITEs each layer once a stand-in forward has computed it (stream) or everything "
+              "after its last layer (bulk); wait_after_last_layer_ms: the notification's arrival at the decode "
+              "minus the last layer's end",
 }
 """What each ``--mode`` measures."""
 
@@ -101,6 +105,7 @@ class Pusher:
         self.workers, self.device_ids, self.num_blocks = workers, device_ids, num_blocks
         self._peers: dict[str, tuple[str, list[Segment], int]] = {}  # layout → decode agent, segments, device
         self._plans: dict[int, tuple[NixlTransferAgent, str, np.ndarray, np.ndarray]] = {}
+        self._forwards: dict[float, Any] = {}  # stream mode: layer ms → its stand-in forward
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Answer one push message (see the module's table); ``{"op": "error", "error": ...}`` when it fails."""
@@ -113,6 +118,8 @@ class Pusher:
                 return self._plan(msg)
             if msg.get("op") == "push":
                 return self._push(int(msg["id"]))
+            if msg.get("op") == "stream":
+                return self._stream(msg)
             return {"op": "error", "error": f"unknown push op {msg.get('op')!r}"}
         except (TransferError, ValueError, KeyError, TypeError) as exc:
             return {"op": "error", "error": f"{msg.get('op')}: {type(exc).__name__}: {exc}"}
@@ -146,6 +153,22 @@ class Pusher:
         plan_s = time.perf_counter() - t0
         self._plans[req] = (self._agent(layout), peer, local, remote)
         return {"op": "push_planned", "id": req, "plan_s": plan_s, "descs": int(local.shape[0])}
+
+    def _stream(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from transfer_bench.stream import Forward, run_stream
+
+        layout = PEER_LAYOUT[str(msg["method"])]
+        peer, segments, device = self._peers[layout]
+        key = float(msg["layer_ms"])
+        if key not in self._forwards:
+            self._forwards[key] = Forward(str(msg["device"]), key)
+        own = self.workers[layout].layout.segments
+        if msg["way"] == "bulk":
+            msg = {**msg, "rows": pair_descriptors(
+                str(msg["method"]), own, np.asarray(msg["prefill_ids"], dtype=np.int64), self.device_ids[layout],
+                segments, np.asarray(msg["decode_ids"], dtype=np.int64), device, self.num_blocks)}
+        return run_stream(self._agent(layout), list(own), self.device_ids[layout], peer, segments, device,
+                          self.num_blocks, int(msg["page_bytes"]), self._forwards[key], msg)
 
     def _push(self, req: int) -> dict[str, Any]:
         agent, peer, local, remote = self._plans.pop(req)

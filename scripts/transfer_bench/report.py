@@ -90,6 +90,40 @@ def push_stats(nbytes: int, push_s: Sequence[float], writer_s: Sequence[float], 
             "ask_and_notify_ms": summarize([p - w for p, w in zip(push_s, writer_s, strict=True)], 1e3)}
 
 
+def stream_stats(samples: dict[str, list[dict[str, float]]], verified: dict[str, bool | None],
+                 num_layers: int) -> dict[str, Any]:
+    """Results of stream mode at one request size, per ``<method>/<way>``.
+
+    Args:
+        samples: ``<method>/<way>`` → each timed request's
+            :func:`transfer_bench.stream.timed_stream` times (seconds).
+        verified: the untimed warm-up's bytes equal the source (None: not checked).
+        num_layers: layers of the model shape.
+
+    Returns:
+        Per name: ``wait_after_last_layer_ms``, ``total_ms`` and ``compute_ms``
+        summaries, ``writes`` and ``descriptors_per_request`` counts,
+        ``verified``; for ``stream`` ways also ``layer_transfer_ms`` (the
+        same method's bulk wait p50 / ``num_layers``: one layer's transfer)
+        and ``wait_in_layer_transfers`` (the stream's wait p50 over it).
+    """
+    out: dict[str, Any] = {}
+    for name, runs in samples.items():
+        out[name] = {"requests": len(runs), "verified": verified[name],
+                     "wait_after_last_layer_ms": summarize([r["wait_s"] for r in runs], 1e3),
+                     "total_ms": summarize([r["total_s"] for r in runs], 1e3),
+                     "compute_ms": summarize([r["compute_s"] for r in runs], 1e3),
+                     "writes": counts([int(r["writes"]) for r in runs]),
+                     "descriptors_per_request": counts([int(r["descs"]) for r in runs])}
+    for name, res in out.items():
+        method, way = name.split("/")
+        bulk = out.get(f"{method}/bulk")
+        if way == "stream" and bulk is not None:
+            res["layer_transfer_ms"] = bulk["wait_after_last_layer_ms"]["p50"] / num_layers
+            res["wait_in_layer_transfers"] = res["wait_after_last_layer_ms"]["p50"] / res["layer_transfer_ms"]
+    return out
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The human-readable report: configuration, one row per size and method, setup."""
     cfg, mach = result["config"], result["machine"]
@@ -123,6 +157,12 @@ def format_table(result: dict[str, Any]) -> str:
                       "from its ask to the WRITE's notification; writer: the prefill's post -> DONE; ask+notify: "
                       "push minus writer, per request):",
                   _mode_table(result)]
+    if any("stream" in e for e in result["results"]):
+        per_layer = (f"{result['config']['layer_ms']:g} ms" if result["config"]["layer_ms"] > 0
+                     else "a Llama-3-8B layer's GEMM")
+        lines += ["", f"stream vs bulk push ({per_layer} per layer of a stand-in forward; "
+                      "wait: the notification's arrival minus the last layer's end; one layer: the bulk wait / "
+                      "layers):", _stream_table(result)]
     lines.append("")
     lines.append(f"setup (decode register {result['setup']['decode_register_ms']:.1f} ms):")
     for peer, s in result["setup"]["peers"].items():
@@ -136,6 +176,24 @@ def format_table(result: dict[str, Any]) -> str:
     for w in result.get("warnings", []):
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def _stream_table(result: dict[str, Any]) -> str:
+    """One row per size, method and way of stream mode."""
+    header = ["tokens", "MiB/req", "method/way", "compute p50 ms", "wait p50 ms", "wait p90 ms", "total p50 ms",
+              "one layer ms", "wait / one layer", "writes", "desc/req", "bytes ok"]
+    rows = []
+    for e in result["results"]:
+        for name, r in e.get("stream", {}).items():
+            w = r["wait_after_last_layer_ms"]
+            rows.append([str(e["tokens"]), f"{e['bytes_per_request'] / 2**20:.0f}", name,
+                         f"{r['compute_ms']['p50']:.2f}", f"{w['p50']:.3f}", f"{w['p90']:.3f}",
+                         f"{r['total_ms']['p50']:.2f}",
+                         f"{r['layer_transfer_ms']:.3f}" if "layer_transfer_ms" in r else "-",
+                         f"{r['wait_in_layer_transfers']:.2f}" if "wait_in_layer_transfers" in r else "-",
+                         f"{r['writes']['mean']:.0f}", f"{r['descriptors_per_request']['mean']:.0f}",
+                         yes_no(r["verified"])])
+    return grid(header, rows)
 
 
 def _mode_table(result: dict[str, Any]) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 
 def summarize(xs: Sequence[float], scale: float = 1.0) -> dict[str, float]:
-    """p50 / p99 / mean / min / max of ``xs`` times ``scale`` (e.g. 1e3: seconds → ms).
+    """p50 / p90 / p99 / mean / min / max of ``xs`` times ``scale`` (e.g. 1e3: seconds → ms).
 
     Percentiles interpolate linearly between samples (numpy's default), so
     with few samples p99 is close to the max.
@@ -26,8 +26,8 @@ def summarize(xs: Sequence[float], scale: float = 1.0) -> dict[str, float]:
     a = np.asarray(xs, dtype=np.float64) * scale
     if a.size == 0:
         raise ValueError("summarize: no samples")
-    return {"p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)), "mean": float(a.mean()),
-            "min": float(a.min()), "max": float(a.max())}
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "min": float(a.min()), "max": float(a.max())}
 
 
 def write_json(result: dict[str, Any], path: str | os.PathLike[str], indent: int = 2) -> None:
