@@ -20,7 +20,8 @@
 #   stream.json             --mode stream: each layer WRITTEN as a stand-in forward (one GEMM of a Llama-3-8B
 #                           layer's FLOPs per layer on a GPU, LAYER_MS ms per layer on the CPU) computes it,
 #                           against one WRITE after the last layer; STREAM_TOKENS (1k/4k/8k)
-#   stream-tcp.json         the same over UCX's tcp transport only (a link slower than the forward), 1k/4k
+#   stream-inline.json      the same with --poster inline: the forward's own thread posts the WRITEs
+#   stream-tcp.json         the same (poster thread) over UCX's tcp transport only (a link slower than the forward), 1k/4k
 #   tests.log               pytest -m gpu
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -66,6 +67,9 @@ if [[ $DEVICE == cpu ]]; then LAYER_MS=${LAYER_MS:-2}; else LAYER_MS=${LAYER_MS:
 STREAM_TOKENS=${STREAM_TOKENS:-1024,4k,8k}
 step stream 150 $PY scripts/bench_transfer.py --device "$DEVICE" --mode stream "${LLAMA8B[@]}" --tokens "$STREAM_TOKENS" \
   --layer-ms "$LAYER_MS" --requests 5 --max-mem-gib 24 --json "$OUT/stream.json"
+step stream-inline 150 $PY scripts/bench_transfer.py --device "$DEVICE" --mode stream "${LLAMA8B[@]}" \
+  --tokens "$STREAM_TOKENS" --layer-ms "$LAYER_MS" --poster inline --requests 5 --max-mem-gib 24 \
+  --json "$OUT/stream-inline.json"
 step stream-tcp 200 env UCX_TLS=tcp,cuda_copy,self $PY scripts/bench_transfer.py --device "$DEVICE" --mode stream \
   "${LLAMA8B[@]}" --tokens "${STREAM_TOKENS%,*}" --layer-ms "$LAYER_MS" --requests 3 --max-mem-gib 24 \
   --json "$OUT/stream-tcp.json"

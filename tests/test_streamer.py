@@ -23,6 +23,7 @@ from p2pkv.dataplane.layers import layer_rows, page_segments
 from p2pkv.dataplane.layout import KVLayout, LayoutError, Segment, describe_torch_kv_caches
 from p2pkv.dataplane.plan import PlanError
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
+from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.streamer import LayerStream, StreamState, StreamTarget
 from p2pkv.testing import make_kv_caches
 from p2pkv.tools.doctor import loopback_info
@@ -304,6 +305,47 @@ def test_the_destination_is_given_once(pair: Pair) -> None:
     stream.target(pair.target_of([1]))
     with pytest.raises(ValueError, match="already has a destination"):
         stream.target(pair.target_of([2]))
+
+
+def _ended_on(poster: StreamPoster, pair: Pair, timeout_s: float = 10.0) -> list[LayerStream]:
+    """Wait for the poster to hand back ended streams, progressing the decode agent meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while not (ended := poster.take_ended()):
+        assert time.monotonic() < deadline, "no stream ended"
+        pair.decode.progress()
+        time.sleep(0.001)
+    return ended
+
+
+def test_a_poster_runs_the_streams_on_its_own_thread_while_the_forward_only_queues(pair: Pair) -> None:
+    src, dst = [4, 5, 6], [9, 10, 11]
+    poster = StreamPoster(pair.prefill.progress)
+    try:
+        stream = pair.stream()
+        poster.add("req-1", stream)
+        for layer in range(LAYERS):
+            poster.computed("req-1", layer, 0, src)
+        poster.target("req-1", pair.target_of(dst))  # late: the layers done so far go in one WRITE
+        poster.target("req-1", pair.target_of([1, 2, 3]))  # a second destination is refused, the first stays
+        poster.finish("req-1")
+        poster.computed("unknown-request", 0, 0, src)  # ignored
+        assert _ended_on(poster, pair) == [stream]
+        assert pair.notes() == [PushedNotification(PUSH_ID, True)] and pair.landed(src, dst)
+        assert stream.counters.writes == 1
+    finally:
+        poster.close()
+
+
+def test_closing_the_poster_aborts_the_streams_still_running(pair: Pair) -> None:
+    poster = StreamPoster(pair.prefill.progress)
+    stream = pair.stream()
+    poster.add("req-1", stream)
+    poster.target("req-1", pair.target_of([3]))
+    poster.computed("req-1", 0, 0, [1], lambda: False)  # a layer that never completes
+    poster.close()
+    assert stream.ended and stream.failure == "the prefill rank is shutting down"
+    assert pair.notes() == [PushedNotification(PUSH_ID, False, "the prefill rank is shutting down")]
+    assert pair.landed([1], [3], layers=range(0))
 
 
 @pytest.mark.gpu

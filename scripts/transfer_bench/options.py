@@ -98,6 +98,8 @@ class TransferBenchOptions:
             :mod:`transfer_bench.stream`).
         layer_ms: stream mode: how long the stand-in forward takes per layer (milliseconds; 0 on a GPU: one
             GEMM of a Llama-3-8B layer's FLOPs for the request's tokens).
+        poster: stream mode: ``"thread"`` (a :class:`p2pkv.prefill.poster.StreamPoster` pumps the stream on its
+            own thread) or ``"inline"`` (the forward's thread pumps it between layers).
         argv: command line to record in the results.
     """
 
@@ -120,6 +122,7 @@ class TransferBenchOptions:
     quiet: bool = False
     modes: tuple[str, ...] = ("pull",)
     layer_ms: float = 2.0
+    poster: str = "thread"
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def nixl_settings(self) -> dict[str, Any]:
@@ -173,6 +176,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-ms", type=float, default=d.layer_ms,
                    help="--mode stream: the stand-in forward's time per layer (ms; a torch.cuda._sleep kernel on a "
                         "GPU, the host busy on the CPU; 0 on a GPU: a GEMM of a Llama-3-8B layer's FLOPs)")
+    p.add_argument("--poster", choices=("thread", "inline"), default=d.poster,
+                   help="--mode stream: which thread posts the WRITEs: the prefill's StreamPoster thread, or the "
+                        "forward's own between layers")
     p.add_argument("--seed", type=int, default=d.seed, help="block placement seed")
     p.add_argument("--fragmentation", type=int, default=d.fragmentation, metavar="MAX_RUN",
                    help="longest run of consecutive block ids per allocation (1: all scattered, 0: contiguous)")

@@ -106,6 +106,7 @@ class Pusher:
         self._peers: dict[str, tuple[str, list[Segment], int]] = {}  # layout → decode agent, segments, device
         self._plans: dict[int, tuple[NixlTransferAgent, str, np.ndarray, np.ndarray]] = {}
         self._forwards: dict[float, Any] = {}  # stream mode: layer ms → its stand-in forward
+        self._posters: dict[str, Any] = {}  # stream mode: layout → the StreamPoster of its agent
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Answer one push message (see the module's table); ``{"op": "error", "error": ...}`` when it fails."""
@@ -155,6 +156,8 @@ class Pusher:
         return {"op": "push_planned", "id": req, "plan_s": plan_s, "descs": int(local.shape[0])}
 
     def _stream(self, msg: dict[str, Any]) -> dict[str, Any]:
+        from p2pkv.prefill.poster import StreamPoster
+
         from transfer_bench.stream import Forward, run_stream
 
         layout = PEER_LAYOUT[str(msg["method"])]
@@ -167,8 +170,13 @@ class Pusher:
             msg = {**msg, "rows": pair_descriptors(
                 str(msg["method"]), own, np.asarray(msg["prefill_ids"], dtype=np.int64), self.device_ids[layout],
                 segments, np.asarray(msg["decode_ids"], dtype=np.int64), device, self.num_blocks)}
+        poster = None
+        if msg["poster"] == "thread":
+            if layout not in self._posters:
+                self._posters[layout] = StreamPoster(self._agent(layout).progress)
+            poster = self._posters[layout]
         return run_stream(self._agent(layout), list(own), self.device_ids[layout], peer, segments, device,
-                          self.num_blocks, int(msg["page_bytes"]), self._forwards[key], msg)
+                          self.num_blocks, int(msg["page_bytes"]), self._forwards[key], poster, msg)
 
     def _push(self, req: int) -> dict[str, Any]:
         agent, peer, local, remote = self._plans.pop(req)

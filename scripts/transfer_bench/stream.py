@@ -3,8 +3,9 @@
 The prefill process plays a prefill's forward (:class:`Forward`):
 ``num_layers`` layers of ``--layer-ms`` each (on a GPU a ``torch.cuda._sleep``
 kernel per layer on the current stream, an event recorded after it, the host
-never waiting; on the CPU the host busy for that long, pumping the stream
-meanwhile as a poster thread would), or on a GPU with ``--layer-ms 0`` one
+never waiting; on the CPU the host asleep for that long, as a forward in
+torch's kernels leaves the GIL, or busy pumping the stream with ``--poster
+inline``), or on a GPU with ``--layer-ms 0`` one
 GEMM of a Llama-3-8B layer's FLOPs per layer, with the product's :class:`p2pkv.prefill.streamer.LayerStream`
 WRITING each layer of the request's blocks into the decode process's once
 the layer is done. Two ways per request, each timed the same:
@@ -28,12 +29,14 @@ layer) and ``per_layer`` (``LBHNC``: runs of blocks coalesce within a layer).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from p2pkv.dataplane.layers import page_segments
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, encode_pushed, parse_pushed
+from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.streamer import LayerStream, StreamTarget
 
 if TYPE_CHECKING:
@@ -48,6 +51,10 @@ STREAM_METHODS: dict[str, str] = {
 
 WAYS = ("stream", "bulk")
 """Each method's two ways: WRITE each layer once computed, or everything after the last layer."""
+
+POSTERS = ("thread", "inline")
+"""Which thread pumps a stream: a :class:`p2pkv.prefill.poster.StreamPoster`'s own, or the forward's between
+layers."""
 
 TIMEOUT_S = 120.0
 """The prefill gives up on a request not ended after this many seconds."""
@@ -92,9 +99,10 @@ class Forward:
             self.weight = torch.randn(4096, self.GEMM_COLUMNS, device=device, dtype=torch.bfloat16)
             self.inputs: dict[int, Any] = {}
 
-    def layer(self, busy: Any, tokens: int) -> Any:
-        """Compute one layer of ``tokens`` tokens; returns its ``ready`` test (None: done now). ``busy()`` runs
-        while the CPU waits."""
+    def layer(self, busy: Callable[[], Any] | None, tokens: int) -> Callable[[], bool] | None:
+        """Compute one layer of ``tokens`` tokens; returns its ``ready`` test (None: done now). On the CPU,
+        ``busy()`` runs in a loop for the layer's time; without it the thread sleeps, as a forward in torch's
+        kernels leaves the GIL to other threads."""
         import torch
 
         if self.cuda:
@@ -109,6 +117,9 @@ class Forward:
             event = torch.cuda.Event()
             event.record()
             return event.query
+        if busy is None:
+            time.sleep(self.layer_s)
+            return None
         end = time.monotonic() + self.layer_s
         while time.monotonic() < end:
             busy()
@@ -117,44 +128,61 @@ class Forward:
 
 def run_stream(agent: NixlTransferAgent, own_segments: list[Segment], own_device: int, peer: str,
                peer_segments: list[Segment], peer_device: int, num_blocks: int, page_bytes: int,
-               forward: Forward, msg: dict[str, Any]) -> dict[str, Any]:
+               forward: Forward, poster: StreamPoster | None, msg: dict[str, Any]) -> dict[str, Any]:
     """The prefill's end of one request (``msg``: :func:`stream_request`'s, plus ``rows``, a push's local and
     remote rows, for ``bulk``): compute, WRITE, notify; the reply carries its clock (``compute_end``, ``first_post``).
+
+    ``poster``: the stream runs on that :class:`p2pkv.prefill.poster.StreamPoster`'s thread, the forward's
+    thread only queues; None: the forward's thread pumps the stream between layers itself.
 
     Raises:
         ValueError: the request did not end within :data:`TIMEOUT_S`.
     """
     src = [int(b) for b in msg["prefill_ids"]]
+    key = f"bench-{msg['id']}"
     push_id = f"bench-stream-{int(msg['id']):011d}".encode()
-    stream = LayerStream(f"bench-{msg['id']}", page_segments(own_segments, page_bytes), num_blocks, own_device, agent)
+    stream = LayerStream(key, page_segments(own_segments, page_bytes), num_blocks, own_device, agent)
     target = StreamTarget(peer, tuple(page_segments(peer_segments, page_bytes)), tuple(msg["decode_ids"]), 0,
                           num_blocks, peer_device, push_id)
     streaming = msg["way"] == "stream"
     if streaming:
-        stream.target(target)
+        if poster is None:
+            stream.target(target)
+        else:
+            poster.add(key, stream)
+            poster.target(key, target)
+    inline = streaming and poster is None
     t0 = time.monotonic()
     ready = None
     for layer in range(int(msg["num_layers"])):
-        ready = forward.layer(stream.pump if streaming else (lambda: None), int(msg["tokens"]))
-        if streaming:
+        ready = forward.layer(stream.pump if inline else None, int(msg["tokens"]))
+        if inline:
             stream.computed(layer, 0, src, ready)
             stream.pump()
+        elif streaming:
+            poster.computed(key, layer, 0, src, ready)
     while ready is not None and not ready():
-        if streaming:
+        if inline:
             stream.pump()
     compute_end = time.monotonic()
-    if streaming:
+    if inline:
         stream.finish()
         while stream.pump():
             _check_time(t0)
+    elif streaming:
+        poster.finish(key)
+        while not stream.ended:
+            _check_time(t0)
+            time.sleep(0.0001)
     else:
         local, remote = msg["rows"]
         handle = agent.start_write(peer, local, remote, encode_pushed(PushedNotification(push_id, True)))
         while not agent.poll(handle):
             _check_time(t0)
-    end = time.monotonic() + 0.05
-    while time.monotonic() < end:  # NIXL sends the notification while the worker progresses
-        agent.progress()
+    if poster is None:
+        end = time.monotonic() + 0.05
+        while time.monotonic() < end:  # NIXL sends the notification while the worker progresses
+            agent.progress()
     c = stream.counters
     return {"op": "streamed", "id": msg["id"], "compute_start": t0, "compute_end": compute_end,
             "first_post": c.first_post, "writes": c.writes if streaming else 1,
@@ -197,11 +225,12 @@ def timed_stream(link: Any, agent: NixlTransferAgent, msg: dict[str, Any], timeo
 
 
 def stream_request(method: str, way: str, req: int, num_layers: int, tokens: int, page_bytes: int, layer_ms: float,
-                   device: str, loc: np.ndarray, rem: np.ndarray) -> dict[str, Any]:
+                   device: str, poster: str, loc: np.ndarray, rem: np.ndarray) -> dict[str, Any]:
     """The message asking the prefill for one request ``req`` of ``tokens`` tokens: decode blocks ``loc`` from
     prefill blocks ``rem``, ``way`` (:data:`WAYS`) by ``method`` (:data:`STREAM_METHODS`), a forward of
     ``num_layers`` layers (:class:`Forward` of ``layer_ms``) on ``device`` (the prefill's torch device), pages of
-    ``page_bytes``."""
+    ``page_bytes``; ``poster`` (:data:`POSTERS`) says which thread pumps the stream."""
     return {"op": "stream", "method": method, "way": way, "id": req, "num_layers": num_layers, "tokens": tokens,
+            "poster": poster,
             "page_bytes": page_bytes, "layer_ms": layer_ms, "device": device,
             "decode_ids": [int(b) for b in loc], "prefill_ids": [int(b) for b in rem]}
