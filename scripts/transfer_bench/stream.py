@@ -99,10 +99,10 @@ class Forward:
             self.weight = torch.randn(4096, self.GEMM_COLUMNS, device=device, dtype=torch.bfloat16)
             self.inputs: dict[int, Any] = {}
 
-    def layer(self, busy: Callable[[], Any] | None, tokens: int) -> Callable[[], bool] | None:
-        """Compute one layer of ``tokens`` tokens; returns its ``ready`` test (None: done now). On the CPU,
-        ``busy()`` runs in a loop for the layer's time; without it the thread sleeps, as a forward in torch's
-        kernels leaves the GIL to other threads."""
+    def layer(self, busy: Callable[[], Any] | None, tokens: int) -> Any:
+        """Compute one layer of ``tokens`` tokens; returns the ``torch.cuda.Event`` recorded after it (None on
+        the CPU: done now). On the CPU, ``busy()`` runs in a loop for the layer's time; without it the thread
+        sleeps, as a forward in torch's kernels leaves the GIL to other threads."""
         import torch
 
         if self.cuda:
@@ -116,7 +116,7 @@ class Forward:
                 torch.cuda._sleep(self.cycles)
             event = torch.cuda.Event()
             event.record()
-            return event.query
+            return event
         if busy is None:
             time.sleep(self.layer_s)
             return None
@@ -153,17 +153,20 @@ def run_stream(agent: NixlTransferAgent, own_segments: list[Segment], own_device
             poster.target(key, target)
     inline = streaming and poster is None
     t0 = time.monotonic()
-    ready = None
+    event = None
     for layer in range(int(msg["num_layers"])):
-        ready = forward.layer(stream.pump if inline else None, int(msg["tokens"]))
+        event = forward.layer(stream.pump if inline else None, int(msg["tokens"]))
+        ready = None if event is None else event.query
         if inline:
             stream.computed(layer, 0, src, ready)
             stream.pump()
         elif streaming:
             poster.computed(key, layer, 0, src, ready)
-    while ready is not None and not ready():
-        if inline:
+    if event is not None and inline:
+        while not event.query():
             stream.pump()
+    elif event is not None:
+        event.synchronize()  # leaves the GIL to the poster's thread, as a forward waiting on its GPU does
     compute_end = time.monotonic()
     if inline:
         stream.finish()
