@@ -24,7 +24,7 @@ from p2pkv.dataplane.layout import KVLayout, LayoutError, Segment, describe_torc
 from p2pkv.dataplane.plan import PlanError
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 from p2pkv.prefill.poster import StreamPoster
-from p2pkv.prefill.streamer import LayerStream, StreamState, StreamTarget
+from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamState, StreamTarget
 from p2pkv.testing import make_kv_caches
 from p2pkv.tools.doctor import loopback_info
 
@@ -100,11 +100,13 @@ class Pair:
     target_pages: list[Segment]
 
     def stream(self, writer: object | None = None) -> LayerStream:
-        return LayerStream("req-1", self.source_pages, BLOCKS, 0, writer or self.prefill, secret=KEY)
+        return LayerStream("req-1", StreamSide(tuple(self.source_pages), BLOCKS), writer or self.prefill,
+                           secret=KEY)
 
-    def target_of(self, block_ids: list[int], first_block: int = 0) -> StreamTarget:
-        return StreamTarget(self.decode_name, tuple(self.target_pages), tuple(block_ids), first_block, BLOCKS, 0,
-                            PUSH_ID)
+    def target_of(self, block_ids: list[int], first_block: int = 0, pages: list[Segment] | None = None
+                  ) -> StreamTarget:
+        side = StreamSide(tuple(self.target_pages if pages is None else pages), BLOCKS)
+        return StreamTarget(self.decode_name, side, tuple(block_ids), first_block, PUSH_ID)
 
     def notes(self, timeout_s: float = 5.0) -> list[PushedNotification]:
         """The "pushed" notifications the decode agent received (waits up to ``timeout_s`` for the first)."""
@@ -300,8 +302,17 @@ def test_a_failed_write_ends_the_stream_with_its_reason(pair: Pair) -> None:
     assert stream.counters.layers_posted == [0], "nothing is posted after a failed WRITE"
 
 
-def test_the_destination_is_given_once(pair: Pair) -> None:
+def test_a_destination_is_checked_and_given_once(pair: Pair) -> None:
     stream = pair.stream()
+    with pytest.raises(ValueError, match=f"decode block id {BLOCKS} outside"):
+        stream.target(pair.target_of([1, BLOCKS]))
+    with pytest.raises(ValueError, match="pages per block differ"):
+        stream.target(pair.target_of([1], pages=pair.target_pages[:-1]))
+    halves = [Segment(p.addr, PAGE // 2, p.block_stride, p.layer_start, 1, kv) for p in pair.target_pages
+              for kv in (0, 1)]
+    with pytest.raises(ValueError, match="pages per block differ"):  # K and V apart on one side only
+        stream.target(pair.target_of([1], pages=halves))
+    assert stream.state is StreamState.WAITING
     stream.target(pair.target_of([1]))
     with pytest.raises(ValueError, match="already has a destination"):
         stream.target(pair.target_of([2]))

@@ -46,6 +46,7 @@ import numpy as np
 
 from p2pkv.dataplane.agent import TransferError
 from p2pkv.dataplane.layers import LayerRows, layer_rows
+from p2pkv.dataplane.plan import PlanError, check_block_ids
 from p2pkv.notification import PushedNotification, encode_pushed
 
 if TYPE_CHECKING:
@@ -80,26 +81,37 @@ class StreamState(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class StreamSide:
+    """One rank's KV memory as a stream moves it.
+
+    Attributes:
+        pages: the rank's :func:`p2pkv.dataplane.layers.page_segments`.
+        num_blocks: blocks in the rank's cache (every block id below it).
+        device_id: the rank's device id in its rows.
+    """
+
+    pages: tuple[Segment, ...]
+    num_blocks: int
+    device_id: int = 0
+
+
+@dataclass(frozen=True)
 class StreamTarget:
     """Where a decode rank wants the request's KV: its blocks for a range of the prompt's blocks.
 
     Attributes:
         agent: the decode rank's NIXL agent name (loaded by the caller).
-        pages: the decode rank's :func:`p2pkv.dataplane.layers.page_segments`.
+        side: the decode rank's memory.
         block_ids: decode block ids for prompt blocks ``first_block ..``, int.
         first_block: the prompt block index of ``block_ids[0]`` (blocks the decode
             engine has cached itself come before it and are not sent).
-        num_blocks: blocks in the decode rank's cache (every id below it).
-        device_id: the decode rank's device id in its rows.
         push_id: names the stream in its "pushed" notification (16–32 bytes).
     """
 
     agent: str
-    pages: tuple[Segment, ...]
+    side: StreamSide
     block_ids: tuple[int, ...]
     first_block: int
-    num_blocks: int
-    device_id: int
     push_id: bytes
 
 
@@ -126,36 +138,35 @@ class StreamCounters:
     layers_posted: list[int] = field(default_factory=list)
 
 
+@dataclass(eq=False)
 class LayerStream:
     """One request's layer-streamed WRITEs from this prefill rank into one decode rank.
 
-    Args:
+    Attributes:
         request_id: the prefill request id (log lines).
-        pages: this rank's :func:`p2pkv.dataplane.layers.page_segments`.
-        num_blocks: blocks in this rank's cache.
-        device_id: this rank's device id in its rows.
+        source: this rank's memory.
         writer: posts and polls the WRITEs (the rank's NIXL agent).
         secret: signs the "pushed" notification (None: unsigned).
         clock: monotonic seconds (tests pass a fake).
+        state: where the stream is.
+        failure: why it stopped (None: it has not).
+        counters: what it did.
     """
 
-    def __init__(self, request_id: str, pages: Sequence[Segment], num_blocks: int, device_id: int, writer: Writer,
-                 secret: bytes | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.request_id = request_id
-        self._pages = tuple(pages)
-        self._num_blocks = num_blocks
-        self._device_id = device_id
-        self._writer = writer
-        self._secret = secret
-        self._clock = clock
-        self._target: StreamTarget | None = None
-        self._waiting: list[_Chunk] = []
-        self._inflight: list[tuple[XferHandle, frozenset[int]]] = []  # each WRITE with its layers
-        self._finished = False
-        self._notify_with_write = False
-        self.failure: str | None = None
-        self.state = StreamState.WAITING
-        self.counters = StreamCounters()
+    request_id: str
+    source: StreamSide
+    writer: Writer
+    secret: bytes | None = None
+    clock: Callable[[], float] = time.monotonic
+    state: StreamState = field(default=StreamState.WAITING, init=False)
+    failure: str | None = field(default=None, init=False)
+    counters: StreamCounters = field(default_factory=StreamCounters, init=False)
+    _target: StreamTarget | None = field(default=None, init=False, repr=False)
+    _waiting: list[_Chunk] = field(default_factory=list, init=False, repr=False)
+    _inflight: list[tuple[XferHandle, frozenset[int]]] = field(default_factory=list, init=False, repr=False)
+    """Each WRITE in flight with its layers."""
+    _finished: bool = field(default=False, init=False, repr=False)
+    _notify_with_write: bool = field(default=False, init=False, repr=False)
 
     @property
     def ended(self) -> bool:
@@ -180,10 +191,18 @@ class LayerStream:
         """The decode rank's destination arrived: from the next :meth:`pump` on, computed layers are WRITTEN.
 
         Raises:
-            ValueError: a destination was already given.
+            ValueError: a destination was already given, its pages differ from this rank's (count, size,
+                layer or K/V), or a block id lies outside its cache (PlanError).
         """
         if self._target is not None:
             raise ValueError(f"request {self.request_id}: the stream already has a destination")
+        ours, theirs = self.source.pages, target.side.pages
+        if [(p.length, p.layer_start, p.kv_index) for p in ours] != [
+                (p.length, p.layer_start, p.kv_index) for p in theirs]:
+            raise ValueError(f"request {self.request_id}: the destination's {len(theirs)} pages per block differ "
+                             f"from this rank's {len(ours)} (page size, layer or K/V); stream only between "
+                             "engines with the same block size, page order and heads")
+        check_block_ids(target.block_ids, target.side.num_blocks, "decode")
         self._target = target
         if self.state is StreamState.WAITING:
             self.state = StreamState.STREAMING
@@ -209,7 +228,7 @@ class LayerStream:
                 self._post_ready()
                 if self._finished and not self._waiting and not self._inflight and not self._notify_with_write:
                     self._notify(PushedNotification(self._target.push_id, True))
-            except TransferError as exc:
+            except (TransferError, PlanError) as exc:
                 self._fail(str(exc))
         elif self._inflight:
             self._poll_after_end()
@@ -234,11 +253,11 @@ class LayerStream:
         source = np.concatenate([r.source for r in rows])
         target = np.concatenate([r.target for r in rows])
         last = self._finished and not self._waiting and not self._inflight
-        note = encode_pushed(PushedNotification(self._target.push_id, True), self._secret) if last else b""
-        xfer = self._writer.start_write(self._target.agent, source, target, note)
+        note = encode_pushed(PushedNotification(self._target.push_id, True), self.secret) if last else b""
+        xfer = self.writer.start_write(self._target.agent, source, target, note)
         self._inflight.append((xfer, frozenset(chunk.layer for chunk in ready)))
         self._notify_with_write = last
-        now = self._clock()
+        now = self.clock()
         c = self.counters
         c.writes += 1
         c.bytes += xfer.num_bytes
@@ -256,17 +275,18 @@ class LayerStream:
             return []
         source_ids = chunk.source_ids[lo - chunk.first_block:hi - chunk.first_block]
         target_ids = t.block_ids[lo - t.first_block:hi - t.first_block]
-        pick = [i for i, p in enumerate(self._pages) if p.layer_start == chunk.layer]
-        return layer_rows([self._pages[i] for i in pick], [t.pages[i] for i in pick], source_ids, target_ids,
-                          source_num_blocks=self._num_blocks, target_num_blocks=t.num_blocks,
-                          source_device=self._device_id, target_device=t.device_id)
+        src, dst = self.source, t.side
+        pick = [i for i, p in enumerate(src.pages) if p.layer_start == chunk.layer]
+        return layer_rows([src.pages[i] for i in pick], [dst.pages[i] for i in pick], source_ids, target_ids,
+                          source_num_blocks=src.num_blocks, target_num_blocks=dst.num_blocks,
+                          source_device=src.device_id, target_device=dst.device_id)
 
     def _poll(self) -> None:
         """Drop the WRITEs that have ended; a failed one is dropped too (NIXL has released it) and raises
         TransferError."""
         for entry in list(self._inflight):
             try:
-                done = self._writer.poll(entry[0])
+                done = self.writer.poll(entry[0])
             except TransferError:
                 self._inflight.remove(entry)
                 raise
@@ -280,7 +300,7 @@ class LayerStream:
         still = []
         for xfer, layers in self._inflight:
             try:
-                if not self._writer.poll(xfer):
+                if not self.writer.poll(xfer):
                     still.append((xfer, layers))
             except TransferError:
                 pass
@@ -290,7 +310,7 @@ class LayerStream:
         logger.warning("p2pkv: stream of request %s stopped: %s", self.request_id, reason)
         self.failure = reason
         self._waiting.clear()
-        self._inflight = [(x, layers) for x, layers in self._inflight if not self._writer.cancel(x)]
+        self._inflight = [(x, layers) for x, layers in self._inflight if not self.writer.cancel(x)]
         if self._target is not None:
             self._notify(PushedNotification(self._target.push_id, False, reason))
         else:
@@ -299,11 +319,11 @@ class LayerStream:
     def _notify(self, note: PushedNotification) -> None:
         """Send the "pushed" notification on its own (failures to send are logged: the decode's window ends it)."""
         try:
-            self._writer.send_notif(self._target.agent, encode_pushed(note, self._secret))
+            self.writer.send_notif(self._target.agent, encode_pushed(note, self.secret))
         except TransferError as exc:
             logger.warning("p2pkv: stream of request %s: notification not sent: %s", self.request_id, exc)
         self._ended()
 
     def _ended(self) -> None:
         self.state = StreamState.ENDED
-        self.counters.notified = self._clock()
+        self.counters.notified = self.clock()

@@ -173,12 +173,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the prefill side posts NIXL WRITEs into the decode's blocks, timed from the decode's ask "
                         "to the WRITE's notification), stream (the prefill side WRITEs each layer as a stand-in "
                         "forward computes it, against one WRITE after the last layer); e.g. pull,push")
-    p.add_argument("--layer-ms", type=float, default=d.layer_ms,
-                   help="--mode stream: the stand-in forward's time per layer (ms; a torch.cuda._sleep kernel on a "
-                        "GPU, the host busy on the CPU; 0 on a GPU: a GEMM of a Llama-3-8B layer's FLOPs)")
-    p.add_argument("--poster", choices=("thread", "inline"), default=d.poster,
-                   help="--mode stream: which thread posts the WRITEs: the prefill's StreamPoster thread, or the "
-                        "forward's own between layers")
+    stream = p.add_argument_group("--mode stream")
+    stream.add_argument("--layer-ms", type=float, default=d.layer_ms,
+                        help="the stand-in forward's time per layer (ms; a torch.cuda._sleep kernel on a GPU, the "
+                             "host asleep on the CPU; 0 on a GPU: a GEMM of a Llama-3-8B layer's FLOPs)")
+    stream.add_argument("--poster", choices=("thread", "inline"), default=d.poster,
+                        help="which thread posts the WRITEs: the prefill's StreamPoster thread, or the forward's "
+                             "own between layers")
     p.add_argument("--seed", type=int, default=d.seed, help="block placement seed")
     p.add_argument("--fragmentation", type=int, default=d.fragmentation, metavar="MAX_RUN",
                    help="longest run of consecutive block ids per allocation (1: all scattered, 0: contiguous)")

@@ -217,11 +217,13 @@ def _mode_table(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
     """Plot GB/s, p50 latency (ms) and descriptors per request per size and method, pushes (hatched)
-    next to pulls; False without matplotlib."""
+    next to pulls (stream mode: :func:`_plot_stream`); False without matplotlib."""
     plt = plotting.pyplot("p2pkv bench")
     if plt is None:
         return False
     entries = result["results"]
+    if entries and "stream" in entries[0]:
+        return _plot_stream(plt, result, path)
     pushed = list(entries[0].get("push", {})) if entries else []
     series = []  # each push next to the pull of the same method
     for name in [*result["methods"], *(m for m in pushed if m not in result["methods"])]:
@@ -252,5 +254,40 @@ def plot(result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
         "cross_layer") else "push (hatched: the prefill WRITEs)" if pushed else "pull"
     fig.suptitle(f"bench transfer, {modes}: {result['config']['shape_label']} ({where})", fontsize=10)
     fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
+    plotting.save(fig, path)
+    return True
+
+
+def _plot_stream(plt: Any, result: dict[str, Any], path: str | os.PathLike[str]) -> bool:
+    """Stream mode: per size, each method/way's wait after the last layer and its total time (p50, ms), the
+    forward's own time marked on the second panel."""
+    entries = result["results"]
+    names = list(entries[0]["stream"])
+    x = list(range(len(entries)))
+    width = 0.8 / len(names)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    panels = [("wait after the last layer, p50 (ms)", "wait_after_last_layer_ms"), ("ask to notification, p50 (ms)",
+                                                                                  "total_ms")]
+    for ax, (title, key) in zip(axes, panels, strict=True):
+        for i, name in enumerate(names):
+            ax.bar([v + (i - (len(names) - 1) / 2) * width for v in x],
+                   [e["stream"][name][key]["p50"] for e in entries], width, label=name, color=f"C{i // 2}",
+                   hatch="" if name.endswith("/stream") else "//", edgecolor="white")
+        ax.set_xticks(x, [f"{e['tokens']} tok\n{e['bytes_per_request'] / 2**20:.0f} MiB" for e in entries])
+        ax.set_title(title)
+        ax.set_yscale("log")
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].plot(x, [e["stream"][names[0]]["compute_ms"]["p50"] for e in entries], "k_", markersize=30,
+                 label="the forward alone (p50)")
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="lower center", ncol=len(names) + 1, fontsize=8)
+    dev = result["machine"].get("device") or {}
+    where = (f"{dev['name']} GPU memory" if dev.get("type") == "cuda"
+             else f"{result['machine']['cpu_model']}, {result['machine']['usable_cpus']} cores")
+    per_layer = (f"{result['config']['layer_ms']:g} ms" if result["config"]["layer_ms"] > 0
+                 else "a Llama-3-8B layer's GEMM")
+    fig.suptitle(f"bench transfer, stream (plain) vs bulk (hatched), {per_layer} per layer, poster "
+                 f"{result['config'].get('poster', 'thread')}\n{result['config']['shape_label']} ({where})",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     plotting.save(fig, path)
     return True

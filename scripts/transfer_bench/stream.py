@@ -37,7 +37,7 @@ import numpy as np
 from p2pkv.dataplane.layers import page_segments
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, encode_pushed, parse_pushed
 from p2pkv.prefill.poster import StreamPoster
-from p2pkv.prefill.streamer import LayerStream, StreamTarget
+from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 
 if TYPE_CHECKING:
     from p2pkv.dataplane.agent import NixlTransferAgent
@@ -141,9 +141,10 @@ def run_stream(agent: NixlTransferAgent, own_segments: list[Segment], own_device
     src = [int(b) for b in msg["prefill_ids"]]
     key = f"bench-{msg['id']}"
     push_id = f"bench-stream-{int(msg['id']):011d}".encode()
-    stream = LayerStream(key, page_segments(own_segments, page_bytes), num_blocks, own_device, agent)
-    target = StreamTarget(peer, tuple(page_segments(peer_segments, page_bytes)), tuple(msg["decode_ids"]), 0,
-                          num_blocks, peer_device, push_id)
+    stream = LayerStream(key, StreamSide(tuple(page_segments(own_segments, page_bytes)), num_blocks, own_device),
+                         agent)
+    target = StreamTarget(peer, StreamSide(tuple(page_segments(peer_segments, page_bytes)), num_blocks, peer_device),
+                          tuple(msg["decode_ids"]), 0, push_id)
     streaming = msg["way"] == "stream"
     if streaming:
         if poster is None:
