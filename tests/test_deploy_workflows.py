@@ -20,6 +20,7 @@ from tests.deploy_support import (
     check_jsonschema,
     parse_p2pkv,
 )
+from tests.script_loader import load_script
 
 
 def _workflow(name: str) -> dict[str, Any]:
@@ -39,12 +40,13 @@ def _run_lines(wf: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _p2pkv_invocations(lines: list[str]) -> list[list[str]]:
+def _p2pkv_invocations(lines: list[str], program: str = "p2pkv") -> list[list[str]]:
+    """The arguments of every call of ``program`` (a command, or a script's path) in ``lines``."""
     out = []
     for line in lines:
         words = shlex.split(line.split("|")[0])
         for i, word in enumerate(words):
-            if word == "p2pkv" or word.endswith("/p2pkv"):
+            if word == program or word.endswith("/" + program):
                 out.append(words[i + 1:])
     return out
 
@@ -102,13 +104,12 @@ def test_gpu_workflow_jobs_and_commands() -> None:
     invoked = _p2pkv_invocations(lines)
     commands = [parse_p2pkv(argv) for argv in invoked]
     kinds = {(ns.command, getattr(ns, "bench_command", None)) for ns in commands}
-    assert {("bench", "transfer"), ("demo", None), ("doctor", None)} <= kinds
+    assert {("demo", None), ("doctor", None)} <= kinds
+    parser = load_script("bench_transfer").build_parser()
     benches: list[tuple[dict[str, Any], argparse.Namespace]] = []
     for job in wf["jobs"].values():
-        for argv in _p2pkv_invocations(_run_lines({"jobs": {"job": job}})):
-            ns = parse_p2pkv(argv)
-            if (ns.command, getattr(ns, "bench_command", None)) == ("bench", "transfer"):
-                benches.append((job, ns))
+        for argv in _p2pkv_invocations(_run_lines({"jobs": {"job": job}}), "scripts/bench_transfer.py"):
+            benches.append((job, parser.parse_args(argv)))
     # One node: GPU memory, side channel on the runner's IB address, results uploaded.
     ((job, bench),) = benches
     assert bench.device == "cuda" and bench.host.startswith("$") and bench.json and bench.json in _uploads(job)
