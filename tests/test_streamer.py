@@ -302,6 +302,18 @@ def test_a_failed_write_ends_the_stream_with_its_reason(pair: Pair) -> None:
     assert stream.counters.layers_posted == [0], "nothing is posted after a failed WRITE"
 
 
+def test_a_ready_test_that_raises_ends_the_stream_and_tells_the_decode_rank(pair: Pair) -> None:
+    def broken() -> bool:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    stream = pair.stream()
+    stream.target(pair.target_of([2]))
+    stream.computed(0, 0, [1], broken)
+    assert not stream.pump() and stream.ended
+    (note,) = pair.notes()
+    assert not note.ok and "illegal memory access" in note.reason
+
+
 def test_a_destination_is_checked_and_given_once(pair: Pair) -> None:
     stream = pair.stream()
     with pytest.raises(ValueError, match=f"decode block id {BLOCKS} outside"):

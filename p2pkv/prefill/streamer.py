@@ -219,6 +219,9 @@ class LayerStream:
     def pump(self) -> bool:
         """Post what is ready, poll what is in flight, and tell the decode rank when all has landed.
 
+        Any error ends the stream, told to the decode rank (a failed WRITE, a
+        ``ready`` test that raised): nothing raises out of here.
+
         Returns:
             True while the stream has work left (call again), False once it has ended.
         """
@@ -230,6 +233,9 @@ class LayerStream:
                     self._notify(PushedNotification(self._target.push_id, True))
             except (TransferError, PlanError) as exc:
                 self._fail(str(exc))
+            except Exception as exc:  # a ready test that raised (a CUDA error): the stream ends, never hangs
+                logger.exception("p2pkv: stream of request %s", self.request_id)
+                self._fail(f"{type(exc).__name__}: {exc}")
         elif self._inflight:
             self._poll_after_end()
         return not self.ended

@@ -1,0 +1,113 @@
+"""The stream grant: the proxy's signed word that a prefill engine may stream one request's KV into a decode engine.
+
+Layer-streamed transfer (docs/streaming.md) starts before the prefill
+engine has answered, so no prefill-signed ``p2pkv_capability`` exists yet.
+The proxy, which holds the side channel's secret, signs a grant instead and
+puts the same grant in both legs' ``kv_transfer_params`` under
+:data:`GRANT_KEY`. It names a ``stream_id`` the proxy draws (vLLM appends
+each engine's own random suffix to request ids, so the legs cannot name the
+request by its id), the prefill engine, the decode engine and an expiry;
+each engine checks it against its own engine id and the peer's before
+anything moves.
+
+Wire form: ``v1.<stream_id: 32 hex>.<expiry: Unix seconds>.<HMAC-SHA256: 64 hex>``,
+the MAC over the msgpack list (label, stream id, prefill engine id, decode
+engine id, expiry). Checks, in this order: form, expiry (with
+:data:`p2pkv.params.CLOCK_SKEW_S`), MAC (constant time).
+
+Not yet read by the connector: the ``stream`` direction that will use it is
+being built (docs/streaming.md, "Still to build").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from p2pkv.params import CLOCK_SKEW_S, KVTransferParamsError, shown
+
+GRANT_KEY = "p2pkv_stream_grant"
+"""The ``kv_transfer_params`` key of a stream grant."""
+
+GRANT_FORM = re.compile(r"v1\.([0-9a-f]{32})\.([0-9]{1,12})\.([0-9a-f]{64})")
+"""A grant's wire form: version, stream id, expiry, MAC."""
+
+_LABEL = "p2pkv stream grant v1"
+
+
+class StreamGrantError(KVTransferParamsError):
+    """A stream grant that cannot be used; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class StreamGrant:
+    """A checked grant.
+
+    Attributes:
+        stream_id: 32 hex digits the proxy drew; both engines key the stream by it.
+        expiry: when the grant ends (seconds since the Unix epoch).
+    """
+
+    stream_id: str
+    expiry: int
+
+
+def grant_mac(stream_id: str, prefill_engine_id: str, decode_engine_id: str, expiry: int, secret: bytes) -> str:
+    """HMAC-SHA256 (hex) over a grant's fields, as the msgpack encoding of one list (no ambiguity between fields)."""
+    message = msgspec.msgpack.encode([_LABEL, stream_id, prefill_engine_id, decode_engine_id, expiry])
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def make_stream_grant(prefill_engine_id: str, decode_engine_id: str, secret: bytes, expiry: float,
+                      stream_id: str | None = None) -> str:
+    """A grant's wire form for streaming from ``prefill_engine_id`` into ``decode_engine_id`` until ``expiry``.
+
+    Args:
+        prefill_engine_id: the prefill engine's ``engine_id``.
+        decode_engine_id: the decode engine's ``engine_id``.
+        secret: the side channel's secret (every engine and the proxy share it).
+        expiry: when the grant ends (seconds since the Unix epoch; rounded up to a whole second).
+        stream_id: 32 hex digits (None: 128 random bits).
+
+    Raises:
+        ValueError: an empty secret or engine id, or a ``stream_id`` not of 32 hex digits.
+    """
+    stream_id = secrets.token_hex(16) if stream_id is None else stream_id
+    if not secret or not prefill_engine_id or not decode_engine_id:
+        raise ValueError("a stream grant needs the secret and both engine ids")
+    if not re.fullmatch(r"[0-9a-f]{32}", stream_id):
+        raise ValueError(f"stream_id must be 32 hex digits, got {stream_id!r}")
+    deadline = math.ceil(expiry)
+    return f"v1.{stream_id}.{deadline}.{grant_mac(stream_id, prefill_engine_id, decode_engine_id, deadline, secret)}"
+
+
+def check_stream_grant(grant: Any, secret: bytes, *, prefill_engine_id: str, decode_engine_id: str,
+                       now: float) -> StreamGrant:
+    """Check a grant for a stream from ``prefill_engine_id`` into ``decode_engine_id`` at time ``now``.
+
+    Raises:
+        StreamGrantError: missing or malformed (checked before anything else is read), expired more than
+            :data:`p2pkv.params.CLOCK_SKEW_S` ago, or its MAC does not cover these two engines (made for
+            others, altered, or made with another secret).
+    """
+    key = f"kv_transfer_params.{GRANT_KEY}"
+    match = GRANT_FORM.fullmatch(grant) if isinstance(grant, str) else None
+    if match is None:
+        raise StreamGrantError(f"{key}={shown(grant)} is malformed: expected v1.<stream id: 32 hex digits>."
+                               "<expiry>.<64 hex digits>, as the proxy signs it")
+    stream_id, expiry_text, mac = match.groups()
+    expiry = int(expiry_text)
+    if now > expiry + CLOCK_SKEW_S:
+        raise StreamGrantError(f"{key} expired {now - expiry:.0f} s ago: send the request through the proxy again")
+    if not hmac.compare_digest(mac, grant_mac(stream_id, prefill_engine_id, decode_engine_id, expiry, secret)):
+        raise StreamGrantError(f"{key} does not cover a stream from prefill engine {prefill_engine_id!r} into "
+                               f"decode engine {decode_engine_id!r}: made for other engines, altered, or signed "
+                               "with another secret (every engine and the proxy must share one secret)")
+    return StreamGrant(stream_id, expiry)

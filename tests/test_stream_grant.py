@@ -1,0 +1,71 @@
+"""The stream grant (:mod:`p2pkv.grant`): made by the proxy, checked by both engines, refused when anything differs."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2pkv.grant import GRANT_KEY, StreamGrant, StreamGrantError, check_stream_grant, make_stream_grant
+from p2pkv.params import CLOCK_SKEW_S, KVTransferParamsError
+
+KEY = b"stream-grant-test-secret"
+SID = "0123456789abcdef0123456789abcdef"
+NOW = 1_800_000_000.0
+ENGINES = {"prefill_engine_id": "prefill-a", "decode_engine_id": "decode-b"}
+
+
+def _grant(**kw: object) -> str:
+    args = {**ENGINES, "secret": KEY, "expiry": NOW + 30.2, "stream_id": SID, **kw}
+    return make_stream_grant(**args)  # type: ignore[arg-type]
+
+
+def test_a_grant_checks_for_its_two_engines_until_it_expires() -> None:
+    grant = _grant()
+    assert grant.startswith(f"v1.{SID}.{int(NOW) + 31}.")
+    assert check_stream_grant(grant, KEY, now=NOW, **ENGINES) == StreamGrant(SID, int(NOW) + 31)
+    assert check_stream_grant(grant, KEY, now=NOW + 31 + CLOCK_SKEW_S, **ENGINES).stream_id == SID
+    with pytest.raises(StreamGrantError, match=f"kv_transfer_params.{GRANT_KEY} expired 6 s ago"):
+        check_stream_grant(grant, KEY, now=NOW + 31 + CLOCK_SKEW_S + 1, **ENGINES)
+    a, b = make_stream_grant("p", "d", KEY, NOW), make_stream_grant("p", "d", KEY, NOW)
+    assert a.split(".")[1] != b.split(".")[1], "stream ids are drawn at random"
+
+
+@pytest.mark.parametrize(("why", "engines", "secret"), [
+    ("another prefill engine", {"prefill_engine_id": "prefill-c", "decode_engine_id": "decode-b"}, KEY),
+    ("another decode engine", {"prefill_engine_id": "prefill-a", "decode_engine_id": "decode-c"}, KEY),
+    ("the engines swapped", {"prefill_engine_id": "decode-b", "decode_engine_id": "prefill-a"}, KEY),
+    ("another secret", ENGINES, b"another secret"),
+])
+def test_a_grant_for_other_engines_or_another_secret_is_refused(why: str, engines: dict[str, str],
+                                                                 secret: bytes) -> None:
+    with pytest.raises(StreamGrantError, match="does not cover a stream"):
+        check_stream_grant(_grant(), secret, now=NOW, **engines)
+
+
+def test_a_grant_altered_anywhere_is_refused() -> None:
+    version, sid, expiry, mac = _grant().split(".")
+    flip = {"0": "1"}
+    altered = [f"{version}.{'f' + sid[1:]}.{expiry}.{mac}",  # another stream
+               f"{version}.{sid}.{int(expiry) + 100}.{mac}",  # a later expiry
+               f"{version}.{sid}.{expiry}.{flip.get(mac[0], '0') + mac[1:]}"]
+    for grant in altered:
+        with pytest.raises(StreamGrantError, match="does not cover"):
+            check_stream_grant(grant, KEY, now=NOW, **ENGINES)
+
+
+@pytest.mark.parametrize("grant", [None, 7, "", "v2" + _grant()[2:], _grant() + "0", _grant().upper(),
+                                   _grant().replace(".", ":"), f"v1.{SID}.1234567890123.{'0' * 64}",
+                                   ["v1", SID], {"grant": _grant()}, "v1." + "0" * 1_000_000])
+def test_a_malformed_grant_is_refused_before_anything_is_read(grant: object) -> None:
+    with pytest.raises(StreamGrantError, match=f"kv_transfer_params.{GRANT_KEY}=.* is malformed") as info:
+        check_stream_grant(grant, KEY, now=NOW, **ENGINES)
+    assert isinstance(info.value, KVTransferParamsError)  # the engines' answer to bad params: a clear 400
+    assert len(str(info.value)) < 400  # a huge value is not echoed whole
+
+
+def test_making_a_grant_needs_a_secret_both_engines_and_a_well_formed_stream_id() -> None:
+    with pytest.raises(ValueError, match="needs the secret"):
+        make_stream_grant("p", "d", b"", NOW)
+    with pytest.raises(ValueError, match="needs the secret"):
+        make_stream_grant("", "d", KEY, NOW)
+    with pytest.raises(ValueError, match="32 hex digits"):
+        make_stream_grant("p", "d", KEY, NOW, stream_id="xyz")
