@@ -152,11 +152,12 @@ def test_bench_transfer_push_only(tmp_path: Path) -> None:
 
 
 def test_bench_transfer_stream_writes_each_layer_and_waits_less_after_the_last(tmp_path: Path) -> None:
-    """``--mode stream``: every way moves the exact bytes; a streamed request takes one WRITE per layer, its bulk
-    twin one WRITE, and the table shows both."""
+    """``--mode stream``: every way moves the exact bytes; a streamed request takes one WRITE per layer (posted by
+    the forward's thread between layers, so none is batched however loaded the machine), its bulk twin one WRITE,
+    and the table shows both. (The poster thread's batching: ``tests/test_streamer.py``.)"""
     path = tmp_path / "stream.json"
     rc = transfer.main(["--layers", "4", "--kv-heads", "2", "--head-dim", "16", "--tokens", "256", "--requests", "2",
-                        "--mode", "stream", "--layer-ms", "3", "--quiet", "--json", str(path)])
+                        "--mode", "stream", "--layer-ms", "3", "--poster", "inline", "--quiet", "--json", str(path)])
     assert rc == 0
     data = json.loads(path.read_text())
     (entry,) = data["results"]
