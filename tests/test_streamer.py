@@ -151,7 +151,7 @@ def _pair(device: str = "cpu") -> Iterator[Pair]:
 
 
 @pytest.fixture
-def pair() -> Iterator[Pair]:
+def stream_pair() -> Iterator[Pair]:
     with _pair() as made:
         yield made
 
@@ -175,10 +175,10 @@ class Flag:
         return self.set
 
 
-def test_each_layer_is_written_once_ready_and_the_last_write_carries_the_notification(pair: Pair) -> None:
+def test_each_layer_is_written_once_ready_and_the_last_write_carries_the_notification(stream_pair: Pair) -> None:
     src, dst = [5, 6, 7, 20], [0, 1, 2, 9]
-    stream = pair.stream()
-    stream.target(pair.target_of(dst))
+    stream = stream_pair.stream()
+    stream.target(stream_pair.target_of(dst))
     flags = [Flag() for _ in range(LAYERS)]
     for layer in range(LAYERS):
         stream.computed(layer, 0, src, flags[layer])
@@ -191,50 +191,50 @@ def test_each_layer_is_written_once_ready_and_the_last_write_carries_the_notific
         flags[layer].set = True
         stream.pump()
     stream.finish()
-    _drain(stream, pair)
-    assert pair.notes() == [PushedNotification(PUSH_ID, True)]
-    assert pair.landed(src, dst)
+    _drain(stream, stream_pair)
+    assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
+    assert stream_pair.landed(src, dst)
     assert stream.counters.writes == LAYERS and sorted(stream.counters.layers_posted) == list(range(LAYERS))
     assert stream.counters.bytes == LAYERS * len(src) * PAGE and stream.failure is None
 
 
-def test_layers_computed_before_the_destination_arrives_go_in_one_write(pair: Pair) -> None:
+def test_layers_computed_before_the_destination_arrives_go_in_one_write(stream_pair: Pair) -> None:
     src, dst = [1, 2, 3], [4, 5, 6]
-    stream = pair.stream()
+    stream = stream_pair.stream()
     for layer in range(2):
         stream.computed(layer, 0, src)
     assert stream.pump() and stream.state is StreamState.WAITING and stream.counters.writes == 0
-    stream.target(pair.target_of(dst))
+    stream.target(stream_pair.target_of(dst))
     stream.pump()
     assert stream.counters.writes == 1 and stream.counters.layers_posted == [0, 1]
     for layer in range(2, LAYERS):
         stream.computed(layer, 0, src)
         stream.pump()
     stream.finish()
-    _drain(stream, pair)
-    assert pair.notes() == [PushedNotification(PUSH_ID, True)] and pair.landed(src, dst)
+    _drain(stream, stream_pair)
+    assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)] and stream_pair.landed(src, dst)
     assert stream.counters.writes == 1 + (LAYERS - 2)
 
 
-def test_a_destination_after_the_prefill_has_finished_is_one_plain_push(pair: Pair) -> None:
+def test_a_destination_after_the_prefill_has_finished_is_one_plain_push(stream_pair: Pair) -> None:
     src, dst = [8, 9], [3, 4]
-    stream = pair.stream()
+    stream = stream_pair.stream()
     for layer in range(LAYERS):
         stream.computed(layer, 0, src)
     stream.finish()
-    stream.target(pair.target_of(dst))
-    _drain(stream, pair)
-    assert stream.counters.writes == 1 and pair.notes() == [PushedNotification(PUSH_ID, True)]
-    assert pair.landed(src, dst)
+    stream.target(stream_pair.target_of(dst))
+    _drain(stream, stream_pair)
+    assert stream.counters.writes == 1 and stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
+    assert stream_pair.landed(src, dst)
 
 
-def test_chunks_stream_with_their_shared_block_sent_again_and_cached_blocks_skipped(pair: Pair) -> None:
+def test_chunks_stream_with_their_shared_block_sent_again_and_cached_blocks_skipped(stream_pair: Pair) -> None:
     """Chunked prefill: chunk 1 ends inside prompt block 2, chunk 2 covers blocks 2..4. The decode engine has
     prompt block 0 cached itself (``first_block`` 1): block 0 is never written."""
     src = [10, 11, 12, 13, 14]
     dst = [7, 8, 9, 15]  # prompt blocks 1..4
-    stream = pair.stream()
-    stream.target(pair.target_of(dst, first_block=1))
+    stream = stream_pair.stream()
+    stream.target(stream_pair.target_of(dst, first_block=1))
     for layer in range(LAYERS):
         stream.computed(layer, 0, src[:3])
         stream.pump()
@@ -242,34 +242,34 @@ def test_chunks_stream_with_their_shared_block_sent_again_and_cached_blocks_skip
         stream.computed(layer, 2, src[2:])
         stream.pump()
     stream.finish()
-    _drain(stream, pair)
-    assert pair.notes() == [PushedNotification(PUSH_ID, True)]
-    assert pair.landed(src[1:], dst)
+    _drain(stream, stream_pair)
+    assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
+    assert stream_pair.landed(src[1:], dst)
     assert stream.counters.bytes == LAYERS * (2 + 3) * PAGE  # block 2 twice, block 0 never
 
 
-def test_an_aborted_stream_stops_writing_and_tells_the_decode_rank(pair: Pair) -> None:
+def test_an_aborted_stream_stops_writing_and_tells_the_decode_rank(stream_pair: Pair) -> None:
     src, dst = [1, 2], [3, 4]
-    stream = pair.stream()
-    stream.target(pair.target_of(dst))
+    stream = stream_pair.stream()
+    stream.target(stream_pair.target_of(dst))
     stream.computed(0, 0, src)
     stream.pump()
     stream.computed(1, 0, src, lambda: False)
     stream.abort("the decode leg was aborted")
     stream.computed(2, 0, src)
-    _drain(stream, pair)
+    _drain(stream, stream_pair)
     assert stream.ended and stream.failure == "the decode leg was aborted"
-    assert pair.notes() == [PushedNotification(PUSH_ID, False, "the decode leg was aborted")]
+    assert stream_pair.notes() == [PushedNotification(PUSH_ID, False, "the decode leg was aborted")]
     assert stream.counters.layers_posted == [0]
-    assert pair.landed(src, dst, layers=range(1))
+    assert stream_pair.landed(src, dst, layers=range(1))
 
 
-def test_an_abort_before_the_destination_ends_the_stream_without_a_word(pair: Pair) -> None:
-    stream = pair.stream()
+def test_an_abort_before_the_destination_ends_the_stream_without_a_word(stream_pair: Pair) -> None:
+    stream = stream_pair.stream()
     stream.computed(0, 0, [1])
     stream.abort("lease expired")
     assert not stream.pump() and stream.ended and stream.counters.writes == 0
-    assert pair.notes(timeout_s=0.2) == []
+    assert stream_pair.notes(timeout_s=0.2) == []
 
 
 class FailingWriter:
@@ -289,45 +289,45 @@ class FailingWriter:
         return done
 
 
-def test_a_failed_write_ends_the_stream_with_its_reason(pair: Pair) -> None:
+def test_a_failed_write_ends_the_stream_with_its_reason(stream_pair: Pair) -> None:
     src, dst = [1], [2]
-    stream = pair.stream(FailingWriter(pair.prefill))
-    stream.target(pair.target_of(dst))
+    stream = stream_pair.stream(FailingWriter(stream_pair.prefill))
+    stream.target(stream_pair.target_of(dst))
     stream.computed(0, 0, src)
-    _drain(stream, pair)  # ends when the WRITE fails, though the prefill is not finished
+    _drain(stream, stream_pair)  # ends when the WRITE fails, though the prefill is not finished
     stream.computed(1, 0, src)
     assert not stream.pump() and stream.ended
-    (note,) = pair.notes()
+    (note,) = stream_pair.notes()
     assert not note.ok and "ended in error" in note.reason
     assert stream.counters.layers_posted == [0], "nothing is posted after a failed WRITE"
 
 
-def test_a_ready_test_that_raises_ends_the_stream_and_tells_the_decode_rank(pair: Pair) -> None:
+def test_a_ready_test_that_raises_ends_the_stream_and_tells_the_decode_rank(stream_pair: Pair) -> None:
     def broken() -> bool:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    stream = pair.stream()
-    stream.target(pair.target_of([2]))
+    stream = stream_pair.stream()
+    stream.target(stream_pair.target_of([2]))
     stream.computed(0, 0, [1], broken)
     assert not stream.pump() and stream.ended
-    (note,) = pair.notes()
+    (note,) = stream_pair.notes()
     assert not note.ok and "illegal memory access" in note.reason
 
 
-def test_a_destination_is_checked_and_given_once(pair: Pair) -> None:
-    stream = pair.stream()
+def test_a_destination_is_checked_and_given_once(stream_pair: Pair) -> None:
+    stream = stream_pair.stream()
     with pytest.raises(ValueError, match=f"decode block id {BLOCKS} outside"):
-        stream.target(pair.target_of([1, BLOCKS]))
+        stream.target(stream_pair.target_of([1, BLOCKS]))
     with pytest.raises(ValueError, match="pages per block differ"):
-        stream.target(pair.target_of([1], pages=pair.target_pages[:-1]))
-    halves = [Segment(p.addr, PAGE // 2, p.block_stride, p.layer_start, 1, kv) for p in pair.target_pages
+        stream.target(stream_pair.target_of([1], pages=stream_pair.target_pages[:-1]))
+    halves = [Segment(p.addr, PAGE // 2, p.block_stride, p.layer_start, 1, kv) for p in stream_pair.target_pages
               for kv in (0, 1)]
     with pytest.raises(ValueError, match="pages per block differ"):  # K and V apart on one side only
-        stream.target(pair.target_of([1], pages=halves))
+        stream.target(stream_pair.target_of([1], pages=halves))
     assert stream.state is StreamState.WAITING
-    stream.target(pair.target_of([1]))
+    stream.target(stream_pair.target_of([1]))
     with pytest.raises(ValueError, match="already has a destination"):
-        stream.target(pair.target_of([2]))
+        stream.target(stream_pair.target_of([2]))
 
 
 def _ended_on(poster: StreamPoster, pair: Pair, timeout_s: float = 10.0) -> list[LayerStream]:
@@ -335,40 +335,40 @@ def _ended_on(poster: StreamPoster, pair: Pair, timeout_s: float = 10.0) -> list
     deadline = time.monotonic() + timeout_s
     while not (ended := poster.take_ended()):
         assert time.monotonic() < deadline, "no stream ended"
-        pair.decode.progress()
+        stream_pair.decode.progress()
         time.sleep(0.001)
     return ended
 
 
-def test_a_poster_runs_the_streams_on_its_own_thread_while_the_forward_only_queues(pair: Pair) -> None:
+def test_a_poster_runs_the_streams_on_its_own_thread_while_the_forward_only_queues(stream_pair: Pair) -> None:
     src, dst = [4, 5, 6], [9, 10, 11]
-    poster = StreamPoster(pair.prefill.progress)
+    poster = StreamPoster(stream_pair.prefill.progress)
     try:
-        stream = pair.stream()
+        stream = stream_pair.stream()
         poster.add("req-1", stream)
         for layer in range(LAYERS):
             poster.computed("req-1", layer, 0, src)
-        poster.target("req-1", pair.target_of(dst))  # late: the layers done so far go in one WRITE
-        poster.target("req-1", pair.target_of([1, 2, 3]))  # a second destination is refused, the first stays
+        poster.target("req-1", stream_pair.target_of(dst))  # late: the layers done so far go in one WRITE
+        poster.target("req-1", stream_pair.target_of([1, 2, 3]))  # a second destination is refused, the first stays
         poster.finish("req-1")
         poster.computed("unknown-request", 0, 0, src)  # ignored
-        assert _ended_on(poster, pair) == [stream]
-        assert pair.notes() == [PushedNotification(PUSH_ID, True)] and pair.landed(src, dst)
+        assert _ended_on(poster, stream_pair) == [stream]
+        assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)] and stream_pair.landed(src, dst)
         assert stream.counters.writes == 1
     finally:
         poster.close()
 
 
-def test_closing_the_poster_aborts_the_streams_still_running(pair: Pair) -> None:
-    poster = StreamPoster(pair.prefill.progress)
-    stream = pair.stream()
+def test_closing_the_poster_aborts_the_streams_still_running(stream_pair: Pair) -> None:
+    poster = StreamPoster(stream_pair.prefill.progress)
+    stream = stream_pair.stream()
     poster.add("req-1", stream)
-    poster.target("req-1", pair.target_of([3]))
+    poster.target("req-1", stream_pair.target_of([3]))
     poster.computed("req-1", 0, 0, [1], lambda: False)  # a layer that never completes
     poster.close()
     assert stream.ended and stream.failure == "the prefill rank is shutting down"
-    assert pair.notes() == [PushedNotification(PUSH_ID, False, "the prefill rank is shutting down")]
-    assert pair.landed([1], [3], layers=range(0))
+    assert stream_pair.notes() == [PushedNotification(PUSH_ID, False, "the prefill rank is shutting down")]
+    assert stream_pair.landed([1], [3], layers=range(0))
 
 
 @pytest.mark.gpu
