@@ -335,7 +335,7 @@ def _ended_on(poster: StreamPoster, pair: Pair, timeout_s: float = 10.0) -> list
     deadline = time.monotonic() + timeout_s
     while not (ended := poster.take_ended()):
         assert time.monotonic() < deadline, "no stream ended"
-        stream_pair.decode.progress()
+        pair.decode.progress()
         time.sleep(0.001)
     return ended
 
