@@ -204,9 +204,10 @@ def test_layers_computed_before_the_destination_arrives_go_in_one_write(stream_p
     for layer in range(2):
         stream.computed(layer, 0, src)
     assert stream.pump() and stream.state is StreamState.WAITING and stream.counters.writes == 0
+    assert not stream.busy, "a stream waiting for its destination needs no polling"
     stream.target(stream_pair.target_of(dst))
     stream.pump()
-    assert stream.counters.writes == 1 and stream.counters.layers_posted == [0, 1]
+    assert stream.counters.writes == 1 and stream.counters.layers_posted == [0, 1] and stream.busy
     for layer in range(2, LAYERS):
         stream.computed(layer, 0, src)
         stream.pump()

@@ -26,7 +26,8 @@ from p2pkv.prefill.streamer import LayerStream, StreamTarget
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.0002
-"""How long the thread sleeps between turns while a stream has work left (seconds)."""
+"""How long the thread sleeps between turns while a stream is busy (:attr:`LayerStream.busy`; seconds);
+otherwise it sleeps until the next call, or 50 ms."""
 LINGER_S = 0.05
 """How long the thread keeps turning at :data:`POLL_S` after a stream ended: NIXL sends the stream's last
 notification while the agent's worker progresses (seconds)."""
@@ -123,7 +124,7 @@ class StreamPoster:
             busy = False
             for key, stream in list(self._streams.items()):
                 if stream.pump():
-                    busy = True
+                    busy = busy or stream.busy  # one waiting for its destination is woken by that call
                 else:
                     del self._streams[key]
                     self._ended.put(stream)

@@ -173,6 +173,12 @@ class LayerStream:
         """The decode rank has been told, and no WRITE of this stream can still write."""
         return self.state is StreamState.ENDED and not self._inflight
 
+    @property
+    def busy(self) -> bool:
+        """Something here changes without a new call: WRITEs in flight, or computed layers a destination is
+        known for (their ready tests to watch). A stream waiting for its destination is not busy."""
+        return bool(self._inflight) or (self.state is StreamState.STREAMING and bool(self._waiting or self._finished))
+
     def computed(self, layer: int, first_block: int, source_ids: Sequence[int],
                  ready: Callable[[], bool] | None = None) -> None:
         """Layer ``layer`` of prompt blocks ``first_block ..`` is computed into this rank's ``source_ids``.
