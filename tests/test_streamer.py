@@ -360,6 +360,26 @@ def test_a_poster_runs_the_streams_on_its_own_thread_while_the_forward_only_queu
         poster.close()
 
 
+def test_a_stream_replaced_under_its_request_is_aborted_and_still_handed_back(stream_pair: Pair) -> None:
+    poster = StreamPoster(stream_pair.prefill.progress)
+    try:
+        first, second = stream_pair.stream(), stream_pair.stream()
+        poster.add("req-1", first)
+        poster.target("req-1", stream_pair.target_of([3]))
+        poster.computed("req-1", 0, 0, [1], lambda: False)
+        poster.add("req-1", second)  # the request came again: the first stream must not be lost
+        assert _ended_on(poster, stream_pair) == [first]
+        assert first.failure == "replaced by a new stream of the same request"
+        poster.target("req-1", stream_pair.target_of([4]))
+        for layer in range(LAYERS):
+            poster.computed("req-1", layer, 0, [2])
+        poster.finish("req-1")
+        assert _ended_on(poster, stream_pair) == [second] and second.failure is None
+        assert stream_pair.landed([2], [4])
+    finally:
+        poster.close()
+
+
 def test_closing_the_poster_aborts_the_streams_still_running(stream_pair: Pair) -> None:
     poster = StreamPoster(stream_pair.prefill.progress)
     stream = stream_pair.stream()

@@ -53,7 +53,8 @@ class StreamPoster:
         self._thread.start()
 
     def add(self, key: str, stream: LayerStream) -> None:
-        """Run ``stream`` under ``key`` (a request id); a key already running is replaced only once it ended."""
+        """Run ``stream`` under ``key`` (a request id). A stream already running under ``key`` is aborted, and
+        still handed back by :meth:`take_ended` once no WRITE of it can write."""
         self._put("add", key, stream)
 
     def computed(self, key: str, layer: int, first_block: int, source_ids: Sequence[int],
@@ -99,9 +100,10 @@ class StreamPoster:
             except queue.Empty:
                 return
             if op == "add":
-                old = self._streams.get(key)
-                if old is not None and not old.ended:
+                old = self._streams.pop(key, None)
+                if old is not None:  # still pumped until it has ended, then handed back like any other
                     old.abort("replaced by a new stream of the same request")
+                    self._streams[f"{key} (replaced #{id(old)})"] = old
                 self._streams[key] = args[0]
                 continue
             stream = self._streams.get(key)
