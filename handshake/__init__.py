@@ -7,7 +7,15 @@ The protocol (transport, frames, HMAC, versioning, integrity, refusal codes) is 
 
 from __future__ import annotations
 
-from handshake.client import HoldLink, fetch_agent_info, query_holds, release_holds, request_push, send_heartbeat
+from handshake.client import (
+    HoldLink,
+    fetch_agent_info,
+    query_holds,
+    release_holds,
+    request_push,
+    request_stream,
+    send_heartbeat,
+)
 from handshake.codec import compute_digest, decode, encode, verify_agent_info
 from handshake.destination import Destination
 from handshake.errors import (
@@ -45,6 +53,7 @@ from handshake.messages import (
     PushRequest,
     ReleaseHolds,
     Request,
+    StreamRequest,
 )
 from handshake.replay import ReplayGuard
 from handshake.server import HandshakeServer
@@ -55,7 +64,8 @@ __all__ = [
     "HoldLink", "HoldQuery", "HoldStatus", "HoldsReply", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion",
     "LeaseHeartbeat", "MalformedMessageError", "Message", "MessageTooLargeError", "MetadataDigestError",
     "MetadataReply", "MetadataRequest", "ProtocolVersionError", "PushReply", "PushRequest", "ReleaseHolds",
-    "RemoteRefusedError", "ReplayGuard", "ReplayedRequestError", "Request", "StaleRequestError", "UnknownRankError",
+    "RemoteRefusedError", "ReplayGuard", "ReplayedRequestError", "Request", "StaleRequestError", "StreamRequest",
+    "UnknownRankError",
     "WrongDestinationError", "compute_digest", "decode", "encode", "fetch_agent_info", "query_holds", "release_holds",
-    "request_push", "send_heartbeat", "verify_agent_info",
+    "request_push", "request_stream", "send_heartbeat", "verify_agent_info",
 ]

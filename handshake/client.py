@@ -43,9 +43,11 @@ from handshake.messages import (
     PushReply,
     PushRequest,
     ReleaseHolds,
+    StreamRequest,
 )
 
-__all__ = ["HoldLink", "fetch_agent_info", "query_holds", "release_holds", "request_push", "send_heartbeat"]
+__all__ = ["HoldLink", "fetch_agent_info", "query_holds", "release_holds", "request_push", "request_stream",
+           "send_heartbeat"]
 
 NONCE_BYTES = 16
 """Random bytes of each request's nonce."""
@@ -397,6 +399,37 @@ def release_holds(to: Destination, request_ids: list[str], block_ids: list[list[
     return _hold_exchange(to, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel)
 
 
+def _push_exchange(to: Destination, msg: PushRequest | StreamRequest, secret: bytes | None, timeout_s: float,
+                   cancel: threading.Event | None, link: HoldLink | None) -> PushReply:
+    """Send a push or stream request (over ``link`` when given) and read its :class:`PushReply`."""
+    frames = encode(msg, secret)
+    endpoint = to.endpoint
+    reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
+             _exchange(zmq.Context.instance(), to.host, endpoint, frames, timeout_s, cancel, secret,
+                       msg.nonce))
+    return _answer(reply, PushReply, [msg.nonce], endpoint, secret, timeout_s, cancel, MAX_MESSAGE_BYTES)
+
+
+def request_stream(to: Destination, grant: str, block_ids: list[int], first_block: int, num_tokens: int,
+                   prompt_digest: str, push_id: bytes, agent: AgentInfo, window_s: float, requester_engine_id: str,
+                   secret: bytes | None = None, timeout_s: float = 1.0, cancel: threading.Event | None = None,
+                   link: HoldLink | None = None) -> PushReply:
+    """Give prefill rank ``to`` this rank's destination for a granted stream (:class:`StreamRequest`: its
+    fields, units and checks).
+
+    Returns:
+        The :class:`PushReply` (``accepted``: the stream's notification follows).
+
+    Raises:
+        The errors of :func:`request_push`.
+    """
+    msg = StreamRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
+                        requester_engine_id=requester_engine_id, grant=grant, block_ids=block_ids,
+                        first_block=first_block, num_tokens=num_tokens, prompt_digest=prompt_digest,
+                        push_id=push_id, agent=agent, window_s=window_s, **_fresh())  # type: ignore[arg-type]
+    return _push_exchange(to, msg, secret, timeout_s, cancel, link)
+
+
 def request_push(to: Destination, request_id: str, block_ids: list[int], push_id: bytes, agent: AgentInfo,
                  source_rows: bytes, target_rows: bytes, window_s: float, requester_engine_id: str,
                  secret: bytes | None = None, timeout_s: float = 1.0, cancel: threading.Event | None = None,
@@ -421,12 +454,7 @@ def request_push(to: Destination, request_id: str, block_ids: list[int], push_id
                       requester_engine_id=requester_engine_id, request_id=request_id, block_ids=block_ids,
                       push_id=push_id, agent=agent, source_rows=source_rows, target_rows=target_rows,
                       window_s=window_s, **_fresh())  # type: ignore[arg-type]
-    frames = encode(msg, secret)
-    endpoint = to.endpoint
-    reply = (link.exchange(frames, msg.nonce, secret, timeout_s, cancel) if link is not None else
-             _exchange(zmq.Context.instance(), to.host, endpoint, frames, timeout_s, cancel, secret,
-                       msg.nonce))
-    return _answer(reply, PushReply, [msg.nonce], endpoint, secret, timeout_s, cancel, MAX_MESSAGE_BYTES)
+    return _push_exchange(to, msg, secret, timeout_s, cancel, link)
 
 
 def _answer(reply: list[bytes] | None, kind: type[R], nonces: list[bytes], endpoint: str, secret: bytes | None,

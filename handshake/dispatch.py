@@ -28,7 +28,7 @@ from handshake.errors import (
     UnknownRankError,
     WrongDestinationError,
 )
-from handshake.holds import HoldAnswers, OnPush
+from handshake.holds import HoldAnswers, OnPush, OnStream
 from handshake.messages import PROTOCOL_VERSION, AgentInfo
 from handshake.replay import ReplayGuard
 
@@ -92,20 +92,23 @@ class Dispatcher:
         holds: the prefill worker's answers to hold requests.
         on_push: the prefill worker's push handler (None: push requests refused).
         stats: the server's counters; ``"served"``, ``"refused"``,
-            ``"refused_<code>"`` and ``"pushes"`` are counted here.
+            ``"refused_<code>"``, ``"pushes"`` and ``"streams"`` are counted here.
+        on_stream: the prefill worker's stream handler (None: stream requests refused).
 
     Attributes:
         handlers: request type → its :data:`Handler`.
     """
 
     def __init__(self, compat_hash: str, secret: bytes | None, max_message_bytes: int, replay: ReplayGuard,
-                 holds: HoldAnswers, on_push: OnPush | None, stats: dict[str, int]) -> None:
+                 holds: HoldAnswers, on_push: OnPush | None, stats: dict[str, int],
+                 on_stream: OnStream | None = None) -> None:
         self._compat_hash = compat_hash
         self._secret = secret
         self._max_message_bytes = max_message_bytes
         self._replay = replay
         self._holds = holds
         self._on_push = on_push
+        self._on_stream = on_stream
         self.stats = stats
         self._infos: dict[int, AgentInfo] = {}
         self._lock = threading.Lock()
@@ -115,6 +118,7 @@ class Dispatcher:
             messages.HoldQuery: self._hold,
             messages.ReleaseHolds: self._hold,
             messages.PushRequest: self._push,
+            messages.StreamRequest: self._stream,
         }
 
     def set_info(self, info: AgentInfo) -> None:
@@ -189,6 +193,16 @@ class Dispatcher:
                                         "p2pkv predates push); use transfer_mode pull", field="type")
         status, message = self._on_push(msg)
         self.stats["pushes"] = self.stats.get("pushes", 0) + 1
+        return messages.PushReply(protocol_version=PROTOCOL_VERSION, status=status, message=message[:1024],
+                                  nonce=msg.nonce)
+
+    def _stream(self, msg: messages.StreamRequest, info: AgentInfo) -> messages.PushReply:
+        """Hand a stream request to ``on_stream``; refused (``malformed``, field ``type``) without one."""
+        if self._on_stream is None:
+            raise MalformedMessageError("this side channel takes no stream requests (it streams no requests, or "
+                                        "its p2pkv predates streaming); use transfer_mode push", field="type")
+        status, message = self._on_stream(msg)
+        self.stats["streams"] = self.stats.get("streams", 0) + 1
         return messages.PushReply(protocol_version=PROTOCOL_VERSION, status=status, message=message[:1024],
                                   nonce=msg.nonce)
 

@@ -20,9 +20,10 @@ from handshake.messages import (
     PushRequest,
     PushStatus,
     ReleaseHolds,
+    StreamRequest,
 )
 
-__all__ = ["HoldAnswers", "HoldStatus", "OnPush"]
+__all__ = ["HoldAnswers", "HoldStatus", "OnPush", "OnStream"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ OnRelease = Callable[[list[str], list[list[int]]], int]
 """(request ids, block ids per id) → how many holds with exactly those block ids are released."""
 OnPush = Callable[[PushRequest], tuple[PushStatus, str]]
 """A push request → ``(status, message)``: queued (``accepted``) or why not."""
+
+OnStream = Callable[[StreamRequest], tuple[PushStatus, str]]
+"""A stream request → ``(status, message)``: its destination taken (``accepted``) or why not."""
 
 
 class HoldAnswers:

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -38,6 +38,8 @@ PROTOCOL_VERSION = 9
 * 9: the NIXL notifications ("done", "pushed"; :mod:`p2pkv.notification`) are msgpack-encoded Structs,
   as strict as these, instead of text; a peer of version 8 would drop them, so it never passes the
   handshake.
+* 10: layer-streamed transfer: :class:`StreamRequest` (a decode rank gives a prefill rank its destination
+  for a stream the proxy granted), answered by :class:`PushReply`.
 """
 
 MAX_ID_CHARS = 256
@@ -442,8 +444,54 @@ class PushReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="pu
     nonce: EchoedNonce = b""
 
 
+MAX_GRANT_CHARS = 160
+"""Longest stream grant (characters; :mod:`p2pkv.grant` makes them of 113)."""
+
+Grant = Annotated[str, msgspec.Meta(max_length=MAX_GRANT_CHARS)]
+
+Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
+"""A prompt digest: 32 hex digits (:func:`p2pkv.params.prompt_digest`)."""
+
+
+class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="stream_request"):
+    """Give a prefill rank this decode rank's destination for a layer-streamed request (docs/streaming.md).
+
+    Sent as soon as the decode engine has allocated the prompt's blocks,
+    before the prefill engine has answered (it may not have seen the request
+    yet). The prefill rank checks the grant (it names this prefill engine and
+    the requester's engine, or any decode engine; unexpired), that ``agent``
+    is the requester's own (as a :class:`PushRequest`'s), that its pages are
+    this rank's (same block size, page order and heads: a stream moves pages
+    as they are) and that every block id lies in its cache; it takes one
+    destination per ``stream_id``. Once its request's layers are computed
+    it WRITEs them into ``block_ids`` and sends the "pushed" notification
+    naming ``push_id`` (:class:`p2pkv.notification.PushedNotification`),
+    ``ok=False`` with the reason when the stream stops (the prompt's tokens
+    differ: ``prompt_digest``; the request was aborted or preempted).
+
+    Attributes:
+        grant: the proxy's stream grant (:func:`p2pkv.grant.make_stream_grant`), as both legs carry it.
+        block_ids: the decode rank's block ids for prompt blocks ``first_block ..``.
+        first_block: prompt block index of ``block_ids[0]`` (blocks before it the decode engine has cached).
+        num_tokens: prompt tokens the decode engine loads (tokens, from token 0).
+        prompt_digest: :func:`p2pkv.params.prompt_digest` of those ``num_tokens`` token ids.
+        push_id: names the stream in its notification.
+        agent: the sender rank's :class:`AgentInfo`.
+        window_s: seconds from receipt within which the stream must end; past it the sender has given up.
+    """
+
+    grant: Grant
+    block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=MAX_HOLD_BLOCK_IDS)]
+    first_block: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+    num_tokens: Annotated[int, msgspec.Meta(ge=1, lt=1 << 40)]
+    prompt_digest: Digest
+    push_id: PushId
+    agent: AgentInfo
+    window_s: WindowS
+
+
 Message = (MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply
-           | PushRequest | PushReply)
+           | PushRequest | PushReply | StreamRequest)
 """Every message that travels on the side channel."""
 
 # -- the largest message ----------------------------------------------------------------------------------------

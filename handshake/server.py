@@ -14,7 +14,7 @@ from handshake._net import HANDSHAKE_S, CurveKeys, configure_socket, tcp_address
 from handshake.connections import MAX_CONNECTIONS, MAX_HANDSHAKES, ConnectionLimits
 from handshake.dispatch import Dispatcher, RequestTimes
 from handshake.errors import HandshakeBindError
-from handshake.holds import HoldAnswers, OnHeartbeat, OnPush, OnRelease
+from handshake.holds import HoldAnswers, OnHeartbeat, OnPush, OnRelease, OnStream
 from handshake.messages import MAX_MESSAGE_BYTES, AgentInfo
 from handshake.replay import DEFAULT_FUTURE_SKEW_S, DEFAULT_WINDOW_S, ReplayGuard
 from handshake.watchdog import StallWatchdog
@@ -76,6 +76,9 @@ class HandshakeServer:
             returns its ``(status, message)`` (:data:`handshake.messages.PushStatus`).
             A server without it refuses push requests. It must be quick
             (queue the WRITE, never post it there) and thread-safe.
+        on_stream: called (on the server thread) with a :class:`StreamRequest`;
+            returns its ``(status, message)``. A server without it refuses
+            stream requests. Quick and thread-safe, as ``on_push``.
         freshness_s: a request's ``sent_at`` may lie at most this many
             seconds before the server's clock, and its nonce is refused if seen
             within it (:class:`handshake.replay.ReplayGuard`).
@@ -125,6 +128,7 @@ class HandshakeServer:
         on_release: OnRelease | None = None,
         freshness_s: float = DEFAULT_WINDOW_S,
         on_push: OnPush | None = None,
+        on_stream: OnStream | None = None,
         future_skew_s: float = DEFAULT_FUTURE_SKEW_S,
         max_connections: int = MAX_CONNECTIONS,
         max_handshakes: int = MAX_HANDSHAKES,
@@ -160,7 +164,8 @@ class HandshakeServer:
         self.stats: dict[str, int] = {"served": 0, "refused": 0}
         self._dispatch = Dispatcher(compat_hash, self._secret, max_message_bytes,
                                     ReplayGuard(freshness_s, future_skew_s=future_skew_s),
-                                    HoldAnswers(on_heartbeat, on_release, self.stats), on_push, self.stats)
+                                    HoldAnswers(on_heartbeat, on_release, self.stats), on_push, self.stats,
+                                    on_stream)
 
     @property
     def host(self) -> str:

@@ -220,7 +220,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_peers: int = 256
     peer_idle_s: float = 600.0
     otlp_traces_endpoint: str = ""
-    transfer_mode: Literal["pull", "push", "auto"] = "auto"
+    transfer_mode: Literal["pull", "push", "auto", "stream"] = "auto"
     push_max_in_flight: int = 4
     push_max_queued: int = 256
     push_max_agents: int = 256

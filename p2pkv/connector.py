@@ -161,10 +161,17 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        return None
+        """A layer's forward is done: its pages of this step's streamed requests may be WRITTEN
+        (:mod:`p2pkv.prefill.streams`; nothing when none streams)."""
+        if self.worker is not None:
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, P2pKvMetadata)
+            self.worker.save_kv_layer(layer_name, meta)
 
     def wait_for_save(self) -> None:
-        return None
+        """The step's forward is done: streams whose prompt it finished send their last layers and end."""
+        if self.worker is not None:
+            self.worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
@@ -249,10 +256,11 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        meta = self.scheduler.build_connector_meta()
+        meta = self.scheduler.build_connector_meta(scheduler_output)
         return P2pKvConnectorMetadata(loads=meta.loads, send_leases=meta.send_leases, send_blocks=meta.send_blocks,
                                       failed=meta.failed, idle=scheduler_output.total_num_scheduled_tokens == 0,
-                                      send_traces=meta.send_traces)
+                                      send_traces=meta.send_traces, streams=meta.streams,
+                                      stream_aborts=meta.stream_aborts)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' step output: holds they released (``finished_sending``) count no more against the cap."""

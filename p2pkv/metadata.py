@@ -38,6 +38,10 @@ class LoadSpec:
         traceparent: the W3C trace context of the decode leg the pull's spans
             belong under (``kv_transfer_params.traceparent``; ``""``: none, or
             tracing off).
+        stream_grant: a layer-streamed load's grant (:mod:`p2pkv.grant`): the prefill rank WRITEs each layer
+            into ``local_block_ids`` as it is computed; ``remote`` then names the stream (``request_id`` its
+            ``stream_id``, no block ids) and carries this prompt's digest of the ``num_tokens`` it loads.
+            "" for pull and push.
     """
 
     request_id: str
@@ -50,6 +54,34 @@ class LoadSpec:
     arrival: float = 0.0
     scheduled: float = 0.0
     traceparent: str = ""
+    stream_grant: str = ""
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One step's share of a layer-streamed prefill (prefill side): the blocks its layers compute this step.
+
+    Attributes:
+        request_id: the prefill engine's request id.
+        stream_id: the grant's stream id (the decode rank names the stream by it).
+        first_block: prompt block index of ``block_ids[0]``.
+        block_ids: this engine's block ids the step writes (the prompt's blocks from ``first_block``; the
+            first chunk starts at block 0, so a prefix this engine had cached goes with it).
+        num_tokens: prompt tokens computed once this step ends (tokens, from token 0).
+        last: the step computes the prompt's last token: after its last layer the stream finishes.
+        prompt_digest: :func:`p2pkv.params.prompt_digest` of the first ``loaded_tokens`` prompt tokens
+            (set on the request's first chunk, "" after).
+        loaded_tokens: prompt tokens a decode engine streaming it loads (all but the last; first chunk only).
+    """
+
+    request_id: str
+    stream_id: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    last: bool
+    prompt_digest: str = ""
+    loaded_tokens: int = 0
 
 
 @dataclass
@@ -71,6 +103,8 @@ class P2pKvMetadata:
         send_traces: prefill request id → (the W3C trace context of its
             prefill leg, when its hold began in nanoseconds since the epoch),
             for requests whose hold is traced (empty with tracing off).
+        streams: this step's chunks of layer-streamed prefills (prefill side).
+        stream_aborts: prefill request id → why its stream stops (aborted, preempted).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
@@ -79,3 +113,5 @@ class P2pKvMetadata:
     failed: dict[str, tuple[int, ...]] = field(default_factory=dict)
     idle: bool = False
     send_traces: dict[str, tuple[str, int]] = field(default_factory=dict)
+    streams: list[StreamChunk] = field(default_factory=list)
+    stream_aborts: dict[str, str] = field(default_factory=dict)

@@ -276,11 +276,7 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None, now: f
         raise KVTransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
     now = time.time() if now is None else now
     expiry = _capability_expiry(params.get(CAPABILITY_KEY), now) if secret else 0
-    port = _require(params, "remote_port", int)
-    tp_size = _optional_int(params, "tp_size", 1, 1, MAX_TP_SIZE)
-    if not 0 < port < 65536 or port + tp_size > 65536:
-        raise KVTransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port (with tp_size "
-                                    f"{tp_size}: base port + rank must be below 65536)")
+    port, tp_size = _port_and_ranks(params)
     block_ids, group_sizes = _block_ids(_require(params, "remote_block_ids", (list, tuple)),
                                         min(max_blocks, MAX_BLOCK_IDS))
     remote = RemotePrefill(
@@ -301,6 +297,27 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None, now: f
     return remote
 
 
+def _port_and_ranks(params: dict[str, Any]) -> tuple[int, int]:
+    """``(remote_port, tp_size)``, checked. Raises KVTransferParamsError."""
+    port = _require(params, "remote_port", int)
+    tp_size = _optional_int(params, "tp_size", 1, 1, MAX_TP_SIZE)
+    if not 0 < port < 65536 or port + tp_size > 65536:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port (with tp_size "
+                                    f"{tp_size}: base port + rank must be below 65536)")
+    return port, tp_size
+
+
+def parse_prefill_address(params: dict[str, Any]) -> tuple[str, str, int, int]:
+    """``(remote_engine_id, remote_host, remote_port, tp_size)`` of a decode leg's params, checked as
+    :func:`parse_remote_prefill` checks them (a stream's decode leg names no request or blocks).
+
+    Raises:
+        KVTransferParamsError: a missing or bad key (the message names it).
+    """
+    port, tp_size = _port_and_ranks(params)
+    return _text(params, "remote_engine_id"), _text(params, "remote_host", HOST_PATTERN), port, tp_size
+
+
 TRANSFER_MODE_KEY = "p2pkv_transfer_mode"
 """The ``kv_transfer_params`` key naming one request's direction (``pull`` / ``push`` / ``auto``)."""
 
@@ -310,11 +327,11 @@ def _transfer_mode(params: dict[str, Any]) -> str:
     value = params.get(TRANSFER_MODE_KEY)
     if value is None or value == "auto":
         return ""
-    if value not in ("pull", "push"):
+    if value not in ("pull", "push", "stream"):
         raise KVTransferParamsError(f"kv_transfer_params.{TRANSFER_MODE_KEY}={shown(value)}: expected "
-                                    "\"pull\", \"push\" or \"auto\" (or leave it out: the decode engine's "
-                                    "transfer_mode decides)")
-    return value
+                                    "\"pull\", \"push\", \"stream\" or \"auto\" (or leave it out: the decode "
+                                    "engine's transfer_mode decides)")
+    return "push" if value == "stream" else value  # params a prefill engine answered: its KV is whole, push it
 
 
 def capability_mac(remote: RemotePrefill, expiry: int, secret: bytes) -> str:

@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import P2pKvConfig, Role
 from p2pkv.decode.scheduling import DecodeScheduling, group_pairs
+from p2pkv.grant import wants_stream
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import MAX_BLOCK_IDS, wants_remote_decode, wants_remote_prefill
 from p2pkv.prefill.scheduling import PrefillScheduling
+from p2pkv.prefill.stream_steps import StreamSteps
 from p2pkv.telemetry.tracing import traces_endpoint
 
 if TYPE_CHECKING:
@@ -84,12 +86,16 @@ class SchedulerSide:
                                        max_blocks, tracing)
         self.prefill = PrefillScheduling(engine_id, config, role, side_channel_host, side_channel_port, tp_size,
                                          secret, recompute_tokens, num_blocks)
+        self.streams = StreamSteps(engine_id, secret, block_size, recompute_tokens, kv_groups)
 
     def on_new_request(self, request: Request) -> None:
         """A request arrives: a prefill leg leaves its tail to the decode engine, a decode leg is tracked for
         lease heartbeats."""
         self.prefill.on_new_request(request)
         self.decode.on_new_request(request)
+        params = request.kv_transfer_params
+        if self.role != "decode" and wants_remote_decode(params) and wants_stream(params):
+            self.streams.on_new_request(request)
 
     def send_heartbeats(self, now: float | None = None) -> int:
         """See :meth:`p2pkv.decode.scheduling.DecodeScheduling.send_heartbeats`."""
@@ -111,16 +117,18 @@ class SchedulerSide:
         """The workers released these requests' holds (vLLM frees their blocks now)."""
         self.prefill.on_sent(request_ids)
 
-    def build_connector_meta(self) -> P2pKvMetadata:
-        """Hand this step's new pulls and leases to the workers, then forget them."""
+    def build_connector_meta(self, scheduler_output: Any = None) -> P2pKvMetadata:
+        """Hand this step's new pulls, leases and stream chunks to the workers, then forget them
+        (``scheduler_output``: vLLM's ``SchedulerOutput`` of the step; None: no stream chunks)."""
         try:
             self.decode.send_heartbeats()
         except Exception:  # heartbeats are best effort; the step's pulls must reach the workers
             logger.exception("p2pkv: sending lease heartbeats failed")
         pulls, failed = self.decode.take()
         leases, blocks, traces = self.prefill.take()
+        chunks = self.streams.chunks(scheduler_output) if scheduler_output is not None else []
         return P2pKvMetadata(loads=pulls, send_leases=leases, send_blocks=blocks, failed=failed,
-                             send_traces=traces)
+                             send_traces=traces, streams=chunks, stream_aborts=self.streams.take_aborts())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished_all_groups` for an engine with one KV cache group."""
@@ -143,7 +151,8 @@ class SchedulerSide:
         if remote_prefill or not wants_remote_decode(request.kv_transfer_params):
             return False, None
         completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        return self.prefill.request_finished(request, block_ids, completed)
+        streamed = self.streams.finished(request.request_id, completed)
+        return self.prefill.request_finished(request, block_ids, completed, streamed=streamed)
 
     def shutdown(self) -> None:
         """Stop the heartbeat thread. Idempotent."""

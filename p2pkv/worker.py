@@ -36,6 +36,8 @@ from p2pkv.notification import parse_done
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.spans import emit_hold_span
+from p2pkv.prefill.streamer import StreamSide
+from p2pkv.prefill.streams import PrefillStreams, layer_indices, stream_side
 from p2pkv.telemetry.stats import StatsBuffer
 from p2pkv.telemetry.tracing import Tracing, traces_endpoint
 
@@ -75,6 +77,7 @@ class WorkerSide:
         self.desc: KVLayoutDesc | None = None
         self.receiver: Receiver | None = None
         self.pusher: Pusher | None = None
+        self.streams: PrefillStreams | None = None
         self._pushes_seen: dict[str, Any] = {}  # the pusher's counts at the last take_stats
         self._stager: Stager | None = None
         self.holds = PrefillHolds(config.lease_s)
@@ -137,12 +140,19 @@ class WorkerSide:
                              max_agents=self.config.push_max_agents, agent_idle_s=self.config.push_agent_idle_s,
                              poll_interval_s=self.config.pull_poll_interval_s or 0.0002,
                              on_start=lambda: bind_device(mem_type, device_id))
+        try:
+            source: StreamSide | str = stream_side(self.desc)
+        except LayoutError as exc:
+            source = f"this rank's KV layout cannot be streamed layer by layer ({exc}); send without a grant (push)"
+        self.streams = PrefillStreams(self.engine_id, self.agent, self.holds, self.pusher, source,
+                                      layer_indices(tensors), secret, on_gpu=mem_type == "VRAM")
         if secret is None:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
                            "reaches it can read this engine's KV cache", self.host, self.port)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
                                       on_heartbeat=self.holds.on_heartbeat, on_release=self.holds.on_release,
-                                      on_push=self.pusher.on_push, future_skew_s=self.config.max_clock_skew_s,
+                                      on_push=self.pusher.on_push, on_stream=self.streams.on_stream,
+                                      future_skew_s=self.config.max_clock_skew_s,
                                       max_connections=self.config.side_channel_max_connections,
                                       max_handshakes=self.config.side_channel_max_handshakes,
                                       stall_s=self.config.side_channel_stall_s)
@@ -187,8 +197,20 @@ class WorkerSide:
         if self._tracing is not None:
             for rid, (trace, start_ns) in meta.send_traces.items():
                 self._hold_traces[rid] = (trace, start_ns, len(meta.send_blocks.get(rid, ())))
+        if self.streams is not None:
+            self.streams.begin_step(meta)
         if self.receiver is not None:
             self.receiver.start(meta.loads, meta.failed)
+
+    def save_kv_layer(self, layer_name: str, meta: P2pKvMetadata) -> None:
+        """Layer ``layer_name``'s forward is done in the step ``meta`` describes (streamed requests WRITE it)."""
+        if self.streams is not None:
+            self.streams.save_layer(layer_name, meta)
+
+    def wait_for_save(self) -> None:
+        """The step's forward is done (streams whose prompt it finished end)."""
+        if self.streams is not None:
+            self.streams.end_step()
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` request ids since the last call.
@@ -237,7 +259,11 @@ class WorkerSide:
         if len(notes) < len(notifs):
             logger.warning("p2pkv: %d NIXL notification(s) dropped: not p2pkv \"done\" messages, or their MAC "
                            "is wrong (a decode engine with another secret?)", len(notifs) - len(notes))
+        if self.streams is not None:
+            self.streams.collect()
         released = self.holds.released(notes, self.stats.data)
+        if self.streams is not None and released:
+            self.streams.holds_ended(released)
         endings, self.holds.endings = self.holds.endings, {}
         if self._tracing is not None:
             for rid, why in endings.items():
@@ -282,6 +308,8 @@ class WorkerSide:
             self.receiver.close()
         if self.server is not None:
             self.server.close()
+        if self.streams is not None:
+            self.streams.close()
         if self.pusher is not None:
             self.pusher.close()
         if self.agent is not None:

@@ -22,7 +22,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 ENGINE_MODULES = frozenset({
     "tests/test_bench_serve.py", "tests/test_e2e.py", "tests/test_e2e_first_token.py", "tests/test_e2e_models.py",
-    "tests/test_e2e_tracing.py", "tests/test_hostile.py", "tests/test_launch.py",
+    "tests/test_e2e_stream.py", "tests/test_e2e_tracing.py", "tests/test_hostile.py", "tests/test_launch.py",
 })
 """Test modules with tests that start or use real engines (marked ``engines``): under pytest-xdist they all run
 in one worker, which starts the session's engines once (:func:`pytest_xdist_make_scheduler`)."""
@@ -264,7 +264,7 @@ class Route:
 
     Attributes:
         pair: the engines.
-        mode: ``"pull"`` or ``"push"``.
+        mode: ``"pull"``, ``"push"`` or ``"stream"``.
         proxy_url: the proxy for ``mode``.
     """
 
@@ -278,10 +278,12 @@ class Route:
 
     def fresh(self, prompt: str) -> str:
         """``prompt`` as this route sends it: as is for pull, reversed for push (same length; a palindrome
-        case-swapped), so the engines' prefix caches from the other mode's run hold none of it and every
-        block moves again."""
+        case-swapped), case-swapped for stream (its first character replaced when that changes nothing), so the
+        engines' prefix caches from the other modes' runs hold none of it and every block moves again."""
         if self.mode == "pull":
             return prompt
+        if self.mode == "stream":
+            return prompt.swapcase() if prompt.swapcase() != prompt else "#" + prompt[1:]
         return prompt[::-1] if prompt[::-1] != prompt else prompt.swapcase()
 
     def params(self, params: dict) -> dict:

@@ -299,7 +299,7 @@ def test_every_request_type_has_one_handler_and_a_request_without_one_is_refused
     with HandshakeServer(HOST, 0, COMPAT) as server:
         server.set_info(INFOS[0])
         dispatch = server._dispatch
-        assert set(dispatch.handlers) == leaves(m.Request) and len(dispatch.handlers) == 5
+        assert set(dispatch.handlers) == leaves(m.Request) and len(dispatch.handlers) == 6
         del dispatch.handlers[m.MetadataRequest]
         with pytest.raises(RemoteRefusedError) as info:
             fetch(server.port)

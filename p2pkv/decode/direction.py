@@ -22,7 +22,7 @@ from p2pkv.dataplane.transport import TransportReport, read_is_zero_copy
 
 logger = logging.getLogger("p2pkv.decode")
 
-TransferModeSetting = Literal["pull", "push", "auto"]
+TransferModeSetting = Literal["pull", "push", "auto", "stream"]
 """The ``transfer_mode`` setting (and ``kv_transfer_params.p2pkv_transfer_mode``)."""
 
 
@@ -33,6 +33,9 @@ class Direction(str, enum.Enum):
     """The decode rank READs from the prefill rank's blocks."""
     PUSH = "push"
     """The prefill rank WRITEs into the decode rank's blocks (or staging) when asked."""
+    STREAM = "stream"
+    """The prefill rank WRITEs each layer into the decode rank's blocks as its forward computes it (a request
+    whose legs the proxy sent at once, with a grant: docs/streaming.md)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ def choose(setting: TransferModeSetting, report: TransportReport | None) -> Choi
         setting: ``pull``, ``push`` or ``auto``.
         report: the peer's READ transport (None: no READ from it finished yet).
     """
+    if setting == "stream":  # a request with a grant streams (Directions.of); one without is pushed
+        return Choice(Direction.PUSH, "transfer_mode=stream: requests without a stream grant are pushed")
     if setting != "auto":
         return Choice(Direction(setting), f"transfer_mode={setting}")
     if report is None:
@@ -82,7 +87,7 @@ class Directions:
 
     def of(self, requested: str, agent_name: str) -> Direction:
         """The direction for a part from ``agent_name`` of a request that asked for ``requested`` (``""``: none)."""
-        if requested in ("pull", "push"):
+        if requested in ("pull", "push", "stream"):
             return Direction(requested)
         choice = self.choices.get(agent_name)  # one look: forget() may run on another thread
         if choice is None:

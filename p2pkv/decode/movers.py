@@ -211,8 +211,26 @@ class PushMover(Mover):
         return self.pushes.ended(part)
 
 
+class StreamMover(PushMover):
+    """The prefill rank WRITEs each layer of the part as its forward computes it (a layer-streamed load): the
+    request carries this rank's blocks and the grant instead of rows (the prefill rank plans them, as it
+    learns its own blocks step by step); everything after is a push's (its "pushed" notification)."""
+
+    direction = Direction.STREAM
+    fallback = None
+
+    def cannot_carry(self, part: Part) -> str | None:
+        return None
+
+    def split(self, part: Part) -> list[Part]:
+        return [part]
+
+    def post(self, part: Part) -> None:
+        self.pushes.post_stream(part)
+
+
 def movers(agent: NixlTransferAgent, stager: Stager, fence: Fence, pushes: Pushes,
            quarantine_s: float) -> dict[Direction, Mover]:
     """The mover of each direction for one decode rank: the one registration point of the ways a part moves."""
     return {Direction.PULL: ReadMover(agent, stager, fence, quarantine_s),
-            Direction.PUSH: PushMover(pushes, stager)}
+            Direction.PUSH: PushMover(pushes, stager), Direction.STREAM: StreamMover(pushes, stager)}

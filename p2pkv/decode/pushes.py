@@ -22,7 +22,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from handshake import AgentInfo, Destination, HandshakeTimeoutError, PushReply, RemoteRefusedError, request_push
+from handshake import (
+    AgentInfo,
+    Destination,
+    HandshakeTimeoutError,
+    PushReply,
+    RemoteRefusedError,
+    request_push,
+    request_stream,
+)
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
@@ -109,6 +117,26 @@ class Pushes:
             read.local_descs.astype("<u8").tobytes(), self.engine_id, secret=self.secret,
             timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}")
         self._replies.append((future, read))
+
+    def post_stream(self, part: Part) -> None:
+        """Send ``part``'s stream request: this rank's blocks of a layer-streamed load, its grant and digest
+        (the prefill rank WRITEs each layer into them; one "pushed" notification follows, as for a push).
+
+        Raises:
+            RuntimeError: the worker has not set :attr:`make_info`.
+        """
+        info = self.info()
+        spec, pid = part.transfer.spec, part.peer_id
+        part.push_id, part.pushed_at = os.urandom(PUSH_ID_BYTES), time.monotonic()
+        part.first_pushed_at = part.first_pushed_at or part.pushed_at
+        self._open[part.push_id] = part
+        first_block = spec.first_token // max(1, part.peer.info.layout.block_size)
+        future = self.background.call(
+            f"p2pkv-push-{pid.host}:{pid.port}", _send_stream, part.pushed_at + self.window_s, pid.destination,
+            spec.stream_grant, list(spec.local_block_ids), first_block, spec.remote.num_tokens,
+            spec.remote.prompt_digest, part.push_id, info, self.engine_id, secret=self.secret,
+            timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}")
+        self._replies.append((future, part))
 
     def info(self) -> AgentInfo:
         """This rank's :class:`AgentInfo`, rebuilt when memory was registered since the last one.
@@ -250,6 +278,22 @@ def _send_push(deadline: float, to: Destination, request_id: str, block_ids: lis
         raise PushNotSent("not sent: its window passed while it waited behind earlier requests to that prefill rank")
     return request_push(to, request_id, block_ids, push_id, agent, source_rows, target_rows, left,
                         requester_engine_id, **kwargs)  # type: ignore[arg-type]
+
+
+def _send_stream(deadline: float, to: Destination, grant: str, block_ids: list[int], first_block: int,
+                 num_tokens: int, digest: str, push_id: bytes, agent: AgentInfo, requester_engine_id: str,
+                 **kwargs: object) -> PushReply:
+    """:func:`handshake.request_stream` with what is left of its window, as :func:`_send_push`.
+
+    Raises:
+        PushNotSent: nothing is left; nothing was sent.
+        The errors of :func:`handshake.request_stream`.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise PushNotSent("not sent: its window passed while it waited behind earlier requests to that prefill rank")
+    return request_stream(to, grant, block_ids, first_block, num_tokens, digest, push_id, agent, left,
+                          requester_engine_id, **kwargs)  # type: ignore[arg-type]
 
 
 def failure_of_push(reply: PushReply | Exception, request_id: str) -> tuple[FailureKind, str, bool] | None:

@@ -59,6 +59,7 @@ from p2pkv.decode.pushes import Pushes
 from p2pkv.decode.reads import ReadEvent, plan_reads, release_unposted
 from p2pkv.decode.release import release_failed
 from p2pkv.decode.spans import TransferSpans
+from p2pkv.decode.stream_parts import plan_streams
 from p2pkv.decode.transfer import Part, Transfer, TransferState
 from p2pkv.decode.transfers import Transfers
 from p2pkv.metadata import LoadSpec
@@ -247,19 +248,27 @@ class Receiver:
         counts = self.rank.notifiers(spec.remote.tp_size, notify)
         transfer.notify = [(PeerId.of(spec.remote, r), n) for r, n in zip(notify, counts, strict=True)]
         transfer.parts, transfer.started, transfer.num_bytes, transfer.num_descriptors = [], time.monotonic(), 0, 0
-        try:
-            if not plan_reads(transfer, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
-                              self.rank.desc, self.rank.device_id, self.stager):
-                self._to(transfer, TransferState.STAGING)
-                self._staging_wait.append(transfer)
+        if spec.stream_grant:  # the prefill rank's stream ends its hold itself: nobody to notify
+            transfer.notify = []
+            why = plan_streams(transfer, self.rank.tp_rank, self.rank.tp_size, self.peers.peers, self.rank.layout,
+                               self.rank.desc.block_size, self.rank.device_id)
+            if why is not None:
+                self._fail(transfer, FailureKind.REFUSED, f"refused: {why}")
                 return
-        except (PlanError, StagingFull) as exc:
-            release_unposted(transfer, self.stager)
-            if isinstance(exc, PlanError):
-                self._fail(transfer, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
-            else:
-                self._fail(transfer, FailureKind.STAGING, str(exc))
-            return
+        else:
+            try:
+                if not plan_reads(transfer, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
+                                  self.rank.desc, self.rank.device_id, self.stager):
+                    self._to(transfer, TransferState.STAGING)
+                    self._staging_wait.append(transfer)
+                    return
+            except (PlanError, StagingFull) as exc:
+                release_unposted(transfer, self.stager)
+                if isinstance(exc, PlanError):
+                    self._fail(transfer, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
+                else:
+                    self._fail(transfer, FailureKind.STAGING, str(exc))
+                return
         if not transfer.parts:  # nothing to load (or a notify-only pull)
             self.notifier.add(transfer)
             self._to(transfer, TransferState.DONE)

@@ -11,6 +11,7 @@ from typing import Any
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.heartbeat import HeartbeatBatch, HeartbeatSender
 from p2pkv.decode.load import DecodeLoad
+from p2pkv.grant import parse_stream_leg, wants_stream
 from p2pkv.metadata import LoadSpec
 from p2pkv.params import (
     KVTransferParamsError,
@@ -44,6 +45,7 @@ class DecodeScheduling:
 
     def __init__(self, engine_id: str, config: P2pKvConfig, block_size: int, secret: bytes | None,
                  recompute_tokens: int, kv_groups: int, max_blocks: int, tracing: bool) -> None:
+        self.engine_id = engine_id
         self.config = config
         self.block_size = block_size
         self.recompute_tokens = recompute_tokens
@@ -66,7 +68,8 @@ class DecodeScheduling:
 
     def on_new_request(self, request: Request) -> None:
         """Track a request whose KV waits on a prefill engine, for lease heartbeats (its params checked now)."""
-        if wants_remote_prefill(request.kv_transfer_params) and self.config.heartbeat_every_s > 0:
+        params = request.kv_transfer_params
+        if wants_remote_prefill(params) and not wants_stream(params) and self.config.heartbeat_every_s > 0:
             try:
                 self._queued[request.request_id] = self._parse(request)
             except KVTransferParamsError as exc:
@@ -103,6 +106,12 @@ class DecodeScheduling:
         included; a queued request's params were parsed and checked on arrival and are not parsed again);
         None (logged, prefilled locally instead) when they are refused."""
         try:
+            params = request.kv_transfer_params
+            if wants_stream(params):
+                remote, grant = parse_stream_leg(params, self._secret, decode_engine_id=self.engine_id,
+                                                 now=time.time())
+                return DecodeLoad.streamed(remote, grant, request.prompt_token_ids or (), self.recompute_tokens,
+                                           self.kv_groups)
             remote = self._queued.get(request.request_id)
             if remote is None:
                 remote = self._parse(request)
@@ -179,7 +188,8 @@ class DecodeScheduling:
             request_id=request.request_id, local_block_ids=tuple(local), remote_block_ids=tuple(remote_ids),
             remote=remote, report=num_external_tokens > 0, first_token=first_token, num_tokens=num_tokens,
             arrival=float(getattr(request, "arrival_time", 0.0) or 0.0), scheduled=time.time(),
-            traceparent=(parse_traceparent(params.get(TRACEPARENT_KEY)) or "") if self._tracing else ""))
+            traceparent=(parse_traceparent(params.get(TRACEPARENT_KEY)) or "") if self._tracing else "",
+            stream_grant=load.grant))
 
     def fail_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """A pull that could not be set up: the workers report it failed (its blocks as load errors)."""
@@ -199,7 +209,9 @@ class DecodeScheduling:
         queued = self._queued.pop(request.request_id, None)
         load = self._loads.pop(request.request_id, None)  # kept no longer, whatever the request's end
         params = request.kv_transfer_params
-        if wants_remote_prefill(params):
+        if wants_remote_prefill(params) and wants_stream(params):
+            params["do_remote_prefill"] = False  # a stream nobody takes ends on the prefill side by its lease
+        elif wants_remote_prefill(params):
             params["do_remote_prefill"] = False
             remote = load.remote if load is not None else queued or self._source_of_unloaded(request)
             if remote is not None:

@@ -45,7 +45,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from handshake import PushRequest
+from handshake import AgentInfo, PushRequest, StreamRequest
 from handshake.messages import PushStatus
 from p2pkv.dataplane.agent import NixlTransferAgent, check_peer_info, is_agent_name_of
 from p2pkv.dataplane.layout import KVLayout
@@ -220,6 +220,33 @@ class Pusher:
         self._wake.set()
         return "accepted", ""
 
+    # ---- streams (p2pkv.prefill.streams) ----------------------------------------------------
+    def hold_agent(self, identity: Identity, info: AgentInfo) -> tuple[bool, str]:
+        """Load ``info``'s agent for a stream and keep it loaded (counted as starting, so never evicted or
+        reloaded) until :meth:`release_agent`; ``(False, why)`` when there is no room or NIXL refused it."""
+        with self._lock:
+            if not self._agents.has_room(identity):
+                return False, (f"{self._agents.max_agents} decode ranks already have WRITEs queued or in flight "
+                               "here (push_max_agents)")
+            entry = self._agents.admit(identity)
+            assert entry is not None  # has_room, under the same lock
+            entry.starting += 1
+        ready, why = self.loader.load(entry, info)
+        if not ready:
+            with self._lock:
+                entry.starting -= 1
+                entry.broken = entry.broken or ready is False
+            return False, why or "a WRITE to this decode rank's previous agent metadata is still in flight; retry"
+        return True, ""
+
+    def release_agent(self, identity: Identity) -> None:
+        """A stream into ``identity``'s agent has ended: it may be evicted once idle."""
+        with self._lock:
+            entry = self._agents.get(identity)
+            if entry is not None and entry.starting > 0:
+                entry.starting -= 1
+                self._agents.touch(entry)
+
     # ---- pusher thread ------------------------------------------------------------------
     def _run(self) -> None:
         if self._on_start is not None:
@@ -363,8 +390,8 @@ class Pusher:
         self.loader.remove_evicted()
 
 
-def requester_identity(msg: PushRequest) -> tuple[Identity | None, str]:
-    """The decode rank a push request comes from, ``(engine id, tp rank)``, if its agent is its own.
+def requester_identity(msg: PushRequest | StreamRequest) -> tuple[Identity | None, str]:
+    """The decode rank a push or stream request comes from, ``(engine id, tp rank)``, if its agent is its own.
 
     Its agent's ``engine_id`` must be the request's ``requester_engine_id``
     and its ``agent_name`` one p2pkv gives rank ``agent.tp_rank`` of that

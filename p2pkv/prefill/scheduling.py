@@ -83,7 +83,7 @@ class PrefillScheduling:
             self._held.pop(request_id, None)
 
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...],
-                         completed: bool) -> tuple[bool, dict[str, Any] | None]:
+                         completed: bool, streamed: bool = False) -> tuple[bool, dict[str, Any] | None]:
         """Hold a finished request's blocks (every KV cache group's) for a decode engine and say where they are.
 
         Args:
@@ -91,6 +91,9 @@ class PrefillScheduling:
             block_ids: its block ids per KV cache group, in token order (a sliding-window group's blocks
                 behind the window are vLLM's null block, id 0).
             completed: it finished by length or stop (not aborted).
+            streamed: it was layer-streamed (:mod:`p2pkv.prefill.stream_steps`): held whatever its end and
+                the cap, since its stream may still be WRITING from its blocks (the workers end the hold as
+                soon as the stream has ended); an aborted one is held with no params.
 
         Returns:
             ``(hold, params)``: ``hold`` True when the blocks stay allocated until the decode side's
@@ -99,22 +102,21 @@ class PrefillScheduling:
             cap, params saying so (:data:`NO_HOLD_KEY`: the decode engine prefills the prompt itself).
         """
         params = request.kv_transfer_params
+        flat = tuple(b for group in block_ids for b in group)
+        if streamed and not completed and any(flat):
+            self._hold(request, flat, params)
+            return True, None  # held until its stream has stopped
         if not completed:
             self._trace_aborted(request, params)
             return False, None  # aborted on the prefill side: free the blocks now
-        flat = tuple(b for group in block_ids for b in group)
         if not any(flat):
             return False, None
-        refusal = self._refusal(len(flat))
+        refusal = None if streamed else self._refusal(len(flat))
         if refusal is not None:
             logger.warning("p2pkv: request %s asks for a remote decode; answered without a hold: %s",
                            request.request_id, refusal)
             return False, {"do_remote_prefill": False, NO_HOLD_KEY: refusal}
-        self._held[request.request_id] = len(flat)
-        self.leases[request.request_id] = time.monotonic() + self.config.lease_s
-        self.blocks[request.request_id] = flat
-        if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
-            self.traces[request.request_id] = (trace, time.time_ns())
+        self._hold(request, flat, params)
         expiry = time.time() + self.config.lease_s
         answer = make_prefill_response_params(
             engine_id=self.engine_id, request_id=request.request_id, host=self.host, port=self.port,
@@ -122,6 +124,14 @@ class PrefillScheduling:
             tp_size=self.tp_size, num_tokens=request.num_computed_tokens, expiry_time=expiry,
             first_token=self.recompute_tokens == 0, prompt_digest=computed_digest(request), secret=self._secret)
         return True, answer
+
+    def _hold(self, request: Request, flat: tuple[int, ...], params: dict[str, Any]) -> None:
+        """Hold ``flat`` (every group's block ids) for ``request``: counted, leased, traced."""
+        self._held[request.request_id] = len(flat)
+        self.leases[request.request_id] = time.monotonic() + self.config.lease_s
+        self.blocks[request.request_id] = flat
+        if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
+            self.traces[request.request_id] = (trace, time.time_ns())
 
     def _refusal(self, blocks: int) -> str | None:
         """Why ``blocks`` more may not be held now (None: they may)."""

@@ -41,6 +41,7 @@ from p2pkv.tools.proxy.spans import (
     exemplar,
     leg_of,
 )
+from p2pkv.tools.proxy.stream import StreamLegs
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
@@ -69,6 +70,8 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 """The proxied OpenAI endpoints."""
 
 log = logging.getLogger("p2pkv.tools.proxy")
+
+logger = logging.getLogger("p2pkv.proxy")
 
 
 class RoundRobin:
@@ -109,7 +112,8 @@ class Proxy:
             (see :mod:`p2pkv.tools.proxy.fanout`).
         transfer_mode: ``"pull"`` or ``"push"``: set as ``p2pkv_transfer_mode``
             in every decode leg's ``kv_transfer_params`` (the decode engines'
-            ``transfer_mode`` is overridden per request); ``""``: left to them.
+            ``transfer_mode`` is overridden per request); ``"stream"``: see
+            :meth:`stream_legs`; ``""``: left to them.
 
     Raises:
         ValueError: an empty backend list, or ``max_fanout`` below 1.
@@ -126,6 +130,8 @@ class Proxy:
         self.first_token_from, self.max_fanout = first_token_from, max_fanout
         self.metrics = ProxyMetrics()
         self.transfer_mode = transfer_mode
+        self.streams = StreamLegs(secret, timeout_s) if transfer_mode == "stream" and secret else None
+        self._background: set[asyncio.Task] = set()
 
     async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
                           headers: dict[str, str], leg: ProxySpan | None = None) -> dict[str, Any]:
@@ -137,6 +143,11 @@ class Proxy:
         """
         url = self.prefill.next()
         sent = prefill_body(body)
+        return await self._prefill_leg(client, url, path, sent, headers, leg)
+
+    async def _prefill_leg(self, client: httpx.AsyncClient, url: str, path: str, sent: dict[str, Any],
+                           headers: dict[str, str], leg: ProxySpan | None) -> dict[str, Any]:
+        """:meth:`run_prefill` of ``sent`` to the prefill engine at ``url``."""
         if leg is not None:
             headers, sent = leg.send(url, path, headers, sent)
         try:
@@ -168,9 +179,31 @@ class Proxy:
         answer = prefill_answer(url, resp)
         if leg is not None:
             leg.params(answer["kv_transfer_params"])
+        if self.streams is not None:
+            self.streams.learn(url, answer["kv_transfer_params"])
         if self.transfer_mode and isinstance(answer["kv_transfer_params"], dict):
-            answer["kv_transfer_params"][TRANSFER_MODE_KEY] = self.transfer_mode
+            answer["kv_transfer_params"][TRANSFER_MODE_KEY] = self.transfer_mode  # "stream": pushed (no grant)
         return answer
+
+    async def stream_legs(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                          headers: dict[str, str], out_headers: dict[str, str],
+                          trace: RequestTrace | None = None) -> Response | None:
+        """Both legs of one prompt at once, layer-streamed (:mod:`p2pkv.tools.proxy.stream`); the client gets
+        the decode leg's answer. None (nothing sent) while the next prefill engine's address is not known."""
+        assert self.streams is not None
+        url = self.prefill.next()
+        legs = self.streams.legs(url, body)
+        if legs is None:
+            params = [(await self._prefill_leg(client, url, path, prefill_body(body), headers,
+                                               leg_of(trace, "prefill")))["kv_transfer_params"]]
+            return await self.decode_one(client, path, {**body, "kv_transfer_params": params[0]}, headers,
+                                         out_headers, trace)
+        prefill, decode = legs
+        task = asyncio.create_task(self._prefill_leg(client, url, path, prefill, headers, leg_of(trace, "prefill")))
+        self._background.add(task)
+        task.add_done_callback(_prefill_done(self._background))
+        return await self.run_decode(client, path, decode, headers, out_headers,  # type: ignore[return-value]
+                                     leg=leg_of(trace, "decode"))
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], relay: bool = True,
@@ -267,6 +300,8 @@ class Proxy:
                     self.metrics.first_tokens.labels("decode").inc()
                     return await batch.stream(bodies)
                 return await batch.answers(bodies)
+            if self.streams is not None:
+                return await self.stream_legs(client, path, bodies[0], headers, out_headers, trace)
             if body.get("stream") is True:
                 if self.first_token_from == "decode" or blocker(path, body) is not None:
                     self.metrics.first_tokens.labels("decode").inc()
@@ -366,6 +401,16 @@ class Proxy:
             raise
 
 
+def _prefill_done(tasks: set[asyncio.Task]) -> Any:
+    """A streamed prompt's prefill leg ended: forgotten, its failure logged (the decode leg, whose stream then
+    stops, answers the client: by its load-failure policy, or an error)."""
+    def done(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.warning("p2pkv proxy: a streamed prompt's prefill leg failed: %s", exc)
+    return done
+
+
 async def _unless_disconnected(request: Request, work: Awaitable[Response]) -> Response | None:
     """``work``'s answer, or None once the client has gone away (``work`` is then cancelled)."""
     task = asyncio.ensure_future(work)
@@ -404,7 +449,9 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
         otlp_traces_endpoint: OTLP/HTTP traces URL (``""``: tracing off, the
             default); on, each request gets spans (:mod:`p2pkv.tools.proxy.spans`).
         transfer_mode: ``"pull"`` / ``"push"``: every decode leg asks for that
-            direction (``kv_transfer_params.p2pkv_transfer_mode``); ``""``: the
+            direction (``kv_transfer_params.p2pkv_transfer_mode``); ``"stream"``:
+            single prompts are layer-streamed, both legs at once (with a secret;
+            :mod:`p2pkv.tools.proxy.stream`), batches pushed; ``""``: the
             decode engines' ``transfer_mode`` decides.
 
     Raises:
@@ -413,8 +460,9 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
     """
     if max_body_bytes < 1 or max_prompts < 1:
         raise ValueError(f"max_body_bytes={max_body_bytes} and max_prompts={max_prompts} must be >= 1")
-    if transfer_mode not in ("", "pull", "push"):
-        raise ValueError(f"transfer_mode={transfer_mode!r}: expected 'pull', 'push' or '' (the engines decide)")
+    if transfer_mode not in ("", "pull", "push", "stream"):
+        raise ValueError(f"transfer_mode={transfer_mode!r}: expected 'pull', 'push', 'stream' or '' (the engines "
+                         "decide)")
     proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret, first_token_from, max_fanout, transfer_mode)
     tracing = Tracing.get(SERVICE_NAME, otlp_traces_endpoint)
 

@@ -59,11 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "strings, prompt logprobs, penalties on output, structured output or tools); 'decode' "
                              "waits for the decode engine's first token (use it with engines running a reasoning or "
                              "tool parser)")
-    parser.add_argument("--transfer-mode", choices=("pull", "push"), default="",
+    parser.add_argument("--transfer-mode", choices=("pull", "push", "stream"), default="",
                         help="ask every decode engine for this direction (kv_transfer_params.p2pkv_transfer_mode): "
                              "'pull' (the decode engine READs) or 'push' (the prefill engine WRITEs into the decode "
-                             "engine's blocks); default: each decode engine's transfer_mode setting (auto); see "
-                             "docs/push.md")
+                             "engine's blocks) or 'stream' (both legs at once, the prefill engine WRITEs each layer "
+                             "as it computes it; single prompts, once a prefill engine has answered once; needs the "
+                             "secret); default: each decode engine's transfer_mode setting (auto); see docs/push.md "
+                             "and docs/streaming.md")
     parser.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
                         help="send OpenTelemetry traces (one per request: the proxy's span, each leg's, and the "
                              "engines' under them) over OTLP/HTTP to URL, e.g. http://127.0.0.1:4318/v1/traces "

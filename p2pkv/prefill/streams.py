@@ -1,0 +1,362 @@
+"""Layer-streamed transfer on a prefill rank: the streamed requests, their decode ranks' destinations, their holds.
+
+The pieces meet here (docs/streaming.md):
+
+* the scheduler's :class:`~p2pkv.metadata.StreamChunk` of each step
+  (:mod:`p2pkv.prefill.stream_steps`) open a request's
+  :class:`~p2pkv.prefill.streamer.LayerStream` and say which blocks the step
+  computes (:meth:`PrefillStreams.begin_step`);
+* after each attention layer vLLM calls ``save_kv_layer``: the layer's pages
+  of those blocks are queued on the :class:`~p2pkv.prefill.poster.StreamPoster`
+  (:meth:`PrefillStreams.save_layer`; on a GPU behind a CUDA event recorded
+  after the layer, so the forward never waits), and at ``wait_for_save`` a
+  request whose prompt the step finished is told so (:meth:`PrefillStreams.end_step`);
+* a decode rank's :class:`handshake.StreamRequest` brings its destination
+  (:meth:`PrefillStreams.on_stream`, side-channel thread), before or after
+  the request is known here.
+
+Checks on a stream request, in order, each refusing with nothing loaded or
+kept: the agent is the requester's own (:func:`p2pkv.prefill.pusher.requester_identity`);
+the grant names this engine and the requester (or any decode engine) and has
+not expired; the agent's metadata matches its digest; its pages are this
+rank's (same page size, layer and K/V order: a stream moves pages as they
+are) and its block ids lie in its cache; the window has not passed; the
+stream id has not had a destination (a grant serves once). Then NIXL loads
+the decode agent and keeps it until the stream ends.
+
+Holds: a streamed request's hold (made when it finishes, whatever its end:
+:meth:`p2pkv.prefill.scheduling.PrefillScheduling.request_finished`) is
+pinned once the stream has a destination, so nothing frees the blocks while
+a WRITE may read them, and released as soon as the stream has ended. A
+stream whose destination never comes ends with its hold's lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from handshake import KVLayoutDesc, StreamRequest
+from handshake.messages import PushStatus
+from p2pkv.dataplane.agent import NixlTransferAgent, check_peer_info
+from p2pkv.dataplane.layers import page_segments
+from p2pkv.dataplane.layout import LayoutError
+from p2pkv.dataplane.negotiate import page_bytes, remote_segments
+from p2pkv.dataplane.plan import PlanError, check_block_ids
+from p2pkv.grant import StreamGrantError, check_stream_grant
+from p2pkv.metadata import P2pKvMetadata, StreamChunk
+from p2pkv.prefill.agents import Identity
+from p2pkv.prefill.holds import PrefillHolds
+from p2pkv.prefill.poster import StreamPoster
+from p2pkv.prefill.pusher import Pusher, requester_identity
+from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
+
+logger = logging.getLogger("p2pkv.prefill")
+
+MAX_PENDING = 4096
+"""Most destinations kept for requests not yet known here (more are answered ``busy``)."""
+
+
+def stream_side(desc: KVLayoutDesc) -> StreamSide:
+    """A rank's :class:`StreamSide` from its :class:`handshake.KVLayoutDesc`.
+
+    Raises:
+        LayoutError: its pages cannot be cut one per layer (an interleaved layout).
+    """
+    pages = page_segments(remote_segments(desc), page_bytes(desc))
+    return StreamSide(tuple(pages), desc.num_blocks, desc.regions[0].device_id if desc.regions else 0)
+
+
+@dataclass
+class _Destination:
+    """A decode rank's destination, checked, with what the prefill side compares before the first WRITE."""
+
+    target: StreamTarget
+    identity: Identity
+    num_tokens: int
+    digest: str
+    deadline: float
+
+
+@dataclass
+class _Live:
+    """A streamed request on this rank."""
+
+    stream_id: str
+    digest: str
+    loaded_tokens: int
+    hold_blocks: tuple[int, ...] | None = None
+    identity: Identity | None = None
+    pinned: bool = False
+
+
+class PrefillStreams:
+    """Every layer-streamed request of one prefill rank.
+
+    Args:
+        engine_id: this engine's id (grants must name it).
+        agent: this rank's NIXL agent (WRITEs, notifications).
+        holds: this rank's holds (pinned while a stream may WRITE from them).
+        pusher: loads the decode agents (:meth:`p2pkv.prefill.pusher.Pusher.hold_agent`).
+        source: this rank's pages, or why it cannot stream (an interleaved layout).
+        layer_of: vLLM layer name → its layer index in ``source``'s pages.
+        secret: checks grants, signs notifications (None: nothing streams).
+        on_gpu: the cache is in GPU memory (a layer is WRITTEN once a CUDA event recorded after it completes).
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, engine_id: str, agent: NixlTransferAgent, holds: PrefillHolds, pusher: Pusher,
+                 source: StreamSide | str, layer_of: dict[str, int], secret: bytes | None, *, on_gpu: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine_id = engine_id
+        self.agent = agent
+        self.holds = holds
+        self.pusher = pusher
+        self.source = source
+        self.layer_of = layer_of
+        self._secret = secret
+        self._on_gpu = on_gpu
+        self._clock = clock
+        self.poster = StreamPoster(agent.progress)
+        self._lock = threading.Lock()
+        self._live: dict[str, _Live] = {}  # prefill request id → its stream
+        self._by_stream: dict[str, str] = {}  # stream id → prefill request id
+        self._pending: dict[str, _Destination] = {}  # stream id → destination, request not known yet
+        self._served: dict[str, float] = {}  # stream id → its grant's expiry (time.time()): one destination each
+        self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
+        self._step: list[StreamChunk] = []
+        self._prepared: P2pKvMetadata | None = None  # the step whose chunks were taken
+        self._seen: set[int] = set()  # layers vLLM reported done this step
+        self._layers = set(layer_of.values())
+
+    # ---- side-channel thread -------------------------------------------------------------
+    def on_stream(self, msg: StreamRequest) -> tuple[PushStatus, str]:
+        """Check a decode rank's stream request and take its destination; ``(status, message)``. Never raises."""
+        try:
+            return self._accept(msg)
+        except Exception as exc:  # a bug must not stop the side channel
+            logger.exception("p2pkv: a stream request failed")
+            return "refused", f"internal error: {exc!r}"
+
+    def _accept(self, msg: StreamRequest) -> tuple[PushStatus, str]:
+        if isinstance(self.source, str) or not self._secret:
+            return "refused", self.source if isinstance(self.source, str) else "this engine runs without a secret"
+        identity, why = requester_identity(msg)
+        if identity is None:
+            return "refused", why
+        now = time.time()
+        try:
+            grant = check_stream_grant(msg.grant, self._secret, prefill_engine_id=self.engine_id,
+                                       decode_engine_id=msg.requester_engine_id, now=now)
+        except StreamGrantError as exc:
+            return "refused", str(exc)
+        try:
+            check_peer_info(msg.agent)
+            side = stream_side(msg.agent.layout)
+        except LayoutError as exc:
+            return "refused", f"agent.layout: {exc}"
+        except Exception as exc:
+            return "refused", f"agent: {exc}"
+        if (why := self._pages_differ(side)) is not None:
+            return "refused", why
+        try:
+            check_block_ids(msg.block_ids, side.num_blocks, "decode")
+        except PlanError as exc:
+            return "refused", f"block_ids: {exc}"
+        window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - now)
+        if window_s <= 0:
+            return "refused", "window_s passed before the request was handled (a busy side channel)"
+        with self._lock:
+            self._forget_served(now)
+            if grant.stream_id in self._served:
+                return "refused", f"stream {grant.stream_id} already had a destination (a grant serves once)"
+            if len(self._pending) >= MAX_PENDING:
+                return "busy", f"{MAX_PENDING} stream destinations already wait for their requests here"
+            self._served[grant.stream_id] = grant.expiry
+        loaded, why = self.pusher.hold_agent(identity, msg.agent)
+        if not loaded:
+            return "refused", why
+        target = StreamTarget(msg.agent.agent_name, side, tuple(msg.block_ids), msg.first_block, msg.push_id)
+        dest = _Destination(target, identity, msg.num_tokens, msg.prompt_digest, self._clock() + window_s)
+        with self._lock:
+            request_id = self._by_stream.get(grant.stream_id)
+            if request_id is None:
+                self._pending[grant.stream_id] = dest
+                return "accepted", ""
+            status, why = self._attach(request_id, dest)
+        if status != "accepted":
+            self.pusher.release_agent(identity)
+        return status, why
+
+    def _pages_differ(self, side: StreamSide) -> str | None:
+        assert isinstance(self.source, StreamSide)
+        ours = [(p.length, p.layer_start, p.kv_index) for p in self.source.pages]
+        if ours != [(p.length, p.layer_start, p.kv_index) for p in side.pages]:
+            return (f"the decode rank's {len(side.pages)} pages per block differ from this rank's {len(ours)} "
+                    "(page size, layer or K/V order): stream only between engines with the same block size, "
+                    "page order and heads per rank; send such pairs without a grant (push)")
+        return None
+
+    def _forget_served(self, now: float) -> None:
+        """Drop stream ids whose grants have expired (they can be served no more anyway). Lock held."""
+        for stream_id in [s for s, expiry in self._served.items() if expiry + 60 < now]:
+            del self._served[stream_id]
+
+    def _attach(self, request_id: str, dest: _Destination) -> tuple[PushStatus, str]:
+        """Give a known stream its destination (lock held): pinned first when its hold exists."""
+        live = self._live[request_id]
+        if (dest.num_tokens, dest.digest) != (live.loaded_tokens, live.digest):
+            self.poster.target(request_id, dest.target)
+            self.poster.abort(request_id, f"the decode engine loads {dest.num_tokens} prompt tokens of another "
+                              f"prompt than the {live.loaded_tokens} this engine computed (prompt digest differs)")
+            live.identity = dest.identity
+            return "accepted", ""
+        if live.hold_blocks is not None:
+            answer = self.holds.pin(request_id, list(live.hold_blocks))
+            if answer != "held":
+                return answer, ""
+            live.pinned = True
+        live.identity = dest.identity
+        self.poster.target(request_id, dest.target)
+        return "accepted", ""
+
+    # ---- engine thread -------------------------------------------------------------------
+    def begin_step(self, meta: P2pKvMetadata) -> None:
+        """This step's holds just made (``meta.send_leases``, already given to :attr:`holds`), and its chunks
+        and aborts if the forward has not taken them yet (vLLM calls ``start_load_kv`` after the forward)."""
+        self.prepare(meta)
+        with self._lock:
+            for request_id in meta.send_leases:
+                self._on_hold(request_id, meta.send_blocks.get(request_id, ()))
+
+    def prepare(self, meta: P2pKvMetadata) -> None:
+        """Take this step's stream aborts and chunks, once per step (from the first layer's ``save_kv_layer``,
+        or ``start_load_kv``): streams open, and their destinations if these came first."""
+        if meta is self._prepared:
+            return
+        self._prepared = meta
+        for request_id, why in meta.stream_aborts.items():
+            self.poster.abort(request_id, why)
+        with self._lock:
+            for chunk in meta.streams:
+                if chunk.request_id not in self._live:
+                    self._open(chunk)
+        self._step = [c for c in meta.streams if c.request_id in self._live]
+        self._seen = set()
+
+    def _open(self, chunk: StreamChunk) -> None:
+        """A streamed request's first chunk: its stream, and its destination if it came first. Lock held."""
+        assert isinstance(self.source, StreamSide)
+        stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret)
+        self.poster.add(chunk.request_id, stream)
+        self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens)
+        self._by_stream[chunk.stream_id] = chunk.request_id
+        dest = self._pending.pop(chunk.stream_id, None)
+        if dest is not None and dest.deadline > self._clock():
+            if self._attach(chunk.request_id, dest)[0] != "accepted":
+                self.pusher.release_agent(dest.identity)
+        elif dest is not None:
+            self.pusher.release_agent(dest.identity)
+
+    def _on_hold(self, request_id: str, blocks: tuple[int, ...]) -> None:
+        """A hold was made for ``request_id``: pinned if its stream has a destination, released at once if its
+        stream has already ended. Lock held."""
+        if self._ended_early.pop(request_id, None) is not None:
+            self.holds.on_release([request_id], [list(blocks)])
+            return
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        live.hold_blocks = blocks
+        if live.identity is not None and not live.pinned:
+            live.pinned = self.holds.pin(request_id, list(blocks)) == "held"
+
+    def save_layer(self, layer_name: str, meta: P2pKvMetadata) -> None:
+        """The forward finished layer ``layer_name`` of the step ``meta`` describes: its pages of the step's
+        chunks may go."""
+        self.prepare(meta)
+        if not self._step:
+            return
+        layer = self.layer_of.get(layer_name)
+        if layer is None:
+            return
+        self._seen.add(layer)
+        ready = None
+        if self._on_gpu:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record()
+            ready = event.query
+        for chunk in self._step:
+            self.poster.computed(chunk.request_id, layer, chunk.first_block, chunk.block_ids, ready)
+
+    def end_step(self) -> None:
+        """The step's forward is done: streams whose prompt it finished send their last layers, then end. A step
+        in which vLLM did not report every layer done (``save_kv_layer``) stops its streams: a layer not
+        WRITTEN must never be announced as landed."""
+        missing = self._layers - self._seen
+        for chunk in self._step:
+            if missing:
+                self.poster.abort(chunk.request_id, f"vLLM reported {len(self._seen)} of {len(self._layers)} layers "
+                                  f"done in a step (save_kv_layer; first missing: layer {min(missing)})")
+            elif chunk.last:
+                self.poster.finish(chunk.request_id)
+        self._step = []
+
+    def collect(self) -> None:
+        """Streams that ended: their decode agents released, their holds unpinned and released (or, not made
+        yet, released when made); destinations whose window passed unclaimed dropped. Before the holds'
+        ``released``."""
+        now = self._clock()
+        ended = self.poster.take_ended()
+        with self._lock:
+            for stream in ended:
+                live = self._live.pop(stream.request_id, None)
+                if live is None:
+                    continue
+                self._by_stream.pop(live.stream_id, None)
+                if live.identity is not None:
+                    self.pusher.release_agent(live.identity)
+                if live.pinned:
+                    self.holds.unpin(stream.request_id)
+                if live.hold_blocks is not None:
+                    self.holds.on_release([stream.request_id], [list(live.hold_blocks)])
+                else:
+                    self._ended_early[stream.request_id] = now
+            for stream_id in [s for s, d in self._pending.items() if d.deadline <= now]:
+                self.pusher.release_agent(self._pending.pop(stream_id).identity)
+            for request_id in [r for r, t in self._ended_early.items() if now - t > self.holds.lease_s]:
+                del self._ended_early[request_id]
+
+    def holds_ended(self, request_ids: set[str]) -> None:
+        """These holds ended (a lease ran out before any destination came): their streams stop."""
+        with self._lock:
+            waiting = [r for r in request_ids if r in self._live and not self._live[r].pinned]
+        for request_id in waiting:
+            self.poster.abort(request_id, "the hold ended before the decode rank's destination arrived")
+
+    def close(self) -> None:
+        """Stop the poster (streams still running are aborted). Idempotent."""
+        self.poster.close()
+
+
+def layer_indices(kv_caches: dict[str, object]) -> dict[str, int]:
+    """vLLM layer name → layer index, as :func:`p2pkv.dataplane.layout.describe_torch_kv_caches` numbers the
+    layers (the order of ``kv_caches``, a tensor shared by several layers counted once).
+
+    Args:
+        kv_caches: layer name → its KV tensor (``data_ptr()`` and ``shape``).
+    """
+    index: dict[tuple[int, tuple[int, ...]], int] = {}
+    out = {}
+    for name, tensor in kv_caches.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))  # type: ignore[attr-defined]
+        out[name] = index.setdefault(key, len(index))
+    return out
+
+
+__all__ = ["PrefillStreams", "layer_indices", "stream_side"]
