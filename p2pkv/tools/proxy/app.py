@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import time
@@ -15,8 +14,6 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.exposition import choose_encoder
 
 from p2pkv.params import TRANSFER_MODE_KEY
 from p2pkv.telemetry.tracing import Tracing
@@ -32,6 +29,7 @@ from p2pkv.tools.proxy.first_token import (
 )
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.release import release_all
+from p2pkv.tools.proxy.service import add_service_routes
 from p2pkv.tools.proxy.spans import (
     SCOPE_KEY,
     SERVICE_NAME,
@@ -45,6 +43,7 @@ from p2pkv.tools.proxy.stream import StreamLegs
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
+    engine_headers,
     prefill_answer,
     prefill_body,
     status_error,
@@ -60,8 +59,6 @@ from p2pkv.tools.proxy.validate import (
     read_json,
 )
 
-HEALTH_TIMEOUT_S = 2.0
-"""How long ``/health`` waits for each backend's ``/health`` (seconds)."""
 DISCONNECT_POLL_S = 0.25
 """How often a non-streaming request checks whether its client went away (seconds)."""
 TRACE_FLUSH_S = 2.0
@@ -85,18 +82,17 @@ class RoundRobin:
         if not urls:
             raise ValueError("at least one backend URL is needed")
         self.urls = list(urls)
-        self._it = itertools.cycle(self.urls)
+        self._next = 0
+
+    def peek(self) -> str:
+        """The backend URL :meth:`next` returns next, without taking it."""
+        return self.urls[self._next]
 
     def next(self) -> str:
         """The next backend URL."""
-        return next(self._it)
-
-
-def _headers(request: Request, request_id: str) -> dict[str, str]:
-    headers = {"X-Request-Id": request_id}
-    if auth := request.headers.get("authorization"):
-        headers["Authorization"] = auth
-    return headers
+        url = self.urls[self._next]
+        self._next = (self._next + 1) % len(self.urls)
+        return url
 
 
 class Proxy:
@@ -185,25 +181,61 @@ class Proxy:
             answer["kv_transfer_params"][TRANSFER_MODE_KEY] = self.transfer_mode  # "stream": pushed (no grant)
         return answer
 
-    async def stream_legs(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                          headers: dict[str, str], out_headers: dict[str, str],
-                          trace: RequestTrace | None = None) -> Response | None:
-        """Both legs of one prompt at once, layer-streamed (:mod:`p2pkv.tools.proxy.stream`); the client gets
-        the decode leg's answer. None (nothing sent) while the next prefill engine's address is not known."""
-        assert self.streams is not None
-        url = self.prefill.next()
+    def start_stream(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                     trace: RequestTrace | None = None, index: int = 0) -> dict[str, Any] | None:
+        """Layer-stream the prompt of ``body`` (:mod:`p2pkv.tools.proxy.stream`): its prefill leg sent now, in the
+        background; the decode leg's ``kv_transfer_params``, to be sent at once. None (nothing sent) when this
+        proxy does not stream, or while the next prefill engine's address is not known.
+
+        ``index``: the prompt's place in a batch (its spans' index).
+        """
+        if self.streams is None:
+            return None
+        url = self.prefill.peek()
         legs = self.streams.legs(url, body)
-        if legs is None:
-            params = [(await self._prefill_leg(client, url, path, prefill_body(body), headers,
-                                               leg_of(trace, "prefill")))["kv_transfer_params"]]
-            return await self.decode_one(client, path, {**body, "kv_transfer_params": params[0]}, headers,
-                                         out_headers, trace)
-        prefill, decode = legs
-        task = asyncio.create_task(self._prefill_leg(client, url, path, prefill, headers, leg_of(trace, "prefill")))
+        if legs is None:  # not taken: the push that teaches its address goes to this engine
+            return None
+        self.prefill.next()
+        prefill, params = legs
+        task = asyncio.create_task(self._prefill_leg(client, url, path, prefill, headers,
+                                                     leg_of(trace, "prefill", index)))
         self._background.add(task)
         task.add_done_callback(_prefill_done(self._background))
-        return await self.run_decode(client, path, decode, headers, out_headers,  # type: ignore[return-value]
-                                     leg=leg_of(trace, "decode"))
+        self.streams.started(params, task)
+        return params
+
+    def _stream_ended(self, body: dict[str, Any], failed: bool) -> None:
+        """The decode leg ``body`` of a streamed prompt was answered (or ``failed``: refused, unreachable, or the
+        client went away first): once its prefill leg has answered, a failed one's hold is freed
+        (:meth:`p2pkv.tools.proxy.stream.StreamLegs.ended`)."""
+        prefill = self.streams.ended(body) if self.streams is not None else None
+        if prefill is None or not failed:
+            return
+
+        async def free() -> None:
+            try:
+                answer = await asyncio.wait_for(asyncio.shield(prefill), self.timeout_s)
+            except Exception:  # the prefill leg failed: it holds nothing (its failure is logged)
+                return
+            await self.release([answer["kv_transfer_params"]])
+
+        task = asyncio.create_task(free())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def stream_legs(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                          headers: dict[str, str], out_headers: dict[str, str],
+                          trace: RequestTrace | None = None) -> Response:
+        """Both legs of one prompt at once, layer-streamed (:meth:`start_stream`); the client gets the decode leg's
+        answer. While the prefill engine's address is not known, the prompt is pushed (its answer teaches it)."""
+        params = self.start_stream(client, path, body, headers, trace)
+        if params is None:
+            params = (await self.run_prefill(client, path, body, headers, leg_of(trace, "prefill")))[
+                "kv_transfer_params"]
+            return await self.decode_one(client, path, {**body, "kv_transfer_params": params}, headers,
+                                         out_headers, trace)
+        return await self.run_decode(client, path, {**body, "kv_transfer_params": params}, headers,
+                                     out_headers, leg=leg_of(trace, "decode"))  # type: ignore[return-value]
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], relay: bool = True,
@@ -222,10 +254,12 @@ class Proxy:
         try:
             resp = await self._decode(client, url, path, body, headers, out_headers, relay, leg)
         except BaseException as exc:
+            self._stream_ended(body, failed=True)
             if leg is not None:
                 leg.failed(exc)
                 leg.end()
             raise
+        self._stream_ended(body, failed=resp.status_code >= 400)
         if leg is not None and isinstance(resp, Response) and not isinstance(resp, RelayedStream):
             leg.end()
         return resp
@@ -485,7 +519,7 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
         app.add_api_route(path, _endpoint(proxy, path, max_body_bytes, max_prompts), methods=["POST"])
     if tracing is not None:
         app.add_middleware(RequestSpans, tracing=tracing, routes=frozenset(ROUTES))
-    _add_service_routes(app, proxy, openmetrics=tracing is not None)
+    add_service_routes(app, proxy, openmetrics=tracing is not None)
     return app
 
 
@@ -519,7 +553,7 @@ def _endpoint(proxy: Proxy, path: str, max_body_bytes: int, max_prompts: int) ->
             return JSONResponse(exc.payload(), status_code=exc.status, headers={**out_headers, **close})
         client: httpx.AsyncClient = request.app.state.client
         waited = [0.0]
-        work = proxy.serve(client, path, body, _headers(request, request_id), out_headers, waited, trace)
+        work = proxy.serve(client, path, body, engine_headers(request, request_id), out_headers, waited, trace)
         try:
             resp = await work if body.get("stream") is True else await _unless_disconnected(request, work)
         except UpstreamError as exc:
@@ -540,47 +574,3 @@ def _endpoint(proxy: Proxy, path: str, max_body_bytes: int, max_prompts: int) ->
         return resp
 
     return handle
-
-
-def _add_service_routes(app: FastAPI, proxy: Proxy, openmetrics: bool) -> None:
-    timeout_s = proxy.timeout_s
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        """The first decode engine's model list."""
-        url = proxy.decode_urls[0]
-        headers = _headers(request, uuid.uuid4().hex)
-        try:
-            resp = await request.app.state.client.get(f"{url}/v1/models", headers=headers,
-                                                      timeout=min(timeout_s, 10.0))
-        except httpx.HTTPError as exc:
-            return transport_error("decode", url, exc, min(timeout_s, 10.0)).response()
-        return Response(resp.content, status_code=resp.status_code,
-                        media_type=resp.headers.get("content-type", "application/json"))
-
-    async def probe(client: httpx.AsyncClient, role: str, url: str) -> dict[str, Any]:
-        try:
-            resp = await client.get(f"{url}/health", timeout=min(timeout_s, HEALTH_TIMEOUT_S))
-            ok, detail = resp.status_code == 200, f"HTTP {resp.status_code}"
-        except httpx.HTTPError as exc:
-            ok, detail = False, f"{type(exc).__name__}: {exc}"
-        return {"url": url, "role": role, "status": "ok" if ok else "down", "detail": detail}
-
-    @app.get("/health")
-    async def health(request: Request) -> Response:
-        """200 when the proxy and every backend are healthy, else 503; lists each backend's state."""
-        client: httpx.AsyncClient = request.app.state.client
-        backends = await asyncio.gather(*[probe(client, "prefill", u) for u in proxy.prefill_urls],
-                                        *[probe(client, "decode", u) for u in proxy.decode_urls])
-        healthy = all(b["status"] == "ok" for b in backends)
-        return JSONResponse({"status": "ok" if healthy else "degraded", "backends": backends},
-                            status_code=200 if healthy else 503)
-
-    @app.get("/metrics")
-    async def prometheus(request: Request) -> Response:
-        """The proxy's own metrics (Prometheus text format; with tracing on, OpenMetrics — which carries the
-        histograms' trace exemplars — to a scraper that accepts it)."""
-        if openmetrics:
-            encode, media_type = choose_encoder(request.headers.get("accept", ""))
-            return Response(encode(proxy.metrics.registry), media_type=media_type)
-        return Response(generate_latest(proxy.metrics.registry), media_type=CONTENT_TYPE_LATEST)

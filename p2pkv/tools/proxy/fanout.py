@@ -6,6 +6,10 @@ prefilled and held on the prefill engines, or decoding, at once (without the
 bound one request of 256 prompts would send 256 prefills together and keep
 every prompt's KV blocks held until its decode leg comes).
 
+With ``--transfer-mode stream`` each pair's two legs go at once
+(:meth:`p2pkv.tools.proxy.app.Proxy.start_stream`) and the pair's slot is
+held until its decode answer ends.
+
 Failures: a non-streamed batch answers the first failed prompt's error
 (prompt order); pairs not started by then are skipped, and a prefill hold
 whose decode leg will not come is freed. A streamed batch answers with the
@@ -42,6 +46,9 @@ class Legs(Protocol):
                          leg: ProxySpan | None = None) -> Response | httpx.Response: ...
 
     async def release(self, params_list: list[dict[str, Any]]) -> None: ...
+
+    def start_stream(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                     trace: RequestTrace | None = None, index: int = 0) -> dict[str, Any] | None: ...
 
 
 class Skipped(Exception):
@@ -80,7 +87,8 @@ class Batch:
         """A streamed batch: a decode stream has opened, so the answer is a stream (later failures are events)."""
 
     async def _prefill(self, index: int, body: dict[str, Any]) -> dict[str, Any]:
-        """Prompt ``index``'s prefill (the caller holds a slot); its ``kv_transfer_params``.
+        """Prompt ``index``'s prefill (the caller holds a slot); its ``kv_transfer_params``. A proxy that streams
+        sends the prefill leg in the background and returns the decode leg's params at once.
 
         Raises:
             Skipped: the batch failed before or during it (a hold it made is freed).
@@ -88,6 +96,9 @@ class Batch:
         """
         if self.stop.is_set():
             raise Skipped
+        streamed = self.proxy.start_stream(self.client, self.path, body, self.headers, self.trace, index)
+        if streamed is not None:
+            return streamed
         answer = await self.proxy.run_prefill(self.client, self.path, body, self.headers,
                                               leg_of(self.trace, "prefill", index))
         params = answer["kv_transfer_params"]

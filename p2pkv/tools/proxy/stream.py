@@ -1,25 +1,29 @@
 """The proxy's layer-streamed dispatch (``--transfer-mode stream``): both legs at once, under one grant.
 
 A prefill engine's address (engine id, side-channel host and port, TP size)
-is learned from its first answer's ``kv_transfer_params`` (signed by that
-engine); until then, and for batched prompts, requests go as pushes. Once it
-is known, :meth:`StreamLegs.legs` makes a grant (:func:`p2pkv.grant.make_stream_grant`,
+is learned from its first answer's ``kv_transfer_params`` whose capability
+checks under the proxy's secret (an answer nobody signed teaches nothing);
+until then requests go to that engine as pushes. Once it is known,
+:meth:`StreamLegs.legs` makes a grant (:func:`p2pkv.grant.make_stream_grant`,
 for :data:`p2pkv.grant.ANY_DECODE`: the proxy does not know the decode
-engines' ids) and the two legs' bodies: the prefill leg holds for a remote
-decode and carries the grant; the decode leg carries the grant and the
-prefill engine's address, no blocks (the prefill engine has not answered).
-Both are sent at once; the client's answer is the decode leg's, whose
-engine computes the first token itself (no prefill token is handed over).
+engines' ids), the prefill leg's body and the decode leg's
+``kv_transfer_params``: the prefill leg holds for a remote decode and
+carries the grant; the decode leg carries the grant and the prefill
+engine's address, no blocks (the prefill engine has not answered). Both are
+sent at once, for each prompt of a batch too; the client's answer is the
+decode leg's, whose engine computes the first token itself (no prefill token
+is handed over).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
-from p2pkv.params import SENDER, TRANSFER_MODE_KEY, KVTransferParamsError, parse_prefill_address
+from p2pkv.params import SENDER, TRANSFER_MODE_KEY, KVTransferParamsError, parse_remote_prefill
 from p2pkv.tools.proxy.upstream import prefill_body
 
 
@@ -45,27 +49,45 @@ class StreamLegs:
         self._secret = secret
         self.grant_s = grant_s
         self.addresses: dict[str, PrefillAddress] = {}
+        self._prefill_legs: dict[str, asyncio.Task] = {}
+        """A streamed prompt's prefill leg (its answer: the prefill engine's params) by the grant, until its
+        decode leg has been answered."""
 
     def learn(self, url: str, params: Any) -> None:
-        """A p2pkv prefill engine at ``url`` answered with ``params``: remember its address."""
+        """A p2pkv prefill engine at ``url`` answered with ``params``: remember its address when their capability
+        checks under the secret (params without a hold, or signed with another secret, teach nothing)."""
         if not isinstance(params, dict) or params.get("kv_connector") != SENDER:
             return
         try:
-            self.addresses[url] = PrefillAddress(*parse_prefill_address(params))
+            remote = parse_remote_prefill(params, secret=self._secret)
         except KVTransferParamsError:
             return
+        self.addresses[url] = PrefillAddress(remote.engine_id, remote.host, remote.port, remote.tp_size)
 
     def legs(self, url: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """``(prefill leg, decode leg)`` bodies streaming ``body`` from the prefill engine at ``url``; None
-        while its address is not known."""
+        """``(prefill leg's body, decode leg's kv_transfer_params)`` streaming the prompt of ``body`` from the
+        prefill engine at ``url``; None while its address is not known."""
         address = self.addresses.get(url)
         if address is None:
             return None
         grant = make_stream_grant(address.engine_id, ANY_DECODE, self._secret, time.time() + self.grant_s)
         prefill = prefill_body(body)
         prefill["kv_transfer_params"][GRANT_KEY] = grant
-        decode = {**body, "kv_transfer_params": {
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": address.engine_id,
-            "remote_host": address.host, "remote_port": address.port, "tp_size": address.tp_size,
-            GRANT_KEY: grant, TRANSFER_MODE_KEY: "stream"}}
+        decode = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": address.engine_id,
+                  "remote_host": address.host, "remote_port": address.port, "tp_size": address.tp_size,
+                  GRANT_KEY: grant, TRANSFER_MODE_KEY: "stream"}
         return prefill, decode
+
+    def started(self, params: dict[str, Any], prefill_leg: asyncio.Task) -> None:
+        """The prefill leg of the stream whose decode leg carries ``params`` (from :meth:`legs`) was sent."""
+        self._prefill_legs[params[GRANT_KEY]] = prefill_leg
+
+    def ended(self, body: dict[str, Any]) -> asyncio.Task | None:
+        """The decode leg ``body`` was answered or failed: its stream's prefill leg, forgotten here (None when
+        ``body`` is not a streamed decode leg). When the decode leg failed, the proxy frees the hold that
+        prefill leg's answer names: a stream that never got its destination would hold its blocks until the
+        lease; one that did keeps them pinned until its WRITEs end, so freeing never takes blocks from under
+        a WRITE."""
+        params = body.get("kv_transfer_params")
+        grant = params.get(GRANT_KEY) if isinstance(params, dict) else None
+        return self._prefill_legs.pop(grant, None) if isinstance(grant, str) else None

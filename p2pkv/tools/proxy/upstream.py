@@ -10,6 +10,7 @@ from typing import Any
 
 import anyio
 import httpx
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -163,3 +164,11 @@ class RelayedStream(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
             self.on_done(time.perf_counter() - self.started)
+
+
+def engine_headers(request: Request, request_id: str) -> dict[str, str]:
+    """Headers of a request to an engine: the proxy's request id and the client's ``Authorization``."""
+    headers = {"X-Request-Id": request_id}
+    if auth := request.headers.get("authorization"):
+        headers["Authorization"] = auth
+    return headers

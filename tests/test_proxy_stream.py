@@ -1,0 +1,113 @@
+"""The proxy's layer-streamed dispatch without engines: what it learns, which engine it asks, the legs it sends.
+
+The legs it would send to engines are recorded by replacing the proxy's two
+HTTP calls; the grants are checked with the real :func:`p2pkv.grant.check_stream_grant`.
+Real engines behind a stream proxy: tests/test_e2e_stream.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from fastapi.responses import Response
+
+from p2pkv.grant import ANY_DECODE, GRANT_KEY, check_stream_grant
+from p2pkv.params import make_prefill_response_params
+from p2pkv.tools.proxy.app import Proxy
+from p2pkv.tools.proxy.fanout import Batch
+
+SECRET = b"s" * 32
+URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+
+
+def _answer_params(engine_id: str, port: int, secret: bytes | None = SECRET) -> dict[str, Any]:
+    """What a prefill engine answers for a held prompt (signed with ``secret``; None: unsigned)."""
+    return make_prefill_response_params(engine_id=engine_id, request_id="r1", host="127.0.0.1", port=port,
+                                        block_ids=[1, 2], tp_size=1, num_tokens=20, expiry_time=time.time() + 60,
+                                        secret=secret)
+
+
+class Recorded(Proxy):
+    """A stream proxy whose engine calls are recorded: prefill legs as ``(url, body)``, decode legs' bodies."""
+
+    def __init__(self) -> None:
+        super().__init__(URLS, ["http://127.0.0.1:3"], 5.0, SECRET, transfer_mode="stream")
+        self.prefills: list[tuple[str, dict[str, Any]]] = []
+        self.decodes: list[dict[str, Any]] = []
+
+    async def _prefill_leg(self, client, url, path, sent, headers, leg):  # type: ignore[override]
+        self.prefills.append((url, sent))
+        return {"kv_transfer_params": {}}
+
+    async def run_prefill(self, client, path, body, headers, leg=None):  # type: ignore[override]
+        url = self.prefill.next()
+        self.prefills.append((url, body))
+        return {"kv_transfer_params": {"pushed": url}}
+
+    async def run_decode(self, client, path, body, headers, out_headers, relay=True, leg=None):  # type: ignore[override]
+        self.decodes.append(body)
+        index = len(self.decodes) - 1
+        return Response(json.dumps({"id": "x", "choices": [{"index": 0, "text": str(index)}]}).encode(),
+                        media_type="application/json")
+
+
+def test_only_an_answer_signed_with_the_secret_teaches_an_address() -> None:
+    proxy = Recorded()
+    assert proxy.streams is not None
+    proxy.streams.learn(URLS[0], _answer_params("p-unsigned", 7000, secret=None))
+    proxy.streams.learn(URLS[0], _answer_params("p-other", 7000, secret=b"o" * 32))
+    proxy.streams.learn(URLS[0], {"kv_connector": "P2pKvConnector", "p2pkv_no_hold": "role decode"})
+    assert proxy.streams.addresses == {}
+    proxy.streams.learn(URLS[0], _answer_params("p0", 7000))
+    address = proxy.streams.addresses[URLS[0]]
+    assert (address.engine_id, address.host, address.port, address.tp_size) == ("p0", "127.0.0.1", 7000, 1)
+
+
+def test_an_engine_not_learned_yet_gets_the_push_that_teaches_it() -> None:
+    """With two prefill engines, one learned: the unlearned one is not skipped by the round robin (it would
+    never be learned), and the learned one gets both legs at once under a grant for any decode engine."""
+    proxy = Recorded()
+    assert proxy.streams is not None
+    proxy.streams.learn(URLS[0], _answer_params("p0", 7000))
+
+    async def run() -> None:
+        for _ in range(3):
+            await proxy.stream_legs(None, "/v1/completions", {"prompt": "hi", "max_tokens": 3}, {}, {})  # type: ignore[arg-type]
+        await asyncio.sleep(0)  # the background prefill legs run
+
+    asyncio.run(run())
+    assert sorted(url for url, _ in proxy.prefills) == [URLS[0], URLS[0], URLS[1]]
+    assert proxy.decodes[1]["kv_transfer_params"] == {"pushed": URLS[1]}
+    streamed = [proxy.decodes[0], proxy.decodes[2]]
+    sent = [body for url, body in proxy.prefills if url == URLS[0]]
+    for prefill, decode in zip(sent, streamed, strict=True):
+        params = decode["kv_transfer_params"]
+        assert params["remote_engine_id"] == "p0" and params["remote_port"] == 7000
+        assert prefill["kv_transfer_params"][GRANT_KEY] == params[GRANT_KEY]
+        assert prefill["max_tokens"] == 1 and decode["max_tokens"] == 3
+        check_stream_grant(params[GRANT_KEY], SECRET, prefill_engine_id="p0", decode_engine_id=ANY_DECODE,
+                           now=time.time())
+
+
+def test_each_prompt_of_a_batch_streams_under_its_own_grant() -> None:
+    proxy = Recorded()
+    proxy.prefill = type(proxy.prefill)([URLS[0]])
+    assert proxy.streams is not None
+    proxy.streams.learn(URLS[0], _answer_params("p0", 7000))
+    bodies = [{"prompt": p, "max_tokens": 2} for p in ("a", "b", "c")]
+
+    async def run() -> Response:
+        batch = Batch(proxy, None, "/v1/completions", {}, {}, max_fanout=2)  # type: ignore[arg-type]
+        answer = await batch.answers(bodies)
+        await asyncio.sleep(0)
+        return answer
+
+    merged = json.loads(asyncio.run(run()).body)
+    assert [c["index"] for c in merged["choices"]] == [0, 1, 2]
+    grants = [d["kv_transfer_params"][GRANT_KEY] for d in proxy.decodes]
+    assert sorted(d["prompt"] for d in proxy.decodes) == ["a", "b", "c"]
+    assert len(set(grants)) == 3, "every prompt is its own stream"
+    assert sorted(b["kv_transfer_params"][GRANT_KEY] for _, b in proxy.prefills) == sorted(grants)
