@@ -47,6 +47,14 @@ def streamed(pair, client):
         stop_children([child])
 
 
+def _releases(client, proxy_url: str) -> float:
+    """The proxy's ``p2pkv_proxy_prefill_releases_total``: prefill holds it freed (per rank)."""
+    for line in client.get(f"{proxy_url}/metrics").text.splitlines():
+        if line.startswith("p2pkv_proxy_prefill_releases_total "):
+            return float(line.split()[1])
+    raise AssertionError("the proxy's /metrics has no p2pkv_proxy_prefill_releases_total")
+
+
 def _prefill_address(route: Route, client) -> dict:
     """The prefill engine's address, from one prefill leg's answer (that hold then freed, as a proxy frees it)."""
     body = {"model": "model", "prompt": route.fresh("where are you"), "max_tokens": 1,
@@ -113,3 +121,47 @@ def test_stream_holds_no_blocks_after_requests(streamed, client) -> None:
     time.sleep(0.5)
     assert wait_blocks_released(client, route.url("prefill"), timeout_s=30) == 0.0
     assert wait_blocks_released(client, route.url("decode"), timeout_s=30) == 0.0
+
+
+def test_each_prompt_of_a_batch_is_streamed_and_answers_equal(streamed, client) -> None:
+    """A list of prompts, answered whole and as one SSE stream: every prompt's KV streamed (its own grant), the
+    texts equal the aggregated engine's for the same list."""
+    route, stats = streamed
+    prompts = [route.fresh(PROMPTS["several blocks"]) + " one", route.fresh("x" * (2 * BLOCK + 3))]
+    body = {"model": "model", "prompt": prompts, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    ref = client.post(f"{route.url('aggregated')}/v1/completions", json=body).json()
+    ref_texts = [c["text"] for c in sorted(ref["choices"], key=lambda c: c["index"])]
+    before = len(read_pull_stats(stats))
+    got = client.post(f"{route.url('proxy')}/v1/completions", json=body)
+    assert got.status_code == 200, got.text
+    assert [c["text"] for c in sorted(got.json()["choices"], key=lambda c: c["index"])] == ref_texts
+    assert [p["direction"] for p in read_pull_stats(stats)[before:]] == ["stream", "stream"]
+    texts = ["", ""]
+    sse = {**body, "prompt": [p + " sse" for p in prompts], "stream": True}
+    ref = client.post(f"{route.url('aggregated')}/v1/completions", json={**sse, "stream": False}).json()
+    with client.stream("POST", f"{route.url('proxy')}/v1/completions", json=sse) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    texts[choice["index"]] += choice["text"]
+    assert texts == [c["text"] for c in sorted(ref["choices"], key=lambda c: c["index"])]
+
+
+def test_a_refused_decode_leg_frees_the_prefill_hold_and_the_next_request_is_right(streamed, client) -> None:
+    """The decode engine refuses the leg (``max_tokens`` past the model's length; the prefill leg asks for one
+    token and is accepted): the client gets the engine's 400, the prefill engine's streamed hold is freed by
+    the proxy once its prefill leg answered (well before the 120 s lease), and the next request streams right."""
+    route, _ = streamed
+    released = _releases(client, route.url("proxy"))
+    bad = {"model": "model", "prompt": route.fresh(PROMPTS["several blocks"]) + " refused", "max_tokens": 10**6}
+    got = client.post(f"{route.url('proxy')}/v1/completions", json=bad)
+    assert got.status_code == 400, got.text
+    deadline = time.monotonic() + 15
+    while _releases(client, route.url("proxy")) == released and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _releases(client, route.url("proxy")) == released + 1, "the prefill rank's hold must have been freed"
+    assert wait_blocks_released(client, route.url("prefill"), timeout_s=15) == 0.0
+    prompt = route.fresh("after a refused decode leg")
+    pd = complete(client, route.url("proxy"), prompt, max_tokens=5)
+    assert pd.token_ids == complete(client, route.url("aggregated"), prompt, max_tokens=5).token_ids
