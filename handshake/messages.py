@@ -328,7 +328,9 @@ class ReleaseHolds(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tru
     Sent by a decode worker whose pull failed and by the proxy when the decode
     leg failed after the prefill succeeded. A hold is freed only when its block
     ids are exactly ``block_ids`` of its request id (so params naming another
-    request's id with other blocks free nothing). Answered with a
+    request's id with other blocks free nothing). A layer stream's id
+    (:mod:`p2pkv.grant`) with no block ids declines that stream: the decode
+    rank loads nothing of it. Answered with a
     :class:`HoldsReply` (``accepted``: ids held with those blocks, now released).
 
     Attributes:

@@ -48,6 +48,7 @@ ANY_DECODE = "*"
 """The decode engine id of a grant for whichever decode engine presents it first."""
 
 GRANT_FORM = re.compile(r"v1\.([0-9a-f]{32})\.([0-9]{1,12})\.([0-9a-f]{64})")
+STREAM_ID_FORM = re.compile(r"[0-9a-f]{32}")
 """A grant's wire form: version, stream id, expiry, MAC."""
 
 _LABEL = "p2pkv stream grant v1"
@@ -93,7 +94,7 @@ def make_stream_grant(prefill_engine_id: str, decode_engine_id: str, secret: byt
     stream_id = secrets.token_hex(16) if stream_id is None else stream_id
     if not secret or not prefill_engine_id or not decode_engine_id:
         raise ValueError("a stream grant needs the secret and both engine ids")
-    if not re.fullmatch(r"[0-9a-f]{32}", stream_id):
+    if not is_stream_id(stream_id):
         raise ValueError(f"stream_id must be 32 hex digits, got {stream_id!r}")
     deadline = math.ceil(expiry)
     return f"v1.{stream_id}.{deadline}.{grant_mac(stream_id, prefill_engine_id, decode_engine_id, deadline, secret)}"
@@ -131,6 +132,11 @@ def _read(grant: Any, now: float) -> tuple[str, int, str]:
     if now > expiry + CLOCK_SKEW_S:
         raise StreamGrantError(f"{key} expired {now - expiry:.0f} s ago: send the request through the proxy again")
     return stream_id, expiry, mac
+
+
+def is_stream_id(text: str) -> bool:
+    """True when ``text`` has a stream id's form (32 lowercase hex digits, as :func:`make_stream_grant` draws)."""
+    return STREAM_ID_FORM.fullmatch(text) is not None
 
 
 def wants_stream(params: dict[str, Any] | None) -> bool:

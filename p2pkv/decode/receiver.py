@@ -125,6 +125,10 @@ class Receiver:
             for request_id, blocks in (failed or {}).items():
                 self.outcomes.add(request_id, blocks, failed=True)
                 self.stats.record_failure(FailureKind.REFUSED.value)
+            for spec in [s for s in specs if _declines_stream(s)]:
+                release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size),
+                               self.rank.name, self._secret, self.config.handshake_timeout_s)
+            specs = [s for s in specs if not _declines_stream(s)]
             new, waiting, self._staging_wait = [Transfer.taken(spec) for spec in specs], self._staging_wait, []
             self.transfers += new
             for transfer in [*waiting, *new]:
@@ -387,6 +391,13 @@ class Receiver:
     def _busy_peers(self) -> set[PeerId]:
         """Peers a pull under way, a cancelled READ or a notification still needs (never dropped)."""
         return {pid for p in self.transfers for pid in p.peers} | self.drain.peers() | self.notifier.needed_peers()
+
+
+def _declines_stream(spec: LoadSpec) -> bool:
+    """A streamed load that takes nothing (its prompt is in this engine's prefix cache, or the request ended before
+    its blocks were allocated): the prefill rank is told at once, by a release of the stream id, so that it stops
+    the stream and frees its hold instead of waiting for the lease."""
+    return bool(spec.stream_grant) and not spec.local_block_ids and not spec.report
 
 
 def _log_failure(spec: LoadSpec, kind: FailureKind, why: str) -> bool:

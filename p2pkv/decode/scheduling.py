@@ -4,6 +4,7 @@ engine, checked once (:class:`p2pkv.decode.load.DecodeLoad`), and the pulls the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -110,8 +111,12 @@ class DecodeScheduling:
             if wants_stream(params):
                 remote, grant = parse_stream_leg(params, self._secret, decode_engine_id=self.engine_id,
                                                  now=time.time())
-                return DecodeLoad.streamed(remote, grant, request.prompt_token_ids or (), self.recompute_tokens,
-                                           self.kv_groups)
+                try:
+                    return DecodeLoad.streamed(remote, grant, request.prompt_token_ids or (), self.recompute_tokens,
+                                               self.kv_groups)
+                except KVTransferParamsError:
+                    self._decline(request.request_id, remote, grant)
+                    raise
             remote = self._queued.get(request.request_id)
             if remote is None:
                 remote = self._parse(request)
@@ -119,6 +124,11 @@ class DecodeScheduling:
         except KVTransferParamsError as exc:
             self._refuse(request, exc)
             return None
+
+    def _decline(self, request_id: str, remote: RemotePrefill, grant: str) -> None:
+        """A stream (its grant checked) this engine will not take: a load of nothing, which tells the prefill rank
+        at once to stop the stream and free its hold (it would hold the blocks until its lease)."""
+        self.transfers.append(LoadSpec(request_id, (), (), remote, report=False, stream_grant=grant))
 
     def _refuse(self, request: Request, exc: KVTransferParamsError) -> None:
         """Params refused: logged, and the request prefilled locally instead."""
@@ -205,12 +215,19 @@ class DecodeScheduling:
 
     def request_finished(self, request: Request) -> None:
         """A request ends: what was kept for it is dropped; one that ended (aborted) before its blocks were
-        allocated tells its prefill engine to free its copy now (a notify-only pull)."""
+        allocated tells its prefill engine to free its copy now (a notify-only pull; for a stream, a declined
+        one)."""
         queued = self._queued.pop(request.request_id, None)
         load = self._loads.pop(request.request_id, None)  # kept no longer, whatever the request's end
         params = request.kv_transfer_params
         if wants_remote_prefill(params) and wants_stream(params):
-            params["do_remote_prefill"] = False  # a stream nobody takes ends on the prefill side by its lease
+            params["do_remote_prefill"] = False
+            if load is not None:
+                self._decline(request.request_id, load.remote, load.grant)
+                return
+            with contextlib.suppress(KVTransferParamsError):  # refused: the prefill engine's lease ends the stream
+                self._decline(request.request_id, *parse_stream_leg(params, self._secret,
+                                                                    decode_engine_id=self.engine_id, now=time.time()))
         elif wants_remote_prefill(params):
             params["do_remote_prefill"] = False
             remote = load.remote if load is not None else queued or self._source_of_unloaded(request)

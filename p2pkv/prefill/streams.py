@@ -22,7 +22,11 @@ not expired; the agent's metadata matches its digest; its pages are this
 rank's (same page size, layer and K/V order: a stream moves pages as they
 are) and its block ids lie in its cache; the window has not passed; the
 stream id has not had a destination (a grant serves once). Then NIXL loads
-the decode agent and keeps it until the stream ends.
+the decode agent and keeps it until the stream ends. A decode rank that
+will load nothing of a stream (its prefix cache holds the prompt, or the
+request ended or failed first) declines it with a release of the stream id
+and no block ids (:meth:`PrefillStreams.on_release`): the stream stops and
+its hold is freed at once, not at the lease.
 
 Holds: a streamed request's hold (made when it finishes, whatever its end:
 :meth:`p2pkv.prefill.scheduling.PrefillScheduling.request_finished`) is
@@ -46,7 +50,7 @@ from p2pkv.dataplane.layers import page_segments
 from p2pkv.dataplane.layout import LayoutError
 from p2pkv.dataplane.negotiate import page_bytes, remote_segments
 from p2pkv.dataplane.plan import PlanError, check_block_ids
-from p2pkv.grant import StreamGrantError, check_stream_grant
+from p2pkv.grant import StreamGrantError, check_stream_grant, is_stream_id
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.prefill.agents import Identity
 from p2pkv.prefill.holds import PrefillHolds
@@ -57,7 +61,9 @@ from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 logger = logging.getLogger("p2pkv.prefill")
 
 MAX_PENDING = 4096
-"""Most destinations kept for requests not yet known here (more are answered ``busy``)."""
+"""Most destinations kept for requests not yet known here (more are answered ``busy``); as many declines."""
+DECLINED_KEEP_S = 600.0
+"""How long a stream declined before its request was known here is remembered (seconds)."""
 
 
 def stream_side(desc: KVLayoutDesc) -> StreamSide:
@@ -127,6 +133,7 @@ class PrefillStreams:
         self._pending: dict[str, _Destination] = {}  # stream id → destination, request not known yet
         self._served: dict[str, float] = {}  # stream id → its grant's expiry (time.time()): one destination each
         self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
+        self._declined: dict[str, float] = {}  # stream id → until when: declined before its request was known
         self._step: list[StreamChunk] = []
         self._prepared: P2pKvMetadata | None = None  # the step whose chunks were taken
         self._seen: set[int] = set()  # layers vLLM reported done this step
@@ -191,6 +198,30 @@ class PrefillStreams:
             self.pusher.release_agent(identity)
         return status, why
 
+    def on_release(self, request_ids: list[str], block_ids: list[list[int]]) -> int:
+        """Side-channel thread: a release (:meth:`p2pkv.prefill.holds.PrefillHolds.on_release`). A stream id
+        among ``request_ids`` with no block ids is a decode rank declining that stream: it loads nothing of it
+        (its prefix cache holds the prompt, or the request ended or failed first). The stream stops and its
+        hold is freed, unless a destination was already taken (its stream then ends by itself); how many
+        holds and streams are freed."""
+        declined = sum(self._decline(rid) for rid, blocks in zip(request_ids, block_ids, strict=True)
+                       if not blocks and is_stream_id(rid))
+        return declined + self.holds.on_release(request_ids, block_ids)
+
+    def _decline(self, stream_id: str) -> int:
+        with self._lock:
+            if stream_id in self._served:  # it has a destination (or was declined already)
+                return 0
+            request_id = self._by_stream.get(stream_id)
+            if request_id is None:
+                if len(self._declined) >= MAX_PENDING:
+                    return 0
+                self._declined[stream_id] = self._clock() + DECLINED_KEEP_S
+            self._served[stream_id] = time.time() + DECLINED_KEEP_S
+            if request_id is not None:
+                self.poster.abort(request_id, "the decode engine declined the stream (it loads nothing of it)")
+        return 1
+
     def _pages_differ(self, side: StreamSide) -> str | None:
         assert isinstance(self.source, StreamSide)
         ours = [(p.length, p.layer_start, p.kv_index) for p in self.source.pages]
@@ -254,6 +285,9 @@ class PrefillStreams:
         self.poster.add(chunk.request_id, stream)
         self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens)
         self._by_stream[chunk.stream_id] = chunk.request_id
+        if self._declined.pop(chunk.stream_id, None) is not None:
+            self.poster.abort(chunk.request_id, "the decode engine declined the stream (it loads nothing of it)")
+            return
         dest = self._pending.pop(chunk.stream_id, None)
         if dest is not None and dest.deadline > self._clock():
             if self._attach(chunk.request_id, dest)[0] != "accepted":
@@ -331,6 +365,8 @@ class PrefillStreams:
                 self.pusher.release_agent(self._pending.pop(stream_id).identity)
             for request_id in [r for r, t in self._ended_early.items() if now - t > self.holds.lease_s]:
                 del self._ended_early[request_id]
+            for stream_id in [s for s, until in self._declined.items() if until <= now]:
+                del self._declined[stream_id]
 
     def holds_ended(self, request_ids: set[str]) -> None:
         """These holds ended (a lease ran out before any destination came): their streams stop."""
