@@ -241,7 +241,10 @@ def client():
 
 
 MODES = ("pull", "push")
-"""The transfer directions every engine suite runs in (``kv_transfer_params.p2pkv_transfer_mode``)."""
+"""The transfer directions every in-process suite runs in (``kv_transfer_params.p2pkv_transfer_mode``)."""
+ROUTE_MODES = (*MODES, "stream")
+"""The proxy's transfer modes the engine suites run in (``--transfer-mode``): a stream proxy sends both legs at
+once and the prefill rank WRITEs each layer as it is computed."""
 
 
 def start_mode_proxy(pair: Any, mode: str) -> tuple[str, Any]:
@@ -278,12 +281,12 @@ class Route:
 
     def fresh(self, prompt: str) -> str:
         """``prompt`` as this route sends it: as is for pull, reversed for push (same length; a palindrome
-        case-swapped), case-swapped for stream (its first character replaced when that changes nothing), so the
-        engines' prefix caches from the other modes' runs hold none of it and every block moves again."""
+        case-swapped), its first character replaced by ``#`` for stream (``%`` if it is one), so the engines'
+        prefix caches from the other modes' runs hold none of its first block and every block moves again."""
         if self.mode == "pull":
             return prompt
         if self.mode == "stream":
-            return prompt.swapcase() if prompt.swapcase() != prompt else "#" + prompt[1:]
+            return ("%" if prompt.startswith("#") else "#") + prompt[1:]
         return prompt[::-1] if prompt[::-1] != prompt else prompt.swapcase()
 
     def params(self, params: dict) -> dict:
@@ -297,19 +300,28 @@ class Route:
 @pytest.fixture(scope="session")
 def routes(pair):
     """``{mode: Route}`` of the shared pair: its own proxy for each mode."""
+    import httpx
+
+    from p2pkv.tools.demo import complete
     from p2pkv.tools.deploy.processes import stop_children
 
     p, _ = pair
-    started = {mode: start_mode_proxy(p, mode) for mode in MODES}
+    started = {mode: start_mode_proxy(p, mode) for mode in ROUTE_MODES}
     try:
-        yield {mode: Route(p, mode, url) for mode, (url, _) in started.items()}
+        routes = {mode: Route(p, mode, url) for mode, (url, _) in started.items()}
+        with httpx.Client(timeout=120) as client:  # the stream proxy learns the prefill engine's address (pushed)
+            complete(client, routes["stream"].url("proxy"), routes["stream"].fresh("where is the prefill engine"),
+                     max_tokens=2)
+        yield routes
     finally:
         stop_children([child for _, child in started.values()])
 
 
-@pytest.fixture(params=MODES)
+@pytest.fixture(params=ROUTE_MODES)
 def route(request, pair, routes):
-    """``(Route, pull stats file)``: the shared pair in each transfer mode (tests run once per mode)."""
+    """``(Route, pull stats file)``: the shared pair in each transfer mode of the proxy (tests run once per
+    mode; ``@pytest.mark.parametrize("route", MODES, indirect=True)`` for a test that does not apply to
+    streams)."""
     return routes[request.param], pair[1]
 
 

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from p2pkv.tools.demo import LOGPROB_TOLERANCE, read_pull_stats
+from tests.conftest import MODES
 from tests.test_proxy import metric
 
 pytestmark = pytest.mark.engines
@@ -74,6 +75,7 @@ def _prefill_tokens(client: httpx.Client, proxy: str) -> float:
     return metric(client.get(f"{proxy}/metrics").text, "p2pkv_proxy_first_tokens_total", source="prefill")
 
 
+@pytest.mark.parametrize("route", MODES, indirect=True)  # a stream proxy hands no first token over
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_streams_read_as_the_aggregated_engines(route, client, path) -> None:
     """Every proxy request but a one-token answer handed over whole pulls the prompt's KV once: the decode

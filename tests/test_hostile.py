@@ -45,8 +45,9 @@ def _still_serving(p, client: httpx.Client) -> None:
 
 def test_prompt_lists_are_split_and_merged(route, client) -> None:
     p, _ = route
-    for prompt in ([p.fresh(t) for t in PROMPTS], [[5, 6, 7, 8], [9, 10, 11]] if p.mode == "pull" else
-                   [[15, 16, 17, 18], [19, 20, 21]]):
+    token_ids = {"pull": [[5, 6, 7, 8], [9, 10, 11]], "push": [[15, 16, 17, 18], [19, 20, 21]],
+                 "stream": [[25, 26, 27, 28], [29, 30, 31]]}
+    for prompt in ([p.fresh(t) for t in PROMPTS], token_ids[p.mode]):
         body = {"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "logprobs": 1}
         pd, ref = _post(client, p.url("proxy"), body).json(), _post(client, p.url("aggregated"), body).json()
         assert _texts(pd) == _texts(ref) and len(set(_texts(pd))) == len(prompt)
