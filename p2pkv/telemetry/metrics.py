@@ -15,8 +15,9 @@ engine's ``/metrics``:
 - ``p2pkv:peer_transport_total{mem_type=...,transport=...}`` (counter: peers
   whose first READ UCX moved with that transport, e.g. ``DRAM``/``cma``,
   ``VRAM``/``cuda_ipc``, ``VRAM``/``tcp``; see :mod:`p2pkv.dataplane.transport`),
-- ``p2pkv:pulls_by_direction_total{direction=pull|push}`` (counter: completed
-  pulls whose bytes the decode engine READ, or the prefill engine WRITE;
+- ``p2pkv:pulls_by_direction_total{direction=pull|push|stream}`` (counter:
+  completed pulls whose bytes the decode engine READ, the prefill engine
+  WROTE after its prefill, or WROTE layer by layer during it;
   :mod:`p2pkv.decode.direction`),
 - on a prefill engine in push mode (:mod:`p2pkv.prefill.pusher`):
   ``p2pkv:push_requests_total{status=...}`` (push requests answered, by reply
@@ -123,7 +124,8 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
             "into this memory type (DRAM/VRAM)", labelnames=[*labelnames, "mem_type", "transport"])
         self.directions = self._counter_cls(
             name="p2pkv:pulls_by_direction", documentation="Completed KV pulls by direction: pull (the decode "
-            "engine READs) or push (the prefill engine WRITEs)", labelnames=[*labelnames, "direction"])
+            "engine READs), push (the prefill engine WRITEs) or stream (WRITEs layer by layer during the prefill)",
+            labelnames=[*labelnames, "direction"])
         self.push_requests = self._counter_cls(
             name="p2pkv:push_requests", documentation="Push requests this prefill engine answered, by reply status",
             labelnames=[*labelnames, "status"])

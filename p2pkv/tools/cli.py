@@ -17,7 +17,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model, write_secret
 
-    spec = TinyModelSpec(num_layers=args.layers, seed=args.seed, kind=args.kind, sliding_window=args.sliding_window)
+    spec = TinyModelSpec(num_layers=args.layers, hidden_size=args.hidden_size, num_heads=args.heads,
+                         num_kv_heads=args.kv_heads, intermediate_size=args.intermediate_size,
+                         max_position_embeddings=args.max_position_embeddings, seed=args.seed, kind=args.kind,
+                         sliding_window=args.sliding_window)
     print(make_tiny_model(args.out, spec))
     if args.secret_file:
         print(write_secret(Path(args.secret_file)))
@@ -74,7 +77,7 @@ def _add_demo_and_model(sub: argparse._SubParsersAction) -> None:
                       help="proxy port; prefill, decode, aggregated use +100, +200, +300")
     demo.set_defaults(func=_cmd_demo)
 
-    from p2pkv.tools.tiny_model import KINDS
+    from p2pkv.tools.tiny_model import KINDS, TinyModelSpec
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random-weight model (Llama unless --kind)")
     tiny.add_argument("out", help="output directory")
@@ -82,6 +85,14 @@ def _add_demo_and_model(sub: argparse._SubParsersAction) -> None:
                       help="llama; sliding-window (Mistral); interleaved-window (sliding-window and full layers "
                            "alternate); mla (DeepSeek-V2); hybrid (Granite-4: Mamba-2, attention)")
     tiny.add_argument("--layers", type=int, default=4)
+    default = TinyModelSpec()
+    tiny.add_argument("--hidden-size", type=int, default=default.hidden_size, help="model width (elements)")
+    tiny.add_argument("--heads", type=int, default=default.num_heads,
+                      help="attention heads (head_dim = hidden size / heads)")
+    tiny.add_argument("--kv-heads", type=int, default=default.num_kv_heads, help="KV heads")
+    tiny.add_argument("--intermediate-size", type=int, default=default.intermediate_size, help="MLP width")
+    tiny.add_argument("--max-position-embeddings", type=int, default=default.max_position_embeddings,
+                      help="longest sequence (tokens)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--sliding-window", type=int, default=40,
                       help="tokens, for --kind sliding-window / interleaved-window")

@@ -133,12 +133,12 @@ def latency(d: Snapshot | None, hist: str) -> dict[str, Any] | None:
 
 def transfers(d: Snapshot, names: dict[str, str]) -> dict[str, Any] | None:
     """The decode engine's transfers over a point: ``count``, ``bytes``, ``mean_ms``, ``descriptors_mean``,
-    ``directions`` (``{"pull": n, "push": m}``, p2pkv only); None when none of the metrics is exported."""
+    ``directions`` (``{"pull": n, "push": m, "stream": k}``, p2pkv only); None when none of the metrics is exported."""
     count, size = d.value(f"{names['seconds']}_count"), d.value(names["bytes"])
     if count is None and size is None:
         return None
     n, descs = count or 0.0, d.value(names["descriptors_sum"])
-    directions = {k: round(v) for k in ("pull", "push") if (v := d.value(f"{names.get('direction')}|{k}"))}
+    directions = {k: round(v) for k in ("pull", "push", "stream") if (v := d.value(f"{names.get('direction')}|{k}"))}
     return {"count": round(n), "bytes": round(size or 0.0), "mean_ms": mean_ms(d, names["seconds"]),
             "descriptors_mean": descs / n if descs is not None and n else None, "directions": directions}
 

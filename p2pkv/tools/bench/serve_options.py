@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, fields
 class SystemSpec:
     """One system: ``name``; ``label`` (what it is); ``connector`` of its pair (``"p2pkv"``, ``"nixl"``, or
     None for one aggregated engine); ``transfer_mode``, its proxy's ``--transfer-mode`` (``"pull"``: the
-    decode engine READs; ``"push"``: the prefill engine WRITEs; ``""``: the decode engine's setting)."""
+    decode engine READs; ``"push"``: the prefill engine WRITEs; ``"stream"``: the prefill engine WRITEs each layer
+    as its forward computes it, both legs sent at once; ``""``: the decode engine's setting)."""
 
     name: str
     label: str
@@ -37,6 +38,8 @@ class SystemSpec:
 SYSTEM_SPECS: dict[str, SystemSpec] = {spec.name: spec for spec in (
     SystemSpec("p2pkv-pull", "p2pkv P/D pair, decode READs (proxy --transfer-mode pull)", "p2pkv", "pull"),
     SystemSpec("p2pkv-push", "p2pkv P/D pair, prefill WRITEs (proxy --transfer-mode push)", "p2pkv", "push"),
+    SystemSpec("p2pkv-stream", "p2pkv P/D pair, layers WRITTEN as computed (proxy --transfer-mode stream)", "p2pkv",
+               "stream"),
     SystemSpec("nixl", "NixlConnector P/D pair + proxy", "nixl"),
     SystemSpec("aggregated", "one aggregated engine", None),
     SystemSpec("p2pkv", "p2pkv P/D pair, the decode engine's transfer_mode (auto)", "p2pkv"),
@@ -142,9 +145,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="model directory (default: the tiny random-weight model, "
                                                "made in the work dir)")
     p.add_argument("--systems", default=",".join(d.systems),
-                   help=f"comma-separated, run in this order (default {','.join(d.systems)}; also: p2pkv, the "
-                        "decode engine's own transfer_mode). The p2pkv systems share one pair, each behind its "
-                        "own proxy, and run back to back, their points interleaved")
+                   help=f"comma-separated, run in this order (default {','.join(d.systems)}; also: p2pkv-stream, "
+                        "layers WRITTEN while the prefill runs; p2pkv, the decode engine's own transfer_mode). "
+                        "The p2pkv systems share one pair, each behind its own proxy, and run back to back, "
+                        "their points interleaved")
     p.add_argument("--concurrency", type=ints, default=d.concurrency,
                    help="max requests in flight, a comma-separated sweep (default 1,2,4)")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests per point")
