@@ -12,12 +12,14 @@ import json
 import time
 from typing import Any
 
+import pytest
 from fastapi.responses import Response
 
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, check_stream_grant
 from p2pkv.params import make_prefill_response_params
 from p2pkv.tools.proxy.app import Proxy
 from p2pkv.tools.proxy.fanout import Batch
+from p2pkv.tools.proxy.upstream import UpstreamError
 
 SECRET = b"s" * 32
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
@@ -111,3 +113,59 @@ def test_each_prompt_of_a_batch_streams_under_its_own_grant() -> None:
     assert sorted(d["prompt"] for d in proxy.decodes) == ["a", "b", "c"]
     assert len(set(grants)) == 3, "every prompt is its own stream"
     assert sorted(b["kv_transfer_params"][GRANT_KEY] for _, b in proxy.prefills) == sorted(grants)
+
+
+class Answering(Recorded):
+    """A stream proxy whose decode engine answers ``status`` (``_decode`` replaced, the rest of ``run_decode`` as
+    built) and whose releases are recorded."""
+
+    run_decode = Proxy.run_decode
+
+    def __init__(self, status: int) -> None:
+        super().__init__()
+        self.status = status
+        self.released: list[dict[str, Any]] = []
+
+    async def _prefill_leg(self, client, url, path, sent, headers, leg):  # type: ignore[override]
+        await asyncio.sleep(0.01)  # the prefill engine answers after the decode engine
+        return {"kv_transfer_params": {"held": sent["kv_transfer_params"][GRANT_KEY]}}
+
+    async def _decode(self, client, url, path, body, headers, out_headers, relay, leg):  # type: ignore[override]
+        self.decodes.append(body)
+        if self.status >= 400:
+            raise UpstreamError(self.status, "refused", "decode", url)
+        return Response(b"{}", media_type="application/json")
+
+    async def release(self, params_list):  # type: ignore[override]
+        self.released += params_list
+
+
+def test_a_failed_decode_leg_frees_the_hold_its_prefill_leg_made_once_that_answers() -> None:
+    proxy = Answering(400)
+    assert proxy.streams is not None
+    proxy.streams.learn(URLS[0], _answer_params("p0", 7000))
+
+    async def run() -> None:
+        with pytest.raises(UpstreamError):
+            await proxy.stream_legs(None, "/v1/completions", {"prompt": "hi", "max_tokens": 3}, {}, {})  # type: ignore[arg-type]
+        while proxy._background:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    (decode,) = proxy.decodes
+    assert proxy.released == [{"held": decode["kv_transfer_params"][GRANT_KEY]}]
+
+
+def test_an_answered_decode_leg_frees_nothing_and_forgets_its_prefill_leg() -> None:
+    proxy = Answering(200)
+    assert proxy.streams is not None
+    proxy.streams.learn(URLS[0], _answer_params("p0", 7000))
+
+    async def run() -> None:
+        await proxy.stream_legs(None, "/v1/completions", {"prompt": "hi", "max_tokens": 3}, {}, {})  # type: ignore[arg-type]
+        while proxy._background:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert proxy.released == [] and len(proxy.decodes) == 1
+    assert proxy.streams.ended(proxy.decodes[0]) is None, "the prefill leg is forgotten once its decode leg answered"
