@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -13,20 +12,18 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from p2pkv.params import TRANSFER_MODE_KEY
 from p2pkv.telemetry.tracing import Tracing
-from p2pkv.tools.proxy.batch import split_prompts, sse_events
+from p2pkv.tools.proxy.batch import split_prompts
 from p2pkv.tools.proxy.fanout import Batch
 from p2pkv.tools.proxy.first_token import (
-    FirstToken,
     FirstTokenSource,
-    FirstTokenStream,
     blocker,
-    decode_body,
     read_first_token,
 )
+from p2pkv.tools.proxy.hand_over import hand_over_stream
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.release import release_all
 from p2pkv.tools.proxy.service import add_service_routes
@@ -346,7 +343,8 @@ class Proxy:
                     first = read_first_token(path, body, answer)
                     self.metrics.first_tokens.labels("prefill" if first else "decode").inc()
                     if first is not None:
-                        return self.stream_after(client, path, body, first, params[0], headers, out_headers, trace)
+                        return hand_over_stream(self, client, path, body, first, params[0], headers, out_headers,
+                                                trace)
                     return await self.decode_one(client, path, {**bodies[0], "kv_transfer_params": params[0]},
                                                  headers, out_headers, trace)
             params = [(await self.run_prefill(client, path, bodies[0], headers,
@@ -358,71 +356,6 @@ class Proxy:
             raise
         finally:
             waited[0] += time.perf_counter() - t
-
-    def stream_after(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], first: FirstToken,
-                     params: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str],
-                     trace: RequestTrace | None = None) -> Response:
-        """The client's stream: ``first`` at once, then the decode engine's continuation after it.
-
-        A decode leg that fails after the first token went out ends the stream
-        with an error event; the prefill hold is freed when the decode engine
-        was never asked (the client left, the leg could not start, or
-        ``first`` ended the answer). With ``trace``, span
-        ``p2pkv.proxy.first_token`` lasts from the prefill answer to the first
-        token's bytes handed to the client.
-        """
-        writer = FirstTokenStream(path, body, first)
-        continuation = decode_body(path, body, first, params, self.secret)
-        hand_over = None if trace is None else trace.first_token(params, first.finish_reason)
-
-        async def stream() -> AsyncIterator[bytes]:
-            asked = False
-            span = None
-            try:
-                yield writer.opening()
-                if hand_over is not None:
-                    hand_over.end()
-                if first.finish_reason is not None:
-                    return
-                start = sent = time.perf_counter()
-                try:
-                    asked = True
-                    span = leg_of(trace, "decode")
-                    resp = await self.run_decode(client, path, continuation, headers, out_headers, relay=False,
-                                                 leg=span)
-                except UpstreamError as exc:
-                    asked = False
-                    if exc.backend_failed:
-                        self.metrics.errors.labels("decode").inc()
-                    yield b"data: " + json.dumps(exc.payload()).encode() + b"\n\n" + b"data: [DONE]\n\n"
-                    return
-                try:
-                    async for data in sse_events(resp.aiter_raw()):
-                        if start:
-                            self.metrics.decode_first_byte_seconds.observe(time.perf_counter() - start,
-                                                                           exemplar(span))
-                            start = 0.0
-                        if (out := writer.rewrite(data)) is not None:
-                            yield out
-                    yield writer.closing(writer.usage_chunk)
-                except httpx.HTTPError as exc:
-                    self.metrics.errors.labels("decode").inc()
-                    err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); "
-                                        "check its log", "decode", str(resp.url))
-                    if span is not None:
-                        span.failed(err)
-                    yield b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
-                finally:
-                    await resp.aclose()
-                    self.metrics.decode_seconds.observe(time.perf_counter() - sent, exemplar(span))
-            finally:
-                for ended in (hand_over, span):
-                    if ended is not None:
-                        ended.end()
-                if not asked:
-                    await asyncio.shield(self.release([params]))
-
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=out_headers)
 
     async def decode_one(self, client: httpx.AsyncClient, path: str, leg: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], trace: RequestTrace | None = None) -> Response:

@@ -1,0 +1,98 @@
+"""A streaming request's answer when its first token is handed over: that token at once, then the decode engine's
+continuation after it (what :mod:`p2pkv.tools.proxy.first_token` decides and rewrites, sent over HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from p2pkv.tools.proxy.batch import sse_events
+from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, decode_body
+from p2pkv.tools.proxy.metrics import ProxyMetrics
+from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar, leg_of
+from p2pkv.tools.proxy.upstream import UpstreamError
+
+
+class DecodeLegs(Protocol):
+    """What the hand-over needs of :class:`p2pkv.tools.proxy.app.Proxy`: the decode leg, releases, metrics."""
+
+    metrics: ProxyMetrics
+    secret: bytes | None
+
+    async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                         out_headers: dict[str, str], relay: bool = True,
+                         leg: ProxySpan | None = None) -> Response | httpx.Response: ...
+
+    async def release(self, params_list: list[dict[str, Any]]) -> None: ...
+
+
+def hand_over_stream(legs: DecodeLegs, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                     first: FirstToken, params: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str],
+                     trace: RequestTrace | None = None) -> Response:
+    """The client's stream: ``first`` at once, then the decode engine's continuation after it.
+
+    A decode leg that fails after the first token went out ends the stream
+    with an error event; the prefill hold is freed when the decode engine
+    was never asked (the client left, the leg could not start, or
+    ``first`` ended the answer). With ``trace``, span
+    ``p2pkv.proxy.first_token`` lasts from the prefill answer to the first
+    token's bytes handed to the client.
+    """
+    writer = FirstTokenStream(path, body, first)
+    continuation = decode_body(path, body, first, params, legs.secret)
+    hand_over = None if trace is None else trace.first_token(params, first.finish_reason)
+
+    async def stream() -> AsyncIterator[bytes]:
+        asked = False
+        span = None
+        try:
+            yield writer.opening()
+            if hand_over is not None:
+                hand_over.end()
+            if first.finish_reason is not None:
+                return
+            start = sent = time.perf_counter()
+            try:
+                asked = True
+                span = leg_of(trace, "decode")
+                resp = await legs.run_decode(client, path, continuation, headers, out_headers, relay=False,
+                                             leg=span)
+            except UpstreamError as exc:
+                asked = False
+                if exc.backend_failed:
+                    legs.metrics.errors.labels("decode").inc()
+                yield b"data: " + json.dumps(exc.payload()).encode() + b"\n\n" + b"data: [DONE]\n\n"
+                return
+            try:
+                async for data in sse_events(resp.aiter_raw()):
+                    if start:
+                        legs.metrics.decode_first_byte_seconds.observe(time.perf_counter() - start,
+                                                                       exemplar(span))
+                        start = 0.0
+                    if (out := writer.rewrite(data)) is not None:
+                        yield out
+                yield writer.closing(writer.usage_chunk)
+            except httpx.HTTPError as exc:
+                legs.metrics.errors.labels("decode").inc()
+                err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); "
+                                    "check its log", "decode", str(resp.url))
+                if span is not None:
+                    span.failed(err)
+                yield b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
+            finally:
+                await resp.aclose()
+                legs.metrics.decode_seconds.observe(time.perf_counter() - sent, exemplar(span))
+        finally:
+            for ended in (hand_over, span):
+                if ended is not None:
+                    ended.end()
+            if not asked:
+                await asyncio.shield(legs.release([params]))
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=out_headers)
