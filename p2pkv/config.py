@@ -148,6 +148,17 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             request's blocks are held; the wait ends at once when a pull
             finishes. A request arriving meanwhile waits up to this long.
             0: no wait (vLLM's busy stepping).
+        stream_idle_wait_s: ``idle_wait_s`` while every pull under way is a
+            layer stream waiting for its prefill (which lasts the prefill's
+            forward): the pulls' thread ends the wait as soon as a stream
+            lands, so it adds nothing to a stream; a request arriving
+            meanwhile at an otherwise idle engine waits up to this long.
+        stream_poll_interval_s: ``pull_poll_interval_s`` while every pull under
+            way is a layer stream waiting for its prefill: how late a stream's
+            final notification may be seen (seconds). Polling such a wait as
+            fast as a READ, with the idle steps, kept 0.55-0.65 of a core
+            busy for the prefill's whole forward on a 2-core CPU host that ran
+            both engines (docs/streaming.md).
         staging_mib: staging memory (MiB, on the KV cache's device) a
             decode worker allocates, on its first pull from a peer with
             another block size, HND/NHD order or TP size, to receive whole
@@ -217,6 +228,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pull_poll_interval_s: float = 0.0002
     switch_interval_s: float = 0.0005
     idle_wait_s: float = 0.002
+    stream_idle_wait_s: float = 0.02
+    stream_poll_interval_s: float = 0.001
     max_peers: int = 256
     peer_idle_s: float = 600.0
     otlp_traces_endpoint: str = ""
@@ -309,6 +322,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"switch_interval_s must be 0 (unchanged) .. 0.1 s, got {self.switch_interval_s}")
         if not 0 <= self.idle_wait_s <= 0.1:
             raise ConfigError(f"idle_wait_s must be 0 (no wait) .. 0.1 s, got {self.idle_wait_s}")
+        if not 0 <= self.stream_idle_wait_s <= 0.1:
+            raise ConfigError(f"stream_idle_wait_s must be 0 (no wait) .. 0.1 s, got {self.stream_idle_wait_s}")
+        if not 0 < self.stream_poll_interval_s <= 0.01:
+            raise ConfigError(f"stream_poll_interval_s must be above 0 .. 0.01 s, got {self.stream_poll_interval_s}")
         if self.staging_mib < 0.0625:
             raise ConfigError(f"staging_mib must be >= 0.0625 (MiB, 64 KiB), got {self.staging_mib}")
         if self.handshake_retries < 1:

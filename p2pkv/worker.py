@@ -31,6 +31,7 @@ from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.receiver import Receiver, bind_device
+from p2pkv.decode.transfer import streams_only
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import parse_done
 from p2pkv.prefill.holds import PrefillHolds
@@ -217,14 +218,16 @@ class WorkerSide:
 
         After a step that scheduled no tokens, with nothing to report yet but
         pulls or holds pending, first waits up to ``idle_wait_s`` for a pull to
-        end (see :class:`p2pkv.config.P2pKvConfig`).
+        end (``stream_idle_wait_s`` while every pull is a layer stream waiting
+        for its prefill; see :class:`p2pkv.config.P2pKvConfig`).
         """
         if self.agent is None or self.receiver is None:
             return set(), set()
         recving = self._step()
         sending = self._released()
         idle = self._idle and not recving and not sending and self._should_wait()
-        if idle and self.receiver.outcomes.wait(self.config.idle_wait_s):
+        wait_s = self.config.stream_idle_wait_s if streams_only(self.receiver.transfers) else self.config.idle_wait_s
+        if idle and self.receiver.outcomes.wait(wait_s):
             recving = self._step()
         return sending, recving
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+from p2pkv.decode.direction import Direction
 from p2pkv.decode.progress import Progress
-from p2pkv.decode.transfer import TransferState
-from p2pkv.metadata import P2pKvMetadata
+from p2pkv.decode.transfer import Part, Transfer, TransferState, streams_only
+from p2pkv.metadata import LoadSpec, P2pKvMetadata
+from p2pkv.params import RemotePrefill
 from tests.p2p_harness import DecodeSide, PrefillProc, pull_task
 
 
@@ -40,6 +42,43 @@ def test_progress_polls_while_active_sleeps_until_woken_and_stops() -> None:
     finally:
         progress.close()
     assert not any(t.name == "p2pkv-test-progress" for t in threading.enumerate())
+
+
+def test_what_is_in_flight_sets_the_pace() -> None:
+    """``wait_s`` is asked after each busy call: a slow pace (a stream waiting for its prefill) polls less."""
+    calls, pace = [], [0.001]
+
+    def advance() -> bool:
+        calls.append(time.monotonic())
+        return True
+
+    progress = Progress(advance, "p2pkv-test-pace", interval_s=0.001, wait_s=lambda: pace[0])
+    try:
+        progress.wake()
+        time.sleep(0.1)
+        fast = len(calls)
+        pace[0] = 0.02
+        time.sleep(0.05)
+        start = len(calls)
+        time.sleep(0.2)
+        slow = len(calls) - start
+    finally:
+        progress.close()
+    assert fast >= 20, fast
+    assert slow <= 12, slow  # at most 0.2 s / 0.02 s and a margin, against about 200 at the fast pace
+
+
+def test_only_streams_waiting_for_their_prefill_slow_the_pace() -> None:
+    def transfer(direction: Direction, state: TransferState) -> Transfer:
+        t = Transfer.taken(LoadSpec("r", (1,), (), RemotePrefill("p", "s", "127.0.0.1", 1, (), 1), stream_grant="g"))
+        t.state = state
+        t.parts = [Part(t, 0, None, None, None, None, direction=direction)]  # type: ignore[arg-type]
+        return t
+
+    stream, read = transfer(Direction.STREAM, TransferState.READING), transfer(Direction.PULL, TransferState.READING)
+    assert streams_only([stream]) and streams_only([stream, transfer(Direction.STREAM, TransferState.READING)])
+    assert not streams_only([]) and not streams_only([stream, read])
+    assert not streams_only([transfer(Direction.STREAM, TransferState.HANDSHAKE)])
 
 
 def test_no_thread_at_interval_zero_and_a_failing_start_leaves_no_thread() -> None:

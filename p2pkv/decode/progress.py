@@ -39,12 +39,15 @@ class Progress:
         interval_s: seconds between two calls while in flight; 0: no thread
             (only the engine step advances the pulls).
         on_start: called first on the thread (e.g. to make the KV cache's GPU current there).
+        wait_s: the seconds to wait before the next call, asked after each call that returned True
+            (default: ``interval_s``), so that what is in flight can set the pace.
     """
 
     def __init__(self, advance: Callable[[], bool], name: str, interval_s: float = INTERVAL_S,
-                 on_start: Callable[[], None] | None = None) -> None:
+                 on_start: Callable[[], None] | None = None, wait_s: Callable[[], float] | None = None) -> None:
         self.lock = threading.RLock()
         self._advance, self._interval_s, self._on_start = advance, interval_s, on_start
+        self._wait_s = wait_s
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         if interval_s > 0:
@@ -78,7 +81,7 @@ class Progress:
                     logger.exception("p2pkv: advancing the pulls between engine steps failed")
                     active = False
                 if active:
-                    self._stop.wait(self._interval_s)
+                    self._stop.wait(self._interval_s if self._wait_s is None else self._wait_s())
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the thread and wait for it (at most ``timeout_s`` seconds). Idempotent."""

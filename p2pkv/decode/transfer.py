@@ -173,3 +173,14 @@ class Transfer:
         """How its bytes moved, for metrics and spans: its first posted part's direction (its parts share
         one, except under ``transfer_mode`` auto while a peer's choice changes); pull before any is posted."""
         return next((r.direction for r in self.parts if r.direction is not None), Direction.PULL)
+
+
+def streams_only(transfers: list[Transfer]) -> bool:
+    """True while every pull under way is a layer stream waiting for its prefill's notification (none: False).
+
+    Such a wait lasts the prefill's whole forward, so the decode rank polls it
+    and steps idle more slowly (``stream_poll_interval_s``, ``stream_idle_wait_s``):
+    polling it as fast as a READ kept most of a core busy for that long.
+    """
+    return bool(transfers) and all(t.state is TransferState.READING and t.direction() is Direction.STREAM
+                                   for t in transfers)
