@@ -8,7 +8,8 @@
 #   LENGTHS=1024 TRANSPORTS=cma PROMPTS=2 bash scripts/bench_stream.sh   # a short try
 #
 # Environment: LENGTHS (prompt tokens, default "1024 2048 4096"), TRANSPORTS ("cma tcp"), PROMPTS (requests per
-# point, 4), OUTPUT (generated tokens, 8), OUT (docs/benchmarks), WORK (.p2pkv/bench-stream), BASE_PORT (9100).
+# point, 4), OUTPUT (generated tokens, 8), OUT (docs/benchmarks), NAME (file prefix, stream-serve-cpu), WORK
+# (.p2pkv/bench-stream), BASE_PORT (9100). The table and plot: scripts/stream_serve_report.py, run at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -17,6 +18,7 @@ TRANSPORTS=${TRANSPORTS:-cma tcp}
 PROMPTS=${PROMPTS:-4}
 OUTPUT=${OUTPUT:-8}
 OUT=${OUT:-docs/benchmarks}
+NAME=${NAME:-stream-serve-cpu}
 WORK=${WORK:-.p2pkv/bench-stream}
 B=${BASE_PORT:-9100}
 mkdir -p "$WORK" "$OUT"
@@ -51,7 +53,10 @@ for transport in $TRANSPORTS; do
       --p2pkv-engines "http://127.0.0.1:$((B + 1)),http://127.0.0.1:$((B + 2))" \
       --aggregated-engine "http://127.0.0.1:$((B + 3))" --base-port $((B + 20)) --dataset random \
       --input-len "$len" --output-len "$OUTPUT" --num-prompts "$PROMPTS" --concurrency 1 --block-size 32 \
-      --work-dir "$WORK/serve-$transport-$len" --json "$OUT/stream-serve-cpu-$transport-$len.json"
+      --work-dir "$WORK/serve-$transport-$len" --json "$OUT/$NAME-$transport-$len.json"
   done
   stop
 done
+files=()
+for transport in $TRANSPORTS; do for len in $LENGTHS; do files+=("$OUT/$NAME-$transport-$len.json"); done; done
+$PY scripts/stream_serve_report.py "${files[@]}" --plot "$OUT/$NAME.png" | tee "$OUT/$NAME-table.md"

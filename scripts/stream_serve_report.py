@@ -1,0 +1,91 @@
+"""The table and plot of scripts/bench_stream.sh: stream, push, pull and one engine, per transport and prompt length.
+
+    python scripts/stream_serve_report.py docs/benchmarks/stream-serve-cpu-*.json \
+        --plot docs/benchmarks/stream-serve-cpu.png
+
+Reads the ``p2pkv bench serve`` JSON files the script wrote (one per transport and prompt length, named
+``stream-serve-cpu-<transport>-<tokens>.json``) and prints, per file and system: TTFT p50 and p99 (ms), the prefill
+legs' mean (ms: the prefill engine's own time for the prompt, as the proxy saw it), TTFT minus that (ms: what
+the P/D split adds after the prefill, the transfer's wait included) and the decode engine's transfers (mean ms,
+from its ask to the KV landed: for a stream that spans the whole prefill).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from p2pkv.tools.bench.plotting import pyplot, save
+
+SYSTEMS = ("p2pkv-stream", "p2pkv-push", "p2pkv-pull", "aggregated")
+
+
+def rows(path: Path) -> list[dict[str, Any]]:
+    """One row per system of one run's JSON (its first point)."""
+    doc = json.loads(path.read_text())
+    match = re.search(r"-(\w+)-(\d+)\.json$", path.name)
+    transport, tokens = (match.group(1), int(match.group(2))) if match else ("?", 0)
+    out = []
+    for name in SYSTEMS:
+        points = doc["systems"].get(name, {}).get("points") or []
+        if not points:
+            continue
+        p = points[0]
+        extra = p.get("p2pkv") or {}
+        prefill = ((extra.get("prefill") or {}).get("legs") or {}).get("mean_ms")
+        transfer = (extra.get("transfers") or {}).get("mean_ms")
+        out.append({"transport": transport, "tokens": tokens, "system": name, "ttft_p50": p["p50_ttft_ms"],
+                    "ttft_p99": p["p99_ttft_ms"], "prefill_ms": prefill, "transfer_ms": transfer,
+                    "after_prefill_ms": p["mean_ttft_ms"] - prefill if prefill is not None else None})
+    return out
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def table(all_rows: list[dict[str, Any]]) -> str:
+    lines = ["| transport | prompt tokens | system | TTFT p50 ms | TTFT p99 ms | prefill leg ms | TTFT - prefill ms | "
+             "transfer ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in all_rows:
+        lines.append(f"| {r['transport']} | {r['tokens']} | {r['system']} | {_ms(r['ttft_p50'])} | "
+                     f"{_ms(r['ttft_p99'])} | {_ms(r['prefill_ms'])} | {_ms(r['after_prefill_ms'])} | "
+                     f"{_ms(r['transfer_ms'])} |")
+    return "\n".join(lines)
+
+
+def plot(all_rows: list[dict[str, Any]], path: str) -> None:
+    plt = pyplot("stream_serve_report")
+    if plt is None:
+        return
+    groups = sorted({(r["transport"], r["tokens"]) for r in all_rows})
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(SYSTEMS)
+    for i, name in enumerate(SYSTEMS):
+        ys = [next((r["ttft_p50"] / 1000 for r in all_rows if (r["transport"], r["tokens"]) == g
+                    and r["system"] == name), 0.0) for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], ys, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], [f"{t}\n{n} tokens" for t, n in groups])
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_title("32-layer model, Llama-3-8B-shaped KV, CPU engines (scripts/bench_stream.sh)")
+    ax.legend()
+    save(fig, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--plot", metavar="PNG")
+    args = parser.parse_args()
+    all_rows = [r for f in sorted(args.files, key=lambda p: (rows(p)[0]["transport"], rows(p)[0]["tokens"]))
+                for r in rows(f)]
+    print(table(all_rows))
+    if args.plot:
+        plot(all_rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()
