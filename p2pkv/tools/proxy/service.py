@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi import FastAPI, Request
@@ -12,16 +12,23 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.exposition import choose_encoder
 
+from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.upstream import engine_headers, transport_error
-
-if TYPE_CHECKING:
-    from p2pkv.tools.proxy.app import Proxy
 
 HEALTH_TIMEOUT_S = 2.0
 """How long ``/health`` waits for each backend's ``/health`` (seconds)."""
 
 
-def add_service_routes(app: FastAPI, proxy: Proxy, openmetrics: bool) -> None:
+class Backends(Protocol):
+    """What the service routes read of :class:`p2pkv.tools.proxy.app.Proxy`."""
+
+    prefill_urls: list[str]
+    decode_urls: list[str]
+    timeout_s: float
+    metrics: ProxyMetrics
+
+
+def add_service_routes(app: FastAPI, proxy: Backends, openmetrics: bool) -> None:
     """``/v1/models`` (the first decode engine's), ``/health`` (every backend's) and ``/metrics`` (the proxy's)
     on ``app``; ``openmetrics``: offer OpenMetrics (trace exemplars) to scrapers that accept it."""
     timeout_s = proxy.timeout_s
