@@ -90,9 +90,13 @@ def test_vllm_resolves_each_kind_to_its_own_implementation(models) -> None:
 
 def test_cli_writes_the_kind(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "p2pkv.tools.cli", "make-tiny-model", str(tmp_path / "m"),
-                          "--kind", "sliding-window", "--sliding-window", "24", "--layers", "2"],
+                          "--kind", "sliding-window", "--sliding-window", "24", "--layers", "2", "--hidden-size",
+                          "256", "--heads", "2", "--kv-heads", "1", "--intermediate-size", "64",
+                          "--max-position-embeddings", "2048"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     config = json.loads((tmp_path / "m" / "config.json").read_text())
     assert (config["architectures"], config["sliding_window"], config["num_hidden_layers"]) == (
         ["MistralForCausalLM"], 24, 2)
+    assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"],
+            config["intermediate_size"], config["max_position_embeddings"]) == (256, 2, 1, 64, 2048)
