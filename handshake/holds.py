@@ -43,8 +43,9 @@ class HoldStatus:
 
 OnHeartbeat = Callable[[list[str], float, list[list[int]]], HoldStatus | None]
 """(request ids, lease length in seconds, block ids per id or ``[]``) → what is not held (None: all held)."""
-OnRelease = Callable[[list[str], list[list[int]]], int]
-"""(request ids, block ids per id) → how many holds with exactly those block ids are released."""
+OnRelease = Callable[[list[str], list[list[int]], str], int]
+"""(request ids, block ids per id, the requester's ``requester_engine_id``) → how many holds with exactly those
+block ids (or streams) are released."""
 OnPush = Callable[[PushRequest], tuple[PushStatus, str]]
 """A push request → ``(status, message)``: queued (``accepted``) or why not."""
 
@@ -82,7 +83,7 @@ class HoldAnswers:
                 if self._on_release is None:
                     raise _no_holds(msg)
                 _same_length(msg.block_ids, ids)
-                accepted = self._on_release(ids, [list(b) for b in msg.block_ids])
+                accepted = self._on_release(ids, [list(b) for b in msg.block_ids], msg.requester_engine_id)
                 self._count("releases")
             case LeaseHeartbeat() | HoldQuery():
                 if self._on_heartbeat is None:

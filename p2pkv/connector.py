@@ -12,6 +12,7 @@ worker-side calls to :class:`p2pkv.worker.WorkerSide`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -257,10 +258,9 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         meta = self.scheduler.build_connector_meta(scheduler_output)
-        return P2pKvConnectorMetadata(loads=meta.loads, send_leases=meta.send_leases, send_blocks=meta.send_blocks,
-                                      failed=meta.failed, idle=scheduler_output.total_num_scheduled_tokens == 0,
-                                      send_traces=meta.send_traces, streams=meta.streams,
-                                      stream_aborts=meta.stream_aborts)
+        values = {f.name: getattr(meta, f.name) for f in dataclasses.fields(P2pKvMetadata)}
+        values["idle"] = scheduler_output.total_num_scheduled_tokens == 0
+        return P2pKvConnectorMetadata(**values)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """The workers' step output: holds they released (``finished_sending``) count no more against the cap."""

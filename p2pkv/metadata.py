@@ -105,6 +105,8 @@ class P2pKvMetadata:
             for requests whose hold is traced (empty with tracing off).
         streams: this step's chunks of layer-streamed prefills (prefill side).
         stream_aborts: prefill request id → why its stream stops (aborted, preempted).
+        ended_streams: decode request ids of layer-streamed loads whose request has finished (decode side):
+            a stream still under way is given up (its request was aborted while it ran).
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
@@ -115,3 +117,4 @@ class P2pKvMetadata:
     send_traces: dict[str, tuple[str, int]] = field(default_factory=dict)
     streams: list[StreamChunk] = field(default_factory=list)
     stream_aborts: dict[str, str] = field(default_factory=dict)
+    ended_streams: list[str] = field(default_factory=list)

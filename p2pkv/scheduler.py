@@ -128,7 +128,8 @@ class SchedulerSide:
         leases, blocks, traces = self.prefill.take()
         chunks = self.streams.chunks(scheduler_output) if scheduler_output is not None else []
         return P2pKvMetadata(loads=pulls, send_leases=leases, send_blocks=blocks, failed=failed,
-                             send_traces=traces, streams=chunks, stream_aborts=self.streams.take_aborts())
+                             send_traces=traces, streams=chunks, stream_aborts=self.streams.take_aborts(),
+                             ended_streams=self.decode.take_ended_streams())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished_all_groups` for an engine with one KV cache group."""

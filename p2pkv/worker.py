@@ -201,7 +201,7 @@ class WorkerSide:
         if self.streams is not None:
             self.streams.begin_step(meta)
         if self.receiver is not None:
-            self.receiver.start(meta.loads, meta.failed)
+            self.receiver.start(meta.loads, meta.failed, meta.ended_streams)
 
     def save_kv_layer(self, layer_name: str, meta: P2pKvMetadata) -> None:
         """Layer ``layer_name``'s forward is done in the step ``meta`` describes (streamed requests WRITE it)."""

@@ -49,7 +49,7 @@ def descs(layout: KVLayout, ids: list[int]) -> np.ndarray:
 def side_channel(on_push: object, secret: bytes | None) -> Iterator[HandshakeServer]:
     """An in-process side channel serving rank 0 of ENGINE with ``on_push`` (None: it takes no pushes)."""
     srv = HandshakeServer(HOST, 0, "compat-test", secret=secret, on_push=on_push,  # type: ignore[arg-type]
-                          on_heartbeat=lambda ids, s, b: None, on_release=lambda ids, b: 0)
+                          on_heartbeat=lambda ids, s, b: None, on_release=lambda ids, b, r: 0)
     srv.set_info(make_agent_info(0))
     with srv:
         yield srv

@@ -11,6 +11,7 @@ clock is moved between the calls.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ import p2pkv.decode.scheduling as scheduler_module
 import p2pkv.params as params_module
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.load import DecodeLoad
+from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
 from p2pkv.params import (
     CLOCK_SKEW_S,
     KVTransferParamsError,
@@ -132,6 +134,33 @@ def test_the_kept_load_is_dropped_when_the_request_finishes_or_is_aborted(
         assert [(p.request_id, p.local_block_ids, p.remote.request_id, p.report) for p in meta.loads] == [
             ("aborted", (), "prefill-aborted", False), ("pulled", (6, 7), "prefill-pulled", True)]
         assert clock[1] == 2, "each request's capability is checked once"
+
+
+def _stream_leg(rid: str) -> SimpleNamespace:
+    """A decode leg as the proxy sends it in stream mode (no prefill answer yet: a grant instead of blocks)."""
+    grant = make_stream_grant("prefill-engine", ANY_DECODE, SECRET.encode(), time.time() + 60)
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "prefill-engine",
+              "remote_host": "127.0.0.1", "remote_port": 5601, "tp_size": 1, GRANT_KEY: grant}
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params, prompt_token_ids=list(range(PROMPT)))
+
+
+def test_a_streamed_load_whose_request_ends_is_named_to_the_workers_once(clock: list[float]) -> None:
+    """A request aborted while its stream runs (vLLM calls request_finished, the load still under way): the
+    workers are told at the next step, so they stop the stream instead of letting the prefill WRITE on."""
+    with scheduler() as sched:
+        streamed, cached = _stream_leg("streamed"), _stream_leg("cached")
+        for req in (streamed, cached):
+            assert sched.get_num_new_matched_tokens(req, 0) == (PROMPT - 1, True)
+        sched.update_state_after_alloc(streamed, BLOCKS, PROMPT - 1)
+        sched.update_state_after_alloc(cached, BLOCKS, 0)  # all in the prefix cache: declined, nothing streams
+        meta = sched.build_connector_meta()
+        assert [(p.request_id, p.local_block_ids, p.report, bool(p.stream_grant)) for p in meta.loads] == [
+            ("streamed", (6, 7), True, True), ("cached", (), False, True)]
+        assert meta.ended_streams == []
+        sched.request_finished(streamed, [6, 7])
+        sched.request_finished(cached, [6, 7])
+        assert sched.build_connector_meta().ended_streams == ["streamed"]
+        assert sched.build_connector_meta().ended_streams == []
 
 
 def test_a_refused_request_keeps_nothing(clock: list[float]) -> None:

@@ -78,7 +78,7 @@ def test_hold_queries_and_releases_carry_block_ids() -> None:
         asked.append((ids, extend_s, blocks))
         return HoldStatus(not_held=["b"])
 
-    def on_release(ids: list[str], blocks: list[list[int]]) -> int:
+    def on_release(ids: list[str], blocks: list[list[int]], requester: str) -> int:
         freed.append((ids, blocks))
         return 1
 

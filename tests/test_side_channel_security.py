@@ -93,7 +93,7 @@ class Released:
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], list[list[int]]]] = []
 
-    def __call__(self, ids: list[str], blocks: list[list[int]]) -> int:
+    def __call__(self, ids: list[str], blocks: list[list[int]], requester: str) -> int:
         self.calls.append((ids, blocks))
         return len(ids)
 

@@ -4,7 +4,7 @@ The streams run over two real NIXL agents in this process (UCX moves host
 memory), and every test compares the decode cache's bytes with the prefill
 cache's, layer by layer and block by block: the blocks asked for hold the
 prefill's values, every other block is still zero. A fake writer is used only
-to inject a failed WRITE.
+to inject a failed WRITE or one NIXL would not cancel.
 """
 
 from __future__ import annotations
@@ -313,6 +313,88 @@ def test_a_ready_test_that_raises_ends_the_stream_and_tells_the_decode_rank(stre
     assert not stream.pump() and stream.ended
     (note,) = stream_pair.notes()
     assert not note.ok and "illegal memory access" in note.reason
+
+
+class StuckWriter:
+    """The prefill agent, but NIXL refuses to cancel a WRITE and reports it in flight until :attr:`stuck` is
+    cleared (a WRITE still moving bytes when the stream stops)."""
+
+    def __init__(self, agent: NixlTransferAgent) -> None:
+        self.agent, self.stuck = agent, True
+        self.start_write: Callable[..., object] = agent.start_write
+        self.send_notif = agent.send_notif
+
+    def cancel(self, xfer: object) -> bool:
+        return False
+
+    def poll(self, xfer: object) -> bool:
+        return not self.stuck and self.agent.poll(xfer)
+
+
+def test_a_stopped_stream_tells_the_decode_rank_only_once_no_write_is_in_flight(stream_pair: Pair) -> None:
+    """The decode rank hands its blocks back to vLLM on the word: a WRITE still landing then would write into
+    another request's blocks, so the word waits for it."""
+    src, dst = [1, 2], [3, 4]
+    writer = StuckWriter(stream_pair.prefill)
+    stream = stream_pair.stream(writer)
+    stream.target(stream_pair.target_of(dst))
+    stream.computed(0, 0, src)
+    stream.pump()
+    stream.abort("the decode rank gave the load up")
+    for _ in range(20):
+        assert stream.pump() and not stream.ended
+    assert stream_pair.notes(timeout_s=0.2) == [], "told while a WRITE was in flight"
+    writer.stuck = False
+    _drain(stream, stream_pair)
+    assert stream.ended and stream_pair.notes() == [
+        PushedNotification(PUSH_ID, False, "the decode rank gave the load up")]
+    assert stream_pair.landed(src, dst, layers=range(1))
+
+
+def test_a_stream_whose_destination_deadline_passes_stops_and_tells_the_decode_rank(stream_pair: Pair) -> None:
+    now = [100.0]
+    src, dst = [1, 2], [3, 4]
+    stream = LayerStream("req-1", StreamSide(tuple(stream_pair.source_pages), BLOCKS), stream_pair.prefill,
+                         secret=KEY, clock=lambda: now[0])
+    target = stream_pair.target_of(dst)
+    stream.target(StreamTarget(target.agent, target.side, target.block_ids, target.first_block, target.push_id,
+                               deadline=105.0))
+    stream.computed(0, 0, src)
+    _drain_until_idle(stream, stream_pair)
+    now[0] = 105.0  # the decode rank gives the load up now
+    stream.computed(1, 0, src)
+    _drain(stream, stream_pair)
+    (note,) = stream_pair.notes()
+    assert not note.ok and "window passed" in note.reason
+    assert stream.counters.layers_posted == [0], "nothing is posted once the window has passed"
+    assert stream_pair.landed(src, dst, layers=range(1))
+
+
+def test_a_stream_whose_last_write_is_posted_is_not_stopped_by_its_deadline(stream_pair: Pair) -> None:
+    now = [100.0]
+    src, dst = [1], [2]
+    stream = LayerStream("req-1", StreamSide(tuple(stream_pair.source_pages), BLOCKS), stream_pair.prefill,
+                         secret=KEY, clock=lambda: now[0])
+    target = stream_pair.target_of(dst)
+    stream.target(StreamTarget(target.agent, target.side, target.block_ids, target.first_block, target.push_id,
+                               deadline=105.0))
+    for layer in range(LAYERS):
+        stream.computed(layer, 0, src)
+    stream.finish()
+    stream.pump()  # every layer posted, the notification riding on the WRITE
+    now[0] = 200.0
+    _drain(stream, stream_pair)
+    assert stream.failure is None and stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
+    assert stream_pair.landed(src, dst)
+
+
+def _drain_until_idle(stream: LayerStream, pair: Pair, timeout_s: float = 10.0) -> None:
+    """Pump until no WRITE of the stream is in flight."""
+    deadline = time.monotonic() + timeout_s
+    while stream.pump() and stream.busy:
+        assert time.monotonic() < deadline, "WRITEs still in flight"
+        pair.decode.progress()
+        time.sleep(0.0005)
 
 
 def test_a_destination_is_checked_and_given_once(stream_pair: Pair) -> None:

@@ -37,8 +37,9 @@ class Outcomes:
         self._ended.set()
 
     def report(self, transfer: Transfer) -> None:
-        """Hand an ended pull to vLLM: finished receiving, and for a failed one its blocks as load errors."""
-        self.add(transfer.request_id, transfer.spec.local_block_ids, failed=transfer.failed,
+        """Hand an ended pull to vLLM: finished receiving, and for a failed one its blocks as load errors (not for
+        one given up because its request ended: nobody reads them)."""
+        self.add(transfer.request_id, transfer.spec.local_block_ids, failed=transfer.failed and not transfer.given_up,
                  report=transfer.spec.report)
 
     def take_finished(self) -> set[str]:

@@ -120,10 +120,15 @@ class Receiver:
         self.drain = Drain(stager, self.outcomes, ways)
 
     # ---- public surface -----------------------------------------------------
-    def start(self, specs: list[LoadSpec], failed: dict[str, tuple[int, ...]] | None = None) -> None:
-        """Take this step's new pulls (after those that waited for staging), and the pulls the
-        scheduler could not set up (``failed``: request id → local blocks, reported failed)."""
+    def start(self, specs: list[LoadSpec], failed: dict[str, tuple[int, ...]] | None = None,
+              ended_streams: list[str] | None = None) -> None:
+        """Take this step's new pulls (after those that waited for staging), the pulls the scheduler could
+        not set up (``failed``: request id → local blocks, reported failed), and the streamed loads whose
+        request has ended (``ended_streams``: one still under way is given up, :meth:`_give_up`)."""
         with self.lock:
+            ended = set(ended_streams or ())
+            for transfer in [t for t in self.transfers if t.request_id in ended and t.spec.stream_grant]:
+                self._contained(transfer, "giving the stream up", self._give_up, transfer)
             for request_id, blocks in (failed or {}).items():
                 self.outcomes.add(request_id, blocks, failed=True)
                 self.stats.record_failure(FailureKind.REFUSED.value)
@@ -356,6 +361,24 @@ class Receiver:
             self._to(transfer, TransferState.DONE)
 
     # ---- endings ----------------------------------------------------------------
+    def _give_up(self, transfer: Transfer) -> None:
+        """A streamed load whose request ended (aborted) while the stream ran: the prefill ranks are told to
+        stop it (a release of the stream id: they stop WRITing and say so once no WRITE is in flight), and
+        vLLM gets the blocks back once that word came (or the stream's window passed: the prefill rank WRITEs
+        nothing after it); reported finished, with no load errors (nobody reads them)."""
+        if transfer.finished:
+            return
+        logger.info("p2pkv: request %s ended while its KV was streamed; the stream is given up",
+                    transfer.request_id)
+        handshaking = transfer.state is TransferState.HANDSHAKE
+        self.drain.abandon(transfer)
+        transfer.given_up = True
+        self._to(transfer, TransferState.FAILED)
+        if handshaking:
+            self.keeper.cancel_unneeded()
+        release_failed(self.background, transfer.spec.remote, self.rank.answered_ranks(transfer.spec.remote.tp_size),
+                       self.rank.name, self._secret, self.config.handshake_timeout_s)
+
     def _retry_or_fail(self, transfer: Transfer, kind: FailureKind, why: str) -> None:
         """After a peer failure: re-handshake (the prefill may have restarted) and retry once per pull."""
         if transfer.attempt > 1:

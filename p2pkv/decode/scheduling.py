@@ -58,6 +58,8 @@ class DecodeScheduling:
         self.failed: dict[str, tuple[int, ...]] = {}
         self._queued: dict[str, RemotePrefill] = {}  # decode requests waiting, for lease heartbeats
         self._loads: dict[str, DecodeLoad] = {}  # checked once, kept until allocated or finished
+        self._streaming: set[str] = set()  # streamed loads handed to the workers, until their request finishes
+        self._ended_streams: list[str] = []  # of those, the ones finished since the last step
         self._next_heartbeat = 0.0
         self.heartbeats = HeartbeatSender(engine_id, secret, timeout_s=min(1.0, config.handshake_timeout_s))
 
@@ -65,6 +67,12 @@ class DecodeScheduling:
         """This step's new pulls and failed loads (for the workers), then forgotten."""
         out = self.transfers, self.failed
         self.transfers, self.failed = [], {}
+        return out
+
+    def take_ended_streams(self) -> list[str]:
+        """Requests whose streamed load the workers were given and that have finished since the last call (a
+        stream still under way is given up: the request was aborted while it ran), then forgotten."""
+        out, self._ended_streams = self._ended_streams, []
         return out
 
     def on_new_request(self, request: Request) -> None:
@@ -194,6 +202,8 @@ class DecodeScheduling:
                 # it knows the prefill engine's block size (it may differ from ours).
                 remote_ids = tuple(remote.block_ids) if local else ()
             num_tokens = load.loaded_tokens
+        if load.grant and num_external_tokens > 0:
+            self._streaming.add(request.request_id)
         self.transfers.append(LoadSpec(
             request_id=request.request_id, local_block_ids=tuple(local), remote_block_ids=tuple(remote_ids),
             remote=remote, report=num_external_tokens > 0, first_token=first_token, num_tokens=num_tokens,
@@ -216,9 +226,12 @@ class DecodeScheduling:
     def request_finished(self, request: Request) -> None:
         """A request ends: what was kept for it is dropped; one that ended (aborted) before its blocks were
         allocated tells its prefill engine to free its copy now (a notify-only pull; for a stream, a declined
-        one)."""
+        one); one whose stream was handed to the workers is named to them (:meth:`take_ended_streams`)."""
         queued = self._queued.pop(request.request_id, None)
         load = self._loads.pop(request.request_id, None)  # kept no longer, whatever the request's end
+        if request.request_id in self._streaming:  # its stream may still run (aborted while waiting for it)
+            self._streaming.discard(request.request_id)
+            self._ended_streams.append(request.request_id)
         params = request.kv_transfer_params
         if wants_remote_prefill(params) and wants_stream(params):
             params["do_remote_prefill"] = False

@@ -131,6 +131,8 @@ class Transfer:
         questions: its fence questions and their answers, each with when it was
             queued on its lane, left, and was answered (or given up on),
             ``time.time()`` seconds (:meth:`p2pkv.decode.fence.Fence.answers`).
+        given_up: its request ended while it ran (a layer stream given up): it ends ``FAILED`` but is reported
+            finished with no load errors.
     """
 
     spec: LoadSpec
@@ -146,6 +148,7 @@ class Transfer:
     draining: int = 0
     marks: dict[str, float] = field(default_factory=dict)
     questions: list[dict[str, Any]] = field(default_factory=list)
+    given_up: bool = False
 
     @classmethod
     def taken(cls, spec: LoadSpec) -> Transfer:

@@ -159,8 +159,10 @@ class PrefillHolds:
         self._requests.put((held, min(extend_s, self.lease_s)))
         return status
 
-    def on_release(self, request_ids: list[str], block_ids: list[list[int]]) -> int:
+    def on_release(self, request_ids: list[str], block_ids: list[list[int]], requester: str = "") -> int:
         """Side-channel thread: nobody will pull these requests; they are freed at the next step.
+
+        ``requester`` (the sender's ``requester_engine_id``) is not needed: the block ids are the proof.
 
         Only holds whose block ids are exactly ``block_ids`` (per request id,
         every block of the hold) are freed: params naming another request's id

@@ -14,10 +14,13 @@ WRITE's end, the decode rank gets one "pushed" notification
 ``push_id``: attached to the last WRITE when nothing else is in flight (NIXL
 delivers it after that WRITE's bytes, and the earlier WRITEs have ended),
 sent on its own otherwise. A failed WRITE, or :meth:`LayerStream.abort`,
-stops the stream: WRITEs in flight are cancelled, the decode rank is told
-``ok=False`` with the reason, and the stream has :attr:`LayerStream.ended`
-only once no WRITE NIXL refused to cancel can still write (the caller keeps
-the source blocks until then).
+stops the stream: WRITEs in flight are cancelled, and once no WRITE NIXL
+refused to cancel can still write, the decode rank is told ``ok=False``
+with the reason (it hands its blocks back to vLLM on that word, so the word
+never comes before the last byte) and the stream has :attr:`LayerStream.ended`
+(the caller keeps the source blocks until then). A destination's
+``deadline`` (the decode rank's window: it gives the load up then) stops the
+stream the same way when it passes first.
 
 A chunk ending inside a block sends that block; the next chunk sends it
 again whole, which rewrites the earlier tokens with the same bytes. So that
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -77,7 +81,7 @@ class StreamState(str, enum.Enum):
     STREAMING = "streaming"
     """Layers are WRITTEN as they are computed."""
     ENDED = "ended"
-    """The decode rank has been told (landed, or not), and no WRITE can still write."""
+    """Nothing more is posted: done, or stopped (see :attr:`LayerStream.ended` for when it may be dropped)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ class StreamTarget:
         first_block: the prompt block index of ``block_ids[0]`` (blocks the decode
             engine has cached itself come before it and are not sent).
         push_id: names the stream in its "pushed" notification (16–32 bytes).
+        deadline: when the decode rank gives the load up (its window; seconds on the stream's ``clock``):
+            nothing is posted from then on (the stream stops as by :meth:`LayerStream.abort`).
     """
 
     agent: str
@@ -113,6 +119,7 @@ class StreamTarget:
     block_ids: tuple[int, ...]
     first_block: int
     push_id: bytes
+    deadline: float = math.inf
 
 
 @dataclass
@@ -167,11 +174,13 @@ class LayerStream:
     """Each WRITE in flight with its layers."""
     _finished: bool = field(default=False, init=False, repr=False)
     _notify_with_write: bool = field(default=False, init=False, repr=False)
+    _failure_note: PushedNotification | None = field(default=None, init=False, repr=False)
+    """A stopped stream's word to the decode rank, sent once no WRITE can still write."""
 
     @property
     def ended(self) -> bool:
         """The decode rank has been told, and no WRITE of this stream can still write."""
-        return self.state is StreamState.ENDED and not self._inflight
+        return self.state is StreamState.ENDED and not self._inflight and self._failure_note is None
 
     @property
     def busy(self) -> bool:
@@ -231,6 +240,9 @@ class LayerStream:
         Returns:
             True while the stream has work left (call again), False once it has ended.
         """
+        if self.state is StreamState.STREAMING and not self._notify_with_write and self.clock() >= self._deadline():
+            self._fail("the decode rank's window passed before the stream ended (it gives the load up then: "
+                       "transfer_timeout_s on the decode engine)")
         if self.state is StreamState.STREAMING:
             try:
                 self._poll()
@@ -307,8 +319,12 @@ class LayerStream:
         if self._notify_with_write and not self._inflight and not self._waiting:
             self._ended()
 
+    def _deadline(self) -> float:
+        return self._target.deadline if self._target is not None else math.inf
+
     def _poll_after_end(self) -> None:
-        """After a failure: wait out the WRITEs NIXL would not cancel (their errors are the failure's)."""
+        """After a failure: wait out the WRITEs NIXL would not cancel (their errors are the failure's), then
+        tell the decode rank."""
         still = []
         for xfer, layers in self._inflight:
             try:
@@ -317,16 +333,26 @@ class LayerStream:
             except TransferError:
                 pass
         self._inflight = still
+        self._tell_failure_once_quiet()
 
     def _fail(self, reason: str) -> None:
         logger.warning("p2pkv: stream of request %s stopped: %s", self.request_id, reason)
         self.failure = reason
         self._waiting.clear()
         self._inflight = [(x, layers) for x, layers in self._inflight if not self.writer.cancel(x)]
-        if self._target is not None:
-            self._notify(PushedNotification(self._target.push_id, False, reason))
-        else:
+        self.state = StreamState.ENDED
+        if self._target is None:
             self._ended()
+            return
+        self._failure_note = PushedNotification(self._target.push_id, False, reason)
+        self._tell_failure_once_quiet()
+
+    def _tell_failure_once_quiet(self) -> None:
+        """Send the failure's word once no WRITE of the stream is in flight: the decode rank hands its blocks
+        back to vLLM when told, so a WRITE still landing would write into blocks of another request."""
+        if self._failure_note is not None and not self._inflight:
+            note, self._failure_note = self._failure_note, None
+            self._notify(note)
 
     def _notify(self, note: PushedNotification) -> None:
         """Send the "pushed" notification on its own (failures to send are logged: the decode's window ends it)."""

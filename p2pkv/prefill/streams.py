@@ -186,8 +186,10 @@ class PrefillStreams:
         loaded, why = self.pusher.hold_agent(identity, msg.agent)
         if not loaded:
             return "refused", why
-        target = StreamTarget(msg.agent.agent_name, side, tuple(msg.block_ids), msg.first_block, msg.push_id)
-        dest = _Destination(target, identity, msg.num_tokens, msg.prompt_digest, self._clock() + window_s)
+        deadline = self._clock() + window_s  # the decode rank gives the load up then: no WRITE after it
+        target = StreamTarget(msg.agent.agent_name, side, tuple(msg.block_ids), msg.first_block, msg.push_id,
+                              deadline)
+        dest = _Destination(target, identity, msg.num_tokens, msg.prompt_digest, deadline)
         with self._lock:
             request_id = self._by_stream.get(grant.stream_id)
             if request_id is None:
@@ -198,20 +200,22 @@ class PrefillStreams:
             self.pusher.release_agent(identity)
         return status, why
 
-    def on_release(self, request_ids: list[str], block_ids: list[list[int]]) -> int:
+    def on_release(self, request_ids: list[str], block_ids: list[list[int]], requester: str = "") -> int:
         """Side-channel thread: a release (:meth:`p2pkv.prefill.holds.PrefillHolds.on_release`). A stream id
         among ``request_ids`` with no block ids is a decode rank declining that stream: it loads nothing of it
         (its prefix cache holds the prompt, or the request ended or failed first). The stream stops and its
-        hold is freed, unless a destination was already taken (its stream then ends by itself); how many
-        holds and streams are freed."""
-        declined = sum(self._decline(rid) for rid, blocks in zip(request_ids, block_ids, strict=True)
+        hold is freed. A stream that already has a destination stops only when ``requester`` (the release's
+        ``requester_engine_id``: ``<engine id>:<tp rank>``) names that destination's decode rank: it gave the
+        load up mid-stream (its request was aborted, or its load failed). Returns how many holds and streams
+        are freed."""
+        declined = sum(self._decline(rid, requester) for rid, blocks in zip(request_ids, block_ids, strict=True)
                        if not blocks and is_stream_id(rid))
         return declined + self.holds.on_release(request_ids, block_ids)
 
-    def _decline(self, stream_id: str) -> int:
+    def _decline(self, stream_id: str, requester: str) -> int:
         with self._lock:
             if stream_id in self._served:  # it has a destination (or was declined already)
-                return 0
+                return self._give_up(stream_id, requester)
             request_id = self._by_stream.get(stream_id)
             if request_id is None:
                 if len(self._declined) >= MAX_PENDING:
@@ -220,6 +224,24 @@ class PrefillStreams:
             self._served[stream_id] = time.time() + DECLINED_KEEP_S
             if request_id is not None:
                 self.poster.abort(request_id, "the decode engine declined the stream (it loads nothing of it)")
+        return 1
+
+    def _give_up(self, stream_id: str, requester: str) -> int:
+        """The destination's own decode rank gives a served stream up: it stops (its WRITEs in flight end first,
+        then the decode rank is told), and its hold is freed when it has ended. Lock held."""
+        pending = self._pending.get(stream_id)
+        if pending is not None:  # its request is not known here yet: it never will be streamed
+            if _rank_name(pending.identity) != requester:
+                return 0
+            del self._pending[stream_id]
+            self.pusher.release_agent(pending.identity)
+            self._declined[stream_id] = self._clock() + DECLINED_KEEP_S
+            return 1
+        request_id = self._by_stream.get(stream_id)
+        live = self._live.get(request_id) if request_id is not None else None
+        if live is None or live.identity is None or _rank_name(live.identity) != requester:
+            return 0
+        self.poster.abort(request_id, "the decode rank gave the load up mid-stream (its request ended)")
         return 1
 
     def _pages_differ(self, side: StreamSide) -> str | None:
@@ -281,7 +303,7 @@ class PrefillStreams:
     def _open(self, chunk: StreamChunk) -> None:
         """A streamed request's first chunk: its stream, and its destination if it came first. Lock held."""
         assert isinstance(self.source, StreamSide)
-        stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret)
+        stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret, self._clock)
         self.poster.add(chunk.request_id, stream)
         self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens)
         self._by_stream[chunk.stream_id] = chunk.request_id
@@ -378,6 +400,11 @@ class PrefillStreams:
     def close(self) -> None:
         """Stop the poster (streams still running are aborted). Idempotent."""
         self.poster.close()
+
+
+def _rank_name(identity: Identity) -> str:
+    """A decode rank as its releases name it (``requester_engine_id``): ``<engine id>:<tp rank>``."""
+    return f"{identity[0]}:{identity[1]}"
 
 
 def layer_indices(kv_caches: dict[str, object]) -> dict[str, int]:

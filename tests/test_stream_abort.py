@@ -1,0 +1,91 @@
+"""A decode request aborted while its KV is streamed: the prefill rank stops WRITing, nothing waits, nothing leaks.
+
+Two real :class:`p2pkv.worker.WorkerSide` in this process, a prefill rank and
+a decode rank sharing a secret, their NIXL agents moving host memory, driven
+as vLLM drives them: the prefill's steps open the stream
+(``P2pKvMetadata.streams``) and report layers done (``save_kv_layer``); the
+decode worker takes the streamed load (``LoadSpec.stream_grant``) and sends
+its destination. After the first layer landed, the decode request ends
+(vLLM aborted it: its scheduler names it in ``ended_streams``). Checked:
+
+* the decode worker hands the request back to vLLM (finished receiving, no
+  load errors) once the prefill rank said it stopped, long before the
+  stream's window would have passed;
+* layers the prefill computes after that are never WRITTEN: the decode
+  blocks hold layer 0 and zeros;
+* the prefill rank frees the request's hold as soon as it is made (the
+  stream has ended), so no block stays held.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
+from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
+from p2pkv.params import RemotePrefill, prompt_digest
+from p2pkv.testing import make_kv_caches
+from tests.p2p_harness import ENGINE, LAYOUT, DecodeSide, free_port, shape
+from tests.workers import make_worker
+
+SECRET = "stream-abort-test-secret-32bytes"
+NUM_BLOCKS = 16
+BLOCK_SIZE = shape(NUM_BLOCKS)["block_size"]
+LAYERS = shape(NUM_BLOCKS)["num_layers"]
+SOURCE, TARGET = (1, 2, 3), (5, 6, 7)
+PROMPT = len(SOURCE) * BLOCK_SIZE  # tokens; the decode engine computes the last one itself
+WINDOW_S = 10.0  # the decode rank's transfer_timeout_s: the stream's window
+
+
+def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sides() -> None:
+    port = free_port()
+    prefill = make_worker(ENGINE, port, secret=SECRET)
+    source, views = make_kv_caches(LAYOUT, seed=7, **shape(NUM_BLOCKS))
+    prefill.register_kv_caches(views, NUM_BLOCKS)
+    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=2.0)
+    try:
+        grant = make_stream_grant(ENGINE, ANY_DECODE, SECRET.encode(), time.time() + 60)
+        stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id=ENGINE,
+                                       decode_engine_id="decode-engine", now=time.time()).stream_id
+        loaded = PROMPT - 1
+        digest = prompt_digest(list(range(loaded)))
+        step = P2pKvMetadata(streams=[StreamChunk("p-1", stream_id, 0, SOURCE, PROMPT, True, digest, loaded)])
+        prefill.start_load_kv(step)
+        prefill.save_kv_layer("layers.0", step)
+
+        remote = RemotePrefill(ENGINE, stream_id, "127.0.0.1", port, (), 1, num_tokens=loaded, prompt_digest=digest,
+                               transfer_mode="stream")
+        decode.start(LoadSpec("d-1", TARGET, (), remote, num_tokens=loaded, stream_grant=grant))
+        layer_bytes = source[list(SOURCE), 0]
+        deadline = time.monotonic() + 10
+        while not torch.equal(decode.base[list(TARGET), 0], layer_bytes):
+            assert time.monotonic() < deadline, "layer 0 never landed"
+            decode.step()
+            time.sleep(0.002)
+        assert "d-1" not in decode.finished, "finished while the prefill still streams"
+
+        decode.worker.start_load_kv(P2pKvMetadata(ended_streams=["d-1"]))  # vLLM aborted the request
+        missing = decode.pump({"d-1"}, WINDOW_S / 2)
+        assert not missing, "the decode worker waited for the stream's window instead of the prefill's word"
+        assert decode.take_errors() == set(), "an aborted request's blocks are not load errors"
+
+        for layer in range(1, LAYERS):  # the prefill goes on computing: nothing more is written
+            prefill.save_kv_layer(f"layers.{layer}", step)
+        prefill.wait_for_save()
+        decode.pump(set(), 0.3)
+        assert torch.equal(decode.base[list(TARGET), 0], layer_bytes)
+        assert not decode.base[list(TARGET), 1:].any(), "a layer was written after the stream was given up"
+
+        # The prefill request finishes: its hold is made, and freed at once (its stream has ended).
+        prefill.start_load_kv(P2pKvMetadata(send_leases={"p-1": time.monotonic() + 60}, send_blocks={"p-1": SOURCE}))
+        sent: set[str] = set()
+        deadline = time.monotonic() + 10
+        while "p-1" not in sent:
+            assert time.monotonic() < deadline, "the prefill rank still holds the request's blocks"
+            sent |= prefill.get_finished()[0]
+            time.sleep(0.01)
+    finally:
+        decode.close()
+        prefill.shutdown()
