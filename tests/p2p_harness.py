@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pkv.metadata import LoadSpec, P2pKvMetadata
+from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
 from p2pkv.params import RemotePrefill
 from p2pkv.prefill.holds import HoldEnd, PrefillHolds
 from p2pkv.prefill.pusher import Pusher
@@ -71,11 +71,12 @@ registered, each with what must live as long as it (its KV cache); a module-leve
 
 
 def synthetic_rank(seed: int, num_blocks: int, layout: str, lease_s: float,
-                   port: int) -> list[tuple[WorkerSide, object]]:
+                   port: int, **cfg: object) -> list[tuple[WorkerSide, object]]:
     """One prefill rank of :data:`ENGINE` with a synthetic ``layout`` cache of ``num_blocks`` (random values from
-    ``seed``): :class:`PrefillProc`'s ranks unless it is given others."""
+    ``seed``) and settings ``cfg`` (``secret``: a secured rank, which streams): :class:`PrefillProc`'s ranks
+    unless it is given others."""
     _, views = make_kv_caches(layout, seed=seed, **shape(num_blocks))
-    worker = make_worker(ENGINE, port, layout, lease_s=lease_s)
+    worker = make_worker(ENGINE, port, layout, lease_s=lease_s, **cfg)
     worker.register_kv_caches(views, num_blocks)
     return [(worker, views)]
 
@@ -219,6 +220,16 @@ class _Control:
         """False: the side channel refuses push requests, as one without push support does; True: serves them."""
         self.worker.server._dispatch._on_push = self._on_push if on else None  # type: ignore[union-attr]
 
+    def stream(self, chunk: StreamChunk, layer_names: list[str], end_step: bool = False) -> None:
+        """A step of a layer-streamed prefill: ``chunk`` opens (or goes on with) its stream, ``layer_names`` are
+        reported done (``save_kv_layer``), and with ``end_step`` the step's forward ends (``wait_for_save``)."""
+        meta = P2pKvMetadata(streams=[chunk])
+        self.worker.start_load_kv(meta)
+        for name in layer_names:
+            self.worker.save_kv_layer(name, meta)
+        if end_step:
+            self.worker.wait_for_save()
+
     def state(self) -> dict:
         """The pusher's counters and queue, and the holds' leases, pins and deferred endings."""
         pusher, holds = self.worker.pusher, self.worker.holds
@@ -237,6 +248,7 @@ class PrefillProc:
         num_blocks, lease_s: the cache's blocks; the leases' default seconds.
         layout: the cache's layout (:func:`p2pkv.testing.make_kv_caches`; ``expected`` and :class:`DecodeSide`
             compare blocks as ``BLHNC`` ones).
+        secret: the side channel's secret of :func:`synthetic_rank` (None: an insecure rank, which cannot stream).
         ranks: the prefill ranks to run instead of :func:`synthetic_rank` of the fields above (:data:`Ranks`:
             several ranks, other caches); leases and the released events are every rank's, the control
             (:meth:`call`) rank 0's.
@@ -255,6 +267,7 @@ class PrefillProc:
     num_blocks: int = 64
     lease_s: float = 30.0
     layout: str = LAYOUT
+    secret: str | None = None
     ranks: Ranks | None = None
     notified: dict[str, int] = field(default_factory=dict)
     expired: dict[str, int] = field(default_factory=dict)
@@ -290,7 +303,9 @@ class PrefillProc:
         self.released_by_incarnation.append(set())
         self._warm = warm_processes.take()
         self._proc = self._warm.process
-        ranks = self.ranks or functools.partial(synthetic_rank, self.seed, self.num_blocks, self.layout, self.lease_s)
+        secured = {"secret": self.secret} if self.secret else {}
+        ranks = self.ranks or functools.partial(synthetic_rank, self.seed, self.num_blocks, self.layout, self.lease_s,
+                                                **secured)
         channels = self._warm.run(_prefill_main, ranks, self.port, leases)
         self._cmds, self._out = channels.inbox, channels.outbox
         self._ready = False
@@ -362,8 +377,8 @@ class PrefillProc:
 
     def call(self, name: str, *args: object, timeout: float = 30.0) -> object:
         """Run ``name(*args)`` of the incarnation's control (``inject``, ``restore``, ``stall_pusher``,
-        ``delay_push``, ``delay_next_push``, ``take_pushes``, ``state``: see ``_Control``) between two of its
-        steps; its result."""
+        ``delay_push``, ``delay_next_push``, ``take_pushes``, ``stream``, ``state``: see ``_Control``) between
+        two of its steps; its result."""
         self._token += 1
         self._cmds.put(("call", self._token, name, args))
         deadline = time.monotonic() + timeout

@@ -1,4 +1,4 @@
-"""A decode request aborted while its KV is streamed: the prefill rank stops WRITing, nothing waits, nothing leaks.
+"""Streams cut short: a decode request aborted mid-stream, a prefill rank that dies mid-stream.
 
 Two real :class:`p2pkv.worker.WorkerSide` in this process, a prefill rank and
 a decode rank sharing a secret, their NIXL agents moving host memory, driven
@@ -15,6 +15,12 @@ its destination. After the first layer landed, the decode request ends
   blocks hold layer 0 and zeros;
 * the prefill rank frees the request's hold as soon as it is made (the
   stream has ended), so no block stays held.
+
+A prefill rank (in its own process, :class:`tests.p2p_harness.PrefillProc`)
+SIGKILLed after the first layer landed: the decode worker fails the load
+(every block a load error, so vLLM recomputes or fails the request by its
+``kv_load_failure_policy``) once the stream's window has passed, and a
+stream from the rank's next incarnation lands whole.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
 from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
 from p2pkv.params import RemotePrefill, prompt_digest
 from p2pkv.testing import make_kv_caches
-from tests.p2p_harness import ENGINE, LAYOUT, DecodeSide, free_port, shape
+from tests.p2p_harness import ENGINE, LAYOUT, DecodeSide, PrefillProc, free_port, shape
 from tests.workers import make_worker
 
 SECRET = "stream-abort-test-secret-32bytes"
@@ -39,6 +45,29 @@ PROMPT = len(SOURCE) * BLOCK_SIZE  # tokens; the decode engine computes the last
 WINDOW_S = 10.0  # the decode rank's transfer_timeout_s: the stream's window
 
 
+def _stream(prefill_request: str, decode_request: str, port: int) -> tuple[StreamChunk, LoadSpec]:
+    """A streamed request's first (and last) prefill chunk over :data:`SOURCE`, and its decode rank's load into
+    :data:`TARGET`, under one grant."""
+    grant = make_stream_grant(ENGINE, ANY_DECODE, SECRET.encode(), time.time() + 60)
+    stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id=ENGINE,
+                                   decode_engine_id="decode-engine", now=time.time()).stream_id
+    loaded = PROMPT - 1
+    digest = prompt_digest(list(range(loaded)))
+    chunk = StreamChunk(prefill_request, stream_id, 0, SOURCE, PROMPT, True, digest, loaded)
+    remote = RemotePrefill(ENGINE, stream_id, "127.0.0.1", port, (), 1, num_tokens=loaded, prompt_digest=digest,
+                           transfer_mode="stream")
+    return chunk, LoadSpec(decode_request, TARGET, (), remote, num_tokens=loaded, stream_grant=grant)
+
+
+def _wait_landed(decode: DecodeSide, want: torch.Tensor, layers: slice) -> None:
+    """Step the decode worker until its :data:`TARGET` blocks hold ``want`` in ``layers``."""
+    deadline = time.monotonic() + 10
+    while not torch.equal(decode.base[list(TARGET), layers], want):
+        assert time.monotonic() < deadline, f"layers {layers} never landed"
+        decode.step()
+        time.sleep(0.002)
+
+
 def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sides() -> None:
     port = free_port()
     prefill = make_worker(ENGINE, port, secret=SECRET)
@@ -46,24 +75,13 @@ def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sid
     prefill.register_kv_caches(views, NUM_BLOCKS)
     decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=2.0)
     try:
-        grant = make_stream_grant(ENGINE, ANY_DECODE, SECRET.encode(), time.time() + 60)
-        stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id=ENGINE,
-                                       decode_engine_id="decode-engine", now=time.time()).stream_id
-        loaded = PROMPT - 1
-        digest = prompt_digest(list(range(loaded)))
-        step = P2pKvMetadata(streams=[StreamChunk("p-1", stream_id, 0, SOURCE, PROMPT, True, digest, loaded)])
+        chunk, load = _stream("p-1", "d-1", port)
+        step = P2pKvMetadata(streams=[chunk])
         prefill.start_load_kv(step)
         prefill.save_kv_layer("layers.0", step)
-
-        remote = RemotePrefill(ENGINE, stream_id, "127.0.0.1", port, (), 1, num_tokens=loaded, prompt_digest=digest,
-                               transfer_mode="stream")
-        decode.start(LoadSpec("d-1", TARGET, (), remote, num_tokens=loaded, stream_grant=grant))
-        layer_bytes = source[list(SOURCE), 0]
-        deadline = time.monotonic() + 10
-        while not torch.equal(decode.base[list(TARGET), 0], layer_bytes):
-            assert time.monotonic() < deadline, "layer 0 never landed"
-            decode.step()
-            time.sleep(0.002)
+        decode.start(load)
+        layer_bytes = source[list(SOURCE), 0:1]
+        _wait_landed(decode, layer_bytes, slice(0, 1))
         assert "d-1" not in decode.finished, "finished while the prefill still streams"
 
         decode.worker.start_load_kv(P2pKvMetadata(ended_streams=["d-1"]))  # vLLM aborted the request
@@ -75,7 +93,7 @@ def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sid
             prefill.save_kv_layer(f"layers.{layer}", step)
         prefill.wait_for_save()
         decode.pump(set(), 0.3)
-        assert torch.equal(decode.base[list(TARGET), 0], layer_bytes)
+        assert torch.equal(decode.base[list(TARGET), 0:1], layer_bytes)
         assert not decode.base[list(TARGET), 1:].any(), "a layer was written after the stream was given up"
 
         # The prefill request finishes: its hold is made, and freed at once (its stream has ended).
@@ -89,3 +107,30 @@ def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sid
     finally:
         decode.close()
         prefill.shutdown()
+
+
+def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_streams_whole() -> None:
+    pf = PrefillProc(free_port(), seed=3, num_blocks=NUM_BLOCKS, secret=SECRET)
+    pf.start()
+    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=3.0, handshake_timeout_s=1.0)
+    try:
+        chunk, load = _stream("p-1", "d-1", pf.port)
+        pf.call("stream", chunk, ["layers.0"])
+        decode.start(load)
+        _wait_landed(decode, pf.expected()[list(SOURCE), 0:1], slice(0, 1))
+        pf.kill()
+        missing = decode.pump({"d-1"}, 20.0)
+        assert not missing, "a load from a dead prefill rank never ended"
+        assert decode.take_errors() == set(TARGET), "a stream cut short must reach vLLM as load errors"
+
+        pf.start(seed=4)
+        decode.base.zero_()
+        chunk, load = _stream("p-2", "d-2", pf.port)
+        decode.start(load)
+        pf.call("stream", chunk, [f"layers.{layer}" for layer in range(LAYERS)], True)
+        assert not decode.pump({"d-2"}, 20.0)
+        assert decode.take_errors() == set()
+        assert torch.equal(decode.base[list(TARGET)], pf.expected()[list(SOURCE)])
+    finally:
+        decode.close()
+        pf.stop()
