@@ -159,6 +159,14 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             fast as a READ, with the idle steps, kept 0.55-0.65 of a core
             busy for the prefill's whole forward on a 2-core CPU host that ran
             both engines (docs/streaming.md).
+        stream_min_tokens: prefill side: a layer-streamed request whose
+            decode engine loads fewer prompt tokens than this goes as one
+            WRITE after its prefill's last layer (a bulk push into the same
+            destination) instead of a WRITE per layer, which for short
+            prompts cost more than it hid. -1: as measured for the cache's
+            kind (:data:`p2pkv.prefill.streams.MEASURED_MIN_TOKENS`: 128
+            tokens for a per-layer cache, 512 for a cross-layer one,
+            docs/benchmarks/stream-threshold-cpu.md); 0: every one streams.
         staging_mib: staging memory (MiB, on the KV cache's device) a
             decode worker allocates, on its first pull from a peer with
             another block size, HND/NHD order or TP size, to receive whole
@@ -230,6 +238,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     idle_wait_s: float = 0.002
     stream_idle_wait_s: float = 0.02
     stream_poll_interval_s: float = 0.001
+    stream_min_tokens: int = -1
     max_peers: int = 256
     peer_idle_s: float = 600.0
     otlp_traces_endpoint: str = ""
@@ -324,6 +333,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"idle_wait_s must be 0 (no wait) .. 0.1 s, got {self.idle_wait_s}")
         if not 0 <= self.stream_idle_wait_s <= 0.1:
             raise ConfigError(f"stream_idle_wait_s must be 0 (no wait) .. 0.1 s, got {self.stream_idle_wait_s}")
+        if isinstance(self.stream_min_tokens, bool) or not isinstance(self.stream_min_tokens, int) or not (
+                -1 <= self.stream_min_tokens < 1 << 31):
+            raise ConfigError("stream_min_tokens must be a whole number of tokens >= 0 (-1: as measured for the "
+                              f"cache's kind), got {self.stream_min_tokens!r}")
         if not 0 < self.stream_poll_interval_s <= 0.01:
             raise ConfigError(f"stream_poll_interval_s must be above 0 .. 0.01 s, got {self.stream_poll_interval_s}")
         if self.staging_mib < 0.0625:

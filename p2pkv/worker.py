@@ -37,8 +37,9 @@ from p2pkv.notification import parse_done
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.spans import emit_hold_span
+from p2pkv.prefill.stream_requests import stream_side
 from p2pkv.prefill.streamer import StreamSide
-from p2pkv.prefill.streams import PrefillStreams, layer_indices, stream_side
+from p2pkv.prefill.streams import PrefillStreams, layer_indices
 from p2pkv.telemetry.stats import StatsBuffer
 from p2pkv.telemetry.tracing import Tracing, traces_endpoint
 
@@ -146,7 +147,8 @@ class WorkerSide:
         except LayoutError as exc:
             source = f"this rank's KV layout cannot be streamed layer by layer ({exc}); send without a grant (push)"
         self.streams = PrefillStreams(self.engine_id, self.agent, self.holds, self.pusher, source,
-                                      layer_indices(tensors), secret, on_gpu=mem_type == "VRAM")
+                                      layer_indices(tensors), secret, on_gpu=mem_type == "VRAM",
+                                      min_tokens=self.config.stream_min_tokens)
         if secret is None:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
                            "reaches it can read this engine's KV cache", self.host, self.port)

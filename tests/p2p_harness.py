@@ -248,7 +248,8 @@ class PrefillProc:
         num_blocks, lease_s: the cache's blocks; the leases' default seconds.
         layout: the cache's layout (:func:`p2pkv.testing.make_kv_caches`; ``expected`` and :class:`DecodeSide`
             compare blocks as ``BLHNC`` ones).
-        secret: the side channel's secret of :func:`synthetic_rank` (None: an insecure rank, which cannot stream).
+        settings: more :class:`~p2pkv.config.P2pKvConfig` settings of :func:`synthetic_rank` (``secret``: a
+            secured rank, which can stream).
         ranks: the prefill ranks to run instead of :func:`synthetic_rank` of the fields above (:data:`Ranks`:
             several ranks, other caches); leases and the released events are every rank's, the control
             (:meth:`call`) rank 0's.
@@ -267,7 +268,7 @@ class PrefillProc:
     num_blocks: int = 64
     lease_s: float = 30.0
     layout: str = LAYOUT
-    secret: str | None = None
+    settings: dict[str, object] = field(default_factory=dict)
     ranks: Ranks | None = None
     notified: dict[str, int] = field(default_factory=dict)
     expired: dict[str, int] = field(default_factory=dict)
@@ -303,9 +304,8 @@ class PrefillProc:
         self.released_by_incarnation.append(set())
         self._warm = warm_processes.take()
         self._proc = self._warm.process
-        secured = {"secret": self.secret} if self.secret else {}
         ranks = self.ranks or functools.partial(synthetic_rank, self.seed, self.num_blocks, self.layout, self.lease_s,
-                                                **secured)
+                                                **self.settings)
         channels = self._warm.run(_prefill_main, ranks, self.port, leases)
         self._cmds, self._out = channels.inbox, channels.outbox
         self._ready = False

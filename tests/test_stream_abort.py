@@ -16,6 +16,9 @@ its destination. After the first layer landed, the decode request ends
 * the prefill rank frees the request's hold as soon as it is made (the
   stream has ended), so no block stays held.
 
+A prompt shorter than ``stream_min_tokens`` (the measured default) lands in
+one WRITE after the prefill's last layer, nothing before it.
+
 A prefill rank (in its own process, :class:`tests.p2p_harness.PrefillProc`)
 SIGKILLed after the first layer landed: the decode worker fails the load
 (every block a load error, so vLLM recomputes or fails the request by its
@@ -32,6 +35,7 @@ import torch
 from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
 from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
 from p2pkv.params import RemotePrefill, prompt_digest
+from p2pkv.prefill.streams import measured_min_tokens
 from p2pkv.testing import make_kv_caches
 from tests.p2p_harness import ENGINE, LAYOUT, DecodeSide, PrefillProc, free_port, shape
 from tests.workers import make_worker
@@ -70,7 +74,7 @@ def _wait_landed(decode: DecodeSide, want: torch.Tensor, layers: slice) -> None:
 
 def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sides() -> None:
     port = free_port()
-    prefill = make_worker(ENGINE, port, secret=SECRET)
+    prefill = make_worker(ENGINE, port, secret=SECRET, stream_min_tokens=0)
     source, views = make_kv_caches(LAYOUT, seed=7, **shape(NUM_BLOCKS))
     prefill.register_kv_caches(views, NUM_BLOCKS)
     decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=2.0)
@@ -110,7 +114,7 @@ def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sid
 
 
 def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_streams_whole() -> None:
-    pf = PrefillProc(free_port(), seed=3, num_blocks=NUM_BLOCKS, secret=SECRET)
+    pf = PrefillProc(free_port(), seed=3, num_blocks=NUM_BLOCKS, settings={"secret": SECRET, "stream_min_tokens": 0})
     pf.start()
     decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=3.0, handshake_timeout_s=1.0)
     try:
@@ -134,3 +138,28 @@ def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_
     finally:
         decode.close()
         pf.stop()
+
+
+def test_a_prompt_under_the_measured_threshold_lands_in_one_write_after_its_last_layer() -> None:
+    port = free_port()
+    prefill = make_worker(ENGINE, port, secret=SECRET)  # stream_min_tokens -1: as measured for the cache's kind
+    source, views = make_kv_caches(LAYOUT, seed=5, **shape(NUM_BLOCKS))
+    prefill.register_kv_caches(views, NUM_BLOCKS)
+    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=2.0)
+    try:
+        assert measured_min_tokens(prefill.streams.source) > PROMPT
+        chunk, load = _stream("p-1", "d-1", port)
+        step = P2pKvMetadata(streams=[chunk])
+        prefill.start_load_kv(step)
+        decode.start(load)
+        for layer in range(LAYERS - 1):
+            prefill.save_kv_layer(f"layers.{layer}", step)
+        decode.pump(set(), 0.3)
+        assert not decode.base.any(), "a short prompt's layers were written before its prefill ended"
+        prefill.save_kv_layer(f"layers.{LAYERS - 1}", step)
+        prefill.wait_for_save()
+        assert not decode.pump({"d-1"}, 10.0) and decode.take_errors() == set()
+        assert torch.equal(decode.base[list(TARGET)], source[list(SOURCE)])
+    finally:
+        decode.close()
+        prefill.shutdown()

@@ -32,8 +32,9 @@ from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 from p2pkv.params import prompt_digest
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
+from p2pkv.prefill.stream_requests import stream_side
 from p2pkv.prefill.streamer import LayerStream
-from p2pkv.prefill.streams import PrefillStreams, stream_side
+from p2pkv.prefill.streams import PrefillStreams
 from tests.clock import FakeClock
 from tests.push_support import DECODE, ENGINE, KEY, SHAPE, Agents
 

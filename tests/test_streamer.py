@@ -25,6 +25,7 @@ from p2pkv.dataplane.plan import PlanError
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamState, StreamTarget
+from p2pkv.prefill.streams import MEASURED_MIN_TOKENS, measured_min_tokens
 from p2pkv.testing import make_kv_caches
 from p2pkv.tools.doctor import loopback_info
 
@@ -386,6 +387,33 @@ def test_a_stream_whose_last_write_is_posted_is_not_stopped_by_its_deadline(stre
     _drain(stream, stream_pair)
     assert stream.failure is None and stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
     assert stream_pair.landed(src, dst)
+
+
+def test_a_bulk_stream_posts_every_layer_in_one_write_after_the_last(stream_pair: Pair) -> None:
+    """A prompt below ``stream_min_tokens``: the destination and checks of a stream, the WRITE of a push."""
+    src, dst = [1, 2, 3], [4, 5, 6]
+    stream = LayerStream("req-1", StreamSide(tuple(stream_pair.source_pages), BLOCKS), stream_pair.prefill,
+                         secret=KEY, bulk=True)
+    stream.target(stream_pair.target_of(dst))
+    for layer in range(LAYERS):
+        stream.computed(layer, 0, src)
+        assert stream.pump() and not stream.busy, "a bulk stream has nothing to do before its prefill ends"
+    assert stream.counters.writes == 0 and stream_pair.notes(timeout_s=0.1) == []
+    stream.finish()
+    _drain(stream, stream_pair)
+    assert stream.counters.writes == 1 and stream.counters.layers_posted == list(range(LAYERS))
+    assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
+    assert stream_pair.landed(src, dst)
+
+
+def test_the_measured_threshold_follows_the_cache_kind(stream_pair: Pair) -> None:
+    """Cross-layer pages (``BLHNC``: a layer's page strides over every layer of its block) cost a descriptor per
+    block and layer, so streaming pays only from longer prompts than in a per-layer cache (``LBHNC``)."""
+    cross = StreamSide(tuple(stream_pair.source_pages), BLOCKS)
+    per_layer = StreamSide(tuple(stream_pair.target_pages), BLOCKS)
+    assert measured_min_tokens(cross) == MEASURED_MIN_TOKENS["cross_layer"] == 512
+    assert measured_min_tokens(per_layer) == MEASURED_MIN_TOKENS["per_layer"] == 128
+    assert measured_min_tokens("an interleaved layout cannot stream") == 0
 
 
 def _drain_until_idle(stream: LayerStream, pair: Pair, timeout_s: float = 10.0) -> None:

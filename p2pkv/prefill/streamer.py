@@ -155,6 +155,8 @@ class LayerStream:
         writer: posts and polls the WRITEs (the rank's NIXL agent).
         secret: signs the "pushed" notification (None: unsigned).
         clock: monotonic seconds (tests pass a fake).
+        bulk: post nothing before :meth:`finish`, then every layer in one WRITE (a prompt too short for a WRITE
+            per layer to pay: ``stream_min_tokens``); the destination, checks and notification are a stream's.
         state: where the stream is.
         failure: why it stopped (None: it has not).
         counters: what it did.
@@ -165,6 +167,7 @@ class LayerStream:
     writer: Writer
     secret: bytes | None = None
     clock: Callable[[], float] = time.monotonic
+    bulk: bool = False
     state: StreamState = field(default=StreamState.WAITING, init=False)
     failure: str | None = field(default=None, init=False)
     counters: StreamCounters = field(default_factory=StreamCounters, init=False)
@@ -185,8 +188,10 @@ class LayerStream:
     @property
     def busy(self) -> bool:
         """Something here changes without a new call: WRITEs in flight, or computed layers a destination is
-        known for (their ready tests to watch). A stream waiting for its destination is not busy."""
-        return bool(self._inflight) or (self.state is StreamState.STREAMING and bool(self._waiting or self._finished))
+        known for (their ready tests to watch). A stream waiting for its destination, or a bulk one for its
+        :meth:`finish`, is not busy."""
+        posting = self._finished or (bool(self._waiting) and not self.bulk)
+        return bool(self._inflight) or (self.state is StreamState.STREAMING and posting)
 
     def computed(self, layer: int, first_block: int, source_ids: Sequence[int],
                  ready: Callable[[], bool] | None = None) -> None:
@@ -260,7 +265,10 @@ class LayerStream:
 
     def _post_ready(self) -> None:
         """One WRITE of every waiting chunk whose layer is ready (in order: a chunk not ready, or a WRITE of its
-        layer in flight, holds that layer's later chunks back, so a block's older bytes never land last)."""
+        layer in flight, holds that layer's later chunks back, so a block's older bytes never land last). A bulk
+        stream waits for :meth:`finish`."""
+        if self.bulk and not self._finished:
+            return
         ready: list[_Chunk] = []
         held: set[int] = {layer for _, layers in self._inflight for layer in layers}
         for chunk in self._waiting:

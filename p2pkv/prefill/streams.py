@@ -15,18 +15,16 @@ The pieces meet here (docs/streaming.md):
   (:meth:`PrefillStreams.on_stream`, side-channel thread), before or after
   the request is known here.
 
-Checks on a stream request, in order, each refusing with nothing loaded or
-kept: the agent is the requester's own (:func:`p2pkv.prefill.pusher.requester_identity`);
-the grant names this engine and the requester (or any decode engine) and has
-not expired; the agent's metadata matches its digest; its pages are this
-rank's (same page size, layer and K/V order: a stream moves pages as they
-are) and its block ids lie in its cache; the window has not passed; the
-stream id has not had a destination (a grant serves once). Then NIXL loads
-the decode agent and keeps it until the stream ends. A decode rank that
-will load nothing of a stream (its prefix cache holds the prompt, or the
-request ended or failed first) declines it with a release of the stream id
-and no block ids (:meth:`PrefillStreams.on_release`): the stream stops and
-its hold is freed at once, not at the lease.
+A stream request is checked by :func:`p2pkv.prefill.stream_requests.check_stream_request`,
+then here: the stream id has not had a destination (a grant serves once)
+and there is room for one more pending destination. Then NIXL loads the
+decode agent and keeps it until the stream ends. A decode rank that will
+load nothing of a stream (its prefix cache holds the prompt, or the request
+ended or failed first) declines it with a release of the stream id and no
+block ids (:meth:`PrefillStreams.on_release`): the stream stops and its hold
+is freed at once, not at the lease; the same release from the rank that
+gave a stream its destination stops that stream mid-way (the decode
+request was aborted, or its load failed).
 
 Holds: a streamed request's hold (made when it finishes, whatever its end:
 :meth:`p2pkv.prefill.scheduling.PrefillScheduling.request_finished`) is
@@ -43,19 +41,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from handshake import KVLayoutDesc, StreamRequest
+from handshake import StreamRequest
 from handshake.messages import PushStatus
-from p2pkv.dataplane.agent import NixlTransferAgent, check_peer_info
-from p2pkv.dataplane.layers import page_segments
-from p2pkv.dataplane.layout import LayoutError
-from p2pkv.dataplane.negotiate import page_bytes, remote_segments
-from p2pkv.dataplane.plan import PlanError, check_block_ids
-from p2pkv.grant import StreamGrantError, check_stream_grant, is_stream_id
+from p2pkv.dataplane.agent import NixlTransferAgent
+from p2pkv.grant import is_stream_id
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.prefill.agents import Identity
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.poster import StreamPoster
-from p2pkv.prefill.pusher import Pusher, requester_identity
+from p2pkv.prefill.pusher import Pusher
+from p2pkv.prefill.stream_requests import check_stream_request
 from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 
 logger = logging.getLogger("p2pkv.prefill")
@@ -64,16 +59,6 @@ MAX_PENDING = 4096
 """Most destinations kept for requests not yet known here (more are answered ``busy``); as many declines."""
 DECLINED_KEEP_S = 600.0
 """How long a stream declined before its request was known here is remembered (seconds)."""
-
-
-def stream_side(desc: KVLayoutDesc) -> StreamSide:
-    """A rank's :class:`StreamSide` from its :class:`handshake.KVLayoutDesc`.
-
-    Raises:
-        LayoutError: its pages cannot be cut one per layer (an interleaved layout).
-    """
-    pages = page_segments(remote_segments(desc), page_bytes(desc))
-    return StreamSide(tuple(pages), desc.num_blocks, desc.regions[0].device_id if desc.regions else 0)
 
 
 @dataclass
@@ -111,12 +96,14 @@ class PrefillStreams:
         layer_of: vLLM layer name → its layer index in ``source``'s pages.
         secret: checks grants, signs notifications (None: nothing streams).
         on_gpu: the cache is in GPU memory (a layer is WRITTEN once a CUDA event recorded after it completes).
+        min_tokens: a request whose decode engine loads fewer prompt tokens goes as one WRITE after its last
+            layer (``stream_min_tokens``; 0: every one streams layer by layer; -1: :func:`measured_min_tokens`).
         clock: monotonic seconds.
     """
 
     def __init__(self, engine_id: str, agent: NixlTransferAgent, holds: PrefillHolds, pusher: Pusher,
                  source: StreamSide | str, layer_of: dict[str, int], secret: bytes | None, *, on_gpu: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 min_tokens: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine_id = engine_id
         self.agent = agent
         self.holds = holds
@@ -125,6 +112,7 @@ class PrefillStreams:
         self.layer_of = layer_of
         self._secret = secret
         self._on_gpu = on_gpu
+        self._min_tokens = min_tokens if min_tokens >= 0 else measured_min_tokens(source)
         self._clock = clock
         self.poster = StreamPoster(agent.progress)
         self._lock = threading.Lock()
@@ -149,33 +137,11 @@ class PrefillStreams:
             return "refused", f"internal error: {exc!r}"
 
     def _accept(self, msg: StreamRequest) -> tuple[PushStatus, str]:
-        if isinstance(self.source, str) or not self._secret:
-            return "refused", self.source if isinstance(self.source, str) else "this engine runs without a secret"
-        identity, why = requester_identity(msg)
-        if identity is None:
-            return "refused", why
         now = time.time()
-        try:
-            grant = check_stream_grant(msg.grant, self._secret, prefill_engine_id=self.engine_id,
-                                       decode_engine_id=msg.requester_engine_id, now=now)
-        except StreamGrantError as exc:
-            return "refused", str(exc)
-        try:
-            check_peer_info(msg.agent)
-            side = stream_side(msg.agent.layout)
-        except LayoutError as exc:
-            return "refused", f"agent.layout: {exc}"
-        except Exception as exc:
-            return "refused", f"agent: {exc}"
-        if (why := self._pages_differ(side)) is not None:
-            return "refused", why
-        try:
-            check_block_ids(msg.block_ids, side.num_blocks, "decode")
-        except PlanError as exc:
-            return "refused", f"block_ids: {exc}"
-        window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - now)
-        if window_s <= 0:
-            return "refused", "window_s passed before the request was handled (a busy side channel)"
+        checked = check_stream_request(msg, self.source, self._secret, self.engine_id, now)
+        if isinstance(checked, str):
+            return "refused", checked
+        identity, grant, side, window_s = checked.identity, checked.grant, checked.side, checked.window_s
         with self._lock:
             self._forget_served(now)
             if grant.stream_id in self._served:
@@ -244,15 +210,6 @@ class PrefillStreams:
         self.poster.abort(request_id, "the decode rank gave the load up mid-stream (its request ended)")
         return 1
 
-    def _pages_differ(self, side: StreamSide) -> str | None:
-        assert isinstance(self.source, StreamSide)
-        ours = [(p.length, p.layer_start, p.kv_index) for p in self.source.pages]
-        if ours != [(p.length, p.layer_start, p.kv_index) for p in side.pages]:
-            return (f"the decode rank's {len(side.pages)} pages per block differ from this rank's {len(ours)} "
-                    "(page size, layer or K/V order): stream only between engines with the same block size, "
-                    "page order and heads per rank; send such pairs without a grant (push)")
-        return None
-
     def _forget_served(self, now: float) -> None:
         """Drop stream ids whose grants have expired (they can be served no more anyway). Lock held."""
         for stream_id in [s for s, expiry in self._served.items() if expiry + 60 < now]:
@@ -303,7 +260,8 @@ class PrefillStreams:
     def _open(self, chunk: StreamChunk) -> None:
         """A streamed request's first chunk: its stream, and its destination if it came first. Lock held."""
         assert isinstance(self.source, StreamSide)
-        stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret, self._clock)
+        stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret, self._clock,
+                             bulk=chunk.loaded_tokens < self._min_tokens)
         self.poster.add(chunk.request_id, stream)
         self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens)
         self._by_stream[chunk.stream_id] = chunk.request_id
@@ -402,6 +360,21 @@ class PrefillStreams:
         self.poster.close()
 
 
+MEASURED_MIN_TOKENS = {"per_layer": 128, "cross_layer": 512}
+"""The shortest prompt (tokens) from which on a WRITE per layer beat one WRITE after the last layer, by cache
+kind, on UCX's ``cma`` and ``tcp`` alike (docs/benchmarks/stream-threshold-cpu.md: a stand-in forward of 2 µs per
+token and layer; below it the WRITEs' overhead outweighs what streaming hides)."""
+
+
+def measured_min_tokens(source: StreamSide | str) -> int:
+    """:data:`MEASURED_MIN_TOKENS` for ``source``'s cache kind: cross-layer when a page's block stride spans more
+    than two pages (other layers' pages lie between a layer's blocks; K and V side by side span two)."""
+    if isinstance(source, str):
+        return 0
+    cross = any(p.block_stride > 2 * p.length for p in source.pages)
+    return MEASURED_MIN_TOKENS["cross_layer" if cross else "per_layer"]
+
+
 def _rank_name(identity: Identity) -> str:
     """A decode rank as its releases name it (``requester_engine_id``): ``<engine id>:<tp rank>``."""
     return f"{identity[0]}:{identity[1]}"
@@ -422,4 +395,4 @@ def layer_indices(kv_caches: dict[str, object]) -> dict[str, int]:
     return out
 
 
-__all__ = ["PrefillStreams", "layer_indices", "stream_side"]
+__all__ = ["MEASURED_MIN_TOKENS", "PrefillStreams", "layer_indices", "measured_min_tokens"]
