@@ -141,6 +141,9 @@ def free_ports(n: int, run: int = 2) -> list[int]:
 
 BLOCK = 32
 """Tokens per block of the shared engine pair."""
+MAX_BATCHED_TOKENS = 256
+"""Tokens the session's engines compute per step (``--max-num-batched-tokens``): a longer prompt's prefill runs
+in chunks (vLLM's chunked prefill), as on a busy production engine."""
 
 
 @pytest.fixture(scope="session")
@@ -197,12 +200,14 @@ def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -
     pair = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,
                      extra_config=extra, decode_extra_config=decode_extra, max_model_len=1024,
-                     otlp_traces_endpoint=otlp.url)
+                     otlp_traces_endpoint=otlp.url,
+                     engine_args=("--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)))
     argv = [sys.executable, "-m", "p2pkv.tools.cli", "launch", "local", "--model", str(tiny_model),
             "--proxy-port", str(proxy), "--prefill-port", str(prefill), "--decode-port", str(decode),
             "--aggregated-port", str(agg), "--side-channel-port", str(side), "--block-size", str(BLOCK),
             "--max-model-len", "1024", "--log-dir", str(logs), "--kv-connector-extra-config", json.dumps(extra),
-            "--decode-extra-config", json.dumps(decode_extra), "--otlp-traces-endpoint", otlp.url]
+            "--decode-extra-config", json.dumps(decode_extra), "--otlp-traces-endpoint", otlp.url,
+            "--extra-vllm-args", f"--max-num-batched-tokens {MAX_BATCHED_TOKENS}"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "P2PKV_SECRET": pair.secret})
     lines: list[str] = []

@@ -2,7 +2,8 @@
 behind the session's stream proxy (``--transfer-mode stream``; tests/test_e2e.py, test_hostile.py and the others
 that take ``route`` run in stream mode too).
 
-Here: lists of prompts, each streamed under its own grant; a forged grant
+Here: a prompt whose prefill runs in several chunks (each chunk's layers
+streamed as computed); lists of prompts, each streamed under its own grant; a forged grant
 sent straight to the decode engine; a decode leg the decode engine refuses
 (the proxy frees the prefill hold); a prompt the decode engine already has
 cached (it declines the stream and the prefill engine frees its hold at
@@ -18,13 +19,13 @@ import time
 import pytest
 
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
-from p2pkv.tools.demo import complete, kv_cache_usage, read_pull_stats
+from p2pkv.tools.demo import LOGPROB_TOLERANCE, complete, kv_cache_usage, max_logprob_diff, read_pull_stats
 from p2pkv.tools.proxy.release import release_all
-from tests.conftest import BLOCK, Route
+from tests.conftest import BLOCK, MAX_BATCHED_TOKENS, Route
 
 pytestmark = pytest.mark.engines
 
-SEVERAL_BLOCKS = "Prefill and decode run apart; the KV cache moves between them. " * 3
+SEVERAL_BLOCKS = "Each layer streams to the decode engine as the prefill computes it. " * 3  # no other module's prompt
 
 
 @pytest.fixture
@@ -52,6 +53,23 @@ def _prefill_address(route: Route, client) -> dict:
     params = client.post(f"{route.url('prefill')}/v1/completions", json=body).json()["kv_transfer_params"]
     assert asyncio.run(release_all([params], route.secret.encode())) == 1
     return {k: params[k] for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size")}
+
+
+def test_a_prompt_prefilled_in_chunks_streams_each_chunk_and_answers_equal(streamed, client) -> None:
+    """The engines compute at most ``MAX_BATCHED_TOKENS`` tokens per step, so this prompt's prefill runs in
+    three chunks or more: each chunk's layers are WRITTEN as computed, the block a chunk ended in again with the
+    next. Tokens and logprobs equal the aggregated engine's (which prefills in chunks too)."""
+    route, stats = streamed
+    prompt = route.fresh("Chunk by chunk, layer by layer, the KV streams to the decode engine. " * 12)
+    body = {"model": "model", "prompt": prompt, "max_tokens": 1}
+    assert client.post(f"{route.url('aggregated')}/v1/completions", json=body).json()["usage"][
+        "prompt_tokens"] > 2 * MAX_BATCHED_TOKENS
+    ref = complete(client, route.url("aggregated"), prompt, max_tokens=6)
+    before = len(read_pull_stats(stats))
+    got = complete(client, route.url("proxy"), prompt, max_tokens=6)
+    assert got.token_ids == ref.token_ids
+    assert max_logprob_diff(got, ref) <= LOGPROB_TOLERANCE
+    assert [p["direction"] for p in read_pull_stats(stats)[before:]] == ["stream"]
 
 
 def test_a_forged_grant_is_refused_and_the_answer_stays_correct(streamed, client) -> None:

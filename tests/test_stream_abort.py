@@ -1,4 +1,5 @@
-"""Streams cut short: a decode request aborted mid-stream, a prefill rank that dies mid-stream.
+"""Streams cut short: a decode request aborted mid-stream, a NIXL fault on a WRITE mid-stream, a prefill rank
+that dies mid-stream.
 
 Two real :class:`p2pkv.worker.WorkerSide` in this process, a prefill rank and
 a decode rank sharing a secret, their NIXL agents moving host memory, driven
@@ -16,6 +17,11 @@ its destination. After the first layer landed, the decode request ends
 * the prefill rank frees the request's hold as soon as it is made (the
   stream has ended), so no block stays held.
 
+A NIXL call of the prefill rank's WRITE of the second layer fails (it
+cannot start, or fails in flight): the decode rank is told, its load fails
+with every block a load error, the hold is freed, and the next stream lands
+whole.
+
 A prompt shorter than ``stream_min_tokens`` (the measured default) lands in
 one WRITE after the prefill's last layer, nothing before it.
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
@@ -37,6 +44,8 @@ from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
 from p2pkv.params import RemotePrefill, prompt_digest
 from p2pkv.prefill.streams import measured_min_tokens
 from p2pkv.testing import make_kv_caches
+from p2pkv.worker import WorkerSide
+from tests.faults import inject, restore
 from tests.p2p_harness import ENGINE, LAYOUT, DecodeSide, PrefillProc, free_port, shape
 from tests.workers import make_worker
 
@@ -102,15 +111,64 @@ def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sid
 
         # The prefill request finishes: its hold is made, and freed at once (its stream has ended).
         prefill.start_load_kv(P2pKvMetadata(send_leases={"p-1": time.monotonic() + 60}, send_blocks={"p-1": SOURCE}))
-        sent: set[str] = set()
-        deadline = time.monotonic() + 10
-        while "p-1" not in sent:
-            assert time.monotonic() < deadline, "the prefill rank still holds the request's blocks"
-            sent |= prefill.get_finished()[0]
-            time.sleep(0.01)
+        _wait_released(prefill, "p-1")
     finally:
         decode.close()
         prefill.shutdown()
+
+
+@pytest.mark.parametrize(("method", "mode"), [
+    ("get_xfer_descs", "raise"), ("initialize_xfer", "raise"), ("transfer", "raise"), ("transfer", "err"),
+    ("check_xfer_state", "raise"), ("check_xfer_state", "err"),
+])
+def test_a_write_that_fails_mid_stream_fails_the_load_and_the_next_stream_lands(method: str, mode: str) -> None:
+    port = free_port()
+    prefill = make_worker(ENGINE, port, secret=SECRET, stream_min_tokens=0)
+    source, views = make_kv_caches(LAYOUT, seed=11, **shape(NUM_BLOCKS))
+    prefill.register_kv_caches(views, NUM_BLOCKS)
+    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=2.0)
+    try:
+        chunk, load = _stream("p-1", "d-1", port)
+        step = P2pKvMetadata(streams=[chunk])
+        prefill.start_load_kv(step)
+        prefill.save_kv_layer("layers.0", step)
+        decode.start(load)
+        _wait_landed(decode, source[list(SOURCE), 0:1], slice(0, 1))
+        fault = inject(prefill, method, 1, mode)
+        prefill.save_kv_layer("layers.1", step)
+        assert not decode.pump({"d-1"}, WINDOW_S / 2), "the decode rank was not told of the failed WRITE"
+        assert fault.faults == 1
+        assert decode.take_errors() == set(TARGET)
+        restore(prefill)
+        for layer in range(2, LAYERS):
+            prefill.save_kv_layer(f"layers.{layer}", step)
+        prefill.wait_for_save()
+        prefill.start_load_kv(P2pKvMetadata(send_leases={"p-1": time.monotonic() + 60}, send_blocks={"p-1": SOURCE}))
+        _wait_released(prefill, "p-1")
+
+        decode.base.zero_()
+        chunk, load = _stream("p-2", "d-2", port)
+        step = P2pKvMetadata(streams=[chunk])
+        prefill.start_load_kv(step)
+        decode.start(load)
+        for layer in range(LAYERS):
+            prefill.save_kv_layer(f"layers.{layer}", step)
+        prefill.wait_for_save()
+        assert not decode.pump({"d-2"}, 10.0) and decode.take_errors() == set()
+        assert torch.equal(decode.base[list(TARGET)], source[list(SOURCE)])
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
+def _wait_released(prefill: WorkerSide, request_id: str) -> None:
+    """Wait until the prefill worker reports ``request_id``'s hold freed (finished sending)."""
+    sent: set[str] = set()
+    deadline = time.monotonic() + 10
+    while request_id not in sent:
+        assert time.monotonic() < deadline, f"the prefill rank still holds {request_id}'s blocks"
+        sent |= prefill.get_finished()[0]
+        time.sleep(0.01)
 
 
 def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_streams_whole() -> None:

@@ -2,7 +2,8 @@
 
 :class:`Receiver` owns every transfer (:class:`p2pkv.decode.transfer.Transfer`,
 called a pull below: READ by this rank or pushed to it) of one decode worker
-and is the only code that moves one between its states (:class:`p2pkv.decode.transfer.TransferState`)::
+and is the only code that decides when one moves between its states (:class:`p2pkv.decode.transfer.TransferState`;
+:class:`p2pkv.decode.endings.Endings` sets them and ends transfers)::
 
     HANDSHAKE ──► STAGING ──► READING ──► FENCING ──► DONE
         │  ▲          │           │           │
@@ -46,6 +47,7 @@ from p2pkv.decode.background import Background
 from p2pkv.decode.deadlines import Deadlines
 from p2pkv.decode.direction import Directions
 from p2pkv.decode.drain import Drain
+from p2pkv.decode.endings import Endings
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, Verdict, failure_of
 from p2pkv.decode.keeper import PeerKeeper
@@ -118,6 +120,8 @@ class Receiver:
         ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s)
         self.moves = Transfers(ways, self.directions)
         self.drain = Drain(stager, self.outcomes, ways)
+        self.endings = Endings(rank, config, self._secret, self.transfers, self._staging_wait, self.outcomes,
+                               self.peers, self.keeper, self.drain, self.background, stats, self.spans)
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[LoadSpec], failed: dict[str, tuple[int, ...]] | None = None,
@@ -128,7 +132,7 @@ class Receiver:
         with self.lock:
             ended = set(ended_streams or ())
             for transfer in [t for t in self.transfers if t.request_id in ended and t.spec.stream_grant]:
-                self._contained(transfer, "giving the stream up", self._give_up, transfer)
+                self._contained(transfer, "giving the stream up", self.endings.give_up, transfer)
             for request_id, blocks in (failed or {}).items():
                 self.outcomes.add(request_id, blocks, failed=True)
                 self.stats.record_failure(FailureKind.REFUSED.value)
@@ -136,7 +140,8 @@ class Receiver:
                 release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size),
                                self.rank.name, self._secret, self.config.handshake_timeout_s)
             specs = [s for s in specs if not _declines_stream(s)]
-            new, waiting, self._staging_wait = [Transfer.taken(spec) for spec in specs], self._staging_wait, []
+            new, waiting = [Transfer.taken(spec) for spec in specs], self._staging_wait[:]
+            self._staging_wait.clear()
             self.transfers += new
             for transfer in [*waiting, *new]:
                 self._contained(transfer, "starting the pull", self._begin, transfer)
@@ -181,7 +186,7 @@ class Receiver:
                 self.drain.abandon(transfer)  # READs in flight must not land in blocks handed back to vLLM
             except Exception:
                 logger.exception("p2pkv: cancelling the READs of %s failed", transfer.request_id)
-            self._fail(transfer, FailureKind.REFUSED, f"unexpected error {what}: {exc!r}")
+            self.endings.fail(transfer, FailureKind.REFUSED, f"unexpected error {what}: {exc!r}")
 
     @property
     def busy(self) -> bool:
@@ -214,21 +219,11 @@ class Receiver:
             self.transfers.clear()
 
     # ---- transitions ----------------------------------------------------------
-    def _to(self, transfer: Transfer, state: TransferState) -> None:
-        if state is not transfer.state:
-            transfer.state, transfer.since = state, time.monotonic()  # its deadline counts from here
-        if transfer.finished:
-            self.peers.touch(transfer.peers)  # idle from now on
-            if transfer in self.transfers:
-                self.transfers.remove(transfer)
-            if not transfer.draining:
-                self.outcomes.report(transfer)
-
     def _begin(self, transfer: Transfer) -> None:
         """Map the TP topology, then wait for handshakes or start the READs."""
         needs = _needs(transfer.spec, self.rank, self.peers)
         if isinstance(needs, str):
-            self._fail(transfer, FailureKind.REFUSED, needs)
+            self.endings.fail(transfer, FailureKind.REFUSED, needs)
             return
         reads, notify, ids = needs
         transfer.peers = tuple(ids)
@@ -238,17 +233,18 @@ class Receiver:
             self._post(transfer, reads, notify)
             return
         if not self.keeper.handshake(missing, self._busy_peers()):
-            self._fail(transfer, FailureKind.REFUSED, f"refused: the pull needs {len(missing)} more prefill rank(s) "
-                       f"while max_peers={self.config.max_peers} are known or being handshaken and none can be "
-                       "dropped (all in use); raise max_peers in kv_connector_extra_config")
+            self.endings.fail(transfer, FailureKind.REFUSED,
+                              f"refused: the pull needs {len(missing)} more prefill rank(s) while "
+                              f"max_peers={self.config.max_peers} are known or being handshaken and none can be "
+                              "dropped (all in use); raise max_peers in kv_connector_extra_config")
             return
-        self._to(transfer, TransferState.HANDSHAKE)
+        self.endings.to(transfer, TransferState.HANDSHAKE)
         self.keeper.wait(missing[0], transfer)  # begun again when done; waits for the rest then
 
     def _finish_handshakes(self) -> None:
         for transfer, failure in self.keeper.ready(self.stats.data["handshake_seconds"]):
             if failure is not None:
-                self._contained(transfer, "failing the pull", self._fail, transfer, *failure)
+                self._contained(transfer, "failing the pull", self.endings.fail, transfer, *failure)
             else:  # _begin, not _post: a failed start drops the peer for the rest
                 transfer.marks["handshaken"] = time.time()
                 self._contained(transfer, "starting the pull after its handshake", self._begin, transfer)
@@ -264,27 +260,27 @@ class Receiver:
             why = plan_streams(transfer, self.rank.tp_rank, self.rank.tp_size, self.peers.peers, self.rank.layout,
                                self.rank.desc.block_size, self.rank.device_id)
             if why is not None:
-                self._fail(transfer, FailureKind.REFUSED, f"refused: {why}")
+                self.endings.fail(transfer, FailureKind.REFUSED, f"refused: {why}")
                 return
         else:
             try:
                 if not plan_reads(transfer, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
                                   self.rank.desc, self.rank.device_id, self.stager):
-                    self._to(transfer, TransferState.STAGING)
+                    self.endings.to(transfer, TransferState.STAGING)
                     self._staging_wait.append(transfer)
                     return
             except (PlanError, StagingFull) as exc:
                 release_unposted(transfer, self.stager)
                 if isinstance(exc, PlanError):
-                    self._fail(transfer, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
+                    self.endings.fail(transfer, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
                 else:
-                    self._fail(transfer, FailureKind.STAGING, str(exc))
+                    self.endings.fail(transfer, FailureKind.STAGING, str(exc))
                 return
         if not transfer.parts:  # nothing to load (or a notify-only pull)
             self.notifier.add(transfer)
-            self._to(transfer, TransferState.DONE)
+            self.endings.to(transfer, TransferState.DONE)
             return
-        self._to(transfer, TransferState.READING)
+        self.endings.to(transfer, TransferState.READING)
         if (failed := self.moves.start(transfer)) is not None:
             read, exc = failed
             self.drain.abandon(transfer)
@@ -305,7 +301,7 @@ class Receiver:
         (or on its second failure) it fails."""
         self.drain.abandon(read.transfer)
         if not retry:
-            self._fail(read.transfer, kind, why)
+            self.endings.fail(read.transfer, kind, why)
             return
         if drop_peer:
             self.peers.drop(read.peer_id, only=read.peer)
@@ -325,7 +321,7 @@ class Receiver:
                 self._poll(transfer, read, now)  # a staged READ's fixup runs at the engine step
         if transfer.state is TransferState.READING and all(r.done for r in transfer.parts):
             transfer.marks["read"] = time.time()
-            self._to(transfer, TransferState.FENCING)
+            self.endings.to(transfer, TransferState.FENCING)
             self._confirm_if_done(transfer)
 
     def _poll(self, transfer: Transfer, read: Part, now: float) -> None:
@@ -336,7 +332,7 @@ class Receiver:
                               drop_peer=not self.moves.mover_of(read).keeps_peer_on_failure)
         elif event is ReadEvent.FIXUP_FAILED:
             self.drain.abandon(transfer)
-            self._fail(transfer, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
+            self.endings.fail(transfer, FailureKind.FIXUP, f"fixup after the READ failed: {exc!r}")
 
     def _collect_fence(self) -> None:
         for read, verdict, answer in self.fence.verdicts(time.monotonic(), self.config.handshake_timeout_s):
@@ -347,7 +343,7 @@ class Receiver:
         if verdict is Verdict.FAIL:
             self.drain.abandon(read.transfer)
             transfer = read.transfer
-            self._fail(transfer, *failure_of(answer, transfer.spec.remote.request_id, transfer.questions))
+            self.endings.fail(transfer, *failure_of(answer, transfer.spec.remote.request_id, transfer.questions))
         elif verdict is Verdict.CONFIRMED:
             read.confirmed = True
             self._confirm_if_done(read.transfer)
@@ -358,31 +354,13 @@ class Receiver:
             transfer.marks["confirmed"] = time.time()
             _record(transfer, self.stats, self.config.stats_file)
             self.notifier.add(transfer)
-            self._to(transfer, TransferState.DONE)
+            self.endings.to(transfer, TransferState.DONE)
 
     # ---- endings ----------------------------------------------------------------
-    def _give_up(self, transfer: Transfer) -> None:
-        """A streamed load whose request ended (aborted) while the stream ran: the prefill ranks are told to
-        stop it (a release of the stream id: they stop WRITing and say so once no WRITE is in flight), and
-        vLLM gets the blocks back once that word came (or the stream's window passed: the prefill rank WRITEs
-        nothing after it); reported finished, with no load errors (nobody reads them)."""
-        if transfer.finished:
-            return
-        logger.info("p2pkv: request %s ended while its KV was streamed; the stream is given up",
-                    transfer.request_id)
-        handshaking = transfer.state is TransferState.HANDSHAKE
-        self.drain.abandon(transfer)
-        transfer.given_up = True
-        self._to(transfer, TransferState.FAILED)
-        if handshaking:
-            self.keeper.cancel_unneeded()
-        release_failed(self.background, transfer.spec.remote, self.rank.answered_ranks(transfer.spec.remote.tp_size),
-                       self.rank.name, self._secret, self.config.handshake_timeout_s)
-
     def _retry_or_fail(self, transfer: Transfer, kind: FailureKind, why: str) -> None:
         """After a peer failure: re-handshake (the prefill may have restarted) and retry once per pull."""
         if transfer.attempt > 1:
-            self._fail(transfer, kind, why)
+            self.endings.fail(transfer, kind, why)
             return
         logger.warning("p2pkv: %s; re-handshaking and retrying request %s once", why, transfer.request_id)
         self._begin(transfer)
@@ -393,24 +371,7 @@ class Receiver:
         for transfer in list(self.transfers):
             if not transfer.finished and (why := self.deadlines.overdue(transfer, now)) is not None:
                 self.drain.abandon(transfer)
-                self._fail(transfer, FailureKind.TIMEOUT, why)
-
-    def _fail(self, transfer: Transfer, kind: FailureKind, why: str) -> None:
-        """Report a pull as failed: its local blocks become load errors, the request finishes. Once per pull."""
-        if transfer.finished:
-            return
-        spec, handshaking = transfer.spec, transfer.state is TransferState.HANDSHAKE
-        if _log_failure(spec, kind, why):
-            self.stats.record_failure(kind.value)
-        if transfer in self._staging_wait:
-            self._staging_wait.remove(transfer)
-        self._to(transfer, TransferState.FAILED)
-        if self.spans is not None:
-            self._contained(None, "tracing a pull", self.spans.ended, transfer, (kind, why))
-        if handshaking:  # the handshakes no other pull waits for are not started (a running one ends by itself)
-            self.keeper.cancel_unneeded()
-        release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size), self.rank.name,
-                       self._secret, self.config.handshake_timeout_s)
+                self.endings.fail(transfer, FailureKind.TIMEOUT, why)
 
     # ---- peers ------------------------------------------------------------------------
     def _busy_peers(self) -> set[PeerId]:
@@ -423,18 +384,6 @@ def _declines_stream(spec: LoadSpec) -> bool:
     its blocks were allocated): the prefill rank is told at once, by a release of the stream id, so that it stops
     the stream and frees its hold instead of waiting for the lease."""
     return bool(spec.stream_grant) and not spec.local_block_ids and not spec.report
-
-
-def _log_failure(spec: LoadSpec, kind: FailureKind, why: str) -> bool:
-    """Log a failed pull; False (a warning only, not a pull failure) for a request that ended before its pull."""
-    if spec.report or spec.local_block_ids:
-        logger.error("p2pkv: pull failed kind=%s request=%s remote_request=%s peer=%s:%d blocks=%d reason=%s",
-                     kind.value, spec.request_id, spec.remote.request_id, spec.remote.host, spec.remote.port,
-                     len(spec.local_block_ids), why)
-        return True
-    logger.warning("p2pkv: request %s ended before its pull; could not tell %s:%d to free %s now (its lease frees "
-                   "it): %s", spec.request_id, spec.remote.host, spec.remote.port, spec.remote.request_id, why)
-    return False
 
 
 def _record(transfer: Transfer, stats: StatsBuffer, stats_file: str) -> None:
