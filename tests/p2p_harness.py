@@ -220,10 +220,12 @@ class _Control:
         """False: the side channel refuses push requests, as one without push support does; True: serves them."""
         self.worker.server._dispatch._on_push = self._on_push if on else None  # type: ignore[union-attr]
 
-    def stream(self, chunk: StreamChunk, layer_names: list[str], end_step: bool = False) -> None:
-        """A step of a layer-streamed prefill: ``chunk`` opens (or goes on with) its stream, ``layer_names`` are
-        reported done (``save_kv_layer``), and with ``end_step`` the step's forward ends (``wait_for_save``)."""
-        meta = P2pKvMetadata(streams=[chunk])
+    def stream(self, chunks: list[StreamChunk], layer_names: list[str], end_step: bool = False,
+               aborts: dict[str, str] | None = None) -> None:
+        """A step of layer-streamed prefills: ``chunks`` open (or go on with) their streams, ``aborts`` (prefill
+        request id → why) stop theirs, ``layer_names`` are reported done (``save_kv_layer``), and with
+        ``end_step`` the step's forward ends (``wait_for_save``)."""
+        meta = P2pKvMetadata(streams=list(chunks), stream_aborts=dict(aborts or {}))
         self.worker.start_load_kv(meta)
         for name in layer_names:
             self.worker.save_kv_layer(name, meta)

@@ -87,11 +87,12 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
     counts = dict(pulls=0, aborts=0, completed=0, verified_blocks=0, failed=0, failed_blocks=0, hung=0,
                   reported_twice=0, restarts=0, faults_injected=0, faults_fired=0, failed_in_kill_batches=0,
                   failed_in_fault_batches=0, in_flight_at_kills=[], leases_moved_to_restarts=[],
-                  restart_seconds=[])
+                  restart_seconds=[], failed_by_batch={}, kill_batches=[], fault_batches=[])
     blocks_of: dict[str, int] = {}  # prefill request id -> blocks it holds
     batch_no = 0
     n_batches = -(-n_pulls // round(BATCH * (1 - ABORT_RATE)))
     kill_batches = [n_batches // 3 + 1, 2 * n_batches // 3 + 1]  # not fault batches (every FAULT_EVERY-th)
+    counts["kill_batches"] = kill_batches
     try:
         while counts["pulls"] < n_pulls:
             batch_no += 1
@@ -130,6 +131,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
                 else:
                     faulty = inject(d.worker, method, rng.randint(1, 20), how)  # type: ignore[arg-type]
                 counts["faults_injected"] += 1
+                counts["fault_batches"].append(batch_no)
 
             d.start(*tasks)
             if batch_no in kill_batches:
@@ -174,6 +176,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
                     counts["failed_blocks"] += len(local)
                     counts["failed_in_kill_batches"] += batch_no in kill_batches
                     counts["failed_in_fault_batches"] += faulted
+                    counts["failed_by_batch"][batch_no] = counts["failed_by_batch"].get(batch_no, 0) + 1
                     continue
                 assert not set(local) & errors, f"{rid}: only some of its blocks are load errors"
                 assert any(all(d.block_ok(lb, rb, expected[s]) for lb, rb in zip(local, remote, strict=True))

@@ -110,6 +110,14 @@ def test_refused_rows_retry_after_a_new_handshake() -> None:
     assert got[0] is FailureKind.REFUSED and "refused the push: source_rows: outside" in got[1] and got[2] is True
 
 
+def test_a_refused_stream_request_fails_without_a_retry() -> None:
+    """A stream id gets one destination: asking again could only be refused again (and dropping the peer would make
+    every other pull to it handshake again)."""
+    got = failure_of_push(reply("refused", "the prefill request of stream x stopped before this destination came"),
+                          "x", stream=True)
+    assert got is not None and got[0] is FailureKind.REFUSED and got[2] is False, got
+
+
 def test_a_refused_request_fails_without_a_retry() -> None:
     """The side channel refused the request itself (another engine, a stale request, no push support)."""
     exc = RemoteRefusedError("malformed", "type", "this side channel takes no push requests; use transfer_mode pull")

@@ -177,7 +177,7 @@ def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_
     decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=3.0, handshake_timeout_s=1.0)
     try:
         chunk, load = _stream("p-1", "d-1", pf.port)
-        pf.call("stream", chunk, ["layers.0"])
+        pf.call("stream", [chunk], ["layers.0"])
         decode.start(load)
         _wait_landed(decode, pf.expected()[list(SOURCE), 0:1], slice(0, 1))
         pf.kill()
@@ -189,7 +189,7 @@ def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_
         decode.base.zero_()
         chunk, load = _stream("p-2", "d-2", pf.port)
         decode.start(load)
-        pf.call("stream", chunk, [f"layers.{layer}" for layer in range(LAYERS)], True)
+        pf.call("stream", [chunk], [f"layers.{layer}" for layer in range(LAYERS)], True)
         assert not decode.pump({"d-2"}, 20.0)
         assert decode.take_errors() == set()
         assert torch.equal(decode.base[list(TARGET)], pf.expected()[list(SOURCE)])

@@ -187,7 +187,8 @@ class Pushes:
                     and self.unknown_for(read, now) < grace_s):
                 self.again(read)
                 continue
-            why = failure_of_push(reply, read.transfer.spec.remote.request_id)
+            why = failure_of_push(reply, read.transfer.spec.remote.request_id,
+                                  stream=bool(read.transfer.spec.stream_grant))
             if why is not None:
                 failed.append((read, *why))
         for read, note in self.arrivals(now):
@@ -296,7 +297,8 @@ def _send_stream(deadline: float, to: Destination, grant: str, block_ids: list[i
                           requester_engine_id, **kwargs)  # type: ignore[arg-type]
 
 
-def failure_of_push(reply: PushReply | Exception, request_id: str) -> tuple[FailureKind, str, bool] | None:
+def failure_of_push(reply: PushReply | Exception, request_id: str,
+                    stream: bool = False) -> tuple[FailureKind, str, bool] | None:
     """What a push request's answer means for its pull: None when accepted, else the failure kind, the
     reason, and whether the pull may retry (after a re-handshake, once) rather than fail.
 
@@ -304,7 +306,11 @@ def failure_of_push(reply: PushReply | Exception, request_id: str) -> tuple[Fail
     (:func:`p2pkv.decode.fence.failure_of`); ``busy`` fails the pull;
     ``refused`` (rows or agent) and no reply (timeout, a closed connection)
     retry after a new handshake, since the prefill engine may have
-    restarted (its memory, and so the rows, changed).
+    restarted (its memory, and so the rows, changed). A refused stream
+    request (``stream``) does not: the prefill rank planned nothing from
+    this rank's view of it, and a stream id gets one destination, so a
+    retry could only be refused again (a restarted prefill engine no longer
+    knows the request at all).
     """
     if isinstance(reply, RemoteRefusedError):
         return FailureKind.REFUSED, f"the prefill rank refused the push request: {reply}", False
@@ -318,4 +324,4 @@ def failure_of_push(reply: PushReply | Exception, request_id: str) -> tuple[Fail
     if reply.status == "busy":
         return FailureKind.TRANSFER, f"the prefill rank is busy: {reply.message}", False
     # rows or agent refused: planned on another incarnation of that rank (a restart), so handshake again
-    return FailureKind.REFUSED, f"the prefill rank refused the push: {reply.message}", True
+    return FailureKind.REFUSED, f"the prefill rank refused the push: {reply.message}", not stream

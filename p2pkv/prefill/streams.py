@@ -122,6 +122,7 @@ class PrefillStreams:
         self._served: dict[str, float] = {}  # stream id → its grant's expiry (time.time()): one destination each
         self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
         self._declined: dict[str, float] = {}  # stream id → until when: declined before its request was known
+        self._stopped: dict[str, tuple[float, str]] = {}  # stream id → (until when, why): ended with no destination
         self._step: list[StreamChunk] = []
         self._prepared: P2pKvMetadata | None = None  # the step whose chunks were taken
         self._seen: set[int] = set()  # layers vLLM reported done this step
@@ -144,6 +145,9 @@ class PrefillStreams:
         identity, grant, side, window_s = checked.identity, checked.grant, checked.side, checked.window_s
         with self._lock:
             self._forget_served(now)
+            if (stopped := self._stopped.get(grant.stream_id)) is not None:
+                return "refused", (f"the prefill request of stream {grant.stream_id} stopped before this destination "
+                                   f"came: {stopped[1]}")
             if grant.stream_id in self._served:
                 return "refused", f"stream {grant.stream_id} already had a destination (a grant serves once)"
             if len(self._pending) >= MAX_PENDING:
@@ -323,8 +327,9 @@ class PrefillStreams:
 
     def collect(self) -> None:
         """Streams that ended: their decode agents released, their holds unpinned and released (or, not made
-        yet, released when made); destinations whose window passed unclaimed dropped. Before the holds'
-        ``released``."""
+        yet, released when made), the ids of those stopped before any destination came kept so that a late one is
+        refused at once (the decode rank fails its load then, not at its window); destinations whose window
+        passed unclaimed dropped. Before the holds' ``released``."""
         now = self._clock()
         ended = self.poster.take_ended()
         with self._lock:
@@ -335,6 +340,8 @@ class PrefillStreams:
                 self._by_stream.pop(live.stream_id, None)
                 if live.identity is not None:
                     self.pusher.release_agent(live.identity)
+                elif stream.failure is not None and len(self._stopped) < MAX_PENDING:  # refuse its destination now
+                    self._stopped[live.stream_id] = (now + DECLINED_KEEP_S, stream.failure)
                 if live.pinned:
                     self.holds.unpin(stream.request_id)
                 if live.hold_blocks is not None:
@@ -347,6 +354,8 @@ class PrefillStreams:
                 del self._ended_early[request_id]
             for stream_id in [s for s, until in self._declined.items() if until <= now]:
                 del self._declined[stream_id]
+            for stream_id in [s for s, (until, _) in self._stopped.items() if until <= now]:
+                del self._stopped[stream_id]
 
     def holds_ended(self, request_ids: set[str]) -> None:
         """These holds ended (a lease ran out before any destination came): their streams stop."""
