@@ -8,6 +8,8 @@
 * A destination released by its own rank before its request is known here is dropped: when the request's first
   chunk comes, its stream stops with nothing written.
 * A destination's window (``window_s`` from receipt) stops a stream still waiting for layers.
+* A destination that never comes: the hold's lease ends the stream, and a destination coming after that is
+  refused at once.
 
 Every test compares the decode cache's bytes with the prefill cache's, layer by layer and block by block.
 """
@@ -214,3 +216,21 @@ def test_a_stream_whose_window_passes_while_it_waits_for_layers_stops(rig: Rig) 
     assert "window passed" in (stream.failure or "") and stream.counters.layers_posted == [0, 1]
     assert rig.landed({3: 5}, range(LAYERS)), "a layer was written after the window"
     assert rig.notes(timeout_s=0.1) == [] and rig.starting() == 0
+
+
+def test_a_destination_that_never_comes_ends_with_the_hold_and_a_late_one_is_refused_at_once(rig: Rig) -> None:
+    """The prefill finished, its hold was made, no destination came before the hold's lease ended: the stream
+    stops and tells nobody; a destination that comes after that is refused at once, naming why (the decode
+    rank fails its load then, not at its window)."""
+    meta = rig.chunk((3, 4))
+    rig.step(meta)
+    rig.holds.hold(REQ, time.monotonic() + 600, (3, 4))
+    rig.streams.begin_step(P2pKvMetadata(send_leases={REQ: time.monotonic() + 600}, send_blocks={REQ: (3, 4)}))
+    rig.streams.holds_ended({REQ})  # what the worker calls when the lease ran out
+    rig.settle()
+    (stream,) = rig.ended
+    assert "hold ended before the decode rank's destination arrived" in (stream.failure or "")
+    assert stream.counters.writes == 0 and rig.notes(timeout_s=0.2) == []
+    status, why = rig.streams.on_stream(rig.request([5, 6]))
+    assert status == "refused" and "stopped before this destination came" in why and "hold ended" in why, why
+    assert rig.starting() == 0 and torch.count_nonzero(rig.agents.target) == 0
