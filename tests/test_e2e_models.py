@@ -263,6 +263,36 @@ def test_tokens_and_logprobs_equal_one_engine(kind_pair, slow_client, mode, leng
     assert demo.wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
 
 
+STREAMED = ("sliding-window", "mla")
+"""The kinds whose KV streams layer by layer (one KV cache group); the others' decode engine declines the stream
+and prefills the prompt itself (several KV cache groups: not streamed yet, docs/streaming.md)."""
+
+
+def test_each_kind_streams_or_is_prefilled_by_the_decode_engine(kind_pair, slow_client) -> None:
+    """Through a proxy in stream mode (both legs at once under a grant): the tokens equal one engine's for every
+    kind; a kind with one KV cache group streams its window's (sliding-window) or every (MLA) block of a prompt
+    over the measured threshold, layer by layer; one with several (interleaved-window, hybrid) is declined and
+    prefilled by the decode engine; the prefill engine holds nothing afterwards either way."""
+    kind, pair, stats, _, _ = kind_pair
+    url, proxy = start_mode_proxy(pair, "stream")
+    try:
+        demo.complete(slow_client, url, prompt_of(30 + 3000)[:30], max_tokens=2)  # pushed: the proxy learns the address
+        length = 150  # over stream_min_tokens' measured 128 for these engines' per-layer caches
+        prompt = prompt_of(length + 3000)[:length]
+        before = len(demo.read_pull_stats(stats))
+        got = demo.complete(slow_client, url, prompt, max_tokens=8)
+        ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
+        assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE[kind]
+        pulls = demo.read_pull_stats(stats)[before:]
+        if kind in STREAMED:
+            assert [(p["direction"], p["blocks"]) for p in pulls] == [("stream", pulled_blocks(kind, length))]
+        else:
+            assert pulls == [], "a model with several KV cache groups does not stream yet"
+        assert demo.wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
+    finally:
+        stop_children([proxy])
+
+
 def test_sliding_window_pull_moves_only_the_window(kind_pair, slow_client) -> None:
     """A prompt many windows long: a sliding-window layer's bytes are the window's blocks, a small part of the prompt's.
 

@@ -201,12 +201,12 @@ class Proxy:
         self.streams.started(params, task)
         return params
 
-    def _stream_ended(self, body: dict[str, Any], failed: bool) -> None:
-        """The decode leg ``body`` of a streamed prompt was answered (or ``failed``: refused, unreachable, or the
-        client went away first): once its prefill leg has answered, a failed one's hold is freed
+    def _stream_ended(self, body: dict[str, Any]) -> None:
+        """The decode leg ``body`` of a streamed prompt ended (answered, or refused, unreachable, or the client went
+        away first): once its prefill leg has answered, the hold that answer names is freed
         (:meth:`p2pkv.tools.proxy.stream.StreamLegs.ended`)."""
         prefill = self.streams.ended(body) if self.streams is not None else None
-        if prefill is None or not failed:
+        if prefill is None:
             return
 
         async def free() -> None:
@@ -251,12 +251,12 @@ class Proxy:
         try:
             resp = await self._decode(client, url, path, body, headers, out_headers, relay, leg)
         except BaseException as exc:
-            self._stream_ended(body, failed=True)
+            self._stream_ended(body)
             if leg is not None:
                 leg.failed(exc)
                 leg.end()
             raise
-        self._stream_ended(body, failed=resp.status_code >= 400)
+        self._stream_ended(body)
         if leg is not None and isinstance(resp, Response) and not isinstance(resp, RelayedStream):
             leg.end()
         return resp

@@ -84,10 +84,13 @@ class StreamLegs:
 
     def ended(self, body: dict[str, Any]) -> asyncio.Task | None:
         """The decode leg ``body`` was answered or failed: its stream's prefill leg, forgotten here (None when
-        ``body`` is not a streamed decode leg). When the decode leg failed, the proxy frees the hold that
-        prefill leg's answer names: a stream that never got its destination would hold its blocks until the
-        lease; one that did keeps them pinned until its WRITEs end, so freeing never takes blocks from under
-        a WRITE."""
+        ``body`` is not a streamed decode leg). The proxy then frees the hold that prefill leg's answer names:
+        nobody loads from it any more (a decode leg that answered has loaded or computed the prompt; a failed
+        one never will). A stream that never got its destination would hold its blocks until the lease, and so
+        would a prompt the prefill engine held without streaming it (a model with several KV cache groups, a
+        grant it refused: the decode engine then declines the stream and prefills the prompt itself); a
+        stream that did get its destination keeps the blocks pinned until its WRITEs end, so freeing never
+        takes blocks from under a WRITE."""
         params = body.get("kv_transfer_params")
         grant = params.get(GRANT_KEY) if isinstance(params, dict) else None
         return self._prefill_legs.pop(grant, None) if isinstance(grant, str) else None
