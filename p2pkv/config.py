@@ -298,69 +298,77 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return {"UCX": ucx} if ucx else {}
 
     def __post_init__(self) -> None:
-        if not 0 < self.side_channel_port < 65536:
-            raise ConfigError(
-                f"side_channel_port={self.side_channel_port} is not a TCP port; "
-                "use 1..65535 in kv_connector_extra_config or P2PKV_SIDE_CHANNEL_PORT"
-            )
-        if not 1 <= self.side_channel_max_handshakes <= self.side_channel_max_connections <= 65536:
-            raise ConfigError(
-                f"need 1 <= side_channel_max_handshakes ({self.side_channel_max_handshakes}) <= "
-                f"side_channel_max_connections ({self.side_channel_max_connections}) <= 65536 (connections)")
-        if self.side_channel_stall_s < 0:
-            raise ConfigError(f"side_channel_stall_s must be >= 0 seconds (0: off), got {self.side_channel_stall_s}")
-        for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
-        if not 0 < self.max_held_fraction <= 1:
-            raise ConfigError(f"max_held_fraction must be in (0, 1] (a share of the KV cache's blocks), got "
-                              f"{self.max_held_fraction}")
-        if not 0 <= self.max_clock_skew_s <= 30:
-            raise ConfigError(f"max_clock_skew_s must be 0 .. 30 seconds, got {self.max_clock_skew_s}")
-        if self.heartbeat_interval_s is not None and not 0 <= self.heartbeat_interval_s < self.lease_s:
-            raise ConfigError(
-                f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 and below "
-                f"lease_s={self.lease_s} (0 turns heartbeats off)"
-            )
-        if not 0 <= self.pull_poll_interval_s <= 1:
-            raise ConfigError(f"pull_poll_interval_s must be 0 (no thread) .. 1 s, got {self.pull_poll_interval_s}")
-        if self.nixl_num_threads < 0 or self.nixl_split_mib < 0:
-            raise ConfigError(f"nixl_num_threads ({self.nixl_num_threads}) and nixl_split_mib "
-                              f"({self.nixl_split_mib}) must be >= 0")
-        if not 0 <= self.switch_interval_s <= 0.1:
-            raise ConfigError(f"switch_interval_s must be 0 (unchanged) .. 0.1 s, got {self.switch_interval_s}")
-        if not 0 <= self.idle_wait_s <= 0.1:
-            raise ConfigError(f"idle_wait_s must be 0 (no wait) .. 0.1 s, got {self.idle_wait_s}")
-        if not 0 <= self.stream_idle_wait_s <= 0.1:
-            raise ConfigError(f"stream_idle_wait_s must be 0 (no wait) .. 0.1 s, got {self.stream_idle_wait_s}")
-        if isinstance(self.stream_min_tokens, bool) or not isinstance(self.stream_min_tokens, int) or not (
-                -1 <= self.stream_min_tokens < 1 << 31):
-            raise ConfigError("stream_min_tokens must be a whole number of tokens >= 0 (-1: as measured for the "
-                              f"cache's kind), got {self.stream_min_tokens!r}")
-        if not 0 < self.stream_poll_interval_s <= 0.01:
-            raise ConfigError(f"stream_poll_interval_s must be above 0 .. 0.01 s, got {self.stream_poll_interval_s}")
-        if self.staging_mib < 0.0625:
-            raise ConfigError(f"staging_mib must be >= 0.0625 (MiB, 64 KiB), got {self.staging_mib}")
-        if self.handshake_retries < 1:
-            raise ConfigError(f"handshake_retries must be >= 1, got {self.handshake_retries}")
-        if not self.nixl_backends:
-            raise ConfigError('nixl_backends must name at least one backend, e.g. ["UCX"]')
-        if not 1 <= self.max_peers <= 65536:
-            raise ConfigError(f"max_peers must be 1..65536 (prefill ranks), got {self.max_peers}")
-        if self.peer_idle_s <= 0:
-            raise ConfigError(f"peer_idle_s must be > 0 seconds, got {self.peer_idle_s}")
-        if not 1 <= self.push_max_in_flight <= 1024:
-            raise ConfigError(f"push_max_in_flight must be 1..1024 (WRITEs per decode rank), got "
-                              f"{self.push_max_in_flight}")
-        if not 1 <= self.push_max_queued <= 65536:
-            raise ConfigError(f"push_max_queued must be 1..65536 (WRITEs per decode rank), got {self.push_max_queued}")
-        if not 1 <= self.push_max_agents <= 65536:
-            raise ConfigError(f"push_max_agents must be 1..65536 (decode ranks), got {self.push_max_agents}")
-        if self.push_agent_idle_s <= 0:
-            raise ConfigError(f"push_agent_idle_s must be > 0 seconds, got {self.push_agent_idle_s}")
+        _check_settings(self)
 
 
 _FIELDS = P2pKvConfig.__struct_fields__
+
+
+def _check_settings(config: P2pKvConfig) -> None:
+    """Check every setting's range (pairs of related settings together).
+
+    Raises:
+        ConfigError: the first setting out of range, named with its allowed range and its value.
+    """
+    if not 0 < config.side_channel_port < 65536:
+        raise ConfigError(
+            f"side_channel_port={config.side_channel_port} is not a TCP port; "
+            "use 1..65535 in kv_connector_extra_config or P2PKV_SIDE_CHANNEL_PORT"
+        )
+    if not 1 <= config.side_channel_max_handshakes <= config.side_channel_max_connections <= 65536:
+        raise ConfigError(
+            f"need 1 <= side_channel_max_handshakes ({config.side_channel_max_handshakes}) <= "
+            f"side_channel_max_connections ({config.side_channel_max_connections}) <= 65536 (connections)")
+    if config.side_channel_stall_s < 0:
+        raise ConfigError(f"side_channel_stall_s must be >= 0 seconds (0: off), got {config.side_channel_stall_s}")
+    for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"{name} must be > 0 seconds, got {getattr(config, name)}")
+    if not 0 < config.max_held_fraction <= 1:
+        raise ConfigError(f"max_held_fraction must be in (0, 1] (a share of the KV cache's blocks), got "
+                          f"{config.max_held_fraction}")
+    if not 0 <= config.max_clock_skew_s <= 30:
+        raise ConfigError(f"max_clock_skew_s must be 0 .. 30 seconds, got {config.max_clock_skew_s}")
+    if config.heartbeat_interval_s is not None and not 0 <= config.heartbeat_interval_s < config.lease_s:
+        raise ConfigError(
+            f"heartbeat_interval_s={config.heartbeat_interval_s} must be >= 0 and below "
+            f"lease_s={config.lease_s} (0 turns heartbeats off)"
+        )
+    if not 0 <= config.pull_poll_interval_s <= 1:
+        raise ConfigError(f"pull_poll_interval_s must be 0 (no thread) .. 1 s, got {config.pull_poll_interval_s}")
+    if config.nixl_num_threads < 0 or config.nixl_split_mib < 0:
+        raise ConfigError(f"nixl_num_threads ({config.nixl_num_threads}) and nixl_split_mib "
+                          f"({config.nixl_split_mib}) must be >= 0")
+    if not 0 <= config.switch_interval_s <= 0.1:
+        raise ConfigError(f"switch_interval_s must be 0 (unchanged) .. 0.1 s, got {config.switch_interval_s}")
+    if not 0 <= config.idle_wait_s <= 0.1:
+        raise ConfigError(f"idle_wait_s must be 0 (no wait) .. 0.1 s, got {config.idle_wait_s}")
+    if not 0 <= config.stream_idle_wait_s <= 0.1:
+        raise ConfigError(f"stream_idle_wait_s must be 0 (no wait) .. 0.1 s, got {config.stream_idle_wait_s}")
+    if not -1 <= config.stream_min_tokens < 1 << 31:
+        raise ConfigError("stream_min_tokens must be a whole number of tokens >= 0 (-1: as measured for the "
+                          f"cache's kind), got {config.stream_min_tokens!r}")
+    if not 0 < config.stream_poll_interval_s <= 0.01:
+        raise ConfigError(f"stream_poll_interval_s must be above 0 .. 0.01 s, got {config.stream_poll_interval_s}")
+    if config.staging_mib < 0.0625:
+        raise ConfigError(f"staging_mib must be >= 0.0625 (MiB, 64 KiB), got {config.staging_mib}")
+    if config.handshake_retries < 1:
+        raise ConfigError(f"handshake_retries must be >= 1, got {config.handshake_retries}")
+    if not config.nixl_backends:
+        raise ConfigError('nixl_backends must name at least one backend, e.g. ["UCX"]')
+    if not 1 <= config.max_peers <= 65536:
+        raise ConfigError(f"max_peers must be 1..65536 (prefill ranks), got {config.max_peers}")
+    if config.peer_idle_s <= 0:
+        raise ConfigError(f"peer_idle_s must be > 0 seconds, got {config.peer_idle_s}")
+    if not 1 <= config.push_max_in_flight <= 1024:
+        raise ConfigError(f"push_max_in_flight must be 1..1024 (WRITEs per decode rank), got "
+                          f"{config.push_max_in_flight}")
+    if not 1 <= config.push_max_queued <= 65536:
+        raise ConfigError(f"push_max_queued must be 1..65536 (WRITEs per decode rank), got {config.push_max_queued}")
+    if not 1 <= config.push_max_agents <= 65536:
+        raise ConfigError(f"push_max_agents must be 1..65536 (decode ranks), got {config.push_max_agents}")
+    if config.push_agent_idle_s <= 0:
+        raise ConfigError(f"push_agent_idle_s must be > 0 seconds, got {config.push_agent_idle_s}")
 
 
 def _from_env(environ: dict[str, str]) -> dict[str, Any]:
