@@ -140,36 +140,27 @@ class Answering(Recorded):
         self.released += params_list
 
 
-def test_a_failed_decode_leg_frees_the_hold_its_prefill_leg_made_once_that_answers() -> None:
-    proxy = Answering(400)
+@pytest.mark.parametrize("status", [200, 400], ids=["answered", "refused"])
+def test_a_decode_leg_that_ends_frees_the_hold_its_prefill_leg_made_once_that_answers(status: int) -> None:
+    """Nobody loads from the hold once the decode leg ended: a refused one never will; an answered one has loaded
+    (a streamed hold is already freed by its stream, and the release finds nothing) or prefilled the prompt
+    itself (the prefill engine held it without streaming: several KV cache groups, a refused grant), whose hold
+    would otherwise last its lease."""
+    proxy = Answering(status)
     assert proxy.streams is not None
     proxy.streams.learn(URLS[0], _answer_params("p0", 7000))
 
-    async def run() -> None:
-        with pytest.raises(UpstreamError):
+    async def run() -> bool:
+        try:
             await proxy.stream_legs(None, "/v1/completions", {"prompt": "hi", "max_tokens": 3}, {}, {})  # type: ignore[arg-type]
+            refused = False
+        except UpstreamError:
+            refused = True
         while proxy._background:
             await asyncio.sleep(0.01)
+        return refused
 
-    asyncio.run(run())
+    assert asyncio.run(run()) == (status >= 400)
     (decode,) = proxy.decodes
     assert proxy.released == [{"held": decode["kv_transfer_params"][GRANT_KEY]}]
-
-
-def test_an_answered_decode_leg_frees_the_hold_and_forgets_its_prefill_leg() -> None:
-    """Nobody loads from the hold once the decode leg answered: a streamed one's is already freed by its stream (the
-    release finds nothing), but one the prefill engine held without streaming (several KV cache groups, a refused
-    grant) would last its lease."""
-    proxy = Answering(200)
-    assert proxy.streams is not None
-    proxy.streams.learn(URLS[0], _answer_params("p0", 7000))
-
-    async def run() -> None:
-        await proxy.stream_legs(None, "/v1/completions", {"prompt": "hi", "max_tokens": 3}, {}, {})  # type: ignore[arg-type]
-        while proxy._background:
-            await asyncio.sleep(0.01)
-
-    asyncio.run(run())
-    (decode,) = proxy.decodes
-    assert proxy.released == [{"held": decode["kv_transfer_params"][GRANT_KEY]}]
-    assert proxy.streams.ended(decode) is None, "the prefill leg is forgotten once its decode leg answered"
+    assert proxy.streams.ended(decode) is None, "the prefill leg is forgotten once its decode leg ended"

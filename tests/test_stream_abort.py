@@ -34,7 +34,10 @@ stream from the rank's next incarnation lands whole.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -81,19 +84,47 @@ def _wait_landed(decode: DecodeSide, want: torch.Tensor, layers: slice) -> None:
         time.sleep(0.002)
 
 
-def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sides() -> None:
+@dataclass
+class Pair:
+    """A secured prefill worker (synthetic cache ``source``, side channel on ``port``) and a decode worker here."""
+
+    prefill: WorkerSide
+    source: torch.Tensor
+    decode: DecodeSide
+    port: int
+
+
+@contextlib.contextmanager
+def _pair(seed: int, **prefill_settings: object) -> Iterator[Pair]:
+    """A :class:`Pair` whose prefill cache holds ``seed``'s values, shut down on exit."""
     port = free_port()
-    prefill = make_worker(ENGINE, port, secret=SECRET, stream_min_tokens=0)
-    source, views = make_kv_caches(LAYOUT, seed=7, **shape(NUM_BLOCKS))
+    prefill = make_worker(ENGINE, port, secret=SECRET, **prefill_settings)
+    source, views = make_kv_caches(LAYOUT, seed=seed, **shape(NUM_BLOCKS))
     prefill.register_kv_caches(views, NUM_BLOCKS)
     decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=2.0)
     try:
-        chunk, load = _stream("p-1", "d-1", port)
-        step = P2pKvMetadata(streams=[chunk])
-        prefill.start_load_kv(step)
+        yield Pair(prefill, source, decode, port)
+    finally:
+        decode.close()
+        prefill.shutdown()
+
+
+def _started(pair: Pair, prefill_request: str, decode_request: str) -> P2pKvMetadata:
+    """Stream ``prefill_request`` into ``decode_request``: the prefill's step opened, the decode's load started;
+    the step's metadata (its layers are reported done by the test)."""
+    chunk, load = _stream(prefill_request, decode_request, pair.port)
+    step = P2pKvMetadata(streams=[chunk])
+    pair.prefill.start_load_kv(step)
+    pair.decode.start(load)
+    return step
+
+
+def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sides() -> None:
+    with _pair(7, stream_min_tokens=0) as pair:
+        prefill, decode = pair.prefill, pair.decode
+        step = _started(pair, "p-1", "d-1")
         prefill.save_kv_layer("layers.0", step)
-        decode.start(load)
-        layer_bytes = source[list(SOURCE), 0:1]
+        layer_bytes = pair.source[list(SOURCE), 0:1]
         _wait_landed(decode, layer_bytes, slice(0, 1))
         assert "d-1" not in decode.finished, "finished while the prefill still streams"
 
@@ -112,9 +143,6 @@ def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sid
         # The prefill request finishes: its hold is made, and freed at once (its stream has ended).
         prefill.start_load_kv(P2pKvMetadata(send_leases={"p-1": time.monotonic() + 60}, send_blocks={"p-1": SOURCE}))
         _wait_released(prefill, "p-1")
-    finally:
-        decode.close()
-        prefill.shutdown()
 
 
 @pytest.mark.parametrize(("method", "mode"), [
@@ -122,17 +150,10 @@ def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sid
     ("check_xfer_state", "raise"), ("check_xfer_state", "err"),
 ])
 def test_a_write_that_fails_mid_stream_fails_the_load_and_the_next_stream_lands(method: str, mode: str) -> None:
-    port = free_port()
-    prefill = make_worker(ENGINE, port, secret=SECRET, stream_min_tokens=0)
-    source, views = make_kv_caches(LAYOUT, seed=11, **shape(NUM_BLOCKS))
-    prefill.register_kv_caches(views, NUM_BLOCKS)
-    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=2.0)
-    try:
-        chunk, load = _stream("p-1", "d-1", port)
-        step = P2pKvMetadata(streams=[chunk])
-        prefill.start_load_kv(step)
+    with _pair(11, stream_min_tokens=0) as pair:
+        prefill, decode, source = pair.prefill, pair.decode, pair.source
+        step = _started(pair, "p-1", "d-1")
         prefill.save_kv_layer("layers.0", step)
-        decode.start(load)
         _wait_landed(decode, source[list(SOURCE), 0:1], slice(0, 1))
         fault = inject(prefill, method, 1, mode)
         prefill.save_kv_layer("layers.1", step)
@@ -147,18 +168,12 @@ def test_a_write_that_fails_mid_stream_fails_the_load_and_the_next_stream_lands(
         _wait_released(prefill, "p-1")
 
         decode.base.zero_()
-        chunk, load = _stream("p-2", "d-2", port)
-        step = P2pKvMetadata(streams=[chunk])
-        prefill.start_load_kv(step)
-        decode.start(load)
+        step = _started(pair, "p-2", "d-2")
         for layer in range(LAYERS):
             prefill.save_kv_layer(f"layers.{layer}", step)
         prefill.wait_for_save()
         assert not decode.pump({"d-2"}, 10.0) and decode.take_errors() == set()
         assert torch.equal(decode.base[list(TARGET)], source[list(SOURCE)])
-    finally:
-        decode.close()
-        prefill.shutdown()
 
 
 def _wait_released(prefill: WorkerSide, request_id: str) -> None:
@@ -199,17 +214,10 @@ def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_
 
 
 def test_a_prompt_under_the_measured_threshold_lands_in_one_write_after_its_last_layer() -> None:
-    port = free_port()
-    prefill = make_worker(ENGINE, port, secret=SECRET)  # stream_min_tokens -1: as measured for the cache's kind
-    source, views = make_kv_caches(LAYOUT, seed=5, **shape(NUM_BLOCKS))
-    prefill.register_kv_caches(views, NUM_BLOCKS)
-    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=2.0)
-    try:
+    with _pair(5) as pair:  # stream_min_tokens -1: as measured for the cache's kind
+        prefill, decode, source = pair.prefill, pair.decode, pair.source
         assert measured_min_tokens(prefill.streams.source) > PROMPT
-        chunk, load = _stream("p-1", "d-1", port)
-        step = P2pKvMetadata(streams=[chunk])
-        prefill.start_load_kv(step)
-        decode.start(load)
+        step = _started(pair, "p-1", "d-1")
         for layer in range(LAYERS - 1):
             prefill.save_kv_layer(f"layers.{layer}", step)
         decode.pump(set(), 0.3)
@@ -218,6 +226,3 @@ def test_a_prompt_under_the_measured_threshold_lands_in_one_write_after_its_last
         prefill.wait_for_save()
         assert not decode.pump({"d-1"}, 10.0) and decode.take_errors() == set()
         assert torch.equal(decode.base[list(TARGET)], source[list(SOURCE)])
-    finally:
-        decode.close()
-        prefill.shutdown()
