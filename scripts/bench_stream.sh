@@ -10,6 +10,8 @@
 # Environment: LENGTHS (prompt tokens, default "1024 2048 4096"), TRANSPORTS ("cma tcp"), PROMPTS (requests per
 # point, 4), OUTPUT (generated tokens, 8), OUT (docs/benchmarks), NAME (file prefix, stream-serve-cpu), WORK
 # (.p2pkv/bench-stream), BASE_PORT (9100). The table and plot: scripts/stream_serve_report.py, run at the end.
+# A link-bound run: rate-limit UCX's TCP first (scripts/limit_ucx_tcp.sh, root) and pass its port range, e.g.
+#   UCX_TCP_PORT_RANGE=40960-41983 TRANSPORTS=tcp NAME=stream-serve-cpu-limited bash scripts/bench_stream.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
