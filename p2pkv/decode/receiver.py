@@ -128,7 +128,8 @@ class Receiver:
               ended_streams: list[str] | None = None) -> None:
         """Take this step's new pulls (after those that waited for staging), the pulls the scheduler could
         not set up (``failed``: request id → local blocks, reported failed), and the streamed loads whose
-        request has ended (``ended_streams``: one still under way is given up, :meth:`_give_up`)."""
+        request has ended (``ended_streams``: one still under way is given up,
+        :meth:`p2pkv.decode.endings.Endings.give_up`)."""
         with self.lock:
             ended = set(ended_streams or ())
             for transfer in [t for t in self.transfers if t.request_id in ended and t.spec.stream_grant]:
@@ -140,7 +141,8 @@ class Receiver:
                 release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size),
                                self.rank.name, self._secret, self.config.handshake_timeout_s)
             specs = [s for s in specs if not _declines_stream(s)]
-            new, waiting = [Transfer.taken(spec) for spec in specs], self._staging_wait[:]
+            new = [Transfer.taken(spec) for spec in specs]
+            waiting = self._staging_wait[:]  # begun again below (the list is shared with self.endings)
             self._staging_wait.clear()
             self.transfers += new
             for transfer in [*waiting, *new]:

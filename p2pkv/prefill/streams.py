@@ -142,32 +142,32 @@ class PrefillStreams:
         checked = check_stream_request(msg, self.source, self._secret, self.engine_id, now)
         if isinstance(checked, str):
             return "refused", checked
-        identity, grant, side, window_s = checked.identity, checked.grant, checked.side, checked.window_s
+        stream_id = checked.grant.stream_id
         with self._lock:
             self._forget_served(now)
-            if (stopped := self._stopped.get(grant.stream_id)) is not None:
-                return "refused", (f"the prefill request of stream {grant.stream_id} stopped before this destination "
+            if (stopped := self._stopped.get(stream_id)) is not None:
+                return "refused", (f"the prefill request of stream {stream_id} stopped before this destination "
                                    f"came: {stopped[1]}")
-            if grant.stream_id in self._served:
-                return "refused", f"stream {grant.stream_id} already had a destination (a grant serves once)"
+            if stream_id in self._served:
+                return "refused", f"stream {stream_id} already had a destination (a grant serves once)"
             if len(self._pending) >= MAX_PENDING:
                 return "busy", f"{MAX_PENDING} stream destinations already wait for their requests here"
-            self._served[grant.stream_id] = grant.expiry
-        loaded, why = self.pusher.hold_agent(identity, msg.agent)
+            self._served[stream_id] = checked.grant.expiry
+        loaded, why = self.pusher.hold_agent(checked.identity, msg.agent)
         if not loaded:
             return "refused", why
-        deadline = self._clock() + window_s  # the decode rank gives the load up then: no WRITE after it
-        target = StreamTarget(msg.agent.agent_name, side, tuple(msg.block_ids), msg.first_block, msg.push_id,
-                              deadline)
-        dest = _Destination(target, identity, msg.num_tokens, msg.prompt_digest, deadline)
+        deadline = self._clock() + checked.window_s  # the decode rank gives the load up then: no WRITE after it
+        target = StreamTarget(msg.agent.agent_name, checked.side, tuple(msg.block_ids), msg.first_block,
+                              msg.push_id, deadline)
+        dest = _Destination(target, checked.identity, msg.num_tokens, msg.prompt_digest, deadline)
         with self._lock:
-            request_id = self._by_stream.get(grant.stream_id)
+            request_id = self._by_stream.get(stream_id)
             if request_id is None:
-                self._pending[grant.stream_id] = dest
+                self._pending[stream_id] = dest
                 return "accepted", ""
             status, why = self._attach(request_id, dest)
         if status != "accepted":
-            self.pusher.release_agent(identity)
+            self.pusher.release_agent(checked.identity)
         return status, why
 
     def on_release(self, request_ids: list[str], block_ids: list[list[int]], requester: str = "") -> int:
