@@ -37,6 +37,7 @@ from p2pkv.tools.proxy.spans import (
     leg_of,
 )
 from p2pkv.tools.proxy.stream import StreamLegs
+from p2pkv.tools.proxy.stream_hand_over import stream_blocker, stream_hand_over
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
@@ -224,15 +225,30 @@ class Proxy:
                           headers: dict[str, str], out_headers: dict[str, str],
                           trace: RequestTrace | None = None) -> Response:
         """Both legs of one prompt at once, layer-streamed (:meth:`start_stream`); the client gets the decode leg's
-        answer. While the prefill engine's address is not known, the prompt is pushed (its answer teaches it)."""
-        params = self.start_stream(client, path, body, headers, trace)
+        answer, after the prefill engine's first token when that may go first
+        (:mod:`p2pkv.tools.proxy.stream_hand_over`). While the prefill engine's address is not known, the prompt is
+        pushed (its answer teaches it)."""
+        hand_over = (body.get("stream") is True and self.first_token_from == "prefill"
+                     and stream_blocker(path, body) is None)
+        sent = {**body, "return_token_ids": True} if hand_over else body
+        params = self.start_stream(client, path, sent, headers, trace)
         if params is None:
             params = (await self.run_prefill(client, path, body, headers, leg_of(trace, "prefill")))[
                 "kv_transfer_params"]
             return await self.decode_one(client, path, {**body, "kv_transfer_params": params}, headers,
                                          out_headers, trace)
-        return await self.run_decode(client, path, {**body, "kv_transfer_params": params}, headers,
-                                     out_headers, leg=leg_of(trace, "decode"))  # type: ignore[return-value]
+        if not hand_over:
+            if body.get("stream") is True:
+                self.metrics.first_tokens.labels("decode").inc()
+            return await self.run_decode(client, path, {**body, "kv_transfer_params": params}, headers,
+                                         out_headers, leg=leg_of(trace, "decode"))  # type: ignore[return-value]
+        prefill_leg = self.streams.prefill_leg(params) if self.streams is not None else None
+        leg = leg_of(trace, "decode")
+        resp = await self.run_decode(client, path, {**sent, "kv_transfer_params": params}, headers, out_headers,
+                                     relay=False, leg=leg)
+        if isinstance(resp, Response) or prefill_leg is None:
+            return resp  # type: ignore[return-value]  # an answer passed through (a 4xx), not a stream
+        return stream_hand_over(self, resp, prefill_leg, path, body, out_headers, leg, trace)
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], relay: bool = True,

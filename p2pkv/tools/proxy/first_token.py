@@ -189,7 +189,8 @@ def decode_body(path: str, body: dict[str, Any], first: FirstToken, params: dict
     return out
 
 
-def _event(obj: dict[str, Any] | str) -> bytes:
+def sse_event(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event carrying ``obj`` (JSON, or a string such as ``[DONE]`` as it is)."""
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
 
 
@@ -206,10 +207,16 @@ class FirstTokenStream:
         path: ``/v1/completions`` or ``/v1/chat/completions``.
         body: the client's request.
         first: the prefill engine's first token.
+        continued: the decode engine continues after ``first`` (its prompt
+            ends with it: usage and completions ``text_offset`` are moved by
+            one token); False when its stream starts at the client's prompt
+            (layer-streamed: :mod:`p2pkv.tools.proxy.stream_hand_over`).
     """
 
-    def __init__(self, path: str, body: dict[str, Any], first: FirstToken) -> None:
-        self.chat, self.first = path == CHAT, first
+    def __init__(self, path: str, body: dict[str, Any], first: FirstToken, continued: bool = True) -> None:
+        self.chat = path == CHAT
+        self.first = first
+        self.continued = continued
         self.token_ids = body.get("return_token_ids") is True
         options = body.get("stream_options") or {}
         self.usage = isinstance(options, dict) and options.get("include_usage") is True
@@ -243,14 +250,14 @@ class FirstTokenStream:
                                 "finish_reason": None}, 0)
             if self.token_ids:
                 role["prompt_token_ids"] = first.prompt_token_ids
-            out += _event(role)
-            out += _event(self._chunk({"index": 0, "delta": {"content": first.text}, "logprobs": first.logprobs,
+            out += sse_event(role)
+            out += sse_event(self._chunk({"index": 0, "delta": {"content": first.text}, "logprobs": first.logprobs,
                                        **finish, **ids}, 1))
         else:
             choice: dict[str, Any] = {"index": 0, "text": first.text, "logprobs": first.logprobs, **finish}
             if self.token_ids:
                 choice = {**choice, "prompt_token_ids": first.prompt_token_ids, **ids}
-            out += _event(self._chunk(choice, 1))
+            out += sse_event(self._chunk(choice, 1))
         if first.finish_reason is not None:
             out += self.closing(None)
         return out
@@ -259,12 +266,15 @@ class FirstTokenStream:
         """The usage chunk (when asked for) and ``[DONE]``; ``usage_chunk`` is the decode engine's, rewritten."""
         out = b""
         if self.usage:
-            out += _event(usage_chunk or {**self._chunk({}, 1), "choices": [], "usage": self._usage(1)})
-        return out + _event("[DONE]")
+            out += sse_event(usage_chunk or {**self._chunk({}, 1), "choices": [], "usage": self._usage(1)})
+        return out + sse_event("[DONE]")
 
     def _count(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """The decode engine's usage counted against the client's prompt: one token moves to the output."""
+        """The decode engine's usage counted against the client's prompt: one token moves to the output (none when
+        its stream started at that prompt)."""
         out = dict(usage)
+        if not self.continued:
+            return out
         if isinstance(out.get("prompt_tokens"), int) and isinstance(out.get("completion_tokens"), int):
             out["prompt_tokens"] = self.prompt_tokens
             out["completion_tokens"] += 1
@@ -274,7 +284,9 @@ class FirstTokenStream:
     def _shift_offsets(self, logprobs: Any) -> None:
         """Completions logprobs' ``text_offset`` counts from the decode engine's first output character;
         the client's text starts with the first token's."""
-        if not self.chat and isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
+        if not self.continued or self.chat:
+            return
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("text_offset"), list):
             logprobs["text_offset"] = [o + len(self.first.text) if isinstance(o, int) else o
                                        for o in logprobs["text_offset"]]
 
@@ -289,11 +301,17 @@ class FirstTokenStream:
         try:
             obj = json.loads(data)
         except ValueError:
-            return _event(data)
+            return sse_event(data)
         if not isinstance(obj, dict):
-            return _event(data)
+            return sse_event(data)
+        out = self.rewrite_chunk(obj)
+        return None if out is None else sse_event(out)
+
+    def rewrite_chunk(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """One parsed chunk of the decode engine's stream rewritten (None: not sent; a usage-only chunk is kept
+        for :meth:`closing`); an error object passes unchanged."""
         if "error" in obj:
-            return _event(obj)
+            return obj
         obj.pop("prompt_token_ids", None)
         obj["id"], obj["created"] = self.first.id, self.first.created
         if isinstance(obj.get("usage"), dict):
@@ -311,4 +329,4 @@ class FirstTokenStream:
                 if (self.chat and isinstance(delta, dict) and "role" in delta and not delta.get("content")
                         and choice.get("finish_reason") is None):
                     return None  # the decode engine's own opening role chunk: ours went first
-        return _event(obj)
+        return obj

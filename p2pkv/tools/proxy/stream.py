@@ -11,8 +11,9 @@ engines' ids), the prefill leg's body and the decode leg's
 carries the grant; the decode leg carries the grant and the prefill
 engine's address, no blocks (the prefill engine has not answered). Both are
 sent at once, for each prompt of a batch too; the client's answer is the
-decode leg's, whose engine computes the first token itself (no prefill token
-is handed over).
+decode leg's, whose engine computes the first token itself; a greedy
+streaming request may get the prefill engine's first token first
+(:mod:`p2pkv.tools.proxy.stream_hand_over`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ class StreamLegs:
     def started(self, params: dict[str, Any], prefill_leg: asyncio.Task) -> None:
         """The prefill leg of the stream whose decode leg carries ``params`` (from :meth:`legs`) was sent."""
         self._prefill_legs[params[GRANT_KEY]] = prefill_leg
+
+    def prefill_leg(self, params: dict[str, Any]) -> asyncio.Task | None:
+        """The prefill leg of the stream whose decode leg carries ``params`` (None once that decode leg ended)."""
+        grant = params.get(GRANT_KEY)
+        return self._prefill_legs.get(grant) if isinstance(grant, str) else None
 
     def ended(self, body: dict[str, Any]) -> asyncio.Task | None:
         """The decode leg ``body`` was answered or failed: its stream's prefill leg, forgotten here (None when

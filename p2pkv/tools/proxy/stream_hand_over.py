@@ -1,0 +1,286 @@
+"""A layer-streamed request's first token from the prefill engine (``--transfer-mode stream``).
+
+In stream mode both legs start at once (:mod:`p2pkv.tools.proxy.stream`), so
+the decode engine is asked before any token exists and samples the first
+token itself; it cannot be told to continue after the prefill engine's (the
+continuation :mod:`p2pkv.tools.proxy.first_token` sends in pull and push
+mode). The two tokens are the same by construction only under greedy
+sampling (``temperature`` 0: the same prompt KV and the same last step give
+the same argmax), so the hand-over is made for greedy streaming requests
+that :func:`p2pkv.tools.proxy.first_token.blocker` lets through, and checked:
+
+- both legs are asked for token ids (``return_token_ids``);
+- when the prefill leg answers before the decode engine's first event, its
+  token goes to the client at once; the decode engine's stream follows with
+  its first token removed (text, token id, logprobs), once that token's id
+  is found equal to the one sent. A different id (float differences between
+  the engines' batches can flip a near tie) ends the client's stream with an
+  error event instead of a continuation the client's first token did not
+  lead to: never a silent wrong answer;
+- when the decode engine's first event comes first, or the prefill answer
+  carries no usable token (:func:`p2pkv.tools.proxy.first_token.read_first_token`),
+  the decode engine's stream is relayed as it is.
+
+Random sampling, seeded or not, keeps the decode engine's first token: its
+sample would differ from the prefill engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi.responses import StreamingResponse
+
+from p2pkv.tools.proxy.batch import sse_events
+from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, blocker, read_first_token, sse_event
+from p2pkv.tools.proxy.hand_over import DecodeLegs
+from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar
+from p2pkv.tools.proxy.upstream import UpstreamError
+
+logger = logging.getLogger(__name__)
+
+
+def stream_blocker(path: str, body: dict[str, Any]) -> str | None:
+    """Why a layer-streamed request takes its first token from the decode engine (None: the prefill engine's
+    may go): :func:`p2pkv.tools.proxy.first_token.blocker`'s reasons, and any sampling but greedy
+    (``temperature`` 0 given explicitly: vLLM's default may be a model's own)."""
+    reason = blocker(path, body)
+    if reason is not None:
+        return reason
+    temperature = body.get("temperature")
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature != 0:
+        return "not greedy"
+    return None
+
+
+class FirstTokenMismatch(Exception):
+    """The decode engine's first token differs from the prefill engine's, which the client already has (or its
+    stream ended without one)."""
+
+    @classmethod
+    def differs(cls, sent: FirstToken, got: Any, what: str) -> FirstTokenMismatch:
+        """The decode engine's first token has ``what`` ``got`` where ``sent`` has another."""
+        return cls(f"the decode engine's first token ({what} {got!r}) differs from the prefill engine's "
+                   f"(token id {sent.token_id}, text {sent.text!r}), which the client already has")
+
+    @classmethod
+    def missing(cls, sent: FirstToken) -> FirstTokenMismatch:
+        """The decode engine's stream ended without a token and without an error."""
+        return cls(f"the decode engine's stream ended before its first token; the client already has the prefill "
+                   f"engine's (token id {sent.token_id}, text {sent.text!r})")
+
+
+def _drop_first(choice: dict[str, Any], first: FirstToken, chat: bool) -> None:
+    """Remove ``first`` from the front of one decode-engine choice (its token ids, text and logprobs).
+
+    Raises:
+        FirstTokenMismatch: the choice starts with another token id or text.
+    """
+    ids = choice.get("token_ids")
+    if not isinstance(ids, list) or not ids:
+        raise FirstTokenMismatch.differs(first, ids, "token ids")
+    if ids[0] != first.token_id:
+        raise FirstTokenMismatch.differs(first, ids[0], "token id")
+    choice["token_ids"] = ids[1:]
+    holder = choice.get("delta") if chat else choice
+    key = "content" if chat else "text"
+    text = holder.get(key) if isinstance(holder, dict) else None
+    if not isinstance(text, str) or not text.startswith(first.text):
+        raise FirstTokenMismatch.differs(first, text, "text")
+    holder[key] = text[len(first.text):]
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict):
+        for name in ("content",) if chat else ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            if isinstance(logprobs.get(name), list):
+                logprobs[name] = logprobs[name][1:]
+
+
+def _empty(choice: dict[str, Any], chat: bool) -> bool:
+    """True when a choice says nothing once the first token is gone (no token, no text, not the end)."""
+    text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+    return not choice.get("token_ids") and not text and choice.get("finish_reason") is None
+
+
+class StreamedFirstTokenStream(FirstTokenStream):
+    """The client's stream when a layer-streamed request's first token is handed over: ``first``'s chunks, then
+    the decode engine's stream (which starts at the client's prompt) with its own first token checked and
+    removed, ids and usage as one engine's.
+
+    Args:
+        path: ``/v1/completions`` or ``/v1/chat/completions``.
+        body: the client's request (the legs were asked for token ids; they are removed unless it asked too).
+        first: the prefill engine's first token.
+    """
+
+    def __init__(self, path: str, body: dict[str, Any], first: FirstToken) -> None:
+        super().__init__(path, body, first, continued=False)
+        self.confirmed = False
+        """The decode engine's first token was found equal to ``first`` (and removed)."""
+
+    def rewrite_chunk(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """See :meth:`FirstTokenStream.rewrite_chunk`.
+
+        Raises:
+            FirstTokenMismatch: the decode engine's first token is not ``first``.
+        """
+        out = super().rewrite_chunk(obj)
+        if out is None or "error" in out:
+            return out
+        choices = [c for c in out.get("choices") or [] if isinstance(c, dict)]
+        if not self.confirmed and choices:
+            _drop_first(choices[0], self.first, self.chat)
+            self.confirmed = True
+            if all(_empty(c, self.chat) for c in choices):
+                return None
+        if not self.token_ids:
+            for choice in choices:
+                choice.pop("token_ids", None)
+        return out
+
+
+def without_token_ids(data: str) -> bytes:
+    """One ``data:`` payload of the decode engine's stream as the client gets it when it did not ask for token
+    ids (only the legs did): ``token_ids`` and ``prompt_token_ids`` removed."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return sse_event(data)
+    if isinstance(obj, dict):
+        obj.pop("prompt_token_ids", None)
+        for choice in obj.get("choices") or []:
+            if isinstance(choice, dict):
+                choice.pop("token_ids", None)
+                choice.pop("prompt_token_ids", None)
+    return sse_event(obj)
+
+
+async def _first_done(prefill_leg: asyncio.Future, first_event: asyncio.Future) -> None:
+    """Wait for the prefill leg's answer or the decode engine's first event, whichever comes first."""
+    await asyncio.wait({prefill_leg, first_event}, return_when=asyncio.FIRST_COMPLETED)
+
+
+def _prefill_answer(prefill_leg: asyncio.Future) -> dict[str, Any] | None:
+    """The prefill leg's answer when it has come (None: not yet, or it failed: that failure is logged where the
+    leg ends)."""
+    if not prefill_leg.done() or prefill_leg.cancelled() or prefill_leg.exception() is not None:
+        return None
+    answer = prefill_leg.result()
+    return answer if isinstance(answer, dict) else None
+
+
+def stream_hand_over(legs: DecodeLegs, resp: httpx.Response, prefill_leg: asyncio.Future, path: str,
+                     body: dict[str, Any], out_headers: dict[str, str], leg: ProxySpan | None = None,
+                     trace: RequestTrace | None = None) -> StreamingResponse:
+    """The client's stream of a greedy layer-streamed request: the prefill engine's first token when it comes
+    first, then the decode engine's stream ``resp`` (opened, asked with token ids) after that token.
+
+    ``prefill_leg`` is the prompt's prefill leg (its answer: the prefill
+    engine's JSON). ``leg``: the decode leg's span, ended here. The decode
+    stream is closed (the decode engine aborts the request) when the first
+    token ends the answer, when the client leaves, and on a mismatch.
+    """
+    client_ids = body.get("return_token_ids") is True
+
+    async def stream() -> AsyncIterator[bytes]:
+        sent = time.perf_counter()
+        events = sse_events(resp.aiter_raw()).__aiter__()
+        first_event = asyncio.ensure_future(events.__anext__())
+        writer: StreamedFirstTokenStream | None = None
+        try:
+            await _first_done(prefill_leg, first_event)
+            answer = None if first_event.done() else _prefill_answer(prefill_leg)
+            first = None if answer is None else read_first_token(path, body, answer)
+            legs.metrics.first_tokens.labels("decode" if first is None else "prefill").inc()
+            if first is not None and answer is not None:
+                writer = StreamedFirstTokenStream(path, body, first)
+                hand_over = None if trace is None else trace.first_token(answer.get("kv_transfer_params") or {},
+                                                                         first.finish_reason)
+                yield writer.opening()
+                if hand_over is not None:
+                    hand_over.end()
+                if first.finish_reason is not None:
+                    return
+            async for out in _relayed(legs, writer, first_event, events, sent, leg, client_ids):
+                yield out
+        except httpx.HTTPError as exc:
+            legs.metrics.errors.labels("decode").inc()
+            err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); check its log",
+                                "decode", str(resp.url))
+            if leg is not None:
+                leg.failed(err)
+            yield sse_event(err.payload()) + sse_event("[DONE]")
+        finally:
+            first_event.cancel()
+            with contextlib.suppress(BaseException):
+                await first_event
+            await resp.aclose()
+            legs.metrics.decode_seconds.observe(time.perf_counter() - sent, exemplar(leg))
+            if leg is not None:
+                leg.end()
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=out_headers)
+
+
+async def _relayed(legs: DecodeLegs, writer: StreamedFirstTokenStream | None, first_event: asyncio.Future,
+                   events: AsyncIterator[str], sent: float, leg: ProxySpan | None,
+                   client_ids: bool) -> AsyncIterator[bytes]:
+    """The decode engine's events as the client gets them: after the handed-over token (``writer``), or as they
+    are (``writer`` None; token ids kept only when the client asked for them).
+
+    Raises:
+        httpx.HTTPError: the decode stream broke.
+    """
+    try:
+        data: str | None = await first_event
+    except StopAsyncIteration:
+        data = None
+    legs.metrics.decode_first_byte_seconds.observe(time.perf_counter() - sent, exemplar(leg))
+    errored = False
+    while data is not None:
+        if writer is None:
+            yield sse_event(data) if client_ids else without_token_ids(data)
+        elif data != "[DONE]":
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                obj = None
+            if not isinstance(obj, dict):
+                yield sse_event(data)
+            else:
+                errored = errored or "error" in obj
+                try:
+                    out = writer.rewrite_chunk(obj)
+                except FirstTokenMismatch as exc:
+                    yield _mismatch(legs, exc, leg)
+                    return
+                if out is not None:
+                    yield sse_event(out)
+        try:
+            data = await events.__anext__()
+        except StopAsyncIteration:
+            data = None
+    if writer is None:
+        return
+    if not writer.confirmed and not errored:
+        yield _mismatch(legs, FirstTokenMismatch.missing(writer.first), leg)
+        return
+    yield writer.closing(writer.usage_chunk)
+
+
+def _mismatch(legs: DecodeLegs, exc: FirstTokenMismatch, leg: ProxySpan | None) -> bytes:
+    """The error event and ``[DONE]`` that end a stream whose decode engine did not continue the client's first
+    token (logged and counted as a decode failure)."""
+    logger.warning("p2pkv proxy: %s; the stream ends with an error", exc)
+    legs.metrics.errors.labels("decode").inc()
+    err = UpstreamError(502, f"{exc}; the answer stops here: retry the request, or run the proxy with "
+                        "--first-token-from decode", "decode", "")
+    if leg is not None:
+        leg.failed(err)
+    return sse_event(err.payload()) + sse_event("[DONE]")
