@@ -22,6 +22,9 @@ class ConfigError(ValueError):
 MIN_SECRET_BYTES = 16
 """The shortest side-channel secret accepted (bytes, after stripping whitespace)."""
 
+MAX_STREAM_TIMEOUT_S = 3600.0
+"""The longest ``stream_timeout_s`` (seconds): the most a side-channel stream request's ``window_s`` may say."""
+
 MAKE_SECRET = 'python -c "import secrets; print(secrets.token_hex(32))"'
 """A command that prints a good secret (64 hex characters)."""
 
@@ -159,6 +162,13 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             fast as a READ, with the idle steps, kept 0.55-0.65 of a core
             busy for the prefill's whole forward on a 2-core CPU host that ran
             both engines (docs/streaming.md).
+        stream_timeout_s: decode side: seconds a layer-streamed load may wait
+            for its prefill's final notification, counted from its stream
+            request (the prefill's queue, its whole forward and the last
+            WRITE: it must cover the longest prompt's prefill under load);
+            also the window the prefill rank is given (it stops WRITing
+            past it) and how long a given-up stream drains. 0 (default):
+            ``transfer_timeout_s``. At most 3600.
         stream_min_tokens: prefill side: a layer-streamed request whose
             decode engine loads fewer prompt tokens than this goes as one
             WRITE after its prefill's last layer (a bulk push into the same
@@ -239,6 +249,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stream_idle_wait_s: float = 0.02
     stream_poll_interval_s: float = 0.001
     stream_min_tokens: int = -1
+    stream_timeout_s: float = 0.0
     max_peers: int = 256
     peer_idle_s: float = 600.0
     otlp_traces_endpoint: str = ""
@@ -287,6 +298,12 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def heartbeat_every_s(self) -> float:
         """The heartbeat period in force (seconds; 0 = off)."""
         return self.lease_s / 4 if self.heartbeat_interval_s is None else self.heartbeat_interval_s
+
+    @property
+    def stream_window_s(self) -> float:
+        """How long a layer-streamed load may wait for its prefill (seconds): ``stream_timeout_s``, or
+        ``transfer_timeout_s`` when that is 0."""
+        return self.stream_timeout_s or self.transfer_timeout_s
 
     def backend_params(self) -> dict[str, dict[str, str]]:
         """NIXL backend init parameters these settings ask for."""
@@ -348,6 +365,9 @@ def _check_settings(config: P2pKvConfig) -> None:
     if not -1 <= config.stream_min_tokens < 1 << 31:
         raise ConfigError("stream_min_tokens must be a whole number of tokens >= 0 (-1: as measured for the "
                           f"cache's kind), got {config.stream_min_tokens!r}")
+    if not 0 <= config.stream_timeout_s <= MAX_STREAM_TIMEOUT_S:
+        raise ConfigError(f"stream_timeout_s must be 0 (transfer_timeout_s) .. {MAX_STREAM_TIMEOUT_S:g} seconds, got "
+                          f"{config.stream_timeout_s}")
     if not 0 < config.stream_poll_interval_s <= 0.01:
         raise ConfigError(f"stream_poll_interval_s must be above 0 .. 0.01 s, got {config.stream_poll_interval_s}")
     if config.staging_mib < 0.0625:

@@ -171,6 +171,10 @@ def test_every_waiting_state_has_a_deadline() -> None:
     assert d.limit(TransferState.HANDSHAKE) == pytest.approx(3 * 2.0 + 0.2 + 0.4 + HANDSHAKE_MARGIN_S)
     assert d.limit(TransferState.STAGING) == d.limit(TransferState.READING) == d.limit(TransferState.FENCING) == 30.0
     assert d.limit(TransferState.DONE) is None and d.limit(TransferState.FAILED) is None
+    assert d.limit(TransferState.READING, stream=True) == 30.0  # stream_timeout_s 0: transfer_timeout_s
+    streams = Deadlines.of(P2pKvConfig(transfer_timeout_s=30.0, stream_timeout_s=600.0, insecure=True))
+    assert streams.limit(TransferState.READING, stream=True) == 600.0 and streams.limit(TransferState.READING) == 30.0
+    assert streams.limit(TransferState.STAGING, stream=True) == 30.0
 
 
 # ---- 3. block ids bounded by the peer's num_blocks -----------------------------------------------------

@@ -95,13 +95,15 @@ class Pair:
 
 
 @contextlib.contextmanager
-def _pair(seed: int, **prefill_settings: object) -> Iterator[Pair]:
-    """A :class:`Pair` whose prefill cache holds ``seed``'s values, shut down on exit."""
+def _pair(seed: int, decode_settings: dict[str, float] | None = None, **prefill_settings: object) -> Iterator[Pair]:
+    """A :class:`Pair` whose prefill cache holds ``seed``'s values, shut down on exit (``decode_settings``: the
+    decode worker's, over a :data:`WINDOW_S` ``transfer_timeout_s``)."""
     port = free_port()
     prefill = make_worker(ENGINE, port, secret=SECRET, **prefill_settings)
     source, views = make_kv_caches(LAYOUT, seed=seed, **shape(NUM_BLOCKS))
     prefill.register_kv_caches(views, NUM_BLOCKS)
-    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=2.0)
+    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, **{"transfer_timeout_s": WINDOW_S, "handshake_timeout_s": 2.0,
+                                                       **(decode_settings or {})})
     try:
         yield Pair(prefill, source, decode, port)
     finally:
@@ -174,6 +176,35 @@ def test_a_write_that_fails_mid_stream_fails_the_load_and_the_next_stream_lands(
         prefill.wait_for_save()
         assert not decode.pump({"d-2"}, 10.0) and decode.take_errors() == set()
         assert torch.equal(decode.base[list(TARGET)], source[list(SOURCE)])
+
+
+@pytest.mark.parametrize(("stream_timeout_s", "lands"), [(0.0, False), (WINDOW_S, True)],
+                         ids=["transfer_timeout_s", "stream_timeout_s"])
+def test_a_prefill_longer_than_transfer_timeout_s_streams_whole_within_stream_timeout_s(
+        stream_timeout_s: float, lands: bool) -> None:
+    """A prefill (its queue and forward) that outlasts the decode's ``transfer_timeout_s``: with
+    ``stream_timeout_s`` above it, the decode rank keeps waiting and the prefill rank keeps WRITing (its window
+    is the stream's), so every layer lands; with 0 (``transfer_timeout_s``) both sides give the stream up at 1 s
+    and the load fails with every block a load error."""
+    settings = {"transfer_timeout_s": 1.0, "stream_timeout_s": stream_timeout_s}
+    with _pair(13, settings, stream_min_tokens=0) as pair:
+        prefill, decode, source = pair.prefill, pair.decode, pair.source
+        step = _started(pair, "p-1", "d-1")
+        prefill.save_kv_layer("layers.0", step)
+        _wait_landed(decode, source[list(SOURCE), 0:1], slice(0, 1))
+        assert decode.pump({"d-1"}, 1.5) == {"d-1"} or not lands, "the load ended before the prefill"
+        for layer in range(1, LAYERS):  # the rest of the forward, past transfer_timeout_s
+            prefill.save_kv_layer(f"layers.{layer}", step)
+        prefill.wait_for_save()
+        assert not decode.pump({"d-1"}, WINDOW_S)
+        if lands:
+            assert decode.take_errors() == set()
+            assert torch.equal(decode.base[list(TARGET)], source[list(SOURCE)])
+        else:
+            assert decode.take_errors() == set(TARGET)
+            assert not decode.base[list(TARGET), 1:].any(), "a layer was written after the window"
+        prefill.start_load_kv(P2pKvMetadata(send_leases={"p-1": time.monotonic() + 60}, send_blocks={"p-1": SOURCE}))
+        _wait_released(prefill, "p-1")
 
 
 def _wait_released(prefill: WorkerSide, request_id: str) -> None:

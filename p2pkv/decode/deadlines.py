@@ -29,6 +29,9 @@ class Deadlines:
             between them, and :data:`HANDSHAKE_MARGIN_S`.
         staging_s: ``STAGING``: waiting for room (``transfer_timeout_s``).
         reading_s: ``READING``: READs in flight (``transfer_timeout_s``).
+        streaming_s: ``READING`` of a layer stream: waiting for its prefill's
+            final notification, the prefill's queue and forward included
+            (``stream_timeout_s``, :attr:`p2pkv.config.P2pKvConfig.stream_window_s`).
         fencing_s: ``FENCING``: waiting for the prefill ranks' confirmations
             (``transfer_timeout_s``; the fence gives up sooner by itself).
     """
@@ -37,18 +40,20 @@ class Deadlines:
     staging_s: float
     reading_s: float
     fencing_s: float
+    streaming_s: float
 
     @classmethod
     def of(cls, config: P2pKvConfig) -> Deadlines:
         """The deadlines ``config``'s timeouts give."""
         hs = handshake_budget_s(config.handshake_timeout_s, config.handshake_retries) + HANDSHAKE_MARGIN_S
         t = config.transfer_timeout_s
-        return cls(handshake_s=hs, staging_s=t, reading_s=t, fencing_s=t)
+        return cls(handshake_s=hs, staging_s=t, reading_s=t, fencing_s=t, streaming_s=config.stream_window_s)
 
-    def limit(self, state: TransferState) -> float | None:
-        """Seconds a pull may stay in ``state`` (None: no limit, ``DONE`` and ``FAILED``)."""
+    def limit(self, state: TransferState, stream: bool = False) -> float | None:
+        """Seconds a pull may stay in ``state`` (None: no limit, ``DONE`` and ``FAILED``); ``stream``: a layer
+        stream's (its ``READING`` lasts the prefill)."""
         if state is TransferState.READING:
-            return self.reading_s
+            return self.streaming_s if stream else self.reading_s
         if state is TransferState.FENCING:
             return self.fencing_s
         if state is TransferState.HANDSHAKE:
@@ -57,11 +62,13 @@ class Deadlines:
 
     def overdue(self, transfer: Transfer, now: float) -> str | None:
         """Why ``pull`` is past its state's deadline at ``now`` (``time.monotonic()`` seconds), or None."""
-        limit = self.limit(transfer.state)
+        stream = bool(transfer.spec.stream_grant)
+        limit = self.limit(transfer.state, stream)
         if limit is None or now - transfer.since <= limit:
             return None
         what = {TransferState.HANDSHAKE: "waiting for the handshake with its prefill ranks",
                 TransferState.STAGING: "waiting for room in staging (staging_mib)",
-                TransferState.READING: "READ still in flight",
+                TransferState.READING: ("waiting for the prefill's stream (stream_timeout_s)" if stream else
+                                        "READ still in flight"),
                 TransferState.FENCING: "waiting for the prefill ranks to confirm their holds"}[transfer.state]
         return f"timed out {what} after {limit:g} s (state {transfer.state.value})"

@@ -76,6 +76,9 @@ class Pushes:
         timeout_s: wait for each reply (seconds).
         window_s: how long the prefill rank may take to start the WRITE, from
             the request's arrival (seconds, the pull's ``transfer_timeout_s``).
+        stream_window_s: a stream request's window: how long the prefill rank
+            may take to end the stream, its queue and forward included
+            (seconds, ``stream_timeout_s``; None: ``window_s``).
 
     Attributes:
         make_info: builds this rank's :class:`AgentInfo` from its agent's current
@@ -84,7 +87,8 @@ class Pushes:
     """
 
     def __init__(self, background: Background, fence: Fence, agent: NixlTransferAgent, engine_id: str,
-                 secret: bytes | None, timeout_s: float, window_s: float) -> None:
+                 secret: bytes | None, timeout_s: float, window_s: float,
+                 stream_window_s: float | None = None) -> None:
         self.background = background
         self.fence = fence
         self.agent = agent
@@ -92,6 +96,7 @@ class Pushes:
         self.secret = secret
         self.timeout_s = timeout_s
         self.window_s = window_s
+        self.stream_window_s = window_s if stream_window_s is None else stream_window_s
         self.make_info: Callable[[], AgentInfo] | None = None
         self._info: AgentInfo | None = None
         self._info_registrations = -1
@@ -132,11 +137,15 @@ class Pushes:
         self._open[part.push_id] = part
         first_block = spec.first_token // max(1, part.peer.info.layout.block_size)
         future = self.background.call(
-            f"p2pkv-push-{pid.host}:{pid.port}", _send_stream, part.pushed_at + self.window_s, pid.destination,
+            f"p2pkv-push-{pid.host}:{pid.port}", _send_stream, part.pushed_at + self.window(part), pid.destination,
             spec.stream_grant, list(spec.local_block_ids), first_block, spec.remote.num_tokens,
             spec.remote.prompt_digest, part.push_id, info, self.engine_id, secret=self.secret,
             timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}")
         self._replies.append((future, part))
+
+    def window(self, part: Part) -> float:
+        """``part``'s window (seconds): a stream's when it is a layer stream, else a push's."""
+        return self.stream_window_s if part.transfer.spec.stream_grant else self.window_s
 
     def info(self) -> AgentInfo:
         """This rank's :class:`AgentInfo`, rebuilt when memory was registered since the last one.
@@ -235,8 +244,8 @@ class Pushes:
         """The WRITE notifications received since the last call, each with its open READ part.
 
         Notifications that parse badly, carry a bad MAC or name no open push
-        are dropped (logged). Open pushes older than their window and a
-        reply timeout are forgotten.
+        are dropped (logged). Open pushes older than their window (a
+        stream's own) and two reply timeouts are forgotten.
         """
         out = []
         dropped = 0
@@ -249,8 +258,7 @@ class Pushes:
             out.append((read, note))
         if dropped:
             logger.warning("p2pkv: %d push notification(s) dropped (unknown push, or MAC wrong)", dropped)
-        horizon = now - self.window_s - 2 * self.timeout_s
-        for push_id in [p for p, r in self._open.items() if r.pushed_at < horizon]:
+        for push_id in [p for p, r in self._open.items() if r.pushed_at + self.window(r) + 2 * self.timeout_s < now]:
             del self._open[push_id]
         return out
 
@@ -261,7 +269,7 @@ class Pushes:
     def drain_deadline(self, read: Part) -> float:
         """``time.monotonic()`` until which a given-up push may still write (its window from sending, plus a
         reply timeout of slack for the request's time on the wire)."""
-        return read.pushed_at + self.window_s + self.timeout_s
+        return read.pushed_at + self.window(read) + self.timeout_s
 
 
 def _send_push(deadline: float, to: Destination, request_id: str, block_ids: list[int], push_id: bytes,

@@ -111,7 +111,7 @@ class Receiver:
         self.spans = TransferSpans.start(config, rank.engine_id, rank.tp_rank, agent)  # None: tracing off
         self.notifier = Notifier(agent, self.peers, rank.name, self._secret, self.spans)
         self.pushes = Pushes(self.background, self.fence, agent, rank.engine_id, self._secret,
-                             config.handshake_timeout_s, config.transfer_timeout_s)
+                             config.handshake_timeout_s, config.transfer_timeout_s, config.stream_window_s)
         self.directions = Directions(config.transfer_mode)
         self.probe: TransportProbe | None = None
         if config.transfer_mode == "auto" and config.report_transport:  # learn each new peer's READs at once

@@ -247,7 +247,7 @@ class LayerStream:
         """
         if self.state is StreamState.STREAMING and not self._notify_with_write and self.clock() >= self._deadline():
             self._fail("the decode rank's window passed before the stream ended (it gives the load up then: "
-                       "transfer_timeout_s on the decode engine)")
+                       "stream_timeout_s on the decode engine)")
         if self.state is StreamState.STREAMING:
             try:
                 self._poll()
