@@ -10,17 +10,12 @@ polls them, drops or cancels what the decode rank has given up on
 (:mod:`p2pkv.prefill.agents`; NIXL loads and removals: :mod:`p2pkv.prefill.loading`). The engine
 thread does none of this work.
 
-Checks, in order, before a WRITE is queued, each refusing with nothing
-loaded, pinned or queued: the rows (``[n, 3]``, paired lengths); the agent
-is the requester's own (its engine id the request's sender, its name the
-one p2pkv gives that engine's rank, :func:`p2pkv.dataplane.agent.is_agent_name_of`)
-and its metadata matches its digest and names that agent
-(:func:`p2pkv.dataplane.agent.check_peer_info`); every source byte inside
-the held request's blocks (:func:`p2pkv.dataplane.plan.check_rows_in_blocks`);
-every target byte inside the memory the agent declares
-(:func:`p2pkv.dataplane.plan.check_rows_in_regions`); the window; the hold
-itself (:meth:`p2pkv.prefill.holds.PrefillHolds.check`); room for the decode
-rank (``max_queued``, ``max_agents``: else ``busy``). Then the hold is pinned
+Before a WRITE is queued, the request is checked
+(:func:`p2pkv.prefill.push_requests.check_push_request`: rows, agent,
+source and target bytes, window), then the hold itself
+(:meth:`p2pkv.prefill.holds.PrefillHolds.check`) and room for the decode
+rank (``max_queued``, ``max_agents``: else ``busy``), each refusing with
+nothing loaded, pinned or queued. Then the hold is pinned
 (:meth:`p2pkv.prefill.holds.PrefillHolds.pin`): nothing ends it until the
 WRITE has ended, so a WRITE never reads blocks vLLM has been given back.
 NIXL loads the decode agent then, on the side-channel thread, when that
@@ -43,19 +38,17 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import numpy as np
-
-from handshake import AgentInfo, PushRequest, StreamRequest
+from handshake import AgentInfo, PushRequest
 from handshake.messages import PushStatus
-from p2pkv.dataplane.agent import NixlTransferAgent, check_peer_info, is_agent_name_of
+from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.layout import KVLayout
-from p2pkv.dataplane.plan import PlanError, check_block_ids, check_rows_in_blocks, check_rows_in_regions
 from p2pkv.notification import PushedNotification, encode_pushed
 from p2pkv.prefill.agents import Identity, PushAgent, PushAgents, PushJob
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.loading import DecodeAgentLoader, same_agent
+from p2pkv.prefill.push_requests import check_push_request
 
-__all__ = ["PushCounters", "PushJob", "Pusher", "requester_identity", "take_in_turn"]
+__all__ = ["PushCounters", "PushJob", "Pusher", "take_in_turn"]
 
 logger = logging.getLogger("p2pkv.prefill")
 
@@ -158,37 +151,16 @@ class Pusher:
         return status, message
 
     def _accept(self, msg: PushRequest) -> tuple[PushStatus, str]:
-        source, target = _rows(msg.source_rows), _rows(msg.target_rows)
-        if source is None or target is None:
-            return "refused", "source_rows/target_rows must be uint64 [n, 3] rows (24 bytes each)"
-        if source.shape != target.shape or not np.array_equal(source[:, 1], target[:, 1]):
-            return "refused", "source_rows and target_rows do not pair up row by row (count or lengths)"
-        identity, why = requester_identity(msg)
-        if identity is None:
-            return "refused", why
-        try:
-            check_peer_info(msg.agent)
-        except Exception as exc:
-            return "refused", f"agent: {exc}"
-        try:
-            check_block_ids(msg.block_ids, self.layout.num_blocks, "held")
-            check_rows_in_blocks(source, self.layout.segments, self.layout.num_blocks, msg.block_ids)
-        except PlanError as exc:
-            return "refused", f"source_rows: {exc}"
-        declared = [(r.base_addr, r.length, r.device_id) for r in (*msg.agent.layout.regions, *msg.agent.staging)]
-        try:
-            check_rows_in_regions(target, declared)
-        except PlanError as exc:
-            return "refused", f"target_rows: {exc}"
-        window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - time.time())
-        if window_s <= 0:  # the decode rank's wait, counted from when it sent the request, is over
-            return "refused", "window_s passed before the request was handled (a busy side channel)"
+        checked = check_push_request(msg, self.layout, time.time())
+        if isinstance(checked, str):
+            return "refused", checked
+        identity = checked.identity
         block_ids = list(msg.block_ids)
         held = self.holds.check(msg.request_id, block_ids)
         if held != "held":
             return held, ""
-        job = PushJob(msg.request_id, msg.push_id, msg.agent.agent_name, source, target, self._clock(), window_s,
-                      msg.agent)
+        job = PushJob(msg.request_id, msg.push_id, msg.agent.agent_name, checked.source, checked.target,
+                      self._clock(), checked.window_s, msg.agent)
         with self._lock:  # room, pin and queue at once: the pusher thread sees all of it or none
             known = self._agents.get(identity)
             if known is not None and len(known.queued) >= self.max_queued:
@@ -390,28 +362,6 @@ class Pusher:
         self.loader.remove_evicted()
 
 
-def requester_identity(msg: PushRequest | StreamRequest) -> tuple[Identity | None, str]:
-    """The decode rank a push or stream request comes from, ``(engine id, tp rank)``, if its agent is its own.
-
-    Its agent's ``engine_id`` must be the request's ``requester_engine_id``
-    and its ``agent_name`` one p2pkv gives rank ``agent.tp_rank`` of that
-    engine (``p2pkv-<engine id>-tp<rank>-<12 hex>``), so a request loads,
-    replaces and writes into only its own engine's agents.
-
-    Returns:
-        ``(identity, "")``, or ``(None, why)`` naming the field.
-    """
-    info = msg.agent
-    if info.engine_id != msg.requester_engine_id:
-        return None, (f"agent.engine_id {info.engine_id[:64]!r} is not the requester's engine id "
-                      f"{msg.requester_engine_id[:64]!r}: a push writes only into the requester's own agent")
-    if not 0 <= info.tp_rank < info.tp_size or not is_agent_name_of(info.agent_name, info.engine_id, info.tp_rank):
-        return None, (f"agent.agent_name {info.agent_name[:96]!r} is not the agent of rank {info.tp_rank} (of "
-                      f"{info.tp_size}) of engine {info.engine_id[:64]!r} (p2pkv-<engine id>-tp<rank>-<12 hex>): "
-                      "a push writes only into the requester's own agent")
-    return (info.engine_id, info.tp_rank), ""
-
-
 def take_in_turn(queued: dict[K, collections.deque[PushJob]], in_flight: dict[K, int], order: list[K],
                  limit: int) -> list[tuple[K, PushJob]]:
     """Which queued WRITEs to post now, in posting order: one per decode agent per round, agents in ``order``,
@@ -433,10 +383,3 @@ def take_in_turn(queued: dict[K, collections.deque[PushJob]], in_flight: dict[K,
         for name in round_:
             taken.append((name, queued[name].popleft()))
             flying[name] += 1
-
-
-def _rows(data: bytes) -> np.ndarray | None:
-    """Wire rows → uint64 ``[n, 3]`` (None when the length is not a multiple of 24 bytes)."""
-    if len(data) % 24:
-        return None
-    return np.frombuffer(data, dtype="<u8").reshape(-1, 3).astype(np.uint64)

@@ -3,7 +3,7 @@
 Each check refuses with a message naming the field, and nothing is loaded
 or kept for a refused request (:func:`check_stream_request`): the rank can
 stream at all (its pages cut one per layer, a secret to check grants); the
-agent is the requester's own (:func:`p2pkv.prefill.pusher.requester_identity`);
+agent is the requester's own (:func:`p2pkv.prefill.push_requests.requester_identity`);
 the grant names this engine and the requester (or any decode engine) and
 has not expired; the agent's metadata is well formed and its pages are this
 rank's (same page size, layer and K/V order: a stream moves pages as they
@@ -24,7 +24,7 @@ from p2pkv.dataplane.negotiate import page_bytes, remote_segments
 from p2pkv.dataplane.plan import PlanError, check_block_ids
 from p2pkv.grant import StreamGrant, StreamGrantError, check_stream_grant
 from p2pkv.prefill.agents import Identity
-from p2pkv.prefill.pusher import requester_identity
+from p2pkv.prefill.push_requests import requester_identity
 from p2pkv.prefill.streamer import StreamSide
 
 
