@@ -3,7 +3,8 @@
 :class:`Receiver` owns every transfer (:class:`p2pkv.decode.transfer.Transfer`,
 called a pull below: READ by this rank or pushed to it) of one decode worker
 and is the only code that decides when one moves between its states (:class:`p2pkv.decode.transfer.TransferState`;
-:class:`p2pkv.decode.endings.Endings` sets them and ends transfers)::
+:class:`p2pkv.decode.endings.Endings` sets them and ends transfers;
+:class:`p2pkv.decode.confirmations.Confirmations` acts on the fence's verdicts)::
 
     HANDSHAKE ──► STAGING ──► READING ──► FENCING ──► DONE
         │  ▲          │           │           │
@@ -44,12 +45,13 @@ from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.dataplane.topology import RankRead
 from p2pkv.decode.background import Background
+from p2pkv.decode.confirmations import Confirmations
 from p2pkv.decode.deadlines import Deadlines
 from p2pkv.decode.direction import Directions
 from p2pkv.decode.drain import Drain
 from p2pkv.decode.endings import Endings
 from p2pkv.decode.failures import FailureKind
-from p2pkv.decode.fence import Fence, Hold, Verdict, failure_of
+from p2pkv.decode.fence import Fence
 from p2pkv.decode.keeper import PeerKeeper
 from p2pkv.decode.movers import movers
 from p2pkv.decode.notifier import Notifier
@@ -65,7 +67,7 @@ from p2pkv.decode.stream_parts import plan_streams
 from p2pkv.decode.transfer import Part, Transfer, TransferState, streams_only
 from p2pkv.decode.transfers import Transfers
 from p2pkv.metadata import LoadSpec
-from p2pkv.telemetry.stats import StatsBuffer, append_json_line
+from p2pkv.telemetry.stats import StatsBuffer
 
 logger = logging.getLogger("p2pkv.decode")
 
@@ -122,6 +124,7 @@ class Receiver:
         self.drain = Drain(stager, self.outcomes, ways)
         self.endings = Endings(rank, config, self._secret, self.transfers, self._staging_wait, self.outcomes,
                                self.peers, self.keeper, self.drain, self.background, stats, self.spans)
+        self.confirmations = Confirmations(self.drain, self.endings, self.notifier, stats, config.stats_file)
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[LoadSpec], failed: dict[str, tuple[int, ...]] | None = None,
@@ -324,7 +327,7 @@ class Receiver:
         if transfer.state is TransferState.READING and all(r.done for r in transfer.parts):
             transfer.marks["read"] = time.time()
             self.endings.to(transfer, TransferState.FENCING)
-            self._confirm_if_done(transfer)
+            self.confirmations.if_done(transfer)
 
     def _poll(self, transfer: Transfer, read: Part, now: float) -> None:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
@@ -338,25 +341,8 @@ class Receiver:
 
     def _collect_fence(self) -> None:
         for read, verdict, answer in self.fence.verdicts(time.monotonic(), self.config.handshake_timeout_s):
-            self._contained(read.transfer, "acting on a fence answer", self._judged, read, verdict, answer)
-
-    def _judged(self, read: Part, verdict: Verdict, answer: Hold | Exception) -> None:
-        """Act on the verdict on one fence answer about ``read`` (:meth:`p2pkv.decode.fence.Fence.verdicts`)."""
-        if verdict is Verdict.FAIL:
-            self.drain.abandon(read.transfer)
-            transfer = read.transfer
-            self.endings.fail(transfer, *failure_of(answer, transfer.spec.remote.request_id, transfer.questions))
-        elif verdict is Verdict.CONFIRMED:
-            read.confirmed = True
-            self._confirm_if_done(read.transfer)
-
-    def _confirm_if_done(self, transfer: Transfer) -> None:
-        """``FENCING`` with every part confirmed: the pull is done (recorded, prefill ranks to notify)."""
-        if transfer.state is TransferState.FENCING and all(r.confirmed for r in transfer.parts):
-            transfer.marks["confirmed"] = time.time()
-            _record(transfer, self.stats, self.config.stats_file)
-            self.notifier.add(transfer)
-            self.endings.to(transfer, TransferState.DONE)
+            self._contained(read.transfer, "acting on a fence answer", self.confirmations.judged, read, verdict,
+                            answer)
 
     # ---- endings ----------------------------------------------------------------
     def _retry_or_fail(self, transfer: Transfer, kind: FailureKind, why: str) -> None:
@@ -386,21 +372,6 @@ def _declines_stream(spec: LoadSpec) -> bool:
     its blocks were allocated): the prefill rank is told at once, by a release of the stream id, so that it stops
     the stream and frees its hold instead of waiting for the lease."""
     return bool(spec.stream_grant) and not spec.local_block_ids and not spec.report
-
-
-def _record(transfer: Transfer, stats: StatsBuffer, stats_file: str) -> None:
-    """Count a finished pull (all its READs) in the stats and, if configured, the stats file."""
-    spec, seconds = transfer.spec, max(r.done for r in transfer.parts) - transfer.started
-    direction = transfer.direction().value
-    stats.record_pull(transfer.num_bytes, seconds, transfer.num_descriptors, direction)
-    stats.record_phases(transfer.marks)
-    if stats_file:
-        append_json_line(stats_file, {
-            "request_id": spec.request_id, "remote_request_id": spec.remote.request_id,
-            "peer": ",".join(r.peer.agent_name for r in transfer.parts), "blocks": len(spec.local_block_ids),
-            "bytes": transfer.num_bytes, "descriptors": transfer.num_descriptors, "seconds": seconds,
-            "direction": direction,
-            "marks": transfer.marks, "fence": transfer.questions})
 
 
 def _needs(spec: LoadSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[RankRead], list[int], list[PeerId]] | str:
