@@ -286,6 +286,8 @@ class WorkerSide:
                 now = self.pusher.snapshot()
                 self.stats.record_pushes(now, self._pushes_seen)
                 self._pushes_seen = now
+            if self.streams is not None:
+                self.stats.data["stream_tail_seconds"].extend(self.streams.take_tails())
             return self.stats.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

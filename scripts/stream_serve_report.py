@@ -6,8 +6,10 @@
 Reads the ``p2pkv bench serve`` JSON files the script wrote (one per transport and prompt length, named
 ``stream-serve-cpu-<transport>-<tokens>.json``) and prints, per file and system: TTFT p50 and p99 (ms), the prefill
 legs' mean (ms: the prefill engine's own time for the prompt, as the proxy saw it), TTFT minus that (ms: what
-the P/D split adds after the prefill, the transfer's wait included) and the decode engine's transfers (mean ms,
-from its ask to the KV landed: for a stream that spans the whole prefill).
+the P/D split adds after the prefill, the transfer's wait included), the decode engine's transfers (mean ms,
+from its ask to the KV landed: for a stream that spans the whole prefill) and, for streams, the wait after the
+prefill's last layer (the prefill engine's ``p2pkv:stream_tail_seconds`` mean, ms, and in layers: over one
+layer's transfer, bulk push's transfer time over ``--layers``).
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from typing import Any
 from p2pkv.tools.bench.plotting import pyplot, save
 
 SYSTEMS = ("p2pkv-stream", "p2pkv-push", "p2pkv-pull", "aggregated")
+LAYERS = 32
+"""The benchmark model's layers (scripts/bench_stream.sh)."""
 
 
-def rows(path: Path) -> list[dict[str, Any]]:
-    """One row per system of one run's JSON (its first point)."""
+def rows(path: Path, layers: int = LAYERS) -> list[dict[str, Any]]:
+    """One row per system of one run's JSON (its first point); a stream's wait after the last layer also in
+    layers of bulk push's transfer (``layers`` layers) when both were measured."""
     doc = json.loads(path.read_text())
     match = re.search(r"-(\w+)-(\d+)\.json$", path.name)
     transport, tokens = (match.group(1), int(match.group(2))) if match else ("?", 0)
@@ -37,9 +42,16 @@ def rows(path: Path) -> list[dict[str, Any]]:
         extra = p.get("p2pkv") or {}
         prefill = ((extra.get("prefill") or {}).get("legs") or {}).get("mean_ms")
         transfer = (extra.get("transfers") or {}).get("mean_ms")
+        tail = ((extra.get("prefill") or {}).get("stream_tail") or {}).get("mean_ms") if name == "p2pkv-stream" \
+            else None
         out.append({"transport": transport, "tokens": tokens, "system": name, "ttft_p50": p["p50_ttft_ms"],
                     "ttft_p99": p["p99_ttft_ms"], "prefill_ms": prefill, "transfer_ms": transfer,
-                    "after_prefill_ms": p["mean_ttft_ms"] - prefill if prefill is not None else None})
+                    "after_prefill_ms": p["mean_ttft_ms"] - prefill if prefill is not None else None,
+                    "tail_ms": tail, "tail_layers": None})
+    push = next((r["transfer_ms"] for r in out if r["system"] == "p2pkv-push"), None)
+    for r in out:
+        if r["tail_ms"] is not None and push:
+            r["tail_layers"] = r["tail_ms"] / (push / layers)
     return out
 
 
@@ -49,11 +61,12 @@ def _ms(value: float | None) -> str:
 
 def table(all_rows: list[dict[str, Any]]) -> str:
     lines = ["| transport | prompt tokens | system | TTFT p50 ms | TTFT p99 ms | prefill leg ms | TTFT - prefill ms | "
-             "transfer ms |", "|---|---|---|---|---|---|---|---|"]
+             "transfer ms | wait after last layer ms (layers) |", "|---|---|---|---|---|---|---|---|---|"]
     for r in all_rows:
+        tail = _ms(r["tail_ms"]) + (f" ({r['tail_layers']:.2f})" if r["tail_layers"] is not None else "")
         lines.append(f"| {r['transport']} | {r['tokens']} | {r['system']} | {_ms(r['ttft_p50'])} | "
                      f"{_ms(r['ttft_p99'])} | {_ms(r['prefill_ms'])} | {_ms(r['after_prefill_ms'])} | "
-                     f"{_ms(r['transfer_ms'])} |")
+                     f"{_ms(r['transfer_ms'])} | {tail} |")
     return "\n".join(lines)
 
 
@@ -79,9 +92,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--plot", metavar="PNG")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="the model's layers (default %(default)s)")
     args = parser.parse_args()
     all_rows = [r for f in sorted(args.files, key=lambda p: (rows(p)[0]["transport"], rows(p)[0]["tokens"]))
-                for r in rows(f)]
+                for r in rows(f, args.layers)]
     print(table(all_rows))
     if args.plot:
         plot(all_rows, args.plot)

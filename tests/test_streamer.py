@@ -389,6 +389,45 @@ def test_a_stream_whose_last_write_is_posted_is_not_stopped_by_its_deadline(stre
     assert stream_pair.landed(src, dst)
 
 
+def _clocked(pair: Pair, now: list[float]) -> LayerStream:
+    return LayerStream("req-1", StreamSide(tuple(pair.source_pages), BLOCKS), pair.prefill, secret=KEY,
+                       clock=lambda: now[0])
+
+
+def test_the_wait_after_the_last_layer_counts_from_the_later_of_finish_and_its_ready_test(stream_pair: Pair) -> None:
+    """On a GPU the forward reports its end (``finish``) before the last layer's event has completed: the wait
+    counts from when that layer was seen ready; on a CPU (no ready test) from ``finish``."""
+    src, dst = [1, 2], [3, 4]
+    now = [100.0]
+    stream = _clocked(stream_pair, now)
+    stream.target(stream_pair.target_of(dst))
+    last = Flag()
+    for layer in range(LAYERS - 1):
+        stream.computed(layer, 0, src)
+    stream.computed(LAYERS - 1, 0, src, last)
+    stream.pump()
+    stream.finish()  # at 100.0
+    assert stream.counters.tail_s is None, "not told yet"
+    now[0] = 100.5
+    last.set = True
+    stream.pump()  # the last layer seen ready at 100.5, its WRITE posted with the notification
+    now[0] = 100.75
+    _drain(stream, stream_pair)
+    assert stream.counters.tail_s == pytest.approx(0.25) and stream_pair.landed(src, dst)
+
+    assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
+    now[0] = 200.0
+    cpu = _clocked(stream_pair, now)
+    cpu.target(stream_pair.target_of(dst))
+    for layer in range(LAYERS):
+        cpu.computed(layer, 0, src)
+    cpu.pump()  # every layer posted before the forward's end
+    cpu.finish()
+    now[0] = 200.125
+    _drain(cpu, stream_pair)
+    assert cpu.counters.tail_s == pytest.approx(0.125)
+
+
 def test_a_bulk_stream_posts_every_layer_in_one_write_after_the_last(stream_pair: Pair) -> None:
     """A prompt below ``stream_min_tokens``: the destination and checks of a stream, the WRITE of a push."""
     src, dst = [1, 2, 3], [4, 5, 6]

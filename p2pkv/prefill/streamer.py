@@ -134,15 +134,33 @@ class _Chunk:
 
 @dataclass
 class StreamCounters:
-    """What one stream did (seconds on its clock; None until it happened)."""
+    """What one stream did (seconds on its clock; None until it happened).
+
+    Attributes:
+        finished: :meth:`LayerStream.finish` (the forward reported its last layer).
+        last_ready: its last layer's values seen in memory (its ready test passed, or
+            posted without one), at most a poll after they were.
+        notified: the decode rank told (its final WRITE seen done, or the word sent alone).
+    """
 
     writes: int = 0
     bytes: int = 0
     descriptors: int = 0
     first_post: float | None = None
     last_post: float | None = None
+    finished: float | None = None
+    last_ready: float | None = None
     notified: float | None = None
     layers_posted: list[int] = field(default_factory=list)
+
+    @property
+    def tail_s(self) -> float | None:
+        """Seconds from the prefill's last layer computed (the later of :attr:`finished` and :attr:`last_ready`)
+        to the decode rank told: the wait after the last layer a stream adds to the first token (None until
+        both are known)."""
+        if self.finished is None or self.notified is None:
+            return None
+        return max(0.0, self.notified - max(self.finished, self.last_ready or self.finished))
 
 
 @dataclass(eq=False)
@@ -230,6 +248,7 @@ class LayerStream:
     def finish(self) -> None:
         """No layer is left to compute: once every WRITE has ended, the decode rank is told."""
         self._finished = True
+        self.counters.finished = self.clock()
 
     def abort(self, reason: str) -> None:
         """Stop: nothing more is posted, WRITEs in flight are cancelled, the decode rank is told ``reason``."""
@@ -279,6 +298,8 @@ class LayerStream:
         if not ready:
             return
         self._waiting = [c for c in self._waiting if c not in ready]
+        if self._finished and not self._waiting:
+            self.counters.last_ready = self.clock()
         rows = [r for chunk in ready for r in self._rows(chunk)]
         if not rows:
             return

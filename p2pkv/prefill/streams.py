@@ -123,6 +123,7 @@ class PrefillStreams:
         self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
         self._declined: dict[str, float] = {}  # stream id → until when: declined before its request was known
         self._stopped: dict[str, tuple[float, str]] = {}  # stream id → (until when, why): ended with no destination
+        self._tails: list[float] = []  # finished streams' waits after their last layer, until taken
         self._step: list[StreamChunk] = []
         self._prepared: P2pKvMetadata | None = None  # the step whose chunks were taken
         self._seen: set[int] = set()  # layers vLLM reported done this step
@@ -329,10 +330,12 @@ class PrefillStreams:
         """Streams that ended: their decode agents released, their holds unpinned and released (or, not made
         yet, released when made), the ids of those stopped before any destination came kept so that a late one is
         refused at once (the decode rank fails its load then, not at its window); destinations whose window
-        passed unclaimed dropped. Before the holds' ``released``."""
+        passed unclaimed dropped; the waits after the last layer of those that landed kept for :meth:`take_tails`.
+        Before the holds' ``released``."""
         now = self._clock()
         ended = self.poster.take_ended()
         with self._lock:
+            self._tails.extend(t for s in ended if s.failure is None and (t := s.counters.tail_s) is not None)
             for stream in ended:
                 live = self._live.pop(stream.request_id, None)
                 if live is None:
@@ -356,6 +359,13 @@ class PrefillStreams:
                 del self._declined[stream_id]
             for stream_id in [s for s, (until, _) in self._stopped.items() if until <= now]:
                 del self._stopped[stream_id]
+
+    def take_tails(self) -> list[float]:
+        """The waits after the last layer (seconds, :attr:`p2pkv.prefill.streamer.StreamCounters.tail_s`) of the
+        streams that landed whole since the last call."""
+        with self._lock:
+            tails, self._tails = self._tails, []
+        return tails
 
     def holds_ended(self, request_ids: set[str]) -> None:
         """These holds ended (a lease ran out before any destination came): their streams stop."""

@@ -23,7 +23,11 @@ engine's ``/metrics``:
   ``p2pkv:push_requests_total{status=...}`` (push requests answered, by reply
   status), ``p2pkv:push_writes_total{outcome=written|failed}``,
   ``p2pkv:push_bytes_total`` and ``p2pkv:push_agents_unloaded_total``
-  (decode agents removed from NIXL: idle, or a WRITE to them failed).
+  (decode agents removed from NIXL: idle, or a WRITE to them failed),
+- on a prefill engine in stream mode (:mod:`p2pkv.prefill.streams`):
+  ``p2pkv:stream_tail_seconds`` (histogram: each stream that landed whole,
+  from its last layer computed to the decode rank told: the wait after the
+  last layer streaming adds to the first token).
 """
 
 from __future__ import annotations
@@ -139,8 +143,16 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
             name="p2pkv:push_agents_unloaded", documentation="Decode agents this prefill engine removed from NIXL "
             "(idle, or a WRITE to them failed)", labelnames=labelnames))
 
+        self.stream_tail_seconds = per_engine(self._histogram_cls(
+            name="p2pkv:stream_tail_seconds", documentation="Layer streams this prefill engine WROTE: from the "
+            "prefill's last layer computed to the decode engine told (its WRITEs after that layer), seconds",
+            buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
+            labelnames=labelnames))
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
+        for s in data.get("stream_tail_seconds", []):
+            self.stream_tail_seconds[engine_idx].observe(s)
         for n in data.get("pull_bytes", []):
             self.pull_bytes[engine_idx].inc(n)
         if data.get("pull_seconds"):

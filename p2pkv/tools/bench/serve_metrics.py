@@ -38,6 +38,8 @@ ENGINE_QUEUE = "vllm:request_queue_time_seconds"
 """vLLM's histogram of a request's wait to be scheduled (seconds)."""
 ENGINE_PREFILL = "vllm:request_prefill_time_seconds"
 """vLLM's histogram of a request's prefill phase (scheduled → first token, seconds)."""
+STREAM_TAIL = "p2pkv:stream_tail_seconds"
+"""The prefill engine's histogram of each layer stream's wait after its last layer (seconds)."""
 
 @dataclass
 class Snapshot:
@@ -145,10 +147,12 @@ def transfers(d: Snapshot, names: dict[str, str]) -> dict[str, Any] | None:
 
 def prefill_latency(prefill: Snapshot | None, proxy: Snapshot | None) -> dict[str, Any] | None:
     """The prefill engine's own latency over a point: ``legs`` (the proxy's prefill round trips),
-    ``engine_ttft`` (:func:`latency` dicts), ``engine_queue_mean_ms``, ``engine_prefill_mean_ms``; the
-    engine's figures count ``--prefill-probe``'s requests too. None when neither was scraped."""
+    ``engine_ttft`` (:func:`latency` dicts), ``engine_queue_mean_ms``, ``engine_prefill_mean_ms``, and
+    ``stream_tail`` (:func:`latency` of its layer streams' waits after the last layer; None for an engine that
+    streamed nothing or is not p2pkv's); the engine's figures count ``--prefill-probe``'s requests too. None
+    when neither was scraped."""
     if prefill is None and proxy is None:
         return None
     return {"legs": latency(proxy, PROXY_PREFILL), "engine_ttft": latency(prefill, ENGINE_TTFT),
             "engine_queue_mean_ms": mean_ms(prefill, ENGINE_QUEUE),
-            "engine_prefill_mean_ms": mean_ms(prefill, ENGINE_PREFILL)}
+            "engine_prefill_mean_ms": mean_ms(prefill, ENGINE_PREFILL), "stream_tail": latency(prefill, STREAM_TAIL)}
