@@ -4,12 +4,13 @@
         --plot docs/benchmarks/stream-serve-cpu.png
 
 Reads the ``p2pkv bench serve`` JSON files the script wrote (one per transport and prompt length, named
-``stream-serve-cpu-<transport>-<tokens>.json``) and prints, per file and system: TTFT p50 and p99 (ms), the prefill
-legs' mean (ms: the prefill engine's own time for the prompt, as the proxy saw it), TTFT minus that (ms: what
-the P/D split adds after the prefill, the transfer's wait included), the decode engine's transfers (mean ms,
-from its ask to the KV landed: for a stream that spans the whole prefill) and, for streams, the wait after the
-prefill's last layer (the prefill engine's ``p2pkv:stream_tail_seconds`` mean, ms, and in layers: over one
-layer's transfer, bulk push's transfer time over ``--layers``).
+``stream-serve-cpu-<transport>-<tokens>.json``) and prints, per file and system: TTFT p50, p90 (``-`` for runs
+stored before p90 was) and p99 (ms), the prefill legs' mean (ms: the prefill engine's own time for the prompt,
+as the proxy saw it), TTFT minus that (ms: what the P/D split adds after the prefill, the transfer's wait
+included), the decode engine's transfers (mean ms, from its ask to the KV landed: for a stream that spans the
+whole prefill) and, for streams, the wait after the prefill's last layer (the prefill engine's
+``p2pkv:stream_tail_seconds`` mean, ms, and in layers: over one layer's transfer, bulk push's transfer time over
+``--layers``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def rows(path: Path, layers: int = LAYERS) -> list[dict[str, Any]]:
         tail = ((extra.get("prefill") or {}).get("stream_tail") or {}).get("mean_ms") if name == "p2pkv-stream" \
             else None
         out.append({"transport": transport, "tokens": tokens, "system": name, "ttft_p50": p["p50_ttft_ms"],
-                    "ttft_p99": p["p99_ttft_ms"], "prefill_ms": prefill, "transfer_ms": transfer,
+                    "ttft_p90": p.get("p90_ttft_ms"), "ttft_p99": p["p99_ttft_ms"], "prefill_ms": prefill,
+                    "transfer_ms": transfer,
                     "after_prefill_ms": p["mean_ttft_ms"] - prefill if prefill is not None else None,
                     "tail_ms": tail, "tail_layers": None})
     push = next((r["transfer_ms"] for r in out if r["system"] == "p2pkv-push"), None)
@@ -60,13 +62,14 @@ def _ms(value: float | None) -> str:
 
 
 def table(all_rows: list[dict[str, Any]]) -> str:
-    lines = ["| transport | prompt tokens | system | TTFT p50 ms | TTFT p99 ms | prefill leg ms | TTFT - prefill ms | "
-             "transfer ms | wait after last layer ms (layers) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| transport | prompt tokens | system | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prefill leg ms | "
+             "TTFT - prefill ms | transfer ms | wait after last layer ms (layers) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in all_rows:
         tail = _ms(r["tail_ms"]) + (f" ({r['tail_layers']:.2f})" if r["tail_layers"] is not None else "")
         lines.append(f"| {r['transport']} | {r['tokens']} | {r['system']} | {_ms(r['ttft_p50'])} | "
-                     f"{_ms(r['ttft_p99'])} | {_ms(r['prefill_ms'])} | {_ms(r['after_prefill_ms'])} | "
-                     f"{_ms(r['transfer_ms'])} | {tail} |")
+                     f"{_ms(r['ttft_p90'])} | {_ms(r['ttft_p99'])} | {_ms(r['prefill_ms'])} | "
+                     f"{_ms(r['after_prefill_ms'])} | {_ms(r['transfer_ms'])} | {tail} |")
     return "\n".join(lines)
 
 

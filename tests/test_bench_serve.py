@@ -279,7 +279,7 @@ def test_client_flags_and_options(tmp_path: Path) -> None:
     flags = " ".join(argv)
     for expected in ("--dataset-name random", "--random-input-len 64", "--random-output-len 16", "--seed 3",
                      "--max-concurrency 4", "--num-prompts 8", "--temperature 0", "--ignore-eos",
-                     "--save-result", "--save-detailed", "--metric-percentiles 50,99", "--base-url http://h:1",
+                     "--save-result", "--save-detailed", "--metric-percentiles 50,90,99", "--base-url http://h:1",
                      "--result-filename p2pkv-c4.json"):
         assert expected in flags
     assert "--extra-body" not in argv

@@ -60,7 +60,7 @@ def client_argv(opts: ServeBenchOptions, model: str, conc: int, seed: int, work:
             "--served-model-name", "model", "--label", label, *dataset, "--num-prompts", str(opts.num_prompts),
             "--seed", str(seed), "--max-concurrency", str(conc), "--request-rate", "inf", "--temperature", "0",
             "--ignore-eos", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
-            "--metric-percentiles", "50,99", "--request-id-prefix", f"{label}-c{conc}-{uuid.uuid4().hex[:8]}-",
+            "--metric-percentiles", "50,90,99", "--request-id-prefix", f"{label}-c{conc}-{uuid.uuid4().hex[:8]}-",
             "--save-result", "--save-detailed", "--result-dir", str(work / "results"),
             "--result-filename", f"{label}-c{conc}.json",
             *(("--extra-body", json.dumps({"cache_salt": cache_salt})) if cache_salt else ())]
