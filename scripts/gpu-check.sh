@@ -22,6 +22,10 @@
 #                           against one WRITE after the last layer; STREAM_TOKENS (1k/4k/8k)
 #   stream-inline.json      the same with --poster inline: the forward's own thread posts the WRITEs
 #   stream-tcp.json         the same (poster thread) over UCX's tcp transport only (a link slower than the forward), 1k/4k
+#   stream-matched-N.json   over tcp only, the stand-in forward a sleep kernel as long per layer as the link takes to
+#                           move a layer (MATCHED, tokens:ms pairs; 1k/4k/8k by default): the link-bound regime where
+#                           a layer's WRITE can hide behind the next layer's forward
+#                           (FORWARD_STREAM=side: the forward on a non-blocking CUDA stream, not torch's current one)
 #   tests.log               pytest -m gpu
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
@@ -73,6 +77,12 @@ step stream-inline 150 $PY scripts/bench_transfer.py --device "$DEVICE" --mode s
 step stream-tcp 200 env UCX_TLS=tcp,cuda_copy,self $PY scripts/bench_transfer.py --device "$DEVICE" --mode stream \
   "${LLAMA8B[@]}" --tokens "${STREAM_TOKENS%,*}" --layer-ms "$LAYER_MS" --requests 3 --max-mem-gib 24 \
   --json "$OUT/stream-tcp.json"
+MATCHED=${MATCHED:-1024:12,4096:45,8192:90}
+for pair in ${MATCHED//,/ }; do
+  step stream-matched 150 env UCX_TLS=tcp,cuda_copy,self $PY scripts/bench_transfer.py --device "$DEVICE" --mode stream \
+    "${LLAMA8B[@]}" --tokens "${pair%%:*}" --layer-ms "${pair#*:}" --requests 3 --max-mem-gib 24 \
+    --forward-stream "${FORWARD_STREAM:-current}" --json "$OUT/stream-matched-${pair%%:*}.json"
+done
 step tests 240 bash -c "$PY -m pytest -m gpu -p no:cacheprovider -q -rA -o addopts= tests/test_hetero.py \
   tests/test_doctor.py tests/test_transport.py tests/test_bench_transfer.py tests/test_fixup.py \
   tests/test_streamer.py > '$OUT/tests.log' 2>&1"

@@ -263,7 +263,7 @@ class Decode:
         shape = self.opts.shape
         msg = stream_request(method, way, self._streams, shape.num_layers, len(loc) * shape.block_size,
                              shape.page_bytes, self.opts.layer_ms, str(self.device), self.opts.poster,
-                             np.asarray(loc), np.asarray(rem))
+                             self.opts.forward_stream, np.asarray(loc), np.asarray(rem))
         return timed_stream(self.pusher.link, self.agent, msg, 60.0)
 
     def verified_stream(self, method: str, way: str, loc: np.ndarray, rem: np.ndarray) -> bool | None:

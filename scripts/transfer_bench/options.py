@@ -100,6 +100,8 @@ class TransferBenchOptions:
             GEMM of a Llama-3-8B layer's FLOPs for the request's tokens).
         poster: stream mode: ``"thread"`` (a :class:`p2pkv.prefill.poster.StreamPoster` pumps the stream on its
             own thread) or ``"inline"`` (the forward's thread pumps it between layers).
+        forward_stream: stream mode on a GPU: the CUDA stream of the stand-in forward, ``"current"`` (torch's
+            current stream) or ``"side"`` (a non-blocking stream of torch's pool).
         argv: command line to record in the results.
     """
 
@@ -123,6 +125,7 @@ class TransferBenchOptions:
     modes: tuple[str, ...] = ("pull",)
     layer_ms: float = 2.0
     poster: str = "thread"
+    forward_stream: str = "current"
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def nixl_settings(self) -> dict[str, Any]:
@@ -180,6 +183,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     stream.add_argument("--poster", choices=("thread", "inline"), default=d.poster,
                         help="which thread posts the WRITEs: the prefill's StreamPoster thread, or the forward's "
                              "own between layers")
+    stream.add_argument("--forward-stream", choices=("current", "side"), default=d.forward_stream,
+                        help="the CUDA stream the stand-in forward runs on: torch's current one, or a side stream "
+                             "(non-blocking: copies UCX queues on the legacy default stream do not wait for it)")
     p.add_argument("--seed", type=int, default=d.seed, help="block placement seed")
     p.add_argument("--fragmentation", type=int, default=d.fragmentation, metavar="MAX_RUN",
                    help="longest run of consecutive block ids per allocation (1: all scattered, 0: contiguous)")

@@ -105,7 +105,7 @@ class Pusher:
         self.workers, self.device_ids, self.num_blocks = workers, device_ids, num_blocks
         self._peers: dict[str, tuple[str, list[Segment], int]] = {}  # layout → decode agent, segments, device
         self._plans: dict[int, tuple[NixlTransferAgent, str, np.ndarray, np.ndarray]] = {}
-        self._forwards: dict[float, Any] = {}  # stream mode: layer ms → its stand-in forward
+        self._forwards: dict[tuple[float, str], Any] = {}  # stream mode: (layer ms, CUDA stream) → its stand-in forward
         self._posters: dict[str, Any] = {}  # stream mode: layout → the StreamPoster of its agent
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -162,9 +162,9 @@ class Pusher:
 
         layout = PEER_LAYOUT[str(msg["method"])]
         peer, segments, device = self._peers[layout]
-        key = float(msg["layer_ms"])
+        key = (float(msg["layer_ms"]), str(msg["forward_stream"]))
         if key not in self._forwards:
-            self._forwards[key] = Forward(str(msg["device"]), key)
+            self._forwards[key] = Forward(str(msg["device"]), *key)
         own = self.workers[layout].layout.segments
         if msg["way"] == "bulk":
             msg = {**msg, "rows": pair_descriptors(

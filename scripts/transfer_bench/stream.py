@@ -52,6 +52,11 @@ STREAM_METHODS: dict[str, str] = {
 WAYS = ("stream", "bulk")
 """Each method's two ways: WRITE each layer once computed, or everything after the last layer."""
 
+FORWARD_STREAMS = ("current", "side")
+"""Which CUDA stream the stand-in forward runs on: torch's current one (the legacy default stream unless a
+caller set another, as a model runner that sets none), or a side stream of torch's pool (created
+non-blocking: work that UCX queues on the legacy default stream does not wait for it)."""
+
 POSTERS = ("thread", "inline")
 """Which thread pumps a stream: a :class:`p2pkv.prefill.poster.StreamPoster`'s own, or the forward's between
 layers."""
@@ -70,18 +75,23 @@ class Forward:
     GEMM with a Llama-3-8B layer's weight FLOPs for the request's tokens
     (``tokens x 4096`` by ``4096 x 53248`` in bfloat16, 2 x 218M FLOPs per
     token), so the WRITEs compete with real work for the GPU's memory.
+    ``forward_stream`` (:data:`FORWARD_STREAMS`): the CUDA stream the layers
+    run on (ignored on the CPU).
 
     Raises:
-        ValueError: ``layer_ms`` 0 on the CPU.
+        ValueError: ``layer_ms`` 0 on the CPU, or an unknown ``forward_stream``.
     """
 
     GEMM_COLUMNS = 53248
     """Columns of the stand-in weight: 4096 x 53248 = 218M, a Llama-3-8B layer's weights."""
 
-    def __init__(self, device: str, layer_ms: float) -> None:
+    def __init__(self, device: str, layer_ms: float, forward_stream: str = "current") -> None:
         import torch
 
+        if forward_stream not in FORWARD_STREAMS:
+            raise ValueError(f"--forward-stream {forward_stream}: expected one of {', '.join(FORWARD_STREAMS)}")
         self.cuda = device.startswith("cuda")
+        self.stream = torch.cuda.Stream(device) if self.cuda and forward_stream == "side" else None
         self.layer_s = layer_ms / 1e3
         self.cycles = 0
         self.weight = None
@@ -106,17 +116,8 @@ class Forward:
         import torch
 
         if self.cuda:
-            if self.weight is not None:
-                x = self.inputs.get(tokens)
-                if x is None:
-                    x = self.inputs[tokens] = torch.randn(tokens, 4096, device=self.weight.device,
-                                                          dtype=torch.bfloat16)
-                torch.matmul(x, self.weight)
-            elif self.cycles:
-                torch.cuda._sleep(self.cycles)
-            event = torch.cuda.Event()
-            event.record()
-            return event
+            with torch.cuda.stream(self.stream or torch.cuda.current_stream()):
+                return self._cuda_layer(tokens)
         if busy is None:
             time.sleep(self.layer_s)
             return None
@@ -124,6 +125,21 @@ class Forward:
         while time.monotonic() < end:
             busy()
         return None
+
+    def _cuda_layer(self, tokens: int) -> Any:
+        """One layer's kernels on the current CUDA stream, and the event recorded after them."""
+        import torch
+
+        if self.weight is not None:
+            x = self.inputs.get(tokens)
+            if x is None:
+                x = self.inputs[tokens] = torch.randn(tokens, 4096, device=self.weight.device, dtype=torch.bfloat16)
+            torch.matmul(x, self.weight)
+        elif self.cycles:
+            torch.cuda._sleep(self.cycles)
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
 
 def run_stream(agent: NixlTransferAgent, own_segments: list[Segment], own_device: int, peer: str,
@@ -229,12 +245,14 @@ def timed_stream(link: Any, agent: NixlTransferAgent, msg: dict[str, Any], timeo
 
 
 def stream_request(method: str, way: str, req: int, num_layers: int, tokens: int, page_bytes: int, layer_ms: float,
-                   device: str, poster: str, loc: np.ndarray, rem: np.ndarray) -> dict[str, Any]:
+                   device: str, poster: str, forward_stream: str, loc: np.ndarray,
+                   rem: np.ndarray) -> dict[str, Any]:
     """The message asking the prefill for one request ``req`` of ``tokens`` tokens: decode blocks ``loc`` from
     prefill blocks ``rem``, ``way`` (:data:`WAYS`) by ``method`` (:data:`STREAM_METHODS`), a forward of
     ``num_layers`` layers (:class:`Forward` of ``layer_ms``) on ``device`` (the prefill's torch device), pages of
-    ``page_bytes``; ``poster`` (:data:`POSTERS`) says which thread pumps the stream."""
+    ``page_bytes``; ``poster`` (:data:`POSTERS`) says which thread pumps the stream, ``forward_stream``
+    (:data:`FORWARD_STREAMS`) which CUDA stream the forward runs on."""
     return {"op": "stream", "method": method, "way": way, "id": req, "num_layers": num_layers, "tokens": tokens,
-            "poster": poster,
+            "poster": poster, "forward_stream": forward_stream,
             "page_bytes": page_bytes, "layer_ms": layer_ms, "device": device,
             "decode_ids": [int(b) for b in loc], "prefill_ids": [int(b) for b in rem]}
