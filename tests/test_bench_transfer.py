@@ -173,6 +173,21 @@ def test_bench_transfer_stream_writes_each_layer_and_waits_less_after_the_last(t
         transfer.check_options(TransferBenchOptions(shape=TINY, tokens=(64,), modes=("stream",), layer_ms=0))
 
 
+def test_forward_stream_flag_parses_and_is_checked() -> None:
+    """``--forward-stream`` (the CUDA stream of the stand-in forward): current by default, side on request, any
+    other value refused by the parser and by the forward itself (the prefill process gets it in a message)."""
+    from transfer_bench.stream import Forward
+
+    parser = transfer.build_parser()
+    assert parser.parse_args([]).forward_stream == "current"
+    assert parser.parse_args(["--forward-stream", "side"]).forward_stream == "side"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--forward-stream", "default"])
+    with pytest.raises(ValueError, match="--forward-stream default"):
+        Forward("cpu", 1.0, "default")
+    assert Forward("cpu", 1.0, "side").stream is None  # no CUDA stream on the CPU
+
+
 def test_mode_flag_parses() -> None:
     parser = transfer.build_parser()
     assert parser.parse_args([]).mode == ("pull",)
