@@ -413,7 +413,7 @@ def _push_exchange(to: Destination, msg: PushRequest | StreamRequest, secret: by
 def request_stream(to: Destination, grant: str, block_ids: list[int], first_block: int, num_tokens: int,
                    prompt_digest: str, push_id: bytes, agent: AgentInfo, window_s: float, requester_engine_id: str,
                    secret: bytes | None = None, timeout_s: float = 1.0, cancel: threading.Event | None = None,
-                   link: HoldLink | None = None) -> PushReply:
+                   link: HoldLink | None = None, staging_addrs: list[int] | None = None) -> PushReply:
     """Give prefill rank ``to`` this rank's destination for a granted stream (:class:`StreamRequest`: its
     fields, units and checks).
 
@@ -426,7 +426,8 @@ def request_stream(to: Destination, grant: str, block_ids: list[int], first_bloc
     msg = StreamRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
                         requester_engine_id=requester_engine_id, grant=grant, block_ids=block_ids,
                         first_block=first_block, num_tokens=num_tokens, prompt_digest=prompt_digest,
-                        push_id=push_id, agent=agent, window_s=window_s, **_fresh())  # type: ignore[arg-type]
+                        push_id=push_id, agent=agent, window_s=window_s, staging_addrs=list(staging_addrs or []),
+                        **_fresh())  # type: ignore[arg-type]
     return _push_exchange(to, msg, secret, timeout_s, cancel, link)
 
 

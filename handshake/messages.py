@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -40,6 +40,8 @@ PROTOCOL_VERSION = 10
   handshake.
 * 10: layer-streamed transfer: :class:`StreamRequest` (a decode rank gives a prefill rank its destination
   for a stream the proxy granted), answered by :class:`PushReply`.
+* 11: :class:`StreamRequest` carries ``staging_addrs``: a decode rank whose pages differ from the prefill
+  rank's (block size, HND/NHD) has the stream land in its staging, in the prefill rank's geometry.
 """
 
 MAX_ID_CHARS = 256
@@ -454,6 +456,9 @@ Grant = Annotated[str, msgspec.Meta(max_length=MAX_GRANT_CHARS)]
 Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 """A prompt digest: 32 hex digits (:func:`p2pkv.params.prompt_digest`)."""
 
+Address = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
+"""A process virtual address or device pointer (bytes; below 2**62, as descriptor rows)."""
+
 
 class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="stream_request"):
     """Give a prefill rank this decode rank's destination for a layer-streamed request (docs/streaming.md).
@@ -465,7 +470,10 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     is the requester's own (as a :class:`PushRequest`'s), that its pages are
     this rank's (same block size, page order and heads: a stream moves pages
     as they are) and that every block id lies in its cache; it takes one
-    destination per ``stream_id``. Once its request's layers are computed
+    destination per ``stream_id``. A decode rank whose pages differ sends
+    ``staging_addrs`` instead: the stream lands in its declared staging, in
+    the prefill rank's own geometry, and the decode rank fixes it up into its
+    blocks after the notification. Once its request's layers are computed
     it WRITEs them into ``block_ids`` and sends the "pushed" notification
     naming ``push_id`` (:class:`p2pkv.notification.PushedNotification`),
     ``ok=False`` with the reason when the stream stops (the prompt's tokens
@@ -480,6 +488,10 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         push_id: names the stream in its notification.
         agent: the sender rank's :class:`AgentInfo`.
         window_s: seconds from receipt within which the stream must end; past it the sender has given up.
+        staging_addrs: empty: ``block_ids`` are the decode rank's own blocks. Else one address per region
+            of the prefill rank's layout (in its order): block ``i`` of region ``r`` lands at
+            ``staging_addrs[r] + i * block_len`` (the prefill rank's ``block_len``), inside a staging
+            region ``agent`` declares; ``block_ids`` then name staging blocks, each below ``len(block_ids)``.
     """
 
     grant: Grant
@@ -490,6 +502,8 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     push_id: PushId
     agent: AgentInfo
     window_s: WindowS
+    staging_addrs: Annotated[list[Address], msgspec.Meta(max_length=MAX_REGIONS)] = msgspec.field(
+        default_factory=list)
 
 
 Message = (MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply

@@ -107,11 +107,15 @@ def model_info(side: Side, rank: int) -> ModelInfo:
 
 
 def make_workers(engine: str, side: Side, base_port: int, device: str = "cpu", block_ids: list[int] | None = None,
-                 tokens: int = 0, staging_mib: float = 4) -> list[tuple[WorkerSide, torch.Tensor, dict]]:
+                 tokens: int = 0, staging_mib: float = 4,
+                 **settings: object) -> list[tuple[WorkerSide, torch.Tensor, dict]]:
+    """One WorkerSide per rank of ``side`` (``settings``: more :class:`P2pKvConfig` fields; insecure unless they
+    name a secret), each with its cache from :func:`make_cache`."""
     out = []
+    settings.setdefault("insecure", "secret" not in settings)
     for rank in range(side.tp_size):
         config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=base_port, staging_mib=staging_mib,
-                             insecure=True)
+                             **settings)
         worker = WorkerSide(engine, config, rank, side.tp_size, "127.0.0.1", base_port + rank, "compat",
                             model_info(side, rank))
         base, views = make_cache(side, rank, device, block_ids, tokens)

@@ -42,6 +42,39 @@ def token_end(spec: LoadSpec, local_block_size: int, remote_block_size: int) -> 
     return min(end, spec.num_tokens) if spec.num_tokens >= 0 else end
 
 
+def streamed_read(spec: LoadSpec, local_block_size: int, remote_block_size: int) -> StagedRead:
+    """The :class:`StagedRead` of a layer-streamed load into staging, between engines of any two block sizes.
+
+    A streamed load names no prefill blocks (the prefill rank learns its own
+    step by step), so ``remote_block_ids`` are the prompt's block indexes in
+    the prefill engine's block size: staging block ``k`` holds prompt block
+    ``remote_block_ids[0] + k``. The load moves tokens ``[first_token, end)``,
+    ``end`` the least of ``num_tokens`` and what the local blocks cover.
+
+    Example: prefill block 64, decode block 16, ``first_token`` 32, 100 tokens
+    loaded, 5 local blocks → prompt blocks 0 and 1 into staging, 68 tokens
+    from staging token 32 into the 5 local blocks.
+
+    Raises:
+        BlockCountError: the local blocks end before ``num_tokens`` (a stream never moves part of a prompt).
+    """
+    covered = spec.first_token + len(spec.local_block_ids) * local_block_size
+    if covered < spec.num_tokens:
+        raise BlockCountError(f"local blocks cover {covered} prompt tokens ({len(spec.local_block_ids)} blocks of "
+                              f"{local_block_size} from token {spec.first_token}), the load has {spec.num_tokens}")
+    end = min(covered, spec.num_tokens) if spec.num_tokens >= 0 else covered
+    n = max(0, end - spec.first_token)
+    if n == 0:
+        return StagedRead((), 0, 0, ())
+    first_remote = spec.first_token // remote_block_size
+    return StagedRead(
+        remote_block_ids=tuple(range(first_remote, _ceil_div(end, remote_block_size))),
+        src_token_offset=spec.first_token - first_remote * remote_block_size,
+        num_tokens=n,
+        dst_block_ids=spec.local_block_ids[:_ceil_div(n, local_block_size)],
+    )
+
+
 def direct_pairs(spec: LoadSpec, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(local_ids, remote_ids)`` paired block for block, for peers with the same block size.
 

@@ -124,7 +124,8 @@ class Pushes:
         self._replies.append((future, read))
 
     def post_stream(self, part: Part) -> None:
-        """Send ``part``'s stream request: this rank's blocks of a layer-streamed load, its grant and digest
+        """Send ``part``'s stream request: this rank's blocks of a layer-streamed load (or, for a part with a
+        stage, its staging: one address per prefill region, staging blocks ``0 ..``), its grant and digest
         (the prefill rank WRITEs each layer into them; one "pushed" notification follows, as for a push).
 
         Raises:
@@ -136,11 +137,16 @@ class Pushes:
         part.first_pushed_at = part.first_pushed_at or part.pushed_at
         self._open[part.push_id] = part
         first_block = spec.first_token // max(1, part.peer.info.layout.block_size)
+        block_ids, staging_addrs = list(spec.local_block_ids), []
+        if part.stage is not None:
+            block_ids = list(range(len(part.stage.read.remote_block_ids)))
+            staging_addrs = [seg.addr for seg in part.stage.segments]
         future = self.background.call(
             f"p2pkv-push-{pid.host}:{pid.port}", _send_stream, part.pushed_at + self.window(part), pid.destination,
-            spec.stream_grant, list(spec.local_block_ids), first_block, spec.remote.num_tokens,
+            spec.stream_grant, block_ids, first_block, spec.remote.num_tokens,
             spec.remote.prompt_digest, part.push_id, info, self.engine_id, secret=self.secret,
-            timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}")
+            timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}",
+            staging_addrs=staging_addrs)
         self._replies.append((future, part))
 
     def window(self, part: Part) -> float:

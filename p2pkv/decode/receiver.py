@@ -260,27 +260,28 @@ class Receiver:
         counts = self.rank.notifiers(spec.remote.tp_size, notify)
         transfer.notify = [(PeerId.of(spec.remote, r), n) for r, n in zip(notify, counts, strict=True)]
         transfer.parts, transfer.started, transfer.num_bytes, transfer.num_descriptors = [], time.monotonic(), 0, 0
-        if spec.stream_grant:  # the prefill rank's stream ends its hold itself: nobody to notify
-            transfer.notify = []
-            why = plan_streams(transfer, self.rank.tp_rank, self.rank.tp_size, self.peers.peers, self.rank.layout,
-                               self.rank.desc.block_size, self.rank.device_id)
-            if why is not None:
-                self.endings.fail(transfer, FailureKind.REFUSED, f"refused: {why}")
-                return
-        else:
-            try:
-                if not plan_reads(transfer, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
-                                  self.rank.desc, self.rank.device_id, self.stager):
-                    self.endings.to(transfer, TransferState.STAGING)
-                    self._staging_wait.append(transfer)
+        try:
+            if spec.stream_grant:  # the prefill rank's stream ends its hold itself: nobody to notify
+                transfer.notify = []
+                planned = plan_streams(transfer, self.rank.tp_rank, self.rank.tp_size, self.peers.peers,
+                                       self.rank.layout, self.rank.desc.block_size, self.rank.device_id, self.stager)
+                if isinstance(planned, str):
+                    self.endings.fail(transfer, FailureKind.REFUSED, f"refused: {planned}")
                     return
-            except (PlanError, StagingFull) as exc:
-                release_unposted(transfer, self.stager)
-                if isinstance(exc, PlanError):
-                    self.endings.fail(transfer, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
-                else:
-                    self.endings.fail(transfer, FailureKind.STAGING, str(exc))
+            else:
+                planned = plan_reads(transfer, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
+                                     self.rank.desc, self.rank.device_id, self.stager)
+            if not planned:
+                self.endings.to(transfer, TransferState.STAGING)
+                self._staging_wait.append(transfer)
                 return
+        except (PlanError, StagingFull) as exc:
+            release_unposted(transfer, self.stager)
+            if isinstance(exc, PlanError):
+                self.endings.fail(transfer, FailureKind.BAD_BLOCK_IDS, f"bad block ids: {exc}")
+            else:
+                self.endings.fail(transfer, FailureKind.STAGING, str(exc))
+            return
         if not transfer.parts:  # nothing to load (or a notify-only pull)
             self.notifier.add(transfer)
             self.endings.to(transfer, TransferState.DONE)

@@ -6,22 +6,28 @@ stream at all (its pages cut one per layer, a secret to check grants); the
 agent is the requester's own (:func:`p2pkv.prefill.push_requests.requester_identity`);
 the grant names this engine and the requester (or any decode engine) and
 has not expired; the agent's metadata is well formed and its pages are this
-rank's (same page size, layer and K/V order: a stream moves pages as they
-are); its block ids lie in its cache; the request's window has not passed.
+rank's (same page size, layer and K/V order, heads, HND/NHD, dtype and block
+size: a stream moves pages as they are) or, with ``staging_addrs``, its
+staging destination mirrors this rank's regions inside the staging the agent
+declares; its block ids lie in its cache (or staging); the request's window
+has not passed.
 What needs the rank's state (a stream id served once, room for pending
 destinations) is checked by :class:`p2pkv.prefill.streams.PrefillStreams`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from handshake import KVLayoutDesc, StreamRequest
+import numpy as np
+
+from handshake import KVLayoutDesc, KVRegion, StreamRequest
 from p2pkv.dataplane.agent import check_peer_info
 from p2pkv.dataplane.layers import page_segments
-from p2pkv.dataplane.layout import LayoutError
+from p2pkv.dataplane.layout import LayoutError, Segment
 from p2pkv.dataplane.negotiate import page_bytes, remote_segments
-from p2pkv.dataplane.plan import PlanError, check_block_ids
+from p2pkv.dataplane.plan import PlanError, check_block_ids, check_rows_in_regions
 from p2pkv.grant import StreamGrant, StreamGrantError, check_stream_grant
 from p2pkv.prefill.agents import Identity
 from p2pkv.prefill.push_requests import requester_identity
@@ -34,8 +40,43 @@ def stream_side(desc: KVLayoutDesc) -> StreamSide:
     Raises:
         LayoutError: its pages cannot be cut one per layer (an interleaved layout).
     """
-    pages = page_segments(remote_segments(desc), page_bytes(desc))
-    return StreamSide(tuple(pages), desc.num_blocks, desc.regions[0].device_id if desc.regions else 0)
+    segments = remote_segments(desc)
+    pages = page_segments(segments, page_bytes(desc))
+    geometry = (desc.attn_layout, desc.dtype, desc.num_kv_heads, desc.head_dim, desc.block_size, desc.is_mla)
+    return StreamSide(tuple(pages), desc.num_blocks, desc.regions[0].device_id if desc.regions else 0,
+                      tuple(segments), geometry)
+
+
+def staging_side(source: StreamSide, addrs: Sequence[int], num_blocks: int, device_id: int,
+                 declared: Sequence[KVRegion]) -> StreamSide | str:
+    """A decode rank's staging destination as a stream moves this rank's pages into it.
+
+    Staging mirrors this rank's regions (:func:`p2pkv.dataplane.staging.staging_segments`, where a decode
+    rank lays out a staged READ): region ``r``'s ``num_blocks`` blocks lie back to back from ``addrs[r]``,
+    each ``block_len`` bytes (this rank's), its pages in this rank's order.
+
+    Args:
+        source: this rank's pages (with their :attr:`StreamSide.segments`).
+        addrs: the request's ``staging_addrs``, one per region of this rank.
+        num_blocks: staging blocks (the request's ``len(block_ids)``).
+        device_id: the decode rank's device id (its KV cache's).
+        declared: the staging regions the decode rank's :class:`handshake.AgentInfo` declares.
+
+    Returns:
+        The staging as a :class:`StreamSide`, or why it is refused (naming ``staging_addrs``).
+    """
+    if len(addrs) != len(source.segments):
+        return (f"staging_addrs: {len(addrs)} addresses, but this rank's cache has {len(source.segments)} regions "
+                "(one address per region, in its order)")
+    segments = [Segment(addr, seg.length, seg.length, seg.layer_start, seg.num_layers, seg.kv_index)
+                for addr, seg in zip(addrs, source.segments, strict=True)]
+    rows = np.array([[s.addr, num_blocks * s.length, device_id] for s in segments], dtype=np.uint64)
+    try:
+        check_rows_in_regions(rows, [(r.base_addr, r.length, r.device_id) for r in declared])
+    except PlanError as exc:
+        return f"staging_addrs: {exc} (outside the staging the agent declares)"
+    pages = page_segments(segments, source.pages[0].length)
+    return StreamSide(tuple(pages), num_blocks, device_id, tuple(segments), source.geometry)
 
 
 @dataclass(frozen=True)
@@ -86,10 +127,15 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         return f"agent.layout: {exc}"
     except Exception as exc:
         return f"agent: {exc}"
-    if (why := pages_differ(source, side)) is not None:
+    if msg.staging_addrs:
+        staged = staging_side(source, msg.staging_addrs, len(msg.block_ids), side.device_id, msg.agent.staging)
+        if isinstance(staged, str):
+            return staged
+        side = staged
+    elif (why := pages_differ(source, side)) is not None:
         return why
     try:
-        check_block_ids(msg.block_ids, side.num_blocks, "decode")
+        check_block_ids(msg.block_ids, side.num_blocks, "staging" if msg.staging_addrs else "decode")
     except PlanError as exc:
         return f"block_ids: {exc}"
     window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - now)
@@ -99,10 +145,22 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
 
 
 def pages_differ(ours: StreamSide, theirs: StreamSide) -> str | None:
-    """Why a decode rank's pages cannot take this rank's as they are (count, size, layer or K/V order), or None."""
+    """Why a decode rank's pages cannot take this rank's as they are (count, size, layer or K/V order, or the
+    :attr:`StreamSide.geometry`: HND/NHD, dtype, heads, block size), or None. Such a decode rank streams into
+    its staging (``staging_addrs``)."""
     mine = [(p.length, p.layer_start, p.kv_index) for p in ours.pages]
     if mine != [(p.length, p.layer_start, p.kv_index) for p in theirs.pages]:
         return (f"the decode rank's {len(theirs.pages)} pages per block differ from this rank's {len(mine)} "
-                "(page size, layer or K/V order): stream only between engines with the same block size, "
-                "page order and heads per rank; send such pairs without a grant (push)")
+                "(page size, layer or K/V order): send staging_addrs (a staged stream), or send such pairs "
+                "without a grant (push)")
+    if ours.geometry and theirs.geometry and ours.geometry != theirs.geometry:
+        return (f"the decode rank's pages are {_geometry(theirs)}, this rank's {_geometry(ours)}: the same "
+                "sizes in another order; send staging_addrs (a staged stream), or send such pairs without a "
+                "grant (push)")
     return None
+
+
+def _geometry(side: StreamSide) -> str:
+    """``side.geometry`` named field by field."""
+    names = ("attn_layout", "dtype", "num_kv_heads", "head_dim", "block_size", "is_mla")
+    return ", ".join(f"{n}={v}" for n, v in zip(names, side.geometry, strict=True))

@@ -92,11 +92,18 @@ class StreamSide:
         pages: the rank's :func:`p2pkv.dataplane.layers.page_segments`.
         num_blocks: blocks in the rank's cache (every block id below it).
         device_id: the rank's device id in its rows.
+        segments: the segments the pages were cut from (one per region, whole blocks), where known: a
+            staging destination in this rank's geometry mirrors them
+            (:func:`p2pkv.prefill.stream_requests.staging_side`).
+        geometry: what must match besides the pages' sizes and order for a stream to move them as they are:
+            ``(attn_layout, dtype, num_kv_heads, head_dim, block_size, is_mla)``; empty: not compared.
     """
 
     pages: tuple[Segment, ...]
     num_blocks: int
     device_id: int = 0
+    segments: tuple[Segment, ...] = ()
+    geometry: tuple[object, ...] = ()
 
 
 @dataclass(frozen=True)

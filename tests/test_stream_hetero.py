@@ -1,0 +1,177 @@
+"""Layer streams between engines whose pages differ (block size, HND/NHD, cross-layer blocks), with real NIXL.
+
+Both workers run in this process (two NIXL agents), each cache filled as in
+:mod:`tests.test_hetero`: every element of (layer, token, global head,
+element) holds a unique int32 code in its engine's block size and page
+order. The prefill rank streams the prompt layer by layer; where the pages
+differ the decode rank has it land in its staging, in the prefill's
+geometry, and fixes it up into its blocks when the notification arrives.
+Its blocks must then hold exactly the codes of the tokens it loads, and
+nothing anywhere else.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from handshake import PROTOCOL_VERSION, KVRegion, StreamRequest
+from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
+from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
+from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
+from p2pkv.params import RemotePrefill, prompt_digest
+from p2pkv.prefill.stream_requests import CheckedStream, check_stream_request, stream_side
+from tests.conftest import free_ports
+from tests.push_support import DECODE, ENGINE, KEY, SHAPE, Agents
+from tests.test_hetero import ROWS, block_ids, make_cache, make_workers, mode
+
+SECRET = "stream-hetero-test-secret-32byte"
+
+STREAM_ROWS = ["block 16 -> 32", "block 64 -> 16", "HND -> NHD", "NHD -> HND", "cross-layer -> layer-compact",
+               "cross-layer block 16 -> layer-compact block 32", "CPU attention block 32 -> 64",
+               "CPU attention block 64 -> 32"]
+"""The pairs of one TP size (a stream pairs ranks one to one): staged where the pages differ, straight into the
+decode rank's blocks where they only stride differently (cross-layer against layer-compact)."""
+
+
+def _stream_and_check(row: str, tokens: int, first_token: int) -> None:
+    """Stream a ``tokens``-token prompt from the row's prefill engine into its decode engine, which has the first
+    ``first_token`` tokens cached (a multiple of its block size), and compare the decode rank's blocks."""
+    prefill_side, decode_side, how = ROWS[row]
+    loaded = tokens - 1  # the decode engine computes the last prompt token itself
+    rng = np.random.default_rng(len(row) + tokens)
+    remote_ids = block_ids(rng, -(-tokens // prefill_side.block_size))
+    cached = first_token // decode_side.block_size
+    all_local = block_ids(rng, -(-loaded // decode_side.block_size))
+    local_ids = all_local[cached:]
+    ports = free_ports(2, run=1)
+    (prefill, _, views), = make_workers("prefill", prefill_side, ports[0], "cpu", remote_ids, tokens,
+                                        secret=SECRET, stream_min_tokens=0)
+    (decode, base, _), = make_workers("decode", decode_side, ports[1], "cpu", secret=SECRET)
+    try:
+        grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
+        stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
+                                       now=time.time()).stream_id
+        digest = prompt_digest(list(range(loaded)))
+        step = P2pKvMetadata(streams=[StreamChunk("p-req", stream_id, 0, tuple(remote_ids), tokens, True, digest,
+                                                  loaded)])
+        remote = RemotePrefill("prefill", stream_id, "127.0.0.1", ports[0], (), 1, num_tokens=loaded,
+                               prompt_digest=digest, transfer_mode="stream")
+        prefill.start_load_kv(step)
+        decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), remote,
+                                                           first_token=first_token, num_tokens=loaded,
+                                                           stream_grant=grant)]))
+        for name in views:
+            prefill.save_kv_layer(name, step)
+        prefill.wait_for_save()
+        deadline = time.monotonic() + 20
+        while "d-req" not in decode.get_finished()[1]:
+            assert time.monotonic() < deadline, "the streamed load never finished"
+            time.sleep(0.002)
+        assert decode.get_block_ids_with_load_errors() == set()
+        assert mode(decode) == {how}
+        assert (decode.take_stats() or {}).get("directions") == {"stream": 1}
+        # A stream into the decode blocks moves whole blocks, the last prompt token's slot too (the decode engine
+        # writes the same values there when it computes that token); a fixup moves only the tokens loaded.
+        want, _ = make_cache(decode_side, 0, "cpu", all_local, loaded if how == "staged" else tokens)
+        _zero_cached(want, decode_side, all_local[:cached])
+        assert torch.equal(base, want), "the decode blocks differ from the position codes of the tokens loaded"
+        assert decode.receiver.stager.idle, "the stream's staging was not given back"
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def _zero_cached(cache: torch.Tensor, side: object, cached: list[int]) -> None:
+    """Zero the blocks the decode engine had cached (a stream does not write them)."""
+    for b in cached:
+        if side.cross_layer:
+            cache[b] = 0
+        else:
+            cache[:, b] = 0
+
+
+@pytest.mark.parametrize("row", STREAM_ROWS)
+def test_a_stream_between_engines_whose_pages_differ_lands_every_token_in_its_slot(row: str) -> None:
+    _stream_and_check(row, tokens=150, first_token=0)
+
+
+@pytest.mark.parametrize("row", ["block 16 -> 32", "block 64 -> 16", "HND -> NHD"])
+def test_a_staged_stream_after_a_cached_prefix_moves_only_the_tokens_past_it(row: str) -> None:
+    """The decode engine has its first two blocks cached: the prefill block holding their end is streamed whole
+    into staging, and only the tokens past them are fixed up into the decode blocks."""
+    _, decode_side, _ = ROWS[row]
+    _stream_and_check(row, tokens=150, first_token=2 * decode_side.block_size)
+
+
+MODEL = ModelInfo("BLHNC", "float32", SHAPE["num_heads"], SHAPE["head_dim"], SHAPE["block_size"])
+
+
+def _check(agents: Agents, staging_addrs: list[int], block_ids: list[int], attn_layout: str = "HND",
+           declared: list[KVRegion] | None = None) -> CheckedStream | str:
+    """:func:`check_stream_request` on the prefill rank of ``agents`` for a stream request from its decode rank,
+    whose staging (``declared``; default: the decode rank's spare memory) and pages (``attn_layout``) are given."""
+    spare = agents.spare
+    if declared is None:
+        declared = [KVRegion(base_addr=spare.data_ptr(), length=spare.numel(), device_id=0)]
+    info = msgspec.structs.replace(agents.info(declared), layout=layout_desc(agents.decode_layout, MODEL, attn_layout,
+                                                                             mem_type="DRAM"))
+    grant = make_stream_grant(ENGINE, DECODE, KEY, time.time() + 60, secrets.token_hex(16))
+    msg = StreamRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=ENGINE, to_rank=0, sent_at=time.time(),
+                        nonce=os.urandom(16), requester_engine_id=DECODE, grant=grant, block_ids=block_ids,
+                        first_block=0, num_tokens=31, prompt_digest=prompt_digest(list(range(31))),
+                        push_id=bytes(range(16)), agent=info, window_s=30.0, staging_addrs=staging_addrs)
+    source = stream_side(layout_desc(agents.layout, MODEL, "HND", mem_type="DRAM"))
+    return check_stream_request(msg, source, KEY, ENGINE, time.time())
+
+
+def test_a_staging_destination_mirrors_the_prefill_ranks_regions_inside_the_declared_staging(agents: Agents) -> None:
+    source = stream_side(layout_desc(agents.layout, MODEL, "HND", mem_type="DRAM"))
+    base = agents.spare.data_ptr()
+    addrs = [base + i * 4 * seg.length for i, seg in enumerate(source.segments)]
+    checked = _check(agents, addrs, [0, 1, 2, 3])
+    assert isinstance(checked, CheckedStream), checked
+    assert checked.side.num_blocks == 4
+    assert [(p.length, p.layer_start, p.kv_index) for p in checked.side.pages] == [
+        (p.length, p.layer_start, p.kv_index) for p in source.pages]
+    page_bytes = source.pages[0].length
+    want = [(addr + q * page_bytes, seg.length) for addr, seg in zip(addrs, source.segments, strict=True)
+            for q in range(seg.length // page_bytes)]  # each region's pages, its blocks back to back
+    assert [(p.addr, p.block_stride) for p in checked.side.pages] == want
+
+
+@pytest.mark.parametrize("why", ["count", "outside", "kv_cache", "undeclared", "block_ids"])
+def test_a_staging_destination_outside_the_declared_staging_or_past_its_blocks_is_refused(agents: Agents,
+                                                                                         why: str) -> None:
+    """A requester chooses every address: staging_addrs must be one per prefill region and lie, blocks and all,
+    inside the staging its agent declares (not its KV cache, not memory it never declared); block ids stay below
+    the staging's block count."""
+    source = stream_side(layout_desc(agents.layout, MODEL, "HND", mem_type="DRAM"))
+    base, n = agents.spare.data_ptr(), len(source.segments)
+    addrs, ids, declared = [base] * n, [0, 1], None
+    if why == "count":
+        addrs = [base] * (n + 1)
+    elif why == "outside":
+        addrs = [base + agents.spare.numel() - source.segments[0].length] * n  # the second block runs past the end
+    elif why == "kv_cache":
+        addrs = [agents.target.data_ptr()] * n
+    elif why == "undeclared":
+        declared = []
+    else:
+        ids = [0, 2]
+    got = _check(agents, addrs, ids, declared=declared)
+    assert isinstance(got, str), f"{why}: accepted"
+    assert got.startswith("block_ids" if why == "block_ids" else "staging_addrs"), got
+
+
+def test_pages_of_the_same_sizes_in_another_order_are_refused_without_staging(agents: Agents) -> None:
+    """HND against NHD pages have the same sizes: moved as they are they would be silently wrong."""
+    got = _check(agents, [], [0, 1], attn_layout="NHD")
+    assert isinstance(got, str) and "attn_layout=NHD" in got and "staging_addrs" in got, got
+    assert isinstance(_check(agents, [], [0, 1]), CheckedStream)
