@@ -35,9 +35,22 @@ SECRET = "stream-hetero-test-secret-32byte"
 
 STREAM_ROWS = ["block 16 -> 32", "block 64 -> 16", "HND -> NHD", "NHD -> HND", "cross-layer -> layer-compact",
                "cross-layer block 16 -> layer-compact block 32", "CPU attention block 32 -> 64",
-               "CPU attention block 64 -> 32"]
-"""The pairs of one TP size (a stream pairs ranks one to one): staged where the pages differ, straight into the
-decode rank's blocks where they only stride differently (cross-layer against layer-compact)."""
+               "CPU attention block 64 -> 32", "TP 2 -> 1", "TP 2 -> 1, NHD", "TP 2 block 32 HND -> TP 1 block 16 NHD",
+               "GQA 2 heads TP 4 (replicated) -> TP 1, block 16 -> 32", "CPU attention TP 2 -> 1",
+               "CPU attention TP 2 block 32 -> TP 1 block 64", "MLA TP 2 -> TP 1", "MLA TP 2 -> TP 1, block 32 -> 16"]
+"""Pairs where no two decode ranks read one prefill rank (a prefill rank streams to one destination): straight
+into the decode rank's blocks where the pages only stride differently (cross-layer against layer-compact) or
+are the same (MLA's latent, read from one prefill rank), else into staging (another block size, HND/NHD, a
+slice of the decode rank's heads from each of several prefill ranks)."""
+
+FAN_OUT_ROWS = ["TP 1 -> 2", "GQA 2 heads TP 1 -> TP 4 (replicated), HND", "CPU attention TP 1 -> 2"]
+"""Pairs where several decode ranks read one prefill rank: refused with a message naming the fix."""
+
+
+def _direct(row: str) -> bool:
+    """Whether the row's stream lands in the decode blocks as it is (whole blocks), not through staging."""
+    prefill_side, decode_side, how = ROWS[row]
+    return how == "direct" or (how == "paged" and prefill_side.tp_size == decode_side.tp_size)
 
 
 def _stream_and_check(row: str, tokens: int, first_token: int) -> None:
@@ -50,10 +63,10 @@ def _stream_and_check(row: str, tokens: int, first_token: int) -> None:
     cached = first_token // decode_side.block_size
     all_local = block_ids(rng, -(-loaded // decode_side.block_size))
     local_ids = all_local[cached:]
-    ports = free_ports(2, run=1)
-    (prefill, _, views), = make_workers("prefill", prefill_side, ports[0], "cpu", remote_ids, tokens,
-                                        secret=SECRET, stream_min_tokens=0)
-    (decode, base, _), = make_workers("decode", decode_side, ports[1], "cpu", secret=SECRET)
+    port = free_ports(1, run=prefill_side.tp_size)[0]
+    prefills = make_workers("prefill", prefill_side, port, "cpu", remote_ids, tokens, secret=SECRET,
+                            stream_min_tokens=0)
+    (decode, base, _), = make_workers("decode", decode_side, free_ports(1, run=1)[0], "cpu", secret=SECRET)
     try:
         grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
         stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
@@ -61,15 +74,17 @@ def _stream_and_check(row: str, tokens: int, first_token: int) -> None:
         digest = prompt_digest(list(range(loaded)))
         step = P2pKvMetadata(streams=[StreamChunk("p-req", stream_id, 0, tuple(remote_ids), tokens, True, digest,
                                                   loaded)])
-        remote = RemotePrefill("prefill", stream_id, "127.0.0.1", ports[0], (), 1, num_tokens=loaded,
+        remote = RemotePrefill("prefill", stream_id, "127.0.0.1", port, (), prefill_side.tp_size, num_tokens=loaded,
                                prompt_digest=digest, transfer_mode="stream")
-        prefill.start_load_kv(step)
+        for prefill, _, _ in prefills:
+            prefill.start_load_kv(step)
         decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), remote,
                                                            first_token=first_token, num_tokens=loaded,
                                                            stream_grant=grant)]))
-        for name in views:
-            prefill.save_kv_layer(name, step)
-        prefill.wait_for_save()
+        for prefill, _, views in prefills:
+            for name in views:
+                prefill.save_kv_layer(name, step)
+            prefill.wait_for_save()
         deadline = time.monotonic() + 20
         while "d-req" not in decode.get_finished()[1]:
             assert time.monotonic() < deadline, "the streamed load never finished"
@@ -79,13 +94,22 @@ def _stream_and_check(row: str, tokens: int, first_token: int) -> None:
         assert (decode.take_stats() or {}).get("directions") == {"stream": 1}
         # A stream into the decode blocks moves whole blocks, the last prompt token's slot too (the decode engine
         # writes the same values there when it computes that token); a fixup moves only the tokens loaded.
-        want, _ = make_cache(decode_side, 0, "cpu", all_local, loaded if how == "staged" else tokens)
+        want, _ = make_cache(decode_side, 0, "cpu", all_local, tokens if _direct(row) else loaded)
         _zero_cached(want, decode_side, all_local[:cached])
         assert torch.equal(base, want), "the decode blocks differ from the position codes of the tokens loaded"
         assert decode.receiver.stager.idle, "the stream's staging was not given back"
+        for rank, (prefill, _, _) in enumerate(prefills):  # every prefill rank frees the request: streamed or declined
+            prefill.start_load_kv(P2pKvMetadata(send_leases={"p-req": time.monotonic() + 60},
+                                                send_blocks={"p-req": tuple(remote_ids)}))
+            sent: set[str] = set()
+            while "p-req" not in sent:
+                assert time.monotonic() < deadline, f"prefill rank {rank} still holds the streamed request"
+                sent |= prefill.get_finished()[0]
+                time.sleep(0.005)
     finally:
         decode.shutdown()
-        prefill.shutdown()
+        for prefill, _, _ in prefills:
+            prefill.shutdown()
 
 
 def _zero_cached(cache: torch.Tensor, side: object, cached: list[int]) -> None:
@@ -102,7 +126,34 @@ def test_a_stream_between_engines_whose_pages_differ_lands_every_token_in_its_sl
     _stream_and_check(row, tokens=150, first_token=0)
 
 
-@pytest.mark.parametrize("row", ["block 16 -> 32", "block 64 -> 16", "HND -> NHD"])
+@pytest.mark.parametrize("row", FAN_OUT_ROWS)
+def test_a_stream_that_two_decode_ranks_would_read_from_one_prefill_rank_is_refused_naming_the_fix(row: str) -> None:
+    prefill_side, decode_side, _ = ROWS[row]
+    prefills = make_workers("prefill", prefill_side, free_ports(1, run=prefill_side.tp_size)[0], "cpu",
+                            secret=SECRET)
+    decodes = make_workers("decode", decode_side, free_ports(1, run=decode_side.tp_size)[0], "cpu", secret=SECRET)
+    try:
+        grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
+        digest = prompt_digest(list(range(31)))
+        stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
+                                       now=time.time()).stream_id
+        remote = RemotePrefill("prefill", stream_id, "127.0.0.1", prefills[0][0].port, (),
+                               prefill_side.tp_size, num_tokens=31, prompt_digest=digest, transfer_mode="stream")
+        decode = decodes[0][0]
+        decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", (0, 1), (), remote, num_tokens=31,
+                                                           stream_grant=grant)]))
+        deadline = time.monotonic() + 20
+        while "d-req" not in decode.get_finished()[1]:
+            assert time.monotonic() < deadline, "the refused stream never ended"
+            time.sleep(0.002)
+        assert decode.get_block_ids_with_load_errors() == {0, 1}
+        assert (decode.take_stats() or {}).get("failures") == {"refused": 1}
+    finally:
+        for worker, _, _ in (*decodes, *prefills):
+            worker.shutdown()
+
+
+@pytest.mark.parametrize("row", ["block 16 -> 32", "block 64 -> 16", "HND -> NHD", "TP 2 -> 1, NHD"])
 def test_a_staged_stream_after_a_cached_prefix_moves_only_the_tokens_past_it(row: str) -> None:
     """The decode engine has its first two blocks cached: the prefill block holding their end is streamed whole
     into staging, and only the tokens past them are fixed up into the decode blocks."""

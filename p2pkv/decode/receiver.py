@@ -263,11 +263,16 @@ class Receiver:
         try:
             if spec.stream_grant:  # the prefill rank's stream ends its hold itself: nobody to notify
                 transfer.notify = []
-                planned = plan_streams(transfer, self.rank.tp_rank, self.rank.tp_size, self.peers.peers,
-                                       self.rank.layout, self.rank.desc.block_size, self.rank.device_id, self.stager)
+                read = sorted({r.remote_rank for r in reads})
+                planned = plan_streams(transfer, read, self.rank.notifiers(spec.remote.tp_size, read),
+                                       self.peers.peers, self.rank.layout, self.rank.desc.block_size,
+                                       self.rank.device_id, self.stager)
                 if isinstance(planned, str):
                     self.endings.fail(transfer, FailureKind.REFUSED, f"refused: {planned}")
                     return
+                if planned and (unread := sorted(set(notify) - set(read))):  # their streams have no destination
+                    release_failed(self.background, spec.remote, unread, self.rank.name, self._secret,
+                                   self.config.handshake_timeout_s)
             else:
                 planned = plan_reads(transfer, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
                                      self.rank.desc, self.rank.device_id, self.stager)
