@@ -153,7 +153,7 @@ class WorkerSide:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
                            "reaches it can read this engine's KV cache", self.host, self.port)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
-                                      on_heartbeat=self.holds.on_heartbeat, on_release=self.streams.on_release,
+                                      on_heartbeat=self.streams.on_heartbeat, on_release=self.streams.on_release,
                                       on_push=self.pusher.on_push, on_stream=self.streams.on_stream,
                                       future_skew_s=self.config.max_clock_skew_s,
                                       max_connections=self.config.side_channel_max_connections,

@@ -244,6 +244,32 @@ def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_
         pf.stop()
 
 
+def test_a_stream_whose_prefill_restarts_mid_way_fails_at_once_not_at_its_window() -> None:
+    """A stream waits up to its window (here 120 s) for a prefill that is only slow; a prefill rank that restarted
+    answers the decode rank's probe that it does not know the stream, so the load fails within seconds, and its
+    blocks come back with nothing more written into them. Killed and not yet back, it proves nothing: the load
+    waits on."""
+    pf = PrefillProc(free_port(), seed=3, num_blocks=NUM_BLOCKS, settings={"secret": SECRET, "stream_min_tokens": 0})
+    pf.start()
+    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=120.0, handshake_timeout_s=1.0)
+    try:
+        chunk, load = _stream("p-1", "d-1", pf.port)
+        pf.call("stream", [chunk], ["layers.0"])
+        decode.start(load)
+        _wait_landed(decode, pf.expected()[list(SOURCE), 0:1], slice(0, 1))
+        pf.kill()
+        assert decode.pump({"d-1"}, 5.0) == {"d-1"}, "a silent prefill rank was taken for a restarted one"
+        pf.start(seed=4)
+        started = time.monotonic()
+        assert not decode.pump({"d-1"}, 20.0), "the load waited for its window after its prefill rank restarted"
+        assert time.monotonic() - started < 20.0
+        assert decode.take_errors() == set(TARGET), "a stream cut short must reach vLLM as load errors"
+        assert not decode.base[list(TARGET), 1:].any(), "a layer landed after the stream was over"
+    finally:
+        decode.close()
+        pf.stop()
+
+
 def test_a_prompt_under_the_measured_threshold_lands_in_one_write_after_its_last_layer() -> None:
     with _pair(5) as pair:  # stream_min_tokens -1: as measured for the cache's kind
         prefill, decode, source = pair.prefill, pair.decode, pair.source

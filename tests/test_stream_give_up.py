@@ -234,3 +234,17 @@ def test_a_destination_that_never_comes_ends_with_the_hold_and_a_late_one_is_ref
     status, why = rig.streams.on_stream(rig.request([5, 6]))
     assert status == "refused" and "stopped before this destination came" in why and "hold ended" in why, why
     assert rig.starting() == 0 and torch.count_nonzero(rig.agents.target) == 0
+
+
+def test_a_stream_id_with_a_destination_here_is_answered_held_and_others_are_the_holds(rig: Rig) -> None:
+    """A decode rank waiting for a stream asks whether this rank knows it (p2pkv.decode.stream_watch): known once
+    its destination came (before and after its request, until the grant expires), unknown before; other ids in
+    the same question are the holds' to answer."""
+    assert rig.streams.on_heartbeat([rig.stream_id], 10.0, [[]]).unknown == [rig.stream_id]
+    assert rig.streams.on_stream(rig.request([5, 6])) == ("accepted", "")
+    status = rig.streams.on_heartbeat([rig.stream_id, "never-held"], 10.0, [[], []])
+    assert (status.unknown, status.expired, status.not_held) == (["never-held"], [], [])
+    rig.step(rig.chunk((1, 2)))
+    rig.wait_landed({1: 5, 2: 6}, range(LAYERS))
+    rig.settle()
+    assert rig.streams.on_heartbeat([rig.stream_id], 10.0, []).unknown == []  # ended, still known

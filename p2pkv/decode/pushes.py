@@ -35,6 +35,7 @@ from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, failure_of
+from p2pkv.decode.stream_watch import GONE, StreamWatch
 from p2pkv.decode.transfer import Part
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 
@@ -103,6 +104,7 @@ class Pushes:
         self._open: dict[bytes, Part] = {}  # push id → its READ part, until notified or given up
         self._replies: list[tuple[Future, Part]] = []
         self._again: list[tuple[float, Part]] = []  # (time.monotonic() to send again at, part)
+        self.watch = StreamWatch(background, fence, engine_id, secret, timeout_s)
         agent.take_notifs(PUSH_PREFIX)  # from now on the engine thread's get_notifs leaves these to us
 
     def post(self, read: Part) -> None:
@@ -208,7 +210,17 @@ class Pushes:
                 failed.append((read, *why))
         for read, note in self.arrivals(now):
             read.arrived, read.failure = note.ok, note.reason
+        self._watch_streams(now)
         return failed
+
+    def _watch_streams(self, now: float) -> None:
+        """Ask the prefill ranks of accepted streams still waiting whether they know them; one that does not
+        (it restarted) can WRITE nothing: the stream is over, failed (:mod:`p2pkv.decode.stream_watch`)."""
+        asking = {id(part) for _, part in self._replies}
+        self.watch.ask([p for p in self._open.values() if p.transfer.spec.stream_grant and id(p) not in asking], now)
+        for part in self.watch.gone():
+            if self._open.pop(part.push_id, None) is not None:
+                part.arrived, part.failure = False, GONE
 
     def replies(self) -> list[tuple[Part, PushReply | Exception]]:
         """Answered push requests: the READ part and the reply (or why there is none).

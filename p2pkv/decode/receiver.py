@@ -338,8 +338,8 @@ class Receiver:
     def _poll(self, transfer: Transfer, read: Part, now: float) -> None:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
         event, exc = self.moves.poll(read, now)
-        if event is ReadEvent.FAILED:
-            self._part_failed(read, _kind(exc), str(exc), retry=True,
+        if event is ReadEvent.FAILED:  # a stream is not sent again: its id serves once, and only its prefill had it
+            self._part_failed(read, _kind(exc), str(exc), retry=not transfer.spec.stream_grant,
                               drop_peer=not self.moves.mover_of(read).keeps_peer_on_failure)
         elif event is ReadEvent.FIXUP_FAILED:
             self.drain.abandon(transfer)

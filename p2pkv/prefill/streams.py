@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from handshake import StreamRequest
+from handshake import HoldStatus, StreamRequest
 from handshake.messages import PushStatus
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.grant import is_stream_id
@@ -170,6 +170,22 @@ class PrefillStreams:
         if status != "accepted":
             self.pusher.release_agent(checked.identity)
         return status, why
+
+    def on_heartbeat(self, request_ids: list[str], extend_s: float, block_ids: list[list[int]]) -> HoldStatus:
+        """Side-channel thread: a heartbeat or hold question (:meth:`p2pkv.prefill.holds.PrefillHolds.on_heartbeat`).
+        A stream id this rank took a destination for (or a decline of), until its grant has expired, is answered
+        as held: a decode rank waiting for the stream's notification asks so, to tell a restarted prefill rank
+        (which answers ``unknown``) from a slow one (:mod:`p2pkv.decode.stream_watch`). Everything else is the
+        holds' to answer."""
+        with self._lock:
+            known = {rid for rid in request_ids if rid in self._served or rid in self._by_stream}
+        if not known:
+            return self.holds.on_heartbeat(request_ids, extend_s, block_ids)
+        rest = [i for i, rid in enumerate(request_ids) if rid not in known]
+        if not rest:
+            return HoldStatus()
+        return self.holds.on_heartbeat([request_ids[i] for i in rest], extend_s,
+                                        [block_ids[i] for i in rest] if block_ids else [])
 
     def on_release(self, request_ids: list[str], block_ids: list[list[int]], requester: str = "") -> int:
         """Side-channel thread: a release (:meth:`p2pkv.prefill.holds.PrefillHolds.on_release`). A stream id
