@@ -8,7 +8,7 @@
 #   LENGTHS=1024 TRANSPORTS=cma PROMPTS=2 bash scripts/bench_stream.sh   # a short try
 #
 # Environment: LENGTHS (prompt tokens, default "1024 2048 4096"), TRANSPORTS ("cma tcp"), PROMPTS (requests per
-# point, 4), OUTPUT (generated tokens, 8), OUT (docs/benchmarks), NAME (file prefix, stream-serve-cpu), WORK
+# point, 4), WARMUP (unmeasured requests per system first, 4), OUTPUT (generated tokens, 8), OUT (docs/benchmarks), NAME (file prefix, stream-serve-cpu), WORK
 # (.p2pkv/bench-stream), BASE_PORT (9100). The table and plot: scripts/stream_serve_report.py, run at the end.
 # A link-bound run: rate-limit UCX's TCP first (scripts/limit_ucx_tcp.sh, root) and pass its port range, e.g.
 #   UCX_TCP_PORT_RANGE=40960-41983 TRANSPORTS=tcp NAME=stream-serve-cpu-limited bash scripts/bench_stream.sh
@@ -18,6 +18,7 @@ PY=${PYTHON:-.venv/bin/python}
 LENGTHS=${LENGTHS:-1024 2048 4096}
 TRANSPORTS=${TRANSPORTS:-cma tcp}
 PROMPTS=${PROMPTS:-4}
+WARMUP=${WARMUP:-4}
 OUTPUT=${OUTPUT:-8}
 OUT=${OUT:-docs/benchmarks}
 NAME=${NAME:-stream-serve-cpu}
@@ -54,7 +55,7 @@ for transport in $TRANSPORTS; do
     $PY -m p2pkv.tools.cli bench serve --model "$MODEL" --systems p2pkv-stream,p2pkv-push,p2pkv-pull,aggregated \
       --p2pkv-engines "http://127.0.0.1:$((B + 1)),http://127.0.0.1:$((B + 2))" \
       --aggregated-engine "http://127.0.0.1:$((B + 3))" --base-port $((B + 20)) --dataset random \
-      --input-len "$len" --output-len "$OUTPUT" --num-prompts "$PROMPTS" --concurrency 1 --block-size 32 \
+      --input-len "$len" --output-len "$OUTPUT" --num-prompts "$PROMPTS" --warmup "$WARMUP" --concurrency 1 --block-size 32 \
       --work-dir "$WORK/serve-$transport-$len" --json "$OUT/$NAME-$transport-$len.json"
   done
   stop

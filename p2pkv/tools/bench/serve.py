@@ -66,8 +66,6 @@ from p2pkv.tools.bench.serve_options import (
 
 __all__ = ["DATASETS", "DEFAULT_SYSTEMS", "SYSTEMS", "ServeBenchOptions", "add_arguments", "main", "run_serve_bench"]
 
-WARMUP_REQUESTS = 4
-"""Requests sent to each system before its sweep (handshakes, first transfers, allocator warm-up)."""
 TOKEN_CHECK_PROMPTS = 4
 """How many of the first point's prompts are replayed one by one for the token-id check."""
 DETAILED = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
@@ -148,12 +146,12 @@ def run_point(client: Any, dep: Deployment, opts: ServeBenchOptions, model: str,
 
 
 def _warm_up(client: Any, dep: Deployment, opts: ServeBenchOptions) -> list[str]:
-    """Send :data:`WARMUP_REQUESTS` requests of about ``input_len`` characters and 4 output tokens (not
-    measured: handshakes, first transfers of the real size); the failures' messages."""
+    """Send ``opts.warmup`` requests of about ``input_len`` characters and 4 output tokens (not measured:
+    handshakes, first transfers of the real size, allocator warm-up); the failures' messages."""
     import httpx
 
     errors = []
-    for i in range(WARMUP_REQUESTS):
+    for i in range(opts.warmup):
         try:
             filler = "wxyz"[i % 4] * max(opts.block_size, opts.input_len - 24)  # the prompt fits max_model_len
             _complete(client, dep.url, f"warm-up request {i}: {filler}", 4)

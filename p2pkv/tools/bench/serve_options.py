@@ -85,6 +85,7 @@ class ServeBenchOptions:
     systems: tuple[str, ...] = DEFAULT_SYSTEMS
     concurrency: tuple[int, ...] = (1, 2, 4)
     num_prompts: int = 8
+    warmup: int = 4
     input_len: int = 256
     output_len: int = 32
     block_size: int = 32
@@ -110,6 +111,8 @@ class ServeBenchOptions:
             raise ValueError(f"--systems {','.join(self.systems)}: each at most once, from {','.join(SYSTEMS)}")
         if not self.concurrency or min(self.concurrency) < 1 or len(set(self.concurrency)) != len(self.concurrency):
             raise ValueError(f"--concurrency {self.concurrency}: distinct positive integers")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup {self.warmup}: must be >= 0")
         for flag, v in (("--num-prompts", self.num_prompts), ("--input-len", self.input_len),
                         ("--output-len", self.output_len), ("--block-size", self.block_size)):
             if v < 1:
@@ -152,6 +155,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=ints, default=d.concurrency,
                    help="max requests in flight, a comma-separated sweep (default 1,2,4)")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests per point")
+    p.add_argument("--warmup", type=int, default=d.warmup,
+                   help="requests of about --input-len sent to each system before its sweep, not measured "
+                        "(handshakes, first transfers of the real size; default 4; fewer for long prompts on a "
+                        "slow host)")
     p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens per request")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
