@@ -50,15 +50,14 @@ from p2pkv.prefill.agents import Identity
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.pusher import Pusher
+from p2pkv.prefill.stream_ledger import KEEP_S, StreamLedger
 from p2pkv.prefill.stream_requests import check_stream_request
 from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 
 logger = logging.getLogger("p2pkv.prefill")
 
 MAX_PENDING = 4096
-"""Most destinations kept for requests not yet known here (more are answered ``busy``); as many declines."""
-DECLINED_KEEP_S = 600.0
-"""How long a stream declined before its request was known here is remembered (seconds)."""
+"""Most destinations kept for requests not yet known here (more are answered ``busy``)."""
 
 
 @dataclass
@@ -119,10 +118,8 @@ class PrefillStreams:
         self._live: dict[str, _Live] = {}  # prefill request id → its stream
         self._by_stream: dict[str, str] = {}  # stream id → prefill request id
         self._pending: dict[str, _Destination] = {}  # stream id → destination, request not known yet
-        self._served: dict[str, float] = {}  # stream id → its grant's expiry (time.time()): one destination each
+        self._ledger = StreamLedger(clock)  # stream ids served, declined or stopped
         self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
-        self._declined: dict[str, float] = {}  # stream id → until when: declined before its request was known
-        self._stopped: dict[str, tuple[float, str]] = {}  # stream id → (until when, why): ended with no destination
         self._tails: list[float] = []  # finished streams' waits after their last layer, until taken
         self._step: list[StreamChunk] = []
         self._prepared: P2pKvMetadata | None = None  # the step whose chunks were taken
@@ -145,15 +142,15 @@ class PrefillStreams:
             return "refused", checked
         stream_id = checked.grant.stream_id
         with self._lock:
-            self._forget_served(now)
-            if (stopped := self._stopped.get(stream_id)) is not None:
+            self._ledger.forget_expired(now)
+            if (stopped := self._ledger.stopped(stream_id)) is not None:
                 return "refused", (f"the prefill request of stream {stream_id} stopped before this destination "
-                                   f"came: {stopped[1]}")
-            if stream_id in self._served:
+                                   f"came: {stopped}")
+            if self._ledger.served(stream_id):
                 return "refused", f"stream {stream_id} already had a destination (a grant serves once)"
             if len(self._pending) >= MAX_PENDING:
                 return "busy", f"{MAX_PENDING} stream destinations already wait for their requests here"
-            self._served[stream_id] = checked.grant.expiry
+            self._ledger.serve(stream_id, checked.grant.expiry)
         loaded, why = self.pusher.hold_agent(checked.identity, msg.agent)
         if not loaded:
             return "refused", why
@@ -178,7 +175,7 @@ class PrefillStreams:
         (which answers ``unknown``) from a slow one (:mod:`p2pkv.decode.stream_watch`). Everything else is the
         holds' to answer."""
         with self._lock:
-            known = {rid for rid in request_ids if rid in self._served or rid in self._by_stream}
+            known = {rid for rid in request_ids if self._ledger.served(rid) or rid in self._by_stream}
         if not known:
             return self.holds.on_heartbeat(request_ids, extend_s, block_ids)
         rest = [i for i, rid in enumerate(request_ids) if rid not in known]
@@ -201,14 +198,12 @@ class PrefillStreams:
 
     def _decline(self, stream_id: str, requester: str) -> int:
         with self._lock:
-            if stream_id in self._served:  # it has a destination (or was declined already)
+            if self._ledger.served(stream_id):  # it has a destination (or was declined already)
                 return self._give_up(stream_id, requester)
             request_id = self._by_stream.get(stream_id)
-            if request_id is None:
-                if len(self._declined) >= MAX_PENDING:
-                    return 0
-                self._declined[stream_id] = self._clock() + DECLINED_KEEP_S
-            self._served[stream_id] = time.time() + DECLINED_KEEP_S
+            if request_id is None and not self._ledger.decline(stream_id):
+                return 0
+            self._ledger.serve(stream_id, time.time() + KEEP_S)
             if request_id is not None:
                 self.poster.abort(request_id, "the decode engine declined the stream (it loads nothing of it)")
         return 1
@@ -222,7 +217,7 @@ class PrefillStreams:
                 return 0
             del self._pending[stream_id]
             self.pusher.release_agent(pending.identity)
-            self._declined[stream_id] = self._clock() + DECLINED_KEEP_S
+            self._ledger.decline(stream_id)
             return 1
         request_id = self._by_stream.get(stream_id)
         live = self._live.get(request_id) if request_id is not None else None
@@ -230,11 +225,6 @@ class PrefillStreams:
             return 0
         self.poster.abort(request_id, "the decode rank gave the load up mid-stream (its request ended)")
         return 1
-
-    def _forget_served(self, now: float) -> None:
-        """Drop stream ids whose grants have expired (they can be served no more anyway). Lock held."""
-        for stream_id in [s for s, expiry in self._served.items() if expiry + 60 < now]:
-            del self._served[stream_id]
 
     def _attach(self, request_id: str, dest: _Destination) -> tuple[PushStatus, str]:
         """Give a known stream its destination (lock held): pinned first when its hold exists."""
@@ -286,7 +276,7 @@ class PrefillStreams:
         self.poster.add(chunk.request_id, stream)
         self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens)
         self._by_stream[chunk.stream_id] = chunk.request_id
-        if self._declined.pop(chunk.stream_id, None) is not None:
+        if self._ledger.take_decline(chunk.stream_id):
             self.poster.abort(chunk.request_id, "the decode engine declined the stream (it loads nothing of it)")
             return
         dest = self._pending.pop(chunk.stream_id, None)
@@ -359,8 +349,8 @@ class PrefillStreams:
                 self._by_stream.pop(live.stream_id, None)
                 if live.identity is not None:
                     self.pusher.release_agent(live.identity)
-                elif stream.failure is not None and len(self._stopped) < MAX_PENDING:  # refuse its destination now
-                    self._stopped[live.stream_id] = (now + DECLINED_KEEP_S, stream.failure)
+                elif stream.failure is not None:  # refuse its destination at once when it comes
+                    self._ledger.stop(live.stream_id, stream.failure)
                 if live.pinned:
                     self.holds.unpin(stream.request_id)
                 if live.hold_blocks is not None:
@@ -371,10 +361,7 @@ class PrefillStreams:
                 self.pusher.release_agent(self._pending.pop(stream_id).identity)
             for request_id in [r for r, t in self._ended_early.items() if now - t > self.holds.lease_s]:
                 del self._ended_early[request_id]
-            for stream_id in [s for s, until in self._declined.items() if until <= now]:
-                del self._declined[stream_id]
-            for stream_id in [s for s, (until, _) in self._stopped.items() if until <= now]:
-                del self._stopped[stream_id]
+            self._ledger.expire()
 
     def take_tails(self) -> list[float]:
         """The waits after the last layer (seconds, :attr:`p2pkv.prefill.streamer.StreamCounters.tail_s`) of the

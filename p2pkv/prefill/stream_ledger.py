@@ -1,0 +1,84 @@
+"""What a prefill rank remembers of stream ids besides its live streams: served, declined, stopped.
+
+A grant serves one destination (:mod:`p2pkv.grant`), so a rank remembers
+every stream id it took a destination for (or a decline of) until the
+grant has expired, refuses a second destination for it, and answers a
+decode rank's question whether it knows the stream
+(:mod:`p2pkv.decode.stream_watch`). A decline that comes before the
+stream's request is known here is kept until the request comes (its
+stream then stops with nothing written), and a stream that stopped before
+any destination came is kept so that a late destination is refused at
+once. Both are kept for :data:`KEEP_S` and at most :data:`MAX_KEPT` of
+each: a peer choosing stream ids cannot grow them without bound. Pure
+bookkeeping: the caller locks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+MAX_KEPT = 4096
+"""Most declines (and, apart, most stopped streams) kept at once; more are not remembered."""
+KEEP_S = 600.0
+"""How long a decline, or a stream stopped with no destination, is remembered (seconds)."""
+EXPIRED_KEEP_S = 60.0
+"""How long past its grant's expiry a served stream id is remembered (seconds; clocks differ that much)."""
+
+
+@dataclass
+class StreamLedger:
+    """Stream ids a prefill rank served, declined or stopped.
+
+    Attributes:
+        clock: monotonic seconds (declines and stops are kept on it).
+    """
+
+    clock: Callable[[], float]
+    _served: dict[str, float] = field(default_factory=dict)  # stream id → its grant's expiry (time.time())
+    _declined: dict[str, float] = field(default_factory=dict)  # stream id → until when (clock)
+    _stopped: dict[str, tuple[float, str]] = field(default_factory=dict)  # stream id → (until when, why)
+
+    def served(self, stream_id: str) -> bool:
+        """Whether ``stream_id`` had a destination (or a decline) here and its grant has not long expired."""
+        return stream_id in self._served
+
+    def serve(self, stream_id: str, expiry: float) -> None:
+        """``stream_id`` takes its destination, or is declined, now (``expiry``: ``time.time()`` seconds, its
+        grant's expiry, or how long a decline is kept)."""
+        self._served[stream_id] = expiry
+
+    def forget_expired(self, now: float) -> None:
+        """Drop served stream ids whose grants expired over :data:`EXPIRED_KEEP_S` before ``now``
+        (``time.time()`` seconds): they can be served no more anyway."""
+        for stream_id in [s for s, expiry in self._served.items() if expiry + EXPIRED_KEEP_S < now]:
+            del self._served[stream_id]
+
+    def decline(self, stream_id: str) -> bool:
+        """Keep a decline of ``stream_id`` until its request comes; False when :data:`MAX_KEPT` are kept."""
+        if len(self._declined) >= MAX_KEPT:
+            return False
+        self._declined[stream_id] = self.clock() + KEEP_S
+        return True
+
+    def take_decline(self, stream_id: str) -> bool:
+        """Whether ``stream_id`` was declined before its request came (forgotten now)."""
+        return self._declined.pop(stream_id, None) is not None
+
+    def stop(self, stream_id: str, why: str) -> None:
+        """``stream_id`` stopped before any destination came (``why``), kept if there is room."""
+        if len(self._stopped) < MAX_KEPT:
+            self._stopped[stream_id] = (self.clock() + KEEP_S, why)
+
+    def stopped(self, stream_id: str) -> str | None:
+        """Why ``stream_id`` stopped before any destination came, or None."""
+        entry = self._stopped.get(stream_id)
+        return None if entry is None else entry[1]
+
+    def expire(self) -> None:
+        """Forget the declines and stops kept over :data:`KEEP_S`."""
+        now = self.clock()
+        for stream_id in [s for s, until in self._declined.items() if until <= now]:
+            del self._declined[stream_id]
+        for stream_id in [s for s, (until, _) in self._stopped.items() if until <= now]:
+            del self._stopped[stream_id]
