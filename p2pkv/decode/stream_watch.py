@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from handshake import HoldsReply, query_holds
 from p2pkv.decode.background import Background
 from p2pkv.decode.fence import FENCE_EXTEND_S, Fence
+from p2pkv.decode.peers import PeerId
 from p2pkv.decode.transfer import Part
 
 PROBE_EVERY_S = 2.0
@@ -56,35 +57,37 @@ class StreamWatch:
         self.timeout_s = timeout_s
         self.every_s = every_s
         self._asked: dict[bytes, float] = {}  # push id → time.monotonic() of its last question
-        self._questions: list[tuple[Future, Part]] = []
+        self._questions: list[tuple[Future, list[Part]]] = []  # one question per prefill rank, its parts
 
     def ask(self, waiting: list[Part], now: float) -> None:
         """Ask about each of ``waiting`` (accepted streams not yet notified) whose last question is
-        :attr:`every_s` old and answered (the first :attr:`every_s` after ``pushed_at``)."""
-        busy = {part.push_id for _, part in self._questions}
+        :attr:`every_s` old and answered (the first :attr:`every_s` after ``pushed_at``): one question per
+        prefill rank, naming all of its due streams."""
+        busy = {part.push_id for _, parts in self._questions for part in parts}
         live = {part.push_id for part in waiting}
         self._asked = {pid: t for pid, t in self._asked.items() if pid in live}
+        due: dict[PeerId, list[Part]] = {}
         for part in waiting:
-            last = self._asked.get(part.push_id, part.pushed_at)
-            if part.push_id in busy or now - last < self.every_s:
-                continue
-            self._asked[part.push_id] = now
-            pid = part.peer_id
+            if part.push_id not in busy and now - self._asked.get(part.push_id, part.pushed_at) >= self.every_s:
+                self._asked[part.push_id] = now
+                due.setdefault(part.peer_id, []).append(part)
+        for pid, parts in due.items():
             future = self.background.call(
                 f"p2pkv-stream-probe-{pid.host}:{pid.port}", query_holds, pid.destination,
-                [part.transfer.spec.remote.request_id], [[]], self.engine_id, FENCE_EXTEND_S, secret=self.secret,
-                timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}")
-            self._questions.append((future, part))
+                [part.transfer.spec.remote.request_id for part in parts], [[] for _ in parts], self.engine_id,
+                FENCE_EXTEND_S, secret=self.secret, timeout_s=self.timeout_s,
+                link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}")
+            self._questions.append((future, parts))
 
     def gone(self) -> list[Part]:
         """The parts whose prefill rank answered that it does not know their stream (since the last call)."""
-        done = [(f, p) for f, p in self._questions if f.done()]
-        self._questions = [(f, p) for f, p in self._questions if not f.done()]
+        done = [(f, parts) for f, parts in self._questions if f.done()]
+        self._questions = [(f, parts) for f, parts in self._questions if not f.done()]
         out = []
-        for future, part in done:
+        for future, parts in done:
             if future.cancelled() or future.exception() is not None:
                 continue  # no answer proves nothing
             reply: HoldsReply = future.result()
-            if part.transfer.spec.remote.request_id in reply.unknown:
-                out.append(part)
+            unknown = set(reply.unknown)
+            out += [part for part in parts if part.transfer.spec.remote.request_id in unknown]
         return out
