@@ -362,7 +362,7 @@ def test_bench_serve_end_to_end(tiny_model: Path, tmp_path: Path, pair) -> None:
     shared, _ = pair
     out_json, out_png = tmp_path / "serve.json", tmp_path / "serve.png"
     cmd = [sys.executable, "-m", "p2pkv.tools.cli", "bench", "serve", "--model", str(tiny_model),
-           "--concurrency", "2", "--num-prompts", "4", "--input-len", "80", "--output-len", "6",
+           "--concurrency", "2", "--num-prompts", "4", "--warmup", "1", "--input-len", "80", "--output-len", "6",
            "--base-port", str(_free_base_port()), "--work-dir", str(tmp_path / "work"), "--prefill-probe",
            "--p2pkv-engines", f"{shared.url('prefill')},{shared.url('decode')}",
            "--aggregated-engine", shared.url("aggregated"), "--json", str(out_json), "--plot", str(out_png)]
