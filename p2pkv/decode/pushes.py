@@ -139,7 +139,8 @@ class Pushes:
         part.first_pushed_at = part.first_pushed_at or part.pushed_at
         self._open[part.push_id] = part
         first_block = spec.first_token // max(1, part.peer.info.layout.block_size)
-        block_ids, staging_addrs = list(spec.local_block_ids), []
+        block_ids = list(spec.local_block_ids)
+        staging_addrs: list[int] = []
         if part.stage is not None:
             block_ids = list(range(len(part.stage.read.remote_block_ids)))
             staging_addrs = [seg.addr for seg in part.stage.segments]
