@@ -53,9 +53,10 @@ def _direct(row: str) -> bool:
     return how == "direct" or (how == "paged" and prefill_side.tp_size == decode_side.tp_size)
 
 
-def _stream_and_check(row: str, tokens: int, first_token: int) -> None:
+def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cpu") -> None:
     """Stream a ``tokens``-token prompt from the row's prefill engine into its decode engine, which has the first
-    ``first_token`` tokens cached (a multiple of its block size), and compare the decode rank's blocks."""
+    ``first_token`` tokens cached (a multiple of its block size), both caches on ``device``, and compare the
+    decode rank's blocks."""
     prefill_side, decode_side, how = ROWS[row]
     loaded = tokens - 1  # the decode engine computes the last prompt token itself
     rng = np.random.default_rng(len(row) + tokens)
@@ -64,9 +65,9 @@ def _stream_and_check(row: str, tokens: int, first_token: int) -> None:
     all_local = block_ids(rng, -(-loaded // decode_side.block_size))
     local_ids = all_local[cached:]
     port = free_ports(1, run=prefill_side.tp_size)[0]
-    prefills = make_workers("prefill", prefill_side, port, "cpu", remote_ids, tokens, secret=SECRET,
+    prefills = make_workers("prefill", prefill_side, port, device, remote_ids, tokens, secret=SECRET,
                             stream_min_tokens=0)
-    (decode, base, _), = make_workers("decode", decode_side, free_ports(1, run=1)[0], "cpu", secret=SECRET)
+    (decode, base, _), = make_workers("decode", decode_side, free_ports(1, run=1)[0], device, secret=SECRET)
     try:
         grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
         stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
@@ -96,8 +97,11 @@ def _stream_and_check(row: str, tokens: int, first_token: int) -> None:
         # writes the same values there when it computes that token); a fixup moves only the tokens loaded.
         want, _ = make_cache(decode_side, 0, "cpu", all_local, tokens if _direct(row) else loaded)
         _zero_cached(want, decode_side, all_local[:cached])
-        assert torch.equal(base, want), "the decode blocks differ from the position codes of the tokens loaded"
-        assert decode.receiver.stager.idle, "the stream's staging was not given back"
+        assert torch.equal(base.cpu(), want), "the decode blocks differ from the position codes of the tokens loaded"
+        while not decode.receiver.stager.idle:  # on a GPU: given back once the fixup kernel has run
+            assert time.monotonic() < deadline, "the stream's staging was not given back"
+            decode.get_finished()
+            time.sleep(0.002)
         for rank, (prefill, _, _) in enumerate(prefills):  # every prefill rank frees the request: streamed or declined
             prefill.start_load_kv(P2pKvMetadata(send_leases={"p-req": time.monotonic() + 60},
                                                 send_blocks={"p-req": tuple(remote_ids)}))
@@ -124,6 +128,18 @@ def _zero_cached(cache: torch.Tensor, side: object, cached: list[int]) -> None:
 @pytest.mark.parametrize("row", STREAM_ROWS)
 def test_a_stream_between_engines_whose_pages_differ_lands_every_token_in_its_slot(row: str) -> None:
     _stream_and_check(row, tokens=150, first_token=0)
+
+
+GPU_STREAM_ROWS = ["block 16 -> 64", "HND -> NHD", "TP 2 -> 1, NHD", "cross-layer -> layer-compact",
+                   "MLA TP 2 -> TP 1, block 32 -> 16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row", GPU_STREAM_ROWS)
+def test_a_stream_between_engines_whose_pages_differ_lands_every_token_in_its_slot_on_cuda(row: str) -> None:
+    """The same in GPU memory: each layer WRITTEN once a CUDA event recorded after it completes, staging on the
+    GPU, the CUDA fixup."""
+    _stream_and_check(row, tokens=150, first_token=0, device="cuda")
 
 
 @pytest.mark.parametrize("row", FAN_OUT_ROWS)
