@@ -242,3 +242,51 @@ def test_pages_of_the_same_sizes_in_another_order_are_refused_without_staging(ag
     got = _check(agents, [], [0, 1], attn_layout="NHD")
     assert isinstance(got, str) and "attn_layout=NHD" in got and "staging_addrs" in got, got
     assert isinstance(_check(agents, [], [0, 1]), CheckedStream)
+
+
+def test_a_staged_stream_given_up_mid_way_gives_its_staging_back_once_the_prefill_stopped() -> None:
+    """A decode request aborted while its stream lands in staging: the prefill rank stops the stream and says so
+    once no WRITE is in flight, and the staging goes back then, not after the stream's whole window (60 s here);
+    no block of the decode rank was written."""
+    prefill_side, decode_side, _ = ROWS["block 16 -> 32"]
+    tokens = 150
+    loaded = tokens - 1
+    remote_ids = list(range(-(-tokens // prefill_side.block_size)))
+    local_ids = list(range(20, 20 + -(-loaded // decode_side.block_size)))
+    port = free_ports(1, run=1)[0]
+    (prefill, _, views), = make_workers("prefill", prefill_side, port, "cpu", remote_ids, tokens, secret=SECRET,
+                                        stream_min_tokens=0)
+    (decode, base, _), = make_workers("decode", decode_side, free_ports(1, run=1)[0], "cpu", secret=SECRET)
+    try:
+        grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
+        stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
+                                       now=time.time()).stream_id
+        digest = prompt_digest(list(range(loaded)))
+        step = P2pKvMetadata(streams=[StreamChunk("p-req", stream_id, 0, tuple(remote_ids), tokens, True, digest,
+                                                  loaded)])
+        remote = RemotePrefill("prefill", stream_id, "127.0.0.1", port, (), 1, num_tokens=loaded,
+                               prompt_digest=digest, transfer_mode="stream")
+        prefill.start_load_kv(step)
+        decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), remote, num_tokens=loaded,
+                                                           stream_grant=grant)]))
+        names = list(views)
+        prefill.save_kv_layer(names[0], step)  # one layer lands in staging
+        deadline = time.monotonic() + 10
+        while decode.receiver.stager.idle:
+            assert time.monotonic() < deadline, "the stream never took its staging"
+            decode.get_finished()
+            time.sleep(0.002)
+        time.sleep(0.2)
+        decode.start_load_kv(P2pKvMetadata(ended_streams=["d-req"]))  # vLLM aborted the request
+        finished: set[str] = set()
+        while not (decode.receiver.stager.idle and "d-req" in finished):
+            assert time.monotonic() < deadline, "the given-up stream's staging was held beyond the prefill's word"
+            finished |= decode.get_finished()[1]
+            time.sleep(0.002)
+        for name in names[1:]:
+            prefill.save_kv_layer(name, step)
+        prefill.wait_for_save()
+        assert not base.any(), "a given-up stream wrote into the decode blocks"
+    finally:
+        decode.shutdown()
+        prefill.shutdown()

@@ -45,18 +45,21 @@ class Drain:
         a READ NIXL cancels has ended; one it would not cancel, and a push (its
         prefill rank may still WRITE until its window has passed), drain until
         they end or their deadline passes. The staging of a part given up is
-        quarantined for as long as its mover says it may still land; unposted
-        staging is given back.
+        quarantined for as long as its mover says it may still land, or, where
+        its end proves that nothing more lands (a push's word:
+        :attr:`p2pkv.decode.movers.Mover.ended_frees_staging`), kept until it
+        drained; unposted staging is given back.
         """
         for read in transfer.parts:
             if not read.in_flight or read.direction is None:
                 continue
-            deadline, quarantine = self.movers[read.direction].give_up(read, time.monotonic())
+            mover = self.movers[read.direction]
+            deadline, quarantine = mover.give_up(read, time.monotonic())
             if deadline is not None:
                 transfer.draining += 1
                 self._parts.append((read, deadline))
             read.abandoned = True
-            if read.stage is not None:
+            if read.stage is not None and not (deadline is not None and mover.ended_frees_staging):
                 self.stager.quarantine(read.stage, quarantine)
                 read.stage = None
         release_unposted(transfer, self.stager)
@@ -70,6 +73,9 @@ class Drain:
                 keep.append((read, deadline))
                 continue
             read.transfer.draining -= 1
+            if read.stage is not None:  # kept while it drained (ended_frees_staging): nothing more lands
+                self.stager.release(read.stage)
+                read.stage = None
             if read.transfer.finished and not read.transfer.draining:
                 self.outcomes.report(read.transfer)
         self._parts = keep

@@ -46,11 +46,15 @@ class Mover(ABC):
             instead of dropping it and handshaking again.
         fallback: the direction that moves a part this mover cannot carry
             (:meth:`cannot_carry`); None: it carries every part.
+        ended_frees_staging: :meth:`ended` proves that nothing more lands in a given-up part's staging (a
+            push's notification or refusal), so that staging goes back then, not after a quarantine of the
+            part's whole window.
     """
 
     direction: Direction
     keeps_peer_on_failure: bool = False
     fallback: Direction | None = None
+    ended_frees_staging: bool = False
 
     def cannot_carry(self, part: Part) -> str | None:
         """Why this way cannot move ``part`` at all (then its :attr:`fallback` does), or None when it can."""
@@ -164,6 +168,7 @@ class PushMover(Mover):
     direction = Direction.PUSH
     keeps_peer_on_failure = True  # a failed push is reported by a live prefill rank
     fallback = Direction.PULL
+    ended_frees_staging = True  # the prefill rank notifies only once no WRITE of it is in flight
 
     def __init__(self, pushes: Pushes, stager: Stager) -> None:
         self.pushes = pushes
