@@ -164,3 +164,61 @@ def test_a_decode_leg_that_ends_frees_the_hold_its_prefill_leg_made_once_that_an
     (decode,) = proxy.decodes
     assert proxy.released == [{"held": decode["kv_transfer_params"][GRANT_KEY]}]
     assert proxy.streams.ended(decode) is None, "the prefill leg is forgotten once its decode leg ended"
+
+
+class OpenStream:
+    """A decode engine's stream opened but not yet answered (what ``run_decode(relay=False)`` returns): its events
+    come once ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.closed = False
+        self.url = "http://127.0.0.1:3/v1/completions"
+
+    async def aiter_raw(self):  # type: ignore[no-untyped-def]
+        await self.go.wait()
+        chunk = {"id": "cmpl-d", "object": "text_completion", "choices": [{"index": 0, "text": "x",
+                                                                            "finish_reason": "length"}]}
+        yield f"data: {json.dumps(chunk)}\n\ndata: [DONE]\n\n".encode()
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class Streaming(Answering):
+    """A stream proxy whose decode engine opens a stream at once and sends its events only when told."""
+
+    def __init__(self) -> None:
+        super().__init__(200)
+        self.stream = OpenStream()
+
+    async def _decode(self, client, url, path, body, headers, out_headers, relay, leg):  # type: ignore[override]
+        self.decodes.append(body)
+        return self.stream
+
+
+def test_a_decode_stream_that_has_only_opened_does_not_free_the_hold_its_stream_needs() -> None:
+    """A decode engine answers a streaming request's headers before it has sent its stream's destination (it
+    sends it once its scheduler has allocated the blocks); the prefill leg may answer meanwhile (a prompt in its
+    prefix cache). Freeing the hold then would stop the stream and fail the decode engine's load: the hold is
+    freed only once the decode stream has ended."""
+    proxy = Streaming()
+    assert proxy.streams is not None
+    proxy.streams.learn(URLS[0], _answer_params("p0", 7000))
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True, "temperature": 0}
+
+    async def run() -> tuple[list[Any], bytes]:
+        response = await proxy.stream_legs(None, "/v1/completions", body, {}, {})  # type: ignore[arg-type]
+        await asyncio.sleep(0.1)  # the prefill leg has answered (after 0.01 s)
+        before = list(proxy.released)
+        proxy.stream.go.set()
+        out = b"".join([chunk async for chunk in response.body_iterator])  # type: ignore[attr-defined]
+        while proxy._background:
+            await asyncio.sleep(0.01)
+        return before, out
+
+    before, out = asyncio.run(run())
+    assert before == [], "the hold was freed while the decode stream had only opened"
+    (decode,) = proxy.decodes
+    assert proxy.released == [{"held": decode["kv_transfer_params"][GRANT_KEY]}]
+    assert b'"text": "x"' in out and proxy.stream.closed

@@ -202,10 +202,11 @@ class Proxy:
         self.streams.started(params, task)
         return params
 
-    def _stream_ended(self, body: dict[str, Any]) -> None:
-        """The decode leg ``body`` of a streamed prompt ended (answered, or refused, unreachable, or the client went
-        away first): once its prefill leg has answered, the hold that answer names is freed
-        (:meth:`p2pkv.tools.proxy.stream.StreamLegs.ended`)."""
+    def decode_ended(self, body: dict[str, Any]) -> None:
+        """The decode leg ``body`` of a streamed prompt ended (answered to its last byte, or refused, unreachable,
+        or the client went away first): once its prefill leg has answered, the hold that answer names is freed
+        (:meth:`p2pkv.tools.proxy.stream.StreamLegs.ended`). Never earlier: a decode engine whose answer has only
+        begun may not have sent its stream's destination yet, and a hold freed first stops the stream."""
         prefill = self.streams.ended(body) if self.streams is not None else None
         if prefill is None:
             return
@@ -244,11 +245,12 @@ class Proxy:
                                          out_headers, leg=leg_of(trace, "decode"))  # type: ignore[return-value]
         prefill_leg = self.streams.prefill_leg(params) if self.streams is not None else None
         leg = leg_of(trace, "decode")
-        resp = await self.run_decode(client, path, {**sent, "kv_transfer_params": params}, headers, out_headers,
-                                     relay=False, leg=leg)
+        decode_body = {**sent, "kv_transfer_params": params}
+        resp = await self.run_decode(client, path, decode_body, headers, out_headers, relay=False, leg=leg)
         if isinstance(resp, Response) or prefill_leg is None:
             return resp  # type: ignore[return-value]  # an answer passed through (a 4xx), not a stream
-        return stream_hand_over(self, resp, prefill_leg, path, body, out_headers, leg, trace)
+        return stream_hand_over(self, resp, prefill_leg, path, body, out_headers, leg, trace,
+                                on_end=lambda: self.decode_ended(decode_body))
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], relay: bool = True,
@@ -260,6 +262,9 @@ class Proxy:
         context goes with the request (also as ``kv_transfer_params.traceparent``).
         It is ended here unless an open stream is returned: a relayed stream
         ends it after its last byte; with ``relay=False`` the caller ends it.
+        Likewise the leg's end (:meth:`decode_ended`): here for an answer read
+        whole or a failure, after the last byte of a relayed stream, and by the
+        caller after it closed a stream returned with ``relay=False``.
         """
         url = self.decode.next()
         if leg is not None:
@@ -267,14 +272,15 @@ class Proxy:
         try:
             resp = await self._decode(client, url, path, body, headers, out_headers, relay, leg)
         except BaseException as exc:
-            self._stream_ended(body)
+            self.decode_ended(body)
             if leg is not None:
                 leg.failed(exc)
                 leg.end()
             raise
-        self._stream_ended(body)
-        if leg is not None and isinstance(resp, Response) and not isinstance(resp, RelayedStream):
-            leg.end()
+        if isinstance(resp, Response) and not isinstance(resp, RelayedStream):
+            self.decode_ended(body)
+            if leg is not None:
+                leg.end()
         return resp
 
     async def _decode(self, client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any],
@@ -295,6 +301,7 @@ class Proxy:
 
             def relayed(seconds: float) -> None:
                 self.metrics.decode_seconds.observe(seconds, exemplar(leg))
+                self.decode_ended(body)
                 if leg is not None:
                     leg.end()
 

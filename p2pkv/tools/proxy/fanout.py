@@ -47,6 +47,8 @@ class Legs(Protocol):
 
     async def release(self, params_list: list[dict[str, Any]]) -> None: ...
 
+    def decode_ended(self, body: dict[str, Any]) -> None: ...
+
     def start_stream(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                      trace: RequestTrace | None = None, index: int = 0) -> dict[str, Any] | None: ...
 
@@ -196,6 +198,7 @@ class Batch:
                     await queue.put(err)
                 finally:
                     await resp.aclose()
+                    self.proxy.decode_ended({**body, "kv_transfer_params": params})
         except Skipped:
             pass
         finally:

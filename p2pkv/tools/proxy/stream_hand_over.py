@@ -32,7 +32,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -177,14 +177,16 @@ def _prefill_answer(prefill_leg: asyncio.Future) -> dict[str, Any] | None:
 
 def stream_hand_over(legs: DecodeLegs, resp: httpx.Response, prefill_leg: asyncio.Future, path: str,
                      body: dict[str, Any], out_headers: dict[str, str], leg: ProxySpan | None = None,
-                     trace: RequestTrace | None = None) -> StreamingResponse:
+                     trace: RequestTrace | None = None,
+                     on_end: Callable[[], None] | None = None) -> StreamingResponse:
     """The client's stream of a greedy layer-streamed request: the prefill engine's first token when it comes
     first, then the decode engine's stream ``resp`` (opened, asked with token ids) after that token.
 
     ``prefill_leg`` is the prompt's prefill leg (its answer: the prefill
     engine's JSON). ``leg``: the decode leg's span, ended here. The decode
     stream is closed (the decode engine aborts the request) when the first
-    token ends the answer, when the client leaves, and on a mismatch.
+    token ends the answer, when the client leaves, and on a mismatch;
+    ``on_end`` is called once it is closed (the decode leg has ended).
     """
     client_ids = body.get("return_token_ids") is True
 
@@ -221,6 +223,8 @@ def stream_hand_over(legs: DecodeLegs, resp: httpx.Response, prefill_leg: asynci
             with contextlib.suppress(BaseException):
                 await first_event
             await resp.aclose()
+            if on_end is not None:
+                on_end()
             legs.metrics.decode_seconds.observe(time.perf_counter() - sent, exemplar(leg))
             if leg is not None:
                 leg.end()
