@@ -5,6 +5,7 @@ a decode engine whose first token differs. Real engines: ``tests/test_e2e_first_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -254,3 +255,28 @@ def test_both_legs_are_asked_for_token_ids_only_when_the_token_may_be_handed_ove
         assert {e["id"] for e in events[:-1]} == {"cmpl-p"}, "the first token came from the prefill leg"
     assert metric(_text(proxy.metrics), "p2pkv_proxy_first_tokens_total", source="prefill" if handed else
                   "decode") == 1
+
+
+def test_a_client_gone_before_the_first_byte_closes_the_decode_stream_and_ends_the_leg_once() -> None:
+    """The client leaves before anything was sent: the decode stream is still closed (its engine aborts the
+    request) and the decode leg's end reported once (the proxy frees the prefill hold then)."""
+    decode = Decode(DECODED)  # never sends: its first event and the prefill's answer never come
+    ended: list[int] = []
+
+    async def run() -> None:
+        prefill: asyncio.Future = asyncio.get_running_loop().create_future()
+        response = stream_hand_over(Legs(), decode, prefill, COMPLETIONS, BODY, {},  # type: ignore[arg-type]
+                                    on_end=lambda: ended.append(1))
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()  # the server learns of the disconnect from the failed send
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            raise OSError("the client is gone")  # at the headers: the body is never read
+
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send), 5)
+
+    asyncio.run(run())
+    assert decode.closed and ended == [1]

@@ -35,8 +35,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 import httpx
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from p2pkv.tools.proxy.batch import sse_events
 from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, blocker, read_first_token, sse_event
@@ -175,6 +177,29 @@ def _prefill_answer(prefill_leg: asyncio.Future) -> dict[str, Any] | None:
     return answer if isinstance(answer, dict) else None
 
 
+class ClosingStream(StreamingResponse):
+    """A :class:`StreamingResponse` that runs ``on_close`` once it is over, however it ends: its last byte sent,
+    or the client gone, also before the body's first byte (when the body's own ``finally`` never runs).
+
+    Args:
+        content: the body.
+        on_close: closes what the body reads (idempotent); shielded from the cancellation a disconnect causes.
+        headers: extra response headers.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any],
+                 headers: dict[str, str] | None = None) -> None:
+        self.on_close = on_close
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
+
+
 def stream_hand_over(legs: DecodeLegs, resp: httpx.Response, prefill_leg: asyncio.Future, path: str,
                      body: dict[str, Any], out_headers: dict[str, str], leg: ProxySpan | None = None,
                      trace: RequestTrace | None = None,
@@ -185,10 +210,21 @@ def stream_hand_over(legs: DecodeLegs, resp: httpx.Response, prefill_leg: asynci
     ``prefill_leg`` is the prompt's prefill leg (its answer: the prefill
     engine's JSON). ``leg``: the decode leg's span, ended here. The decode
     stream is closed (the decode engine aborts the request) when the first
-    token ends the answer, when the client leaves, and on a mismatch;
-    ``on_end`` is called once it is closed (the decode leg has ended).
+    token ends the answer, when the client leaves (before the first byte
+    too), and on a mismatch; ``on_end`` is called once it is closed (the
+    decode leg has ended).
     """
     client_ids = body.get("return_token_ids") is True
+    closed = False
+
+    async def close() -> None:
+        nonlocal closed
+        if closed:
+            return
+        closed = True
+        await resp.aclose()
+        if on_end is not None:
+            on_end()
 
     async def stream() -> AsyncIterator[bytes]:
         sent = time.perf_counter()
@@ -222,14 +258,12 @@ def stream_hand_over(legs: DecodeLegs, resp: httpx.Response, prefill_leg: asynci
             first_event.cancel()
             with contextlib.suppress(BaseException):
                 await first_event
-            await resp.aclose()
-            if on_end is not None:
-                on_end()
+            await close()
             legs.metrics.decode_seconds.observe(time.perf_counter() - sent, exemplar(leg))
             if leg is not None:
                 leg.end()
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=out_headers)
+    return ClosingStream(stream(), close, headers=out_headers)
 
 
 async def _relayed(legs: DecodeLegs, writer: StreamedFirstTokenStream | None, first_event: asyncio.Future,
