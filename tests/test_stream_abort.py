@@ -217,15 +217,26 @@ def _wait_released(prefill: WorkerSide, request_id: str) -> None:
         time.sleep(0.01)
 
 
-def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_streams_whole() -> None:
+@contextlib.contextmanager
+def _first_layer_landed(window_s: float) -> Iterator[tuple[PrefillProc, DecodeSide]]:
+    """A prefill process streaming request ``p-1`` into a decode worker here (``d-1``, its stream's window
+    ``window_s``), its first layer landed; both stopped on exit."""
     pf = PrefillProc(free_port(), seed=3, num_blocks=NUM_BLOCKS, settings={"secret": SECRET, "stream_min_tokens": 0})
     pf.start()
-    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=3.0, handshake_timeout_s=1.0)
+    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=window_s, handshake_timeout_s=1.0)
     try:
         chunk, load = _stream("p-1", "d-1", pf.port)
         pf.call("stream", [chunk], ["layers.0"])
         decode.start(load)
         _wait_landed(decode, pf.expected()[list(SOURCE), 0:1], slice(0, 1))
+        yield pf, decode
+    finally:
+        decode.close()
+        pf.stop()
+
+
+def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_streams_whole() -> None:
+    with _first_layer_landed(3.0) as (pf, decode):
         pf.kill()
         missing = decode.pump({"d-1"}, 20.0)
         assert not missing, "a load from a dead prefill rank never ended"
@@ -239,9 +250,6 @@ def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_
         assert not decode.pump({"d-2"}, 20.0)
         assert decode.take_errors() == set()
         assert torch.equal(decode.base[list(TARGET)], pf.expected()[list(SOURCE)])
-    finally:
-        decode.close()
-        pf.stop()
 
 
 def test_a_stream_whose_prefill_restarts_mid_way_fails_at_once_not_at_its_window() -> None:
@@ -249,14 +257,7 @@ def test_a_stream_whose_prefill_restarts_mid_way_fails_at_once_not_at_its_window
     answers the decode rank's probe that it does not know the stream, so the load fails within seconds, and its
     blocks come back with nothing more written into them. Killed and not yet back, it proves nothing: the load
     waits on."""
-    pf = PrefillProc(free_port(), seed=3, num_blocks=NUM_BLOCKS, settings={"secret": SECRET, "stream_min_tokens": 0})
-    pf.start()
-    decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=120.0, handshake_timeout_s=1.0)
-    try:
-        chunk, load = _stream("p-1", "d-1", pf.port)
-        pf.call("stream", [chunk], ["layers.0"])
-        decode.start(load)
-        _wait_landed(decode, pf.expected()[list(SOURCE), 0:1], slice(0, 1))
+    with _first_layer_landed(120.0) as (pf, decode):
         pf.kill()
         assert decode.pump({"d-1"}, 5.0) == {"d-1"}, "a silent prefill rank was taken for a restarted one"
         pf.start(seed=4)
@@ -265,9 +266,6 @@ def test_a_stream_whose_prefill_restarts_mid_way_fails_at_once_not_at_its_window
         assert time.monotonic() - started < 20.0
         assert decode.take_errors() == set(TARGET), "a stream cut short must reach vLLM as load errors"
         assert not decode.base[list(TARGET), 1:].any(), "a layer landed after the stream was over"
-    finally:
-        decode.close()
-        pf.stop()
 
 
 def test_a_prompt_under_the_measured_threshold_lands_in_one_write_after_its_last_layer() -> None:

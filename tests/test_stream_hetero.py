@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -47,6 +48,31 @@ FAN_OUT_ROWS = ["TP 1 -> 2", "GQA 2 heads TP 1 -> TP 4 (replicated), HND", "CPU 
 """Pairs where several decode ranks read one prefill rank: refused with a message naming the fix."""
 
 
+@dataclass(frozen=True)
+class _Granted:
+    """One granted stream of prefill request ``p-req`` into decode request ``d-req``: the grant, the prefill's
+    step (one chunk, the whole prompt) and the decode leg's remote."""
+
+    grant: str
+    step: P2pKvMetadata
+    remote: RemotePrefill
+
+
+def _granted(remote_ids: list[int], tokens: int, port: int, tp_size: int) -> _Granted:
+    """A grant for any decode engine, for a ``tokens``-token prompt in prefill blocks ``remote_ids``, from the
+    prefill engine whose rank 0 serves ``port``; the decode engine loads all but the last token."""
+    loaded = tokens - 1
+    grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
+    stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
+                                   now=time.time()).stream_id
+    digest = prompt_digest(list(range(loaded)))
+    step = P2pKvMetadata(streams=[StreamChunk("p-req", stream_id, 0, tuple(remote_ids), tokens, True, digest,
+                                              loaded)])
+    remote = RemotePrefill("prefill", stream_id, "127.0.0.1", port, (), tp_size, num_tokens=loaded,
+                           prompt_digest=digest, transfer_mode="stream")
+    return _Granted(grant, step, remote)
+
+
 def _direct(row: str) -> bool:
     """Whether the row's stream lands in the decode blocks as it is (whole blocks), not through staging."""
     prefill_side, decode_side, how = ROWS[row]
@@ -69,22 +95,15 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
                             stream_min_tokens=0)
     (decode, base, _), = make_workers("decode", decode_side, free_ports(1, run=1)[0], device, secret=SECRET)
     try:
-        grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
-        stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
-                                       now=time.time()).stream_id
-        digest = prompt_digest(list(range(loaded)))
-        step = P2pKvMetadata(streams=[StreamChunk("p-req", stream_id, 0, tuple(remote_ids), tokens, True, digest,
-                                                  loaded)])
-        remote = RemotePrefill("prefill", stream_id, "127.0.0.1", port, (), prefill_side.tp_size, num_tokens=loaded,
-                               prompt_digest=digest, transfer_mode="stream")
+        granted = _granted(remote_ids, tokens, port, prefill_side.tp_size)
         for prefill, _, _ in prefills:
-            prefill.start_load_kv(step)
-        decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), remote,
+            prefill.start_load_kv(granted.step)
+        decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), granted.remote,
                                                            first_token=first_token, num_tokens=loaded,
-                                                           stream_grant=grant)]))
+                                                           stream_grant=granted.grant)]))
         for prefill, _, views in prefills:
             for name in views:
-                prefill.save_kv_layer(name, step)
+                prefill.save_kv_layer(name, granted.step)
             prefill.wait_for_save()
         deadline = time.monotonic() + 20
         while "d-req" not in decode.get_finished()[1]:
@@ -149,15 +168,10 @@ def test_a_stream_that_two_decode_ranks_would_read_from_one_prefill_rank_is_refu
                             secret=SECRET)
     decodes = make_workers("decode", decode_side, free_ports(1, run=decode_side.tp_size)[0], "cpu", secret=SECRET)
     try:
-        grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
-        digest = prompt_digest(list(range(31)))
-        stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
-                                       now=time.time()).stream_id
-        remote = RemotePrefill("prefill", stream_id, "127.0.0.1", prefills[0][0].port, (),
-                               prefill_side.tp_size, num_tokens=31, prompt_digest=digest, transfer_mode="stream")
+        granted = _granted([], 32, prefills[0][0].port, prefill_side.tp_size)
         decode = decodes[0][0]
-        decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", (0, 1), (), remote, num_tokens=31,
-                                                           stream_grant=grant)]))
+        decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", (0, 1), (), granted.remote, num_tokens=31,
+                                                           stream_grant=granted.grant)]))
         deadline = time.monotonic() + 20
         while "d-req" not in decode.get_finished()[1]:
             assert time.monotonic() < deadline, "the refused stream never ended"
@@ -258,17 +272,11 @@ def test_a_staged_stream_given_up_mid_way_gives_its_staging_back_once_the_prefil
                                         stream_min_tokens=0)
     (decode, base, _), = make_workers("decode", decode_side, free_ports(1, run=1)[0], "cpu", secret=SECRET)
     try:
-        grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
-        stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
-                                       now=time.time()).stream_id
-        digest = prompt_digest(list(range(loaded)))
-        step = P2pKvMetadata(streams=[StreamChunk("p-req", stream_id, 0, tuple(remote_ids), tokens, True, digest,
-                                                  loaded)])
-        remote = RemotePrefill("prefill", stream_id, "127.0.0.1", port, (), 1, num_tokens=loaded,
-                               prompt_digest=digest, transfer_mode="stream")
+        granted = _granted(remote_ids, tokens, port, 1)
+        step = granted.step
         prefill.start_load_kv(step)
-        decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), remote, num_tokens=loaded,
-                                                           stream_grant=grant)]))
+        decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), granted.remote,
+                                                           num_tokens=loaded, stream_grant=granted.grant)]))
         names = list(views)
         prefill.save_kv_layer(names[0], step)  # one layer lands in staging
         deadline = time.monotonic() + 10
