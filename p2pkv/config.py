@@ -25,6 +25,9 @@ MIN_SECRET_BYTES = 16
 MAX_STREAM_TIMEOUT_S = 3600.0
 """The longest ``stream_timeout_s`` (seconds): the most a side-channel stream request's ``window_s`` may say."""
 
+MAX_LINK_SHARE = 100.0
+"""The largest ``stream_min_link_share`` (a layer's link time over its forward time)."""
+
 MAKE_SECRET = 'python -c "import secrets; print(secrets.token_hex(32))"'
 """A command that prints a good secret (64 hex characters)."""
 
@@ -177,6 +180,17 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             kind (:data:`p2pkv.prefill.streams.MEASURED_MIN_TOKENS`: 128
             tokens for a per-layer cache, 512 for a cross-layer one,
             docs/benchmarks/stream-threshold-cpu.md); 0: every one streams.
+        stream_min_link_share: prefill side, the link rule: a layer-streamed
+            request goes as one WRITE after its prefill's last layer when
+            its decode rank's link (measured from earlier streams to it)
+            moves one layer's bytes in less than this share of the time the
+            forward takes to compute that layer (measured from the layers'
+            ``save_kv_layer`` times): there is next to nothing to hide, and
+            a WRITE per layer costs CPU beside the forward. 0: every request
+            streams layer by layer. Until both speeds are measured, and on
+            GPUs (the forward's time is not measured there), requests
+            stream layer by layer (:mod:`p2pkv.prefill.stream_measures`,
+            docs/streaming.md).
         staging_mib: staging memory (MiB, on the KV cache's device) a
             decode worker allocates, on its first pull from a peer with
             another block size, HND/NHD order or TP size, to receive whole
@@ -249,6 +263,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stream_idle_wait_s: float = 0.02
     stream_poll_interval_s: float = 0.001
     stream_min_tokens: int = -1
+    stream_min_link_share: float = 0.1
     stream_timeout_s: float = 0.0
     max_peers: int = 256
     peer_idle_s: float = 600.0
@@ -365,6 +380,9 @@ def _check_settings(config: P2pKvConfig) -> None:
     if not -1 <= config.stream_min_tokens < 1 << 31:
         raise ConfigError("stream_min_tokens must be a whole number of tokens >= 0 (-1: as measured for the "
                           f"cache's kind), got {config.stream_min_tokens!r}")
+    if not 0 <= config.stream_min_link_share <= MAX_LINK_SHARE:
+        raise ConfigError(f"stream_min_link_share must be 0 (every request streams layer by layer) .. "
+                          f"{MAX_LINK_SHARE:g}, got {config.stream_min_link_share!r}")
     if not 0 <= config.stream_timeout_s <= MAX_STREAM_TIMEOUT_S:
         raise ConfigError(f"stream_timeout_s must be 0 (transfer_timeout_s) .. {MAX_STREAM_TIMEOUT_S:g} seconds, got "
                           f"{config.stream_timeout_s}")

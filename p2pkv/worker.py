@@ -148,7 +148,8 @@ class WorkerSide:
             source = f"this rank's KV layout cannot be streamed layer by layer ({exc}); send without a grant (push)"
         self.streams = PrefillStreams(self.engine_id, self.agent, self.holds, self.pusher, source,
                                       layer_indices(tensors), secret, on_gpu=mem_type == "VRAM",
-                                      min_tokens=self.config.stream_min_tokens)
+                                      min_tokens=self.config.stream_min_tokens,
+                                      min_link_share=self.config.stream_min_link_share)
         if secret is None:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
                            "reaches it can read this engine's KV cache", self.host, self.port)
@@ -287,7 +288,7 @@ class WorkerSide:
                 self.stats.record_pushes(now, self._pushes_seen)
                 self._pushes_seen = now
             if self.streams is not None:
-                self.stats.data["stream_tail_seconds"].extend(self.streams.take_tails())
+                self.stats.data["stream_tail_seconds"].extend(self.streams.measures.take_tails())
             return self.stats.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -33,6 +33,8 @@ def test_config_defaults_env_and_extra_config() -> None:
     ({"stream_poll_interval_s": 0}, "stream_poll_interval_s"),
     ({"stream_min_tokens": -2}, "stream_min_tokens"),
     ({"stream_min_tokens": 1.5}, "stream_min_tokens"),
+    ({"stream_min_link_share": -0.1}, "stream_min_link_share"),
+    ({"stream_min_link_share": 101}, "stream_min_link_share"),
     ({"side_channel_max_handshakes": 0}, "side_channel_max_handshakes"),
     ({"side_channel_max_connections": 8}, "side_channel_max_connections"),  # under max_handshakes (64)
 ])

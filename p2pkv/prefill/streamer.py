@@ -119,6 +119,8 @@ class StreamTarget:
         push_id: names the stream in its "pushed" notification (16–32 bytes).
         deadline: when the decode rank gives the load up (its window; seconds on the stream's ``clock``):
             nothing is posted from then on (the stream stops as by :meth:`LayerStream.abort`).
+        whole: every layer goes in one WRITE after the last (the link is fast against the forward:
+            :meth:`p2pkv.prefill.stream_measures.StreamMeasures.per_layer`), as for a ``bulk`` stream.
     """
 
     agent: str
@@ -127,6 +129,7 @@ class StreamTarget:
     first_block: int
     push_id: bytes
     deadline: float = math.inf
+    whole: bool = False
 
 
 @dataclass
@@ -148,6 +151,9 @@ class StreamCounters:
         last_ready: its last layer's values seen in memory (its ready test passed, or
             posted without one), at most a poll after they were.
         notified: the decode rank told (its final WRITE seen done, or the word sent alone).
+        busy_s: seconds some WRITE of the stream was in flight (from a post while none was, to the poll that saw
+            the last one done): with :attr:`bytes`, the link's speed as the stream saw it.
+        busy_since: when the WRITEs in flight began to be (None: none is).
     """
 
     writes: int = 0
@@ -159,6 +165,8 @@ class StreamCounters:
     last_ready: float | None = None
     notified: float | None = None
     layers_posted: list[int] = field(default_factory=list)
+    busy_s: float = 0.0
+    busy_since: float | None = None
 
     @property
     def tail_s(self) -> float | None:
@@ -249,6 +257,7 @@ class LayerStream:
                              "engines with the same block size, page order and heads")
         check_block_ids(target.block_ids, target.side.num_blocks, "decode")
         self._target = target
+        self.bulk = self.bulk or target.whole
         if self.state is StreamState.WAITING:
             self.state = StreamState.STREAMING
 
@@ -323,6 +332,7 @@ class LayerStream:
         c.bytes += xfer.num_bytes
         c.descriptors += int(source.shape[0])
         c.first_post = now if c.first_post is None else c.first_post
+        c.busy_since = now if c.busy_since is None else c.busy_since
         c.last_post = now
         c.layers_posted.extend(sorted({chunk.layer for chunk in ready}))
 
@@ -352,6 +362,10 @@ class LayerStream:
                 raise
             if done:
                 self._inflight.remove(entry)
+        c = self.counters
+        if not self._inflight and c.busy_since is not None:
+            c.busy_s += self.clock() - c.busy_since
+            c.busy_since = None
         if self._notify_with_write and not self._inflight and not self._waiting:
             self._ended()
 

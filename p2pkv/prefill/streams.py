@@ -51,6 +51,7 @@ from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_ledger import KEEP_S, StreamLedger
+from p2pkv.prefill.stream_measures import StreamMeasures, layer_block_bytes
 from p2pkv.prefill.stream_requests import check_stream_request
 from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 
@@ -97,12 +98,15 @@ class PrefillStreams:
         on_gpu: the cache is in GPU memory (a layer is WRITTEN once a CUDA event recorded after it completes).
         min_tokens: a request whose decode engine loads fewer prompt tokens goes as one WRITE after its last
             layer (``stream_min_tokens``; 0: every one streams layer by layer; -1: :func:`measured_min_tokens`).
+        min_link_share: the link rule's threshold (``stream_min_link_share``,
+            :class:`p2pkv.prefill.stream_measures.StreamMeasures`; 0: every request streams layer by layer).
         clock: monotonic seconds.
     """
 
     def __init__(self, engine_id: str, agent: NixlTransferAgent, holds: PrefillHolds, pusher: Pusher,
                  source: StreamSide | str, layer_of: dict[str, int], secret: bytes | None, *, on_gpu: bool = False,
-                 min_tokens: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+                 min_tokens: int = 0, min_link_share: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engine_id = engine_id
         self.agent = agent
         self.holds = holds
@@ -113,6 +117,8 @@ class PrefillStreams:
         self._on_gpu = on_gpu
         self._min_tokens = min_tokens if min_tokens >= 0 else measured_min_tokens(source)
         self._clock = clock
+        block_bytes = layer_block_bytes(source) if isinstance(source, StreamSide) else 0.0
+        self.measures = StreamMeasures(0.0 if on_gpu else min_link_share, block_bytes, clock)
         self.poster = StreamPoster(agent.progress)
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}  # prefill request id → its stream
@@ -120,7 +126,6 @@ class PrefillStreams:
         self._pending: dict[str, _Destination] = {}  # stream id → destination, request not known yet
         self._ledger = StreamLedger(clock)  # stream ids served, declined or stopped
         self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
-        self._tails: list[float] = []  # finished streams' waits after their last layer, until taken
         self._step: list[StreamChunk] = []
         self._prepared: P2pKvMetadata | None = None  # the step whose chunks were taken
         self._seen: set[int] = set()  # layers vLLM reported done this step
@@ -156,7 +161,7 @@ class PrefillStreams:
             return "refused", why
         deadline = self._clock() + checked.window_s  # the decode rank gives the load up then: no WRITE after it
         target = StreamTarget(msg.agent.agent_name, checked.side, tuple(msg.block_ids), msg.first_block,
-                              msg.push_id, deadline)
+                              msg.push_id, deadline, not self.measures.per_layer(_rank_name(checked.identity)))
         dest = _Destination(target, checked.identity, msg.num_tokens, msg.prompt_digest, deadline)
         with self._lock:
             request_id = self._by_stream.get(stream_id)
@@ -309,6 +314,7 @@ class PrefillStreams:
         if layer is None:
             return
         self._seen.add(layer)
+        self.measures.layer_done()
         ready = None
         if self._on_gpu:
             import torch
@@ -330,18 +336,18 @@ class PrefillStreams:
                                   f"done in a step (save_kv_layer; first missing: layer {min(missing)})")
             elif chunk.last:
                 self.poster.finish(chunk.request_id)
+        self.measures.step_ended(sum(len(chunk.block_ids) for chunk in self._step))
         self._step = []
 
     def collect(self) -> None:
         """Streams that ended: their decode agents released, their holds unpinned and released (or, not made
         yet, released when made), the ids of those stopped before any destination came kept so that a late one is
         refused at once (the decode rank fails its load then, not at its window); destinations whose window
-        passed unclaimed dropped; the waits after the last layer of those that landed kept for :meth:`take_tails`.
+        passed unclaimed dropped; what those that landed measured given to :attr:`measures`.
         Before the holds' ``released``."""
         now = self._clock()
         ended = self.poster.take_ended()
         with self._lock:
-            self._tails.extend(t for s in ended if s.failure is None and (t := s.counters.tail_s) is not None)
             for stream in ended:
                 live = self._live.pop(stream.request_id, None)
                 if live is None:
@@ -349,6 +355,7 @@ class PrefillStreams:
                 self._by_stream.pop(live.stream_id, None)
                 if live.identity is not None:
                     self.pusher.release_agent(live.identity)
+                    self.measures.ended(stream, _rank_name(live.identity))
                 elif stream.failure is not None:  # refuse its destination at once when it comes
                     self._ledger.stop(live.stream_id, stream.failure)
                 if live.pinned:
@@ -362,13 +369,6 @@ class PrefillStreams:
             for request_id in [r for r, t in self._ended_early.items() if now - t > self.holds.lease_s]:
                 del self._ended_early[request_id]
             self._ledger.expire()
-
-    def take_tails(self) -> list[float]:
-        """The waits after the last layer (seconds, :attr:`p2pkv.prefill.streamer.StreamCounters.tail_s`) of the
-        streams that landed whole since the last call."""
-        with self._lock:
-            tails, self._tails = self._tails, []
-        return tails
 
     def holds_ended(self, request_ids: set[str]) -> None:
         """These holds ended (a lease ran out before any destination came): their streams stop."""
