@@ -25,9 +25,10 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from p2pkv.tools.proxy.batch import StreamMerger, merge_completions, sse_events
+from p2pkv.tools.proxy.closing import ClosingStream
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, leg_of
 from p2pkv.tools.proxy.upstream import UpstreamError
@@ -209,8 +210,10 @@ class Batch:
     async def stream(self, bodies: list[dict[str, Any]]) -> Response:
         """Every prompt's decode stream merged into one (see :class:`StreamMerger`), pairs bounded.
 
-        Returns once a decode stream opened. Raises UpstreamError: a pair failed first (the others are stopped and
-        waited for, their holds freed).
+        Returns once a decode stream opened. However the answer ends (its last byte sent, or the client gone, before
+        its first byte too), the pairs still running are stopped: their decode streams closed (the engines abort
+        the requests), their legs reported ended. Raises UpstreamError: a pair failed first (the others are stopped
+        and waited for, their holds freed).
         """
         merger, queue_ = StreamMerger(), asyncio.Queue()
         tasks = [asyncio.create_task(self._stream_pair(i, b, queue_, merger)) for i, b in enumerate(bodies)]
@@ -236,20 +239,20 @@ class Batch:
 
         async def body() -> AsyncIterator[bytes]:
             ended = done
-            try:
-                while ended < len(tasks):
-                    item = await queue_.get()
-                    if item is _DONE:
-                        ended += 1
-                    elif isinstance(item, UpstreamError):
-                        if item.backend_failed:
-                            metrics.errors.labels(item.stage).inc()
-                        yield _event(item.payload())
-                    elif isinstance(item, bytes):
-                        yield item
-                yield merger.end()
-            finally:
-                for t in tasks:
-                    t.cancel()
+            while ended < len(tasks):
+                item = await queue_.get()
+                if item is _DONE:
+                    ended += 1
+                elif isinstance(item, UpstreamError):
+                    if item.backend_failed:
+                        metrics.errors.labels(item.stage).inc()
+                    yield _event(item.payload())
+                elif isinstance(item, bytes):
+                    yield item
+            yield merger.end()
 
-        return StreamingResponse(body(), media_type="text/event-stream", headers=self.out_headers)
+        async def stop_pairs() -> None:  # however the answer ended: the client gone before its first byte too
+            for t in tasks:
+                t.cancel()
+
+        return ClosingStream(body(), stop_pairs, headers=self.out_headers)

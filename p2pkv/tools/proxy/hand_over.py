@@ -3,16 +3,16 @@ continuation after it (what :mod:`p2pkv.tools.proxy.first_token` decides and rew
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from p2pkv.tools.proxy.batch import sse_events
+from p2pkv.tools.proxy.closing import ClosingStream
 from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, decode_body
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar, leg_of
@@ -39,17 +39,22 @@ def hand_over_stream(legs: DecodeLegs, client: httpx.AsyncClient, path: str, bod
 
     A decode leg that fails after the first token went out ends the stream
     with an error event; the prefill hold is freed when the decode engine
-    was never asked (the client left, the leg could not start, or
-    ``first`` ended the answer). With ``trace``, span
+    was never asked (the client left, before the first byte too, the leg
+    could not start, or ``first`` ended the answer). With ``trace``, span
     ``p2pkv.proxy.first_token`` lasts from the prefill answer to the first
     token's bytes handed to the client.
     """
     writer = FirstTokenStream(path, body, first)
     continuation = decode_body(path, body, first, params, legs.secret)
     hand_over = None if trace is None else trace.first_token(params, first.finish_reason)
+    asked = False
+
+    async def release_unless_asked() -> None:
+        if not asked:
+            await legs.release([params])
 
     async def stream() -> AsyncIterator[bytes]:
-        asked = False
+        nonlocal asked
         span = None
         try:
             yield writer.opening()
@@ -92,7 +97,5 @@ def hand_over_stream(legs: DecodeLegs, client: httpx.AsyncClient, path: str, bod
             for ended in (hand_over, span):
                 if ended is not None:
                     ended.end()
-            if not asked:
-                await asyncio.shield(legs.release([params]))
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=out_headers)
+    return ClosingStream(stream(), release_unless_asked, headers=out_headers)

@@ -35,12 +35,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import anyio
 import httpx
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from p2pkv.tools.proxy.batch import sse_events
+from p2pkv.tools.proxy.closing import ClosingStream
 from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, blocker, read_first_token, sse_event
 from p2pkv.tools.proxy.hand_over import DecodeLegs
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar
@@ -175,29 +174,6 @@ def _prefill_answer(prefill_leg: asyncio.Future) -> dict[str, Any] | None:
         return None
     answer = prefill_leg.result()
     return answer if isinstance(answer, dict) else None
-
-
-class ClosingStream(StreamingResponse):
-    """A :class:`StreamingResponse` that runs ``on_close`` once it is over, however it ends: its last byte sent,
-    or the client gone, also before the body's first byte (when the body's own ``finally`` never runs).
-
-    Args:
-        content: the body.
-        on_close: closes what the body reads (idempotent); shielded from the cancellation a disconnect causes.
-        headers: extra response headers.
-    """
-
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Any],
-                 headers: dict[str, str] | None = None) -> None:
-        self.on_close = on_close
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.on_close()
 
 
 def stream_hand_over(legs: DecodeLegs, resp: httpx.Response, prefill_leg: asyncio.Future, path: str,
