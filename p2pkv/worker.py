@@ -40,7 +40,7 @@ from p2pkv.prefill.spans import emit_hold_span
 from p2pkv.prefill.stream_requests import stream_side
 from p2pkv.prefill.streamer import StreamSide
 from p2pkv.prefill.streams import PrefillStreams, layer_indices
-from p2pkv.telemetry.stats import StatsBuffer
+from p2pkv.telemetry.stats import StatsBuffer, add_counts
 from p2pkv.telemetry.tracing import Tracing, traces_endpoint
 
 logger = logging.getLogger("p2pkv.worker")
@@ -289,6 +289,7 @@ class WorkerSide:
                 self._pushes_seen = now
             if self.streams is not None:
                 self.stats.data["stream_tail_seconds"].extend(self.streams.measures.take_tails())
+                add_counts(self.stats.data["streams_landed"], self.streams.measures.take_landed())
             return self.stats.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

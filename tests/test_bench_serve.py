@@ -216,13 +216,16 @@ def test_prefill_latency_from_scrapes_and_the_probes_stream() -> None:
     assert pre["engine_ttft"]["count"] == 10 and pre["engine_ttft"]["mean_ms"] == pytest.approx(20.0)
     assert pre["engine_ttft"]["p99_ms"] == pytest.approx(20.0)  # in the +Inf bucket: the last finite bound
     assert pre["engine_queue_mean_ms"] == pytest.approx(0.5)
-    assert pre["stream_tail"] is None, "an engine that streamed nothing (or not p2pkv's)"
+    assert pre["stream_tail"] is None and pre["streams"] == {}, "an engine that streamed nothing (or not p2pkv's)"
     streamed = parse_prometheus('p2pkv:stream_tail_seconds_bucket{engine="0",le="0.1"} 1\n'
                                 'p2pkv:stream_tail_seconds_bucket{engine="0",le="0.25"} 2\n'
                                 'p2pkv:stream_tail_seconds_bucket{engine="0",le="+Inf"} 2\n'
                                 'p2pkv:stream_tail_seconds_count{engine="0"} 2\n'
-                                'p2pkv:stream_tail_seconds_sum{engine="0"} 0.3\n')
+                                'p2pkv:stream_tail_seconds_sum{engine="0"} 0.3\n'
+                                'p2pkv:streams_landed_total{engine="0",how="per_layer"} 1\n'
+                                'p2pkv:streams_landed_total{engine="0",how="whole"} 1\n')
     assert prefill_latency(streamed, None)["stream_tail"]["mean_ms"] == pytest.approx(150.0)
+    assert prefill_latency(streamed, None)["streams"] == {"per_layer": 1, "whole": 1}
     assert prefill_latency(None, None) is None
 
     ticks = iter([1.010, 1.012, 1.030])  # three chunks with text after the request was sent at 1.000

@@ -87,6 +87,7 @@ def test_what_measures_nothing_changes_nothing() -> None:
     measures.ended(_landed(num_bytes=0, busy_s=0.0), RANK)  # nothing in flight (a prompt the decode has cached)
     assert measures._forward_s is None and measures._link_bps == {}
     assert measures.take_tails() == [pytest.approx(0.5)], "only a stream that landed gives its tail"
+    assert measures.take_landed() == {"per_layer": 1, "whole": 0} and measures.take_landed()["per_layer"] == 0
 
 
 def test_the_speeds_are_exponentially_weighted_means() -> None:
@@ -140,3 +141,4 @@ def test_the_next_stream_to_a_measured_rank_goes_as_the_link_rule_says(agents: A
         second = _stream_one(rig, layer_s=0.02)
         assert second.counters.writes == (LAYERS if per_layer else 1)
         assert second.bulk is not per_layer
+        assert rig.streams.measures.take_landed() == {"per_layer": 1 + per_layer, "whole": int(not per_layer)}

@@ -81,6 +81,7 @@ class StreamMeasures:
         self._forward_s: float | None = None  # forward seconds per block of one layer
         self._link_bps: OrderedDict[str, float] = OrderedDict()  # decode rank → bytes per second
         self._tails: list[float] = []
+        self._landed = {"per_layer": 0, "whole": 0}
 
     def layer_done(self) -> None:
         """vLLM reported a layer of a step with streamed blocks done (engine thread)."""
@@ -98,11 +99,13 @@ class StreamMeasures:
 
     def ended(self, stream: LayerStream, rank: str) -> None:
         """``stream`` to decode rank ``rank`` (``<engine id>:<tp rank>``) has ended: one that landed whole gives
-        its wait after the last layer and, where it had a WRITE in flight, its link's speed."""
+        its wait after the last layer, how its bytes went (:meth:`take_landed`) and, where it had a WRITE in
+        flight, its link's speed."""
         if stream.failure is not None:
             return
         counters = stream.counters
         with self._lock:
+            self._landed["whole" if stream.bulk else "per_layer"] += 1
             if (tail := counters.tail_s) is not None:
                 self._tails.append(tail)
             if counters.bytes > 0 and counters.busy_s > 0:
@@ -127,6 +130,13 @@ class StreamMeasures:
             return True
         share = self.share(rank)
         return share is None or share >= self.min_share
+
+    def take_landed(self) -> dict[str, int]:
+        """Streams that landed whole since the last call, by how their bytes went: ``per_layer`` (a WRITE per
+        layer) or ``whole`` (one WRITE after the last layer: a short prompt, or the link rule)."""
+        with self._lock:
+            landed, self._landed = self._landed, {"per_layer": 0, "whole": 0}
+        return landed
 
     def take_tails(self) -> list[float]:
         """The waits after the last layer (seconds, :attr:`p2pkv.prefill.streamer.StreamCounters.tail_s`) of the

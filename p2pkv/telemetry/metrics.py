@@ -27,7 +27,11 @@ engine's ``/metrics``:
 - on a prefill engine in stream mode (:mod:`p2pkv.prefill.streams`):
   ``p2pkv:stream_tail_seconds`` (histogram: each stream that landed whole,
   from its last layer computed to the decode rank told: the wait after the
-  last layer streaming adds to the first token).
+  last layer streaming adds to the first token) and
+  ``p2pkv:streams_landed_total{how=per_layer|whole}`` (counter: those
+  streams by how their bytes went: a WRITE per layer, or one WRITE after the
+  last layer, for a short prompt or by the link rule of
+  :mod:`p2pkv.prefill.stream_measures`).
 """
 
 from __future__ import annotations
@@ -148,6 +152,11 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
             "prefill's last layer computed to the decode engine told (its WRITEs after that layer), seconds",
             buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
             labelnames=labelnames))
+        self.streams_landed = self._counter_cls(
+            name="p2pkv:streams_landed", documentation="Layer streams this prefill engine landed whole, by how "
+            "their bytes went: per_layer (a WRITE per layer during the prefill) or whole (one WRITE after the last "
+            "layer: a prompt under stream_min_tokens, or a link fast against the forward)",
+            labelnames=[*labelnames, "how"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -182,6 +191,8 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
             self.push_requests.labels(*labels, status).inc(n)
         for outcome, n in data.get("push_writes", {}).items():
             self.push_writes.labels(*labels, outcome).inc(n)
+        for how, n in data.get("streams_landed", {}).items():
+            self.streams_landed.labels(*labels, how).inc(n)
         if data.get("push_bytes"):
             self.push_bytes[engine_idx].inc(data["push_bytes"])
         if data.get("push_agents_unloaded"):

@@ -17,10 +17,12 @@ after its last layer (seconds: :attr:`p2pkv.prefill.streamer.StreamCounters.tail
 COUNT_KEYS = ("leases_expired", "leases_notified", "push_bytes", "push_agents_unloaded")
 """Plain counts: held prefill requests released by expiry / by notification; bytes this prefill rank WRITE
 into decode ranks (push mode), and decode agents it removed from NIXL (idle or broken)."""
-DICT_KEYS = ("failures", "transports", "directions", "push_requests", "push_writes")
+DICT_KEYS = ("failures", "transports", "directions", "push_requests", "push_writes", "streams_landed")
 """Counts by label: failed pulls by kind; peers by ``"<mem_type>:<transport>"`` of their first READ;
 finished pulls by direction (``"pull"``/``"push"``); push requests this prefill rank answered, by reply
-status (``accepted``, ``busy``, ``refused``, ...); its WRITEs by outcome (``written``/``failed``)."""
+status (``accepted``, ``busy``, ``refused``, ...); its WRITEs by outcome (``written``/``failed``); its layer
+streams that landed whole, by how their bytes went (``per_layer``, or ``whole``: one WRITE after the last layer,
+for a prompt under ``stream_min_tokens`` or by the link rule)."""
 PULL_PHASES = ("queue", "dispatch", "post", "read", "confirm")
 """The phases of a decode-side pull, in order (each in seconds, wall clock):
 

@@ -24,7 +24,7 @@ NIXL_PULL = {"bytes": "vllm:nixl_bytes_transferred_sum", "seconds": "vllm:nixl_x
              "descriptors_sum": "vllm:nixl_num_descriptors_sum"}
 """vLLM NixlConnector's transfer metrics on the decode engine (vLLM 0.32)."""
 
-KEPT_LABELS = ("phase", "source", "direction")
+KEPT_LABELS = ("phase", "source", "direction", "how")
 """Labels whose values are also kept apart, as ``name|value``."""
 
 PROXY_OVERHEAD = "p2pkv_proxy_overhead_seconds"
@@ -40,6 +40,8 @@ ENGINE_PREFILL = "vllm:request_prefill_time_seconds"
 """vLLM's histogram of a request's prefill phase (scheduled → first token, seconds)."""
 STREAM_TAIL = "p2pkv:stream_tail_seconds"
 """The prefill engine's histogram of each layer stream's wait after its last layer (seconds)."""
+STREAMS_LANDED = "p2pkv:streams_landed_total"
+"""The prefill engine's count of landed layer streams, by ``how`` (``per_layer`` or ``whole``)."""
 
 @dataclass
 class Snapshot:
@@ -149,10 +151,13 @@ def prefill_latency(prefill: Snapshot | None, proxy: Snapshot | None) -> dict[st
     """The prefill engine's own latency over a point: ``legs`` (the proxy's prefill round trips),
     ``engine_ttft`` (:func:`latency` dicts), ``engine_queue_mean_ms``, ``engine_prefill_mean_ms``, and
     ``stream_tail`` (:func:`latency` of its layer streams' waits after the last layer; None for an engine that
-    streamed nothing or is not p2pkv's); the engine's figures count ``--prefill-probe``'s requests too. None
+    streamed nothing or is not p2pkv's), ``streams`` (its landed streams by how their bytes went: ``per_layer``
+    and ``whole`` counts; empty likewise); the engine's figures count ``--prefill-probe``'s requests too. None
     when neither was scraped."""
     if prefill is None and proxy is None:
         return None
     return {"legs": latency(proxy, PROXY_PREFILL), "engine_ttft": latency(prefill, ENGINE_TTFT),
             "engine_queue_mean_ms": mean_ms(prefill, ENGINE_QUEUE),
-            "engine_prefill_mean_ms": mean_ms(prefill, ENGINE_PREFILL), "stream_tail": latency(prefill, STREAM_TAIL)}
+            "engine_prefill_mean_ms": mean_ms(prefill, ENGINE_PREFILL), "stream_tail": latency(prefill, STREAM_TAIL),
+            "streams": {how: round(n) for how in ("per_layer", "whole")
+                        if prefill is not None and (n := prefill.value(f"{STREAMS_LANDED}|{how}"))}}
