@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -42,6 +42,8 @@ PROTOCOL_VERSION = 11
   for a stream the proxy granted), answered by :class:`PushReply`.
 * 11: :class:`StreamRequest` carries ``staging_addrs``: a decode rank whose pages differ from the prefill
   rank's (block size, HND/NHD) has the stream land in its staging, in the prefill rank's geometry.
+* 12: :class:`StreamRequest` carries ``readers``: how many decode ranks send a destination for one stream to
+  one prefill rank (a decode engine of a larger TP size); the prefill rank streams to each.
 """
 
 MAX_ID_CHARS = 256
@@ -58,6 +60,9 @@ MAX_COMPAT_CHARS = 16384
 
 MAX_TEXT_CHARS = 2048
 """Longest refusal message or push reply message (characters)."""
+
+MAX_READERS = 1024
+"""Most decode ranks that may read one prefill rank's stream (a :class:`StreamRequest`'s ``readers``)."""
 
 MAX_AGENT_METADATA_BYTES = 4 * 1024 * 1024
 """Largest NIXL agent metadata (bytes). Measured with UCX: about 45 bytes per registered region over TCP
@@ -473,7 +478,11 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     destination per ``stream_id``. A decode rank whose pages differ sends
     ``staging_addrs`` instead: the stream lands in its declared staging, in
     the prefill rank's own geometry, and the decode rank fixes it up into its
-    blocks after the notification. Once its request's layers are computed
+    blocks after the notification. When several ranks of the requesting
+    engine read this prefill rank (a larger TP size), each sends its own
+    destination, all saying how many they are (``readers``): the prefill rank
+    streams to each, and keeps the request's blocks until every one has
+    ended. Once its request's layers are computed
     it WRITEs them into ``block_ids`` and sends the "pushed" notification
     naming ``push_id`` (:class:`p2pkv.notification.PushedNotification`),
     ``ok=False`` with the reason when the stream stops (the prompt's tokens
@@ -492,6 +501,8 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             of the prefill rank's layout (in its order): block ``i`` of region ``r`` lands at
             ``staging_addrs[r] + i * block_len`` (the prefill rank's ``block_len``), inside a staging
             region ``agent`` declares; ``block_ids`` then name staging blocks, each below ``len(block_ids)``.
+        readers: how many ranks of the requesting engine send a destination for this stream to this prefill
+            rank (1 ..); each rank's destination is taken once.
     """
 
     grant: Grant
@@ -504,6 +515,7 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     window_s: WindowS
     staging_addrs: Annotated[list[Address], msgspec.Meta(max_length=MAX_REGIONS)] = msgspec.field(
         default_factory=list)
+    readers: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] = 1
 
 
 Message = (MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply

@@ -54,15 +54,16 @@ class Rig:
         return P2pKvMetadata(streams=[StreamChunk(REQ, self.stream_id, first_block, block_ids, num_tokens, last,
                                                   DIGEST if first else "", 31 if first else 0)])
 
-    def request(self, block_ids: list[int], window_s: float = 30.0) -> StreamRequest:
-        """Rank 0 of DECODE's destination for the stream, sent now."""
+    def request(self, block_ids: list[int], window_s: float = 30.0, readers: int = 1) -> StreamRequest:
+        """Rank 0 of DECODE's destination for the stream, sent now (``readers``: DECODE ranks that read this
+        prefill rank)."""
         info = msgspec.structs.replace(self.agents.info(), layout=layout_desc(self.agents.decode_layout, MODEL,
                                                                               "HND", mem_type="DRAM"))
         grant = make_stream_grant(ENGINE, DECODE, KEY, time.time() + 60, self.stream_id)
         return StreamRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=ENGINE, to_rank=0, sent_at=time.time(),
                              nonce=os.urandom(16), requester_engine_id=DECODE, grant=grant, block_ids=block_ids,
                              first_block=0, num_tokens=31, prompt_digest=DIGEST, push_id=PID, agent=info,
-                             window_s=window_s)
+                             window_s=window_s, readers=readers)
 
     def step(self, meta: P2pKvMetadata) -> None:
         """The forward of ``meta``'s step: every layer done, then the step's end."""

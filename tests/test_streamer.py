@@ -480,10 +480,14 @@ def test_a_destination_is_checked_and_given_once(stream_pair: Pair) -> None:
         stream.target(stream_pair.target_of([2]))
 
 
-def _ended_on(poster: StreamPoster, pair: Pair, timeout_s: float = 10.0) -> list[LayerStream]:
-    """Wait for the poster to hand back ended streams, progressing the decode agent meanwhile."""
-    deadline = time.monotonic() + timeout_s
+def _ended_on(poster: StreamPoster, pair: Pair, timeout_s: float = 10.0, allow_empty: bool = False
+              ) -> list[LayerStream]:
+    """Wait for the poster to hand back ended streams, progressing the decode agent meanwhile (``allow_empty``:
+    none by ``timeout_s`` is no error)."""
+    deadline = time.monotonic() + (0.2 if allow_empty else timeout_s)
     while not (ended := poster.take_ended()):
+        if allow_empty and time.monotonic() >= deadline:
+            return []
         assert time.monotonic() < deadline, "no stream ended"
         pair.decode.progress()
         time.sleep(0.001)
@@ -505,6 +509,37 @@ def test_a_poster_runs_the_streams_on_its_own_thread_while_the_forward_only_queu
         assert _ended_on(poster, stream_pair) == [stream]
         assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)] and stream_pair.landed(src, dst)
         assert stream.counters.writes == 1
+    finally:
+        poster.close()
+
+
+def test_a_forked_stream_replays_the_layers_computed_so_far_and_one_ranks_abort_stops_only_its_own(
+        stream_pair: Pair) -> None:
+    """A second destination of one request (another decode rank) gets a stream forked from the first: the layers
+    computed before it came, then the rest; aborting one agent's stream leaves the other; a fork of a key that is
+    gone is aborted at once."""
+    poster = StreamPoster(stream_pair.prefill.progress)
+    try:
+        first, second, third, orphan = (stream_pair.stream() for _ in range(4))
+        poster.add("req-1", first, keep=True)
+        poster.target("req-1", stream_pair.target_of([3, 4]))
+        poster.computed("req-1", 0, 0, [1, 2])
+        poster.fork("req-1", second, stream_pair.target_of([5, 6]))  # replays layer 0
+        for layer in range(1, LAYERS):
+            poster.computed("req-1", layer, 0, [1, 2])
+        poster.finish("req-1")
+        ended = _ended_on(poster, stream_pair) + _ended_on(poster, stream_pair, allow_empty=True)
+        assert sorted(map(id, ended)) == sorted(map(id, [first, second]))
+        assert first.failure is None and second.failure is None
+        assert stream_pair.landed([1, 2, 1, 2], [3, 4, 5, 6])
+        poster.fork("req-1", third, stream_pair.target_of([7, 8]))  # kept: every layer replayed, then it ends
+        assert _ended_on(poster, stream_pair) == [third] and third.failure is None
+        assert stream_pair.landed([1, 2] * 3, [3, 4, 5, 6, 7, 8])
+        poster.abort_one("req-1", "another-agent", "not this one")
+        poster.drop("req-1")
+        poster.fork("req-1", orphan, stream_pair.target_of([9]))
+        assert _ended_on(poster, stream_pair) == [orphan]
+        assert orphan.failure == "its request's streams ended before this destination came"
     finally:
         poster.close()
 

@@ -149,7 +149,7 @@ class Pushes:
             spec.stream_grant, block_ids, first_block, spec.remote.num_tokens,
             spec.remote.prompt_digest, part.push_id, info, self.engine_id, secret=self.secret,
             timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}",
-            staging_addrs=staging_addrs)
+            staging_addrs=staging_addrs, readers=part.readers)
         self._replies.append((future, part))
 
     def window(self, part: Part) -> float:

@@ -267,9 +267,6 @@ class Receiver:
                 planned = plan_streams(transfer, read, self.rank.notifiers(spec.remote.tp_size, read),
                                        self.peers.peers, self.rank.layout, self.rank.desc.block_size,
                                        self.rank.device_id, self.stager)
-                if isinstance(planned, str):
-                    self.endings.fail(transfer, FailureKind.REFUSED, f"refused: {planned}")
-                    return
                 if planned and (unread := sorted(set(notify) - set(read))):  # their streams have no destination
                     release_failed(self.background, spec.remote, unread, self.rank.name, self._secret,
                                    self.config.handshake_timeout_s)

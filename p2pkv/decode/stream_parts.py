@@ -5,10 +5,10 @@ prefill blocks: the prefill rank learns its own step by step and WRITEs each
 layer into this rank's memory (:class:`p2pkv.decode.movers.StreamMover`).
 Its part therefore carries no descriptor rows to post, only one row counting
 the bytes that will land (``local_descs``: address 0, the bytes), for the
-pull's statistics. A prefill rank streams to one destination, so no two
-decode ranks may read one prefill rank (a decode engine of a larger TP size
-than the prefill engine's is sent without a grant, and pushed); a decode
-rank may read several prefill ranks (a smaller TP size), one part each.
+pull's statistics. A decode rank may read several prefill ranks (a smaller
+TP size), one part each; several decode ranks may read one prefill rank (a
+larger TP size): each sends its own destination, saying how many they are
+(``readers``), and the prefill rank streams to each.
 Where a prefill rank's pages can land in this rank's blocks as they are
 (:attr:`p2pkv.dataplane.negotiate.Placement.DIRECT`, or ``PAGED`` with all
 of its heads), the stream WRITEs into them; otherwise (another block size,
@@ -33,13 +33,13 @@ _NO_ROWS = np.zeros((0, 3), dtype=np.uint64)
 
 
 def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers: dict[PeerId, Peer],
-                 layout: KVLayout, block_size: int, device_id: int, stager: Stager) -> bool | str:
+                 layout: KVLayout, block_size: int, device_id: int, stager: Stager) -> bool:
     """Put ``transfer``'s stream parts, one per prefill rank this rank reads, in ``transfer.parts``.
 
     Args:
         transfer: a streamed load.
         ranks: the prefill ranks this rank reads (:meth:`p2pkv.dataplane.rank.LocalRank.topology`).
-        readers: for each of ``ranks``, how many decode ranks read it.
+        readers: for each of ``ranks``, how many decode ranks read it (its stream request says so).
         peers: the handshaken prefill ranks.
         layout: this rank's KV layout (``block_bytes``: bytes of one block over every layer).
         block_size: tokens per block here.
@@ -48,20 +48,16 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
 
     Returns:
         True when planned (no part when nothing is loaded); False when staging has no room yet (nothing stays
-        reserved: plan again once other loads gave theirs back); else why it cannot stream.
+        reserved: plan again once other loads gave theirs back).
 
     Raises:
         p2pkv.dataplane.staging.StagingFull: the stream can never fit in staging.
         p2pkv.dataplane.blockmap.BlockCountError: the local blocks do not cover the load.
     """
     spec = transfer.spec
-    if any(n > 1 for n in readers):
-        return (f"{max(readers)} decode ranks read one prefill rank (the decode engine runs a larger tp_size "
-                f"than the prefill engine's {spec.remote.tp_size}, or its ranks hold the same heads), and a "
-                "prefill rank streams to one destination: send such pairs without a stream grant (push)")
     if not spec.local_block_ids:
         return True
-    for rank in ranks:
+    for rank, count in zip(ranks, readers, strict=True):
         pid = PeerId.of(spec.remote, rank)
         peer = peers[pid]
         # One prefill rank's every head, and nothing else, makes this rank's page: its pages land as they are.
@@ -69,7 +65,7 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
                                                  == peer.info.layout.num_kv_heads)
         if peer.plan.placement is Placement.DIRECT or (peer.plan.placement is Placement.PAGED and same_heads):
             counted = np.array([[0, len(spec.local_block_ids) * layout.block_bytes, device_id]], dtype=np.uint64)
-            transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS))
+            transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count))
             continue
         read = streamed_read(spec, block_size, peer.info.layout.block_size)
         if not read.remote_block_ids:
@@ -79,5 +75,5 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
             release_unposted(transfer, stager)
             return False
         counted = np.array([[0, stage.size, device_id]], dtype=np.uint64)
-        transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, stage))
+        transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, stage, readers=count))
     return True

@@ -57,6 +57,7 @@ class Part:
         peer_id / peer: the prefill rank it comes from.
         local_descs / remote_descs: uint64 ``[n, 3]`` ``(addr, bytes, device_id)`` rows.
         stage: staging it lands in (``STAGED`` plans), else None.
+        readers: a layer stream's: how many decode ranks read its prefill rank (each sends its destination).
         direction: which way it moves, once posted (None: not posted).
         live: posted and not released (NIXL releases a failed READ's handle: nothing of it is left to
             cancel or wait for); with ``done`` and ``abandoned``, whether it is in flight.
@@ -82,6 +83,7 @@ class Part:
     local_descs: np.ndarray
     remote_descs: np.ndarray
     stage: Stage | None = None
+    readers: int = 1
     direction: Direction | None = None
     live: bool = False
     handle: XferHandle | None = None

@@ -10,6 +10,12 @@ the layers' kernels. :class:`StreamPoster` takes the forward's calls
 (:meth:`~StreamPoster.computed` and the rest) as queued operations and
 applies them, pumps every :class:`~p2pkv.prefill.streamer.LayerStream` and
 progresses the agent on a thread of its own.
+
+A request read by several decode ranks (a decode engine of a larger TP size)
+has a stream per destination under one key: the first is added
+(:meth:`~StreamPoster.add`), each further one forked from it
+(:meth:`~StreamPoster.fork`), which replays the layers computed so far into
+it; every later call under the key goes to all of them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from p2pkv.prefill.streamer import LayerStream, StreamTarget
@@ -31,6 +38,19 @@ otherwise it sleeps until the next call, or 50 ms."""
 LINGER_S = 0.05
 """How long the thread keeps turning at :data:`POLL_S` after a stream ended: NIXL sends the stream's last
 notification while the agent's worker progresses (seconds)."""
+
+
+@dataclass
+class _Group:
+    """The streams of one key: the first (given the first destination by ``target``) and its forks, with the calls
+    made so far (a fork replays them) and whether the key is kept once they have ended."""
+
+    streams: list[LayerStream]
+    keep: bool = False
+    computed: list[tuple[Any, ...]] = field(default_factory=list)
+    finished: bool = False
+    aborted: str | None = None
+    running: int = 1
 
 
 class StreamPoster:
@@ -46,16 +66,26 @@ class StreamPoster:
         self._poll_s = poll_s
         self._ops: queue.SimpleQueue[tuple[str, str, tuple[Any, ...]]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, LayerStream] = {}
+        self._groups: dict[str, _Group] = {}
         self._ended: queue.SimpleQueue[LayerStream] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="p2pkv-stream-poster", daemon=True)
         self._thread.start()
 
-    def add(self, key: str, stream: LayerStream) -> None:
-        """Run ``stream`` under ``key`` (a request id). A stream already running under ``key`` is aborted, and
-        still handed back by :meth:`take_ended` once no WRITE of it can write."""
-        self._put("add", key, stream)
+    def add(self, key: str, stream: LayerStream, keep: bool = False) -> None:
+        """Run ``stream`` under ``key`` (a request id). Streams already running under ``key`` are aborted, and
+        still handed back by :meth:`take_ended` once no WRITE of them can write. ``keep``: the key stays (for
+        :meth:`fork`) after its streams have ended, until :meth:`drop`."""
+        self._put("add", key, stream, keep)
+
+    def fork(self, key: str, stream: LayerStream, target: StreamTarget) -> None:
+        """Run ``stream`` under ``key`` beside its streams: every layer computed so far is replayed into it (and
+        :meth:`finish` or :meth:`abort`, if called), then it gets ``target``. An unknown key aborts it."""
+        self._put("fork", key, stream, target)
+
+    def drop(self, key: str) -> None:
+        """Forget a kept ``key`` (its streams have ended)."""
+        self._put("drop", key)
 
     def computed(self, key: str, layer: int, first_block: int, source_ids: Sequence[int],
                  ready: Callable[[], bool] | None = None) -> None:
@@ -71,8 +101,12 @@ class StreamPoster:
         self._put("finish", key)
 
     def abort(self, key: str, reason: str) -> None:
-        """:meth:`LayerStream.abort` of ``key``'s stream."""
+        """:meth:`LayerStream.abort` of ``key``'s streams."""
         self._put("abort", key, reason)
+
+    def abort_one(self, key: str, agent: str, reason: str) -> None:
+        """:meth:`LayerStream.abort` of the stream of ``key`` whose destination is decode agent ``agent``."""
+        self._put("abort_one", key, agent, reason)
 
     def take_ended(self) -> list[LayerStream]:
         """The streams that have ended since the last call (their source blocks may be freed now)."""
@@ -100,19 +134,66 @@ class StreamPoster:
             except queue.Empty:
                 return
             if op == "add":
-                old = self._streams.pop(key, None)
-                if old is not None:  # still pumped until it has ended, then handed back like any other
-                    old.abort("replaced by a new stream of the same request")
-                    self._streams[f"{key} (replaced #{id(old)})"] = old
-                self._streams[key] = args[0]
+                old = self._groups.pop(key, None)
+                if old is not None:  # still pumped until they have ended, then handed back like any other
+                    for stream in old.streams:
+                        stream.abort("replaced by a new stream of the same request")
+                    self._groups[f"{key} (replaced #{id(old)})"] = old
+                self._groups[key] = _Group([args[0]], keep=args[1])
                 continue
-            stream = self._streams.get(key)
-            if stream is None:
-                continue
+            group = self._groups.get(key)
+            if op == "fork" and group is None:  # handed back, ended, like any other
+                args[0].abort("its request's streams ended before this destination came")
+                self._groups[f"{key} (unknown #{id(args[0])})"] = _Group([args[0]])
+            elif op == "fork":
+                self._fork(group, *args)
+            elif op == "drop" and group is not None:
+                if group.running:  # gone once its streams have ended
+                    group.keep = False
+                else:
+                    del self._groups[key]
+            elif group is not None:
+                self._call(key, group, op, args)
+
+    @staticmethod
+    def _call(key: str, group: _Group, op: str, args: tuple[Any, ...]) -> None:
+        """``op`` of a key: ``target`` to its first stream, ``abort_one`` to the stream bound for one agent, the
+        rest to every stream (and remembered for a later fork)."""
+        if op == "computed":
+            group.computed.append(args)
+        elif op == "finish":
+            group.finished = True
+        elif op == "abort":
+            group.aborted = args[0]
+        if op == "target":
+            streams = group.streams[:1]
+        elif op == "abort_one":
+            streams, args = [s for s in group.streams if s.agent == args[0]], args[1:]
+            op = "abort"
+        else:
+            streams = group.streams
+        for stream in streams:
             try:
                 getattr(stream, op)(*args)
             except ValueError as exc:  # a second destination: the first one stays
                 logger.warning("p2pkv: stream of request %s: %s", key, exc)
+
+    @staticmethod
+    def _fork(group: _Group, stream: LayerStream, target: StreamTarget) -> None:
+        """Replay ``group``'s calls into ``stream``, give it ``target`` and run it beside the group's streams."""
+        group.streams.append(stream)
+        group.running += 1
+        for args in group.computed:
+            stream.computed(*args)
+        if group.finished:
+            stream.finish()
+        if group.aborted is not None:
+            stream.abort(group.aborted)
+            return
+        try:
+            stream.target(target)
+        except ValueError as exc:
+            stream.abort(str(exc))
 
     def _run(self) -> None:
         linger = 0.0
@@ -121,16 +202,23 @@ class StreamPoster:
             stopping = self._stop.is_set()  # read before the queue: every call made before close() is in it
             self._apply()
             if stopping:
-                for stream in self._streams.values():
-                    stream.abort("the prefill rank is shutting down")
+                for group in self._groups.values():
+                    for stream in group.streams:
+                        stream.abort("the prefill rank is shutting down")
             busy = False
-            for key, stream in list(self._streams.items()):
-                if stream.pump():
-                    busy = busy or stream.busy  # one waiting for its destination is woken by that call
-                else:
-                    del self._streams[key]
-                    self._ended.put(stream)
-                    linger = time.monotonic() + LINGER_S
+            for key, group in list(self._groups.items()):
+                for stream in group.streams:
+                    if stream.handed_back:
+                        continue
+                    if stream.pump():
+                        busy = busy or stream.busy  # one waiting for its destination is woken by that call
+                    else:
+                        stream.handed_back = True
+                        group.running -= 1
+                        self._ended.put(stream)
+                        linger = time.monotonic() + LINGER_S
+                if not group.running and not (group.keep and not stopping):
+                    del self._groups[key]
             try:
                 self._progress()
             except Exception as exc:  # a progress that fails must not end the thread

@@ -1,9 +1,12 @@
 """What a prefill rank remembers of stream ids besides its live streams: served, declined, stopped.
 
-A grant serves one destination (:mod:`p2pkv.grant`), so a rank remembers
-every stream id it took a destination for (or a decline of) until the
-grant has expired, refuses a second destination for it, and answers a
-decode rank's question whether it knows the stream
+A grant serves one destination per decode rank that reads this rank (one,
+or several for a decode engine of a larger TP size: the first destination
+says how many, and all must come from the same decode engine), so a rank
+remembers every stream id it took a destination for (or a decline of) until
+the grant has expired, refuses a second destination from the same decode
+rank or one too many, and answers a decode rank's question whether it knows
+the stream
 (:mod:`p2pkv.decode.stream_watch`). A decline that comes before the
 stream's request is known here is kept until the request comes (its
 stream then stops with nothing written), and a stream that stopped before
@@ -36,6 +39,8 @@ class StreamLedger:
 
     clock: Callable[[], float]
     _served: dict[str, float] = field(default_factory=dict)  # stream id → its grant's expiry (time.time())
+    _readers: dict[str, tuple[str, int, set[str]]] = field(default_factory=dict)
+    """stream id → (decode engine id, how many of its ranks read this rank, the ranks that gave a destination)"""
     _declined: dict[str, float] = field(default_factory=dict)  # stream id → until when (clock)
     _stopped: dict[str, tuple[float, str]] = field(default_factory=dict)  # stream id → (until when, why)
 
@@ -43,16 +48,40 @@ class StreamLedger:
         """Whether ``stream_id`` had a destination (or a decline) here and its grant has not long expired."""
         return stream_id in self._served
 
-    def serve(self, stream_id: str, expiry: float) -> None:
-        """``stream_id`` takes its destination, or is declined, now (``expiry``: ``time.time()`` seconds, its
-        grant's expiry, or how long a decline is kept)."""
-        self._served[stream_id] = expiry
+    def serve(self, stream_id: str, expiry: float, rank: tuple[str, int] | None = None, readers: int = 1) -> None:
+        """``stream_id`` takes a destination from decode ``rank`` (``(engine id, tp rank)``, one of ``readers``
+        ranks of that engine that read this rank), or is declined (``rank`` None), now (``expiry``:
+        ``time.time()`` seconds, its grant's expiry, or how long a decline is kept)."""
+        self._served[stream_id] = max(expiry, self._served.get(stream_id, expiry))
+        if rank is not None:
+            self._readers.setdefault(stream_id, (rank[0], readers, set()))[2].add(f"{rank[0]}:{rank[1]}")
+
+    def refuse(self, stream_id: str, rank: tuple[str, int], readers: int) -> str | None:
+        """Why a destination for ``stream_id`` from decode ``rank`` (saying ``readers`` ranks read this rank) is
+        refused, or None: a stream takes one destination per reading rank, all from one decode engine that said
+        the same ``readers``, and none after a decline."""
+        if stream_id not in self._served:
+            return None
+        entry = self._readers.get(stream_id)
+        name = f"{rank[0]}:{rank[1]}"
+        if entry is None:
+            return f"stream {stream_id} already had a destination (a grant serves once), or was declined"
+        if name in entry[2]:
+            return f"stream {stream_id} already had a destination from decode rank {name} (a grant serves once)"
+        engine, expected, ranks = entry
+        if (engine, expected) != (rank[0], readers):
+            return (f"stream {stream_id} is read by {expected} rank(s) of decode engine {engine}; this destination "
+                    f"says {readers} of {rank[0]}")
+        if len(ranks) >= expected:
+            return f"stream {stream_id} already has its {expected} destination(s)"
+        return None
 
     def forget_expired(self, now: float) -> None:
         """Drop served stream ids whose grants expired over :data:`EXPIRED_KEEP_S` before ``now``
         (``time.time()`` seconds): they can be served no more anyway."""
         for stream_id in [s for s, expiry in self._served.items() if expiry + EXPIRED_KEEP_S < now]:
             del self._served[stream_id]
+            self._readers.pop(stream_id, None)
 
     def decline(self, stream_id: str) -> bool:
         """Keep a decline of ``stream_id`` until its request comes; False when :data:`MAX_KEPT` are kept."""

@@ -193,6 +193,7 @@ class LayerStream:
         state: where the stream is.
         failure: why it stopped (None: it has not).
         counters: what it did.
+        handed_back: its runner has handed it back as ended (:class:`p2pkv.prefill.poster.StreamPoster`).
     """
 
     request_id: str
@@ -204,6 +205,7 @@ class LayerStream:
     state: StreamState = field(default=StreamState.WAITING, init=False)
     failure: str | None = field(default=None, init=False)
     counters: StreamCounters = field(default_factory=StreamCounters, init=False)
+    handed_back: bool = field(default=False, init=False)
     _target: StreamTarget | None = field(default=None, init=False, repr=False)
     _waiting: list[_Chunk] = field(default_factory=list, init=False, repr=False)
     _inflight: list[tuple[XferHandle, frozenset[int]]] = field(default_factory=list, init=False, repr=False)
@@ -212,6 +214,11 @@ class LayerStream:
     _notify_with_write: bool = field(default=False, init=False, repr=False)
     _failure_note: PushedNotification | None = field(default=None, init=False, repr=False)
     """A stopped stream's word to the decode rank, sent once no WRITE can still write."""
+
+    @property
+    def agent(self) -> str | None:
+        """The decode agent of its destination (None until it has one)."""
+        return self._target.agent if self._target is not None else None
 
     @property
     def ended(self) -> bool:

@@ -16,8 +16,12 @@ The pieces meet here (docs/streaming.md):
   the request is known here.
 
 A stream request is checked by :func:`p2pkv.prefill.stream_requests.check_stream_request`,
-then here: the stream id has not had a destination (a grant serves once)
-and there is room for one more pending destination. Then NIXL loads the
+then here: the stream id has not had a destination from that decode rank
+(a grant serves each once), nor all the destinations the first one said
+would come (``readers``: a decode engine of a larger TP size has several
+ranks read this one, each streamed to on its own, the later ones replayed
+the layers already computed), and there is room for one more pending
+destination. Then NIXL loads the
 decode agent and keeps it until the stream ends. A decode rank that will
 load nothing of a stream (its prefix cache holds the prompt, or the request
 ended or failed first) declines it with a release of the stream id and no
@@ -29,8 +33,9 @@ request was aborted, or its load failed).
 Holds: a streamed request's hold (made when it finishes, whatever its end:
 :meth:`p2pkv.prefill.scheduling.PrefillScheduling.request_finished`) is
 pinned once the stream has a destination, so nothing frees the blocks while
-a WRITE may read them, and released as soon as the stream has ended. A
-stream whose destination never comes ends with its hold's lease.
+a WRITE may read them, and released as soon as its streams have ended and
+every destination expected came (or one failed). A stream whose
+destination never comes ends with its hold's lease.
 """
 
 from __future__ import annotations
@@ -39,53 +44,51 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from handshake import HoldStatus, StreamRequest
+from handshake import StreamRequest
 from handshake.messages import PushStatus
 from p2pkv.dataplane.agent import NixlTransferAgent
-from p2pkv.grant import is_stream_id
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.prefill.agents import Identity
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.pusher import Pusher
-from p2pkv.prefill.stream_ledger import KEEP_S, StreamLedger
+from p2pkv.prefill.stream_ledger import StreamLedger
 from p2pkv.prefill.stream_measures import StreamMeasures, layer_block_bytes
+from p2pkv.prefill.stream_pending import MAX_PENDING, Destination, PendingDestinations
+from p2pkv.prefill.stream_releases import StreamReleases, rank_name
 from p2pkv.prefill.stream_requests import check_stream_request
 from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 
 logger = logging.getLogger("p2pkv.prefill")
 
-MAX_PENDING = 4096
-"""Most destinations kept for requests not yet known here (more are answered ``busy``)."""
-
-
-@dataclass
-class _Destination:
-    """A decode rank's destination, checked, with what the prefill side compares before the first WRITE."""
-
-    target: StreamTarget
-    identity: Identity
-    num_tokens: int
-    digest: str
-    deadline: float
-
-
 @dataclass
 class _Live:
-    """A streamed request on this rank."""
+    """A streamed request on this rank: its first destination's rank (``identity``), every destination's rank
+    by agent name, the destinations expected (``readers``), its streams started and ended."""
 
     stream_id: str
     digest: str
     loaded_tokens: int
+    bulk: bool
     hold_blocks: tuple[int, ...] | None = None
     identity: Identity | None = None
     pinned: bool = False
+    readers: int = 1
+    agents: dict[str, Identity] = field(default_factory=dict)
+    streams: int = 1
+    ended: int = 0
+    failed: str | None = None
+
+    def expects_more(self) -> bool:
+        """Every stream so far ended whole, and a decode rank that reads this rank has not sent its destination."""
+        return self.failed is None and self.identity is not None and len(self.agents) < self.readers
 
 
-class PrefillStreams:
-    """Every layer-streamed request of one prefill rank.
+class PrefillStreams(StreamReleases):
+    """Every layer-streamed request of one prefill rank (its side channel's releases and hold questions:
+    :class:`~p2pkv.prefill.stream_releases.StreamReleases`).
 
     Args:
         engine_id: this engine's id (grants must name it).
@@ -123,7 +126,7 @@ class PrefillStreams:
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}  # prefill request id → its stream
         self._by_stream: dict[str, str] = {}  # stream id → prefill request id
-        self._pending: dict[str, _Destination] = {}  # stream id → destination, request not known yet
+        self._pending = PendingDestinations()  # destinations whose request is not known yet
         self._ledger = StreamLedger(clock)  # stream ids served, declined or stopped
         self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
         self._step: list[StreamChunk] = []
@@ -151,102 +154,50 @@ class PrefillStreams:
             if (stopped := self._ledger.stopped(stream_id)) is not None:
                 return "refused", (f"the prefill request of stream {stream_id} stopped before this destination "
                                    f"came: {stopped}")
-            if self._ledger.served(stream_id):
-                return "refused", f"stream {stream_id} already had a destination (a grant serves once)"
-            if len(self._pending) >= MAX_PENDING:
+            if (why := self._ledger.refuse(stream_id, checked.identity, msg.readers)) is not None:
+                return "refused", why
+            if self._pending.full():
                 return "busy", f"{MAX_PENDING} stream destinations already wait for their requests here"
-            self._ledger.serve(stream_id, checked.grant.expiry)
+            self._ledger.serve(stream_id, checked.grant.expiry, checked.identity, msg.readers)
         loaded, why = self.pusher.hold_agent(checked.identity, msg.agent)
         if not loaded:
             return "refused", why
         deadline = self._clock() + checked.window_s  # the decode rank gives the load up then: no WRITE after it
         target = StreamTarget(msg.agent.agent_name, checked.side, tuple(msg.block_ids), msg.first_block,
-                              msg.push_id, deadline, not self.measures.per_layer(_rank_name(checked.identity)))
-        dest = _Destination(target, checked.identity, msg.num_tokens, msg.prompt_digest, deadline)
+                              msg.push_id, deadline, not self.measures.per_layer(rank_name(checked.identity)))
+        dest = Destination(target, checked.identity, msg.num_tokens, msg.prompt_digest, deadline, msg.readers)
         with self._lock:
             request_id = self._by_stream.get(stream_id)
             if request_id is None:
-                self._pending[stream_id] = dest
+                self._pending.add(stream_id, dest)
                 return "accepted", ""
             status, why = self._attach(request_id, dest)
         if status != "accepted":
             self.pusher.release_agent(checked.identity)
         return status, why
 
-    def on_heartbeat(self, request_ids: list[str], extend_s: float, block_ids: list[list[int]]) -> HoldStatus:
-        """Side-channel thread: a heartbeat or hold question (:meth:`p2pkv.prefill.holds.PrefillHolds.on_heartbeat`).
-        A stream id this rank took a destination for (or a decline of), until its grant has expired, is answered
-        as held: a decode rank waiting for the stream's notification asks so, to tell a restarted prefill rank
-        (which answers ``unknown``) from a slow one (:mod:`p2pkv.decode.stream_watch`). Everything else is the
-        holds' to answer."""
-        with self._lock:
-            known = {rid for rid in request_ids if self._ledger.served(rid) or rid in self._by_stream}
-        if not known:
-            return self.holds.on_heartbeat(request_ids, extend_s, block_ids)
-        rest = [i for i, rid in enumerate(request_ids) if rid not in known]
-        if not rest:
-            return HoldStatus()
-        return self.holds.on_heartbeat([request_ids[i] for i in rest], extend_s,
-                                        [block_ids[i] for i in rest] if block_ids else [])
-
-    def on_release(self, request_ids: list[str], block_ids: list[list[int]], requester: str = "") -> int:
-        """Side-channel thread: a release (:meth:`p2pkv.prefill.holds.PrefillHolds.on_release`). A stream id
-        among ``request_ids`` with no block ids is a decode rank declining that stream: it loads nothing of it
-        (its prefix cache holds the prompt, or the request ended or failed first). The stream stops and its
-        hold is freed. A stream that already has a destination stops only when ``requester`` (the release's
-        ``requester_engine_id``: ``<engine id>:<tp rank>``) names that destination's decode rank: it gave the
-        load up mid-stream (its request was aborted, or its load failed). Returns how many holds and streams
-        are freed."""
-        declined = sum(self._decline(rid, requester) for rid, blocks in zip(request_ids, block_ids, strict=True)
-                       if not blocks and is_stream_id(rid))
-        return declined + self.holds.on_release(request_ids, block_ids)
-
-    def _decline(self, stream_id: str, requester: str) -> int:
-        with self._lock:
-            if self._ledger.served(stream_id):  # it has a destination (or was declined already)
-                return self._give_up(stream_id, requester)
-            request_id = self._by_stream.get(stream_id)
-            if request_id is None and not self._ledger.decline(stream_id):
-                return 0
-            self._ledger.serve(stream_id, time.time() + KEEP_S)
-            if request_id is not None:
-                self.poster.abort(request_id, "the decode engine declined the stream (it loads nothing of it)")
-        return 1
-
-    def _give_up(self, stream_id: str, requester: str) -> int:
-        """The destination's own decode rank gives a served stream up: it stops (its WRITEs in flight end first,
-        then the decode rank is told), and its hold is freed when it has ended. Lock held."""
-        pending = self._pending.get(stream_id)
-        if pending is not None:  # its request is not known here yet: it never will be streamed
-            if _rank_name(pending.identity) != requester:
-                return 0
-            del self._pending[stream_id]
-            self.pusher.release_agent(pending.identity)
-            self._ledger.decline(stream_id)
-            return 1
-        request_id = self._by_stream.get(stream_id)
-        live = self._live.get(request_id) if request_id is not None else None
-        if live is None or live.identity is None or _rank_name(live.identity) != requester:
-            return 0
-        self.poster.abort(request_id, "the decode rank gave the load up mid-stream (its request ended)")
-        return 1
-
-    def _attach(self, request_id: str, dest: _Destination) -> tuple[PushStatus, str]:
-        """Give a known stream its destination (lock held): pinned first when its hold exists."""
+    def _attach(self, request_id: str, dest: Destination) -> tuple[PushStatus, str]:
+        """Give a known stream a destination (lock held), pinned first when its hold exists: the first one goes
+        to its stream, each later one (another decode rank reading this one) to a stream forked from it."""
         live = self._live[request_id]
-        if (dest.num_tokens, dest.digest) != (live.loaded_tokens, live.digest):
-            self.poster.target(request_id, dest.target)
-            self.poster.abort(request_id, f"the decode engine loads {dest.num_tokens} prompt tokens of another "
-                              f"prompt than the {live.loaded_tokens} this engine computed (prompt digest differs)")
-            live.identity = dest.identity
-            return "accepted", ""
-        if live.hold_blocks is not None:
+        first = live.identity is None
+        if live.hold_blocks is not None and not live.pinned:
             answer = self.holds.pin(request_id, list(live.hold_blocks))
             if answer != "held":
                 return answer, ""
             live.pinned = True
-        live.identity = dest.identity
-        self.poster.target(request_id, dest.target)
+        live.agents[dest.target.agent] = dest.identity
+        if first:
+            live.identity, live.readers = dest.identity, dest.readers
+            self.poster.target(request_id, dest.target)
+        else:
+            live.streams += 1
+            self.poster.fork(request_id, LayerStream(request_id, self.source, self.agent, self._secret, self._clock,
+                                                     bulk=live.bulk), dest.target)
+        if (dest.num_tokens, dest.digest) != (live.loaded_tokens, live.digest):
+            self.poster.abort_one(request_id, dest.target.agent, f"the decode engine loads {dest.num_tokens} prompt "
+                                  f"tokens of another prompt than the {live.loaded_tokens} this engine computed "
+                                  "(prompt digest differs)")
         return "accepted", ""
 
     # ---- engine thread -------------------------------------------------------------------
@@ -276,20 +227,17 @@ class PrefillStreams:
     def _open(self, chunk: StreamChunk) -> None:
         """A streamed request's first chunk: its stream, and its destination if it came first. Lock held."""
         assert isinstance(self.source, StreamSide)
-        stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret, self._clock,
-                             bulk=chunk.loaded_tokens < self._min_tokens)
-        self.poster.add(chunk.request_id, stream)
-        self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens)
+        bulk = chunk.loaded_tokens < self._min_tokens
+        stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret, self._clock, bulk=bulk)
+        self.poster.add(chunk.request_id, stream, keep=True)
+        self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens, bulk)
         self._by_stream[chunk.stream_id] = chunk.request_id
         if self._ledger.take_decline(chunk.stream_id):
             self.poster.abort(chunk.request_id, "the decode engine declined the stream (it loads nothing of it)")
             return
-        dest = self._pending.pop(chunk.stream_id, None)
-        if dest is not None and dest.deadline > self._clock():
-            if self._attach(chunk.request_id, dest)[0] != "accepted":
+        for dest in self._pending.take(chunk.stream_id):
+            if dest.deadline <= self._clock() or self._attach(chunk.request_id, dest)[0] != "accepted":
                 self.pusher.release_agent(dest.identity)
-        elif dest is not None:
-            self.pusher.release_agent(dest.identity)
 
     def _on_hold(self, request_id: str, blocks: tuple[int, ...]) -> None:
         """A hold was made for ``request_id``: pinned if its stream has a destination, released at once if its
@@ -301,7 +249,7 @@ class PrefillStreams:
         if live is None:
             return
         live.hold_blocks = blocks
-        if live.identity is not None and not live.pinned:
+        if live.identity is not None and not live.pinned and live.ended < live.streams:  # a stream may WRITE
             live.pinned = self.holds.pin(request_id, list(blocks)) == "held"
 
     def save_layer(self, layer_name: str, meta: P2pKvMetadata) -> None:
@@ -349,33 +297,51 @@ class PrefillStreams:
         ended = self.poster.take_ended()
         with self._lock:
             for stream in ended:
-                live = self._live.pop(stream.request_id, None)
+                live = self._live.get(stream.request_id)
                 if live is None:
                     continue
-                self._by_stream.pop(live.stream_id, None)
-                if live.identity is not None:
-                    self.pusher.release_agent(live.identity)
-                    self.measures.ended(stream, _rank_name(live.identity))
-                elif stream.failure is not None:  # refuse its destination at once when it comes
-                    self._ledger.stop(live.stream_id, stream.failure)
-                if live.pinned:
-                    self.holds.unpin(stream.request_id)
-                if live.hold_blocks is not None:
-                    self.holds.on_release([stream.request_id], [list(live.hold_blocks)])
-                else:
-                    self._ended_early[stream.request_id] = now
-            for stream_id in [s for s, d in self._pending.items() if d.deadline <= now]:
-                self.pusher.release_agent(self._pending.pop(stream_id).identity)
+                live.ended += 1
+                live.failed = live.failed or stream.failure
+                if (identity := live.agents.get(stream.agent or "")) is not None:
+                    self.pusher.release_agent(identity)
+                    self.measures.ended(stream, rank_name(identity))
+                if live.ended == live.streams and live.expects_more() and live.pinned:
+                    self.holds.unpin(stream.request_id)  # its hold waits for the rest, or its lease
+                    live.pinned = False
+                elif live.ended == live.streams:
+                    self._end(stream.request_id, live, now)
+            for dest in self._pending.expire(now):
+                self.pusher.release_agent(dest.identity)
             for request_id in [r for r, t in self._ended_early.items() if now - t > self.holds.lease_s]:
                 del self._ended_early[request_id]
             self._ledger.expire()
 
     def holds_ended(self, request_ids: set[str]) -> None:
-        """These holds ended (a lease ran out before any destination came): their streams stop."""
+        """These holds ended (a lease ran out before every destination came): their streams stop, and a request
+        whose streams have all ended waits for no more destinations."""
         with self._lock:
             waiting = [r for r in request_ids if r in self._live and not self._live[r].pinned]
+            for request_id in waiting:
+                live = self._live[request_id]
+                if live.ended == live.streams:
+                    self._end(request_id, live, self._clock())
         for request_id in waiting:
             self.poster.abort(request_id, "the hold ended before the decode rank's destination arrived")
+
+    def _end(self, request_id: str, live: _Live, now: float) -> None:
+        """Every stream of ``request_id`` has ended: it is forgotten, a destination still to come refused at once,
+        its hold unpinned and released (or, not made yet, released when made). Lock held."""
+        del self._live[request_id]
+        self._by_stream.pop(live.stream_id, None)
+        if live.identity is None or live.expects_more():
+            self._ledger.stop(live.stream_id, live.failed or "its request's streams ended before this destination")
+        if live.pinned:
+            self.holds.unpin(request_id)
+        if live.hold_blocks is not None:
+            self.holds.on_release([request_id], [list(live.hold_blocks)])
+        else:
+            self._ended_early[request_id] = now
+        self.poster.drop(request_id)
 
     def close(self) -> None:
         """Stop the poster (streams still running are aborted). Idempotent."""
@@ -395,11 +361,6 @@ def measured_min_tokens(source: StreamSide | str) -> int:
         return 0
     cross = any(p.block_stride > 2 * p.length for p in source.pages)
     return MEASURED_MIN_TOKENS["cross_layer" if cross else "per_layer"]
-
-
-def _rank_name(identity: Identity) -> str:
-    """A decode rank as its releases name it (``requester_engine_id``): ``<engine id>:<tp rank>``."""
-    return f"{identity[0]}:{identity[1]}"
 
 
 def layer_indices(kv_caches: dict[str, object]) -> dict[str, int]:

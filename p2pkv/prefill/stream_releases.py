@@ -1,0 +1,105 @@
+"""A prefill rank's side-channel releases and hold questions about its layer streams.
+
+A decode rank that loads nothing of a stream declines it (a release of the
+stream id with no block ids); one whose load ended mid-stream gives its own
+destination up the same way; and one waiting for a stream's notification
+asks whether this rank still knows the stream (:mod:`p2pkv.decode.stream_watch`).
+:class:`StreamReleases` answers them for :class:`p2pkv.prefill.streams.PrefillStreams`,
+whose state it reads under that class's lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from handshake import HoldStatus
+from p2pkv.grant import is_stream_id
+from p2pkv.prefill.agents import Identity
+from p2pkv.prefill.stream_ledger import KEEP_S, StreamLedger
+
+if TYPE_CHECKING:
+    from p2pkv.prefill.holds import PrefillHolds
+    from p2pkv.prefill.poster import StreamPoster
+    from p2pkv.prefill.pusher import Pusher
+    from p2pkv.prefill.stream_pending import PendingDestinations
+
+
+def rank_name(identity: Identity) -> str:
+    """A decode rank as its releases name it (``requester_engine_id``): ``<engine id>:<tp rank>``."""
+    return f"{identity[0]}:{identity[1]}"
+
+
+class StreamReleases:
+    """Releases and hold questions naming stream ids (the side channel's thread calls them; never raise)."""
+
+    holds: PrefillHolds
+    pusher: Pusher
+    poster: StreamPoster
+    _lock: threading.Lock
+    _ledger: StreamLedger
+    _pending: PendingDestinations
+    _by_stream: dict[str, str]
+    _live: dict
+
+    def on_heartbeat(self, request_ids: list[str], extend_s: float, block_ids: list[list[int]]) -> HoldStatus:
+        """Side-channel thread: a heartbeat or hold question (:meth:`p2pkv.prefill.holds.PrefillHolds.on_heartbeat`).
+        A stream id this rank took a destination for (or a decline of), until its grant has expired, is answered
+        as held: a decode rank waiting for the stream's notification asks so, to tell a restarted prefill rank
+        (which answers ``unknown``) from a slow one (:mod:`p2pkv.decode.stream_watch`). Everything else is the
+        holds' to answer."""
+        with self._lock:
+            known = {rid for rid in request_ids if self._ledger.served(rid) or rid in self._by_stream}
+        if not known:
+            return self.holds.on_heartbeat(request_ids, extend_s, block_ids)
+        rest = [i for i, rid in enumerate(request_ids) if rid not in known]
+        if not rest:
+            return HoldStatus()
+        return self.holds.on_heartbeat([request_ids[i] for i in rest], extend_s,
+                                        [block_ids[i] for i in rest] if block_ids else [])
+
+    def on_release(self, request_ids: list[str], block_ids: list[list[int]], requester: str = "") -> int:
+        """Side-channel thread: a release (:meth:`p2pkv.prefill.holds.PrefillHolds.on_release`). A stream id
+        among ``request_ids`` with no block ids is a decode rank declining that stream: it loads nothing of it
+        (its prefix cache holds the prompt, or the request ended or failed first). The stream stops and its
+        hold is freed. A stream that already has a destination stops only when ``requester`` (the release's
+        ``requester_engine_id``: ``<engine id>:<tp rank>``) names that destination's decode rank: it gave the
+        load up mid-stream (its request was aborted, or its load failed). Returns how many holds and streams
+        are freed."""
+        declined = sum(self._decline(rid, requester) for rid, blocks in zip(request_ids, block_ids, strict=True)
+                       if not blocks and is_stream_id(rid))
+        return declined + self.holds.on_release(request_ids, block_ids)
+
+    def _decline(self, stream_id: str, requester: str) -> int:
+        with self._lock:
+            if self._ledger.served(stream_id):  # it has a destination (or was declined already)
+                return self._give_up(stream_id, requester)
+            request_id = self._by_stream.get(stream_id)
+            if request_id is None and not self._ledger.decline(stream_id):
+                return 0
+            self._ledger.serve(stream_id, time.time() + KEEP_S)
+            if request_id is not None:
+                self.poster.abort(request_id, "the decode engine declined the stream (it loads nothing of it)")
+        return 1
+
+    def _give_up(self, stream_id: str, requester: str) -> int:
+        """The destination's own decode rank gives a served stream up: it stops (its WRITEs in flight end first,
+        then the decode rank is told), and its hold is freed when it has ended. Lock held."""
+        mine, emptied = self._pending.take_rank(stream_id, requester)
+        if mine:  # its request is not known here yet
+            for dest in mine:
+                self.pusher.release_agent(dest.identity)
+            if emptied:  # no rank's destination is left: the request never streams
+                self._ledger.decline(stream_id)
+            return 1
+        request_id = self._by_stream.get(stream_id)
+        live = self._live.get(request_id) if request_id is not None else None
+        agent = next((a for a, i in (live.agents.items() if live else ()) if rank_name(i) == requester), None)
+        if agent is None:
+            return 0
+        self.poster.abort_one(request_id, agent, "the decode rank gave the load up mid-stream (its request ended)")
+        return 1
+
+
+__all__ = ["StreamReleases", "rank_name"]
