@@ -155,7 +155,7 @@ def test_a_stream_between_engines_whose_pages_differ_lands_every_token_in_its_sl
 
 
 GPU_STREAM_ROWS = ["block 16 -> 64", "HND -> NHD", "TP 2 -> 1, NHD", "cross-layer -> layer-compact",
-                   "MLA TP 2 -> TP 1, block 32 -> 16"]
+                   "MLA TP 2 -> TP 1, block 32 -> 16", "TP 1 -> 2"]
 
 
 @pytest.mark.gpu
