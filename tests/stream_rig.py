@@ -106,6 +106,15 @@ class Rig:
             self.streams.collect()
             time.sleep(0.002)
 
+    def settle_ended(self, count: int, timeout_s: float = 10.0) -> None:
+        """Collect until ``count`` streams have ended (the request may stay known: it can wait for more)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self.ended) < count:
+            assert time.monotonic() < deadline, f"{count} stream(s) did not end"
+            self.agents.decode.progress()
+            self.streams.collect()
+            time.sleep(0.002)
+
     def starting(self) -> int:
         """Streams (destinations) that keep rank 0 of DECODE loaded now."""
         entry = self.pusher._agents.get((DECODE, 0))

@@ -14,7 +14,7 @@ from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import PushedNotification
 from p2pkv.prefill.stream_ledger import StreamLedger
 from tests.clock import FakeClock
-from tests.push_support import Agents
+from tests.push_support import DECODE, Agents
 from tests.stream_rig import LAYERS, PID, REQ, open_rig
 
 SID = "ab" * 16
@@ -70,12 +70,7 @@ def test_a_stream_two_ranks_read_keeps_its_hold_until_the_other_comes_or_the_lea
         assert rig.notes() == [PushedNotification(PID, True)]
         rig.holds.hold(REQ, time.monotonic() + 600, (3, 4))
         rig.streams.begin_step(P2pKvMetadata(send_leases={REQ: time.monotonic() + 600}, send_blocks={REQ: (3, 4)}))
-        deadline = time.monotonic() + 10
-        while not rig.ended:
-            assert time.monotonic() < deadline, "the stream did not end"
-            rig.agents.decode.progress()
-            rig.streams.collect()
-            time.sleep(0.002)
+        rig.settle_ended(1)
         assert rig.landed({3: 5, 4: 6}, range(LAYERS))
         assert rig.holds.released([], {"leases_expired": 0, "leases_notified": 0}) == set(), "freed too early"
         assert rig.holds._pins == {}, "nothing WRITEs from it now: the lease may end it"
@@ -83,3 +78,23 @@ def test_a_stream_two_ranks_read_keeps_its_hold_until_the_other_comes_or_the_lea
         assert REQ not in rig.streams._live
         status, why = rig.streams.on_stream(rig.request([7, 8], readers=2))
         assert status == "refused" and "stopped before this destination came" in why, why
+
+
+def test_a_reading_rank_that_gives_up_before_its_destination_frees_the_hold_once_the_others_landed(
+        agents: Agents) -> None:
+    """Two ranks read this one; rank 1's load failed before it sent a destination (it sends a release of the
+    stream id): once rank 0's stream has landed, the request waits for nobody and its hold is freed."""
+    with open_rig(agents) as rig:
+        meta = rig.chunk((3, 4))
+        rig.streams.prepare(meta)
+        assert rig.streams.on_stream(rig.request([5, 6], readers=2)) == ("accepted", "")
+        assert rig.streams.on_release([rig.stream_id], [[]], "other-engine:1") == 0, "another engine's rank"
+        rig.step(meta)
+        assert rig.notes() == [PushedNotification(PID, True)]
+        rig.holds.hold(REQ, time.monotonic() + 600, (3, 4))
+        rig.streams.begin_step(P2pKvMetadata(send_leases={REQ: time.monotonic() + 600}, send_blocks={REQ: (3, 4)}))
+        rig.settle_ended(1)
+        assert REQ in rig.streams._live, "rank 1 may still send its destination"
+        assert rig.streams.on_release([rig.stream_id], [[]], f"{DECODE}:1") == 1
+        assert REQ not in rig.streams._live
+        assert rig.holds.released([], {"leases_expired": 0, "leases_notified": 0}) == {REQ}

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from handshake import HoldStatus
 from p2pkv.grant import is_stream_id
@@ -41,7 +42,8 @@ class StreamReleases:
     _ledger: StreamLedger
     _pending: PendingDestinations
     _by_stream: dict[str, str]
-    _live: dict
+    _live: dict[str, Any]
+    _clock: Callable[[], float]
 
     def on_heartbeat(self, request_ids: list[str], extend_s: float, block_ids: list[list[int]]) -> HoldStatus:
         """Side-channel thread: a heartbeat or hold question (:meth:`p2pkv.prefill.holds.PrefillHolds.on_heartbeat`).
@@ -85,7 +87,9 @@ class StreamReleases:
 
     def _give_up(self, stream_id: str, requester: str) -> int:
         """The destination's own decode rank gives a served stream up: it stops (its WRITEs in flight end first,
-        then the decode rank is told), and its hold is freed when it has ended. Lock held."""
+        then the decode rank is told), and its hold is freed when it has ended. A rank of the same decode engine
+        that gave no destination yet (its load failed first) will send none: the request waits for one fewer,
+        and is done once the others' streams have ended. Lock held."""
         mine, emptied = self._pending.take_rank(stream_id, requester)
         if mine:  # its request is not known here yet
             for dest in mine:
@@ -95,11 +99,22 @@ class StreamReleases:
             return 1
         request_id = self._by_stream.get(stream_id)
         live = self._live.get(request_id) if request_id is not None else None
-        agent = next((a for a, i in (live.agents.items() if live else ()) if rank_name(i) == requester), None)
-        if agent is None:
+        if live is None or request_id is None:
             return 0
-        self.poster.abort_one(request_id, agent, "the decode rank gave the load up mid-stream (its request ended)")
+        agent = next((a for a, i in live.agents.items() if rank_name(i) == requester), None)
+        if agent is not None:
+            self.poster.abort_one(request_id, agent, "the decode rank gave the load up mid-stream (its request ended)")
+            return 1
+        if not live.expects_more() or requester.rpartition(":")[0] != live.identity[0]:
+            return 0
+        live.readers -= 1  # a reading rank of the same engine that will send no destination (its load failed)
+        if live.ended == live.streams and not live.expects_more():
+            self._end(request_id, live, self._clock())
         return 1
+
+    def _end(self, request_id: str, live: Any, now: float) -> None:
+        """Every stream of ``request_id`` has ended: forget it, free its hold (the subclass's). Lock held."""
+        raise NotImplementedError
 
 
 __all__ = ["StreamReleases", "rank_name"]
