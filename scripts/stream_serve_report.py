@@ -10,7 +10,9 @@ as the proxy saw it), TTFT minus that (ms: what the P/D split adds after the pre
 included), the decode engine's transfers (mean ms, from its ask to the KV landed: for a stream that spans the
 whole prefill) and, for streams, the wait after the prefill's last layer (the prefill engine's
 ``p2pkv:stream_tail_seconds`` mean, ms, and in layers: over one layer's transfer, bulk push's transfer time over
-``--layers``).
+``--layers``), how its streams went (``per_layer``/``whole`` counts: a WRITE per layer, or one WRITE after the
+last layer by the link rule), its TTFT p50 over max(its prefill leg, push's transfer) and its prefill leg over
+push's (the issue's goals: at most 1.15 and a drop of at most 5 %).
 """
 
 from __future__ import annotations
@@ -43,17 +45,22 @@ def rows(path: Path, layers: int = LAYERS) -> list[dict[str, Any]]:
         extra = p.get("p2pkv") or {}
         prefill = ((extra.get("prefill") or {}).get("legs") or {}).get("mean_ms")
         transfer = (extra.get("transfers") or {}).get("mean_ms")
-        tail = ((extra.get("prefill") or {}).get("stream_tail") or {}).get("mean_ms") if name == "p2pkv-stream" \
-            else None
+        streamed = name == "p2pkv-stream"
+        tail = ((extra.get("prefill") or {}).get("stream_tail") or {}).get("mean_ms") if streamed else None
+        how = ((extra.get("prefill") or {}).get("streams") or {}) if streamed else {}
         out.append({"transport": transport, "tokens": tokens, "system": name, "ttft_p50": p["p50_ttft_ms"],
                     "ttft_p90": p.get("p90_ttft_ms"), "ttft_p99": p["p99_ttft_ms"], "prefill_ms": prefill,
                     "transfer_ms": transfer,
                     "after_prefill_ms": p["mean_ttft_ms"] - prefill if prefill is not None else None,
-                    "tail_ms": tail, "tail_layers": None})
-    push = next((r["transfer_ms"] for r in out if r["system"] == "p2pkv-push"), None)
+                    "tail_ms": tail, "tail_layers": None, "how": how, "ttft_ratio": None, "prefill_ratio": None})
+    push_row = next((r for r in out if r["system"] == "p2pkv-push"), None)
+    push = push_row["transfer_ms"] if push_row else None
     for r in out:
         if r["tail_ms"] is not None and push:
             r["tail_layers"] = r["tail_ms"] / (push / layers)
+        if r["system"] == "p2pkv-stream" and push and r["prefill_ms"]:
+            r["ttft_ratio"] = r["ttft_p50"] / max(r["prefill_ms"], push)
+            r["prefill_ratio"] = r["prefill_ms"] / push_row["prefill_ms"] if push_row["prefill_ms"] else None
     return out
 
 
@@ -61,15 +68,22 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def table(all_rows: list[dict[str, Any]]) -> str:
     lines = ["| transport | prompt tokens | system | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prefill leg ms | "
-             "TTFT - prefill ms | transfer ms | wait after last layer ms (layers) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "TTFT - prefill ms | transfer ms | wait after last layer ms (layers) | streams per layer / whole | "
+             "TTFT p50 / max(prefill, push transfer) | prefill leg / push's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in all_rows:
         tail = _ms(r["tail_ms"]) + (f" ({r['tail_layers']:.2f})" if r["tail_layers"] is not None else "")
+        how = f"{r['how'].get('per_layer', 0)} / {r['how'].get('whole', 0)}" if r["how"] else "-"
         lines.append(f"| {r['transport']} | {r['tokens']} | {r['system']} | {_ms(r['ttft_p50'])} | "
                      f"{_ms(r['ttft_p90'])} | {_ms(r['ttft_p99'])} | {_ms(r['prefill_ms'])} | "
-                     f"{_ms(r['after_prefill_ms'])} | {_ms(r['transfer_ms'])} | {tail} |")
+                     f"{_ms(r['after_prefill_ms'])} | {_ms(r['transfer_ms'])} | {tail} | {how} | "
+                     f"{_ratio(r['ttft_ratio'])} | {_ratio(r['prefill_ratio'])} |")
     return "\n".join(lines)
 
 

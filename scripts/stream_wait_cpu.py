@@ -1,0 +1,151 @@
+"""CPU seconds a decode engine spends while a layer stream waits for its prefill, by decode setting.
+
+Where both engines share the cores (a CPU host), what a decode engine burns
+while its stream waits is taken from the prefill's forward. For each decode
+setting given, this launches a local P/D pair (``p2pkv launch local``, UCX
+over ``cma``, stream proxy) plus a push proxy on the same engines, sends
+``--requests`` prompts of ``--length`` random tokens through each proxy, one
+at a time, alternating (push, stream, push, ...: the host's drift falls on
+both alike), and records per request its wall time and the CPU seconds of
+the decode engine's and the prefill engine's processes (``psutil``, each
+engine's API server and its children).
+
+    python scripts/stream_wait_cpu.py --model .p2pkv/bench-stream/llama-32l-kv8x128 \\
+        --json docs/benchmarks/stream-wait-cpu.json \\
+        --setting '{}' --setting '{"stream_idle_wait_s": 0.1}' --setting '{"stream_poll_interval_s": 0.005}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+BASE_PORT = 9300
+
+
+def _engine_processes(port: int) -> list[psutil.Process]:
+    """The API server listening on ``port`` (found by its command line) and every process under it."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "vllm.entrypoints.openai.api_server" in " ".join(cmd) and "--port" in cmd \
+                and cmd[cmd.index("--port") + 1] == str(port):
+            return [proc, *proc.children(recursive=True)]
+    raise RuntimeError(f"no vLLM API server on port {port}")
+
+
+def _cpu_s(procs: list[psutil.Process]) -> float:
+    """User + system CPU seconds of ``procs`` so far (a process gone counts 0)."""
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def _wait_ready(url: str, launcher: subprocess.Popen, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if launcher.poll() is not None:
+            raise RuntimeError("p2pkv launch local died: see its log")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url} not ready in {timeout_s} s")
+
+
+def _request(url: str, length: int, rng: random.Random, decode: list[psutil.Process],
+             prefill: list[psutil.Process]) -> dict[str, float]:
+    """One prompt of ``length`` random tokens: its wall seconds and each engine's CPU seconds."""
+    prompt = [rng.randrange(10, 250) for _ in range(length)]  # inside a tiny model's 259-token vocabulary
+    cpu_d, cpu_p, start = _cpu_s(decode), _cpu_s(prefill), time.monotonic()
+    resp = httpx.post(f"{url}/v1/completions", json={"model": "model", "prompt": prompt, "max_tokens": 2,
+                                                     "temperature": 0}, timeout=600)
+    resp.raise_for_status()
+    return {"wall_s": time.monotonic() - start, "decode_cpu_s": _cpu_s(decode) - cpu_d,
+            "prefill_cpu_s": _cpu_s(prefill) - cpu_p}
+
+
+def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+
+
+def run_setting(model: str, setting: dict[str, Any], length: int, requests: int, work: Path) -> dict[str, Any]:
+    """Launch a pair with ``setting`` on the decode engine; measure stream and push requests."""
+    b = BASE_PORT
+    env = {**os.environ, "UCX_TLS": "cma,tcp,self", "UCX_NET_DEVICES": "lo"}
+    argv = [sys.executable, "-m", "p2pkv.tools.cli", "launch", "local", "--model", model, "--proxy-port", str(b),
+            "--prefill-port", str(b + 1), "--decode-port", str(b + 2), "--side-channel-port", str(b + 10),
+            "--block-size", "32", "--max-model-len", str(length + 64), "--log-dir", str(work / "logs"),
+            "--decode-extra-config", json.dumps(setting), "--proxy-args", "--transfer-mode stream"]
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / "launch.log", "w") as log:
+        launcher = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    push = None
+    try:
+        _wait_ready(f"http://127.0.0.1:{b}", launcher)
+        push = subprocess.Popen([sys.executable, "-m", "p2pkv.tools.cli", "proxy", "--port", str(b + 3),
+                                 "--prefill", f"127.0.0.1:{b + 1}", "--decode", f"127.0.0.1:{b + 2}",
+                                 "--transfer-mode", "push"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=env)
+        _wait_ready(f"http://127.0.0.1:{b + 3}", push)
+        decode, prefill = _engine_processes(b + 2), _engine_processes(b + 1)
+        rng = random.Random(0)
+        urls = {"push": f"http://127.0.0.1:{b + 3}", "stream": f"http://127.0.0.1:{b}"}
+        rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in urls}
+        for i in range(requests + 1):  # the first of each mode warms up
+            for mode, url in urls.items():
+                row = _request(url, length, rng, decode, prefill)
+                if i > 0:
+                    rows[mode].append(row)
+        out: dict[str, Any] = {"setting": setting}
+        for mode in urls:
+            out[mode] = {"requests": rows[mode], "median": _summary(rows[mode])}
+            print(f"{json.dumps(setting)} {mode}: {out[mode]['median']}", flush=True)
+        return out
+    finally:
+        for proc in (push, launcher):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="model directory (scripts/bench_stream.sh makes one)")
+    parser.add_argument("--setting", action="append", default=[], help="decode engine settings, JSON (repeat)")
+    parser.add_argument("--length", type=int, default=1024, help="prompt tokens")
+    parser.add_argument("--requests", type=int, default=3, help="measured requests per mode (after one warm-up)")
+    parser.add_argument("--work", default=".p2pkv/stream-wait-cpu", help="logs")
+    parser.add_argument("--json", required=True, help="results file")
+    args = parser.parse_args()
+    if "P2PKV_SECRET" not in os.environ:
+        raise SystemExit("set P2PKV_SECRET (python -c 'import secrets; print(secrets.token_hex(16))')")
+    settings = [json.loads(s) for s in args.setting] or [{}]
+    results = [run_setting(args.model, s, args.length, args.requests, Path(args.work) / f"setting-{i}")
+               for i, s in enumerate(settings)]
+    command = " ".join(shlex.quote(a) for a in sys.argv)
+    Path(args.json).write_text(json.dumps({"command": f"python {command}", "length": args.length,
+                                           "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
