@@ -39,6 +39,11 @@ Identity = tuple[str, int]
 """A decode rank: ``(engine id, tp rank)``."""
 
 
+def rank_name(identity: Identity) -> str:
+    """A decode rank as its releases name it (``requester_engine_id``): ``<engine id>:<tp rank>``."""
+    return f"{identity[0]}:{identity[1]}"
+
+
 @dataclass(eq=False)
 class PushJob:
     """One WRITE a decode rank asked for.

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from p2pkv.prefill.agents import rank_name
+
 MAX_KEPT = 4096
 """Most declines (and, apart, most stopped streams) kept at once; more are not remembered."""
 KEEP_S = 600.0
@@ -54,7 +56,7 @@ class StreamLedger:
         ``time.time()`` seconds, its grant's expiry, or how long a decline is kept)."""
         self._served[stream_id] = max(expiry, self._served.get(stream_id, expiry))
         if rank is not None:
-            self._readers.setdefault(stream_id, (rank[0], readers, set()))[2].add(f"{rank[0]}:{rank[1]}")
+            self._readers.setdefault(stream_id, (rank[0], readers, set()))[2].add(rank_name(rank))
 
     def refuse(self, stream_id: str, rank: tuple[str, int], readers: int) -> str | None:
         """Why a destination for ``stream_id`` from decode ``rank`` (saying ``readers`` ranks read this rank) is
@@ -63,7 +65,7 @@ class StreamLedger:
         if stream_id not in self._served:
             return None
         entry = self._readers.get(stream_id)
-        name = f"{rank[0]}:{rank[1]}"
+        name = rank_name(rank)
         if entry is None:
             return f"stream {stream_id} already had a destination (a grant serves once), or was declined"
         if name in entry[2]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from p2pkv.prefill.agents import Identity
+from p2pkv.prefill.agents import Identity, rank_name
 from p2pkv.prefill.streamer import StreamTarget
 
 MAX_PENDING = 4096
@@ -64,7 +64,7 @@ class PendingDestinations:
         """The destinations of ``stream_id`` from decode rank ``rank`` (``<engine id>:<tp rank>``), forgotten
         here, and whether that left none for the stream."""
         dests = self._by_stream.get(stream_id, [])
-        mine = [d for d in dests if f"{d.identity[0]}:{d.identity[1]}" == rank]
+        mine = [d for d in dests if rank_name(d.identity) == rank]
         if not mine:
             return [], False
         rest = [d for d in dests if d not in mine]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from handshake import HoldStatus
 from p2pkv.grant import is_stream_id
-from p2pkv.prefill.agents import Identity
+from p2pkv.prefill.agents import rank_name
 from p2pkv.prefill.stream_ledger import KEEP_S, StreamLedger
 
 if TYPE_CHECKING:
@@ -25,11 +25,6 @@ if TYPE_CHECKING:
     from p2pkv.prefill.poster import StreamPoster
     from p2pkv.prefill.pusher import Pusher
     from p2pkv.prefill.stream_pending import PendingDestinations
-
-
-def rank_name(identity: Identity) -> str:
-    """A decode rank as its releases name it (``requester_engine_id``): ``<engine id>:<tp rank>``."""
-    return f"{identity[0]}:{identity[1]}"
 
 
 class StreamReleases:
@@ -117,4 +112,4 @@ class StreamReleases:
         raise NotImplementedError
 
 
-__all__ = ["StreamReleases", "rank_name"]
+__all__ = ["StreamReleases"]

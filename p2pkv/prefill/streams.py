@@ -50,14 +50,14 @@ from handshake import StreamRequest
 from handshake.messages import PushStatus
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
-from p2pkv.prefill.agents import Identity
+from p2pkv.prefill.agents import Identity, rank_name
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_ledger import StreamLedger
 from p2pkv.prefill.stream_measures import StreamMeasures, layer_block_bytes
 from p2pkv.prefill.stream_pending import MAX_PENDING, Destination, PendingDestinations
-from p2pkv.prefill.stream_releases import StreamReleases, rank_name
+from p2pkv.prefill.stream_releases import StreamReleases
 from p2pkv.prefill.stream_requests import check_stream_request
 from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 
