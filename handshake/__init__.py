@@ -41,6 +41,7 @@ from handshake.messages import (
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,
+    GroupBlocks,
     HoldQuery,
     HoldsReply,
     KVLayoutDesc,
@@ -60,7 +61,8 @@ from handshake.server import HandshakeServer
 
 __all__ = [
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AgentInfo", "AuthenticationError", "Destination", "ErrorReply",
-    "HandshakeBindError", "HandshakeCancelledError", "HandshakeError", "HandshakeServer", "HandshakeTimeoutError",
+    "GroupBlocks", "HandshakeBindError", "HandshakeCancelledError", "HandshakeError", "HandshakeServer",
+    "HandshakeTimeoutError",
     "HoldLink", "HoldQuery", "HoldStatus", "HoldsReply", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion",
     "LeaseHeartbeat", "MalformedMessageError", "Message", "MessageTooLargeError", "MetadataDigestError",
     "MetadataReply", "MetadataRequest", "ProtocolVersionError", "PushReply", "PushRequest", "ReleaseHolds",

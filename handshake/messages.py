@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -44,6 +44,8 @@ PROTOCOL_VERSION = 12
   rank's (block size, HND/NHD) has the stream land in its staging, in the prefill rank's geometry.
 * 12: :class:`StreamRequest` carries ``readers``: how many decode ranks send a destination for one stream to
   one prefill rank (a decode engine of a larger TP size); the prefill rank streams to each.
+* 13: :class:`StreamRequest` carries ``group_blocks``: the destination of every KV cache group after the
+  first (vLLM's hybrid KV cache manager: sliding-window and full-attention layers, attention and Mamba).
 """
 
 MAX_ID_CHARS = 256
@@ -63,6 +65,13 @@ MAX_TEXT_CHARS = 2048
 
 MAX_READERS = 1024
 """Most decode ranks that may read one prefill rank's stream (a :class:`StreamRequest`'s ``readers``)."""
+
+MAX_KV_GROUPS = 16
+"""Most KV cache groups a :class:`StreamRequest` names (vLLM's hybrid models have two or three)."""
+
+MAX_GROUP_BLOCK_IDS = 1 << 16
+"""Most block ids one :class:`GroupBlocks` carries (a 1M-token prompt in blocks of 16 tokens), so that a
+:class:`StreamRequest` with every group stays within :data:`MAX_MESSAGE_BYTES`."""
 
 MAX_AGENT_METADATA_BYTES = 4 * 1024 * 1024
 """Largest NIXL agent metadata (bytes). Measured with UCX: about 45 bytes per registered region over TCP
@@ -465,6 +474,15 @@ Address = Annotated[int, msgspec.Meta(ge=0, lt=1 << 62)]
 """A process virtual address or device pointer (bytes; below 2**62, as descriptor rows)."""
 
 
+class GroupBlocks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A decode rank's blocks of one KV cache group for a layer stream (:attr:`StreamRequest.group_blocks`):
+    ``block_ids`` from index ``first_block`` of the group's block list on (blocks before it the decode engine has
+    cached, or, behind a sliding window, does not keep)."""
+
+    first_block: Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
+    block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=MAX_GROUP_BLOCK_IDS)]
+
+
 class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="stream_request"):
     """Give a prefill rank this decode rank's destination for a layer-streamed request (docs/streaming.md).
 
@@ -503,6 +521,9 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             region ``agent`` declares; ``block_ids`` then name staging blocks, each below ``len(block_ids)``.
         readers: how many ranks of the requesting engine send a destination for this stream to this prefill
             rank (1 ..); each rank's destination is taken once.
+        group_blocks: for a model with several KV cache groups (vLLM's hybrid KV cache manager), the
+            destination of groups 1 .. in group order (``block_ids`` and ``first_block`` are group 0's);
+            empty for one group. Such streams move pages as they are (no ``staging_addrs``).
     """
 
     grant: Grant
@@ -516,6 +537,8 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     staging_addrs: Annotated[list[Address], msgspec.Meta(max_length=MAX_REGIONS)] = msgspec.field(
         default_factory=list)
     readers: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] = 1
+    group_blocks: Annotated[list[GroupBlocks], msgspec.Meta(max_length=MAX_KV_GROUPS - 1)] = msgspec.field(
+        default_factory=list)
 
 
 Message = (MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply

@@ -143,6 +143,22 @@ def state_layer_names(kv_cache_config: KVCacheConfig | None) -> frozenset[str]:
     return frozenset(names)
 
 
+def layer_groups(kv_cache_config: KVCacheConfig | None) -> dict[str, int]:
+    """Layer name → the index of its KV cache group (empty without a config: every layer in group 0)."""
+    if kv_cache_config is None:
+        return {}
+    return {name: i for i, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
+
+
+def state_group_indices(kv_cache_config: KVCacheConfig | None) -> frozenset[int]:
+    """The indices of the KV cache groups that hold Mamba/SSM state."""
+    if kv_cache_config is None:
+        return frozenset()
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return frozenset(i for i, spec in _specs(kv_cache_config) if isinstance(spec, MambaSpec))
+
+
 def recompute_tokens(kv_cache_config: KVCacheConfig | None) -> int:
     """Trailing prompt tokens the decode engine computes itself instead of loading: 0 or 1.
 

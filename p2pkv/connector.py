@@ -29,9 +29,11 @@ from handshake.compat import fingerprint
 from p2pkv.compat import (
     check_kv_cache_supported,
     compat_fields,
+    layer_groups,
     model_info,
     num_kv_cache_groups,
     recompute_tokens,
+    state_group_indices,
     state_layer_names,
 )
 from p2pkv.config import P2pKvConfig, load_config
@@ -116,7 +118,8 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
                                            recompute_tokens(kv_cache_config),
                                            num_kv_cache_groups(kv_cache_config),
                                            max_blocks=max_blocks(vllm_config), role=engine_role,
-                                           num_blocks=getattr(kv_cache_config, "num_blocks", None))
+                                           num_blocks=getattr(kv_cache_config, "num_blocks", None),
+                                           state_groups=state_group_indices(kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -149,7 +152,9 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks,
-                                       state_layer_names(self._kv_cache_config))
+                                       state_layer_names(self._kv_cache_config),
+                                       layer_groups(self._kv_cache_config),
+                                       state_group_indices(self._kv_cache_config))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None

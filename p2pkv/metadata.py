@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from handshake import GroupBlocks
 from p2pkv.params import RemotePrefill
 
 
@@ -42,6 +43,9 @@ class LoadSpec:
             into ``local_block_ids`` as it is computed; ``remote`` then names the stream (``request_id`` its
             ``stream_id``, no block ids) and carries this prompt's digest of the ``num_tokens`` it loads.
             "" for pull and push.
+        stream_groups: a layer-streamed load of a model with several KV cache groups: each group's local
+            blocks, ``first_block`` counted in that group's block list (``local_block_ids`` is then their
+            concatenation, as a pull's of such a model is); empty for one group.
     """
 
     request_id: str
@@ -55,6 +59,7 @@ class LoadSpec:
     scheduled: float = 0.0
     traceparent: str = ""
     stream_grant: str = ""
+    stream_groups: tuple[GroupBlocks, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,9 @@ class StreamChunk:
         prompt_digest: :func:`p2pkv.params.prompt_digest` of the first ``loaded_tokens`` prompt tokens
             (set on the request's first chunk, "" after).
         loaded_tokens: prompt tokens a decode engine streaming it loads (all but the last; first chunk only).
+        group_blocks: a model with several KV cache groups: the blocks of groups 1 .. the step writes
+            (``first_block`` and ``block_ids`` are group 0's). A state group's (Mamba) come in the last chunk only,
+            all of them: its layers call no ``save_kv_layer``, and only the last step's state is the prompt's.
     """
 
     request_id: str
@@ -82,6 +90,7 @@ class StreamChunk:
     last: bool
     prompt_digest: str = ""
     loaded_tokens: int = 0
+    group_blocks: tuple[GroupBlocks, ...] = ()
 
 
 @dataclass

@@ -61,6 +61,8 @@ class SchedulerSide:
             for other engines.
         num_blocks: blocks of this engine's KV cache (caps the blocks held for remote decodes at
             ``max_held_fraction`` of them; None: no cap).
+        state_groups: the indices of its KV cache groups that hold Mamba/SSM state
+            (:func:`p2pkv.compat.state_group_indices`): a stream sends their blocks after the prompt's last step.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class SchedulerSide:
         max_blocks: int = MAX_BLOCK_IDS,
         role: Role = "both",
         num_blocks: int | None = None,
+        state_groups: frozenset[int] = frozenset(),
     ) -> None:
         self.engine_id = engine_id
         self.config = config
@@ -86,7 +89,7 @@ class SchedulerSide:
                                        max_blocks, tracing)
         self.prefill = PrefillScheduling(engine_id, config, role, side_channel_host, side_channel_port, tp_size,
                                          secret, recompute_tokens, num_blocks)
-        self.streams = StreamSteps(engine_id, secret, block_size, recompute_tokens, kv_groups)
+        self.streams = StreamSteps(engine_id, secret, block_size, recompute_tokens, kv_groups, state_groups)
 
     def on_new_request(self, request: Request) -> None:
         """A request arrives: a prefill leg leaves its tail to the decode engine, a decode leg is tracked for

@@ -91,7 +91,8 @@ class WorkerSide:
         self._hold_traces: dict[str, tuple[str, int, int]] = {}  # held id → (traceparent, start ns, blocks)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int,
-                           state_layers: frozenset[str] = frozenset()) -> None:
+                           state_layers: frozenset[str] = frozenset(), layer_groups: dict[str, int] | None = None,
+                           state_groups: frozenset[int] = frozenset()) -> None:
         """Register this worker's KV tensors with NIXL and start serving their description.
 
         Args:
@@ -100,6 +101,8 @@ class WorkerSide:
                 inside the attention tensors' pages (vLLM's hybrid KV cache shares them).
             num_blocks: blocks per layer.
             state_layers: names of the Mamba/SSM layers in ``kv_caches``.
+            layer_groups: layer name → its KV cache group (None: one group).
+            state_groups: the indices of the groups of ``state_layers``.
 
         Raises:
             p2pkv.dataplane.layout.LayoutError: a layout p2pkv cannot describe, or state views outside
@@ -149,7 +152,8 @@ class WorkerSide:
         self.streams = PrefillStreams(self.engine_id, self.agent, self.holds, self.pusher, source,
                                       layer_indices(tensors), secret, on_gpu=mem_type == "VRAM",
                                       min_tokens=self.config.stream_min_tokens,
-                                      min_link_share=self.config.stream_min_link_share)
+                                      min_link_share=self.config.stream_min_link_share,
+                                      group_of=layer_groups, state_groups=state_groups)
         if secret is None:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
                            "reaches it can read this engine's KV cache", self.host, self.port)

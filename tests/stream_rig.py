@@ -122,10 +122,11 @@ class Rig:
 
 
 @contextlib.contextmanager
-def open_rig(agents: Agents, clock: Callable[[], float] | None = None, **settings: float) -> Iterator[Rig]:
+def open_rig(agents: Agents, clock: Callable[[], float] | None = None, layer_of: dict[str, int] | None = None,
+             **settings: object) -> Iterator[Rig]:
     """A :class:`Rig` on ``agents`` (the decode cache zeroed, notes left by earlier tests dropped): its streams on
-    ``clock`` (default: a :class:`~tests.clock.FakeClock`), with ``settings`` as keyword arguments of
-    :class:`~p2pkv.prefill.streams.PrefillStreams`."""
+    ``clock`` (default: a :class:`~tests.clock.FakeClock`), its layers named ``layer_of`` (default
+    ``layers.<i>``), with ``settings`` as keyword arguments of :class:`~p2pkv.prefill.streams.PrefillStreams`."""
     agents.target.zero_()
     agents.decode.take_notifs(PUSH_PREFIX)  # notes an earlier test left; kept apart from now on
     holds = PrefillHolds(lease_s=30.0)
@@ -133,7 +134,8 @@ def open_rig(agents: Agents, clock: Callable[[], float] | None = None, **setting
     clock = FakeClock() if clock is None else clock
     source = stream_side(layout_desc(agents.layout, MODEL, "HND", mem_type="DRAM"))
     streams = PrefillStreams(ENGINE, agents.prefill, holds, pusher, source,
-                             {f"layers.{i}": i for i in range(LAYERS)}, KEY, clock=clock, **settings)
+                             layer_of or {f"layers.{i}": i for i in range(LAYERS)}, KEY, clock=clock,
+                             **settings)  # type: ignore[arg-type]
     made = Rig(agents, holds, pusher, streams, clock)
     take_ended = streams.poster.take_ended
 

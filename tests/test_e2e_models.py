@@ -263,16 +263,13 @@ def test_tokens_and_logprobs_equal_one_engine(kind_pair, slow_client, mode, leng
     assert demo.wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
 
 
-STREAMED = ("sliding-window", "mla")
-"""The kinds whose KV streams layer by layer (one KV cache group); the others' decode engine declines the stream
-and prefills the prompt itself (several KV cache groups: not streamed yet, docs/streaming.md)."""
-
-
-def test_each_kind_streams_or_is_prefilled_by_the_decode_engine(kind_pair, slow_client) -> None:
-    """Through a proxy in stream mode (both legs at once under a grant): the tokens equal one engine's for every
-    kind; a kind with one KV cache group streams its window's (sliding-window) or every (MLA) block of a prompt
-    over the measured threshold, layer by layer; one with several (interleaved-window, hybrid) is declined and
-    prefilled by the decode engine; the prefill engine holds nothing afterwards either way."""
+def test_each_kind_streams_layer_by_layer(kind_pair, slow_client) -> None:
+    """Through a proxy in stream mode (both legs at once under a grant), every kind streams a prompt over the
+    measured threshold, tokens equal to one engine's: the sliding-window model its window's blocks, MLA every
+    block, the interleaved-window model (two KV cache groups) its full-attention group's blocks and its window
+    group's in-window ones, the hybrid model (attention and Mamba groups) its attention blocks and its SSM state
+    block, which goes after the prompt's last step; the bytes are the pull's; the prefill engine holds nothing
+    afterwards."""
     kind, pair, stats, _, _ = kind_pair
     url, proxy = start_mode_proxy(pair, "stream")
     try:
@@ -284,10 +281,9 @@ def test_each_kind_streams_or_is_prefilled_by_the_decode_engine(kind_pair, slow_
         ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
         assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE[kind]
         pulls = demo.read_pull_stats(stats)[before:]
-        if kind in STREAMED:
-            assert [(p["direction"], p["blocks"]) for p in pulls] == [("stream", pulled_blocks(kind, length))]
-        else:
-            assert pulls == [], "a model with several KV cache groups does not stream yet"
+        blocks = pulled_blocks(kind, length)
+        assert [(p["direction"], p["blocks"], p["bytes"]) for p in pulls] == [
+            ("stream", blocks, blocks * BLOCK_BYTES[kind])]
         assert demo.wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
     finally:
         stop_children([proxy])

@@ -144,7 +144,7 @@ class Answering(Recorded):
 def test_a_decode_leg_that_ends_frees_the_hold_its_prefill_leg_made_once_that_answers(status: int) -> None:
     """Nobody loads from the hold once the decode leg ended: a refused one never will; an answered one has loaded
     (a streamed hold is already freed by its stream, and the release finds nothing) or prefilled the prompt
-    itself (the prefill engine held it without streaming: several KV cache groups, a refused grant), whose hold
+    itself (the prefill engine held it without streaming: a refused grant, a prompt given as embeddings), whose hold
     would otherwise last its lease."""
     proxy = Answering(status)
     assert proxy.streams is not None

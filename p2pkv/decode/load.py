@@ -51,25 +51,21 @@ class DecodeLoad:
             raise ValueError(f"loaded_tokens={self.loaded_tokens} must be in 1..prompt_tokens={self.prompt_tokens}")
 
     @classmethod
-    def streamed(cls, remote: RemotePrefill, grant: str, prompt_token_ids: Sequence[int], recompute_tokens: int,
-                 kv_groups: int) -> DecodeLoad:
+    def streamed(cls, remote: RemotePrefill, grant: str, prompt_token_ids: Sequence[int],
+                 recompute_tokens: int) -> DecodeLoad:
         """The load of a layer-streamed request: every prompt token but the last ``max(1, recompute_tokens)``,
         which this engine computes (its first output token comes from here: the proxy sent both legs at once,
         so no prefill token was appended). ``remote`` is given this prompt's digest of those tokens, which the
         prefill rank compares with its own before it WRITEs.
 
         Raises:
-            KVTransferParamsError: a prompt too short to stream (one token), or this engine has several KV
-                cache groups (a stream moves one group's pages).
+            KVTransferParamsError: a prompt too short to stream (one token).
         """
         prompt = len(prompt_token_ids)
         loaded = prompt - max(1, recompute_tokens)
         if loaded < 1:
             raise KVTransferParamsError(f"a prompt of {prompt} token(s) leaves nothing to stream: this engine "
                                         "computes its last token itself")
-        if kv_groups != 1:
-            raise KVTransferParamsError(f"kv_transfer_params.p2pkv_stream_grant: this engine has {kv_groups} KV "
-                                        "cache groups; a stream moves one (send such models without a grant: push)")
         remote = dataclasses.replace(remote, num_tokens=loaded, prompt_digest=prompt_digest(prompt_token_ids[:loaded]))
         return cls(remote, prompt, loaded, grant)
 

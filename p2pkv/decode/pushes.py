@@ -140,6 +140,9 @@ class Pushes:
         self._open[part.push_id] = part
         first_block = spec.first_token // max(1, part.peer.info.layout.block_size)
         block_ids = list(spec.local_block_ids)
+        group_blocks = list(spec.stream_groups[1:])
+        if spec.stream_groups:  # several KV cache groups: group 0's blocks here, the others' beside them
+            first_block, block_ids = spec.stream_groups[0].first_block, list(spec.stream_groups[0].block_ids)
         staging_addrs: list[int] = []
         if part.stage is not None:
             block_ids = list(range(len(part.stage.read.remote_block_ids)))
@@ -149,7 +152,7 @@ class Pushes:
             spec.stream_grant, block_ids, first_block, spec.remote.num_tokens,
             spec.remote.prompt_digest, part.push_id, info, self.engine_id, secret=self.secret,
             timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}",
-            staging_addrs=staging_addrs, readers=part.readers)
+            staging_addrs=staging_addrs, readers=part.readers, group_blocks=group_blocks)
         self._replies.append((future, part))
 
     def window(self, part: Part) -> float:

@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any
 
+from handshake import GroupBlocks
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.heartbeat import HeartbeatBatch, HeartbeatSender
 from p2pkv.decode.load import DecodeLoad
@@ -120,8 +121,7 @@ class DecodeScheduling:
                 remote, grant = parse_stream_leg(params, self._secret, decode_engine_id=self.engine_id,
                                                  now=time.time())
                 try:
-                    return DecodeLoad.streamed(remote, grant, request.prompt_token_ids or (), self.recompute_tokens,
-                                               self.kv_groups)
+                    return DecodeLoad.streamed(remote, grant, request.prompt_token_ids or (), self.recompute_tokens)
                 except KVTransferParamsError:
                     self._decline(request.request_id, remote, grant)
                     raise
@@ -187,7 +187,12 @@ class DecodeScheduling:
             self.fail_load(request, blocks, num_external_tokens)
             return
         remote = load.remote
-        if self.kv_groups > 1:
+        stream_groups: tuple[GroupBlocks, ...] = ()
+        if self.kv_groups > 1 and load.grant:
+            stream_groups = streamed_groups(blocks) if num_external_tokens > 0 else ()
+            local = tuple(b for group in stream_groups for b in group.block_ids)
+            remote_ids, first_token, num_tokens = (), 0, load.loaded_tokens
+        elif self.kv_groups > 1:
             local, remote_ids = group_pairs(remote, blocks) if num_external_tokens > 0 else ((), ())
             first_token, num_tokens = 0, -1  # the lists already pair up block for block
         else:
@@ -209,7 +214,7 @@ class DecodeScheduling:
             remote=remote, report=num_external_tokens > 0, first_token=first_token, num_tokens=num_tokens,
             arrival=float(getattr(request, "arrival_time", 0.0) or 0.0), scheduled=time.time(),
             traceparent=(parse_traceparent(params.get(TRACEPARENT_KEY)) or "") if self._tracing else "",
-            stream_grant=load.grant))
+            stream_grant=load.grant, stream_groups=stream_groups))
 
     def fail_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """A pull that could not be set up: the workers report it failed (its blocks as load errors)."""
@@ -260,6 +265,15 @@ class DecodeScheduling:
     def shutdown(self) -> None:
         """Stop the heartbeat thread. Idempotent."""
         self.heartbeats.close()
+
+
+def streamed_groups(blocks: KVCacheBlocks) -> tuple[GroupBlocks, ...]:
+    """A layer-streamed load's blocks, per KV cache group: each group's newly allocated blocks (not a prefix-cache
+    hit, not vLLM's null block behind a sliding window) and the index of the first in the group's list. The
+    prefill rank WRITEs its blocks of the same positions into them."""
+    return tuple(GroupBlocks(len(all_ids) - len(new_ids), list(new_ids))
+                 for all_ids, new_ids in zip(blocks.get_block_ids(), blocks.get_unhashed_block_ids_all_groups(),
+                                             strict=True))
 
 
 def group_pairs(remote: RemotePrefill, blocks: KVCacheBlocks) -> tuple[tuple[int, ...], tuple[int, ...]]:

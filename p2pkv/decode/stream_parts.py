@@ -24,6 +24,7 @@ import numpy as np
 from p2pkv.dataplane.blockmap import streamed_read
 from p2pkv.dataplane.layout import KVLayout
 from p2pkv.dataplane.negotiate import Placement
+from p2pkv.dataplane.plan import PlanError
 from p2pkv.dataplane.stager import Stager
 from p2pkv.decode.peers import Peer, PeerId
 from p2pkv.decode.reads import release_unposted
@@ -53,6 +54,7 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
     Raises:
         p2pkv.dataplane.staging.StagingFull: the stream can never fit in staging.
         p2pkv.dataplane.blockmap.BlockCountError: the local blocks do not cover the load.
+        p2pkv.dataplane.plan.PlanError: a model with several KV cache groups would need staging.
     """
     spec = transfer.spec
     if not spec.local_block_ids:
@@ -67,6 +69,10 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
             counted = np.array([[0, len(spec.local_block_ids) * layout.block_bytes, device_id]], dtype=np.uint64)
             transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count))
             continue
+        if spec.stream_groups:
+            raise PlanError(f"a model with several KV cache groups streams only into pages that take prefill rank "
+                            f"{rank}'s as they are ({peer.plan.placement.value} here: another TP size or page "
+                            "order); serve such pairs in push or pull mode")
         read = streamed_read(spec, block_size, peer.info.layout.block_size)
         if not read.remote_block_ids:
             continue

@@ -88,9 +88,9 @@ class StreamPoster:
         self._put("drop", key)
 
     def computed(self, key: str, layer: int, first_block: int, source_ids: Sequence[int],
-                 ready: Callable[[], bool] | None = None) -> None:
+                 ready: Callable[[], bool] | None = None, group: int = 0) -> None:
         """:meth:`LayerStream.computed` of ``key``'s stream (ignored for an unknown key)."""
-        self._put("computed", key, layer, first_block, tuple(source_ids), ready)
+        self._put("computed", key, layer, first_block, tuple(source_ids), ready, group)
 
     def target(self, key: str, target: StreamTarget) -> None:
         """:meth:`LayerStream.target` of ``key``'s stream."""

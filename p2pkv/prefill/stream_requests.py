@@ -9,8 +9,10 @@ has not expired; the agent's metadata is well formed and its pages are this
 rank's (same page size, layer and K/V order, heads, HND/NHD, dtype and block
 size: a stream moves pages as they are) or, with ``staging_addrs``, its
 staging destination mirrors this rank's regions inside the staging the agent
-declares; its block ids lie in its cache (or staging); the request's window
-has not passed.
+declares; it names one block list per KV cache group of this engine (a
+model with several moves its pages as they are, never into staging); its
+block ids lie in its cache (or staging); the request's window has not
+passed.
 What needs the rank's state (a stream id served once, room for pending
 destinations) is checked by :class:`p2pkv.prefill.streams.PrefillStreams`.
 """
@@ -97,7 +99,7 @@ class CheckedStream:
 
 
 def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: bytes | None, engine_id: str,
-                         now: float) -> CheckedStream | str:
+                         now: float, kv_groups: int = 1) -> CheckedStream | str:
     """Check ``msg`` against this rank (see the module docstring for the order).
 
     Args:
@@ -106,6 +108,7 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         secret: checks the grant (None: this rank streams nothing).
         engine_id: this engine's id (the grant must name it).
         now: ``time.time()`` seconds (the grant's expiry and the request's window).
+        kv_groups: KV cache groups of this engine (``group_blocks`` names the ones after the first).
 
     Returns:
         The checked request, or why it is refused (a message naming the field).
@@ -127,6 +130,12 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         return f"agent.layout: {exc}"
     except Exception as exc:
         return f"agent: {exc}"
+    if len(msg.group_blocks) != kv_groups - 1:
+        return (f"group_blocks: {len(msg.group_blocks)} KV cache group(s) after the first, but this engine has "
+                f"{kv_groups} groups; run both engines with the same model and hybrid KV cache manager setting")
+    if msg.group_blocks and msg.staging_addrs:
+        return ("staging_addrs: a model with several KV cache groups streams only between ranks whose pages are "
+                "the same (block size, page order, heads); send such pairs without a grant (push)")
     if msg.staging_addrs:
         staged = staging_side(source, msg.staging_addrs, len(msg.block_ids), side.device_id, msg.agent.staging)
         if isinstance(staged, str):
@@ -138,6 +147,11 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         check_block_ids(msg.block_ids, side.num_blocks, "staging" if msg.staging_addrs else "decode")
     except PlanError as exc:
         return f"block_ids: {exc}"
+    for group, named in enumerate(msg.group_blocks, 1):
+        try:
+            check_block_ids(named.block_ids, side.num_blocks, "decode")
+        except PlanError as exc:
+            return f"group_blocks[{group - 1}].block_ids: {exc}"
     window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - now)
     if window_s <= 0:
         return "window_s passed before the request was handled (a busy side channel)"

@@ -12,6 +12,16 @@ block its first token falls in to the block its last token falls in (the
 first chunk, and the first after a preemption, from block 0, so a prefix
 this engine had cached goes with it).
 
+A model with several KV cache groups (vLLM's hybrid KV cache manager:
+sliding-window and full-attention layers, attention and Mamba layers) has
+one block list per group; a chunk carries each group's blocks
+(:attr:`~p2pkv.metadata.StreamChunk.group_blocks`). An attention group's
+cover the same tokens as group 0's (one block size); vLLM's null block
+(id 0: behind a sliding window, freed or never kept) is left out of the
+front. A state group's (Mamba/SSM) go once, all of them, in the last chunk:
+its layers report nothing per layer, and only the state after the prompt's
+last step is the one to move.
+
 Only a grant this side can check is streamed: one the proxy signed for
 :data:`p2pkv.grant.ANY_DECODE` under this engine's id and secret (the decode
 engine is not known here). So no HTTP caller without the secret can make a
@@ -28,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from handshake import GroupBlocks
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, StreamGrantError, check_stream_grant
 from p2pkv.metadata import StreamChunk
 from p2pkv.params import prompt_digest
@@ -37,13 +48,14 @@ logger = logging.getLogger("p2pkv.scheduler")
 
 @dataclass
 class _Streamed:
-    """A streamed request the scheduler follows: its stream id, blocks so far, and digest."""
+    """A streamed request the scheduler follows: its stream id, blocks so far (one list per KV cache group),
+    and digest."""
 
     stream_id: str
     prompt_tokens: int
     digest: str
     loaded_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
     started: bool = False
 
 
@@ -58,16 +70,18 @@ class StreamSteps:
             :class:`p2pkv.scheduler.SchedulerSide`); the decode engine of a
             stream computes at least one, so it loads all but ``max(1, recompute_tokens)``
             of the original prompt (all of this engine's shortened prompt when ``recompute_tokens`` > 0).
-        kv_groups: KV cache groups of this engine (a stream moves one: with more, nothing is streamed).
+        kv_groups: KV cache groups of this engine (their attention groups share ``block_size``).
+        state_groups: the indices of its state groups (Mamba/SSM; :func:`p2pkv.compat.state_group_indices`).
     """
 
     def __init__(self, engine_id: str, secret: bytes | None, block_size: int, recompute_tokens: int,
-                 kv_groups: int) -> None:
+                 kv_groups: int, state_groups: frozenset[int] = frozenset()) -> None:
         self.engine_id = engine_id
         self._secret = secret
         self.block_size = block_size
         self.recompute_tokens = recompute_tokens
         self.kv_groups = kv_groups
+        self.state_groups = state_groups
         self._requests: dict[str, _Streamed] = {}
         self._stream_ids: set[str] = set()
         self.aborts: dict[str, str] = {}
@@ -90,9 +104,9 @@ class StreamSteps:
             logger.warning("p2pkv: request %s: %s; not streamed (held for a pull or push)", request.request_id, exc)
             return
         ids = request.prompt_token_ids
-        if self.kv_groups != 1 or ids is None or grant.stream_id in self._stream_ids:
-            why = ("several KV cache groups" if self.kv_groups != 1 else "a prompt given as embeddings"
-                   if ids is None else f"stream id {grant.stream_id} is already streamed here (a replayed grant)")
+        if ids is None or grant.stream_id in self._stream_ids:
+            why = ("a prompt given as embeddings" if ids is None
+                   else f"stream id {grant.stream_id} is already streamed here (a replayed grant)")
             logger.warning("p2pkv: request %s asks to stream; not streamed (%s)", request.request_id, why)
             return
         loaded = len(ids) - 1 if self.recompute_tokens == 0 else len(ids)
@@ -111,7 +125,7 @@ class StreamSteps:
         out = []
         for new in scheduler_output.scheduled_new_reqs:
             if (streamed := self._requests.get(new.req_id)) is not None:
-                streamed.block_ids = list(new.block_ids[0])
+                streamed.block_ids = [list(ids) for ids in new.block_ids]
                 out.append(self._chunk(new.req_id, streamed, 0, new.num_computed_tokens, counts.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set())
@@ -120,9 +134,11 @@ class StreamSteps:
                 continue
             added = cached.new_block_ids[i]
             if req_id in resumed:  # preempted and back: its blocks were given anew, its tokens recomputed
-                streamed.block_ids, streamed.started = list(added[0]) if added else [], False
+                streamed.block_ids = [list(ids) for ids in added] if added else []
+                streamed.started = False
             elif added:
-                streamed.block_ids.extend(added[0])
+                for mine, ids in zip(streamed.block_ids, added, strict=False):
+                    mine.extend(ids)
             computed = cached.num_computed_tokens[i]
             first = 0 if not streamed.started else computed // self.block_size
             out.append(self._chunk(req_id, streamed, first, computed, counts.get(req_id, 0)))
@@ -134,9 +150,16 @@ class StreamSteps:
         last_block = -(-end // self.block_size)
         opening = not streamed.started
         streamed.started = True
-        return StreamChunk(request_id, streamed.stream_id, first_block,
-                           tuple(streamed.block_ids[first_block:last_block]), end, end >= streamed.prompt_tokens,
-                           streamed.digest if opening else "", streamed.loaded_tokens if opening else 0)
+        last = end >= streamed.prompt_tokens
+        groups = []
+        for group, ids in enumerate(streamed.block_ids or [[]]):
+            if group in self.state_groups:
+                groups.append(_unnulled(0, ids) if last else GroupBlocks(0, []))
+            else:
+                groups.append(_unnulled(first_block, ids[first_block:last_block]))
+        return StreamChunk(request_id, streamed.stream_id, groups[0].first_block, tuple(groups[0].block_ids), end,
+                           last, streamed.digest if opening else "", streamed.loaded_tokens if opening else 0,
+                           tuple(groups[1:]))
 
     def finished(self, request_id: str, completed: bool) -> bool:
         """``request_id`` ended (``completed``: by length or stop; else aborted); True when it was streamed.
@@ -153,3 +176,16 @@ class StreamSteps:
         """Streams to stop (prefill request id → why), then forgotten."""
         out, self.aborts = self.aborts, {}
         return out
+
+
+NULL_BLOCK = 0
+"""vLLM's null block id: a position of a request's block list that holds nothing (behind a sliding window)."""
+
+
+def _unnulled(first_block: int, block_ids: list[int]) -> GroupBlocks:
+    """Blocks ``first_block ..`` of a group without the null blocks at their front (a sliding window's
+    positions that hold nothing)."""
+    skip = 0
+    while skip < len(block_ids) and block_ids[skip] == NULL_BLOCK:
+        skip += 1
+    return GroupBlocks(first_block + skip, list(block_ids[skip:]))

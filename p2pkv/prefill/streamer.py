@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from handshake import GroupBlocks
 from p2pkv.dataplane.agent import TransferError
 from p2pkv.dataplane.layers import LayerRows, layer_rows
 from p2pkv.dataplane.plan import PlanError, check_block_ids
@@ -121,6 +122,8 @@ class StreamTarget:
             nothing is posted from then on (the stream stops as by :meth:`LayerStream.abort`).
         whole: every layer goes in one WRITE after the last (the link is fast against the forward:
             :meth:`p2pkv.prefill.stream_measures.StreamMeasures.per_layer`), as for a ``bulk`` stream.
+        group_blocks: a model with several KV cache groups: the decode blocks of groups 1 .. (``block_ids``
+            and ``first_block`` are group 0's); a layer's pages of group ``g``'s blocks go to group ``g``'s.
     """
 
     agent: str
@@ -130,16 +133,28 @@ class StreamTarget:
     push_id: bytes
     deadline: float = math.inf
     whole: bool = False
+    group_blocks: tuple[GroupBlocks, ...] = ()
+
+    def blocks(self, group: int) -> tuple[int, Sequence[int]]:
+        """``(first_block, block_ids)`` of KV cache group ``group`` (no blocks for a group it does not name)."""
+        if group == 0:
+            return self.first_block, self.block_ids
+        if group - 1 < len(self.group_blocks):
+            named = self.group_blocks[group - 1]
+            return named.first_block, named.block_ids
+        return 0, ()
 
 
 @dataclass
 class _Chunk:
-    """Prompt blocks ``first_block ..`` of one layer, computed (once ``ready`` holds) into ``source_ids``."""
+    """Blocks ``first_block ..`` of KV cache group ``group`` in one layer's pages, computed (once ``ready``
+    holds) into ``source_ids``."""
 
     layer: int
     first_block: int
     source_ids: tuple[int, ...]
     ready: Callable[[], bool] | None
+    group: int = 0
 
 
 @dataclass
@@ -208,8 +223,9 @@ class LayerStream:
     handed_back: bool = field(default=False, init=False)
     _target: StreamTarget | None = field(default=None, init=False, repr=False)
     _waiting: list[_Chunk] = field(default_factory=list, init=False, repr=False)
-    _inflight: list[tuple[XferHandle, frozenset[int]]] = field(default_factory=list, init=False, repr=False)
-    """Each WRITE in flight with its layers."""
+    _inflight: list[tuple[XferHandle, frozenset[tuple[int, int]]]] = field(default_factory=list, init=False,
+                                                                            repr=False)
+    """Each WRITE in flight with its ``(layer, group)`` pairs."""
     _finished: bool = field(default=False, init=False, repr=False)
     _notify_with_write: bool = field(default=False, init=False, repr=False)
     _failure_note: PushedNotification | None = field(default=None, init=False, repr=False)
@@ -234,18 +250,19 @@ class LayerStream:
         return bool(self._inflight) or (self.state is StreamState.STREAMING and posting)
 
     def computed(self, layer: int, first_block: int, source_ids: Sequence[int],
-                 ready: Callable[[], bool] | None = None) -> None:
+                 ready: Callable[[], bool] | None = None, group: int = 0) -> None:
         """Layer ``layer`` of prompt blocks ``first_block ..`` is computed into this rank's ``source_ids``.
 
         Args:
-            layer: the attention layer (0-based).
-            first_block: the prompt block index of ``source_ids[0]``.
+            layer: the layer index of the pages (0-based; :func:`p2pkv.prefill.streams.layer_indices`).
+            first_block: the block index of ``source_ids[0]`` (in KV cache group ``group``'s block list).
             source_ids: this rank's block ids, in prompt order.
             ready: True once the layer's values are in memory (None: they are now).
+            group: the KV cache group whose blocks these are (0 for a model with one group).
         """
         if self.state is StreamState.ENDED:
             return
-        self._waiting.append(_Chunk(layer, first_block, tuple(source_ids), ready))
+        self._waiting.append(_Chunk(layer, first_block, tuple(source_ids), ready, group))
 
     def target(self, target: StreamTarget) -> None:
         """The decode rank's destination arrived: from the next :meth:`pump` on, computed layers are WRITTEN.
@@ -263,6 +280,8 @@ class LayerStream:
                              f"from this rank's {len(ours)} (page size, layer or K/V); stream only between "
                              "engines with the same block size, page order and heads")
         check_block_ids(target.block_ids, target.side.num_blocks, "decode")
+        for named in target.group_blocks:
+            check_block_ids(named.block_ids, target.side.num_blocks, "decode")
         self._target = target
         self.bulk = self.bulk or target.whole
         if self.state is StreamState.WAITING:
@@ -312,10 +331,11 @@ class LayerStream:
         if self.bulk and not self._finished:
             return
         ready: list[_Chunk] = []
-        held: set[int] = {layer for _, layers in self._inflight for layer in layers}
+        held: set[tuple[int, int]] = {key for _, keys in self._inflight for key in keys}
         for chunk in self._waiting:
-            if chunk.layer in held or (chunk.ready is not None and not chunk.ready()):
-                held.add(chunk.layer)
+            key = (chunk.layer, chunk.group)
+            if key in held or (chunk.ready is not None and not chunk.ready()):
+                held.add(key)
             else:
                 ready.append(chunk)
         if not ready:
@@ -331,7 +351,7 @@ class LayerStream:
         last = self._finished and not self._waiting and not self._inflight
         note = encode_pushed(PushedNotification(self._target.push_id, True), self.secret) if last else b""
         xfer = self.writer.start_write(self._target.agent, source, target, note)
-        self._inflight.append((xfer, frozenset(chunk.layer for chunk in ready)))
+        self._inflight.append((xfer, frozenset((chunk.layer, chunk.group) for chunk in ready)))
         self._notify_with_write = last
         now = self.clock()
         c = self.counters
@@ -346,12 +366,13 @@ class LayerStream:
     def _rows(self, chunk: _Chunk) -> list[LayerRows]:
         """The rows of ``chunk`` that fall in the target's blocks (none when it covers none)."""
         t = self._target
-        lo = max(chunk.first_block, t.first_block)
-        hi = min(chunk.first_block + len(chunk.source_ids), t.first_block + len(t.block_ids))
+        first, block_ids = t.blocks(chunk.group)
+        lo = max(chunk.first_block, first)
+        hi = min(chunk.first_block + len(chunk.source_ids), first + len(block_ids))
         if lo >= hi:
             return []
         source_ids = chunk.source_ids[lo - chunk.first_block:hi - chunk.first_block]
-        target_ids = t.block_ids[lo - t.first_block:hi - t.first_block]
+        target_ids = block_ids[lo - first:hi - first]
         src, dst = self.source, t.side
         pick = [i for i, p in enumerate(src.pages) if p.layer_start == chunk.layer]
         return layer_rows([src.pages[i] for i in pick], [dst.pages[i] for i in pick], source_ids, target_ids,

@@ -96,7 +96,11 @@ class PrefillStreams(StreamReleases):
         holds: this rank's holds (pinned while a stream may WRITE from them).
         pusher: loads the decode agents (:meth:`p2pkv.prefill.pusher.Pusher.hold_agent`).
         source: this rank's pages, or why it cannot stream (an interleaved layout).
-        layer_of: vLLM layer name → its layer index in ``source``'s pages.
+        layer_of: vLLM layer name → its layer index in ``source``'s pages (attention layers: those that call
+            ``save_kv_layer``).
+        group_of: vLLM layer name → its KV cache group (None: every layer in group 0).
+        state_groups: the indices of the KV cache groups that hold Mamba/SSM state: their blocks go after the
+            prompt's last step, in every layer's pages (a state page lies in the attention tensors').
         secret: checks grants, signs notifications (None: nothing streams).
         on_gpu: the cache is in GPU memory (a layer is WRITTEN once a CUDA event recorded after it completes).
         min_tokens: a request whose decode engine loads fewer prompt tokens goes as one WRITE after its last
@@ -108,8 +112,8 @@ class PrefillStreams(StreamReleases):
 
     def __init__(self, engine_id: str, agent: NixlTransferAgent, holds: PrefillHolds, pusher: Pusher,
                  source: StreamSide | str, layer_of: dict[str, int], secret: bytes | None, *, on_gpu: bool = False,
-                 min_tokens: int = 0, min_link_share: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 min_tokens: int = 0, min_link_share: float = 0.0, group_of: dict[str, int] | None = None,
+                 state_groups: frozenset[int] = frozenset(), clock: Callable[[], float] = time.monotonic) -> None:
         self.engine_id = engine_id
         self.agent = agent
         self.holds = holds
@@ -131,8 +135,11 @@ class PrefillStreams(StreamReleases):
         self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
         self._step: list[StreamChunk] = []
         self._prepared: P2pKvMetadata | None = None  # the step whose chunks were taken
-        self._seen: set[int] = set()  # layers vLLM reported done this step
-        self._layers = set(layer_of.values())
+        self.group_of = group_of or {}
+        self.state_groups = state_groups
+        self.kv_groups = max([0, *self.group_of.values(), *state_groups]) + 1
+        self._seen: set[tuple[int, int]] = set()  # (layer, group) vLLM reported done this step
+        self._layers = {(layer, self.group_of.get(name, 0)) for name, layer in layer_of.items()}
 
     # ---- side-channel thread -------------------------------------------------------------
     def on_stream(self, msg: StreamRequest) -> tuple[PushStatus, str]:
@@ -145,7 +152,7 @@ class PrefillStreams(StreamReleases):
 
     def _accept(self, msg: StreamRequest) -> tuple[PushStatus, str]:
         now = time.time()
-        checked = check_stream_request(msg, self.source, self._secret, self.engine_id, now)
+        checked = check_stream_request(msg, self.source, self._secret, self.engine_id, now, self.kv_groups)
         if isinstance(checked, str):
             return "refused", checked
         stream_id = checked.grant.stream_id
@@ -164,7 +171,8 @@ class PrefillStreams(StreamReleases):
             return "refused", why
         deadline = self._clock() + checked.window_s  # the decode rank gives the load up then: no WRITE after it
         target = StreamTarget(msg.agent.agent_name, checked.side, tuple(msg.block_ids), msg.first_block,
-                              msg.push_id, deadline, not self.measures.per_layer(rank_name(checked.identity)))
+                              msg.push_id, deadline, not self.measures.per_layer(rank_name(checked.identity)),
+                              tuple(msg.group_blocks))
         dest = Destination(target, checked.identity, msg.num_tokens, msg.prompt_digest, deadline, msg.readers)
         with self._lock:
             request_id = self._by_stream.get(stream_id)
@@ -261,28 +269,42 @@ class PrefillStreams(StreamReleases):
         layer = self.layer_of.get(layer_name)
         if layer is None:
             return
-        self._seen.add(layer)
+        group = self.group_of.get(layer_name, 0)
+        self._seen.add((layer, group))
         self.measures.layer_done()
-        ready = None
-        if self._on_gpu:
-            import torch
-
-            event = torch.cuda.Event()
-            event.record()
-            ready = event.query
+        ready = self._ready()
         for chunk in self._step:
-            self.poster.computed(chunk.request_id, layer, chunk.first_block, chunk.block_ids, ready)
+            first_block, block_ids = chunk_blocks(chunk, group)
+            if block_ids:
+                self.poster.computed(chunk.request_id, layer, first_block, block_ids, ready, group)
+
+    def _ready(self) -> Callable[[], bool] | None:
+        """The ready test of what the forward has written so far (on a GPU, a CUDA event recorded now)."""
+        if not self._on_gpu:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        return event.query
 
     def end_step(self) -> None:
         """The step's forward is done: streams whose prompt it finished send their last layers, then end. A step
         in which vLLM did not report every layer done (``save_kv_layer``) stops its streams: a layer not
         WRITTEN must never be announced as landed."""
         missing = self._layers - self._seen
+        ready = self._ready() if self.state_groups and any(chunk.last for chunk in self._step) else None
         for chunk in self._step:
             if missing:
+                layer, group = min(missing)
                 self.poster.abort(chunk.request_id, f"vLLM reported {len(self._seen)} of {len(self._layers)} layers "
-                                  f"done in a step (save_kv_layer; first missing: layer {min(missing)})")
+                                  f"done in a step (save_kv_layer; first missing: layer {layer} of KV cache "
+                                  f"group {group})")
             elif chunk.last:
+                for group in sorted(self.state_groups):
+                    first_block, block_ids = chunk_blocks(chunk, group)
+                    for layer in sorted({layer for layer, _ in self._layers}) if block_ids else ():
+                        self.poster.computed(chunk.request_id, layer, first_block, block_ids, ready, group)
                 self.poster.finish(chunk.request_id)
         self.measures.step_ended(sum(len(chunk.block_ids) for chunk in self._step))
         self._step = []
@@ -348,6 +370,16 @@ class PrefillStreams(StreamReleases):
         self.poster.close()
 
 
+def chunk_blocks(chunk: StreamChunk, group: int) -> tuple[int, tuple[int, ...]]:
+    """``(first_block, block_ids)`` of KV cache group ``group`` in ``chunk`` (none for a group it lacks)."""
+    if group == 0:
+        return chunk.first_block, chunk.block_ids
+    if group - 1 < len(chunk.group_blocks):
+        named = chunk.group_blocks[group - 1]
+        return named.first_block, tuple(named.block_ids)
+    return 0, ()
+
+
 MEASURED_MIN_TOKENS = {"per_layer": 128, "cross_layer": 512}
 """The shortest prompt (tokens) from which on a WRITE per layer beat one WRITE after the last layer, by cache
 kind, on UCX's ``cma`` and ``tcp`` alike (docs/benchmarks/stream-threshold-cpu.md: a stand-in forward of 2 µs per
@@ -378,4 +410,4 @@ def layer_indices(kv_caches: dict[str, object]) -> dict[str, int]:
     return out
 
 
-__all__ = ["MEASURED_MIN_TOKENS", "PrefillStreams", "layer_indices", "measured_min_tokens"]
+__all__ = ["MEASURED_MIN_TOKENS", "PrefillStreams", "chunk_blocks", "layer_indices", "measured_min_tokens"]

@@ -93,8 +93,8 @@ class StreamLegs:
         ``body`` is not a streamed decode leg). The proxy then frees the hold that prefill leg's answer names:
         nobody loads from it any more (a decode leg that answered has loaded or computed the prompt; a failed
         one never will). A stream that never got its destination would hold its blocks until the lease, and so
-        would a prompt the prefill engine held without streaming it (a model with several KV cache groups, a
-        grant it refused: the decode engine then declines the stream and prefills the prompt itself); a
+        would a prompt the prefill engine held without streaming it (a grant it refused, a prompt given as
+        embeddings: the decode engine then declines the stream and prefills the prompt itself); a
         stream that did get its destination keeps the blocks pinned until its WRITEs end, so freeing never
         takes blocks from under a WRITE."""
         params = body.get("kv_transfer_params")
