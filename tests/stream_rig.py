@@ -115,10 +115,10 @@ class Rig:
             self.streams.collect()
             time.sleep(0.002)
 
-    def starting(self) -> int:
+    def streams_held(self) -> int:
         """Streams (destinations) that keep rank 0 of DECODE loaded now."""
         entry = self.pusher._agents.get((DECODE, 0))
-        return 0 if entry is None else entry.starting
+        return 0 if entry is None else entry.streams
 
 
 @contextlib.contextmanager

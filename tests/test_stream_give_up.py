@@ -58,7 +58,7 @@ def test_a_release_by_the_destinations_rank_stops_a_running_stream(rig: Rig, req
     rig.streams.begin_step(P2pKvMetadata(send_leases={REQ: time.monotonic() + 600}, send_blocks={REQ: (3, 4)}))
     rig.settle()
     assert rig.holds.released([], {"leases_expired": 0, "leases_notified": 0}) == {REQ}
-    assert rig.holds._pins == {} and rig.starting() == 0
+    assert rig.holds._pins == {} and rig.streams_held() == 0
     (stream,) = rig.ended
     assert stream.counters.layers_posted == ([0] if stops else [0, 1])
     assert rig.landed({3: 5, 4: 6}, [0] if stops else range(LAYERS))
@@ -70,9 +70,10 @@ def test_a_release_by_the_destinations_rank_stops_a_running_stream(rig: Rig, req
 def test_a_destination_released_before_its_request_is_known_is_dropped(rig: Rig, requester: str,
                                                                        drops: bool) -> None:
     assert rig.streams.on_stream(rig.request([5, 6])) == ("accepted", "")  # no chunk of its request yet
-    assert rig.starting() == 1
+    assert rig.streams_held() == 1
+    assert not rig.pusher._cycle(rig.clock()), "a stream's agent held gives the push thread nothing to poll"
     assert rig.streams.on_release([rig.stream_id], [[]], requester) == int(drops)
-    assert rig.starting() == (0 if drops else 1), "a dropped destination keeps its decode agent loaded"
+    assert rig.streams_held() == (0 if drops else 1), "a dropped destination keeps its decode agent loaded"
     rig.step(rig.chunk((3, 4)))
     rig.settle()
     (stream,) = rig.ended
@@ -83,7 +84,7 @@ def test_a_destination_released_before_its_request_is_known_is_dropped(rig: Rig,
     else:
         assert stream.failure is None and rig.notes() == [PushedNotification(PID, True)]
         assert rig.landed({3: 5, 4: 6}, range(LAYERS))
-    assert rig.starting() == 0
+    assert rig.streams_held() == 0
 
 
 def test_a_stream_whose_window_passes_while_it_waits_for_layers_stops(rig: Rig) -> None:
@@ -101,7 +102,7 @@ def test_a_stream_whose_window_passes_while_it_waits_for_layers_stops(rig: Rig) 
     (stream,) = rig.ended
     assert "window passed" in (stream.failure or "") and stream.counters.layers_posted == [0, 1]
     assert rig.landed({3: 5}, range(LAYERS)), "a layer was written after the window"
-    assert rig.notes(timeout_s=0.1) == [] and rig.starting() == 0
+    assert rig.notes(timeout_s=0.1) == [] and rig.streams_held() == 0
 
 
 def test_a_destination_that_never_comes_ends_with_the_hold_and_a_late_one_is_refused_at_once(rig: Rig) -> None:
@@ -119,7 +120,7 @@ def test_a_destination_that_never_comes_ends_with_the_hold_and_a_late_one_is_ref
     assert stream.counters.writes == 0 and rig.notes(timeout_s=0.2) == []
     status, why = rig.streams.on_stream(rig.request([5, 6]))
     assert status == "refused" and "stopped before this destination came" in why and "hold ended" in why, why
-    assert rig.starting() == 0 and torch.count_nonzero(rig.agents.target) == 0
+    assert rig.streams_held() == 0 and torch.count_nonzero(rig.agents.target) == 0
 
 
 def test_a_stream_id_with_a_destination_here_is_answered_held_and_others_are_the_holds(rig: Rig) -> None:

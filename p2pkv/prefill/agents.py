@@ -86,6 +86,8 @@ class PushAgent:
         queued: WRITEs waiting, in arrival order.
         in_flight: WRITEs posted.
         starting: WRITEs taken from ``queued`` and being posted (the agent loaded first) right now.
+        streams: layer streams into it that keep its agent loaded (:meth:`p2pkv.prefill.pusher.Pusher.hold_agent`):
+            their WRITEs are posted and polled by the stream poster, not by the pusher.
         loaded: the :class:`handshake.AgentInfo` whose metadata NIXL holds for it (None: nothing loaded yet).
         last_used: when it last had work (seconds on the table's clock).
         broken: a WRITE to it failed: unloaded as soon as it is idle.
@@ -95,13 +97,21 @@ class PushAgent:
     queued: collections.deque[PushJob] = field(default_factory=collections.deque)
     in_flight: list[PushJob] = field(default_factory=list)
     starting: int = 0
+    streams: int = 0
     loaded: AgentInfo | None = None
     last_used: float = 0.0
     broken: bool = False
 
     @property
     def idle(self) -> bool:
-        """Nothing queued, being posted or in flight (so nothing pinned for it, nothing NIXL moves to it)."""
+        """Nothing queued, being posted or in flight, no stream into it (so nothing pinned for it, nothing NIXL
+        moves to it)."""
+        return self.pushing_idle and not self.streams
+
+    @property
+    def pushing_idle(self) -> bool:
+        """No push WRITE queued, being posted or in flight: nothing for the pusher's thread to poll (a stream
+        into it may still hold its agent)."""
         return not self.queued and not self.in_flight and not self.starting
 
 

@@ -129,7 +129,7 @@ class Pusher:
     def writes_left(self) -> int:
         """WRITEs queued, being posted or in flight, over every decode rank."""
         with self._lock:
-            return sum(len(a.queued) + a.starting + len(a.in_flight) for a in self._agents.values())
+            return sum(len(a.queued) + a.starting + a.streams + len(a.in_flight) for a in self._agents.values())
 
     # ---- side-channel thread ----------------------------------------------------------
     def on_push(self, msg: PushRequest) -> tuple[PushStatus, str]:
@@ -194,7 +194,7 @@ class Pusher:
 
     # ---- streams (p2pkv.prefill.streams) ----------------------------------------------------
     def hold_agent(self, identity: Identity, info: AgentInfo) -> tuple[bool, str]:
-        """Load ``info``'s agent for a stream and keep it loaded (counted as starting, so never evicted or
+        """Load ``info``'s agent for a stream and keep it loaded (counted in its ``streams``, so never evicted or
         reloaded) until :meth:`release_agent`; ``(False, why)`` when there is no room or NIXL refused it."""
         with self._lock:
             if not self._agents.has_room(identity):
@@ -202,11 +202,11 @@ class Pusher:
                                "here (push_max_agents)")
             entry = self._agents.admit(identity)
             assert entry is not None  # has_room, under the same lock
-            entry.starting += 1
+            entry.streams += 1
         ready, why = self.loader.load(entry, info)
         if not ready:
             with self._lock:
-                entry.starting -= 1
+                entry.streams -= 1
                 entry.broken = entry.broken or ready is False
             return False, why or "a WRITE to this decode rank's previous agent metadata is still in flight; retry"
         return True, ""
@@ -215,8 +215,8 @@ class Pusher:
         """A stream into ``identity``'s agent has ended: it may be evicted once idle."""
         with self._lock:
             entry = self._agents.get(identity)
-            if entry is not None and entry.starting > 0:
-                entry.starting -= 1
+            if entry is not None and entry.streams > 0:
+                entry.streams -= 1
                 self._agents.touch(entry)
 
     # ---- pusher thread ------------------------------------------------------------------
@@ -250,8 +250,8 @@ class Pusher:
                 with self._lock:
                     agent.in_flight.remove(job)
                     self._agents.touch(agent)
-        with self._lock:
-            return any(not a.idle for a in self._agents.values())
+        with self._lock:  # a stream's WRITEs are the stream poster's to poll
+            return any(not a.pushing_idle for a in self._agents.values())
 
     def _post_in_turn(self, now: float) -> None:
         """Post what fits now: decode agents in turn (:func:`take_in_turn`), each up to ``max_in_flight``,
@@ -259,7 +259,7 @@ class Pusher:
         must wait for a reload go back to the front of their queue, in order."""
         with self._lock:
             agents = {a.identity: a for a in self._agents.values()}
-            flying = {i: len(a.in_flight) + a.starting for i, a in agents.items()}
+            flying = {i: len(a.in_flight) + a.starting + a.streams for i, a in agents.items()}
             taken = take_in_turn({i: a.queued for i, a in agents.items()}, flying, self._agents.order(),
                                  self.max_in_flight)
             for identity, _ in taken:
