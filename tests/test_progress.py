@@ -5,9 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from p2pkv.decode.direction import Direction
 from p2pkv.decode.progress import Progress
-from p2pkv.decode.transfer import Part, Transfer, TransferState, streams_only
+from p2pkv.decode.transfer import Part, Transfer, TransferState, poll_wait_s, streams_only
 from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.params import RemotePrefill
 from tests.p2p_harness import DecodeSide, PrefillProc, pull_task
@@ -81,6 +83,15 @@ def test_only_streams_waiting_for_their_prefill_slow_the_pace() -> None:
     assert streams_only([stream]) and streams_only([stream, transfer(Direction.STREAM, TransferState.READING)])
     assert not streams_only([]) and not streams_only([stream, read])
     assert not streams_only([transfer(Direction.STREAM, TransferState.HANDSHAKE)])
+    # The pace: 1 % of the youngest stream's wait so far, within stream_poll_interval_s .. 10 ms.
+    stream.started, young = 100.0, transfer(Direction.STREAM, TransferState.READING)
+    young.started = 103.0
+    assert poll_wait_s([stream], 100.05, 0.0002, 0.001) == 0.001  # 50 ms waited: the floor
+    assert poll_wait_s([stream], 100.5, 0.0002, 0.001) == pytest.approx(0.005)
+    assert poll_wait_s([stream], 104.0, 0.0002, 0.001) == pytest.approx(0.01)  # capped
+    assert poll_wait_s([stream, young], 104.0, 0.0002, 0.001) == pytest.approx(0.01)  # the young one: 1 s
+    assert poll_wait_s([stream, young], 103.2, 0.0002, 0.001) == pytest.approx(0.002)
+    assert poll_wait_s([stream, read], 104.0, 0.0002, 0.001) == 0.0002  # a READ keeps the pull pace
 
 
 def test_no_thread_at_interval_zero_and_a_failing_start_leaves_no_thread() -> None:

@@ -64,7 +64,7 @@ from p2pkv.decode.reads import ReadEvent, plan_reads, release_unposted
 from p2pkv.decode.release import release_failed
 from p2pkv.decode.spans import TransferSpans
 from p2pkv.decode.stream_parts import plan_streams
-from p2pkv.decode.transfer import Part, Transfer, TransferState, streams_only
+from p2pkv.decode.transfer import Part, Transfer, TransferState, poll_wait_s
 from p2pkv.decode.transfers import Transfers
 from p2pkv.metadata import LoadSpec
 from p2pkv.telemetry.stats import StatsBuffer
@@ -98,8 +98,8 @@ class Receiver:
         self._secret = secret
         self.progress = Progress(self._advance, f"p2pkv-pulls-tp{rank.tp_rank}", config.pull_poll_interval_s,
                                  on_start=lambda: bind_device(rank.desc.mem_type, rank.device_id),
-                                 wait_s=lambda: config.stream_poll_interval_s if streams_only(self.transfers)
-                                 else config.pull_poll_interval_s)
+                                 wait_s=lambda: poll_wait_s(self.transfers, time.monotonic(),
+                                                            config.pull_poll_interval_s, config.stream_poll_interval_s))
         self.lock = self.progress.lock
         self.background = Background(on_done=self.progress.wake)
         self.peers = PeerTable(agent, rank.desc, list(rank.layout.segments), rank.tp_rank, rank.tp_size, model)

@@ -180,6 +180,30 @@ class Transfer:
         return next((r.direction for r in self.parts if r.direction is not None), Direction.PULL)
 
 
+STREAM_POLL_SHARE = 0.01
+"""While every pull is a layer stream waiting for its prefill, the pulls' thread polls every this share of the
+time the youngest stream has waited so far (at least ``stream_poll_interval_s``, at most
+:data:`STREAM_POLL_MAX_S`): the notification is seen at most 1 % of the stream's time late, and a prefill of
+seconds is polled a hundred times a second, not a thousand (on a CPU host each poll takes the prefill's cores)."""
+
+STREAM_POLL_MAX_S = 0.01
+"""Longest poll interval (seconds) of a stream wait, however long it has waited."""
+
+
+def stream_poll_interval(transfers: list[Transfer], now: float, floor_s: float) -> float:
+    """Seconds until the pulls' thread polls ``transfers`` again while :func:`streams_only` holds: the share
+    :data:`STREAM_POLL_SHARE` of the youngest one's wait so far (``now - started``, ``time.monotonic()``
+    seconds), within ``floor_s`` (``stream_poll_interval_s``) .. :data:`STREAM_POLL_MAX_S`."""
+    waited = min((now - t.started for t in transfers), default=0.0)
+    return max(floor_s, min(STREAM_POLL_MAX_S, STREAM_POLL_SHARE * waited))
+
+
+def poll_wait_s(transfers: list[Transfer], now: float, pull_s: float, stream_s: float) -> float:
+    """Seconds until the pulls' thread polls ``transfers`` again: ``pull_s`` (``pull_poll_interval_s``), or
+    :func:`stream_poll_interval` from ``stream_s`` (``stream_poll_interval_s``) while :func:`streams_only`."""
+    return stream_poll_interval(transfers, now, stream_s) if streams_only(transfers) else pull_s
+
+
 def streams_only(transfers: list[Transfer]) -> bool:
     """True while every pull under way is a layer stream waiting for its prefill's notification (none: False).
 
