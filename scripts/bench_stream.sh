@@ -8,7 +8,8 @@
 #   LENGTHS=1024 TRANSPORTS=cma PROMPTS=2 bash scripts/bench_stream.sh   # a short try
 #
 # Environment: LENGTHS (prompt tokens, default "1024 2048 4096"), TRANSPORTS ("cma tcp"), PROMPTS (requests per
-# point, 4), WARMUP (unmeasured requests per system first, 4), OUTPUT (generated tokens, 8), OUT (docs/benchmarks), NAME (file prefix, stream-serve-cpu), WORK
+# point, 4), WARMUP (unmeasured requests per system first, 4), TOKEN_CHECKS (prompts each system answers again for
+# the token-id check, 4; 0: texts only), OUTPUT (generated tokens, 8), OUT (docs/benchmarks), NAME (file prefix, stream-serve-cpu), WORK
 # (.p2pkv/bench-stream), BASE_PORT (9100). The table and plot: scripts/stream_serve_report.py, run at the end.
 # A link-bound run: rate-limit UCX's TCP first (scripts/limit_ucx_tcp.sh, root) and pass its port range, e.g.
 #   UCX_TCP_PORT_RANGE=40960-41983 TRANSPORTS=tcp NAME=stream-serve-cpu-limited bash scripts/bench_stream.sh
@@ -19,6 +20,7 @@ LENGTHS=${LENGTHS:-1024 2048 4096}
 TRANSPORTS=${TRANSPORTS:-cma tcp}
 PROMPTS=${PROMPTS:-4}
 WARMUP=${WARMUP:-4}
+TOKEN_CHECKS=${TOKEN_CHECKS:-4}
 OUTPUT=${OUTPUT:-8}
 OUT=${OUT:-docs/benchmarks}
 NAME=${NAME:-stream-serve-cpu}
@@ -56,6 +58,7 @@ for transport in $TRANSPORTS; do
       --p2pkv-engines "http://127.0.0.1:$((B + 1)),http://127.0.0.1:$((B + 2))" \
       --aggregated-engine "http://127.0.0.1:$((B + 3))" --base-port $((B + 20)) --dataset random \
       --input-len "$len" --output-len "$OUTPUT" --num-prompts "$PROMPTS" --warmup "$WARMUP" --concurrency 1 --block-size 32 \
+      --token-check-prompts "$TOKEN_CHECKS" \
       --work-dir "$WORK/serve-$transport-$len" --json "$OUT/$NAME-$transport-$len.json"
   done
   stop

@@ -298,7 +298,8 @@ def test_client_flags_and_options(tmp_path: Path) -> None:
     for bad in (ServeBenchOptions(systems=("p2pkv", "vllm")), ServeBenchOptions(concurrency=(0,)),
                 ServeBenchOptions(systems=("p2pkv-push", "p2pkv-push")), ServeBenchOptions(concurrency=(2, 2)),
                 ServeBenchOptions(num_prompts=0), ServeBenchOptions(warmup=-1), ServeBenchOptions(dataset="sharegpt"),
-                ServeBenchOptions(first_token_from="proxy"), ServeBenchOptions(p2pkv_engines=("http://p:1",))):
+                ServeBenchOptions(first_token_from="proxy"), ServeBenchOptions(p2pkv_engines=("http://p:1",)),
+                ServeBenchOptions(token_check_prompts=-1)):
         with pytest.raises(ValueError):
             bad.validate()
 

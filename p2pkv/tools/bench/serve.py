@@ -22,7 +22,8 @@ engine's, with their ``directions``), ``proxy`` (its own time per request),
 
 The checks (exit code 1 when one fails): every request succeeded; every
 system generated the same text for every prompt; the first point's first
-prompts, replayed one by one, gave the same token ids; every transfer of
+``--token-check-prompts`` prompts, replayed one by one, gave the same token
+ids (no such check with 0); every transfer of
 ``p2pkv-pull`` / ``p2pkv-push`` went that way. Units: ms, requests/s,
 output tokens/s, bytes.
 """
@@ -66,8 +67,6 @@ from p2pkv.tools.bench.serve_options import (
 
 __all__ = ["DATASETS", "DEFAULT_SYSTEMS", "SYSTEMS", "ServeBenchOptions", "add_arguments", "main", "run_serve_bench"]
 
-TOKEN_CHECK_PROMPTS = 4
-"""How many of the first point's prompts are replayed one by one for the token-id check."""
 DETAILED = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
 """Per-request lists of vLLM's detailed result, left out of a stored point (as ``--save-result`` without
 ``--save-detailed`` leaves them out)."""
@@ -202,7 +201,7 @@ def _measure_group(client: Any, group: StartedGroup, opts: ServeBenchOptions, mo
                 answers.failures.append(err)
             progress(serve_report.point_line(dep.name, point))
     first = opts.concurrency[0]
-    replay = answers.prompts[first][:TOKEN_CHECK_PROMPTS]
+    replay = answers.prompts[first][:opts.token_check_prompts]
     for dep in live:
         try:
             answers.tokens[first][dep.name] = [_complete(client, dep.url, p, n).get("token_ids") for p, _, n in replay]
@@ -246,6 +245,8 @@ def _checks(opts: ServeBenchOptions, answers: _Answers, systems: dict[str, Any])
     prompt_texts = {c: [p for p, _, _ in ps] for c, ps in answers.prompts.items()}
     one = " (one system: nothing to compare)" if len(opts.systems) < 2 else ""
     for key, got, what in (("answers", answers.texts, "generated text"), ("tokens", answers.tokens, "token ids")):
+        if key == "tokens" and opts.token_check_prompts == 0:
+            continue  # not run: no "tokens" check in the document
         try:
             ok = serve_report.check_answers(got, what, prompt_texts)
             checks[key] = {"passed": True, "detail": f"{ok['compared']} answers of {', '.join(ok['systems'])} "

@@ -86,6 +86,7 @@ class ServeBenchOptions:
     concurrency: tuple[int, ...] = (1, 2, 4)
     num_prompts: int = 8
     warmup: int = 4
+    token_check_prompts: int = 4
     input_len: int = 256
     output_len: int = 32
     block_size: int = 32
@@ -113,6 +114,8 @@ class ServeBenchOptions:
             raise ValueError(f"--concurrency {self.concurrency}: distinct positive integers")
         if self.warmup < 0:
             raise ValueError(f"--warmup {self.warmup}: must be >= 0")
+        if self.token_check_prompts < 0:
+            raise ValueError(f"--token-check-prompts {self.token_check_prompts}: must be >= 0")
         for flag, v in (("--num-prompts", self.num_prompts), ("--input-len", self.input_len),
                         ("--output-len", self.output_len), ("--block-size", self.block_size)):
             if v < 1:
@@ -159,6 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests of about --input-len sent to each system before its sweep, not measured "
                         "(handshakes, first transfers of the real size; default 4; fewer for long prompts on a "
                         "slow host)")
+    p.add_argument("--token-check-prompts", type=int, default=d.token_check_prompts,
+                   help="how many of the first point's prompts each system answers again, one by one, for the "
+                        "token-id check (default 4; 0: only the answers' texts are compared; each costs a prefill "
+                        "per system, minutes for long prompts on a slow host)")
     p.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=d.output_len, help="generated tokens per request")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
