@@ -33,8 +33,11 @@ from p2pkv.prefill.streamer import LayerStream, StreamTarget
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.0002
-"""How long the thread sleeps between turns while a stream is busy (:attr:`LayerStream.busy`; seconds);
-otherwise it sleeps until the next call, or 50 ms."""
+"""How long the thread sleeps between turns while a stream is urgent (:attr:`LayerStream.urgent`; seconds)."""
+WRITES_POLL_S = 0.001
+"""How long it sleeps while streams are busy with WRITEs in flight only (:attr:`LayerStream.busy`, not urgent;
+seconds): a new layer wakes it at once, and polling a link-bound stream's WRITEs every 0.2 ms for a whole
+prefill took CPU from the forward (docs/streaming.md); otherwise it sleeps until the next call, or 50 ms."""
 LINGER_S = 0.05
 """How long the thread keeps turning at :data:`POLL_S` after a stream ended: NIXL sends the stream's last
 notification while the agent's worker progresses (seconds)."""
@@ -58,12 +61,15 @@ class StreamPoster:
 
     Args:
         progress: progresses the rank's NIXL agent (its notifications go out as it progresses).
-        poll_s: sleep between turns while a stream has work left (seconds).
+        poll_s: sleep between turns while a stream is urgent (seconds).
+        writes_poll_s: sleep between turns while streams only have WRITEs in flight (seconds).
     """
 
-    def __init__(self, progress: Callable[[], None], poll_s: float = POLL_S) -> None:
+    def __init__(self, progress: Callable[[], None], poll_s: float = POLL_S,
+                 writes_poll_s: float = WRITES_POLL_S) -> None:
         self._progress = progress
         self._poll_s = poll_s
+        self._writes_poll_s = max(poll_s, writes_poll_s)
         self._ops: queue.SimpleQueue[tuple[str, str, tuple[Any, ...]]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._groups: dict[str, _Group] = {}
@@ -205,13 +211,14 @@ class StreamPoster:
                 for group in self._groups.values():
                     for stream in group.streams:
                         stream.abort("the prefill rank is shutting down")
-            busy = False
+            busy = urgent = False
             for key, group in list(self._groups.items()):
                 for stream in group.streams:
                     if stream.handed_back:
                         continue
                     if stream.pump():
                         busy = busy or stream.busy  # one waiting for its destination is woken by that call
+                        urgent = urgent or stream.urgent
                     else:
                         stream.handed_back = True
                         group.running -= 1
@@ -225,4 +232,7 @@ class StreamPoster:
                 logger.debug("p2pkv: stream poster: progress failed: %s", exc)
             if stopping and not busy:
                 return
-            self._wake.wait(self._poll_s if busy or time.monotonic() < linger else 0.05)
+            if urgent or time.monotonic() < linger:
+                self._wake.wait(self._poll_s)
+            else:
+                self._wake.wait(self._writes_poll_s if busy else 0.05)

@@ -249,6 +249,16 @@ class LayerStream:
         posting = self._finished or (bool(self._waiting) and not self.bulk)
         return bool(self._inflight) or (self.state is StreamState.STREAMING and posting)
 
+    @property
+    def urgent(self) -> bool:
+        """Being late costs the stream time: computed layers whose ready tests to watch (or, finished, to post),
+        or a finished stream whose notification waits for its WRITEs' end. Otherwise only WRITEs are in flight,
+        whose end nothing waits for at once (the notification rides the last one)."""
+        if self.state is not StreamState.STREAMING:
+            return False
+        return (bool(self._waiting) and (self._finished or not self.bulk)) or (
+            self._finished and not self._notify_with_write)
+
     def computed(self, layer: int, first_block: int, source_ids: Sequence[int],
                  ready: Callable[[], bool] | None = None, group: int = 0) -> None:
         """Layer ``layer`` of prompt blocks ``first_block ..`` is computed into this rank's ``source_ids``.
