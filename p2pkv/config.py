@@ -160,11 +160,13 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             lands, so it adds nothing to a stream; a request arriving
             meanwhile at an otherwise idle engine waits up to this long.
         stream_poll_interval_s: ``pull_poll_interval_s`` while every pull under
-            way is a layer stream waiting for its prefill: how late a stream's
-            final notification may be seen (seconds). Polling such a wait as
-            fast as a READ, with the idle steps, kept 0.55-0.65 of a core
-            busy for the prefill's whole forward on a 2-core CPU host that ran
-            both engines (docs/streaming.md).
+            way is a layer stream waiting for its prefill, at first (seconds);
+            the interval then grows to 1 % of the youngest stream's wait so far,
+            at most 10 ms (:func:`p2pkv.decode.transfer.stream_poll_interval`):
+            a stream's final notification is seen at most that late. Polling
+            such a wait as fast as a READ, with the idle steps, kept 0.55-0.65
+            of a core busy for the prefill's whole forward on a 2-core CPU host
+            that ran both engines (docs/streaming.md).
         stream_timeout_s: decode side: seconds a layer-streamed load may wait
             for its prefill's final notification, counted from its stream
             request (the prefill's queue, its whole forward and the last
