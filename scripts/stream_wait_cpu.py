@@ -8,7 +8,10 @@ over ``cma``, stream proxy) plus a push proxy on the same engines, sends
 at a time, alternating (push, stream, push, ...: the host's drift falls on
 both alike), and records per request its wall time and the CPU seconds of
 the decode engine's and the prefill engine's processes (``psutil``, each
-engine's API server and its children).
+engine's API server and its children), and per mode the CPU seconds per
+request of each thread of both engine cores (``threads``: ``D:`` decode,
+``P:`` prefill; named by ``py-spy dump`` when ``py-spy`` is installed, else
+by thread id), which tells what a stream costs where.
 
     python scripts/stream_wait_cpu.py --model .p2pkv/bench-stream/llama-32l-kv8x128 \\
         --json docs/benchmarks/stream-wait-cpu.json \\
@@ -22,6 +25,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -84,14 +88,48 @@ def _request(url: str, length: int, rng: random.Random, decode: list[psutil.Proc
             "prefill_cpu_s": _cpu_s(prefill) - cpu_p}
 
 
+def _engine_core(procs: list[psutil.Process]) -> int:
+    """The pid of the engine core process among an engine's processes (vLLM names it ``VLLM::EngineCore``)."""
+    for proc in procs:
+        if proc.name().startswith("VLLM"):
+            return proc.pid
+    raise RuntimeError("no VLLM::EngineCore process")
+
+
+def _thread_names(pid: int) -> dict[str, str]:
+    """Thread id → Python thread name of process ``pid``, by ``py-spy dump`` (empty without py-spy)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    try:
+        dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {line.split()[1]: line.split('"')[1] for line in dump.splitlines()
+            if line.startswith("Thread ") and '"' in line}
+
+
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """Thread id → user + system CPU seconds of each thread of process ``pid`` so far (``/proc``)."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[tid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
 
 
-def run_setting(model: str, setting: dict[str, Any], length: int, requests: int, work: Path) -> dict[str, Any]:
-    """Launch a pair with ``setting`` on the decode engine; measure stream and push requests."""
+def run_setting(model: str, setting: dict[str, Any], length: int, requests: int, work: Path,
+                ucx_tls: str = "cma,tcp,self") -> dict[str, Any]:
+    """Launch a pair with ``setting`` on the decode engine, UCX limited to ``ucx_tls``; measure stream and push
+    requests."""
     b = BASE_PORT
-    env = {**os.environ, "UCX_TLS": "cma,tcp,self", "UCX_NET_DEVICES": "lo"}
+    env = {**os.environ, "UCX_TLS": ucx_tls, "UCX_NET_DEVICES": "lo"}
     argv = [sys.executable, "-m", "p2pkv.tools.cli", "launch", "local", "--model", model, "--proxy-port", str(b),
             "--prefill-port", str(b + 1), "--decode-port", str(b + 2), "--side-channel-port", str(b + 10),
             "--block-size", "32", "--max-model-len", str(length + 64), "--log-dir", str(work / "logs"),
@@ -108,17 +146,27 @@ def run_setting(model: str, setting: dict[str, Any], length: int, requests: int,
                                 env=env)
         _wait_ready(f"http://127.0.0.1:{b + 3}", push)
         decode, prefill = _engine_processes(b + 2), _engine_processes(b + 1)
+        cores = {"D": _engine_core(decode), "P": _engine_core(prefill)}
+        names = {tid: f"{side}:{name}" for side, pid in cores.items() for tid, name in _thread_names(pid).items()}
         rng = random.Random(0)
         urls = {"push": f"http://127.0.0.1:{b + 3}", "stream": f"http://127.0.0.1:{b}"}
         rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in urls}
+        threads: dict[str, dict[str, float]] = {mode: {} for mode in urls}
         for i in range(requests + 1):  # the first of each mode warms up
             for mode, url in urls.items():
+                before = {tid: cpu for pid in cores.values() for tid, cpu in _thread_cpu_s(pid).items()}
                 row = _request(url, length, rng, decode, prefill)
+                after = {tid: cpu for pid in cores.values() for tid, cpu in _thread_cpu_s(pid).items()}
                 if i > 0:
                     rows[mode].append(row)
+                    for tid, cpu in after.items():
+                        name = names.get(tid, tid)
+                        threads[mode][name] = threads[mode].get(name, 0.0) + (cpu - before.get(tid, 0.0)) / requests
         out: dict[str, Any] = {"setting": setting}
         for mode in urls:
-            out[mode] = {"requests": rows[mode], "median": _summary(rows[mode])}
+            busiest = sorted(threads[mode].items(), key=lambda kv: -kv[1])[:12]
+            out[mode] = {"requests": rows[mode], "median": _summary(rows[mode]),
+                         "threads": {name: round(cpu, 3) for name, cpu in busiest}}
             print(f"{json.dumps(setting)} {mode}: {out[mode]['median']}", flush=True)
         return out
     finally:
@@ -135,16 +183,19 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024, help="prompt tokens")
     parser.add_argument("--requests", type=int, default=3, help="measured requests per mode (after one warm-up)")
     parser.add_argument("--work", default=".p2pkv/stream-wait-cpu", help="logs")
+    parser.add_argument("--ucx-tls", default="cma,tcp,self",
+                        help="UCX_TLS of both engines (default cma,tcp,self; tcp,self: every byte over loopback TCP, "
+                             "with scripts/limit_ucx_tcp.sh and UCX_TCP_PORT_RANGE a link-bound pair)")
     parser.add_argument("--json", required=True, help="results file")
     args = parser.parse_args()
     if "P2PKV_SECRET" not in os.environ:
         raise SystemExit("set P2PKV_SECRET (python -c 'import secrets; print(secrets.token_hex(16))')")
     settings = [json.loads(s) for s in args.setting] or [{}]
-    results = [run_setting(args.model, s, args.length, args.requests, Path(args.work) / f"setting-{i}")
-               for i, s in enumerate(settings)]
+    results = [run_setting(args.model, s, args.length, args.requests, Path(args.work) / f"setting-{i}",
+                           args.ucx_tls) for i, s in enumerate(settings)]
     command = " ".join(shlex.quote(a) for a in sys.argv)
     Path(args.json).write_text(json.dumps({"command": f"python {command}", "length": args.length,
-                                           "results": results}, indent=1) + "\n")
+                                           "ucx_tls": args.ucx_tls, "results": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
