@@ -137,12 +137,19 @@ class StreamTarget:
 
     def blocks(self, group: int) -> tuple[int, Sequence[int]]:
         """``(first_block, block_ids)`` of KV cache group ``group`` (no blocks for a group it does not name)."""
-        if group == 0:
-            return self.first_block, self.block_ids
-        if group - 1 < len(self.group_blocks):
-            named = self.group_blocks[group - 1]
-            return named.first_block, named.block_ids
-        return 0, ()
+        return group_range(self.first_block, self.block_ids, self.group_blocks, group)
+
+
+def group_range(first_block: int, block_ids: Sequence[int], group_blocks: Sequence[GroupBlocks],
+                group: int) -> tuple[int, Sequence[int]]:
+    """``(first_block, block_ids)`` of KV cache group ``group`` where group 0's are ``first_block`` and
+    ``block_ids`` and groups 1 .. are ``group_blocks`` (no blocks for a group beyond them)."""
+    if group == 0:
+        return first_block, block_ids
+    if group - 1 < len(group_blocks):
+        named = group_blocks[group - 1]
+        return named.first_block, named.block_ids
+    return 0, ()
 
 
 @dataclass

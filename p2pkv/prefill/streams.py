@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from handshake import StreamRequest
@@ -59,7 +59,7 @@ from p2pkv.prefill.stream_measures import StreamMeasures, layer_block_bytes
 from p2pkv.prefill.stream_pending import MAX_PENDING, Destination, PendingDestinations
 from p2pkv.prefill.stream_releases import StreamReleases
 from p2pkv.prefill.stream_requests import check_stream_request
-from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
+from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget, group_range
 
 logger = logging.getLogger("p2pkv.prefill")
 
@@ -370,14 +370,9 @@ class PrefillStreams(StreamReleases):
         self.poster.close()
 
 
-def chunk_blocks(chunk: StreamChunk, group: int) -> tuple[int, tuple[int, ...]]:
+def chunk_blocks(chunk: StreamChunk, group: int) -> tuple[int, Sequence[int]]:
     """``(first_block, block_ids)`` of KV cache group ``group`` in ``chunk`` (none for a group it lacks)."""
-    if group == 0:
-        return chunk.first_block, chunk.block_ids
-    if group - 1 < len(chunk.group_blocks):
-        named = chunk.group_blocks[group - 1]
-        return named.first_block, tuple(named.block_ids)
-    return 0, ()
+    return group_range(chunk.first_block, chunk.block_ids, chunk.group_blocks, group)
 
 
 MEASURED_MIN_TOKENS = {"per_layer": 128, "cross_layer": 512}
