@@ -29,6 +29,7 @@ from p2pkv.grant import ANY_DECODE, make_stream_grant
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.notification import PushedNotification
 from p2pkv.prefill.stream_steps import StreamSteps
+from p2pkv.prefill.streams import attention_blocks
 from tests.push_support import ENGINE, KEY, Agents
 from tests.stream_rig import DIGEST, LAYERS, PID, REQ, Rig, open_rig
 
@@ -132,3 +133,12 @@ def test_the_decode_engine_asks_for_each_groups_newly_allocated_blocks() -> None
     blocks = SimpleNamespace(get_block_ids=lambda: ([4, 5, 6], [0, 0, 7], [8]),
                              get_unhashed_block_ids_all_groups=lambda: ([5, 6], [7], [8]))
     assert streamed_groups(blocks) == (GroupBlocks(1, [5, 6]), GroupBlocks(2, [7]), GroupBlocks(0, [8]))
+
+
+def test_the_link_rule_counts_a_steps_attention_blocks_not_its_state_block() -> None:
+    """The forward's time per block divides by the blocks a layer computes: a hybrid model's state group (here
+    group 0) has one block in the last chunk and none before, which would make the forward look 8 times slower."""
+    last = StreamChunk("r", "s", 0, (9,), 256, True, group_blocks=(GroupBlocks(0, list(range(1, 9))),))
+    before = StreamChunk("r", "s", 0, (), 128, False, group_blocks=(GroupBlocks(0, list(range(1, 5))),))
+    assert attention_blocks(last, 2, frozenset({0})) == 8 and attention_blocks(before, 2, frozenset({0})) == 4
+    assert attention_blocks(last, 2, frozenset()) == 8 and attention_blocks(last, 1, frozenset()) == 1

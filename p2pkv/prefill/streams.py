@@ -306,7 +306,8 @@ class PrefillStreams(StreamReleases):
                     for layer in sorted({layer for layer, _ in self._layers}) if block_ids else ():
                         self.poster.computed(chunk.request_id, layer, first_block, block_ids, ready, group)
                 self.poster.finish(chunk.request_id)
-        self.measures.step_ended(sum(len(chunk.block_ids) for chunk in self._step))
+        self.measures.step_ended(sum(attention_blocks(chunk, self.kv_groups, self.state_groups)
+                                     for chunk in self._step))
         self._step = []
 
     def collect(self) -> None:
@@ -375,6 +376,13 @@ def chunk_blocks(chunk: StreamChunk, group: int) -> tuple[int, Sequence[int]]:
     return group_range(chunk.first_block, chunk.block_ids, chunk.group_blocks, group)
 
 
+def attention_blocks(chunk: StreamChunk, kv_groups: int, state_groups: frozenset[int]) -> int:
+    """The blocks a layer computes in ``chunk``'s step: its largest attention group's, of ``kv_groups`` groups (a
+    state group's one block, in the last chunk, is no measure of the forward's work)."""
+    groups = [g for g in range(kv_groups) if g not in state_groups]
+    return max((len(chunk_blocks(chunk, g)[1]) for g in groups), default=0)
+
+
 MEASURED_MIN_TOKENS = {"per_layer": 128, "cross_layer": 512}
 """The shortest prompt (tokens) from which on a WRITE per layer beat one WRITE after the last layer, by cache
 kind, on UCX's ``cma`` and ``tcp`` alike (docs/benchmarks/stream-threshold-cpu.md: a stand-in forward of 2 µs per
@@ -405,4 +413,5 @@ def layer_indices(kv_caches: dict[str, object]) -> dict[str, int]:
     return out
 
 
-__all__ = ["MEASURED_MIN_TOKENS", "PrefillStreams", "chunk_blocks", "layer_indices", "measured_min_tokens"]
+__all__ = ["MEASURED_MIN_TOKENS", "PrefillStreams", "attention_blocks", "chunk_blocks", "layer_indices",
+           "measured_min_tokens"]
