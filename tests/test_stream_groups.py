@@ -8,8 +8,9 @@ that report nothing per layer. On a real prefill rank (two NIXL agents in
 this process): each group's blocks land in the decode rank's blocks of the
 same group, an attention group's as its layers are reported, the state
 group's after the prompt's last step; a step missing one group's layers
-stops the stream; a destination naming another number of groups, staging,
-or a group's block id outside the cache is refused naming the field. The
+stops the stream; a destination naming another number of groups, or a
+group's block id outside the cache, is refused naming the field (staged
+streams of such models: :mod:`tests.test_stream_groups_staged`). The
 scheduler side: each step's chunk carries every group's blocks, vLLM's null
 blocks left out, the state group's in the last chunk only; the decode side
 asks for each group's newly allocated blocks.
@@ -92,7 +93,6 @@ def test_a_step_missing_one_groups_layers_stops_the_stream(agents: Agents) -> No
     ({"group_blocks": [GroupBlocks(0, [8])]}, "group_blocks: 1 KV cache group(s) after the first, but this engine "
                                               "has 3 groups"),
     ({"group_blocks": [GroupBlocks(0, [8]), GroupBlocks(0, [99])]}, "group_blocks[1].block_ids"),
-    ({"staging_addrs": [4096]}, "staging_addrs: a model with several KV cache groups streams only between ranks"),
 ])
 def test_a_destination_that_does_not_name_each_group_within_the_cache_is_refused(agents: Agents, change: dict,
                                                                                  why: str) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from handshake import PROTOCOL_VERSION, KVRegion, StreamRequest
+from handshake import PROTOCOL_VERSION, GroupBlocks, KVRegion, StreamRequest
 from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
 from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
 from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
@@ -50,7 +50,7 @@ prefill rank's pages whole, and its fixup takes its heads."""
 
 
 @dataclass(frozen=True)
-class _Granted:
+class GrantedStream:
     """One granted stream of prefill request ``p-req`` into decode request ``d-req``: the grant, the prefill's
     step (one chunk, the whole prompt) and the decode leg's remote."""
 
@@ -59,19 +59,21 @@ class _Granted:
     remote: RemotePrefill
 
 
-def _granted(remote_ids: list[int], tokens: int, port: int, tp_size: int) -> _Granted:
-    """A grant for any decode engine, for a ``tokens``-token prompt in prefill blocks ``remote_ids``, from the
-    prefill engine whose rank 0 serves ``port``; the decode engine loads all but the last token."""
+def granted_stream(remote_ids: list[int], tokens: int, port: int, tp_size: int,
+                   group_blocks: tuple[GroupBlocks, ...] = ()) -> GrantedStream:
+    """A grant for any decode engine, for a ``tokens``-token prompt in prefill blocks ``remote_ids`` (and, for a
+    model with several KV cache groups, ``group_blocks`` of groups 1 ..), from the prefill engine whose rank 0
+    serves ``port``; the decode engine loads all but the last token."""
     loaded = tokens - 1
     grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
     stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
                                    now=time.time()).stream_id
     digest = prompt_digest(list(range(loaded)))
     step = P2pKvMetadata(streams=[StreamChunk("p-req", stream_id, 0, tuple(remote_ids), tokens, True, digest,
-                                              loaded)])
+                                              loaded, group_blocks)])
     remote = RemotePrefill("prefill", stream_id, "127.0.0.1", port, (), tp_size, num_tokens=loaded,
                            prompt_digest=digest, transfer_mode="stream")
-    return _Granted(grant, step, remote)
+    return GrantedStream(grant, step, remote)
 
 
 def _direct(row: str) -> bool:
@@ -98,7 +100,7 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
     decodes = make_workers("decode", decode_side, free_ports(1, run=decode_side.tp_size)[0], device, secret=SECRET)
     deadline = time.monotonic() + 20
     try:
-        granted = _granted(remote_ids, tokens, port, prefill_side.tp_size)
+        granted = granted_stream(remote_ids, tokens, port, prefill_side.tp_size)
         load = P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), granted.remote, first_token=first_token,
                                              num_tokens=loaded, stream_grant=granted.grant)])
         for prefill, _, _ in prefills:
@@ -187,9 +189,11 @@ MODEL = ModelInfo("BLHNC", "float32", SHAPE["num_heads"], SHAPE["head_dim"], SHA
 
 
 def _check(agents: Agents, staging_addrs: list[int], block_ids: list[int], attn_layout: str = "HND",
-           declared: list[KVRegion] | None = None) -> CheckedStream | str:
+           declared: list[KVRegion] | None = None,
+           group_blocks: list[GroupBlocks] | None = None) -> CheckedStream | str:
     """:func:`check_stream_request` on the prefill rank of ``agents`` for a stream request from its decode rank,
-    whose staging (``declared``; default: the decode rank's spare memory) and pages (``attn_layout``) are given."""
+    whose staging (``declared``; default: the decode rank's spare memory) and pages (``attn_layout``) are given;
+    ``group_blocks``: a model of ``1 + len(group_blocks)`` KV cache groups on both engines."""
     spare = agents.spare
     if declared is None:
         declared = [KVRegion(base_addr=spare.data_ptr(), length=spare.numel(), device_id=0)]
@@ -199,9 +203,10 @@ def _check(agents: Agents, staging_addrs: list[int], block_ids: list[int], attn_
     msg = StreamRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=ENGINE, to_rank=0, sent_at=time.time(),
                         nonce=os.urandom(16), requester_engine_id=DECODE, grant=grant, block_ids=block_ids,
                         first_block=0, num_tokens=31, prompt_digest=prompt_digest(list(range(31))),
-                        push_id=bytes(range(16)), agent=info, window_s=30.0, staging_addrs=staging_addrs)
+                        push_id=bytes(range(16)), agent=info, window_s=30.0, staging_addrs=staging_addrs,
+                        group_blocks=group_blocks or [])
     source = stream_side(layout_desc(agents.layout, MODEL, "HND", mem_type="DRAM"))
-    return check_stream_request(msg, source, KEY, ENGINE, time.time())
+    return check_stream_request(msg, source, KEY, ENGINE, time.time(), kv_groups=1 + len(group_blocks or []))
 
 
 def test_a_staging_destination_mirrors_the_prefill_ranks_regions_inside_the_declared_staging(agents: Agents) -> None:
@@ -243,6 +248,29 @@ def test_a_staging_destination_outside_the_declared_staging_or_past_its_blocks_i
     assert got.startswith("block_ids" if why == "block_ids" else "staging_addrs"), got
 
 
+@pytest.mark.parametrize("why", ["", "group id", "room"])
+def test_a_staging_destination_of_several_groups_holds_every_groups_blocks(agents: Agents, why: str) -> None:
+    """A model of two KV cache groups stages group 1's blocks after group 0's: the staging must hold both lists'
+    blocks inside the declared staging, and each list's ids stay below their total."""
+    source = stream_side(layout_desc(agents.layout, MODEL, "HND", mem_type="DRAM"))
+    spare, n = agents.spare, len(source.segments)
+    block = max(seg.length for seg in source.segments)
+    room = spare.numel() // block  # staging blocks the declared staging holds
+    addrs = [spare.data_ptr() + (room - 5) * block] * n  # room for 5 blocks from there, not 6
+    groups = [GroupBlocks(2, [3, 4])]
+    if why == "group id":
+        groups = [GroupBlocks(2, [3, 5])]
+    elif why == "room":
+        groups = [GroupBlocks(2, [3, 4, 5])]  # 6 staging blocks: the last runs past the declared staging
+    got = _check(agents, addrs, [0, 1, 2], group_blocks=groups)
+    if not why:
+        assert isinstance(got, CheckedStream), got
+        assert got.side.num_blocks == 5
+        return
+    assert isinstance(got, str), f"{why}: accepted"
+    assert got.startswith("group_blocks[0].block_ids" if why == "group id" else "staging_addrs"), got
+
+
 def test_pages_of_the_same_sizes_in_another_order_are_refused_without_staging(agents: Agents) -> None:
     """HND against NHD pages have the same sizes: moved as they are they would be silently wrong."""
     got = _check(agents, [], [0, 1], attn_layout="NHD")
@@ -264,7 +292,7 @@ def test_a_staged_stream_given_up_mid_way_gives_its_staging_back_once_the_prefil
                                         stream_min_tokens=0, stream_min_link_share=0)
     (decode, base, _), = make_workers("decode", decode_side, free_ports(1, run=1)[0], "cpu", secret=SECRET)
     try:
-        granted = _granted(remote_ids, tokens, port, 1)
+        granted = granted_stream(remote_ids, tokens, port, 1)
         step = granted.step
         prefill.start_load_kv(step)
         decode.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), granted.remote,

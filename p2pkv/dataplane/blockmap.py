@@ -9,8 +9,10 @@ length and what each side's block list covers. Pure functions over ints.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from handshake import GroupBlocks
 from p2pkv.dataplane.plan import PlanError
 from p2pkv.metadata import LoadSpec
 
@@ -73,6 +75,47 @@ def streamed_read(spec: LoadSpec, local_block_size: int, remote_block_size: int)
         num_tokens=n,
         dst_block_ids=spec.local_block_ids[:_ceil_div(n, local_block_size)],
     )
+
+
+def grouped_streamed_read(spec: LoadSpec, block_size: int) -> StagedRead:
+    """The :class:`StagedRead` of a layer-streamed load into staging of a model with several KV cache groups.
+
+    Such a pair uses one block size on both engines
+    (:func:`p2pkv.dataplane.negotiate.plan_peer` refuses others) and moves
+    whole blocks, each group's into its own: the groups' blocks are staged
+    one group after the other (:func:`staged_groups`), so staging block ``k``
+    lands whole in ``local_block_ids[k]`` (the groups' blocks concatenated,
+    :attr:`p2pkv.metadata.LoadSpec.stream_groups`). ``remote_block_ids`` are
+    then staging block indexes ``0 .. n-1`` (only their count is read).
+
+    Example: group 0 blocks ``[10, 11, 12]``, group 1 (a sliding window)
+    ``[8, 9]`` → 5 staging blocks, 5 × ``block_size`` tokens from staging
+    token 0 into ``[10, 11, 12, 8, 9]``.
+
+    Raises:
+        BlockCountError: ``local_block_ids`` are not the groups' blocks concatenated.
+    """
+    local = tuple(i for group in spec.stream_groups for i in group.block_ids)
+    if local != tuple(spec.local_block_ids):
+        raise BlockCountError(f"local blocks ({len(spec.local_block_ids)}) are not the {len(spec.stream_groups)} "
+                              f"KV cache groups' blocks ({len(local)}) one group after the other")
+    n = len(local)
+    return StagedRead(tuple(range(n)), 0, n * block_size, local)
+
+
+def staged_groups(groups: Sequence[GroupBlocks]) -> tuple[GroupBlocks, ...]:
+    """Each KV cache group's staging blocks in :func:`grouped_streamed_read`'s staging: group ``g``'s after
+    those of groups ``0 .. g-1``, each group's ``first_block`` kept (a stream request's destination).
+
+    Example: ``[GroupBlocks(0, [10, 11, 12]), GroupBlocks(2, [8, 9])]`` →
+    ``(GroupBlocks(0, [0, 1, 2]), GroupBlocks(2, [3, 4]))``.
+    """
+    out = []
+    start = 0
+    for group in groups:
+        out.append(GroupBlocks(group.first_block, list(range(start, start + len(group.block_ids)))))
+        start += len(group.block_ids)
+    return tuple(out)
 
 
 def direct_pairs(spec: LoadSpec, block_size: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -32,6 +32,7 @@ from handshake import (
     request_stream,
 )
 from p2pkv.dataplane.agent import NixlTransferAgent
+from p2pkv.dataplane.blockmap import staged_groups
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, failure_of
@@ -127,7 +128,8 @@ class Pushes:
 
     def post_stream(self, part: Part) -> None:
         """Send ``part``'s stream request: this rank's blocks of a layer-streamed load (or, for a part with a
-        stage, its staging: one address per prefill region, staging blocks ``0 ..``), its grant and digest
+        stage, its staging: one address per prefill region, staging blocks ``0 ..``, with several KV cache
+        groups each group's after the previous group's), its grant and digest
         (the prefill rank WRITEs each layer into them; one "pushed" notification follows, as for a push).
 
         Raises:
@@ -147,6 +149,10 @@ class Pushes:
         if part.stage is not None:
             block_ids = list(range(len(part.stage.read.remote_block_ids)))
             staging_addrs = [seg.addr for seg in part.stage.segments]
+            if spec.stream_groups:  # each group's staging blocks after the previous group's
+                staged = staged_groups(spec.stream_groups)
+                block_ids = list(staged[0].block_ids)
+                group_blocks = list(staged[1:])
         future = self.background.call(
             f"p2pkv-push-{pid.host}:{pid.port}", _send_stream, part.pushed_at + self.window(part), pid.destination,
             spec.stream_grant, block_ids, first_block, spec.remote.num_tokens,

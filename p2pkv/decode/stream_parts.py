@@ -14,17 +14,18 @@ Where a prefill rank's pages can land in this rank's blocks as they are
 of its heads), the stream WRITEs into them; otherwise (another block size,
 HND/NHD, a slice of its heads) it WRITEs into staging in the prefill rank's
 geometry, fixed up into this rank's blocks when its notification lands (as
-a staged push's).
+a staged push's). A model with several KV cache groups (one block size on
+both engines) stages each group's blocks after the previous group's
+(:func:`p2pkv.dataplane.blockmap.grouped_streamed_read`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from p2pkv.dataplane.blockmap import streamed_read
+from p2pkv.dataplane.blockmap import grouped_streamed_read, streamed_read
 from p2pkv.dataplane.layout import KVLayout
 from p2pkv.dataplane.negotiate import Placement
-from p2pkv.dataplane.plan import PlanError
 from p2pkv.dataplane.stager import Stager
 from p2pkv.decode.peers import Peer, PeerId
 from p2pkv.decode.reads import release_unposted
@@ -53,8 +54,8 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
 
     Raises:
         p2pkv.dataplane.staging.StagingFull: the stream can never fit in staging.
-        p2pkv.dataplane.blockmap.BlockCountError: the local blocks do not cover the load.
-        p2pkv.dataplane.plan.PlanError: a model with several KV cache groups would need staging.
+        p2pkv.dataplane.blockmap.BlockCountError: the local blocks do not cover the load (or, with several KV
+            cache groups, are not the groups' blocks one group after the other).
     """
     spec = transfer.spec
     if not spec.local_block_ids:
@@ -69,11 +70,10 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
             counted = np.array([[0, len(spec.local_block_ids) * layout.block_bytes, device_id]], dtype=np.uint64)
             transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count))
             continue
-        if spec.stream_groups:
-            raise PlanError(f"a model with several KV cache groups streams only into pages that take prefill rank "
-                            f"{rank}'s as they are ({peer.plan.placement.value} here: another TP size or page "
-                            "order); serve such pairs in push or pull mode")
-        read = streamed_read(spec, block_size, peer.info.layout.block_size)
+        if spec.stream_groups:  # one block size on both engines: whole blocks, each group's into its own
+            read = grouped_streamed_read(spec, block_size)
+        else:
+            read = streamed_read(spec, block_size, peer.info.layout.block_size)
         if not read.remote_block_ids:
             continue
         stage = stager.reserve(read, peer.segments)

@@ -9,10 +9,9 @@ has not expired; the agent's metadata is well formed and its pages are this
 rank's (same page size, layer and K/V order, heads, HND/NHD, dtype and block
 size: a stream moves pages as they are) or, with ``staging_addrs``, its
 staging destination mirrors this rank's regions inside the staging the agent
-declares; it names one block list per KV cache group of this engine (a
-model with several moves its pages as they are, never into staging); its
-block ids lie in its cache (or staging); the request's window has not
-passed.
+declares (as many staging blocks as all of its groups' block lists hold);
+it names one block list per KV cache group of this engine; its block ids
+lie in its cache (or staging); the request's window has not passed.
 What needs the rank's state (a stream id served once, room for pending
 destinations) is checked by :class:`p2pkv.prefill.streams.PrefillStreams`.
 """
@@ -60,7 +59,7 @@ def staging_side(source: StreamSide, addrs: Sequence[int], num_blocks: int, devi
     Args:
         source: this rank's pages (with their :attr:`StreamSide.segments`).
         addrs: the request's ``staging_addrs``, one per region of this rank.
-        num_blocks: staging blocks (the request's ``len(block_ids)``).
+        num_blocks: staging blocks (the request's ``block_ids`` and every list of its ``group_blocks``).
         device_id: the decode rank's device id (its KV cache's).
         declared: the staging regions the decode rank's :class:`handshake.AgentInfo` declares.
 
@@ -133,11 +132,9 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
     if len(msg.group_blocks) != kv_groups - 1:
         return (f"group_blocks: {len(msg.group_blocks)} KV cache group(s) after the first, but this engine has "
                 f"{kv_groups} groups; run both engines with the same model and hybrid KV cache manager setting")
-    if msg.group_blocks and msg.staging_addrs:
-        return ("staging_addrs: a model with several KV cache groups streams only between ranks whose pages are "
-                "the same (block size, page order, heads); send such pairs without a grant (push)")
     if msg.staging_addrs:
-        staged = staging_side(source, msg.staging_addrs, len(msg.block_ids), side.device_id, msg.agent.staging)
+        num_blocks = len(msg.block_ids) + sum(len(named.block_ids) for named in msg.group_blocks)
+        staged = staging_side(source, msg.staging_addrs, num_blocks, side.device_id, msg.agent.staging)
         if isinstance(staged, str):
             return staged
         side = staged
@@ -149,7 +146,7 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         return f"block_ids: {exc}"
     for group, named in enumerate(msg.group_blocks, 1):
         try:
-            check_block_ids(named.block_ids, side.num_blocks, "decode")
+            check_block_ids(named.block_ids, side.num_blocks, "staging" if msg.staging_addrs else "decode")
         except PlanError as exc:
             return f"group_blocks[{group - 1}].block_ids: {exc}"
     window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - now)
