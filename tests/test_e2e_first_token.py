@@ -5,8 +5,9 @@ streamed through the proxy and from the aggregated engine, and the streams
 must read the same: text, token ids, ``finish_reason``, final ``usage``,
 one id, ``[DONE]`` (not the chunking: a single engine already puts several
 tokens in one chunk when its output processing falls behind). Shapes the proxy must not hand over
-(stop strings, seeded sampling, ``min_tokens``) take the plain path and match too. Logprob values
-must agree within the float tolerance of the other end-to-end tests.
+(stop strings, ``min_tokens``; seeded sampling in pull and push mode) take the plain path and match too;
+in stream mode a seeded request's first token is handed over (both engines' first draw of its seed).
+Logprob values must agree within the float tolerance of the other end-to-end tests.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "logprobs": {"max_tokens": 5, "logprobs": 2},
     "stop string (plain path)": {"max_tokens": 12, "stop": ["zzz"]},
     "min_tokens (plain path)": {"max_tokens": 6, "min_tokens": 3},
-    "seeded sampling (plain path)": {"max_tokens": 8, "temperature": 0.8, "seed": 7, "return_token_ids": True},
+    "seeded sampling": {"max_tokens": 8, "temperature": 0.8, "seed": 7, "return_token_ids": True},
 }
 
 
@@ -79,8 +80,8 @@ def test_streams_read_as_the_aggregated_engines(route, client, path) -> None:
     """Every proxy request but a one-token answer handed over whole pulls the prompt's KV once: the decode
     engine continues from the pulled KV (it would recompute, and still match, if it refused the params).
 
-    Stream mode (both legs at once: :mod:`p2pkv.tools.proxy.stream_hand_over`): these greedy requests get the
-    prefill engine's token first when its answer beats the decode engine's first event, the decode engine's own
+    Stream mode (both legs at once: :mod:`p2pkv.tools.proxy.stream_hand_over`): these greedy and seeded requests
+    get the prefill engine's token first when its answer beats the decode engine's first event, the decode engine's own
     first token checked and removed; a one-token answer handed over closes a decode leg whose KV may have
     landed already."""
     p, stats = route

@@ -1,6 +1,8 @@
-"""The prefill engine's first token in stream mode, without engines: which requests qualify, the decode engine's
-stream after the handed-over token (its own first token checked and removed), the race between the two legs, and
-a decode engine whose first token differs. Real engines: ``tests/test_e2e_first_token.py`` (stream route)."""
+"""The prefill engine's first token in stream mode, without engines: which requests qualify (greedy, seeded, and
+with ``--seed-streamed-sampling`` random sampling given a seed), the decode engine's stream after the handed-over
+token (its own first token checked and removed), the race between the two legs, and a decode engine whose first
+token differs (asked again to continue after the client's). Real engines: ``tests/test_e2e_first_token.py``
+(stream route)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,12 @@ from prometheus_client import generate_latest
 
 from p2pkv.grant import GRANT_KEY
 from p2pkv.tools.proxy.app import Proxy
-from p2pkv.tools.proxy.first_token import read_first_token
+from p2pkv.tools.proxy.first_token import read_first_token, recompute_body
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.stream_hand_over import (
     FirstTokenMismatch,
     StreamedFirstTokenStream,
+    hand_over_legs,
     stream_blocker,
     stream_hand_over,
 )
@@ -37,12 +40,31 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
     ({"prompt": "hi", "stream": True}, "not greedy"),  # vLLM's default may be the model's own temperature
     ({"prompt": "hi", "stream": True, "temperature": 0.7}, "not greedy"),
     ({"prompt": "hi", "stream": True, "temperature": False}, "not greedy"),
-    ({"prompt": "hi", "stream": True, "temperature": 0.7, "seed": 3}, "seeded sampling"),
+    ({"prompt": "hi", "stream": True, "temperature": 0.7, "seed": 3}, None),  # both engines' first draw
+    ({"prompt": "hi", "stream": True, "seed": 0}, None),
     ({"prompt": "hi", "temperature": 0}, "not streamed"),
     ({"prompt": "hi", "stream": True, "temperature": 0, "stop": ["\n"]}, "stop"),
 ])
 def test_which_streamed_requests_take_the_prefill_token(body: dict, reason: str | None) -> None:
     assert stream_blocker(COMPLETIONS, body) == reason
+
+
+@pytest.mark.parametrize(("body", "seed"), [
+    ({"prompt": "hi", "stream": True}, True),
+    ({"prompt": "hi", "stream": True, "temperature": 0.7}, True),
+    ({"prompt": "hi", "stream": True, "temperature": 0.7, "seed": 5}, False),
+    ({"prompt": "hi", "stream": True, "temperature": 0}, False),
+])
+def test_random_sampling_gets_a_seed_for_both_legs_only_when_the_proxy_seeds_streams(body: dict, seed: bool) -> None:
+    legs = hand_over_legs(COMPLETIONS, body, seed=True)
+    assert legs is not None and legs["return_token_ids"] is True
+    drawn = legs.get("seed") if "seed" not in body else None
+    assert (isinstance(drawn, int) and 0 <= drawn < 2**31) == seed
+    assert {k: v for k, v in legs.items() if k not in ("seed", "return_token_ids")} == {
+        k: v for k, v in body.items() if k != "seed"}
+    unseeded = hand_over_legs(COMPLETIONS, body)
+    assert (unseeded is None) == seed, "without --seed-streamed-sampling random sampling keeps the decode token"
+    assert hand_over_legs(COMPLETIONS, {**body, "stream": False}, seed=True) is None
 
 
 def _chunk(text: str, ids: list[int], **choice: Any) -> dict[str, Any]:
@@ -122,24 +144,36 @@ class Decode:
 
 
 class Legs:
-    """What :func:`stream_hand_over` needs of the proxy: its metrics."""
+    """What :func:`stream_hand_over` needs of the proxy: its metrics, and a decode leg for a continuation
+    (``continued``: the bodies it was asked with; each answers ``continuation``'s chunks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, continuation: list[dict[str, Any] | str] | None = None) -> None:
         self.metrics = ProxyMetrics()
         self.secret = SECRET
+        self.continuation = continuation or []
+        self.continued: list[dict[str, Any]] = []
+        self.streams: list[Decode] = []
+
+    async def run_decode(self, client, path, body, headers, out_headers, relay=True, leg=None):  # type: ignore[no-untyped-def]
+        self.continued.append(body)
+        decode = Decode(self.continuation)
+        decode.start.set()
+        self.streams.append(decode)
+        return decode
 
 
 def _events(raw: bytes) -> list[Any]:
     return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in raw.decode().split("\n\n") if e]
 
 
-def _client_stream(decode: Decode, prefill_first: bool, body: dict[str, Any]) -> tuple[list[Any], Legs]:
+def _client_stream(decode: Decode, prefill_first: bool, body: dict[str, Any],
+                   legs: Legs | None = None) -> tuple[list[Any], Legs]:
     """The client's events when the prefill leg answers before (or after) the decode engine's first event."""
-    legs = Legs()
+    legs = legs or Legs()
 
     async def run() -> bytes:
         prefill: asyncio.Future = asyncio.get_running_loop().create_future()
-        response = stream_hand_over(legs, decode, prefill, COMPLETIONS, body, {})  # type: ignore[arg-type]
+        response = stream_hand_over(legs, None, decode, prefill, COMPLETIONS, body, {}, {})  # type: ignore[arg-type]
         out = b""
         iterator = response.body_iterator.__aiter__()
         if prefill_first:
@@ -179,19 +213,39 @@ def test_the_decode_stream_is_relayed_when_its_first_event_comes_first() -> None
     assert metric_of(legs, "decode") == 1 and metric_of(legs, "prefill") == 0
 
 
-def test_a_decode_engine_whose_first_token_differs_ends_the_stream_with_an_error() -> None:
-    decode = Decode([_chunk("q", [9]), _chunk("y", [8]), "[DONE]"])
-    events, legs = _client_stream(decode, True, BODY)
-    assert events[0]["choices"][0]["text"] == "x"
-    assert events[1]["error"]["code"] == 502 and "differs from the prefill engine's" in events[1]["error"]["message"]
-    assert events[2:] == ["[DONE]"] and decode.closed
-    assert metric(_text(legs.metrics), "p2pkv_proxy_errors_total", stage="decode") == 1
+CONTINUED = [_chunk("y", [8]), _chunk("w", [10], finish_reason="length"), "[DONE]"]
+"""A decode engine continuing after the client's first token (token 7, ``"x"``)."""
 
 
-def test_a_decode_stream_that_ends_before_its_first_token_is_an_error_not_a_short_answer() -> None:
-    decode = Decode(["[DONE]"])
-    events, _ = _client_stream(decode, True, BODY)
-    assert events[0]["choices"][0]["text"] == "x" and "ended before its first token" in events[1]["error"]["message"]
+@pytest.mark.parametrize("decoded", [[_chunk("q", [9]), _chunk("y", [8]), "[DONE]"], ["[DONE]"]],
+                         ids=["another first token", "no first token"])
+def test_a_decode_engine_that_does_not_continue_the_handed_over_token_is_asked_again_after_it(
+        decoded: list[Any]) -> None:
+    """The client already has the prefill engine's token: the decode stream that sampled another one (or none)
+    is closed unread, and a decode engine asked to continue after the client's token with no KV to load (its
+    prompt the prompt's ids plus that token, one token less to generate); the client's stream reads as one
+    answer, no error."""
+    decode = Decode(decoded)
+    legs = Legs(CONTINUED)
+    events, _ = _client_stream(decode, True, BODY, legs)
+    assert [e["choices"][0]["text"] for e in events[:-1]] == ["x", "y", "w"] and events[-1] == "[DONE]"
+    assert {e["id"] for e in events[:-1]} == {"cmpl-p"} and not any("error" in e for e in events[:-1])
+    assert decode.closed and all(stream.closed for stream in legs.streams)
+    (continued,) = legs.continued
+    assert continued["prompt"] == [*PROMPT_IDS, 7] and continued["max_tokens"] == BODY["max_tokens"] - 1
+    assert "kv_transfer_params" not in continued and "return_token_ids" not in continued
+    text = _text(legs.metrics)
+    assert metric(text, "p2pkv_proxy_first_token_mismatches_total") == 1
+    assert metric(text, "p2pkv_proxy_errors_total", stage="decode") == 0
+
+
+def test_a_chat_continuation_carries_the_prompt_ids_in_kv_transfer_params_alone_and_no_seed() -> None:
+    first = read_first_token(CHAT, {**BODY, "messages": []}, p2pkv_prefill_answer(CHAT))
+    assert first is not None
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_completion_tokens": 4}
+    want = {**body, "max_completion_tokens": 3, "kv_transfer_params": {"prompt_token_ids": [*PROMPT_IDS, 7]}}
+    assert recompute_body(CHAT, {**body, "seed": 3, "temperature": 0.7}, first) == {**want, "temperature": 0.7}, (
+        "the seed's first draw made the first token: the continuation draws afresh")
 
 
 def test_a_one_token_answer_is_the_prefill_token_and_the_decode_stream_is_closed() -> None:
@@ -265,7 +319,7 @@ def test_a_client_gone_before_the_first_byte_closes_the_decode_stream_and_ends_t
 
     async def run() -> None:
         prefill: asyncio.Future = asyncio.get_running_loop().create_future()
-        response = stream_hand_over(Legs(), decode, prefill, COMPLETIONS, BODY, {},  # type: ignore[arg-type]
+        response = stream_hand_over(Legs(), None, decode, prefill, COMPLETIONS, BODY, {}, {},  # type: ignore[arg-type]
                                     on_end=lambda: ended.append(1))
 
         async def receive() -> dict[str, Any]:

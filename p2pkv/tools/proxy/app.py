@@ -37,7 +37,7 @@ from p2pkv.tools.proxy.spans import (
     leg_of,
 )
 from p2pkv.tools.proxy.stream import StreamLegs
-from p2pkv.tools.proxy.stream_hand_over import stream_blocker, stream_hand_over
+from p2pkv.tools.proxy.stream_hand_over import hand_over_legs, stream_hand_over
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
@@ -108,6 +108,10 @@ class Proxy:
             in every decode leg's ``kv_transfer_params`` (the decode engines'
             ``transfer_mode`` is overridden per request); ``"stream"``: see
             :meth:`stream_legs`; ``""``: left to them.
+        seed_streams: stream mode: draw a seed for both legs of a streaming
+            request that samples at random without one, so that its first
+            token can come from the prefill engine
+            (:func:`p2pkv.tools.proxy.stream_hand_over.seeded`).
 
     Raises:
         ValueError: an empty backend list, or ``max_fanout`` below 1.
@@ -115,7 +119,7 @@ class Proxy:
 
     def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float,
                  secret: bytes | None, first_token_from: FirstTokenSource = "prefill",
-                 max_fanout: int = DEFAULT_MAX_FANOUT, transfer_mode: str = "") -> None:
+                 max_fanout: int = DEFAULT_MAX_FANOUT, transfer_mode: str = "", seed_streams: bool = False) -> None:
         if max_fanout < 1:
             raise ValueError(f"max_fanout={max_fanout}: must be >= 1 (pairs at once)")
         self.prefill_urls, self.decode_urls = prefill_urls, decode_urls
@@ -124,6 +128,7 @@ class Proxy:
         self.first_token_from, self.max_fanout = first_token_from, max_fanout
         self.metrics = ProxyMetrics()
         self.transfer_mode = transfer_mode
+        self.seed_streams = seed_streams
         self.streams = StreamLegs(secret, timeout_s) if transfer_mode == "stream" and secret else None
         self._background: set[asyncio.Task] = set()
 
@@ -229,16 +234,15 @@ class Proxy:
         answer, after the prefill engine's first token when that may go first
         (:mod:`p2pkv.tools.proxy.stream_hand_over`). While the prefill engine's address is not known, the prompt is
         pushed (its answer teaches it)."""
-        hand_over = (body.get("stream") is True and self.first_token_from == "prefill"
-                     and stream_blocker(path, body) is None)
-        sent = {**body, "return_token_ids": True} if hand_over else body
+        handed = hand_over_legs(path, body, self.seed_streams) if self.first_token_from == "prefill" else None
+        sent = handed or body
         params = self.start_stream(client, path, sent, headers, trace)
         if params is None:
             params = (await self.run_prefill(client, path, body, headers, leg_of(trace, "prefill")))[
                 "kv_transfer_params"]
             return await self.decode_one(client, path, {**body, "kv_transfer_params": params}, headers,
                                          out_headers, trace)
-        if not hand_over:
+        if handed is None:
             if body.get("stream") is True:
                 self.metrics.first_tokens.labels("decode").inc()
             return await self.run_decode(client, path, {**body, "kv_transfer_params": params}, headers,
@@ -249,7 +253,7 @@ class Proxy:
         resp = await self.run_decode(client, path, decode_body, headers, out_headers, relay=False, leg=leg)
         if isinstance(resp, Response) or prefill_leg is None:
             return resp  # type: ignore[return-value]  # an answer passed through (a 4xx), not a stream
-        return stream_hand_over(self, resp, prefill_leg, path, body, out_headers, leg, trace,
+        return stream_hand_over(self, client, resp, prefill_leg, path, body, headers, out_headers, leg, trace,
                                 on_end=lambda: self.decode_ended(decode_body))
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
@@ -419,7 +423,7 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
                secret: bytes | None = None, first_token_from: FirstTokenSource = "prefill",
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_fanout: int = DEFAULT_MAX_FANOUT,
                max_prompts: int = DEFAULT_MAX_PROMPTS, otlp_traces_endpoint: str = "",
-               transfer_mode: str = "") -> FastAPI:
+               transfer_mode: str = "", seed_streams: bool = False) -> FastAPI:
     """Build the proxy app (one shared ``httpx.AsyncClient``, opened and closed by the app's lifespan).
 
     Args:
@@ -443,6 +447,10 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
             single prompts are layer-streamed, both legs at once (with a secret;
             :mod:`p2pkv.tools.proxy.stream`), batches pushed; ``""``: the
             decode engines' ``transfer_mode`` decides.
+        seed_streams: stream mode: a streaming request that samples at random
+            without a seed gets one drawn for both legs, so that its first
+            token can come from the prefill engine (vLLM then samples its
+            batch on the per-request generator path).
 
     Raises:
         ValueError: an empty backend list, or a limit below 1.
@@ -453,7 +461,8 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
     if transfer_mode not in ("", "pull", "push", "stream"):
         raise ValueError(f"transfer_mode={transfer_mode!r}: expected 'pull', 'push', 'stream' or '' (the engines "
                          "decide)")
-    proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret, first_token_from, max_fanout, transfer_mode)
+    proxy = Proxy(prefill_urls, decode_urls, timeout_s, secret, first_token_from, max_fanout, transfer_mode,
+                  seed_streams)
     tracing = Tracing.get(SERVICE_NAME, otlp_traces_endpoint)
 
     @contextlib.asynccontextmanager

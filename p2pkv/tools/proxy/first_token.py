@@ -175,14 +175,33 @@ def decode_body(path: str, body: dict[str, Any], first: FirstToken, params: dict
     less, and ``kv_transfer_params.appended_tokens`` 1, signed again with
     ``secret`` (the capability covers it: :func:`p2pkv.params.with_appended_tokens`).
     """
+    return _continued(path, body, first, with_appended_tokens(params, 1, secret))
+
+
+def recompute_body(path: str, body: dict[str, Any], first: FirstToken) -> dict[str, Any]:
+    """The decode engine's request to continue after ``first`` with no KV to load: the prompt's token ids plus
+    ``first.token_id`` (completions: ``prompt``; chat: ``kv_transfer_params.prompt_token_ids`` alone, no
+    transfer), ``max_tokens`` one less, no ``seed`` (its generator's first draw made the first token: drawing it
+    again for the next would tie the two). The engine computes the prompt itself; with prefix caching on (vLLM's
+    default) the blocks a layer stream of the same prompt just loaded there are reused."""
+    out = _continued(path, body, first, {})
+    out.pop("seed", None)
+    return out
+
+
+def _continued(path: str, body: dict[str, Any], first: FirstToken, kv: dict[str, Any]) -> dict[str, Any]:
+    """``body`` continuing after ``first``: its prompt's token ids plus ``first.token_id`` (completions:
+    ``prompt``; chat: ``kv["prompt_token_ids"]``), ``kv`` as its ``kv_transfer_params`` (none when empty),
+    ``max_tokens`` one less."""
     out = dict(body)
     ids = [*first.prompt_token_ids, first.token_id]
-    kv = with_appended_tokens(params, 1, secret)
     if path == COMPLETIONS:
         out["prompt"] = ids
     else:
-        kv["prompt_token_ids"] = ids
-    out["kv_transfer_params"] = kv
+        kv = {**kv, "prompt_token_ids": ids}
+    out.pop("kv_transfer_params", None)
+    if kv:
+        out["kv_transfer_params"] = kv
     for name in ("max_tokens", "max_completion_tokens"):
         if isinstance(out.get(name), int):
             out[name] -= 1

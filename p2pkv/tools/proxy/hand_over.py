@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from p2pkv.tools.proxy.batch import sse_events
 from p2pkv.tools.proxy.closing import ClosingStream
-from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, decode_body
+from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, decode_body, recompute_body, sse_event
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar, leg_of
 from p2pkv.tools.proxy.upstream import UpstreamError
@@ -62,7 +62,7 @@ def hand_over_stream(legs: DecodeLegs, client: httpx.AsyncClient, path: str, bod
                 hand_over.end()
             if first.finish_reason is not None:
                 return
-            start = sent = time.perf_counter()
+            sent = time.perf_counter()
             try:
                 asked = True
                 span = leg_of(trace, "decode")
@@ -74,28 +74,67 @@ def hand_over_stream(legs: DecodeLegs, client: httpx.AsyncClient, path: str, bod
                     legs.metrics.errors.labels("decode").inc()
                 yield b"data: " + json.dumps(exc.payload()).encode() + b"\n\n" + b"data: [DONE]\n\n"
                 return
-            try:
-                async for data in sse_events(resp.aiter_raw()):
-                    if start:
-                        legs.metrics.decode_first_byte_seconds.observe(time.perf_counter() - start,
-                                                                       exemplar(span))
-                        start = 0.0
-                    if (out := writer.rewrite(data)) is not None:
-                        yield out
-                yield writer.closing(writer.usage_chunk)
-            except httpx.HTTPError as exc:
-                legs.metrics.errors.labels("decode").inc()
-                err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); "
-                                    "check its log", "decode", str(resp.url))
-                if span is not None:
-                    span.failed(err)
-                yield b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
-            finally:
-                await resp.aclose()
-                legs.metrics.decode_seconds.observe(time.perf_counter() - sent, exemplar(span))
+            async for out in relay_decode(legs, resp, writer, span, sent):
+                yield out
         finally:
             for ended in (hand_over, span):
                 if ended is not None:
                     ended.end()
 
     return ClosingStream(stream(), release_unless_asked, headers=out_headers)
+
+
+async def relay_decode(legs: DecodeLegs, resp: httpx.Response, writer: FirstTokenStream, span: ProxySpan | None,
+                       sent: float) -> AsyncIterator[bytes]:
+    """The decode engine's continuation ``resp`` (opened) as the client gets it after the first token:
+    ``writer``'s rewrite of each event, then its closing (usage, ``[DONE]``); a stream that breaks ends with an
+    error event. ``resp`` is closed at the end; ``sent``: when it was asked for (``time.perf_counter()``)."""
+    start = sent
+    try:
+        async for data in sse_events(resp.aiter_raw()):
+            if start:
+                legs.metrics.decode_first_byte_seconds.observe(time.perf_counter() - start, exemplar(span))
+                start = 0.0
+            if (out := writer.rewrite(data)) is not None:
+                yield out
+        yield writer.closing(writer.usage_chunk)
+    except httpx.HTTPError as exc:
+        legs.metrics.errors.labels("decode").inc()
+        err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); check its log",
+                            "decode", str(resp.url))
+        if span is not None:
+            span.failed(err)
+        yield b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
+    finally:
+        await resp.aclose()
+        legs.metrics.decode_seconds.observe(time.perf_counter() - sent, exemplar(span))
+
+
+async def continue_after(legs: DecodeLegs, client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                         first: FirstToken, headers: dict[str, str], out_headers: dict[str, str],
+                         trace: RequestTrace | None = None) -> AsyncIterator[bytes]:
+    """The client's stream after ``first``, which it already has, from a decode engine asked to continue after it
+    with no KV to load (:func:`p2pkv.tools.proxy.first_token.recompute_body`): a layer-streamed request whose
+    decode engine sampled another first token. A leg that fails or is refused ends the stream with an error
+    event."""
+    span = leg_of(trace, "decode")
+    sent = time.perf_counter()
+    try:
+        try:
+            resp = await legs.run_decode(client, path, recompute_body(path, body, first), headers, out_headers,
+                                         relay=False, leg=span)
+        except UpstreamError as exc:
+            if exc.backend_failed:
+                legs.metrics.errors.labels("decode").inc()
+            yield sse_event(exc.payload()) + sse_event("[DONE]")
+            return
+        if isinstance(resp, Response):  # a 4xx answer, passed through by run_decode
+            err = UpstreamError(502, f"the decode engine refused to continue after the client's first token "
+                                f"(HTTP {resp.status_code}: {bytes(resp.body)[:200]!r})", "decode", "")
+            yield sse_event(err.payload()) + sse_event("[DONE]")
+            return
+        async for out in relay_decode(legs, resp, FirstTokenStream(path, body, first), span, sent):
+            yield out
+    finally:
+        if span is not None:
+            span.end()

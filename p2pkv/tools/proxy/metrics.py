@@ -31,6 +31,11 @@ class ProxyMetrics:
             requests by where their first token came from: ``prefill`` (sent
             from the prefill answer, see :mod:`p2pkv.tools.proxy.first_token`)
             or ``decode``.
+        first_token_mismatches: ``p2pkv_proxy_first_token_mismatches_total``,
+            layer-streamed requests whose decode engine sampled another first
+            token than the prefill engine's, which the client already had (the
+            decode engine was asked again to continue after the client's:
+            :mod:`p2pkv.tools.proxy.stream_hand_over`).
 
     With tracing on, the histograms' observations carry an exemplar
     (``trace_id`` of the request's trace), which ``/metrics`` serves to a
@@ -65,3 +70,7 @@ class ProxyMetrics:
                                     ["source"], registry=r)
         for source in ("prefill", "decode"):  # both series exist from the start, at 0
             self.first_tokens.labels(source)
+        self.first_token_mismatches = Counter(
+            "p2pkv_proxy_first_token_mismatches",
+            "Layer-streamed requests whose decode engine's first token differed from the handed-over one "
+            "(continued after the client's)", registry=r)

@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "as it computes it; single prompts, once a prefill engine has answered once; needs the "
                              "secret); default: each decode engine's transfer_mode setting (auto); see docs/push.md "
                              "and docs/streaming.md")
+    parser.add_argument("--seed-streamed-sampling", action="store_true",
+                        help="with --transfer-mode stream: draw a seed for both legs of a streaming request that "
+                             "samples at random without one, so that its first token comes from the prefill engine "
+                             "(greedy and seeded requests get it anyway); off by default because vLLM then samples "
+                             "the request's batch on its per-request generator path (on CUDA without FlashInfer's "
+                             "top-k/top-p sampler); see docs/streaming.md")
     parser.add_argument("--otlp-traces-endpoint", default="", metavar="URL",
                         help="send OpenTelemetry traces (one per request: the proxy's span, each leg's, and the "
                              "engines' under them) over OTLP/HTTP to URL, e.g. http://127.0.0.1:4318/v1/traces "
@@ -152,7 +158,7 @@ def main(args: argparse.Namespace) -> int:
         app = create_app(prefill, decode, timeout_s=args.timeout, secret=secret,
                          first_token_from=args.first_token_from, max_body_bytes=args.max_body_bytes,
                          max_fanout=args.max_fanout, max_prompts=args.max_prompts, otlp_traces_endpoint=endpoint,
-                         transfer_mode=args.transfer_mode)
+                         transfer_mode=args.transfer_mode, seed_streams=args.seed_streamed_sampling)
     except ImportError as exc:
         print(f"p2pkv proxy: tracing to {endpoint} needs the OpenTelemetry SDK and its OTLP/HTTP exporter ({exc}): "
               "pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http", file=sys.stderr)

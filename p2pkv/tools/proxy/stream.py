@@ -11,7 +11,7 @@ engines' ids), the prefill leg's body and the decode leg's
 carries the grant; the decode leg carries the grant and the prefill
 engine's address, no blocks (the prefill engine has not answered). Both are
 sent at once, for each prompt of a batch too; the client's answer is the
-decode leg's, whose engine computes the first token itself; a greedy
+decode leg's, whose engine computes the first token itself; a greedy or seeded
 streaming request may get the prefill engine's first token first
 (:mod:`p2pkv.tools.proxy.stream_hand_over`).
 """

@@ -4,25 +4,37 @@ In stream mode both legs start at once (:mod:`p2pkv.tools.proxy.stream`), so
 the decode engine is asked before any token exists and samples the first
 token itself; it cannot be told to continue after the prefill engine's (the
 continuation :mod:`p2pkv.tools.proxy.first_token` sends in pull and push
-mode). The two tokens are the same by construction only under greedy
-sampling (``temperature`` 0: the same prompt KV and the same last step give
-the same argmax), so the hand-over is made for greedy streaming requests
-that :func:`p2pkv.tools.proxy.first_token.blocker` lets through, and checked:
+mode). The two engines sample the same first token when they draw it the
+same way from the same logits (the same prompt KV and the same last step):
+under greedy sampling (``temperature`` 0: the argmax), and under seeded
+sampling (``seed``: vLLM seeds a generator per request, and the first token
+is its first draw on both engines; the decode engine's next draws are then
+the ones one engine makes). So the hand-over is made for streaming requests
+that :func:`p2pkv.tools.proxy.first_token.blocker` lets through, greedy or
+seeded, and checked:
 
 - both legs are asked for token ids (``return_token_ids``);
 - when the prefill leg answers before the decode engine's first event, its
   token goes to the client at once; the decode engine's stream follows with
   its first token removed (text, token id, logprobs), once that token's id
-  is found equal to the one sent. A different id (float differences between
-  the engines' batches can flip a near tie) ends the client's stream with an
-  error event instead of a continuation the client's first token did not
-  lead to: never a silent wrong answer;
+  is found equal to the one sent;
+- a different id (float differences between the engines' batches can flip a
+  near tie), or a decode stream that ends without a token, closes that stream
+  and asks a decode engine again to continue after the client's token with
+  no KV to load (:func:`p2pkv.tools.proxy.hand_over.continue_after`; its
+  prefix cache holds the blocks the stream just loaded), counted in
+  ``p2pkv_proxy_first_token_mismatches_total``: the client's answer always
+  continues its first token, never an error for it;
 - when the decode engine's first event comes first, or the prefill answer
   carries no usable token (:func:`p2pkv.tools.proxy.first_token.read_first_token`),
   the decode engine's stream is relayed as it is.
 
-Random sampling, seeded or not, keeps the decode engine's first token: its
-sample would differ from the prefill engine's.
+Unseeded random sampling keeps the decode engine's first token, unless the
+proxy runs with ``--seed-streamed-sampling``: it then draws a seed for both
+legs of such a request (:func:`seeded`). That is not the default because a
+seeded request makes vLLM sample its whole batch on the per-request
+generator path, which on CUDA gives up FlashInfer's top-k/top-p sampler
+(``vllm/v1/sample/ops/topk_topp_sampler.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -41,7 +54,7 @@ from fastapi.responses import StreamingResponse
 from p2pkv.tools.proxy.batch import sse_events
 from p2pkv.tools.proxy.closing import ClosingStream
 from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, blocker, read_first_token, sse_event
-from p2pkv.tools.proxy.hand_over import DecodeLegs
+from p2pkv.tools.proxy.hand_over import DecodeLegs, continue_after
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar
 from p2pkv.tools.proxy.upstream import UpstreamError
 
@@ -50,32 +63,65 @@ logger = logging.getLogger(__name__)
 
 def stream_blocker(path: str, body: dict[str, Any]) -> str | None:
     """Why a layer-streamed request takes its first token from the decode engine (None: the prefill engine's
-    may go): :func:`p2pkv.tools.proxy.first_token.blocker`'s reasons, and any sampling but greedy
-    (``temperature`` 0 given explicitly: vLLM's default may be a model's own)."""
+    may go): :func:`p2pkv.tools.proxy.first_token.blocker`'s reasons but seeded sampling (both engines' first
+    draw is the same here), and unseeded random sampling (``temperature`` not 0, or not given: vLLM's default
+    may be a model's own)."""
     reason = blocker(path, body)
-    if reason is not None:
+    if reason is not None and reason != "seeded sampling":
         return reason
+    if body.get("seed") is not None and not isinstance(body.get("seed"), bool):
+        return None
     temperature = body.get("temperature")
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature != 0:
         return "not greedy"
     return None
 
 
+def seeded(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with a ``seed`` drawn for it (a random 31-bit int) when it samples at random without one: its
+    legs' first tokens are then the same draw (``--seed-streamed-sampling``). Any other body as it is."""
+    temperature = body.get("temperature")
+    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature == 0
+    if greedy or body.get("seed") is not None:
+        return body
+    return {**body, "seed": secrets.randbelow(2**31)}
+
+
+def hand_over_legs(path: str, body: dict[str, Any], seed: bool = False) -> dict[str, Any] | None:
+    """The body both legs of a layer-streamed request get when the prefill engine's first token may go first:
+    asked for token ids, and with ``seed`` (``--seed-streamed-sampling``) :func:`seeded`; None when the decode
+    engine's first token goes (a request that is not streamed, or :func:`stream_blocker` gives a reason)."""
+    if body.get("stream") is not True:
+        return None
+    sent = seeded(body) if seed else body
+    if stream_blocker(path, sent) is not None:
+        return None
+    return {**sent, "return_token_ids": True}
+
+
 class FirstTokenMismatch(Exception):
     """The decode engine's first token differs from the prefill engine's, which the client already has (or its
-    stream ended without one)."""
+    stream ended without one).
+
+    Attributes:
+        first: the token the client has.
+    """
+
+    def __init__(self, message: str, first: FirstToken) -> None:
+        super().__init__(message)
+        self.first = first
 
     @classmethod
     def differs(cls, sent: FirstToken, got: Any, what: str) -> FirstTokenMismatch:
         """The decode engine's first token has ``what`` ``got`` where ``sent`` has another."""
         return cls(f"the decode engine's first token ({what} {got!r}) differs from the prefill engine's "
-                   f"(token id {sent.token_id}, text {sent.text!r}), which the client already has")
+                   f"(token id {sent.token_id}, text {sent.text!r}), which the client already has", sent)
 
     @classmethod
     def missing(cls, sent: FirstToken) -> FirstTokenMismatch:
         """The decode engine's stream ended without a token and without an error."""
         return cls(f"the decode engine's stream ended before its first token; the client already has the prefill "
-                   f"engine's (token id {sent.token_id}, text {sent.text!r})")
+                   f"engine's (token id {sent.token_id}, text {sent.text!r})", sent)
 
 
 def _drop_first(choice: dict[str, Any], first: FirstToken, chat: bool) -> None:
@@ -176,19 +222,21 @@ def _prefill_answer(prefill_leg: asyncio.Future) -> dict[str, Any] | None:
     return answer if isinstance(answer, dict) else None
 
 
-def stream_hand_over(legs: DecodeLegs, resp: httpx.Response, prefill_leg: asyncio.Future, path: str,
-                     body: dict[str, Any], out_headers: dict[str, str], leg: ProxySpan | None = None,
-                     trace: RequestTrace | None = None,
+def stream_hand_over(legs: DecodeLegs, client: httpx.AsyncClient, resp: httpx.Response, prefill_leg: asyncio.Future,
+                     path: str, body: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str],
+                     leg: ProxySpan | None = None, trace: RequestTrace | None = None,
                      on_end: Callable[[], None] | None = None) -> StreamingResponse:
-    """The client's stream of a greedy layer-streamed request: the prefill engine's first token when it comes
-    first, then the decode engine's stream ``resp`` (opened, asked with token ids) after that token.
+    """The client's stream of a greedy or seeded layer-streamed request: the prefill engine's first token when it
+    comes first, then the decode engine's stream ``resp`` (opened, asked with token ids) after that token.
 
     ``prefill_leg`` is the prompt's prefill leg (its answer: the prefill
-    engine's JSON). ``leg``: the decode leg's span, ended here. The decode
-    stream is closed (the decode engine aborts the request) when the first
-    token ends the answer, when the client leaves (before the first byte
-    too), and on a mismatch; ``on_end`` is called once it is closed (the
-    decode leg has ended).
+    engine's JSON). ``body`` is the client's request (``headers`` go with a
+    continuation over ``client``). ``leg``: the decode leg's span, ended
+    here. The decode stream is closed (the decode engine aborts the request)
+    when the first token ends the answer, when the client leaves (before the
+    first byte too), and on a mismatch, which a continuation follows
+    (:func:`p2pkv.tools.proxy.hand_over.continue_after`); ``on_end`` is called
+    once it is closed (the decode leg has ended).
     """
     client_ids = body.get("return_token_ids") is True
     closed = False
@@ -223,6 +271,14 @@ def stream_hand_over(legs: DecodeLegs, resp: httpx.Response, prefill_leg: asynci
                     return
             async for out in _relayed(legs, writer, first_event, events, sent, leg, client_ids):
                 yield out
+        except FirstTokenMismatch as exc:
+            logger.warning("p2pkv proxy: %s; a decode engine continues after the client's token", exc)
+            legs.metrics.first_token_mismatches.inc()
+            if leg is not None:
+                leg.end()
+            await close()  # the decode engine aborts the stream's request
+            async for out in continue_after(legs, client, path, body, exc.first, headers, out_headers, trace):
+                yield out
         except httpx.HTTPError as exc:
             legs.metrics.errors.labels("decode").inc()
             err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); check its log",
@@ -250,6 +306,8 @@ async def _relayed(legs: DecodeLegs, writer: StreamedFirstTokenStream | None, fi
 
     Raises:
         httpx.HTTPError: the decode stream broke.
+        FirstTokenMismatch: the decode engine's first token is not the one handed over (nothing of its stream
+            was sent), or its stream ended without one and without an error.
     """
     try:
         data: str | None = await first_event
@@ -269,11 +327,7 @@ async def _relayed(legs: DecodeLegs, writer: StreamedFirstTokenStream | None, fi
                 yield sse_event(data)
             else:
                 errored = errored or "error" in obj
-                try:
-                    out = writer.rewrite_chunk(obj)
-                except FirstTokenMismatch as exc:
-                    yield _mismatch(legs, exc, leg)
-                    return
+                out = writer.rewrite_chunk(obj)
                 if out is not None:
                     yield sse_event(out)
         try:
@@ -283,18 +337,6 @@ async def _relayed(legs: DecodeLegs, writer: StreamedFirstTokenStream | None, fi
     if writer is None:
         return
     if not writer.confirmed and not errored:
-        yield _mismatch(legs, FirstTokenMismatch.missing(writer.first), leg)
-        return
+        raise FirstTokenMismatch.missing(writer.first)
     yield writer.closing(writer.usage_chunk)
 
-
-def _mismatch(legs: DecodeLegs, exc: FirstTokenMismatch, leg: ProxySpan | None) -> bytes:
-    """The error event and ``[DONE]`` that end a stream whose decode engine did not continue the client's first
-    token (logged and counted as a decode failure)."""
-    logger.warning("p2pkv proxy: %s; the stream ends with an error", exc)
-    legs.metrics.errors.labels("decode").inc()
-    err = UpstreamError(502, f"{exc}; the answer stops here: retry the request, or run the proxy with "
-                        "--first-token-from decode", "decode", "")
-    if leg is not None:
-        leg.failed(err)
-    return sse_event(err.payload()) + sse_event("[DONE]")
