@@ -26,7 +26,7 @@ from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.worker import WorkerSide
 from tests.conftest import free_ports
 from tests.test_hetero import NUM_BLOCKS, ROWS, Side, block_ids, fill, make_cache, mode, model_info
-from tests.test_stream_hetero import SECRET, granted_stream
+from tests.test_stream_hetero import SECRET, granted_stream, release_prefills
 
 WINDOW_FIRST = 2
 """The window group's first prompt block on both engines (vLLM's null block before it: behind the window)."""
@@ -104,14 +104,7 @@ def test_a_grouped_stream_between_engines_whose_pages_differ_lands_each_group_in
             first = WINDOW_FIRST * decode_side.block_size
             fill(decode_side, rank, views, window_local, tokens - first, first=WINDOW_CODE + first)
             assert torch.equal(base, want), f"decode rank {rank}'s blocks differ from each group's codes"
-        for rank, (prefill, _, _) in enumerate(prefills):
-            prefill.start_load_kv(P2pKvMetadata(send_leases={"p-req": time.monotonic() + 60},
-                                                send_blocks={"p-req": tuple(full_remote + window_remote)}))
-            sent: set[str] = set()
-            while "p-req" not in sent:
-                assert time.monotonic() < deadline, f"prefill rank {rank} still holds the streamed request"
-                sent |= prefill.get_finished()[0]
-                time.sleep(0.005)
+        release_prefills(prefills, full_remote + window_remote, deadline)
     finally:
         for worker, _, _ in (*decodes, *prefills):
             worker.shutdown()

@@ -129,17 +129,23 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
                 assert time.monotonic() < deadline, "the stream's staging was not given back"
                 decode.get_finished()
                 time.sleep(0.002)
-        for rank, (prefill, _, _) in enumerate(prefills):  # every prefill rank frees the request: streamed or declined
-            prefill.start_load_kv(P2pKvMetadata(send_leases={"p-req": time.monotonic() + 60},
-                                                send_blocks={"p-req": tuple(remote_ids)}))
-            sent: set[str] = set()
-            while "p-req" not in sent:
-                assert time.monotonic() < deadline, f"prefill rank {rank} still holds the streamed request"
-                sent |= prefill.get_finished()[0]
-                time.sleep(0.005)
+        release_prefills(prefills, remote_ids, deadline)  # streamed or declined, every prefill rank frees it
     finally:
         for worker, _, _ in (*decodes, *prefills):
             worker.shutdown()
+
+
+def release_prefills(prefills: list, block_ids: list[int], deadline: float) -> None:
+    """Hold request ``p-req`` in ``block_ids`` on every prefill rank of ``prefills`` (its step was streamed) and
+    wait until each has sent it (freed), by ``deadline`` (``time.monotonic()`` seconds)."""
+    for rank, (prefill, _, _) in enumerate(prefills):
+        prefill.start_load_kv(P2pKvMetadata(send_leases={"p-req": time.monotonic() + 60},
+                                            send_blocks={"p-req": tuple(block_ids)}))
+        sent: set[str] = set()
+        while "p-req" not in sent:
+            assert time.monotonic() < deadline, f"prefill rank {rank} still holds the streamed request"
+            sent |= prefill.get_finished()[0]
+            time.sleep(0.005)
 
 
 def _zero_cached(cache: torch.Tensor, side: object, cached: list[int]) -> None:

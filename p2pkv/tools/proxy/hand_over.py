@@ -3,7 +3,6 @@ continuation after it (what :mod:`p2pkv.tools.proxy.first_token` decides and rew
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -72,7 +71,7 @@ def hand_over_stream(legs: DecodeLegs, client: httpx.AsyncClient, path: str, bod
                 asked = False
                 if exc.backend_failed:
                     legs.metrics.errors.labels("decode").inc()
-                yield b"data: " + json.dumps(exc.payload()).encode() + b"\n\n" + b"data: [DONE]\n\n"
+                yield sse_event(exc.payload()) + sse_event("[DONE]")
                 return
             async for out in relay_decode(legs, resp, writer, span, sent):
                 yield out
@@ -82,6 +81,18 @@ def hand_over_stream(legs: DecodeLegs, client: httpx.AsyncClient, path: str, bod
                     ended.end()
 
     return ClosingStream(stream(), release_unless_asked, headers=out_headers)
+
+
+def broken_decode_stream(legs: DecodeLegs, exc: httpx.HTTPError, resp: httpx.Response,
+                         span: ProxySpan | None) -> UpstreamError:
+    """The error for a client whose decode stream ``resp`` broke mid-way with ``exc``: counted as a decode
+    failure and recorded on ``span``."""
+    legs.metrics.errors.labels("decode").inc()
+    err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); check its log",
+                        "decode", str(resp.url))
+    if span is not None:
+        span.failed(err)
+    return err
 
 
 async def relay_decode(legs: DecodeLegs, resp: httpx.Response, writer: FirstTokenStream, span: ProxySpan | None,
@@ -99,12 +110,7 @@ async def relay_decode(legs: DecodeLegs, resp: httpx.Response, writer: FirstToke
                 yield out
         yield writer.closing(writer.usage_chunk)
     except httpx.HTTPError as exc:
-        legs.metrics.errors.labels("decode").inc()
-        err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); check its log",
-                            "decode", str(resp.url))
-        if span is not None:
-            span.failed(err)
-        yield b"data: " + json.dumps(err.payload()).encode() + b"\n\n"
+        yield sse_event(broken_decode_stream(legs, exc, resp, span).payload())
     finally:
         await resp.aclose()
         legs.metrics.decode_seconds.observe(time.perf_counter() - sent, exemplar(span))

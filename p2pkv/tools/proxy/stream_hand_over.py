@@ -54,9 +54,8 @@ from fastapi.responses import StreamingResponse
 from p2pkv.tools.proxy.batch import sse_events
 from p2pkv.tools.proxy.closing import ClosingStream
 from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, blocker, read_first_token, sse_event
-from p2pkv.tools.proxy.hand_over import DecodeLegs, continue_after
+from p2pkv.tools.proxy.hand_over import DecodeLegs, broken_decode_stream, continue_after
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar
-from p2pkv.tools.proxy.upstream import UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -280,12 +279,7 @@ def stream_hand_over(legs: DecodeLegs, client: httpx.AsyncClient, resp: httpx.Re
             async for out in continue_after(legs, client, path, body, exc.first, headers, out_headers, trace):
                 yield out
         except httpx.HTTPError as exc:
-            legs.metrics.errors.labels("decode").inc()
-            err = UpstreamError(502, f"decode engine failed mid-stream ({type(exc).__name__}: {exc}); check its log",
-                                "decode", str(resp.url))
-            if leg is not None:
-                leg.failed(err)
-            yield sse_event(err.payload()) + sse_event("[DONE]")
+            yield sse_event(broken_decode_stream(legs, exc, resp, leg).payload()) + sse_event("[DONE]")
         finally:
             first_event.cancel()
             with contextlib.suppress(BaseException):
