@@ -15,6 +15,14 @@ from p2pkv.params import RemotePrefill
 from tests.p2p_harness import DecodeSide, PrefillProc, pull_task
 
 
+def _wait_for(condition, timeout_s: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``condition`` until it holds (a loaded host may start the thread late), failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the progress thread never got there"
+        time.sleep(0.002)
+
+
 def test_progress_polls_while_active_sleeps_until_woken_and_stops() -> None:
     calls, active, seen_on_thread = [], threading.Event(), []
 
@@ -29,15 +37,14 @@ def test_progress_polls_while_active_sleeps_until_woken_and_stops() -> None:
         assert calls == []  # nothing to do until woken
         active.set()
         progress.wake()
-        time.sleep(0.1)
-        polled = len(calls)
-        assert polled >= 5, polled  # keeps polling while advance() says a READ is in flight
+        _wait_for(lambda: len(calls) >= 5)  # keeps polling while advance() says a READ is in flight
         active.clear()
         time.sleep(0.05)
         settled = len(calls)
         time.sleep(0.05)
         assert len(calls) == settled  # went back to sleep
         progress.wake()
+        _wait_for(lambda: len(calls) >= settled + 1)
         time.sleep(0.05)
         assert len(calls) == settled + 1  # one round per wake when idle
         assert all(seen_on_thread) and not progress.on_thread()
