@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 from p2pkv.decode.pool import FairPool
 
@@ -21,6 +21,23 @@ LANE_THREADS = 16
 """Most threads running lane calls (fence questions) at once."""
 MAX_QUEUED = 1024
 """Most calls waiting per destination or lane; more fail at once (:class:`p2pkv.decode.pool.PoolFull`)."""
+
+
+Pending = TypeVar("Pending", bound=tuple)
+
+
+def take_done(pending: list[Pending]) -> tuple[list[Pending], list[Pending]]:
+    """Split ``pending`` (tuples whose first item is a call's :class:`Future`) into ``(done, still pending)``.
+
+    Each future is asked once: its call runs on another thread, so one that
+    ends between two passes over the list (one for the done, one for the
+    rest) would land in neither and its answer be lost.
+    """
+    done: list[Pending] = []
+    rest: list[Pending] = []
+    for item in pending:
+        (done if item[0].done() else rest).append(item)
+    return done, rest
 
 
 class Background:

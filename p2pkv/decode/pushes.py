@@ -33,7 +33,7 @@ from handshake import (
 )
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.dataplane.blockmap import staged_groups
-from p2pkv.decode.background import Background
+from p2pkv.decode.background import Background, take_done
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, failure_of
 from p2pkv.decode.stream_watch import GONE, StreamWatch
@@ -243,8 +243,7 @@ class Pushes:
         to a prefill rank whose earlier request got no reply are taken off
         it (answered :class:`PushNotSent`).
         """
-        done, self._replies = [(f, r) for f, r in self._replies if f.done()], [
-            (f, r) for f, r in self._replies if not f.done()]
+        done, self._replies = take_done(self._replies)
         silent = [r.peer for f, r in done if not f.cancelled() and isinstance(f.exception(), HandshakeTimeoutError)]
         if silent:
             waiting = [(f, r) for f, r in self._replies if any(r.peer is p for p in silent) and f.cancel()]

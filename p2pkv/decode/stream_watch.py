@@ -23,7 +23,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from handshake import HoldsReply, query_holds
-from p2pkv.decode.background import Background
+from p2pkv.decode.background import Background, take_done
 from p2pkv.decode.fence import FENCE_EXTEND_S, Fence
 from p2pkv.decode.peers import PeerId
 from p2pkv.decode.transfer import Part
@@ -81,8 +81,7 @@ class StreamWatch:
 
     def gone(self) -> list[Part]:
         """The parts whose prefill rank answered that it does not know their stream (since the last call)."""
-        done = [(f, parts) for f, parts in self._questions if f.done()]
-        self._questions = [(f, parts) for f, parts in self._questions if not f.done()]
+        done, self._questions = take_done(self._questions)
         out = []
         for future, parts in done:
             if future.cancelled() or future.exception() is not None:
