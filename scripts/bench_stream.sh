@@ -10,7 +10,10 @@
 # Environment: LENGTHS (prompt tokens, default "1024 2048 4096"), TRANSPORTS ("cma tcp"), PROMPTS (requests per
 # point, 4), WARMUP (unmeasured requests per system first, 4), TOKEN_CHECKS (prompts each system answers again for
 # the token-id check, 4; 0: texts only), OUTPUT (generated tokens, 8), OUT (docs/benchmarks), NAME (file prefix, stream-serve-cpu), WORK
-# (.p2pkv/bench-stream), BASE_PORT (9100). The table and plot: scripts/stream_serve_report.py, run at the end.
+# (.p2pkv/bench-stream), BASE_PORT (9100), PIN ("prefill-cores decode-cores aggregated-cores", e.g. "0 1 0": once
+# the engines serve, every thread of each engine's processes is pinned to its cores with `taskset`, so that on one
+# host the decode engine's receiving does not share the prefill forward's cores; empty: no pinning).
+# The table and plot: scripts/stream_serve_report.py, run at the end.
 # A link-bound run: rate-limit UCX's TCP first (scripts/limit_ucx_tcp.sh, root) and pass its port range, e.g.
 #   UCX_TCP_PORT_RANGE=40960-41983 TRANSPORTS=tcp NAME=stream-serve-cpu-limited bash scripts/bench_stream.sh
 set -euo pipefail
@@ -26,6 +29,11 @@ OUT=${OUT:-docs/benchmarks}
 NAME=${NAME:-stream-serve-cpu}
 WORK=${WORK:-.p2pkv/bench-stream}
 B=${BASE_PORT:-9100}
+PIN=${PIN:-}
+if [[ -n $PIN ]]; then
+  read -r PIN_PREFILL PIN_DECODE PIN_AGGREGATED <<<"$PIN"
+  [[ -n ${PIN_AGGREGATED:-} ]] || { echo "PIN: three core lists (prefill decode aggregated), not '$PIN'" >&2; exit 2; }
+fi
 mkdir -p "$WORK" "$OUT"
 MODEL=$(cd "$WORK" && pwd)/llama-32l-kv8x128
 $PY -m p2pkv.tools.cli make-tiny-model "$MODEL" --layers 32 --hidden-size 1024 --heads 8 --kv-heads 8 \
@@ -35,6 +43,16 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} UCX_NET_DEVICES=lo
 LAUNCH_PID=
 stop() { [[ -n $LAUNCH_PID ]] && kill -TERM "$LAUNCH_PID" 2>/dev/null && wait "$LAUNCH_PID" || true; LAUNCH_PID=; }
 trap stop EXIT
+# pids of process $1 and of all its descendants
+tree() { echo "$1"; for c in $(cat /proc/"$1"/task/*/children 2>/dev/null); do tree "$c"; done; }
+# pin every thread of the engine serving on port $1 (its API server and its children) to cores $2
+pin() {
+  local root
+  root=$(pgrep -f "api_server.*--port $1( |\$)" | head -1)
+  [[ -n $root ]] || { echo "PIN: no engine serves port $1" >&2; exit 1; }
+  for p in $(tree "$root"); do taskset -a -cp "$2" "$p" >/dev/null; done
+  echo "pinned the engine on port $1 (pid $root and its children) to cores $2"
+}
 
 for transport in $TRANSPORTS; do
   case $transport in
@@ -52,6 +70,9 @@ for transport in $TRANSPORTS; do
     kill -0 "$LAUNCH_PID" 2>/dev/null || { echo "launch local died: $WORK/launch-$transport.log" >&2; exit 1; }
     sleep 1
   done
+  if [[ -n $PIN ]]; then
+    pin $((B + 1)) "$PIN_PREFILL"; pin $((B + 2)) "$PIN_DECODE"; pin $((B + 3)) "$PIN_AGGREGATED"
+  fi
   for len in $LENGTHS; do
     echo "== $transport, $len-token prompts"
     $PY -m p2pkv.tools.cli bench serve --model "$MODEL" --systems p2pkv-stream,p2pkv-push,p2pkv-pull,aggregated \
