@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from p2pkv.tools.demo import LOGPROB_TOLERANCE, read_pull_stats
+from p2pkv.tools.proxy.first_token import Fallback
 from tests.test_proxy import metric
 
 pytestmark = pytest.mark.engines
@@ -75,6 +76,11 @@ def _prefill_tokens(client: httpx.Client, proxy: str) -> float:
     return metric(client.get(f"{proxy}/metrics").text, "p2pkv_proxy_first_tokens_total", source="prefill")
 
 
+def _fallbacks(client: httpx.Client, proxy: str) -> dict[str, float]:
+    text = client.get(f"{proxy}/metrics").text
+    return {r.value: metric(text, "p2pkv_proxy_first_token_fallbacks_total", reason=r.value) for r in Fallback}
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_streams_read_as_the_aggregated_engines(route, client, path) -> None:
     """Every proxy request but a one-token answer handed over whole pulls the prompt's KV once: the decode
@@ -87,6 +93,7 @@ def test_streams_read_as_the_aggregated_engines(route, client, path) -> None:
     p, stats = route
     chat = path.endswith("chat/completions")
     before, pulls_before = _prefill_tokens(client, p.url("proxy")), len(read_pull_stats(stats))
+    fallbacks_before = _fallbacks(client, p.url("proxy"))
     decoded = 0
     closed = 0  # stream mode: one-token answers handed over, whose decode leg was closed (loaded or not)
     for prompt in map(p.fresh, PROMPTS):
@@ -109,6 +116,13 @@ def test_streams_read_as_the_aggregated_engines(route, client, path) -> None:
     handed = _prefill_tokens(client, p.url("proxy")) - before
     # 5 shapes may hand over per prompt; a first token that is part of a character is not handed over
     assert handed >= len(PROMPTS), f"only {handed} first tokens came from the prefill engine"
+    fell = {r: n - fallbacks_before[r] for r, n in _fallbacks(client, p.url("proxy")).items()}
+    print(f"FIRST TOKENS {p.mode} {path}: {handed:g} of {len(SHAPES) * len(PROMPTS)} from the prefill engine; "
+          f"the others' reasons {({r: n for r, n in fell.items() if n})}")
+    assert handed + sum(fell.values()) == len(SHAPES) * len(PROMPTS), fell  # each request counted once
+    n = len(PROMPTS)  # per prompt: 2 plain-path shapes; seeded sampling hands over in stream mode only
+    assert fell["request"] == 2 * n and fell["sampling"] == (0 if p.mode == "stream" else n), fell
+    assert fell["config"] == fell["parser"] == fell["finish_reason"] == fell["prefill_answer"] == 0, fell
     deadline = time.monotonic() + 20
     while len(read_pull_stats(stats)) - pulls_before < decoded and time.monotonic() < deadline:
         time.sleep(0.1)

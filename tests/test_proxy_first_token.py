@@ -11,7 +11,15 @@ import httpx
 import pytest
 
 from p2pkv.tools.proxy import create_app
-from p2pkv.tools.proxy.first_token import FirstTokenStream, blocker, decode_body, read_first_token
+from p2pkv.tools.proxy.first_token import (
+    Fallback,
+    FirstTokenStream,
+    blocker,
+    decode_body,
+    first_token_or_fallback,
+    read_first_token,
+    request_fallback,
+)
 from tests.fake_engines import PROMPT_IDS, FakeEngine, Served, p2pkv_prefill_answer
 from tests.test_proxy import metric
 
@@ -63,18 +71,37 @@ def test_read_first_token_and_when_it_falls_back() -> None:
     assert read_first_token(COMPLETIONS, {**body, "max_tokens": 1}, _answer(COMPLETIONS)).finish_reason == "length"
     eos = read_first_token(COMPLETIONS, body, _answer(COMPLETIONS, finish_reason="stop", text=""))
     assert eos is not None and eos.finish_reason == "stop"  # ends here: an empty text is the answer
-    assert read_first_token(COMPLETIONS, body, _answer(COMPLETIONS, text="")) is None  # part of a character
-    assert read_first_token(COMPLETIONS, body, _answer(COMPLETIONS, text="\ufffd")) is None
-    assert read_first_token(COMPLETIONS, body, _answer(COMPLETIONS, token_ids=None)) is None
-    assert read_first_token(COMPLETIONS, body, _answer(COMPLETIONS, finish_reason="abort")) is None
-    for params in ({"first_token": False}, {"kv_connector": "NixlConnector"}):
-        answer = _answer(COMPLETIONS)
-        answer["kv_transfer_params"].update(params)
-        assert read_first_token(COMPLETIONS, body, answer) is None
+    # the answers that fall back, each with its reason: test_each_fallback_names_its_reason
     chat = read_first_token(CHAT, body, _answer(CHAT))
     assert chat is not None and chat.text == "x" and chat.prompt_token_ids == PROMPT_IDS
     parsed = _answer(CHAT, message={"role": "assistant", "content": None, "reasoning": "x"})
     assert read_first_token(CHAT, body, parsed) is None  # a reasoning parser ran: fall back
+
+
+def test_each_fallback_names_its_reason() -> None:
+    body = {"prompt": "hi", "stream": True, "max_tokens": 5}
+    cases = [
+        (COMPLETIONS, _answer(COMPLETIONS, text=""), Fallback.PARTIAL_CHARACTER),
+        (COMPLETIONS, _answer(COMPLETIONS, text="\ufffd"), Fallback.PARTIAL_CHARACTER),
+        (COMPLETIONS, _answer(COMPLETIONS, token_ids=None), Fallback.PREFILL_ANSWER),
+        (COMPLETIONS, _answer(COMPLETIONS, token_ids=[7, 8]), Fallback.PREFILL_ANSWER),
+        (COMPLETIONS, _answer(COMPLETIONS, finish_reason="abort"), Fallback.FINISH_REASON),
+        (CHAT, _answer(CHAT, message={"role": "assistant", "content": None, "tool_calls": [{}]}), Fallback.PARSER),
+    ]
+    for params in ({"first_token": False}, {"kv_connector": "NixlConnector"}):
+        answer = _answer(COMPLETIONS)
+        answer["kv_transfer_params"].update(params)
+        cases.append((COMPLETIONS, answer, Fallback.PREFILL_ANSWER))
+    for path, answer, reason in cases:
+        assert first_token_or_fallback(path, body, answer) is reason, (answer, reason)
+        assert read_first_token(path, body, answer) is None
+    assert first_token_or_fallback(COMPLETIONS, body, _answer(COMPLETIONS)) == read_first_token(
+        COMPLETIONS, body, _answer(COMPLETIONS))
+    assert request_fallback(COMPLETIONS, body, "prefill") is None
+    assert request_fallback(COMPLETIONS, body, "decode") is Fallback.CONFIG
+    assert request_fallback(COMPLETIONS, {**body, "stop": ["\n"]}, "prefill") is Fallback.REQUEST
+    assert request_fallback(COMPLETIONS, {**body, "prompt": ["a", "b"]}, "prefill") is Fallback.REQUEST
+    assert request_fallback(COMPLETIONS, {**body, "seed": 3}, "prefill") is Fallback.SAMPLING
 
 
 def test_decode_body_continues_after_the_first_token() -> None:
@@ -182,6 +209,8 @@ def test_first_token_reaches_the_client_before_the_decode_engine_answers(pd) -> 
     metrics = httpx.get(f"{proxy}/metrics").text
     assert metric(metrics, "p2pkv_proxy_first_tokens_total", source="prefill") >= 1
     assert 'p2pkv_proxy_first_tokens_total{source="decode"}' in metrics  # exported at 0 too
+    for reason in Fallback:  # every reason is exported from the start
+        assert f'p2pkv_proxy_first_token_fallbacks_total{{reason="{reason.value}"}}' in metrics
 
 
 def test_one_token_answer_never_asks_the_decode_engine(pd) -> None:

@@ -211,6 +211,7 @@ def test_the_decode_stream_is_relayed_when_its_first_event_comes_first() -> None
     assert {e["id"] for e in events[:-1]} == {"cmpl-d"}, "the decode engine's stream as it is"
     assert all("token_ids" not in e["choices"][0] for e in events[:-1]), "the client did not ask for token ids"
     assert metric_of(legs, "decode") == 1 and metric_of(legs, "prefill") == 0
+    assert fallbacks(legs.metrics, "decode_first") == 1
 
 
 CONTINUED = [_chunk("y", [8]), _chunk("w", [10], finish_reason="length"), "[DONE]"]
@@ -263,6 +264,10 @@ def metric_of(legs: Legs, source: str) -> float:
     return metric(_text(legs.metrics), "p2pkv_proxy_first_tokens_total", source=source)
 
 
+def fallbacks(metrics: ProxyMetrics, reason: str) -> float:
+    return metric(_text(metrics), "p2pkv_proxy_first_token_fallbacks_total", reason=reason)
+
+
 class Streaming(Proxy):
     """A stream proxy whose legs are recorded: the prefill leg answers at once, the decode engine's stream
     is :class:`Decode`."""
@@ -309,6 +314,7 @@ def test_both_legs_are_asked_for_token_ids_only_when_the_token_may_be_handed_ove
         assert {e["id"] for e in events[:-1]} == {"cmpl-p"}, "the first token came from the prefill leg"
     assert metric(_text(proxy.metrics), "p2pkv_proxy_first_tokens_total", source="prefill" if handed else
                   "decode") == 1
+    assert fallbacks(proxy.metrics, "sampling") == (0 if handed else 1)  # unseeded random sampling
 
 
 def test_a_client_gone_before_the_first_byte_closes_the_decode_stream_and_ends_the_leg_once() -> None:

@@ -19,9 +19,11 @@ from p2pkv.telemetry.tracing import Tracing
 from p2pkv.tools.proxy.batch import split_prompts
 from p2pkv.tools.proxy.fanout import Batch
 from p2pkv.tools.proxy.first_token import (
+    Fallback,
+    FirstToken,
     FirstTokenSource,
-    blocker,
-    read_first_token,
+    first_token_or_fallback,
+    request_fallback,
 )
 from p2pkv.tools.proxy.hand_over import hand_over_stream
 from p2pkv.tools.proxy.metrics import ProxyMetrics
@@ -37,7 +39,7 @@ from p2pkv.tools.proxy.spans import (
     leg_of,
 )
 from p2pkv.tools.proxy.stream import StreamLegs
-from p2pkv.tools.proxy.stream_hand_over import hand_over_legs, stream_hand_over
+from p2pkv.tools.proxy.stream_hand_over import hand_over_legs, stream_fallback, stream_hand_over
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
@@ -237,14 +239,11 @@ class Proxy:
         handed = hand_over_legs(path, body, self.seed_streams) if self.first_token_from == "prefill" else None
         sent = handed or body
         params = self.start_stream(client, path, sent, headers, trace)
-        if params is None:
-            params = (await self.run_prefill(client, path, body, headers, leg_of(trace, "prefill")))[
-                "kv_transfer_params"]
-            return await self.decode_one(client, path, {**body, "kv_transfer_params": params}, headers,
-                                         out_headers, trace)
+        if params is None:  # its prefill engine's address is not known yet: a push teaches it
+            return await self.one_prompt(client, path, body, headers, out_headers, trace, [])
         if handed is None:
             if body.get("stream") is True:
-                self.metrics.first_tokens.labels("decode").inc()
+                self.metrics.count_first_token(stream_fallback(path, body, self.seed_streams, self.first_token_from))
             return await self.run_decode(client, path, {**body, "kv_transfer_params": params}, headers,
                                          out_headers, leg=leg_of(trace, "decode"))  # type: ignore[return-value]
         prefill_leg = self.streams.prefill_leg(params) if self.streams is not None else None
@@ -355,34 +354,35 @@ class Proxy:
             if len(bodies) > 1:
                 batch = Batch(self, client, path, headers, out_headers, self.max_fanout, trace)
                 if body.get("stream") is True:
-                    self.metrics.first_tokens.labels("decode").inc()
+                    self.metrics.count_first_token(Fallback.REQUEST)  # several prompts
                     return await batch.stream(bodies)
                 return await batch.answers(bodies)
             if self.streams is not None:
                 return await self.stream_legs(client, path, bodies[0], headers, out_headers, trace)
-            if body.get("stream") is True:
-                if self.first_token_from == "decode" or blocker(path, body) is not None:
-                    self.metrics.first_tokens.labels("decode").inc()
-                else:
-                    answer = await self.run_prefill(client, path, {**bodies[0], "return_token_ids": True}, headers,
-                                                    leg_of(trace, "prefill"))
-                    params = [answer["kv_transfer_params"]]
-                    first = read_first_token(path, body, answer)
-                    self.metrics.first_tokens.labels("prefill" if first else "decode").inc()
-                    if first is not None:
-                        return hand_over_stream(self, client, path, body, first, params[0], headers, out_headers,
-                                                trace)
-                    return await self.decode_one(client, path, {**bodies[0], "kv_transfer_params": params[0]},
-                                                 headers, out_headers, trace)
-            params = [(await self.run_prefill(client, path, bodies[0], headers,
-                                              leg_of(trace, "prefill")))["kv_transfer_params"]]
-            return await self.decode_one(client, path, {**bodies[0], "kv_transfer_params": params[0]}, headers,
-                                         out_headers, trace)
+            return await self.one_prompt(client, path, bodies[0], headers, out_headers, trace, params)
         except asyncio.CancelledError:  # the client went away: nobody will pull these
             await asyncio.shield(self.release(params))
             raise
         finally:
             waited[0] += time.perf_counter() - t
+
+    async def one_prompt(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                         out_headers: dict[str, str], trace: RequestTrace | None, params: list[dict[str, Any]]
+                         ) -> Response:
+        """One prompt's prefill leg, then its decode leg, after the prefill engine's first token when that may go
+        (:mod:`p2pkv.tools.proxy.first_token`); the prefill's ``kv_transfer_params`` are appended to ``params`` (the
+        caller frees them if the client leaves). Raises UpstreamError."""
+        fallback = request_fallback(path, body, self.first_token_from)  # a request not streamed: REQUEST
+        asked = body if fallback is not None else {**body, "return_token_ids": True}
+        answer = await self.run_prefill(client, path, asked, headers, leg_of(trace, "prefill"))
+        params.append(answer["kv_transfer_params"])
+        first = fallback if fallback is not None else first_token_or_fallback(path, body, answer)
+        if body.get("stream") is True:
+            self.metrics.count_first_token(first)
+        if isinstance(first, FirstToken):
+            return hand_over_stream(self, client, path, body, first, params[-1], headers, out_headers, trace)
+        return await self.decode_one(client, path, {**body, "kv_transfer_params": params[-1]}, headers, out_headers,
+                                     trace)
 
     async def decode_one(self, client: httpx.AsyncClient, path: str, leg: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], trace: RequestTrace | None = None) -> Response:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Literal
 
 from p2pkv.params import SENDER, with_appended_tokens
@@ -31,6 +32,44 @@ FirstTokenSource = Literal["prefill", "decode"]
 """Where a streaming request's first token comes from: the prefill engine's answer, or the decode engine."""
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+class Fallback(str, Enum):
+    """Why a streaming request's first token came from the decode engine, not the prefill engine's answer
+    (the ``reason`` of ``p2pkv_proxy_first_token_fallbacks_total``)."""
+
+    CONFIG = "config"
+    """The proxy runs with ``--first-token-from decode``."""
+    REQUEST = "request"
+    """The request's shape (:func:`blocker`): several prompts, non-text chat content, or a field that changes
+    what a continuation after one token produces (:data:`BLOCKING_FIELDS`)."""
+    SAMPLING = "sampling"
+    """Random sampling whose first draw the decode engine would not repeat: seeded in pull and push mode (the
+    continuation would restart the seed's generator), unseeded in stream mode (each engine draws its own)."""
+    PREFILL_ANSWER = "prefill_answer"
+    """The prefill answer has no usable token: not a p2pkv prefill engine's, ``first_token`` false (an
+    attention-window model), no single choice with one token id and the prompt's ids, or (stream mode) the
+    prefill leg failed."""
+    PARSER = "parser"
+    """A chat answer went through a reasoning or tool parser."""
+    FINISH_REASON = "finish_reason"
+    """The prefill answer ended for another reason than ``stop`` or the request's own ``max_tokens`` 1."""
+    PARTIAL_CHARACTER = "partial_character"
+    """The token's text is empty or holds U+FFFD while the answer goes on: part of a character, which the decode
+    engine's detokenizer would not continue as one engine's does."""
+    DECODE_FIRST = "decode_first"
+    """Stream mode: the decode engine's first token came before the prefill answer."""
+
+
+def request_fallback(path: str, body: dict[str, Any], first_token_from: FirstTokenSource) -> Fallback | None:
+    """Why a streaming request takes its first token from the decode engine before any leg is sent (None: the
+    prefill engine's may go): the proxy's ``first_token_from``, else :func:`blocker`'s reason."""
+    if first_token_from == "decode":
+        return Fallback.CONFIG
+    reason = blocker(path, body)
+    if reason is None:
+        return None
+    return Fallback.SAMPLING if reason == "seeded sampling" else Fallback.REQUEST
 
 BLOCKING_FIELDS: tuple[str, ...] = (
     "echo", "suffix", "prompt_logprobs", "stop", "frequency_penalty",
@@ -124,41 +163,49 @@ def _int_list(value: Any) -> list[int] | None:
 
 
 def read_first_token(path: str, body: dict[str, Any], answer: dict[str, Any]) -> FirstToken | None:
-    """The first token from a prefill engine's answer (asked with ``return_token_ids``), or None to fall back.
+    """The first token from a prefill engine's answer (asked with ``return_token_ids``), or None to fall back
+    (:func:`first_token_or_fallback` says why)."""
+    first = first_token_or_fallback(path, body, answer)
+    return first if isinstance(first, FirstToken) else None
 
-    None when the prefill engine is not p2pkv's or says its token is not the
-    first output token (``first_token`` false: an attention-window model
-    computes all but the prompt's last token there), when the answer lacks
-    token ids, its text is empty or holds U+FFFD while the answer goes on
-    (the token is part of a character: vLLM's detokenizer on the decode
-    engine would not continue it as one engine's does), or a chat answer
-    went through a reasoning or tool parser.
+
+def first_token_or_fallback(path: str, body: dict[str, Any], answer: dict[str, Any]) -> FirstToken | Fallback:
+    """The first token from a prefill engine's answer (asked with ``return_token_ids``), or why not.
+
+    Falls back (:class:`Fallback`) when the prefill engine is not p2pkv's or
+    says its token is not the first output token (``first_token`` false: an
+    attention-window model computes all but the prompt's last token there),
+    when the answer lacks token ids, a chat answer went through a reasoning
+    or tool parser, the answer ended for another reason than ``stop`` or
+    ``max_tokens`` 1, or its text is empty or holds U+FFFD while the answer
+    goes on (the token is part of a character: vLLM's detokenizer on the
+    decode engine would not continue it as one engine's does).
     """
     params = answer.get("kv_transfer_params") or {}
     if params.get("kv_connector") != SENDER or params.get("first_token") is not True:
-        return None
+        return Fallback.PREFILL_ANSWER
     choices = answer.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
-        return None
+        return Fallback.PREFILL_ANSWER
     choice = choices[0]
     token_ids = _int_list(choice.get("token_ids"))
     prompt_ids = _int_list(choice.get("prompt_token_ids") if path == COMPLETIONS else answer.get("prompt_token_ids"))
     if token_ids is None or len(token_ids) != 1 or prompt_ids is None:
-        return None
+        return Fallback.PREFILL_ANSWER
     if path == COMPLETIONS:
         text = choice.get("text")
     else:
         message = choice.get("message") or {}
         if message.get("tool_calls") or message.get("reasoning") or message.get("reasoning_content"):
-            return None
+            return Fallback.PARSER
         text = message.get("content")
     finish = choice.get("finish_reason")
     if finish == "length":
         finish = "length" if _max_tokens(body) == 1 else None
     elif finish != "stop":
-        return None
+        return Fallback.FINISH_REASON
     if not isinstance(text, str) or "\ufffd" in text or (not text and finish is None):
-        return None  # part of a character: the decode engine's text would not continue it as one engine's does
+        return Fallback.PARTIAL_CHARACTER  # the decode engine's text would not continue it as one engine's does
     return FirstToken(token_id=token_ids[0], text=text, finish_reason=finish, stop_reason=choice.get("stop_reason"),
                       prompt_token_ids=prompt_ids, logprobs=choice.get("logprobs") or None,
                       id=str(answer.get("id") or ""),

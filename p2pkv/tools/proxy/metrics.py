@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from p2pkv.tools.proxy.first_token import Fallback, FirstToken
+
 _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -31,6 +33,9 @@ class ProxyMetrics:
             requests by where their first token came from: ``prefill`` (sent
             from the prefill answer, see :mod:`p2pkv.tools.proxy.first_token`)
             or ``decode``.
+        first_token_fallbacks: ``p2pkv_proxy_first_token_fallbacks_total{reason}``,
+            the ``decode`` ones of :attr:`first_tokens` by why
+            (:class:`p2pkv.tools.proxy.first_token.Fallback`).
         first_token_mismatches: ``p2pkv_proxy_first_token_mismatches_total``,
             layer-streamed requests whose decode engine sampled another first
             token than the prefill engine's, which the client already had (the
@@ -70,7 +75,22 @@ class ProxyMetrics:
                                     ["source"], registry=r)
         for source in ("prefill", "decode"):  # both series exist from the start, at 0
             self.first_tokens.labels(source)
+        self.first_token_fallbacks = Counter(
+            "p2pkv_proxy_first_token_fallbacks",
+            "Streaming requests whose first token came from the decode engine, by reason", ["reason"],
+            registry=r)
+        for reason in Fallback:  # every series exists from the start, at 0
+            self.first_token_fallbacks.labels(reason.value)
         self.first_token_mismatches = Counter(
             "p2pkv_proxy_first_token_mismatches",
             "Layer-streamed requests whose decode engine's first token differed from the handed-over one "
             "(continued after the client's)", registry=r)
+
+    def count_first_token(self, first: FirstToken | Fallback) -> None:
+        """Count a streaming request's first token: from the prefill answer (``first`` the token), or from the
+        decode engine (``first`` the reason, counted in :attr:`first_token_fallbacks` too)."""
+        if isinstance(first, Fallback):
+            self.first_tokens.labels("decode").inc()
+            self.first_token_fallbacks.labels(first.value).inc()
+        else:
+            self.first_tokens.labels("prefill").inc()

@@ -26,8 +26,12 @@ seeded, and checked:
   ``p2pkv_proxy_first_token_mismatches_total``: the client's answer always
   continues its first token, never an error for it;
 - when the decode engine's first event comes first, or the prefill answer
-  carries no usable token (:func:`p2pkv.tools.proxy.first_token.read_first_token`),
+  carries no usable token (:func:`p2pkv.tools.proxy.first_token.first_token_or_fallback`),
   the decode engine's stream is relayed as it is.
+
+Each streaming request whose first token comes from the decode engine is
+counted with its reason in ``p2pkv_proxy_first_token_fallbacks_total``
+(:class:`p2pkv.tools.proxy.first_token.Fallback`; ``decode_first`` for the race above).
 
 Unseeded random sampling keeps the decode engine's first token, unless the
 proxy runs with ``--seed-streamed-sampling``: it then draws a seed for both
@@ -53,7 +57,15 @@ from fastapi.responses import StreamingResponse
 
 from p2pkv.tools.proxy.batch import sse_events
 from p2pkv.tools.proxy.closing import ClosingStream
-from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, blocker, read_first_token, sse_event
+from p2pkv.tools.proxy.first_token import (
+    Fallback,
+    FirstToken,
+    FirstTokenSource,
+    FirstTokenStream,
+    blocker,
+    first_token_or_fallback,
+    sse_event,
+)
 from p2pkv.tools.proxy.hand_over import DecodeLegs, broken_decode_stream, continue_after
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar
 
@@ -96,6 +108,15 @@ def hand_over_legs(path: str, body: dict[str, Any], seed: bool = False) -> dict[
     if stream_blocker(path, sent) is not None:
         return None
     return {**sent, "return_token_ids": True}
+
+
+def stream_fallback(path: str, body: dict[str, Any], seed: bool, first_token_from: FirstTokenSource) -> Fallback:
+    """Why a streaming layer-streamed request whose legs :func:`hand_over_legs` left as they were (None) takes the
+    decode engine's first token: the proxy's ``first_token_from``, unseeded random sampling, or its shape."""
+    if first_token_from == "decode":
+        return Fallback.CONFIG
+    reason = stream_blocker(path, seeded(body) if seed else body)
+    return Fallback.SAMPLING if reason == "not greedy" else Fallback.REQUEST
 
 
 class FirstTokenMismatch(Exception):
@@ -212,6 +233,17 @@ async def _first_done(prefill_leg: asyncio.Future, first_event: asyncio.Future) 
     await asyncio.wait({prefill_leg, first_event}, return_when=asyncio.FIRST_COMPLETED)
 
 
+def _first_token(first_event: asyncio.Future, answer: dict[str, Any] | None, path: str,
+                 body: dict[str, Any]) -> FirstToken | Fallback:
+    """The prefill engine's first token to hand over, or why the decode engine's goes: its first event came first,
+    the prefill leg failed, or the prefill answer has no usable token."""
+    if first_event.done():
+        return Fallback.DECODE_FIRST
+    if answer is None:
+        return Fallback.PREFILL_ANSWER
+    return first_token_or_fallback(path, body, answer)
+
+
 def _prefill_answer(prefill_leg: asyncio.Future) -> dict[str, Any] | None:
     """The prefill leg's answer when it has come (None: not yet, or it failed: that failure is logged where the
     leg ends)."""
@@ -257,9 +289,9 @@ def stream_hand_over(legs: DecodeLegs, client: httpx.AsyncClient, resp: httpx.Re
         try:
             await _first_done(prefill_leg, first_event)
             answer = None if first_event.done() else _prefill_answer(prefill_leg)
-            first = None if answer is None else read_first_token(path, body, answer)
-            legs.metrics.first_tokens.labels("decode" if first is None else "prefill").inc()
-            if first is not None and answer is not None:
+            first = _first_token(first_event, answer, path, body)
+            legs.metrics.count_first_token(first)
+            if isinstance(first, FirstToken) and answer is not None:
                 writer = StreamedFirstTokenStream(path, body, first)
                 hand_over = None if trace is None else trace.first_token(answer.get("kv_transfer_params") or {},
                                                                          first.finish_reason)
