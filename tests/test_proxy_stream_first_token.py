@@ -124,6 +124,9 @@ def test_a_different_first_token_is_a_mismatch(chunk: dict[str, Any]) -> None:
         writer.rewrite_chunk(chunk)
 
 
+DECODE_URL = "http://127.0.0.1:3"
+
+
 class Decode:
     """A decode engine's opened stream (what ``run_decode(relay=False)`` returns): ``chunks`` sent after
     ``start`` is set; ``closed`` once the proxy closes it."""
@@ -132,7 +135,7 @@ class Decode:
         self.chunks = chunks
         self.start = asyncio.Event()
         self.closed = False
-        self.url = httpx.URL("http://127.0.0.1:3/v1/completions")
+        self.url = httpx.URL(DECODE_URL + "/v1/completions")
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         await self.start.wait()
@@ -152,10 +155,12 @@ class Legs:
         self.secret = SECRET
         self.continuation = continuation or []
         self.continued: list[dict[str, Any]] = []
+        self.urls: list[str | None] = []
         self.streams: list[Decode] = []
 
-    async def run_decode(self, client, path, body, headers, out_headers, relay=True, leg=None):  # type: ignore[no-untyped-def]
+    async def run_decode(self, client, path, body, headers, out_headers, relay=True, leg=None, url=None):  # type: ignore[no-untyped-def]
         self.continued.append(body)
+        self.urls.append(url)
         decode = Decode(self.continuation)
         decode.start.set()
         self.streams.append(decode)
@@ -235,6 +240,7 @@ def test_a_decode_engine_that_does_not_continue_the_handed_over_token_is_asked_a
     (continued,) = legs.continued
     assert continued["prompt"] == [*PROMPT_IDS, 7] and continued["max_tokens"] == BODY["max_tokens"] - 1
     assert "kv_transfer_params" not in continued and "return_token_ids" not in continued
+    assert legs.urls == [DECODE_URL], "asked of the engine whose prefix cache holds the streamed blocks"
     text = _text(legs.metrics)
     assert metric(text, "p2pkv_proxy_first_token_mismatches_total") == 1
     assert metric(text, "p2pkv_proxy_errors_total", stage="decode") == 0

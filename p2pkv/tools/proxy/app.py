@@ -257,9 +257,9 @@ class Proxy:
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], relay: bool = True,
-                         leg: ProxySpan | None = None) -> Response | httpx.Response:
-        """Send a request to a decode engine; its answer relayed (or, ``relay=False``, the opened
-        stream for merging). Raises UpstreamError; a 4xx answer is passed through.
+                         leg: ProxySpan | None = None, url: str | None = None) -> Response | httpx.Response:
+        """Send a request to a decode engine (``url``, else the next in turn); its answer relayed (or,
+        ``relay=False``, the opened stream for merging). Raises UpstreamError; a 4xx answer is passed through.
 
         ``leg`` (tracing on): the prompt's ``p2pkv.proxy.decode`` span; its
         context goes with the request (also as ``kv_transfer_params.traceparent``).
@@ -269,7 +269,7 @@ class Proxy:
         whole or a failure, after the last byte of a relayed stream, and by the
         caller after it closed a stream returned with ``relay=False``.
         """
-        url = self.decode.next()
+        url = url or self.decode.next()
         if leg is not None:
             headers, body = leg.send(url, path, headers, body)
         try:

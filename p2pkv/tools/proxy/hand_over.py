@@ -25,8 +25,8 @@ class DecodeLegs(Protocol):
     secret: bytes | None
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
-                         out_headers: dict[str, str], relay: bool = True,
-                         leg: ProxySpan | None = None) -> Response | httpx.Response: ...
+                         out_headers: dict[str, str], relay: bool = True, leg: ProxySpan | None = None,
+                         url: str | None = None) -> Response | httpx.Response: ...
 
     async def release(self, params_list: list[dict[str, Any]]) -> None: ...
 
@@ -118,17 +118,18 @@ async def relay_decode(legs: DecodeLegs, resp: httpx.Response, writer: FirstToke
 
 async def continue_after(legs: DecodeLegs, client: httpx.AsyncClient, path: str, body: dict[str, Any],
                          first: FirstToken, headers: dict[str, str], out_headers: dict[str, str],
-                         trace: RequestTrace | None = None) -> AsyncIterator[bytes]:
+                         trace: RequestTrace | None = None, url: str | None = None) -> AsyncIterator[bytes]:
     """The client's stream after ``first``, which it already has, from a decode engine asked to continue after it
     with no KV to load (:func:`p2pkv.tools.proxy.first_token.recompute_body`): a layer-streamed request whose
-    decode engine sampled another first token. A leg that fails or is refused ends the stream with an error
+    decode engine sampled another first token. ``url``: that decode engine (its prefix cache holds the blocks
+    the stream loaded), None: the next in turn. A leg that fails or is refused ends the stream with an error
     event."""
     span = leg_of(trace, "decode")
     sent = time.perf_counter()
     try:
         try:
             resp = await legs.run_decode(client, path, recompute_body(path, body, first), headers, out_headers,
-                                         relay=False, leg=span)
+                                         relay=False, leg=span, url=url)
         except UpstreamError as exc:
             if exc.backend_failed:
                 legs.metrics.errors.labels("decode").inc()

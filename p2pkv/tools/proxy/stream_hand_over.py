@@ -20,8 +20,8 @@ seeded, and checked:
   is found equal to the one sent;
 - a different id (float differences between the engines' batches can flip a
   near tie), or a decode stream that ends without a token, closes that stream
-  and asks a decode engine again to continue after the client's token with
-  no KV to load (:func:`p2pkv.tools.proxy.hand_over.continue_after`; its
+  and asks the same decode engine again to continue after the client's token
+  with no KV to load (:func:`p2pkv.tools.proxy.hand_over.continue_after`; its
   prefix cache holds the blocks the stream just loaded), counted in
   ``p2pkv_proxy_first_token_mismatches_total``: the client's answer always
   continues its first token, never an error for it;
@@ -233,6 +233,15 @@ async def _first_done(prefill_leg: asyncio.Future, first_event: asyncio.Future) 
     await asyncio.wait({prefill_leg, first_event}, return_when=asyncio.FIRST_COMPLETED)
 
 
+def engine_url(resp: httpx.Response, path: str) -> str | None:
+    """The base URL of the engine that opened ``resp`` (asked at ``<base><path>``); None when it is not known."""
+    try:
+        sent = str(resp.url)
+    except (AttributeError, RuntimeError):  # a response built without its request
+        return None
+    return sent[: -len(path)] if sent.endswith(path) else None
+
+
 def _first_token(first_event: asyncio.Future, answer: dict[str, Any] | None, path: str,
                  body: dict[str, Any]) -> FirstToken | Fallback:
     """The prefill engine's first token to hand over, or why the decode engine's goes: its first event came first,
@@ -303,12 +312,13 @@ def stream_hand_over(legs: DecodeLegs, client: httpx.AsyncClient, resp: httpx.Re
             async for out in _relayed(legs, writer, first_event, events, sent, leg, client_ids):
                 yield out
         except FirstTokenMismatch as exc:
-            logger.warning("p2pkv proxy: %s; a decode engine continues after the client's token", exc)
+            logger.warning("p2pkv proxy: %s; the decode engine continues after the client's token", exc)
             legs.metrics.first_token_mismatches.inc()
             if leg is not None:
                 leg.end()
             await close()  # the decode engine aborts the stream's request
-            async for out in continue_after(legs, client, path, body, exc.first, headers, out_headers, trace):
+            async for out in continue_after(legs, client, path, body, exc.first, headers, out_headers, trace,
+                                            url=engine_url(resp, path)):
                 yield out
         except httpx.HTTPError as exc:
             yield sse_event(broken_decode_stream(legs, exc, resp, leg).payload()) + sse_event("[DONE]")
