@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -167,6 +167,36 @@ def check_peer_info(info: AgentInfo) -> None:
                             "(not NIXL metadata, or a NIXL version whose format p2pkv does not read)")
 
 
+def _create_backends(agent: Any, backends: Sequence[str], num_threads: int, split_bytes: int,
+                     backend_params: dict[str, dict[str, str]], engine_config: str) -> None:
+    """Create ``backends`` on NIXL ``agent`` (those its plugins offer), each with ``num_threads`` worker threads
+    (0: NIXL's default), ``split_batch_size`` 1 when READs are split (``split_bytes``), the caller's
+    ``backend_params``, and for UCX the transport watch's ``engine_config`` entries before the caller's.
+
+    Raises:
+        TransferError: a backend refused its parameters, or one of ``backends`` is not available.
+    """
+    for backend in backends:
+        if backend not in agent.plugin_list:
+            continue
+        params = {"num_threads": str(num_threads)} if num_threads > 0 else {}
+        if num_threads > 0 and split_bytes > 0:
+            params["split_batch_size"] = "1"
+        params.update(backend_params.get(backend, {}))
+        if backend == "UCX" and engine_config:  # the caller's engine_config entries win
+            params["engine_config"] = ",".join(c for c in (engine_config, params.get("engine_config", "")) if c)
+        try:
+            agent.create_backend(backend, params)
+        except Exception as exc:
+            raise TransferError(f"NIXL backend {backend} rejected parameters {params}: {exc}", exc) from exc
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:
+        raise TransferError(
+            f"NIXL backend(s) {missing} unavailable (plugins: {agent.plugin_list}); "
+            "check the nixl install and P2PKV_NIXL_BACKENDS"
+        )
+
+
 class NixlTransferAgent:
     """One NIXL agent with registered KV memory.
 
@@ -216,26 +246,8 @@ class NixlTransferAgent:
         """Called with each peer's :class:`TransportReport` after its first READ (from the polling thread)."""
         self.on_peer_removed: Callable[[str], None] | None = None
         """Called with a remote agent's name once it left NIXL (from the thread that removed it)."""
-        for backend in backends:
-            if backend not in self._agent.plugin_list:
-                continue
-            params = {"num_threads": str(num_threads)} if num_threads > 0 else {}
-            if num_threads > 0 and split_bytes > 0:
-                params["split_batch_size"] = "1"
-            params.update((backend_params or {}).get(backend, {}))
-            if backend == "UCX" and self._watch is not None:  # the caller's engine_config entries win
-                params["engine_config"] = ",".join(
-                    c for c in (self._watch.engine_config(), params.get("engine_config", "")) if c)
-            try:
-                self._agent.create_backend(backend, params)
-            except Exception as exc:
-                raise TransferError(f"NIXL backend {backend} rejected parameters {params}: {exc}", exc) from exc
-        missing = [b for b in backends if b not in self._agent.backends]
-        if missing:
-            raise TransferError(
-                f"NIXL backend(s) {missing} unavailable (plugins: {self._agent.plugin_list}); "
-                "check the nixl install and P2PKV_NIXL_BACKENDS"
-            )
+        engine_config = self._watch.engine_config() if self._watch is not None else ""
+        _create_backends(self._agent, backends, num_threads, split_bytes, backend_params or {}, engine_config)
         self._split_bytes = split_bytes if num_threads > 0 else 0
         self._reg_descs: list[object] = []
         self._mem_type = "DRAM"
