@@ -11,7 +11,16 @@ the decode engine's and the prefill engine's processes (``psutil``, each
 engine's API server and its children), and per mode the CPU seconds per
 request of each thread of both engine cores (``threads``: ``D:`` decode,
 ``P:`` prefill; named by ``py-spy dump`` when ``py-spy`` is installed, else
-by thread id), which tells what a stream costs where.
+by thread id), which tells what a stream costs where. Each request also
+records ``prefill_s``, the prefill engine's own prefill time for it
+(``vllm:request_prefill_time_seconds``), and each mode's summary the
+stream-over-push ratio of the medians and of each alternating pair.
+
+``--pin "P D"`` pins every thread of the prefill engine's processes to cores
+``P`` and the decode engine's to ``D`` once they serve (``taskset``'s lists);
+``--transfer-cores C`` then moves the prefill engine's transfer threads
+(``p2pkv-stream-poster``, ``p2pkv-push``: named by ``py-spy``) to ``C``, to
+tell the forward's time from the sending's.
 
     python scripts/stream_wait_cpu.py --model .p2pkv/bench-stream/llama-32l-kv8x128 \\
         --json docs/benchmarks/stream-wait-cpu.json \\
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shlex
@@ -37,7 +47,11 @@ from typing import Any
 import httpx
 import psutil
 
+from p2pkv.tools.bench.serve_metrics import ENGINE_PREFILL, Snapshot, delta, scrape
+
 BASE_PORT = 9300
+TRANSFER_THREADS = {"P:p2pkv-stream-poster", "P:p2pkv-push"}
+"""The prefill engine's threads that move a request's bytes (``--transfer-cores``)."""
 
 
 def _engine_processes(port: int) -> list[psutil.Process]:
@@ -77,15 +91,44 @@ def _wait_ready(url: str, launcher: subprocess.Popen, timeout_s: float = 900) ->
 
 
 def _request(url: str, length: int, rng: random.Random, decode: list[psutil.Process],
-             prefill: list[psutil.Process]) -> dict[str, float]:
-    """One prompt of ``length`` random tokens: its wall seconds and each engine's CPU seconds."""
+             prefill: list[psutil.Process], prefill_url: str) -> dict[str, float]:
+    """One prompt of ``length`` random tokens: its wall seconds, each engine's CPU seconds, and the prefill
+    engine's prefill seconds for it."""
     prompt = [rng.randrange(10, 250) for _ in range(length)]  # inside a tiny model's 259-token vocabulary
+    before = scrape(httpx, prefill_url)
     cpu_d, cpu_p, start = _cpu_s(decode), _cpu_s(prefill), time.monotonic()
     resp = httpx.post(f"{url}/v1/completions", json={"model": "model", "prompt": prompt, "max_tokens": 2,
                                                      "temperature": 0}, timeout=600)
     resp.raise_for_status()
-    return {"wall_s": time.monotonic() - start, "decode_cpu_s": _cpu_s(decode) - cpu_d,
-            "prefill_cpu_s": _cpu_s(prefill) - cpu_p}
+    row = {"wall_s": time.monotonic() - start, "decode_cpu_s": _cpu_s(decode) - cpu_d,
+           "prefill_cpu_s": _cpu_s(prefill) - cpu_p}
+    return {**row, "prefill_s": _prefill_s(prefill_url, before)}
+
+
+def _prefill_s(prefill_url: str, before: Snapshot, timeout_s: float = 10.0) -> float:
+    """The prefill engine's prefill seconds since ``before`` (waits for its one request to be counted)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        d = delta(before, scrape(httpx, prefill_url))
+        if (d.value(f"{ENGINE_PREFILL}_count") or 0) >= 1 or time.monotonic() > deadline:
+            return d.value(f"{ENGINE_PREFILL}_sum") or math.nan
+        time.sleep(0.1)
+
+
+def _pin(procs: list[psutil.Process], cores: str) -> None:
+    """Every thread of ``procs`` to ``cores`` (a ``taskset`` list such as ``0`` or ``2-3``)."""
+    for proc in procs:
+        subprocess.run(["taskset", "-a", "-cp", cores, str(proc.pid)], check=True, stdout=subprocess.DEVNULL)
+
+
+def _move_threads(names: dict[str, str], wanted: set[str], cores: str) -> list[str]:
+    """The threads whose names (``P:<name>``) are in ``wanted`` to ``cores``; the names moved."""
+    moved = []
+    for tid, name in names.items():
+        if name in wanted:
+            subprocess.run(["taskset", "-cp", cores, tid], check=True, stdout=subprocess.DEVNULL)
+            moved.append(name)
+    return sorted(moved)
 
 
 def _engine_core(procs: list[psutil.Process]) -> int:
@@ -124,10 +167,22 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
 
 
+def _ratios(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Stream over push of the prefill seconds: of the medians, and of each pair (the push request and the
+    stream request after it), with the pairs' median."""
+    pairs = [s["prefill_s"] / p["prefill_s"] for p, s in zip(rows["push"], rows["stream"], strict=True)]
+    medians = statistics.median(r["prefill_s"] for r in rows["stream"]) / statistics.median(
+        r["prefill_s"] for r in rows["push"])
+    return {"prefill_s_medians": round(medians, 4), "prefill_s_pairs": [round(r, 4) for r in pairs],
+            "prefill_s_pairs_median": round(statistics.median(pairs), 4)}
+
+
 def run_setting(model: str, setting: dict[str, Any], length: int, requests: int, work: Path,
-                ucx_tls: str = "cma,tcp,self") -> dict[str, Any]:
-    """Launch a pair with ``setting`` on the decode engine, UCX limited to ``ucx_tls``; measure stream and push
-    requests."""
+                ucx_tls: str = "cma,tcp,self", pin: tuple[str, str] | None = None,
+                transfer_cores: str | None = None) -> dict[str, Any]:
+    """Launch a pair with ``setting`` on the decode engine, UCX limited to ``ucx_tls``, pinned with ``pin``
+    (prefill cores, decode cores) and the prefill's transfer threads on ``transfer_cores``; measure stream and
+    push requests, alternating."""
     b = BASE_PORT
     env = {**os.environ, "UCX_TLS": ucx_tls, "UCX_NET_DEVICES": "lo"}
     argv = [sys.executable, "-m", "p2pkv.tools.cli", "launch", "local", "--model", model, "--proxy-port", str(b),
@@ -146,8 +201,14 @@ def run_setting(model: str, setting: dict[str, Any], length: int, requests: int,
                                 env=env)
         _wait_ready(f"http://127.0.0.1:{b + 3}", push)
         decode, prefill = _engine_processes(b + 2), _engine_processes(b + 1)
+        if pin is not None:
+            _pin(prefill, pin[0])
+            _pin(decode, pin[1])
         cores = {"D": _engine_core(decode), "P": _engine_core(prefill)}
         names = {tid: f"{side}:{name}" for side, pid in cores.items() for tid, name in _thread_names(pid).items()}
+        moved = _move_threads(names, TRANSFER_THREADS, transfer_cores) if transfer_cores else []
+        if transfer_cores and not moved:
+            raise RuntimeError("--transfer-cores: no p2pkv transfer thread found (is py-spy installed?)")
         rng = random.Random(0)
         urls = {"push": f"http://127.0.0.1:{b + 3}", "stream": f"http://127.0.0.1:{b}"}
         rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in urls}
@@ -155,14 +216,15 @@ def run_setting(model: str, setting: dict[str, Any], length: int, requests: int,
         for i in range(requests + 1):  # the first of each mode warms up
             for mode, url in urls.items():
                 before = {tid: cpu for pid in cores.values() for tid, cpu in _thread_cpu_s(pid).items()}
-                row = _request(url, length, rng, decode, prefill)
+                row = _request(url, length, rng, decode, prefill, f"http://127.0.0.1:{b + 1}")
                 after = {tid: cpu for pid in cores.values() for tid, cpu in _thread_cpu_s(pid).items()}
                 if i > 0:
                     rows[mode].append(row)
                     for tid, cpu in after.items():
                         name = names.get(tid, tid)
                         threads[mode][name] = threads[mode].get(name, 0.0) + (cpu - before.get(tid, 0.0)) / requests
-        out: dict[str, Any] = {"setting": setting}
+        out: dict[str, Any] = {"setting": setting, "pin": pin, "transfer_cores": transfer_cores,
+                               "moved_threads": moved, "stream_over_push": _ratios(rows)}
         for mode in urls:
             busiest = sorted(threads[mode].items(), key=lambda kv: -kv[1])[:12]
             out[mode] = {"requests": rows[mode], "median": _summary(rows[mode]),
@@ -186,13 +248,18 @@ def main() -> None:
     parser.add_argument("--ucx-tls", default="cma,tcp,self",
                         help="UCX_TLS of both engines (default cma,tcp,self; tcp,self: every byte over loopback TCP, "
                              "with scripts/limit_ucx_tcp.sh and UCX_TCP_PORT_RANGE a link-bound pair)")
+    parser.add_argument("--pin", help='prefill and decode cores, e.g. "0 1" (taskset lists)')
+    parser.add_argument("--transfer-cores", help="cores for the prefill engine's transfer threads (with py-spy)")
     parser.add_argument("--json", required=True, help="results file")
     args = parser.parse_args()
     if "P2PKV_SECRET" not in os.environ:
         raise SystemExit("set P2PKV_SECRET (python -c 'import secrets; print(secrets.token_hex(16))')")
     settings = [json.loads(s) for s in args.setting] or [{}]
+    pin = tuple(args.pin.split()) if args.pin else None
+    if pin is not None and len(pin) != 2:
+        raise SystemExit(f'--pin: two core lists, "prefill decode", not {args.pin!r}')
     results = [run_setting(args.model, s, args.length, args.requests, Path(args.work) / f"setting-{i}",
-                           args.ucx_tls) for i, s in enumerate(settings)]
+                           args.ucx_tls, pin, args.transfer_cores) for i, s in enumerate(settings)]
     command = " ".join(shlex.quote(a) for a in sys.argv)
     Path(args.json).write_text(json.dumps({"command": f"python {command}", "length": args.length,
                                            "ucx_tls": args.ucx_tls, "results": results}, indent=1) + "\n")
