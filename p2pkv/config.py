@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from p2pkv.transfer_threads import parse_cpus
+
 
 class ConfigError(ValueError):
     """A p2pkv setting is unknown or has a bad value; the message names it."""
@@ -231,6 +233,11 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             for this long (seconds) is unloaded from the prefill rank (its
             next push request loads it again); one whose WRITE failed is
             unloaded as soon as it has none.
+        transfer_cpus: CPU cores (a ``taskset`` list: ``"6,7"``, ``"6-7"``)
+            for p2pkv's transfer threads (stream poster, push thread, pulls
+            thread); empty: they keep the affinity they inherit from the
+            engine thread, so an engine limited to its forward's cores sends
+            from those cores (:mod:`p2pkv.transfer_threads`).
     """
 
     side_channel_host: str = ""
@@ -275,6 +282,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     push_max_queued: int = 256
     push_max_agents: int = 256
     push_agent_idle_s: float = 60.0
+    transfer_cpus: str = ""
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.
@@ -388,6 +396,10 @@ def _check_settings(config: P2pKvConfig) -> None:
     if not 0 <= config.stream_timeout_s <= MAX_STREAM_TIMEOUT_S:
         raise ConfigError(f"stream_timeout_s must be 0 (transfer_timeout_s) .. {MAX_STREAM_TIMEOUT_S:g} seconds, got "
                           f"{config.stream_timeout_s}")
+    try:
+        parse_cpus(config.transfer_cpus)
+    except ValueError as exc:
+        raise ConfigError(f"transfer_cpus={config.transfer_cpus!r}: {exc}") from exc
     if not 0 < config.stream_poll_interval_s <= 0.01:
         raise ConfigError(f"stream_poll_interval_s must be above 0 .. 0.01 s, got {config.stream_poll_interval_s}")
     if config.staging_mib < 0.0625:

@@ -30,7 +30,7 @@ from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
 from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.transport import TransportReport
-from p2pkv.decode.receiver import Receiver, bind_device
+from p2pkv.decode.receiver import Receiver
 from p2pkv.decode.transfer import streams_only
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import parse_done
@@ -42,6 +42,7 @@ from p2pkv.prefill.streamer import StreamSide
 from p2pkv.prefill.streams import PrefillStreams, layer_indices
 from p2pkv.telemetry.stats import StatsBuffer, add_counts
 from p2pkv.telemetry.tracing import Tracing, traces_endpoint
+from p2pkv.transfer_threads import parse_cpus, start_transfer_thread
 
 logger = logging.getLogger("p2pkv.worker")
 
@@ -140,11 +141,12 @@ class WorkerSide:
         info = self._agent_info()
         self.receiver.pushes.make_info = self._agent_info
         secret = self._secret
+        cpus = parse_cpus(self.config.transfer_cpus)
         self.pusher = Pusher(self.agent, self.holds, self.layout, secret,
                              max_in_flight=self.config.push_max_in_flight, max_queued=self.config.push_max_queued,
                              max_agents=self.config.push_max_agents, agent_idle_s=self.config.push_agent_idle_s,
                              poll_interval_s=self.config.pull_poll_interval_s or 0.0002,
-                             on_start=lambda: bind_device(mem_type, device_id))
+                             on_start=lambda: start_transfer_thread(mem_type, device_id, cpus))
         try:
             source: StreamSide | str = stream_side(self.desc)
         except LayoutError as exc:
@@ -153,7 +155,8 @@ class WorkerSide:
                                       layer_indices(tensors), secret, on_gpu=mem_type == "VRAM",
                                       min_tokens=self.config.stream_min_tokens,
                                       min_link_share=self.config.stream_min_link_share,
-                                      group_of=layer_groups, state_groups=state_groups)
+                                      group_of=layer_groups, state_groups=state_groups,
+                                      on_start=lambda: start_transfer_thread(mem_type, device_id, cpus))
         if secret is None:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
                            "reaches it can read this engine's KV cache", self.host, self.port)

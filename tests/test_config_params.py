@@ -37,6 +37,8 @@ def test_config_defaults_env_and_extra_config() -> None:
     ({"stream_min_link_share": 101}, "stream_min_link_share"),
     ({"side_channel_max_handshakes": 0}, "side_channel_max_handshakes"),
     ({"side_channel_max_connections": 8}, "side_channel_max_connections"),  # under max_handshakes (64)
+    ({"transfer_cpus": "1-0"}, "transfer_cpus"),
+    ({"transfer_cpus": "two"}, "transfer_cpus"),
 ])
 def test_config_errors_name_the_field(extra, field) -> None:
     with pytest.raises(ConfigError, match=field):

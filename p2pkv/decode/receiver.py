@@ -68,6 +68,7 @@ from p2pkv.decode.transfer import Part, Transfer, TransferState, poll_wait_s
 from p2pkv.decode.transfers import Transfers
 from p2pkv.metadata import LoadSpec
 from p2pkv.telemetry.stats import StatsBuffer
+from p2pkv.transfer_threads import parse_cpus, start_transfer_thread
 
 logger = logging.getLogger("p2pkv.decode")
 
@@ -97,7 +98,8 @@ class Receiver:
         self.stats = stats
         self._secret = secret
         self.progress = Progress(self._advance, f"p2pkv-pulls-tp{rank.tp_rank}", config.pull_poll_interval_s,
-                                 on_start=lambda: bind_device(rank.desc.mem_type, rank.device_id),
+                                 on_start=lambda: start_transfer_thread(rank.desc.mem_type, rank.device_id,
+                                                                       parse_cpus(config.transfer_cpus)),
                                  wait_s=lambda: poll_wait_s(self.transfers, time.monotonic(),
                                                             config.pull_poll_interval_s, config.stream_poll_interval_s))
         self.lock = self.progress.lock
@@ -412,11 +414,3 @@ def _kind(exc: BaseException) -> FailureKind:
     """``DISCONNECT`` when NIXL said the peer went away, else ``TRANSFER``."""
     return FailureKind.DISCONNECT if isinstance(exc, TransferError) and exc.disconnected else FailureKind.TRANSFER
 
-
-def bind_device(mem_type: str, device_id: int) -> None:
-    """Make the KV cache's GPU the current device of the calling thread (NIXL and CUDA calls made there
-    otherwise go to GPU 0); nothing for host memory."""
-    if mem_type == "VRAM":
-        import torch
-
-        torch.cuda.set_device(device_id)

@@ -63,11 +63,14 @@ class StreamPoster:
         progress: progresses the rank's NIXL agent (its notifications go out as it progresses).
         poll_s: sleep between turns while a stream is urgent (seconds).
         writes_poll_s: sleep between turns while streams only have WRITEs in flight (seconds).
+        on_start: run first on the thread (binds the KV cache's GPU and ``transfer_cpus``:
+            :func:`p2pkv.transfer_threads.start_transfer_thread`).
     """
 
     def __init__(self, progress: Callable[[], None], poll_s: float = POLL_S,
-                 writes_poll_s: float = WRITES_POLL_S) -> None:
+                 writes_poll_s: float = WRITES_POLL_S, on_start: Callable[[], None] | None = None) -> None:
         self._progress = progress
+        self._on_start = on_start
         self._poll_s = poll_s
         self._writes_poll_s = max(poll_s, writes_poll_s)
         self._ops: queue.SimpleQueue[tuple[str, str, tuple[Any, ...]]] = queue.SimpleQueue()
@@ -202,6 +205,8 @@ class StreamPoster:
             stream.abort(str(exc))
 
     def _run(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
         linger = 0.0
         while True:
             self._wake.clear()

@@ -113,7 +113,8 @@ class PrefillStreams(StreamReleases):
     def __init__(self, engine_id: str, agent: NixlTransferAgent, holds: PrefillHolds, pusher: Pusher,
                  source: StreamSide | str, layer_of: dict[str, int], secret: bytes | None, *, on_gpu: bool = False,
                  min_tokens: int = 0, min_link_share: float = 0.0, group_of: dict[str, int] | None = None,
-                 state_groups: frozenset[int] = frozenset(), clock: Callable[[], float] = time.monotonic) -> None:
+                 state_groups: frozenset[int] = frozenset(), clock: Callable[[], float] = time.monotonic,
+                 on_start: Callable[[], None] | None = None) -> None:
         self.engine_id = engine_id
         self.agent = agent
         self.holds = holds
@@ -126,7 +127,7 @@ class PrefillStreams(StreamReleases):
         self._clock = clock
         block_bytes = layer_block_bytes(source) if isinstance(source, StreamSide) else 0.0
         self.measures = StreamMeasures(0.0 if on_gpu else min_link_share, block_bytes, clock)
-        self.poster = StreamPoster(agent.progress)
+        self.poster = StreamPoster(agent.progress, on_start=on_start)
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}  # prefill request id → its stream
         self._by_stream: dict[str, str] = {}  # stream id → prefill request id

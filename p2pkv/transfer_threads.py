@@ -1,0 +1,76 @@
+"""What p2pkv's transfer threads run on: the KV cache's GPU, and the CPU cores ``transfer_cpus`` names.
+
+A rank's bytes are moved by threads of its own: the prefill rank's stream
+poster (``p2pkv-stream-poster``) and push thread (``p2pkv-push``), the
+decode rank's pulls thread (``p2pkv-pulls-tp<rank>``). Each binds the KV
+cache's GPU first (NIXL and CUDA calls made on a thread otherwise go to GPU 0).
+
+On CPU engines over TCP those threads do the sending and receiving work
+(UCX progress, the kernel's socket copies), about 0.5 CPU-s per 512 MiB
+sent (``docs/benchmarks/stream-wait-cpu-threads-tcp-after.json``). A thread
+inherits the CPU affinity of the thread that starts it, here the engine
+thread: when the engine is limited to its forward's cores (pinned, a
+container's cpuset), a layer stream's sending runs there during the forward.
+``transfer_cpus`` (a ``taskset``-style list, e.g. ``"6,7"`` or ``"6-7"``)
+moves these threads to other cores, such as those a CPU deployment leaves to
+the serving framework (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` /
+``VLLM_CPU_NUM_OF_RESERVED_CPU``). Measured in
+``docs/benchmarks/stream-prefill-ab.md``. Linux only (``os.sched_setaffinity``
+of the calling thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+MAX_CPU = 65535
+"""Largest core number ``transfer_cpus`` may name."""
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """Core numbers from a ``taskset``-style list: ``""`` (none: threads keep the affinity they inherit),
+    ``"3"``, ``"0,2"``, ``"4-7"``, ``"0,4-7"``.
+
+    Raises:
+        ValueError: a part is not a core number or an ascending range of them (0 .. :data:`MAX_CPU`).
+    """
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{part!r} is not a core number or a range of them (e.g. 3, 4-7)")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first > last or last > MAX_CPU:
+            raise ValueError(f"{part!r}: a range goes up, within 0..{MAX_CPU}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def bind_device(mem_type: str, device_id: int) -> None:
+    """Make the KV cache's GPU the current device of the calling thread; nothing for host memory."""
+    if mem_type == "VRAM":
+        import torch
+
+        torch.cuda.set_device(device_id)
+
+
+def pin_thread(cpus: frozenset[int]) -> None:
+    """Run the calling thread on ``cpus`` only (none: unchanged). Cores this process may not use (not on this
+    machine, or outside a container's cpuset) are left out by the kernel; with none left the thread stays
+    where it was, with a warning."""
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        logger.warning("p2pkv: transfer_cpus %s: none of these cores can run this thread (%s); it runs on %s",
+                       sorted(cpus), exc, sorted(os.sched_getaffinity(0)))
+
+
+def start_transfer_thread(mem_type: str, device_id: int, cpus: frozenset[int]) -> None:
+    """Run first on each transfer thread: bind the KV cache's GPU, then pin the thread to ``cpus``."""
+    bind_device(mem_type, device_id)
+    pin_thread(cpus)
