@@ -108,6 +108,8 @@ class PrefillStreams(StreamReleases):
         min_link_share: the link rule's threshold (``stream_min_link_share``,
             :class:`p2pkv.prefill.stream_measures.StreamMeasures`; 0: every request streams layer by layer).
         clock: monotonic seconds.
+        on_start: run first on the stream poster's thread (the GPU and ``transfer_cpus``:
+            :func:`p2pkv.transfer_threads.start_transfer_thread`).
     """
 
     def __init__(self, engine_id: str, agent: NixlTransferAgent, holds: PrefillHolds, pusher: Pusher,
