@@ -14,7 +14,28 @@ from typing import Any, Literal
 
 import msgspec
 
-from p2pkv.transfer_threads import parse_cpus
+MAX_CPU = 65535
+"""Largest core number ``transfer_cpus`` may name."""
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """Core numbers from a ``taskset``-style list: ``""`` (none: threads keep the affinity they inherit),
+    ``"3"``, ``"0,2"``, ``"4-7"``, ``"0,4-7"``.
+
+    Raises:
+        ValueError: a part is not a core number or an ascending range of them (0 .. :data:`MAX_CPU`).
+    """
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"{part!r} is not a core number or a range of them (e.g. 3, 4-7)")
+        first = int(lo)
+        last = int(hi) if sep else first
+        if first > last or last > MAX_CPU:
+            raise ValueError(f"{part!r}: a range goes up, within 0..{MAX_CPU}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
 
 
 class ConfigError(ValueError):

@@ -24,30 +24,11 @@ from __future__ import annotations
 import logging
 import os
 
+from p2pkv.config import parse_cpus
+
+__all__ = ["bind_device", "parse_cpus", "pin_thread", "start_transfer_thread"]
+
 logger = logging.getLogger(__name__)
-
-MAX_CPU = 65535
-"""Largest core number ``transfer_cpus`` may name."""
-
-
-def parse_cpus(text: str) -> frozenset[int]:
-    """Core numbers from a ``taskset``-style list: ``""`` (none: threads keep the affinity they inherit),
-    ``"3"``, ``"0,2"``, ``"4-7"``, ``"0,4-7"``.
-
-    Raises:
-        ValueError: a part is not a core number or an ascending range of them (0 .. :data:`MAX_CPU`).
-    """
-    cpus: set[int] = set()
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"{part!r} is not a core number or a range of them (e.g. 3, 4-7)")
-        first, last = int(lo), int(hi) if sep else int(lo)
-        if first > last or last > MAX_CPU:
-            raise ValueError(f"{part!r}: a range goes up, within 0..{MAX_CPU}")
-        cpus.update(range(first, last + 1))
-    return frozenset(cpus)
-
 
 def bind_device(mem_type: str, device_id: int) -> None:
     """Make the KV cache's GPU the current device of the calling thread; nothing for host memory."""
