@@ -4,6 +4,8 @@ A rank's bytes are moved by threads of its own: the prefill rank's stream
 poster (``p2pkv-stream-poster``) and push thread (``p2pkv-push``), the
 decode rank's pulls thread (``p2pkv-pulls-tp<rank>``). Each binds the KV
 cache's GPU first (NIXL and CUDA calls made on a thread otherwise go to GPU 0).
+Threads these start later (the side-channel pools' threads, started on
+demand by the pulls thread) inherit their cores.
 
 On CPU engines over TCP those threads do the sending and receiving work
 (UCX progress, the kernel's socket copies), about 0.5 CPU-s per 512 MiB
