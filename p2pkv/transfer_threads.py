@@ -32,6 +32,7 @@ __all__ = ["bind_device", "parse_cpus", "pin_thread", "start_transfer_thread"]
 
 logger = logging.getLogger(__name__)
 
+
 def bind_device(mem_type: str, device_id: int) -> None:
     """Make the KV cache's GPU the current device of the calling thread; nothing for host memory."""
     if mem_type == "VRAM":
