@@ -20,7 +20,17 @@ stream-over-push ratio of the medians and of each alternating pair.
 ``P`` and the decode engine's to ``D`` once they serve (``taskset``'s lists);
 ``--transfer-cores C`` then moves the prefill engine's transfer threads
 (``p2pkv-stream-poster``, ``p2pkv-push``: named by ``py-spy``) to ``C``, to
-tell the forward's time from the sending's.
+tell the forward's time from the sending's. ``--transfer-cpus C`` does the
+same through p2pkv's own setting (``P2PKV_TRANSFER_CPUS`` for both engines):
+pinning then leaves alone the threads the setting already placed on ``C``,
+and each result records where the named transfer threads and the prefill
+engine's forward thread (``P:MainThread``) ran.
+
+Several ``--length`` values are measured in turn on one pair (its
+``max_model_len`` fits the longest), each with its own warm-up pair; several
+``--ucx-tls`` values launch a pair each (regimes, e.g. ``tcp,self`` for a
+link-bound pair and ``cma,tcp,self`` for a fast one). The JSON file is
+rewritten after every point, so a run stopped early keeps what it measured.
 
     python scripts/stream_wait_cpu.py --model .p2pkv/bench-stream/llama-32l-kv8x128 \\
         --json docs/benchmarks/stream-wait-cpu.json \\
@@ -41,12 +51,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
+from p2pkv.config import parse_cpus
 from p2pkv.tools.bench.serve_metrics import ENGINE_PREFILL, Snapshot, delta, scrape
 
 BASE_PORT = 9300
@@ -115,10 +127,30 @@ def _prefill_s(prefill_url: str, before: Snapshot, timeout_s: float = 10.0) -> f
         time.sleep(0.1)
 
 
-def _pin(procs: list[psutil.Process], cores: str) -> None:
-    """Every thread of ``procs`` to ``cores`` (a ``taskset`` list such as ``0`` or ``2-3``)."""
+def _pin(procs: list[psutil.Process], cores: str, keep: frozenset[int] = frozenset()) -> None:
+    """Every thread of ``procs`` to ``cores`` (a ``taskset`` list such as ``0`` or ``2-3``), but for the threads
+    already placed on exactly ``keep`` (by ``transfer_cpus``), which stay there."""
+    wanted = parse_cpus(cores)
     for proc in procs:
-        subprocess.run(["taskset", "-a", "-cp", cores, str(proc.pid)], check=True, stdout=subprocess.DEVNULL)
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                if keep and os.sched_getaffinity(int(tid)) == keep:
+                    continue
+                os.sched_setaffinity(int(tid), wanted)
+            except (ProcessLookupError, FileNotFoundError):
+                continue  # a thread that ended meanwhile
+
+
+def _placement(names: dict[str, str], wanted: set[str]) -> dict[str, str]:
+    """Where each named thread in ``wanted`` may run: ``name`` → its cores, e.g. ``"1"`` or ``"0,1"``."""
+    out = {}
+    for tid, name in names.items():
+        if name in wanted:
+            try:
+                out[name] = ",".join(str(c) for c in sorted(os.sched_getaffinity(int(tid))))
+            except ProcessLookupError:
+                continue
+    return out
 
 
 def _move_threads(names: dict[str, str], wanted: set[str], cores: str) -> list[str]:
@@ -177,17 +209,14 @@ def _ratios(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
             "prefill_s_pairs_median": round(statistics.median(pairs), 4)}
 
 
-def run_setting(model: str, setting: dict[str, Any], length: int, requests: int, work: Path,
-                ucx_tls: str = "cma,tcp,self", pin: tuple[str, str] | None = None,
-                transfer_cores: str | None = None) -> dict[str, Any]:
-    """Launch a pair with ``setting`` on the decode engine, UCX limited to ``ucx_tls``, pinned with ``pin``
-    (prefill cores, decode cores) and the prefill's transfer threads on ``transfer_cores``; measure stream and
-    push requests, alternating."""
+def _launch(model: str, setting: dict[str, Any], max_len: int, work: Path, env: dict[str, str]
+            ) -> tuple[subprocess.Popen, subprocess.Popen | None]:
+    """A ``p2pkv launch local`` pair with a stream proxy (``setting`` on the decode engine, ``max_len`` tokens),
+    and a push proxy on the same engines; both processes, once they serve."""
     b = BASE_PORT
-    env = {**os.environ, "UCX_TLS": ucx_tls, "UCX_NET_DEVICES": "lo"}
     argv = [sys.executable, "-m", "p2pkv.tools.cli", "launch", "local", "--model", model, "--proxy-port", str(b),
             "--prefill-port", str(b + 1), "--decode-port", str(b + 2), "--side-channel-port", str(b + 10),
-            "--block-size", "32", "--max-model-len", str(length + 64), "--log-dir", str(work / "logs"),
+            "--block-size", "32", "--max-model-len", str(max_len), "--log-dir", str(work / "logs"),
             "--decode-extra-config", json.dumps(setting), "--proxy-args", "--transfer-mode stream"]
     work.mkdir(parents=True, exist_ok=True)
     with open(work / "launch.log", "w") as log:
@@ -200,56 +229,101 @@ def run_setting(model: str, setting: dict[str, Any], length: int, requests: int,
                                  "--transfer-mode", "push"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 env=env)
         _wait_ready(f"http://127.0.0.1:{b + 3}", push)
-        decode, prefill = _engine_processes(b + 2), _engine_processes(b + 1)
+    except BaseException:
+        _stop(push, launcher)
+        raise
+    return launcher, push
+
+
+def _stop(*procs: subprocess.Popen | None) -> None:
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+
+
+def _measure(length: int, requests: int, cores: dict[str, int], names: dict[str, str],
+             engines: dict[str, list[psutil.Process]]) -> dict[str, Any]:
+    """``requests`` alternating push and stream prompts of ``length`` tokens after one warm-up pair: per mode
+    each request's row, the medians and each thread's CPU seconds per request, and the stream-over-push ratios."""
+    b = BASE_PORT
+    rng = random.Random(length)
+    urls = {"push": f"http://127.0.0.1:{b + 3}", "stream": f"http://127.0.0.1:{b}"}
+    rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in urls}
+    threads: dict[str, dict[str, float]] = {mode: {} for mode in urls}
+    for i in range(requests + 1):  # the first of each mode warms up
+        for mode, url in urls.items():
+            before = {tid: cpu for pid in cores.values() for tid, cpu in _thread_cpu_s(pid).items()}
+            row = _request(url, length, rng, engines["D"], engines["P"], f"http://127.0.0.1:{b + 1}")
+            after = {tid: cpu for pid in cores.values() for tid, cpu in _thread_cpu_s(pid).items()}
+            if i > 0:
+                rows[mode].append(row)
+                for tid, cpu in after.items():
+                    name = names.get(tid, tid)
+                    threads[mode][name] = threads[mode].get(name, 0.0) + (cpu - before.get(tid, 0.0)) / requests
+    out: dict[str, Any] = {"length": length, "stream_over_push": _ratios(rows)}
+    for mode in urls:
+        busiest = sorted(threads[mode].items(), key=lambda kv: -kv[1])[:12]
+        out[mode] = {"requests": rows[mode], "median": _summary(rows[mode]),
+                     "threads": {name: round(cpu, 3) for name, cpu in busiest}}
+        print(f"{length} tokens {mode}: {out[mode]['median']}", flush=True)
+    print(f"{length} tokens stream/push prefill: {out['stream_over_push']}", flush=True)
+    return out
+
+
+def run_setting(model: str, setting: dict[str, Any], lengths: list[int], requests: int, work: Path,
+                ucx_tls: str = "cma,tcp,self", pin: tuple[str, str] | None = None,
+                transfer_cores: str | None = None, transfer_cpus: str | None = None,
+                on_point: Callable[[dict[str, Any]], None] = lambda point: None) -> list[dict[str, Any]]:
+    """Launch a pair with ``setting`` on the decode engine, UCX limited to ``ucx_tls``, ``transfer_cpus`` set on
+    both engines, pinned with ``pin`` (prefill cores, decode cores) and the prefill's transfer threads moved to
+    ``transfer_cores``; measure stream and push requests, alternating, at each of ``lengths`` in turn. Each
+    point goes to ``on_point`` once measured; returns them all."""
+    env = {**os.environ, "UCX_TLS": ucx_tls, "UCX_NET_DEVICES": "lo"}
+    if transfer_cpus:
+        env["P2PKV_TRANSFER_CPUS"] = transfer_cpus
+    launcher, push = _launch(model, setting, max(lengths) + 64, work, env)
+    try:
+        engines = {"D": _engine_processes(BASE_PORT + 2), "P": _engine_processes(BASE_PORT + 1)}
         if pin is not None:
-            _pin(prefill, pin[0])
-            _pin(decode, pin[1])
-        cores = {"D": _engine_core(decode), "P": _engine_core(prefill)}
+            keep = parse_cpus(transfer_cpus or "")
+            _pin(engines["P"], pin[0], keep)
+            _pin(engines["D"], pin[1], keep)
+        cores = {side: _engine_core(procs) for side, procs in engines.items()}
         names = {tid: f"{side}:{name}" for side, pid in cores.items() for tid, name in _thread_names(pid).items()}
         moved = _move_threads(names, TRANSFER_THREADS, transfer_cores) if transfer_cores else []
         if transfer_cores and not moved:
             raise RuntimeError("--transfer-cores: no p2pkv transfer thread found (is py-spy installed?)")
-        rng = random.Random(0)
-        urls = {"push": f"http://127.0.0.1:{b + 3}", "stream": f"http://127.0.0.1:{b}"}
-        rows: dict[str, list[dict[str, float]]] = {mode: [] for mode in urls}
-        threads: dict[str, dict[str, float]] = {mode: {} for mode in urls}
-        for i in range(requests + 1):  # the first of each mode warms up
-            for mode, url in urls.items():
-                before = {tid: cpu for pid in cores.values() for tid, cpu in _thread_cpu_s(pid).items()}
-                row = _request(url, length, rng, decode, prefill, f"http://127.0.0.1:{b + 1}")
-                after = {tid: cpu for pid in cores.values() for tid, cpu in _thread_cpu_s(pid).items()}
-                if i > 0:
-                    rows[mode].append(row)
-                    for tid, cpu in after.items():
-                        name = names.get(tid, tid)
-                        threads[mode][name] = threads[mode].get(name, 0.0) + (cpu - before.get(tid, 0.0)) / requests
-        out: dict[str, Any] = {"setting": setting, "pin": pin, "transfer_cores": transfer_cores,
-                               "moved_threads": moved, "stream_over_push": _ratios(rows)}
-        for mode in urls:
-            busiest = sorted(threads[mode].items(), key=lambda kv: -kv[1])[:12]
-            out[mode] = {"requests": rows[mode], "median": _summary(rows[mode]),
-                         "threads": {name: round(cpu, 3) for name, cpu in busiest}}
-            print(f"{json.dumps(setting)} {mode}: {out[mode]['median']}", flush=True)
-        return out
+        points = []
+        for length in lengths:
+            point = _measure(length, requests, cores, names, engines)
+            names = {tid: f"{side}:{name}" for side, pid in cores.items()
+                     for tid, name in _thread_names(pid).items()}
+            point.update({"setting": setting, "ucx_tls": ucx_tls, "pin": pin, "transfer_cores": transfer_cores,
+                          "moved_threads": moved, "transfer_cpus": transfer_cpus,
+                          "threads_cpus": _placement(names, TRANSFER_THREADS | {"P:MainThread"})})
+            points.append(point)
+            on_point(point)
+        return points
     finally:
-        for proc in (push, launcher):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=120)
+        _stop(push, launcher)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="model directory (scripts/bench_stream.sh makes one)")
     parser.add_argument("--setting", action="append", default=[], help="decode engine settings, JSON (repeat)")
-    parser.add_argument("--length", type=int, default=1024, help="prompt tokens")
-    parser.add_argument("--requests", type=int, default=3, help="measured requests per mode (after one warm-up)")
+    parser.add_argument("--length", type=int, nargs="+", default=[1024], help="prompt tokens (one or more)")
+    parser.add_argument("--requests", type=int, default=3, help="measured requests per mode and length "
+                                                                "(after one warm-up)")
     parser.add_argument("--work", default=".p2pkv/stream-wait-cpu", help="logs")
-    parser.add_argument("--ucx-tls", default="cma,tcp,self",
-                        help="UCX_TLS of both engines (default cma,tcp,self; tcp,self: every byte over loopback TCP, "
-                             "with scripts/limit_ucx_tcp.sh and UCX_TCP_PORT_RANGE a link-bound pair)")
+    parser.add_argument("--ucx-tls", action="append", default=[],
+                        help="UCX_TLS of both engines, a pair per value (default cma,tcp,self; tcp,self: every byte "
+                             "over loopback TCP, with scripts/limit_ucx_tcp.sh and UCX_TCP_PORT_RANGE a link-bound "
+                             "pair)")
     parser.add_argument("--pin", help='prefill and decode cores, e.g. "0 1" (taskset lists)')
     parser.add_argument("--transfer-cores", help="cores for the prefill engine's transfer threads (with py-spy)")
+    parser.add_argument("--transfer-cpus", help="p2pkv's transfer_cpus setting for both engines")
     parser.add_argument("--json", required=True, help="results file")
     args = parser.parse_args()
     if "P2PKV_SECRET" not in os.environ:
@@ -258,11 +332,19 @@ def main() -> None:
     pin = tuple(args.pin.split()) if args.pin else None
     if pin is not None and len(pin) != 2:
         raise SystemExit(f'--pin: two core lists, "prefill decode", not {args.pin!r}')
-    results = [run_setting(args.model, s, args.length, args.requests, Path(args.work) / f"setting-{i}",
-                           args.ucx_tls, pin, args.transfer_cores) for i, s in enumerate(settings)]
     command = " ".join(shlex.quote(a) for a in sys.argv)
-    Path(args.json).write_text(json.dumps({"command": f"python {command}", "length": args.length,
-                                           "ucx_tls": args.ucx_tls, "results": results}, indent=1) + "\n")
+    results: list[dict[str, Any]] = []
+
+    def save(point: dict[str, Any]) -> None:
+        results.append(point)
+        Path(args.json).write_text(json.dumps({"command": f"python {command}", "lengths": args.length,
+                                               "results": results}, indent=1) + "\n")
+
+    for tls in args.ucx_tls or ["cma,tcp,self"]:
+        for i, setting in enumerate(settings):
+            run_setting(args.model, setting, args.length, args.requests,
+                        Path(args.work) / f"{tls.split(',')[0]}-setting-{i}", tls, pin, args.transfer_cores,
+                        args.transfer_cpus, save)
 
 
 if __name__ == "__main__":
