@@ -94,6 +94,41 @@ def test_an_engine_not_learned_yet_gets_the_push_that_teaches_it() -> None:
                            now=time.time())
 
 
+
+class Hanging(Recorded):
+    """A stream proxy whose decode engine never answers, and whose releases are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[dict[str, Any]] = []
+        self.decoding = asyncio.Event()
+
+    async def run_decode(self, client, path, body, headers, out_headers, relay=True, leg=None):  # type: ignore[override]
+        self.decodes.append(body)
+        self.decoding.set()
+        await asyncio.Event().wait()
+
+    async def release(self, params_list):  # type: ignore[override]
+        self.released += params_list
+
+
+def test_a_client_gone_during_the_push_that_teaches_an_address_frees_its_hold() -> None:
+    """The first prompt to a prefill engine not learned yet is pushed (its answer teaches the address); a client
+    that leaves while its decode leg runs leaves a hold nobody will load: it is freed then, not at its lease."""
+    proxy = Hanging()
+
+    async def run() -> None:
+        task = asyncio.create_task(proxy.serve(None, "/v1/completions", {"prompt": "hi", "max_tokens": 3},  # type: ignore[arg-type]
+                                               {}, {}, [0.0]))
+        await asyncio.wait_for(proxy.decoding.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert [url for url, _ in proxy.prefills] == [URLS[0]], "the prompt was pushed"
+    assert proxy.released == [{"pushed": URLS[0]}]
+
 def test_each_prompt_of_a_batch_streams_under_its_own_grant() -> None:
     proxy = Recorded()
     proxy.prefill = type(proxy.prefill)([URLS[0]])

@@ -231,24 +231,27 @@ class Proxy:
 
     async def stream_legs(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
                           headers: dict[str, str], out_headers: dict[str, str],
-                          trace: RequestTrace | None = None) -> Response:
+                          trace: RequestTrace | None = None, params: list[dict[str, Any]] | None = None
+                          ) -> Response:
         """Both legs of one prompt at once, layer-streamed (:meth:`start_stream`); the client gets the decode leg's
         answer, after the prefill engine's first token when that may go first
         (:mod:`p2pkv.tools.proxy.stream_hand_over`). While the prefill engine's address is not known, the prompt is
-        pushed (its answer teaches it)."""
+        pushed (its answer teaches it) by :meth:`one_prompt`, which appends that push's ``kv_transfer_params`` to
+        ``params`` (the caller frees them if the client leaves)."""
         handed = hand_over_legs(path, body, self.seed_streams) if self.first_token_from == "prefill" else None
         sent = handed or body
-        params = self.start_stream(client, path, sent, headers, trace)
-        if params is None:  # its prefill engine's address is not known yet: a push teaches it
-            return await self.one_prompt(client, path, body, headers, out_headers, trace, [])
+        granted = self.start_stream(client, path, sent, headers, trace)
+        if granted is None:  # its prefill engine's address is not known yet: a push teaches it
+            return await self.one_prompt(client, path, body, headers, out_headers, trace,
+                                         [] if params is None else params)
         if handed is None:
             if body.get("stream") is True:
                 self.metrics.count_first_token(stream_fallback(path, body, self.seed_streams, self.first_token_from))
-            return await self.run_decode(client, path, {**body, "kv_transfer_params": params}, headers,
+            return await self.run_decode(client, path, {**body, "kv_transfer_params": granted}, headers,
                                          out_headers, leg=leg_of(trace, "decode"))  # type: ignore[return-value]
-        prefill_leg = self.streams.prefill_leg(params) if self.streams is not None else None
+        prefill_leg = self.streams.prefill_leg(granted) if self.streams is not None else None
         leg = leg_of(trace, "decode")
-        decode_body = {**sent, "kv_transfer_params": params}
+        decode_body = {**sent, "kv_transfer_params": granted}
         resp = await self.run_decode(client, path, decode_body, headers, out_headers, relay=False, leg=leg)
         if isinstance(resp, Response) or prefill_leg is None:
             return resp  # type: ignore[return-value]  # an answer passed through (a 4xx), not a stream
@@ -358,7 +361,7 @@ class Proxy:
                     return await batch.stream(bodies)
                 return await batch.answers(bodies)
             if self.streams is not None:
-                return await self.stream_legs(client, path, bodies[0], headers, out_headers, trace)
+                return await self.stream_legs(client, path, bodies[0], headers, out_headers, trace, params)
             return await self.one_prompt(client, path, bodies[0], headers, out_headers, trace, params)
         except asyncio.CancelledError:  # the client went away: nobody will pull these
             await asyncio.shield(self.release(params))
