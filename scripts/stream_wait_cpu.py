@@ -59,6 +59,7 @@ import httpx
 import psutil
 
 from p2pkv.config import parse_cpus
+from p2pkv.tools.bench.results import median_interval
 from p2pkv.tools.bench.serve_metrics import ENGINE_PREFILL, Snapshot, delta, scrape
 
 BASE_PORT = 9300
@@ -201,12 +202,15 @@ def _summary(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def _ratios(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     """Stream over push of the prefill seconds: of the medians, and of each pair (the push request and the
-    stream request after it), with the pairs' median."""
+    stream request after it), with the pairs' median, its 95 % bootstrap interval and their geometric mean."""
     pairs = [s["prefill_s"] / p["prefill_s"] for p, s in zip(rows["push"], rows["stream"], strict=True)]
     medians = statistics.median(r["prefill_s"] for r in rows["stream"]) / statistics.median(
         r["prefill_s"] for r in rows["push"])
+    lo, hi = median_interval(pairs)
     return {"prefill_s_medians": round(medians, 4), "prefill_s_pairs": [round(r, 4) for r in pairs],
-            "prefill_s_pairs_median": round(statistics.median(pairs), 4)}
+            "prefill_s_pairs_median": round(statistics.median(pairs), 4),
+            "prefill_s_pairs_median_ci95": [round(lo, 4), round(hi, 4)],
+            "prefill_s_pairs_geomean": round(statistics.geometric_mean(pairs), 4)}
 
 
 def _launch(model: str, setting: dict[str, Any], max_len: int, work: Path, env: dict[str, str]

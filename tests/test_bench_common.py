@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from p2pkv.tools.bench import machine, plotting, table
+from p2pkv.tools.bench.results import median_interval
 from p2pkv.tools.cli import BENCHES, build_parser
 
 
@@ -26,6 +27,21 @@ def test_cell_values() -> None:
     assert (table.number(None), table.number(1.25), table.number(1.25, ".2f")) == ("n/a", "1.2", "1.25")
     assert [table.yes_no(v) for v in (True, False, None)] == ["yes", "NO", "-"]
 
+
+
+def test_median_interval_holds_the_median_and_narrows_with_more_samples() -> None:
+    few = [0.8, 0.9, 1.0, 1.1, 1.3]
+    lo, hi = median_interval(few)
+    assert lo <= 1.0 <= hi and (lo, hi) == median_interval(few), "seeded: the same samples, the same interval"
+    assert min(few) <= lo < hi <= max(few)
+    many = few * 8  # the same spread, eight times the samples
+    lo8, hi8 = median_interval(many)
+    assert lo8 <= 1.0 <= hi8 and hi8 - lo8 < hi - lo
+    assert median_interval([1.2] * 6) == (1.2, 1.2)
+    with pytest.raises(ValueError, match="median_interval"):
+        median_interval([])
+    with pytest.raises(ValueError, match="median_interval"):
+        median_interval([1.0], resamples=10)
 
 def test_pyplot_says_what_is_missing_without_matplotlib(monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
