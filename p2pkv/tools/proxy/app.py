@@ -229,10 +229,9 @@ class Proxy:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def stream_legs(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                          headers: dict[str, str], out_headers: dict[str, str],
-                          trace: RequestTrace | None = None, params: list[dict[str, Any]] | None = None
-                          ) -> Response:
+    async def stream_legs(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                          out_headers: dict[str, str], trace: RequestTrace | None = None,
+                          params: list[dict[str, Any]] | None = None) -> Response:
         """Both legs of one prompt at once, layer-streamed (:meth:`start_stream`); the client gets the decode leg's
         answer, after the prefill engine's first token when that may go first
         (:mod:`p2pkv.tools.proxy.stream_hand_over`). While the prefill engine's address is not known, the prompt is
