@@ -9,48 +9,33 @@ to inject a failed WRITE or one NIXL would not cancel.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-from p2pkv.dataplane.agent import NixlTransferAgent, TransferError, unique_agent_name
+from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.dataplane.layers import layer_rows, page_segments
-from p2pkv.dataplane.layout import KVLayout, LayoutError, Segment, describe_torch_kv_caches
+from p2pkv.dataplane.layout import LayoutError, Segment
 from p2pkv.dataplane.plan import PlanError
-from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
+from p2pkv.notification import PUSH_PREFIX, PushedNotification
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamState, StreamTarget
 from p2pkv.prefill.streams import MEASURED_MIN_TOKENS, measured_min_tokens
-from p2pkv.testing import make_kv_caches
-from p2pkv.tools.doctor import loopback_info
-
-LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 4, 24, 2, 16, 8
-PAGE = HEADS * BLOCK_SIZE * 2 * HEAD_DIM * 4  # float32, K and V side by side
-PUSH_ID = b"stream-test-push-id-0001"
-KEY = b"stream-test-secret"
-
-
-def _layout(layout: str, **kw: object) -> tuple[torch.Tensor, dict[str, torch.Tensor], KVLayout]:
-    base, views = make_kv_caches(layout, num_layers=LAYERS, num_blocks=BLOCKS, num_heads=HEADS,
-                                 block_size=BLOCK_SIZE, head_dim=HEAD_DIM, **kw)
-    return base, views, describe_torch_kv_caches(views, BLOCKS)
-
+from tests.stream_pair import BLOCKS, KEY, LAYERS, PAGE, PUSH_ID, Pair, drain, ended_on, kv_layout, open_pair
 
 # --- rows by layer -------------------------------------------------------------------------------------------------
 
 
 def test_a_cross_layer_block_cuts_into_one_page_per_layer() -> None:
-    _, _, layout = _layout("BLHNC", fill=0.0)
+    _, _, layout = kv_layout("BLHNC", fill=0.0)
     (seg,) = layout.segments
     pages = page_segments(layout.segments, PAGE)
     assert [(p.addr - seg.addr, p.length, p.layer_start, p.block_stride) for p in pages] == [
         (q * PAGE, PAGE, q, seg.block_stride) for q in range(LAYERS)]
-    _, _, split = _layout("KV_SPLIT", fill=0.0)
+    _, _, split = kv_layout("KV_SPLIT", fill=0.0)
     half = page_segments(split.segments, PAGE // 2)
     assert [(p.layer_start, p.kv_index) for p in half] == [(q, kv) for q in range(LAYERS) for kv in (0, 1)]
     with pytest.raises(LayoutError, match="not one 3-B page per layer"):
@@ -60,8 +45,8 @@ def test_a_cross_layer_block_cuts_into_one_page_per_layer() -> None:
 
 
 def test_rows_by_layer_pair_up_and_cost_one_row_per_block_in_a_cross_layer_cache() -> None:
-    _, _, cross = _layout("BLHNC", fill=0.0)
-    _, _, per_layer = _layout("LBHNC", fill=0.0)
+    _, _, cross = kv_layout("BLHNC", fill=0.0)
+    _, _, per_layer = kv_layout("LBHNC", fill=0.0)
     src_ids, dst_ids = [3, 4, 5, 9], [10, 11, 12, 2]
     rows = layer_rows(page_segments(cross.segments, PAGE), page_segments(per_layer.segments, PAGE), src_ids, dst_ids,
                       source_num_blocks=BLOCKS, target_num_blocks=BLOCKS, target_device=1)
@@ -73,7 +58,7 @@ def test_rows_by_layer_pair_up_and_cost_one_row_per_block_in_a_cross_layer_cache
     both_per_layer = layer_rows(page_segments(per_layer.segments, PAGE), page_segments(per_layer.segments, PAGE),
                                 src_ids, dst_ids, source_num_blocks=BLOCKS, target_num_blocks=BLOCKS)
     assert [r.source.shape[0] for r in both_per_layer] == [2] * LAYERS  # runs 3-5→10-12 and 9→2 coalesce
-    _, _, split = _layout("KV_SPLIT", fill=0.0)
+    _, _, split = kv_layout("KV_SPLIT", fill=0.0)
     with pytest.raises(PlanError, match="pages per block"):
         layer_rows(page_segments(split.segments, PAGE // 2), page_segments(cross.segments, PAGE), [1], [1],
                    source_num_blocks=BLOCKS, target_num_blocks=BLOCKS)
@@ -88,82 +73,11 @@ def test_rows_by_layer_pair_up_and_cost_one_row_per_block_in_a_cross_layer_cache
 # --- streams over NIXL ---------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Pair:
-    """A prefill agent with a random cross-layer cache and a decode agent with a zeroed per-layer one."""
-
-    prefill: NixlTransferAgent
-    decode: NixlTransferAgent
-    decode_name: str
-    source: dict[str, torch.Tensor]
-    target: dict[str, torch.Tensor]
-    source_pages: list[Segment]
-    target_pages: list[Segment]
-
-    def stream(self, writer: object | None = None) -> LayerStream:
-        return LayerStream("req-1", StreamSide(tuple(self.source_pages), BLOCKS), writer or self.prefill,
-                           secret=KEY)
-
-    def target_of(self, block_ids: list[int], first_block: int = 0, pages: list[Segment] | None = None
-                  ) -> StreamTarget:
-        side = StreamSide(tuple(self.target_pages if pages is None else pages), BLOCKS)
-        return StreamTarget(self.decode_name, side, tuple(block_ids), first_block, PUSH_ID)
-
-    def notes(self, timeout_s: float = 5.0) -> list[PushedNotification]:
-        """The "pushed" notifications the decode agent received (waits up to ``timeout_s`` for the first)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self.prefill.progress()  # a notification goes out as the sender's worker progresses
-            got = [parse_pushed(m, KEY) for m in self.decode.take_notifs(PUSH_PREFIX)]
-            if got or time.monotonic() > deadline:
-                return got
-            time.sleep(0.002)
-
-    def landed(self, src_ids: list[int], dst_ids: list[int], layers: range = range(LAYERS)) -> bool:
-        """Layers ``layers`` of decode blocks ``dst_ids`` hold the prefill's ``src_ids``; the rest is zero."""
-        for layer in range(LAYERS):
-            src, dst = self.source[f"layers.{layer}"], self.target[f"layers.{layer}"]
-            want = torch.zeros_like(dst)
-            if layer in layers:
-                want[dst_ids] = src[src_ids]
-            if not torch.equal(dst, want):
-                return False
-        return True
-
-
-@contextlib.contextmanager
-def _pair(device: str = "cpu") -> Iterator[Pair]:
-    _, source, src_layout = _layout("BLHNC", seed=3, device=device)
-    _, target, dst_layout = _layout("LBHNC", fill=0.0, device=device)
-    mem = "VRAM" if device.startswith("cuda") else "DRAM"
-    prefill = NixlTransferAgent(unique_agent_name("prefill-engine", 0))
-    decode = NixlTransferAgent(unique_agent_name("decode-engine", 0))
-    try:
-        prefill.register(src_layout.regions, mem)
-        decode.register(dst_layout.regions, mem)
-        name = prefill.add_peer(loopback_info(decode), role="decode")
-        decode.take_notifs(PUSH_PREFIX)  # "pushed" notifications kept apart from now on, as a receiver asks
-        yield Pair(prefill, decode, name, source, target, page_segments(src_layout.segments, PAGE),
-                   page_segments(dst_layout.segments, PAGE))
-    finally:
-        with contextlib.suppress(Exception):
-            decode.close()
-        prefill.close()
-
 
 @pytest.fixture
 def stream_pair() -> Iterator[Pair]:
-    with _pair() as made:
+    with open_pair() as made:
         yield made
-
-
-def _drain(stream: LayerStream, pair: Pair, timeout_s: float = 10.0) -> None:
-    """Pump until the stream ends, progressing the decode agent as its receiver's thread does."""
-    deadline = time.monotonic() + timeout_s
-    while stream.pump():
-        assert time.monotonic() < deadline, f"stream still {stream.state} after {timeout_s} s"
-        pair.decode.progress()
-        time.sleep(0.0005)
 
 
 class Flag:
@@ -192,7 +106,7 @@ def test_each_layer_is_written_once_ready_and_the_last_write_carries_the_notific
         flags[layer].set = True
         stream.pump()
     stream.finish()
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
     assert stream_pair.landed(src, dst)
     assert stream.counters.writes == LAYERS and sorted(stream.counters.layers_posted) == list(range(LAYERS))
@@ -213,7 +127,7 @@ def test_layers_computed_before_the_destination_arrives_go_in_one_write(stream_p
         stream.computed(layer, 0, src)
         stream.pump()
     stream.finish()
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)] and stream_pair.landed(src, dst)
     assert stream.counters.writes == 1 + (LAYERS - 2)
 
@@ -225,7 +139,7 @@ def test_a_destination_after_the_prefill_has_finished_is_one_plain_push(stream_p
         stream.computed(layer, 0, src)
     stream.finish()
     stream.target(stream_pair.target_of(dst))
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     assert stream.counters.writes == 1 and stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
     assert stream_pair.landed(src, dst)
 
@@ -244,7 +158,7 @@ def test_chunks_stream_with_their_shared_block_sent_again_and_cached_blocks_skip
         stream.computed(layer, 2, src[2:])
         stream.pump()
     stream.finish()
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
     assert stream_pair.landed(src[1:], dst)
     assert stream.counters.bytes == LAYERS * (2 + 3) * PAGE  # block 2 twice, block 0 never
@@ -259,7 +173,7 @@ def test_an_aborted_stream_stops_writing_and_tells_the_decode_rank(stream_pair: 
     stream.computed(1, 0, src, lambda: False)
     stream.abort("the decode leg was aborted")
     stream.computed(2, 0, src)
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     assert stream.ended and stream.failure == "the decode leg was aborted"
     assert stream_pair.notes() == [PushedNotification(PUSH_ID, False, "the decode leg was aborted")]
     assert stream.counters.layers_posted == [0]
@@ -296,7 +210,7 @@ def test_a_failed_write_ends_the_stream_with_its_reason(stream_pair: Pair) -> No
     stream = stream_pair.stream(FailingWriter(stream_pair.prefill))
     stream.target(stream_pair.target_of(dst))
     stream.computed(0, 0, src)
-    _drain(stream, stream_pair)  # ends when the WRITE fails, though the prefill is not finished
+    drain(stream, stream_pair)  # ends when the WRITE fails, though the prefill is not finished
     stream.computed(1, 0, src)
     assert not stream.pump() and stream.ended
     (note,) = stream_pair.notes()
@@ -346,7 +260,7 @@ def test_a_stopped_stream_tells_the_decode_rank_only_once_no_write_is_in_flight(
         assert stream.pump() and not stream.ended
     assert stream_pair.notes(timeout_s=0.2) == [], "told while a WRITE was in flight"
     writer.stuck = False
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     assert stream.ended and stream_pair.notes() == [
         PushedNotification(PUSH_ID, False, "the decode rank gave the load up")]
     assert stream_pair.landed(src, dst, layers=range(1))
@@ -364,7 +278,7 @@ def test_a_stream_whose_destination_deadline_passes_stops_and_tells_the_decode_r
     _drain_until_idle(stream, stream_pair)
     now[0] = 105.0  # the decode rank gives the load up now
     stream.computed(1, 0, src)
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     (note,) = stream_pair.notes()
     assert not note.ok and "window passed" in note.reason
     assert stream.counters.layers_posted == [0], "nothing is posted once the window has passed"
@@ -384,7 +298,7 @@ def test_a_stream_whose_last_write_is_posted_is_not_stopped_by_its_deadline(stre
     stream.finish()
     stream.pump()  # every layer posted, the notification riding on the WRITE
     now[0] = 200.0
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     assert stream.failure is None and stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
     assert stream_pair.landed(src, dst)
 
@@ -412,7 +326,7 @@ def test_the_wait_after_the_last_layer_counts_from_the_later_of_finish_and_its_r
     last.set = True
     stream.pump()  # the last layer seen ready at 100.5, its WRITE posted with the notification
     now[0] = 100.75
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     assert stream.counters.tail_s == pytest.approx(0.25) and stream_pair.landed(src, dst)
 
     assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
@@ -424,7 +338,7 @@ def test_the_wait_after_the_last_layer_counts_from_the_later_of_finish_and_its_r
     cpu.pump()  # every layer posted before the forward's end
     cpu.finish()
     now[0] = 200.125
-    _drain(cpu, stream_pair)
+    drain(cpu, stream_pair)
     assert cpu.counters.tail_s == pytest.approx(0.125)
 
 
@@ -439,7 +353,7 @@ def test_a_bulk_stream_posts_every_layer_in_one_write_after_the_last(stream_pair
         assert stream.pump() and not stream.busy, "a bulk stream has nothing to do before its prefill ends"
     assert stream.counters.writes == 0 and stream_pair.notes(timeout_s=0.1) == []
     stream.finish()
-    _drain(stream, stream_pair)
+    drain(stream, stream_pair)
     assert stream.counters.writes == 1 and stream.counters.layers_posted == list(range(LAYERS))
     assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
     assert stream_pair.landed(src, dst)
@@ -480,16 +394,6 @@ def test_a_destination_is_checked_and_given_once(stream_pair: Pair) -> None:
         stream.target(stream_pair.target_of([2]))
 
 
-def _ended_on(poster: StreamPoster, pair: Pair, timeout_s: float = 10.0) -> list[LayerStream]:
-    """Wait for the poster to hand back ended streams, progressing the decode agent meanwhile."""
-    deadline = time.monotonic() + timeout_s
-    while not (ended := poster.take_ended()):
-        assert time.monotonic() < deadline, "no stream ended"
-        pair.decode.progress()
-        time.sleep(0.001)
-    return ended
-
-
 def test_a_poster_runs_the_streams_on_its_own_thread_while_the_forward_only_queues(stream_pair: Pair) -> None:
     src, dst = [4, 5, 6], [9, 10, 11]
     poster = StreamPoster(stream_pair.prefill.progress)
@@ -502,7 +406,7 @@ def test_a_poster_runs_the_streams_on_its_own_thread_while_the_forward_only_queu
         poster.target("req-1", stream_pair.target_of([1, 2, 3]))  # a second destination is refused, the first stays
         poster.finish("req-1")
         poster.computed("unknown-request", 0, 0, src)  # ignored
-        assert _ended_on(poster, stream_pair) == [stream]
+        assert ended_on(poster, stream_pair) == [stream]
         assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)] and stream_pair.landed(src, dst)
         assert stream.counters.writes == 1
     finally:
@@ -524,19 +428,19 @@ def test_a_forked_stream_replays_the_layers_computed_so_far_and_one_ranks_abort_
         for layer in range(1, LAYERS):
             poster.computed("req-1", layer, 0, [1, 2])
         poster.finish("req-1")
-        ended = _ended_on(poster, stream_pair)
+        ended = ended_on(poster, stream_pair)
         while len(ended) < 2:
-            ended += _ended_on(poster, stream_pair)
+            ended += ended_on(poster, stream_pair)
         assert sorted(map(id, ended)) == sorted(map(id, [first, second]))
         assert first.failure is None and second.failure is None
         assert stream_pair.landed([1, 2, 1, 2], [3, 4, 5, 6])
         poster.fork("req-1", third, stream_pair.target_of([7, 8]))  # kept: every layer replayed, then it ends
-        assert _ended_on(poster, stream_pair) == [third] and third.failure is None
+        assert ended_on(poster, stream_pair) == [third] and third.failure is None
         assert stream_pair.landed([1, 2] * 3, [3, 4, 5, 6, 7, 8])
         poster.abort_one("req-1", "another-agent", "not this one")
         poster.drop("req-1")
         poster.fork("req-1", orphan, stream_pair.target_of([9]))
-        assert _ended_on(poster, stream_pair) == [orphan]
+        assert ended_on(poster, stream_pair) == [orphan]
         assert orphan.failure == "its request's streams ended before this destination came"
     finally:
         poster.close()
@@ -550,13 +454,13 @@ def test_a_stream_replaced_under_its_request_is_aborted_and_still_handed_back(st
         poster.target("req-1", stream_pair.target_of([3]))
         poster.computed("req-1", 0, 0, [1], lambda: False)
         poster.add("req-1", second)  # the request came again: the first stream must not be lost
-        assert _ended_on(poster, stream_pair) == [first]
+        assert ended_on(poster, stream_pair) == [first]
         assert first.failure == "replaced by a new stream of the same request"
         poster.target("req-1", stream_pair.target_of([4]))
         for layer in range(LAYERS):
             poster.computed("req-1", layer, 0, [2])
         poster.finish("req-1")
-        assert _ended_on(poster, stream_pair) == [second] and second.failure is None
+        assert ended_on(poster, stream_pair) == [second] and second.failure is None
         assert stream_pair.landed([2], [4])
     finally:
         poster.close()
@@ -579,7 +483,7 @@ def test_layers_in_gpu_memory_are_written_only_after_their_events() -> None:
     """On a GPU the forward runs ahead of the host: each layer is a kernel, then an event. The stream WRITEs a
     layer (VRAM to VRAM) only once its event has completed, and every byte lands."""
     src, dst = [2, 3, 4, 11], [5, 6, 7, 8]
-    with _pair("cuda") as pair:
+    with open_pair("cuda") as pair:
         pair.decode.take_notifs(PUSH_PREFIX)
         stream = pair.stream()
         stream.target(pair.target_of(dst))
@@ -592,7 +496,7 @@ def test_layers_in_gpu_memory_are_written_only_after_their_events() -> None:
             stream.pump()
         assert stream.counters.writes == 0, "a layer was written before its kernel finished"
         stream.finish()
-        _drain(stream, pair, timeout_s=30)
+        drain(stream, pair, timeout_s=30)
         assert pair.notes() == [PushedNotification(PUSH_ID, True)]
         torch.cuda.synchronize()
         assert pair.landed(src, dst)
