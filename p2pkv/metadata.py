@@ -113,7 +113,9 @@ class P2pKvMetadata:
             prefill leg, when its hold began in nanoseconds since the epoch),
             for requests whose hold is traced (empty with tracing off).
         streams: this step's chunks of layer-streamed prefills (prefill side).
-        stream_aborts: prefill request id → why its stream stops (aborted, preempted).
+        stream_aborts: prefill request id → why its stream stops (its request aborted).
+        stream_restarts: prefill request ids of streamed requests preempted this step (prefill side): vLLM freed
+            their blocks, so their streams drop the layers not WRITTEN yet, and get them again when resumed.
         ended_streams: decode request ids of layer-streamed loads whose request has finished (decode side):
             a stream still under way is given up (its request was aborted while it ran).
     """
@@ -126,4 +128,5 @@ class P2pKvMetadata:
     send_traces: dict[str, tuple[str, int]] = field(default_factory=dict)
     streams: list[StreamChunk] = field(default_factory=list)
     stream_aborts: dict[str, str] = field(default_factory=dict)
+    stream_restarts: list[str] = field(default_factory=list)
     ended_streams: list[str] = field(default_factory=list)

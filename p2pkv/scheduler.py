@@ -132,6 +132,7 @@ class SchedulerSide:
         chunks = self.streams.chunks(scheduler_output) if scheduler_output is not None else []
         return P2pKvMetadata(loads=pulls, send_leases=leases, send_blocks=blocks, failed=failed,
                              send_traces=traces, streams=chunks, stream_aborts=self.streams.take_aborts(),
+                             stream_restarts=self.streams.take_restarts(),
                              ended_streams=self.decode.take_ended_streams())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -19,9 +19,11 @@ def _request(rid: str, tokens: int, grant: str) -> SimpleNamespace:
                            kv_transfer_params={"do_remote_decode": True, GRANT_KEY: grant})
 
 
-def _output(new=(), cached=(), resumed=frozenset(), counts=None) -> SimpleNamespace:
-    """A SchedulerOutput: ``new`` (req_id, block_ids, computed), ``cached`` (req_id, new block ids, computed)."""
+def _output(new=(), cached=(), resumed=frozenset(), counts=None, preempted=None) -> SimpleNamespace:
+    """A SchedulerOutput: ``new`` (req_id, block_ids, computed), ``cached`` (req_id, new block ids, computed),
+    ``preempted`` (request ids)."""
     return SimpleNamespace(
+        preempted_req_ids=preempted,
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _, _ in cached],
                                               new_block_ids=[(b,) if b else None for _, b, _ in cached],
@@ -82,3 +84,16 @@ def test_an_aborted_streamed_request_is_told_to_the_workers_once() -> None:
     assert steps.take_aborts() == {"r": "the prefill request was aborted"}
     assert steps.take_aborts() == {}
     assert not steps.finished("r", completed=True)
+
+
+def test_a_preempted_streamed_request_is_told_to_the_workers_once_and_opens_again_from_block_0() -> None:
+    steps = _steps()
+    steps.on_new_request(_request("r", 12, make_stream_grant("prefill-0", ANY_DECODE, SECRET, time.time() + 60)))
+    (first,) = steps.chunks(_output(new=[("r", [3, 4], 0)], counts={"r": 8}))
+    assert not first.last
+    assert steps.chunks(_output(preempted={"r", "not-streamed"})) == []
+    assert steps.take_restarts() == ["r"], "only a streamed request's preemption is told"
+    assert steps.take_restarts() == []
+    (resumed,) = steps.chunks(_output(cached=[("r", [6, 7, 8], 4)], resumed={"r"}, counts={"r": 8}))
+    assert (resumed.first_block, resumed.block_ids, resumed.last) == (0, (6, 7, 8), True)
+    assert resumed.prompt_digest, "the resumed request opens its stream again"

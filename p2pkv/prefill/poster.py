@@ -105,6 +105,11 @@ class StreamPoster:
         """:meth:`LayerStream.target` of ``key``'s stream."""
         self._put("target", key, target)
 
+    def restart(self, key: str) -> None:
+        """:meth:`LayerStream.restart` of ``key``'s streams (its request was preempted); a later fork replays only
+        the layers computed from then on."""
+        self._put("restart", key)
+
     def finish(self, key: str) -> None:
         """:meth:`LayerStream.finish` of ``key``'s stream."""
         self._put("finish", key)
@@ -170,6 +175,8 @@ class StreamPoster:
         rest to every stream (and remembered for a later fork)."""
         if op == "computed":
             group.computed.append(args)
+        elif op == "restart":
+            group.computed.clear()
         elif op == "finish":
             group.finished = True
         elif op == "abort":

@@ -12,6 +12,13 @@ block its first token falls in to the block its last token falls in (the
 first chunk, and the first after a preemption, from block 0, so a prefix
 this engine had cached goes with it).
 
+A preempted request's blocks are freed by vLLM at once, and may hold another
+request's KV before the stream has WRITTEN them: the step that preempts it
+tells the workers (:attr:`~p2pkv.metadata.P2pKvMetadata.stream_restarts`,
+from ``SchedulerOutput.preempted_req_ids``), whose stream then drops the
+layers it has not WRITTEN yet; the request's layers come again, from block
+0, once it is resumed.
+
 A model with several KV cache groups (vLLM's hybrid KV cache manager:
 sliding-window and full-attention layers, attention and Mamba layers) has
 one block list per group; a chunk carries each group's blocks
@@ -85,6 +92,7 @@ class StreamSteps:
         self._requests: dict[str, _Streamed] = {}
         self._stream_ids: set[str] = set()
         self.aborts: dict[str, str] = {}
+        self.restarts: list[str] = []
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -121,6 +129,11 @@ class StreamSteps:
         read before vLLM advances the requests' ``num_computed_tokens``)."""
         if not self._requests:
             return []
+        for req_id in sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()):
+            if (streamed := self._requests.get(req_id)) is not None:  # its blocks are freed: it starts again
+                streamed.block_ids = []
+                streamed.started = False
+                self.restarts.append(req_id)
         counts: dict[str, int] = scheduler_output.num_scheduled_tokens
         out = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -175,6 +188,12 @@ class StreamSteps:
     def take_aborts(self) -> dict[str, str]:
         """Streams to stop (prefill request id → why), then forgotten."""
         out, self.aborts = self.aborts, {}
+        return out
+
+    def take_restarts(self) -> list[str]:
+        """Streamed requests preempted since the last call (their streams drop the layers not WRITTEN yet:
+        :meth:`p2pkv.prefill.streamer.LayerStream.restart`), then forgotten."""
+        out, self.restarts = self.restarts, []
         return out
 
 

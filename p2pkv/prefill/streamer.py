@@ -304,6 +304,14 @@ class LayerStream:
         if self.state is StreamState.WAITING:
             self.state = StreamState.STREAMING
 
+    def restart(self) -> None:
+        """The request was preempted: vLLM freed its blocks, and computes it again from its first token (the
+        layers come again through :meth:`computed`, in the blocks it is given then). The layers computed and not
+        WRITTEN yet are dropped: their source blocks may hold another request's KV now. WRITEs in flight are left
+        to end; a layer computed again waits for its layer's, so the bytes computed again land last."""
+        if self.state is not StreamState.ENDED:
+            self._waiting.clear()
+
     def finish(self) -> None:
         """No layer is left to compute: once every WRITE has ended, the decode rank is told."""
         self._finished = True

@@ -228,10 +228,15 @@ class PrefillStreams(StreamReleases):
         self._prepared = meta
         for request_id, why in meta.stream_aborts.items():
             self.poster.abort(request_id, why)
+        restarts = list(meta.stream_restarts)
         with self._lock:
             for chunk in meta.streams:
                 if chunk.request_id not in self._live:
                     self._open(chunk)
+                elif chunk.prompt_digest:  # opened again: resumed after a preemption this rank was not told of
+                    restarts.append(chunk.request_id)
+        for request_id in dict.fromkeys(restarts):
+            self.poster.restart(request_id)
         self._step = [c for c in meta.streams if c.request_id in self._live]
         self._seen = set()
 
