@@ -221,11 +221,12 @@ class _Control:
         self.worker.server._dispatch._on_push = self._on_push if on else None  # type: ignore[union-attr]
 
     def stream(self, chunks: list[StreamChunk], layer_names: list[str], end_step: bool = False,
-               aborts: dict[str, str] | None = None) -> None:
+               aborts: dict[str, str] | None = None, restarts: list[str] | None = None) -> None:
         """A step of layer-streamed prefills: ``chunks`` open (or go on with) their streams, ``aborts`` (prefill
-        request id → why) stop theirs, ``layer_names`` are reported done (``save_kv_layer``), and with
-        ``end_step`` the step's forward ends (``wait_for_save``)."""
-        meta = P2pKvMetadata(streams=list(chunks), stream_aborts=dict(aborts or {}))
+        request id → why) stop theirs, ``restarts`` (prefill request ids) were preempted, ``layer_names`` are
+        reported done (``save_kv_layer``), and with ``end_step`` the step's forward ends (``wait_for_save``)."""
+        meta = P2pKvMetadata(streams=list(chunks), stream_aborts=dict(aborts or {}),
+                             stream_restarts=list(restarts or []))
         self.worker.start_load_kv(meta)
         for name in layer_names:
             self.worker.save_kv_layer(name, meta)

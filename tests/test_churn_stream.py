@@ -12,6 +12,10 @@ vLLM reports it. Per batch of :data:`BATCH` streams, each one at random:
   (named in ``ended_streams``: the stream is given up);
 * about :data:`ABORT_RATE` are prefill requests aborted between the steps
   (``stream_aborts``);
+* about :data:`ABORT_RATE` are prefill requests preempted between the steps
+  (half of them told in ``stream_restarts``, the others seen when they come
+  back) and computed again whole into other blocks, whose bytes must be the
+  ones that land;
 * every :data:`FAULT_EVERY`-th batch, one NIXL call of the prefill rank's
   WRITEs fails once;
 * in one batch the prefill process is SIGKILLed between the steps, and a new
@@ -85,13 +89,14 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
     kill_batch = next(b for b in range(n_batches // 2 + 1, n_batches + 1) if b % FAULT_EVERY)
     counts: dict = dict(streams=0, completed=0, given_up=0, prefill_aborted=0, failed=0, late_destinations=0,
                         failed_in_fault_batches=0, failed_in_kill_batch=0, faults_fired=0, hung=0,
-                        reported_twice=0, restarts=0, failed_by_batch={})
+                        reported_twice=0, restarts=0, preempted=0, failed_by_batch={})
     try:
         for batch_no in range(1, n_batches + 1):
             d.base.zero_()
             size = min(BATCH, n_streams - counts["streams"])
             sizes = [rng.randint(2, 4) for _ in range(size)]
-            sources = rng.sample(range(NUM_BLOCKS), sum(sizes))
+            pool = rng.sample(range(NUM_BLOCKS), 2 * sum(sizes))  # a preempted request's second blocks: the rest
+            sources, spare = pool[:sum(sizes)], pool[sum(sizes):]
             targets = rng.sample(range(NUM_BLOCKS), sum(sizes))
             streams, at = [], 0
             for k in sizes:
@@ -104,6 +109,19 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
             given_up = {s[2].request_id for s in streams if rng.random() < ABORT_RATE}
             prefill_aborted = {s[0].request_id for s in streams if s[2].request_id not in given_up
                                and rng.random() < ABORT_RATE and batch_no != kill_batch}
+            preempted = {s[0].request_id for s in streams if s[2].request_id not in given_up
+                         and s[0].request_id not in prefill_aborted and rng.random() < ABORT_RATE
+                         and batch_no != kill_batch}
+            told = sorted(r for r in preempted if rng.random() < 0.5)
+            resumed = {}  # prefill request id → its chunk when it comes back: every block again, in other blocks
+            for first, rest, _ in streams:
+                if first.request_id in preempted:
+                    blocks = tuple(spare[:len(first.block_ids) + len(rest.block_ids)])
+                    spare = spare[len(blocks):]
+                    resumed[first.request_id] = StreamChunk(first.request_id, first.stream_id, 0, blocks,
+                                                            rest.num_tokens, True, first.prompt_digest,
+                                                            first.loaded_tokens)
+            counts["preempted"] += len(preempted)
             faulted = batch_no % FAULT_EVERY == 0
             if faulted:
                 method, how = rng.choice(FAULTS)
@@ -121,7 +139,9 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
                 pf.start({}, seed=pf.seed + 1)
                 counts["restarts"] += 1
             else:
-                rest = [s[1] for s in streams if s[1].request_id not in prefill_aborted]
+                if preempted:  # a step that runs none of them: vLLM freed their blocks
+                    pf.call("stream", [], LAYERS, True, None, told)
+                rest = [resumed.get(s[1].request_id, s[1]) for s in streams if s[1].request_id not in prefill_aborted]
                 pf.call("stream", rest, LAYERS, True, {r: "the prefill request was aborted" for r in prefill_aborted})
                 ids = [s[0].request_id for s in streams]
                 pf.lease(ids)  # each prefill request finished: its hold made (the stream frees it when it ends)
@@ -150,7 +170,8 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
                     continue
                 assert not target & errors, f"{rid}: only some of its blocks are load errors"
                 assert first.request_id not in prefill_aborted, f"{rid}: an aborted prefill's stream landed"
-                source = [*first.block_ids, *next(s[1] for s in streams if s[2] is load).block_ids]
+                source = list(resumed[first.request_id].block_ids) if first.request_id in resumed else [
+                    *first.block_ids, *next(s[1] for s in streams if s[2] is load).block_ids]
                 assert torch.equal(d.base[list(load.local_block_ids)], expected[source]), \
                     f"{rid} reported done but its blocks do not hold the prefill's bytes"
                 counts["completed"] += 1
@@ -172,7 +193,7 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
     print("CHURN_STREAM " + json.dumps(counts, sort_keys=True))
     assert counts["hung"] == 0 and counts["reported_twice"] == 0, counts
     assert counts["completed"] + counts["failed"] + counts["given_up"] == counts["streams"] >= n_streams, counts
-    assert counts["restarts"] == 1 and counts["faults_fired"] >= 1, counts
+    assert counts["restarts"] == 1 and counts["faults_fired"] >= 1 and counts["preempted"] >= 1, counts
     assert counts["completed"] > counts["streams"] // 2, counts
     assert counts["failed"] == (counts["prefill_aborted"] + counts["failed_in_fault_batches"]
                                 + counts["failed_in_kill_batch"]), counts
