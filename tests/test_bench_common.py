@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from p2pkv.tools.bench import machine, plotting, table
-from p2pkv.tools.bench.results import median_interval
+from p2pkv.tools.bench.results import median_interval, pairs_needed
 from p2pkv.tools.cli import BENCHES, build_parser
+from tests.script_loader import load_script
 
 
 def test_grid_right_aligns_every_column_to_its_widest_cell() -> None:
@@ -42,6 +43,30 @@ def test_median_interval_holds_the_median_and_narrows_with_more_samples() -> Non
         median_interval([])
     with pytest.raises(ValueError, match="median_interval"):
         median_interval([1.0], resamples=10)
+
+
+def test_pairs_needed_grows_with_the_spread_and_with_a_tighter_margin() -> None:
+    assert pairs_needed(0.1, 0.05) == 17  # (1.96 * 0.1 / ln 1.05)^2 = 16.1
+    assert pairs_needed(0.1, 0.02) == 98  # (1.96 * 0.1 / ln 1.02)^2 = 97.9
+    assert pairs_needed(0.2, 0.05) == 65 and pairs_needed(0.0, 0.05) == 1
+    for bad in ((-0.1, 0.05), (0.1, 0.0)):
+        with pytest.raises(ValueError, match="pairs_needed"):
+            pairs_needed(*bad)
+
+
+def test_host_noise_times_one_workload_and_says_how_many_pairs_its_spread_needs(tmp_path) -> None:
+    host_noise = load_script("host_noise")
+    same = host_noise.summary([1.0, 1.0, 2.0, 2.0])
+    assert same["cv"] > 0.3 and same["pair_log_sd"] == 0.0 and same["pairs_needed"] == {"2%": 1, "5%": 1}, (
+        "drift between pairs is not a pair's spread")
+    spread = host_noise.summary([1.0, 1.1, 1.0, 0.9, 1.0, 1.1])
+    assert spread["pair_log_sd"] > 0.05 and spread["pairs_needed"]["2%"] > spread["pairs_needed"]["5%"] > 1
+    with pytest.raises(ValueError, match="at least 4"):
+        host_noise.summary([1.0, 1.0, 1.0])
+    result = host_noise.main(["--intervals", "4", "--seconds", "0.02", "--json", str(tmp_path / "noise.json")])
+    assert len(result["times_s"]) == 4 and all(t > 0 for t in result["times_s"])
+    assert (tmp_path / "noise.json").read_text().count('"pairs_needed"') == 1
+
 
 def test_pyplot_says_what_is_missing_without_matplotlib(monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError

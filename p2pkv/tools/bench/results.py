@@ -48,6 +48,22 @@ def median_interval(xs: Sequence[float], resamples: int = 4000, seed: int = 0) -
     medians = sorted(statistics.median(rng.choices(xs, k=len(xs))) for _ in range(resamples))
     return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
+
+def pairs_needed(sd_log: float, margin: float, z: float = 1.96) -> int:
+    """Pairs a paired comparison needs for the interval of its mean ratio to reach ``margin`` either side: the
+    smallest ``n`` with ``z · sd_log / √n ≤ ln(1 + margin)`` (normal approximation; ``sd_log``: the standard
+    deviation of one pair's ``ln(b / a)``; ``z`` 1.96: a 95 % interval).
+
+    Raises:
+        ValueError: ``sd_log`` < 0 or ``margin`` ≤ 0.
+    """
+    import math
+
+    if sd_log < 0 or margin <= 0:
+        raise ValueError(f"pairs_needed: sd_log must be >= 0 and margin > 0, not {sd_log} / {margin}")
+    return max(1, math.ceil((z * sd_log / math.log1p(margin)) ** 2))
+
+
 def write_json(result: dict[str, Any], path: str | os.PathLike[str], indent: int = 2) -> None:
     """Write the results as JSON indented by ``indent`` spaces, one newline at the end (creates the parent
     folder)."""
