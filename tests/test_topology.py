@@ -71,3 +71,20 @@ def test_unsplittable_heads_are_refused_naming_both_values() -> None:
         read_plan(0, 4, 1, 6)
     with pytest.raises(TopologyError, match=r"tp_rank=2 outside \[0, tp_size=2\)"):
         rank_first_head(2, 4, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(heads=st.sampled_from([1, 2, 4, 8, 16]), tp_d=sizes, tp_p=sizes, mla=st.booleans())
+def test_a_streams_readers_are_the_decode_ranks_that_send_it_a_destination(heads: int, tp_d: int, tp_p: int,
+                                                                          mla: bool) -> None:
+    """A layer stream's ``readers`` (``notifiers_of``, what each decode rank tells a prefill rank it reads) are
+    exactly the decode ranks that read that prefill rank, each sending it a destination; a prefill rank nobody
+    reads is told by exactly one decode rank, whose release declines its stream."""
+    read_by = {r: {d for d in range(tp_d) if r in {rr.remote_rank for rr in read_plan(d, tp_d, tp_p, heads, mla)}}
+               for r in range(tp_p)}
+    for r, readers in read_by.items():
+        told_by = [d for d in range(tp_d) if r in notify_ranks(d, tp_d, tp_p, heads, mla)]
+        if readers:
+            assert set(told_by) == readers and notifiers_of(r, tp_d, tp_p, heads, mla) == len(readers)
+        else:
+            assert len(told_by) == 1 and notifiers_of(r, tp_d, tp_p, heads, mla) == 1
