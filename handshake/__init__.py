@@ -7,6 +7,7 @@ The protocol (transport, frames, HMAC, versioning, integrity, refusal codes) is 
 
 from __future__ import annotations
 
+from handshake.bounds import MAX_MESSAGE_BYTES
 from handshake.client import (
     HoldLink,
     fetch_agent_info,
@@ -37,7 +38,6 @@ from handshake.errors import (
 )
 from handshake.holds import HoldStatus
 from handshake.messages import (
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,

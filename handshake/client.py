@@ -14,6 +14,7 @@ import msgspec
 import zmq
 
 from handshake._net import configure_socket, tcp_endpoint
+from handshake.bounds import MAX_MESSAGE_BYTES
 from handshake.codec import decode, encode, verify_agent_info
 from handshake.compat import OPAQUE, describe, mismatches
 from handshake.destination import Destination
@@ -30,7 +31,6 @@ from handshake.errors import (
 from handshake.messages import (
     MAX_HEARTBEAT_IDS,
     MAX_HOLD_BLOCK_IDS,
-    MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from handshake.bounds import MAX_MESSAGE_BYTES
 from handshake.errors import (
     AuthenticationError,
     HandshakeError,
@@ -36,7 +37,6 @@ from handshake.errors import (
 )
 from handshake.messages import (
     MAX_ID_CHARS,
-    MAX_MESSAGE_BYTES,
     MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
     AgentInfo,

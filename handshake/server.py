@@ -11,11 +11,12 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from handshake._net import HANDSHAKE_S, CurveKeys, configure_socket, tcp_address, tcp_endpoint
+from handshake.bounds import MAX_MESSAGE_BYTES
 from handshake.connections import MAX_CONNECTIONS, MAX_HANDSHAKES, ConnectionLimits
 from handshake.dispatch import Dispatcher, RequestTimes
 from handshake.errors import HandshakeBindError
 from handshake.holds import HoldAnswers, OnHeartbeat, OnPush, OnRelease, OnStream
-from handshake.messages import MAX_MESSAGE_BYTES, AgentInfo
+from handshake.messages import AgentInfo
 from handshake.replay import DEFAULT_FUTURE_SKEW_S, DEFAULT_WINDOW_S, ReplayGuard
 from handshake.watchdog import StallWatchdog
 

@@ -20,8 +20,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from handshake._net import CurveKeys, configure_socket
+from handshake.bounds import MAX_MESSAGE_BYTES
 from handshake.codec import compute_digest
-from handshake.messages import MAX_MESSAGE_BYTES, AgentInfo, KVLayoutDesc, KVRegion
+from handshake.messages import AgentInfo, KVLayoutDesc, KVRegion
 from handshake.server import HandshakeServer
 
 __all__ = ["ServerProcess", "curve_authenticator", "fake_router", "make_agent_info"]

@@ -1,5 +1,5 @@
 """Every side-channel message is bounded (ids, block ids, bytes, strings, regions) and its encoding fits the bound
-:mod:`handshake.messages` derives for it; MAX_MESSAGE_BYTES is the largest; payloads over FRAME_BYTES travel in
+:mod:`handshake.bounds` derives for it; MAX_MESSAGE_BYTES is the largest; payloads over FRAME_BYTES travel in
 frames of FRAME_BYTES; senders split hold batches to stay within the bounds."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from handshake import (
     encode,
     query_holds,
 )
+from handshake import bounds as b
 from handshake import messages as m
 from handshake.client import _hold_requests
 from handshake.codec import FRAME_BYTES, MAC_BYTES
@@ -66,22 +67,22 @@ def largest_agent_info() -> AgentInfo:
 
 LARGEST = {
     "hold_query": (lambda: HoldQuery(**HEAD, request_ids=IDS, block_ids=block_lists(m.MAX_HOLD_BLOCK_IDS, len(IDS)),
-                                     extend_s=3600.0), m.HOLD_REQUEST_BYTES),
+                                     extend_s=3600.0), b.HOLD_REQUEST_BYTES),
     "release_holds": (lambda: ReleaseHolds(**HEAD, request_ids=IDS,
                                            block_ids=block_lists(m.MAX_HOLD_BLOCK_IDS, len(IDS))),
-                      m.HOLD_REQUEST_BYTES),
-    "lease_heartbeat": (lambda: LeaseHeartbeat(**HEAD, request_ids=IDS, extend_s=3600.0), m.HOLD_REQUEST_BYTES),
+                      b.HOLD_REQUEST_BYTES),
+    "lease_heartbeat": (lambda: LeaseHeartbeat(**HEAD, request_ids=IDS, extend_s=3600.0), b.HOLD_REQUEST_BYTES),
     "holds_reply": (lambda: HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=BIG, expired=IDS, not_held=IDS,
-                                       unknown=IDS, request_ids=IDS, nonce=b"n" * 64), m.HOLDS_REPLY_BYTES),
+                                       unknown=IDS, request_ids=IDS, nonce=b"n" * 64), b.HOLDS_REPLY_BYTES),
     "metadata_reply": (lambda: MetadataReply(protocol_version=PROTOCOL_VERSION, info=largest_agent_info(),
-                                             nonce=b"n" * 64), m._FIXED + m.AGENT_INFO_BYTES + 69),
+                                             nonce=b"n" * 64), b._FIXED + b.AGENT_INFO_BYTES + 69),
     "push_request": (lambda: PushRequest(**HEAD, request_id=WIDE * m.MAX_ID_CHARS,
                                          block_ids=[(1 << 31) - 1] * m.MAX_HOLD_BLOCK_IDS, push_id=b"p" * 32,
                                          agent=largest_agent_info(), source_rows=b"r" * (m.MAX_PUSH_ROWS * 24),
                                          target_rows=b"r" * (m.MAX_PUSH_ROWS * 24), window_s=3600.0),
-                     m.PUSH_REQUEST_BYTES),
+                     b.PUSH_REQUEST_BYTES),
     "error": (lambda: ErrorReply(protocol_version=PROTOCOL_VERSION, code="internal", field=WIDE * m.MAX_ID_CHARS,
-                                 message=WIDE * m.MAX_TEXT_CHARS, nonce=b"n" * 64), m._FIXED + 1029 + 8197 + 69),
+                                 message=WIDE * m.MAX_TEXT_CHARS, nonce=b"n" * 64), b._FIXED + 1029 + 8197 + 69),
 }
 
 
@@ -92,15 +93,15 @@ def test_the_largest_message_of_each_kind_fits_its_bound_and_max_message_bytes(k
     frames = encode(msg, SECRET)  # type: ignore[arg-type]
     payload = sum(len(f) for f in frames[:-1])
     assert payload <= bound, f"{kind}: {payload} bytes, its bound says {bound}"
-    assert payload + MAC_BYTES <= m.MAX_MESSAGE_BYTES
+    assert payload + MAC_BYTES <= b.MAX_MESSAGE_BYTES
     assert all(len(f) == FRAME_BYTES for f in frames[:-2]) and 0 < len(frames[-2]) <= FRAME_BYTES
     assert decode(frames, SECRET) == msg
 
 
 def test_max_message_bytes_is_derived_from_the_bounds() -> None:
-    assert m.MAX_MESSAGE_BYTES == 23 * 2**20  # docs/protocol.md and docs/security.md give this figure
-    assert m.PUSH_REQUEST_BYTES + MAC_BYTES <= m.MAX_MESSAGE_BYTES < m.PUSH_REQUEST_BYTES + MAC_BYTES + 2**20
-    assert max(m.HOLDS_REPLY_BYTES, m.HOLD_REQUEST_BYTES, m.AGENT_INFO_BYTES) < m.PUSH_REQUEST_BYTES
+    assert b.MAX_MESSAGE_BYTES == 23 * 2**20  # docs/protocol.md and docs/security.md give this figure
+    assert b.PUSH_REQUEST_BYTES + MAC_BYTES <= b.MAX_MESSAGE_BYTES < b.PUSH_REQUEST_BYTES + MAC_BYTES + 2**20
+    assert max(b.HOLDS_REPLY_BYTES, b.HOLD_REQUEST_BYTES, b.AGENT_INFO_BYTES) < b.PUSH_REQUEST_BYTES
     assert m.MAX_HOLD_BLOCK_IDS == MAX_BLOCK_IDS  # a release names a hold's block ids whole, in one message
 
 
