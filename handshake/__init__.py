@@ -42,6 +42,7 @@ from handshake.messages import (
     AgentInfo,
     ErrorReply,
     GroupBlocks,
+    HeadSlice,
     HoldQuery,
     HoldsReply,
     KVLayoutDesc,
@@ -62,7 +63,7 @@ from handshake.server import HandshakeServer
 __all__ = [
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "AgentInfo", "AuthenticationError", "Destination", "ErrorReply",
     "GroupBlocks", "HandshakeBindError", "HandshakeCancelledError", "HandshakeError", "HandshakeServer",
-    "HandshakeTimeoutError",
+    "HandshakeTimeoutError", "HeadSlice",
     "HoldLink", "HoldQuery", "HoldStatus", "HoldsReply", "IncompatiblePeerError", "KVLayoutDesc", "KVRegion",
     "LeaseHeartbeat", "MalformedMessageError", "Message", "MessageTooLargeError", "MetadataDigestError",
     "MetadataReply", "MetadataRequest", "ProtocolVersionError", "PushReply", "PushRequest", "ReleaseHolds",

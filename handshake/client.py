@@ -35,6 +35,7 @@ from handshake.messages import (
     AgentInfo,
     ErrorReply,
     GroupBlocks,
+    HeadSlice,
     HoldQuery,
     HoldRequest,
     HoldsReply,
@@ -415,7 +416,8 @@ def request_stream(to: Destination, grant: str, block_ids: list[int], first_bloc
                    prompt_digest: str, push_id: bytes, agent: AgentInfo, window_s: float, requester_engine_id: str,
                    secret: bytes | None = None, timeout_s: float = 1.0, cancel: threading.Event | None = None,
                    link: HoldLink | None = None, staging_addrs: list[int] | None = None,
-                   readers: int = 1, group_blocks: list[GroupBlocks] | None = None) -> PushReply:
+                   readers: int = 1, group_blocks: list[GroupBlocks] | None = None,
+                   head_slice: HeadSlice | None = None) -> PushReply:
     """Give prefill rank ``to`` this rank's destination for a granted stream (:class:`StreamRequest`: its
     fields, units and checks).
 
@@ -429,7 +431,7 @@ def request_stream(to: Destination, grant: str, block_ids: list[int], first_bloc
                         requester_engine_id=requester_engine_id, grant=grant, block_ids=block_ids,
                         first_block=first_block, num_tokens=num_tokens, prompt_digest=prompt_digest,
                         push_id=push_id, agent=agent, window_s=window_s, staging_addrs=list(staging_addrs or []),
-                        readers=readers, group_blocks=list(group_blocks or []),
+                        readers=readers, group_blocks=list(group_blocks or []), head_slice=head_slice,
                         **_fresh())  # type: ignore[arg-type]
     return _push_exchange(to, msg, secret, timeout_s, cancel, link)
 

@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -46,6 +46,8 @@ PROTOCOL_VERSION = 13
   one prefill rank (a decode engine of a larger TP size); the prefill rank streams to each.
 * 13: :class:`StreamRequest` carries ``group_blocks``: the destination of every KV cache group after the
   first (vLLM's hybrid KV cache manager: sliding-window and full-attention layers, attention and Mamba).
+* 14: :class:`StreamRequest` carries ``head_slice``: a decode rank of another TP size over head-major pages
+  (HND) has the stream WRITE its heads' slice of each page straight into its own pages, without staging.
 """
 
 MAX_ID_CHARS = 256
@@ -483,6 +485,17 @@ class GroupBlocks(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_ids: Annotated[list[BlockId], msgspec.Meta(max_length=MAX_GROUP_BLOCK_IDS)]
 
 
+class HeadSlice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Heads ``prefill_head_start ..`` of each of a prefill rank's pages, ``num_heads`` of them, written at head
+    ``decode_head_start`` of the decode rank's page of the same block, layer and K/V (head-major pages: a slice of
+    heads is one contiguous run of bytes; :attr:`StreamRequest.head_slice`). Heads are counted within each rank's
+    own heads."""
+
+    prefill_head_start: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    decode_head_start: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
+    num_heads: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+
+
 class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="stream_request"):
     """Give a prefill rank this decode rank's destination for a layer-streamed request (docs/streaming.md).
 
@@ -524,6 +537,9 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         group_blocks: for a model with several KV cache groups (vLLM's hybrid KV cache manager), the
             destination of groups 1 .. in group order (``block_ids`` and ``first_block`` are group 0's);
             empty for one group. Such streams move pages as they are (no ``staging_addrs``).
+        head_slice: None: the stream moves this rank's pages whole. Else (head-major pages of the same block
+            size and bytes per head on both ranks, TP sizes differing) each of this rank's pages gives the
+            slice of heads it names, WRITTEN into that slice of the decode rank's own page (no staging).
     """
 
     grant: Grant
@@ -539,6 +555,7 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     readers: Annotated[int, msgspec.Meta(ge=1, le=MAX_READERS)] = 1
     group_blocks: Annotated[list[GroupBlocks], msgspec.Meta(max_length=MAX_KV_GROUPS - 1)] = msgspec.field(
         default_factory=list)
+    head_slice: HeadSlice | None = None
 
 
 Message = (MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply

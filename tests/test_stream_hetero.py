@@ -41,12 +41,13 @@ STREAM_ROWS = ["block 16 -> 32", "block 64 -> 16", "HND -> NHD", "NHD -> HND", "
                "CPU attention TP 2 block 32 -> TP 1 block 64", "MLA TP 2 -> TP 1", "MLA TP 2 -> TP 1, block 32 -> 16"]
 """Pairs where each prefill rank is read by at most one decode rank (one destination per stream): straight
 into the decode rank's blocks where the pages only stride differently (cross-layer against layer-compact) or
-are the same (MLA's latent, read from one prefill rank), else into staging (another block size, HND/NHD, a
-slice of the decode rank's heads from each of several prefill ranks)."""
+are the same (MLA's latent, read from one prefill rank), or, head-major with one block size, each prefill
+rank's heads into their slice of the decode rank's pages (``head_slice``); else into staging (another block
+size, HND/NHD)."""
 
 FAN_OUT_ROWS = ["TP 1 -> 2", "GQA 2 heads TP 1 -> TP 4 (replicated), HND", "CPU attention TP 1 -> 2"]
-"""Pairs where several decode ranks read one prefill rank: each decode rank's stream lands in its staging, the
-prefill rank's pages whole, and its fixup takes its heads."""
+"""Pairs where several decode ranks read one prefill rank, head-major with one block size: each decode rank's
+stream WRITEs its slice of the prefill rank's heads straight into its pages (``head_slice``)."""
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,9 @@ def granted_stream(remote_ids: list[int], tokens: int, port: int, tp_size: int,
 
 
 def _direct(row: str) -> bool:
-    """Whether the row's stream lands in the decode blocks as it is (whole blocks), not through staging."""
-    prefill_side, decode_side, how = ROWS[row]
-    return how == "direct" or (how == "paged" and prefill_side.tp_size == decode_side.tp_size)
+    """Whether the row's stream lands in the decode blocks (whole blocks, or each page's slice of heads), not
+    through staging."""
+    return ROWS[row][2] in ("direct", "paged")
 
 
 def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cpu", late: bool = False) -> None:
@@ -119,7 +120,10 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
                 time.sleep(0.002)
             assert decode.get_block_ids_with_load_errors() == set()
             assert mode(decode) == {how}
-            assert (decode.take_stats() or {}).get("directions") == {"stream": 1}
+            stats = decode.take_stats() or {}
+            assert stats.get("directions") == {"stream": 1}
+            if _direct(row):  # this rank's blocks, or its heads' slice of the prefill's pages, and nothing more
+                assert stats.get("pull_bytes") == [len(local_ids) * decode.receiver.rank.layout.block_bytes]
             # A stream into the decode blocks moves whole blocks, the last prompt token's slot too (the decode
             # engine writes the same values there when it computes that token); a fixup moves only those loaded.
             want, _ = make_cache(decode_side, rank, "cpu", all_local, tokens if _direct(row) else loaded)
@@ -163,7 +167,7 @@ def test_a_stream_between_engines_whose_pages_differ_lands_every_token_in_its_sl
 
 
 GPU_STREAM_ROWS = ["block 16 -> 64", "HND -> NHD", "TP 2 -> 1, NHD", "cross-layer -> layer-compact",
-                   "MLA TP 2 -> TP 1, block 32 -> 16", "TP 1 -> 2"]
+                   "MLA TP 2 -> TP 1, block 32 -> 16", "TP 1 -> 2", "TP 2 -> 1"]
 
 
 @pytest.mark.gpu

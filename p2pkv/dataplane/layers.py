@@ -85,7 +85,9 @@ def layer_rows(source_pages: Sequence[Segment], target_pages: Sequence[Segment],
 
     Both sides must hold the same pages (one per layer, or K and V apart, the
     same on both sides) of the same size: a homogeneous pair (block size, page
-    order and heads equal), where a page moves as it is.
+    order and heads equal), where a page moves as it is, or a slice of heads of
+    each side's head-major pages
+    (:func:`p2pkv.prefill.stream_requests.slice_sides`).
 
     Args:
         source_pages: the sending side's :func:`page_segments`.

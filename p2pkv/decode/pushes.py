@@ -26,6 +26,7 @@ from handshake import (
     AgentInfo,
     Destination,
     HandshakeTimeoutError,
+    HeadSlice,
     PushReply,
     RemoteRefusedError,
     request_push,
@@ -158,7 +159,8 @@ class Pushes:
             spec.stream_grant, block_ids, first_block, spec.remote.num_tokens,
             spec.remote.prompt_digest, part.push_id, info, self.engine_id, secret=self.secret,
             timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}",
-            staging_addrs=staging_addrs, readers=part.readers, group_blocks=group_blocks)
+            staging_addrs=staging_addrs, readers=part.readers, group_blocks=group_blocks,
+            head_slice=_head_slice(part))
         self._replies.append((future, part))
 
     def window(self, part: Part) -> float:
@@ -314,6 +316,12 @@ def _send_push(deadline: float, to: Destination, request_id: str, block_ids: lis
         raise PushNotSent("not sent: its window passed while it waited behind earlier requests to that prefill rank")
     return request_push(to, request_id, block_ids, push_id, agent, source_rows, target_rows, left,
                         requester_engine_id, **kwargs)  # type: ignore[arg-type]
+
+
+def _head_slice(part: Part) -> HeadSlice | None:
+    """``part``'s slice of heads as its stream request names it (None: its prefill rank's pages whole)."""
+    r = part.head_slice
+    return None if r is None else HeadSlice(r.remote_head_start, r.local_head_start, r.num_heads)
 
 
 def _send_stream(deadline: float, to: Destination, grant: str, block_ids: list[int], first_block: int,

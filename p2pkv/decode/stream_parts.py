@@ -11,10 +11,13 @@ larger TP size): each sends its own destination, saying how many they are
 (``readers``), and the prefill rank streams to each.
 Where a prefill rank's pages can land in this rank's blocks as they are
 (:attr:`p2pkv.dataplane.negotiate.Placement.DIRECT`, or ``PAGED`` with all
-of its heads), the stream WRITEs into them; otherwise (another block size,
-HND/NHD, a slice of its heads) it WRITEs into staging in the prefill rank's
-geometry, fixed up into this rank's blocks when its notification lands (as
-a staged push's). A model with several KV cache groups (one block size on
+of its heads), the stream WRITEs into them; where they are head-major on
+both ranks with one block size (``PAGED``) but the TP sizes differ, it
+WRITEs the slice of heads this rank reads of each page straight into that
+slice of this rank's page (``head_slice``, as a ``PAGED`` pull READs it;
+a model with one KV cache group); otherwise (another block size, HND/NHD)
+it WRITEs into staging in the prefill rank's geometry, fixed up into this
+rank's blocks when its notification lands (as a staged push's). A model with several KV cache groups (one block size on
 both engines) stages each group's blocks after the previous group's
 (:func:`p2pkv.dataplane.blockmap.grouped_streamed_read`).
 """
@@ -69,6 +72,12 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
         if peer.plan.placement is Placement.DIRECT or (peer.plan.placement is Placement.PAGED and same_heads):
             counted = np.array([[0, len(spec.local_block_ids) * layout.block_bytes, device_id]], dtype=np.uint64)
             transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count))
+            continue
+        if peer.plan.placement is Placement.PAGED and peer.local_slices and not spec.stream_groups:
+            sliced = sum(page.length for page in peer.local_slices)  # bytes of this rank's heads, per block
+            counted = np.array([[0, len(spec.local_block_ids) * sliced, device_id]], dtype=np.uint64)
+            transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count,
+                                       head_slice=peer.plan.read))
             continue
         if spec.stream_groups:  # one block size on both engines: whole blocks, each group's into its own
             read = grouped_streamed_read(spec, block_size)

@@ -24,6 +24,7 @@ import numpy as np
 
 from p2pkv.dataplane.agent import XferHandle
 from p2pkv.dataplane.stager import Stage
+from p2pkv.dataplane.topology import RankRead
 from p2pkv.decode.direction import Direction
 from p2pkv.decode.peers import Peer, PeerId, canonical_host
 from p2pkv.metadata import LoadSpec
@@ -58,6 +59,8 @@ class Part:
         local_descs / remote_descs: uint64 ``[n, 3]`` ``(addr, bytes, device_id)`` rows.
         stage: staging it lands in (``STAGED`` plans), else None.
         readers: a layer stream's: how many decode ranks read its prefill rank (each sends its destination).
+        head_slice: a layer stream's slice of heads, WRITTEN from each of its prefill rank's pages straight into
+            this rank's (``PAGED`` plans of another TP size); None: pages whole, or into ``stage``.
         direction: which way it moves, once posted (None: not posted).
         live: posted and not released (NIXL releases a failed READ's handle: nothing of it is left to
             cancel or wait for); with ``done`` and ``abandoned``, whether it is in flight.
@@ -84,6 +87,7 @@ class Part:
     remote_descs: np.ndarray
     stage: Stage | None = None
     readers: int = 1
+    head_slice: RankRead | None = None
     direction: Direction | None = None
     live: bool = False
     handle: XferHandle | None = None

@@ -7,7 +7,10 @@ agent is the requester's own (:func:`p2pkv.prefill.push_requests.requester_ident
 the grant names this engine and the requester (or any decode engine) and
 has not expired; the agent's metadata is well formed and its pages are this
 rank's (same page size, layer and K/V order, heads, HND/NHD, dtype and block
-size: a stream moves pages as they are) or, with ``staging_addrs``, its
+size: a stream moves pages as they are), or, with ``head_slice``, both
+ranks' pages are head-major with the same block size and bytes per head and
+the slice lies within both ranks' heads (a stream moves that slice of each
+page into the same slice of the decode rank's), or, with ``staging_addrs``, its
 staging destination mirrors this rank's regions inside the staging the agent
 declares (as many staging blocks as all of its groups' block lists hold);
 it names one block list per KV cache group of this engine; its block ids
@@ -23,11 +26,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from handshake import KVLayoutDesc, KVRegion, StreamRequest
+from handshake import HeadSlice, KVLayoutDesc, KVRegion, StreamRequest
 from p2pkv.dataplane.agent import check_peer_info
 from p2pkv.dataplane.layers import page_segments
 from p2pkv.dataplane.layout import LayoutError, Segment
-from p2pkv.dataplane.negotiate import page_bytes, remote_segments
+from p2pkv.dataplane.negotiate import HEAD_MAJOR, page_bytes, remote_segments
 from p2pkv.dataplane.plan import PlanError, check_block_ids, check_rows_in_regions
 from p2pkv.grant import StreamGrant, StreamGrantError, check_stream_grant
 from p2pkv.prefill.agents import Identity
@@ -80,6 +83,58 @@ def staging_side(source: StreamSide, addrs: Sequence[int], num_blocks: int, devi
     return StreamSide(tuple(pages), num_blocks, device_id, tuple(segments), source.geometry)
 
 
+def slice_sides(source: StreamSide, side: StreamSide, cut: HeadSlice) -> tuple[StreamSide, StreamSide] | str:
+    """This rank's pages and a decode rank's, each cut to ``cut``'s slice of heads: the pages a stream with a
+    ``head_slice`` reads here and WRITEs there (page ``i`` of one into page ``i`` of the other).
+
+    A page of a head-major cache (HND, or vLLM's CPU attention page) is ``[heads, block_size, ...]``, so a
+    slice of heads is one contiguous run of ``num_heads`` × (the page's bytes / its heads) bytes.
+
+    Args:
+        source: this rank's pages (its :attr:`StreamSide.geometry` known).
+        side: the decode rank's own pages.
+        cut: the request's ``head_slice`` (heads counted within each rank's heads).
+
+    Returns:
+        ``(this rank's slices, the decode rank's slices)``, or why they cannot pair (naming ``head_slice``).
+    """
+    if not source.geometry or not side.geometry:
+        return "head_slice: this rank's or the decode rank's page geometry is unknown"
+    layout, dtype, heads, head_dim, block_size, mla = source.geometry
+    their_layout, their_dtype, their_heads, their_head_dim, their_block_size, their_mla = side.geometry
+    if mla or their_mla:
+        return "head_slice: an MLA latent has no heads to slice; send it without head_slice"
+    if layout != their_layout or layout not in HEAD_MAJOR:
+        return (f"head_slice: pages must be head-major on both ranks (one of {sorted(HEAD_MAJOR)}), this rank's "
+                f"are {layout}, the decode rank's {their_layout}; send staging_addrs (a staged stream)")
+    if (dtype, head_dim, block_size) != (their_dtype, their_head_dim, their_block_size):
+        return (f"head_slice: dtype, head_dim and block_size differ (this rank {dtype}, {head_dim}, {block_size}; "
+                f"the decode rank {their_dtype}, {their_head_dim}, {their_block_size}); send staging_addrs")
+    for name, start, count in (("prefill", cut.prefill_head_start, heads),
+                               ("decode", cut.decode_head_start, their_heads)):
+        if start + cut.num_heads > count:
+            return (f"head_slice: heads {start}..{start + cut.num_heads - 1} lie outside the {name} rank's "
+                    f"{count} heads")
+    order = [(p.layer_start, p.kv_index) for p in source.pages]
+    if order != [(p.layer_start, p.kv_index) for p in side.pages] or any(
+            p.length % heads or q.length % their_heads or p.length // heads != q.length // their_heads
+            for p, q in zip(source.pages, side.pages, strict=True)):
+        return (f"head_slice: the decode rank's {len(side.pages)} pages per block are not this rank's "
+                f"{len(order)} in the same layer and K/V order with the same bytes per head; send staging_addrs")
+    mine = tuple(_heads(p, heads, cut.prefill_head_start, cut.num_heads) for p in source.pages)
+    theirs = tuple(_heads(p, their_heads, cut.decode_head_start, cut.num_heads) for p in side.pages)
+    return (StreamSide(mine, source.num_blocks, source.device_id, source.segments, source.geometry),
+            StreamSide(theirs, side.num_blocks, side.device_id, side.segments, side.geometry))
+
+
+def _heads(page: Segment, heads: int, start: int, count: int) -> Segment:
+    """Heads ``start .. start + count - 1`` of ``page``, one of ``heads`` heads (each ``page.length / heads``
+    bytes)."""
+    per_head = page.length // heads
+    return Segment(page.addr + start * per_head, count * per_head, page.block_stride, page.layer_start,
+                   page.num_layers, page.kv_index)
+
+
 @dataclass(frozen=True)
 class CheckedStream:
     """A stream request that passed :func:`check_stream_request`.
@@ -89,12 +144,15 @@ class CheckedStream:
         grant: its checked grant.
         side: the decode rank's memory as the stream moves it.
         window_s: seconds from now within which the stream must end (the decode rank gives it up then).
+        source_pages: this rank's pages the stream reads for it (a ``head_slice`` of each); empty: its pages
+            whole.
     """
 
     identity: Identity
     grant: StreamGrant
     side: StreamSide
     window_s: float
+    source_pages: tuple[Segment, ...] = ()
 
 
 def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: bytes | None, engine_id: str,
@@ -132,7 +190,16 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
     if len(msg.group_blocks) != kv_groups - 1:
         return (f"group_blocks: {len(msg.group_blocks)} KV cache group(s) after the first, but this engine has "
                 f"{kv_groups} groups; run both engines with the same model and hybrid KV cache manager setting")
-    if msg.staging_addrs:
+    source_pages: tuple[Segment, ...] = ()
+    if msg.head_slice is not None:
+        if msg.staging_addrs or msg.group_blocks:
+            return ("head_slice: goes with neither staging_addrs nor group_blocks (a slice lands in the decode "
+                    "rank's own blocks, of a model with one KV cache group)")
+        cut = slice_sides(source, side, msg.head_slice)
+        if isinstance(cut, str):
+            return cut
+        source_pages, side = cut[0].pages, cut[1]
+    elif msg.staging_addrs:
         num_blocks = len(msg.block_ids) + sum(len(named.block_ids) for named in msg.group_blocks)
         staged = staging_side(source, msg.staging_addrs, num_blocks, side.device_id, msg.agent.staging)
         if isinstance(staged, str):
@@ -152,7 +219,7 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
     window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - now)
     if window_s <= 0:
         return "window_s passed before the request was handled (a busy side channel)"
-    return CheckedStream(identity, grant, side, window_s)
+    return CheckedStream(identity, grant, side, window_s, source_pages)
 
 
 def pages_differ(ours: StreamSide, theirs: StreamSide) -> str | None:

@@ -124,6 +124,8 @@ class StreamTarget:
             :meth:`p2pkv.prefill.stream_measures.StreamMeasures.per_layer`), as for a ``bulk`` stream.
         group_blocks: a model with several KV cache groups: the decode blocks of groups 1 .. (``block_ids``
             and ``first_block`` are group 0's); a layer's pages of group ``g``'s blocks go to group ``g``'s.
+        source_pages: the pages of the stream's :class:`StreamSide` this destination takes, in its order (a slice
+            of heads of each: :func:`p2pkv.prefill.stream_requests.slice_sides`); empty: the pages whole.
     """
 
     agent: str
@@ -134,6 +136,7 @@ class StreamTarget:
     deadline: float = math.inf
     whole: bool = False
     group_blocks: tuple[GroupBlocks, ...] = ()
+    source_pages: tuple[Segment, ...] = ()
 
     def blocks(self, group: int) -> tuple[int, Sequence[int]]:
         """``(first_block, block_ids)`` of KV cache group ``group`` (no blocks for a group it does not name)."""
@@ -290,7 +293,7 @@ class LayerStream:
         """
         if self._target is not None:
             raise ValueError(f"request {self.request_id}: the stream already has a destination")
-        ours, theirs = self.source.pages, target.side.pages
+        ours, theirs = target.source_pages or self.source.pages, target.side.pages
         if [(p.length, p.layer_start, p.kv_index) for p in ours] != [
                 (p.length, p.layer_start, p.kv_index) for p in theirs]:
             raise ValueError(f"request {self.request_id}: the destination's {len(theirs)} pages per block differ "
@@ -399,8 +402,9 @@ class LayerStream:
         source_ids = chunk.source_ids[lo - chunk.first_block:hi - chunk.first_block]
         target_ids = block_ids[lo - first:hi - first]
         src, dst = self.source, t.side
-        pick = [i for i, p in enumerate(src.pages) if p.layer_start == chunk.layer]
-        return layer_rows([src.pages[i] for i in pick], [dst.pages[i] for i in pick], source_ids, target_ids,
+        pages = t.source_pages or src.pages
+        pick = [i for i, p in enumerate(pages) if p.layer_start == chunk.layer]
+        return layer_rows([pages[i] for i in pick], [dst.pages[i] for i in pick], source_ids, target_ids,
                           source_num_blocks=src.num_blocks, target_num_blocks=dst.num_blocks,
                           source_device=src.device_id, target_device=dst.device_id)
 

@@ -175,7 +175,7 @@ class PrefillStreams(StreamReleases):
         deadline = self._clock() + checked.window_s  # the decode rank gives the load up then: no WRITE after it
         target = StreamTarget(msg.agent.agent_name, checked.side, tuple(msg.block_ids), msg.first_block,
                               msg.push_id, deadline, not self.measures.per_layer(rank_name(checked.identity)),
-                              tuple(msg.group_blocks))
+                              tuple(msg.group_blocks), checked.source_pages)
         dest = Destination(target, checked.identity, msg.num_tokens, msg.prompt_digest, deadline, msg.readers)
         with self._lock:
             request_id = self._by_stream.get(stream_id)
