@@ -17,8 +17,9 @@ WRITEs the slice of heads this rank reads of each page straight into that
 slice of this rank's page (``head_slice``, as a ``PAGED`` pull READs it;
 a model with one KV cache group); otherwise (another block size, HND/NHD)
 it WRITEs into staging in the prefill rank's geometry, fixed up into this
-rank's blocks when its notification lands (as a staged push's). A model with several KV cache groups (one block size on
-both engines) stages each group's blocks after the previous group's
+rank's blocks when its notification lands (as a staged push's). A model
+with several KV cache groups (one block size on both engines) stages each
+group's blocks after the previous group's
 (:func:`p2pkv.dataplane.blockmap.grouped_streamed_read`).
 """
 
