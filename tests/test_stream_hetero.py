@@ -195,6 +195,14 @@ def test_a_staged_stream_after_a_cached_prefix_moves_only_the_tokens_past_it(row
     _stream_and_check(row, tokens=150, first_token=2 * decode_side.block_size)
 
 
+@pytest.mark.parametrize("row", ["TP 2 -> 1", "TP 1 -> 2"])
+def test_a_sliced_stream_after_a_cached_prefix_writes_only_the_blocks_past_it(row: str) -> None:
+    """The decode engine has its first two blocks cached: each prefill rank WRITEs its heads' slice of the
+    blocks past them only, and the cached blocks stay as they were."""
+    _, decode_side, _ = ROWS[row]
+    _stream_and_check(row, tokens=150, first_token=2 * decode_side.block_size)
+
+
 MODEL = ModelInfo("BLHNC", "float32", SHAPE["num_heads"], SHAPE["head_dim"], SHAPE["block_size"])
 
 
