@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from handshake.bounds import MAX_MESSAGE_BYTES
 from handshake.client import (
-    HoldLink,
     fetch_agent_info,
     query_holds,
     release_holds,
@@ -37,6 +36,7 @@ from handshake.errors import (
     WrongDestinationError,
 )
 from handshake.holds import HoldStatus
+from handshake.link import HoldLink
 from handshake.messages import (
     PROTOCOL_VERSION,
     AgentInfo,
