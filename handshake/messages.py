@@ -536,7 +536,7 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
             rank (1 ..); each rank's destination is taken once.
         group_blocks: for a model with several KV cache groups (vLLM's hybrid KV cache manager), the
             destination of groups 1 .. in group order (``block_ids`` and ``first_block`` are group 0's);
-            empty for one group. Such streams move pages as they are (no ``staging_addrs``).
+            empty for one group (with ``staging_addrs``, staging blocks, each group's after the previous's).
         head_slice: None: the stream moves this rank's pages whole. Else (head-major pages of the same block
             size and bytes per head on both ranks, TP sizes differing) each of this rank's pages gives the
             slice of heads it names, WRITTEN into that slice of the decode rank's own page (no staging).

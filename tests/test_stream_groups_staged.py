@@ -1,9 +1,12 @@
 """Layer streams of a model with several KV cache groups between engines whose pages differ, with real NIXL.
 
-Such a pair (another TP size or HND/NHD; one block size on both engines,
-as for a pull of such a model) streams into the decode rank's staging: each
-group's blocks staged after the previous group's, each staging block fixed
-up whole into the decode block of the same group and position. Both
+Such a pair of HND and NHD pages (one block size on both engines, as for a
+pull of such a model) streams into the decode rank's staging: each group's
+blocks staged after the previous group's, each staging block fixed up whole
+into the decode block of the same group and position. A pair of another TP
+size over head-major pages streams each prefill rank's heads of every
+group's blocks straight into their slice of the decode blocks of the same
+group and position (``head_slice``). Both
 engines' workers run in this process, their caches filled as in
 :mod:`tests.test_hetero` (a unique int32 code per layer, token, global head
 and element), the sliding-window group's blocks with codes of their own so
@@ -34,8 +37,8 @@ WINDOW_CODE = 2048
 """Token offset of the window group's codes (its layers' KV differs from the full-attention layers')."""
 
 GROUPED_ROWS = ["HND -> NHD", "TP 2 -> 1", "TP 1 -> 2"]
-"""Pairs of one block size whose pages differ: page order, a decode rank reading two prefill ranks' heads, two
-decode ranks each taking half of one prefill rank's heads."""
+"""Pairs of one block size whose pages differ: page order (staged), a decode rank reading two prefill ranks' heads,
+two decode ranks each taking half of one prefill rank's heads (sliced)."""
 
 Workers = list[tuple[WorkerSide, torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -65,7 +68,8 @@ def _workers(engine: str, side: Side, port: int, full: list[int] | None = None, 
 def test_a_grouped_stream_between_engines_whose_pages_differ_lands_each_group_in_its_own_blocks(row: str) -> None:
     """A 60-token prompt (4 blocks of 16): the full group's 4 blocks and the window group's blocks of prompt
     blocks 2 and 3 stream from every prefill rank into every decode rank's staging, then into its blocks of the
-    same group, whole (a grouped stream moves whole blocks, as a pull of such a model does)."""
+    same group, or, across TP sizes, each rank's heads straight into its blocks of the same group; whole blocks
+    either way (as a pull of such a model moves them)."""
     prefill_side, decode_side, how = ROWS[row]
     tokens = 60
     loaded = tokens - 1
@@ -99,7 +103,11 @@ def test_a_grouped_stream_between_engines_whose_pages_differ_lands_each_group_in
                 time.sleep(0.002)
             assert decode.get_block_ids_with_load_errors() == set()
             assert mode(decode) == {how}
-            assert (decode.take_stats() or {}).get("directions") == {"stream": 1}
+            stats = decode.take_stats() or {}
+            assert stats.get("directions") == {"stream": 1}
+            if how == "paged":  # sliced: this rank's blocks of both groups, and nothing more
+                block_bytes = decode.receiver.rank.layout.block_bytes
+                assert stats.get("pull_bytes") == [len(full_local + window_local) * block_bytes]
             want, views = make_cache(decode_side, rank, "cpu", full_local, tokens)
             first = WINDOW_FIRST * decode_side.block_size
             fill(decode_side, rank, views, window_local, tokens - first, first=WINDOW_CODE + first)

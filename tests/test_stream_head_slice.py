@@ -48,7 +48,7 @@ def test_a_slice_of_heads_is_cut_from_both_ranks_pages(agents: Agents) -> None:
     (HeadSlice(1, 0, 2), {}, "HND", "head_slice: heads 1..2 lie outside the prefill rank's 2 heads"),
     (HeadSlice(0, 1, 2), {}, "HND", "head_slice: heads 1..2 lie outside the decode rank's 2 heads"),
     (HeadSlice(0, 0, 1), {}, "NHD", "head_slice: pages must be head-major on both ranks"),
-    (HeadSlice(0, 0, 1), {"staging_addrs": [1 << 20]}, "HND", "head_slice: goes with neither staging_addrs"),
+    (HeadSlice(0, 0, 1), {"staging_addrs": [1 << 20]}, "HND", "head_slice: goes without staging_addrs"),
 ])
 def test_a_slice_outside_either_ranks_heads_or_of_token_major_pages_is_refused(
         agents: Agents, cut: HeadSlice, fields: dict, layout: str, why: str) -> None:

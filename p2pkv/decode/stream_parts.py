@@ -15,7 +15,8 @@ of its heads), the stream WRITEs into them; where they are head-major on
 both ranks with one block size (``PAGED``) but the TP sizes differ, it
 WRITEs the slice of heads this rank reads of each page straight into that
 slice of this rank's page (``head_slice``, as a ``PAGED`` pull READs it;
-a model with one KV cache group); otherwise (another block size, HND/NHD)
+every KV cache group's blocks into its own); otherwise (another block size,
+HND/NHD)
 it WRITEs into staging in the prefill rank's geometry, fixed up into this
 rank's blocks when its notification lands (as a staged push's). A model
 with several KV cache groups (one block size on both engines) stages each
@@ -74,7 +75,7 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
             counted = np.array([[0, len(spec.local_block_ids) * layout.block_bytes, device_id]], dtype=np.uint64)
             transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count))
             continue
-        if peer.plan.placement is Placement.PAGED and peer.local_slices and not spec.stream_groups:
+        if peer.plan.placement is Placement.PAGED and peer.local_slices:
             sliced = sum(page.length for page in peer.local_slices)  # bytes of this rank's heads, per block
             counted = np.array([[0, len(spec.local_block_ids) * sliced, device_id]], dtype=np.uint64)
             transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count,
