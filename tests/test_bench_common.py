@@ -132,3 +132,18 @@ def test_the_command_parses_on_a_gpu_node_without_the_proxy_dependencies() -> No
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "proxy needs" in out.stdout  # the proxy itself still imports FastAPI when used
+
+
+def test_the_slice_report_tables_each_system_and_regime() -> None:
+    report = load_script("stream_tp_slice_report")
+
+    def result(system: str, tls: str, wall: float, tail: float, mib: int) -> dict:
+        rows = [{"wall_s": wall + i, "prefill_s": wall - 1 + i, "tail_s": tail, "streams": 2} for i in range(3)]
+        return {"system": system, "ucx_tls": tls, "length": 2048, "decode_tp": 2, "requests": rows,
+                "pulls": [{"bytes": mib << 20}] * 6}
+
+    lines = report.table([result("staged", "tcp,self", 13.0, 2.0, 512), result("sliced", "tcp,self", 11.0, 0.1, 256),
+                          result("sliced", "cma,tcp,self", 10.0, 0.0, 256)])
+    assert [line.split(" | ")[:2] for line in lines[2:]] == [["| cma", "sliced"], ["| tcp", "sliced"],
+                                                             ["| tcp", "staged"]]
+    assert lines[4] == "| tcp | staged | 3 | 14.00 | 13.00 | 2.000 | 1.00 | 512 |"
