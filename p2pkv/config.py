@@ -51,6 +51,13 @@ MAX_STREAM_TIMEOUT_S = 3600.0
 MAX_LINK_SHARE = 100.0
 """The largest ``stream_min_link_share`` (a layer's link time over its forward time)."""
 
+LIFETIME_LEASES = 4
+"""How many ``lease_s`` a capability's or stream grant's expiry may lie ahead of the receiving engine's clock
+(:attr:`P2pKvConfig.max_lifetime_s`): a prefill engine signs its capabilities for one ``lease_s`` and the
+proxy its grants for :data:`p2pkv.grant.GRANT_LIFETIME_S` (120 s, the default lease), so honest params never
+come near it, while a signer whose clock runs fast, or a forged far-future expiry, is refused before anything
+is remembered for it."""
+
 MAKE_SECRET = 'python -c "import secrets; print(secrets.token_hex(32))"'
 """A command that prints a good secret (64 hex characters)."""
 
@@ -344,6 +351,13 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def heartbeat_every_s(self) -> float:
         """The heartbeat period in force (seconds; 0 = off)."""
         return self.lease_s / 4 if self.heartbeat_interval_s is None else self.heartbeat_interval_s
+
+    @property
+    def max_lifetime_s(self) -> float:
+        """How far (seconds) past this engine's clock a capability's or stream grant's expiry may lie:
+        :data:`LIFETIME_LEASES` × ``lease_s`` (480 s by default). Later ones are refused, so what an engine
+        remembers of them (bound stream ids, bound capabilities) lasts at most this long."""
+        return LIFETIME_LEASES * self.lease_s
 
     @property
     def stream_window_s(self) -> float:

@@ -39,13 +39,28 @@ from typing import Any
 
 import msgspec
 
-from p2pkv.params import CLOCK_SKEW_S, KVTransferParamsError, RemotePrefill, parse_prefill_address, shown
+from p2pkv.params import (
+    CLOCK_SKEW_S,
+    DEFAULT_MAX_LIFETIME_S,
+    KVTransferParamsError,
+    RemotePrefill,
+    lifetime_refusal,
+    parse_prefill_address,
+    shown,
+)
 
 GRANT_KEY = "p2pkv_stream_grant"
 """The ``kv_transfer_params`` key of a stream grant."""
 
 ANY_DECODE = "*"
 """The decode engine id of a grant for whichever decode engine presents it first."""
+
+GRANT_LIFETIME_S = 120.0
+"""The longest a proxy signs a grant for (seconds): twice the decode engine's default stream window (60 s, the
+``transfer_timeout_s`` a stream waits for its prefill), so a grant outlives any stream it starts, and well inside
+the receivers' ``max_lifetime_s`` (4 × the default ``lease_s`` of 120 s: 480 s), so a proxy whose clock runs
+minutes fast still has its grants accepted. What an engine remembers of a grant (a served or declined stream
+id) lasts as long as the grant."""
 
 GRANT_FORM = re.compile(r"v1\.([0-9a-f]{32})\.([0-9]{1,12})\.([0-9a-f]{64})")
 STREAM_ID_FORM = re.compile(r"[0-9a-f]{32}")
@@ -101,17 +116,28 @@ def make_stream_grant(prefill_engine_id: str, decode_engine_id: str, secret: byt
 
 
 def check_stream_grant(grant: Any, secret: bytes, *, prefill_engine_id: str, decode_engine_id: str,
-                       now: float) -> StreamGrant:
+                       now: float, max_lifetime_s: float = DEFAULT_MAX_LIFETIME_S) -> StreamGrant:
     """Check a grant for a stream from ``prefill_engine_id`` into ``decode_engine_id`` (or, signed so, into
     :data:`ANY_DECODE`) at time ``now``.
 
+    Checks, in this order: form (before anything else is read), expiry (past, then future), MAC (constant time).
+
+    Args:
+        grant: the ``p2pkv_stream_grant`` value.
+        secret: the side channel's secret.
+        prefill_engine_id: the prefill engine's ``engine_id``.
+        decode_engine_id: the decode engine's ``engine_id``.
+        now: this engine's clock (seconds since the Unix epoch).
+        max_lifetime_s: how far past ``now`` the expiry may lie (seconds; engines pass
+            :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
+
     Raises:
-        StreamGrantError: missing or malformed (checked before anything else is read), expired more than
-            :data:`p2pkv.params.CLOCK_SKEW_S` ago, or its MAC does not cover these two engines (made for
-            others, altered, or made with another secret).
+        StreamGrantError: missing or malformed, expired more than :data:`p2pkv.params.CLOCK_SKEW_S` ago,
+            expiring more than ``max_lifetime_s`` + that skew after ``now``, or its MAC does not cover these two
+            engines (made for others, altered, or made with another secret).
     """
     key = f"kv_transfer_params.{GRANT_KEY}"
-    stream_id, expiry, mac = _read(grant, now)
+    stream_id, expiry, mac = _read(grant, now, max_lifetime_s)
     if not any(hmac.compare_digest(mac, grant_mac(stream_id, prefill_engine_id, decode, expiry, secret))
                for decode in (decode_engine_id, ANY_DECODE)):
         raise StreamGrantError(f"{key} does not cover a stream from prefill engine {prefill_engine_id!r} into "
@@ -120,8 +146,8 @@ def check_stream_grant(grant: Any, secret: bytes, *, prefill_engine_id: str, dec
     return StreamGrant(stream_id, expiry)
 
 
-def _read(grant: Any, now: float) -> tuple[str, int, str]:
-    """``(stream_id, expiry, mac)`` of a grant's wire form. Raises StreamGrantError (form, expiry)."""
+def _read(grant: Any, now: float, max_lifetime_s: float) -> tuple[str, int, str]:
+    """``(stream_id, expiry, mac)`` of a grant's wire form. Raises StreamGrantError (form, expiry past and future)."""
     key = f"kv_transfer_params.{GRANT_KEY}"
     match = GRANT_FORM.fullmatch(grant) if isinstance(grant, str) else None
     if match is None:
@@ -131,6 +157,11 @@ def _read(grant: Any, now: float) -> tuple[str, int, str]:
     expiry = int(expiry_text)
     if now > expiry + CLOCK_SKEW_S:
         raise StreamGrantError(f"{key} expired {now - expiry:.0f} s ago: send the request through the proxy again")
+    why = lifetime_refusal(key, expiry, now, max_lifetime_s, "the proxy's clock runs ahead of this engine's "
+                           "(synchronise them, e.g. with NTP), or it signs grants for longer than this engine's "
+                           f"lease_s allows (p2pkv's proxy signs for at most {GRANT_LIFETIME_S:.0f} s; raise lease_s)")
+    if why:
+        raise StreamGrantError(why)
     return stream_id, expiry, mac
 
 
@@ -145,12 +176,15 @@ def wants_stream(params: dict[str, Any] | None) -> bool:
 
 
 def parse_stream_leg(params: dict[str, Any], secret: bytes | None, *, decode_engine_id: str,
-                     now: float) -> tuple[RemotePrefill, str]:
+                     now: float, max_lifetime_s: float = DEFAULT_MAX_LIFETIME_S) -> tuple[RemotePrefill, str]:
     """The decode leg's params of a stream: where the prefill engine is, and the grant (checked).
 
     The returned :class:`~p2pkv.params.RemotePrefill` names the stream by its
     ``stream_id`` as ``request_id``, has no block ids (the prefill rank
     WRITEs into this engine's blocks) and ``transfer_mode`` ``"stream"``.
+    Checks, in this order: a secret, the prefill engine's address, the grant
+    (:func:`check_stream_grant`, at ``now``, seconds since the Unix epoch, with
+    ``max_lifetime_s``, seconds).
 
     Raises:
         StreamGrantError: no secret (a grant cannot be checked without one), or the grant's own refusals
@@ -163,7 +197,7 @@ def parse_stream_leg(params: dict[str, Any], secret: bytes | None, *, decode_eng
                                "it cannot check a stream grant; stream only between engines that share a secret")
     engine_id, host, port, tp_size = parse_prefill_address(params)
     grant = check_stream_grant(params.get(GRANT_KEY), secret, prefill_engine_id=engine_id,
-                               decode_engine_id=decode_engine_id, now=now)
+                               decode_engine_id=decode_engine_id, now=now, max_lifetime_s=max_lifetime_s)
     remote = RemotePrefill(engine_id=engine_id, request_id=grant.stream_id, host=host, port=port, block_ids=(),
                            tp_size=tp_size, transfer_mode="stream")
     return remote, params[GRANT_KEY]

@@ -16,12 +16,17 @@ reaches the decode engine's HTTP API can send any params, but without the
 secret cannot make params that point the decode engine at another host,
 name another request's blocks, or outlive their expiry. Routers that pass
 the params through unchanged keep working.
+
+Forged params are refused cheaply, in a fixed order: the capability's form
+and expiry (past and future: at most ``max_lifetime_s`` ahead), every count,
+the MAC over the lists as they came, then each id (:func:`parse_remote_prefill`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import math
 import re
 import struct
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from p2pkv.config import LIFETIME_LEASES
 
 
 class KVTransferParamsError(ValueError):
@@ -61,6 +68,10 @@ MAX_APPENDED_TOKENS = 1024
 """Most ``appended_tokens`` accepted (the proxy appends one: the prefill engine's sampled first token)."""
 MAX_KV_CACHE_GROUPS = 64
 """Most KV cache groups accepted in ``remote_block_ids`` (vLLM makes a handful)."""
+DEFAULT_MAX_LIFETIME_S = LIFETIME_LEASES * 120.0
+"""How far (seconds) past the receiver's clock a capability's or stream grant's expiry may lie when the caller
+does not say (:attr:`p2pkv.config.P2pKvConfig.max_lifetime_s` with the default ``lease_s`` of 120 s: 480 s);
+engines pass their own ``max_lifetime_s``."""
 
 
 @dataclass(frozen=True)
@@ -206,36 +217,58 @@ def _optional_int(params: dict[str, Any], key: str, default: int, lo: int, hi: i
     return value
 
 
-def _block_id_list(raw: Any, key: str, max_blocks: int) -> tuple[int, ...]:
-    if not isinstance(raw, list | tuple) or len(raw) > max_blocks:
-        count = f" (got {len(raw)})" if isinstance(raw, list | tuple) else ""
-        raise KVTransferParamsError(f"kv_transfer_params.{key} must be a list of at most {max_blocks} block ids"
-                                    f"{count}: no longer prompt fits this engine")
-    ints = set(map(type, raw)) <= {int}
-    if ints and (not raw or (min(raw) >= 0 and max(raw) <= MAX_BLOCK_ID)):  # the common case, ~3x faster than
-        return tuple(raw)  # the loop
-    for b in raw:
+def check_kv_groups(groups: int, kv_groups: int) -> None:
+    """Raises KVTransferParamsError (naming ``remote_block_ids`` and the fix) when ``groups`` != ``kv_groups``."""
+    if groups != kv_groups:
+        raise KVTransferParamsError(
+            f"kv_transfer_params.remote_block_ids has {groups} KV cache group(s), this "
+            f"engine has {kv_groups}: run prefill and decode with the same model and the same "
+            "hybrid KV cache manager setting (--disable-hybrid-kv-cache-manager on both or neither)")
+
+
+def _block_groups(raw: Any, max_blocks: int, kv_groups: int | None) -> tuple[Sequence[Any], bool]:
+    """``(groups, nested)``: ``remote_block_ids`` as one list per KV cache group (a flat list is one group, as in
+    :meth:`RemotePrefill.groups`), counted in O(groups), no id looked at: at most :data:`MAX_KV_CACHE_GROUPS`
+    groups (exactly ``kv_groups`` when given), each a list of at most ``max_blocks``, :data:`MAX_BLOCK_IDS` in
+    all. ``nested``: sent as NixlConnector's ``[[ids...], ...]``. Raises KVTransferParamsError naming the key."""
+    if not isinstance(raw, list | tuple):
+        raise KVTransferParamsError("kv_transfer_params.remote_block_ids must be a list")
+    nested = bool(raw) and isinstance(raw[0], list | tuple)
+    if nested and len(raw) > MAX_KV_CACHE_GROUPS:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has {len(raw)} KV cache groups, more "
+                                    f"than {MAX_KV_CACHE_GROUPS}")
+    groups = raw if nested else (raw,)
+    if kv_groups is not None:
+        check_kv_groups(len(groups), kv_groups)
+    for i, group in enumerate(groups):
+        if not isinstance(group, list | tuple) or len(group) > max_blocks:
+            count = f" (got {len(group)})" if isinstance(group, list | tuple) else ""
+            raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids{f'[{i}]' if nested else ''} must be "
+                                        f"a list of at most {max_blocks} block ids{count}: no longer prompt fits "
+                                        "this engine")
+    if sum(map(len, groups)) > MAX_BLOCK_IDS:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has more than {MAX_BLOCK_IDS} entries")
+    return groups, nested
+
+
+def _check_ids(group: Sequence[Any], key: str) -> tuple[int, ...]:
+    """One group's entries as block ids: each an int (no bool) in ``0..MAX_BLOCK_ID``. Raises KVTransferParamsError."""
+    if set(map(type, group)) <= {int} and (not group or (min(group) >= 0 and max(group) <= MAX_BLOCK_ID)):
+        return tuple(group)  # the common case, ~3x faster than the loop
+    for b in group:
         if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BLOCK_ID:
             raise KVTransferParamsError(f"kv_transfer_params.{key} holds {shown(b)}; block ids are ints in "
                                         f"0..{MAX_BLOCK_ID}")
-    return tuple(raw)
+    return tuple(group)
 
 
-def _block_ids(raw: Any, max_blocks: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(block_ids, group_sizes)`` from ``[ids...]`` or NixlConnector's per-group ``[[ids...], ...]``; at most
-    ``max_blocks`` per KV cache group, counted before any id is looked at."""
-    if not isinstance(raw, list | tuple):
-        raise KVTransferParamsError("kv_transfer_params.remote_block_ids must be a list")
-    if not raw or not isinstance(raw[0], list | tuple):
-        return _block_id_list(raw, "remote_block_ids", max_blocks), ()
-    if len(raw) > MAX_KV_CACHE_GROUPS:
-        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has {len(raw)} KV cache groups, more "
-                                    f"than {MAX_KV_CACHE_GROUPS}")
-    groups = [_block_id_list(g, f"remote_block_ids[{i}]", max_blocks) for i, g in enumerate(raw)]
-    flat = tuple(b for g in groups for b in g)
-    if len(flat) > MAX_BLOCK_IDS:
-        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has more than {MAX_BLOCK_IDS} entries")
-    return flat, (tuple(len(g) for g in groups) if len(groups) > 1 else ())
+def _block_ids(groups: Sequence[Any], nested: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(block_ids, group_sizes)`` of counted groups (:func:`_block_groups`), every id checked."""
+    if not nested:
+        return _check_ids(groups[0], "remote_block_ids"), ()
+    checked = [_check_ids(g, f"remote_block_ids[{i}]") for i, g in enumerate(groups)]
+    flat = tuple(itertools.chain.from_iterable(checked))
+    return flat, (tuple(len(g) for g in checked) if len(checked) > 1 else ())
 
 
 def wants_remote_prefill(params: dict[str, Any] | None) -> bool:
@@ -249,52 +282,57 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
 
 
 def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None, now: float | None = None,
-                         max_blocks: int = MAX_BLOCK_IDS) -> RemotePrefill:
+                         max_blocks: int = MAX_BLOCK_IDS, kv_groups: int | None = None,
+                         max_lifetime_s: float = DEFAULT_MAX_LIFETIME_S) -> RemotePrefill:
     """Parse and validate the params a decode engine received, and with ``secret`` check their capability.
 
-    The cheap refusals come first: with ``secret``, a capability that is missing, malformed or expired is
-    refused before any other key is read, and the block id lists are counted against ``max_blocks`` before
-    any id is looked at; the MAC, which covers every block id, is computed last.
+    Checks, in this order (forged params cost O(1) or one MAC, never a look at every id):
+    1. (with ``secret``) the capability's form and expiry: missing, malformed, expired more than
+    :data:`CLOCK_SKEW_S` ago, or expiring more than ``max_lifetime_s`` + :data:`CLOCK_SKEW_S` after ``now``;
+    2. the counts of ``remote_block_ids``, no id looked at: KV cache groups (at most :data:`MAX_KV_CACHE_GROUPS`,
+    exactly ``kv_groups`` when given), ids per group (at most ``max_blocks``), ids in all (:data:`MAX_BLOCK_IDS`);
+    3. the other keys (ids, host, port, ``tp_size``, token counts, transfer mode, prompt digest; each O(1));
+    4. (with ``secret``) the MAC over the lists as they came: one msgpack encoding, byte for byte what
+    :func:`capability_mac` signs for valid params (an encoding longer than valid ids' is refused before the HMAC);
+    5. each block id's type and range (an int in ``0..MAX_BLOCK_ID``); only now is a tuple of ids built.
 
     Args:
         params: the request's ``kv_transfer_params``.
-        secret: the side-channel secret: the params must carry a valid,
-            unexpired ``p2pkv_capability`` made with it; None (an insecure
-            deployment) accepts params without one.
+        secret: the side-channel secret: the params must carry a valid, unexpired ``p2pkv_capability`` made with
+            it; None (an insecure deployment) accepts params without one (steps 1 and 4 skipped).
         now: the time (seconds since the Unix epoch; default: now).
-        max_blocks: most block ids per KV cache group a request may name: the
-            decode engine's ``max_model_len`` in its blocks (and never more than
-            :data:`MAX_BLOCK_IDS`).
+        max_blocks: most block ids per KV cache group a request may name: the decode engine's ``max_model_len``
+            in its blocks (and never more than :data:`MAX_BLOCK_IDS`).
+        kv_groups: the decode engine's KV cache groups (None: not checked; :meth:`p2pkv.decode.load.DecodeLoad.of`
+            checks them).
+        max_lifetime_s: how far past ``now`` the capability's expiry may lie (seconds; engines pass
+            :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
 
     Raises:
-        KVTransferParamsError: a key is missing, has a wrong type or is out of
-            range (the message names it and the accepted range), or (with
-            ``secret``) the capability is missing, altered or expired (named
-            ``kv_transfer_params.p2pkv_capability``).
+        KVTransferParamsError: a key is missing, has a wrong type or is out of range (the message names it and
+            the accepted range), another number of KV cache groups than ``kv_groups``, or (with ``secret``) the
+            capability is missing, altered, expired or too far ahead (named ``kv_transfer_params.p2pkv_capability``).
     """
     if not isinstance(params, dict):
         raise KVTransferParamsError(f"kv_transfer_params must be an object, got {type(params).__name__}")
     now = time.time() if now is None else now
-    expiry = _capability_expiry(params.get(CAPABILITY_KEY), now) if secret else 0
+    expiry = _capability_expiry(params.get(CAPABILITY_KEY), now, max_lifetime_s) if secret else 0
+    groups, nested = _block_groups(_require(params, "remote_block_ids", (list, tuple)),
+                                   min(max_blocks, MAX_BLOCK_IDS), kv_groups)
     port, tp_size = _port_and_ranks(params)
-    block_ids, group_sizes = _block_ids(_require(params, "remote_block_ids", (list, tuple)),
-                                        min(max_blocks, MAX_BLOCK_IDS))
-    remote = RemotePrefill(
-        engine_id=_text(params, "remote_engine_id"),
-        request_id=_text(params, "remote_request_id"),
-        host=_text(params, "remote_host", HOST_PATTERN),
-        port=port,
-        block_ids=block_ids,
-        tp_size=tp_size,
-        num_tokens=_optional_int(params, "remote_num_tokens", 0, 0, MAX_BLOCK_IDS * 1024),
-        group_sizes=group_sizes,
-        appended_tokens=_optional_int(params, "appended_tokens", 0, 0, MAX_APPENDED_TOKENS),
-        transfer_mode=_transfer_mode(params),
-        prompt_digest=_digest(params),
-    )
+    engine_id, request_id = _text(params, "remote_engine_id"), _text(params, "remote_request_id")
+    host = _text(params, "remote_host", HOST_PATTERN)
+    num_tokens = _optional_int(params, "remote_num_tokens", 0, 0, MAX_BLOCK_IDS * 1024)
+    appended_tokens = _optional_int(params, "appended_tokens", 0, 0, MAX_APPENDED_TOKENS)
+    transfer_mode, digest = _transfer_mode(params), _digest(params)
     if secret:
-        _check_mac(remote, params[CAPABILITY_KEY], expiry, secret)
-    return remote
+        fields = [engine_id, request_id, host, port, tp_size, groups, num_tokens, appended_tokens, digest, expiry]
+        if not hmac.compare_digest(params[CAPABILITY_KEY].rpartition(".")[2], _fields_mac(fields, secret)):
+            raise _mac_mismatch()
+    block_ids, group_sizes = _block_ids(groups, nested)
+    return RemotePrefill(engine_id=engine_id, request_id=request_id, host=host, port=port, block_ids=block_ids,
+                         tp_size=tp_size, num_tokens=num_tokens, group_sizes=group_sizes,
+                         appended_tokens=appended_tokens, transfer_mode=transfer_mode, prompt_digest=digest)
 
 
 def _port_and_ranks(params: dict[str, Any]) -> tuple[int, int]:
@@ -334,6 +372,13 @@ def _transfer_mode(params: dict[str, Any]) -> str:
     return "push" if value == "stream" else value  # params a prefill engine answered: its KV is whole, push it
 
 
+MAC_LABEL = "p2pkv kv_transfer_params v2"
+"""The first item of the list a capability's MAC covers (:func:`capability_mac`)."""
+
+_MAX_ID_BYTES = 5
+"""The most bytes msgpack encodes a valid block id (an int in ``0..MAX_BLOCK_ID``) or an array header in."""
+
+
 def capability_mac(remote: RemotePrefill, expiry: int, secret: bytes) -> str:
     """HMAC-SHA256 (hex) of everything a pull of ``remote`` uses, and ``expiry`` (Unix seconds).
 
@@ -343,30 +388,60 @@ def capability_mac(remote: RemotePrefill, expiry: int, secret: bytes) -> str:
     value, with no room for ambiguity. Everything that decides what the KV
     means is in it; the flags proxies and routers rewrite
     (``do_remote_decode``, ``do_remote_prefill``), the transfer mode and the
-    trace context are not.
+    trace context are not. :func:`parse_remote_prefill` computes the same
+    bytes from the params' lists as they came.
     """
-    fields = ["p2pkv kv_transfer_params v2", remote.engine_id, remote.request_id, remote.host, remote.port,
+    fields = [MAC_LABEL, remote.engine_id, remote.request_id, remote.host, remote.port,
               remote.tp_size, [list(g) for g in remote.groups()], remote.num_tokens, remote.appended_tokens,
               remote.prompt_digest, expiry]
     return hmac.new(secret, msgspec.msgpack.encode(fields), hashlib.sha256).hexdigest()
 
 
-def check_capability(remote: RemotePrefill, capability: Any, secret: bytes, now: float) -> None:
-    """Check ``kv_transfer_params.p2pkv_capability`` of the params ``remote`` was parsed from.
+def _fields_mac(fields: list[Any], secret: bytes) -> str:
+    """HMAC-SHA256 (hex) of ``[MAC_LABEL, *fields]`` as :func:`capability_mac` encodes it, ``fields[5]`` the block
+    id lists as they came (counted, not looked into): one msgpack encoding and one HMAC, no Python loop over ids.
 
     Raises:
-        KVTransferParamsError: the capability is missing or malformed, it
-            expired more than :data:`CLOCK_SKEW_S` ago, or its MAC does not
-            cover these params (altered, or made with another secret).
+        KVTransferParamsError: the lists hold what msgpack cannot encode (an int beyond 64 bits, an object), or
+            encode longer than valid block ids could (floats, strings: nobody signed those), before the HMAC.
     """
-    _check_mac(remote, capability, _capability_expiry(capability, now), secret)
+    groups = fields[5]
+    message_fields = [MAC_LABEL, *fields]
+    try:
+        message = msgspec.msgpack.encode(message_fields)
+    except (TypeError, ValueError, OverflowError, RecursionError) as exc:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids holds a value that is no block id "
+                                    f"({type(exc).__name__}); block ids are ints in 0..{MAX_BLOCK_ID}") from None
+    message_fields[6] = []
+    longest = (len(msgspec.msgpack.encode(message_fields)) + _MAX_ID_BYTES
+               + sum(_MAX_ID_BYTES * (1 + len(g)) for g in groups))
+    if len(message) > longest:
+        raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids holds values that are no block ids "
+                                    f"(they encode in more than {_MAX_ID_BYTES} bytes each); block ids are ints in "
+                                    f"0..{MAX_BLOCK_ID}")
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
-def _capability_expiry(capability: Any, now: float) -> int:
+def check_capability(remote: RemotePrefill, capability: Any, secret: bytes, now: float, *,
+                     max_lifetime_s: float = DEFAULT_MAX_LIFETIME_S) -> None:
+    """Check ``capability`` (``kv_transfer_params.p2pkv_capability``) of the params ``remote`` was parsed from, with
+    ``secret`` at ``now`` (seconds since the Unix epoch): its form, then its expiry (past and future: at most
+    ``max_lifetime_s`` seconds ahead), then its MAC (:func:`capability_mac` over ``remote``).
+
+    Raises:
+        KVTransferParamsError: missing or malformed, expired more than :data:`CLOCK_SKEW_S` ago, expiring more
+            than ``max_lifetime_s`` + :data:`CLOCK_SKEW_S` after ``now``, or a MAC that does not cover these
+            params (altered, or made with another secret).
+    """
+    _check_mac(remote, capability, _capability_expiry(capability, now, max_lifetime_s), secret)
+
+
+def _capability_expiry(capability: Any, now: float, max_lifetime_s: float) -> int:
     """The expiry (seconds since the epoch) a capability names, checked for form and time only (O(1)).
 
     Raises:
-        KVTransferParamsError: missing, malformed, or expired more than :data:`CLOCK_SKEW_S` ago.
+        KVTransferParamsError: missing, malformed, expired more than :data:`CLOCK_SKEW_S` ago, or expiring more
+            than ``max_lifetime_s`` + :data:`CLOCK_SKEW_S` after ``now``.
     """
     key = f"kv_transfer_params.{CAPABILITY_KEY}"
     if not isinstance(capability, str) or not capability:
@@ -382,15 +457,35 @@ def _capability_expiry(capability: Any, now: float) -> int:
         raise KVTransferParamsError(
             f"{key} expired {now - expiry:.0f} s ago: the prefill engine's hold has ended (its lease_s); "
             "send the request through the proxy again")
+    why = lifetime_refusal(key, expiry, now, max_lifetime_s, "the prefill engine's clock runs ahead of this "
+                           "engine's (synchronise them, e.g. with NTP), or it signs for longer than this engine's "
+                           "lease_s allows (give both engines the same lease_s)")
+    if why:
+        raise KVTransferParamsError(why)
     return expiry
+
+
+def lifetime_refusal(key: str, expiry: float, now: float, max_lifetime_s: float, fix: str) -> str | None:
+    """Why an expiry (seconds since the Unix epoch) more than ``max_lifetime_s`` + :data:`CLOCK_SKEW_S` seconds
+    after ``now`` (this engine's clock) is refused, naming ``key``, how far ahead it is, the limit and ``fix``; None
+    when it is not that far: what an engine remembers of a capability or grant lasts at most that long."""
+    ahead = expiry - now
+    if ahead <= max_lifetime_s + CLOCK_SKEW_S:
+        return None
+    return (f"{key} expires {ahead:.0f} s from now, more than the {max_lifetime_s:.0f} s this engine accepts "
+            f"(max_lifetime_s: {LIFETIME_LEASES} x its lease_s, plus {CLOCK_SKEW_S:.0f} s of clock skew): {fix}")
+
+
+def _mac_mismatch() -> KVTransferParamsError:
+    return KVTransferParamsError(
+        f"kv_transfer_params.{CAPABILITY_KEY} does not match the params: they were altered after the prefill "
+        "engine signed them, or signed with another secret (every engine and the proxy must share one secret)")
 
 
 def _check_mac(remote: RemotePrefill, capability: str, expiry: int, secret: bytes) -> None:
     """Raises KVTransferParamsError when the capability's MAC does not cover ``remote`` and ``expiry``."""
     if not hmac.compare_digest(capability.rpartition(".")[2], capability_mac(remote, expiry, secret)):
-        raise KVTransferParamsError(
-            f"kv_transfer_params.{CAPABILITY_KEY} does not match the params: they were altered after the prefill "
-            "engine signed them, or signed with another secret (every engine and the proxy must share one secret)")
+        raise _mac_mismatch()
 
 
 def sign_params(params: dict[str, Any], secret: bytes, expiry: float) -> dict[str, Any]:
@@ -413,12 +508,21 @@ def _capability(remote: RemotePrefill, expiry: float, secret: bytes) -> str:
 
 
 def with_appended_tokens(params: dict[str, Any], appended: int, secret: bytes | None,
-                         now: float | None = None) -> dict[str, Any]:
+                         now: float | None = None, *,
+                         max_lifetime_s: float = DEFAULT_MAX_LIFETIME_S) -> dict[str, Any]:
     """A copy of a prefill engine's ``params`` saying the proxy appended ``appended`` tokens to the prompt, and,
     with ``secret``, signed again (``appended_tokens`` is covered by the capability) with the same expiry.
 
-    Only params whose capability checks are signed again (the proxy is no signing oracle); others get the
-    count unsigned, which the decode engine refuses (it prefills the prompt itself).
+    Only params whose capability checks (:func:`parse_remote_prefill`, in its order: expiry past and future,
+    counts, MAC, ids) are signed again (the proxy is no signing oracle); others get the count unsigned, which
+    the decode engine refuses (it prefills the prompt itself).
+
+    Args:
+        params: a prefill engine's answer.
+        appended: tokens appended to the prompt (tokens).
+        secret: the side-channel secret (None: nothing to sign).
+        now: the time (seconds since the Unix epoch; default: now).
+        max_lifetime_s: how far past ``now`` the capability's expiry may lie (seconds).
 
     Raises:
         ValueError: ``appended`` outside ``0..MAX_APPENDED_TOKENS``.
@@ -429,7 +533,7 @@ def with_appended_tokens(params: dict[str, Any], appended: int, secret: bytes | 
     if not secret:
         return out
     try:
-        parse_remote_prefill(params, secret=secret, now=now)
+        parse_remote_prefill(params, secret=secret, now=now, max_lifetime_s=max_lifetime_s)
     except KVTransferParamsError:
         return out
     expiry = int(str(params[CAPABILITY_KEY]).split(".")[1])

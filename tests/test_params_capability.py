@@ -15,8 +15,10 @@ from p2pkv.decode.load import DecodeLoad
 from p2pkv.params import (
     CAPABILITY_KEY,
     CLOCK_SKEW_S,
+    DEFAULT_MAX_LIFETIME_S,
     MAX_BLOCK_ID,
     KVTransferParamsError,
+    check_capability,
     make_prefill_response_params,
     parse_remote_prefill,
     prompt_digest,
@@ -115,6 +117,39 @@ def test_another_secret_and_expiry_are_refused() -> None:
         parse_remote_prefill(params, secret=SECRET, now=NOW + 121 + CLOCK_SKEW_S)
 
 
+@pytest.mark.parametrize("ahead", [DEFAULT_MAX_LIFETIME_S + CLOCK_SKEW_S + 1, 86_400, 9_999_999_999 - NOW])
+def test_a_capability_expiring_too_far_ahead_is_refused_naming_the_field(ahead: float) -> None:
+    """A signer whose clock runs a day fast, or a forged far-future expiry: refused from the expiry alone, the
+    message naming the field, how far ahead, the limit and the fix; no key but the capability is read."""
+    params = {"remote_block_ids": Untouchable(range(8)),
+              CAPABILITY_KEY: f"v1.{int(NOW + ahead)}.{'0' * 64}"}
+    with pytest.raises(KVTransferParamsError) as info:
+        parse_remote_prefill(params, secret=SECRET, now=NOW)
+    message = str(info.value)
+    assert message.startswith(f"kv_transfer_params.{CAPABILITY_KEY} expires {ahead:.0f} s from now, more than "
+                              f"the {DEFAULT_MAX_LIFETIME_S:.0f} s this engine accepts")
+    assert "clock" in message and "lease_s" in message
+    with pytest.raises(KVTransferParamsError, match="more than the 40 s"):
+        parse_remote_prefill(params, secret=SECRET, now=NOW, max_lifetime_s=40)
+
+
+def test_a_capability_at_exactly_the_lifetime_limit_is_accepted() -> None:
+    limit = 40 + CLOCK_SKEW_S
+    params = sign_params(_signed(), SECRET, NOW + limit)
+    assert parse_remote_prefill(params, secret=SECRET, now=NOW, max_lifetime_s=40).request_id == "cmpl-abc-0"
+    with pytest.raises(KVTransferParamsError, match="expires 46 s from now"):
+        parse_remote_prefill(params, secret=SECRET, now=NOW - 1, max_lifetime_s=40)
+    check_capability(parse_remote_prefill(params, secret=None), params[CAPABILITY_KEY], SECRET, NOW,
+                     max_lifetime_s=40)
+    with pytest.raises(KVTransferParamsError, match=f"{CAPABILITY_KEY} expires 46 s from now"):
+        check_capability(parse_remote_prefill(params, secret=None), params[CAPABILITY_KEY], SECRET, NOW - 1,
+                         max_lifetime_s=40)
+    assert with_appended_tokens(params, 1, SECRET, now=NOW, max_lifetime_s=40)[CAPABILITY_KEY] != \
+        params[CAPABILITY_KEY]  # signed again
+    unsigned_again = with_appended_tokens(params, 1, SECRET, now=NOW - 1, max_lifetime_s=40)
+    assert unsigned_again[CAPABILITY_KEY] == params[CAPABILITY_KEY]  # too far ahead: not signed again
+
+
 def test_insecure_deployments_accept_unsigned_params() -> None:
     params = {k: v for k, v in _signed().items() if k != CAPABILITY_KEY}
     assert parse_remote_prefill(params, secret=None).request_id == "cmpl-abc-0"
@@ -128,15 +163,23 @@ def test_insecure_deployments_accept_unsigned_params() -> None:
     ("remote_engine_id", "é"),
     ("remote_host", "host name"),
     ("remote_host", "h" * 254),
-    ("remote_block_ids", [[MAX_BLOCK_ID + 1]]),
-    ("remote_block_ids", [[2**63]]),
-    ("remote_block_ids", [2**64, 1]),
 ])
-def test_ids_hosts_and_block_ids_are_bounded_before_anything_else(key, value) -> None:
-    """A lone surrogate once stopped a decode worker (its "done" could not be encoded); a block id past
-    2**63 left pulls in HANDSHAKE for ever (OverflowError while planning)."""
+def test_ids_and_hosts_are_bounded_before_the_mac(key, value) -> None:
+    """A lone surrogate once stopped a decode worker (its "done" could not be encoded)."""
     with pytest.raises(KVTransferParamsError, match=key):
         parse_remote_prefill({**_signed(), key: value}, secret=SECRET, now=NOW)
+
+
+@pytest.mark.parametrize("value", [[[MAX_BLOCK_ID + 1]], [[2**63]], [2**64, 1], [[-1, 2]], [[True]], [[1.0]]])
+def test_block_ids_are_bounded_after_the_mac_and_without_a_secret(value) -> None:
+    """A block id past 2**63 once left pulls in HANDSHAKE for ever (OverflowError while planning). Under the
+    secret such ids are refused (the MAC does not cover them, or they cannot be encoded as block ids could);
+    without one, by their own check, naming the key."""
+    with pytest.raises(KVTransferParamsError, match=f"{CAPABILITY_KEY}|remote_block_ids"):
+        parse_remote_prefill({**_signed(), "remote_block_ids": value}, secret=SECRET, now=NOW)
+    unsigned = {k: v for k, v in _signed().items() if k != CAPABILITY_KEY}
+    with pytest.raises(KVTransferParamsError, match=r"remote_block_ids(\[0\])? holds"):
+        parse_remote_prefill({**unsigned, "remote_block_ids": value}, secret=None)
 
 
 class Untouchable(list):
@@ -182,6 +225,11 @@ def test_a_refused_value_is_never_shown_whole(key: str) -> None:
     value = [[huge]] if key == "remote_block_ids" else huge
     with pytest.raises(KVTransferParamsError) as info:
         parse_remote_prefill({**_signed(), key: value}, secret=SECRET, now=NOW)
+    assert len(str(info.value)) < 400
+    if key == "remote_block_ids":  # under the secret refused before its ids are looked at: shown not at all
+        assert "remote_block_ids holds a value that is no block id" in str(info.value)
+        with pytest.raises(KVTransferParamsError) as info:
+            parse_remote_prefill({**_signed(), key: value, CAPABILITY_KEY: None}, secret=None)
     assert len(str(info.value)) < 400 and f"<int of {huge.bit_length()} bits>" in str(info.value)
     with pytest.raises(KVTransferParamsError) as info:
         parse_remote_prefill({**_signed(), "tp_size": list(range(1 << 20))}, secret=SECRET, now=NOW)

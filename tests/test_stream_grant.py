@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from p2pkv.grant import GRANT_KEY, StreamGrant, StreamGrantError, check_stream_grant, make_stream_grant
-from p2pkv.params import CLOCK_SKEW_S, KVTransferParamsError
+from p2pkv.grant import (
+    ANY_DECODE,
+    GRANT_KEY,
+    GRANT_LIFETIME_S,
+    StreamGrant,
+    StreamGrantError,
+    check_stream_grant,
+    make_stream_grant,
+    parse_stream_leg,
+)
+from p2pkv.params import CLOCK_SKEW_S, DEFAULT_MAX_LIFETIME_S, KVTransferParamsError
+from p2pkv.tools.proxy.stream import PrefillAddress, StreamLegs
 
 KEY = b"stream-grant-test-secret"
 SID = "0123456789abcdef0123456789abcdef"
@@ -69,3 +81,44 @@ def test_making_a_grant_needs_a_secret_both_engines_and_a_well_formed_stream_id(
         make_stream_grant("", "d", KEY, NOW)
     with pytest.raises(ValueError, match="32 hex digits"):
         make_stream_grant("p", "d", KEY, NOW, stream_id="xyz")
+
+
+@pytest.mark.parametrize("ahead", [DEFAULT_MAX_LIFETIME_S + CLOCK_SKEW_S + 1, 86_400, 9_999_999_999 - NOW])
+def test_a_grant_expiring_too_far_ahead_is_refused_naming_the_field(ahead: float) -> None:
+    """A proxy whose clock runs a day fast would make the engines remember its stream ids for a day: refused
+    before the MAC, naming the field, how far ahead, the limit and the fix."""
+    grant = f"v1.{SID}.{int(NOW + ahead)}.{'0' * 64}"
+    with pytest.raises(StreamGrantError) as info:
+        check_stream_grant(grant, KEY, now=NOW, **ENGINES)
+    message = str(info.value)
+    assert message.startswith(f"kv_transfer_params.{GRANT_KEY} expires {ahead:.0f} s from now, more than the "
+                              f"{DEFAULT_MAX_LIFETIME_S:.0f} s this engine accepts")
+    assert "clock" in message and "lease_s" in message and f"{GRANT_LIFETIME_S:.0f} s" in message
+
+
+def test_a_grant_at_exactly_the_lifetime_limit_is_accepted() -> None:
+    grant = _grant(expiry=NOW + 40 + CLOCK_SKEW_S)
+    assert check_stream_grant(grant, KEY, now=NOW, max_lifetime_s=40, **ENGINES).stream_id == SID
+    with pytest.raises(StreamGrantError, match="expires 46 s from now, more than the 40 s"):
+        check_stream_grant(grant, KEY, now=NOW - 1, max_lifetime_s=40, **ENGINES)
+    params = {"remote_engine_id": "prefill-a", "remote_host": "127.0.0.1", "remote_port": 5600, GRANT_KEY: grant}
+    remote, _ = parse_stream_leg(params, KEY, decode_engine_id="decode-b", now=NOW, max_lifetime_s=40)
+    assert remote.request_id == SID
+    with pytest.raises(StreamGrantError, match="expires 46 s from now"):
+        parse_stream_leg(params, KEY, decode_engine_id="decode-b", now=NOW - 1, max_lifetime_s=40)
+
+
+@pytest.mark.parametrize(("grant_s", "lifetime"), [(3600.0, GRANT_LIFETIME_S), (30.0, 30.0)])
+def test_the_proxy_signs_grants_for_at_most_the_grant_lifetime(grant_s: float, lifetime: float) -> None:
+    """The proxy's request timeout (its grant_s) may be an hour; its grants last at most GRANT_LIFETIME_S, which
+    every engine with the default lease_s accepts."""
+    legs = StreamLegs(KEY, grant_s)
+    legs.addresses["http://prefill"] = PrefillAddress("prefill-a", "127.0.0.1", 5600, 1)
+    before = time.time()
+    made = legs.legs("http://prefill", {"prompt": "hi", "max_tokens": 3})
+    assert made is not None
+    expiry = int(made[1][GRANT_KEY].split(".")[2])
+    assert before + lifetime <= expiry <= time.time() + lifetime + 1
+    assert GRANT_LIFETIME_S <= DEFAULT_MAX_LIFETIME_S
+    assert check_stream_grant(made[1][GRANT_KEY], KEY, prefill_engine_id="prefill-a",
+                              decode_engine_id=ANY_DECODE, now=before).expiry == expiry

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2pkv.params import DIGEST_KEY, KVTransferParamsError, RemotePrefill, prompt_digest
+from p2pkv.params import DIGEST_KEY, KVTransferParamsError, RemotePrefill, check_kv_groups, prompt_digest
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,9 @@ class DecodeLoad:
             recompute_tokens: trailing prompt tokens the decode engine
                 computes itself instead of loading (tokens; see
                 :class:`p2pkv.scheduler.SchedulerSide`).
-            kv_groups: KV cache groups of this engine.
+            kv_groups: KV cache groups of this engine (:func:`p2pkv.params.parse_remote_prefill` refuses
+                another count before the MAC when given ``kv_groups``, as the decode scheduler gives it;
+                checked here again, with the same message, for params parsed without).
 
         Raises:
             KVTransferParamsError: the params belong to another prompt
@@ -109,9 +111,5 @@ class DecodeLoad:
             raise KVTransferParamsError(
                 f"kv_transfer_params.{DIGEST_KEY} does not match this request's first {loaded} prompt tokens: "
                 "the params belong to another prompt (send each prompt with its own params)")
-        if len(remote.groups()) != kv_groups:
-            raise KVTransferParamsError(
-                f"kv_transfer_params.remote_block_ids has {len(remote.groups())} KV cache group(s), this "
-                f"engine has {kv_groups}: run prefill and decode with the same model and the same "
-                "hybrid KV cache manager setting (--disable-hybrid-kv-cache-manager on both or neither)")
+        check_kv_groups(len(remote.groups()), kv_groups)  # the decode scheduler's parse checked it already
         return cls(remote, prompt, loaded)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
+from p2pkv.grant import ANY_DECODE, GRANT_KEY, GRANT_LIFETIME_S, make_stream_grant
 from p2pkv.params import SENDER, TRANSFER_MODE_KEY, KVTransferParamsError, parse_remote_prefill
 from p2pkv.tools.proxy.upstream import prefill_body
 
@@ -43,7 +43,8 @@ class StreamLegs:
 
     Args:
         secret: the side channel's secret (signs grants).
-        grant_s: how long a grant lasts (seconds: the proxy's request timeout).
+        grant_s: how long a grant lasts (seconds: the proxy's request timeout), at most
+            :data:`p2pkv.grant.GRANT_LIFETIME_S` (the receivers refuse grants far in their future).
     """
 
     def __init__(self, secret: bytes, grant_s: float) -> None:
@@ -71,7 +72,8 @@ class StreamLegs:
         address = self.addresses.get(url)
         if address is None:
             return None
-        grant = make_stream_grant(address.engine_id, ANY_DECODE, self._secret, time.time() + self.grant_s)
+        lifetime = min(self.grant_s, GRANT_LIFETIME_S)
+        grant = make_stream_grant(address.engine_id, ANY_DECODE, self._secret, time.time() + lifetime)
         prefill = prefill_body(body)
         prefill["kv_transfer_params"][GRANT_KEY] = grant
         decode = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": address.engine_id,
