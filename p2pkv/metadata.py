@@ -118,6 +118,12 @@ class P2pKvMetadata:
             their blocks, so their streams drop the layers not WRITTEN yet, and get them again when resumed.
         ended_streams: decode request ids of layer-streamed loads whose request has finished (decode side):
             a stream still under way is given up (its request was aborted while it ran).
+        stream_admits: prefill request id → (its grant's stream id, when the grant expires: ``time.time()``
+            seconds) of the streamed requests that arrived since the last step (prefill side): the workers bind
+            the stream id to that request (never to another), wait for its destinations as long as the decode
+            ranks do, and end a stream that has had no destination by its grant's expiry.
+        stream_refusals: stream id → why its request is not streamed (prefill side: past ``max_held_fraction``,
+            say): a destination naming it is refused at once with that reason, not left waiting.
     """
 
     loads: list[LoadSpec] = field(default_factory=list)
@@ -130,3 +136,5 @@ class P2pKvMetadata:
     stream_aborts: dict[str, str] = field(default_factory=dict)
     stream_restarts: list[str] = field(default_factory=list)
     ended_streams: list[str] = field(default_factory=list)
+    stream_admits: dict[str, tuple[str, float]] = field(default_factory=dict)
+    stream_refusals: dict[str, str] = field(default_factory=dict)

@@ -5,6 +5,8 @@ blocks, and the params that say where)."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import P2pKvConfig, Role
@@ -63,6 +65,7 @@ class SchedulerSide:
             ``max_held_fraction`` of them; None: no cap).
         state_groups: the indices of its KV cache groups that hold Mamba/SSM state
             (:func:`p2pkv.compat.state_group_indices`): a stream sends their blocks after the prompt's last step.
+        clock: monotonic seconds of the holds' leases (``time.monotonic``; tests pass a fake).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class SchedulerSide:
         role: Role = "both",
         num_blocks: int | None = None,
         state_groups: frozenset[int] = frozenset(),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine_id = engine_id
         self.config = config
@@ -88,8 +92,9 @@ class SchedulerSide:
         self.decode = DecodeScheduling(engine_id, config, block_size, secret, recompute_tokens, kv_groups,
                                        max_blocks, tracing)
         self.prefill = PrefillScheduling(engine_id, config, role, side_channel_host, side_channel_port, tp_size,
-                                         secret, recompute_tokens, num_blocks)
-        self.streams = StreamSteps(engine_id, secret, block_size, recompute_tokens, kv_groups, state_groups)
+                                         secret, recompute_tokens, num_blocks, clock)
+        self.streams = StreamSteps(engine_id, secret, block_size, recompute_tokens, kv_groups, state_groups,
+                                   ledger=self.prefill.ledger, max_lifetime_s=config.max_lifetime_s)
 
     def on_new_request(self, request: Request) -> None:
         """A request arrives: a prefill leg leaves its tail to the decode engine, a decode leg is tracked for
@@ -130,10 +135,12 @@ class SchedulerSide:
         pulls, failed = self.decode.take()
         leases, blocks, traces = self.prefill.take()
         chunks = self.streams.chunks(scheduler_output) if scheduler_output is not None else []
+        admits, refusals = self.streams.take_admits()
         return P2pKvMetadata(loads=pulls, send_leases=leases, send_blocks=blocks, failed=failed,
                              send_traces=traces, streams=chunks, stream_aborts=self.streams.take_aborts(),
                              stream_restarts=self.streams.take_restarts(),
-                             ended_streams=self.decode.take_ended_streams())
+                             ended_streams=self.decode.take_ended_streams(), stream_admits=admits,
+                             stream_refusals=refusals)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """:meth:`request_finished_all_groups` for an engine with one KV cache group."""
@@ -157,7 +164,8 @@ class SchedulerSide:
             return False, None
         completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         streamed = self.streams.finished(request.request_id, completed)
-        return self.prefill.request_finished(request, block_ids, completed, streamed=streamed)
+        return self.prefill.request_finished(request, block_ids, completed, streamed=streamed,
+                                             refusal=self.streams.refusal(request.request_id))
 
     def shutdown(self) -> None:
         """Stop the heartbeat thread. Idempotent."""

@@ -170,6 +170,53 @@ def test_a_refused_request_keeps_nothing(clock: list[float]) -> None:
         assert sched.decode._loads == {}
 
 
+def test_params_of_another_group_count_are_refused_before_the_mac(clock: list[float],
+                                                                   monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The scheduler gives parse_remote_prefill its KV cache group count: params of two groups on this one-group
+    engine are refused (DecodeLoad.of's message) before any MAC is computed, and prefilled locally."""
+    def no_mac(*_: object) -> str:
+        raise AssertionError("the MAC was computed before the group count was compared")
+
+    params = make_prefill_response_params(engine_id="prefill-engine", request_id="prefill-g", host="127.0.0.1",
+                                          port=5601, block_ids=[1, 2, 3, 4], group_sizes=[2, 2], tp_size=1,
+                                          num_tokens=PROMPT, expiry_time=EXPIRY, secret=SECRET.encode())
+    monkeypatch.setattr(params_module, "_fields_mac", no_mac)
+    monkeypatch.setattr(params_module, "capability_mac", no_mac)
+    with scheduler() as sched:
+        req = SimpleNamespace(request_id="g", kv_transfer_params=params, prompt_token_ids=[0] * PROMPT)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert req.kv_transfer_params["do_remote_prefill"] is False and sched.decode._loads == {}
+    assert "remote_block_ids has 2 KV cache group(s), this engine has 1" in caplog.text
+
+
+def test_the_scheduler_refuses_expiries_past_its_own_max_lifetime(clock: list[float],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """An engine with lease_s 30 accepts capabilities and grants at most 4 x 30 s (+ skew) ahead of its clock."""
+    ahead = NOW + 4 * 30 + CLOCK_SKEW_S + 1
+    params = make_prefill_response_params(engine_id="prefill-engine", request_id="prefill-far", host="127.0.0.1",
+                                          port=5601, block_ids=[1, 2, 3], tp_size=1, num_tokens=PROMPT,
+                                          expiry_time=ahead, secret=SECRET.encode())
+    far = SimpleNamespace(request_id="far", kv_transfer_params=params, prompt_token_ids=[0] * PROMPT)
+    stream = _stream_leg("far-stream")
+    grant = make_stream_grant("prefill-engine", ANY_DECODE, SECRET.encode(), time.time() + 4 * 30 + CLOCK_SKEW_S + 2)
+    stream.kv_transfer_params[GRANT_KEY] = grant
+    with scheduler() as sched:
+        assert sched.get_num_new_matched_tokens(far, 0) == (0, False)
+        assert sched.get_num_new_matched_tokens(stream, 0) == (0, False)
+        assert stream.kv_transfer_params["do_remote_prefill"] is False
+    assert "p2pkv_capability expires 126 s from now, more than the 120 s" in caplog.text
+    assert "p2pkv_stream_grant expires" in caplog.text
+    clock[1] = 0
+    far.kv_transfer_params = {**params, "do_remote_prefill": True}
+    config = P2pKvConfig(heartbeat_interval_s=0.0, secret=SECRET)  # the default lease_s: 480 s ahead accepted
+    sched = SchedulerSide("decode-engine", config, 4, "127.0.0.1", 5600, 1)
+    try:
+        assert sched.get_num_new_matched_tokens(far, 0) == (PROMPT, True)
+    finally:
+        sched.shutdown()
+
+
 def _remote(**kw: object) -> RemotePrefill:
     args: dict = {"engine_id": "p", "request_id": "r", "host": "h", "port": 1, "block_ids": (1, 2, 3), "tp_size": 1}
     args.update(kw)
@@ -192,3 +239,32 @@ def test_decode_load_counts_tokens() -> None:
         DecodeLoad.of(_remote(), range(10), 0, 2)
     with pytest.raises(ValueError, match="loaded_tokens"):
         DecodeLoad(_remote(), 3, 4)
+
+
+def test_params_replayed_to_a_second_request_are_refused_and_prefilled_here(clock: list[float]) -> None:
+    """Whoever saw the proxy → engine hop holds the params: sent again with the same prompt, they used to pull
+    the hold a second time (and the first "done" then failed the honest pull's fence). A capability serves one
+    request on this engine: the replay is refused before anything is allocated, and computed here."""
+    with scheduler() as sched:
+        honest = _request("honest")
+        replay = SimpleNamespace(request_id="replay", kv_transfer_params=dict(honest.kv_transfer_params),
+                                 prompt_token_ids=list(honest.prompt_token_ids))
+        assert sched.get_num_new_matched_tokens(honest, 0) == (PROMPT, True)
+        assert sched.get_num_new_matched_tokens(replay, 0) == (0, False)
+        assert replay.kv_transfer_params["do_remote_prefill"] is False
+        assert sched.get_num_new_matched_tokens(honest, 0) == (PROMPT, True), "the honest load is kept"
+        sched.update_state_after_alloc(honest, BLOCKS, PROMPT)
+        assert [p.request_id for p in sched.build_connector_meta().loads] == ["honest"]
+
+
+def test_a_replayed_stream_grant_is_refused_without_declining_the_honest_stream(clock: list[float]) -> None:
+    """A decline is a release of the stream id from this decode rank, which would stop the stream the grant
+    serves: the replay is refused (and computed here) and nothing is sent for it."""
+    with scheduler() as sched:
+        honest = _stream_leg("honest")
+        replay = SimpleNamespace(request_id="replay", kv_transfer_params=dict(honest.kv_transfer_params),
+                                 prompt_token_ids=list(honest.prompt_token_ids))
+        assert sched.get_num_new_matched_tokens(honest, 0) == (PROMPT - 1, True)
+        assert sched.get_num_new_matched_tokens(replay, 0) == (0, False)
+        sched.request_finished(replay, [])
+        assert sched.build_connector_meta().loads == [], "the replay declined the honest stream"

@@ -1,5 +1,12 @@
 """The decode half of the connector's scheduler side: which requests load their prompt's KV from a prefill
 engine, checked once (:class:`p2pkv.decode.load.DecodeLoad`), and the pulls the workers are told to make.
+
+A capability (or a stream grant) serves one request on this engine for its whole life: the first request whose
+checked params name a prefill hold (its engine id and request id) or a stream id binds it
+(:class:`p2pkv.bindings.Bindings`, until the capability or grant expires); any later request naming it (params
+replayed by whoever saw them: a log, a trace, the proxy → engine hop) is refused before anything is allocated
+for it, logged, and prefilled here. A replayed stream grant is not declined to its prefill rank: that would
+stop the stream of the request it serves.
 """
 
 from __future__ import annotations
@@ -10,12 +17,15 @@ import time
 from typing import Any
 
 from handshake import GroupBlocks
+from p2pkv.bindings import Bindings
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.heartbeat import HeartbeatBatch, HeartbeatSender
 from p2pkv.decode.load import DecodeLoad
 from p2pkv.grant import parse_stream_leg, wants_stream
 from p2pkv.metadata import LoadSpec
 from p2pkv.params import (
+    CAPABILITY_KEY,
+    CLOCK_SKEW_S,
     KVTransferParamsError,
     RemotePrefill,
     parse_remote_prefill,
@@ -62,6 +72,8 @@ class DecodeScheduling:
         self._streaming: set[str] = set()  # streamed loads handed to the workers, until their request finishes
         self._ended_streams: list[str] = []  # of those, the ones finished since the last step
         self._next_heartbeat = 0.0
+        self.bound = Bindings("capability")  # "<prefill engine id>/<its request id>" → the decode request it serves
+        self.bound_streams = Bindings("stream id")
         self.heartbeats = HeartbeatSender(engine_id, secret, timeout_s=min(1.0, config.handshake_timeout_s))
 
     def take(self) -> tuple[list[LoadSpec], dict[str, tuple[int, ...]]]:
@@ -108,8 +120,11 @@ class DecodeScheduling:
         return batches
 
     def _parse(self, request: Request) -> RemotePrefill:
-        """The request's params, parsed and their capability checked. Raises KVTransferParamsError."""
-        return parse_remote_prefill(request.kv_transfer_params, secret=self._secret, max_blocks=self.max_blocks)
+        """The request's params, parsed and their capability checked (expiry within ``max_lifetime_s``, then this
+        engine's KV cache group count and ``max_blocks``, then the MAC, then the ids). Raises
+        KVTransferParamsError."""
+        return parse_remote_prefill(request.kv_transfer_params, secret=self._secret, max_blocks=self.max_blocks,
+                                    kv_groups=self.kv_groups, max_lifetime_s=self.config.max_lifetime_s)
 
     def _check(self, request: Request) -> DecodeLoad | None:
         """The request's :class:`DecodeLoad` from its params, checked (the capability's HMAC and expiry
@@ -119,19 +134,33 @@ class DecodeScheduling:
             params = request.kv_transfer_params
             if wants_stream(params):
                 remote, grant = parse_stream_leg(params, self._secret, decode_engine_id=self.engine_id,
-                                                 now=time.time())
+                                                 now=time.time(), max_lifetime_s=self.config.max_lifetime_s)
                 try:
-                    return DecodeLoad.streamed(remote, grant, request.prompt_token_ids or (), self.recompute_tokens)
+                    load = DecodeLoad.streamed(remote, grant, request.prompt_token_ids or (), self.recompute_tokens)
                 except KVTransferParamsError:
                     self._decline(request.request_id, remote, grant)
                     raise
+                self._bind(self.bound_streams, remote.request_id, request.request_id, int(grant.split(".")[2]))
+                return load
             remote = self._queued.get(request.request_id)
             if remote is None:
                 remote = self._parse(request)
-            return DecodeLoad.of(remote, request.prompt_token_ids or (), self.recompute_tokens, self.kv_groups)
+            load = DecodeLoad.of(remote, request.prompt_token_ids or (), self.recompute_tokens, self.kv_groups)
+            self._bind(self.bound, f"{remote.engine_id}/{remote.request_id}", request.request_id,
+                       _capability_expiry(params, time.time() + self.config.max_lifetime_s))
+            return load
         except KVTransferParamsError as exc:
             self._refuse(request, exc)
             return None
+
+    def _bind(self, bound: Bindings, key: str, request_id: str, expiry: float) -> None:
+        """Bind ``key`` to ``request_id`` until ``expiry`` (``time.time()`` seconds, plus the clock skew allowed).
+
+        Raises:
+            KVTransferParamsError: ``key`` already serves another request here (a replay), or too many are bound.
+        """
+        if (why := bound.bind(key, request_id, expiry + CLOCK_SKEW_S, time.time())) is not None:
+            raise KVTransferParamsError(f"kv_transfer_params refused: {why}")
 
     def _decline(self, request_id: str, remote: RemotePrefill, grant: str) -> None:
         """A stream (its grant checked) this engine will not take: a load of nothing, which tells the prefill rank
@@ -244,8 +273,9 @@ class DecodeScheduling:
                 self._decline(request.request_id, load.remote, load.grant)
                 return
             with contextlib.suppress(KVTransferParamsError):  # refused: the prefill engine's lease ends the stream
-                self._decline(request.request_id, *parse_stream_leg(params, self._secret,
-                                                                    decode_engine_id=self.engine_id, now=time.time()))
+                self._decline(request.request_id, *parse_stream_leg(
+                    params, self._secret, decode_engine_id=self.engine_id, now=time.time(),
+                    max_lifetime_s=self.config.max_lifetime_s))
         elif wants_remote_prefill(params):
             params["do_remote_prefill"] = False
             remote = load.remote if load is not None else queued or self._source_of_unloaded(request)
@@ -265,6 +295,15 @@ class DecodeScheduling:
     def shutdown(self) -> None:
         """Stop the heartbeat thread. Idempotent."""
         self.heartbeats.close()
+
+
+def _capability_expiry(params: dict[str, Any], default: float) -> float:
+    """The expiry (``time.time()`` seconds) of checked params' capability, or ``default`` without one (an
+    insecure deployment)."""
+    capability = params.get(CAPABILITY_KEY)
+    if not isinstance(capability, str):
+        return default
+    return float(capability.split(".")[1])
 
 
 def streamed_groups(blocks: KVCacheBlocks) -> tuple[GroupBlocks, ...]:

@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from handshake import HoldStatus
@@ -54,6 +55,7 @@ class PrefillHolds:
     Args:
         lease_s: longest a request is held without a notification (seconds);
             heartbeats never extend a lease beyond this from now.
+        clock: monotonic seconds, the leases' deadlines' clock (``time.monotonic``; tests pass a fake).
 
     Attributes:
         leases: request id → deadline (:class:`p2pkv.prefill.leases.LeaseTable`).
@@ -64,9 +66,10 @@ class PrefillHolds:
             (the worker, for its trace spans) clears them.
     """
 
-    def __init__(self, lease_s: float) -> None:
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.lease_s = lease_s
-        self.leases = LeaseTable()
+        self._clock = clock
+        self.leases = LeaseTable(clock)
         self.notifs: dict[str, tuple[float, set[str], int, str]] = {}
         self._requests: queue.SimpleQueue[tuple[list[str], float | None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -79,7 +82,7 @@ class PrefillHolds:
         self._deferred: dict[str, HoldEnd] = {}  # ended while pinned → why; freed when the last pin goes
 
     def hold(self, request_id: str, deadline: float, block_ids: tuple[int, ...] | None = None) -> None:
-        """Engine thread: hold a finished request's blocks until ``deadline`` (``time.monotonic()``)."""
+        """Engine thread: hold a finished request's blocks until ``deadline`` (seconds on the holds' clock)."""
         self.leases.hold(request_id, deadline)
         with self._lock:
             self._blocks[request_id] = None if block_ids is None else frozenset(block_ids)
@@ -228,7 +231,7 @@ class PrefillHolds:
 
         Counts ``leases_expired`` and ``leases_notified`` into ``stats``.
         """
-        now = time.monotonic()
+        now = self._clock()
         for done in notes:
             self.note(done, now)
         done = set()

@@ -2,18 +2,22 @@
 engine, and the signed ``kv_transfer_params`` that say where they are.
 
 An engine holds blocks only when its role allows it (``role``: ``prefill`` or ``both``), and never more than
-``max_held_fraction`` of its KV cache at once: past that a request is answered without a hold (its params say
-so and the decode engine prefills it itself), so no caller of the engine's HTTP API can pin its cache.
+``max_held_fraction`` of its KV cache at once, over every way of moving KV (one
+:class:`~p2pkv.prefill.hold_ledger.HoldLedger`, which a layer stream enters when its request arrives: see
+:mod:`p2pkv.prefill.stream_steps`): past that a request is answered without a hold (its params say so and the
+decode engine prefills it itself), so no caller of the engine's HTTP API can pin its cache.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from p2pkv.config import P2pKvConfig, Role
 from p2pkv.params import make_prefill_response_params, prompt_digest, wants_remote_decode
+from p2pkv.prefill.hold_ledger import HoldLedger
 from p2pkv.prefill.holds import HoldEnd
 from p2pkv.prefill.spans import emit_hold_span
 from p2pkv.telemetry.tracing import TRACEPARENT_KEY, Tracing, parse_traceparent, traces_endpoint
@@ -41,10 +45,12 @@ class PrefillScheduling:
             :class:`p2pkv.scheduler.SchedulerSide`); with any, the request's first
             token is not handed to the client from here.
         num_blocks: blocks of this engine's KV cache (None or 0: unknown, no cap).
+        clock: monotonic seconds, the leases' clock (the workers' holds read the same one).
     """
 
     def __init__(self, engine_id: str, config: P2pKvConfig, role: Role, host: str, port: int, tp_size: int,
-                 secret: bytes | None, recompute_tokens: int = 0, num_blocks: int | None = None) -> None:
+                 secret: bytes | None, recompute_tokens: int = 0, num_blocks: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.engine_id = engine_id
         self.config = config
         self.role = role
@@ -53,18 +59,22 @@ class PrefillScheduling:
         self.tp_size = tp_size
         self.recompute_tokens = recompute_tokens
         self._secret = secret
-        self.max_held_blocks = (None if not num_blocks or num_blocks <= 0 else
-                                max(1, int(num_blocks * config.max_held_fraction)))
+        self.ledger = HoldLedger.of(num_blocks, config.max_held_fraction)
+        self._clock = clock
         self._tracing = bool(traces_endpoint(config.otlp_traces_endpoint))
-        self._held: dict[str, int] = {}  # request id → blocks held, until the workers report it sent
         self.leases: dict[str, float] = {}
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.traces: dict[str, tuple[str, int]] = {}
 
     @property
+    def max_held_blocks(self) -> int | None:
+        """Most blocks held for remote engines at once (None: no cap)."""
+        return self.ledger.cap
+
+    @property
     def held_blocks(self) -> int:
-        """Blocks held for remote decodes now."""
-        return sum(self._held.values())
+        """Blocks held (or promised to a stream) for remote engines now, over every way."""
+        return self.ledger.held_blocks
 
     def take(self) -> tuple[dict[str, float], dict[str, tuple[int, ...]], dict[str, tuple[str, int]]]:
         """This step's new leases, their block ids and trace contexts (for the workers), then forgotten."""
@@ -80,10 +90,10 @@ class PrefillScheduling:
     def on_sent(self, request_ids: set[str] | frozenset[str]) -> None:
         """The workers released these requests' holds (notified, released, expired): their blocks count no more."""
         for request_id in request_ids:
-            self._held.pop(request_id, None)
+            self.ledger.release(request_id)
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...],
-                         completed: bool, streamed: bool = False) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...], completed: bool,
+                         streamed: bool = False, refusal: str | None = None) -> tuple[bool, dict[str, Any] | None]:
         """Hold a finished request's blocks (every KV cache group's) for a decode engine and say where they are.
 
         Args:
@@ -93,7 +103,10 @@ class PrefillScheduling:
             completed: it finished by length or stop (not aborted).
             streamed: it was layer-streamed (:mod:`p2pkv.prefill.stream_steps`): held whatever its end and
                 the cap, since its stream may still be WRITING from its blocks (the workers end the hold as
-                soon as the stream has ended); an aborted one is held with no params.
+                soon as the stream has ended); an aborted one is held with no params. Its blocks have counted
+                against the cap since it arrived (:class:`~p2pkv.prefill.hold_ledger.HoldLedger`).
+            refusal: why a request that asked to stream gets no hold at all (its grant already served another
+                request here, or its stream would have passed the cap: :meth:`StreamSteps.refusal`).
 
         Returns:
             ``(hold, params)``: ``hold`` True when the blocks stay allocated until the decode side's
@@ -106,12 +119,14 @@ class PrefillScheduling:
         if streamed and not completed and any(flat):
             self._hold(request, flat, params)
             return True, None  # held until its stream has stopped
+        self.ledger.release(request.request_id)  # a stream's count, from its arrival: held below, or not at all
         if not completed:
             self._trace_aborted(request, params)
             return False, None  # aborted on the prefill side: free the blocks now
         if not any(flat):
             return False, None
-        refusal = None if streamed else self._refusal(len(flat))
+        if refusal is None and not streamed:
+            refusal = self._refusal(len(flat))
         if refusal is not None:
             logger.warning("p2pkv: request %s asks for a remote decode; answered without a hold: %s",
                            request.request_id, refusal)
@@ -127,8 +142,8 @@ class PrefillScheduling:
 
     def _hold(self, request: Request, flat: tuple[int, ...], params: dict[str, Any]) -> None:
         """Hold ``flat`` (every group's block ids) for ``request``: counted, leased, traced."""
-        self._held[request.request_id] = len(flat)
-        self.leases[request.request_id] = time.monotonic() + self.config.lease_s
+        self.ledger.count(request.request_id, len(flat))
+        self.leases[request.request_id] = self._clock() + self.config.lease_s
         self.blocks[request.request_id] = flat
         if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
             self.traces[request.request_id] = (trace, time.time_ns())
@@ -138,12 +153,7 @@ class PrefillScheduling:
         if self.role == "decode":
             return ("this engine's role is decode (kv_connector_extra_config role, or kv_role kv_consumer): it "
                     "holds no blocks for other engines; send prefill legs to a prefill engine")
-        cap = self.max_held_blocks
-        if cap is not None and self.held_blocks + blocks > cap:
-            return (f"{self.held_blocks} of this engine's blocks are already held for decode engines and {blocks} "
-                    f"more would pass max_held_fraction={self.config.max_held_fraction:g} ({cap} blocks); "
-                    "the decode engine prefills this prompt itself")
-        return None
+        return self.ledger.refusal(blocks)
 
     def _trace_aborted(self, request: Request, params: dict[str, Any]) -> None:
         """A request aborted on the prefill engine ends its hold before it began: a ``p2pkv.hold`` span of no

@@ -31,11 +31,20 @@ last step is the one to move.
 
 Only a grant this side can check is streamed: one the proxy signed for
 :data:`p2pkv.grant.ANY_DECODE` under this engine's id and secret (the decode
-engine is not known here). So no HTTP caller without the secret can make a
-streamed request, whose hold no cap refuses: a stream may be WRITING from
-its blocks when the request ends, so they stay until the stream has ended.
-A request with a grant this side cannot check is held for a pull or push
-as without one.
+engine is not known here), whose expiry lies within ``max_lifetime_s`` of
+this engine's clock. A request with a grant this side cannot check is held
+for a pull or push as without one.
+
+A grant serves one request for its whole life: its stream id is bound to
+the first request that names it (:class:`p2pkv.bindings.Bindings`, until the
+grant expires) and any later request naming it (a replayed grant: whoever
+saw the proxy → engine hop has it) is refused before any hold, answered
+without one. A stream's blocks count in the engine's one
+:class:`~p2pkv.prefill.hold_ledger.HoldLedger` from its request's arrival
+(its prompt's blocks, every KV cache group's): once its stream has a
+destination they stay until the stream has ended, so a stream that would
+pass ``max_held_fraction`` is not streamed at all, and its destination is
+refused at once (:attr:`~p2pkv.metadata.P2pKvMetadata.stream_refusals`).
 """
 
 from __future__ import annotations
@@ -46,9 +55,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from handshake import GroupBlocks
+from p2pkv.bindings import Bindings
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, StreamGrantError, check_stream_grant
 from p2pkv.metadata import StreamChunk
-from p2pkv.params import prompt_digest
+from p2pkv.params import CLOCK_SKEW_S, prompt_digest
+from p2pkv.prefill.hold_ledger import HoldLedger
 
 logger = logging.getLogger("p2pkv.scheduler")
 
@@ -79,50 +90,78 @@ class StreamSteps:
             of the original prompt (all of this engine's shortened prompt when ``recompute_tokens`` > 0).
         kv_groups: KV cache groups of this engine (their attention groups share ``block_size``).
         state_groups: the indices of its state groups (Mamba/SSM; :func:`p2pkv.compat.state_group_indices`).
+        ledger: the engine's hold ledger (None: a ledger of its own with no cap).
+        max_lifetime_s: how far past this engine's clock a grant's expiry may lie (seconds;
+            :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
     """
 
     def __init__(self, engine_id: str, secret: bytes | None, block_size: int, recompute_tokens: int,
-                 kv_groups: int, state_groups: frozenset[int] = frozenset()) -> None:
+                 kv_groups: int, state_groups: frozenset[int] = frozenset(), ledger: HoldLedger | None = None,
+                 max_lifetime_s: float = 480.0) -> None:
         self.engine_id = engine_id
         self._secret = secret
         self.block_size = block_size
         self.recompute_tokens = recompute_tokens
         self.kv_groups = kv_groups
         self.state_groups = state_groups
+        self.ledger = HoldLedger(None, 1.0) if ledger is None else ledger
+        self.max_lifetime_s = max_lifetime_s
         self._requests: dict[str, _Streamed] = {}
-        self._stream_ids: set[str] = set()
+        self.bound = Bindings("stream id")
         self.aborts: dict[str, str] = {}
         self.restarts: list[str] = []
+        self.admits: dict[str, tuple[str, float]] = {}
+        self.refusals: dict[str, str] = {}
+        self._no_hold: dict[str, str] = {}  # request id → why it is answered without a hold (a replayed grant)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
     def on_new_request(self, request: Any, now: float | None = None) -> None:
-        """Follow ``request`` when its params carry a usable grant (its stream id not taken by another request
-        here; a bad grant is logged and the request is held for a push, as without one)."""
+        """Follow ``request`` when its params carry a usable grant (a bad grant is logged and the request is held
+        for a push, as without one). A grant whose stream id already serves another request here is refused: the
+        request will be answered without a hold (:meth:`refusal`). A stream whose blocks would pass
+        ``max_held_fraction`` is not streamed either; its destination is refused at once (:attr:`refusals`)."""
         params = request.kv_transfer_params
         if not self._secret:
             logger.warning("p2pkv: request %s asks to stream; not streamed (this engine has no side-channel "
                            "secret to check its grant with)", request.request_id)
             return
+        now = time.time() if now is None else now
         try:
             grant = check_stream_grant(params.get(GRANT_KEY), self._secret, prefill_engine_id=self.engine_id,
-                                       decode_engine_id=ANY_DECODE, now=time.time() if now is None else now)
+                                       decode_engine_id=ANY_DECODE, now=now, max_lifetime_s=self.max_lifetime_s)
         except StreamGrantError as exc:
             logger.warning("p2pkv: request %s: %s; not streamed (held for a pull or push)", request.request_id, exc)
             return
         ids = request.prompt_token_ids
-        if ids is None or grant.stream_id in self._stream_ids:
-            why = ("a prompt given as embeddings" if ids is None
-                   else f"stream id {grant.stream_id} is already streamed here (a replayed grant)")
-            logger.warning("p2pkv: request %s asks to stream; not streamed (%s)", request.request_id, why)
+        if ids is None:
+            logger.warning("p2pkv: request %s asks to stream; not streamed (a prompt given as embeddings)",
+                           request.request_id)
+            return
+        if (why := self.bound.bind(grant.stream_id, request.request_id, grant.expiry + CLOCK_SKEW_S, now)) is not None:
+            logger.warning("p2pkv: request %s asks to stream; refused, answered without a hold: %s",
+                           request.request_id, why)
+            self._no_hold[request.request_id] = why
             return
         loaded = len(ids) - 1 if self.recompute_tokens == 0 else len(ids)
         if loaded < 1:
             return
-        self._stream_ids.add(grant.stream_id)
+        blocks = -(-len(ids) // self.block_size) * self.kv_groups
+        if (why := self.ledger.refusal(blocks)) is not None:
+            logger.warning("p2pkv: request %s asks to stream; not streamed: %s", request.request_id, why)
+            self.refusals[grant.stream_id] = why
+            self._no_hold[request.request_id] = why
+            return
+        self.ledger.count(request.request_id, blocks)
+        self.admits[request.request_id] = (grant.stream_id, float(grant.expiry))
         self._requests[request.request_id] = _Streamed(grant.stream_id, len(ids), prompt_digest(ids[:loaded]),
                                                        loaded)
+
+    def refusal(self, request_id: str) -> str | None:
+        """Why ``request_id``, which asked to stream, is answered without a hold (its grant already served
+        another request, or its blocks would pass the cap), then forgotten; None for any other request."""
+        return self._no_hold.pop(request_id, None)
 
     def chunks(self, scheduler_output: Any) -> list[StreamChunk]:
         """This step's chunks of the streamed requests it runs (``scheduler_output``: vLLM's ``SchedulerOutput``,
@@ -176,11 +215,11 @@ class StreamSteps:
 
     def finished(self, request_id: str, completed: bool) -> bool:
         """``request_id`` ended (``completed``: by length or stop; else aborted); True when it was streamed.
-        An aborted one's stream is told to stop (:attr:`aborts`, for the workers' next step)."""
+        An aborted one's stream is told to stop (:attr:`aborts`, for the workers' next step). Its stream id stays
+        bound to it until the grant expires."""
         streamed = self._requests.pop(request_id, None)
         if streamed is None:
             return False
-        self._stream_ids.discard(streamed.stream_id)
         if not completed:
             self.aborts[request_id] = "the prefill request was aborted"
         return True
@@ -188,6 +227,13 @@ class StreamSteps:
     def take_aborts(self) -> dict[str, str]:
         """Streams to stop (prefill request id → why), then forgotten."""
         out, self.aborts = self.aborts, {}
+        return out
+
+    def take_admits(self) -> tuple[dict[str, tuple[str, float]], dict[str, str]]:
+        """The streams admitted since the last call (request id → (stream id, grant expiry)) and the stream ids
+        refused (→ why), for the workers, then forgotten."""
+        out = self.admits, self.refusals
+        self.admits, self.refusals = {}, {}
         return out
 
     def take_restarts(self) -> list[str]:
