@@ -156,7 +156,8 @@ class WorkerSide:
                                       min_tokens=self.config.stream_min_tokens,
                                       min_link_share=self.config.stream_min_link_share,
                                       group_of=layer_groups, state_groups=state_groups,
-                                      on_start=lambda: start_transfer_thread(mem_type, device_id, cpus))
+                                      on_start=lambda: start_transfer_thread(mem_type, device_id, cpus),
+                                      max_lifetime_s=self.config.max_lifetime_s)
         if secret is None:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
                            "reaches it can read this engine's KV cache", self.host, self.port)

@@ -62,7 +62,7 @@ BATCH_TIMEOUT_S = 30.0
 def _make(rng: random.Random, n: int, port: int, source: list[int], target: list[int]
           ) -> tuple[StreamChunk, StreamChunk, LoadSpec]:
     """Stream ``n``: its two prefill chunks (first block, then the rest) and its decode rank's load."""
-    grant = make_stream_grant(ENGINE, ANY_DECODE, SECRET.encode(), time.time() + 300)
+    grant = make_stream_grant(ENGINE, ANY_DECODE, SECRET.encode(), time.time() + 100)  # within 4 x lease_s (30 s)
     stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id=ENGINE,
                                    decode_engine_id="decode-engine", now=time.time()).stream_id
     prompt = len(source) * BLOCK_SIZE

@@ -332,16 +332,22 @@ class Pusher:
             agent.broken = agent.broken or broken
         self.holds.unpin(job.request_id)
         logger.warning("p2pkv: push of request %s to %s: %s", job.request_id[:64], job.agent_name[:96], why)
+        self.tell_failed(job.agent_name, job.push_id, why)
+
+    def tell_failed(self, agent_name: str, push_id: bytes, why: str) -> None:
+        """Tell the decode agent ``agent_name`` (loaded in NIXL) that its push or stream ``push_id`` WRITEs
+        nothing, with ``why`` (a "push_failed" notification, best effort; any thread): the decode rank fails that
+        part at once instead of at its window."""
         try:
-            self.agent.send_notif(job.agent_name, encode_pushed(PushedNotification(job.push_id, False, why),
-                                                                self.secret))
+            self.agent.send_notif(agent_name, encode_pushed(PushedNotification(push_id, False, why), self.secret))
         except Exception as exc:
-            logger.debug("p2pkv: push_failed notification to %s not sent: %s", job.agent_name[:96], exc)
+            logger.debug("p2pkv: push_failed notification to %s not sent: %s", agent_name[:96], exc)
             return
         # Without a WRITE to poll, nothing else progresses this agent: to a decode agent loaded just now the
         # notification waits for UCX's wire-up, which needs this side's worker (the engine's steps do not run
         # while it is idle).
         self._notify_until = self._clock() + NOTIFY_PROGRESS_S
+        self._wake.set()
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop the thread; queued WRITEs are dropped, WRITEs in flight cancelled (best effort), the decode

@@ -12,15 +12,22 @@ stream's request is known here is kept until the request comes (its
 stream then stops with nothing written), and a stream that stopped before
 any destination came is kept so that a late destination is refused at
 once. Both are kept for :data:`KEEP_S` and at most :data:`MAX_KEPT` of
-each: a peer choosing stream ids cannot grow them without bound. Pure
-bookkeeping: the caller locks.
+each, and at most :data:`p2pkv.bindings.MAX_BINDINGS` stream ids are kept
+served (each until its grant's expiry, which the rank has capped at
+``max_lifetime_s`` past its own clock; past that count a new stream is
+refused, never an old id forgotten early): a peer choosing stream ids cannot
+grow them without bound, and forgetting expired ones costs the same at 10 or
+a million (a heap of expiries; declines and stops expire in the order they
+were kept). Pure bookkeeping: the caller locks.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from p2pkv.bindings import MAX_BINDINGS
 from p2pkv.prefill.agents import rank_name
 
 MAX_KEPT = 4096
@@ -40,7 +47,9 @@ class StreamLedger:
     """
 
     clock: Callable[[], float]
+    max_served: int = MAX_BINDINGS
     _served: dict[str, float] = field(default_factory=dict)  # stream id → its grant's expiry (time.time())
+    _expiries: list[tuple[float, str]] = field(default_factory=list)  # (expiry, stream id), earliest first
     _readers: dict[str, tuple[str, int, set[str]]] = field(default_factory=dict)
     """stream id → (decode engine id, how many of its ranks read this rank, the ranks that gave a destination)"""
     _declined: dict[str, float] = field(default_factory=dict)  # stream id → until when (clock)
@@ -54,7 +63,10 @@ class StreamLedger:
         """``stream_id`` takes a destination from decode ``rank`` (``(engine id, tp rank)``, one of ``readers``
         ranks of that engine that read this rank), or is declined (``rank`` None), now (``expiry``:
         ``time.time()`` seconds, its grant's expiry, or how long a decline is kept)."""
-        self._served[stream_id] = max(expiry, self._served.get(stream_id, expiry))
+        kept = max(expiry, self._served.get(stream_id, expiry))
+        if self._served.get(stream_id) != kept:
+            self._served[stream_id] = kept
+            heapq.heappush(self._expiries, (kept, stream_id))
         if rank is not None:
             self._readers.setdefault(stream_id, (rank[0], readers, set()))[2].add(rank_name(rank))
 
@@ -63,6 +75,9 @@ class StreamLedger:
         refused, or None: a stream takes one destination per reading rank, all from one decode engine that said
         the same ``readers``, and none after a decline."""
         if stream_id not in self._served:
+            if len(self._served) >= self.max_served:
+                return (f"{len(self._served)} stream ids are served here, the most this rank keeps "
+                        f"({self.max_served}); refused until some grants expire")
             return None
         entry = self._readers.get(stream_id)
         name = rank_name(rank)
@@ -80,15 +95,18 @@ class StreamLedger:
 
     def forget_expired(self, now: float) -> None:
         """Drop served stream ids whose grants expired over :data:`EXPIRED_KEEP_S` before ``now``
-        (``time.time()`` seconds): they can be served no more anyway."""
-        for stream_id in [s for s, expiry in self._served.items() if expiry + EXPIRED_KEEP_S < now]:
-            del self._served[stream_id]
-            self._readers.pop(stream_id, None)
+        (``time.time()`` seconds): they can be served no more anyway. A heap pop per id dropped."""
+        while self._expiries and self._expiries[0][0] + EXPIRED_KEEP_S < now:
+            expiry, stream_id = heapq.heappop(self._expiries)
+            if self._served.get(stream_id) == expiry:
+                del self._served[stream_id]
+                self._readers.pop(stream_id, None)
 
     def decline(self, stream_id: str) -> bool:
         """Keep a decline of ``stream_id`` until its request comes; False when :data:`MAX_KEPT` are kept."""
         if len(self._declined) >= MAX_KEPT:
             return False
+        self._declined.pop(stream_id, None)
         self._declined[stream_id] = self.clock() + KEEP_S
         return True
 
@@ -99,6 +117,7 @@ class StreamLedger:
     def stop(self, stream_id: str, why: str) -> None:
         """``stream_id`` stopped before any destination came (``why``), kept if there is room."""
         if len(self._stopped) < MAX_KEPT:
+            self._stopped.pop(stream_id, None)
             self._stopped[stream_id] = (self.clock() + KEEP_S, why)
 
     def stopped(self, stream_id: str) -> str | None:
@@ -107,9 +126,10 @@ class StreamLedger:
         return None if entry is None else entry[1]
 
     def expire(self) -> None:
-        """Forget the declines and stops kept over :data:`KEEP_S`."""
+        """Forget the declines and stops kept over :data:`KEEP_S` (oldest first: each is kept for the same
+        time on one clock, so the order they were kept in is the order they expire in)."""
         now = self.clock()
-        for stream_id in [s for s, until in self._declined.items() if until <= now]:
-            del self._declined[stream_id]
-        for stream_id in [s for s, (until, _) in self._stopped.items() if until <= now]:
-            del self._stopped[stream_id]
+        while self._declined and next(iter(self._declined.values())) <= now:
+            del self._declined[next(iter(self._declined))]
+        while self._stopped and next(iter(self._stopped.values()))[0] <= now:
+            del self._stopped[next(iter(self._stopped))]

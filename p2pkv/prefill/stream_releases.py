@@ -42,19 +42,21 @@ class StreamReleases:
 
     def on_heartbeat(self, request_ids: list[str], extend_s: float, block_ids: list[list[int]]) -> HoldStatus:
         """Side-channel thread: a heartbeat or hold question (:meth:`p2pkv.prefill.holds.PrefillHolds.on_heartbeat`).
-        A stream id this rank took a destination for (or a decline of), until its grant has expired, is answered
-        as held: a decode rank waiting for the stream's notification asks so, to tell a restarted prefill rank
-        (which answers ``unknown``) from a slow one (:mod:`p2pkv.decode.stream_watch`). Everything else is the
-        holds' to answer."""
+        A stream id this rank took a destination for (or a decline of) is answered for it: held while one of its
+        streams may still WRITE (its request runs here, or its destination waits for it), ``not_held`` once they
+        have all ended (each ends only once no WRITE of it is in flight), until its grant has expired. A decode
+        rank waiting for the stream's notification asks so, to tell a restarted prefill rank (which answers
+        ``unknown``) from a slow one, and one that gave the stream up, to learn when no WRITE can land any more
+        (:mod:`p2pkv.decode.stream_watch`). Everything else is the holds' to answer."""
         with self._lock:
-            known = {rid for rid in request_ids if self._ledger.served(rid) or rid in self._by_stream}
-        if not known:
-            return self.holds.on_heartbeat(request_ids, extend_s, block_ids)
+            live = {rid for rid in request_ids if rid in self._by_stream or self._pending.holds(rid)}
+            ended = {rid for rid in request_ids if rid not in live and self._ledger.served(rid)}
+        known = live | ended
         rest = [i for i, rid in enumerate(request_ids) if rid not in known]
-        if not rest:
-            return HoldStatus()
-        return self.holds.on_heartbeat([request_ids[i] for i in rest], extend_s,
-                                        [block_ids[i] for i in rest] if block_ids else [])
+        status = HoldStatus() if not rest else self.holds.on_heartbeat(
+            [request_ids[i] for i in rest], extend_s, [block_ids[i] for i in rest] if block_ids else [])
+        status.not_held.extend(rid for rid in request_ids if rid in ended)
+        return status
 
     def on_release(self, request_ids: list[str], block_ids: list[list[int]], requester: str = "") -> int:
         """Side-channel thread: a release (:meth:`p2pkv.prefill.holds.PrefillHolds.on_release`). A stream id

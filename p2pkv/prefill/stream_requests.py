@@ -156,7 +156,7 @@ class CheckedStream:
 
 
 def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: bytes | None, engine_id: str,
-                         now: float, kv_groups: int = 1) -> CheckedStream | str:
+                         now: float, kv_groups: int = 1, max_lifetime_s: float = 480.0) -> CheckedStream | str:
     """Check ``msg`` against this rank (see the module docstring for the order).
 
     Args:
@@ -166,6 +166,7 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         engine_id: this engine's id (the grant must name it).
         now: ``time.time()`` seconds (the grant's expiry and the request's window).
         kv_groups: KV cache groups of this engine (``group_blocks`` names the ones after the first).
+        max_lifetime_s: how far past ``now`` the grant's expiry may lie (seconds).
 
     Returns:
         The checked request, or why it is refused (a message naming the field).
@@ -177,7 +178,7 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         return why
     try:
         grant = check_stream_grant(msg.grant, secret, prefill_engine_id=engine_id,
-                                   decode_engine_id=msg.requester_engine_id, now=now)
+                                   decode_engine_id=msg.requester_engine_id, now=now, max_lifetime_s=max_lifetime_s)
     except StreamGrantError as exc:
         return str(exc)
     try:
@@ -215,7 +216,7 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
             check_block_ids(named.block_ids, side.num_blocks, "staging" if msg.staging_addrs else "decode")
         except PlanError as exc:
             return f"group_blocks[{group - 1}].block_ids: {exc}"
-    window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - now)
+    window_s = min(float(msg.window_s), msg.sent_at + msg.window_s - now, max_lifetime_s)
     if window_s <= 0:
         return "window_s passed before the request was handled (a busy side channel)"
     return CheckedStream(identity, grant, side, window_s, source_pages)

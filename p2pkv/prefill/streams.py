@@ -48,15 +48,17 @@ from dataclasses import dataclass, field
 
 from handshake import StreamRequest
 from handshake.messages import PushStatus
+from p2pkv.bindings import Bindings
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
+from p2pkv.params import CLOCK_SKEW_S
 from p2pkv.prefill.agents import Identity, rank_name
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_ledger import StreamLedger
 from p2pkv.prefill.stream_measures import StreamMeasures, layer_block_bytes
-from p2pkv.prefill.stream_pending import MAX_PENDING, Destination, PendingDestinations
+from p2pkv.prefill.stream_pending import UNKNOWN_WAIT_S, Destination, PendingDestinations
 from p2pkv.prefill.stream_releases import StreamReleases
 from p2pkv.prefill.stream_requests import check_stream_request
 from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget, group_range
@@ -80,6 +82,7 @@ class _Live:
     streams: int = 1
     ended: int = 0
     failed: str | None = None
+    grant_ends: float = float("inf")
 
     def expects_more(self) -> bool:
         """Every stream so far ended whole, and a decode rank that reads this rank has not sent its destination."""
@@ -110,13 +113,15 @@ class PrefillStreams(StreamReleases):
         clock: monotonic seconds.
         on_start: run first on the stream poster's thread (the GPU and ``transfer_cpus``:
             :func:`p2pkv.transfer_threads.start_transfer_thread`).
+        max_lifetime_s: how far past this rank's clock a grant's expiry may lie (seconds;
+            :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
     """
 
     def __init__(self, engine_id: str, agent: NixlTransferAgent, holds: PrefillHolds, pusher: Pusher,
                  source: StreamSide | str, layer_of: dict[str, int], secret: bytes | None, *, on_gpu: bool = False,
                  min_tokens: int = 0, min_link_share: float = 0.0, group_of: dict[str, int] | None = None,
                  state_groups: frozenset[int] = frozenset(), clock: Callable[[], float] = time.monotonic,
-                 on_start: Callable[[], None] | None = None) -> None:
+                 on_start: Callable[[], None] | None = None, max_lifetime_s: float = 480.0) -> None:
         self.engine_id = engine_id
         self.agent = agent
         self.holds = holds
@@ -136,6 +141,9 @@ class PrefillStreams(StreamReleases):
         self._pending = PendingDestinations()  # destinations whose request is not known yet
         self._ledger = StreamLedger(clock)  # stream ids served, declined or stopped
         self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
+        self._bound = Bindings("stream id")  # stream id → the one prefill request it serves here
+        self._admitted: dict[str, tuple[str, float]] = {}  # stream id → (request id, grant end) not opened yet
+        self.max_lifetime_s = max_lifetime_s
         self._step: list[StreamChunk] = []
         self._prepared: P2pKvMetadata | None = None  # the step whose chunks were taken
         self.group_of = group_of or {}
@@ -155,7 +163,8 @@ class PrefillStreams(StreamReleases):
 
     def _accept(self, msg: StreamRequest) -> tuple[PushStatus, str]:
         now = time.time()
-        checked = check_stream_request(msg, self.source, self._secret, self.engine_id, now, self.kv_groups)
+        checked = check_stream_request(msg, self.source, self._secret, self.engine_id, now, self.kv_groups,
+                                       self.max_lifetime_s)
         if isinstance(checked, str):
             return "refused", checked
         stream_id = checked.grant.stream_id
@@ -166,8 +175,9 @@ class PrefillStreams(StreamReleases):
                                    f"came: {stopped}")
             if (why := self._ledger.refuse(stream_id, checked.identity, msg.readers)) is not None:
                 return "refused", why
-            if self._pending.full():
-                return "busy", f"{MAX_PENDING} stream destinations already wait for their requests here"
+            known = stream_id in self._by_stream or stream_id in self._admitted
+            if not known and (why := self._pending.room(checked.identity)) is not None:
+                return "busy", why  # a full queue never turns away a request this rank runs or has queued
             self._ledger.serve(stream_id, checked.grant.expiry, checked.identity, msg.readers)
         loaded, why = self.pusher.hold_agent(checked.identity, msg.agent)
         if not loaded:
@@ -180,7 +190,7 @@ class PrefillStreams(StreamReleases):
         with self._lock:
             request_id = self._by_stream.get(stream_id)
             if request_id is None:
-                self._pending.add(stream_id, dest)
+                self._pending.add(stream_id, dest, self._clock())
                 return "accepted", ""
             status, why = self._attach(request_id, dest)
         if status != "accepted":
@@ -226,6 +236,14 @@ class PrefillStreams(StreamReleases):
         if meta is self._prepared:
             return
         self._prepared = meta
+        with self._lock:
+            for request_id, (stream_id, expiry) in meta.stream_admits.items():
+                self._admit(request_id, stream_id, expiry)
+            for stream_id, why in meta.stream_refusals.items():
+                self._stop_unopened(stream_id, f"the prefill engine did not stream its request: {why}")
+            for request_id, why in meta.stream_aborts.items():
+                if request_id not in self._live and (stream_id := self._unopened(request_id)) is not None:
+                    self._stop_unopened(stream_id, why)
         for request_id, why in meta.stream_aborts.items():
             self.poster.abort(request_id, why)
         restarts = list(meta.stream_restarts)
@@ -240,13 +258,48 @@ class PrefillStreams(StreamReleases):
         self._step = [c for c in meta.streams if c.request_id in self._live]
         self._seen = set()
 
+    def _admit(self, request_id: str, stream_id: str, expiry: float) -> None:
+        """The scheduler admitted ``request_id``'s stream (its grant expiring at ``expiry``, ``time.time()``):
+        ``stream_id`` serves it alone here; destinations for it wait as long as their decode ranks. Lock held."""
+        wall = time.time()
+        if (why := self._bound.bind(stream_id, request_id, expiry + CLOCK_SKEW_S, wall)) is not None:
+            logger.error("p2pkv: request %s: %s; not streamed", request_id, why)
+            return
+        self._admitted[stream_id] = (request_id, self._clock() + expiry + CLOCK_SKEW_S - wall)
+        self._pending.admit(stream_id)
+
+    def _unopened(self, request_id: str) -> str | None:
+        """The stream id of ``request_id`` when it was admitted and its stream not opened yet. Lock held."""
+        return next((sid for sid, (rid, _) in self._admitted.items() if rid == request_id), None)
+
+    def _stop_unopened(self, stream_id: str, why: str) -> None:
+        """``stream_id`` will never stream here: a destination still to come is refused at once, and those
+        waiting are told now (their decode ranks fail the load then, not at their window). Lock held."""
+        self._admitted.pop(stream_id, None)
+        self._ledger.stop(stream_id, why)
+        for dest in self._pending.take(stream_id):
+            self._tell(dest, why)
+
+    def _tell(self, dest: Destination, why: str) -> None:
+        """A waiting destination gets no stream: its decode rank is told ``why``, its agent released."""
+        self.pusher.tell_failed(dest.target.agent, dest.target.push_id, why)
+        self.pusher.release_agent(dest.identity)
+
     def _open(self, chunk: StreamChunk) -> None:
-        """A streamed request's first chunk: its stream, and its destination if it came first. Lock held."""
+        """A streamed request's first chunk: its stream, and its destination if it came first. A chunk naming a
+        stream id that serves another request here is not streamed (a stream id is never moved to another
+        request). Lock held."""
         assert isinstance(self.source, StreamSide)
+        now = time.time()
+        if (why := self._bound.bind(chunk.stream_id, chunk.request_id, now + self.max_lifetime_s, now)) is not None:
+            logger.error("p2pkv: request %s: %s; not streamed", chunk.request_id, why)
+            return
+        _, grant_ends = self._admitted.pop(chunk.stream_id, ("", float("inf")))
         bulk = chunk.loaded_tokens < self._min_tokens
         stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret, self._clock, bulk=bulk)
         self.poster.add(chunk.request_id, stream, keep=True)
-        self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens, bulk)
+        self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens, bulk,
+                                             grant_ends=grant_ends)
         self._by_stream[chunk.stream_id] = chunk.request_id
         if self._ledger.take_decline(chunk.stream_id):
             self.poster.abort(chunk.request_id, "the decode engine declined the stream (it loads nothing of it)")
@@ -341,11 +394,20 @@ class PrefillStreams(StreamReleases):
                     live.pinned = False
                 elif live.ended == live.streams:
                     self._end(stream.request_id, live, now)
-            for dest in self._pending.expire(now):
-                self.pusher.release_agent(dest.identity)
+            for stream_id, dest in self._pending.expire(now):
+                why = (f"no prefill request for stream {stream_id} came within {UNKNOWN_WAIT_S:g} s" if dest.deadline
+                       > now else "the decode rank's window passed before its prefill request started")
+                self._tell(dest, why)
+            for stream_id in [s for s, (_, ends) in self._admitted.items() if ends <= now]:
+                self._stop_unopened(stream_id, "its grant expired before its prefill request started")
+            unserved = [r for r, live in self._live.items() if live.identity is None and live.grant_ends <= now]
+            for request_id in unserved:
+                self._live[request_id].grant_ends = float("inf")
             for request_id in [r for r, t in self._ended_early.items() if now - t > self.holds.lease_s]:
                 del self._ended_early[request_id]
             self._ledger.expire()
+        for request_id in unserved:  # no destination can come any more: its hold ends with the stream
+            self.poster.abort(request_id, "no decode rank sent a destination before the stream's grant expired")
 
     def holds_ended(self, request_ids: set[str]) -> None:
         """These holds ended (a lease ran out before every destination came): their streams stop, and a request
