@@ -253,20 +253,23 @@ def test_a_prefill_that_dies_mid_stream_fails_the_load_and_its_next_incarnation_
         assert torch.equal(decode.base[list(TARGET)], pf.expected()[list(SOURCE)])
 
 
-def test_a_stream_whose_prefill_restarts_mid_way_fails_at_once_not_at_its_window() -> None:
-    """A stream waits up to its window (here 120 s) for a prefill that is only slow; a prefill rank that restarted
-    answers the decode rank's probe that it does not know the stream, so the load fails within seconds, and its
-    blocks come back with nothing more written into them. Killed and not yet back, it proves nothing: the load
-    waits on."""
+@pytest.mark.parametrize("restart", [False, True], ids=["stays_down", "restarted"])
+def test_a_stream_whose_prefill_dies_mid_way_fails_within_seconds_not_at_its_window(restart: bool) -> None:
+    """A stream waits up to its window (here 120 s) for a prefill that is only slow. One whose process died is
+    known within seconds: NIXL says its agent disconnected (and a restarted one answers the decode rank's
+    question that it does not know the stream), so the load fails then, and its blocks come back with nothing
+    more written into them."""
     with _first_layer_landed(120.0) as (pf, decode):
         pf.kill()
-        assert decode.pump({"d-1"}, 5.0) == {"d-1"}, "a silent prefill rank was taken for a restarted one"
-        pf.start(seed=4)
+        if restart:
+            pf.start(seed=4)
         started = time.monotonic()
-        assert not decode.pump({"d-1"}, 20.0), "the load waited for its window after its prefill rank restarted"
+        assert not decode.pump({"d-1"}, 20.0), "the load waited for its window after its prefill process died"
         assert time.monotonic() - started < 20.0
         assert decode.take_errors() == set(TARGET), "a stream cut short must reach vLLM as load errors"
         assert not decode.base[list(TARGET), 1:].any(), "a layer landed after the stream was over"
+        if not restart:
+            pf.start(seed=4)  # the harness stops a live incarnation
 
 
 def test_a_prompt_under_the_measured_threshold_lands_in_one_write_after_its_last_layer() -> None:

@@ -285,21 +285,46 @@ def test_a_stream_whose_destination_deadline_passes_stops_and_tells_the_decode_r
     assert stream_pair.landed(src, dst, layers=range(1))
 
 
-def test_a_stream_whose_last_write_is_posted_is_not_stopped_by_its_deadline(stream_pair: Pair) -> None:
+def test_a_stream_whose_last_write_landed_before_its_deadline_ends_ok(stream_pair: Pair) -> None:
     now = [100.0]
     src, dst = [1], [2]
-    stream = LayerStream("req-1", StreamSide(tuple(stream_pair.source_pages), BLOCKS), stream_pair.prefill,
-                         secret=KEY, clock=lambda: now[0])
+    stream = _clocked(stream_pair, now)
     target = stream_pair.target_of(dst)
     stream.target(StreamTarget(target.agent, target.side, target.block_ids, target.first_block, target.push_id,
                                deadline=105.0))
     for layer in range(LAYERS):
         stream.computed(layer, 0, src)
     stream.finish()
-    stream.pump()  # every layer posted, the notification riding on the WRITE
+    drain(stream, stream_pair)  # every layer posted in one WRITE, the notification riding on it, before 105
     now[0] = 200.0
+    assert not stream.pump() and stream.failure is None
+    assert stream_pair.notes() == [PushedNotification(PUSH_ID, True)] and stream_pair.landed(src, dst)
+
+
+def test_a_last_write_still_in_flight_at_the_deadline_is_cut_and_the_word_waits_for_its_end(stream_pair: Pair) -> None:
+    """The decode rank hands its blocks back once its window has passed and the word came: the last WRITE, which
+    carries the notification, is cut at the deadline like any other; one NIXL will not cancel keeps the stream
+    from ending (and the word from going) until it has ended."""
+    now = [100.0]
+    src, dst = [1], [2]
+    writer = StuckWriter(stream_pair.prefill)
+    stream = LayerStream("req-1", StreamSide(tuple(stream_pair.source_pages), BLOCKS), writer, secret=KEY,
+                         clock=lambda: now[0])
+    target = stream_pair.target_of(dst)
+    stream.target(StreamTarget(target.agent, target.side, target.block_ids, target.first_block, target.push_id,
+                               deadline=105.0))
+    for layer in range(LAYERS):
+        stream.computed(layer, 0, src)
+    stream.finish()
+    stream.pump()  # every layer posted, the notification riding on the WRITE, which does not end
+    now[0] = 105.0
+    for _ in range(20):
+        assert stream.pump() and not stream.ended, "a stream ended with a WRITE in flight"
+    assert stream.failure is not None and "window passed" in stream.failure
+    writer.stuck = False
     drain(stream, stream_pair)
-    assert stream.failure is None and stream_pair.notes() == [PushedNotification(PUSH_ID, True)]
+    notes = stream_pair.notes()
+    assert notes and notes[0] == PushedNotification(PUSH_ID, True), "the WRITE's own word, after its bytes"
     assert stream_pair.landed(src, dst)
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from handshake import AgentInfo, verify_agent_info
-from p2pkv.dataplane.inboxes import Inboxes
+from p2pkv.dataplane.inboxes import ALIVE_PREFIX, Inboxes
 from p2pkv.dataplane.layout import Region
 from p2pkv.dataplane.plan import split_rows
 from p2pkv.dataplane.remote_agents import PeerRole, RemoteAgents, WrongAgentName
@@ -437,6 +437,17 @@ class NixlTransferAgent:
             self._agent.send_notif(peer, msg)
         except Exception as exc:
             raise TransferError(f"NIXL send_notif to {peer} failed: {exc}", exc) from exc
+
+    def reachable(self, peer: str) -> bool:
+        """Whether the transport still reaches ``peer`` (a loaded remote agent): False only when NIXL says it
+        disconnected (its process is gone: a notification to it fails at once with a remote disconnect), which
+        proves that none of its WRITEs can land here any more; True otherwise (any other error proves nothing).
+        Sends one tiny notification, which the peer drops (:data:`p2pkv.dataplane.inboxes.ALIVE_PREFIX`)."""
+        try:
+            self.send_notif(peer, ALIVE_PREFIX)
+        except TransferError as exc:
+            return not exc.disconnected
+        return True
 
     def progress(self) -> None:
         """Progress NIXL's workers without taking anything: a notification sent to a peer just loaded may wait

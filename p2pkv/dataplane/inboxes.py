@@ -5,13 +5,19 @@ remote agent name → messages), and reading them also progresses the agent's
 workers. Two readers share a decode worker's agent (its pulls thread takes
 the "pushed" notifications, its engine thread the rest), so what NIXL hands
 over is sorted into one inbox per prefix asked for; each reader takes its
-own. No I/O but the fetch it is given.
+own. A liveness probe's notification (:data:`ALIVE_PREFIX`,
+:meth:`p2pkv.dataplane.agent.NixlTransferAgent.reachable`) is dropped on
+arrival: it says nothing but that its sender could send it. No I/O but the
+fetch it is given.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+
+ALIVE_PREFIX = b"p2pkv:alive:"
+"""The notification a liveness probe sends; its receiver drops it."""
 
 Fetch = Callable[[], dict[str, list[bytes]]]
 """What NIXL received since the last call (``nixl_agent.get_new_notifs``): remote agent name → messages."""
@@ -46,5 +52,7 @@ class Inboxes:
     def _sort(self) -> None:
         for msgs in self._fetch().values():
             for msg in msgs:
+                if msg.startswith(ALIVE_PREFIX):
+                    continue
                 key = next((p for p in self._inbox if p and msg.startswith(p)), b"")
                 self._inbox[key].append(msg)

@@ -8,8 +8,12 @@ long-lived connection); the prefill rank WRITEs and its NIXL notification
 (:class:`p2pkv.notification.PushedNotification`) arrives after
 the bytes. Until a push request is answered ``accepted`` or refused, and an
 accepted one notified, its target memory may still be written: a pull that
-gives up waits for that (or for the request's window) before its blocks go
-back to vLLM.
+gives up waits for that before its blocks go back to vLLM — the prefill
+rank's word (it sends one for every accepted push and stream, only once no
+WRITE of it is in flight, and cancels what is in flight at the window), or
+its answer that the hold or stream has ended there
+(:mod:`p2pkv.decode.stream_watch`), or, with no answer at all,
+:data:`QUIET_LIMIT_S` past the window.
 
 Whether a prefill rank pushes is :func:`p2pkv.decode.direction.choose`'s.
 """
@@ -37,7 +41,7 @@ from p2pkv.dataplane.blockmap import staged_groups
 from p2pkv.decode.background import Background, take_done
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, failure_of
-from p2pkv.decode.stream_watch import GONE, StreamWatch
+from p2pkv.decode.stream_watch import DISCONNECTED, GONE, StreamWatch
 from p2pkv.decode.transfer import Part
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 
@@ -45,6 +49,13 @@ logger = logging.getLogger("p2pkv.decode")
 
 PUSH_ID_BYTES = 16
 """Random bytes naming one push (its notification carries them in hex)."""
+
+QUIET_LIMIT_S = 60.0
+"""Longest (seconds, past its window) a given-up push or stream keeps this rank's blocks from vLLM while its
+prefill rank neither notifies nor answers (dead, or cut off): the last resort, since nothing then proves that no
+WRITE can land. The prefill rank cancels its WRITEs at the window, and a WRITE NIXL cannot cancel outlives it
+only by the transport's own timeout (UCX's rc and tcp endpoints fail a peer that stops acknowledging within
+seconds), so a minute is well past any WRITE of a live link."""
 
 RETRY_UNKNOWN_S = 0.002
 """Pause (seconds) before asking again a prefill rank that does not know the hold yet (it learns of a
@@ -226,13 +237,24 @@ class Pushes:
         return failed
 
     def _watch_streams(self, now: float) -> None:
-        """Ask the prefill ranks of accepted streams still waiting whether they know them; one that does not
-        (it restarted) can WRITE nothing: the stream is over, failed (:mod:`p2pkv.decode.stream_watch`)."""
+        """Ask the prefill ranks of accepted streams still waiting, and of given-up pushes and streams, whether
+        they can still WRITE (:mod:`p2pkv.decode.stream_watch`): a stream whose rank does not know it (it
+        restarted) is over, failed; a given-up part whose hold or stream has ended there has drained."""
         asking = {id(part) for _, part in self._replies}
-        self.watch.ask([p for p in self._open.values() if p.transfer.spec.stream_grant and id(p) not in asking], now)
-        for part in self.watch.gone():
-            if self._open.pop(part.push_id, None) is not None:
-                part.arrived, part.failure = False, GONE
+        asked = self.watch.ask([p for p in self._open.values() if (p.transfer.spec.stream_grant or p.abandoned)
+                                and id(p) not in asking], now)
+        gone = {name for name in {p.peer.agent_name for p in asked} if not self.agent.reachable(name)}
+        for push_id, part in list(self._open.items()) if gone else ():
+            if part.peer.agent_name in gone:
+                del self._open[push_id]
+                part.arrived, part.failure = False, DISCONNECTED
+        for part, status in self.watch.answers():
+            if status == "held" or self._open.get(part.push_id) is not part:
+                continue
+            if status == "unknown" or part.abandoned:
+                del self._open[part.push_id]
+                part.arrived, part.failure = False, GONE if status == "unknown" else (
+                    f"the prefill rank answered {status}: nothing of it is in flight there")
 
     def replies(self) -> list[tuple[Part, PushReply | Exception]]:
         """Answered push requests: the READ part and the reply (or why there is none).
@@ -274,11 +296,17 @@ class Pushes:
 
         Notifications that parse badly, carry a bad MAC or name no open push
         are dropped (logged). Open pushes older than their window (a
-        stream's own) and two reply timeouts are forgotten.
+        stream's own) and :data:`QUIET_LIMIT_S` are forgotten (logged: their
+        prefill rank never answered).
         """
         out = []
         dropped = 0
-        for msg in self.agent.take_notifs(PUSH_PREFIX):
+        try:
+            msgs = self.agent.take_notifs(PUSH_PREFIX)
+        except Exception as exc:  # NIXL could not hand its notifications over: the questions still end the waits
+            logger.warning("p2pkv: reading push notifications failed: %s", exc)
+            msgs = []
+        for msg in msgs:
             note = parse_pushed(msg, self.secret)
             read = self._open.pop(note.push_id, None) if note is not None else None
             if read is None or note is None:
@@ -287,8 +315,10 @@ class Pushes:
             out.append((read, note))
         if dropped:
             logger.warning("p2pkv: %d push notification(s) dropped (unknown push, or MAC wrong)", dropped)
-        for push_id in [p for p, r in self._open.items() if r.pushed_at + self.window(r) + 2 * self.timeout_s < now]:
-            del self._open[push_id]
+        for push_id in [p for p, r in self._open.items() if r.pushed_at + self.window(r) + QUIET_LIMIT_S < now]:
+            part = self._open.pop(push_id)
+            logger.error("p2pkv: push %s to %s: no word and no answer from its prefill rank %.0f s past its window; "
+                         "its blocks go back to vLLM now", push_id.hex(), part.peer.agent_name, QUIET_LIMIT_S)
         return out
 
     def ended(self, read: Part) -> bool:
@@ -296,9 +326,10 @@ class Pushes:
         return read.push_id not in self._open
 
     def drain_deadline(self, read: Part) -> float:
-        """``time.monotonic()`` until which a given-up push may still write (its window from sending, plus a
-        reply timeout of slack for the request's time on the wire)."""
-        return read.pushed_at + self.window(read) + self.timeout_s
+        """``time.monotonic()`` until which a given-up push or stream keeps its blocks from vLLM at the most:
+        its window from sending plus :data:`QUIET_LIMIT_S` (it drains as soon as its prefill rank's word or
+        answer proves that no WRITE can land: :meth:`ended`)."""
+        return read.pushed_at + self.window(read) + QUIET_LIMIT_S
 
 
 def _send_push(deadline: float, to: Destination, request_id: str, block_ids: list[int], push_id: bytes,

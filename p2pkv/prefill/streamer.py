@@ -20,7 +20,10 @@ with the reason (it hands its blocks back to vLLM on that word, so the word
 never comes before the last byte) and the stream has :attr:`LayerStream.ended`
 (the caller keeps the source blocks until then). A destination's
 ``deadline`` (the decode rank's window: it gives the load up then) stops the
-stream the same way when it passes first.
+stream the same way when it passes first, whatever is in flight: the last
+WRITE too, which carries the notification (cancelled; one NIXL would not
+cancel is waited out before the word), so no WRITE of a stream is posted or
+left running past its window.
 
 A chunk ending inside a block sends that block; the next chunk sends it
 again whole, which rewrites the earlier tokens with the same bytes. So that
@@ -334,12 +337,13 @@ class LayerStream:
         Returns:
             True while the stream has work left (call again), False once it has ended.
         """
-        if self.state is StreamState.STREAMING and not self._notify_with_write and self.clock() >= self._deadline():
-            self._fail("the decode rank's window passed before the stream ended (it gives the load up then: "
-                       "stream_timeout_s on the decode engine)")
         if self.state is StreamState.STREAMING:
             try:
                 self._poll()
+                if self.state is StreamState.STREAMING and self.clock() >= self._deadline():
+                    self._fail("the decode rank's window passed before the stream ended (it gives the load up "
+                               "then: stream_timeout_s on the decode engine)")
+                    return not self.ended
                 self._post_ready()
                 if self._finished and not self._waiting and not self._inflight and not self._notify_with_write:
                     self._notify(PushedNotification(self._target.push_id, True))

@@ -80,9 +80,10 @@ def test_a_push_given_up_drains_until_its_write_ended(prefill: PrefillProc, capl
 
 
 def test_push_notes_the_decode_worker_cannot_read(prefill: PrefillProc, caplog: pytest.LogCaptureFixture) -> None:
-    """``get_new_notifs`` fails once: the next call reads the note, the pull succeeds. It always fails: nothing
-    says the WRITE ended, so the pull fails ``timeout`` and its blocks go back only after the push's window plus a
-    reply timeout (past which the prefill rank writes nothing); the hold is freed once."""
+    """``get_new_notifs`` fails once: the next call reads the note, the pull succeeds. It always fails: no
+    notification says the WRITE ended, so the pull fails ``timeout`` and its blocks go back only once the prefill
+    rank answers that the hold has ended there (a pinned hold ends only after its WRITE), past the push's
+    window; the hold is freed once."""
     caplog.set_level(logging.ERROR, logger="p2pkv.decode")
     d = DecodeSide(64, **{**PUSH_CFG, "transfer_timeout_s": 0.5})
     try:
