@@ -2,7 +2,9 @@
 never runs): what the answer holds is still let go (:class:`p2pkv.tools.proxy.closing.ClosingStream`).
 
 * The first-token hand-over of pull and push mode frees the prefill hold its decode engine was never asked to
-  load, once (also when the first token ended the answer, or the answer went out whole).
+  load, once (also when the first token ended the answer, or the answer went out whole), and the hold of a
+  client that leaves while the decode leg is being sent (the decode engine may never see it); not the hold of a
+  decode stream that began (its engine's pull or notify-only pull ends it).
 * A batch of streamed prompts stops its pairs: every decode stream is closed (its engine aborts the request,
   instead of generating for nobody) and every decode leg is reported ended.
 """
@@ -77,6 +79,57 @@ def test_a_hand_over_whose_decode_engine_was_never_asked_frees_the_hold_once(fin
 
     asyncio.run(run())
     assert legs.released == [[PARAMS]] and legs.asked == 0
+
+
+class Sending(Legs):
+    """A proxy whose decode leg is still being sent (connecting, say) when the client leaves."""
+
+    async def run_decode(self, *args: Any, **kwargs: Any) -> httpx.Response:
+        self.asked += 1
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+class Answering(Legs):
+    """A proxy whose decode engine answers the continuation: one token, then the end."""
+
+    async def run_decode(self, *args: Any, **kwargs: Any) -> httpx.Response:
+        self.asked += 1
+        event = ('data: {"id": "cmpl-d", "object": "text_completion", "created": 0, "model": "model", "choices": '
+                 '[{"index": 0, "text": "y", "logprobs": null, "finish_reason": "length", "stop_reason": null}]}'
+                 '\n\ndata: [DONE]\n\n')
+        return httpx.Response(200, stream=httpx.ByteStream(event.encode()),
+                              request=httpx.Request("POST", "http://127.0.0.1:3/v1/completions"))
+
+
+@pytest.mark.parametrize(("legs", "released"), [(Sending, [[PARAMS]]), (Answering, [])],
+                         ids=["left_while_the_decode_leg_is_sent", "decode_stream_began"])
+def test_a_hand_over_frees_the_hold_unless_its_decode_stream_began(legs: type[Legs], released: list) -> None:
+    """The client reads the first token and leaves: the hold is freed unless the decode engine's stream began."""
+    proxy = legs()
+    body = {"prompt": "hi", "max_tokens": 4, "stream": True}
+    first_sent = asyncio.Event()
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            sent.append(message["body"])
+            first_sent.set()
+
+    async def receive() -> dict[str, Any]:
+        await first_sent.wait()
+        if legs is Answering:  # reads the whole answer
+            await asyncio.Event().wait()
+        return {"type": "http.disconnect"}
+
+    async def run() -> None:
+        response = hand_over_stream(proxy, None, "/v1/completions", body, _first(None),  # type: ignore[arg-type]
+                                    PARAMS, {}, {})
+        await asyncio.wait_for(response(SCOPE, receive, send), 5)
+
+    asyncio.run(run())
+    assert proxy.asked == 1 and proxy.released == released
+    assert (b'"text": "y"' in b"".join(sent)) is (legs is Answering)
 
 
 class Endless(httpx.AsyncByteStream):

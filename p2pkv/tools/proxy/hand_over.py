@@ -4,7 +4,7 @@ continuation after it (what :mod:`p2pkv.tools.proxy.first_token` decides and rew
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import httpx
@@ -37,23 +37,29 @@ def hand_over_stream(legs: DecodeLegs, client: httpx.AsyncClient, path: str, bod
     """The client's stream: ``first`` at once, then the decode engine's continuation after it.
 
     A decode leg that fails after the first token went out ends the stream
-    with an error event; the prefill hold is freed when the decode engine
-    was never asked (the client left, before the first byte too, the leg
-    could not start, or ``first`` ended the answer). With ``trace``, span
+    with an error event; the prefill hold is freed unless the decode engine's
+    stream began (its first event: the request reached its scheduler, whose
+    pull or notify-only pull ends the hold): the client left before that (the
+    first byte too, or while the leg was being sent: the decode engine may
+    never see it, nor vLLM add it to its engine), the leg could not start, or
+    ``first`` ended the answer. With ``trace``, span
     ``p2pkv.proxy.first_token`` lasts from the prefill answer to the first
     token's bytes handed to the client.
     """
     writer = FirstTokenStream(path, body, first)
     continuation = decode_body(path, body, first, params, legs.secret)
     hand_over = None if trace is None else trace.first_token(params, first.finish_reason)
-    asked = False
+    began = False
 
-    async def release_unless_asked() -> None:
-        if not asked:
+    def decode_began() -> None:
+        nonlocal began
+        began = True
+
+    async def release_unless_began() -> None:
+        if not began:
             await legs.release([params])
 
     async def stream() -> AsyncIterator[bytes]:
-        nonlocal asked
         span = None
         try:
             yield writer.opening()
@@ -63,24 +69,22 @@ def hand_over_stream(legs: DecodeLegs, client: httpx.AsyncClient, path: str, bod
                 return
             sent = time.perf_counter()
             try:
-                asked = True
                 span = leg_of(trace, "decode")
                 resp = await legs.run_decode(client, path, continuation, headers, out_headers, relay=False,
                                              leg=span)
             except UpstreamError as exc:
-                asked = False
                 if exc.backend_failed:
                     legs.metrics.errors.labels("decode").inc()
                 yield sse_event(exc.payload()) + sse_event("[DONE]")
                 return
-            async for out in relay_decode(legs, resp, writer, span, sent):
+            async for out in relay_decode(legs, resp, writer, span, sent, decode_began):
                 yield out
         finally:
             for ended in (hand_over, span):
                 if ended is not None:
                     ended.end()
 
-    return ClosingStream(stream(), release_unless_asked, headers=out_headers)
+    return ClosingStream(stream(), release_unless_began, headers=out_headers)
 
 
 def broken_decode_stream(legs: DecodeLegs, exc: httpx.HTTPError, resp: httpx.Response,
@@ -96,16 +100,19 @@ def broken_decode_stream(legs: DecodeLegs, exc: httpx.HTTPError, resp: httpx.Res
 
 
 async def relay_decode(legs: DecodeLegs, resp: httpx.Response, writer: FirstTokenStream, span: ProxySpan | None,
-                       sent: float) -> AsyncIterator[bytes]:
+                       sent: float, on_first: Callable[[], None] | None = None) -> AsyncIterator[bytes]:
     """The decode engine's continuation ``resp`` (opened) as the client gets it after the first token:
     ``writer``'s rewrite of each event, then its closing (usage, ``[DONE]``); a stream that breaks ends with an
-    error event. ``resp`` is closed at the end; ``sent``: when it was asked for (``time.perf_counter()``)."""
+    error event. ``resp`` is closed at the end; ``sent``: when it was asked for (``time.perf_counter()``);
+    ``on_first``: called when the decode engine's first event arrives."""
     start = sent
     try:
         async for data in sse_events(resp.aiter_raw()):
             if start:
                 legs.metrics.decode_first_byte_seconds.observe(time.perf_counter() - start, exemplar(span))
                 start = 0.0
+                if on_first is not None:
+                    on_first()
             if (out := writer.rewrite(data)) is not None:
                 yield out
         yield writer.closing(writer.usage_chunk)
