@@ -176,8 +176,9 @@ class Receiver:
                             ("checking deadlines", self._expire), ("asking fence questions", self.fence.send),
                             ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers))):
             self._contained(None, what, phase)
-        return bool(self.drain) or any(r.in_flight and self.moves.mover_of(r).polled_soon(r)
-                                           for p in self.in_state(TransferState.READING) for r in p.parts)
+        flushing = self.progress.on_thread() and self.notifier.send_if_idle(self._contained)
+        return flushing or bool(self.drain) or any(r.in_flight and self.moves.mover_of(r).polled_soon(r)
+                                                   for p in self.in_state(TransferState.READING) for r in p.parts)
 
     def _contained(self, transfer: Transfer | None, what: str, fn: Callable[..., Any], *args: Any,
                    **kwargs: Any) -> None:

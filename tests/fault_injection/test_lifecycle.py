@@ -92,6 +92,21 @@ def _new_threads(before: set[threading.Thread], wait_s: float = 2.0) -> list[thr
         time.sleep(0.05)
 
 
+def test_a_notify_only_pull_on_an_idle_decode_engine_frees_the_hold_without_another_step(
+        prefill: PrefillProc) -> None:
+    """A request aborted before its blocks were allocated (its client left) leaves a notify-only pull; vLLM then
+    has nothing to run and takes no step. The pull's "done" goes out from the pulls' thread once the handshake
+    ends, not at the next request's step (seen: 25 s later, up to the lease)."""
+    d = DecodeSide(64, **{**DECODE_CFG, "pull_poll_interval_s": 0.0002})  # the pulls' thread, as by default
+    try:
+        prefill.lease(["p-idle"], 60.0)
+        d.start(notify_task("d-idle", "p-idle", prefill.port))  # then no step at all
+        assert prefill.wait_released({"p-idle"}, 10.0), "the hold waited for the decode engine's next step"
+        assert "p-idle" in prefill.notified, "freed by its lease, not by the decode rank's word"
+    finally:
+        d.close()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_shutdown_is_idempotent_and_leaves_no_threads(prefill: PrefillProc, mode: str) -> None:
     before = set(threading.enumerate())
