@@ -145,3 +145,22 @@ def test_a_prompt_the_decode_engine_has_cached_declines_the_stream_and_frees_the
     assert _prefill_usage_back_to(client, route, baseline), "the declined stream's hold stayed"
     assert [p["direction"] for p in read_pull_stats(stats)[before:]] == ["stream"], \
         "the second request loads nothing: its blocks are in the decode engine's prefix cache"
+
+
+def test_a_replayed_grant_gets_no_stream_and_no_hold(streamed, client) -> None:
+    """A grant is seen by logs, traces, routers and the plaintext proxy → engine hop. Sent again to the prefill
+    engine once its first request has finished, it used to stream again, held outside ``max_held_fraction``
+    for the lease (16 of 16 blocks against a cap of 8). Now the replay is answered without a hold, naming why,
+    and nothing it sent stays held."""
+    route, _ = streamed
+    baseline = kv_cache_usage(client, route.url("prefill"))
+    address = _prefill_address(route, client)
+    grant = make_stream_grant(address["remote_engine_id"], ANY_DECODE, route.secret.encode(), time.time() + 60)
+    body = {"model": "model", "prompt": route.fresh(SEVERAL_BLOCKS) + " replayed", "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, GRANT_KEY: grant}}
+    first = client.post(f"{route.url('prefill')}/v1/completions", json=body).json()["kv_transfer_params"]
+    assert first.get("do_remote_prefill") is True, first
+    again = client.post(f"{route.url('prefill')}/v1/completions", json=body).json()["kv_transfer_params"]
+    assert again.get("do_remote_prefill") is False and "already serves request" in again["p2pkv_no_hold"], again
+    assert asyncio.run(release_all([first], route.secret.encode())) == 1  # as the proxy frees it
+    assert _prefill_usage_back_to(client, route, baseline), "the replay left blocks held"

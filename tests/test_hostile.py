@@ -157,7 +157,35 @@ def _failed(resp: httpx.Response) -> bool:
     return resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
 
 
-def test_repeated_pull_fails_at_once_and_a_fresh_one_works(route, client) -> None:
+@pytest.mark.parametrize("prompt_blocks", [4, 12], ids=["one_chunk", "chunked_prefill"])
+def test_a_client_gone_right_after_its_first_token_frees_the_prefill_blocks_at_once(route, client,
+                                                                                   prompt_blocks) -> None:
+    """A streaming client that reads its first token (handed over from the prefill engine's answer) and leaves,
+    with the prefill run in one step or in chunks (a prompt past ``--max-num-batched-tokens``): the prefill's
+    blocks are freed within seconds. Before, the proxy counted the decode leg as asked as soon as it began to
+    send it, and skipped the release: a leg that never reached the decode engine's scheduler left the hold to
+    its 120 s lease (34 of 46 tries)."""
+    p, _ = route
+    for attempt in range(3):
+        baseline = kv_cache_usage(client, p.url("prefill"))
+        body = {"model": "model", "prompt": p.fresh(f"{attempt} leaves early " + "w" * (prompt_blocks * BLOCK)),
+                "max_tokens": 200, "ignore_eos": True, "temperature": 0.0, "stream": True}
+        with httpx.Client(timeout=60.0) as fresh, fresh.stream("POST", f"{p.url('proxy')}/v1/completions",
+                                                               json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                    break  # the first token: the client goes
+        assert _usage_back_to(client, p.url("prefill"), baseline, timeout_s=5.0), (
+            f"try {attempt}: the prefill's blocks stayed held after the client left")
+    _still_serving(p, client)
+
+
+def test_repeated_params_are_refused_as_a_replay_and_the_prompt_computed_here(route, client) -> None:
+    """Params sent to the decode engine a second time (a replay: whoever saw them can): a capability serves one
+    request per engine, so the second is refused before anything is allocated, logged as a replay, and the
+    decode engine computes the prompt itself (it used to pull again: a failure once the hold had ended, or,
+    while it lasted, a second READ of another request's hold)."""
     p, _ = route
     prompt = p.fresh("w" * 100)
     params = _prefill(client, p, prompt)
@@ -166,8 +194,11 @@ def test_repeated_pull_fails_at_once_and_a_fresh_one_works(route, client) -> Non
     assert _texts(first.json()) == _texts(ref)
     # the prefill frees the hold at the decode's "done", a NIXL notification after the answer: wait for it
     assert wait_blocks_released(client, p.url("prefill"), timeout_s=5) == 0.0
-    again, seconds = _decode(client, p, prompt, params)  # the blocks were released after the first pull
-    assert _failed(again) and seconds < 10.0, f"took {seconds:.1f} s"
+    log = p.log_dir / "decode.log"
+    before = log.read_text().count("already serves request")
+    again, seconds = _decode(client, p, prompt, params)
+    assert again.status_code == 200 and _texts(again.json()) == _texts(ref) and seconds < 10.0
+    assert log.read_text().count("already serves request") > before, "the replay was not refused as one"
     _still_serving(p, client)
 
 
@@ -351,6 +382,26 @@ def test_forged_params_are_prefilled_locally_contact_nobody_and_free_nothing(pai
     again, _ = _decode(client, p, prompt, genuine)
     assert _texts(again.json()) == _texts(ref), "the forged params freed the genuine request's hold"
     assert _usage_back_to(client, p.url("prefill"), held_before, timeout_s=10.0)
+
+
+def test_a_forged_capability_dated_far_ahead_is_refused_by_its_expiry_first(pair, client) -> None:
+    """A forged capability whose expiry lies in year 2286 used to pass the expiry check, have every id of 64 KV
+    cache groups checked and the MAC computed over them all (20-153 ms of EngineCore time) before the group
+    count refused it. Now its expiry, beyond the decode engine's max_lifetime_s, refuses it before anything else
+    is read (scripts/bench_refusal.py measures the cost); the prompt is prefilled locally and right."""
+    p, _ = pair
+    prompt = "g" * (2 * BLOCK + 7)
+    genuine = _prefill(client, p, prompt)
+    ids = genuine["remote_block_ids"][0]
+    forged = {**genuine, CAPABILITY_KEY: "v1.9999999999." + "0" * 64, "remote_block_ids": [ids] * 64}
+    log = p.log_dir / "decode.log"
+    before = log.read_text().count("this engine accepts (max_lifetime_s")
+    resp, seconds = _decode(client, p, prompt, forged)
+    ref = _post(client, p.url("aggregated"), {"prompt": prompt, "max_tokens": 6, "ignore_eos": True}).json()
+    assert resp.status_code == 200 and _texts(resp.json()) == _texts(ref) and seconds < 10.0
+    assert log.read_text().count("this engine accepts (max_lifetime_s") > before, "not refused by its expiry"
+    again, _ = _decode(client, p, prompt, genuine)
+    assert _texts(again.json()) == _texts(ref), "the forged params harmed the genuine request's hold"
 
 
 def test_capability_covers_what_a_pull_uses(pair, client) -> None:
