@@ -84,6 +84,10 @@ class Drain:
         """True once a given-up part can write nothing more."""
         return read.direction is None or self.movers[read.direction].ended(read)
 
+    def uses(self, agent_name: str) -> bool:
+        """Whether a part of prefill agent ``agent_name`` still drains."""
+        return any(read.peer.agent_name == agent_name for read, _ in self._parts)
+
     def __bool__(self) -> bool:
         return bool(self._parts)
 

@@ -209,6 +209,10 @@ class PushMover(Mover):
         part.confirmed = True
 
     def give_up(self, part: Part, now: float) -> tuple[float | None, float]:
+        if not self.pushes.ended(part) and not self.pushes.agent.reachable(part.peer.agent_name):
+            self.pushes.forget(part)  # its process is gone: none of its WRITEs can land (asked while still loaded)
+        if self.pushes.ended(part):
+            return None, 0.0
         deadline = self.pushes.drain_deadline(part)
         return deadline, max(0.0, deadline - now)
 

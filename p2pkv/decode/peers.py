@@ -14,7 +14,7 @@ import re
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -137,6 +137,11 @@ class PeerTable:
         tp_rank / tp_size: this rank and its engine's TP size.
         model: this engine's model facts that limit pairings (see
             :func:`p2pkv.dataplane.negotiate.plan_peer`).
+
+    Attributes:
+        keep_agent: whether a dropped peer's NIXL agent must stay loaded for now (a part of it is still in flight
+            or drains: its prefill rank may WRITE until proven otherwise, and only a loaded agent can be asked
+            whether it is gone); :meth:`sweep` removes it once not.
     """
 
     def __init__(self, agent: NixlTransferAgent, local: KVLayoutDesc, local_segments: list[Segment],
@@ -146,6 +151,8 @@ class PeerTable:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.peers: dict[PeerId, Peer] = {}
         self.handshakes: dict[PeerId, Handshake] = {}
+        self.keep_agent: Callable[[str], bool] = lambda name: False
+        self._kept: set[str] = set()  # agents of dropped peers kept loaded (keep_agent)
         self._used: OrderedDict[PeerId, float] = OrderedDict()  # known peers, least recently used first
 
     def __len__(self) -> int:
@@ -235,6 +242,20 @@ class PeerTable:
             return None
         del self.peers[peer_id]
         self._used.pop(peer_id, None)
-        if not any(p.agent_name == peer.agent_name for p in self.peers.values()):
-            self.agent.remove_peer(peer.agent_name)
+        if self.keep_agent(peer.agent_name):
+            self._kept.add(peer.agent_name)
+        else:
+            self._release_agent(peer.agent_name)
         return peer
+
+    def sweep(self) -> None:
+        """Remove the NIXL agents of dropped peers that :attr:`keep_agent` no longer keeps."""
+        for name in [n for n in self._kept if not self.keep_agent(n)]:
+            self._kept.discard(name)
+            self._release_agent(name)
+
+    def _release_agent(self, agent_name: str) -> None:
+        """Remove ``agent_name`` from NIXL unless a known peer (another spelling of the same rank's address)
+        still uses it."""
+        if not any(p.agent_name == agent_name for p in self.peers.values()):
+            self.agent.remove_peer(agent_name)

@@ -321,6 +321,10 @@ class Pushes:
                          "its blocks go back to vLLM now", push_id.hex(), part.peer.agent_name, QUIET_LIMIT_S)
         return out
 
+    def forget(self, read: Part) -> None:
+        """``read`` can write nothing more (its prefill agent disconnected): no longer open."""
+        self._open.pop(read.push_id, None)
+
     def ended(self, read: Part) -> bool:
         """True once ``read``'s push can write nothing more (notified, refused, or forgotten)."""
         return read.push_id not in self._open

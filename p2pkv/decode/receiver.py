@@ -47,7 +47,7 @@ from p2pkv.dataplane.topology import RankRead
 from p2pkv.decode.background import Background
 from p2pkv.decode.confirmations import Confirmations
 from p2pkv.decode.deadlines import Deadlines
-from p2pkv.decode.direction import Directions
+from p2pkv.decode.direction import Direction, Directions
 from p2pkv.decode.drain import Drain
 from p2pkv.decode.endings import Endings
 from p2pkv.decode.failures import FailureKind
@@ -124,6 +124,7 @@ class Receiver:
         ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s)
         self.moves = Transfers(ways, self.directions)
         self.drain = Drain(stager, self.outcomes, ways)
+        self.peers.keep_agent = lambda name: agent_in_use(name, self.drain, self.transfers)
         self.endings = Endings(rank, config, self._secret, self.transfers, self._staging_wait, self.outcomes,
                                self.peers, self.keeper, self.drain, self.background, stats, self.spans)
         self.confirmations = Confirmations(self.drain, self.endings, self.notifier, stats, config.stats_file)
@@ -174,7 +175,8 @@ class Receiver:
                             ("collecting pushes", self._collect_pushes), ("draining", self.drain.poll),
                             ("polling READs", self._poll_reads), ("collecting fence answers", self._collect_fence),
                             ("checking deadlines", self._expire), ("asking fence questions", self.fence.send),
-                            ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers))):
+                            ("dropping idle peers", lambda: self.keeper.drop_idle(self._busy_peers)),
+                            ("removing dropped peers' agents", self.peers.sweep)):
             self._contained(None, what, phase)
         flushing = self.progress.on_thread() and self.notifier.send_if_idle(self._contained)
         return flushing or bool(self.drain) or any(r.in_flight and self.moves.mover_of(r).polled_soon(r)
@@ -415,3 +417,12 @@ def _kind(exc: BaseException) -> FailureKind:
     """``DISCONNECT`` when NIXL said the peer went away, else ``TRANSFER``."""
     return FailureKind.DISCONNECT if isinstance(exc, TransferError) and exc.disconnected else FailureKind.TRANSFER
 
+
+def agent_in_use(agent_name: str, drain: Drain, transfers: list[Transfer]) -> bool:
+    """Whether prefill agent ``agent_name`` may still WRITE into a part (a push or stream in flight, or any part
+    draining): its NIXL agent then stays loaded when its peer is dropped, since only a loaded agent can be asked
+    whether it is gone. (A READ in flight does not keep it: it fails with the connection, and a dropped peer is
+    connected afresh.)"""
+    return drain.uses(agent_name) or any(
+        part.in_flight and part.direction is not Direction.PULL and part.peer.agent_name == agent_name
+        for transfer in transfers for part in transfer.parts)

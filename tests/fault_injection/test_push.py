@@ -199,8 +199,9 @@ def test_a_push_handled_late_never_writes_blocks_handed_back(prefill: PrefillPro
 def test_prefill_killed_after_accepting_a_push(victim: PrefillProc, caplog: pytest.LogCaptureFixture) -> None:
     """Peer death, prefill side: the prefill process accepts a push (the hold pinned), then is SIGKILLed before
     its WRITE. Nothing tells the decode worker (no READ of its own to fail): the pull fails ``timeout`` after
-    ``transfer_timeout_s``, exactly its blocks as load errors, untouched, and only after the push's window
-    (past which a WRITE it accepted could no longer start there). The dead process released nothing twice and
+    ``transfer_timeout_s``, exactly its blocks as load errors, untouched; they go back to vLLM then, not a
+    minute later, since NIXL says the prefill agent disconnected (its process is gone: no WRITE it accepted can
+    land any more). The dead process released nothing twice and
     the hold ended with it, unreleased. (A new incarnation taking over the leases is the churn's, in pull
     mode; in push mode see ``test_a_restarted_prefill_is_used_again_in_push_mode``.)"""
     caplog.set_level(logging.ERROR, logger="p2pkv.decode")
@@ -218,7 +219,7 @@ def test_prefill_killed_after_accepting_a_push(victim: PrefillProc, caplog: pyte
         assert d.pump({rid}, BOUND_S) == set(), "the pull from a dead prefill process hung"
         seconds = time.monotonic() - t0
         assert d.take_errors() == set(local)
-        assert 1.0 + 1.0 <= seconds < BOUND_S, f"blocks handed back after {seconds:.2f} s, within the push's window"
+        assert 1.0 <= seconds < BOUND_S, f"blocks handed back after {seconds:.2f} s, within the push's window"
         (line,) = failure_lines(caplog, rid)
         assert any(f"kind={k}" in line for k in ("timeout", "transfer", "disconnect")), line
         assert torch.count_nonzero(d.base[local]) == 0
