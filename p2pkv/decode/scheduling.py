@@ -2,7 +2,8 @@
 engine, checked once (:class:`p2pkv.decode.load.DecodeLoad`), and the pulls the workers are told to make.
 
 A capability (or a stream grant) serves one request on this engine for its whole life: the first request whose
-checked params name a prefill hold (its engine id and request id) or a stream id binds it
+checked params carry it (or, without a secret, name a hold: its engine, request, host and port) or a stream id
+binds it
 (:class:`p2pkv.bindings.Bindings`, until the capability or grant expires); any later request naming it (params
 replayed by whoever saw them: a log, a trace, the proxy → engine hop) is refused before anything is allocated
 for it, logged, and prefilled here. A replayed stream grant is not declined to its prefill rank: that would
@@ -72,7 +73,7 @@ class DecodeScheduling:
         self._streaming: set[str] = set()  # streamed loads handed to the workers, until their request finishes
         self._ended_streams: list[str] = []  # of those, the ones finished since the last step
         self._next_heartbeat = 0.0
-        self.bound = Bindings("capability")  # "<prefill engine id>/<its request id>" → the decode request it serves
+        self.bound = Bindings("capability")  # a capability → the decode request it serves
         self.bound_streams = Bindings("stream id")
         self.heartbeats = HeartbeatSender(engine_id, secret, timeout_s=min(1.0, config.handshake_timeout_s))
 
@@ -146,7 +147,7 @@ class DecodeScheduling:
             if remote is None:
                 remote = self._parse(request)
             load = DecodeLoad.of(remote, request.prompt_token_ids or (), self.recompute_tokens, self.kv_groups)
-            self._bind(self.bound, f"{remote.engine_id}/{remote.request_id}", request.request_id,
+            self._bind(self.bound, _capability_key(params, remote), request.request_id,
                        _capability_expiry(params, time.time() + self.config.max_lifetime_s))
             return load
         except KVTransferParamsError as exc:
@@ -295,6 +296,15 @@ class DecodeScheduling:
     def shutdown(self) -> None:
         """Stop the heartbeat thread. Idempotent."""
         self.heartbeats.close()
+
+
+def _capability_key(params: dict[str, Any], remote: RemotePrefill) -> str:
+    """What a load's binding is keyed by: its capability (the MAC names everything the params say), or, without
+    one (an insecure deployment), where the hold is and which request it is."""
+    capability = params.get(CAPABILITY_KEY)
+    if isinstance(capability, str):
+        return capability
+    return f"{remote.engine_id}/{remote.request_id}@{remote.host}:{remote.port}"
 
 
 def _capability_expiry(params: dict[str, Any], default: float) -> float:
