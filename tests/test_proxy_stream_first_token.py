@@ -287,6 +287,7 @@ class Streaming(Proxy):
         self.prefills.append(sent)
         answer = p2pkv_prefill_answer(path)
         answer["kv_transfer_params"][GRANT_KEY] = sent["kv_transfer_params"][GRANT_KEY]
+        answer["kv_transfer_params"]["remote_engine_id"] = "p0"  # the engine the grant names: it streamed
         return answer
 
     async def _decode(self, client, url, path, body, headers, out_headers, relay, leg):  # type: ignore[override]

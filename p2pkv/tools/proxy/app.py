@@ -39,7 +39,7 @@ from p2pkv.tools.proxy.spans import (
     leg_of,
 )
 from p2pkv.tools.proxy.stream import StreamLegs
-from p2pkv.tools.proxy.stream_hand_over import hand_over_legs, stream_fallback, stream_hand_over
+from p2pkv.tools.proxy.stream_route import stream_prompt
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
@@ -223,7 +223,8 @@ class Proxy:
                 answer = await asyncio.wait_for(asyncio.shield(prefill), self.timeout_s)
             except Exception:  # the prefill leg failed: it holds nothing (its failure is logged)
                 return
-            await self.release([answer["kv_transfer_params"]])
+            if self.streams is None or not self.streams.claimed(body["kv_transfer_params"]):
+                await self.release([answer["kv_transfer_params"]])
 
         task = asyncio.create_task(free())
         self._background.add(task)
@@ -232,30 +233,9 @@ class Proxy:
     async def stream_legs(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                           out_headers: dict[str, str], trace: RequestTrace | None = None,
                           params: list[dict[str, Any]] | None = None) -> Response:
-        """Both legs of one prompt at once, layer-streamed (:meth:`start_stream`); the client gets the decode leg's
-        answer, after the prefill engine's first token when that may go first
-        (:mod:`p2pkv.tools.proxy.stream_hand_over`). While the prefill engine's address is not known, the prompt is
-        pushed (its answer teaches it) by :meth:`one_prompt`, which appends that push's ``kv_transfer_params`` to
-        ``params`` (the caller frees them if the client leaves)."""
-        handed = hand_over_legs(path, body, self.seed_streams) if self.first_token_from == "prefill" else None
-        sent = handed or body
-        granted = self.start_stream(client, path, sent, headers, trace)
-        if granted is None:  # its prefill engine's address is not known yet: a push teaches it
-            return await self.one_prompt(client, path, body, headers, out_headers, trace,
-                                         [] if params is None else params)
-        if handed is None:
-            if body.get("stream") is True:
-                self.metrics.count_first_token(stream_fallback(path, body, self.seed_streams, self.first_token_from))
-            return await self.run_decode(client, path, {**body, "kv_transfer_params": granted}, headers,
-                                         out_headers, leg=leg_of(trace, "decode"))  # type: ignore[return-value]
-        prefill_leg = self.streams.prefill_leg(granted) if self.streams is not None else None
-        leg = leg_of(trace, "decode")
-        decode_body = {**sent, "kv_transfer_params": granted}
-        resp = await self.run_decode(client, path, decode_body, headers, out_headers, relay=False, leg=leg)
-        if isinstance(resp, Response) or prefill_leg is None:
-            return resp  # type: ignore[return-value]  # an answer passed through (a 4xx), not a stream
-        return stream_hand_over(self, client, resp, prefill_leg, path, body, headers, out_headers, leg, trace,
-                                on_end=lambda: self.decode_ended(decode_body))
+        """Both legs of one prompt at once, layer-streamed (:func:`p2pkv.tools.proxy.stream_route.stream_prompt`).
+        Raises UpstreamError."""
+        return await stream_prompt(self, client, path, body, headers, out_headers, trace, params)
 
     async def run_decode(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], relay: bool = True,

@@ -52,6 +52,7 @@ class StreamLegs:
         self.grant_s = grant_s
         self.addresses: dict[str, PrefillAddress] = {}
         self._prefill_legs: dict[str, asyncio.Task] = {}
+        self._claimed: set[str] = set()  # grants whose hold another decode leg took over, until their free
         """A streamed prompt's prefill leg (its answer: the prefill engine's params) by the grant, until its
         decode leg has been answered."""
 
@@ -89,6 +90,21 @@ class StreamLegs:
         """The prefill leg of the stream whose decode leg carries ``params`` (None once that decode leg ended)."""
         grant = params.get(GRANT_KEY)
         return self._prefill_legs.get(grant) if isinstance(grant, str) else None
+
+    def claim(self, params: dict[str, Any]) -> None:
+        """The prefill hold of the stream whose decode leg carries ``params`` is taken over by another decode leg
+        (:mod:`p2pkv.tools.proxy.stream_faults`): the first decode leg's end must not free it."""
+        grant = params.get(GRANT_KEY)
+        if isinstance(grant, str) and self._prefill_legs.pop(grant, None) is None:
+            self._claimed.add(grant)  # its decode leg has ended: its free waits for the prefill answer
+
+    def claimed(self, params: dict[str, Any]) -> bool:
+        """Whether the hold of the stream whose decode leg carries ``params`` was claimed (then forgotten)."""
+        grant = params.get(GRANT_KEY)
+        if not isinstance(grant, str) or grant not in self._claimed:
+            return False
+        self._claimed.discard(grant)
+        return True
 
     def ended(self, body: dict[str, Any]) -> asyncio.Task | None:
         """The decode leg ``body`` was answered or failed: its stream's prefill leg, forgotten here (None when

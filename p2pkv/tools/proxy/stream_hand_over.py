@@ -49,7 +49,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -68,6 +68,14 @@ from p2pkv.tools.proxy.first_token import (
 )
 from p2pkv.tools.proxy.hand_over import DecodeLegs, broken_decode_stream, continue_after
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar
+from p2pkv.tools.proxy.stream_faults import (
+    PrefillEnd,
+    Recovery,
+    answer_params,
+    is_error_event,
+    prefill_end,
+    prefill_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +273,8 @@ def _prefill_answer(prefill_leg: asyncio.Future) -> dict[str, Any] | None:
 def stream_hand_over(legs: DecodeLegs, client: httpx.AsyncClient, resp: httpx.Response, prefill_leg: asyncio.Future,
                      path: str, body: dict[str, Any], headers: dict[str, str], out_headers: dict[str, str],
                      leg: ProxySpan | None = None, trace: RequestTrace | None = None,
-                     on_end: Callable[[], None] | None = None) -> StreamingResponse:
+                     on_end: Callable[[], None] | None = None, recovery: Recovery | None = None,
+                     prefill_first: bool = True) -> StreamingResponse:
     """The client's stream of a greedy or seeded layer-streamed request: the prefill engine's first token when it
     comes first, then the decode engine's stream ``resp`` (opened, asked with token ids) after that token.
 
@@ -277,6 +286,16 @@ def stream_hand_over(legs: DecodeLegs, client: httpx.AsyncClient, resp: httpx.Re
     first byte too), and on a mismatch, which a continuation follows
     (:func:`p2pkv.tools.proxy.hand_over.continue_after`); ``on_end`` is called
     once it is closed (the decode leg has ended).
+
+    With ``recovery``, what the prefill leg ended with before anything of the
+    decode engine's stream reached the client is acted on
+    (:mod:`p2pkv.tools.proxy.stream_faults`): its failure closes the decode
+    stream and ends the client's with the prefill leg's error at once; an
+    answer for another engine id (a restart) or without a hold sends the decode
+    leg again with its params (also when the decode engine's first event was
+    its failure). ``prefill_first`` False: the decode engine's first token goes (the
+    request is not greedy or seeded, or the proxy keeps the decode engine's
+    first tokens), its stream relayed as it is.
     """
     client_ids = body.get("return_token_ids") is True
     closed = False
@@ -297,9 +316,14 @@ def stream_hand_over(legs: DecodeLegs, client: httpx.AsyncClient, resp: httpx.Re
         writer: StreamedFirstTokenStream | None = None
         try:
             await _first_done(prefill_leg, first_event)
-            answer = None if first_event.done() else _prefill_answer(prefill_leg)
-            first = _first_token(first_event, answer, path, body)
-            legs.metrics.count_first_token(first)
+            if recovery is not None and (elsewhere := await _recovered(recovery, prefill_leg, first_event, close)):
+                async for out in elsewhere:
+                    yield out
+                return
+            answer = None if first_event.done() or not prefill_first else _prefill_answer(prefill_leg)
+            first = _first_token(first_event, answer, path, body) if prefill_first else Fallback.DECODE_FIRST
+            if prefill_first:
+                legs.metrics.count_first_token(first)
             if isinstance(first, FirstToken) and answer is not None:
                 writer = StreamedFirstTokenStream(path, body, first)
                 hand_over = None if trace is None else trace.first_token(answer.get("kv_transfer_params") or {},
@@ -332,6 +356,37 @@ def stream_hand_over(legs: DecodeLegs, client: httpx.AsyncClient, resp: httpx.Re
                 leg.end()
 
     return ClosingStream(stream(), close, headers=out_headers)
+
+
+async def _recovered(recovery: Recovery, prefill_leg: asyncio.Future, first_event: asyncio.Future,
+                     close: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes] | None:
+    """The client's stream when the prefill leg's end takes the place of the decode engine's stream (None: it does
+    not; the decode engine's stream goes on): its failure, or an answer that no stream will follow, first; or the
+    decode engine's first event an error that such an answer explains. The decode stream is closed then."""
+    if first_event.done():
+        with contextlib.suppress(BaseException):
+            if not is_error_event(first_event.result()):
+                return None
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(prefill_leg), recovery.wait_s)
+        if prefill_end(recovery.granted, prefill_leg) is not PrefillEnd.ELSEWHERE:
+            return None
+    end = prefill_end(recovery.granted, prefill_leg)
+    if end is PrefillEnd.FAILED:
+        await close()
+        return _once(sse_event(prefill_error(prefill_leg).payload()) + sse_event("[DONE]"))
+    if end is not PrefillEnd.ELSEWHERE:
+        return None
+    recovery.claim()  # before the close: the first decode leg's end must not free this hold
+    await close()
+    logger.warning("p2pkv proxy: the prefill engine answered for engine %s, not the grant's %s, or without a hold; "
+                   "the decode leg goes again with its params", answer_params(prefill_leg).get("remote_engine_id"),
+                   recovery.granted.get("remote_engine_id"))
+    return recovery.again(answer_params(prefill_leg))
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
 
 
 async def _relayed(legs: DecodeLegs, writer: StreamedFirstTokenStream | None, first_event: asyncio.Future,
