@@ -142,7 +142,7 @@ def test_an_answer_for_another_engine_sends_the_decode_leg_again_with_its_params
     """The prefill engine restarted since its address was learned: the new process refused the old grant and
     held the prompt for a push. The decode leg goes again with its params; the first leg's end frees nothing."""
     proxy = Faulty("restarted")
-    got, seconds = _whole(proxy)
+    got, _ = _whole(proxy)
     assert isinstance(got, Response) and json.loads(got.body)["choices"][0]["text"] == "again"
     first, again = proxy.decodes
     assert GRANT_KEY in first["kv_transfer_params"] and again["kv_transfer_params"]["remote_engine_id"] == \
