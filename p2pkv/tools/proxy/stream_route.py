@@ -10,17 +10,38 @@ prefill engine's address is not known, the prompt is pushed (its answer teaches 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi.responses import Response
 
+from p2pkv.tools.proxy.first_token import FirstTokenSource
+from p2pkv.tools.proxy.hand_over import DecodeLegs
 from p2pkv.tools.proxy.spans import RequestTrace, leg_of
+from p2pkv.tools.proxy.stream import StreamLegs
 from p2pkv.tools.proxy.stream_faults import Recovery, relay_again, whole_decode
 from p2pkv.tools.proxy.stream_hand_over import hand_over_legs, stream_fallback, stream_hand_over
 
-if TYPE_CHECKING:
-    from p2pkv.tools.proxy.app import Proxy
+
+class Proxy(DecodeLegs, Protocol):
+    """What a streamed prompt needs of :class:`p2pkv.tools.proxy.app.Proxy`."""
+
+    streams: StreamLegs | None
+    seed_streams: bool
+    first_token_from: FirstTokenSource
+    timeout_s: float
+
+    def start_stream(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                     trace: RequestTrace | None = None, index: int = 0) -> dict[str, Any] | None: ...
+
+    def decode_ended(self, body: dict[str, Any]) -> None: ...
+
+    async def one_prompt(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
+                         out_headers: dict[str, str], trace: RequestTrace | None,
+                         params: list[dict[str, Any]]) -> Response: ...
+
+    async def decode_one(self, client: httpx.AsyncClient, path: str, leg: dict[str, Any], headers: dict[str, str],
+                         out_headers: dict[str, str], trace: RequestTrace | None = None) -> Response: ...
 
 
 async def stream_prompt(proxy: Proxy, client: httpx.AsyncClient, path: str, body: dict[str, Any],
