@@ -51,6 +51,9 @@ MAX_STREAM_TIMEOUT_S = 3600.0
 MAX_LINK_SHARE = 100.0
 """The largest ``stream_min_link_share`` (a layer's link time over its forward time)."""
 
+DEFAULT_LEASE_S = 120.0
+"""``lease_s``'s default (seconds)."""
+
 LIFETIME_LEASES = 4
 """How many ``lease_s`` a capability's or stream grant's expiry may lie ahead of the receiving engine's clock
 (:attr:`P2pKvConfig.max_lifetime_s`): a prefill engine signs its capabilities for one ``lease_s`` and the
@@ -273,7 +276,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channel_max_connections: int = 1024
     side_channel_max_handshakes: int = 64
     side_channel_stall_s: float = 5.0
-    lease_s: float = 120.0
+    lease_s: float = DEFAULT_LEASE_S
     heartbeat_interval_s: float | None = None
     role: Literal["prefill", "decode", "both", ""] = ""
     max_held_fraction: float = 0.5
@@ -355,9 +358,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def max_lifetime_s(self) -> float:
         """How far (seconds) past this engine's clock a capability's or stream grant's expiry may lie:
-        :data:`LIFETIME_LEASES` × ``lease_s`` (480 s by default). Later ones are refused, so what an engine
+        :data:`LIFETIME_LEASES` × ``lease_s``, never less than that many default leases (480 s: a short
+        ``lease_s`` must not refuse the proxy's 120 s grants). Later ones are refused, so what an engine
         remembers of them (bound stream ids, bound capabilities) lasts at most this long."""
-        return LIFETIME_LEASES * self.lease_s
+        return LIFETIME_LEASES * max(self.lease_s, DEFAULT_LEASE_S)
 
     @property
     def stream_window_s(self) -> float:

@@ -52,6 +52,11 @@ from p2pkv.params import (
 GRANT_KEY = "p2pkv_stream_grant"
 """The ``kv_transfer_params`` key of a stream grant."""
 
+STREAMED_KEY = "p2pkv_streamed"
+"""The ``kv_transfer_params`` key of a prefill engine's answer for a request it streamed under its grant (True);
+absent when it held the request for a pull or push instead (a grant it refused: a restart, an expiry), which the
+proxy then sends its decode leg again for (:mod:`p2pkv.tools.proxy.stream_faults`)."""
+
 ANY_DECODE = "*"
 """The decode engine id of a grant for whichever decode engine presents it first."""
 

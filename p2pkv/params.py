@@ -473,7 +473,8 @@ def lifetime_refusal(key: str, expiry: float, now: float, max_lifetime_s: float,
     if ahead <= max_lifetime_s + CLOCK_SKEW_S:
         return None
     return (f"{key} expires {ahead:.0f} s from now, more than the {max_lifetime_s:.0f} s this engine accepts "
-            f"(max_lifetime_s: {LIFETIME_LEASES} x its lease_s, plus {CLOCK_SKEW_S:.0f} s of clock skew): {fix}")
+            f"(max_lifetime_s: {LIFETIME_LEASES} x the larger of its lease_s and 120 s, plus {CLOCK_SKEW_S:.0f} s of "
+            f"clock skew): {fix}")
 
 
 def _mac_mismatch() -> KVTransferParamsError:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import P2pKvConfig, Role
 from p2pkv.decode.scheduling import DecodeScheduling, group_pairs
-from p2pkv.grant import wants_stream
+from p2pkv.grant import STREAMED_KEY, wants_stream
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import MAX_BLOCK_IDS, wants_remote_decode, wants_remote_prefill
 from p2pkv.prefill.scheduling import PrefillScheduling
@@ -164,8 +164,11 @@ class SchedulerSide:
             return False, None
         completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         streamed = self.streams.finished(request.request_id, completed)
-        return self.prefill.request_finished(request, block_ids, completed, streamed=streamed,
-                                             refusal=self.streams.refusal(request.request_id))
+        hold, answer = self.prefill.request_finished(request, block_ids, completed, streamed=streamed,
+                                                     refusal=self.streams.refusal(request.request_id))
+        if streamed and answer is not None and hold:
+            answer[STREAMED_KEY] = True  # the proxy's word that the stream ran under its grant
+        return hold, answer
 
     def shutdown(self) -> None:
         """Stop the heartbeat thread. Idempotent."""

@@ -192,24 +192,27 @@ def test_params_of_another_group_count_are_refused_before_the_mac(clock: list[fl
 
 def test_the_scheduler_refuses_expiries_past_its_own_max_lifetime(clock: list[float],
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """An engine with lease_s 30 accepts capabilities and grants at most 4 x 30 s (+ skew) ahead of its clock."""
-    ahead = NOW + 4 * 30 + CLOCK_SKEW_S + 1
+    """An engine accepts capabilities and grants at most 4 x lease_s (+ skew) ahead of its clock, never less than
+    4 default leases (480 s: a short lease_s must not refuse the proxy's 120 s grants); with lease_s 300,
+    1200 s."""
+    assert P2pKvConfig(lease_s=15.0).max_lifetime_s == 480.0 and P2pKvConfig(lease_s=300.0).max_lifetime_s == 1200.0
+    ahead = NOW + 480 + CLOCK_SKEW_S + 1
     params = make_prefill_response_params(engine_id="prefill-engine", request_id="prefill-far", host="127.0.0.1",
                                           port=5601, block_ids=[1, 2, 3], tp_size=1, num_tokens=PROMPT,
                                           expiry_time=ahead, secret=SECRET.encode())
     far = SimpleNamespace(request_id="far", kv_transfer_params=params, prompt_token_ids=[0] * PROMPT)
     stream = _stream_leg("far-stream")
-    grant = make_stream_grant("prefill-engine", ANY_DECODE, SECRET.encode(), time.time() + 4 * 30 + CLOCK_SKEW_S + 2)
+    grant = make_stream_grant("prefill-engine", ANY_DECODE, SECRET.encode(), time.time() + 480 + CLOCK_SKEW_S + 2)
     stream.kv_transfer_params[GRANT_KEY] = grant
-    with scheduler() as sched:
+    with scheduler() as sched:  # lease_s 30
         assert sched.get_num_new_matched_tokens(far, 0) == (0, False)
         assert sched.get_num_new_matched_tokens(stream, 0) == (0, False)
         assert stream.kv_transfer_params["do_remote_prefill"] is False
-    assert "p2pkv_capability expires 126 s from now, more than the 120 s" in caplog.text
+    assert "p2pkv_capability expires 486 s from now, more than the 480 s" in caplog.text
     assert "p2pkv_stream_grant expires" in caplog.text
     clock[1] = 0
     far.kv_transfer_params = {**params, "do_remote_prefill": True}
-    config = P2pKvConfig(heartbeat_interval_s=0.0, secret=SECRET)  # the default lease_s: 480 s ahead accepted
+    config = P2pKvConfig(lease_s=300.0, heartbeat_interval_s=0.0, secret=SECRET)  # 1200 s ahead accepted
     sched = SchedulerSide("decode-engine", config, 4, "127.0.0.1", 5600, 1)
     try:
         assert sched.get_num_new_matched_tokens(far, 0) == (PROMPT, True)

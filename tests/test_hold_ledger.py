@@ -19,7 +19,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from p2pkv.bindings import Bindings
 from p2pkv.config import P2pKvConfig
-from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
+from p2pkv.grant import ANY_DECODE, GRANT_KEY, STREAMED_KEY, make_stream_grant
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.scheduling import NO_HOLD_KEY
 from p2pkv.scheduler import SchedulerSide
@@ -67,7 +67,9 @@ def test_a_stream_counts_against_the_cap_from_its_arrival() -> None:
     assert list(meta.stream_admits) == ["s-1"] and meta.stream_refusals == {}
     hold, params = _end(sched, _arrive(sched, "p-1", 2), [1, 2])
     assert not hold and "max_held_fraction=0.5 (5 blocks)" in params[NO_HOLD_KEY]
-    assert _end(sched, stream, [5, 6, 7, 8])[0] and sched.prefill.held_blocks == 4
+    hold, answer = _end(sched, stream, [5, 6, 7, 8])
+    assert hold and sched.prefill.held_blocks == 4
+    assert answer[STREAMED_KEY] is True and STREAMED_KEY not in params, "the proxy is told which prompts streamed"
     sched.on_sent({"s-1"})
     assert sched.prefill.held_blocks == 0
     assert _end(sched, _arrive(sched, "p-2", 2), [1, 2])[0]

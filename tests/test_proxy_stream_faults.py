@@ -19,7 +19,7 @@ import httpx
 import pytest
 from fastapi.responses import Response
 
-from p2pkv.grant import GRANT_KEY
+from p2pkv.grant import GRANT_KEY, STREAMED_KEY
 from p2pkv.tools.proxy.app import Proxy
 from p2pkv.tools.proxy.upstream import UpstreamError
 from tests.test_proxy_stream import URLS, _answer_params
@@ -69,9 +69,9 @@ class Faulty(Proxy):
         await asyncio.sleep(0.05)
         if self.prefill_ends == "fails":
             raise httpx.ConnectError("connection refused", request=request)
-        engine = "p0" if self.prefill_ends == "streamed" else "p0-restarted"
-        return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}],
-                                         "kv_transfer_params": _answer_params(engine, 7000)})
+        engine = "p0-restarted" if self.prefill_ends == "restarted" else "p0"
+        params = {**_answer_params(engine, 7000), **({STREAMED_KEY: True} if self.prefill_ends == "streamed" else {})}
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}], "kv_transfer_params": params})
 
     async def _decode(self, client, url, path, body, headers, out_headers, relay, leg):  # type: ignore[override]
         self.decodes.append(body)
@@ -165,6 +165,15 @@ def test_a_streamed_decode_leg_whose_first_event_is_its_failure_goes_again_after
     events, _ = _streamed(proxy, {"temperature": 0})
     assert [e["choices"][0]["text"] for e in events if e != "[DONE]"] == ["again"], events
     assert proxy.stream.closed and proxy.released == []
+
+
+def test_a_grant_the_prefill_engine_refused_sends_the_decode_leg_again_with_its_hold() -> None:
+    """The prefill engine answered for the grant's engine, with a hold, but did not stream it (its answer lacks
+    the streamed mark: it refused the grant, say one expired in its queue): the decode leg goes again as a push."""
+    proxy = Faulty("streamed")
+    proxy.prefill_ends = "held"
+    got, _ = _whole(proxy)
+    assert isinstance(got, Response) and json.loads(got.body)["choices"][0]["text"] == "again"
 
 
 def test_a_streamed_prompt_that_streams_is_left_alone() -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
-from p2pkv.grant import GRANT_KEY
+from p2pkv.grant import GRANT_KEY, STREAMED_KEY
 from p2pkv.tools.proxy.app import Proxy
 from p2pkv.tools.proxy.first_token import read_first_token, recompute_body
 from p2pkv.tools.proxy.metrics import ProxyMetrics
@@ -288,6 +288,7 @@ class Streaming(Proxy):
         answer = p2pkv_prefill_answer(path)
         answer["kv_transfer_params"][GRANT_KEY] = sent["kv_transfer_params"][GRANT_KEY]
         answer["kv_transfer_params"]["remote_engine_id"] = "p0"  # the engine the grant names: it streamed
+        answer["kv_transfer_params"][STREAMED_KEY] = True
         return answer
 
     async def _decode(self, client, url, path, body, headers, out_headers, relay, leg):  # type: ignore[override]

@@ -17,8 +17,10 @@ acted on at once too (:func:`prefill_end`):
 * **It answered for another engine id than the grant named** (the prefill
   engine restarted since the proxy learned its address: the new process
   refused the old grant and held the prompt for a pull or push, and the
-  proxy re-learns its address from this answer), **or without a hold** (a
-  replayed grant, the engine's cap): no stream will come. The decode leg is
+  proxy re-learns its address from this answer), **with a hold it did not
+  stream** (its answer lacks :data:`p2pkv.grant.STREAMED_KEY`: it refused the
+  grant, say expired), **or without a hold** (a replayed grant, the
+  engine's cap): no stream will come. The decode leg is
   cancelled, or its failure (the new process refuses its destination) is not
   passed on, and the prompt's decode leg goes again with the answer's params,
   as in push mode, or, without a hold, computes the prompt on the decode
@@ -41,6 +43,7 @@ from typing import Any
 import httpx
 from fastapi.responses import Response
 
+from p2pkv.grant import STREAMED_KEY
 from p2pkv.prefill.scheduling import NO_HOLD_KEY
 from p2pkv.tools.proxy.batch import sse_events
 from p2pkv.tools.proxy.first_token import sse_event
@@ -75,8 +78,8 @@ def prefill_end(granted: dict[str, Any], prefill_leg: asyncio.Future) -> Prefill
         return PrefillEnd.FAILED
     if params.get("do_remote_prefill") is not True or NO_HOLD_KEY in params:
         return PrefillEnd.ELSEWHERE
-    if params.get("remote_engine_id") != granted.get("remote_engine_id"):
-        return PrefillEnd.ELSEWHERE
+    if params.get("remote_engine_id") != granted.get("remote_engine_id") or params.get(STREAMED_KEY) is not True:
+        return PrefillEnd.ELSEWHERE  # a restart, or a grant refused there: held for a pull or push
     return PrefillEnd.STREAMED
 
 

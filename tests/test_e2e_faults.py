@@ -1,0 +1,193 @@
+"""Faults in every way (pull, push, stream), through the proxy, on real engines.
+
+A prefill engine of this module's own (the session's shared engines must live on) is SIGKILLed while a prompt
+of every way is in flight, then started again on the same ports; a proxy is SIGKILLed mid-answer and another
+started. The session's decode and aggregated engines serve beside it, one proxy per way in front of the pair.
+For each fault: what the client gets (an answer equal to the aggregated engine's, or an error, never wrong
+tokens), how long it took (recorded in ``faults.json`` beside the module's logs and in docs/reliability.md,
+not asserted: timing belongs to measurements), and that nothing stays held past the prefill engine's lease.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from p2pkv.tools.demo import complete, kv_cache_usage
+from p2pkv.tools.deploy.engines import EngineSpec, start_engine
+from p2pkv.tools.deploy.processes import Child, start_child, stop_children, wait_healthy
+from tests.conftest import BLOCK, MAX_BATCHED_TOKENS, free_ports
+
+pytestmark = pytest.mark.engines
+
+WAYS = ("pull", "push", "stream")
+LEASE_S = 15.0
+"""The module's prefill engine's ``lease_s``: the latest a hold its decode leg never ends may last."""
+LONG = "A prefill engine that dies costs its clients seconds, not a minute. " * 10  # chunked: > 256 tokens
+
+
+@dataclasses.dataclass
+class Rig:
+    """The module's own prefill engine (restartable), and one proxy per way in front of it and the session's decode
+    engine."""
+
+    pair: Any
+    spec: EngineSpec
+    logs: Path
+    prefill: Child
+    proxies: dict[str, tuple[str, Child]]
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def prefill_url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    def start_prefill(self) -> float:
+        """Start the prefill engine on its ports; seconds until it answered its health check."""
+        started = time.monotonic()
+        self.prefill = start_engine(self.spec, self.logs)
+        wait_healthy([self.prefill], 900)
+        return time.monotonic() - started
+
+    def kill_prefill(self) -> None:
+        os.killpg(self.prefill.proc.pid, signal.SIGKILL)  # the engine core and its workers too
+        self.prefill.proc.wait()
+
+    def start_proxy(self, way: str) -> None:
+        (port,) = free_ports(1)
+        routed = dataclasses.replace(self.pair, proxy_port=port, prefill_port=self.spec.port,
+                                     proxy_args=("--transfer-mode", way))
+        child = start_child(f"proxy-faults-{way}", routed.proxy_command(),
+                            {**os.environ, "P2PKV_SECRET": self.pair.secret}, self.logs,
+                            f"http://127.0.0.1:{port}/health")
+        wait_healthy([child], 60.0)
+        self.proxies[way] = (f"http://127.0.0.1:{port}", child)
+
+
+@pytest.fixture(scope="module")
+def rig(pair, tmp_path_factory) -> Iterator[Rig]:
+    p, _ = pair
+    logs = tmp_path_factory.mktemp("logs-faults")
+    port, side = free_ports(2)
+    spec = EngineSpec(name="prefill-faults", model=p.model, port=port, role="prefill", side_channel_port=side,
+                      side_channel_host="127.0.0.1", block_size=BLOCK, max_model_len=1024,
+                      extra_config={"lease_s": LEASE_S, "stream_min_tokens": 0, "stream_min_link_share": 0},
+                      env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": p.secret},
+                      extra_args=("--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)))
+    made = Rig(p, spec, logs, start_engine(spec, logs), {})
+    try:
+        wait_healthy([made.prefill], 900)
+        for way in WAYS:
+            made.start_proxy(way)
+        with httpx.Client(timeout=120) as client:  # the stream proxy learns the prefill engine's address
+            complete(client, made.proxies["stream"][0], "where is the faults prefill engine", max_tokens=2)
+        yield made
+    finally:
+        stop_children([made.prefill, *(child for _, child in made.proxies.values())])
+        (logs / "faults.json").write_text(json.dumps(made.figures, indent=2) + "\n")
+        print("faults figures:", json.dumps(made.figures))
+
+
+def _ask(url: str, prompt: str, max_tokens: int = 6) -> tuple[int, list[str] | str, float]:
+    """A completions request (its own connection): ``(status, texts or the error, seconds)``."""
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    start = time.monotonic()
+    try:
+        with httpx.Client(timeout=120.0) as client:
+            resp = client.post(f"{url}/v1/completions", json=body)
+    except httpx.HTTPError as exc:
+        return 0, repr(exc), time.monotonic() - start
+    seconds = time.monotonic() - start
+    if resp.status_code != 200:
+        return resp.status_code, resp.text[:300], seconds
+    return 200, [c["text"] for c in resp.json()["choices"]], seconds
+
+
+def _reference(rig: Rig, prompt: str, max_tokens: int = 6) -> list[str]:
+    status, texts, _ = _ask(rig.pair.url("aggregated"), prompt, max_tokens)
+    assert status == 200
+    return texts  # type: ignore[return-value]
+
+
+def _back_to_zero(url: str, timeout_s: float) -> float | None:
+    """Seconds until the engine at ``url`` holds no KV blocks (None: not within ``timeout_s``)."""
+    start = time.monotonic()
+    with httpx.Client(timeout=10.0) as client:
+        while kv_cache_usage(client, url) > 0:
+            if time.monotonic() - start > timeout_s:
+                return None
+            time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def test_a_prefill_killed_mid_transfer_ends_every_way_in_seconds_and_its_restart_serves_at_once(rig: Rig) -> None:
+    """One prompt of every way in flight when the prefill engine is SIGKILLed: each client gets an error (the
+    prefill leg's, at once: the stream's decode leg is cancelled, not left to its window) or the right answer,
+    and the decode engine frees what it allocated. Started again on the same ports, the engine serves the very
+    next request of every way right (the stream proxy's address is stale: the new process answers for another
+    engine id, and the decode leg goes again with its params)."""
+    prompts = {way: f"{way} {LONG}" for way in WAYS}
+    refs = {way: _reference(rig, prompt) for way, prompt in prompts.items()}
+    outcomes: dict[str, tuple[int, Any, float]] = {}
+    threads = [threading.Thread(target=lambda w=way: outcomes.__setitem__(w, _ask(rig.proxies[w][0], prompts[w])))
+               for way in WAYS]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.4)
+    rig.kill_prefill()
+    killed = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=120)
+    rig.figures["prefill_killed"] = {way: {"status": s, "seconds": round(t, 2)} for way, (s, _, t) in
+                                     outcomes.items()}
+    for way, (status, texts, _) in outcomes.items():
+        assert status != 200 or texts == refs[way], f"{way}: wrong tokens served after the prefill died"
+        assert status in (200, 502, 504), f"{way}: {status} {texts}"
+    freed = _back_to_zero(rig.pair.url("decode"), 60.0)
+    assert freed is not None, "the decode engine still holds blocks of requests whose prefill died"
+    rig.figures["decode_freed_after_kill_s"] = round(time.monotonic() - killed, 2)
+
+    rig.figures["prefill_restart_s"] = round(rig.start_prefill(), 1)
+    after = {way: _ask(rig.proxies[way][0], f"after the restart {way} {LONG}") for way in WAYS}
+    rig.figures["first_after_restart"] = {way: {"status": s, "seconds": round(t, 2)} for way, (s, _, t) in
+                                          after.items()}
+    for way, (status, texts, _) in after.items():
+        assert (status, texts) == (200, _reference(rig, f"after the restart {way} {LONG}")), f"{way}: {texts}"
+    assert _back_to_zero(rig.prefill_url, LEASE_S + 10) is not None, "the restarted prefill engine holds blocks"
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_proxy_killed_mid_answer_leaves_nothing_held_and_another_serves(rig: Rig, way: str) -> None:
+    """The proxy SIGKILLed while its client reads the answer: the decode engine aborts the request when its
+    connection closes, and the prefill engine's hold is freed (by the decode engine's word, at the latest by
+    its lease); a proxy started again serves right."""
+    url, child = rig.proxies[way]
+    body = {"model": "model", "prompt": f"the proxy dies {way} " + "p" * (4 * BLOCK), "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0.0, "stream": True}
+    with httpx.Client(timeout=60.0) as client, client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            event = json.loads(line[6:]) if line.startswith("data: {") else {}
+            assert "error" not in event, event
+            if event and event["choices"][0]["text"]:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait()
+                break
+    killed = time.monotonic()
+    freed = _back_to_zero(rig.prefill_url, LEASE_S + 10)
+    assert freed is not None, "the prefill engine held blocks past its lease after the proxy died"
+    decode_freed = _back_to_zero(rig.pair.url("decode"), 30)
+    assert decode_freed is not None, "the decode engine kept the dead proxy's request"
+    rig.figures[f"proxy_killed_{way}"] = {"prefill_freed_s": round(time.monotonic() - killed, 2)}
+    rig.start_proxy(way)
+    prompt = f"a new proxy {way}"
+    assert _ask(rig.proxies[way][0], prompt)[:2] == (200, _reference(rig, prompt))
