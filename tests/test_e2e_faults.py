@@ -33,7 +33,10 @@ pytestmark = pytest.mark.engines
 WAYS = ("pull", "push", "stream")
 LEASE_S = 15.0
 """The module's prefill engine's ``lease_s``: the latest a hold its decode leg never ends may last."""
-LONG = "A prefill engine that dies costs its clients seconds, not a minute. " * 10  # chunked: > 256 tokens
+LONG = "A prefill engine that dies costs its clients seconds, not a minute. " * 12  # chunked: > 256 tokens
+KILL_AFTER_S = 0.1
+"""When the prefill engine is killed after the prompts were sent (seconds): during their prefill (a chunked one
+of several steps here), while the stream writes its first layers."""
 
 
 @dataclasses.dataclass
@@ -143,7 +146,7 @@ def test_a_prefill_killed_mid_transfer_ends_every_way_in_seconds_and_its_restart
                for way in WAYS]
     for thread in threads:
         thread.start()
-    time.sleep(0.4)
+    time.sleep(KILL_AFTER_S)
     rig.kill_prefill()
     killed = time.monotonic()
     for thread in threads:
