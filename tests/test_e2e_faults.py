@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ class Rig:
     logs: Path
     prefill: Child
     proxies: dict[str, tuple[str, Child]]
+    router: tuple[str, Child] | None = None
     figures: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -65,6 +67,19 @@ class Rig:
     def kill_prefill(self) -> None:
         os.killpg(self.prefill.proc.pid, signal.SIGKILL)  # the engine core and its workers too
         self.prefill.proc.wait()
+
+    def start_router(self) -> None:
+        """vLLM's router in PD mode (``vllm-router``, Rust) in front of this module's prefill engine and the
+        session's, and the session's decode engine: it sends each prefill leg with ``max_tokens`` 1 and copies the
+        prefill engine's ``kv_transfer_params`` into the decode leg, as it does for NixlConnector."""
+        (port,) = free_ports(1)
+        argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                "--vllm-pd-disaggregation", "--prefill", self.prefill_url, "--prefill", self.pair.url("prefill"),
+                "--decode", self.pair.url("decode"), "--policy", "round_robin", "--health-check-interval-secs", "1",
+                "--retry-max-retries", "2"]
+        child = start_child("vllm-router", argv, dict(os.environ), self.logs, f"http://127.0.0.1:{port}/health")
+        wait_healthy([child], 120.0)
+        self.router = (f"http://127.0.0.1:{port}", child)
 
     def start_proxy(self, way: str) -> None:
         (port,) = free_ports(1)
@@ -92,11 +107,13 @@ def rig(pair, tmp_path_factory) -> Iterator[Rig]:
         wait_healthy([made.prefill], 900)
         for way in WAYS:
             made.start_proxy(way)
+        made.start_router()
         with httpx.Client(timeout=120) as client:  # the stream proxy learns the prefill engine's address
             complete(client, made.proxies["stream"][0], "where is the faults prefill engine", max_tokens=2)
         yield made
     finally:
-        stop_children([made.prefill, *(child for _, child in made.proxies.values())])
+        stop_children([made.prefill, *(child for _, child in made.proxies.values()),
+                       *([made.router[1]] if made.router is not None else [])])
         (logs / "faults.json").write_text(json.dumps(made.figures, indent=2) + "\n")
         print("faults figures:", json.dumps(made.figures))
 
@@ -122,6 +139,53 @@ def _reference(rig: Rig, prompt: str, max_tokens: int = 6) -> list[str]:
     return texts  # type: ignore[return-value]
 
 
+ROUTER_PROMPTS = [f"through vLLM's router {i} " + "r" * (i * BLOCK) for i in range(1, 5)]
+
+
+class RouterLoad:
+    """Eight clients sending ``ROUTER_PROMPTS`` through vLLM's router in turn until stopped; each answer compared
+    with the aggregated engine's."""
+
+    CLIENTS = 8
+
+    def __init__(self, rig: Rig) -> None:
+        assert rig.router is not None
+        self.url = rig.router[0]
+        self.refs = {prompt: _reference(rig, prompt) for prompt in ROUTER_PROMPTS}
+        self.ok = 0
+        self.errors: list[str] = []
+        self.wrong: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(self.CLIENTS)]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
+
+    def summary(self) -> dict[str, Any]:
+        return {"ok": self.ok, "errors": len(self.errors), "wrong": len(self.wrong), "first_errors": self.errors[:2]}
+
+    def _client(self, index: int) -> None:
+        n = index
+        while not self._stop.is_set():
+            prompt = ROUTER_PROMPTS[n % len(ROUTER_PROMPTS)]
+            n += 1
+            status, texts, _ = _ask(self.url, prompt)
+            with self._lock:
+                if status != 200:
+                    self.errors.append(f"{status} {str(texts)[:120]}")
+                elif texts != self.refs[prompt]:
+                    self.wrong.append(prompt)
+                else:
+                    self.ok += 1
+
+
 def _back_to_zero(url: str, timeout_s: float) -> float | None:
     """Seconds until the engine at ``url`` holds no KV blocks (None: not within ``timeout_s``)."""
     start = time.monotonic()
@@ -144,6 +208,9 @@ def test_a_prefill_killed_mid_transfer_ends_every_way_in_seconds_and_its_restart
     outcomes: dict[str, tuple[int, Any, float]] = {}
     threads = [threading.Thread(target=lambda w=way: outcomes.__setitem__(w, _ask(rig.proxies[w][0], prompts[w])))
                for way in WAYS]
+    load = RouterLoad(rig)
+    load.start()
+    time.sleep(2.0)  # the router's clients in full swing over both prefill engines
     for thread in threads:
         thread.start()
     time.sleep(KILL_AFTER_S)
@@ -151,6 +218,11 @@ def test_a_prefill_killed_mid_transfer_ends_every_way_in_seconds_and_its_restart
     killed = time.monotonic()
     for thread in threads:
         thread.join(timeout=120)
+    time.sleep(3.0)
+    load.stop()
+    rig.figures["router_during_kill"] = load.summary()
+    assert not load.wrong, f"the router's clients got wrong tokens: {load.wrong[:3]}"
+    assert load.ok > 0, "the router served nothing while one prefill engine lived"
     rig.figures["prefill_killed"] = {way: {"status": s, "seconds": round(t, 2)} for way, (s, _, t) in
                                      outcomes.items()}
     for way, (status, texts, _) in outcomes.items():
@@ -166,7 +238,14 @@ def test_a_prefill_killed_mid_transfer_ends_every_way_in_seconds_and_its_restart
                                           after.items()}
     for way, (status, texts, _) in after.items():
         assert (status, texts) == (200, _reference(rig, f"after the restart {way} {LONG}")), f"{way}: {texts}"
+    load = RouterLoad(rig)
+    load.start()
+    time.sleep(4.0)
+    load.stop()
+    rig.figures["router_after_restart"] = load.summary()
+    assert not load.wrong and not load.errors, f"the router after the restart: {load.summary()}"
     assert _back_to_zero(rig.prefill_url, LEASE_S + 10) is not None, "the restarted prefill engine holds blocks"
+    assert _back_to_zero(rig.pair.url("prefill"), 30) is not None, "the session's prefill engine holds blocks"
 
 
 @pytest.mark.parametrize("way", WAYS)

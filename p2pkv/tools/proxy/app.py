@@ -63,6 +63,9 @@ DISCONNECT_POLL_S = 0.25
 """How often a non-streaming request checks whether its client went away (seconds)."""
 TRACE_FLUSH_S = 2.0
 """Longest the proxy's shutdown waits for queued spans to go out (seconds)."""
+KEEPALIVE_S = 2.0
+"""How long (seconds) the proxy keeps an idle connection to an engine: well below the 5 s after which vLLM's HTTP
+server (uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes it."""
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 """The proxied OpenAI endpoints."""
 
@@ -449,7 +452,9 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        # Idle connections are dropped before the engines' servers drop them (vLLM's uvicorn: 5 s), or a request
+        # sent on one the server is closing that very moment fails with a ReadError (seen: a spurious 502).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_S)
         app.state.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits)
         try:
             yield
