@@ -10,6 +10,7 @@ not asserted: timing belongs to measurements), and that nothing stays held past 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -273,3 +274,78 @@ def test_a_proxy_killed_mid_answer_leaves_nothing_held_and_another_serves(rig: R
     rig.start_proxy(way)
     prompt = f"a new proxy {way}"
     assert _ask(rig.proxies[way][0], prompt)[:2] == (200, _reference(rig, prompt))
+
+
+@pytest.fixture(scope="module")
+def own_decode(rig: Rig) -> Iterator[tuple[EngineSpec, list[Child], dict[str, str]]]:
+    """A decode engine of this module's own (it is killed) behind one proxy per way with the module's prefill
+    engine: ``(its spec, [its child, the proxies], way → proxy URL)``."""
+    p = rig.pair
+    port, side = free_ports(2)
+    spec = EngineSpec(name="decode-faults", model=p.model, port=port, role="decode", side_channel_port=side,
+                      side_channel_host="127.0.0.1", block_size=BLOCK, max_model_len=1024,
+                      extra_config={"handshake_timeout_s": 3.0, "handshake_retries": 1},
+                      env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": p.secret})
+    children = [start_engine(spec, rig.logs)]
+    urls: dict[str, str] = {}
+    try:
+        wait_healthy(children, 900)
+        for way in WAYS:
+            (proxy_port,) = free_ports(1)
+            routed = dataclasses.replace(p, proxy_port=proxy_port, prefill_port=rig.spec.port, decode_port=port,
+                                         proxy_args=("--transfer-mode", way))
+            children.append(start_child(f"proxy-decode-faults-{way}", routed.proxy_command(),
+                                        {**os.environ, "P2PKV_SECRET": p.secret}, rig.logs,
+                                        f"http://127.0.0.1:{proxy_port}/health"))
+            urls[way] = f"http://127.0.0.1:{proxy_port}"
+        wait_healthy(children[1:], 60.0)
+        with httpx.Client(timeout=120) as client:  # its stream proxy learns the prefill engine's address
+            complete(client, urls["stream"], "where is the prefill engine for the decode faults", max_tokens=2)
+        yield spec, children, urls
+    finally:
+        stop_children(children)
+
+
+def test_a_decode_killed_mid_answer_fails_its_clients_frees_the_prefill_and_its_restart_serves(
+        rig: Rig, own_decode: tuple[EngineSpec, list[Child], dict[str, str]]) -> None:
+    """The decode engine SIGKILLed while an answer of every way streams from it: each client's stream ends with
+    an error, the prefill engine frees every hold (the decode engine's word came, or its lease ends them), and
+    the decode engine started again on the same ports serves every way right."""
+    spec, children, urls = own_decode
+    ended: dict[str, float] = {}
+    answering = {way: threading.Event() for way in WAYS}
+
+    def read(way: str) -> None:
+        body = {"model": "model", "prompt": f"the decode dies {way} " + "d" * (6 * BLOCK), "max_tokens": 800,
+                "ignore_eos": True, "temperature": 0.0, "stream": True}
+        with contextlib.suppress(httpx.HTTPError), httpx.Client(timeout=60.0) as client, client.stream(
+                "POST", f"{urls[way]}/v1/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    answering[way].set()
+        ended[way] = time.monotonic()
+        answering[way].set()
+
+    threads = [threading.Thread(target=read, args=(way,)) for way in WAYS]
+    for thread in threads:
+        thread.start()
+    for event in answering.values():  # every way's answer under way
+        event.wait(timeout=60)
+    assert not ended, f"answers ended before the decode engine was killed: {sorted(ended)}"
+    os.killpg(children[0].proc.pid, signal.SIGKILL)
+    children[0].proc.wait()
+    killed = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert set(ended) == set(WAYS), "a client's stream from a dead decode engine never ended"
+    rig.figures["decode_killed"] = {way: {"client_ended_s": round(t - killed, 2)} for way, t in ended.items()}
+    freed = _back_to_zero(rig.prefill_url, LEASE_S + 10)
+    assert freed is not None, "the prefill engine held blocks past its lease after the decode engine died"
+    rig.figures["decode_killed"]["prefill_freed_s"] = round(time.monotonic() - killed, 2)
+    started = time.monotonic()
+    children[0] = start_engine(spec, rig.logs)
+    wait_healthy([children[0]], 900)
+    rig.figures["decode_restart_s"] = round(time.monotonic() - started, 1)
+    for way in WAYS:
+        prompt = f"after the decode restart {way}"
+        assert _ask(urls[way], prompt)[:2] == (200, _reference(rig, prompt)), way
