@@ -21,6 +21,7 @@ from fastapi.responses import Response
 
 from p2pkv.grant import GRANT_KEY, STREAMED_KEY
 from p2pkv.tools.proxy.app import Proxy
+from p2pkv.tools.proxy.fanout import Batch
 from p2pkv.tools.proxy.upstream import UpstreamError
 from tests.test_proxy_stream import URLS, _answer_params
 
@@ -75,7 +76,7 @@ class Faulty(Proxy):
 
     async def _decode(self, client, url, path, body, headers, out_headers, relay, leg):  # type: ignore[override]
         self.decodes.append(body)
-        if len(self.decodes) > 1:  # the leg sent again: answered at once
+        if GRANT_KEY not in body["kv_transfer_params"]:  # the leg sent again (no stream): answered at once
             if body.get("stream") is True:
                 return NeverStreams([json.dumps({"choices": [{"index": 0, "text": "again"}]}), "[DONE]"], waits=False)
             return Response(json.dumps({"choices": [{"index": 0, "text": "again"}]}).encode(),
@@ -182,3 +183,22 @@ def test_a_streamed_prompt_that_streams_is_left_alone() -> None:
     proxy = Faulty("streamed", first_events=[done, "[DONE]"])
     events, _ = _streamed(proxy, {})
     assert len(proxy.decodes) == 1 and [e["choices"][0]["text"] for e in events if e != "[DONE]"] == ["z"]
+
+
+def test_a_failed_prefill_leg_ends_a_batch_of_streamed_prompts_at_once() -> None:
+    """Each prompt of a list streams under its own grant; their prefill legs fail: the batch answers the prefill
+    leg's error at once, its decode legs cancelled."""
+    proxy = Faulty("fails")
+
+    async def run() -> Any:
+        async with _client(proxy) as client:
+            batch = Batch(proxy, client, "/v1/completions", {}, {}, max_fanout=2)
+            try:
+                return await batch.answers([{**BODY, "prompt": "a"}, {**BODY, "prompt": "b"}])
+            except UpstreamError as exc:
+                return exc
+
+    start = time.monotonic()
+    got = asyncio.run(asyncio.wait_for(run(), 10))
+    assert isinstance(got, UpstreamError) and got.stage == "prefill", got
+    assert time.monotonic() - start < 2.0 and proxy.cancelled >= 1

@@ -31,6 +31,8 @@ from p2pkv.tools.proxy.batch import StreamMerger, merge_completions, sse_events
 from p2pkv.tools.proxy.closing import ClosingStream
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, leg_of
+from p2pkv.tools.proxy.stream import StreamLegs
+from p2pkv.tools.proxy.stream_faults import Recovery, relay_again, whole_decode
 from p2pkv.tools.proxy.upstream import UpstreamError
 
 
@@ -38,6 +40,9 @@ class Legs(Protocol):
     """What a batch needs of :class:`p2pkv.tools.proxy.app.Proxy`: the two legs, releases, metrics."""
 
     metrics: ProxyMetrics
+    streams: StreamLegs | None
+    secret: bytes | None
+    timeout_s: float
 
     async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
                           headers: dict[str, str], leg: ProxySpan | None = None) -> dict[str, Any]: ...
@@ -140,7 +145,16 @@ class Batch:
         try:
             async with self.slots:
                 params = await self._prefill(index, body)
-                resp = await self._decode(body, params, leg_of(self.trace, "decode", index))
+                decode = self._decode(body, params, leg_of(self.trace, "decode", index))
+                streams = self.proxy.streams
+                prefill_leg = streams.prefill_leg(params) if streams is not None else None
+                if streams is None or prefill_leg is None:
+                    resp = await decode
+                else:  # a streamed prompt: its prefill leg's failure, or an answer for another engine, acted on
+                    recovery = Recovery(params, lambda p: relay_again(self.proxy, self.client, self.path, body, p,
+                                                                      self.headers, self.out_headers),
+                                        lambda: streams.claim(params), self.proxy.release, self.proxy.timeout_s)
+                    resp = await whole_decode(decode, prefill_leg, recovery, lambda p: self._decode(body, p, None))
         except UpstreamError:
             self.stop.set()
             raise
