@@ -39,15 +39,8 @@ from typing import Any
 
 import msgspec
 
-from p2pkv.params import (
-    CLOCK_SKEW_S,
-    DEFAULT_MAX_LIFETIME_S,
-    KVTransferParamsError,
-    RemotePrefill,
-    lifetime_refusal,
-    parse_prefill_address,
-    shown,
-)
+from p2pkv.lifetime import CLOCK_SKEW_S, DEFAULT_MAX_LIFETIME_S, lifetime_refusal
+from p2pkv.params import KVTransferParamsError, RemotePrefill, parse_prefill_address, shown
 
 GRANT_KEY = "p2pkv_stream_grant"
 """The ``kv_transfer_params`` key of a stream grant."""

@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from p2pkv.config import LIFETIME_LEASES
+from p2pkv.lifetime import CLOCK_SKEW_S, DEFAULT_MAX_LIFETIME_S, lifetime_refusal
 
 
 class KVTransferParamsError(ValueError):
@@ -60,18 +60,12 @@ MAX_BLOCK_ID = (1 << 31) - 1
 further once it is known)."""
 CAPABILITY_KEY = "p2pkv_capability"
 """The ``kv_transfer_params`` key holding the capability: ``v1.<expiry, Unix seconds>.<HMAC-SHA256 hex>``."""
-CLOCK_SKEW_S = 5.0
-"""How long (seconds) after its expiry a capability is still accepted: the clocks of the two engines may differ."""
 MAX_BLOCK_IDS = 1 << 20
 """Most ``remote_block_ids`` accepted, all KV cache groups together (a million blocks: far beyond any prompt)."""
 MAX_APPENDED_TOKENS = 1024
 """Most ``appended_tokens`` accepted (the proxy appends one: the prefill engine's sampled first token)."""
 MAX_KV_CACHE_GROUPS = 64
 """Most KV cache groups accepted in ``remote_block_ids`` (vLLM makes a handful)."""
-DEFAULT_MAX_LIFETIME_S = LIFETIME_LEASES * 120.0
-"""How far (seconds) past the receiver's clock a capability's or stream grant's expiry may lie when the caller
-does not say (:attr:`p2pkv.config.P2pKvConfig.max_lifetime_s` with the default ``lease_s`` of 120 s: 480 s);
-engines pass their own ``max_lifetime_s``."""
 
 
 @dataclass(frozen=True)
@@ -463,18 +457,6 @@ def _capability_expiry(capability: Any, now: float, max_lifetime_s: float) -> in
     if why:
         raise KVTransferParamsError(why)
     return expiry
-
-
-def lifetime_refusal(key: str, expiry: float, now: float, max_lifetime_s: float, fix: str) -> str | None:
-    """Why an expiry (seconds since the Unix epoch) more than ``max_lifetime_s`` + :data:`CLOCK_SKEW_S` seconds
-    after ``now`` (this engine's clock) is refused, naming ``key``, how far ahead it is, the limit and ``fix``; None
-    when it is not that far: what an engine remembers of a capability or grant lasts at most that long."""
-    ahead = expiry - now
-    if ahead <= max_lifetime_s + CLOCK_SKEW_S:
-        return None
-    return (f"{key} expires {ahead:.0f} s from now, more than the {max_lifetime_s:.0f} s this engine accepts "
-            f"(max_lifetime_s: {LIFETIME_LEASES} x the larger of its lease_s and 120 s, plus {CLOCK_SKEW_S:.0f} s of "
-            f"clock skew): {fix}")
 
 
 def _mac_mismatch() -> KVTransferParamsError:
