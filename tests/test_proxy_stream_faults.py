@@ -29,14 +29,14 @@ SECRET = b"s" * 32
 BODY = {"prompt": "hi", "max_tokens": 3}
 
 
-class NeverStreams:
+class NeverStreams(httpx.Response):
     """A decode engine's stream: ``events``, then (``waits``) nothing more for ever (it waits for KV that will not
     come)."""
 
     def __init__(self, events: list[str] | None = None, waits: bool = True) -> None:
+        super().__init__(200, request=httpx.Request("POST", "http://127.0.0.1:3/v1/completions"))
         self.events, self.waits = events or [], waits
         self.closed = False
-        self.url = "http://127.0.0.1:3/v1/completions"
 
     async def aiter_raw(self):  # type: ignore[no-untyped-def]
         for data in self.events:
@@ -202,3 +202,23 @@ def test_a_failed_prefill_leg_ends_a_batch_of_streamed_prompts_at_once() -> None
     got = asyncio.run(asyncio.wait_for(run(), 10))
     assert isinstance(got, UpstreamError) and got.stage == "prefill", got
     assert time.monotonic() - start < 2.0 and proxy.cancelled >= 1
+
+
+def test_a_failed_prefill_leg_ends_a_streamed_list_of_streamed_prompts_at_once() -> None:
+    """The same for a list of prompts answered as one SSE stream: the batch's answer is the prefill leg's error,
+    at once, and the decode streams are closed (their engines give the streams up)."""
+    proxy = Faulty("fails")
+
+    async def run() -> Any:
+        async with _client(proxy) as client:
+            batch = Batch(proxy, client, "/v1/completions", {}, {}, max_fanout=2)
+            try:
+                return await batch.stream([{**BODY, "prompt": "a", "stream": True},
+                                           {**BODY, "prompt": "b", "stream": True}])
+            except UpstreamError as exc:
+                return exc
+
+    start = time.monotonic()
+    got = asyncio.run(asyncio.wait_for(run(), 10))
+    assert isinstance(got, UpstreamError) and got.stage == "prefill", got
+    assert time.monotonic() - start < 2.0 and proxy.stream.closed

@@ -32,7 +32,15 @@ from p2pkv.tools.proxy.closing import ClosingStream
 from p2pkv.tools.proxy.metrics import ProxyMetrics
 from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, leg_of
 from p2pkv.tools.proxy.stream import StreamLegs
-from p2pkv.tools.proxy.stream_faults import Recovery, relay_again, whole_decode
+from p2pkv.tools.proxy.stream_faults import (
+    PrefillEnd,
+    Recovery,
+    cancel,
+    prefill_end,
+    prefill_error,
+    relay_again,
+    whole_decode,
+)
 from p2pkv.tools.proxy.upstream import UpstreamError
 
 
@@ -198,9 +206,15 @@ class Batch:
                 try:
                     if self.stop.is_set():
                         return
+                    failed, events = await self._prefill_failed_first(params, sse_events(resp.aiter_raw()))
+                    if failed is not None:
+                        if not self.opened:
+                            self.stop.set()
+                        await queue.put(failed)
+                        return
                     self.opened = True
                     await queue.put(_OPENED)
-                    async for data in sse_events(resp.aiter_raw()):
+                    async for data in events:
                         if self.stop.is_set():  # the batch answered with another pair's error
                             return
                         if (out := merger.chunk(index, data)) is not None:
@@ -220,6 +234,23 @@ class Batch:
             if span is not None:
                 span.end()
             queue.put_nowait(_DONE)
+
+    async def _prefill_failed_first(self, params: dict[str, Any], events: AsyncIterator[str]
+                                    ) -> tuple[UpstreamError | None, AsyncIterator[str]]:
+        """``(error, events)``: a streamed prompt's prefill leg's error when that leg failed before its decode
+        stream's first event (the caller then closes the decode stream: its engine gives the stream up), else
+        None; and the decode stream's events (its first, if it came, included)."""
+        streams = self.proxy.streams
+        prefill_leg = streams.prefill_leg(params) if streams is not None else None
+        if prefill_leg is None:
+            return None, events
+        rest = events.__aiter__()
+        first = asyncio.ensure_future(rest.__anext__())
+        await asyncio.wait({first, prefill_leg}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done() and prefill_end(params, prefill_leg) is PrefillEnd.FAILED:
+            await cancel(first)
+            return prefill_error(prefill_leg), rest
+        return None, _after(first, rest)
 
     async def stream(self, bodies: list[dict[str, Any]]) -> Response:
         """Every prompt's decode stream merged into one (see :class:`StreamMerger`), pairs bounded.
@@ -270,3 +301,14 @@ class Batch:
                 t.cancel()
 
         return ClosingStream(body(), stop_pairs, headers=self.out_headers)
+
+
+async def _after(first: asyncio.Future, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    """``first``'s event (when the stream had one), then ``rest``'s."""
+    try:
+        data = await first
+    except StopAsyncIteration:
+        return
+    yield data
+    async for data in rest:
+        yield data
