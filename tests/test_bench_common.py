@@ -147,3 +147,15 @@ def test_the_slice_report_tables_each_system_and_regime() -> None:
     assert [line.split(" | ")[:2] for line in lines[2:]] == [["| cma", "sliced"], ["| tcp", "sliced"],
                                                              ["| tcp", "staged"]]
     assert lines[4] == "| tcp | staged | 3 | 14.00 | 13.00 | 2.000 | 1.00 | 512 |"
+
+
+def test_the_bindings_bench_keeps_its_size_while_one_entry_expires_per_operation(tmp_path) -> None:
+    """``scripts/bench_bindings.py`` times what it says: every timed bind or stream request keeps the entries at
+    their size (one expires, one comes), and its JSON names each size."""
+    bench = load_script("bench_bindings")
+    assert len(bench.bind_costs(10, 50)) == 50 and len(bench.ledger_costs(10, 50)) == 50
+    out = tmp_path / "bindings.json"
+    assert bench.main(["--sizes", "10", "100", "--ops", "20", "--json", str(out)]) == 0
+    import json
+
+    assert [r["size"] for r in json.loads(out.read_text())["results"]] == [10, 100]
