@@ -44,53 +44,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
-from handshake import StreamRequest
-from handshake.messages import PushStatus
-from p2pkv.bindings import Bindings
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
-from p2pkv.params import CLOCK_SKEW_S
-from p2pkv.prefill.agents import Identity, rank_name
+from p2pkv.prefill.agents import rank_name
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.pusher import Pusher
+from p2pkv.prefill.stream_admits import StreamAdmits
+from p2pkv.prefill.stream_destinations import StreamDestinations, LiveRequest
 from p2pkv.prefill.stream_ledger import StreamLedger
 from p2pkv.prefill.stream_measures import StreamMeasures, layer_block_bytes
-from p2pkv.prefill.stream_pending import UNKNOWN_WAIT_S, Destination, PendingDestinations
+from p2pkv.prefill.stream_pending import Destination, PendingDestinations
 from p2pkv.prefill.stream_releases import StreamReleases
-from p2pkv.prefill.stream_requests import check_stream_request
-from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget, group_range
+from p2pkv.prefill.streamer import LayerStream, StreamSide, group_range
 
 logger = logging.getLogger("p2pkv.prefill")
 
-@dataclass
-class _Live:
-    """A streamed request on this rank: its first destination's rank (``identity``), every destination's rank
-    by agent name, the destinations expected (``readers``), its streams started and ended."""
-
-    stream_id: str
-    digest: str
-    loaded_tokens: int
-    bulk: bool
-    hold_blocks: tuple[int, ...] | None = None
-    identity: Identity | None = None
-    pinned: bool = False
-    readers: int = 1
-    agents: dict[str, Identity] = field(default_factory=dict)
-    streams: int = 1
-    ended: int = 0
-    failed: str | None = None
-    grant_ends: float = float("inf")
-
-    def expects_more(self) -> bool:
-        """Every stream so far ended whole, and a decode rank that reads this rank has not sent its destination."""
-        return self.failed is None and self.identity is not None and len(self.agents) < self.readers
-
-
-class PrefillStreams(StreamReleases):
-    """Every layer-streamed request of one prefill rank (its side channel's releases and hold questions:
+class PrefillStreams(StreamDestinations, StreamReleases):
+    """Every layer-streamed request of one prefill rank (its side channel's destinations:
+    :class:`~p2pkv.prefill.stream_destinations.StreamDestinations`; releases and hold questions:
     :class:`~p2pkv.prefill.stream_releases.StreamReleases`).
 
     Args:
@@ -136,14 +109,13 @@ class PrefillStreams(StreamReleases):
         self.measures = StreamMeasures(0.0 if on_gpu else min_link_share, block_bytes, clock)
         self.poster = StreamPoster(agent.progress, on_start=on_start)
         self._lock = threading.Lock()
-        self._live: dict[str, _Live] = {}  # prefill request id → its stream
+        self._live: dict[str, LiveRequest] = {}  # prefill request id → its stream
         self._by_stream: dict[str, str] = {}  # stream id → prefill request id
         self._pending = PendingDestinations()  # destinations whose request is not known yet
         self._ledger = StreamLedger(clock)  # stream ids served, declined or stopped
         self._ended_early: dict[str, float] = {}  # request id → when its stream ended before its hold was known
-        self._bound = Bindings("stream id")  # stream id → the one prefill request it serves here
-        self._admitted: dict[str, tuple[str, float]] = {}  # stream id → (request id, grant end) not opened yet
         self.max_lifetime_s = max_lifetime_s
+        self._admits = StreamAdmits(clock, max_lifetime_s, self._ledger, self._pending, self._tell)
         self._step: list[StreamChunk] = []
         self._prepared: P2pKvMetadata | None = None  # the step whose chunks were taken
         self.group_of = group_of or {}
@@ -151,75 +123,6 @@ class PrefillStreams(StreamReleases):
         self.kv_groups = max([0, *self.group_of.values(), *state_groups]) + 1
         self._seen: set[tuple[int, int]] = set()  # (layer, group) vLLM reported done this step
         self._layers = {(layer, self.group_of.get(name, 0)) for name, layer in layer_of.items()}
-
-    # ---- side-channel thread -------------------------------------------------------------
-    def on_stream(self, msg: StreamRequest) -> tuple[PushStatus, str]:
-        """Check a decode rank's stream request and take its destination; ``(status, message)``. Never raises."""
-        try:
-            return self._accept(msg)
-        except Exception as exc:  # a bug must not stop the side channel
-            logger.exception("p2pkv: a stream request failed")
-            return "refused", f"internal error: {exc!r}"
-
-    def _accept(self, msg: StreamRequest) -> tuple[PushStatus, str]:
-        now = time.time()
-        checked = check_stream_request(msg, self.source, self._secret, self.engine_id, now, self.kv_groups,
-                                       self.max_lifetime_s)
-        if isinstance(checked, str):
-            return "refused", checked
-        stream_id = checked.grant.stream_id
-        with self._lock:
-            self._ledger.forget_expired(now)
-            if (stopped := self._ledger.stopped(stream_id)) is not None:
-                return "refused", (f"the prefill request of stream {stream_id} stopped before this destination "
-                                   f"came: {stopped}")
-            if (why := self._ledger.refuse(stream_id, checked.identity, msg.readers)) is not None:
-                return "refused", why
-            known = stream_id in self._by_stream or stream_id in self._admitted
-            if not known and (why := self._pending.room(checked.identity)) is not None:
-                return "busy", why  # a full queue never turns away a request this rank runs or has queued
-            self._ledger.serve(stream_id, checked.grant.expiry, checked.identity, msg.readers)
-        loaded, why = self.pusher.hold_agent(checked.identity, msg.agent)
-        if not loaded:
-            return "refused", why
-        deadline = self._clock() + checked.window_s  # the decode rank gives the load up then: no WRITE after it
-        target = StreamTarget(msg.agent.agent_name, checked.side, tuple(msg.block_ids), msg.first_block,
-                              msg.push_id, deadline, not self.measures.per_layer(rank_name(checked.identity)),
-                              tuple(msg.group_blocks), checked.source_pages)
-        dest = Destination(target, checked.identity, msg.num_tokens, msg.prompt_digest, deadline, msg.readers)
-        with self._lock:
-            request_id = self._by_stream.get(stream_id)
-            if request_id is None:
-                self._pending.add(stream_id, dest, self._clock())
-                return "accepted", ""
-            status, why = self._attach(request_id, dest)
-        if status != "accepted":
-            self.pusher.release_agent(checked.identity)
-        return status, why
-
-    def _attach(self, request_id: str, dest: Destination) -> tuple[PushStatus, str]:
-        """Give a known stream a destination (lock held), pinned first when its hold exists: the first one goes
-        to its stream, each later one (another decode rank reading this one) to a stream forked from it."""
-        live = self._live[request_id]
-        first = live.identity is None
-        if live.hold_blocks is not None and not live.pinned:
-            answer = self.holds.pin(request_id, list(live.hold_blocks))
-            if answer != "held":
-                return answer, ""
-            live.pinned = True
-        live.agents[dest.target.agent] = dest.identity
-        if first:
-            live.identity, live.readers = dest.identity, dest.readers
-            self.poster.target(request_id, dest.target)
-        else:
-            live.streams += 1
-            self.poster.fork(request_id, LayerStream(request_id, self.source, self.agent, self._secret, self._clock,
-                                                     bulk=live.bulk), dest.target)
-        if (dest.num_tokens, dest.digest) != (live.loaded_tokens, live.digest):
-            self.poster.abort_one(request_id, dest.target.agent, f"the decode engine loads {dest.num_tokens} prompt "
-                                  f"tokens of another prompt than the {live.loaded_tokens} this engine computed "
-                                  "(prompt digest differs)")
-        return "accepted", ""
 
     # ---- engine thread -------------------------------------------------------------------
     def begin_step(self, meta: P2pKvMetadata) -> None:
@@ -238,12 +141,12 @@ class PrefillStreams(StreamReleases):
         self._prepared = meta
         with self._lock:
             for request_id, (stream_id, expiry) in meta.stream_admits.items():
-                self._admit(request_id, stream_id, expiry)
+                self._admits.admit(request_id, stream_id, expiry)
             for stream_id, why in meta.stream_refusals.items():
-                self._stop_unopened(stream_id, f"the prefill engine did not stream its request: {why}")
+                self._admits.refused(stream_id, why)
             for request_id, why in meta.stream_aborts.items():
-                if request_id not in self._live and (stream_id := self._unopened(request_id)) is not None:
-                    self._stop_unopened(stream_id, why)
+                if request_id not in self._live:
+                    self._admits.aborted(request_id, why)
         for request_id, why in meta.stream_aborts.items():
             self.poster.abort(request_id, why)
         restarts = list(meta.stream_restarts)
@@ -258,28 +161,6 @@ class PrefillStreams(StreamReleases):
         self._step = [c for c in meta.streams if c.request_id in self._live]
         self._seen = set()
 
-    def _admit(self, request_id: str, stream_id: str, expiry: float) -> None:
-        """The scheduler admitted ``request_id``'s stream (its grant expiring at ``expiry``, ``time.time()``):
-        ``stream_id`` serves it alone here; destinations for it wait as long as their decode ranks. Lock held."""
-        wall = time.time()
-        if (why := self._bound.bind(stream_id, request_id, expiry + CLOCK_SKEW_S, wall)) is not None:
-            logger.error("p2pkv: request %s: %s; not streamed", request_id, why)
-            return
-        self._admitted[stream_id] = (request_id, self._clock() + expiry + CLOCK_SKEW_S - wall)
-        self._pending.admit(stream_id)
-
-    def _unopened(self, request_id: str) -> str | None:
-        """The stream id of ``request_id`` when it was admitted and its stream not opened yet. Lock held."""
-        return next((sid for sid, (rid, _) in self._admitted.items() if rid == request_id), None)
-
-    def _stop_unopened(self, stream_id: str, why: str) -> None:
-        """``stream_id`` will never stream here: a destination still to come is refused at once, and those
-        waiting are told now (their decode ranks fail the load then, not at their window). Lock held."""
-        self._admitted.pop(stream_id, None)
-        self._ledger.stop(stream_id, why)
-        for dest in self._pending.take(stream_id):
-            self._tell(dest, why)
-
     def _tell(self, dest: Destination, why: str) -> None:
         """A waiting destination gets no stream: its decode rank is told ``why``, its agent released."""
         self.pusher.tell_failed(dest.target.agent, dest.target.push_id, why)
@@ -290,15 +171,12 @@ class PrefillStreams(StreamReleases):
         stream id that serves another request here is not streamed (a stream id is never moved to another
         request). Lock held."""
         assert isinstance(self.source, StreamSide)
-        now = time.time()
-        if (why := self._bound.bind(chunk.stream_id, chunk.request_id, now + self.max_lifetime_s, now)) is not None:
-            logger.error("p2pkv: request %s: %s; not streamed", chunk.request_id, why)
+        if (grant_ends := self._admits.open(chunk.request_id, chunk.stream_id)) is None:
             return
-        _, grant_ends = self._admitted.pop(chunk.stream_id, ("", float("inf")))
         bulk = chunk.loaded_tokens < self._min_tokens
         stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret, self._clock, bulk=bulk)
         self.poster.add(chunk.request_id, stream, keep=True)
-        self._live[chunk.request_id] = _Live(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens, bulk,
+        self._live[chunk.request_id] = LiveRequest(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens, bulk,
                                              grant_ends=grant_ends)
         self._by_stream[chunk.stream_id] = chunk.request_id
         if self._ledger.take_decline(chunk.stream_id):
@@ -394,12 +272,7 @@ class PrefillStreams(StreamReleases):
                     live.pinned = False
                 elif live.ended == live.streams:
                     self._end(stream.request_id, live, now)
-            for stream_id, dest in self._pending.expire(now):
-                why = (f"no prefill request for stream {stream_id} came within {UNKNOWN_WAIT_S:g} s" if dest.deadline
-                       > now else "the decode rank's window passed before its prefill request started")
-                self._tell(dest, why)
-            for stream_id in [s for s, (_, ends) in self._admitted.items() if ends <= now]:
-                self._stop_unopened(stream_id, "its grant expired before its prefill request started")
+            self._admits.expire(now)
             unserved = [r for r, live in self._live.items() if live.identity is None and live.grant_ends <= now]
             for request_id in unserved:
                 self._live[request_id].grant_ends = float("inf")
@@ -421,7 +294,7 @@ class PrefillStreams(StreamReleases):
         for request_id in waiting:
             self.poster.abort(request_id, "the hold ended before the decode rank's destination arrived")
 
-    def _end(self, request_id: str, live: _Live, now: float) -> None:
+    def _end(self, request_id: str, live: LiveRequest, now: float) -> None:
         """Every stream of ``request_id`` has ended: it is forgotten, a destination still to come refused at once,
         its hold unpinned and released (or, not made yet, released when made). Lock held."""
         del self._live[request_id]
