@@ -52,7 +52,7 @@ from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_admits import StreamAdmits
-from p2pkv.prefill.stream_destinations import StreamDestinations, LiveRequest
+from p2pkv.prefill.stream_destinations import LiveRequest, StreamDestinations
 from p2pkv.prefill.stream_ledger import StreamLedger
 from p2pkv.prefill.stream_measures import StreamMeasures, layer_block_bytes
 from p2pkv.prefill.stream_pending import Destination, PendingDestinations
