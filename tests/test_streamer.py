@@ -285,16 +285,22 @@ def test_a_stream_whose_destination_deadline_passes_stops_and_tells_the_decode_r
     assert stream_pair.landed(src, dst, layers=range(1))
 
 
-def test_a_stream_whose_last_write_landed_before_its_deadline_ends_ok(stream_pair: Pair) -> None:
-    now = [100.0]
-    src, dst = [1], [2]
-    stream = _clocked(stream_pair, now)
-    target = stream_pair.target_of(dst)
+def _whole_prompt_until(stream: LayerStream, pair: Pair, src: list[int], dst: list[int],
+                        deadline: float) -> LayerStream:
+    """``stream`` given ``dst`` as its destination until ``deadline``, every layer of ``src`` computed, finished."""
+    target = pair.target_of(dst)
     stream.target(StreamTarget(target.agent, target.side, target.block_ids, target.first_block, target.push_id,
-                               deadline=105.0))
+                               deadline=deadline))
     for layer in range(LAYERS):
         stream.computed(layer, 0, src)
     stream.finish()
+    return stream
+
+
+def test_a_stream_whose_last_write_landed_before_its_deadline_ends_ok(stream_pair: Pair) -> None:
+    now = [100.0]
+    src, dst = [1], [2]
+    stream = _whole_prompt_until(_clocked(stream_pair, now), stream_pair, src, dst, deadline=105.0)
     drain(stream, stream_pair)  # every layer posted in one WRITE, the notification riding on it, before 105
     now[0] = 200.0
     assert not stream.pump() and stream.failure is None
@@ -310,12 +316,7 @@ def test_a_last_write_still_in_flight_at_the_deadline_is_cut_and_the_word_waits_
     writer = StuckWriter(stream_pair.prefill)
     stream = LayerStream("req-1", StreamSide(tuple(stream_pair.source_pages), BLOCKS), writer, secret=KEY,
                          clock=lambda: now[0])
-    target = stream_pair.target_of(dst)
-    stream.target(StreamTarget(target.agent, target.side, target.block_ids, target.first_block, target.push_id,
-                               deadline=105.0))
-    for layer in range(LAYERS):
-        stream.computed(layer, 0, src)
-    stream.finish()
+    _whole_prompt_until(stream, stream_pair, src, dst, deadline=105.0)
     stream.pump()  # every layer posted, the notification riding on the WRITE, which does not end
     now[0] = 105.0
     for _ in range(20):
