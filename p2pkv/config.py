@@ -248,7 +248,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             ``push`` (it asks the prefill rank to WRITE into its blocks), or
             ``auto`` (a 4 KiB probe READ right after each handshake tells how
             UCX moves that peer's READs: pull where they are zero-copy, push
-            where not, e.g. GPU memory over TCP; ``p2pkv.decode.probe``).
+            where not, e.g. GPU memory over TCP; ``p2pkv.decode.probe``), or
+            ``stream`` (a request whose decode leg carries a stream grant is
+            layer-streamed: the prefill rank WRITEs each layer as its forward
+            computes it; one without a grant is pushed; ``docs/streaming.md``).
             A request's ``kv_transfer_params.p2pkv_transfer_mode`` wins.
         push_max_in_flight: a prefill rank posts at most this many WRITEs at
             once for one decode rank (others wait, decode ranks served in turn).

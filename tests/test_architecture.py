@@ -1,8 +1,10 @@
-"""The import rules of docs/architecture.md, read off the source: no cycles, layers point one way."""
+"""The rules of docs/architecture.md, read off the source: no cycles, layers point one way, the module map lists
+every module and nothing else, and each "may import" column names what its module imports."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,3 +130,98 @@ def test_every_internal_import_resolves() -> None:
                             f"{node.module}.{alias.name}") is None:
                         missing.append(f"{path}: {node.module}.{alias.name}")
     assert missing == []
+
+
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def _module_map() -> list[tuple[str, list[str], str | None]]:
+    """docs/architecture.md's module map: (folder, the files a row's first cell names, its "may import" cell or None).
+
+    A ``### `` heading's first code span names the folder (``p2pkv/decode/``); a table row's first cell names
+    its files (``fixup.py``, ``fixup_triton.py``); the third cell, where the table has one, what they may import.
+    """
+    text = DOC.read_text()
+    start = text.index("\n## Module map\n")
+    end = text.index("\n## ", start + 1)
+    rows: list[tuple[str, list[str], str | None]] = []
+    folder = None
+    for line in text[start:end].splitlines():
+        if line.startswith("### "):
+            spans = re.findall(r"`([^`]+)`", line)
+            folder = spans[0] if spans and spans[0].endswith("/") else None
+            assert folder is not None, f"docs/architecture.md: heading {line!r} names no folder in its first code span"
+            continue
+        if not line.startswith("|") or folder is None:
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        files = re.findall(r"`([^`/]+\.py)`", cells[0])
+        if files:
+            rows.append((folder, files, cells[2] if len(cells) > 2 else None))
+    return rows
+
+
+def _tree() -> set[str]:
+    """Every module file of p2pkv and handshake (repository-relative), packages' ``__init__.py`` left out."""
+    return {path.relative_to(ROOT).as_posix() for pkg in ("p2pkv", "handshake") for path in (ROOT / pkg).rglob("*.py")
+            if path.name != "__init__.py"}
+
+
+def test_the_module_map_lists_every_module_and_nothing_else() -> None:
+    listed = [folder + name for folder, files, _ in _module_map() for name in files]
+    repeated = sorted({m for m in listed if listed.count(m) > 1})
+    assert repeated == [], f"docs/architecture.md lists these modules more than once: {repeated}"
+    missing = sorted(_tree() - set(listed))
+    extra = sorted(set(listed) - _tree())
+    assert (missing, extra) == ([], []), (f"docs/architecture.md's module map lacks {missing} "
+                                          f"and lists modules that do not exist: {extra}")
+
+
+def test_the_module_map_is_read() -> None:
+    rows = {(folder, tuple(files)): cell for folder, files, cell in _module_map()}
+    assert rows[("p2pkv/dataplane/", ("fixup.py", "fixup_triton.py"))].startswith("torch, triton")
+    assert rows[("handshake/", ("codec.py",))] is not None
+    assert rows[("p2pkv/tools/proxy/", ("app.py",))] is None  # the tools' tables have no "may import" column
+
+
+def test_package_inits_hold_no_code_of_their_own() -> None:
+    """What lets the module map leave ``__init__.py`` out: docstring, imports, ``__all__``, constants, and at
+    most a module ``__getattr__`` (names imported on first use)."""
+    bad = []
+    for pkg in ("p2pkv", "handshake"):
+        for path in (ROOT / pkg).rglob("__init__.py"):
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.ClassDef | ast.AsyncFunctionDef) or (
+                        isinstance(node, ast.FunctionDef) and node.name != "__getattr__"):
+                    bad.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert bad == [], f"list these in docs/architecture.md's module map, or move them into a module: {bad}"
+
+
+def _covers(name: str, target: str, package: str) -> bool:
+    """Whether ``name`` in a "may import" cell (``decode.fence``, ``layout``, ``handshake``) covers ``target``."""
+    if name == "handshake" and target.startswith("handshake"):
+        return True
+    return any(target == c or target.startswith(c + ".") for c in (name, f"p2pkv.{name}", f"{package}.{name}"))
+
+
+def test_may_import_names_every_import() -> None:
+    """Each "may import" cell names (itself, a package above it, or folder-relative) every p2pkv and handshake
+    module its file imports; "everything in `p2pkv/`" and "the rest of `X`" cover what they say."""
+    graph = import_graph()
+    bad = []
+    for folder, files, cell in _module_map():
+        if cell is None:
+            continue
+        package = folder.rstrip("/").replace("/", ".")
+        names = re.findall(r"`([a-z_][a-z_.]*)`", cell)
+        names += re.findall(r"the rest of `([a-z_.]+)`", cell)
+        for name in files:
+            module = f"{package}.{name.removesuffix('.py')}"
+            if "everything in `p2pkv/`" in cell:
+                continue
+            for target in sorted(graph[module]):
+                if target.startswith(("vllm", "tests")) or target in (package, module) or target == "p2pkv":
+                    continue
+                if not any(_covers(n, target, package) for n in names):
+                    bad.append(f"{folder}{name} imports {target}")
+    assert bad == [], f"docs/architecture.md's \"may import\" column lacks: {bad}"

@@ -1,11 +1,14 @@
-"""Which way a prefill rank's bytes move for a pull: the decode rank READs (pull) or the prefill rank WRITEs (push).
+"""Which way a prefill rank's bytes move for a pull: the decode rank READs (pull), the prefill rank WRITEs
+(push), or the prefill rank WRITEs each layer as its forward computes it (stream).
 
-``transfer_mode`` (:class:`p2pkv.config.P2pKvConfig`) is ``pull``, ``push``
-or ``auto``; a request may name one in ``kv_transfer_params``
-(``p2pkv_transfer_mode``). ``auto`` pulls from a peer until UCX has said how
-it moves that peer's READs (:class:`p2pkv.dataplane.transport.TransportReport`,
-learned from a probe READ right after the handshake, :mod:`p2pkv.decode.probe`,
-or else from the first READ), then keeps pulling where the READ is zero-copy
+``transfer_mode`` (:class:`p2pkv.config.P2pKvConfig`) is ``pull``, ``push``,
+``auto`` or ``stream``; a request may name one in ``kv_transfer_params``
+(``p2pkv_transfer_mode``). Under ``stream`` a request whose decode leg
+carries a stream grant streams and one without is pushed (docs/streaming.md).
+``auto`` pulls from a peer until UCX has said how it moves that peer's READs
+(:class:`p2pkv.dataplane.transport.TransportReport`, learned from a probe READ
+right after the handshake, :mod:`p2pkv.decode.probe`, or else from the first
+READ), then keeps pulling where the READ is zero-copy
 (cma, cuda_ipc, RDMA verbs) and pushes where it is not (GPU memory over TCP,
 the case where UCX turns ``cuda_ipc`` GET off without NVLink). No I/O but a log
 line when a peer's choice is new or changes.
@@ -50,7 +53,7 @@ def choose(setting: TransferModeSetting, report: TransportReport | None) -> Choi
     """The direction for one prefill rank under ``setting``, given what UCX reported for its READs.
 
     Args:
-        setting: ``pull``, ``push`` or ``auto``.
+        setting: ``pull``, ``push``, ``auto`` or ``stream``.
         report: the peer's READ transport (None: no READ from it finished yet).
     """
     if setting == "stream":  # a request with a grant streams (Directions.of); one without is pushed
@@ -72,7 +75,7 @@ def choose(setting: TransferModeSetting, report: TransportReport | None) -> Choi
 class Directions:
     """Each prefill agent's direction for one decode rank, under its ``transfer_mode`` setting.
 
-    A request naming ``p2pkv_transfer_mode`` (``pull``/``push``) gets that;
+    A request naming ``p2pkv_transfer_mode`` (``pull``/``push``/``stream``) gets that;
     otherwise the peer's :class:`Choice`: the setting, or under ``auto`` what
     UCX's READ report for that peer says (:meth:`on_transport`). A choice is
     logged when it is new or changes.
