@@ -77,6 +77,57 @@ def side_channel_host(config: P2pKvConfig) -> str:
     return get_ip()
 
 
+DECLINED_HOOKS: dict[str, str] = {
+    # vLLM's own bookkeeping on the base class, kept as it is
+    "bind_connector_metadata": "base bookkeeping: keeps the step's metadata that the worker hooks read",
+    "clear_connector_metadata": "base bookkeeping: drops the step's metadata after the forward",
+    "has_connector_metadata": "base bookkeeping",
+    "bind_kv_cache_manager": "base bookkeeping: keeps the scheduler's KV cache manager (p2pkv reads none of it)",
+    "role": "base bookkeeping: the role vLLM built the connector for",
+    # what p2pkv does not do
+    "unregister_kv_caches": "sleep mode: supports_sleep_mode is False (registered NIXL memory does not follow "
+                            "the remap), so vLLM does not sleep an engine with p2pkv",
+    "restore_kv_caches": "sleep mode, as unregister_kv_caches",
+    "get_mem_pool_context": "the engine's default memory pool: NIXL registers the KV tensors vLLM allocates",
+    "set_host_xfer_buffer_ops": "no host staging buffer: NIXL moves the KV tensors where they are",
+    "finish_forward": "no work waits for the model to stop reading a step's KV (streams end in wait_for_save)",
+    "reset_capture_state": "the base's no-op: p2pkv's worker hooks record nothing while CUDA graphs are "
+                           "captured (not checked on a GPU)",
+    "handle_preemptions": "no asynchronous saves: held blocks stay allocated until released, and a preempted "
+                          "stream is restarted from SchedulerOutput.preempted_req_ids in build_connector_meta",
+    "get_kv_connector_kv_cache_events": "p2pkv adds nothing to a prefix cache: no KV cache events",
+    "take_events": "p2pkv adds nothing to a prefix cache: no KV cache events",
+    "get_handshake_metadata": "p2pkv handshakes over its own side channel (the handshake package), not vLLM's",
+    "set_xfer_handshake_metadata": "as get_handshake_metadata",
+    "set_xfer_handshake_metadata_pp_aware": "as get_handshake_metadata (the base refuses pipeline-parallel "
+                                            "metadata; p2pkv moves KV between TP ranks only)",
+    "build_connector_worker_meta": "workers report through get_finished / get_transfer_results and stats only",
+    "get_finished_count": "the default (one report per worker of the engine): every worker reports each request",
+    "bind_gpu_block_pool": "no per-block state: a hold is a request's blocks that vLLM keeps allocated",
+    "get_loaded_kv_cache_group_ids": "the base's prefix-cacheable transfer groups: every group p2pkv moves for "
+                                     "the full, sliding-window, chunked-local, MLA and Mamba specs it is tested "
+                                     "with (a spec that is not prefix-cacheable, e.g. vLLM 0.33's "
+                                     "CircularBufferSpec, would have its loaded blocks zeroed; override it then, "
+                                     "returning transfer_group_ids as NixlConnector does)",
+    "get_external_cache_hit_sources": "one source for every loaded token (the base's default label)",
+    "register_finished_partial_tail": "no partial-tail offloads: a held request keeps all its blocks",
+    "has_pending_block_frees": "False: a hold ends when its decode engine pulls or its lease ends, not soon "
+                               "enough to stand in for a preemption",
+    "has_pending_push_work": "False: a stream's WRITEs are posted in the steps that compute its prompt (the "
+                             "last in wait_for_save), and its blocks stay held (request_finished) until the "
+                             "workers report them sent",
+    "requires_kv_delivery": "the base's default (a KV producer must deliver: a preempted held request is "
+                            "recomputed)",
+    "requires_piecewise_for_cudagraph": "the base's False; p2pkv is tested on CPU, without CUDA graphs",
+    "supports_divergent_local_hybrid_hits": "False: p2pkv moves a request's own blocks, it restores no "
+                                            "lagging recurrent state",
+    "reset_cache": "p2pkv keeps no cache of its own to reset",
+}
+"""Public hooks of vLLM's ``KVConnectorBase_V1`` (0.32 and 0.33) that p2pkv leaves to the base class, each with
+why. ``tests/test_vllm_release.py`` fails when a checked vLLM release has a hook p2pkv neither overrides nor
+lists here, or when an override's signature does not fit the release's."""
+
+
 class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     """Peer-to-peer KV pulls over NIXL for prefill/decode disaggregation.
 

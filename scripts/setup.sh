@@ -14,6 +14,32 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PY=.venv/bin/python
+
+# The vLLM release tests/test_vllm_release.py checks p2pkv against (pinned in scripts/vllm-release.txt): only
+# the Python files (and metadata) of its CUDA wheel, in .vllm-release/<version>/ (git-ignored), none of its
+# compiled extensions; the test runs them on the CPU torch installed below. Fetched once (seconds), kept until
+# the pin changes.
+release=$(head -n 1 scripts/vllm-release.txt)
+if [ ! -f ".vllm-release/$release/.complete" ]; then
+  echo "p2pkv setup: fetching vllm $release's Python files (for tests/test_vllm_release.py) ..."
+  mkdir -p .vllm-release
+  wheels=$(mktemp -d .vllm-release/download.XXXXXX)
+  $PY -m pip download -q --no-cache-dir --no-deps --only-binary=:all: --dest "$wheels" "vllm==$release"
+  $PY - "$wheels" ".vllm-release/$release" <<'PYTHON'
+import pathlib, shutil, sys, zipfile
+wheels, tree = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+(wheel,) = wheels.glob("vllm-*.whl")
+partial = tree.with_name(tree.name + ".partial")
+shutil.rmtree(partial, ignore_errors=True)
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(partial, [n for n in z.namelist() if n.endswith(".py") or ".dist-info/" in n])
+(partial / ".complete").write_text(wheel.name + "\n")
+shutil.rmtree(tree, ignore_errors=True)
+partial.rename(tree)
+PYTHON
+  rm -rf "$wheels"
+fi
+
 stamp=".venv/.p2pkv-setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   exit 0
