@@ -222,3 +222,29 @@ def test_a_failed_prefill_leg_ends_a_streamed_list_of_streamed_prompts_at_once()
     got = asyncio.run(asyncio.wait_for(run(), 10))
     assert isinstance(got, UpstreamError) and got.stage == "prefill", got
     assert time.monotonic() - start < 2.0 and proxy.stream.closed
+
+
+@pytest.mark.parametrize("first_events", [None, [json.dumps({"error": {"message": "Internal server error",
+                                                                      "code": 500}})]],
+                         ids=["no_event_yet", "first_event_its_failure"])
+def test_a_streamed_list_whose_prefill_engine_restarted_sends_each_decode_leg_again(first_events: Any) -> None:
+    """A list of prompts answered as one SSE stream, its prefill engine restarted since its address was learned:
+    each prompt's decode leg goes again with the new process's params (before the first decode stream's first
+    event, or after that event was its failure), the client gets every prompt's answer, and no hold those legs
+    load is freed."""
+    proxy = Faulty("restarted", first_events=first_events)
+
+    async def run() -> list[Any]:
+        async with _client(proxy) as client:
+            batch = Batch(proxy, client, "/v1/completions", {}, {}, max_fanout=2)
+            resp = await batch.stream([{**BODY, "prompt": "a", "stream": True},
+                                       {**BODY, "prompt": "b", "stream": True}])
+            raw = b"".join([chunk async for chunk in resp.body_iterator])
+        return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+                for line in raw.decode().splitlines() if line.startswith("data: ")]
+
+    events = asyncio.run(asyncio.wait_for(run(), 10))
+    texts = sorted(c["text"] for e in events if e != "[DONE]" for c in e["choices"] if c.get("text"))
+    assert texts == ["again", "again"] and not any("error" in e for e in events if e != "[DONE]"), events
+    assert [GRANT_KEY in d["kv_transfer_params"] for d in proxy.decodes].count(False) == 2, proxy.decodes
+    assert proxy.stream.closed and proxy.released == [], "a hold the legs sent again load was freed"

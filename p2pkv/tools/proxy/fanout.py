@@ -20,7 +20,9 @@ started, a failed pair becomes an error event in it and the other prompts go on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -35,13 +37,17 @@ from p2pkv.tools.proxy.stream import StreamLegs
 from p2pkv.tools.proxy.stream_faults import (
     PrefillEnd,
     Recovery,
+    answer_params,
     cancel,
+    is_error_event,
     prefill_end,
     prefill_error,
     relay_again,
     whole_decode,
 )
 from p2pkv.tools.proxy.upstream import UpstreamError
+
+logger = logging.getLogger("p2pkv.proxy")
 
 
 class Legs(Protocol):
@@ -206,7 +212,7 @@ class Batch:
                 try:
                     if self.stop.is_set():
                         return
-                    failed, events = await self._prefill_failed_first(params, sse_events(resp.aiter_raw()))
+                    failed, events, resp = await self._opening(body, params, resp)
                     if failed is not None:
                         if not self.opened:
                             self.stop.set()
@@ -235,22 +241,59 @@ class Batch:
                 span.end()
             queue.put_nowait(_DONE)
 
-    async def _prefill_failed_first(self, params: dict[str, Any], events: AsyncIterator[str]
-                                    ) -> tuple[UpstreamError | None, AsyncIterator[str]]:
-        """``(error, events)``: a streamed prompt's prefill leg's error when that leg failed before its decode
-        stream's first event (the caller then closes the decode stream: its engine gives the stream up), else
-        None; and the decode stream's events (its first, if it came, included)."""
+    async def _opening(self, body: dict[str, Any], params: dict[str, Any], resp: httpx.Response
+                       ) -> tuple[UpstreamError | None, AsyncIterator[str], httpx.Response]:
+        """``(error, events, resp)`` for prompt ``body``'s decode stream ``resp`` (its leg carries ``params``),
+        with what a streamed prompt's prefill leg says acted on (:mod:`p2pkv.tools.proxy.stream_faults`) before
+        its first event reaches the client:
+
+        * the prefill leg failed first: its error (the caller closes the decode stream: its engine gives the
+          stream up);
+        * it answered for another engine id or without a hold (the prefill engine restarted: no stream will
+          come), before the decode stream's first event or with that event an error it explains: the first
+          decode stream closed, the prompt's decode leg sent again with the answer's params (a push, or
+          computed on the decode engine), and that stream's events and response;
+        * else None, and the decode stream's events (its first, if it came, included) and ``resp``.
+
+        The decode leg sent again failing or refused is an error too.
+        """
+        events = sse_events(resp.aiter_raw())
         streams = self.proxy.streams
         prefill_leg = streams.prefill_leg(params) if streams is not None else None
-        if prefill_leg is None:
-            return None, events
+        if streams is None or prefill_leg is None:
+            return None, events, resp
         rest = events.__aiter__()
         first = asyncio.ensure_future(rest.__anext__())
         await asyncio.wait({first, prefill_leg}, return_when=asyncio.FIRST_COMPLETED)
-        if not first.done() and prefill_end(params, prefill_leg) is PrefillEnd.FAILED:
+        if first.done():
+            if first.cancelled() or first.exception() is not None or not is_error_event(first.result()):
+                return None, _after(first, rest), resp
+            with contextlib.suppress(Exception):  # an error the prefill leg's answer may explain
+                await asyncio.wait_for(asyncio.shield(prefill_leg), self.proxy.timeout_s)
+            if prefill_end(params, prefill_leg) is not PrefillEnd.ELSEWHERE:
+                return None, _after(first, rest), resp
+        end = prefill_end(params, prefill_leg)
+        if end is PrefillEnd.FAILED:
             await cancel(first)
-            return prefill_error(prefill_leg), rest
-        return None, _after(first, rest)
+            return prefill_error(prefill_leg), rest, resp
+        if end is not PrefillEnd.ELSEWHERE:
+            return None, _after(first, rest), resp
+        streams.claim(params)  # before the close: the first decode leg's end must not free this hold
+        await cancel(first)
+        await resp.aclose()
+        again = answer_params(prefill_leg)
+        logger.warning("p2pkv proxy: the prefill engine answered for engine %s, not the grant's %s, or without a "
+                       "hold; a prompt of the batch goes to its decode engine again with those params",
+                       again.get("remote_engine_id"), params.get("remote_engine_id"))
+        try:
+            opened = await self._decode(body, again, None)
+        except UpstreamError as exc:  # its hold freed by _decode
+            return exc, rest, resp
+        if not isinstance(opened, httpx.Response):  # a 4xx answer, passed through by run_decode
+            await self.proxy.release([again])
+            return UpstreamError(502, f"the decode engine refused the prompt sent again (HTTP {opened.status_code})",
+                                 "decode", ""), rest, resp
+        return None, sse_events(opened.aiter_raw()), opened
 
     async def stream(self, bodies: list[dict[str, Any]]) -> Response:
         """Every prompt's decode stream merged into one (see :class:`StreamMerger`), pairs bounded.
