@@ -174,7 +174,7 @@ class ConnectionLimits:
         now = time.monotonic()
         if now - self._warned_at >= _WARN_EVERY_S:
             logger.warning("side channel: cut %d connection(s) over its limits (%d connected at most, %d of them "
-                           "before their handshake; side_channel_max_connections, side_channel_max_handshakes)",
+                           "before their handshake; MAX_CONNECTIONS, MAX_HANDSHAKES in handshake.connections)",
                            self._unreported, self.max_connections, self.max_handshakes)
             self._warned_at, self._unreported = now, 0
         return 1

@@ -38,7 +38,9 @@ DEFAULT_WINDOW_S = 30.0
 the proxy must agree to well within this (NTP keeps them within milliseconds)."""
 
 DEFAULT_FUTURE_SKEW_S = 5.0
-"""How far (seconds) a request's ``sent_at`` may lie ahead of the server's clock."""
+"""How far (seconds) a request's ``sent_at`` may lie ahead of the server's clock (a peer's clock running fast):
+NTP keeps honest clocks within milliseconds, and refusing requests dated further ahead keeps a flood of them (a
+fast clock, or a secret holder) from making honest requests stale (docs/security.md, tests/test_replay.py)."""
 
 DEFAULT_CAPACITY = 1 << 17
 """Nonces remembered at most (about 100 bytes each: ~13 MiB), i.e. 4,000 requests a second over 30 s."""

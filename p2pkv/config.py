@@ -4,7 +4,8 @@ Every key of ``kv_connector_extra_config`` must be a field of
 :class:`P2pKvConfig`; an unknown key or a value of the wrong type is refused
 with a :class:`ConfigError` that names the key and the fix. Environment
 variables ``P2PKV_<FIELD>`` (upper case) override the defaults; the extra
-config overrides the environment.
+config overrides the environment. A setting p2pkv no longer has is refused with the
+error naming what replaced it (:data:`REMOVED`).
 """
 
 from __future__ import annotations
@@ -48,11 +49,13 @@ MIN_SECRET_BYTES = 16
 MAX_STREAM_TIMEOUT_S = 3600.0
 """The longest ``stream_timeout_s`` (seconds): the most a side-channel stream request's ``window_s`` may say."""
 
-MAX_LINK_SHARE = 100.0
-"""The largest ``stream_min_link_share`` (a layer's link time over its forward time)."""
-
 DEFAULT_LEASE_S = 120.0
 """``lease_s``'s default (seconds)."""
+
+HEARTBEATS_PER_LEASE = 4
+"""A decode engine asks the prefill engines to extend the leases of the requests still queued on it every
+``lease_s`` / this (30 s at the default lease): a lease survives three lost heartbeats in a row, and a queued
+request costs its prefill rank one id in a batch per interval (docs/reliability.md)."""
 
 LIFETIME_LEASES = 4
 """How many ``lease_s`` a capability's or stream grant's expiry may lie ahead of the receiving engine's clock
@@ -92,24 +95,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             IP), never loopback unless that is all there is.
         side_channel_port: base TCP port of the side channel; tp_rank ``r``
             of data-parallel rank ``d`` listens on ``port + d * tp_size + r``.
-        side_channel_max_connections: most peers connected to one rank's
-            side channel at once; newer connections are cut. A prefill rank
-            holds one long-lived connection per decode rank that reads from
-            it and a few short-lived ones (docs/security.md).
-        side_channel_max_handshakes: most connections to one rank's side
-            channel at once that are not past their CURVE HELLO (what a peer
-            without the secret never gets past); the oldest are cut. Each
-            costs at most one 256 KiB frame.
-        side_channel_stall_s: seconds a rank's side-channel loop may go
-            without a turn (it answers every fence question, heartbeat and
-            push request) before a WARNING with every thread's stack is
-            logged, once per stall; 0 turns the watchdog off.
         lease_s: seconds a prefill engine holds a finished request's blocks
             for a decode engine to pull them before releasing them anyway.
-        heartbeat_interval_s: how often (seconds) a decode engine asks the
-            prefill engines to extend the leases of requests still queued
-            here; 0 turns heartbeats off; unset means ``lease_s / 4``. Must
-            be below ``lease_s``.
         role: what this engine does: ``prefill`` (holds blocks for decode
             engines), ``decode`` (loads from prefill engines; holds nothing for
             anyone: ``do_remote_decode`` is answered without a hold) or
@@ -121,9 +108,6 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             is answered without a hold (the decode engine prefills it).
         handshake_timeout_s: seconds one side-channel request may take.
         handshake_retries: side-channel attempts before a pull is failed.
-        max_clock_skew_s: how far (seconds) a side-channel request's ``sent_at``
-            may lie ahead of this engine's clock before it is refused as stale
-            (a peer's clock running fast); requests up to 30 s old are accepted.
         transfer_timeout_s: seconds a NIXL READ may stay in flight before
             its blocks are reported as load errors.
         secret: shared secret: every side-channel message is HMAC-SHA256
@@ -145,61 +129,14 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (layer-compact, what vLLM's NixlConnector asks for), or
             ``"auto"`` (ask for nothing).
         nixl_backends: NIXL backends to create (``["UCX"]``).
-        nixl_progress_thread: run NIXL's progress thread (one core busy per
-            agent; lower latency on idle engines).
         nixl_num_threads: worker threads of the backends (0: NIXL default,
             none). With UCX, a thread pool of this size moves each READ,
-            split into pieces of ``nixl_split_mib`` (on one host with
+            split into pieces of :data:`p2pkv.worker.READ_SPLIT_MIB` (on one host with
             ``cma``, 2 threads READ about 1.3× faster than one where two
             cores are free: ``docs/benchmarks/transfer-cpu.md``); the threads
             spin while a READ is in flight and sleep otherwise.
-        nixl_split_mib: with ``nixl_num_threads`` > 0, READ descriptors are
-            cut into pieces of at most this many MiB so the thread pool
-            shares one READ; 0: never.
-        ucx_error_handling_mode: UCX endpoint error handling, ``"peer"``
-            (detects dead peers; NIXL's default) or ``"none"`` (lets UCX use
-            shared-memory transports; a dead peer is then noticed only by
-            timeouts); ``""`` keeps NIXL's default.
-        ucx_num_workers: UCX workers per agent (0: NIXL default).
-        report_transport: learn from UCX's own protocol selection which
-            transport moves each peer's READs, log it at the first READ
-            from the peer (under ``auto`` the probe's; a warning naming the
-            fix when GPU memory goes over TCP) and count it in
-            ``p2pkv:peer_transport_total``; UCX then also prints each READ
-            protocol table on its log stream. Off, ``auto`` always pulls.
         stats_file: when set, every finished pull appends one JSON line
             (request id, peer, bytes, descriptors, seconds) to this file.
-        pull_poll_interval_s: seconds between two polls of a decode worker's
-            READs in flight by its pulls' thread, between engine steps (see
-            :mod:`p2pkv.decode.progress`); 0: no thread, pulls advance only
-            when vLLM steps the engine.
-        switch_interval_s: Python's thread switch interval (seconds) the
-            worker process sets (``sys.setswitchinterval``, only ever lowered),
-            so the side-channel server and the pulls' threads get the
-            interpreter within it while vLLM's engine thread runs Python
-            (Python's default, 5 ms, made each side-channel answer wait up to
-            several times that on a busy engine); 0 leaves it unchanged.
-        idle_wait_s: longest time (seconds) a worker waits, at the end of an
-            engine step that scheduled no tokens, for a pull to finish
-            while pulls or holds are pending. vLLM steps such an engine
-            back to back only to poll transfers, which keeps a core (two
-            processes) busy for as long as a pull runs or a prefill
-            request's blocks are held; the wait ends at once when a pull
-            finishes. A request arriving meanwhile waits up to this long.
-            0: no wait (vLLM's busy stepping).
-        stream_idle_wait_s: ``idle_wait_s`` while every pull under way is a
-            layer stream waiting for its prefill (which lasts the prefill's
-            forward): the pulls' thread ends the wait as soon as a stream
-            lands, so it adds nothing to a stream; a request arriving
-            meanwhile at an otherwise idle engine waits up to this long.
-        stream_poll_interval_s: ``pull_poll_interval_s`` while every pull under
-            way is a layer stream waiting for its prefill, at first (seconds);
-            the interval then grows to 1 % of the youngest stream's wait so far,
-            at most 10 ms (:func:`p2pkv.decode.transfer.stream_poll_interval`):
-            a stream's final notification is seen at most that late. Polling
-            such a wait as fast as a READ, with the idle steps, kept 0.55-0.65
-            of a core busy for the prefill's whole forward on a 2-core CPU host
-            that ran both engines (docs/streaming.md).
         stream_timeout_s: decode side: seconds a layer-streamed load may wait
             for its prefill's final notification, counted from its stream
             request (the prefill's queue, its whole forward and the last
@@ -214,35 +151,13 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             prompts cost more than it hid. -1: as measured for the cache's
             kind (:data:`p2pkv.prefill.streams.MEASURED_MIN_TOKENS`: 128
             tokens for a per-layer cache, 512 for a cross-layer one,
-            docs/benchmarks/stream-threshold-cpu.md); 0: every one streams.
-        stream_min_link_share: prefill side, the link rule: a layer-streamed
-            request goes as one WRITE after its prefill's last layer when
-            its decode rank's link (measured from earlier streams to it)
-            moves one layer's bytes in less than this share of the time the
-            forward takes to compute that layer (measured from the layers'
-            ``save_kv_layer`` times): there is next to nothing to hide, and
-            a WRITE per layer costs CPU beside the forward. 0: every request
-            streams layer by layer. Until both speeds are measured, and on
-            GPUs (the forward's time is not measured there), requests
-            stream layer by layer (:mod:`p2pkv.prefill.stream_measures`,
-            docs/streaming.md).
+            docs/benchmarks/stream-threshold-cpu.md); 0: every request streams
+            layer by layer, the link rule
+            (:data:`p2pkv.prefill.stream_measures.MIN_LINK_SHARE`) off too.
         staging_mib: staging memory (MiB, on the KV cache's device) a
             decode worker allocates, on its first pull from a peer with
             another block size, HND/NHD order or TP size, to receive whole
             remote blocks before the fixup; pulls wait when it is full.
-        max_peers: most prefill ranks a decode worker keeps (handshaken,
-            or being handshaken) at once. When a pull needs more, the least
-            recently used ones no pull needs are dropped (their NIXL remote
-            agent and fence connection); when none can be, the pull is
-            refused (``kind=refused``). At least the largest prefill TP size
-            a single request names (one peer per prefill rank).
-        peer_idle_s: a prefill rank no pull has used for this long
-            (seconds) is dropped; the next pull from it handshakes again.
-        otlp_traces_endpoint: OTLP/HTTP URL the engine's p2pkv spans (holds,
-            pulls and their phases) are exported to, e.g.
-            ``http://collector:4318/v1/traces``; ``""`` falls back to
-            ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``,
-            and without those tracing is off (``docs/tracing.md``).
         transfer_mode: who moves a pull's bytes (decode side; ``docs/push.md``):
             ``pull`` (this decode engine READs from the prefill engine),
             ``push`` (it asks the prefill rank to WRITE into its blocks), or
@@ -253,20 +168,6 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             layer-streamed: the prefill rank WRITEs each layer as its forward
             computes it; one without a grant is pushed; ``docs/streaming.md``).
             A request's ``kv_transfer_params.p2pkv_transfer_mode`` wins.
-        push_max_in_flight: a prefill rank posts at most this many WRITEs at
-            once for one decode rank (others wait, decode ranks served in turn).
-        push_max_queued: WRITEs a prefill rank lets wait for one decode rank;
-            past it a push request is answered ``busy`` (the pull fails and
-            vLLM recomputes per ``kv_load_failure_policy``).
-        push_max_agents: most decode ranks a prefill rank keeps loaded for
-            push (a NIXL remote agent and its WRITE queue each). A new decode
-            rank past it takes the place of the least recently used one with
-            no WRITE queued or in flight; when every one has, its push
-            request is answered ``busy``.
-        push_agent_idle_s: a decode rank with no WRITE queued or in flight
-            for this long (seconds) is unloaded from the prefill rank (its
-            next push request loads it again); one whose WRITE failed is
-            unloaded as soon as it has none.
         transfer_cpus: CPU cores (a ``taskset`` list: ``"6,7"``, ``"6-7"``)
             for p2pkv's transfer threads (stream poster, push thread, pulls
             thread); empty: they keep the affinity they inherit from the
@@ -276,46 +177,23 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     side_channel_host: str = ""
     side_channel_port: int = 5600
-    side_channel_max_connections: int = 1024
-    side_channel_max_handshakes: int = 64
-    side_channel_stall_s: float = 5.0
     lease_s: float = DEFAULT_LEASE_S
-    heartbeat_interval_s: float | None = None
     role: Literal["prefill", "decode", "both", ""] = ""
     max_held_fraction: float = 0.5
     handshake_timeout_s: float = 5.0
     handshake_retries: int = 3
-    max_clock_skew_s: float = 5.0
     transfer_timeout_s: float = 60.0
     secret: str = ""
     secret_file: str = ""
     insecure: bool = False
     kv_layout: Literal["BLHNC", "LBHNC", "auto"] = "BLHNC"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
-    nixl_progress_thread: bool = False
     nixl_num_threads: int = 0
-    nixl_split_mib: float = 4.0
-    ucx_error_handling_mode: Literal["", "peer", "none"] = ""
-    ucx_num_workers: int = 0
-    report_transport: bool = True
     stats_file: str = ""
     staging_mib: float = 256.0
-    pull_poll_interval_s: float = 0.0002
-    switch_interval_s: float = 0.0005
-    idle_wait_s: float = 0.002
-    stream_idle_wait_s: float = 0.02
-    stream_poll_interval_s: float = 0.001
     stream_min_tokens: int = -1
-    stream_min_link_share: float = 0.1
     stream_timeout_s: float = 0.0
-    max_peers: int = 256
-    peer_idle_s: float = 600.0
-    otlp_traces_endpoint: str = ""
     transfer_mode: Literal["pull", "push", "auto", "stream"] = "auto"
-    push_max_in_flight: int = 4
-    push_max_queued: int = 256
-    push_max_agents: int = 256
-    push_agent_idle_s: float = 60.0
     transfer_cpus: str = ""
 
     def secret_bytes(self) -> bytes | None:
@@ -355,8 +233,9 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def heartbeat_every_s(self) -> float:
-        """The heartbeat period in force (seconds; 0 = off)."""
-        return self.lease_s / 4 if self.heartbeat_interval_s is None else self.heartbeat_interval_s
+        """How often (seconds) a decode engine extends the leases of its queued requests: ``lease_s`` /
+        :data:`HEARTBEATS_PER_LEASE`."""
+        return self.lease_s / HEARTBEATS_PER_LEASE
 
     @property
     def max_lifetime_s(self) -> float:
@@ -371,15 +250,6 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """How long a layer-streamed load may wait for its prefill (seconds): ``stream_timeout_s``, or
         ``transfer_timeout_s`` when that is 0."""
         return self.stream_timeout_s or self.transfer_timeout_s
-
-    def backend_params(self) -> dict[str, dict[str, str]]:
-        """NIXL backend init parameters these settings ask for."""
-        ucx: dict[str, str] = {}
-        if self.ucx_error_handling_mode:
-            ucx["ucx_error_handling_mode"] = self.ucx_error_handling_mode
-        if self.ucx_num_workers > 0:
-            ucx["num_workers"] = str(self.ucx_num_workers)
-        return {"UCX": ucx} if ucx else {}
 
     def __post_init__(self) -> None:
         _check_settings(self)
@@ -399,42 +269,17 @@ def _check_settings(config: P2pKvConfig) -> None:
             f"side_channel_port={config.side_channel_port} is not a TCP port; "
             "use 1..65535 in kv_connector_extra_config or P2PKV_SIDE_CHANNEL_PORT"
         )
-    if not 1 <= config.side_channel_max_handshakes <= config.side_channel_max_connections <= 65536:
-        raise ConfigError(
-            f"need 1 <= side_channel_max_handshakes ({config.side_channel_max_handshakes}) <= "
-            f"side_channel_max_connections ({config.side_channel_max_connections}) <= 65536 (connections)")
-    if config.side_channel_stall_s < 0:
-        raise ConfigError(f"side_channel_stall_s must be >= 0 seconds (0: off), got {config.side_channel_stall_s}")
     for name in ("lease_s", "handshake_timeout_s", "transfer_timeout_s"):
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name} must be > 0 seconds, got {getattr(config, name)}")
     if not 0 < config.max_held_fraction <= 1:
         raise ConfigError(f"max_held_fraction must be in (0, 1] (a share of the KV cache's blocks), got "
                           f"{config.max_held_fraction}")
-    if not 0 <= config.max_clock_skew_s <= 30:
-        raise ConfigError(f"max_clock_skew_s must be 0 .. 30 seconds, got {config.max_clock_skew_s}")
-    if config.heartbeat_interval_s is not None and not 0 <= config.heartbeat_interval_s < config.lease_s:
-        raise ConfigError(
-            f"heartbeat_interval_s={config.heartbeat_interval_s} must be >= 0 and below "
-            f"lease_s={config.lease_s} (0 turns heartbeats off)"
-        )
-    if not 0 <= config.pull_poll_interval_s <= 1:
-        raise ConfigError(f"pull_poll_interval_s must be 0 (no thread) .. 1 s, got {config.pull_poll_interval_s}")
-    if config.nixl_num_threads < 0 or config.nixl_split_mib < 0:
-        raise ConfigError(f"nixl_num_threads ({config.nixl_num_threads}) and nixl_split_mib "
-                          f"({config.nixl_split_mib}) must be >= 0")
-    if not 0 <= config.switch_interval_s <= 0.1:
-        raise ConfigError(f"switch_interval_s must be 0 (unchanged) .. 0.1 s, got {config.switch_interval_s}")
-    if not 0 <= config.idle_wait_s <= 0.1:
-        raise ConfigError(f"idle_wait_s must be 0 (no wait) .. 0.1 s, got {config.idle_wait_s}")
-    if not 0 <= config.stream_idle_wait_s <= 0.1:
-        raise ConfigError(f"stream_idle_wait_s must be 0 (no wait) .. 0.1 s, got {config.stream_idle_wait_s}")
+    if config.nixl_num_threads < 0:
+        raise ConfigError(f"nixl_num_threads must be >= 0 (0: NIXL's default), got {config.nixl_num_threads}")
     if not -1 <= config.stream_min_tokens < 1 << 31:
         raise ConfigError("stream_min_tokens must be a whole number of tokens >= 0 (-1: as measured for the "
                           f"cache's kind), got {config.stream_min_tokens!r}")
-    if not 0 <= config.stream_min_link_share <= MAX_LINK_SHARE:
-        raise ConfigError(f"stream_min_link_share must be 0 (every request streams layer by layer) .. "
-                          f"{MAX_LINK_SHARE:g}, got {config.stream_min_link_share!r}")
     if not 0 <= config.stream_timeout_s <= MAX_STREAM_TIMEOUT_S:
         raise ConfigError(f"stream_timeout_s must be 0 (transfer_timeout_s) .. {MAX_STREAM_TIMEOUT_S:g} seconds, got "
                           f"{config.stream_timeout_s}")
@@ -442,27 +287,67 @@ def _check_settings(config: P2pKvConfig) -> None:
         parse_cpus(config.transfer_cpus)
     except ValueError as exc:
         raise ConfigError(f"transfer_cpus={config.transfer_cpus!r}: {exc}") from exc
-    if not 0 < config.stream_poll_interval_s <= 0.01:
-        raise ConfigError(f"stream_poll_interval_s must be above 0 .. 0.01 s, got {config.stream_poll_interval_s}")
     if config.staging_mib < 0.0625:
         raise ConfigError(f"staging_mib must be >= 0.0625 (MiB, 64 KiB), got {config.staging_mib}")
     if config.handshake_retries < 1:
         raise ConfigError(f"handshake_retries must be >= 1, got {config.handshake_retries}")
     if not config.nixl_backends:
         raise ConfigError('nixl_backends must name at least one backend, e.g. ["UCX"]')
-    if not 1 <= config.max_peers <= 65536:
-        raise ConfigError(f"max_peers must be 1..65536 (prefill ranks), got {config.max_peers}")
-    if config.peer_idle_s <= 0:
-        raise ConfigError(f"peer_idle_s must be > 0 seconds, got {config.peer_idle_s}")
-    if not 1 <= config.push_max_in_flight <= 1024:
-        raise ConfigError(f"push_max_in_flight must be 1..1024 (WRITEs per decode rank), got "
-                          f"{config.push_max_in_flight}")
-    if not 1 <= config.push_max_queued <= 65536:
-        raise ConfigError(f"push_max_queued must be 1..65536 (WRITEs per decode rank), got {config.push_max_queued}")
-    if not 1 <= config.push_max_agents <= 65536:
-        raise ConfigError(f"push_max_agents must be 1..65536 (decode ranks), got {config.push_max_agents}")
-    if config.push_agent_idle_s <= 0:
-        raise ConfigError(f"push_agent_idle_s must be > 0 seconds, got {config.push_agent_idle_s}")
+
+
+REMOVED: dict[str, str] = {
+    "side_channel_max_connections": "a rank's side channel keeps at most 1024 connections, a constant "
+                                    "(handshake.connections.MAX_CONNECTIONS)",
+    "side_channel_max_handshakes": "at most 64 connections not past their CURVE HELLO, a constant "
+                                   "(handshake.connections.MAX_HANDSHAKES)",
+    "side_channel_stall_s": "the side-channel watchdog warns after 5 s without a turn, a constant "
+                            "(p2pkv.worker.SIDE_CHANNEL_STALL_S)",
+    "heartbeat_interval_s": "heartbeats go every lease_s / 4 (p2pkv.config.HEARTBEATS_PER_LEASE); set lease_s",
+    "max_clock_skew_s": "a side-channel request may be dated at most 5 s ahead, a constant "
+                        "(handshake.replay.DEFAULT_FUTURE_SKEW_S)",
+    "nixl_progress_thread": "NIXL's progress thread is always off (p2pkv.worker.NIXL_PROGRESS_THREAD)",
+    "nixl_split_mib": "READs are cut into 4 MiB pieces for nixl_num_threads, a constant "
+                      "(p2pkv.worker.READ_SPLIT_MIB)",
+    "ucx_num_workers": "UCX keeps NIXL's default number of workers",
+    "ucx_error_handling_mode": "UCX keeps NIXL's default error handling (peer: a dead peer is detected)",
+    "report_transport": "the transport of each peer's READs is always reported (docs/transport.md)",
+    "pull_poll_interval_s": "the pulls' thread polls every 0.2 ms, a constant (p2pkv.decode.progress.INTERVAL_S)",
+    "switch_interval_s": "the worker lowers Python's switch interval to 0.5 ms, a constant "
+                         "(p2pkv.worker.SWITCH_INTERVAL_S)",
+    "idle_wait_s": "the wait is now a constant (p2pkv.worker.IDLE_WAIT_S, 2 ms)",
+    "stream_idle_wait_s": "the wait is now a constant (p2pkv.worker.STREAM_IDLE_WAIT_S, 20 ms)",
+    "stream_poll_interval_s": "a stream wait is polled from 1 ms, a constant "
+                              "(p2pkv.decode.transfer.STREAM_POLL_MIN_S)",
+    "stream_min_link_share": "the link rule's share is a constant 0.1 "
+                             "(p2pkv.prefill.stream_measures.MIN_LINK_SHARE); stream_min_tokens 0 turns it off",
+    "max_peers": "a decode worker keeps at most 256 prefill ranks, a constant (p2pkv.decode.keeper.MAX_PEERS)",
+    "peer_idle_s": "a prefill rank unused for 600 s is dropped, a constant (p2pkv.decode.keeper.PEER_IDLE_S)",
+    "otlp_traces_endpoint": "set OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (or OTEL_EXPORTER_OTLP_ENDPOINT) in the "
+                            "engine's environment instead",
+    "push_max_in_flight": "a prefill rank posts at most 4 WRITEs at once per decode rank, a constant "
+                          "(p2pkv.prefill.pusher.MAX_IN_FLIGHT)",
+    "push_max_queued": "at most 256 WRITEs wait per decode rank, a constant (p2pkv.prefill.pusher.MAX_QUEUED)",
+    "push_max_agents": "a prefill rank keeps at most 256 decode ranks loaded for push, a constant "
+                       "(p2pkv.prefill.pusher.MAX_AGENTS)",
+    "push_agent_idle_s": "a decode rank with nothing to push is unloaded after 60 s, a constant "
+                         "(p2pkv.prefill.pusher.AGENT_IDLE_S)",
+}
+"""Settings p2pkv no longer has → what replaced each. Given one (a ``kv_connector_extra_config`` key or a
+``P2PKV_<KEY>`` variable), :func:`load_config` refuses to start with a :class:`ConfigError` naming it and this."""
+
+
+def _check_removed(extra_config: dict[str, Any], environ: dict[str, str]) -> None:
+    """Refuse a removed setting (:data:`REMOVED`), in ``extra_config`` or as ``P2PKV_<KEY>`` in ``environ``.
+
+    Raises:
+        ConfigError: the first one found, naming it, where it came from and its replacement.
+    """
+    for key, replacement in REMOVED.items():
+        variable = f"P2PKV_{key.upper()}"
+        if key in extra_config:
+            raise ConfigError(f"`{key}` was removed: {replacement}; remove the key from kv_connector_extra_config")
+        if variable in environ:
+            raise ConfigError(f"`{key}` was removed: {replacement}; unset {variable} in the environment")
 
 
 def _from_env(environ: dict[str, str]) -> dict[str, Any]:
@@ -491,12 +376,13 @@ def load_config(
         The validated :class:`P2pKvConfig`.
 
     Raises:
-        ConfigError: an unknown key, a value of the wrong type or out of range,
-            or a non-empty ``secret`` in ``extra_config`` (vLLM prints the
+        ConfigError: an unknown key, a removed one (:data:`REMOVED`, in either place), a value of the
+            wrong type or out of range, or a non-empty ``secret`` in ``extra_config`` (vLLM prints the
             extra config in its log, and it is on the engine's command line);
             the message names the key.
     """
     environ = dict(os.environ) if environ is None else environ
+    _check_removed(extra_config or {}, environ)
     merged: dict[str, Any] = _from_env(environ)
     for key, value in (extra_config or {}).items():
         if key not in _FIELDS:

@@ -108,7 +108,7 @@ class P2pKvMetadata:
             could not set up: reported finished, its blocks as load errors.
         idle: the step scheduled no tokens (vLLM steps only to poll
             transfers); the workers may wait a little for one to finish
-            (``idle_wait_s``).
+            (:data:`p2pkv.worker.IDLE_WAIT_S`).
         send_traces: prefill request id → (the W3C trace context of its
             prefill leg, when its hold began in nanoseconds since the epoch),
             for requests whose hold is traced (empty with tracing off).

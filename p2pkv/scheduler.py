@@ -88,7 +88,7 @@ class SchedulerSide:
         self.config = config
         self.role = role
         secret = config.secret_bytes()  # signs the params this engine hands out, checks those it gets
-        tracing = bool(traces_endpoint(config.otlp_traces_endpoint))
+        tracing = bool(traces_endpoint())
         self.decode = DecodeScheduling(engine_id, config, block_size, secret, recompute_tokens, kv_groups,
                                        max_blocks, tracing)
         self.prefill = PrefillScheduling(engine_id, config, role, side_channel_host, side_channel_port, tp_size,

@@ -37,6 +37,7 @@ from p2pkv.notification import parse_done
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.spans import emit_hold_span
+from p2pkv.prefill.stream_measures import MIN_LINK_SHARE
 from p2pkv.prefill.stream_requests import stream_side
 from p2pkv.prefill.streamer import StreamSide
 from p2pkv.prefill.streams import PrefillStreams, layer_indices
@@ -45,6 +46,44 @@ from p2pkv.telemetry.tracing import Tracing, traces_endpoint
 from p2pkv.transfer_threads import parse_cpus, start_transfer_thread
 
 logger = logging.getLogger("p2pkv.worker")
+
+SWITCH_INTERVAL_S = 0.0005
+"""Python's thread switch interval (seconds) a registered worker lowers its process to (``sys.setswitchinterval``,
+never raised), so the side-channel server and the pulls' thread get the interpreter within it while vLLM's
+engine thread runs Python. At Python's default, 5 ms, a fence question to a busy worker over one long-lived
+connection took 5.7 ms at p50 and 11.6 ms at p90; at 0.5 ms, 0.22 and 0.82 ms
+(docs/benchmarks/handover.md, "Fence round trip against a busy worker")."""
+
+IDLE_WAIT_S = 0.002
+"""Longest time (seconds) a worker waits, at the end of an engine step that scheduled no tokens, for a pull to
+finish while pulls or holds are pending: vLLM steps such an engine back to back only to poll transfers, which
+kept a core busy for as long as a pull ran or blocks were held. The wait ends at once when a pull finishes; a
+request arriving meanwhile waits up to this long. At concurrency 4 the same 48 requests took half the time with
+it and TTFT p50 fell 1.7-3.4x; at concurrency 1 nothing changed (docs/benchmarks/handover.md, "Idle engine steps
+wait for the pull")."""
+
+STREAM_IDLE_WAIT_S = 0.02
+""":data:`IDLE_WAIT_S` while every pull under way is a layer stream waiting for its prefill (a wait as long as the
+prefill's forward): the pulls' thread ends it as soon as a stream lands, so it adds nothing to a stream; a
+request arriving meanwhile at an otherwise idle decode engine waits up to this long. With the stream poll pace
+(:data:`p2pkv.decode.transfer.STREAM_POLL_MIN_S`) it cut a waiting decode engine's CPU from 5.3-6.6 to 2.2-2.4
+CPU-s per 1k-token stream on a 2-core host (docs/streaming.md, docs/benchmarks/stream-serve-cpu.md)."""
+
+SIDE_CHANNEL_STALL_S = 5.0
+"""Seconds a rank's side-channel loop (it answers every fence question, heartbeat and push request) may go
+without a turn before a WARNING with every thread's stack is logged, once per stall: far above any turn of a
+healthy loop (a fence round trip is below a millisecond at p90, docs/benchmarks/handover.md) and at the
+default ``handshake_timeout_s``, past which a peer's request fails anyway."""
+
+NIXL_PROGRESS_THREAD = False
+"""NIXL's progress thread stays off: it keeps a core busy per agent, and for layer streams it did not remove
+the cost of posting WRITEs and made ``cuda_ipc`` streams slower (docs/streaming.md, "A poster thread, never the
+forward's"); p2pkv progresses transfers from its own threads."""
+
+READ_SPLIT_MIB = 4.0
+"""With ``nixl_num_threads`` > 0, READ descriptors are cut into pieces of at most this many MiB so NIXL's UCX
+thread pool shares one READ: 2 threads READ host memory about 1.3x faster than one where a core is free
+(docs/benchmarks/transfer-cpu.md, measured with 4 MiB pieces)."""
 
 
 class WorkerSide:
@@ -88,7 +127,7 @@ class WorkerSide:
         self.stats = StatsBuffer()
         self._closed = False
         self._idle = False  # this step scheduled no tokens
-        self._tracing = Tracing.get("p2pkv-prefill", traces_endpoint(config.otlp_traces_endpoint))
+        self._tracing = Tracing.get("p2pkv-prefill", traces_endpoint())
         self._hold_traces: dict[str, tuple[str, int, int]] = {}  # held id → (traceparent, start ns, blocks)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int,
@@ -110,8 +149,8 @@ class WorkerSide:
                 the attention pages.
             p2pkv.dataplane.agent.TransferError: NIXL could not register the memory.
         """
-        if 0 < self.config.switch_interval_s < sys.getswitchinterval():
-            sys.setswitchinterval(self.config.switch_interval_s)  # side-channel answers wait on the GIL otherwise
+        if 0 < SWITCH_INTERVAL_S < sys.getswitchinterval():
+            sys.setswitchinterval(SWITCH_INTERVAL_S)  # side-channel answers wait on the GIL otherwise
         tensors = {name: kv for name, kv in kv_caches.items() if name not in state_layers}
         if not tensors:
             raise LayoutError("no attention KV tensors to register: p2pkv moves SSM state inside attention pages only")
@@ -123,9 +162,8 @@ class WorkerSide:
                   for view in (kv if isinstance(kv, list | tuple) else [kv])]
         check_state_views(self.layout, states)
         self.agent = NixlTransferAgent(unique_agent_name(self.engine_id, self.tp_rank), self.config.nixl_backends,
-                                       self.config.nixl_progress_thread, self.config.nixl_num_threads,
-                                       self.config.backend_params(), self.config.report_transport,
-                                       int(self.config.nixl_split_mib * 2**20))
+                                       NIXL_PROGRESS_THREAD, self.config.nixl_num_threads,
+                                       split_bytes=int(READ_SPLIT_MIB * 2**20))
         self.agent.register(self.layout.regions, mem_type, device_id)
         self.agent.set_auto_push(self.config.transfer_mode == "auto")
         m = self.model
@@ -143,9 +181,6 @@ class WorkerSide:
         secret = self._secret
         cpus = parse_cpus(self.config.transfer_cpus)
         self.pusher = Pusher(self.agent, self.holds, self.layout, secret,
-                             max_in_flight=self.config.push_max_in_flight, max_queued=self.config.push_max_queued,
-                             max_agents=self.config.push_max_agents, agent_idle_s=self.config.push_agent_idle_s,
-                             poll_interval_s=self.config.pull_poll_interval_s or 0.0002,
                              on_start=lambda: start_transfer_thread(mem_type, device_id, cpus))
         try:
             source: StreamSide | str = stream_side(self.desc)
@@ -154,7 +189,7 @@ class WorkerSide:
         self.streams = PrefillStreams(self.engine_id, self.agent, self.holds, self.pusher, source,
                                       layer_indices(tensors), secret, on_gpu=mem_type == "VRAM",
                                       min_tokens=self.config.stream_min_tokens,
-                                      min_link_share=self.config.stream_min_link_share,
+                                      min_link_share=0.0 if self.config.stream_min_tokens == 0 else MIN_LINK_SHARE,
                                       group_of=layer_groups, state_groups=state_groups,
                                       on_start=lambda: start_transfer_thread(mem_type, device_id, cpus),
                                       max_lifetime_s=self.config.max_lifetime_s)
@@ -164,10 +199,7 @@ class WorkerSide:
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
                                       on_heartbeat=self.streams.on_heartbeat, on_release=self.streams.on_release,
                                       on_push=self.pusher.on_push, on_stream=self.streams.on_stream,
-                                      future_skew_s=self.config.max_clock_skew_s,
-                                      max_connections=self.config.side_channel_max_connections,
-                                      max_handshakes=self.config.side_channel_max_handshakes,
-                                      stall_s=self.config.side_channel_stall_s)
+                                      stall_s=SIDE_CHANNEL_STALL_S)
         self.server.set_info(info)
         self.server.start()
         logger.info("p2pkv: rank %d registered %d %s region(s), %d segment(s) per block (%s, %s pages), "
@@ -228,16 +260,16 @@ class WorkerSide:
         """``(finished_sending, finished_recving)`` request ids since the last call.
 
         After a step that scheduled no tokens, with nothing to report yet but
-        pulls or holds pending, first waits up to ``idle_wait_s`` for a pull to
-        end (``stream_idle_wait_s`` while every pull is a layer stream waiting
-        for its prefill; see :class:`p2pkv.config.P2pKvConfig`).
+        pulls or holds pending, first waits up to :data:`IDLE_WAIT_S` for a pull to
+        end (:data:`STREAM_IDLE_WAIT_S` while every pull is a layer stream waiting
+        for its prefill).
         """
         if self.agent is None or self.receiver is None:
             return set(), set()
         recving = self._step()
         sending = self._released()
         idle = self._idle and not recving and not sending and self._should_wait()
-        wait_s = self.config.stream_idle_wait_s if streams_only(self.receiver.transfers) else self.config.idle_wait_s
+        wait_s = STREAM_IDLE_WAIT_S if streams_only(self.receiver.transfers) else IDLE_WAIT_S
         if idle and self.receiver.outcomes.wait(wait_s):
             recving = self._step()
         return sending, recving
@@ -255,10 +287,10 @@ class WorkerSide:
     def _should_wait(self) -> bool:
         """Pulls or holds pending and a wait allowed: the pulls' thread advances pulls meanwhile."""
         assert self.receiver is not None
-        if self.config.idle_wait_s <= 0:
+        if IDLE_WAIT_S <= 0:
             return False
         if self.receiver.busy:
-            return self.config.pull_poll_interval_s > 0  # without the thread, pulls advance only in steps
+            return self.receiver.progress.threaded  # without the thread, pulls advance only in steps
         return self.holds.pending()
 
     def _released(self) -> set[str]:

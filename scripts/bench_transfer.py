@@ -21,8 +21,8 @@ same requests (same block ids, same bytes) four ways:
 * ``layer_coalesced``: ``LBHNC`` + coalescing: one descriptor per run per layer.
 * ``cross_layer_pool`` (``--pool-threads`` > 0, default 2): ``cross_layer``
   on a second decode agent whose READs NIXL's UCX thread pool moves, each
-  cut into ``--split-mib`` pieces (p2pkv's ``nixl_num_threads`` /
-  ``nixl_split_mib``).
+  cut into ``--split-mib`` pieces (p2pkv's ``nixl_num_threads`` setting
+  with its ``p2pkv.worker.READ_SPLIT_MIB`` pieces).
 
 Directions (``--mode``, a comma-separated list, default ``pull``):
 

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     common = dict(model=args.model, block_size=32, max_model_len=args.length + 64, side_channel_host="127.0.0.1",
                   env=env, kv_cache_gib=4)
     prefill = EngineSpec(name="prefill", port=port, role="prefill", side_channel_port=port + 10,
-                         extra_config={"stream_min_tokens": 0, "stream_min_link_share": 0}, **common)
+                         extra_config={"stream_min_tokens": 0}, **common)
     stats = work / "pulls.jsonl"
     stats.unlink(missing_ok=True)
     decode = EngineSpec(name="decode", port=port + 1, role="decode", side_channel_port=port + 20,

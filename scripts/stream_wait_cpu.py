@@ -34,7 +34,10 @@ rewritten after every point, so a run stopped early keeps what it measured.
 
     python scripts/stream_wait_cpu.py --model .p2pkv/bench-stream/llama-32l-kv8x128 \\
         --json docs/benchmarks/stream-wait-cpu.json \\
-        --setting '{}' --setting '{"stream_idle_wait_s": 0.1}' --setting '{"stream_poll_interval_s": 0.005}'
+        --setting '{}' --setting '{"transfer_cpus": "1"}'
+
+(The runs recorded with ``stream_idle_wait_s`` and ``stream_poll_interval_s`` settings predate their becoming
+constants: ``p2pkv.worker.STREAM_IDLE_WAIT_S``, ``p2pkv.decode.transfer.STREAM_POLL_MIN_S``.)
 """
 
 from __future__ import annotations

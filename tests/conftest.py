@@ -197,7 +197,7 @@ def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -
     proxy, prefill, decode, agg, side = free_ports(5)
     stats = logs / "pulls.jsonl"
     # short test prompts stream, and layer by layer on a link as fast against the forward as cma is here
-    extra = {"stats_file": str(logs / "prefill.jsonl"), "stream_min_tokens": 0, "stream_min_link_share": 0}
+    extra = {"stats_file": str(logs / "prefill.jsonl"), "stream_min_tokens": 0}
     decode_extra = {"stats_file": str(stats), "handshake_timeout_s": 3.0, "handshake_retries": 1}
     pair = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,

@@ -28,9 +28,11 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 
+from p2pkv.decode import progress as pull_progress
 from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
 from p2pkv.params import RemotePrefill
 from p2pkv.prefill.holds import HoldEnd, PrefillHolds
@@ -50,9 +52,9 @@ __all__ = [
 ENGINE = "prefill-engine"
 LAYOUT = "BLHNC"  # one contiguous run of bytes per block: cheap exact comparisons
 MAX_LIFE_S = 170.0  # a prefill process never outlives this, whatever the test does
-DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0, pull_poll_interval_s=0.0)
+DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0, pull_thread=False)
 """A :class:`DecodeSide`'s settings in the ``decode`` fixtures (``tests/conftest.py``): faults are injected per
-call, so only the test steps the pulls."""
+call, so only the test steps the pulls (no pulls' thread)."""
 
 
 def writes_left(pusher: Pusher) -> int:
@@ -483,14 +485,18 @@ def notify_task(request_id: str, remote_request: str, port: int, engine: str = E
 
 
 class DecodeSide:
-    """A decode :class:`WorkerSide` in this process with a zeroed ``BLHNC`` cache."""
+    """A decode :class:`WorkerSide` in this process with a zeroed ``BLHNC`` cache, set up with p2pkv settings
+    ``cfg``; without ``pull_thread`` its pulls advance only when the test steps it (no pulls' thread:
+    :data:`p2pkv.decode.progress.INTERVAL_S` 0 while its receiver is made)."""
 
-    def __init__(self, num_blocks: int = 64, **cfg) -> None:
+    def __init__(self, num_blocks: int = 64, *, pull_thread: bool = True, **cfg) -> None:
         self.num_blocks = num_blocks
         self.base, views = make_kv_caches(LAYOUT, fill=0.0, **shape(num_blocks))
         self.worker: WorkerSide = make_worker("decode-engine", free_port(), **cfg)
         self.worker.model = model_info(LAYOUT)
-        self.worker.register_kv_caches(views, num_blocks)
+        interval_s = pull_progress.INTERVAL_S if pull_thread else 0.0
+        with mock.patch.object(pull_progress, "INTERVAL_S", interval_s):
+            self.worker.register_kv_caches(views, num_blocks)
         self.finished: dict[str, int] = {}
         self.finished_at: dict[str, float] = {}  # request id → time.monotonic() it was first reported
         self.errors: set[int] = set()

@@ -81,7 +81,7 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
     seed = int(os.environ.get("P2PKV_CHURN_SEED", "20261127"))
     rng = random.Random(seed)
     pf = PrefillProc(free_port(), seed=1, num_blocks=NUM_BLOCKS, lease_s=30.0,
-                     settings={"secret": SECRET, "stream_min_tokens": 0, "stream_min_link_share": 0})
+                     settings={"secret": SECRET, "stream_min_tokens": 0})
     pf.start()
     d = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=1.0,
                    handshake_retries=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2pkv.config import ConfigError, load_config
+from p2pkv.config import REMOVED, ConfigError, P2pKvConfig, load_config
 from p2pkv.params import (
     KVTransferParamsError,
     make_prefill_response_params,
@@ -16,7 +16,7 @@ from p2pkv.params import (
 
 def test_config_defaults_env_and_extra_config() -> None:
     cfg = load_config(None, environ={})
-    assert cfg.side_channel_port == 5600 and cfg.kv_layout == "BLHNC" and not cfg.nixl_progress_thread
+    assert cfg.side_channel_port == 5600 and cfg.kv_layout == "BLHNC" and cfg.nixl_num_threads == 0
     cfg = load_config({"lease_s": 5}, environ={"P2PKV_LEASE_S": "9", "P2PKV_NIXL_BACKENDS": "UCX, GDS"})
     assert cfg.lease_s == 5.0 and cfg.nixl_backends == ["UCX", "GDS"]
 
@@ -28,15 +28,9 @@ def test_config_defaults_env_and_extra_config() -> None:
     ({"lease_s": 0}, "lease_s"),
     ({"kv_layout": "XYZ"}, "kv_layout"),
     ({"handshake_retries": 0}, "handshake_retries"),
-    ({"idle_wait_s": 1.0}, "idle_wait_s"),
-    ({"stream_idle_wait_s": -0.1}, "stream_idle_wait_s"),
-    ({"stream_poll_interval_s": 0}, "stream_poll_interval_s"),
+    ({"nixl_num_threads": -1}, "nixl_num_threads"),
     ({"stream_min_tokens": -2}, "stream_min_tokens"),
     ({"stream_min_tokens": 1.5}, "stream_min_tokens"),
-    ({"stream_min_link_share": -0.1}, "stream_min_link_share"),
-    ({"stream_min_link_share": 101}, "stream_min_link_share"),
-    ({"side_channel_max_handshakes": 0}, "side_channel_max_handshakes"),
-    ({"side_channel_max_connections": 8}, "side_channel_max_connections"),  # under max_handshakes (64)
     ({"transfer_cpus": "1-0"}, "transfer_cpus"),
     ({"transfer_cpus": "two"}, "transfer_cpus"),
 ])
@@ -144,12 +138,36 @@ def test_bad_params_name_the_key(change, field) -> None:
         parse_remote_prefill({**good, **change}, secret=None)
 
 
-def test_ucx_settings_become_backend_params() -> None:
-    cfg = load_config({"ucx_error_handling_mode": "none", "ucx_num_workers": 2}, environ={})
-    assert cfg.backend_params() == {"UCX": {"ucx_error_handling_mode": "none", "num_workers": "2"}}
-    assert load_config(None, environ={}).backend_params() == {}
-    with pytest.raises(ConfigError, match="ucx_error_handling_mode"):
-        load_config({"ucx_error_handling_mode": "sometimes"}, environ={})
+def test_a_handful_of_settings() -> None:
+    """At most 20 settings, and none of them a removed one."""
+    fields = set(P2pKvConfig.__struct_fields__)
+    assert len(fields) <= 20, sorted(fields)
+    assert fields.isdisjoint(REMOVED), fields & set(REMOVED)
+
+
+@pytest.mark.parametrize("key", sorted(REMOVED))
+def test_a_removed_setting_is_refused_naming_its_replacement(key: str) -> None:
+    """Given in kv_connector_extra_config or as P2PKV_<KEY> (whatever its value), a removed setting stops the
+    engine with an error naming it and what replaced it; other settings beside it change nothing."""
+    with pytest.raises(ConfigError) as info:
+        load_config({"lease_s": 30, key: 1}, environ={})
+    message = str(info.value)
+    assert f"`{key}` was removed: {REMOVED[key]}" in message and "remove the key" in message
+    variable = f"P2PKV_{key.upper()}"
+    with pytest.raises(ConfigError) as info:
+        load_config(None, environ={variable: "1", "P2PKV_LEASE_S": "30"})
+    assert f"`{key}` was removed: {REMOVED[key]}" in str(info.value) and f"unset {variable}" in str(info.value)
+
+
+def test_removed_settings_name_a_replacement_that_exists() -> None:
+    """Each constant a removal names (``module.NAME``) is there, so the message sends users somewhere real."""
+    import importlib
+    import re
+
+    for key, replacement in REMOVED.items():
+        for dotted in re.findall(r"\b((?:p2pkv|handshake)(?:\.[a-z_]+)+)\.([A-Z_]+)\b", replacement):
+            module, name = dotted
+            assert hasattr(importlib.import_module(module), name), f"{key}: {module}.{name} does not exist"
 
 
 def test_connector_stats_aggregate_and_reduce() -> None:

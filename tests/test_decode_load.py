@@ -55,9 +55,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 @contextlib.contextmanager
-def scheduler(heartbeat_interval_s: float = 0.0) -> Iterator[SchedulerSide]:
+def scheduler() -> Iterator[SchedulerSide]:
     """A decode engine's scheduler side (blocks of 4 tokens), shut down on exit."""
-    config = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=heartbeat_interval_s, secret=SECRET)
+    config = P2pKvConfig(lease_s=30.0, secret=SECRET)
     sched = SchedulerSide("decode-engine", config, 4, "127.0.0.1", 5600, 1)
     try:
         yield sched
@@ -73,14 +73,15 @@ def _request(rid: str, prompt: int = PROMPT) -> SimpleNamespace:
                            prompt_token_ids=[0] * prompt)
 
 
-@pytest.mark.parametrize("heartbeat_interval_s", [0.0, 5.0], ids=["parsed_when_asked", "parsed_on_arrival"])
+@pytest.mark.parametrize("announced", [False, True], ids=["parsed_when_asked", "parsed_on_arrival"])
 def test_a_capability_expiring_between_the_match_and_the_allocation_still_pulls(
-        clock: list[float], heartbeat_interval_s: float) -> None:
+        clock: list[float], announced: bool) -> None:
     """Checked once (one HMAC check for the request), kept, and used as it is after the capability expired.
     Before: the second call checked again, refused, and recorded neither a pull nor a failure."""
-    with scheduler(heartbeat_interval_s) as sched:
+    with scheduler() as sched:
         req = _request("r")
-        sched.on_new_request(req)
+        if announced:  # parsed for lease heartbeats on arrival
+            sched.on_new_request(req)
         assert sched.get_num_new_matched_tokens(req, 0) == (PROMPT, True)
         assert sched.get_num_new_matched_tokens(req, 4) == (PROMPT - 4, True)  # asked again: no blocks yet
         clock[0] = EXPIRY + CLOCK_SKEW_S + 1
@@ -114,15 +115,16 @@ def test_an_allocation_without_a_checked_load_reports_its_blocks_failed(clock: l
         assert req.kv_transfer_params["do_remote_prefill"] is False
 
 
-@pytest.mark.parametrize("heartbeat_interval_s", [0.0, 5.0], ids=["parsed_when_asked", "parsed_on_arrival"])
+@pytest.mark.parametrize("announced", [False, True], ids=["parsed_when_asked", "parsed_on_arrival"])
 def test_the_kept_load_is_dropped_when_the_request_finishes_or_is_aborted(
-        clock: list[float], heartbeat_interval_s: float) -> None:
+        clock: list[float], announced: bool) -> None:
     """Aborted after the match (its capability expired since): the prefill engine is still told to free the
     hold, from the kept load; finished after its pull: nothing kept either. Nothing stays behind."""
-    with scheduler(heartbeat_interval_s) as sched:
+    with scheduler() as sched:
         aborted, pulled = _request("aborted"), _request("pulled")
         for req in (aborted, pulled):
-            sched.on_new_request(req)
+            if announced:
+                sched.on_new_request(req)
             assert sched.get_num_new_matched_tokens(req, 0) == (PROMPT, True)
         assert set(sched.decode._loads) == {"aborted", "pulled"}
         clock[0] = EXPIRY + CLOCK_SKEW_S + 1
@@ -212,7 +214,7 @@ def test_the_scheduler_refuses_expiries_past_its_own_max_lifetime(clock: list[fl
     assert "p2pkv_stream_grant expires" in caplog.text
     clock[1] = 0
     far.kv_transfer_params = {**params, "do_remote_prefill": True}
-    config = P2pKvConfig(lease_s=300.0, heartbeat_interval_s=0.0, secret=SECRET)  # 1200 s ahead accepted
+    config = P2pKvConfig(lease_s=300.0, secret=SECRET)  # 1200 s ahead accepted
     sched = SchedulerSide("decode-engine", config, 4, "127.0.0.1", 5600, 1)
     try:
         assert sched.get_num_new_matched_tokens(far, 0) == (PROMPT, True)

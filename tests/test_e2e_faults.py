@@ -100,7 +100,7 @@ def rig(pair, tmp_path_factory) -> Iterator[Rig]:
     port, side = free_ports(2)
     spec = EngineSpec(name="prefill-faults", model=p.model, port=port, role="prefill", side_channel_port=side,
                       side_channel_host="127.0.0.1", block_size=BLOCK, max_model_len=1024,
-                      extra_config={"lease_s": LEASE_S, "stream_min_tokens": 0, "stream_min_link_share": 0},
+                      extra_config={"lease_s": LEASE_S, "stream_min_tokens": 0},
                       env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": p.secret},
                       extra_args=("--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)))
     made = Rig(p, spec, logs, start_engine(spec, logs), {})

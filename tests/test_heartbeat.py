@@ -133,17 +133,16 @@ def test_hold_link_reuses_one_connection_and_skips_a_late_reply() -> None:
             wrong.close()
 
 
-def test_heartbeat_interval_must_be_below_lease() -> None:
-    with pytest.raises(ConfigError, match="heartbeat_interval_s"):
-        load_config({"lease_s": 10, "heartbeat_interval_s": 10}, environ={})
-    assert load_config({"heartbeat_interval_s": 0}, environ={}).heartbeat_every_s == 0
+def test_heartbeats_go_every_quarter_lease() -> None:
     assert load_config({"lease_s": 8}, environ={}).heartbeat_every_s == 2.0
+    assert load_config(None, environ={}).heartbeat_every_s == 30.0
+    with pytest.raises(ConfigError, match=r"heartbeat_interval_s.*lease_s / 4"):
+        load_config({"heartbeat_interval_s": 10}, environ={})
 
 
 def _prefill_worker(lease_s: float) -> WorkerSide:
     port = free_port()
-    cfg = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, lease_s=lease_s,
-                      heartbeat_interval_s=0, insecure=True)
+    cfg = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, lease_s=lease_s, insecure=True)
     worker = WorkerSide("prefill-engine", cfg, 0, 1, "127.0.0.1", port, fingerprint(COMPAT_FIELDS), model_info("BLHNC"))
     _, views = make_kv_caches("BLHNC", **SHAPE)
     worker.register_kv_caches(views, NUM_BLOCKS)
@@ -184,7 +183,7 @@ def test_decode_scheduler_sends_heartbeats_for_queued_requests_only() -> None:
 
     with HandshakeServer("127.0.0.1", 0, "h", on_heartbeat=on_heartbeat) as srv:
         srv.set_info(make_agent_info(0, engine_id="p", compat_hash="h"))  # heartbeats name engine "p", rank 0
-        cfg = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=5.0)
+        cfg = P2pKvConfig(lease_s=20.0)  # heartbeats every 5 s
         sched = SchedulerSide("decode-engine", cfg, 32, "127.0.0.1", 5600, 1)
         reqs = []
         for i in range(3):
@@ -214,17 +213,17 @@ def test_queued_request_params_are_parsed_once_with_the_same_outcome() -> None:
     and a prompt of another length is still refused."""
     blocks = SimpleNamespace(get_block_ids=lambda: ([5, 6, 7],), get_unhashed_block_ids_all_groups=lambda: [[6, 7]])
     specs = []
-    for interval in (5.0, 0.0):  # heartbeats on (queued) and off (parsed at each hook)
-        sched = SchedulerSide("decode-engine", P2pKvConfig(lease_s=30.0, heartbeat_interval_s=interval), 4,
-                              "127.0.0.1", 5600, 1)
+    for announced in (True, False):  # on_new_request first (queued), or not (parsed at each hook)
+        sched = SchedulerSide("decode-engine", P2pKvConfig(lease_s=30.0), 4, "127.0.0.1", 5600, 1)
         reqs = {}
         for rid, prompt in (("ok", 10), ("other-prompt", 9)):
             params = make_prefill_response_params(engine_id="p", request_id=f"prefill-{rid}", host="127.0.0.1",
                                                   port=5601, block_ids=[1, 2, 3], tp_size=1, num_tokens=10,
                                                   expiry_time=None)
             reqs[rid] = SimpleNamespace(request_id=rid, kv_transfer_params=params, prompt_token_ids=[0] * prompt)
-            sched.on_new_request(reqs[rid])
-        assert len(sched.decode._queued) == (2 if interval else 0)
+            if announced:
+                sched.on_new_request(reqs[rid])
+        assert len(sched.decode._queued) == (2 if announced else 0)
         assert sched.get_num_new_matched_tokens(reqs["other-prompt"], 0) == (0, False)
         assert reqs["other-prompt"].kv_transfer_params["do_remote_prefill"] is False
         assert "other-prompt" not in sched.decode._queued  # prefilled locally: its prefill lease is not kept alive

@@ -32,7 +32,7 @@ LEASE_S = 30.0
 
 
 def _sched(num_blocks: int = 10, clock: FakeClock | None = None) -> SchedulerSide:
-    config = P2pKvConfig(lease_s=LEASE_S, heartbeat_interval_s=0.0, max_held_fraction=0.5, secret=SECRET,
+    config = P2pKvConfig(lease_s=LEASE_S, max_held_fraction=0.5, secret=SECRET,
                          role="prefill")
     return SchedulerSide(ENGINE, config, BLOCK, "127.0.0.1", 5600, 1, role="prefill", num_blocks=num_blocks,
                          clock=clock or time.monotonic)

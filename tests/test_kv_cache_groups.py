@@ -42,7 +42,7 @@ BLOCK = 16
 
 
 def _sched(kv_groups: int = 2) -> SchedulerSide:
-    config = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=0.0)
+    config = P2pKvConfig(lease_s=30.0)
     return SchedulerSide("engine", config, BLOCK, "127.0.0.1", 5600, 1, recompute_tokens=1, kv_groups=kv_groups)
 
 

@@ -39,6 +39,20 @@ def test_port_in_use_names_the_flag(tmp_path) -> None:
             pair.check()
 
 
+def test_the_traces_endpoint_reaches_the_engines_through_the_environment(tmp_path) -> None:
+    """``--otlp-traces-endpoint``: vLLM's flag on each engine and ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` in its
+    environment (p2pkv's spans), never a p2pkv setting (``otlp_traces_endpoint`` was removed)."""
+    url = "http://127.0.0.1:4318/v1/traces"
+    pair = LocalPair(model=str(tmp_path), otlp_traces_endpoint=url)
+    for spec in pair.engine_specs():
+        assert spec.env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == url
+        command = spec.command()
+        assert command[command.index("--otlp-traces-endpoint") + 1] == url
+        ktc = json.loads(command[command.index("--kv-transfer-config") + 1])
+        assert "otlp_traces_endpoint" not in ktc["kv_connector_extra_config"]
+    pair.check()  # the engines' extra config passes load_config
+
+
 def test_ports_must_differ(tmp_path) -> None:
     with pytest.raises(LaunchError, match="ports must differ"):
         LocalPair(model=str(tmp_path), prefill_port=9000, decode_port=9000).check()

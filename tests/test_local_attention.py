@@ -56,7 +56,7 @@ def test_which_caches_free_blocks_behind_a_window() -> None:
 
 
 def _sched(recompute: int) -> SchedulerSide:
-    config = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=0.0)
+    config = P2pKvConfig(lease_s=30.0)
     return SchedulerSide("engine", config, BLOCK, "127.0.0.1", 5600, 1, recompute_tokens=recompute)
 
 

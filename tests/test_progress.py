@@ -90,7 +90,7 @@ def test_only_streams_waiting_for_their_prefill_slow_the_pace() -> None:
     assert streams_only([stream]) and streams_only([stream, transfer(Direction.STREAM, TransferState.READING)])
     assert not streams_only([]) and not streams_only([stream, read])
     assert not streams_only([transfer(Direction.STREAM, TransferState.HANDSHAKE)])
-    # The pace: 1 % of the youngest stream's wait so far, within stream_poll_interval_s .. 10 ms.
+    # The pace: 1 % of the youngest stream's wait so far, within STREAM_POLL_MIN_S .. 10 ms.
     stream.started, young = 100.0, transfer(Direction.STREAM, TransferState.READING)
     young.started = 103.0
     assert poll_wait_s([stream], 100.05, 0.0002, 0.001) == 0.001  # 50 ms waited: the floor
@@ -142,10 +142,11 @@ def test_a_pull_finishes_between_engine_steps(prefill: PrefillProc) -> None:
         d.close()
 
 
-def test_an_idle_engine_step_waits_for_the_pull_to_end(prefill: PrefillProc) -> None:
+def test_an_idle_engine_step_waits_for_the_pull_to_end(prefill: PrefillProc, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step that scheduled no tokens (vLLM polling transfers) waits for the pull instead of returning empty:
     its own get_finished hands the pull to vLLM, with the right bytes."""
-    d = DecodeSide(64, handshake_timeout_s=2.0, idle_wait_s=0.1)
+    monkeypatch.setattr("p2pkv.worker.IDLE_WAIT_S", 0.1)
+    d = DecodeSide(64, handshake_timeout_s=2.0)
     try:
         prefill.lease(["p-warm2", "p-2", "p-3"])
         d.start(pull_task("d-warm2", "p-warm2", prefill.port, [1], [2]))
@@ -170,7 +171,7 @@ def test_start_load_kv_polls_reads_and_sends_fence_questions_itself(prefill: Pre
     """Without the pulls' thread and before any engine step, start_load_kv itself polls the READs in
     flight (an earlier pull's, done by now) and sends their after-READ fence question: that pull has left
     READING when the call returns. The next steps hand both pulls over with the right bytes."""
-    d = DecodeSide(64, handshake_timeout_s=2.0, pull_poll_interval_s=0.0)
+    d = DecodeSide(64, handshake_timeout_s=2.0, pull_thread=False)
     try:
         prefill.lease(["p-warm4", "p-4", "p-5"])
         d.start(pull_task("d-warm4", "p-warm4", prefill.port, [1], [2]))

@@ -261,7 +261,7 @@ def test_past_the_cap_with_every_agent_busy_a_new_one_is_answered_busy(rig_for: 
     assert rig.push(a, "a1")[0] == rig.push(b, "b1")[0] == "accepted"
     wait_until(lambda: len(rig.nixl.writes) == 2)
     status, message = rig.push(c, "c1")
-    assert status == "busy" and "push_max_agents" in message
+    assert status == "busy" and "MAX_AGENTS" in message
     assert set(rig.pusher.agents()) == {("a", 0), ("b", 0)} and c.agent_name not in rig.nixl.loaded
     assert set(rig.holds._pins) == {"a1", "b1"}, "the refused request pinned its hold"
     rig.nixl.hold = False

@@ -29,7 +29,7 @@ from tests.p2p_harness import DecodeSide, PrefillProc, pull_task
 N = 6
 STALL_S = 2.5
 BOUND_S = 20.0
-PUSH_CFG = dict(transfer_mode="push", handshake_timeout_s=0.5, transfer_timeout_s=2.0, pull_poll_interval_s=0.0)
+PUSH_CFG = dict(transfer_mode="push", handshake_timeout_s=0.5, transfer_timeout_s=2.0, pull_thread=False)
 
 
 def batch(d: DecodeSide, pf: PrefillProc, tag: str) -> dict[str, tuple[str, list[int], list[int]]]:

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+import p2pkv.decode.keeper as keeper_module
 import p2pkv.decode.notifier as notifier_module
 import p2pkv.decode.peers as peers_module
 import p2pkv.decode.receiver as puller_module
@@ -247,11 +248,13 @@ def test_sixteen_spellings_of_one_address_make_one_peer(prefill: PrefillProc, mo
 
 
 # ---- 5. peers capped and idle ones dropped -------------------------------------------------------------
-def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(prefill: PrefillProc) -> None:
-    """``max_peers=1``; "127.0.0.1" and "localhost" are two peers (names are not resolved). A pull through
+def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(
+        prefill: PrefillProc, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MAX_PEERS`` 1; "127.0.0.1" and "localhost" are two peers (names are not resolved). A pull through
     the second drops the first: its NIXL remote agent, its fence connection (closed), its lane. While a
-    pull is in flight on the only peer, a pull needing another one is refused naming max_peers."""
-    d = DecodeSide(64, max_peers=1, **DECODE_CFG)
+    pull is in flight on the only peer, a pull needing another one is refused naming MAX_PEERS."""
+    monkeypatch.setattr(keeper_module, "MAX_PEERS", 1)
+    d = DecodeSide(64, **DECODE_CFG)
     receiver = d.worker.receiver
     try:
         good_pull(d, prefill, [1], [2])
@@ -280,28 +283,32 @@ def test_max_peers_drops_the_least_recently_used_peer_with_its_link_and_lane(pre
         d.close()
 
 
-def test_idle_peers_are_dropped_with_their_link(prefill: PrefillProc, caplog: pytest.LogCaptureFixture) -> None:
+def test_idle_peers_are_dropped_with_their_link(prefill: PrefillProc, caplog: pytest.LogCaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.INFO, logger="p2pkv.decode")
-    d = DecodeSide(64, peer_idle_s=0.5, **DECODE_CFG)
+    monkeypatch.setattr(keeper_module, "PEER_IDLE_S", 0.5)
+    d = DecodeSide(64, **DECODE_CFG)
     receiver = d.worker.receiver
     try:
         good_pull(d, prefill, [1], [2])
         link = receiver.fence._links[("127.0.0.1", prefill.port)]
         assert eventually(lambda: not d.step() and not receiver.peers.peers, 5.0), "the idle peer was kept"
         assert eventually(lambda: link._sock.closed) and receiver.fence._links == {}
-        assert "unused for more than peer_idle_s=0.5 s" in caplog.text
+        assert "unused for more than PEER_IDLE_S=0.5 s" in caplog.text
         good_pull(d, prefill, [3], [4])  # handshakes again
     finally:
         d.close()
 
 
 # ---- 6. bounded pools ----------------------------------------------------------------------------------
-def test_tp_size_512_at_an_unreachable_host_never_runs_more_threads_than_the_cap() -> None:
+def test_tp_size_512_at_an_unreachable_host_never_runs_more_threads_than_the_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """One request naming 512 prefill ranks at 127.0.0.2 (nothing listens): 512 handshakes, then 512
     releases, all on bounded pools. Before: one thread per call, 512 at once."""
     from p2pkv.decode.background import CALL_THREADS, LANE_THREADS
 
-    d = DecodeSide(64, max_peers=1024, handshake_timeout_s=0.5, handshake_retries=1, transfer_timeout_s=10.0)
+    monkeypatch.setattr(keeper_module, "MAX_PEERS", 1024)
+    d = DecodeSide(64, handshake_timeout_s=0.5, handshake_retries=1, transfer_timeout_s=10.0)
     try:
         before = threading.active_count()
         d.start(spec("d-512", "p-512", 20000, [1, 2], [1, 2], host="127.0.0.2", tp_size=512))
@@ -321,12 +328,13 @@ def test_tp_size_512_at_an_unreachable_host_never_runs_more_threads_than_the_cap
         assert time.monotonic() - t0 < 3.0
 
 
-def test_a_pull_needing_more_than_max_peers_is_refused_alone(prefill: PrefillProc,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
-    """A pull naming 8 prefill ranks with ``max_peers=4``, beside a good pull: refused naming max_peers
+def test_a_pull_needing_more_than_max_peers_is_refused_alone(prefill: PrefillProc, caplog: pytest.LogCaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pull naming 8 prefill ranks with ``MAX_PEERS`` 4, beside a good pull: refused naming MAX_PEERS
     before any handshake; the good one moves exact bytes."""
     caplog.set_level(logging.ERROR, logger="p2pkv.decode")
-    d = DecodeSide(64, max_peers=4, **DECODE_CFG)
+    monkeypatch.setattr(keeper_module, "MAX_PEERS", 4)
+    d = DecodeSide(64, **DECODE_CFG)
     try:
         (bad, bad_p), (good, good_p) = new_ids(), new_ids()
         prefill.lease([bad_p, good_p])
@@ -336,17 +344,16 @@ def test_a_pull_needing_more_than_max_peers_is_refused_alone(prefill: PrefillPro
         assert d.take_errors() == {1}
         assert_bytes(d, prefill, [2, 3], [4, 5])
         (line,) = failure_lines(caplog, bad)
-        assert "kind=refused" in line and "max_peers=4" in line
+        assert "kind=refused" in line and "MAX_PEERS=4" in line
         assert d.worker.receiver.peers.handshakes == {}
     finally:
         d.close()
 
 
-def test_peer_settings_are_checked() -> None:
-    from p2pkv.config import ConfigError, P2pKvConfig
+def test_the_peer_bounds_are_constants() -> None:
+    from p2pkv.config import ConfigError, load_config
 
-    assert (P2pKvConfig(insecure=True).max_peers, P2pKvConfig(insecure=True).peer_idle_s) == (256, 600.0)
-    with pytest.raises(ConfigError, match="max_peers"):
-        P2pKvConfig(max_peers=0, insecure=True)
-    with pytest.raises(ConfigError, match="peer_idle_s"):
-        P2pKvConfig(peer_idle_s=0, insecure=True)
+    assert (keeper_module.MAX_PEERS, keeper_module.PEER_IDLE_S) == (256, 600.0)
+    for key in ("max_peers", "peer_idle_s"):
+        with pytest.raises(ConfigError, match=f"`{key}` was removed: .*p2pkv.decode.keeper"):
+            load_config({key: 1}, environ={})

@@ -17,7 +17,7 @@ BLOCK = 16
 
 
 def _sched(role: str = "both", num_blocks: int | None = None, fraction: float = 0.5) -> SchedulerSide:
-    config = P2pKvConfig(lease_s=30.0, heartbeat_interval_s=0.0, max_held_fraction=fraction)
+    config = P2pKvConfig(lease_s=30.0, max_held_fraction=fraction)
     return SchedulerSide("engine", config, BLOCK, "127.0.0.1", 5600, 1, role=role, num_blocks=num_blocks)
 
 

@@ -122,7 +122,7 @@ def _started(pair: Pair, prefill_request: str, decode_request: str) -> P2pKvMeta
 
 
 def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sides() -> None:
-    with _pair(7, stream_min_tokens=0, stream_min_link_share=0) as pair:
+    with _pair(7, stream_min_tokens=0) as pair:
         prefill, decode = pair.prefill, pair.decode
         step = _started(pair, "p-1", "d-1")
         prefill.save_kv_layer("layers.0", step)
@@ -152,7 +152,7 @@ def test_a_decode_request_aborted_mid_stream_stops_the_writes_and_frees_both_sid
     ("check_xfer_state", "raise"), ("check_xfer_state", "err"),
 ])
 def test_a_write_that_fails_mid_stream_fails_the_load_and_the_next_stream_lands(method: str, mode: str) -> None:
-    with _pair(11, stream_min_tokens=0, stream_min_link_share=0) as pair:
+    with _pair(11, stream_min_tokens=0) as pair:
         prefill, decode, source = pair.prefill, pair.decode, pair.source
         step = _started(pair, "p-1", "d-1")
         prefill.save_kv_layer("layers.0", step)
@@ -187,7 +187,7 @@ def test_a_prefill_longer_than_transfer_timeout_s_streams_whole_within_stream_ti
     is the stream's), so every layer lands; with 0 (``transfer_timeout_s``) both sides give the stream up at 1 s
     and the load fails with every block a load error."""
     settings = {"transfer_timeout_s": 1.0, "stream_timeout_s": stream_timeout_s}
-    with _pair(13, settings, stream_min_tokens=0, stream_min_link_share=0) as pair:
+    with _pair(13, settings, stream_min_tokens=0) as pair:
         prefill, decode, source = pair.prefill, pair.decode, pair.source
         step = _started(pair, "p-1", "d-1")
         prefill.save_kv_layer("layers.0", step)
@@ -222,7 +222,7 @@ def _first_layer_landed(window_s: float) -> Iterator[tuple[PrefillProc, DecodeSi
     """A prefill process streaming request ``p-1`` into a decode worker here (``d-1``, its stream's window
     ``window_s``), its first layer landed; both stopped on exit."""
     pf = PrefillProc(free_port(), seed=3, num_blocks=NUM_BLOCKS,
-                     settings={"secret": SECRET, "stream_min_tokens": 0, "stream_min_link_share": 0})
+                     settings={"secret": SECRET, "stream_min_tokens": 0})
     pf.start()
     decode = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=window_s, handshake_timeout_s=1.0)
     try:

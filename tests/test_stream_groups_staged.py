@@ -51,7 +51,7 @@ def _workers(engine: str, side: Side, port: int, full: list[int] | None = None, 
     out = []
     for rank in range(side.tp_size):
         config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, staging_mib=4, secret=SECRET,
-                             stream_min_tokens=0, stream_min_link_share=0)
+                             stream_min_tokens=0)
         info = dataclasses.replace(model_info(side, rank), kv_groups=2)
         worker = WorkerSide(engine, config, rank, side.tp_size, "127.0.0.1", port + rank, "compat", info)
         base, views = make_cache(side, rank, "cpu", full, tokens)

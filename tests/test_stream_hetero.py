@@ -97,7 +97,7 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
     local_ids = all_local[cached:]
     port = free_ports(1, run=prefill_side.tp_size)[0]
     prefills = make_workers("prefill", prefill_side, port, device, remote_ids, tokens, secret=SECRET,
-                            stream_min_tokens=0, stream_min_link_share=0)
+                            stream_min_tokens=0)
     decodes = make_workers("decode", decode_side, free_ports(1, run=decode_side.tp_size)[0], device, secret=SECRET)
     deadline = time.monotonic() + 20
     try:
@@ -307,7 +307,7 @@ def test_a_staged_stream_given_up_mid_way_gives_its_staging_back_once_the_prefil
     local_ids = list(range(20, 20 + -(-loaded // decode_side.block_size)))
     port = free_ports(1, run=1)[0]
     (prefill, _, views), = make_workers("prefill", prefill_side, port, "cpu", remote_ids, tokens, secret=SECRET,
-                                        stream_min_tokens=0, stream_min_link_share=0)
+                                        stream_min_tokens=0)
     (decode, base, _), = make_workers("decode", decode_side, free_ports(1, run=1)[0], "cpu", secret=SECRET)
     try:
         granted = granted_stream(remote_ids, tokens, port, 1)

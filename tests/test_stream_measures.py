@@ -1,5 +1,5 @@
 """The link rule (:mod:`p2pkv.prefill.stream_measures`): a layer-streamed request goes as one WRITE after its last
-layer where its decode rank's link moves a layer in less than ``stream_min_link_share`` of the forward's time for
+layer where its decode rank's link moves a layer in less than ``MIN_LINK_SHARE`` of the forward's time for
 it, measured per block of one layer from the layers' report times and from earlier streams' WRITEs.
 
 The arithmetic on a fake clock, then the rule as a prefill rank applies it, over two real NIXL agents in this

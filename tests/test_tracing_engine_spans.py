@@ -36,14 +36,15 @@ def test_a_hold_span_says_why_it_ended_under_the_prefill_leg(ended: HoldEnd) -> 
     assert (span.status_code == "ERROR") == (ended is HoldEnd.EXPIRED)
 
 
-def test_a_prefill_request_aborted_before_its_hold_is_traced_as_aborted() -> None:
+def test_a_prefill_request_aborted_before_its_hold_is_traced_as_aborted(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
     from vllm.v1.request import RequestStatus
 
     from p2pkv.scheduler import SchedulerSide
 
     with OtlpReceiver() as receiver:
-        config = P2pKvConfig(insecure=True, otlp_traces_endpoint=receiver.url)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url)
+        config = P2pKvConfig(insecure=True)
         side = SchedulerSide("prefill-0", config, 16, "127.0.0.1", 5600, 1)
         request = SimpleNamespace(request_id="cmpl-2-0", status=RequestStatus.FINISHED_ABORTED,
                                   kv_transfer_params={"do_remote_decode": True, "traceparent": TRACEPARENT})

@@ -167,11 +167,13 @@ def test_restarted_prefill_is_used_again_without_restarting_decode() -> None:
 
 
 @pytest.mark.parametrize("setting,expected", [(0.001, 0.001), (0.0, 0.005), (0.01, 0.005)])
-def test_worker_lowers_the_thread_switch_interval(setting: float, expected: float) -> None:
-    """A registered worker lowers Python's switch interval to ``switch_interval_s`` (never raises it; 0 leaves it)."""
+def test_worker_lowers_the_thread_switch_interval(setting: float, expected: float,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A registered worker lowers Python's switch interval to ``SWITCH_INTERVAL_S`` (never raises it; 0 leaves it)."""
     old = sys.getswitchinterval()
     sys.setswitchinterval(0.005)
-    worker = make_worker("switch", free_port(), switch_interval_s=setting)
+    monkeypatch.setattr("p2pkv.worker.SWITCH_INTERVAL_S", setting)
+    worker = make_worker("switch", free_port())
     try:
         _, views = make_kv_caches("BLHNC", **SHAPE)
         worker.register_kv_caches(views, NUM_BLOCKS)

@@ -113,20 +113,6 @@ def test_user_turning_ucx_protocol_info_off_gives_unknown(monkeypatch: pytest.Mo
     assert report.transport == "unknown" and "UCX_PROTO_INFO=n" in report.detail
 
 
-def test_report_transport_off_reports_nothing() -> None:
-    pf = PrefillProc(free_port(), seed=7, num_blocks=64)
-    pf.start()
-    d = DecodeSide(64, report_transport=False, **DECODE_CFG)
-    try:
-        _pull(d, pf, "o1", [1], [2])
-        stats = d.worker.take_stats()
-        assert d.worker.agent.transports == {}
-    finally:
-        d.close()
-        pf.stop()
-    assert stats is not None and stats["transports"] == {}
-
-
 def test_dram_pair_in_two_processes_reads_and_writes_with_cma() -> None:
     """The decode side READs, the prefill side (the child) WRITEs back: each side reports its own op."""
     result = pair_transfers("DRAM", nbytes=4 << 20)

@@ -84,7 +84,7 @@ def _wait_until(held: HeldWrite, pair: Pair, want: str, seconds: float) -> None:
 @pytest.mark.parametrize("way", ["push", "stream"])
 def test_a_write_delayed_past_the_window_ends_before_the_blocks_go_back(way: str) -> None:
     settings = {"transfer_timeout_s": WINDOW_S, "handshake_timeout_s": 0.5, "transfer_mode": "push"}
-    with _pair(17, settings, stream_min_tokens=0, stream_min_link_share=0) as pair:
+    with _pair(17, settings, stream_min_tokens=0) as pair:
         held = _hold_next_write(pair)
         started = time.monotonic()
         if way == "push":

@@ -1,11 +1,12 @@
-"""Which prefill ranks a decode worker keeps: handshakes started for pulls, at most ``max_peers``, idle ones dropped.
+"""Which prefill ranks a decode worker keeps: handshakes started for pulls, at most :data:`MAX_PEERS`, idle ones
+dropped.
 
 Each request names its prefill engine (host, port, ``tp_size``), so without
 a bound every new name would leave a NIXL remote agent, a fence connection
 and its lane behind for good. :class:`PeerKeeper` starts the handshakes a
-pull needs only when they fit in ``max_peers`` (peers known plus handshakes
+pull needs only when they fit in :data:`MAX_PEERS` (peers known plus handshakes
 in flight), dropping the least recently used peers no pull needs to make
-room, and drops peers unused for ``peer_idle_s``. A dropped peer takes its
+room, and drops peers unused for :data:`PEER_IDLE_S`. A dropped peer takes its
 NIXL remote agent and its fence connection with it (the connection's lane
 then holds nothing); the next pull from it handshakes again.
 """
@@ -28,19 +29,29 @@ from p2pkv.decode.transfer import Transfer, TransferState
 
 logger = logging.getLogger("p2pkv.decode")
 
+MAX_PEERS = 256
+"""Most prefill ranks a decode worker keeps (handshaken, or being handshaken) at once. When a pull needs more,
+the least recently used ones no pull needs are dropped (their NIXL remote agent and fence connection); when none
+can be, the pull is refused (``kind=refused``). It bounds what a stream of new prefill names leaves behind, far
+above the prefill ranks one decode worker pulls from in a deployment (one per prefill engine and TP rank)."""
+
+PEER_IDLE_S = 600.0
+"""A prefill rank no pull has used for this long (seconds) is dropped; the next pull from it handshakes again
+(one handshake, milliseconds, per ten idle minutes)."""
+
 IDLE_CHECK_S = 1.0
 """Longest pause (seconds) between two looks for idle peers."""
 
 
 class PeerKeeper:
-    """Starts handshakes within ``max_peers`` and drops the peers no pull needs.
+    """Starts handshakes within :data:`MAX_PEERS` and drops the peers no pull needs.
 
     Args:
         peers: the worker's peer table.
         fence: the worker's fence (a dropped peer's connection is closed).
         background: where handshakes run.
         engine_id / compat_hash / secret: what a handshake sends and checks.
-        config: ``handshake_timeout_s``, ``handshake_retries``, ``max_peers``, ``peer_idle_s``.
+        config: ``handshake_timeout_s``, ``handshake_retries``.
     """
 
     def __init__(self, peers: PeerTable, fence: Fence, background: Background, *, engine_id: str,
@@ -53,7 +64,7 @@ class PeerKeeper:
         """Called with each peer added, before its waiting pulls begin again (the transport probe)."""
 
     def handshake(self, missing: list[PeerId], busy: set[PeerId]) -> bool:
-        """Start the handshakes with ``missing`` (those not in flight yet) if they fit in ``max_peers``,
+        """Start the handshakes with ``missing`` (those not in flight yet) if they fit in :data:`MAX_PEERS`,
         dropping the least recently used peers not in ``busy`` as needed.
 
         Returns:
@@ -61,13 +72,13 @@ class PeerKeeper:
             in ``busy`` would still not make room.
         """
         new = [pid for pid in missing if pid not in self.peers.handshakes]
-        excess = len(self.peers) + len(new) - self.config.max_peers
+        excess = len(self.peers) + len(new) - MAX_PEERS
         if excess > 0:
             victims = list(itertools.islice(self.peers.least_used(busy), excess))
             if len(victims) < excess:
                 return False
             for pid in victims:
-                self.forget(pid, f"max_peers={self.config.max_peers} reached; it was used least recently")
+                self.forget(pid, f"MAX_PEERS={MAX_PEERS} reached; it was used least recently")
         for pid in new:
             self.peers.handshake(pid, self.background, engine_id=self.engine_id, compat_hash=self.compat_hash,
                                  secret=self.secret, timeout_s=self.config.handshake_timeout_s,
@@ -115,14 +126,14 @@ class PeerKeeper:
             yield pid, None
 
     def drop_idle(self, busy: Callable[[], set[PeerId]]) -> None:
-        """Drop peers not in ``busy()`` unused for ``peer_idle_s`` (looked for at most every :data:`IDLE_CHECK_S`;
+        """Drop peers not in ``busy()`` unused for :data:`PEER_IDLE_S` (looked for at most every :data:`IDLE_CHECK_S`;
         ``busy`` is called only then)."""
         now = time.monotonic()
         if now < self._idle_check_at:
             return
-        self._idle_check_at = now + min(IDLE_CHECK_S, self.config.peer_idle_s / 4)
-        for pid in self.peers.idle(now, self.config.peer_idle_s, busy()):
-            self.forget(pid, f"unused for more than peer_idle_s={self.config.peer_idle_s:g} s")
+        self._idle_check_at = now + min(IDLE_CHECK_S, PEER_IDLE_S / 4)
+        for pid in self.peers.idle(now, PEER_IDLE_S, busy()):
+            self.forget(pid, f"unused for more than PEER_IDLE_S={PEER_IDLE_S:g} s")
 
     def forget(self, pid: PeerId, why: str) -> None:
         """Drop a peer no pull needs: its NIXL remote agent, and its fence connection unless another peer

@@ -2,8 +2,8 @@
 
 Peers are keyed by a canonical address (:func:`canonical_host`), so the many
 spellings of one address are one peer, and each remembers when a pull last
-used it: the table is bounded (``max_peers``) by dropping the least recently
-used peer no pull needs, and peers idle for ``peer_idle_s`` are dropped too.
+used it: the table is bounded (:data:`p2pkv.decode.keeper.MAX_PEERS`) by dropping the least recently
+used peer no pull needs, and peers idle for :data:`p2pkv.decode.keeper.PEER_IDLE_S` are dropped too.
 """
 
 from __future__ import annotations

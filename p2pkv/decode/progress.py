@@ -5,7 +5,7 @@ its READ done, its fence answered and its KV handed over one step late each
 time, and an engine step costs milliseconds when the engine waits on nothing
 but KV (an empty step, then a 1 ms sleep in vLLM's busy loop). So while any
 pull is in flight, a daemon thread polls them every ``interval_s``
-(``pull_poll_interval_s``, default 0.2 ms), and side-channel answers wake it;
+(:data:`INTERVAL_S`, 0.2 ms), and side-channel answers wake it;
 it sleeps on an event otherwise. The engine step still advances them too and
 collects what finished.
 
@@ -23,7 +23,9 @@ from collections.abc import Callable
 logger = logging.getLogger("p2pkv.decode")
 
 INTERVAL_S = 0.0002
-"""Poll interval (seconds) while a pull is in flight."""
+"""Poll interval (seconds) of a decode worker's pulls' thread while a pull is in flight (0: no thread). With
+it a READ was seen done 12x sooner at concurrency 1 and the decode engine's own TTFT halved (84 against 156 ms;
+docs/benchmarks/handover.md, "Pull thread off vs on"). The thread sleeps when nothing is in flight."""
 
 
 class Progress:
@@ -57,6 +59,11 @@ class Progress:
     def wake(self) -> None:
         """New work: start polling (no-op while already polling)."""
         self._wake.set()
+
+    @property
+    def threaded(self) -> bool:
+        """True when a thread polls (``interval_s`` > 0); else pulls advance only when the engine steps."""
+        return self._thread is not None
 
     def on_thread(self) -> bool:
         """True when called on this thread (not on vLLM's engine thread)."""

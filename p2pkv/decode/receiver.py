@@ -26,7 +26,7 @@ Every request's ``kv_transfer_params`` are anyone's choice, so each pull is
 contained: an exception while advancing one pull fails that pull alone
 (``refused``, the exception in the reason), every waiting state has a
 deadline (:mod:`p2pkv.decode.deadlines`), and the peers it makes the worker
-keep are bounded (``max_peers``, ``peer_idle_s``).
+keep are bounded (:data:`p2pkv.decode.peer_keeping.MAX_PEERS`, :data:`p2pkv.decode.keeper.PEER_IDLE_S`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.dataplane.topology import RankRead
+from p2pkv.decode import keeper as peer_keeping
+from p2pkv.decode import progress as pull_progress
 from p2pkv.decode.background import Background
 from p2pkv.decode.confirmations import Confirmations
 from p2pkv.decode.deadlines import Deadlines
@@ -64,7 +66,7 @@ from p2pkv.decode.reads import ReadEvent, plan_reads, release_unposted
 from p2pkv.decode.release import release_failed
 from p2pkv.decode.spans import TransferSpans
 from p2pkv.decode.stream_parts import plan_streams
-from p2pkv.decode.transfer import Part, Transfer, TransferState, poll_wait_s
+from p2pkv.decode.transfer import STREAM_POLL_MIN_S, Part, Transfer, TransferState, poll_wait_s
 from p2pkv.decode.transfers import Transfers
 from p2pkv.metadata import LoadSpec
 from p2pkv.telemetry.stats import StatsBuffer
@@ -97,11 +99,11 @@ class Receiver:
         self.stager = stager
         self.stats = stats
         self._secret = secret
-        self.progress = Progress(self._advance, f"p2pkv-pulls-tp{rank.tp_rank}", config.pull_poll_interval_s,
+        self.progress = Progress(self._advance, f"p2pkv-pulls-tp{rank.tp_rank}", pull_progress.INTERVAL_S,
                                  on_start=lambda: start_transfer_thread(rank.desc.mem_type, rank.device_id,
                                                                        parse_cpus(config.transfer_cpus)),
                                  wait_s=lambda: poll_wait_s(self.transfers, time.monotonic(),
-                                                            config.pull_poll_interval_s, config.stream_poll_interval_s))
+                                                            pull_progress.INTERVAL_S, STREAM_POLL_MIN_S))
         self.lock = self.progress.lock
         self.background = Background(on_done=self.progress.wake)
         self.peers = PeerTable(agent, rank.desc, list(rank.layout.segments), rank.tp_rank, rank.tp_size, model)
@@ -112,13 +114,13 @@ class Receiver:
         self.transfers: list[Transfer] = []
         self._staging_wait: list[Transfer] = []
         self.outcomes = Outcomes()  # reported to vLLM at the next get_finished
-        self.spans = TransferSpans.start(config, rank.engine_id, rank.tp_rank, agent)  # None: tracing off
+        self.spans = TransferSpans.start(rank.engine_id, rank.tp_rank, agent)  # None: tracing off
         self.notifier = Notifier(agent, self.peers, rank.name, self._secret, self.spans)
         self.pushes = Pushes(self.background, self.fence, agent, rank.engine_id, self._secret,
                              config.handshake_timeout_s, config.transfer_timeout_s, config.stream_window_s)
         self.directions = Directions(config.transfer_mode)
         self.probe: TransportProbe | None = None
-        if config.transfer_mode == "auto" and config.report_transport:  # learn each new peer's READs at once
+        if config.transfer_mode == "auto":  # learn each new peer's READs at once
             self.probe = TransportProbe(agent, stager.device, stager.device_id)
             self.keeper.on_peer = self.probe.run
         ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s)
@@ -245,8 +247,8 @@ class Receiver:
         if not self.keeper.handshake(missing, self._busy_peers()):
             self.endings.fail(transfer, FailureKind.REFUSED,
                               f"refused: the pull needs {len(missing)} more prefill rank(s) while "
-                              f"max_peers={self.config.max_peers} are known or being handshaken and none can be "
-                              "dropped (all in use); raise max_peers in kv_connector_extra_config")
+                              f"MAX_PEERS={peer_keeping.MAX_PEERS} are known or being handshaken and none can be "
+                              "dropped (all in use)")
             return
         self.endings.to(transfer, TransferState.HANDSHAKE)
         self.keeper.wait(missing[0], transfer)  # begun again when done; waits for the rest then

@@ -92,7 +92,7 @@ class DecodeScheduling:
     def on_new_request(self, request: Request) -> None:
         """Track a request whose KV waits on a prefill engine, for lease heartbeats (its params checked now)."""
         params = request.kv_transfer_params
-        if wants_remote_prefill(params) and not wants_stream(params) and self.config.heartbeat_every_s > 0:
+        if wants_remote_prefill(params) and not wants_stream(params):
             try:
                 self._queued[request.request_id] = self._parse(request)
             except KVTransferParamsError as exc:

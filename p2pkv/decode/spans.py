@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from p2pkv.config import P2pKvConfig
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.transfer import Transfer
 from p2pkv.telemetry.tracing import Tracing, context_of, traces_endpoint
@@ -51,9 +50,9 @@ class TransferSpans:
         self.tracing, self.engine_id, self.tp_rank, self.agent = tracing, engine_id, tp_rank, agent
 
     @classmethod
-    def start(cls, config: P2pKvConfig, engine_id: str, tp_rank: int, agent: NixlTransferAgent) -> TransferSpans | None:
-        """The emitter, or None when tracing is off (``otlp_traces_endpoint`` / ``OTEL_EXPORTER_OTLP_*``)."""
-        tracing = Tracing.get("p2pkv-decode", traces_endpoint(config.otlp_traces_endpoint))
+    def start(cls, engine_id: str, tp_rank: int, agent: NixlTransferAgent) -> TransferSpans | None:
+        """The emitter, or None when tracing is off (no ``OTEL_EXPORTER_OTLP_*`` endpoint)."""
+        tracing = Tracing.get("p2pkv-decode", traces_endpoint())
         return None if tracing is None else cls(tracing, engine_id, tp_rank, agent)
 
     def ended(self, transfer: Transfer, failure: tuple[FailureKind, str] | None = None) -> None:

@@ -184,9 +184,16 @@ class Transfer:
         return next((r.direction for r in self.parts if r.direction is not None), Direction.PULL)
 
 
+STREAM_POLL_MIN_S = 0.001
+"""Shortest poll interval (seconds) of a decode worker's pulls' thread while every pull under way is a layer
+stream waiting for its prefill (then :data:`STREAM_POLL_SHARE` of the wait so far, at most
+:data:`STREAM_POLL_MAX_S`). Polling such a wait as fast as a READ (:data:`p2pkv.decode.progress.INTERVAL_S`),
+with the idle steps, kept 0.55-0.65 of a core busy for the prefill's whole forward on a 2-core CPU host that ran
+both engines (docs/streaming.md)."""
+
 STREAM_POLL_SHARE = 0.01
 """While every pull is a layer stream waiting for its prefill, the pulls' thread polls every this share of the
-time the youngest stream has waited so far (at least ``stream_poll_interval_s``, at most
+time the youngest stream has waited so far (at least :data:`STREAM_POLL_MIN_S`, at most
 :data:`STREAM_POLL_MAX_S`): the notification is seen at most 1 % of the stream's time late, and a prefill of
 seconds is polled a hundred times a second, not a thousand (on a CPU host each poll takes the prefill's cores)."""
 
@@ -197,14 +204,14 @@ STREAM_POLL_MAX_S = 0.01
 def stream_poll_interval(transfers: list[Transfer], now: float, floor_s: float) -> float:
     """Seconds until the pulls' thread polls ``transfers`` again while :func:`streams_only` holds: the share
     :data:`STREAM_POLL_SHARE` of the youngest one's wait so far (``now - started``, ``time.monotonic()``
-    seconds), within ``floor_s`` (``stream_poll_interval_s``) .. :data:`STREAM_POLL_MAX_S`."""
+    seconds), within ``floor_s`` (:data:`STREAM_POLL_MIN_S`) .. :data:`STREAM_POLL_MAX_S`."""
     waited = min((now - t.started for t in transfers), default=0.0)
     return max(floor_s, min(STREAM_POLL_MAX_S, STREAM_POLL_SHARE * waited))
 
 
 def poll_wait_s(transfers: list[Transfer], now: float, pull_s: float, stream_s: float) -> float:
-    """Seconds until the pulls' thread polls ``transfers`` again: ``pull_s`` (``pull_poll_interval_s``), or
-    :func:`stream_poll_interval` from ``stream_s`` (``stream_poll_interval_s``) while :func:`streams_only`."""
+    """Seconds until the pulls' thread polls ``transfers`` again: ``pull_s`` (:data:`p2pkv.decode.progress.INTERVAL_S`),
+    or :func:`stream_poll_interval` from ``stream_s`` (:data:`STREAM_POLL_MIN_S`) while :func:`streams_only`."""
     return stream_poll_interval(transfers, now, stream_s) if streams_only(transfers) else pull_s
 
 
@@ -212,7 +219,7 @@ def streams_only(transfers: list[Transfer]) -> bool:
     """True while every pull under way is a layer stream waiting for its prefill's notification (none: False).
 
     Such a wait lasts the prefill's whole forward, so the decode rank polls it
-    and steps idle more slowly (``stream_poll_interval_s``, ``stream_idle_wait_s``):
+    and steps idle more slowly (:data:`STREAM_POLL_MIN_S`, :data:`p2pkv.worker.STREAM_IDLE_WAIT_S`):
     polling it as fast as a READ kept most of a core busy for that long.
     """
     return bool(transfers) and all(t.state is TransferState.READING and t.direction() is Direction.STREAM

@@ -60,6 +60,29 @@ is delivered while nothing else progresses the prefill agent (NIXL's UCX backend
 NOTIFY_POLL_S = 0.005
 """How often (seconds) it progresses NIXL meanwhile."""
 
+MAX_IN_FLIGHT = 4
+"""WRITEs a prefill rank posts at once for one decode rank (others wait; decode ranks are served in turn, so one
+decode rank's long queue does not hold the others back: tests/test_push_fairness.py). A bound, not a measured
+optimum: one request's WRITE already carries all its blocks."""
+
+MAX_QUEUED = 256
+"""WRITEs a prefill rank lets wait for one decode rank; past it a push request is answered ``busy`` (the pull
+fails and vLLM recomputes per ``kv_load_failure_policy``). A bound on what one decode rank can queue, above
+the requests a decode engine has waiting at once."""
+
+MAX_AGENTS = 256
+"""Decode ranks a prefill rank keeps loaded for push (a NIXL remote agent and its WRITE queue each). A new one
+past it takes the place of the least recently used one with no WRITE queued or in flight; when every one has,
+its push request is answered ``busy``. A bound on what decode agents that die leave behind (docs/security.md)."""
+
+AGENT_IDLE_S = 60.0
+"""Seconds a decode rank with no WRITE queued or in flight stays loaded (one whose WRITE failed is unloaded as
+soon as it has none); its next push request loads it again."""
+
+POLL_INTERVAL_S = 0.0002
+"""How often (seconds) the push thread polls the WRITEs in flight: the pace of the decode side's pulls' thread
+(:data:`p2pkv.decode.progress.INTERVAL_S`), so a pushed request is seen done as soon as a pulled one."""
+
 
 @dataclass
 class PushCounters:
@@ -91,8 +114,9 @@ class Pusher:
     """
 
     def __init__(self, agent: NixlTransferAgent, holds: PrefillHolds, layout: KVLayout, secret: bytes | None, *,
-                 max_in_flight: int = 4, max_queued: int = 256, max_agents: int = 256, agent_idle_s: float = 60.0,
-                 poll_interval_s: float = 0.0002, on_start: Callable[[], None] | None = None,
+                 max_in_flight: int = MAX_IN_FLIGHT, max_queued: int = MAX_QUEUED, max_agents: int = MAX_AGENTS,
+                 agent_idle_s: float = AGENT_IDLE_S, poll_interval_s: float = POLL_INTERVAL_S,
+                 on_start: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.agent = agent
         self.holds = holds
@@ -167,7 +191,7 @@ class Pusher:
                 return "busy", f"{self.max_queued} WRITEs already wait for this decode rank; retry or pull"
             if not self._agents.has_room(identity):
                 return "busy", (f"{self._agents.max_agents} decode ranks already have WRITEs queued or in flight "
-                                "here (push_max_agents); retry or pull")
+                                "here (MAX_AGENTS); retry or pull")
             held = self.holds.pin(msg.request_id, block_ids)
             if held != "held":  # ended since the check
                 return held, ""
@@ -199,7 +223,7 @@ class Pusher:
         with self._lock:
             if not self._agents.has_room(identity):
                 return False, (f"{self._agents.max_agents} decode ranks already have WRITEs queued or in flight "
-                               "here (push_max_agents)")
+                               "here (MAX_AGENTS)")
             entry = self._agents.admit(identity)
             assert entry is not None  # has_room, under the same lock
             entry.streams += 1

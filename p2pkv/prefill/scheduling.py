@@ -61,7 +61,7 @@ class PrefillScheduling:
         self._secret = secret
         self.ledger = HoldLedger.of(num_blocks, config.max_held_fraction)
         self._clock = clock
-        self._tracing = bool(traces_endpoint(config.otlp_traces_endpoint))
+        self._tracing = bool(traces_endpoint())
         self.leases: dict[str, float] = {}
         self.blocks: dict[str, tuple[int, ...]] = {}
         self.traces: dict[str, tuple[str, int]] = {}
@@ -159,7 +159,7 @@ class PrefillScheduling:
         """A request aborted on the prefill engine ends its hold before it began: a ``p2pkv.hold`` span of no
         length, ended ``aborted`` (with tracing on and a trace context in its params)."""
         if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
-            tracing = Tracing.get("p2pkv-prefill", traces_endpoint(self.config.otlp_traces_endpoint))
+            tracing = Tracing.get("p2pkv-prefill", traces_endpoint())
             if tracing is not None:
                 emit_hold_span(tracing, request.request_id, trace, time.time_ns(), HoldEnd.ABORTED, self.engine_id,
                                None, 0)

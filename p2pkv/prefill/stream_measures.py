@@ -40,6 +40,13 @@ from collections.abc import Callable
 
 from p2pkv.prefill.streamer import LayerStream, StreamSide
 
+MIN_LINK_SHARE = 0.1
+"""The link rule's threshold: a layer-streamed request streams layer by layer only when its decode rank's link
+takes at least this share of the forward's time for a layer (``stream_min_tokens`` 0 turns the rule off). It
+lies where streaming's measured cost, 3-17 % of the forward on a 2-core CPU host, and what it hides meet: over
+``cma`` a 1k-token prompt's layer moved in about 3 ms against a 150 ms layer forward (share 0.02: one WRITE),
+over ``tcp`` limited to 256 Mbit/s in about 260 ms (share 1.7: streamed) (docs/streaming.md, "The link rule")."""
+
 WEIGHT = 0.3
 """Weight of the newest sample in each exponentially weighted mean."""
 
@@ -65,7 +72,7 @@ class StreamMeasures:
     last layer. Thread-safe (the engine thread measures, the side-channel thread asks :meth:`per_layer`).
 
     Args:
-        min_share: the link rule's threshold (``stream_min_link_share``: the share of a layer's forward one layer's
+        min_share: the link rule's threshold (:data:`MIN_LINK_SHARE`: the share of a layer's forward one layer's
             transfer must reach for a WRITE per layer; 0: every request streams layer by layer).
         block_bytes: bytes of one block of one layer (:func:`layer_block_bytes`; 0: no stream side, nothing
             is decided here).

@@ -81,7 +81,7 @@ class PrefillStreams(StreamDestinations, StreamReleases):
         on_gpu: the cache is in GPU memory (a layer is WRITTEN once a CUDA event recorded after it completes).
         min_tokens: a request whose decode engine loads fewer prompt tokens goes as one WRITE after its last
             layer (``stream_min_tokens``; 0: every one streams layer by layer; -1: :func:`measured_min_tokens`).
-        min_link_share: the link rule's threshold (``stream_min_link_share``,
+        min_link_share: the link rule's threshold (:data:`p2pkv.prefill.stream_measures.MIN_LINK_SHARE`,
             :class:`p2pkv.prefill.stream_measures.StreamMeasures`; 0: every request streams layer by layer).
         clock: monotonic seconds.
         on_start: run first on the stream poster's thread (the GPU and ``transfer_cpus``:

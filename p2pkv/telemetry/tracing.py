@@ -1,10 +1,8 @@
 """OpenTelemetry traces of p2pkv's work: set-up, export over OTLP/HTTP, and W3C trace context.
 
-Off by default. On when an OTLP traces endpoint is configured — p2pkv's
-``otlp_traces_endpoint`` setting (``kv_connector_extra_config`` or
-``P2PKV_OTLP_TRACES_ENDPOINT``, the proxy's ``--otlp-traces-endpoint``), or
-the standard ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` /
-``OTEL_EXPORTER_OTLP_ENDPOINT`` variables. Spans go out in batches from a
+Off by default. On when an OTLP traces endpoint is configured: the standard
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``
+variables (an engine's), or the proxy's ``--otlp-traces-endpoint``. Spans go out in batches from a
 bounded queue on the SDK's own thread (``BatchSpanProcessor``) over
 OTLP/HTTP with protobuf bodies (``opentelemetry-exporter-otlp-proto-http``):
 a collector that is down or slow never delays a request; spans that do not
@@ -48,7 +46,7 @@ EXPORT_TIMEOUT_S = 2.0
 def traces_endpoint(setting: str = "", environ: Mapping[str, str] | None = None) -> str:
     """The OTLP/HTTP traces URL in force (``""``: tracing off).
 
-    ``setting`` (p2pkv's own) wins; then ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+    ``setting`` (the proxy's ``--otlp-traces-endpoint``) wins; then ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
     (used as is); then ``OTEL_EXPORTER_OTLP_ENDPOINT`` + ``/v1/traces``.
     """
     env = os.environ if environ is None else environ

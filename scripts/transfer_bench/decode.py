@@ -69,7 +69,6 @@ class Decode:
     def __init__(self, opts: TransferBenchOptions, num_blocks: int, device: torch.device) -> None:
         import torch
 
-        from p2pkv.config import P2pKvConfig
         from p2pkv.dataplane.agent import unique_agent_name
         from p2pkv.dataplane.layout import describe_torch_kv_caches
 
@@ -85,9 +84,8 @@ class Decode:
         made = {lay: make_shaped_kv_caches(lay, shape, num_blocks, seed=2 * opts.seed + 200 + i, device=device)
                 for i, lay in enumerate(PREFILL_CACHE_LAYOUTS)}
         self.sync()
-        settings = P2pKvConfig(**opts.nixl_settings()).backend_params()
         self.agent = NixlTransferAgent(unique_agent_name("bench-decode", 0), ("UCX",), opts.progress_thread,
-                                       opts.num_threads, settings, split_bytes=int(opts.split_mib * 2**20))
+                                       opts.num_threads, split_bytes=int(opts.split_mib * 2**20))
         self.caches = {lay: base for lay, (base, _) in made.items()}
         self.layouts = {lay: describe_torch_kv_caches(views, num_blocks) for lay, (_, views) in made.items()}
         t0 = time.perf_counter()
@@ -97,12 +95,12 @@ class Decode:
         if opts.pool_threads > 0 and "pull" in opts.modes:
             # the same BLHNC memory on a second agent whose READs a thread pool moves
             self.pool_agent = NixlTransferAgent(unique_agent_name("bench-decode-pool", 0), ("UCX",),
-                                                opts.progress_thread, opts.pool_threads, settings,
+                                                opts.progress_thread, opts.pool_threads,
                                                 report_transport=False, split_bytes=int(opts.split_mib * 2**20))
             self.pool_agent.register(self.layouts["BLHNC"].regions, self.mem_type, self.device_id)
             self.labels["cross_layer_pool"] = (
                 f"p2pkv cross-layer READs (as cross_layer) on NIXL's UCX thread pool: {opts.pool_threads} threads, "
-                f"descriptors cut into {opts.split_mib:g} MiB pieces (nixl_num_threads / nixl_split_mib)")
+                f"descriptors cut into {opts.split_mib:g} MiB pieces (nixl_num_threads / READ_SPLIT_MIB)")
         self.peers: dict[str, dict[str, float]] = {}
         self.sides: dict[str, _Side] = {}
         self.pusher: PushClient | None = None

@@ -74,7 +74,7 @@ class TransferBenchOptions:
             (``cross_layer_pool``); 0: not measured.
         split_mib: with ``num_threads`` > 0, cut the decode side's READ
             descriptors into pieces of at most this many MiB (0: never), as
-            p2pkv's ``nixl_split_mib`` does, so NIXL's thread pool shares a READ.
+            p2pkv does (``p2pkv.worker.READ_SPLIT_MIB``), so NIXL's thread pool shares a READ.
         memcpy_threads: torch threads for the memcpy method (0: torch default; host memory only).
         max_mem_gib: memory per process (GiB), two caches plus overhead: host
             memory for ``device="cpu"``, GPU memory for ``"cuda"`` (both
@@ -129,8 +129,10 @@ class TransferBenchOptions:
     argv: list[str] = field(default_factory=lambda: list(sys.argv))
 
     def nixl_settings(self) -> dict[str, Any]:
-        """:class:`p2pkv.config.P2pKvConfig` keywords for both sides' NIXL agents."""
-        return {"nixl_progress_thread": self.progress_thread, "nixl_num_threads": self.num_threads}
+        """How both sides' NIXL agents are made: ``progress_thread`` (p2pkv's is a constant,
+        ``p2pkv.worker.NIXL_PROGRESS_THREAD``, set in the prefill process) and the
+        :class:`p2pkv.config.P2pKvConfig` setting ``nixl_num_threads``."""
+        return {"progress_thread": self.progress_thread, "nixl_num_threads": self.num_threads}
 
 
 def _token_list(text: str) -> tuple[int, ...]:

@@ -47,6 +47,7 @@ def _prefill_main(shape_d: dict[str, Any], num_blocks: int, seed: int, nixl: dic
     """
     import torch
 
+    import p2pkv.worker as worker_module
     from p2pkv.config import P2pKvConfig
     from p2pkv.worker import WorkerSide
 
@@ -56,7 +57,8 @@ def _prefill_main(shape_d: dict[str, Any], num_blocks: int, seed: int, nixl: dic
         cuda = dev.type == "cuda"
         if cuda:
             torch.cuda.set_device(dev)
-        config = P2pKvConfig(**nixl, insecure=True)  # synthetic caches: nothing secret to guard
+        worker_module.NIXL_PROGRESS_THREAD = nixl["progress_thread"]  # this process only
+        config = P2pKvConfig(nixl_num_threads=nixl["nixl_num_threads"], insecure=True)  # synthetic: no secret
         shape, caches, ready = KVShape(**shape_d), [], {}
         for layout in PREFILL_CACHE_LAYOUTS:
             base, views = make_shaped_kv_caches(layout, shape, num_blocks, seed=remote_seed(seed, layout), device=dev)

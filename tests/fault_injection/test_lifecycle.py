@@ -97,7 +97,7 @@ def test_a_notify_only_pull_on_an_idle_decode_engine_frees_the_hold_without_anot
     """A request aborted before its blocks were allocated (its client left) leaves a notify-only pull; vLLM then
     has nothing to run and takes no step. The pull's "done" goes out from the pulls' thread once the handshake
     ends, not at the next request's step (seen: 25 s later, up to the lease)."""
-    d = DecodeSide(64, **{**DECODE_CFG, "pull_poll_interval_s": 0.0002})  # the pulls' thread, as by default
+    d = DecodeSide(64, **{**DECODE_CFG, "pull_thread": True})  # the pulls' thread, as by default
     try:
         prefill.lease(["p-idle"], 60.0)
         d.start(notify_task("d-idle", "p-idle", prefill.port))  # then no step at all

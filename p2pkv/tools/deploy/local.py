@@ -40,7 +40,9 @@ class LocalPair:
         secret: the side-channel secret the two engines and the proxy share
             (``P2PKV_SECRET`` in their environments; a fresh random one when empty).
         otlp_traces_endpoint: when set, the proxy, both engines' p2pkv spans and vLLM's own request
-            spans export there over OTLP/HTTP (docs/tracing.md).
+            spans export there over OTLP/HTTP (docs/tracing.md): the proxy and vLLM by their
+            ``--otlp-traces-endpoint`` flags, p2pkv by ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` in the
+            engines' environments.
     """
 
     model: str
@@ -83,7 +85,7 @@ class LocalPair:
         if self.otlp_traces_endpoint:
             env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # vLLM's own exporter (grpc otherwise)
             engine_args += ("--otlp-traces-endpoint", self.otlp_traces_endpoint)
-            extra["otlp_traces_endpoint"] = self.otlp_traces_endpoint
+            env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = self.otlp_traces_endpoint  # p2pkv's spans
         common = dict(model=self.model, host=self.host, block_size=self.block_size, dtype=self.dtype,
                       max_model_len=self.max_model_len, connector=self.connector,
                       side_channel_host=self.host, env=env,

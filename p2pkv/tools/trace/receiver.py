@@ -2,7 +2,7 @@
 
 For ``p2pkv trace --listen`` and for tests: point exporters
 (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, the proxy's
-``--otlp-traces-endpoint``, p2pkv's ``otlp_traces_endpoint``, vLLM's
+``--otlp-traces-endpoint``, vLLM's
 ``--otlp-traces-endpoint`` with ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf``)
 at :attr:`OtlpReceiver.url`. Bodies are ``ExportTraceServiceRequest`` as
 protobuf (``application/x-protobuf``) or OTLP/JSON (``application/json``),
