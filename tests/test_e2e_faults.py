@@ -77,7 +77,7 @@ class Rig:
         argv = [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
                 "--vllm-pd-disaggregation", "--prefill", self.prefill_url, "--prefill", self.pair.url("prefill"),
                 "--decode", self.pair.url("decode"), "--policy", "round_robin", "--health-check-interval-secs", "1",
-                "--retry-max-retries", "2"]
+                "--health-failure-threshold", "1", "--cb-failure-threshold", "1"]
         child = start_child("vllm-router", argv, dict(os.environ), self.logs, f"http://127.0.0.1:{port}/health")
         wait_healthy([child], 120.0)
         self.router = (f"http://127.0.0.1:{port}", child)
@@ -132,6 +132,27 @@ def _ask(url: str, prompt: str, max_tokens: int = 6) -> tuple[int, list[str] | s
     if resp.status_code != 200:
         return resp.status_code, resp.text[:300], seconds
     return 200, [c["text"] for c in resp.json()["choices"]], seconds
+
+
+def _ask_sse_list(url: str, prompts: list[str], max_tokens: int = 6) -> tuple[int, list[str] | str]:
+    """A completions request for a list of prompts answered as one SSE stream: ``(status, each prompt's text, in
+    order, or the error)``; an error event in the stream is an error."""
+    body = {"model": "model", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    texts = [""] * len(prompts)
+    try:
+        with httpx.Client(timeout=120.0) as client, client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return resp.status_code, resp.read().decode()[:300]
+            for line in resp.iter_lines():
+                event = json.loads(line[6:]) if line.startswith("data: {") else {}
+                if "error" in event:
+                    return 500, str(event)[:300]
+                for choice in event.get("choices", []):
+                    texts[choice["index"]] += choice["text"]
+    except httpx.HTTPError as exc:
+        return 0, repr(exc)
+    return 200, texts
 
 
 def _reference(rig: Rig, prompt: str, max_tokens: int = 6) -> list[str]:
@@ -234,7 +255,14 @@ def test_a_prefill_killed_mid_transfer_ends_every_way_in_seconds_and_its_restart
     rig.figures["decode_freed_after_kill_s"] = round(time.monotonic() - killed, 2)
 
     rig.figures["prefill_restart_s"] = round(rig.start_prefill(), 1)
+    listed = [f"a list after the restart {i} {LONG}" for i in range(2)]
+    got_list: list[Any] = []
+    as_list = threading.Thread(target=lambda: got_list.append(_ask_sse_list(rig.proxies["stream"][0], listed)))
+    as_list.start()  # with the stream proxy's first single prompt: both find its address stale
     after = {way: _ask(rig.proxies[way][0], f"after the restart {way} {LONG}") for way in WAYS}
+    as_list.join(timeout=120)
+    assert got_list == [(200, [_reference(rig, prompt)[0] for prompt in listed])], \
+        f"a streamed list of streamed prompts after the restart: {got_list}"
     rig.figures["first_after_restart"] = {way: {"status": s, "seconds": round(t, 2)} for way, (s, _, t) in
                                           after.items()}
     for way, (status, texts, _) in after.items():
@@ -284,7 +312,8 @@ def own_decode(rig: Rig) -> Iterator[tuple[EngineSpec, list[Child], dict[str, st
     port, side = free_ports(2)
     spec = EngineSpec(name="decode-faults", model=p.model, port=port, role="decode", side_channel_port=side,
                       side_channel_host="127.0.0.1", block_size=BLOCK, max_model_len=1024,
-                      extra_config={"handshake_timeout_s": 3.0, "handshake_retries": 1},
+                      extra_config={"handshake_timeout_s": 3.0, "handshake_retries": 1,
+                                    "transfer_timeout_s": LEASE_S},  # its pushes' and streams' window
                       env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": p.secret})
     children = [start_engine(spec, rig.logs)]
     urls: dict[str, str] = {}
@@ -304,6 +333,60 @@ def own_decode(rig: Rig) -> Iterator[tuple[EngineSpec, list[Child], dict[str, st
         yield spec, children, urls
     finally:
         stop_children(children)
+
+
+STOPPED_S = LEASE_S + 8.0
+"""How long the decode engine stays stopped (seconds): past the prefill engine's lease and the module decode
+engine's window (``transfer_timeout_s``: a push's or stream's WRITE into a stopped process does not complete, and
+its blocks stay pinned until the window cuts it), so every hold it never ended must end there on its own."""
+
+
+def test_a_decode_that_stops_answering_leaves_nothing_held_past_the_lease_and_never_serves_wrong_tokens(
+        rig: Rig, own_decode: tuple[EngineSpec, list[Child], dict[str, str]]) -> None:
+    """The decode engine SIGSTOPped (its side channel, its HTTP server and its NIXL progress stop at once) just
+    after a prompt of every way was sent, so its loads are in flight: the prefill engine frees every hold at its
+    lease, or a WRITE's window, without a word from it; started again (SIGCONT) after that, it answers each
+    client with the right tokens or an error (a pull's blocks may be gone and reused by then: its fence must not
+    let them be served), frees what it allocated, and serves every way right next."""
+    spec, children, urls = own_decode
+    prompts = {way: f"the decode stops {way} {LONG}" for way in WAYS}
+    refs = {way: _reference(rig, prompt) for way, prompt in prompts.items()}
+    outcomes: dict[str, tuple[int, Any, float]] = {}
+    threads = [threading.Thread(target=lambda w=way: outcomes.__setitem__(w, _ask(urls[w], prompts[w])))
+               for way in WAYS]
+    for thread in threads:
+        thread.start()
+    with httpx.Client(timeout=10.0) as client:  # the prefill legs under way: the decode legs' loads not done
+        deadline = time.monotonic() + 30.0
+        while kv_cache_usage(client, rig.prefill_url) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    os.killpg(children[0].proc.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        time.sleep(1.0)
+        with httpx.Client(timeout=10.0) as client:
+            held = kv_cache_usage(client, rig.prefill_url)
+        assert held > 0, "the prefill engine held nothing while the decode engine was stopped: nothing was tried"
+        freed = _back_to_zero(rig.prefill_url, STOPPED_S)
+        assert freed is not None, "the prefill engine held blocks past its lease for a decode engine that stopped"
+        rig.figures["decode_stopped"] = {"prefill_freed_s": round(time.monotonic() - stopped, 2)}
+        time.sleep(max(0.0, STOPPED_S - (time.monotonic() - stopped)))
+    finally:
+        os.killpg(children[0].proc.pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    for thread in threads:
+        thread.join(timeout=120)
+    rig.figures["decode_stopped"]["after_resume"] = {
+        way: {"status": s, "seconds": round(t - (resumed - stopped), 2) if s else None}
+        for way, (s, _, t) in outcomes.items()}
+    for way, (status, texts, _) in outcomes.items():
+        assert status != 200 or texts == refs[way], f"{way}: wrong tokens served by a decode engine that stopped"
+        assert status in (200, 500, 502, 504), f"{way}: {status} {texts}"
+    assert _back_to_zero(f"http://127.0.0.1:{spec.port}", 30) is not None, \
+        "the decode engine kept blocks of the stopped requests"
+    for way in WAYS:
+        prompt = f"after the decode resumed {way}"
+        assert _ask(urls[way], prompt)[:2] == (200, _reference(rig, prompt)), way
 
 
 def test_a_decode_killed_mid_answer_fails_its_clients_frees_the_prefill_and_its_restart_serves(
