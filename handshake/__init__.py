@@ -35,7 +35,7 @@ from handshake.errors import (
     UnknownRankError,
     WrongDestinationError,
 )
-from handshake.holds import HoldStatus
+from handshake.hold_answers import HoldStatus
 from handshake.link import HoldLink
 from handshake.messages import (
     PROTOCOL_VERSION,

@@ -15,7 +15,6 @@ import zmq
 
 from handshake.bounds import MAX_MESSAGE_BYTES
 from handshake.codec import decode, encode, verify_agent_info
-from handshake.compat import OPAQUE, describe, mismatches
 from handshake.destination import Destination
 from handshake.errors import (
     AuthenticationError,
@@ -27,6 +26,7 @@ from handshake.errors import (
     MetadataDigestError,
     RemoteRefusedError,
 )
+from handshake.fingerprints import OPAQUE, describe, mismatches
 from handshake.link import HoldLink, exchange
 from handshake.messages import (
     MAX_HEARTBEAT_IDS,
@@ -86,7 +86,7 @@ def fetch_agent_info(
     Args:
         to: the rank whose info is wanted (its engine id is the one the peer must have).
         requester_engine_id: this engine's id (shown in the server's logs).
-        compat_hash: this engine's compatibility fingerprint (:mod:`handshake.compat`); the
+        compat_hash: this engine's compatibility fingerprint (:mod:`handshake.fingerprints`); the
             reply's must equal it, field by field.
         secret: the shared secret (bytes): HMAC on every message and CURVE
             encryption, or ``None`` when not authenticating.

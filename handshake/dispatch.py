@@ -20,7 +20,6 @@ from typing import Any
 
 import handshake.messages as messages
 from handshake.codec import check_bounds, decode, encode, error_from_exception, verify_agent_info
-from handshake.compat import describe, mismatches
 from handshake.errors import (
     HandshakeError,
     IncompatiblePeerError,
@@ -28,7 +27,8 @@ from handshake.errors import (
     UnknownRankError,
     WrongDestinationError,
 )
-from handshake.holds import HoldAnswers, OnPush, OnStream
+from handshake.fingerprints import describe, mismatches
+from handshake.hold_answers import HoldAnswers, OnPush, OnStream
 from handshake.messages import PROTOCOL_VERSION, AgentInfo
 from handshake.replay import ReplayGuard
 

@@ -21,7 +21,7 @@ PROTOCOL_VERSION = 14
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
 * 2: ``LeaseHeartbeat`` and its reply (lease extension for queued requests).
 * 3: fence block ids in ``LeaseHeartbeat``; request nonces echoed by replies; ``ReleaseHolds``.
-* 4: ``compat_hash`` became a field-by-field fingerprint (:mod:`handshake.compat`).
+* 4: ``compat_hash`` became a field-by-field fingerprint (:mod:`handshake.fingerprints`).
 * 5: every request names its destination (``to_engine_id``, ``to_rank``) and its time
   (``sent_at``) and carries a required nonce, refused when replayed; the fence question is
   :class:`HoldQuery`, every hold request is answered by :class:`HoldsReply`; ``ReleaseHolds``
@@ -105,7 +105,7 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 """A human-readable message."""
 
 CompatHash = Annotated[str, msgspec.Meta(max_length=MAX_COMPAT_CHARS)]
-"""A compatibility fingerprint (:mod:`handshake.compat`)."""
+"""A compatibility fingerprint (:mod:`handshake.fingerprints`)."""
 
 Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
 """A tensor-parallel rank."""
@@ -196,7 +196,7 @@ class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         agent_metadata: opaque NIXL agent metadata (``get_agent_metadata()``).
         metadata_digest: SHA-256 of ``agent_metadata``, checked before the
             metadata reaches NIXL.
-        compat_hash: compatibility fingerprint (:mod:`handshake.compat`):
+        compat_hash: compatibility fingerprint (:mod:`handshake.fingerprints`):
             canonical JSON of what must match between peers (vLLM version,
             model, dtypes, KV cache groups, ...), compared field by field by
             the requester.

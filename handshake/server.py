@@ -15,7 +15,7 @@ from handshake.bounds import MAX_MESSAGE_BYTES
 from handshake.connections import MAX_CONNECTIONS, MAX_HANDSHAKES, ConnectionLimits
 from handshake.dispatch import Dispatcher, RequestTimes
 from handshake.errors import HandshakeBindError
-from handshake.holds import HoldAnswers, OnHeartbeat, OnPush, OnRelease, OnStream
+from handshake.hold_answers import HoldAnswers, OnHeartbeat, OnPush, OnRelease, OnStream
 from handshake.messages import AgentInfo
 from handshake.replay import DEFAULT_FUTURE_SKEW_S, DEFAULT_WINDOW_S, ReplayGuard
 from handshake.watchdog import StallWatchdog
@@ -55,7 +55,7 @@ class HandshakeServer:
             an IPv6 literal, ...).
         port: TCP port; ``0`` picks a free ephemeral port (see :attr:`port`).
         compat_hash: this engine's compatibility fingerprint
-            (:mod:`handshake.compat`), published in every ``AgentInfo``. The
+            (:mod:`handshake.fingerprints`), published in every ``AgentInfo``. The
             requester compares it with its own and refuses a mismatch; the
             server serves it and logs the differing fields.
         secret: shared HMAC key (bytes); when set, requests must carry a valid

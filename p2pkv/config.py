@@ -149,7 +149,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             WRITE after its prefill's last layer (a bulk push into the same
             destination) instead of a WRITE per layer, which for short
             prompts cost more than it hid. -1: as measured for the cache's
-            kind (:data:`p2pkv.prefill.streams.MEASURED_MIN_TOKENS`: 128
+            kind (:data:`p2pkv.prefill.prefill_streams.MEASURED_MIN_TOKENS`: 128
             tokens for a per-layer cache, 512 for a cross-layer one,
             docs/benchmarks/stream-threshold-cpu.md); 0: every request streams
             layer by layer, the link rule

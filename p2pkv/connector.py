@@ -25,8 +25,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from handshake.compat import fingerprint
-from p2pkv.compat import (
+from handshake.fingerprints import fingerprint
+from p2pkv.config import P2pKvConfig, load_config
+from p2pkv.config import engine_role as p2pkv_role
+from p2pkv.engine_facts import (
     check_kv_cache_supported,
     compat_fields,
     layer_groups,
@@ -36,8 +38,6 @@ from p2pkv.compat import (
     state_group_indices,
     state_layer_names,
 )
-from p2pkv.config import P2pKvConfig, load_config
-from p2pkv.config import engine_role as p2pkv_role
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import MAX_BLOCK_IDS
 from p2pkv.scheduler import SchedulerSide
@@ -142,8 +142,8 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
 
     Raises:
         p2pkv.config.ConfigError: a bad setting (names the key).
-        p2pkv.compat.UnsupportedKVCacheError: a KV cache group p2pkv cannot
-            move (see :func:`p2pkv.compat.check_kv_cache_supported`).
+        p2pkv.engine_facts.UnsupportedKVCacheError: a KV cache group p2pkv cannot
+            move (see :func:`p2pkv.engine_facts.check_kv_cache_supported`).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -219,7 +219,7 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         """A layer's forward is done: its pages of this step's streamed requests may be WRITTEN
-        (:mod:`p2pkv.prefill.streams`; nothing when none streams)."""
+        (:mod:`p2pkv.prefill.prefill_streams`; nothing when none streams)."""
         if self.worker is not None:
             meta = self._get_connector_metadata()
             assert isinstance(meta, P2pKvMetadata)

@@ -1,5 +1,5 @@
-"""Scheduler-side connector state: a thin facade over the decode half (:mod:`p2pkv.decode.scheduling`: which
-requests load, and their pulls) and the prefill half (:mod:`p2pkv.prefill.scheduling`: which requests hold their
+"""Scheduler-side connector state: a thin facade over the decode half (:mod:`p2pkv.decode.load_scheduling`: which
+requests load, and their pulls) and the prefill half (:mod:`p2pkv.prefill.hold_scheduling`: which requests hold their
 blocks, and the params that say where)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import P2pKvConfig, Role
-from p2pkv.decode.scheduling import DecodeScheduling, group_pairs
+from p2pkv.decode.load_scheduling import DecodeScheduling, group_pairs
 from p2pkv.grant import STREAMED_KEY, wants_stream
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import MAX_BLOCK_IDS, wants_remote_decode, wants_remote_prefill
-from p2pkv.prefill.scheduling import PrefillScheduling
+from p2pkv.prefill.hold_scheduling import PrefillScheduling
 from p2pkv.prefill.stream_steps import StreamSteps
 from p2pkv.telemetry.tracing import traces_endpoint
 
@@ -46,10 +46,10 @@ class SchedulerSide:
             engine with it computes all but the last ``recompute_tokens``
             prompt tokens of a request it prefills for a decode engine; a
             decode engine loads that many (see
-            :func:`p2pkv.compat.frees_blocks_behind_window`). Also 1 for a
+            :func:`p2pkv.engine_facts.frees_blocks_behind_window`). Also 1 for a
             model with Mamba/SSM state: the state moved is the one after
             ``N - 1`` tokens, and the decode step over the last token
-            advances it (:func:`p2pkv.compat.recompute_tokens`).
+            advances it (:func:`p2pkv.engine_facts.recompute_tokens`).
         kv_groups: KV cache groups of this engine (vLLM's hybrid KV cache
             manager, HMA, gives a model with several attention types one
             group per type; 1 otherwise). With more than one, a pull pairs
@@ -64,7 +64,7 @@ class SchedulerSide:
         num_blocks: blocks of this engine's KV cache (caps the blocks held for remote decodes at
             ``max_held_fraction`` of them; None: no cap).
         state_groups: the indices of its KV cache groups that hold Mamba/SSM state
-            (:func:`p2pkv.compat.state_group_indices`): a stream sends their blocks after the prompt's last step.
+            (:func:`p2pkv.engine_facts.state_group_indices`): a stream sends their blocks after the prompt's last step.
         clock: monotonic seconds of the holds' leases (``time.monotonic``; tests pass a fake).
     """
 
@@ -106,19 +106,19 @@ class SchedulerSide:
             self.streams.on_new_request(request)
 
     def send_heartbeats(self, now: float | None = None) -> int:
-        """See :meth:`p2pkv.decode.scheduling.DecodeScheduling.send_heartbeats`."""
+        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.send_heartbeats`."""
         return self.decode.send_heartbeats(now)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """See :meth:`p2pkv.decode.scheduling.DecodeScheduling.get_num_new_matched_tokens`."""
+        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.get_num_new_matched_tokens`."""
         return self.decode.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """See :meth:`p2pkv.decode.scheduling.DecodeScheduling.update_state_after_alloc`."""
+        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.update_state_after_alloc`."""
         self.decode.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def fail_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """See :meth:`p2pkv.decode.scheduling.DecodeScheduling.fail_load`."""
+        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.fail_load`."""
         self.decode.fail_load(request, blocks, num_external_tokens)
 
     def on_sent(self, request_ids: set[str] | frozenset[str]) -> None:
@@ -149,9 +149,9 @@ class SchedulerSide:
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """A request ends: a decode leg drops what was kept for it (see
-        :meth:`p2pkv.decode.scheduling.DecodeScheduling.request_finished`); a prefill leg may hold its blocks
+        :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.request_finished`); a prefill leg may hold its blocks
         (every KV cache group's) for a decode engine (see
-        :meth:`p2pkv.prefill.scheduling.PrefillScheduling.request_finished`).
+        :meth:`p2pkv.prefill.hold_scheduling.PrefillScheduling.request_finished`).
 
         Returns:
             ``(hold, params)`` as vLLM's ``request_finished`` expects.

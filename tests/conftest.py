@@ -149,9 +149,9 @@ in chunks (vLLM's chunked prefill), as on a busy production engine."""
 
 @pytest.fixture(scope="session")
 def otlp():
-    """A session-wide OTLP/HTTP span receiver on 127.0.0.1 (:class:`p2pkv.tools.trace.receiver.OtlpReceiver`):
+    """A session-wide OTLP/HTTP span receiver on 127.0.0.1 (:class:`p2pkv.tools.trace.otlp_receiver.OtlpReceiver`):
     the shared pair's proxy and engines export every span to it."""
-    from p2pkv.tools.trace.receiver import OtlpReceiver
+    from p2pkv.tools.trace.otlp_receiver import OtlpReceiver
 
     with OtlpReceiver("127.0.0.1", 0) as receiver:
         yield receiver

@@ -15,8 +15,8 @@ from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
 from p2pkv.dataplane.layers import page_segments
 from p2pkv.dataplane.layout import KVLayout, Segment, describe_torch_kv_caches
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
+from p2pkv.prefill.layer_stream import LayerStream, StreamSide, StreamTarget
 from p2pkv.prefill.poster import StreamPoster
-from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 from p2pkv.testing import make_kv_caches
 from p2pkv.tools.doctor import loopback_info
 

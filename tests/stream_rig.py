@@ -1,5 +1,5 @@
-"""A prefill rank's :class:`~p2pkv.prefill.streams.PrefillStreams` beside a decode agent, over two real NIXL agents
-in this process (UCX moves host memory): one request streamed into rank 0 of the decode engine, and what the
+"""A prefill rank's :class:`~p2pkv.prefill.prefill_streams.PrefillStreams` beside a decode agent, over two real NIXL
+agents in this process (UCX moves host memory): one request streamed into rank 0 of the decode engine, and what the
 tests check of it (the decode blocks' bytes, the notifications, the holds)."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 from p2pkv.params import prompt_digest
 from p2pkv.prefill.holds import PrefillHolds
+from p2pkv.prefill.layer_stream import LayerStream
+from p2pkv.prefill.prefill_streams import PrefillStreams
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_requests import stream_side
-from p2pkv.prefill.streamer import LayerStream
-from p2pkv.prefill.streams import PrefillStreams
 from tests.clock import FakeClock
 from tests.push_support import DECODE, ENGINE, KEY, SHAPE, Agents
 
@@ -126,7 +126,8 @@ def open_rig(agents: Agents, clock: Callable[[], float] | None = None, layer_of:
              **settings: object) -> Iterator[Rig]:
     """A :class:`Rig` on ``agents`` (the decode cache zeroed, notes left by earlier tests dropped): its streams on
     ``clock`` (default: a :class:`~tests.clock.FakeClock`), its layers named ``layer_of`` (default
-    ``layers.<i>``), with ``settings`` as keyword arguments of :class:`~p2pkv.prefill.streams.PrefillStreams`."""
+    ``layers.<i>``), with ``settings`` as keyword arguments of
+    :class:`~p2pkv.prefill.prefill_streams.PrefillStreams`."""
     agents.target.zero_()
     agents.decode.take_notifs(PUSH_PREFIX)  # notes an earlier test left; kept apart from now on
     holds = PrefillHolds(lease_s=30.0)

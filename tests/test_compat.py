@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from handshake import Destination, HandshakeServer, IncompatiblePeerError, fetch_agent_info
-from handshake.compat import OPAQUE, describe, fingerprint, mismatches
+from handshake.fingerprints import OPAQUE, describe, fingerprint, mismatches
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
 from tests.handshake_support import make_agent_info
 
@@ -74,7 +74,7 @@ CASES = {
 def _fields(configs, monkeypatch, args: dict) -> dict[str, str]:
     import vllm
 
-    from p2pkv.compat import compat_fields
+    from p2pkv.engine_facts import compat_fields
 
     args = dict(args)
     monkeypatch.setattr(vllm, "__version__", args.pop("vllm_version", "0.32.0"))

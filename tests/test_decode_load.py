@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import p2pkv.decode.scheduling as scheduler_module
+import p2pkv.decode.load_scheduling as scheduler_module
 import p2pkv.params as params_module
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.load import DecodeLoad

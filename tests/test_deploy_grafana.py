@@ -57,8 +57,8 @@ def engine_metric_definitions() -> dict[str, str]:
 
 
 def proxy_metric_definitions() -> dict[str, str]:
-    """``name`` → type, from a live :class:`p2pkv.tools.proxy.metrics.ProxyMetrics` registry."""
-    from p2pkv.tools.proxy.metrics import ProxyMetrics
+    """``name`` → type, from a live :class:`p2pkv.tools.proxy.proxy_metrics.ProxyMetrics` registry."""
+    from p2pkv.tools.proxy.proxy_metrics import ProxyMetrics
 
     return {family.name: family.type for family in ProxyMetrics().registry.collect()}
 

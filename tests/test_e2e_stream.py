@@ -20,7 +20,7 @@ import pytest
 
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
 from p2pkv.tools.demo import LOGPROB_TOLERANCE, complete, kv_cache_usage, max_logprob_diff, read_pull_stats
-from p2pkv.tools.proxy.release import release_all
+from p2pkv.tools.proxy.unpulled_holds import release_all
 from tests.conftest import BLOCK, MAX_BATCHED_TOKENS, Route
 
 pytestmark = pytest.mark.engines

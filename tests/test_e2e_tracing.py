@@ -1,7 +1,7 @@
 """One trace per client request, across the proxy, the prefill engine and the decode engine (real engines).
 
 The shared pair (prefill, decode, the bundled proxy) exports its spans over
-OTLP/HTTP to the session's receiver (:class:`p2pkv.tools.trace.receiver.OtlpReceiver`,
+OTLP/HTTP to the session's receiver (:class:`p2pkv.tools.trace.otlp_receiver.OtlpReceiver`,
 decoding the protobuf with ``opentelemetry-proto``): the proxy's request and
 leg spans, vLLM's own request spans, p2pkv's hold span on the prefill engine
 and pull span (with its phases) on the decode engine must share one trace id
@@ -18,7 +18,7 @@ import pytest
 
 from p2pkv.params import CAPABILITY_KEY, sign_params
 from p2pkv.tools.trace.otlp import SpanRecord
-from p2pkv.tools.trace.receiver import OtlpReceiver
+from p2pkv.tools.trace.otlp_receiver import OtlpReceiver
 from tests.conftest import BLOCK, free_ports
 
 pytestmark = pytest.mark.engines

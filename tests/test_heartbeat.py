@@ -21,7 +21,7 @@ from handshake import (
     release_holds,
     send_heartbeat,
 )
-from handshake.compat import fingerprint
+from handshake.fingerprints import fingerprint
 from p2pkv.config import ConfigError, P2pKvConfig, load_config
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import make_prefill_response_params

@@ -25,16 +25,16 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
-from p2pkv.compat import (
+from p2pkv.config import P2pKvConfig
+from p2pkv.connector import P2pKvConnector
+from p2pkv.dataplane.negotiate import ModelInfo, PairRefused, Placement, plan_peer
+from p2pkv.engine_facts import (
     UnsupportedKVCacheError,
     check_kv_cache_supported,
     has_state_groups,
     recompute_tokens,
     state_layer_names,
 )
-from p2pkv.config import P2pKvConfig
-from p2pkv.connector import P2pKvConnector
-from p2pkv.dataplane.negotiate import ModelInfo, PairRefused, Placement, plan_peer
 from p2pkv.scheduler import SchedulerSide
 from tests.workers import one_layer_desc
 

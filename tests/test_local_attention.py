@@ -25,9 +25,9 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
-from p2pkv.compat import frees_blocks_behind_window
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo, PairRefused, Placement, plan_peer
+from p2pkv.engine_facts import frees_blocks_behind_window
 from p2pkv.params import make_prefill_response_params
 from p2pkv.scheduler import SchedulerSide
 from tests.workers import one_layer_desc

@@ -210,7 +210,7 @@ def test_release_reaches_p2pkv_prefill_engines_only() -> None:
     sent there would break every later pull from that engine.
     """
     from p2pkv.params import make_prefill_response_params
-    from p2pkv.tools.proxy.release import _release
+    from p2pkv.tools.proxy.unpulled_holds import _release
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))

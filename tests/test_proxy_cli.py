@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from p2pkv.tools.proxy import PREFILL_PARAMS, RoundRobin, prefill_body
-from p2pkv.tools.proxy.server import add_arguments, main, normalize_url
+from p2pkv.tools.proxy.proxy_cli import add_arguments, main, normalize_url
 from tests.conftest import free_ports
 from tests.fake_engines import KV_PARAMS, FakeEngine, Served
 
@@ -168,7 +168,7 @@ def stop_proxy(proc: subprocess.Popen[bytes]) -> None:
 @pytest.mark.parametrize("traced", [False, True])
 def test_python_dash_m_serves_a_completion(traced: bool) -> None:
     """Served for real; with ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` set, its spans reach that receiver."""
-    from p2pkv.tools.trace.receiver import OtlpReceiver
+    from p2pkv.tools.trace.otlp_receiver import OtlpReceiver
 
     prefill, decode = FakeEngine("p", "prefill"), FakeEngine("d", "decode")
     engines = [Served(prefill.app), Served(decode.app)]

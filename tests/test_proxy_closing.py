@@ -22,7 +22,7 @@ import pytest
 from p2pkv.tools.proxy.fanout import Batch
 from p2pkv.tools.proxy.first_token import FirstToken
 from p2pkv.tools.proxy.hand_over import hand_over_stream
-from p2pkv.tools.proxy.metrics import ProxyMetrics
+from p2pkv.tools.proxy.proxy_metrics import ProxyMetrics
 from tests.test_proxy_stream import Recorded
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}}

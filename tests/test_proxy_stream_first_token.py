@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 from p2pkv.grant import GRANT_KEY, STREAMED_KEY
 from p2pkv.tools.proxy.app import Proxy
 from p2pkv.tools.proxy.first_token import read_first_token, recompute_body
-from p2pkv.tools.proxy.metrics import ProxyMetrics
+from p2pkv.tools.proxy.proxy_metrics import ProxyMetrics
 from p2pkv.tools.proxy.stream_hand_over import (
     FirstTokenMismatch,
     StreamedFirstTokenStream,

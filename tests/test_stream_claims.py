@@ -1,5 +1,5 @@
 """What a prefill rank does with stream ids it did not choose: one request per stream id, bounded waits per decode
-rank, no stream kept past its grant (:class:`p2pkv.prefill.streams.PrefillStreams` with a real
+rank, no stream kept past its grant (:class:`p2pkv.prefill.prefill_streams.PrefillStreams` with a real
 :class:`~p2pkv.prefill.pusher.Pusher` and :class:`~p2pkv.prefill.holds.PrefillHolds`, over two real NIXL agents
 in this process).
 

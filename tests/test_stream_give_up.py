@@ -1,5 +1,5 @@
 """A decode rank giving a layer stream up, and a stream's window, on the prefill side
-(:class:`p2pkv.prefill.streams.PrefillStreams` with a real :class:`~p2pkv.prefill.pusher.Pusher` and
+(:class:`p2pkv.prefill.prefill_streams.PrefillStreams` with a real :class:`~p2pkv.prefill.pusher.Pusher` and
 :class:`~p2pkv.prefill.holds.PrefillHolds`, over two real NIXL agents in this process: UCX moves host memory).
 
 * A release of the stream id with no block ids from the decode rank that holds the stream's destination stops

@@ -16,8 +16,8 @@ import pytest
 
 from p2pkv.dataplane.layout import Segment
 from p2pkv.prefill import stream_measures
+from p2pkv.prefill.layer_stream import LayerStream, StreamSide
 from p2pkv.prefill.stream_measures import WEIGHT, StreamMeasures, layer_block_bytes
-from p2pkv.prefill.streamer import LayerStream, StreamSide
 from tests.clock import FakeClock
 from tests.push_support import Agents
 from tests.stream_rig import LAYERS, PID, Rig, open_rig

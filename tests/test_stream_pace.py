@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import time
 
+from p2pkv.prefill.layer_stream import StreamTarget
 from p2pkv.prefill.poster import StreamPoster
-from p2pkv.prefill.streamer import StreamTarget
 from tests.test_streamer import Flag, Pair, StuckWriter, stream_pair  # noqa: F401 (stream_pair: a fixture)
 
 

@@ -1,4 +1,4 @@
-"""A streamed prefill preempted mid-way (:meth:`p2pkv.prefill.streamer.LayerStream.restart`).
+"""A streamed prefill preempted mid-way (:meth:`p2pkv.prefill.layer_stream.LayerStream.restart`).
 
 vLLM frees a preempted request's blocks at once, without asking the
 connector, and computes the request again from its first token in the blocks

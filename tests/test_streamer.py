@@ -1,4 +1,4 @@
-"""Layer-streamed WRITEs (:mod:`p2pkv.prefill.streamer`) and their rows by layer (:mod:`p2pkv.dataplane.layers`).
+"""Layer-streamed WRITEs (:mod:`p2pkv.prefill.layer_stream`) and their rows by layer (:mod:`p2pkv.dataplane.layers`).
 
 The streams run over two real NIXL agents in this process (UCX moves host
 memory), and every test compares the decode cache's bytes with the prefill
@@ -21,9 +21,9 @@ from p2pkv.dataplane.layers import layer_rows, page_segments
 from p2pkv.dataplane.layout import LayoutError, Segment
 from p2pkv.dataplane.plan import PlanError
 from p2pkv.notification import PUSH_PREFIX, PushedNotification
+from p2pkv.prefill.layer_stream import LayerStream, StreamSide, StreamState, StreamTarget
 from p2pkv.prefill.poster import StreamPoster
-from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamState, StreamTarget
-from p2pkv.prefill.streams import MEASURED_MIN_TOKENS, measured_min_tokens
+from p2pkv.prefill.prefill_streams import MEASURED_MIN_TOKENS, measured_min_tokens
 from tests.stream_pair import BLOCKS, KEY, LAYERS, PAGE, PUSH_ID, Pair, drain, ended_on, kv_layout, open_pair
 
 # --- rows by layer -------------------------------------------------------------------------------------------------

@@ -21,9 +21,9 @@ import httpx
 import pytest
 
 from p2pkv.tools.cli import main as p2pkv
-from p2pkv.tools.trace.layout import layout, pick_trace, summary, tree
 from p2pkv.tools.trace.otlp import SpanRecord, load, records_of, to_otlp_json
-from p2pkv.tools.trace.receiver import OtlpReceiver
+from p2pkv.tools.trace.otlp_receiver import OtlpReceiver
+from p2pkv.tools.trace.timeline import layout, pick_trace, summary, tree
 from tests.conftest import free_ports
 
 MS = 1_000_000

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from p2pkv.config import P2pKvConfig
+from p2pkv.prefill.hold_spans import emit_hold_span
 from p2pkv.prefill.holds import HoldEnd
-from p2pkv.prefill.spans import emit_hold_span
 from p2pkv.telemetry.tracing import Tracing, parse_traceparent, traces_endpoint
-from p2pkv.tools.trace.receiver import OtlpReceiver
+from p2pkv.tools.trace.otlp_receiver import OtlpReceiver
 
 PARENT_TRACE, PARENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 TRACEPARENT = f"00-{PARENT_TRACE}-{PARENT_SPAN}-01"

@@ -1,7 +1,7 @@
 """The proxy's trace spans, received for real: fake engines and an OTLP/HTTP receiver, all on 127.0.0.1.
 
 Each request's spans go from the proxy's OpenTelemetry SDK over OTLP/HTTP
-(protobuf) to :class:`p2pkv.tools.trace.receiver.OtlpReceiver`; the fake
+(protobuf) to :class:`p2pkv.tools.trace.otlp_receiver.OtlpReceiver`; the fake
 engines record the ``traceparent`` header and ``kv_transfer_params`` each leg
 sent them.
 """
@@ -19,9 +19,9 @@ import pytest
 
 from p2pkv.telemetry.tracing import Tracing
 from p2pkv.tools.proxy import PREFILL_PARAMS, create_app
-from p2pkv.tools.proxy.spans import DECODE_SPAN, FIRST_TOKEN_SPAN, PREFILL_SPAN, REQUEST_SPAN, SERVICE_NAME
+from p2pkv.tools.proxy.proxy_spans import DECODE_SPAN, FIRST_TOKEN_SPAN, PREFILL_SPAN, REQUEST_SPAN, SERVICE_NAME
 from p2pkv.tools.trace.otlp import SpanRecord
-from p2pkv.tools.trace.receiver import OtlpReceiver
+from p2pkv.tools.trace.otlp_receiver import OtlpReceiver
 from tests.fake_engines import KV_PARAMS, FakeEngine, Served, fresh, stop_all
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

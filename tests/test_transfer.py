@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from handshake.compat import fingerprint
+from handshake.fingerprints import fingerprint
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.testing import block_bytes, make_kv_caches
 from p2pkv.worker import WorkerSide

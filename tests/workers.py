@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from handshake import KVLayoutDesc, KVRegion
-from handshake.compat import fingerprint
+from handshake.fingerprints import fingerprint
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo
 from p2pkv.metadata import LoadSpec
@@ -18,7 +18,7 @@ from p2pkv.worker import WorkerSide
 NUM_BLOCKS = 64
 SHAPE = dict(num_layers=4, num_blocks=NUM_BLOCKS, num_heads=2, block_size=32, head_dim=16)
 COMPAT_FIELDS = {"vllm": "0.32", "architecture": "Synthetic", "kv_cache_dtype": "auto"}
-"""The compatibility fields every synthetic worker publishes (see :mod:`handshake.compat`)."""
+"""The compatibility fields every synthetic worker publishes (see :mod:`handshake.fingerprints`)."""
 
 
 def free_port() -> int:

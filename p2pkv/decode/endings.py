@@ -25,8 +25,8 @@ from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.keeper import PeerKeeper
 from p2pkv.decode.outcomes import Outcomes
 from p2pkv.decode.peers import PeerTable
+from p2pkv.decode.pull_spans import TransferSpans
 from p2pkv.decode.release import release_failed
-from p2pkv.decode.spans import TransferSpans
 from p2pkv.decode.transfer import Transfer, TransferState
 from p2pkv.metadata import LoadSpec
 from p2pkv.telemetry.stats import StatsBuffer

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from p2pkv.dataplane.agent import NixlTransferAgent, TransferError
 from p2pkv.decode.peers import PeerId, PeerTable
-from p2pkv.decode.spans import TransferSpans
+from p2pkv.decode.pull_spans import TransferSpans
 from p2pkv.decode.transfer import Transfer
 from p2pkv.notification import DoneNotification, blocks_digest, encode_done
 

@@ -58,16 +58,16 @@ from p2pkv.decode.keeper import PeerKeeper
 from p2pkv.decode.movers import movers
 from p2pkv.decode.notifier import Notifier
 from p2pkv.decode.outcomes import Outcomes
+from p2pkv.decode.part_moves import Transfers
 from p2pkv.decode.peers import PeerId, PeerTable
 from p2pkv.decode.probe import TransportProbe
 from p2pkv.decode.progress import Progress
+from p2pkv.decode.pull_spans import TransferSpans
 from p2pkv.decode.pushes import Pushes
 from p2pkv.decode.reads import ReadEvent, plan_reads, release_unposted
 from p2pkv.decode.release import release_failed
-from p2pkv.decode.spans import TransferSpans
 from p2pkv.decode.stream_parts import plan_streams
 from p2pkv.decode.transfer import STREAM_POLL_MIN_S, Part, Transfer, TransferState, poll_wait_s
-from p2pkv.decode.transfers import Transfers
 from p2pkv.metadata import LoadSpec
 from p2pkv.telemetry.stats import StatsBuffer
 from p2pkv.transfer_threads import parse_cpus, start_transfer_thread

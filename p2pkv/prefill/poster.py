@@ -8,7 +8,7 @@ layer's WRITEs ran up to 77 % longer over ``cuda_ipc`` with a cross-layer
 cache, and 20 times longer over ``tcp``: the host fell behind in launching
 the layers' kernels. :class:`StreamPoster` takes the forward's calls
 (:meth:`~StreamPoster.computed` and the rest) as queued operations and
-applies them, pumps every :class:`~p2pkv.prefill.streamer.LayerStream` and
+applies them, pumps every :class:`~p2pkv.prefill.layer_stream.LayerStream` and
 progresses the agent on a thread of its own.
 
 A request read by several decode ranks (a decode engine of a larger TP size)
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2pkv.prefill.streamer import LayerStream, StreamTarget
+from p2pkv.prefill.layer_stream import LayerStream, StreamTarget
 
 logger = logging.getLogger(__name__)
 

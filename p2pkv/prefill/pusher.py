@@ -216,7 +216,7 @@ class Pusher:
         self._wake.set()
         return "accepted", ""
 
-    # ---- streams (p2pkv.prefill.streams) ----------------------------------------------------
+    # ---- streams (p2pkv.prefill.prefill_streams) ----------------------------------------------------
     def hold_agent(self, identity: Identity, info: AgentInfo) -> tuple[bool, str]:
         """Load ``info``'s agent for a stream and keep it loaded (counted in its ``streams``, so never evicted or
         reloaded) until :meth:`release_agent`; ``(False, why)`` when there is no room or NIXL refused it."""

@@ -9,7 +9,7 @@ waiting destinations (:mod:`p2pkv.prefill.stream_pending`: else ``busy``), one f
 has admitted never does. Then NIXL loads the decode agent and keeps it until the stream ends, and the
 destination goes to the request's stream (the first), to a stream forked from it (each further decode rank
 reading this one), or waits for the request. :class:`StreamDestinations` is a base of
-:class:`p2pkv.prefill.streams.PrefillStreams`, whose state it reads under that class's lock.
+:class:`p2pkv.prefill.prefill_streams.PrefillStreams`, whose state it reads under that class's lock.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from handshake.messages import PushStatus
 from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.prefill.agents import Identity, rank_name
 from p2pkv.prefill.holds import PrefillHolds
+from p2pkv.prefill.layer_stream import LayerStream, StreamSide, StreamTarget
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_admits import StreamAdmits
@@ -32,7 +33,6 @@ from p2pkv.prefill.stream_ledger import StreamLedger
 from p2pkv.prefill.stream_measures import StreamMeasures
 from p2pkv.prefill.stream_pending import Destination, PendingDestinations
 from p2pkv.prefill.stream_requests import check_stream_request
-from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 
 logger = logging.getLogger("p2pkv.prefill")
 

@@ -38,7 +38,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from p2pkv.prefill.streamer import LayerStream, StreamSide
+from p2pkv.prefill.layer_stream import LayerStream, StreamSide
 
 MIN_LINK_SHARE = 0.1
 """The link rule's threshold: a layer-streamed request streams layer by layer only when its decode rank's link
@@ -146,7 +146,7 @@ class StreamMeasures:
         return landed
 
     def take_tails(self) -> list[float]:
-        """The waits after the last layer (seconds, :attr:`p2pkv.prefill.streamer.StreamCounters.tail_s`) of the
+        """The waits after the last layer (seconds, :attr:`p2pkv.prefill.layer_stream.StreamCounters.tail_s`) of the
         streams that landed whole since the last call."""
         with self._lock:
             tails, self._tails = self._tails, []

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from p2pkv.prefill.agents import Identity, rank_name
-from p2pkv.prefill.streamer import StreamTarget
+from p2pkv.prefill.layer_stream import StreamTarget
 
 MAX_PENDING = 4096
 """Most destinations for stream ids this rank does not know that wait at once, over every decode rank."""

@@ -4,7 +4,7 @@ A decode rank that loads nothing of a stream declines it (a release of the
 stream id with no block ids); one whose load ended mid-stream gives its own
 destination up the same way; and one waiting for a stream's notification
 asks whether this rank still knows the stream (:mod:`p2pkv.decode.stream_watch`).
-:class:`StreamReleases` answers them for :class:`p2pkv.prefill.streams.PrefillStreams`,
+:class:`StreamReleases` answers them for :class:`p2pkv.prefill.prefill_streams.PrefillStreams`,
 whose state it reads under that class's lock.
 """
 

@@ -16,7 +16,7 @@ declares (as many staging blocks as all of its groups' block lists hold);
 it names one block list per KV cache group of this engine; its block ids
 lie in its cache (or staging); the request's window has not passed.
 What needs the rank's state (a stream id served once, room for pending
-destinations) is checked by :class:`p2pkv.prefill.streams.PrefillStreams`.
+destinations) is checked by :class:`p2pkv.prefill.prefill_streams.PrefillStreams`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from p2pkv.dataplane.negotiate import HEAD_MAJOR, page_bytes, remote_segments
 from p2pkv.dataplane.plan import PlanError, check_block_ids, check_rows_in_regions
 from p2pkv.grant import StreamGrant, StreamGrantError, check_stream_grant
 from p2pkv.prefill.agents import Identity
+from p2pkv.prefill.layer_stream import StreamSide
 from p2pkv.prefill.push_requests import requester_identity
-from p2pkv.prefill.streamer import StreamSide
 
 
 def stream_side(desc: KVLayoutDesc) -> StreamSide:

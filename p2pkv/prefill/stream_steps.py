@@ -4,7 +4,7 @@ A prefill leg whose ``kv_transfer_params`` carry a stream grant
 (:mod:`p2pkv.grant`) is streamed: each engine step, the workers need the
 blocks that step's forward writes for it, so that after every attention
 layer they can WRITE that layer's pages of those blocks into the decode
-rank (:mod:`p2pkv.prefill.streams`). vLLM's ``SchedulerOutput`` says which
+rank (:mod:`p2pkv.prefill.prefill_streams`). vLLM's ``SchedulerOutput`` says which
 requests a step runs, how many tokens each, and the blocks they were given;
 :class:`StreamSteps` turns that into one :class:`~p2pkv.metadata.StreamChunk`
 per streamed request per step. A chunk covers the prompt's blocks from the
@@ -89,7 +89,7 @@ class StreamSteps:
             stream computes at least one, so it loads all but ``max(1, recompute_tokens)``
             of the original prompt (all of this engine's shortened prompt when ``recompute_tokens`` > 0).
         kv_groups: KV cache groups of this engine (their attention groups share ``block_size``).
-        state_groups: the indices of its state groups (Mamba/SSM; :func:`p2pkv.compat.state_group_indices`).
+        state_groups: the indices of its state groups (Mamba/SSM; :func:`p2pkv.engine_facts.state_group_indices`).
         ledger: the engine's hold ledger (None: a ledger of its own with no cap).
         max_lifetime_s: how far past this engine's clock a grant's expiry may lie (seconds;
             :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
@@ -238,7 +238,7 @@ class StreamSteps:
 
     def take_restarts(self) -> list[str]:
         """Streamed requests preempted since the last call (their streams drop the layers not WRITTEN yet:
-        :meth:`p2pkv.prefill.streamer.LayerStream.restart`), then forgotten."""
+        :meth:`p2pkv.prefill.layer_stream.LayerStream.restart`), then forgotten."""
         out, self.restarts = self.restarts, []
         return out
 

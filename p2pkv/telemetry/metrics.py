@@ -24,7 +24,7 @@ engine's ``/metrics``:
   status), ``p2pkv:push_writes_total{outcome=written|failed}``,
   ``p2pkv:push_bytes_total`` and ``p2pkv:push_agents_unloaded_total``
   (decode agents removed from NIXL: idle, or a WRITE to them failed),
-- on a prefill engine in stream mode (:mod:`p2pkv.prefill.streams`):
+- on a prefill engine in stream mode (:mod:`p2pkv.prefill.prefill_streams`):
   ``p2pkv:stream_tail_seconds`` (histogram: each stream that landed whole,
   from its last layer computed to the decode rank told: the wait after the
   last layer streaming adds to the first token) and

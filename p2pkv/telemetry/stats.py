@@ -13,7 +13,7 @@ from typing import Any
 
 LIST_KEYS = ("pull_bytes", "pull_seconds", "pull_descriptors", "handshake_seconds", "stream_tail_seconds")
 """Per-event observations: bytes, seconds, descriptors, seconds; on a prefill rank, each layer stream's wait
-after its last layer (seconds: :attr:`p2pkv.prefill.streamer.StreamCounters.tail_s`)."""
+after its last layer (seconds: :attr:`p2pkv.prefill.layer_stream.StreamCounters.tail_s`)."""
 COUNT_KEYS = ("leases_expired", "leases_notified", "push_bytes", "push_agents_unloaded")
 """Plain counts: held prefill requests released by expiry / by notification; bytes this prefill rank WRITE
 into decode ranks (push mode), and decode agents it removed from NIXL (idle or broken)."""

@@ -46,13 +46,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_proxy(args: argparse.Namespace) -> int:
-    from p2pkv.tools.proxy.server import main
+    from p2pkv.tools.proxy.proxy_cli import main
 
     return main(args)
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    from p2pkv.tools.trace.cli import main
+    from p2pkv.tools.trace.trace_cli import main
 
     return main(args)
 
@@ -144,7 +144,7 @@ def _add_doctor_and_proxy(sub: argparse._SubParsersAction) -> None:
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=_cmd_doctor)
 
-    from p2pkv.tools.proxy.server import add_arguments
+    from p2pkv.tools.proxy.proxy_cli import add_arguments
 
     proxy = sub.add_parser("proxy", help="the OpenAI-compatible P/D proxy")
     add_arguments(proxy)
@@ -172,7 +172,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_trace(sub: argparse._SubParsersAction) -> None:
-    from p2pkv.tools.trace.cli import add_arguments
+    from p2pkv.tools.trace.trace_cli import add_arguments
 
     trace = sub.add_parser("trace", help="draw one request's trace (from an OTLP/JSON file, or received over "
                                          "OTLP/HTTP) as a timeline PNG, with a text summary")

@@ -6,7 +6,7 @@ kernel per layer on the current stream, an event recorded after it, the host
 never waiting; on the CPU the host asleep for that long, as a forward in
 torch's kernels leaves the GIL, or busy pumping the stream with ``--poster
 inline``), or on a GPU with ``--layer-ms 0`` one
-GEMM of a Llama-3-8B layer's FLOPs per layer, with the product's :class:`p2pkv.prefill.streamer.LayerStream`
+GEMM of a Llama-3-8B layer's FLOPs per layer, with the product's :class:`p2pkv.prefill.layer_stream.LayerStream`
 WRITING each layer of the request's blocks into the decode process's once
 the layer is done. Two ways per request, each timed the same:
 
@@ -36,8 +36,8 @@ import numpy as np
 
 from p2pkv.dataplane.layers import page_segments
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, encode_pushed, parse_pushed
+from p2pkv.prefill.layer_stream import LayerStream, StreamSide, StreamTarget
 from p2pkv.prefill.poster import StreamPoster
-from p2pkv.prefill.streamer import LayerStream, StreamSide, StreamTarget
 
 if TYPE_CHECKING:
     from p2pkv.dataplane.agent import NixlTransferAgent

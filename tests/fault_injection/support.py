@@ -14,7 +14,7 @@ import pytest
 
 from handshake import PROTOCOL_VERSION, Destination, MetadataReply, encode, fetch_agent_info
 from handshake import decode as decode_message
-from handshake.compat import fingerprint
+from handshake.fingerprints import fingerprint
 from tests.faults import FaultyNixlAgent, inject
 from tests.handshake_support import fake_router
 from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, pull_task

@@ -9,7 +9,7 @@ protocol is vLLM NixlConnector's, so the same proxy fronts either connector.
 Run it with ``p2pkv proxy`` or ``python -m p2pkv.tools.proxy --prefill HOST:PORT ...
 --decode HOST:PORT ...``; it also serves ``/health``, ``/v1/models`` and
 ``/metrics``. With ``--otlp-traces-endpoint`` (or the ``OTEL_EXPORTER_OTLP_*``
-variables) each request is traced (:mod:`p2pkv.tools.proxy.spans`, docs/tracing.md).
+variables) each request is traced (:mod:`p2pkv.tools.proxy.proxy_spans`, docs/tracing.md).
 
 The names below are imported when first used, so the ``p2pkv`` command's
 other subcommands (``doctor``, ``trace``) run where FastAPI is not
@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_EXPORTS = {"RoundRobin": "app", "create_app": "app", "ProxyMetrics": "metrics", "PREFILL_PARAMS": "upstream",
+_EXPORTS = {"RoundRobin": "app", "create_app": "app", "ProxyMetrics": "proxy_metrics", "PREFILL_PARAMS": "upstream",
             "UpstreamError": "upstream", "prefill_body": "upstream"}
 
 __all__ = sorted(_EXPORTS)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from p2pkv.tools.proxy.server import add_arguments, main
+from p2pkv.tools.proxy.proxy_cli import add_arguments, main
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m p2pkv.tools.proxy",

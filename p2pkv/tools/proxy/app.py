@@ -26,10 +26,8 @@ from p2pkv.tools.proxy.first_token import (
     request_fallback,
 )
 from p2pkv.tools.proxy.hand_over import hand_over_stream
-from p2pkv.tools.proxy.metrics import ProxyMetrics
-from p2pkv.tools.proxy.release import release_all
-from p2pkv.tools.proxy.service import add_service_routes
-from p2pkv.tools.proxy.spans import (
+from p2pkv.tools.proxy.proxy_metrics import ProxyMetrics
+from p2pkv.tools.proxy.proxy_spans import (
     SCOPE_KEY,
     SERVICE_NAME,
     ProxySpan,
@@ -38,8 +36,10 @@ from p2pkv.tools.proxy.spans import (
     exemplar,
     leg_of,
 )
+from p2pkv.tools.proxy.service import add_service_routes
 from p2pkv.tools.proxy.stream import StreamLegs
 from p2pkv.tools.proxy.stream_route import stream_prompt
+from p2pkv.tools.proxy.unpulled_holds import release_all
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
     UpstreamError,
@@ -426,7 +426,7 @@ def create_app(prefill_urls: list[str], decode_urls: list[str], timeout_s: float
             list of prompts runs at once.
         max_prompts: most prompts one completions request may carry (more: 400).
         otlp_traces_endpoint: OTLP/HTTP traces URL (``""``: tracing off, the
-            default); on, each request gets spans (:mod:`p2pkv.tools.proxy.spans`).
+            default); on, each request gets spans (:mod:`p2pkv.tools.proxy.proxy_spans`).
         transfer_mode: ``"pull"`` / ``"push"``: every decode leg asks for that
             direction (``kv_transfer_params.p2pkv_transfer_mode``); ``"stream"``:
             single prompts are layer-streamed, both legs at once (with a secret;

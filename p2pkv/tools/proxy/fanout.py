@@ -31,8 +31,8 @@ from fastapi.responses import JSONResponse, Response
 
 from p2pkv.tools.proxy.batch import StreamMerger, merge_completions, sse_events
 from p2pkv.tools.proxy.closing import ClosingStream
-from p2pkv.tools.proxy.metrics import ProxyMetrics
-from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, leg_of
+from p2pkv.tools.proxy.proxy_metrics import ProxyMetrics
+from p2pkv.tools.proxy.proxy_spans import ProxySpan, RequestTrace, leg_of
 from p2pkv.tools.proxy.stream import StreamLegs
 from p2pkv.tools.proxy.stream_faults import (
     PrefillEnd,

@@ -13,8 +13,8 @@ from fastapi.responses import Response
 from p2pkv.tools.proxy.batch import sse_events
 from p2pkv.tools.proxy.closing import ClosingStream
 from p2pkv.tools.proxy.first_token import FirstToken, FirstTokenStream, decode_body, recompute_body, sse_event
-from p2pkv.tools.proxy.metrics import ProxyMetrics
-from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar, leg_of
+from p2pkv.tools.proxy.proxy_metrics import ProxyMetrics
+from p2pkv.tools.proxy.proxy_spans import ProxySpan, RequestTrace, exemplar, leg_of
 from p2pkv.tools.proxy.upstream import UpstreamError
 
 

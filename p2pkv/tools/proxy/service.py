@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.exposition import choose_encoder
 
-from p2pkv.tools.proxy.metrics import ProxyMetrics
+from p2pkv.tools.proxy.proxy_metrics import ProxyMetrics
 from p2pkv.tools.proxy.upstream import engine_headers, transport_error
 
 HEALTH_TIMEOUT_S = 2.0

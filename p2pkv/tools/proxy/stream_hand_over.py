@@ -67,7 +67,7 @@ from p2pkv.tools.proxy.first_token import (
     sse_event,
 )
 from p2pkv.tools.proxy.hand_over import DecodeLegs, broken_decode_stream, continue_after
-from p2pkv.tools.proxy.spans import ProxySpan, RequestTrace, exemplar
+from p2pkv.tools.proxy.proxy_spans import ProxySpan, RequestTrace, exemplar
 from p2pkv.tools.proxy.stream_faults import (
     PrefillEnd,
     Recovery,

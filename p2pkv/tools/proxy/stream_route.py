@@ -17,7 +17,7 @@ from fastapi.responses import Response
 
 from p2pkv.tools.proxy.first_token import FirstTokenSource
 from p2pkv.tools.proxy.hand_over import DecodeLegs
-from p2pkv.tools.proxy.spans import RequestTrace, leg_of
+from p2pkv.tools.proxy.proxy_spans import RequestTrace, leg_of
 from p2pkv.tools.proxy.stream import StreamLegs
 from p2pkv.tools.proxy.stream_faults import Recovery, relay_again, whole_decode
 from p2pkv.tools.proxy.stream_hand_over import hand_over_legs, stream_fallback, stream_hand_over

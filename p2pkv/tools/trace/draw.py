@@ -1,10 +1,10 @@
-"""A :class:`~p2pkv.tools.trace.layout.Layout` drawn as a timeline PNG (matplotlib, Agg, no display needed)."""
+"""A :class:`~p2pkv.tools.trace.timeline.Layout` drawn as a timeline PNG (matplotlib, Agg, no display needed)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from p2pkv.tools.trace.layout import Layout
+from p2pkv.tools.trace.timeline import Layout
 
 LANE_COLORS = ("#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd", "#937860")
 """Bar colours, one per lane in turn."""

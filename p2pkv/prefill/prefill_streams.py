@@ -4,7 +4,7 @@ The pieces meet here (docs/streaming.md):
 
 * the scheduler's :class:`~p2pkv.metadata.StreamChunk` of each step
   (:mod:`p2pkv.prefill.stream_steps`) open a request's
-  :class:`~p2pkv.prefill.streamer.LayerStream` and say which blocks the step
+  :class:`~p2pkv.prefill.layer_stream.LayerStream` and say which blocks the step
   computes (:meth:`PrefillStreams.begin_step`);
 * after each attention layer vLLM calls ``save_kv_layer``: the layer's pages
   of those blocks are queued on the :class:`~p2pkv.prefill.poster.StreamPoster`
@@ -31,7 +31,7 @@ gave a stream its destination stops that stream mid-way (the decode
 request was aborted, or its load failed).
 
 Holds: a streamed request's hold (made when it finishes, whatever its end:
-:meth:`p2pkv.prefill.scheduling.PrefillScheduling.request_finished`) is
+:meth:`p2pkv.prefill.hold_scheduling.PrefillScheduling.request_finished`) is
 pinned once the stream has a destination, so nothing frees the blocks while
 a WRITE may read them, and released as soon as its streams have ended and
 every destination expected came (or one failed). A stream whose
@@ -49,6 +49,7 @@ from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.prefill.agents import rank_name
 from p2pkv.prefill.holds import PrefillHolds
+from p2pkv.prefill.layer_stream import LayerStream, StreamSide, group_range
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_admits import StreamAdmits
@@ -57,7 +58,6 @@ from p2pkv.prefill.stream_ledger import StreamLedger
 from p2pkv.prefill.stream_measures import StreamMeasures, layer_block_bytes
 from p2pkv.prefill.stream_pending import Destination, PendingDestinations
 from p2pkv.prefill.stream_releases import StreamReleases
-from p2pkv.prefill.streamer import LayerStream, StreamSide, group_range
 
 logger = logging.getLogger("p2pkv.prefill")
 

@@ -1,7 +1,7 @@
 """What a p2pkv engine tells its peers about itself, read off vLLM's config.
 
 :func:`compat_fields`: what prefill and decode must share, compared field by
-field at handshake (:mod:`handshake.compat`); :func:`model_info`: the model
+field at handshake (:mod:`handshake.fingerprints`); :func:`model_info`: the model
 and KV cache facts the data plane negotiates with (:mod:`p2pkv.dataplane.negotiate`).
 """
 
@@ -25,7 +25,7 @@ def compat_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     structure; for Mamba groups the per-rank state shapes and dtypes, so a
     hybrid model's TP sizes must match) and a drafter whose layers add KV
     (EAGLE, MTP, draft model). Block size, page order (HND/NHD) and TP size
-    are negotiated at handshake instead. Sent as a :func:`handshake.compat.fingerprint`; the
+    are negotiated at handshake instead. Sent as a :func:`handshake.fingerprints.fingerprint`; the
     decode side refuses a prefill rank whose fields differ, naming them.
     """
     import vllm

@@ -53,7 +53,7 @@ def _listen(host: str, port: int, seconds: float | None, save: str | None) -> li
     Raises:
         OSError: the address cannot be bound, or ``save`` cannot be written.
     """
-    from p2pkv.tools.trace.receiver import OtlpReceiver
+    from p2pkv.tools.trace.otlp_receiver import OtlpReceiver
 
     with OtlpReceiver(host, port) as receiver:
         until = "Ctrl-C" if seconds is None else f"{seconds:g} s or Ctrl-C"
@@ -75,7 +75,7 @@ def _listen(host: str, port: int, seconds: float | None, save: str | None) -> li
 
 def main(args: argparse.Namespace) -> int:
     """Run ``p2pkv trace``; the exit code: 0 drawn, 1 no spans or no matching trace, 2 bad flags or input."""
-    from p2pkv.tools.trace.layout import layout, pick_trace, summary
+    from p2pkv.tools.trace.timeline import layout, pick_trace, summary
 
     if args.file and (args.seconds is not None or args.save):
         print("p2pkv trace: --seconds and --save go with --listen", file=sys.stderr)

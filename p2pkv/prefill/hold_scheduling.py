@@ -18,8 +18,8 @@ from typing import Any
 from p2pkv.config import P2pKvConfig, Role
 from p2pkv.params import make_prefill_response_params, prompt_digest, wants_remote_decode
 from p2pkv.prefill.hold_ledger import HoldLedger
+from p2pkv.prefill.hold_spans import emit_hold_span
 from p2pkv.prefill.holds import HoldEnd
-from p2pkv.prefill.spans import emit_hold_span
 from p2pkv.telemetry.tracing import TRACEPARENT_KEY, Tracing, parse_traceparent, traces_endpoint
 
 logger = logging.getLogger("p2pkv.scheduler")

@@ -277,7 +277,7 @@ class LayerStream:
         """Layer ``layer`` of prompt blocks ``first_block ..`` is computed into this rank's ``source_ids``.
 
         Args:
-            layer: the layer index of the pages (0-based; :func:`p2pkv.prefill.streams.layer_indices`).
+            layer: the layer index of the pages (0-based; :func:`p2pkv.prefill.prefill_streams.layer_indices`).
             first_block: the block index of ``source_ids[0]`` (in KV cache group ``group``'s block list).
             source_ids: this rank's block ids, in prompt order.
             ready: True once the layer's values are in memory (None: they are now).
