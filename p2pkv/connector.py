@@ -30,6 +30,7 @@ from p2pkv.config import P2pKvConfig, load_config
 from p2pkv.config import engine_role as p2pkv_role
 from p2pkv.engine_facts import (
     check_kv_cache_supported,
+    check_parallelism_supported,
     compat_fields,
     layer_groups,
     model_info,
@@ -144,12 +145,15 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
         p2pkv.config.ConfigError: a bad setting (names the key).
         p2pkv.engine_facts.UnsupportedKVCacheError: a KV cache group p2pkv cannot
             move (see :func:`p2pkv.engine_facts.check_kv_cache_supported`).
+        p2pkv.engine_facts.UnsupportedParallelismError: a pipeline-parallel engine
+            (see :func:`p2pkv.engine_facts.check_parallelism_supported`).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_kv_cache_supported(kv_cache_config)
+        check_parallelism_supported(vllm_config.parallel_config.pipeline_parallel_size)
         ktc = vllm_config.kv_transfer_config
         self.config = load_config(ktc.kv_connector_extra_config)
         self.engine_id: str = str(ktc.engine_id)

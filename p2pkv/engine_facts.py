@@ -81,6 +81,33 @@ def _specs(kv_cache_config: KVCacheConfig) -> list[tuple[int, Any]]:
     return out
 
 
+class UnsupportedParallelismError(ValueError):
+    """An engine parallelism p2pkv cannot move KV for; the message names the setting and what to do."""
+
+
+def check_parallelism_supported(pipeline_parallel_size: int) -> None:
+    """Refuse, at engine start, a pipeline-parallel engine.
+
+    Each pipeline stage's workers hold only that stage's layers, while every
+    p2pkv plan (pull, push, stream) and handshake describes one rank's KV for
+    every layer of the model, and the ``kv_transfer_params`` name one
+    ``tp_size`` and ``pp_size`` 1. A PP engine would hand out params for a
+    part of the model's layers as if they were all of them. Tensor, data and
+    expert parallelism are supported.
+
+    Args:
+        pipeline_parallel_size: vLLM's ``parallel_config.pipeline_parallel_size``.
+
+    Raises:
+        UnsupportedParallelismError: ``pipeline_parallel_size`` > 1.
+    """
+    if pipeline_parallel_size > 1:
+        raise UnsupportedParallelismError(
+            f"pipeline_parallel_size={pipeline_parallel_size}: p2pkv does not move the KV of a pipeline-parallel "
+            "engine yet (each stage holds only its own layers); start this engine with --pipeline-parallel-size 1 "
+            "and spread it over its GPUs with --tensor-parallel-size, or use vLLM's NixlConnector for PP prefill")
+
+
 def check_kv_cache_supported(kv_cache_config: KVCacheConfig | None) -> None:
     """Refuse, at engine start, a KV cache with a group p2pkv would move wrongly.
 
