@@ -61,6 +61,12 @@ class LoadSpec:
     stream_grant: str = ""
     stream_groups: tuple[GroupBlocks, ...] = ()
 
+    @property
+    def way(self) -> str:
+        """The way (:data:`p2pkv.ways.WAYS`) its load fixes for every part: ``"stream"`` for a streamed load (its
+        grant names the stream), ``""`` when each prefill rank's part moves the way the decode rank chooses for it."""
+        return "stream" if self.stream_grant else ""
+
 
 @dataclass(frozen=True)
 class StreamChunk:

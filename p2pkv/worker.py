@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from handshake import AgentInfo, HandshakeServer, KVLayoutDesc, compute_digest
@@ -44,6 +45,7 @@ from p2pkv.prefill.stream_requests import stream_side
 from p2pkv.telemetry.stats import StatsBuffer, add_counts
 from p2pkv.telemetry.tracing import Tracing, traces_endpoint
 from p2pkv.transfer_threads import parse_cpus, start_transfer_thread
+from p2pkv.ways import WAYS
 
 logger = logging.getLogger("p2pkv.worker")
 
@@ -84,6 +86,21 @@ READ_SPLIT_MIB = 4.0
 """With ``nixl_num_threads`` > 0, READ descriptors are cut into pieces of at most this many MiB so NIXL's UCX
 thread pool shares one READ: 2 threads READ host memory about 1.3x faster than one where a core is free
 (docs/benchmarks/transfer-cpu.md, measured with 4 MiB pieces)."""
+
+
+def way_handlers(pusher: Pusher, streams: PrefillStreams) -> dict[str, Callable[..., Any]]:
+    """The prefill worker's side-channel handler of each way (:data:`p2pkv.ways.WAYS`), keyed by the
+    :class:`handshake.HandshakeServer` keyword its :class:`~p2pkv.ways.Way` names: pull's fence questions go
+    to the hold callback (which also answers every way's lease heartbeats), push requests to the
+    :class:`~p2pkv.prefill.pusher.Pusher`, stream requests to the
+    :class:`~p2pkv.prefill.prefill_streams.PrefillStreams`.
+
+    Raises:
+        KeyError: a way of the registry has no handler here.
+    """
+    by_way: dict[str, Callable[..., Any]] = {"pull": streams.on_heartbeat, "push": pusher.on_push,
+                                             "stream": streams.on_stream}
+    return {way.handler: by_way[name] for name, way in WAYS.items()}
 
 
 class WorkerSide:
@@ -197,9 +214,8 @@ class WorkerSide:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
                            "reaches it can read this engine's KV cache", self.host, self.port)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
-                                      on_heartbeat=self.streams.on_heartbeat, on_release=self.streams.on_release,
-                                      on_push=self.pusher.on_push, on_stream=self.streams.on_stream,
-                                      stall_s=SIDE_CHANNEL_STALL_S)
+                                      on_release=self.streams.on_release, stall_s=SIDE_CHANNEL_STALL_S,
+                                      **way_handlers(self.pusher, self.streams))
         self.server.set_info(info)
         self.server.start()
         logger.info("p2pkv: rank %d registered %d %s region(s), %d segment(s) per block (%s, %s pages), "

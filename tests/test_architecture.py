@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = {"p2pkv.config", "p2pkv.params", "p2pkv.metadata", "p2pkv.notification", "p2pkv.grant",
-             "p2pkv.lifetime", "p2pkv.bindings"}
+             "p2pkv.lifetime", "p2pkv.bindings", "p2pkv.ways"}
 SIDES = {"p2pkv.connector", "p2pkv.engine_facts", "p2pkv.plugin", "p2pkv.scheduler", "p2pkv.worker"}
 VLLM_ALLOWED = {"p2pkv.connector", "p2pkv.engine_facts", "p2pkv.plugin", "p2pkv.scheduler", "p2pkv.telemetry.metrics"}
 

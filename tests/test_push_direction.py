@@ -17,6 +17,7 @@ from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.direction import Choice, Direction, Directions, choose
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.pushes import failure_of_push
+from p2pkv.ways import STREAM
 
 
 def report(transport: str, mem_type: str = "DRAM", protocol: str = "", op: str = "READ") -> TransportReport:
@@ -114,7 +115,7 @@ def test_a_refused_stream_request_fails_without_a_retry() -> None:
     """A stream id gets one destination: asking again could only be refused again (and dropping the peer would make
     every other pull to it handshake again)."""
     got = failure_of_push(reply("refused", "the prefill request of stream x stopped before this destination came"),
-                          "x", stream=True)
+                          "x", retried=STREAM.retried)
     assert got is not None and got[0] is FailureKind.REFUSED and got[2] is False, got
 
 

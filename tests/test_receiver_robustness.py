@@ -17,9 +17,9 @@ import time
 import pytest
 
 import p2pkv.decode.keeper as keeper_module
+import p2pkv.decode.movers as movers_module
 import p2pkv.decode.notifier as notifier_module
 import p2pkv.decode.peers as peers_module
-import p2pkv.decode.receiver as puller_module
 from p2pkv.decode.peers import PeerId
 from p2pkv.decode.transfer import TransferState
 from p2pkv.metadata import LoadSpec
@@ -69,14 +69,14 @@ def test_a_pull_whose_planning_raises_after_its_handshake_fails_alone(
     prefill.lease([bad_p, good_p])
     bad_remote = [2**64 if fault == "block_id_beyond_int64" else 7, 8]
     if fault == "planning_bug":
-        real_plan = puller_module.plan_reads
+        real_plan = movers_module.plan_reads
 
         def plan_reads(pull, *args, **kwargs):  # type: ignore[no-untyped-def]
             if pull.request_id == bad:
                 raise RuntimeError("planning bug")
             return real_plan(pull, *args, **kwargs)
 
-        monkeypatch.setattr(puller_module, "plan_reads", plan_reads)
+        monkeypatch.setattr(movers_module, "plan_reads", plan_reads)
     decode.start(spec(bad, bad_p, prefill.port, [1, 2], bad_remote), spec(good, good_p, prefill.port, [3, 4], [9, 10]))
     assert decode.pump({bad, good}, BOUND_S) == set(), "pulls hung behind the handshake"
     assert decode.take_errors() == {1, 2}
@@ -172,10 +172,11 @@ def test_every_waiting_state_has_a_deadline() -> None:
     assert d.limit(TransferState.HANDSHAKE) == pytest.approx(3 * 2.0 + 0.2 + 0.4 + HANDSHAKE_MARGIN_S)
     assert d.limit(TransferState.STAGING) == d.limit(TransferState.READING) == d.limit(TransferState.FENCING) == 30.0
     assert d.limit(TransferState.DONE) is None and d.limit(TransferState.FAILED) is None
-    assert d.limit(TransferState.READING, stream=True) == 30.0  # stream_timeout_s 0: transfer_timeout_s
+    assert d.limit(TransferState.READING, "stream_timeout_s") == 30.0  # stream_timeout_s 0: transfer_timeout_s
     streams = Deadlines.of(P2pKvConfig(transfer_timeout_s=30.0, stream_timeout_s=600.0, insecure=True))
-    assert streams.limit(TransferState.READING, stream=True) == 600.0 and streams.limit(TransferState.READING) == 30.0
-    assert streams.limit(TransferState.STAGING, stream=True) == 30.0
+    assert streams.limit(TransferState.READING, "stream_timeout_s") == 600.0
+    assert streams.limit(TransferState.READING) == 30.0
+    assert streams.limit(TransferState.STAGING, "stream_timeout_s") == 30.0
 
 
 # ---- 3. block ids bounded by the peer's num_blocks -----------------------------------------------------

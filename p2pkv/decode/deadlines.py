@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from p2pkv.config import P2pKvConfig
 from p2pkv.decode.peers import handshake_budget_s
 from p2pkv.decode.transfer import Transfer, TransferState
+from p2pkv.ways import Window
 
 HANDSHAKE_MARGIN_S = 2.0
 """Slack (seconds) past the longest handshake: a queued handshake waits for a free thread first."""
@@ -49,11 +50,12 @@ class Deadlines:
         t = config.transfer_timeout_s
         return cls(handshake_s=hs, staging_s=t, reading_s=t, fencing_s=t, streaming_s=config.stream_window_s)
 
-    def limit(self, state: TransferState, stream: bool = False) -> float | None:
-        """Seconds a pull may stay in ``state`` (None: no limit, ``DONE`` and ``FAILED``); ``stream``: a layer
-        stream's (its ``READING`` lasts the prefill)."""
+    def limit(self, state: TransferState, window: Window = "transfer_timeout_s") -> float | None:
+        """Seconds a pull may stay in ``state`` (None: no limit, ``DONE`` and ``FAILED``); ``window``: the setting
+        that bounds its way's wait for its bytes (:attr:`p2pkv.ways.Way.window`: a layer stream's ``READING``
+        lasts the prefill)."""
         if state is TransferState.READING:
-            return self.streaming_s if stream else self.reading_s
+            return self.streaming_s if window == "stream_timeout_s" else self.reading_s
         if state is TransferState.FENCING:
             return self.fencing_s
         if state is TransferState.HANDSHAKE:
@@ -62,13 +64,17 @@ class Deadlines:
 
     def overdue(self, transfer: Transfer, now: float) -> str | None:
         """Why ``pull`` is past its state's deadline at ``now`` (``time.monotonic()`` seconds), or None."""
-        stream = bool(transfer.spec.stream_grant)
-        limit = self.limit(transfer.state, stream)
+        window = transfer.way.window
+        limit = self.limit(transfer.state, window)
         if limit is None or now - transfer.since <= limit:
             return None
         what = {TransferState.HANDSHAKE: "waiting for the handshake with its prefill ranks",
                 TransferState.STAGING: "waiting for room in staging (staging_mib)",
-                TransferState.READING: ("waiting for the prefill's stream (stream_timeout_s)" if stream else
-                                        "READ still in flight"),
+                TransferState.READING: _WAITING[window],
                 TransferState.FENCING: "waiting for the prefill ranks to confirm their holds"}[transfer.state]
         return f"timed out {what} after {limit:g} s (state {transfer.state.value})"
+
+
+_WAITING: dict[Window, str] = {"transfer_timeout_s": "READ still in flight",
+                               "stream_timeout_s": "waiting for the prefill's stream (stream_timeout_s)"}
+"""What a pull past its ``READING`` deadline was waiting for, by the window its way's wait has."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from p2pkv.dataplane.transport import TransportReport, read_is_zero_copy
+from p2pkv.ways import WAYS, Way
 
 logger = logging.getLogger("p2pkv.decode")
 
@@ -30,7 +31,8 @@ TransferModeSetting = Literal["pull", "push", "auto", "stream"]
 
 
 class Direction(str, enum.Enum):
-    """Who posts the NIXL xfer of a prefill rank's share of a pull."""
+    """Who posts the NIXL xfer of a prefill rank's share of a pull: one value per way of :data:`p2pkv.ways.WAYS`
+    (a new way is a value here and a :class:`~p2pkv.ways.Way` there)."""
 
     PULL = "pull"
     """The decode rank READs from the prefill rank's blocks."""
@@ -39,6 +41,11 @@ class Direction(str, enum.Enum):
     STREAM = "stream"
     """The prefill rank WRITEs each layer into the decode rank's blocks as its forward computes it (a request
     whose legs the proxy sent at once, with a grant: docs/streaming.md)."""
+
+    @property
+    def way(self) -> Way:
+        """What the registry says of this way (its requests, handler, mover and traits)."""
+        return WAYS[self.value]
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,16 @@ ended, and whether a failure says its peer is gone. The lifecycle around
 them (:class:`p2pkv.decode.receiver.Receiver`, :mod:`p2pkv.decode.drain`,
 :mod:`p2pkv.decode.reads`) never asks which way a part moves.
 
-A new way (a layer-streamed push, say) is a new :class:`Mover` and one entry
-in :func:`movers`.
+How a transfer's parts are planned is its mover's too (:meth:`Mover.plan`):
+rows for a READ or a push (:func:`p2pkv.decode.reads.plan_reads`), one part
+per prefill rank with no rows for a layer stream
+(:func:`p2pkv.decode.stream_parts.plan_streams`), which also sends its
+request (:func:`p2pkv.decode.stream_parts.post_stream`).
+
+A new way is its :class:`p2pkv.ways.Way` (which names its mover class here),
+a :class:`~p2pkv.decode.direction.Direction` value, a new :class:`Mover` and
+its constructor in :func:`movers`; the other files it touches are listed in
+:mod:`p2pkv.ways`.
 """
 
 from __future__ import annotations
@@ -27,13 +35,17 @@ from typing import TYPE_CHECKING
 from handshake.messages import MAX_PUSH_ROWS
 from p2pkv.decode.direction import Direction
 from p2pkv.decode.fence import Fence, Phase
-from p2pkv.decode.reads import ReadEvent, land, release_stage
+from p2pkv.decode.reads import ReadEvent, land, plan_reads, release_stage
+from p2pkv.decode.stream_parts import plan_streams, post_stream
 
 if TYPE_CHECKING:
     from p2pkv.dataplane.agent import NixlTransferAgent
+    from p2pkv.dataplane.rank import LocalRank
     from p2pkv.dataplane.stager import Stager
+    from p2pkv.dataplane.topology import RankRead
+    from p2pkv.decode.peers import Peer, PeerId
     from p2pkv.decode.pushes import Pushes
-    from p2pkv.decode.transfer import Part
+    from p2pkv.decode.transfer import Part, Transfer
 
 
 class Mover(ABC):
@@ -55,6 +67,31 @@ class Mover(ABC):
     keeps_peer_on_failure: bool = False
     fallback: Direction | None = None
     ended_frees_staging: bool = False
+    stager: Stager
+
+    def plan(self, transfer: Transfer, reads: list[RankRead], notify: list[int], rank: LocalRank,
+             peers: dict[PeerId, Peer]) -> tuple[bool, list[int]]:
+        """Put ``transfer``'s parts in ``transfer.parts``: one per prefill rank of ``reads`` with something to
+        load, as descriptor rows (a READ's, or a push request's: the same rows).
+
+        Args:
+            transfer: a transfer whose parts this way plans (its fixed way's mover, or pull's).
+            reads: the prefill ranks this rank reads, with head slices.
+            notify: the prefill ranks this rank answers for.
+            rank: this rank.
+            peers: the handshaken prefill ranks.
+
+        Returns:
+            ``(planned, release)``: False when staging has no room yet (nothing stays reserved), and the
+            prefill ranks of ``notify`` to tell at once that this load takes nothing from them.
+
+        Raises:
+            p2pkv.dataplane.plan.PlanError: bad block ids.
+            p2pkv.dataplane.staging.StagingFull: the transfer can never fit in staging.
+        """
+        planned = plan_reads(transfer, [r.remote_rank for r in reads], peers, rank.layout, rank.desc,
+                             rank.device_id, self.stager)
+        return planned, []
 
     def cannot_carry(self, part: Part) -> str | None:
         """Why this way cannot move ``part`` at all (then its :attr:`fallback` does), or None when it can."""
@@ -234,12 +271,24 @@ class StreamMover(PushMover):
     def split(self, part: Part) -> list[Part]:
         return [part]
 
+    def plan(self, transfer: Transfer, reads: list[RankRead], notify: list[int], rank: LocalRank,
+             peers: dict[PeerId, Peer]) -> tuple[bool, list[int]]:
+        """One part per prefill rank read, with no rows (:func:`p2pkv.decode.stream_parts.plan_streams`); the
+        ranks this rank answers for but reads nothing from are told at once, since their streams have no
+        destination."""
+        read = sorted({r.remote_rank for r in reads})
+        planned = plan_streams(transfer, read, rank.notifiers(transfer.spec.remote.tp_size, read), peers,
+                               rank.layout, rank.desc.block_size, rank.device_id, self.stager)
+        return planned, sorted(set(notify) - set(read)) if planned else []
+
     def post(self, part: Part) -> None:
-        self.pushes.post_stream(part)
+        post_stream(self.pushes, part)
 
 
 def movers(agent: NixlTransferAgent, stager: Stager, fence: Fence, pushes: Pushes,
            quarantine_s: float) -> dict[Direction, Mover]:
-    """The mover of each direction for one decode rank: the one registration point of the ways a part moves."""
-    return {Direction.PULL: ReadMover(agent, stager, fence, quarantine_s),
-            Direction.PUSH: PushMover(pushes, stager), Direction.STREAM: StreamMover(pushes, stager)}
+    """The mover of each direction for one decode rank: the class :data:`p2pkv.ways.WAYS` names for its way."""
+    made = {ReadMover: lambda: ReadMover(agent, stager, fence, quarantine_s),
+            PushMover: lambda: PushMover(pushes, stager), StreamMover: lambda: StreamMover(pushes, stager)}
+    by_name = {cls.__name__: make for cls, make in made.items()}
+    return {direction: by_name[direction.way.mover]() for direction in Direction}

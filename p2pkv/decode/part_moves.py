@@ -11,11 +11,17 @@ lands); what the pull does about each outcome (retry, fail, confirm) is
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from p2pkv.decode.direction import Direction, Directions
 from p2pkv.decode.movers import Mover
 from p2pkv.decode.reads import ReadEvent
 from p2pkv.decode.transfer import Part, Transfer
+
+if TYPE_CHECKING:
+    from p2pkv.dataplane.rank import LocalRank
+    from p2pkv.dataplane.topology import RankRead
+    from p2pkv.decode.peers import Peer, PeerId
 
 logger = logging.getLogger("p2pkv.decode")
 
@@ -31,6 +37,12 @@ class Transfers:
     def __init__(self, movers: dict[Direction, Mover], directions: Directions) -> None:
         self.movers = movers
         self.directions = directions
+
+    def plan(self, transfer: Transfer, reads: list[RankRead], notify: list[int], rank: LocalRank,
+             peers: dict[PeerId, Peer]) -> tuple[bool, list[int]]:
+        """Plan ``transfer``'s parts (:meth:`p2pkv.decode.movers.Mover.plan`) with the mover of the way its load
+        fixes, or, when each part's way is chosen as it starts, as rows (pull's: a push moves the same rows)."""
+        return self.movers[transfer.fixed or Direction.PULL].plan(transfer, reads, notify, rank, peers)
 
     def start(self, transfer: Transfer) -> tuple[Part, Exception] | None:
         """Post every part of ``pull`` with its direction's mover: cut first into the parts that mover moves

@@ -30,20 +30,18 @@ from handshake import (
     AgentInfo,
     Destination,
     HandshakeTimeoutError,
-    HeadSlice,
     PushReply,
     RemoteRefusedError,
     request_push,
-    request_stream,
 )
 from p2pkv.dataplane.agent import NixlTransferAgent
-from p2pkv.dataplane.blockmap import staged_groups
 from p2pkv.decode.background import Background, take_done
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence, Hold, failure_of
 from p2pkv.decode.stream_watch import DISCONNECTED, GONE, StreamWatch
 from p2pkv.decode.transfer import Part
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
+from p2pkv.ways import Window
 
 logger = logging.getLogger("p2pkv.decode")
 
@@ -111,6 +109,8 @@ class Pushes:
         self.timeout_s = timeout_s
         self.window_s = window_s
         self.stream_window_s = window_s if stream_window_s is None else stream_window_s
+        self._windows: dict[Window, float] = {"transfer_timeout_s": window_s,
+                                              "stream_timeout_s": self.stream_window_s}
         self.make_info: Callable[[], AgentInfo] | None = None
         self._info: AgentInfo | None = None
         self._info_registrations = -1
@@ -126,57 +126,40 @@ class Pushes:
         Raises:
             RuntimeError: the worker has not set :attr:`make_info`.
         """
-        info = self.info()
-        pid, remote = read.peer_id, read.transfer.spec.remote
-        read.push_id, read.pushed_at = os.urandom(PUSH_ID_BYTES), time.monotonic()
-        read.first_pushed_at = read.first_pushed_at or read.pushed_at
-        self._open[read.push_id] = read
-        future = self.background.call(
-            f"p2pkv-push-{pid.host}:{pid.port}", _send_push, read.pushed_at + self.window_s, pid.destination,
-            remote.request_id, list(remote.block_ids), read.push_id, info, read.remote_descs.astype("<u8").tobytes(),
-            read.local_descs.astype("<u8").tobytes(), self.engine_id, secret=self.secret,
-            timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}")
-        self._replies.append((future, read))
+        info = self.open(read)
+        remote = read.transfer.spec.remote
+        self.send(read, _send_push, remote.request_id, list(remote.block_ids), read.push_id, info,
+                  read.remote_descs.astype("<u8").tobytes(), read.local_descs.astype("<u8").tobytes(), self.engine_id)
 
-    def post_stream(self, part: Part) -> None:
-        """Send ``part``'s stream request: this rank's blocks of a layer-streamed load (or, for a part with a
-        stage, its staging: one address per prefill region, staging blocks ``0 ..``, with several KV cache
-        groups each group's after the previous group's), its grant and digest
-        (the prefill rank WRITEs each layer into them; one "pushed" notification follows, as for a push).
+    def open(self, part: Part) -> AgentInfo:
+        """Open ``part`` for a request asking its prefill rank to WRITE it: its push id drawn (its notification
+        names it) and its send time set; this rank's :class:`AgentInfo`, for the request.
 
         Raises:
-            RuntimeError: the worker has not set :attr:`make_info`.
+            RuntimeError: the worker has not set :attr:`make_info` (nothing is opened).
         """
         info = self.info()
-        spec, pid = part.transfer.spec, part.peer_id
         part.push_id, part.pushed_at = os.urandom(PUSH_ID_BYTES), time.monotonic()
         part.first_pushed_at = part.first_pushed_at or part.pushed_at
         self._open[part.push_id] = part
-        first_block = spec.first_token // max(1, part.peer.info.layout.block_size)
-        block_ids = list(spec.local_block_ids)
-        group_blocks = list(spec.stream_groups[1:])
-        if spec.stream_groups:  # several KV cache groups: group 0's blocks here, the others' beside them
-            first_block, block_ids = spec.stream_groups[0].first_block, list(spec.stream_groups[0].block_ids)
-        staging_addrs: list[int] = []
-        if part.stage is not None:
-            block_ids = list(range(len(part.stage.read.remote_block_ids)))
-            staging_addrs = [seg.addr for seg in part.stage.segments]
-            if spec.stream_groups:  # each group's staging blocks after the previous group's
-                staged = staged_groups(spec.stream_groups)
-                block_ids = list(staged[0].block_ids)
-                group_blocks = list(staged[1:])
+        return info
+
+    def send(self, part: Part, call: Callable[..., PushReply], *args: object, **kwargs: object) -> None:
+        """Send the request of ``part`` (:meth:`open` first) on its prefill rank's lane: ``call(deadline,
+        destination, *args, secret=, timeout_s=, link=, lane=, **kwargs)``, ``deadline`` its window from now
+        (:func:`_send_push`; a stream's, :func:`p2pkv.decode.stream_parts.post_stream`); its reply is
+        collected by :meth:`collect`."""
+        pid = part.peer_id
         future = self.background.call(
-            f"p2pkv-push-{pid.host}:{pid.port}", _send_stream, part.pushed_at + self.window(part), pid.destination,
-            spec.stream_grant, block_ids, first_block, spec.remote.num_tokens,
-            spec.remote.prompt_digest, part.push_id, info, self.engine_id, secret=self.secret,
-            timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port), lane=f"{pid.host}:{pid.port}",
-            staging_addrs=staging_addrs, readers=part.readers, group_blocks=group_blocks,
-            head_slice=_head_slice(part))
+            f"p2pkv-push-{pid.host}:{pid.port}", call, part.pushed_at + self.window(part), pid.destination, *args,
+            secret=self.secret, timeout_s=self.timeout_s, link=self.fence.link(pid.host, pid.port),
+            lane=f"{pid.host}:{pid.port}", **kwargs)
         self._replies.append((future, part))
 
     def window(self, part: Part) -> float:
-        """``part``'s window (seconds): a stream's when it is a layer stream, else a push's."""
-        return self.stream_window_s if part.transfer.spec.stream_grant else self.window_s
+        """``part``'s window (seconds): the one its way's wait has (:attr:`p2pkv.ways.Way.window`: a layer
+        stream's ``stream_timeout_s``, else a push's)."""
+        return self._windows[part.transfer.way.window]
 
     def info(self) -> AgentInfo:
         """This rank's :class:`AgentInfo`, rebuilt when memory was registered since the last one.
@@ -227,8 +210,7 @@ class Pushes:
                     and self.unknown_for(read, now) < grace_s):
                 self.again(read)
                 continue
-            why = failure_of_push(reply, read.transfer.spec.remote.request_id,
-                                  stream=bool(read.transfer.spec.stream_grant))
+            why = failure_of_push(reply, read.transfer.spec.remote.request_id, retried=read.transfer.way.retried)
             if why is not None:
                 failed.append((read, *why))
         for read, note in self.arrivals(now):
@@ -241,7 +223,7 @@ class Pushes:
         they can still WRITE (:mod:`p2pkv.decode.stream_watch`): a stream whose rank does not know it (it
         restarted) is over, failed; a given-up part whose hold or stream has ended there has drained."""
         asking = {id(part) for _, part in self._replies}
-        asked = self.watch.ask([p for p in self._open.values() if (p.transfer.spec.stream_grant or p.abandoned)
+        asked = self.watch.ask([p for p in self._open.values() if (p.transfer.way.watched or p.abandoned)
                                 and id(p) not in asking], now)
         gone = {name for name in {p.peer.agent_name for p in asked} if not self.agent.reachable(name)}
         for push_id, part in list(self._open.items()) if gone else ():
@@ -353,30 +335,8 @@ def _send_push(deadline: float, to: Destination, request_id: str, block_ids: lis
                         requester_engine_id, **kwargs)  # type: ignore[arg-type]
 
 
-def _head_slice(part: Part) -> HeadSlice | None:
-    """``part``'s slice of heads as its stream request names it (None: its prefill rank's pages whole)."""
-    r = part.head_slice
-    return None if r is None else HeadSlice(r.remote_head_start, r.local_head_start, r.num_heads)
-
-
-def _send_stream(deadline: float, to: Destination, grant: str, block_ids: list[int], first_block: int,
-                 num_tokens: int, digest: str, push_id: bytes, agent: AgentInfo, requester_engine_id: str,
-                 **kwargs: object) -> PushReply:
-    """:func:`handshake.request_stream` with what is left of its window, as :func:`_send_push`.
-
-    Raises:
-        PushNotSent: nothing is left; nothing was sent.
-        The errors of :func:`handshake.request_stream`.
-    """
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise PushNotSent("not sent: its window passed while it waited behind earlier requests to that prefill rank")
-    return request_stream(to, grant, block_ids, first_block, num_tokens, digest, push_id, agent, left,
-                          requester_engine_id, **kwargs)  # type: ignore[arg-type]
-
-
 def failure_of_push(reply: PushReply | Exception, request_id: str,
-                    stream: bool = False) -> tuple[FailureKind, str, bool] | None:
+                    retried: bool = True) -> tuple[FailureKind, str, bool] | None:
     """What a push request's answer means for its pull: None when accepted, else the failure kind, the
     reason, and whether the pull may retry (after a re-handshake, once) rather than fail.
 
@@ -384,8 +344,9 @@ def failure_of_push(reply: PushReply | Exception, request_id: str,
     (:func:`p2pkv.decode.fence.failure_of`); ``busy`` fails the pull;
     ``refused`` (rows or agent) and no reply (timeout, a closed connection)
     retry after a new handshake, since the prefill engine may have
-    restarted (its memory, and so the rows, changed). A refused stream
-    request (``stream``) does not: the prefill rank planned nothing from
+    restarted (its memory, and so the rows, changed). A refused request of a
+    way that is not retried (``retried`` False, :attr:`p2pkv.ways.Way.retried`:
+    a stream request) does not: the prefill rank planned nothing from
     this rank's view of it, and a stream id gets one destination, so a
     retry could only be refused again (a restarted prefill engine no longer
     knows the request at all).
@@ -402,4 +363,4 @@ def failure_of_push(reply: PushReply | Exception, request_id: str,
     if reply.status == "busy":
         return FailureKind.TRANSFER, f"the prefill rank is busy: {reply.message}", False
     # rows or agent refused: planned on another incarnation of that rank (a restart), so handshake again
-    return FailureKind.REFUSED, f"the prefill rank refused the push: {reply.message}", not stream
+    return FailureKind.REFUSED, f"the prefill rank refused the push: {reply.message}", retried

@@ -49,7 +49,7 @@ from p2pkv.decode import progress as pull_progress
 from p2pkv.decode.background import Background
 from p2pkv.decode.confirmations import Confirmations
 from p2pkv.decode.deadlines import Deadlines
-from p2pkv.decode.direction import Direction, Directions
+from p2pkv.decode.direction import Directions
 from p2pkv.decode.drain import Drain
 from p2pkv.decode.endings import Endings
 from p2pkv.decode.failures import FailureKind
@@ -64,10 +64,9 @@ from p2pkv.decode.probe import TransportProbe
 from p2pkv.decode.progress import Progress
 from p2pkv.decode.pull_spans import TransferSpans
 from p2pkv.decode.pushes import Pushes
-from p2pkv.decode.reads import ReadEvent, plan_reads, release_unposted
+from p2pkv.decode.reads import ReadEvent, release_unposted
 from p2pkv.decode.release import release_failed
-from p2pkv.decode.stream_parts import plan_streams
-from p2pkv.decode.transfer import STREAM_POLL_MIN_S, Part, Transfer, TransferState, poll_wait_s
+from p2pkv.decode.transfer import STREAM_POLL_MIN_S, Part, Transfer, TransferState, poll_wait_s, way_of
 from p2pkv.metadata import LoadSpec
 from p2pkv.telemetry.stats import StatsBuffer
 from p2pkv.transfer_threads import parse_cpus, start_transfer_thread
@@ -140,15 +139,15 @@ class Receiver:
         :meth:`p2pkv.decode.endings.Endings.give_up`)."""
         with self.lock:
             ended = set(ended_streams or ())
-            for transfer in [t for t in self.transfers if t.request_id in ended and t.spec.stream_grant]:
+            for transfer in [t for t in self.transfers if t.request_id in ended and t.way.given_up_at_request_end]:
                 self._contained(transfer, "giving the stream up", self.endings.give_up, transfer)
             for request_id, blocks in (failed or {}).items():
                 self.outcomes.add(request_id, blocks, failed=True)
                 self.stats.record_failure(FailureKind.REFUSED.value)
-            for spec in [s for s in specs if _declines_stream(s)]:
+            for spec in [s for s in specs if _declines(s)]:
                 release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size),
                                self.rank.name, self._secret, self.config.handshake_timeout_s)
-            specs = [s for s in specs if not _declines_stream(s)]
+            specs = [s for s in specs if not _declines(s)]
             new = [Transfer.taken(spec) for spec in specs]
             waiting = self._staging_wait[:]  # begun again below (the list is shared with self.endings)
             self._staging_wait.clear()
@@ -267,19 +266,13 @@ class Receiver:
         counts = self.rank.notifiers(spec.remote.tp_size, notify)
         transfer.notify = [(PeerId.of(spec.remote, r), n) for r, n in zip(notify, counts, strict=True)]
         transfer.parts, transfer.started, transfer.num_bytes, transfer.num_descriptors = [], time.monotonic(), 0, 0
+        if not transfer.way.notifies_done:  # the prefill rank ends its hold itself: nobody to notify
+            transfer.notify = []
         try:
-            if spec.stream_grant:  # the prefill rank's stream ends its hold itself: nobody to notify
-                transfer.notify = []
-                read = sorted({r.remote_rank for r in reads})
-                planned = plan_streams(transfer, read, self.rank.notifiers(spec.remote.tp_size, read),
-                                       self.peers.peers, self.rank.layout, self.rank.desc.block_size,
-                                       self.rank.device_id, self.stager)
-                if planned and (unread := sorted(set(notify) - set(read))):  # their streams have no destination
-                    release_failed(self.background, spec.remote, unread, self.rank.name, self._secret,
-                                   self.config.handshake_timeout_s)
-            else:
-                planned = plan_reads(transfer, [r.remote_rank for r in reads], self.peers.peers, self.rank.layout,
-                                     self.rank.desc, self.rank.device_id, self.stager)
+            planned, release = self.moves.plan(transfer, reads, notify, self.rank, self.peers.peers)
+            if release:  # prefill ranks this load takes nothing from (a stream's: its stream has no destination)
+                release_failed(self.background, spec.remote, release, self.rank.name, self._secret,
+                               self.config.handshake_timeout_s)
             if not planned:
                 self.endings.to(transfer, TransferState.STAGING)
                 self._staging_wait.append(transfer)
@@ -342,8 +335,8 @@ class Receiver:
     def _poll(self, transfer: Transfer, read: Part, now: float) -> None:
         """Poll one READ; still in flight past ``transfer_timeout_s``, :meth:`_expire` gives it up."""
         event, exc = self.moves.poll(read, now)
-        if event is ReadEvent.FAILED:  # a stream is not sent again: its id serves once, and only its prefill had it
-            self._part_failed(read, _kind(exc), str(exc), retry=not transfer.spec.stream_grant,
+        if event is ReadEvent.FAILED:  # a way not retried (a stream: its id serves once, only its prefill had it)
+            self._part_failed(read, _kind(exc), str(exc), retry=transfer.way.retried,
                               drop_peer=not self.moves.mover_of(read).keeps_peer_on_failure)
         elif event is ReadEvent.FIXUP_FAILED:
             self.drain.abandon(transfer)
@@ -377,11 +370,12 @@ class Receiver:
         return {pid for p in self.transfers for pid in p.peers} | self.drain.peers() | self.notifier.needed_peers()
 
 
-def _declines_stream(spec: LoadSpec) -> bool:
-    """A streamed load that takes nothing (its prompt is in this engine's prefix cache, or the request ended before
-    its blocks were allocated): the prefill rank is told at once, by a release of the stream id, so that it stops
-    the stream and frees its hold instead of waiting for the lease."""
-    return bool(spec.stream_grant) and not spec.local_block_ids and not spec.report
+def _declines(spec: LoadSpec) -> bool:
+    """A load that takes nothing (its prompt is in this engine's prefix cache, or the request ended before its
+    blocks were allocated) of a way whose prefill ranks wait for no "done" (a stream: it ends its hold itself):
+    they are told at once, by a release of the load's id, so that they stop and free the hold instead of waiting
+    for the lease."""
+    return not way_of(spec).notifies_done and not spec.local_block_ids and not spec.report
 
 
 def _needs(spec: LoadSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[RankRead], list[int], list[PeerId]] | str:
@@ -426,5 +420,6 @@ def agent_in_use(agent_name: str, drain: Drain, transfers: list[Transfer]) -> bo
     whether it is gone. (A READ in flight does not keep it: it fails with the connection, and a dropped peer is
     connected afresh.)"""
     return drain.uses(agent_name) or any(
-        part.in_flight and part.direction is not Direction.PULL and part.peer.agent_name == agent_name
+        part.in_flight and part.direction is not None and part.direction.way.prefill_writes
+        and part.peer.agent_name == agent_name
         for transfer in transfers for part in transfer.parts)

@@ -22,17 +22,26 @@ rank's blocks when its notification lands (as a staged push's). A model
 with several KV cache groups (one block size on both engines) stages each
 group's blocks after the previous group's
 (:func:`p2pkv.dataplane.blockmap.grouped_streamed_read`).
+
+Its request (:func:`post_stream`): a :class:`handshake.StreamRequest` with
+the grant, this rank's blocks (or staging) and the prompt's digest, sent on
+the prefill rank's lane as a push request is (:meth:`p2pkv.decode.pushes.Pushes.send`);
+everything after it is a push's.
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-from p2pkv.dataplane.blockmap import grouped_streamed_read, streamed_read
+from handshake import AgentInfo, Destination, HeadSlice, PushReply, request_stream
+from p2pkv.dataplane.blockmap import grouped_streamed_read, staged_groups, streamed_read
 from p2pkv.dataplane.layout import KVLayout
 from p2pkv.dataplane.negotiate import Placement
 from p2pkv.dataplane.stager import Stager
 from p2pkv.decode.peers import Peer, PeerId
+from p2pkv.decode.pushes import Pushes, PushNotSent
 from p2pkv.decode.reads import release_unposted
 from p2pkv.decode.transfer import Part, Transfer
 
@@ -94,3 +103,55 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
         counted = np.array([[0, stage.size, device_id]], dtype=np.uint64)
         transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, stage, readers=count))
     return True
+
+
+def post_stream(pushes: Pushes, part: Part) -> None:
+    """Send ``part``'s stream request: this rank's blocks of a layer-streamed load (or, for a part with a
+    stage, its staging: one address per prefill region, staging blocks ``0 ..``, with several KV cache
+    groups each group's after the previous group's), its grant and digest
+    (the prefill rank WRITEs each layer into them; one "pushed" notification follows, as for a push).
+
+    Raises:
+        RuntimeError: the worker has not set :attr:`p2pkv.decode.pushes.Pushes.make_info`.
+    """
+    info = pushes.open(part)
+    spec = part.transfer.spec
+    first_block = spec.first_token // max(1, part.peer.info.layout.block_size)
+    block_ids = list(spec.local_block_ids)
+    group_blocks = list(spec.stream_groups[1:])
+    if spec.stream_groups:  # several KV cache groups: group 0's blocks here, the others' beside them
+        first_block, block_ids = spec.stream_groups[0].first_block, list(spec.stream_groups[0].block_ids)
+    staging_addrs: list[int] = []
+    if part.stage is not None:
+        block_ids = list(range(len(part.stage.read.remote_block_ids)))
+        staging_addrs = [seg.addr for seg in part.stage.segments]
+        if spec.stream_groups:  # each group's staging blocks after the previous group's
+            staged = staged_groups(spec.stream_groups)
+            block_ids = list(staged[0].block_ids)
+            group_blocks = list(staged[1:])
+    pushes.send(part, _send_stream, spec.stream_grant, block_ids, first_block, spec.remote.num_tokens,
+                spec.remote.prompt_digest, part.push_id, info, pushes.engine_id, staging_addrs=staging_addrs,
+                readers=part.readers, group_blocks=group_blocks, head_slice=_head_slice(part))
+
+
+def _head_slice(part: Part) -> HeadSlice | None:
+    """``part``'s slice of heads as its stream request names it (None: its prefill rank's pages whole)."""
+    r = part.head_slice
+    return None if r is None else HeadSlice(r.remote_head_start, r.local_head_start, r.num_heads)
+
+
+def _send_stream(deadline: float, to: Destination, grant: str, block_ids: list[int], first_block: int,
+                 num_tokens: int, digest: str, push_id: bytes, agent: AgentInfo, requester_engine_id: str,
+                 **kwargs: object) -> PushReply:
+    """:func:`handshake.request_stream` (on the lane's thread) with what is left of its window, as
+    :func:`p2pkv.decode.pushes._send_push`.
+
+    Raises:
+        PushNotSent: nothing is left; nothing was sent.
+        The errors of :func:`handshake.request_stream`.
+    """
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise PushNotSent("not sent: its window passed while it waited behind earlier requests to that prefill rank")
+    return request_stream(to, grant, block_ids, first_block, num_tokens, digest, push_id, agent, left,
+                          requester_engine_id, **kwargs)  # type: ignore[arg-type]

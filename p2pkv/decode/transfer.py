@@ -28,6 +28,7 @@ from p2pkv.dataplane.topology import RankRead
 from p2pkv.decode.direction import Direction
 from p2pkv.decode.peers import Peer, PeerId, canonical_host
 from p2pkv.metadata import LoadSpec
+from p2pkv.ways import Way
 
 
 class TransferState(str, enum.Enum):
@@ -178,10 +179,33 @@ class Transfer:
         """True once ``FAILED``."""
         return self.state is TransferState.FAILED
 
+    @property
+    def fixed(self) -> Direction | None:
+        """The way its load fixes for every part (:attr:`p2pkv.metadata.LoadSpec.way`), or None: each part
+        moves the way chosen for its prefill rank (:class:`p2pkv.decode.direction.Directions`)."""
+        return fixed_direction(self.spec)
+
+    @property
+    def way(self) -> Way:
+        """What the way says of the transfer as a whole (:func:`way_of`)."""
+        return way_of(self.spec)
+
     def direction(self) -> Direction:
         """How its bytes moved, for metrics and spans: its first posted part's direction (its parts share
         one, except under ``transfer_mode`` auto while a peer's choice changes); pull before any is posted."""
         return next((r.direction for r in self.parts if r.direction is not None), Direction.PULL)
+
+
+def fixed_direction(spec: LoadSpec) -> Direction | None:
+    """The direction a load of ``spec`` fixes for every part (:attr:`p2pkv.metadata.LoadSpec.way`), or None."""
+    return Direction(spec.way) if spec.way else None
+
+
+def way_of(spec: LoadSpec) -> Way:
+    """What the way says of a load of ``spec`` as a whole, before or after its parts are posted: its fixed way's,
+    else pull's, since the ways its parts may then be chosen (pull, push) agree on every trait asked of a whole
+    transfer (``tests/test_ways.py``)."""
+    return (fixed_direction(spec) or Direction.PULL).way
 
 
 STREAM_POLL_MIN_S = 0.001
@@ -222,5 +246,5 @@ def streams_only(transfers: list[Transfer]) -> bool:
     and steps idle more slowly (:data:`STREAM_POLL_MIN_S`, :data:`p2pkv.worker.STREAM_IDLE_WAIT_S`):
     polling it as fast as a READ kept most of a core busy for that long.
     """
-    return bool(transfers) and all(t.state is TransferState.READING and t.direction() is Direction.STREAM
+    return bool(transfers) and all(t.state is TransferState.READING and t.direction().way.lasts_prefill
                                    for t in transfers)
