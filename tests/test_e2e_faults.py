@@ -389,31 +389,34 @@ def test_a_decode_that_stops_answering_leaves_nothing_held_past_the_lease_and_ne
         assert _ask(urls[way], prompt)[:2] == (200, _reference(rig, prompt)), way
 
 
-def test_a_decode_killed_mid_answer_fails_its_clients_frees_the_prefill_and_its_restart_serves(
+def test_a_decode_killed_mid_transfer_fails_its_clients_frees_the_prefill_and_its_restart_serves(
         rig: Rig, own_decode: tuple[EngineSpec, list[Child], dict[str, str]]) -> None:
-    """The decode engine SIGKILLed while an answer of every way streams from it: each client's stream ends with
-    an error, the prefill engine frees every hold (the decode engine's word came, or its lease ends them), and
-    the decode engine started again on the same ports serves every way right."""
+    """The decode engine SIGKILLed while a prompt of every way is being moved to it (as soon as the prefill engine
+    holds its blocks: a stream's layers are being WRITten, a pull or push waits for the prefill's answer): each
+    client's stream ends (an error, or a closed connection), the prefill engine frees every hold (NIXL's
+    disconnect fails a WRITE into the dead process at once; the lease ends the rest), and the decode engine
+    started again on the same ports serves every way right."""
     spec, children, urls = own_decode
     ended: dict[str, float] = {}
-    answering = {way: threading.Event() for way in WAYS}
+    texts = dict.fromkeys(WAYS, "")
 
     def read(way: str) -> None:
-        body = {"model": "model", "prompt": f"the decode dies {way} " + "d" * (6 * BLOCK), "max_tokens": 800,
+        body = {"model": "model", "prompt": f"the decode dies {way} {LONG}", "max_tokens": 200,
                 "ignore_eos": True, "temperature": 0.0, "stream": True}
         with contextlib.suppress(httpx.HTTPError), httpx.Client(timeout=60.0) as client, client.stream(
                 "POST", f"{urls[way]}/v1/completions", json=body) as resp:
             for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    answering[way].set()
+                event = json.loads(line[6:]) if line.startswith("data: {") else {}
+                texts[way] += "".join(c.get("text", "") for c in event.get("choices", []))
         ended[way] = time.monotonic()
-        answering[way].set()
 
     threads = [threading.Thread(target=read, args=(way,)) for way in WAYS]
     for thread in threads:
         thread.start()
-    for event in answering.values():  # every way's answer under way
-        event.wait(timeout=60)
+    with httpx.Client(timeout=10.0) as client:  # the prefill legs under way: the loads not done
+        deadline = time.monotonic() + 30.0
+        while kv_cache_usage(client, rig.prefill_url) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
     assert not ended, f"answers ended before the decode engine was killed: {sorted(ended)}"
     os.killpg(children[0].proc.pid, signal.SIGKILL)
     children[0].proc.wait()
@@ -421,6 +424,9 @@ def test_a_decode_killed_mid_answer_fails_its_clients_frees_the_prefill_and_its_
     for thread in threads:
         thread.join(timeout=60)
     assert set(ended) == set(WAYS), "a client's stream from a dead decode engine never ended"
+    for way in WAYS:  # what a client got before the engine died is the start of the right answer
+        ref = _reference(rig, f"the decode dies {way} {LONG}", max_tokens=200)[0]
+        assert ref.startswith(texts[way]), f"{way}: wrong tokens before the decode engine died: {texts[way]!r}"
     rig.figures["decode_killed"] = {way: {"client_ended_s": round(t - killed, 2)} for way, t in ended.items()}
     freed = _back_to_zero(rig.prefill_url, LEASE_S + 10)
     assert freed is not None, "the prefill engine held blocks past its lease after the decode engine died"
