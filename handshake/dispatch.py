@@ -188,21 +188,23 @@ class Dispatcher:
 
     def _push(self, msg: messages.PushRequest, info: AgentInfo) -> messages.PushReply:
         """Hand a push request to ``on_push``; refused (``malformed``, field ``type``) without one."""
-        if self._on_push is None:
-            raise MalformedMessageError("this side channel takes no push requests (it holds no requests, or its "
-                                        "p2pkv predates push); use transfer_mode pull", field="type")
-        status, message = self._on_push(msg)
-        self.stats["pushes"] = self.stats.get("pushes", 0) + 1
-        return messages.PushReply(protocol_version=PROTOCOL_VERSION, status=status, message=message[:1024],
-                                  nonce=msg.nonce)
+        return self._write_request(msg, self._on_push, "pushes", "push requests (it holds no requests, or its "
+                                   "p2pkv predates push); use transfer_mode pull")
 
     def _stream(self, msg: messages.StreamRequest, info: AgentInfo) -> messages.PushReply:
         """Hand a stream request to ``on_stream``; refused (``malformed``, field ``type``) without one."""
-        if self._on_stream is None:
-            raise MalformedMessageError("this side channel takes no stream requests (it streams no requests, or "
-                                        "its p2pkv predates streaming); use transfer_mode push", field="type")
-        status, message = self._on_stream(msg)
-        self.stats["streams"] = self.stats.get("streams", 0) + 1
+        return self._write_request(msg, self._on_stream, "streams", "stream requests (it streams no requests, or "
+                                   "its p2pkv predates streaming); use transfer_mode push")
+
+    def _write_request(self, msg: messages.PushRequest | messages.StreamRequest,
+                       handler: OnPush | OnStream | None, counted: str, refused: str) -> messages.PushReply:
+        """A request for the prefill worker to WRITE (a push or a stream), answered by ``handler`` and counted in
+        ``stats[counted]``; refused (``malformed``, field ``type``) naming what this side channel takes no
+        ``refused`` of, without a handler."""
+        if handler is None:
+            raise MalformedMessageError(f"this side channel takes no {refused}", field="type")
+        status, message = handler(msg)  # type: ignore[arg-type]
+        self.stats[counted] = self.stats.get(counted, 0) + 1
         return messages.PushReply(protocol_version=PROTOCOL_VERSION, status=status, message=message[:1024],
                                   nonce=msg.nonce)
 
