@@ -28,8 +28,8 @@ from p2pkv.dataplane.blockmap import BlockCountError, StagedRead, grouped_stream
 from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.worker import WorkerSide
 from tests.conftest import free_ports
-from tests.test_hetero import NUM_BLOCKS, ROWS, Side, block_ids, fill, make_cache, mode, model_info
-from tests.test_stream_hetero import SECRET, granted_stream, release_prefills
+from tests.test_hetero import NUM_BLOCKS, ROWS, Side, block_ids, fill, make_cache, model_info
+from tests.test_stream_hetero import SECRET, granted_stream, release_prefills, streamed_stats
 
 WINDOW_FIRST = 2
 """The window group's first prompt block on both engines (vLLM's null block before it: behind the window)."""
@@ -98,13 +98,7 @@ def test_a_grouped_stream_between_engines_whose_pages_differ_lands_each_group_in
                 prefill.save_kv_layer(name, granted.step)
             prefill.wait_for_save()
         for rank, (decode, base, _) in enumerate(decodes):
-            while "d-req" not in decode.get_finished()[1]:
-                assert time.monotonic() < deadline, f"the streamed load of decode rank {rank} never finished"
-                time.sleep(0.002)
-            assert decode.get_block_ids_with_load_errors() == set()
-            assert mode(decode) == {how}
-            stats = decode.take_stats() or {}
-            assert stats.get("directions") == {"stream": 1}
+            stats = streamed_stats(decode, rank, how, deadline)
             if how == "paged":  # sliced: this rank's blocks of both groups, and nothing more
                 block_bytes = decode.receiver.rank.layout.block_bytes
                 assert stats.get("pull_bytes") == [len(full_local + window_local) * block_bytes]

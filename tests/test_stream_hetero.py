@@ -16,6 +16,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -115,13 +116,7 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
         for rank, (decode, base, _) in enumerate(decodes):
             if late and rank > 0:
                 decode.start_load_kv(load)
-            while "d-req" not in decode.get_finished()[1]:
-                assert time.monotonic() < deadline, f"the streamed load of decode rank {rank} never finished"
-                time.sleep(0.002)
-            assert decode.get_block_ids_with_load_errors() == set()
-            assert mode(decode) == {how}
-            stats = decode.take_stats() or {}
-            assert stats.get("directions") == {"stream": 1}
+            stats = streamed_stats(decode, rank, how, deadline)
             if _direct(row):  # this rank's blocks, or its heads' slice of the prefill's pages, and nothing more
                 assert stats.get("pull_bytes") == [len(local_ids) * decode.receiver.rank.layout.block_bytes]
             # A stream into the decode blocks moves whole blocks, the last prompt token's slot too (the decode
@@ -137,6 +132,19 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
     finally:
         for worker, _, _ in (*decodes, *prefills):
             worker.shutdown()
+
+
+def streamed_stats(decode: Any, rank: int, how: str, deadline: float) -> dict[str, Any]:
+    """Decode rank ``rank``'s stats once its streamed load of ``d-req`` finished (by ``deadline``,
+    ``time.monotonic()``): landed without a load error, placed ``how`` (``"paged"``, ``"staged"``...), one stream."""
+    while "d-req" not in decode.get_finished()[1]:
+        assert time.monotonic() < deadline, f"the streamed load of decode rank {rank} never finished"
+        time.sleep(0.002)
+    assert decode.get_block_ids_with_load_errors() == set()
+    assert mode(decode) == {how}
+    stats = decode.take_stats() or {}
+    assert stats.get("directions") == {"stream": 1}
+    return stats
 
 
 def release_prefills(prefills: list, block_ids: list[int], deadline: float) -> None:
