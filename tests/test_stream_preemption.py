@@ -14,6 +14,7 @@ decode blocks must hold the recomputed layers, with only their bytes moved.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -39,6 +40,28 @@ def _reused(cache: torch.Tensor, blocks: list[int]) -> Iterator[None]:
         cache[blocks] = saved
 
 
+@contextlib.contextmanager
+def _held(poster: StreamPoster, held: bool) -> Iterator[None]:
+    """(``held``) ``poster``'s thread applies no call and pumps no stream until the exit; then it takes the calls
+    made meanwhile in their order, in one turn."""
+    if not held:
+        yield
+        return
+    gate = threading.Event()
+    apply = poster._apply
+
+    def gated() -> None:
+        gate.wait(10.0)
+        apply()
+
+    poster._apply = gated  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        poster._apply = apply  # type: ignore[method-assign]
+        gate.set()
+
+
 @pytest.mark.parametrize("told", [True, False], ids=["told-at-preemption", "seen-at-resumption"])
 def test_a_preempted_stream_writes_only_the_layers_computed_again(agents: Agents, told: bool) -> None:
     """Step 1 computes every layer of prompt blocks 0-1 into blocks 3, 4 (no destination yet). The request is
@@ -50,8 +73,12 @@ def test_a_preempted_stream_writes_only_the_layers_computed_again(agents: Agents
         with _reused(agents.source, [3, 4]):
             preempting = P2pKvMetadata(stream_restarts=[REQ]) if told else P2pKvMetadata()
             rig.step(preempting)
-            assert rig.streams.on_stream(rig.request([5, 6])) == ("accepted", "")
-            rig.step(rig.chunk((7, 8)))  # resumed: from block 0 again, its last chunk
+            # Not told, this rank learns of the preemption only from the resumed chunk: a destination that came
+            # in between and reached the poster first would have it WRITE the freed blocks' layers (a race the
+            # told path, vLLM's preempted_req_ids, does not have). The poster takes both in one turn here.
+            with _held(rig.streams.poster, not told):
+                assert rig.streams.on_stream(rig.request([5, 6])) == ("accepted", "")
+                rig.step(rig.chunk((7, 8)))  # resumed: from block 0 again, its last chunk
             assert rig.notes() == [PushedNotification(PID, True)]
             rig.settle()
             assert rig.landed({7: 5, 8: 6}, range(RIG_LAYERS)), "a freed block's bytes landed"

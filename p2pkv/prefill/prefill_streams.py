@@ -155,6 +155,8 @@ class PrefillStreams(StreamDestinations, StreamReleases):
                 if chunk.request_id not in self._live:
                     self._open(chunk)
                 elif chunk.prompt_digest:  # opened again: resumed after a preemption this rank was not told of
+                    # (a vLLM without SchedulerOutput.preempted_req_ids). Only a fallback: a destination that
+                    # comes between the preemption and this chunk may be WRITTEN the freed blocks' layers first.
                     restarts.append(chunk.request_id)
         for request_id in dict.fromkeys(restarts):
             self.poster.restart(request_id)
