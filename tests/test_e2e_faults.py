@@ -33,7 +33,7 @@ from tests.conftest import BLOCK, MAX_BATCHED_TOKENS, free_ports
 pytestmark = pytest.mark.engines
 
 WAYS = ("pull", "push", "stream")
-LEASE_S = 15.0
+LEASE_S = 10.0
 """The module's prefill engine's ``lease_s``: the latest a hold its decode leg never ends may last."""
 LONG = "A prefill engine that dies costs its clients seconds, not a minute. " * 12  # chunked: > 256 tokens
 KILL_AFTER_S = 0.1
@@ -335,7 +335,7 @@ def own_decode(rig: Rig) -> Iterator[tuple[EngineSpec, list[Child], dict[str, st
         stop_children(children)
 
 
-STOPPED_S = LEASE_S + 8.0
+STOPPED_S = LEASE_S + 6.0
 """How long the decode engine stays stopped (seconds): past the prefill engine's lease and the module decode
 engine's window (``transfer_timeout_s``: a push's or stream's WRITE into a stopped process does not complete, and
 its blocks stay pinned until the window cuts it), so every hold it never ended must end there on its own."""
