@@ -164,8 +164,8 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        engine_role, warning = p2pkv_role(self.config, ktc.kv_role)
         if role == KVConnectorRole.SCHEDULER:
-            engine_role, warning = p2pkv_role(self.config, ktc.kv_role)
             if warning:
                 logger.warning(warning)
             self.scheduler = SchedulerSide(self.engine_id, self.config, block_size, host,
@@ -182,7 +182,7 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
             compat = fingerprint(compat_fields(vllm_config, kv_cache_config))
             self.worker = WorkerSide(self.engine_id, self.config, tp_rank, self.tp_size, host,
                                      base_port + tp_rank, compat,
-                                     model_info(vllm_config, kv_cache_config))
+                                     model_info(vllm_config, kv_cache_config), role=engine_role)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

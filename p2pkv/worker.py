@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from handshake import AgentInfo, HandshakeServer, KVLayoutDesc, compute_digest
-from p2pkv.config import P2pKvConfig
+from p2pkv.config import P2pKvConfig, Role
 from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
 from p2pkv.dataplane.layout import (
     KVLayout,
@@ -115,14 +115,22 @@ class WorkerSide:
         side_channel_port: this rank's side-channel port.
         compat_hash: the compatibility fingerprint peers must match (:func:`p2pkv.engine_facts.compat_fields`).
         model: this rank's model and KV cache facts.
+        role: what this engine does (:func:`p2pkv.config.engine_role`): a ``decode`` rank holds nothing for
+            anyone, so it builds no :class:`~p2pkv.prefill.pusher.Pusher` and no
+            :class:`~p2pkv.prefill.prefill_streams.PrefillStreams` (its side channel refuses push and stream
+            requests, and answers hold questions from its empty holds). A ``prefill`` rank keeps its
+            :class:`~p2pkv.decode.receiver.Receiver`: params that ask a prefill engine to load KV are still
+            served.
 
     Raises:
         p2pkv.config.ConfigError: no side-channel secret and not ``insecure``.
     """
 
     def __init__(self, engine_id: str, config: P2pKvConfig, tp_rank: int, tp_size: int,
-                 side_channel_host: str, side_channel_port: int, compat_hash: str, model: ModelInfo) -> None:
+                 side_channel_host: str, side_channel_port: int, compat_hash: str, model: ModelInfo,
+                 role: Role = "both") -> None:
         self.engine_id = engine_id
+        self.role = role
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -196,6 +204,28 @@ class WorkerSide:
         info = self._agent_info()
         self.receiver.pushes.make_info = self._agent_info
         secret = self._secret
+        if secret is None:
+            logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
+                           "reaches it can read this engine's KV cache", self.host, self.port)
+        if self.role == "decode":
+            self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
+                                          on_heartbeat=self.holds.on_heartbeat, on_release=self.holds.on_release,
+                                          stall_s=SIDE_CHANNEL_STALL_S)
+        else:
+            self._start_prefill_side(tensors, mem_type, device_id, layer_groups, state_groups)
+        self.server.set_info(info)
+        self.server.start()
+        logger.info("p2pkv: rank %d registered %d %s region(s), %d segment(s) per block (%s, %s pages), "
+                    "%d B per block; side channel on %s:%d", self.tp_rank, len(self.layout.regions), mem_type,
+                    len(self.layout.segments), "cross-layer" if self.layout.cross_layer else "per-layer", attn,
+                    self.layout.block_bytes, self.host, self.server.port)
+
+    def _start_prefill_side(self, tensors: dict[str, Any], mem_type: str, device_id: int,
+                            layer_groups: dict[str, int] | None, state_groups: frozenset[int]) -> None:
+        """The parts a rank that holds blocks for decode engines uses: the :class:`Pusher` (push WRITEs), the
+        :class:`PrefillStreams` (layer streams) and the side channel that hands them their requests."""
+        assert self.agent is not None and self.desc is not None and self.layout is not None
+        secret = self._secret
         cpus = parse_cpus(self.config.transfer_cpus)
         self.pusher = Pusher(self.agent, self.holds, self.layout, secret,
                              on_start=lambda: start_transfer_thread(mem_type, device_id, cpus))
@@ -210,18 +240,9 @@ class WorkerSide:
                                       group_of=layer_groups, state_groups=state_groups,
                                       on_start=lambda: start_transfer_thread(mem_type, device_id, cpus),
                                       max_lifetime_s=self.config.max_lifetime_s)
-        if secret is None:
-            logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
-                           "reaches it can read this engine's KV cache", self.host, self.port)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
                                       on_release=self.streams.on_release, stall_s=SIDE_CHANNEL_STALL_S,
                                       **way_handlers(self.pusher, self.streams))
-        self.server.set_info(info)
-        self.server.start()
-        logger.info("p2pkv: rank %d registered %d %s region(s), %d segment(s) per block (%s, %s pages), "
-                    "%d B per block; side channel on %s:%d", self.tp_rank, len(self.layout.regions), mem_type,
-                    len(self.layout.segments), "cross-layer" if self.layout.cross_layer else "per-layer", attn,
-                    self.layout.block_bytes, self.host, self.server.port)
 
     def _agent_info(self) -> AgentInfo:
         """This rank's :class:`AgentInfo`: NIXL metadata of everything registered now, the KV layout, and the

@@ -1,0 +1,36 @@
+"""A rank builds only the parts its role uses: a decode rank holds nothing for anyone, so it has no push or
+stream side (no :class:`p2pkv.prefill.pusher.Pusher`, no :class:`p2pkv.prefill.prefill_streams.PrefillStreams`)
+and its side channel refuses push and stream requests naming the fix; it still loads KV (its Receiver) and
+answers hold questions. A ``both`` or ``prefill`` rank builds everything, as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from handshake import Destination, RemoteRefusedError, query_holds, request_push
+from p2pkv.testing import make_kv_caches
+from tests.handshake_support import make_agent_info
+from tests.workers import NUM_BLOCKS, SHAPE, free_port, make_worker
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill", "both"])
+def test_a_rank_builds_the_parts_of_its_role_and_its_side_channel_takes_what_they_serve(role: str) -> None:
+    port = free_port()
+    worker = make_worker("engine-a", port)
+    worker.role = role  # as the connector passes it (p2pkv.config.engine_role)
+    try:
+        _, views = make_kv_caches("BLHNC", seed=1, **SHAPE)
+        worker.register_kv_caches(views, NUM_BLOCKS)
+        assert worker.receiver is not None, "every rank loads KV"
+        assert (worker.pusher is None, worker.streams is None) == ((role == "decode"),) * 2
+        to = Destination("127.0.0.1", port, "engine-a", 0)
+        status = query_holds(to, ["nobody-holds-this"], [[1]], "decode-b:0", 1.0, timeout_s=5.0)
+        assert status.unknown == ["nobody-holds-this"]
+        if role == "decode":
+            with pytest.raises(RemoteRefusedError) as info:
+                request_push(to, "req", [1], b"p" * 16, make_agent_info(0, engine_id="decode-b"), b"", b"", 5.0,
+                             "decode-b:0", timeout_s=5.0)
+            assert (info.value.code, info.value.field) == ("malformed", "type")
+            assert "takes no push requests" in str(info.value)
+    finally:
+        worker.shutdown()
