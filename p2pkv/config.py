@@ -328,9 +328,9 @@ REMOVED: dict[str, str] = {
                           "(p2pkv.prefill.pusher.MAX_IN_FLIGHT)",
     "push_max_queued": "at most 256 WRITEs wait per decode rank, a constant (p2pkv.prefill.pusher.MAX_QUEUED)",
     "push_max_agents": "a prefill rank keeps at most 256 decode ranks loaded for push, a constant "
-                       "(p2pkv.prefill.pusher.MAX_AGENTS)",
+                       "(p2pkv.prefill.write_engine.MAX_AGENTS)",
     "push_agent_idle_s": "a decode rank with nothing to push is unloaded after 60 s, a constant "
-                         "(p2pkv.prefill.pusher.AGENT_IDLE_S)",
+                         "(p2pkv.prefill.write_engine.AGENT_IDLE_S)",
 }
 """Settings p2pkv no longer has → what replaced each. Given one (a ``kv_connector_extra_config`` key or a
 ``P2PKV_<KEY>`` variable), :func:`load_config` refuses to start with a :class:`ConfigError` naming it and this."""

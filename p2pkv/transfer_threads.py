@@ -1,8 +1,8 @@
 """What p2pkv's transfer threads run on: the KV cache's GPU, and the CPU cores ``transfer_cpus`` names.
 
-A rank's bytes are moved by threads of its own: the prefill rank's stream
-poster (``p2pkv-stream-poster``) and push thread (``p2pkv-push``), the
-decode rank's pulls thread (``p2pkv-pulls-tp<rank>``). Each binds the KV
+A rank's bytes are moved by threads of its own: the prefill rank's WRITE
+thread (``p2pkv-write``: pushes and layer streams), the decode rank's pulls
+thread (``p2pkv-pulls-tp<rank>``). Each binds the KV
 cache's GPU first (NIXL and CUDA calls made on a thread otherwise go to GPU 0).
 Threads these start later (the side-channel pools' threads, started on
 demand by the pulls thread) inherit their cores.

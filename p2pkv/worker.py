@@ -5,7 +5,9 @@ channel; on the decode side hands each step's pulls to
 :class:`p2pkv.decode.receiver.Receiver`; on the prefill side holds finished
 requests' blocks (:class:`p2pkv.prefill.holds.PrefillHolds`) until every
 decode reader has said "done" (:mod:`p2pkv.notification`) or the lease ends,
-and WRITEs them into decode ranks that ask (push mode, :class:`p2pkv.prefill.pusher.Pusher`).
+and WRITEs them into decode ranks that ask, after the prefill (push mode, :class:`p2pkv.prefill.pusher.Pusher`)
+or layer by layer during it (stream mode, :class:`p2pkv.prefill.prefill_streams.PrefillStreams`), both on one
+WRITE thread (:class:`p2pkv.prefill.write_engine.WriteEngine`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from p2pkv.prefill.prefill_streams import PrefillStreams, layer_indices
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_measures import MIN_LINK_SHARE
 from p2pkv.prefill.stream_requests import stream_side
+from p2pkv.prefill.write_engine import WriteEngine
 from p2pkv.telemetry.stats import StatsBuffer, add_counts
 from p2pkv.telemetry.tracing import Tracing, traces_endpoint
 from p2pkv.transfer_threads import parse_cpus, start_transfer_thread
@@ -143,6 +146,7 @@ class WorkerSide:
         self.layout: KVLayout | None = None
         self.desc: KVLayoutDesc | None = None
         self.receiver: Receiver | None = None
+        self.writes: WriteEngine | None = None
         self.pusher: Pusher | None = None
         self.streams: PrefillStreams | None = None
         self._pushes_seen: dict[str, Any] = {}  # the pusher's counts at the last take_stats
@@ -222,23 +226,24 @@ class WorkerSide:
 
     def _start_prefill_side(self, tensors: dict[str, Any], mem_type: str, device_id: int,
                             layer_groups: dict[str, int] | None, state_groups: frozenset[int]) -> None:
-        """The parts a rank that holds blocks for decode engines uses: the :class:`Pusher` (push WRITEs), the
-        :class:`PrefillStreams` (layer streams) and the side channel that hands them their requests."""
+        """The parts a rank that holds blocks for decode engines uses: the :class:`WriteEngine` (one thread for
+        every WRITE) with its two sources, the :class:`Pusher` (push WRITEs) and the :class:`PrefillStreams`
+        (layer streams), and the side channel that hands them their requests."""
         assert self.agent is not None and self.desc is not None and self.layout is not None
         secret = self._secret
         cpus = parse_cpus(self.config.transfer_cpus)
-        self.pusher = Pusher(self.agent, self.holds, self.layout, secret,
-                             on_start=lambda: start_transfer_thread(mem_type, device_id, cpus))
+        self.writes = WriteEngine(self.agent, secret,
+                                  on_start=lambda: start_transfer_thread(mem_type, device_id, cpus))
+        self.pusher = Pusher(self.writes, self.holds, self.layout)
         try:
             source: StreamSide | str = stream_side(self.desc)
         except LayoutError as exc:
             source = f"this rank's KV layout cannot be streamed layer by layer ({exc}); send without a grant (push)"
-        self.streams = PrefillStreams(self.engine_id, self.agent, self.holds, self.pusher, source,
+        self.streams = PrefillStreams(self.engine_id, self.writes, self.holds, source,
                                       layer_indices(tensors), secret, on_gpu=mem_type == "VRAM",
                                       min_tokens=self.config.stream_min_tokens,
                                       min_link_share=0.0 if self.config.stream_min_tokens == 0 else MIN_LINK_SHARE,
                                       group_of=layer_groups, state_groups=state_groups,
-                                      on_start=lambda: start_transfer_thread(mem_type, device_id, cpus),
                                       max_lifetime_s=self.config.max_lifetime_s)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
                                       on_release=self.streams.on_release, stall_s=SIDE_CHANNEL_STALL_S,
@@ -394,9 +399,7 @@ class WorkerSide:
             self.receiver.close()
         if self.server is not None:
             self.server.close()
-        if self.streams is not None:
-            self.streams.close()
-        if self.pusher is not None:
-            self.pusher.close()
+        if self.writes is not None:  # the pusher's and the streams' WRITE thread: both stop, what is left dropped
+            self.writes.close()
         if self.agent is not None:
             self.agent.close()

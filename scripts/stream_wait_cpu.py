@@ -19,7 +19,7 @@ stream-over-push ratio of the medians and of each alternating pair.
 ``--pin "P D"`` pins every thread of the prefill engine's processes to cores
 ``P`` and the decode engine's to ``D`` once they serve (``taskset``'s lists);
 ``--transfer-cores C`` then moves the prefill engine's transfer threads
-(``p2pkv-stream-poster``, ``p2pkv-push``: named by ``py-spy``) to ``C``, to
+(``p2pkv-write``: named by ``py-spy``) to ``C``, to
 tell the forward's time from the sending's. ``--transfer-cpus C`` does the
 same through p2pkv's own setting (``P2PKV_TRANSFER_CPUS`` for both engines):
 pinning then leaves alone the threads the setting already placed on ``C``,
@@ -66,7 +66,7 @@ from p2pkv.tools.bench.results import median_interval
 from p2pkv.tools.bench.serve_metrics import ENGINE_PREFILL, Snapshot, delta, scrape
 
 BASE_PORT = 9300
-TRANSFER_THREADS = {"P:p2pkv-stream-poster", "P:p2pkv-push"}
+TRANSFER_THREADS = {"P:p2pkv-write"}
 """The prefill engine's threads that move a request's bytes (``--transfer-cores``)."""
 
 

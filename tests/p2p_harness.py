@@ -208,7 +208,7 @@ class _Control:
     def stall_pusher(self, seconds: float) -> None:
         """Post no WRITE for ``seconds`` from now (requests are still accepted and queued); 0: post again."""
         self._stall_until = time.monotonic() + seconds
-        self.worker.pusher._wake.set()  # type: ignore[union-attr]
+        self.worker.writes.wake()  # type: ignore[union-attr]
 
     def delay_push(self, seconds: float) -> None:
         """Hold the side-channel thread ``seconds`` before it handles each push request (a busy prefill)."""

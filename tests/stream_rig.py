@@ -25,6 +25,7 @@ from p2pkv.prefill.layer_stream import LayerStream
 from p2pkv.prefill.prefill_streams import PrefillStreams
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_requests import stream_side
+from p2pkv.prefill.write_engine import WriteEngine
 from tests.clock import FakeClock
 from tests.push_support import DECODE, ENGINE, KEY, SHAPE, Agents
 
@@ -117,7 +118,7 @@ class Rig:
 
     def streams_held(self) -> int:
         """Streams (destinations) that keep rank 0 of DECODE loaded now."""
-        entry = self.pusher._agents.get((DECODE, 0))
+        entry = self.pusher.engine.agents.get((DECODE, 0))
         return 0 if entry is None else entry.streams
 
 
@@ -131,10 +132,10 @@ def open_rig(agents: Agents, clock: Callable[[], float] | None = None, layer_of:
     agents.target.zero_()
     agents.decode.take_notifs(PUSH_PREFIX)  # notes an earlier test left; kept apart from now on
     holds = PrefillHolds(lease_s=30.0)
-    pusher = Pusher(agents.prefill, holds, agents.layout, KEY)
+    pusher = Pusher(WriteEngine(agents.prefill, KEY), holds, agents.layout)
     clock = FakeClock() if clock is None else clock
     source = stream_side(layout_desc(agents.layout, MODEL, "HND", mem_type="DRAM"))
-    streams = PrefillStreams(ENGINE, agents.prefill, holds, pusher, source,
+    streams = PrefillStreams(ENGINE, pusher.engine, holds, source,
                              layer_of or {f"layers.{i}": i for i in range(LAYERS)}, KEY, clock=clock,
                              **settings)  # type: ignore[arg-type]
     made = Rig(agents, holds, pusher, streams, clock)

@@ -29,6 +29,7 @@ from p2pkv.dataplane.layout import KVLayout, describe_torch_kv_caches
 from p2pkv.dataplane.plan import build_descriptors, coalesce_runs
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
+from p2pkv.prefill.write_engine import WriteEngine
 from p2pkv.testing import make_kv_caches
 from tests import polling
 from tests.clock import FakeClock
@@ -167,7 +168,7 @@ class Rig:
     def tick(self, seconds: float) -> None:
         """Move the clock, and let the pusher thread look at it."""
         self.clock.now += seconds
-        self.pusher._wake.set()
+        self.pusher.engine.wake()
 
 
 wait_until = functools.partial(polling.wait_until, message="the pusher thread never got there", interval_s=0.0005)
@@ -179,8 +180,8 @@ def rig_for(layout: KVLayout) -> Iterator[Callable[..., Rig]]:
 
     def make(max_agents: int = 4, idle_s: float = 30.0, max_in_flight: int = 4) -> Rig:
         clock, nixl, holds = FakeClock(), FakeNixl(), PrefillHolds(lease_s=30.0)
-        pusher = Pusher(nixl, holds, layout, None, max_agents=max_agents, agent_idle_s=idle_s,  # type: ignore[arg-type]
-                        max_in_flight=max_in_flight, clock=clock)
+        engine = WriteEngine(nixl, None, max_agents=max_agents, agent_idle_s=idle_s, clock=clock)  # type: ignore[arg-type]
+        pusher = Pusher(engine, holds, layout, max_in_flight=max_in_flight)
         made.append(pusher)
         return Rig(pusher, nixl, holds, clock, layout)
 
@@ -318,7 +319,7 @@ def test_new_metadata_is_loaded_only_after_the_write_in_flight_ends(rig_for: Cal
     wait_until(lambda: len(rig.nixl.writes) == 1)
     assert rig.push(after, "second", target=BASE + REGION)[0] == "accepted", "a write into its staging"
     for _ in range(20):
-        rig.pusher._wake.set()
+        rig.pusher.engine.wake()
         time.sleep(0.001)
     assert rig.nixl.loads == 1 and len(rig.nixl.writes) == 1, "reloaded (or posted) with a WRITE in flight"
     rig.nixl.hold = False
@@ -337,7 +338,7 @@ def test_a_restarted_decode_worker_replaces_its_old_agent_once_nothing_is_in_fli
     wait_until(lambda: len(rig.nixl.writes) == 1)
     assert rig.push(new, "second")[0] == "accepted"
     for _ in range(20):
-        rig.pusher._wake.set()
+        rig.pusher.engine.wake()
         time.sleep(0.001)
     assert set(rig.nixl.loaded) == {old.agent_name}, "replaced with a WRITE to the old agent in flight"
     rig.nixl.hold = False

@@ -26,6 +26,7 @@ from p2pkv.dataplane.layout import Region
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
+from p2pkv.prefill.write_engine import WriteEngine
 from tests.clock import FakeClock
 from tests.polling import wait_until
 from tests.push_support import DECODE, ENGINE, HOST, KEY, NUM_BLOCKS, Agents, descs, make_agents, side_channel
@@ -48,7 +49,8 @@ def clocked_pusher(agents: Agents) -> Iterator[Prefill]:
     agents.spare.zero_()
     agents.decode.take_notifs(PUSH_PREFIX)
     holds, clock = PrefillHolds(lease_s=30.0), FakeClock()
-    pusher = Pusher(agents.prefill, holds, agents.layout, KEY, max_agents=4, agent_idle_s=30.0, clock=clock)
+    engine = WriteEngine(agents.prefill, KEY, max_agents=4, agent_idle_s=30.0, clock=clock)
+    pusher = Pusher(engine, holds, agents.layout)
     with side_channel(pusher.on_push, secret=KEY) as srv:
         try:
             yield Prefill(holds, pusher, srv.port, clock)
@@ -191,7 +193,7 @@ def test_sixty_requests_from_agents_never_seen_again_leave_nixl(agents: Agents, 
         assert len(clocked_pusher.pusher.agents()) <= 4
     assert most <= 4 and clocked_pusher.pusher.counters.written == 30
     clocked_pusher.clock.now += 31.0
-    clocked_pusher.pusher._wake.set()
+    clocked_pusher.pusher.engine.wake()
     # the pusher forgets an idle agent first, then removes it from NIXL (outside its table's lock): wait for both
     wait_until(lambda: not clocked_pusher.pusher.agents()
                and not any(nixl_knows(agents.prefill, info.agent_name) for info in infos))

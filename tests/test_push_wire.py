@@ -39,6 +39,7 @@ from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, encode_pushed, parse_pushed
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
+from p2pkv.prefill.write_engine import WriteEngine
 from tests.handshake_support import make_agent_info
 from tests.p2p_harness import writes_left
 from tests.push_support import DECODE, ENGINE, HOST, KEY, NUM_BLOCKS, Agents, decode_info_of, descs, side_channel
@@ -202,7 +203,7 @@ def push_server(agents: Agents) -> Iterator[Prefill]:
     agents.target.zero_()
     agents.decode.take_notifs(PUSH_PREFIX)  # notes a previous test left
     holds = PrefillHolds(lease_s=30.0)
-    pusher = Pusher(agents.prefill, holds, agents.layout, KEY, max_in_flight=1, max_queued=1)
+    pusher = Pusher(WriteEngine(agents.prefill, KEY), holds, agents.layout, max_in_flight=1, max_queued=1)
     with side_channel(pusher.on_push, secret=KEY) as srv:
         try:
             yield Prefill(holds, pusher, srv)
@@ -333,7 +334,7 @@ def test_a_full_queue_answers_busy_and_pins_only_what_it_queued(push_server: Pre
         assert holds._pins == {"a": 1} and writes_left(pusher) == 1
     finally:
         del pusher._post_in_turn
-    pusher._wake.set()
+    pusher.engine.wake()
     assert wait_note(agents) == PushedNotification(PID, True)
     assert blocks_equal(agents, [1], [1]) and torch.count_nonzero(agents.target[2]) == 0
     end = time.monotonic() + 5
@@ -374,7 +375,7 @@ def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(
         time.sleep(0.3)
     finally:
         del pusher._post_in_turn
-    pusher._wake.set()
+    pusher.engine.wake()
     note = wait_note(agents, agent=decode_agent)
     assert note.push_id == PID and not note.ok and "window passed" in note.reason
     assert torch.count_nonzero(agents.target) == 0

@@ -24,6 +24,7 @@ import torch
 
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import PushedNotification
+from p2pkv.prefill.write_engine import Pace
 from tests.push_support import Agents
 from tests.stream_rig import LAYERS, PID, REQ, Rig, open_rig
 
@@ -71,7 +72,7 @@ def test_a_destination_released_before_its_request_is_known_is_dropped(rig: Rig,
                                                                        drops: bool) -> None:
     assert rig.streams.on_stream(rig.request([5, 6])) == ("accepted", "")  # no chunk of its request yet
     assert rig.streams_held() == 1
-    assert not rig.pusher._cycle(rig.clock()), "a stream's agent held gives the push thread nothing to poll"
+    assert rig.pusher.turn(rig.clock(), False) is Pace.IDLE, "a stream's agent held gives the pusher nothing to poll"
     assert rig.streams.on_release([rig.stream_id], [[]], requester) == int(drops)
     assert rig.streams_held() == (0 if drops else 1), "a dropped destination keeps its decode agent loaded"
     rig.step(rig.chunk((3, 4)))

@@ -5,9 +5,11 @@ stream's WRITEs are in flight for the whole prefill, and polling them every 0.2 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from p2pkv.prefill.layer_stream import StreamTarget
 from p2pkv.prefill.poster import StreamPoster
+from p2pkv.prefill.write_engine import WriteEngine
 from tests.test_streamer import Flag, Pair, StuckWriter, stream_pair  # noqa: F401 (stream_pair: a fixture)
 
 
@@ -64,7 +66,8 @@ def test_a_stream_is_urgent_only_while_being_late_costs_it_time(stream_pair: Pai
 
 def test_the_poster_turns_slowly_while_only_writes_are_in_flight(stream_pair: Pair) -> None:  # noqa: F811
     turns: list[float] = []
-    poster = StreamPoster(lambda: turns.append(time.monotonic()), writes_poll_s=0.05)
+    progressed = SimpleNamespace(progress=lambda: turns.append(time.monotonic()))  # the engine's turns
+    poster = StreamPoster(WriteEngine(progressed, None, writes_poll_s=0.05))  # type: ignore[arg-type]
     writer = StuckWriter(stream_pair.prefill)
     try:
         poster.add("r", stream_pair.stream(writer))

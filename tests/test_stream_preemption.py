@@ -23,6 +23,7 @@ import torch
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import PushedNotification
 from p2pkv.prefill.poster import StreamPoster
+from p2pkv.prefill.write_engine import WriteEngine
 from tests.push_support import Agents
 from tests.stream_pair import LAYERS, PAGE, Pair, ended_on, open_pair
 from tests.stream_rig import LAYERS as RIG_LAYERS
@@ -90,7 +91,7 @@ def test_a_preempted_stream_writes_only_the_layers_computed_again(agents: Agents
 def test_a_rank_that_reads_the_stream_later_gets_only_the_layers_computed_again(stream_pair: Pair) -> None:
     """A second decode rank's destination (a fork) replays the layers computed so far: after a preemption, only
     those computed again."""
-    poster = StreamPoster(stream_pair.prefill.progress)
+    poster = StreamPoster(WriteEngine(stream_pair.prefill, None))
     try:
         first, second = stream_pair.stream(), stream_pair.stream()
         poster.add("req-1", first, keep=True)

@@ -24,6 +24,7 @@ from p2pkv.notification import PUSH_PREFIX, PushedNotification
 from p2pkv.prefill.layer_stream import LayerStream, StreamSide, StreamState, StreamTarget
 from p2pkv.prefill.poster import StreamPoster
 from p2pkv.prefill.prefill_streams import MEASURED_MIN_TOKENS, measured_min_tokens
+from p2pkv.prefill.write_engine import WriteEngine
 from tests.stream_pair import BLOCKS, KEY, LAYERS, PAGE, PUSH_ID, Pair, drain, ended_on, kv_layout, open_pair
 
 # --- rows by layer -------------------------------------------------------------------------------------------------
@@ -422,7 +423,7 @@ def test_a_destination_is_checked_and_given_once(stream_pair: Pair) -> None:
 
 def test_a_poster_runs_the_streams_on_its_own_thread_while_the_forward_only_queues(stream_pair: Pair) -> None:
     src, dst = [4, 5, 6], [9, 10, 11]
-    poster = StreamPoster(stream_pair.prefill.progress)
+    poster = StreamPoster(WriteEngine(stream_pair.prefill, None))
     try:
         stream = stream_pair.stream()
         poster.add("req-1", stream)
@@ -444,7 +445,7 @@ def test_a_forked_stream_replays_the_layers_computed_so_far_and_one_ranks_abort_
     """A second destination of one request (another decode rank) gets a stream forked from the first: the layers
     computed before it came, then the rest; aborting one agent's stream leaves the other; a fork of a key that is
     gone is aborted at once."""
-    poster = StreamPoster(stream_pair.prefill.progress)
+    poster = StreamPoster(WriteEngine(stream_pair.prefill, None))
     try:
         first, second, third, orphan = (stream_pair.stream() for _ in range(4))
         poster.add("req-1", first, keep=True)
@@ -473,7 +474,7 @@ def test_a_forked_stream_replays_the_layers_computed_so_far_and_one_ranks_abort_
 
 
 def test_a_stream_replaced_under_its_request_is_aborted_and_still_handed_back(stream_pair: Pair) -> None:
-    poster = StreamPoster(stream_pair.prefill.progress)
+    poster = StreamPoster(WriteEngine(stream_pair.prefill, None))
     try:
         first, second = stream_pair.stream(), stream_pair.stream()
         poster.add("req-1", first)
@@ -493,7 +494,7 @@ def test_a_stream_replaced_under_its_request_is_aborted_and_still_handed_back(st
 
 
 def test_closing_the_poster_aborts_the_streams_still_running(stream_pair: Pair) -> None:
-    poster = StreamPoster(stream_pair.prefill.progress)
+    poster = StreamPoster(WriteEngine(stream_pair.prefill, None))
     stream = stream_pair.stream()
     poster.add("req-1", stream)
     poster.target("req-1", stream_pair.target_of([3]))

@@ -71,8 +71,8 @@ def test_pull_moves_exactly_the_requested_blocks(prefill: PrefillProc, mode: str
         assert block_bytes(views, layout, 50) == block_bytes(expected, layout, 51)
         released_once_not_expired(prefill, second, timeout_s=30)
         assert worker.stats.data["directions"] == {mode: 2}
-        # Nothing left to do: the pulls' thread and the push thread wait, they do not poll.
-        assert idle_cpu_s([worker.receiver.progress._thread, worker.pusher._thread]) < 0.1
+        # Nothing left to do: the pulls' thread and the WRITE thread wait, they do not poll.
+        assert idle_cpu_s([worker.receiver.progress._thread, worker.writes.thread]) < 0.1
     finally:
         worker.shutdown()
     assert base.abs().sum() > 0

@@ -6,11 +6,12 @@ import logging
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from p2pkv.config import load_config
-from p2pkv.prefill.poster import StreamPoster
+from p2pkv.prefill.write_engine import WriteEngine
 from p2pkv.transfer_threads import parse_cpus, pin_thread, start_transfer_thread
 
 
@@ -61,14 +62,15 @@ def test_cores_no_thread_may_use_leave_the_thread_where_it_was(caplog: pytest.Lo
     assert "none of these cores can run this thread" in caplog.text
 
 
-def test_the_stream_poster_thread_runs_its_start_hook_first() -> None:
+def test_the_write_thread_runs_its_start_hook_first() -> None:
     core = min(os.sched_getaffinity(0))
-    poster = StreamPoster(lambda: None, on_start=lambda: pin_thread(frozenset({core})))
+    engine = WriteEngine(SimpleNamespace(progress=lambda: None), None,  # type: ignore[arg-type]
+                         on_start=lambda: pin_thread(frozenset({core})))
     try:
-        thread = poster._thread
+        thread = engine.thread
         deadline = time.monotonic() + 5
         while os.sched_getaffinity(thread.native_id) != {core} and time.monotonic() < deadline:
             time.sleep(0.01)
         assert os.sched_getaffinity(thread.native_id) == {core}
     finally:
-        poster.close()
+        engine.close()

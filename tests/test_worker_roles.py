@@ -1,7 +1,7 @@
 """A rank builds only the parts its role uses: a decode rank holds nothing for anyone, so it has no push or
 stream side (no :class:`p2pkv.prefill.pusher.Pusher`, no :class:`p2pkv.prefill.prefill_streams.PrefillStreams`)
 and its side channel refuses push and stream requests naming the fix; it still loads KV (its Receiver) and
-answers hold questions. A ``both`` or ``prefill`` rank builds everything, as before."""
+answers hold questions. A ``both`` or ``prefill`` rank builds everything, push and streams on one WRITE thread."""
 
 from __future__ import annotations
 
@@ -22,7 +22,10 @@ def test_a_rank_builds_the_parts_of_its_role_and_its_side_channel_takes_what_the
         _, views = make_kv_caches("BLHNC", seed=1, **SHAPE)
         worker.register_kv_caches(views, NUM_BLOCKS)
         assert worker.receiver is not None, "every rank loads KV"
-        assert (worker.pusher is None, worker.streams is None) == ((role == "decode"),) * 2
+        assert (worker.pusher is None, worker.streams is None, worker.writes is None) == ((role == "decode"),) * 3
+        if worker.writes is not None:  # push and the layer streams take their turns on one WRITE thread
+            assert worker.pusher.engine is worker.writes and worker.streams.engine is worker.writes  # type: ignore
+            assert worker.writes.thread.name == "p2pkv-write" and worker.writes.thread.is_alive()
         to = Destination("127.0.0.1", port, "engine-a", 0)
         status = query_holds(to, ["nobody-holds-this"], [[1]], "decode-b:0", 1.0, timeout_s=5.0)
         assert status.unknown == ["nobody-holds-this"]
@@ -34,3 +37,4 @@ def test_a_rank_builds_the_parts_of_its_role_and_its_side_channel_takes_what_the
             assert "takes no push requests" in str(info.value)
     finally:
         worker.shutdown()
+    assert worker.writes is None or not worker.writes.thread.is_alive(), "the WRITE thread outlived its worker"

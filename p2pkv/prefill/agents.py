@@ -72,9 +72,11 @@ class PushJob:
     info: AgentInfo | None = None
     handle: XferHandle | None = None
 
-    def overdue(self, now: float) -> bool:
-        """Past its window: the decode rank has given up on it."""
-        return now > self.received + self.window_s
+    @property
+    def deadline(self) -> float:
+        """When the decode rank gives it up (seconds on the pusher's clock):
+        :func:`p2pkv.prefill.write_engine.past_window` applies."""
+        return self.received + self.window_s
 
 
 @dataclass(eq=False)
@@ -86,8 +88,8 @@ class PushAgent:
         queued: WRITEs waiting, in arrival order.
         in_flight: WRITEs posted.
         starting: WRITEs taken from ``queued`` and being posted (the agent loaded first) right now.
-        streams: layer streams into it that keep its agent loaded (:meth:`p2pkv.prefill.pusher.Pusher.hold_agent`):
-            their WRITEs are posted and polled by the stream poster, not by the pusher.
+        streams: layer streams into it that keep its agent loaded
+            (:meth:`p2pkv.prefill.write_engine.WriteEngine.hold_agent`): their WRITEs are the stream poster's.
         loaded: the :class:`handshake.AgentInfo` whose metadata NIXL holds for it (None: nothing loaded yet).
         last_used: when it last had work (seconds on the table's clock).
         broken: a WRITE to it failed: unloaded as soon as it is idle.

@@ -56,6 +56,7 @@ from p2pkv.dataplane.agent import TransferError
 from p2pkv.dataplane.layers import LayerRows, layer_rows
 from p2pkv.dataplane.plan import PlanError, check_block_ids
 from p2pkv.notification import PushedNotification, encode_pushed
+from p2pkv.prefill.write_engine import past_window
 
 if TYPE_CHECKING:
     from p2pkv.dataplane.agent import XferHandle
@@ -340,7 +341,7 @@ class LayerStream:
         if self.state is StreamState.STREAMING:
             try:
                 self._poll()
-                if self.state is StreamState.STREAMING and self.clock() >= self._deadline():
+                if self.state is StreamState.STREAMING and past_window(self._deadline(), self.clock()):
                     self._fail("the decode rank's window passed before the stream ended (it gives the load up "
                                "then: stream_timeout_s on the decode engine)")
                     return not self.ended

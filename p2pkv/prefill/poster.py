@@ -1,4 +1,4 @@
-"""The thread that runs a prefill rank's layer streams, so the forward only queues.
+"""A prefill rank's layer streams, run on its WRITE thread, so the forward only queues.
 
 Posting a WRITE costs the calling thread: NIXL builds the descriptor lists,
 and UCX posts every descriptor (a ``cuda_ipc`` copy per row) or, over
@@ -7,9 +7,10 @@ and UCX posts every descriptor (a ``cuda_ipc`` copy per row) or, over
 layer's WRITEs ran up to 77 % longer over ``cuda_ipc`` with a cross-layer
 cache, and 20 times longer over ``tcp``: the host fell behind in launching
 the layers' kernels. :class:`StreamPoster` takes the forward's calls
-(:meth:`~StreamPoster.computed` and the rest) as queued operations and
-applies them, pumps every :class:`~p2pkv.prefill.layer_stream.LayerStream` and
-progresses the agent on a thread of its own.
+(:meth:`~StreamPoster.computed` and the rest) as queued operations; in its
+turns on the rank's WRITE thread (:class:`p2pkv.prefill.write_engine.WriteEngine`,
+which push's WRITEs share, and which progresses the agent) it applies them and
+pumps every :class:`~p2pkv.prefill.layer_stream.LayerStream`.
 
 A request read by several decode ranks (a decode engine of a larger TP size)
 has a stream per destination under one key: the first is added
@@ -22,25 +23,14 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from p2pkv.prefill.layer_stream import LayerStream, StreamTarget
+from p2pkv.prefill.write_engine import Pace, WriteEngine
 
 logger = logging.getLogger(__name__)
-
-POLL_S = 0.0002
-"""How long the thread sleeps between turns while a stream is urgent (:attr:`LayerStream.urgent`; seconds)."""
-WRITES_POLL_S = 0.001
-"""How long it sleeps while streams are busy with WRITEs in flight only (:attr:`LayerStream.busy`, not urgent;
-seconds): a new layer wakes it at once, and polling a link-bound stream's WRITEs every 0.2 ms for a whole
-prefill took CPU from the forward (docs/streaming.md); otherwise it sleeps until the next call, or 50 ms."""
-LINGER_S = 0.05
-"""How long the thread keeps turning at :data:`POLL_S` after a stream ended: NIXL sends the stream's last
-notification while the agent's worker progresses (seconds)."""
 
 
 @dataclass
@@ -57,29 +47,19 @@ class _Group:
 
 
 class StreamPoster:
-    """Layer streams keyed by request id, run on one thread; every method is thread-safe and never blocks on NIXL.
+    """Layer streams keyed by request id, run on the WRITE engine's thread; every method is thread-safe and never
+    blocks on NIXL.
 
     Args:
-        progress: progresses the rank's NIXL agent (its notifications go out as it progresses).
-        poll_s: sleep between turns while a stream is urgent (seconds).
-        writes_poll_s: sleep between turns while streams only have WRITEs in flight (seconds).
-        on_start: run first on the thread (binds the KV cache's GPU and ``transfer_cpus``:
-            :func:`p2pkv.transfer_threads.start_transfer_thread`).
+        engine: this rank's WRITE engine; the poster takes turns on its thread from now on (:meth:`turn`).
     """
 
-    def __init__(self, progress: Callable[[], None], poll_s: float = POLL_S,
-                 writes_poll_s: float = WRITES_POLL_S, on_start: Callable[[], None] | None = None) -> None:
-        self._progress = progress
-        self._on_start = on_start
-        self._poll_s = poll_s
-        self._writes_poll_s = max(poll_s, writes_poll_s)
+    def __init__(self, engine: WriteEngine) -> None:
+        self.engine = engine
         self._ops: queue.SimpleQueue[tuple[str, str, tuple[Any, ...]]] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._groups: dict[str, _Group] = {}
         self._ended: queue.SimpleQueue[LayerStream] = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="p2pkv-stream-poster", daemon=True)
-        self._thread.start()
+        engine.attach(self)
 
     def add(self, key: str, stream: LayerStream, keep: bool = False) -> None:
         """Run ``stream`` under ``key`` (a request id). Streams already running under ``key`` are aborted, and
@@ -132,14 +112,13 @@ class StreamPoster:
                 return out
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Abort every stream still running, and stop the thread once they have ended (or ``timeout_s``)."""
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout_s)
+        """Close the WRITE engine (:meth:`p2pkv.prefill.write_engine.WriteEngine.close`): every stream still
+        running is aborted, and the engine stops once they have ended (or ``timeout_s``). Idempotent."""
+        self.engine.close(timeout_s)
 
     def _put(self, op: str, key: str, *args: Any) -> None:
         self._ops.put((op, key, args))
-        self._wake.set()
+        self.engine.wake()
 
     def _apply(self) -> None:
         while True:
@@ -211,40 +190,37 @@ class StreamPoster:
         except ValueError as exc:
             stream.abort(str(exc))
 
-    def _run(self) -> None:
-        if self._on_start is not None:
-            self._on_start()
-        linger = 0.0
-        while True:
-            self._wake.clear()
-            stopping = self._stop.is_set()  # read before the queue: every call made before close() is in it
-            self._apply()
-            if stopping:
-                for group in self._groups.values():
-                    for stream in group.streams:
-                        stream.abort("the prefill rank is shutting down")
-            busy = urgent = False
-            for key, group in list(self._groups.items()):
+    def turn(self, now: float, stopping: bool) -> Pace:
+        """Apply the calls queued since the last turn, pump every stream (``stopping``: abort them first), and
+        hand back the ones that have ended. :attr:`Pace.URGENT` while a stream is urgent
+        (:attr:`LayerStream.urgent`), :attr:`Pace.WRITING` while streams only have WRITEs in flight,
+        :attr:`Pace.IDLE` otherwise (a stream waiting for its destination is woken by that call)."""
+        self._apply()
+        if stopping:
+            for group in self._groups.values():
                 for stream in group.streams:
-                    if stream.handed_back:
-                        continue
-                    if stream.pump():
-                        busy = busy or stream.busy  # one waiting for its destination is woken by that call
-                        urgent = urgent or stream.urgent
-                    else:
-                        stream.handed_back = True
-                        group.running -= 1
-                        self._ended.put(stream)
-                        linger = time.monotonic() + LINGER_S
-                if not group.running and not (group.keep and not stopping):
-                    del self._groups[key]
-            try:
-                self._progress()
-            except Exception as exc:  # a progress that fails must not end the thread
-                logger.debug("p2pkv: stream poster: progress failed: %s", exc)
-            if stopping and not busy:
-                return
-            if urgent or time.monotonic() < linger:
-                self._wake.wait(self._poll_s)
-            else:
-                self._wake.wait(self._writes_poll_s if busy else 0.05)
+                    stream.abort("the prefill rank is shutting down")
+        busy = urgent = False
+        for key, group in list(self._groups.items()):
+            for stream in group.streams:
+                if stream.handed_back:
+                    continue
+                if stream.pump():
+                    busy = busy or stream.busy  # one waiting for its destination is woken by that call
+                    urgent = urgent or stream.urgent
+                else:
+                    stream.handed_back = True
+                    group.running -= 1
+                    self._ended.put(stream)
+                    self.engine.notified()  # its last word goes out as NIXL progresses
+            if not group.running and not (group.keep and not stopping):
+                del self._groups[key]
+        if urgent:
+            return Pace.URGENT
+        if busy:
+            return Pace.WRITING
+        return Pace.IDLE
+
+    def drop_all(self) -> None:
+        """After the WRITE thread has stopped: nothing left to drop (a stream's source blocks are its caller's,
+        freed by :meth:`take_ended`)."""

@@ -45,19 +45,18 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from p2pkv.dataplane.agent import NixlTransferAgent
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.prefill.agents import rank_name
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.layer_stream import LayerStream, StreamSide, group_range
 from p2pkv.prefill.poster import StreamPoster
-from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_admits import StreamAdmits
 from p2pkv.prefill.stream_destinations import LiveRequest, StreamDestinations
 from p2pkv.prefill.stream_ledger import StreamLedger
 from p2pkv.prefill.stream_measures import StreamMeasures, layer_block_bytes
 from p2pkv.prefill.stream_pending import Destination, PendingDestinations
 from p2pkv.prefill.stream_releases import StreamReleases
+from p2pkv.prefill.write_engine import WriteEngine
 
 logger = logging.getLogger("p2pkv.prefill")
 
@@ -68,9 +67,9 @@ class PrefillStreams(StreamDestinations, StreamReleases):
 
     Args:
         engine_id: this engine's id (grants must name it).
-        agent: this rank's NIXL agent (WRITEs, notifications).
+        engine: this rank's WRITE engine: its NIXL agent (WRITEs, notifications), its decode agents
+            (:meth:`p2pkv.prefill.write_engine.WriteEngine.hold_agent`) and its thread, where the streams run.
         holds: this rank's holds (pinned while a stream may WRITE from them).
-        pusher: loads the decode agents (:meth:`p2pkv.prefill.pusher.Pusher.hold_agent`).
         source: this rank's pages, or why it cannot stream (an interleaved layout).
         layer_of: vLLM layer name → its layer index in ``source``'s pages (attention layers: those that call
             ``save_kv_layer``).
@@ -84,21 +83,19 @@ class PrefillStreams(StreamDestinations, StreamReleases):
         min_link_share: the link rule's threshold (:data:`p2pkv.prefill.stream_measures.MIN_LINK_SHARE`,
             :class:`p2pkv.prefill.stream_measures.StreamMeasures`; 0: every request streams layer by layer).
         clock: monotonic seconds.
-        on_start: run first on the stream poster's thread (the GPU and ``transfer_cpus``:
-            :func:`p2pkv.transfer_threads.start_transfer_thread`).
         max_lifetime_s: how far past this rank's clock a grant's expiry may lie (seconds;
             :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
     """
 
-    def __init__(self, engine_id: str, agent: NixlTransferAgent, holds: PrefillHolds, pusher: Pusher,
+    def __init__(self, engine_id: str, engine: WriteEngine, holds: PrefillHolds,
                  source: StreamSide | str, layer_of: dict[str, int], secret: bytes | None, *, on_gpu: bool = False,
                  min_tokens: int = 0, min_link_share: float = 0.0, group_of: dict[str, int] | None = None,
                  state_groups: frozenset[int] = frozenset(), clock: Callable[[], float] = time.monotonic,
-                 on_start: Callable[[], None] | None = None, max_lifetime_s: float = 480.0) -> None:
+                 max_lifetime_s: float = 480.0) -> None:
         self.engine_id = engine_id
-        self.agent = agent
+        self.engine = engine
+        self.agent = engine.agent
         self.holds = holds
-        self.pusher = pusher
         self.source = source
         self.layer_of = layer_of
         self._secret = secret
@@ -107,7 +104,7 @@ class PrefillStreams(StreamDestinations, StreamReleases):
         self._clock = clock
         block_bytes = layer_block_bytes(source) if isinstance(source, StreamSide) else 0.0
         self.measures = StreamMeasures(0.0 if on_gpu else min_link_share, block_bytes, clock)
-        self.poster = StreamPoster(agent.progress, on_start=on_start)
+        self.poster = StreamPoster(engine)
         self._lock = threading.Lock()
         self._live: dict[str, LiveRequest] = {}  # prefill request id → its stream
         self._by_stream: dict[str, str] = {}  # stream id → prefill request id
@@ -165,8 +162,8 @@ class PrefillStreams(StreamDestinations, StreamReleases):
 
     def _tell(self, dest: Destination, why: str) -> None:
         """A waiting destination gets no stream: its decode rank is told ``why``, its agent released."""
-        self.pusher.tell_failed(dest.target.agent, dest.target.push_id, why)
-        self.pusher.release_agent(dest.identity)
+        self.engine.tell_failed(dest.target.agent, dest.target.push_id, why)
+        self.engine.release_agent(dest.identity)
 
     def _open(self, chunk: StreamChunk) -> None:
         """A streamed request's first chunk: its stream, and its destination if it came first. A chunk naming a
@@ -186,7 +183,7 @@ class PrefillStreams(StreamDestinations, StreamReleases):
             return
         for dest in self._pending.take(chunk.stream_id):
             if dest.deadline <= self._clock() or self._attach(chunk.request_id, dest)[0] != "accepted":
-                self.pusher.release_agent(dest.identity)
+                self.engine.release_agent(dest.identity)
 
     def _on_hold(self, request_id: str, blocks: tuple[int, ...]) -> None:
         """A hold was made for ``request_id``: pinned if its stream has a destination, released at once if its
@@ -267,7 +264,7 @@ class PrefillStreams(StreamDestinations, StreamReleases):
                 live.ended += 1
                 live.failed = live.failed or stream.failure
                 if (identity := live.agents.get(stream.agent or "")) is not None:
-                    self.pusher.release_agent(identity)
+                    self.engine.release_agent(identity)
                     self.measures.ended(stream, rank_name(identity))
                 if live.ended == live.streams and live.expects_more() and live.pinned:
                     self.holds.unpin(stream.request_id)  # its hold waits for the rest, or its lease
@@ -312,7 +309,7 @@ class PrefillStreams(StreamDestinations, StreamReleases):
         self.poster.drop(request_id)
 
     def close(self) -> None:
-        """Stop the poster (streams still running are aborted). Idempotent."""
+        """Close the WRITE engine (streams still running are aborted; push's WRITEs dropped). Idempotent."""
         self.poster.close()
 
 

@@ -27,12 +27,12 @@ from p2pkv.prefill.agents import Identity, rank_name
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.layer_stream import LayerStream, StreamSide, StreamTarget
 from p2pkv.prefill.poster import StreamPoster
-from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_admits import StreamAdmits
 from p2pkv.prefill.stream_ledger import StreamLedger
 from p2pkv.prefill.stream_measures import StreamMeasures
 from p2pkv.prefill.stream_pending import Destination, PendingDestinations
 from p2pkv.prefill.stream_requests import check_stream_request
+from p2pkv.prefill.write_engine import WriteEngine
 
 logger = logging.getLogger("p2pkv.prefill")
 
@@ -68,7 +68,7 @@ class StreamDestinations:
     engine_id: str
     agent: NixlTransferAgent
     holds: PrefillHolds
-    pusher: Pusher
+    engine: WriteEngine
     poster: StreamPoster
     source: StreamSide | str
     measures: StreamMeasures
@@ -109,7 +109,7 @@ class StreamDestinations:
             if not known and (why := self._pending.room(checked.identity)) is not None:
                 return "busy", why  # a full queue never turns away a request this rank runs or has queued
             self._ledger.serve(stream_id, checked.grant.expiry, checked.identity, msg.readers)
-        loaded, why = self.pusher.hold_agent(checked.identity, msg.agent)
+        loaded, why = self.engine.hold_agent(checked.identity, msg.agent)
         if not loaded:
             return "refused", why
         deadline = self._clock() + checked.window_s  # the decode rank gives the load up then: no WRITE after it
@@ -124,7 +124,7 @@ class StreamDestinations:
                 return "accepted", ""
             status, why = self._attach(request_id, dest)
         if status != "accepted":
-            self.pusher.release_agent(checked.identity)
+            self.engine.release_agent(checked.identity)
         return status, why
 
     def _attach(self, request_id: str, dest: Destination) -> tuple[PushStatus, str]:

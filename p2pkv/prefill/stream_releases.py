@@ -23,15 +23,15 @@ from p2pkv.prefill.stream_ledger import KEEP_S, StreamLedger
 if TYPE_CHECKING:
     from p2pkv.prefill.holds import PrefillHolds
     from p2pkv.prefill.poster import StreamPoster
-    from p2pkv.prefill.pusher import Pusher
     from p2pkv.prefill.stream_pending import PendingDestinations
+    from p2pkv.prefill.write_engine import WriteEngine
 
 
 class StreamReleases:
     """Releases and hold questions naming stream ids (the side channel's thread calls them; never raise)."""
 
     holds: PrefillHolds
-    pusher: Pusher
+    engine: WriteEngine
     poster: StreamPoster
     _lock: threading.Lock
     _ledger: StreamLedger
@@ -90,7 +90,7 @@ class StreamReleases:
         mine, emptied = self._pending.take_rank(stream_id, requester)
         if mine:  # its request is not known here yet
             for dest in mine:
-                self.pusher.release_agent(dest.identity)
+                self.engine.release_agent(dest.identity)
             if emptied:  # no rank's destination is left: the request never streams
                 self._ledger.decline(stream_id)
             return 1
