@@ -29,7 +29,7 @@ from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.worker import WorkerSide
 from tests.conftest import free_ports
 from tests.test_hetero import NUM_BLOCKS, ROWS, Side, block_ids, fill, make_cache, model_info
-from tests.test_stream_hetero import SECRET, granted_stream, release_prefills, streamed_stats
+from tests.test_stream_hetero import SECRET, forward_streamed, granted_stream, release_prefills, streamed_stats
 
 WINDOW_FIRST = 2
 """The window group's first prompt block on both engines (vLLM's null block before it: behind the window)."""
@@ -93,10 +93,7 @@ def test_a_grouped_stream_between_engines_whose_pages_differ_lands_each_group_in
             prefill.start_load_kv(granted.step)
         for decode, _, _ in decodes:
             decode.start_load_kv(load)
-        for prefill, _, views in prefills:
-            for name in views:
-                prefill.save_kv_layer(name, granted.step)
-            prefill.wait_for_save()
+        forward_streamed(prefills, granted.step)
         for rank, (decode, base, _) in enumerate(decodes):
             stats = streamed_stats(decode, rank, how, deadline)
             if how == "paged":  # sliced: this rank's blocks of both groups, and nothing more

@@ -78,6 +78,15 @@ def granted_stream(remote_ids: list[int], tokens: int, port: int, tp_size: int,
     return GrantedStream(grant, step, remote)
 
 
+def forward_streamed(prefills: list[tuple[Any, Any, dict[str, Any]]], step: P2pKvMetadata) -> None:
+    """The forward of ``step`` (already begun: ``start_load_kv``) on every prefill worker ``(worker, _, its KV
+    views)``, as vLLM runs it: every layer saved (each streamed as it comes), then the step's end."""
+    for prefill, _, views in prefills:
+        for name in views:
+            prefill.save_kv_layer(name, step)
+        prefill.wait_for_save()
+
+
 def _direct(row: str) -> bool:
     """Whether the row's stream lands in the decode blocks (whole blocks, or each page's slice of heads), not
     through staging."""
@@ -109,10 +118,7 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
             prefill.start_load_kv(granted.step)
         for decode, _, _ in decodes[:1] if late else decodes:
             decode.start_load_kv(load)
-        for prefill, _, views in prefills:
-            for name in views:
-                prefill.save_kv_layer(name, granted.step)
-            prefill.wait_for_save()
+        forward_streamed(prefills, granted.step)
         for rank, (decode, base, _) in enumerate(decodes):
             if late and rank > 0:
                 decode.start_load_kv(load)

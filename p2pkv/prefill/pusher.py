@@ -92,7 +92,6 @@ class Pusher:
     def __init__(self, engine: WriteEngine, holds: PrefillHolds, layout: KVLayout, *,
                  max_in_flight: int = MAX_IN_FLIGHT, max_queued: int = MAX_QUEUED) -> None:
         self.engine = engine
-        self.agent = engine.agent
         self.holds = holds
         self.layout = layout
         self.max_in_flight = max_in_flight
@@ -246,7 +245,7 @@ class Pusher:
         """Post ``job``'s WRITE; False (and the job finished as failed) when NIXL refused it."""
         notif = encode_pushed(PushedNotification(job.push_id, True), self.engine.secret)
         try:
-            job.handle = self.agent.start_write(job.agent_name, job.source_rows, job.target_rows, notif)
+            job.handle = self.engine.agent.start_write(job.agent_name, job.source_rows, job.target_rows, notif)
         except Exception as exc:
             self._finish(agent, job, f"WRITE could not start: {exc}", broken=True)
             return False
@@ -256,7 +255,7 @@ class Pusher:
         """Poll one WRITE; True once it has ended (done, failed, or cancelled past its window)."""
         assert job.handle is not None
         try:
-            done = self.agent.poll(job.handle)
+            done = self.engine.agent.poll(job.handle)
         except Exception as exc:
             self._finish(agent, job, f"WRITE failed: {exc}", broken=True)
             return True
@@ -266,7 +265,7 @@ class Pusher:
                 self.counters.bytes += job.handle.num_bytes
             self.holds.unpin(job.request_id)
             return True
-        if past_window(job.deadline, now) and self.agent.cancel(job.handle):
+        if past_window(job.deadline, now) and self.engine.agent.cancel(job.handle):
             self._finish(agent, job, "WRITE cancelled: still in flight when the decode rank's window passed")
             return True
         return False  # not cancelled (still active): polled until it ends, the hold kept meanwhile
@@ -291,7 +290,7 @@ class Pusher:
                 agent.in_flight.clear()
         for job in jobs:
             if job.handle is not None:
-                self.agent.cancel(job.handle)
+                self.engine.agent.cancel(job.handle)
             self.holds.unpin(job.request_id)
 
     def close(self, timeout_s: float = 2.0) -> None:
