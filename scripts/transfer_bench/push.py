@@ -106,7 +106,7 @@ class Pusher:
         self._peers: dict[str, tuple[str, list[Segment], int]] = {}  # layout → decode agent, segments, device
         self._plans: dict[int, tuple[NixlTransferAgent, str, np.ndarray, np.ndarray]] = {}
         self._forwards: dict[tuple[float, str], Any] = {}  # stream mode: (layer ms, CUDA stream) → its stand-in forward
-        self._posters: dict[str, Any] = {}  # stream mode: layout → the StreamPoster of its agent
+        self._posters: dict[str, Any] = {}  # stream mode: layout → the StreamPoster of its agent (its WRITE engine)
 
     def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Answer one push message (see the module's table); ``{"op": "error", "error": ...}`` when it fails."""
@@ -157,6 +157,7 @@ class Pusher:
 
     def _stream(self, msg: dict[str, Any]) -> dict[str, Any]:
         from p2pkv.prefill.poster import StreamPoster
+        from p2pkv.prefill.write_engine import WriteEngine
 
         from transfer_bench.stream import Forward, run_stream
 
@@ -173,7 +174,7 @@ class Pusher:
         poster = None
         if msg["poster"] == "thread":
             if layout not in self._posters:
-                self._posters[layout] = StreamPoster(self._agent(layout).progress)
+                self._posters[layout] = StreamPoster(WriteEngine(self._agent(layout), None))
             poster = self._posters[layout]
         return run_stream(self._agent(layout), list(own), self.device_ids[layout], peer, segments, device,
                           self.num_blocks, int(msg["page_bytes"]), self._forwards[key], poster, msg)
