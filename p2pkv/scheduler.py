@@ -87,6 +87,7 @@ class SchedulerSide:
         self.engine_id = engine_id
         self.config = config
         self.role = role
+        self._told_prefill_loads = False  # a load asked of this prefill engine was logged
         secret = config.secret_bytes()  # signs the params this engine hands out, checks those it gets
         tracing = bool(traces_endpoint())
         self.decode = DecodeScheduling(engine_id, config, block_size, secret, recompute_tokens, kv_groups,
@@ -98,7 +99,10 @@ class SchedulerSide:
 
     def on_new_request(self, request: Request) -> None:
         """A request arrives: a prefill leg leaves its tail to the decode engine, a decode leg is tracked for
-        lease heartbeats."""
+        lease heartbeats. A ``prefill`` engine loads nothing (its workers build no Receiver): a request whose
+        params ask it to load KV (``do_remote_prefill``) has its prompt computed here, as an aggregated engine
+        would, and the first such request is logged naming the fix."""
+        self._load_nothing_on_prefill(request)
         self.prefill.on_new_request(request)
         self.decode.on_new_request(request)
         params = request.kv_transfer_params
@@ -109,8 +113,21 @@ class SchedulerSide:
         """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.send_heartbeats`."""
         return self.decode.send_heartbeats(now)
 
+    def _load_nothing_on_prefill(self, request: Request) -> None:
+        """On a ``prefill`` engine, a request that asks to load KV is computed here (no load, no heartbeats)."""
+        if self.role == "prefill" and wants_remote_prefill(request.kv_transfer_params):
+            request.kv_transfer_params["do_remote_prefill"] = False
+            if not self._told_prefill_loads:
+                self._told_prefill_loads = True
+                logger.warning("p2pkv: request %s asks this prefill engine (role prefill) to load KV "
+                               "(do_remote_prefill): it computes the prompt itself; send decode legs to a decode "
+                               "engine (role decode or both). Further such requests are not logged.",
+                               request.request_id[:64])
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.get_num_new_matched_tokens`."""
+        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.get_num_new_matched_tokens` (a ``prefill``
+        engine loads nothing: :meth:`on_new_request`)."""
+        self._load_nothing_on_prefill(request)
         return self.decode.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

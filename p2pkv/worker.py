@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -121,9 +122,9 @@ class WorkerSide:
         role: what this engine does (:func:`p2pkv.config.engine_role`): a ``decode`` rank holds nothing for
             anyone, so it builds no :class:`~p2pkv.prefill.pusher.Pusher` and no
             :class:`~p2pkv.prefill.prefill_streams.PrefillStreams` (its side channel refuses push and stream
-            requests, and answers hold questions from its empty holds). A ``prefill`` rank keeps its
-            :class:`~p2pkv.decode.receiver.Receiver`: params that ask a prefill engine to load KV are still
-            served.
+            requests, and answers hold questions from its empty holds). A ``prefill`` rank loads nothing, so
+            it builds no :class:`~p2pkv.decode.receiver.Receiver` (its scheduler computes a request that asks
+            it to load KV: :meth:`p2pkv.scheduler.P2pKvScheduler.get_num_new_matched_tokens`).
 
     Raises:
         p2pkv.config.ConfigError: no side-channel secret and not ``insecure``.
@@ -200,13 +201,14 @@ class WorkerSide:
         self.desc = layout_desc(self.layout, m, attn, mem_type=mem_type, device_id=device_id)
         stager = self._stager = Stager(self.agent, tensors, self.layout, self.desc,
                                        int(self.config.staging_mib * 2**20))
-        rank = LocalRank(self.engine_id, self.tp_rank, self.tp_size, self.layout, self.desc, device_id)
-        self.receiver = Receiver(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m,
-                             secret=self._secret)
+        if self.role != "prefill":  # a prefill rank loads nothing
+            rank = LocalRank(self.engine_id, self.tp_rank, self.tp_size, self.layout, self.desc, device_id)
+            self.receiver = Receiver(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m,
+                                     secret=self._secret)
+            self.receiver.pushes.make_info = self._agent_info
         self.agent.on_transport = self._on_transport
         self.agent.on_peer_removed = self._on_peer_removed
         info = self._agent_info()
-        self.receiver.pushes.make_info = self._agent_info
         secret = self._secret
         if secret is None:
             logger.warning("p2pkv: side channel on %s:%d runs WITHOUT a secret (insecure=true): anyone who "
@@ -304,10 +306,16 @@ class WorkerSide:
         After a step that scheduled no tokens, with nothing to report yet but
         pulls or holds pending, first waits up to :data:`IDLE_WAIT_S` for a pull to
         end (:data:`STREAM_IDLE_WAIT_S` while every pull is a layer stream waiting
-        for its prefill).
+        for its prefill); a prefill rank, which loads nothing, sleeps :data:`IDLE_WAIT_S`
+        while holds are pending.
         """
-        if self.agent is None or self.receiver is None:
+        if self.agent is None:
             return set(), set()
+        if self.receiver is None:  # a prefill rank: only its holds
+            sending = self._released()
+            if not sending and self._idle and IDLE_WAIT_S > 0 and self.holds.pending():
+                time.sleep(IDLE_WAIT_S)  # vLLM steps an engine with held blocks back to back only to poll them
+            return sending, set()
         recving = self._step()
         sending = self._released()
         idle = self._idle and not recving and not sending and self._should_wait()

@@ -11,6 +11,7 @@ clock is moved between the calls.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ import pytest
 
 import p2pkv.decode.load_scheduling as scheduler_module
 import p2pkv.params as params_module
-from p2pkv.config import P2pKvConfig
+from p2pkv.config import P2pKvConfig, Role
 from p2pkv.decode.load import DecodeLoad
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
 from p2pkv.params import (
@@ -55,10 +56,10 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 @contextlib.contextmanager
-def scheduler() -> Iterator[SchedulerSide]:
-    """A decode engine's scheduler side (blocks of 4 tokens), shut down on exit."""
+def scheduler(role: Role = "both") -> Iterator[SchedulerSide]:
+    """A decode engine's scheduler side (blocks of 4 tokens; ``role`` as its config says), shut down on exit."""
     config = P2pKvConfig(lease_s=30.0, secret=SECRET)
-    sched = SchedulerSide("decode-engine", config, 4, "127.0.0.1", 5600, 1)
+    sched = SchedulerSide("decode-engine", config, 4, "127.0.0.1", 5600, 1, role=role)
     try:
         yield sched
     finally:
@@ -92,6 +93,29 @@ def test_a_capability_expiring_between_the_match_and_the_allocation_still_pulls(
         assert meta.failed == {}
         assert clock[1] == 1, f"the capability's HMAC was checked {clock[1]} times"
         assert sched.decode._loads == {}
+
+
+@pytest.mark.parametrize("announced", [False, True], ids=["asked_first", "arrived_first"])
+def test_a_prefill_engine_computes_a_prompt_it_is_asked_to_load_and_says_so_once(
+        clock: list[float], announced: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A ``prefill`` engine loads nothing (its workers build no Receiver): params that would make a ``both``
+    engine pull (the first test) are computed here instead, with no load, no heartbeat and no failure, and
+    the first such request is logged naming the fix."""
+    with caplog.at_level(logging.WARNING, logger="p2pkv.scheduler"), scheduler("prefill") as sched:
+        for rid in ("r-1", "r-2"):
+            req = _request(rid)
+            if announced:
+                sched.on_new_request(req)
+            assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+            assert req.kv_transfer_params["do_remote_prefill"] is False
+            sched.update_state_after_alloc(req, BLOCKS, 0)
+            meta = sched.build_connector_meta()
+            assert (meta.loads, meta.failed) == ([], {})
+            assert sched.decode._queued == {} and sched.decode._loads == {}
+            assert sched.request_finished(req, [5, 6, 7]) == (False, None)
+        assert clock[1] == 0, "a prefill engine checked a load's capability"
+    said = [r.getMessage() for r in caplog.records if "asks this prefill engine" in r.getMessage()]
+    assert len(said) == 1 and "role decode or both" in said[0]
 
 
 def test_params_already_expired_when_first_asked_are_prefilled_locally(clock: list[float]) -> None:

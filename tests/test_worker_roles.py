@@ -1,7 +1,8 @@
 """A rank builds only the parts its role uses: a decode rank holds nothing for anyone, so it has no push or
 stream side (no :class:`p2pkv.prefill.pusher.Pusher`, no :class:`p2pkv.prefill.prefill_streams.PrefillStreams`)
 and its side channel refuses push and stream requests naming the fix; it still loads KV (its Receiver) and
-answers hold questions. A ``both`` or ``prefill`` rank builds everything, push and streams on one WRITE thread."""
+answers hold questions. A prefill rank loads nothing, so it has no Receiver. A ``both`` or ``prefill`` rank holds
+for decode engines: push and streams, on one WRITE thread."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def test_a_rank_builds_the_parts_of_its_role_and_its_side_channel_takes_what_the
     try:
         _, views = make_kv_caches("BLHNC", seed=1, **SHAPE)
         worker.register_kv_caches(views, NUM_BLOCKS)
-        assert worker.receiver is not None, "every rank loads KV"
+        assert (worker.receiver is None) == (role == "prefill"), "a decode or both rank loads KV, a prefill rank not"
+        assert worker.get_finished() == (set(), set())
         assert (worker.pusher is None, worker.streams is None, worker.writes is None) == ((role == "decode"),) * 3
         if worker.writes is not None:  # push and the layer streams take their turns on one WRITE thread
             assert worker.pusher.engine is worker.writes and worker.streams.engine is worker.writes  # type: ignore
