@@ -297,7 +297,7 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None, now: f
         now: the time (seconds since the Unix epoch; default: now).
         max_blocks: most block ids per KV cache group a request may name: the decode engine's ``max_model_len``
             in its blocks (and never more than :data:`MAX_BLOCK_IDS`).
-        kv_groups: the decode engine's KV cache groups (None: not checked; :meth:`p2pkv.decode.load.DecodeLoad.of`
+        kv_groups: the decode engine's KV cache groups (None: not checked; :meth:`p2pkv.scheduling.load.DecodeLoad.of`
             checks them).
         max_lifetime_s: how far past ``now`` the capability's expiry may lie (seconds; engines pass
             :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).

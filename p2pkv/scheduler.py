@@ -1,5 +1,5 @@
-"""Scheduler-side connector state: a thin facade over the decode half (:mod:`p2pkv.decode.load_scheduling`: which
-requests load, and their pulls) and the prefill half (:mod:`p2pkv.prefill.hold_scheduling`: which requests hold their
+"""Scheduler-side connector state: a thin facade over the decode half (:mod:`p2pkv.scheduling.load_scheduling`: which
+requests load, and their pulls) and the prefill half (:mod:`p2pkv.scheduling.hold_scheduling`: which requests hold their
 blocks, and the params that say where)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from p2pkv.config import P2pKvConfig, Role
-from p2pkv.decode.load_scheduling import DecodeScheduling, group_pairs
 from p2pkv.grant import STREAMED_KEY, wants_stream
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import MAX_BLOCK_IDS, wants_remote_decode, wants_remote_prefill
-from p2pkv.prefill.hold_scheduling import PrefillScheduling
-from p2pkv.prefill.stream_steps import StreamSteps
+from p2pkv.scheduling.hold_scheduling import PrefillScheduling
+from p2pkv.scheduling.load_scheduling import DecodeScheduling, group_pairs
+from p2pkv.scheduling.stream_steps import StreamSteps
 from p2pkv.telemetry.tracing import traces_endpoint
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class SchedulerSide:
             self.streams.on_new_request(request)
 
     def send_heartbeats(self, now: float | None = None) -> int:
-        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.send_heartbeats`."""
+        """See :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.send_heartbeats`."""
         return self.decode.send_heartbeats(now)
 
     def _load_nothing_on_prefill(self, request: Request) -> None:
@@ -125,17 +125,17 @@ class SchedulerSide:
                                request.request_id[:64])
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.get_num_new_matched_tokens` (a ``prefill``
+        """See :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.get_num_new_matched_tokens` (a ``prefill``
         engine loads nothing: :meth:`on_new_request`)."""
         self._load_nothing_on_prefill(request)
         return self.decode.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.update_state_after_alloc`."""
+        """See :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.update_state_after_alloc`."""
         self.decode.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def fail_load(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """See :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.fail_load`."""
+        """See :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.fail_load`."""
         self.decode.fail_load(request, blocks, num_external_tokens)
 
     def on_sent(self, request_ids: set[str] | frozenset[str]) -> None:
@@ -166,9 +166,9 @@ class SchedulerSide:
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """A request ends: a decode leg drops what was kept for it (see
-        :meth:`p2pkv.decode.load_scheduling.DecodeScheduling.request_finished`); a prefill leg may hold its blocks
+        :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.request_finished`); a prefill leg may hold its blocks
         (every KV cache group's) for a decode engine (see
-        :meth:`p2pkv.prefill.hold_scheduling.PrefillScheduling.request_finished`).
+        :meth:`p2pkv.scheduling.hold_scheduling.PrefillScheduling.request_finished`).
 
         Returns:
             ``(hold, params)`` as vLLM's ``request_finished`` expects.

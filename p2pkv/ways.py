@@ -34,7 +34,7 @@ in :mod:`handshake.server`); the prefill side that answers it
 (:mod:`p2pkv.prefill`) and its handler in :func:`p2pkv.worker.way_handlers`;
 and, when a load itself fixes the way (as a grant fixes ``stream``),
 :attr:`p2pkv.metadata.LoadSpec.way` and the scheduler code that builds such
-a load (:mod:`p2pkv.decode.load_scheduling`). The lifecycle modules
+a load (:mod:`p2pkv.scheduling.load_scheduling`). The lifecycle modules
 (``receiver``, ``deadlines``, ``endings``, ``pushes``, ``drain``,
 ``part_moves``, ``transfer``) need no change unless it needs a trait they do
 not ask yet.

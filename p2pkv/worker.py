@@ -38,7 +38,6 @@ from p2pkv.decode.receiver import Receiver
 from p2pkv.decode.transfer import streams_only
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import parse_done
-from p2pkv.prefill.hold_spans import emit_hold_span
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.layer_stream import StreamSide
 from p2pkv.prefill.prefill_streams import PrefillStreams, layer_indices
@@ -46,6 +45,7 @@ from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_measures import MIN_LINK_SHARE
 from p2pkv.prefill.stream_requests import stream_side
 from p2pkv.prefill.write_engine import WriteEngine
+from p2pkv.telemetry.hold_spans import emit_hold_span
 from p2pkv.telemetry.stats import StatsBuffer, add_counts
 from p2pkv.telemetry.tracing import Tracing, traces_endpoint
 from p2pkv.transfer_threads import parse_cpus, start_transfer_thread

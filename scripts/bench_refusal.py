@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What refusing forged ``kv_transfer_params`` costs a decode engine's EngineCore (docs/benchmarks/refusal-cpu.md).
 
-Builds a real ``DecodeScheduling`` (p2pkv/decode/load_scheduling.py: the decode
+Builds a real ``DecodeScheduling`` (p2pkv/scheduling/load_scheduling.py: the decode
 half of the connector's scheduler side, which runs in vLLM's EngineCore
 process) per ``max_model_len`` (blocks of ``--block-size`` tokens, one KV
 cache group, a side-channel secret) and times its first
@@ -112,7 +112,7 @@ def run_case(case: str, max_model_len: int, block_size: int, reps: int, budget_s
     from vllm.v1.request import Request
 
     from p2pkv.config import P2pKvConfig
-    from p2pkv.decode.load_scheduling import DecodeScheduling
+    from p2pkv.scheduling.load_scheduling import DecodeScheduling
     from p2pkv.tools.bench.results import summarize
 
     max_blocks = -(-max_model_len // block_size)

@@ -35,8 +35,9 @@ import torch
 from p2pkv.decode import progress as pull_progress
 from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
 from p2pkv.params import RemotePrefill
-from p2pkv.prefill.holds import HoldEnd, PrefillHolds
+from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.pusher import Pusher
+from p2pkv.telemetry.hold_spans import HoldEnd
 from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests import warm_processes

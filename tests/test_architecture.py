@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = {"p2pkv.config", "p2pkv.params", "p2pkv.metadata", "p2pkv.notification", "p2pkv.grant",
              "p2pkv.lifetime", "p2pkv.bindings", "p2pkv.ways"}
 SIDES = {"p2pkv.connector", "p2pkv.engine_facts", "p2pkv.plugin", "p2pkv.scheduler", "p2pkv.worker"}
+WORKER_FOLDERS = ("p2pkv.decode", "p2pkv.prefill", "p2pkv.dataplane")
+"""What runs in vLLM's workers; ``p2pkv.scheduling`` runs in its scheduler, and neither imports the other."""
 VLLM_ALLOWED = {"p2pkv.connector", "p2pkv.engine_facts", "p2pkv.plugin", "p2pkv.scheduler", "p2pkv.telemetry.metrics"}
 
 
@@ -97,8 +99,13 @@ def test_layers_point_one_way() -> None:
                 bad.append(f"{mod} (side channel) imports {t}")
             elif not mod.startswith("p2pkv.tools") and t.startswith("p2pkv.tools"):
                 bad.append(f"{mod} imports the operator tool {t}")
-            elif mod.split(".")[1:2] in (["decode"], ["prefill"], ["dataplane"], ["telemetry"]) and t in SIDES:
+            elif mod.split(".")[1:2] in (["decode"], ["prefill"], ["dataplane"], ["telemetry"], ["scheduling"]) \
+                    and t in SIDES:
                 bad.append(f"{mod} imports the vLLM-facing {t}")
+            elif mod.startswith("p2pkv.scheduling") and t.startswith(WORKER_FOLDERS):
+                bad.append(f"{mod} (the scheduler process) imports the workers' {t}")
+            elif mod.startswith(WORKER_FOLDERS) and t.startswith("p2pkv.scheduling"):
+                bad.append(f"{mod} (a worker) imports the scheduler process's {t}")
             elif mod.startswith("p2pkv.dataplane") and t.startswith(("p2pkv.decode", "p2pkv.prefill")):
                 bad.append(f"{mod} (data plane) imports {t}")
             elif mod in CONTRACTS and t.startswith("p2pkv") and t not in CONTRACTS:

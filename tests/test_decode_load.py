@@ -18,10 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 
-import p2pkv.decode.load_scheduling as scheduler_module
 import p2pkv.params as params_module
+import p2pkv.scheduling.load_scheduling as scheduler_module
 from p2pkv.config import P2pKvConfig, Role
-from p2pkv.decode.load import DecodeLoad
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
 from p2pkv.params import (
     CLOCK_SKEW_S,
@@ -31,6 +30,7 @@ from p2pkv.params import (
     sign_params,
 )
 from p2pkv.scheduler import SchedulerSide
+from p2pkv.scheduling.load import DecodeLoad
 
 SECRET = "a-side-channel-secret-of-32-byte"
 NOW = 1_800_000_000.0

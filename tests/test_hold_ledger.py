@@ -20,9 +20,9 @@ from vllm.v1.request import Request, RequestStatus
 from p2pkv.bindings import Bindings
 from p2pkv.config import P2pKvConfig
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, STREAMED_KEY, make_stream_grant
-from p2pkv.prefill.hold_scheduling import NO_HOLD_KEY
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.scheduler import SchedulerSide
+from p2pkv.scheduling.hold_scheduling import NO_HOLD_KEY
 from tests.clock import FakeClock
 
 BLOCK = 16

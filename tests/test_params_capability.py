@@ -11,7 +11,6 @@ import hashlib
 import numpy as np
 import pytest
 
-from p2pkv.decode.load import DecodeLoad
 from p2pkv.params import (
     CAPABILITY_KEY,
     CLOCK_SKEW_S,
@@ -25,6 +24,7 @@ from p2pkv.params import (
     sign_params,
     with_appended_tokens,
 )
+from p2pkv.scheduling.load import DecodeLoad
 
 SECRET = b"a-side-channel-secret-of-32-byte"
 NOW = 1_800_000_000.0

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2pkv.notification import DoneNotification, blocks_digest
-from p2pkv.prefill.holds import HoldEnd, PrefillHolds
+from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.leases import LeaseTable
+from p2pkv.telemetry.hold_spans import HoldEnd
 from p2pkv.telemetry.stats import empty_stats
 from tests.clock import FakeClock
 

@@ -10,8 +10,8 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
 from p2pkv.config import ConfigError, P2pKvConfig, engine_role, load_config
-from p2pkv.prefill.hold_scheduling import NO_HOLD_KEY
 from p2pkv.scheduler import SchedulerSide
+from p2pkv.scheduling.hold_scheduling import NO_HOLD_KEY
 
 BLOCK = 16
 

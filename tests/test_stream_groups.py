@@ -25,12 +25,12 @@ import msgspec
 import pytest
 
 from handshake import GroupBlocks
-from p2pkv.decode.load_scheduling import streamed_groups
 from p2pkv.grant import ANY_DECODE, make_stream_grant
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.notification import PushedNotification
 from p2pkv.prefill.prefill_streams import attention_blocks
-from p2pkv.prefill.stream_steps import StreamSteps
+from p2pkv.scheduling.load_scheduling import streamed_groups
+from p2pkv.scheduling.stream_steps import StreamSteps
 from tests.push_support import ENGINE, KEY, Agents
 from tests.stream_rig import DIGEST, LAYERS, PID, REQ, Rig, open_rig
 

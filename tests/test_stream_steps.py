@@ -1,4 +1,4 @@
-"""The prefill scheduler's stream chunks (:mod:`p2pkv.prefill.stream_steps`): which blocks each step computes
+"""The prefill scheduler's stream chunks (:mod:`p2pkv.scheduling.stream_steps`): which blocks each step computes
 for a streamed request, from vLLM's ``SchedulerOutput``; which grants it streams."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
 from p2pkv.params import prompt_digest
-from p2pkv.prefill.stream_steps import StreamSteps
+from p2pkv.scheduling.stream_steps import StreamSteps
 
 SECRET = b"s" * 32
 BLOCK = 4

@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from p2pkv.config import P2pKvConfig
-from p2pkv.prefill.hold_spans import emit_hold_span
-from p2pkv.prefill.holds import HoldEnd
+from p2pkv.telemetry.hold_spans import HoldEnd, emit_hold_span
 from p2pkv.telemetry.tracing import Tracing, parse_traceparent, traces_endpoint
 from p2pkv.tools.trace.otlp_receiver import OtlpReceiver
 

@@ -17,7 +17,6 @@ gone, so no WRITE ever reads blocks handed back to vLLM.
 
 from __future__ import annotations
 
-import enum
 import hmac
 import logging
 import queue
@@ -29,24 +28,12 @@ from typing import Literal
 from handshake import HoldStatus
 from p2pkv.notification import DoneNotification, blocks_digest
 from p2pkv.prefill.leases import LeaseTable
+from p2pkv.telemetry.hold_spans import HoldEnd
 
 logger = logging.getLogger("p2pkv.prefill")
 
 PinAnswer = Literal["held", "expired", "not_held", "unknown"]
 """What :meth:`PrefillHolds.pin` (and :meth:`PrefillHolds.check`) answer about a hold."""
-
-
-class HoldEnd(str, enum.Enum):
-    """Why a hold ended."""
-
-    NOTIFIED = "notified"
-    """Every decode reader said "done"."""
-    RELEASED = "released"
-    """A decode worker or the proxy said nobody will pull it (``ReleaseHolds``)."""
-    EXPIRED = "expired"
-    """Its lease ran out first."""
-    ABORTED = "aborted"
-    """The request was aborted on the prefill engine (its client went away): no hold began."""
 
 
 class PrefillHolds:

@@ -3,7 +3,7 @@
 The pieces meet here (docs/streaming.md):
 
 * the scheduler's :class:`~p2pkv.metadata.StreamChunk` of each step
-  (:mod:`p2pkv.prefill.stream_steps`) open a request's
+  (:mod:`p2pkv.scheduling.stream_steps`) open a request's
   :class:`~p2pkv.prefill.layer_stream.LayerStream` and say which blocks the step
   computes (:meth:`PrefillStreams.begin_step`);
 * after each attention layer vLLM calls ``save_kv_layer``: the layer's pages
@@ -31,7 +31,7 @@ gave a stream its destination stops that stream mid-way (the decode
 request was aborted, or its load failed).
 
 Holds: a streamed request's hold (made when it finishes, whatever its end:
-:meth:`p2pkv.prefill.hold_scheduling.PrefillScheduling.request_finished`) is
+:meth:`p2pkv.scheduling.hold_scheduling.PrefillScheduling.request_finished`) is
 pinned once the stream has a destination, so nothing frees the blocks while
 a WRITE may read them, and released as soon as its streams have ended and
 every destination expected came (or one failed). A stream whose

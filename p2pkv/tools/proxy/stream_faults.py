@@ -44,7 +44,7 @@ import httpx
 from fastapi.responses import Response
 
 from p2pkv.grant import STREAMED_KEY
-from p2pkv.prefill.hold_scheduling import NO_HOLD_KEY
+from p2pkv.scheduling.hold_scheduling import NO_HOLD_KEY
 from p2pkv.tools.proxy.batch import sse_events
 from p2pkv.tools.proxy.first_token import sse_event
 from p2pkv.tools.proxy.hand_over import DecodeLegs

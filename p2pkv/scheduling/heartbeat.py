@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from handshake import Destination, HandshakeError, send_heartbeat
 
-logger = logging.getLogger("p2pkv.decode.heartbeat")
+logger = logging.getLogger("p2pkv.scheduling.heartbeat")
 
 
 @dataclass(frozen=True)

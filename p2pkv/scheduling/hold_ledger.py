@@ -2,9 +2,9 @@
 
 Every way of moving KV passes through here before it holds a block: a pull
 or a push when its prefill request finishes
-(:meth:`p2pkv.prefill.hold_scheduling.PrefillScheduling.request_finished`), a
+(:meth:`p2pkv.scheduling.hold_scheduling.PrefillScheduling.request_finished`), a
 layer stream when its request arrives
-(:meth:`p2pkv.prefill.stream_steps.StreamSteps.on_new_request`: the blocks
+(:meth:`p2pkv.scheduling.stream_steps.StreamSteps.on_new_request`: the blocks
 its prompt will take are counted from then on, since once its stream has a
 destination its blocks stay until the stream has ended, whatever else
 happens). A way added later counts its holds here too. Past

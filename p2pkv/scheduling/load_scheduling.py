@@ -1,5 +1,5 @@
 """The decode half of the connector's scheduler side: which requests load their prompt's KV from a prefill
-engine, checked once (:class:`p2pkv.decode.load.DecodeLoad`), and the pulls the workers are told to make.
+engine, checked once (:class:`p2pkv.scheduling.load.DecodeLoad`), and the pulls the workers are told to make.
 
 A capability (or a stream grant) serves one request on this engine for its whole life: the first request whose
 checked params carry it (or, without a secret, name a hold: its engine, request, host and port) or a stream id
@@ -20,8 +20,6 @@ from typing import Any
 from handshake import GroupBlocks
 from p2pkv.bindings import Bindings
 from p2pkv.config import P2pKvConfig
-from p2pkv.decode.heartbeat import HeartbeatBatch, HeartbeatSender
-from p2pkv.decode.load import DecodeLoad
 from p2pkv.grant import parse_stream_leg, wants_stream
 from p2pkv.metadata import LoadSpec
 from p2pkv.params import (
@@ -32,6 +30,8 @@ from p2pkv.params import (
     parse_remote_prefill,
     wants_remote_prefill,
 )
+from p2pkv.scheduling.heartbeat import HeartbeatBatch, HeartbeatSender
+from p2pkv.scheduling.load import DecodeLoad
 from p2pkv.telemetry.tracing import TRACEPARENT_KEY, parse_traceparent
 
 logger = logging.getLogger("p2pkv.scheduler")
@@ -186,7 +186,7 @@ class DecodeScheduling:
         """Prompt tokens to load from the prefill engine, asynchronously: all but ``recompute_tokens``.
 
         The first call for a request checks its params and keeps the outcome
-        (:class:`p2pkv.decode.load.DecodeLoad`); later calls and
+        (:class:`p2pkv.scheduling.load.DecodeLoad`); later calls and
         :meth:`update_state_after_alloc` use what it kept and check nothing again.
         """
         if not wants_remote_prefill(request.kv_transfer_params):
@@ -200,7 +200,7 @@ class DecodeScheduling:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """Record the pull for a request whose local blocks were just allocated.
 
-        Uses the :class:`~p2pkv.decode.load.DecodeLoad` kept by
+        Uses the :class:`~p2pkv.scheduling.load.DecodeLoad` kept by
         :meth:`get_num_new_matched_tokens` as it is (no check is made again);
         without one the load is reported failed (:meth:`fail_load`: its blocks
         as load errors), never left unanswered.

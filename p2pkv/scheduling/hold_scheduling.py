@@ -3,8 +3,8 @@ engine, and the signed ``kv_transfer_params`` that say where they are.
 
 An engine holds blocks only when its role allows it (``role``: ``prefill`` or ``both``), and never more than
 ``max_held_fraction`` of its KV cache at once, over every way of moving KV (one
-:class:`~p2pkv.prefill.hold_ledger.HoldLedger`, which a layer stream enters when its request arrives: see
-:mod:`p2pkv.prefill.stream_steps`): past that a request is answered without a hold (its params say so and the
+:class:`~p2pkv.scheduling.hold_ledger.HoldLedger`, which a layer stream enters when its request arrives: see
+:mod:`p2pkv.scheduling.stream_steps`): past that a request is answered without a hold (its params say so and the
 decode engine prefills it itself), so no caller of the engine's HTTP API can pin its cache.
 """
 
@@ -17,9 +17,8 @@ from typing import Any
 
 from p2pkv.config import P2pKvConfig, Role
 from p2pkv.params import make_prefill_response_params, prompt_digest, wants_remote_decode
-from p2pkv.prefill.hold_ledger import HoldLedger
-from p2pkv.prefill.hold_spans import emit_hold_span
-from p2pkv.prefill.holds import HoldEnd
+from p2pkv.scheduling.hold_ledger import HoldLedger
+from p2pkv.telemetry.hold_spans import HoldEnd, emit_hold_span
 from p2pkv.telemetry.tracing import TRACEPARENT_KEY, Tracing, parse_traceparent, traces_endpoint
 
 logger = logging.getLogger("p2pkv.scheduler")
@@ -101,10 +100,10 @@ class PrefillScheduling:
             block_ids: its block ids per KV cache group, in token order (a sliding-window group's blocks
                 behind the window are vLLM's null block, id 0).
             completed: it finished by length or stop (not aborted).
-            streamed: it was layer-streamed (:mod:`p2pkv.prefill.stream_steps`): held whatever its end and
+            streamed: it was layer-streamed (:mod:`p2pkv.scheduling.stream_steps`): held whatever its end and
                 the cap, since its stream may still be WRITING from its blocks (the workers end the hold as
                 soon as the stream has ended); an aborted one is held with no params. Its blocks have counted
-                against the cap since it arrived (:class:`~p2pkv.prefill.hold_ledger.HoldLedger`).
+                against the cap since it arrived (:class:`~p2pkv.scheduling.hold_ledger.HoldLedger`).
             refusal: why a request that asked to stream gets no hold at all (its grant already served another
                 request here, or its stream would have passed the cap: :meth:`StreamSteps.refusal`).
 

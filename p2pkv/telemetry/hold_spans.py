@@ -1,11 +1,26 @@
-"""The trace span of one prefill hold: from the request's end on the prefill engine to its release."""
+"""The trace span of one prefill hold: from the request's end on the prefill engine to its release, and why it
+ended (:class:`HoldEnd`); emitted by a prefill worker and, for an aborted request, by its scheduler."""
 
 from __future__ import annotations
 
+import enum
 import time
 
-from p2pkv.prefill.holds import HoldEnd
 from p2pkv.telemetry.tracing import Tracing, context_of
+
+
+class HoldEnd(str, enum.Enum):
+    """Why a hold ended."""
+
+    NOTIFIED = "notified"
+    """Every decode reader said "done"."""
+    RELEASED = "released"
+    """A decode worker or the proxy said nobody will pull it (``ReleaseHolds``)."""
+    EXPIRED = "expired"
+    """Its lease ran out first."""
+    ABORTED = "aborted"
+    """The request was aborted on the prefill engine (its client went away): no hold began."""
+
 
 
 def emit_hold_span(tracing: Tracing, request_id: str, traceparent: str, start_ns: int, ended: HoldEnd,

@@ -40,7 +40,7 @@ the first request that names it (:class:`p2pkv.bindings.Bindings`, until the
 grant expires) and any later request naming it (a replayed grant: whoever
 saw the proxy → engine hop has it) is refused before any hold, answered
 without one. A stream's blocks count in the engine's one
-:class:`~p2pkv.prefill.hold_ledger.HoldLedger` from its request's arrival
+:class:`~p2pkv.scheduling.hold_ledger.HoldLedger` from its request's arrival
 (its prompt's blocks, every KV cache group's): once its stream has a
 destination they stay until the stream has ended, so a stream that would
 pass ``max_held_fraction`` is not streamed at all, and its destination is
@@ -59,7 +59,7 @@ from p2pkv.bindings import Bindings
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, StreamGrantError, check_stream_grant
 from p2pkv.metadata import StreamChunk
 from p2pkv.params import CLOCK_SKEW_S, prompt_digest
-from p2pkv.prefill.hold_ledger import HoldLedger
+from p2pkv.scheduling.hold_ledger import HoldLedger
 
 logger = logging.getLogger("p2pkv.scheduler")
 
