@@ -96,7 +96,8 @@ interleaved-window pair prefills a prompt over 256 tokens in chunks (its window 
 EXTRA = {"sliding-window": ("dp2", 64, {"extra_args": ("--data-parallel-size", "2")}),
          "mla": ("tp2", 16, {"tensor_parallel_size": 2})}
 """Each kind's third engine (none for interleaved-window; the hybrid kind's, 128-token blocks, is started by
-``p2pkv launch prefill``): name, block size, other ``EngineSpec`` fields."""
+``p2pkv launch prefill``): name, block size, other ``EngineSpec`` fields. Each is the prefill engine of some cases
+and the decode engine of others, so it runs with ``role`` both (a ``prefill`` engine loads nothing)."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,8 @@ def kind_pair(request, tmp_path_factory):
         pod = PodLaunch.start(model, port, extra_side, logs / "block128", pair.secret,
                               ("--block-size", "128", "--max-model-len", "1024",
                                "--extra-vllm-args=--no-enable-prefix-caching",
-                               "--kv-connector-extra-config", json.dumps({"stats_file": str(logs / "block128.jsonl")})))
+                               "--kv-connector-extra-config",  # role both: it is the decode engine of one case
+                               json.dumps({"stats_file": str(logs / "block128.jsonl"), "role": "both"})))
         extra = ExtraEngine(f"http://127.0.0.1:{port}", extra_side, logs / "block128" / "prefill.log",
                             logs / "block128.jsonl")
     elif kind in EXTRA:
@@ -144,7 +146,7 @@ def kind_pair(request, tmp_path_factory):
         port, extra_side = free_ports(2, run=3)
         extra = ExtraEngine(f"http://127.0.0.1:{port}", extra_side, logs / f"{name}.log",
                             logs / f"{name}-pulls.jsonl")
-        spec = EngineSpec(name=name, model=str(model), port=port, role="prefill", side_channel_port=extra_side,
+        spec = EngineSpec(name=name, model=str(model), port=port, role="both", side_channel_port=extra_side,
                           side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
                           extra_config={"stats_file": str(extra.stats)},
                           env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": pair.secret}, **args)

@@ -224,19 +224,23 @@ def test_retry_of_a_decode_leg_succeeds_until_the_decode_engine_gives_the_hold_u
     assert _failed(again) and seconds < 10.0
 
 
-def test_params_naming_the_decode_engine_itself_are_refused(pair, client) -> None:
-    """Both legs on one engine (the prefill engine: it may hold, and load): the params name the engine that
-    would load them, refused by name, its hold freed now."""
+def test_params_sent_back_to_the_prefill_engine_are_computed_there(pair, client) -> None:
+    """Both legs on the prefill engine (``role: prefill``: it holds, and loads nothing): the decode leg is computed
+    there, answered as one engine answers it, and said in its log naming the fix; the hold is still the decode
+    engine's to pull, and is freed when pulled. (A ``both`` engine sent params naming itself refuses them by
+    name: tests/test_worker_roles.py.)"""
     p, _ = pair
     prompt = "s" * 70
-    resp = _post(client, p.url("prefill"), {"prompt": prompt, "max_tokens": 1,
-                                            "kv_transfer_params": {"do_remote_decode": True}})
-    body = {"prompt": prompt, "max_tokens": 4, "kv_transfer_params": resp.json()["kv_transfer_params"]}
-    start = time.monotonic()
-    refused = _post(client, p.url("prefill"), body)
-    assert _failed(refused) and time.monotonic() - start < 10.0
-    assert "is this engine: the request was prefilled here" in (p.log_dir / "prefill.log").read_text()
-    assert wait_blocks_released(client, p.url("prefill"), timeout_s=5) == 0.0  # not after the lease
+    params = _prefill(client, p, prompt)
+    body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True}
+    back = _post(client, p.url("prefill"), {**body, "kv_transfer_params": params})
+    ref = _post(client, p.url("aggregated"), body)
+    assert back.status_code == 200 and _texts(back.json()) == _texts(ref.json())
+    assert "asks this prefill engine (role prefill) to load KV" in (p.log_dir / "prefill.log").read_text()
+    resp, _ = _decode(client, p, prompt, params)
+    assert resp.status_code == 200 and _texts(resp.json()) == _texts(_post(client, p.url("aggregated"), {
+        **body, "max_tokens": 6}).json())
+    assert wait_blocks_released(client, p.url("prefill"), timeout_s=30) == 0.0
     _still_serving(p, client)
 
 

@@ -6,12 +6,16 @@ for decode engines: push and streams, on one WRITE thread."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from handshake import Destination, RemoteRefusedError, query_holds, request_push
+from p2pkv.metadata import LoadSpec, P2pKvMetadata
+from p2pkv.params import RemotePrefill
 from p2pkv.testing import make_kv_caches
 from tests.handshake_support import make_agent_info
-from tests.workers import NUM_BLOCKS, SHAPE, free_port, make_worker
+from tests.workers import NUM_BLOCKS, SHAPE, free_port, make_worker, run_until_received
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill", "both"])
@@ -40,3 +44,20 @@ def test_a_rank_builds_the_parts_of_its_role_and_its_side_channel_takes_what_the
     finally:
         worker.shutdown()
     assert worker.writes is None or not worker.writes.thread.is_alive(), "the WRITE thread outlived its worker"
+
+
+def test_a_both_rank_refuses_params_naming_itself_by_name(caplog: pytest.LogCaptureFixture) -> None:
+    """Both legs on one ``both`` engine: the params name the engine that would load them; the load fails at once
+    (its blocks as load errors, nobody contacted), the log naming the field and the fix."""
+    port = free_port()
+    worker = make_worker("engine-a", port)
+    try:
+        _, views = make_kv_caches("BLHNC", seed=1, **SHAPE)
+        worker.register_kv_caches(views, NUM_BLOCKS)
+        itself = RemotePrefill("engine-a", "prefilled-here", "127.0.0.1", port, (3, 4), 1)
+        with caplog.at_level(logging.WARNING, logger="p2pkv"):
+            worker.start_load_kv(P2pKvMetadata(loads=[LoadSpec("d-1", (1, 2), (3, 4), itself)]))
+            assert run_until_received(worker, "d-1", timeout_s=10) == {1, 2}
+        assert "remote_engine_id='engine-a' is this engine" in caplog.text
+    finally:
+        worker.shutdown()
