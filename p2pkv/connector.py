@@ -105,11 +105,6 @@ DECLINED_HOOKS: dict[str, str] = {
     "build_connector_worker_meta": "workers report through get_finished / get_transfer_results and stats only",
     "get_finished_count": "the default (one report per worker of the engine): every worker reports each request",
     "bind_gpu_block_pool": "no per-block state: a hold is a request's blocks that vLLM keeps allocated",
-    "get_loaded_kv_cache_group_ids": "the base's prefix-cacheable transfer groups: every group p2pkv moves for "
-                                     "the full, sliding-window, chunked-local, MLA and Mamba specs it is tested "
-                                     "with (a spec that is not prefix-cacheable, e.g. vLLM 0.33's "
-                                     "CircularBufferSpec, would have its loaded blocks zeroed; override it then, "
-                                     "returning transfer_group_ids as NixlConnector does)",
     "get_external_cache_hit_sources": "one source for every loaded token (the base's default label)",
     "register_finished_partial_tail": "no partial-tail offloads: a held request keeps all its blocks",
     "has_pending_block_frees": "False: a hold ends when its decode engine pulls or its lease ends, not soon "
@@ -283,6 +278,16 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler.shutdown()
 
     # ---- scheduler side ------------------------------------------------------
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """The KV cache groups a load restores for ``request``: every transfer group, since p2pkv moves the
+        request's own blocks of each (vLLM zeroes the new blocks of the groups not named; its base names only the
+        prefix-cacheable ones, which would zero a loaded group of a spec that is not, such as
+        ``CircularBufferSpec``). As vLLM's NixlConnector."""
+        config = self._kv_cache_config
+        if config is None:
+            return (0,)
+        return tuple(config.transfer_group_ids)
+
     # No exception may leave a scheduler hook (it would end vLLM's engine loop): an
     # unexpected one is logged once and the request is prefilled locally, or its
     # pull is reported failed, or its blocks are freed.

@@ -10,6 +10,7 @@ The end-to-end pairs run in ``tests/test_e2e_models.py`` (kinds ``interleaved-wi
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 from vllm import SamplingParams
@@ -181,3 +182,19 @@ def test_a_hybrid_model_pulls_only_direct() -> None:
     with pytest.raises(PairRefused, match="Mamba/SSM state, whose pages p2pkv moves whole, but the engines differ in "
                                           "block_size 32→16"):
         plan_peer(one_layer_desc(16), 0, 1, one_layer_desc(32), 0, 1, same_size)
+
+
+def test_a_load_restores_every_transfer_group_so_vllm_zeroes_none_of_them() -> None:
+    """vLLM zeroes a loading request's new blocks in the groups the connector does not name as restored; its
+    base names only the prefix-cacheable ones, which leaves out a spec that is not (``CircularBufferSpec``) and
+    would zero its loaded blocks. p2pkv moves the request's own blocks of every group, and names them all."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    full, window, _ = _specs()
+    ring = CircularBufferSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
+    connector = SimpleNamespace(_kv_cache_config=_config(full, ring, window))
+    request = _request("r", 40, {})
+    assert KVConnectorBase_V1.get_loaded_kv_cache_group_ids(connector, request) == (0, 2)  # the base's
+    assert P2pKvConnector.get_loaded_kv_cache_group_ids(connector, request) == (0, 1, 2)  # type: ignore[arg-type]
