@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from stream_wait_cpu import cpu_s  # this folder's (a script's folder is on its path)
 
 from p2pkv.tools.deploy.engines import EngineSpec, start_engine
 from p2pkv.tools.deploy.processes import stop_children, wait_healthy
@@ -48,17 +49,10 @@ def _summary(ms: list[float]) -> dict[str, float]:
             "mean_ms": statistics.mean(ordered), "n": len(ordered)}
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` and its children have used so far."""
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds process ``pid`` and its children have used so far."""
     root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
+    return cpu_s([root, *root.children(recursive=True)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name, spec in specs.items():
                     latencies[name].append(ask(spec, prompt))
         time.sleep(2.0)  # the last answers' bookkeeping
-        before = {name: _cpu_s(child.proc.pid) for name, child in zip(specs, children, strict=True)}
+        before = {name: _tree_cpu_s(child.proc.pid) for name, child in zip(specs, children, strict=True)}
         time.sleep(args.idle_s)
-        idle_cores = {name: (_cpu_s(child.proc.pid) - before[name]) / args.idle_s
+        idle_cores = {name: (_tree_cpu_s(child.proc.pid) - before[name]) / args.idle_s
                       for name, child in zip(specs, children, strict=True)}
     finally:
         stop_children(children)

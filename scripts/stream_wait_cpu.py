@@ -80,7 +80,7 @@ def _engine_processes(port: int) -> list[psutil.Process]:
     raise RuntimeError(f"no vLLM API server on port {port}")
 
 
-def _cpu_s(procs: list[psutil.Process]) -> float:
+def cpu_s(procs: list[psutil.Process]) -> float:
     """User + system CPU seconds of ``procs`` so far (a process gone counts 0)."""
     total = 0.0
     for proc in procs:
@@ -112,12 +112,12 @@ def _request(url: str, length: int, rng: random.Random, decode: list[psutil.Proc
     engine's prefill seconds for it."""
     prompt = [rng.randrange(10, 250) for _ in range(length)]  # inside a tiny model's 259-token vocabulary
     before = scrape(httpx, prefill_url)
-    cpu_d, cpu_p, start = _cpu_s(decode), _cpu_s(prefill), time.monotonic()
+    cpu_d, cpu_p, start = cpu_s(decode), cpu_s(prefill), time.monotonic()
     resp = httpx.post(f"{url}/v1/completions", json={"model": "model", "prompt": prompt, "max_tokens": 2,
                                                      "temperature": 0}, timeout=600)
     resp.raise_for_status()
-    row = {"wall_s": time.monotonic() - start, "decode_cpu_s": _cpu_s(decode) - cpu_d,
-           "prefill_cpu_s": _cpu_s(prefill) - cpu_p}
+    row = {"wall_s": time.monotonic() - start, "decode_cpu_s": cpu_s(decode) - cpu_d,
+           "prefill_cpu_s": cpu_s(prefill) - cpu_p}
     return {**row, "prefill_s": _prefill_s(prefill_url, before)}
 
 
