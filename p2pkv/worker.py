@@ -45,9 +45,8 @@ from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_measures import MIN_LINK_SHARE
 from p2pkv.prefill.stream_requests import stream_side
 from p2pkv.prefill.write_engine import WriteEngine
-from p2pkv.telemetry.hold_spans import emit_hold_span
+from p2pkv.telemetry.hold_spans import HoldTraces
 from p2pkv.telemetry.stats import StatsBuffer, add_counts
-from p2pkv.telemetry.tracing import Tracing, traces_endpoint
 from p2pkv.transfer_threads import parse_cpus, start_transfer_thread
 from p2pkv.ways import WAYS
 
@@ -157,8 +156,7 @@ class WorkerSide:
         self.stats = StatsBuffer()
         self._closed = False
         self._idle = False  # this step scheduled no tokens
-        self._tracing = Tracing.get("p2pkv-prefill", traces_endpoint())
-        self._hold_traces: dict[str, tuple[str, int, int]] = {}  # held id → (traceparent, start ns, blocks)
+        self.hold_traces = HoldTraces(engine_id, tp_rank)
 
     def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int,
                            state_layers: frozenset[str] = frozenset(), layer_groups: dict[str, int] | None = None,
@@ -282,9 +280,7 @@ class WorkerSide:
         self._idle = meta.idle
         for request_id, deadline in meta.send_leases.items():
             self.holds.hold(request_id, deadline, meta.send_blocks.get(request_id))
-        if self._tracing is not None:
-            for rid, (trace, start_ns) in meta.send_traces.items():
-                self._hold_traces[rid] = (trace, start_ns, len(meta.send_blocks.get(rid, ())))
+        self.hold_traces.began(meta.send_traces, meta.send_blocks)
         if self.streams is not None:
             self.streams.begin_step(meta)
         if self.receiver is not None:
@@ -361,12 +357,7 @@ class WorkerSide:
         if self.streams is not None and released:
             self.streams.holds_ended(released)
         endings, self.holds.endings = self.holds.endings, {}
-        if self._tracing is not None:
-            for rid, why in endings.items():
-                if (trace := self._hold_traces.pop(rid, None)) is not None:
-                    traceparent, start_ns, num_blocks = trace
-                    emit_hold_span(self._tracing, rid, traceparent, start_ns, why, self.engine_id, self.tp_rank,
-                                   num_blocks)
+        self.hold_traces.ended(endings)
         return released
 
     def take_stats(self) -> dict | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import time
 
-from p2pkv.telemetry.tracing import Tracing, context_of
+from p2pkv.telemetry.tracing import Tracing, context_of, traces_endpoint
 
 
 class HoldEnd(str, enum.Enum):
@@ -48,3 +48,35 @@ def emit_hold_span(tracing: Tracing, request_id: str, traceparent: str, start_ns
     if ended is HoldEnd.EXPIRED:
         span.set_status(Status(StatusCode.ERROR, "lease expired before a decode engine pulled the blocks"))
     tracing.ended(span, max(start_ns, time.time_ns()))
+
+
+class HoldTraces:
+    """A prefill rank's open hold spans: each hold's trace context from its lease to its end (nothing kept while
+    tracing is off: no OTLP endpoint configured).
+
+    Args:
+        engine_id / tp_rank: this prefill rank.
+    """
+
+    def __init__(self, engine_id: str, tp_rank: int) -> None:
+        self.engine_id = engine_id
+        self.tp_rank = tp_rank
+        self._tracing = Tracing.get("p2pkv-prefill", traces_endpoint())
+        self._open: dict[str, tuple[str, int, int]] = {}  # held id → (traceparent, start ns, blocks)
+
+    def began(self, traces: dict[str, tuple[str, int]], blocks: dict[str, tuple[int, ...]]) -> None:
+        """Holds leased this step: held id → (its prefill leg's traceparent, when it began in ns since the epoch),
+        and held id → its block ids."""
+        if self._tracing is not None:
+            for rid, (trace, start_ns) in traces.items():
+                self._open[rid] = (trace, start_ns, len(blocks.get(rid, ())))
+
+    def ended(self, endings: dict[str, HoldEnd]) -> None:
+        """Holds that ended, and why: their spans are emitted."""
+        if self._tracing is None:
+            return
+        for rid, why in endings.items():
+            if (trace := self._open.pop(rid, None)) is not None:
+                traceparent, start_ns, num_blocks = trace
+                emit_hold_span(self._tracing, rid, traceparent, start_ns, why, self.engine_id, self.tp_rank,
+                               num_blocks)
