@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 
-from p2pkv.prefill.write_engine import IDLE_S, Pace, WriteEngine, past_window
+from p2pkv.prefill.write_engine import IDLE_S, LINGER_S, Pace, WriteEngine, past_window
 
 
 class Recorder:
@@ -131,6 +132,33 @@ def test_a_notification_keeps_nixl_progressed_while_nothing_else_would() -> None
         time.sleep(0.5)
         after = agent.calls - start
         assert after > 10 * max(idle, 1), f"progressed {after} times in 0.5 s after a notification, {idle} before"
+    finally:
+        engine.close()
+
+
+def test_a_streams_last_word_lingers_briefly_and_a_failure_word_for_seconds() -> None:
+    """After a stream's last word the engine turns fast for LINGER_S only (its decode agent's connection is up);
+    after a "push_failed" it keeps progressing NIXL for NOTIFY_PROGRESS_S (the agent may be loaded just now)."""
+    agent = Progressed()
+    engine = WriteEngine(agent, None)  # type: ignore[arg-type]
+
+    def progressed_after(call: Callable[[], None]) -> tuple[int, int]:
+        """Progress calls within LINGER_S of ``call``, and over the 0.5 s from 2 × LINGER_S on."""
+        start = agent.calls
+        call()
+        time.sleep(LINGER_S)
+        first = agent.calls - start
+        time.sleep(LINGER_S)
+        start = agent.calls
+        time.sleep(0.5)
+        return first, agent.calls - start
+
+    try:
+        time.sleep(0.1)
+        fast, later = progressed_after(engine.linger)
+        assert fast > 20, f"{fast} turns in the linger"
+        fast_n, later_n = progressed_after(engine.notified)
+        assert fast_n > 20 and later_n > 3 * max(later, 1), (later, later_n)
     finally:
         engine.close()
 

@@ -212,7 +212,7 @@ class StreamPoster:
                     stream.handed_back = True
                     group.running -= 1
                     self._ended.put(stream)
-                    self.engine.notified()  # its last word goes out as NIXL progresses
+                    self.engine.linger()  # its last word goes out as NIXL progresses
             if not group.running and not (group.keep and not stopping):
                 del self._groups[key]
         if urgent:

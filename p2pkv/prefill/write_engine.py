@@ -15,9 +15,9 @@ needs lives here once:
   (:class:`p2pkv.prefill.loading.DecodeAgentLoader`); a stream keeps its
   decode agent loaded for its life (:meth:`WriteEngine.hold_agent`);
 - **the failure word**: a "push_failed" notification
-  (:meth:`WriteEngine.tell_failed`), after which, as after any notification
-  sent outside a WRITE, the engine keeps progressing NIXL for a while, since
-  nothing else may (:meth:`WriteEngine.notified`);
+  (:meth:`WriteEngine.tell_failed`), after which the engine keeps progressing
+  NIXL for a while, since nothing else may (:meth:`WriteEngine.notified`; after
+  a stream's last word, briefly: :meth:`WriteEngine.linger`);
 - **the shutdown**: :meth:`WriteEngine.close` stops every source (a stream's
   WRITEs are cancelled and waited out), then has each drop what is left and
   unloads the decode agents.
@@ -62,10 +62,10 @@ IDLE_S = 0.05
 rank's NIXL agent is still progressed this often (a decode rank's connection to it, and a stream's deadline that
 passes while it waits for its destination, are seen within this time)."""
 LINGER_S = 0.05
-"""After a notification sent outside a WRITE (a stream's last word, a "push_failed"), how long the thread keeps
-turning at :data:`POLL_S` (seconds): NIXL sends it while the agent's worker progresses."""
+"""After a stream's last word or a "push_failed" notification, how long the thread keeps turning at :data:`POLL_S`
+(seconds): NIXL sends it while the agent's worker progresses."""
 NOTIFY_PROGRESS_S = 2.0
-"""How long it keeps progressing NIXL after such a notification (seconds, at :data:`NOTIFY_POLL_S` once
+"""How long it keeps progressing NIXL after a "push_failed" notification (seconds, at :data:`NOTIFY_POLL_S` once
 :data:`LINGER_S` is over): to a decode agent loaded just now the notification waits for UCX's wire-up, which needs
 this side's worker, and the engine's steps do not run while it is idle."""
 NOTIFY_POLL_S = 0.005
@@ -172,13 +172,18 @@ class WriteEngine:
         """Turn now: a source has work (any thread)."""
         self._wake.set()
 
-    def notified(self) -> None:
-        """A notification was sent outside a WRITE: keep progressing NIXL (:data:`LINGER_S`,
-        :data:`NOTIFY_PROGRESS_S`) so that it goes out (any thread)."""
-        now = time.monotonic()
-        self._linger_until = now + LINGER_S
-        self._notify_until = now + NOTIFY_PROGRESS_S
+    def linger(self) -> None:
+        """A stream's last word is on its way: turn at :data:`POLL_S` for :data:`LINGER_S` so that NIXL sends it
+        (any thread). Its decode agent's connection is up (its WRITEs used it)."""
+        self._linger_until = time.monotonic() + LINGER_S
         self._wake.set()
+
+    def notified(self) -> None:
+        """A notification was sent outside a WRITE, maybe to a decode agent loaded just now: :meth:`linger`, then
+        keep progressing NIXL for :data:`NOTIFY_PROGRESS_S` so that it goes out once UCX's wire-up completes (any
+        thread)."""
+        self._notify_until = time.monotonic() + NOTIFY_PROGRESS_S
+        self.linger()
 
     # ---- decode agents ------------------------------------------------------------------
     def loaded_agents(self) -> dict[Identity, str | None]:
