@@ -8,6 +8,7 @@ bytes per character (UTF-8).
 from __future__ import annotations
 
 from handshake.messages import (
+    DIGEST_BYTES,
     MAX_AGENT_METADATA_BYTES,
     MAX_COMPAT_CHARS,
     MAX_HEARTBEAT_IDS,
@@ -17,6 +18,7 @@ from handshake.messages import (
     MAX_PUSH_ROWS,
     MAX_REGIONS,
     MAX_WORD_CHARS,
+    ROW_BYTES,
 )
 
 
@@ -47,12 +49,15 @@ AGENT_INFO_BYTES = (_FIXED + _text(MAX_ID_CHARS) + _text(MAX_NAME_CHARS) + _blob
 (layout and staging), names: 5,314,679 (5.07 MiB)."""
 
 HOLD_REQUEST_BYTES = (_REQUEST + _blob(MAX_HEARTBEAT_IDS * _text(MAX_ID_CHARS))
-                      + _blob(5 * MAX_HEARTBEAT_IDS + 5 * MAX_HOLD_BLOCK_IDS))
+                      + _blob(5 * MAX_HEARTBEAT_IDS + 5 * MAX_HOLD_BLOCK_IDS)
+                      + _blob(5 * MAX_HEARTBEAT_IDS + ROW_BYTES * MAX_PUSH_ROWS))
 """The largest :class:`LeaseHeartbeat`, :class:`HoldQuery` or :class:`ReleaseHolds`: 4096 ids of 1,029 bytes,
-2**20 block ids of 5 bytes (msgpack uint32) in 4096 lists: 9,481,305 (9.04 MiB)."""
+2**20 block ids of 5 bytes (msgpack uint32) in 4096 lists, 2**18 digest rows of 24 bytes in 4096 lists:
+15,793,246 (15.06 MiB)."""
 
-HOLDS_REPLY_BYTES = _FIXED + 4 * _blob(MAX_HEARTBEAT_IDS * _text(MAX_ID_CHARS)) + _blob(64)
-"""The largest :class:`HoldsReply`: four lists of 4096 ids: 16,860,249 (16.08 MiB)."""
+HOLDS_REPLY_BYTES = (_FIXED + 4 * _blob(MAX_HEARTBEAT_IDS * _text(MAX_ID_CHARS)) + _blob(64)
+                     + _blob(MAX_HEARTBEAT_IDS * (DIGEST_BYTES + 5)))
+"""The largest :class:`HoldsReply`: four lists of 4096 ids, 4096 digests: 16,913,502 (16.13 MiB)."""
 
 PUSH_REQUEST_BYTES = (_REQUEST + _text(MAX_ID_CHARS) + _blob(5 * MAX_HOLD_BLOCK_IDS) + _blob(32) + AGENT_INFO_BYTES
                       + 2 * _blob(MAX_PUSH_ROWS * 24))

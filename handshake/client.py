@@ -31,7 +31,9 @@ from handshake.link import HoldLink, exchange
 from handshake.messages import (
     MAX_HEARTBEAT_IDS,
     MAX_HOLD_BLOCK_IDS,
+    MAX_PUSH_ROWS,
     PROTOCOL_VERSION,
+    ROW_BYTES,
     AgentInfo,
     ErrorReply,
     GroupBlocks,
@@ -274,9 +276,12 @@ def query_holds(
     cancel: threading.Event | None = None,
     link: HoldLink | None = None,
     attempts: int = 1,
+    digest_rows: list[bytes] | None = None,
 ) -> HoldsReply:
     """A pull's fence question (:class:`HoldQuery`): does prefill rank ``to`` hold
     ``request_ids`` with ``block_ids`` (one list per id)? Held ones are extended to ``extend_s`` from now.
+    With ``digest_rows`` (one :data:`~handshake.messages.Rows` per id, ``b""`` for none), the reply's
+    ``digests`` has the digest of each id's rows, in the order of ``request_ids``.
 
     With ``link`` (to ``to``'s side channel) the question goes over that long-lived
     connection instead of a fresh one. A batch over the bounds of one
@@ -300,7 +305,8 @@ def query_holds(
             is longer than :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS`.
         The errors of :func:`send_heartbeat`.
     """
-    msgs = _hold_requests(HoldQuery, to, request_ids, block_ids, requester_engine_id, extend_s=extend_s)
+    msgs = _hold_requests(HoldQuery, to, request_ids, block_ids, requester_engine_id, digest_rows,
+                          extend_s=extend_s)
     return _hold_exchange(to, msgs, secret, timeout_s, MAX_MESSAGE_BYTES, cancel, link, attempts)
 
 
@@ -360,9 +366,10 @@ def request_stream(to: Destination, grant: str, block_ids: list[int], first_bloc
 def request_push(to: Destination, request_id: str, block_ids: list[int], push_id: bytes, agent: AgentInfo,
                  source_rows: bytes, target_rows: bytes, window_s: float, requester_engine_id: str,
                  secret: bytes | None = None, timeout_s: float = 1.0, cancel: threading.Event | None = None,
-                 link: HoldLink | None = None) -> PushReply:
+                 link: HoldLink | None = None, digest: bool = False) -> PushReply:
     """Ask prefill rank ``to`` to WRITE ``request_id``'s blocks into this rank's memory
-    (:class:`PushRequest`: its fields, units and checks).
+    (:class:`PushRequest`: its fields, units and checks; ``digest``: its notification carries the WRITE's
+    digest, verified KV).
 
     With ``link`` (to ``to``'s side channel) the request goes over that long-lived connection.
 
@@ -380,7 +387,7 @@ def request_push(to: Destination, request_id: str, block_ids: list[int], push_id
     msg = PushRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
                       requester_engine_id=requester_engine_id, request_id=request_id, block_ids=block_ids,
                       push_id=push_id, agent=agent, source_rows=source_rows, target_rows=target_rows,
-                      window_s=window_s, **_fresh())  # type: ignore[arg-type]
+                      window_s=window_s, digest=digest, **_fresh())  # type: ignore[arg-type]
     return _push_exchange(to, msg, secret, timeout_s, cancel, link)
 
 
@@ -413,33 +420,44 @@ def _answer(reply: list[bytes] | None, kind: type[R], nonces: list[bytes], endpo
 
 
 def _hold_requests(kind: type[HoldRequest], to: Destination, request_ids: list[str],
-                   block_ids: list[list[int]] | None, requester_engine_id: str, **fields: float) -> list[HoldRequest]:
-    """``kind`` requests for ``request_ids`` (with their ``block_ids``, unless None) to rank ``to``, each
-    with its own time and nonce: as many as it takes to carry at most
-    :data:`~handshake.messages.MAX_HEARTBEAT_IDS` ids and :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS` block ids
-    each (one request when there are no ids).
+                   block_ids: list[list[int]] | None, requester_engine_id: str,
+                   digest_rows: list[bytes] | None = None, **fields: float) -> list[HoldRequest]:
+    """``kind`` requests for ``request_ids`` (with their ``block_ids``, unless None, and their
+    ``digest_rows``, unless None or all empty) to rank ``to``, each with its own time and nonce: as many as it
+    takes to carry at most :data:`~handshake.messages.MAX_HEARTBEAT_IDS` ids,
+    :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS` block ids and :data:`~handshake.messages.MAX_PUSH_ROWS` digest
+    rows each (one request when there are no ids).
 
     Raises:
-        ValueError: ``block_ids`` does not have one list per request id, or one list is longer than
-            :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS`.
+        ValueError: ``block_ids`` or ``digest_rows`` does not have one entry per request id, or one is longer
+            than :data:`~handshake.messages.MAX_HOLD_BLOCK_IDS` block ids or
+            :data:`~handshake.messages.MAX_PUSH_ROWS` rows.
     """
     if block_ids is not None and len(block_ids) != len(request_ids):
         raise ValueError(f"block_ids has {len(block_ids)} lists for {len(request_ids)} request ids")
+    if digest_rows is not None and not any(digest_rows):
+        digest_rows = None
+    if digest_rows is not None and len(digest_rows) != len(request_ids):
+        raise ValueError(f"digest_rows has {len(digest_rows)} entries for {len(request_ids)} request ids")
     chunks: list[tuple[int, int]] = []  # [start, end) of each request's ids
-    start, blocks = 0, 0
+    start, blocks, rows = 0, 0, 0
     for i in range(len(request_ids)):
         n = 0 if block_ids is None else len(block_ids[i])
-        if n > MAX_HOLD_BLOCK_IDS:
-            raise ValueError(f"request {request_ids[i][:64]!r} has {n} block ids, more than a hold request carries "
-                             f"({MAX_HOLD_BLOCK_IDS})")
-        if i - start == MAX_HEARTBEAT_IDS or blocks + n > MAX_HOLD_BLOCK_IDS:
+        r = 0 if digest_rows is None else len(digest_rows[i]) // ROW_BYTES
+        if n > MAX_HOLD_BLOCK_IDS or r > MAX_PUSH_ROWS:
+            raise ValueError(f"request {request_ids[i][:64]!r} has {n} block ids and {r} digest rows, more than a "
+                             f"hold request carries ({MAX_HOLD_BLOCK_IDS}, {MAX_PUSH_ROWS})")
+        if i - start == MAX_HEARTBEAT_IDS or blocks + n > MAX_HOLD_BLOCK_IDS or rows + r > MAX_PUSH_ROWS:
             chunks.append((start, i))
-            start, blocks = i, 0
+            start, blocks, rows = i, 0, 0
         blocks += n
+        rows += r
     chunks.append((start, len(request_ids)))
     out = []
     for a, b in chunks:
-        extra = {} if block_ids is None else {"block_ids": block_ids[a:b]}
+        extra: dict[str, object] = {} if block_ids is None else {"block_ids": block_ids[a:b]}
+        if digest_rows is not None:
+            extra["digest_rows"] = digest_rows[a:b]
         out.append(kind(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
                         requester_engine_id=requester_engine_id, request_ids=request_ids[a:b],
                         **extra, **fields, **_fresh()))  # type: ignore[arg-type]
@@ -466,9 +484,14 @@ def _hold_exchange(to: Destination, msgs: list[HoldRequest], secret: bytes | Non
         answer = _answer(reply, HoldsReply, nonces, endpoint, secret, timeout_s, cancel, max_message_bytes)
         if answer.request_ids != msg.request_ids:
             raise MalformedMessageError(f"reply from {endpoint} answers another request", field="nonce")
+        asked = len(getattr(msg, "digest_rows", ()))
+        if asked and len(answer.digests) != asked:
+            raise MalformedMessageError(f"reply from {endpoint} has {len(answer.digests)} digests for {asked} "
+                                        "requests", field="digests")
+        digests = answer.digests if asked else [b""] * len(msg.request_ids)
         total = HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=total.accepted + answer.accepted,
                            expired=total.expired + answer.expired, not_held=total.not_held + answer.not_held,
-                           unknown=total.unknown + answer.unknown)
+                           unknown=total.unknown + answer.unknown, digests=total.digests + digests)
     return total
 
 

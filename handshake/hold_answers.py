@@ -23,7 +23,7 @@ from handshake.messages import (
     StreamRequest,
 )
 
-__all__ = ["HoldAnswers", "HoldStatus", "OnPush", "OnStream"]
+__all__ = ["HoldAnswers", "HoldStatus", "OnDigest", "OnPush", "OnStream"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,10 @@ OnPush = Callable[[PushRequest], tuple[PushStatus, str]]
 OnStream = Callable[[StreamRequest], tuple[PushStatus, str]]
 """A stream request → ``(status, message)``: its destination taken (``accepted``) or why not."""
 
+OnDigest = Callable[[str, list[int], bytes], bytes]
+"""(request id, block ids, :data:`~handshake.messages.Rows`) → the digest of those rows of that hold (``b""``:
+not held with those blocks, rows outside them, or memory it cannot digest). Verified KV."""
+
 
 class HoldAnswers:
     """Answers hold requests with a prefill worker's callbacks.
@@ -61,13 +65,17 @@ class HoldAnswers:
             block ids) and :class:`~handshake.messages.HoldQuery`; None: this
             side holds nothing and refuses them.
         on_release: takes :class:`~handshake.messages.ReleaseHolds`; None: refused.
-        stats: counters ``"heartbeats"`` and ``"releases"`` are added to it.
+        stats: counters ``"heartbeats"``, ``"releases"`` and ``"digests"`` are added to it.
+        on_digest: digests the rows of a :class:`~handshake.messages.HoldQuery`'s ``digest_rows`` (held ids
+            only, after ``on_heartbeat``); None: every digest answered ``b""`` (the asker fails its load closed).
     """
 
-    def __init__(self, on_heartbeat: OnHeartbeat | None, on_release: OnRelease | None, stats: dict[str, int]) -> None:
+    def __init__(self, on_heartbeat: OnHeartbeat | None, on_release: OnRelease | None, stats: dict[str, int],
+                 on_digest: OnDigest | None = None) -> None:
         self._on_heartbeat = on_heartbeat
         self._on_release = on_release
         self._stats = stats
+        self._on_digest = on_digest
 
     def answer(self, msg: HoldRequest) -> HoldsReply:
         """The reply to ``msg`` (its ids and nonce echoed).
@@ -78,6 +86,7 @@ class HoldAnswers:
         """
         ids = list(msg.request_ids)
         status, accepted = HoldStatus(), len(ids)
+        digests: list[bytes] = []
         match msg:
             case ReleaseHolds():
                 if self._on_release is None:
@@ -94,8 +103,32 @@ class HoldAnswers:
                     blocks = [list(b) for b in msg.block_ids]
                 status = self._on_heartbeat(ids, float(msg.extend_s), blocks) or status
                 self._count("heartbeats")
+                if isinstance(msg, HoldQuery) and msg.digest_rows:
+                    digests = self._digests(msg, ids, blocks, status)
         return HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=accepted, expired=status.expired,
-                          not_held=status.not_held, unknown=status.unknown, request_ids=ids, nonce=msg.nonce)
+                          not_held=status.not_held, unknown=status.unknown, request_ids=ids, nonce=msg.nonce,
+                          digests=digests)
+
+    def _digests(self, msg: HoldQuery, ids: list[str], blocks: list[list[int]], status: HoldStatus) -> list[bytes]:
+        """One digest per id of ``msg``: its rows' (``on_digest``) where held and asked, ``b""`` otherwise.
+
+        Raises:
+            MalformedMessageError: ``digest_rows`` has not one entry per request id.
+        """
+        if len(msg.digest_rows) != len(ids):
+            raise MalformedMessageError(f"digest_rows has {len(msg.digest_rows)} entries for {len(ids)} request ids",
+                                        field="digest_rows")
+        ended = {*status.expired, *status.not_held, *status.unknown}
+        out = []
+        for request_id, block_ids, rows in zip(ids, blocks, msg.digest_rows, strict=True):
+            asked = bool(rows) and request_id not in ended and self._on_digest is not None
+            if not asked:
+                out.append(b"")
+                continue
+            assert self._on_digest is not None
+            out.append(self._on_digest(request_id, block_ids, rows))
+            self._count("digests")
+        return out
 
     def _count(self, key: str) -> None:
         self._stats[key] = self._stats.get(key, 0) + 1

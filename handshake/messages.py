@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -48,6 +48,9 @@ PROTOCOL_VERSION = 14
   first (vLLM's hybrid KV cache manager: sliding-window and full-attention layers, attention and Mamba).
 * 14: :class:`StreamRequest` carries ``head_slice``: a decode rank of another TP size over head-major pages
   (HND) has the stream WRITE its heads' slice of each page straight into its own pages, without staging.
+* 15: verified KV: :class:`HoldQuery` may carry ``digest_rows`` (the rows a READ reads, per request) and
+  :class:`HoldsReply` their ``digests``; :class:`PushRequest` carries ``digest`` (the WRITE's digest asked
+  for, in its "pushed" notification).
 """
 
 MAX_ID_CHARS = 256
@@ -295,6 +298,21 @@ BlockIdLists = Annotated[list[Annotated[list[BlockId], msgspec.Meta(max_length=M
 """One block id list per request id; with :func:`_check_block_ids`, at most :data:`MAX_HOLD_BLOCK_IDS` in all."""
 ExtendS = Annotated[float, msgspec.Meta(gt=0, le=3600)]
 
+MAX_PUSH_ROWS = 1 << 18
+"""Most descriptor rows one :class:`PushRequest` carries on each side (24 bytes each: 6 MiB)."""
+
+ROW_BYTES = 24
+"""Bytes of one descriptor row on the wire."""
+
+Rows = Annotated[bytes, msgspec.Meta(max_length=MAX_PUSH_ROWS * ROW_BYTES)]
+"""Descriptor rows: uint64 ``[n, 3]`` ``(addr, bytes, device_id)``, little-endian, row-major (``n * 24`` bytes)."""
+
+DIGEST_BYTES = 8
+"""Bytes of one KV digest (:mod:`p2pkv.dataplane.digest`)."""
+
+KVDigest = Annotated[bytes, msgspec.Meta(max_length=DIGEST_BYTES)]
+"""A KV digest of :data:`DIGEST_BYTES` bytes, or ``b""``: none."""
+
 
 def _check_block_ids(block_ids: list[list[int]]) -> None:
     """Refuse more than :data:`MAX_HOLD_BLOCK_IDS` block ids in all (run when decoding, after the fields).
@@ -330,14 +348,33 @@ class HoldQuery(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, 
         block_ids: per request id, the prefill block ids the sender reads: a
             hold that does not contain them all is reported in ``not_held``.
         extend_s: new lease length from now (seconds).
+        digest_rows: verified KV: empty, or per request id the prefill rank's rows the sender READs
+            (:data:`Rows`; ``b""``: no digest asked for that id), each inside the held blocks; the reply's
+            ``digests`` gives the digest of each (:func:`p2pkv.dataplane.digest.digest_rows`). At most
+            :data:`MAX_PUSH_ROWS` rows in all.
     """
 
     request_ids: RequestIds
     block_ids: BlockIdLists
     extend_s: ExtendS
+    digest_rows: Annotated[list[Rows], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(
+        default_factory=list)
 
     def __post_init__(self) -> None:
         _check_block_ids(self.block_ids)
+        _check_digest_rows(self.digest_rows)
+
+
+def _check_digest_rows(digest_rows: list[bytes]) -> None:
+    """Refuse rows that are not whole 24-byte rows, or more than :data:`MAX_PUSH_ROWS` of them in all.
+
+    Raises:
+        ValueError: as msgspec reports a validation error of the field ``digest_rows``.
+    """
+    if any(len(rows) % ROW_BYTES for rows in digest_rows):
+        raise ValueError(f"Expected whole rows of {ROW_BYTES} bytes - at `$.digest_rows`")
+    if sum(len(rows) for rows in digest_rows) > MAX_PUSH_ROWS * ROW_BYTES:
+        raise ValueError(f"Expected at most {MAX_PUSH_ROWS} rows in all - at `$.digest_rows`")
 
 
 class ReleaseHolds(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="release_holds"):
@@ -377,6 +414,8 @@ class HoldsReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="h
         unknown: ids this worker has not (yet) been told to hold.
         request_ids: the request's ids, echoed.
         nonce: the request's nonce, echoed.
+        digests: a :class:`HoldQuery` with ``digest_rows``: one per request id, the digest of its rows
+            (:data:`DIGEST_BYTES` bytes), or ``b""`` (none asked, not held, or rows outside the held blocks).
     """
 
     protocol_version: int
@@ -386,16 +425,12 @@ class HoldsReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="h
     unknown: RequestIds = msgspec.field(default_factory=list)
     request_ids: RequestIds = msgspec.field(default_factory=list)
     nonce: EchoedNonce = b""
+    digests: Annotated[list[KVDigest], msgspec.Meta(max_length=MAX_HEARTBEAT_IDS)] = msgspec.field(
+        default_factory=list)
 
 
 HoldRequest = LeaseHeartbeat | HoldQuery | ReleaseHolds
 """The requests a prefill worker's holds answer."""
-
-MAX_PUSH_ROWS = 1 << 18
-"""Most descriptor rows one :class:`PushRequest` carries on each side (24 bytes each: 6 MiB)."""
-
-Rows = Annotated[bytes, msgspec.Meta(max_length=MAX_PUSH_ROWS * 24)]
-"""Descriptor rows: uint64 ``[n, 3]`` ``(addr, bytes, device_id)``, little-endian, row-major (``n * 24`` bytes)."""
 
 PushId = Annotated[bytes, msgspec.Meta(min_length=16, max_length=32)]
 """Random bytes naming one WRITE in its notification (:class:`p2pkv.notification.PushedNotification`)."""
@@ -435,6 +470,9 @@ class PushRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True
         window_s: seconds from receipt within which the WRITE may start; past
             it the sender has given up (its blocks may be reused), so a WRITE
             not yet posted is dropped and one in flight cancelled.
+        digest: verified KV: the "pushed" notification carries the digest of ``source_rows`` as the WRITE
+            reads them (:func:`p2pkv.dataplane.digest.digest_rows`); a prefill rank that cannot digest its
+            KV memory refuses the request.
     """
 
     request_id: Id
@@ -444,6 +482,7 @@ class PushRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True
     source_rows: Rows
     target_rows: Rows
     window_s: WindowS
+    digest: bool = False
 
 
 class PushReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="push_reply"):

@@ -15,7 +15,7 @@ from handshake.bounds import MAX_MESSAGE_BYTES
 from handshake.connections import MAX_CONNECTIONS, MAX_HANDSHAKES, ConnectionLimits
 from handshake.dispatch import Dispatcher, RequestTimes
 from handshake.errors import HandshakeBindError
-from handshake.hold_answers import HoldAnswers, OnHeartbeat, OnPush, OnRelease, OnStream
+from handshake.hold_answers import HoldAnswers, OnDigest, OnHeartbeat, OnPush, OnRelease, OnStream
 from handshake.messages import AgentInfo
 from handshake.replay import DEFAULT_FUTURE_SKEW_S, DEFAULT_WINDOW_S, ReplayGuard
 from handshake.watchdog import StallWatchdog
@@ -80,6 +80,9 @@ class HandshakeServer:
         on_stream: called (on the server thread) with a :class:`StreamRequest`;
             returns its ``(status, message)``. A server without it refuses
             stream requests. Quick and thread-safe, as ``on_push``.
+        on_digest: called (on the server thread) for each held request of a
+            :class:`HoldQuery` that asks for the digest of its rows; returns it
+            (verified KV; :class:`handshake.hold_answers.HoldAnswers`).
         freshness_s: a request's ``sent_at`` may lie at most this many
             seconds before the server's clock, and its nonce is refused if seen
             within it (:class:`handshake.replay.ReplayGuard`).
@@ -135,6 +138,7 @@ class HandshakeServer:
         max_handshakes: int = MAX_HANDSHAKES,
         handshake_s: float = HANDSHAKE_S,
         stall_s: float = 0.0,
+        on_digest: OnDigest | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = ephemeral), got {port}")
@@ -165,7 +169,7 @@ class HandshakeServer:
         self.stats: dict[str, int] = {"served": 0, "refused": 0}
         self._dispatch = Dispatcher(compat_hash, self._secret, max_message_bytes,
                                     ReplayGuard(freshness_s, future_skew_s=future_skew_s),
-                                    HoldAnswers(on_heartbeat, on_release, self.stats), on_push, self.stats,
+                                    HoldAnswers(on_heartbeat, on_release, self.stats, on_digest), on_push, self.stats,
                                     on_stream)
 
     @property

@@ -173,6 +173,14 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             thread); empty: they keep the affinity they inherit from the
             engine thread, so an engine limited to its forward's cores sends
             from those cores (:mod:`p2pkv.transfer_threads`).
+        verify_kv: decode side: check every pulled or pushed part against the
+            prefill rank's digest of what it sent before vLLM reads it (XXH3-64
+            over the same descriptor rows on both sides: :mod:`p2pkv.decode.verify`);
+            a mismatch fails the load (vLLM recomputes or fails the request by
+            ``kv_load_failure_policy``). Off by default: on a CPU host it costs
+            about 0.6 of a copy of the KV on each side (docs/reliability.md,
+            "Verified KV"). KV caches in host memory only; layer-streamed loads
+            are not checked yet.
     """
 
     side_channel_host: str = ""
@@ -195,6 +203,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stream_timeout_s: float = 0.0
     transfer_mode: Literal["pull", "push", "auto", "stream"] = "auto"
     transfer_cpus: str = ""
+    verify_kv: bool = False
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.

@@ -12,7 +12,7 @@ digest of its own block ids).
 "pushed" (:class:`PushedNotification`): a prefill rank's word on one WRITE of
 push mode (:class:`handshake.PushRequest`): NIXL delivers it after the
 WRITE's bytes, or, when the WRITE did not happen or failed, on its own with
-``ok`` False and the reason.
+``ok`` False and the reason; with verified KV, the digest of what the WRITE read.
 
 Wire: ``<prefix><msgpack of the Struct>[<HMAC-SHA256, 32 bytes>]``, the
 prefix :data:`PREFIX` or :data:`PUSH_PREFIX` (what the transfer agent sorts
@@ -35,7 +35,7 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
-from handshake.messages import MAX_ID_CHARS, MAX_NAME_CHARS, PushId
+from handshake.messages import MAX_ID_CHARS, MAX_NAME_CHARS, KVDigest, PushId
 
 PREFIX = b"p2pkv:done:"
 """What a "done" notification starts with."""
@@ -77,11 +77,14 @@ class PushedNotification(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         push_id: the push request's ``push_id`` (16–32 bytes).
         ok: the WRITE's bytes have landed (False: it did not happen, or failed).
         reason: why not, when ``ok`` is False (at most :data:`MAX_REASON_CHARS`; the encoder cuts it).
+        digest: verified KV (a push request that asked for it, ``digest``): the digest of the rows the WRITE
+            read (:func:`p2pkv.dataplane.digest.digest_rows`); ``b""``: none.
     """
 
     push_id: PushId
     ok: bool
     reason: Annotated[str, msgspec.Meta(max_length=MAX_REASON_CHARS)] = ""
+    digest: KVDigest = b""
 
 
 N = TypeVar("N", DoneNotification, PushedNotification)

@@ -22,6 +22,7 @@ from typing import Any
 from handshake import AgentInfo, HandshakeServer, KVLayoutDesc, compute_digest
 from p2pkv.config import P2pKvConfig, Role
 from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
+from p2pkv.dataplane.digest import check_host
 from p2pkv.dataplane.layout import (
     KVLayout,
     LayoutError,
@@ -38,6 +39,7 @@ from p2pkv.decode.receiver import Receiver
 from p2pkv.decode.transfer import streams_only
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import parse_done
+from p2pkv.prefill.hold_digests import HoldDigests
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.layer_stream import StreamSide
 from p2pkv.prefill.prefill_streams import PrefillStreams, layer_indices
@@ -184,6 +186,8 @@ class WorkerSide:
             raise LayoutError("no attention KV tensors to register: p2pkv moves SSM state inside attention pages only")
         first = next(iter(tensors.values()))
         mem_type = "VRAM" if first.is_cuda else "DRAM"
+        if self.config.verify_kv and self.role != "prefill":  # this release digests host memory only
+            check_host(first.device.type)
         device_id = (first.device.index or 0) if first.is_cuda else 0
         self.layout = describe_torch_kv_caches(tensors, num_blocks)
         states = [tensor_info(name, view) for name, kv in kv_caches.items() if name in state_layers
@@ -234,7 +238,9 @@ class WorkerSide:
         cpus = parse_cpus(self.config.transfer_cpus)
         self.writes = WriteEngine(self.agent, secret,
                                   on_start=lambda: start_transfer_thread(mem_type, device_id, cpus))
-        self.pusher = Pusher(self.writes, self.holds, self.layout)
+        device = "cuda" if mem_type == "VRAM" else "cpu"
+        self.pusher = Pusher(self.writes, self.holds, self.layout, device=device)
+        digests = HoldDigests(self.holds, self.layout, device)  # verified KV: pull's digests
         try:
             source: StreamSide | str = stream_side(self.desc)
         except LayoutError as exc:
@@ -247,7 +253,7 @@ class WorkerSide:
                                       max_lifetime_s=self.config.max_lifetime_s)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
                                       on_release=self.streams.on_release, stall_s=SIDE_CHANNEL_STALL_S,
-                                      **way_handlers(self.pusher, self.streams))
+                                      on_digest=digests.on_digest, **way_handlers(self.pusher, self.streams))
 
     def _agent_info(self) -> AgentInfo:
         """This rank's :class:`AgentInfo`: NIXL metadata of everything registered now, the KV layout, and the

@@ -118,7 +118,8 @@ def test_engine_metric_names_match_what_the_engine_exposes() -> None:
                   "handshake_seconds": [0.01], "leases_expired": 1, "leases_notified": 2,
                   "failures": {"timeout": 1}, "transports": {"DRAM:cma": 1}, "phase_seconds": {"read": [0.001]},
                   "directions": {"push": 1}, "push_requests": {"accepted": 1}, "push_writes": {"written": 1},
-                  "push_bytes": 4096, "push_agents_unloaded": 1, "streams_landed": {"whole": 1}})
+                  "push_bytes": 4096, "push_agents_unloaded": 1, "streams_landed": {"whole": 1},
+                  "kv_checks": {"pull:verified": 1}})
     exposed = {s.name for fam in reg.collect() for s in fam.samples if not s.name.endswith("_created")}
     assert exposed == series_names(engine_metric_definitions())
     labels = {tuple(sorted(s.labels)) for fam in reg.collect() for s in fam.samples if s.name.endswith("_total")}

@@ -199,6 +199,19 @@ def test_every_token_lands_in_the_right_slot_on_cuda(row: str) -> None:
     pull_and_check(row, "cuda")
 
 
+VERIFIED_ROWS = [("block 16 -> 64", "pull"), ("TP 1 -> 2", "pull"), ("TP 2 -> 1", "pull"), ("HND -> NHD", "pull"),
+                 ("MLA TP 2 -> TP 1", "pull"), ("cross-layer -> layer-compact", "pull"),
+                 ("CPU attention TP 2 -> 1", "push"), ("CPU attention block 32 -> 64", "push")]
+"""Every placement (staged before its fixup, head slices into pages, whole pages) in both ways that land rows."""
+
+
+@pytest.mark.parametrize(("row", "transfer_mode"), VERIFIED_ROWS)
+def test_verified_kv_passes_every_placement(row: str, transfer_mode: str) -> None:
+    """With ``verify_kv``, every part of a heterogeneous pairing is checked against its prefill rank's digest
+    (staged parts before their fixup) and verified: no false mismatch, the same bytes as unverified."""
+    pull_and_check(row, "cpu", transfer_mode=transfer_mode, verify_kv=True)
+
+
 @pytest.mark.parametrize(("row", "cap", "expect"), [("TP 2 -> 1", 8, "push"), ("block 16 -> 64", 0, "pull")])
 def test_parts_longer_than_a_push_request_are_cut_and_staged_ones_read(row: str, cap: int, expect: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -255,17 +268,19 @@ def decode_workers(side: Side, device: str, **config: float) -> Iterator[list[tu
             worker.shutdown()
 
 
-def pull_and_check(row: str, device: str, transfer_mode: str = "pull", expect: str | None = None) -> None:
+def pull_and_check(row: str, device: str, transfer_mode: str = "pull", expect: str | None = None,
+                   verify_kv: bool = False) -> None:
     """Move one 150-token request between the row's engines (``transfer_mode``: the decode ranks READ, or the
     prefill ranks WRITE, or ``auto``: as each decode rank's probe READ decided; ``expect``: the direction the
-    transfers must have taken, if not that) and compare every decode rank's cache."""
+    transfers must have taken, if not that; ``verify_kv``: the decode ranks check every part's digest, each
+    part counted verified) and compare every decode rank's cache."""
     prefill_side, decode_side, how = ROWS[row]
     tokens, first_token = 150, 0
     rng = np.random.default_rng(len(row))
     remote_ids = block_ids(rng, -(-tokens // prefill_side.block_size))
     local_ids = block_ids(rng, -(-tokens // decode_side.block_size))
     with running_prefill(prefill_side, remote_ids, tokens, device) as prefill, \
-            decode_workers(decode_side, device) as decoders:
+            decode_workers(decode_side, device, verify_kv=verify_kv) as decoders:
         remote = RemotePrefill("prefill", "req", "127.0.0.1", prefill.port, tuple(remote_ids), prefill_side.tp_size,
                                transfer_mode=transfer_mode)
         task = LoadSpec("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=first_token,
@@ -284,9 +299,16 @@ def pull_and_check(row: str, device: str, transfer_mode: str = "pull", expect: s
         assert not pending, f"decode ranks {pending} never finished"
         assert all(mode(w) == {how} for w, _, _ in decoders), [mode(w) for w, _, _ in decoders]
         for rank, (worker, _, _) in enumerate(decoders):
-            directions = (worker.take_stats() or {}).get("directions", {})
+            stats = worker.take_stats() or {}
             expected = expect or (probed_choice(worker) if transfer_mode == "auto" else transfer_mode)
-            assert directions == {expected: 1}, f"decode rank {rank}: {directions}"
+            assert stats.get("directions", {}) == {expected: 1}, f"decode rank {rank}: {stats.get('directions')}"
+            checks = stats.get("kv_checks", {})
+            if verify_kv:  # at least one part per prefill rank read (a long push is cut into several)
+                read = sum(1 for p in worker.receiver.peers.peers.values() if p.plan.read.num_heads)
+                assert set(checks) == {f"{expected}:verified"}, f"decode rank {rank}: {checks}"
+                assert checks[f"{expected}:verified"] >= read, f"decode rank {rank}: {checks}"
+            else:
+                assert checks == {}, f"decode rank {rank}: {checks}"
         for rank, (_, base, _) in enumerate(decoders):
             expected, _ = make_cache(decode_side, rank, "cpu", local_ids, tokens)
             assert torch.equal(base.cpu(), expected), f"decode rank {rank}: blocks differ from the position codes"

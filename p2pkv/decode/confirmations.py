@@ -6,7 +6,10 @@ held the blocks while they were read (:mod:`p2pkv.decode.fence`). A verdict
 ``FAIL`` ends the pull as the answer says (its blocks load errors, its
 parts drained first); once every part is ``CONFIRMED`` the pull is counted
 in the stats (and the ``stats_file``), its prefill ranks are queued to be
-notified (:class:`p2pkv.decode.notifier.Notifier`) and it is ``DONE``.
+notified (:class:`p2pkv.decode.notifier.Notifier`) and it is ``DONE``. With
+``verify_kv``, here too every part's digest is checked against its prefill
+rank's before ``DONE`` (:mod:`p2pkv.decode.verify`): every way that lands
+rows passes this one gate.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import time
 
 from p2pkv.decode.drain import Drain
 from p2pkv.decode.endings import Endings
+from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Hold, Verdict, failure_of
 from p2pkv.decode.notifier import Notifier
 from p2pkv.decode.transfer import Part, Transfer, TransferState
+from p2pkv.decode.verify import Check, findings, judge
 from p2pkv.telemetry.stats import StatsBuffer, append_json_line
 
 
@@ -51,12 +56,34 @@ class Confirmations:
             self.if_done(read.transfer)
 
     def if_done(self, transfer: Transfer) -> None:
-        """``FENCING`` with every part confirmed: the pull is done (recorded, prefill ranks to notify)."""
+        """``FENCING`` with every part confirmed (and, verified, every part's digest equal to its prefill rank's:
+        :mod:`p2pkv.decode.verify`): the pull is done (recorded, prefill ranks to notify). A part whose digest
+        differs or never came fails it (``digest_mismatch``: its blocks load errors)."""
         if transfer.state is TransferState.FENCING and all(r.confirmed for r in transfer.parts):
+            if transfer.verify and not self._verified(transfer):
+                return
             transfer.marks["confirmed"] = time.time()
             record(transfer, self.stats, self.stats_file)
             self.notifier.add(transfer)
             self.endings.to(transfer, TransferState.DONE)
+
+
+    def _verified(self, transfer: Transfer) -> bool:
+        """Every part of ``transfer`` verified (True); else False, and a part that failed its check fails it
+        (logged naming request, prefill rank and both digests; counted by direction and outcome)."""
+        failed, decided = findings(transfer)
+        if not decided and not failed:
+            return False  # a digest still to come: the fence's answer, or the push's word, brings it
+        direction = transfer.direction().value
+        for part in transfer.parts:
+            check = judge(part)
+            if check is not Check.WAIT:
+                self.stats.record_check(direction, check.value)
+        if not failed:
+            return True
+        self.drain.abandon(transfer)
+        self.endings.fail(transfer, FailureKind.DIGEST_MISMATCH, failed[0].describe())
+        return False
 
 
 def record(transfer: Transfer, stats: StatsBuffer, stats_file: str) -> None:

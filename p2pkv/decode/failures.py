@@ -32,6 +32,9 @@ class FailureKind(str, enum.Enum):
     never held, or other block ids)."""
     UNCONFIRMED = "unconfirmed"
     """The prefill rank could not confirm that it still held the blocks."""
+    DIGEST_MISMATCH = "digest_mismatch"
+    """Verified KV (``verify_kv``): what landed differs from the prefill rank's digest of what it sent, or the
+    prefill rank gave no digest (fail closed)."""
 
     def __str__(self) -> str:
         return self.value

@@ -8,7 +8,8 @@ decode worker asks each prefill rank (one :class:`handshake.HoldQuery`
 per rank and step, off the engine thread, naming the request ids and the
 block ids read) twice: when it posts the READs, to fail a pull of blocks no
 longer held at once, and after the READs are done, to confirm the hold
-lasted through them. Only confirmed pulls reach vLLM. A question after the
+lasted through them (with ``verify_kv``, that question also asks for the digest of the
+rows it READ: :mod:`p2pkv.decode.verify`). Only confirmed pulls reach vLLM. A question after the
 READ that gets no reply within the side channel's timeout is asked again
 (:data:`FENCE_ATTEMPTS` in all, in one call), and a reply to either answers
 it: one that comes late, while the next waits, is an answer all the same.
@@ -112,7 +113,8 @@ class Fence:
         attempts = FENCE_ATTEMPTS if any(phase is Phase.AFTER for _, phase in entries) else 1
         return self.background.call(f"p2pkv-fence-{host}:{port}", _timed, times, query_holds, pid.destination, ids,
                                     blocks, self.engine_id, FENCE_EXTEND_S, secret=self.secret,
-                                    timeout_s=self.timeout_s, link=link, attempts=attempts, lane=f"{host}:{port}")
+                                    timeout_s=self.timeout_s, link=link, attempts=attempts, lane=f"{host}:{port}",
+                                    digest_rows=[digest_asked(r, phase) for r, phase in entries])
 
     def link(self, host: str, port: int) -> HoldLink:
         """The long-lived connection to ``host:port`` (opened on first use; push requests share it)."""
@@ -167,14 +169,24 @@ class Fence:
                 reply: HoldsReply | Exception = future.result()
             except Exception as exc:
                 reply = exc
-            for read, phase in entries:
+            for i, (read, phase) in enumerate(entries):
                 answer = reply if isinstance(reply, Exception) else hold_of(read.transfer.spec.remote.request_id, reply)
+                if not isinstance(reply, Exception) and digest_asked(read, phase):
+                    read.digest = reply.digests[i] if i < len(reply.digests) else b""
                 out.append((read, phase, answer))
                 asked = times["queued"]
                 read.transfer.questions.append({"phase": phase.value, "queued": asked, "sent": times.get("sent", asked),
                                             "answered": times.get("answered", asked), "answer": _said(answer)})
         self._in_flight = pending
         return out
+
+
+def digest_asked(read: Part, phase: Phase) -> bytes:
+    """The rows whose digest the question about ``read`` asks for (verified KV): the prefill rank's side of the
+    READ (its ``remote_descs``, wire form) in the question after it, when its transfer is verified; else ``b""``."""
+    if phase is not Phase.AFTER or not read.transfer.verify:
+        return b""
+    return read.remote_descs.astype("<u8", copy=False).tobytes()
 
 
 class Verdict(str, enum.Enum):

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from p2pkv.decode.peers import Peer, PeerId
     from p2pkv.decode.pushes import Pushes
     from p2pkv.decode.transfer import Part, Transfer
+    from p2pkv.faults import Faults
 
 
 class Mover(ABC):
@@ -151,11 +152,13 @@ class ReadMover(Mover):
 
     direction = Direction.PULL
 
-    def __init__(self, agent: NixlTransferAgent, stager: Stager, fence: Fence, quarantine_s: float) -> None:
+    def __init__(self, agent: NixlTransferAgent, stager: Stager, fence: Fence, quarantine_s: float,
+                 faults: Faults | None = None) -> None:
         self.agent = agent
         self.stager = stager
         self.fence = fence
         self.quarantine_s = quarantine_s
+        self.faults = faults
 
     def post(self, part: Part) -> None:
         part.handle = self.agent.start_read(part.peer.agent_name, part.local_descs, part.remote_descs)
@@ -173,7 +176,7 @@ class ReadMover(Mover):
             return ReadEvent.FAILED, exc
         if not done:
             return ReadEvent.IN_FLIGHT, None
-        return land(self.stager, part, now, part.handle.num_bytes, part.handle.num_descriptors)
+        return land(self.stager, part, now, part.handle.num_bytes, part.handle.num_descriptors, self.faults)
 
     def landed(self, part: Part) -> None:
         self.fence.add(part, Phase.AFTER)
@@ -207,9 +210,10 @@ class PushMover(Mover):
     fallback = Direction.PULL
     ended_frees_staging = True  # the prefill rank notifies only once no WRITE of it is in flight
 
-    def __init__(self, pushes: Pushes, stager: Stager) -> None:
+    def __init__(self, pushes: Pushes, stager: Stager, faults: Faults | None = None) -> None:
         self.pushes = pushes
         self.stager = stager
+        self.faults = faults
 
     def cannot_carry(self, part: Part) -> str | None:
         rows = int(part.remote_descs.shape[0])
@@ -240,7 +244,8 @@ class PushMover(Mover):
         if not part.arrived:
             release_stage(self.stager, part)
             return ReadEvent.FAILED, RuntimeError(part.failure or "the prefill rank's WRITE failed")
-        return land(self.stager, part, now, part.num_bytes, int(part.local_descs.shape[0]))
+        return land(self.stager, part, now, part.num_bytes, int(part.local_descs.shape[0]),
+                    None if self.direction is Direction.STREAM else self.faults)
 
     def landed(self, part: Part) -> None:
         part.confirmed = True
@@ -286,9 +291,10 @@ class StreamMover(PushMover):
 
 
 def movers(agent: NixlTransferAgent, stager: Stager, fence: Fence, pushes: Pushes,
-           quarantine_s: float) -> dict[Direction, Mover]:
-    """The mover of each direction for one decode rank: the class :data:`p2pkv.ways.WAYS` names for its way."""
-    made = {ReadMover: lambda: ReadMover(agent, stager, fence, quarantine_s),
-            PushMover: lambda: PushMover(pushes, stager), StreamMover: lambda: StreamMover(pushes, stager)}
+           quarantine_s: float, faults: Faults | None = None) -> dict[Direction, Mover]:
+    """The mover of each direction for one decode rank: the class :data:`p2pkv.ways.WAYS` names for its way
+    (``faults``: an operator's injected faults, :mod:`p2pkv.faults`, applied where parts land with rows)."""
+    made = {ReadMover: lambda: ReadMover(agent, stager, fence, quarantine_s, faults),
+            PushMover: lambda: PushMover(pushes, stager, faults), StreamMover: lambda: StreamMover(pushes, stager)}
     by_name = {cls.__name__: make for cls, make in made.items()}
     return {direction: by_name[direction.way.mover]() for direction in Direction}

@@ -129,7 +129,8 @@ class Pushes:
         info = self.open(read)
         remote = read.transfer.spec.remote
         self.send(read, _send_push, remote.request_id, list(remote.block_ids), read.push_id, info,
-                  read.remote_descs.astype("<u8").tobytes(), read.local_descs.astype("<u8").tobytes(), self.engine_id)
+                  read.remote_descs.astype("<u8").tobytes(), read.local_descs.astype("<u8").tobytes(), self.engine_id,
+                  digest=read.transfer.verify)
 
     def open(self, part: Part) -> AgentInfo:
         """Open ``part`` for a request asking its prefill rank to WRITE it: its push id drawn (its notification
@@ -215,6 +216,8 @@ class Pushes:
                 failed.append((read, *why))
         for read, note in self.arrivals(now):
             read.arrived, read.failure = note.ok, note.reason
+            if read.transfer.verify:  # verified KV: what the WRITE read, by the prefill rank's word
+                read.digest = note.digest
         self._watch_streams(now)
         return failed
 

@@ -8,11 +8,13 @@ outcome (retry, fail, fence) is :class:`p2pkv.decode.receiver.Receiver`'s.
 from __future__ import annotations
 
 import enum
+import logging
 
 import numpy as np
 
 from handshake import KVLayoutDesc
 from p2pkv.dataplane.blockmap import direct_pairs, staged_read
+from p2pkv.dataplane.digest import DigestError
 from p2pkv.dataplane.layout import KVLayout
 from p2pkv.dataplane.negotiate import Placement
 from p2pkv.dataplane.plan import build_descriptors, check_block_ids, coalesce_runs
@@ -20,12 +22,16 @@ from p2pkv.dataplane.stager import Stage, Stager
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.decode.peers import Peer, PeerId
 from p2pkv.decode.transfer import Part, Transfer
+from p2pkv.decode.verify import landed
+from p2pkv.faults import Faults
 from p2pkv.metadata import LoadSpec
 
 Descriptors = tuple[np.ndarray, np.ndarray, Stage | None]
 """``(local_descs, remote_descs, stage)``: uint64 ``[n, 3]`` rows each, and the staging READ into (or None)."""
 
 _EMPTY = np.zeros((0, 3), dtype=np.uint64)
+
+logger = logging.getLogger("p2pkv.decode")
 
 
 def plan_read(spec: LoadSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, device_id: int,
@@ -126,12 +132,25 @@ def release_stage(stager: Stager, read: Part) -> None:
         read.stage = None
 
 
-def land(stager: Stager, read: Part, now: float, num_bytes: int,
-         num_descriptors: int) -> tuple[ReadEvent, Exception | None]:
-    """A READ (or push) whose bytes arrived at ``now``: count them in its pull, fix up staging into the local blocks."""
+def land(stager: Stager, read: Part, now: float, num_bytes: int, num_descriptors: int,
+         faults: Faults | None = None) -> tuple[ReadEvent, Exception | None]:
+    """A READ (or push) whose bytes arrived at ``now``: count them in its pull, digest what landed where its
+    transfer is verified (:func:`p2pkv.decode.verify.landed`), fix up staging into the local blocks.
+
+    ``faults``: an operator's injected faults (:mod:`p2pkv.faults`), applied to what landed before the digest.
+    """
     read.done = now
     read.transfer.num_bytes += num_bytes
     read.transfer.num_descriptors += num_descriptors
+    if faults is not None and faults.corrupt(read.local_descs):
+        logger.warning("p2pkv: fault injected (P2PKV_FAULT_CORRUPT_LANDED): a byte of request %s flipped as it "
+                       "landed", read.transfer.request_id)
+    if read.transfer.verify:
+        try:
+            landed(read)
+        except DigestError as exc:
+            release_stage(stager, read)
+            return ReadEvent.FIXUP_FAILED, exc
     if read.stage is not None:
         try:
             stager.fixup(read.stage, read.peer.info.layout, read.peer.plan.read)

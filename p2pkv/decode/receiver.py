@@ -67,6 +67,7 @@ from p2pkv.decode.pushes import Pushes
 from p2pkv.decode.reads import ReadEvent, release_unposted
 from p2pkv.decode.release import release_failed
 from p2pkv.decode.transfer import STREAM_POLL_MIN_S, Part, Transfer, TransferState, poll_wait_s, way_of
+from p2pkv.faults import load_faults
 from p2pkv.metadata import LoadSpec
 from p2pkv.telemetry.stats import StatsBuffer
 from p2pkv.transfer_threads import parse_cpus, start_transfer_thread
@@ -122,7 +123,7 @@ class Receiver:
         if config.transfer_mode == "auto":  # learn each new peer's READs at once
             self.probe = TransportProbe(agent, stager.device, stager.device_id)
             self.keeper.on_peer = self.probe.run
-        ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s)
+        ways = movers(agent, stager, self.fence, self.pushes, config.transfer_timeout_s, load_faults())
         self.moves = Transfers(ways, self.directions)
         self.drain = Drain(stager, self.outcomes, ways)
         self.peers.keep_agent = lambda name: agent_in_use(name, self.drain, self.transfers)
@@ -148,7 +149,7 @@ class Receiver:
                 release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size),
                                self.rank.name, self._secret, self.config.handshake_timeout_s)
             specs = [s for s in specs if not _declines(s)]
-            new = [Transfer.taken(spec) for spec in specs]
+            new = [Transfer.taken(spec, self.config.verify_kv) for spec in specs]
             waiting = self._staging_wait[:]  # begun again below (the list is shared with self.endings)
             self._staging_wait.clear()
             self.transfers += new

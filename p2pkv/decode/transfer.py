@@ -78,6 +78,12 @@ class Part:
         arrived: the push's notification: True once its bytes landed, False
             when the prefill rank reported it failed; None while waiting.
         failure: why the push failed (the prefill rank's reason).
+
+    Verified KV (:mod:`p2pkv.decode.verify`; its transfer's ``verify``):
+
+    Attributes:
+        digest: its prefill rank's digest of what it sent (None: not come yet; ``b""``: it gave none).
+        landed_digest: this rank's digest of what landed, before any fixup (None: not landed yet).
     """
 
     transfer: Transfer
@@ -100,6 +106,8 @@ class Part:
     first_pushed_at: float = 0.0
     arrived: bool | None = None
     failure: str = ""
+    digest: bytes | None = None
+    landed_digest: bytes | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -140,6 +148,8 @@ class Transfer:
             ``time.time()`` seconds (:meth:`p2pkv.decode.fence.Fence.answers`).
         given_up: its request ended while it ran (a layer stream given up): it ends ``FAILED`` but is reported
             finished with no load errors.
+        verify: every part is checked against its prefill rank's digest before the load is handed to vLLM
+            (``verify_kv``, where its way is verified: :mod:`p2pkv.decode.verify`).
     """
 
     spec: LoadSpec
@@ -156,12 +166,14 @@ class Transfer:
     marks: dict[str, float] = field(default_factory=dict)
     questions: list[dict[str, Any]] = field(default_factory=list)
     given_up: bool = False
+    verify: bool = False
 
     @classmethod
-    def taken(cls, spec: LoadSpec) -> Transfer:
-        """A new pull of ``spec``, taken by the worker now (its first phase marks set, its host canonical)."""
+    def taken(cls, spec: LoadSpec, verify: bool = False) -> Transfer:
+        """A new pull of ``spec``, taken by the worker now (its first phase marks set, its host canonical);
+        ``verify``: ``verify_kv`` is on (its parts are checked where its way is verified)."""
         remote = dataclasses.replace(spec.remote, host=canonical_host(spec.remote.host))
-        return cls(dataclasses.replace(spec, remote=remote),
+        return cls(dataclasses.replace(spec, remote=remote), verify=verify and way_of(spec).verified,
                    marks={"arrival": spec.arrival, "scheduled": spec.scheduled, "taken": time.time()})
 
     @property

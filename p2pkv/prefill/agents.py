@@ -60,6 +60,7 @@ class PushJob:
         info: the decode rank's :class:`handshake.AgentInfo` as this request carried it (NIXL must hold
             this metadata when the WRITE is posted).
         handle: the WRITE once posted.
+        digest: verified KV: the WRITE's notification carries the digest of ``source_rows``.
     """
 
     request_id: str
@@ -71,6 +72,7 @@ class PushJob:
     window_s: float
     info: AgentInfo | None = None
     handle: XferHandle | None = None
+    digest: bool = False
 
     @property
     def deadline(self) -> float:

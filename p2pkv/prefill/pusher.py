@@ -27,7 +27,10 @@ WRITE, once no WRITE to its previous metadata is in flight (new metadata:
 staging registered since; a new agent name: the decode worker restarted).
 The WRITE's NIXL notification (:func:`p2pkv.notification.encode_pushed`)
 reaches the decode rank after its bytes; a WRITE that never happens or fails is reported with a
-"push_failed" notification instead.
+"push_failed" notification instead. A request that asks for the WRITE's digest (verified KV,
+``PushRequest.digest``) gets it in that notification, computed over the source rows just before the WRITE
+is posted (:func:`p2pkv.dataplane.digest.digest_rows`), while the hold is pinned; a rank whose KV cache is
+not in host memory refuses such a request (the decode rank's load fails closed).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any, TypeVar
 
 from handshake import PushRequest
 from handshake.messages import PushStatus
+from p2pkv.dataplane.digest import DigestError, check_host, digest_rows
 from p2pkv.dataplane.layout import KVLayout
 from p2pkv.notification import PushedNotification, encode_pushed
 from p2pkv.prefill.agents import Identity, PushAgent, PushJob
@@ -87,13 +91,16 @@ class Pusher:
         layout: this rank's KV layout (where held blocks lie).
         max_in_flight: WRITEs in flight per decode rank at once.
         max_queued: WRITEs waiting per decode rank; more are answered ``busy``.
+        device: the KV cache's torch device type (a WRITE's digest is computed only from host memory:
+            :func:`p2pkv.dataplane.digest.check_host`).
     """
 
     def __init__(self, engine: WriteEngine, holds: PrefillHolds, layout: KVLayout, *,
-                 max_in_flight: int = MAX_IN_FLIGHT, max_queued: int = MAX_QUEUED) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT, max_queued: int = MAX_QUEUED, device: str = "cpu") -> None:
         self.engine = engine
         self.holds = holds
         self.layout = layout
+        self.device = device
         self.max_in_flight = max_in_flight
         self.max_queued = max_queued
         self.counters = PushCounters()
@@ -143,12 +150,17 @@ class Pusher:
         if isinstance(checked, str):
             return "refused", checked
         identity = checked.identity
+        if msg.digest:
+            try:
+                check_host(self.device)
+            except DigestError as exc:
+                return "refused", f"digest: {exc}"
         block_ids = list(msg.block_ids)
         held = self.holds.check(msg.request_id, block_ids)
         if held != "held":
             return held, ""
         job = PushJob(msg.request_id, msg.push_id, msg.agent.agent_name, checked.source, checked.target,
-                      self.engine.clock(), checked.window_s, msg.agent)
+                      self.engine.clock(), checked.window_s, msg.agent, digest=msg.digest)
         with self._lock:  # room, pin and queue at once: the pusher thread sees all of it or none
             known = self._agents.get(identity)
             if known is not None and len(known.queued) >= self.max_queued:
@@ -242,8 +254,10 @@ class Pusher:
                 agents[identity].starting -= len(jobs)
 
     def _start(self, agent: PushAgent, job: PushJob) -> bool:
-        """Post ``job``'s WRITE; False (and the job finished as failed) when NIXL refused it."""
-        notif = encode_pushed(PushedNotification(job.push_id, True), self.engine.secret)
+        """Post ``job``'s WRITE (its notification with the digest of its source rows, when asked); False (and the
+        job finished as failed) when NIXL refused it."""
+        digest = digest_rows(job.source_rows) if job.digest else b""
+        notif = encode_pushed(PushedNotification(job.push_id, True, digest=digest), self.engine.secret)
         try:
             job.handle = self.engine.agent.start_write(job.agent_name, job.source_rows, job.target_rows, notif)
         except Exception as exc:

@@ -31,7 +31,9 @@ engine's ``/metrics``:
   ``p2pkv:streams_landed_total{how=per_layer|whole}`` (counter: those
   streams by how their bytes went: a WRITE per layer, or one WRITE after the
   last layer, for a short prompt or by the link rule of
-  :mod:`p2pkv.prefill.stream_measures`).
+  :mod:`p2pkv.prefill.stream_measures`),
+- on a decode engine with ``verify_kv``: ``p2pkv:kv_checks_total{direction=...,outcome=verified|mismatch|missing}``
+  (counter: landed parts checked against the prefill engine's digest; :mod:`p2pkv.decode.verify`).
 """
 
 from __future__ import annotations
@@ -152,6 +154,10 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
             "prefill's last layer computed to the decode engine told (its WRITEs after that layer), seconds",
             buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
             labelnames=labelnames))
+        self.kv_checks = self._counter_cls(
+            name="p2pkv:kv_checks", documentation="Landed KV parts checked against the prefill engine's digest "
+            "(verify_kv), by direction and outcome: verified, mismatch, missing (no digest: failed closed)",
+            labelnames=[*labelnames, "direction", "outcome"])
         self.streams_landed = self._counter_cls(
             name="p2pkv:streams_landed", documentation="Layer streams this prefill engine landed whole, by how "
             "their bytes went: per_layer (a WRITE per layer during the prefill) or whole (one WRITE after the last "
@@ -191,6 +197,9 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
             self.push_requests.labels(*labels, status).inc(n)
         for outcome, n in data.get("push_writes", {}).items():
             self.push_writes.labels(*labels, outcome).inc(n)
+        for key, n in data.get("kv_checks", {}).items():
+            direction, _, outcome = key.partition(":")
+            self.kv_checks.labels(*labels, direction, outcome).inc(n)
         for how, n in data.get("streams_landed", {}).items():
             self.streams_landed.labels(*labels, how).inc(n)
         if data.get("push_bytes"):

@@ -17,12 +17,13 @@ after its last layer (seconds: :attr:`p2pkv.prefill.layer_stream.StreamCounters.
 COUNT_KEYS = ("leases_expired", "leases_notified", "push_bytes", "push_agents_unloaded")
 """Plain counts: held prefill requests released by expiry / by notification; bytes this prefill rank WRITE
 into decode ranks (push mode), and decode agents it removed from NIXL (idle or broken)."""
-DICT_KEYS = ("failures", "transports", "directions", "push_requests", "push_writes", "streams_landed")
+DICT_KEYS = ("failures", "transports", "directions", "push_requests", "push_writes", "streams_landed", "kv_checks")
 """Counts by label: failed pulls by kind; peers by ``"<mem_type>:<transport>"`` of their first READ;
 finished pulls by direction (``"pull"``/``"push"``); push requests this prefill rank answered, by reply
 status (``accepted``, ``busy``, ``refused``, ...); its WRITEs by outcome (``written``/``failed``); its layer
 streams that landed whole, by how their bytes went (``per_layer``, or ``whole``: one WRITE after the last layer,
-for a prompt under ``stream_min_tokens`` or by the link rule)."""
+for a prompt under ``stream_min_tokens`` or by the link rule); verified KV's checks of landed parts, by
+``"<direction>:<outcome>"`` (``verified``, ``mismatch``, ``missing``: :class:`p2pkv.decode.verify.Check`)."""
 PULL_PHASES = ("queue", "dispatch", "post", "read", "confirm")
 """The phases of a decode-side pull, in order (each in seconds, wall clock):
 
@@ -83,6 +84,11 @@ class StatsBuffer:
     def record_failure(self, kind: str) -> None:
         """One failed pull of ``kind`` (a :class:`p2pkv.decode.failures.FailureKind` value)."""
         self.data["failures"][kind] = self.data["failures"].get(kind, 0) + 1
+
+    def record_check(self, direction: str, outcome: str) -> None:
+        """One landed part checked against its prefill rank's digest (verified KV): its direction and outcome."""
+        key = f"{direction}:{outcome}"
+        self.data["kv_checks"][key] = self.data["kv_checks"].get(key, 0) + 1
 
     def record_transport(self, mem_type: str, transport: str) -> None:
         """A peer's first READ: UCX moved ``mem_type`` (``DRAM``/``VRAM``) memory with ``transport``

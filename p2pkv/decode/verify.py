@@ -1,0 +1,99 @@
+"""Verified KV, decode side: every part that landed is checked against its producer's digest before vLLM reads it.
+
+With ``verify_kv`` on, each part of a pulled or pushed load is digested
+twice over the same descriptor rows (:mod:`p2pkv.dataplane.digest`): by its
+prefill rank over the memory the transfer read (a READ's rows in the fence
+question after it, :class:`handshake.HoldQuery` ``digest_rows``; a push's
+in its "pushed" notification, :class:`p2pkv.notification.PushedNotification`
+``digest``: both signed, as everything on the side channel and in NIXL
+notifications is) and here over the memory it wrote, when it lands and
+before a staged part's fixup (:func:`landed`). A transfer is handed to vLLM
+only when every part's two digests are equal (:func:`judge`, asked by
+:class:`p2pkv.decode.confirmations.Confirmations` where every way passes
+before ``DONE``); a mismatch, or a producer that gave no digest where one
+was asked (fail closed), fails the load: its blocks are load errors, so vLLM
+recomputes or fails the request by ``kv_load_failure_policy``. Never served.
+
+Not verified yet: layer-streamed loads (their parts carry no rows here: the
+prefill rank plans them as it computes), and KV caches in device memory.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from p2pkv.dataplane.digest import digest_rows
+from p2pkv.decode.transfer import Part, Transfer
+
+
+class Check(str, enum.Enum):
+    """One part's check (the value is the ``outcome`` label of ``p2pkv:kv_checks_total``)."""
+
+    WAIT = "wait"
+    """Not decided yet: its bytes have not landed, or its producer's digest has not come."""
+    VERIFIED = "verified"
+    """Both digests are equal."""
+    MISMATCH = "mismatch"
+    """The digests differ: the bytes that landed are not those the prefill rank sent."""
+    MISSING = "missing"
+    """The producer answered without a digest (it could not compute one, or held nothing): fail closed."""
+
+
+def landed(part: Part) -> None:
+    """``part``'s bytes have landed (before any fixup): its digest over its local rows, kept for :func:`judge`.
+
+    Raises:
+        p2pkv.dataplane.digest.DigestError: its rows cannot be digested (malformed, or not host memory).
+    """
+    part.landed_digest = digest_rows(part.local_descs)
+
+
+def judge(part: Part) -> Check:
+    """``part``'s check: its landed digest against its producer's (pure)."""
+    if part.landed_digest is None or part.digest is None:
+        return Check.WAIT
+    if not part.digest:
+        return Check.MISSING
+    return Check.VERIFIED if part.digest == part.landed_digest else Check.MISMATCH
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A part whose check failed, as the log line and the load's failure name it.
+
+    Attributes:
+        part: the part.
+        check: :attr:`Check.MISMATCH` or :attr:`Check.MISSING`.
+    """
+
+    part: Part
+    check: Check
+
+    def describe(self) -> str:
+        """The failure's reason: request, prefill rank, direction, what moved, both digests."""
+        p = self.part
+        spec = p.transfer.spec
+        rows, nbytes = int(p.local_descs.shape[0]), p.num_bytes
+        moved = (f"request {spec.request_id!r} (prefill request {spec.remote.request_id!r}), "
+                 f"{len(spec.local_block_ids)} blocks from prefill rank {p.peer.agent_name}, "
+                 f"{p.direction.value if p.direction else 'unposted'}, {rows} rows, {nbytes} bytes"
+                 f"{', into staging' if p.stage is not None else ''}")
+        if self.check is Check.MISSING:
+            return (f"verify_kv: no digest from the prefill rank for {moved}: it could not digest its KV "
+                    "(see its log); the load fails closed")
+        landed_hex = p.landed_digest.hex() if p.landed_digest else ""
+        return (f"verify_kv: KV digest mismatch for {moved}: landed {landed_hex}, prefill sent "
+                f"{(p.digest or b'').hex()}; the bytes that landed are not the prefill's")
+
+
+def findings(transfer: Transfer) -> tuple[list[Finding], bool]:
+    """``transfer``'s failed checks, and whether every part is decided (pure).
+
+    Returns:
+        ``(failed, decided)``: the parts whose check is :attr:`Check.MISMATCH` or :attr:`Check.MISSING`, and
+        False while any part is still :attr:`Check.WAIT`.
+    """
+    checks = [(part, judge(part)) for part in transfer.parts]
+    failed = [Finding(part, check) for part, check in checks if check in (Check.MISMATCH, Check.MISSING)]
+    return failed, all(check is not Check.WAIT for _, check in checks)
