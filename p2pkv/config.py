@@ -177,10 +177,10 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             prefill rank's digest of what it sent before vLLM reads it (XXH3-64
             over the same descriptor rows on both sides: :mod:`p2pkv.decode.verify`);
             a mismatch fails the load (vLLM recomputes or fails the request by
-            ``kv_load_failure_policy``). Off by default: on a CPU host it costs
-            about 0.6 of a copy of the KV on each side (docs/reliability.md,
-            "Verified KV"). KV caches in host memory only; layer-streamed loads
-            are not checked yet.
+            ``kv_load_failure_policy``). Off by default: on a CPU host it adds
+            about 3 % to a pull and 7 % to a push over a 2 Gbit/s link, 1.7-2.6x
+            over ``cma`` on one host (docs/benchmarks/verify-cpu.md). KV caches
+            in host memory only; layer-streamed loads are not checked yet.
     """
 
     side_channel_host: str = ""

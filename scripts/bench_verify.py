@@ -10,8 +10,8 @@ in alternating order (so both see the same background load). A load is timed fro
 WRITE, and with ``verify_kv`` both digests and the check). Per length (``--tokens``) and way (``--mode``), the
 median and p90 of ``--requests`` loads each, and the verified/unverified ratio of the medians.
 
-``--tls`` sets ``UCX_TLS`` for both processes (``cma``: one host's shared memory, what p2pkv uses here; ``tcp``: the
-network stack over loopback). ``--rate-mbit`` limits loopback with ``tc`` (token bucket, as root; removed at the
+``--tls`` sets ``UCX_TLS`` for both processes (unset: UCX's choice, ``cma`` between processes of one host;
+``tcp,self``: the network stack over loopback). ``--rate-mbit`` limits loopback with ``tc`` (token bucket, as root; removed at the
 end) so ``tcp`` stands for a network link of that speed; the side channel shares it.
 
     python scripts/bench_verify.py --tokens 1024,4096,16384 --mode pull,push --json docs/benchmarks/verify-cpu.json
@@ -103,7 +103,7 @@ def _load(worker: Any, request: str, remote_id: str, port: int, blocks: list[int
 
 def _limit(rate_mbit: int) -> None:
     subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{rate_mbit}mbit", "burst",
-                    "256kbit", "latency", "100ms"], check=True)
+                    "8mbit", "latency", "1s"], check=True)  # a queue deep enough that TCP is paced, not dropped
 
 
 def _unlimit() -> None:
@@ -112,7 +112,8 @@ def _unlimit() -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every (tokens, mode) pair's loads with and without ``verify_kv``; the figures as a JSON-able dict."""
-    os.environ["UCX_TLS"] = args.tls
+    if args.tls:
+        os.environ["UCX_TLS"] = args.tls
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     lengths = [int(t) for t in args.tokens.split(",")]
     modes = args.mode.split(",")
@@ -181,7 +182,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--tls", default="cma", help="UCX_TLS for both processes (cma, tcp, ...)")
+    parser.add_argument("--tls", default="", help="UCX_TLS for both processes (empty: UCX's choice, cma on one "
+                        "host; tcp,self: the network stack)")
     parser.add_argument("--rate-mbit", type=int, default=0, help="limit loopback to this rate with tc (root)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

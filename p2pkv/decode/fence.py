@@ -8,8 +8,9 @@ decode worker asks each prefill rank (one :class:`handshake.HoldQuery`
 per rank and step, off the engine thread, naming the request ids and the
 block ids read) twice: when it posts the READs, to fail a pull of blocks no
 longer held at once, and after the READs are done, to confirm the hold
-lasted through them (with ``verify_kv``, that question also asks for the digest of the
-rows it READ: :mod:`p2pkv.decode.verify`). Only confirmed pulls reach vLLM. A question after the
+lasted through them (with ``verify_kv``, the first question also asks for the digest of the
+rows it READs, and the one after the READ too when no held answer has brought it yet:
+:mod:`p2pkv.decode.verify`). Only confirmed pulls reach vLLM. A question after the
 READ that gets no reply within the side channel's timeout is asked again
 (:data:`FENCE_ATTEMPTS` in all, in one call), and a reply to either answers
 it: one that comes late, while the next waits, is an answer all the same.
@@ -171,8 +172,8 @@ class Fence:
                 reply = exc
             for i, (read, phase) in enumerate(entries):
                 answer = reply if isinstance(reply, Exception) else hold_of(read.transfer.spec.remote.request_id, reply)
-                if not isinstance(reply, Exception) and digest_asked(read, phase):
-                    read.digest = reply.digests[i] if i < len(reply.digests) else b""
+                if answer is Hold.HELD and digest_asked(read, phase):  # held: its digest, b"" if none came
+                    read.digest = reply.digests[i] if i < len(reply.digests) else b""  # type: ignore[union-attr]
                 out.append((read, phase, answer))
                 asked = times["queued"]
                 read.transfer.questions.append({"phase": phase.value, "queued": asked, "sent": times.get("sent", asked),
@@ -183,8 +184,10 @@ class Fence:
 
 def digest_asked(read: Part, phase: Phase) -> bytes:
     """The rows whose digest the question about ``read`` asks for (verified KV): the prefill rank's side of the
-    READ (its ``remote_descs``, wire form) in the question after it, when its transfer is verified; else ``b""``."""
-    if phase is not Phase.AFTER or not read.transfer.verify:
+    READ (its ``remote_descs``, wire form) when its transfer is verified, in the question when it is posted (the
+    prefill rank digests while the READ is in flight) and, if no held answer has brought the digest yet, in the
+    question after it; else ``b""``."""
+    if not read.transfer.verify or (phase is Phase.AFTER and read.digest is not None):
         return b""
     return read.remote_descs.astype("<u8", copy=False).tobytes()
 
