@@ -236,16 +236,16 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Finished holds and pulls, and the pulls that failed (vLLM's per-request failure report).
 
-        With one KV cache group a failed pull is reported by block
-        (:meth:`get_block_ids_with_load_errors`), which lets vLLM keep the
-        blocks that did load; with several groups by request here (vLLM
-        stops the engine on block ids there: they are unique only within a
-        group).
+        A failed pull is reported by block (:meth:`get_block_ids_with_load_errors`),
+        which lets vLLM keep the blocks that did load, or by request here where
+        that cannot be right
+        (:attr:`p2pkv.dataplane.negotiate.ModelInfo.load_fails_by_request`: several
+        KV cache groups, or an attention window).
         """
         assert self.worker is not None
         sending, recving = self.worker.get_finished()
         failed = self.worker.take_failed()
-        if self.worker.model.kv_groups <= 1:
+        if not self.worker.model.load_fails_by_request:
             failed = set()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
 

@@ -382,14 +382,14 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local block ids whose pull failed since the last call.
 
-        Empty with several KV cache groups: block ids are unique only within a
-        group there, so vLLM takes those failures by request
-        (:meth:`take_failed`) and stops the engine on a block id.
+        Empty where vLLM takes those failures by request (:meth:`take_failed`;
+        :attr:`p2pkv.dataplane.negotiate.ModelInfo.load_fails_by_request`: several KV
+        cache groups, or an attention window).
         """
         if self.receiver is None:
             return set()
         errors = self.receiver.take_load_errors()
-        return errors if self.model.kv_groups <= 1 else set()
+        return set() if self.model.load_fails_by_request else errors
 
     def take_failed(self) -> set[str]:
         """Request ids whose pull failed, among those :meth:`get_finished` reported since the last call."""

@@ -11,8 +11,8 @@ WRITE, and with ``verify_kv`` both digests and the check). Per length (``--token
 median and p90 of ``--requests`` loads each, and the verified/unverified ratio of the medians.
 
 ``--tls`` sets ``UCX_TLS`` for both processes (unset: UCX's choice, ``cma`` between processes of one host;
-``tcp,self``: the network stack over loopback). ``--rate-mbit`` limits loopback with ``tc`` (token bucket, as root; removed at the
-end) so ``tcp`` stands for a network link of that speed; the side channel shares it.
+``tcp,self``: the network stack over loopback). ``--rate-mbit`` limits loopback with ``tc`` (token bucket, as
+root; removed at the end) so ``tcp`` stands for a network link of that speed; the side channel shares it.
 
     python scripts/bench_verify.py --tokens 1024,4096,16384 --mode pull,push --json docs/benchmarks/verify-cpu.json
 """

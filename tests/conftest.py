@@ -198,7 +198,8 @@ def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -
     stats = logs / "pulls.jsonl"
     # short test prompts stream, and layer by layer on a link as fast against the forward as cma is here
     extra = {"stats_file": str(logs / "prefill.jsonl"), "stream_min_tokens": 0}
-    decode_extra = {"stats_file": str(stats), "handshake_timeout_s": 3.0, "handshake_retries": 1}
+    # every load verified (no false mismatch under every request shape); FAULTS corrupt only requests aimed at
+    decode_extra = {"stats_file": str(stats), "handshake_timeout_s": 3.0, "handshake_retries": 1, "verify_kv": True}
     pair = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,
                      extra_config=extra, decode_extra_config=decode_extra, max_model_len=1024,
@@ -211,7 +212,7 @@ def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -
             "--decode-extra-config", json.dumps(decode_extra), "--otlp-traces-endpoint", otlp.url,
             "--extra-vllm-args", f"--max-num-batched-tokens {MAX_BATCHED_TOKENS}"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "P2PKV_SECRET": pair.secret})
+                            env={**os.environ, **FAULTS, "P2PKV_SECRET": pair.secret})
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
     try:
@@ -246,6 +247,12 @@ def client():
     with httpx.Client(timeout=120.0) as c:
         yield c
 
+
+FAULT_MARK = "p2pkv-fault"
+"""What a test puts in a decode leg's ``X-Request-Id`` to have its KV corrupted as it lands (:data:`FAULTS`)."""
+FAULTS = {"P2PKV_ALLOW_FAULTS": "1", "P2PKV_FAULT_CORRUPT_LANDED": "1", "P2PKV_FAULT_REQUESTS": FAULT_MARK}
+"""The fault knobs (:mod:`p2pkv.faults`) of the suite's engines: the KV of a request whose id holds
+:data:`FAULT_MARK` is overwritten as it lands; every other request is left alone."""
 
 MODES = ("pull", "push")
 """The transfer directions every in-process suite runs in (``kv_transfer_params.p2pkv_transfer_mode``)."""

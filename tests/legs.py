@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 
 from p2pkv.params import CAPABILITY_KEY, DIGEST_KEY, TRANSFER_MODE_KEY, prompt_digest, sign_params
@@ -19,13 +21,15 @@ def moved_to(client: httpx.Client, engine: str, params: dict, prompt: str, secre
 
 
 def prefill_then_decode(client: httpx.Client, prefill: str, decode: str, prompt: str, max_tokens: int = 8,
-                        prefilled: str | None = None, mode: str = "", secret: str = "") -> Answer:
+                        prefilled: str | None = None, mode: str = "", secret: str = "",
+                        request_id: str = "") -> Answer:
     """Prefill ``prefilled`` (default: ``prompt``) on one engine, then decode ``prompt`` on the other with its KV.
 
     Greedy, ``max_tokens`` tokens, with token ids and logprobs. ``mode``
     (``"pull"``/``"push"``): the decode leg asks for that direction
     (``kv_transfer_params.p2pkv_transfer_mode``); ``""``: the engine's setting.
-    With ``prefilled``, ``secret`` signs its params for ``prompt`` (:func:`moved_to`).
+    With ``prefilled``, ``secret`` signs its params for ``prompt`` (:func:`moved_to`). ``request_id``: the
+    decode leg's ``X-Request-Id`` (vLLM's request id holds it; ``""``: vLLM's own).
 
     Raises:
         httpx.HTTPStatusError: the decode engine answered an error.
@@ -40,7 +44,8 @@ def prefill_then_decode(client: httpx.Client, prefill: str, decode: str, prompt:
         params = {**params, TRANSFER_MODE_KEY: mode}
     body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": 1,
             "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": params}
-    resp = client.post(f"{decode}/v1/completions", json=body)
+    resp = client.post(f"{decode}/v1/completions", json=body,
+                       headers={"X-Request-Id": request_id} if request_id else None)
     resp.raise_for_status()
     choice = resp.json()["choices"][0]
     return Answer(choice["text"], choice["token_ids"], choice["logprobs"]["token_logprobs"])
@@ -56,3 +61,23 @@ def assert_decode_refused(client: httpx.Client, prefill: str, decode: str, promp
     body = {"model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": params}
     resp = client.post(f"{decode}/v1/completions", json=body)
     assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
+
+
+def metric_sum(client: httpx.Client, url: str, prefix: str, *labels: str) -> float:
+    """The sum of the samples of ``url``'s ``/metrics`` whose line starts with ``prefix`` and holds every one of
+    ``labels`` (``'outcome="mismatch"'``, ...)."""
+    text = client.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix) and all(label in line for label in labels))
+
+
+def wait_metric_above(client: httpx.Client, url: str, floor: float, prefix: str, *labels: str,
+                      timeout_s: float = 30.0) -> float:
+    """:func:`metric_sum` once it is above ``floor`` (connector stats reach ``/metrics`` with an engine step), or
+    its value when ``timeout_s`` seconds have passed."""
+    deadline = time.monotonic() + timeout_s
+    value = metric_sum(client, url, prefix, *labels)
+    while value <= floor and time.monotonic() < deadline:
+        time.sleep(0.5)
+        value = metric_sum(client, url, prefix, *labels)
+    return value

@@ -83,7 +83,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
     pf = PrefillProc(free_port(), seed=1, num_blocks=NUM_BLOCKS, lease_s=LEASE_S)
     pf.start()
     d = DecodeSide(NUM_BLOCKS, handshake_timeout_s=HANDSHAKE_TIMEOUT_S, handshake_retries=HANDSHAKE_RETRIES,
-                   transfer_timeout_s=10.0, transfer_mode=mode)
+                   transfer_timeout_s=10.0, transfer_mode=mode, verify_kv=True)  # no false mismatch under churn
     counts = dict(pulls=0, aborts=0, completed=0, verified_blocks=0, failed=0, failed_blocks=0, hung=0,
                   reported_twice=0, restarts=0, faults_injected=0, faults_fired=0, failed_in_kill_batches=0,
                   failed_in_fault_batches=0, in_flight_at_kills=[], leases_moved_to_restarts=[],
@@ -196,6 +196,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
             pf.drain(0.01)
         all_released = not pf.unreleased()
         held = pf.stop()
+        checks = dict(d.worker.stats.data["kv_checks"])  # verified KV: every landed part's check
     finally:
         d.close()
         pf.stop()
@@ -209,7 +210,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
         prefill_released_twice=len(twice), prefill_never_released=len(never), prefill_held_at_end=len(held),
         prefill_pinned_at_end=sum((pf.pinned_at_stop or {}).values()), mode=mode,
         blocks_leaked=sum(blocks_of.get(r, 0) for r in set(held) | set(never)),
-        seconds=round(time.monotonic() - t_start, 1), seed=seed,
+        seconds=round(time.monotonic() - t_start, 1), seed=seed, kv_checks=checks,
     )
     print("CHURN " + json.dumps(counts, sort_keys=True))
     assert counts["hung"] == 0, counts
@@ -222,3 +223,6 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
     assert held == [] and counts["blocks_leaked"] == 0, counts
     # Failures only where a fault or the restart explains them.
     assert counts["failed"] == counts["failed_in_kill_batches"] + counts["failed_in_fault_batches"], counts
+    # Every pull handed over was verified; a check failed only where a fault explains it (it caught the fault).
+    assert checks.get(f"{mode}:verified", 0) == counts["completed"], counts
+    assert checks.get(f"{mode}:mismatch", 0) + checks.get(f"{mode}:missing", 0) <= counts["failed_in_fault_batches"]

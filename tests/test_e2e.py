@@ -24,8 +24,8 @@ from p2pkv.tools.demo import (
     read_pull_stats,
     wait_blocks_released,
 )
-from tests.conftest import BLOCK, free_ports
-from tests.legs import moved_to
+from tests.conftest import BLOCK, FAULT_MARK, MODES, free_ports
+from tests.legs import metric_sum, moved_to, wait_metric_above
 
 pytestmark = pytest.mark.engines
 
@@ -132,6 +132,32 @@ def test_failed_pull_is_reported_not_hung(route, client) -> None:
     # The real params still work; pulling with them also releases the prefill's held blocks.
     assert _decode(client, p.url("decode"), prompt, p.params(params)).token_ids == \
         complete(client, p.url("aggregated"), prompt, max_tokens=8).token_ids
+
+
+@pytest.mark.parametrize("route", MODES, indirect=True)
+def test_a_corrupted_load_is_never_served(route, client) -> None:
+    """The decode engine verifies every load (``verify_kv``): a decode leg whose KV the fault knob overwrites as it
+    lands (its ``X-Request-Id`` carries :data:`FAULT_MARK`) fails its digest check; with vLLM's
+    ``kv_load_failure_policy`` fail (this pair's) the request ends with an error, never with tokens decoded from
+    that KV; the mismatch is counted by direction, the prefill hold is freed, and the next request is verified and
+    equals the aggregated engine's."""
+    p, _ = route
+    mismatch = ("p2pkv:kv_checks_total{", f'direction="{p.mode}"', 'outcome="mismatch"')
+    before = metric_sum(client, p.url("decode"), *mismatch)
+    prompt = p.fresh("c" * 70)
+    params = _prefill(client, p.url("prefill"), prompt)
+    body = {"model": "model", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+            "kv_transfer_params": p.params(params)}
+    resp = client.post(f"{p.url('decode')}/v1/completions", json=body,
+                       headers={"X-Request-Id": f"{FAULT_MARK}-{p.mode}-{time.monotonic_ns()}"})
+    assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
+    assert wait_metric_above(client, p.url("decode"), before, *mismatch) == before + 1
+    assert metric_sum(client, p.url("decode"), "p2pkv:pull_failures_total{", 'kind="digest_mismatch"') >= 1
+    assert wait_blocks_released(client, p.url("prefill"), timeout_s=30) == 0.0
+    again = p.fresh("d" * 70)
+    assert complete(client, p.url("proxy"), again, max_tokens=8).token_ids == \
+        complete(client, p.url("aggregated"), again, max_tokens=8).token_ids
+    assert metric_sum(client, p.url("decode"), "p2pkv:kv_checks_total{", 'outcome="verified"') >= 1
 
 
 def _metric(client: httpx.Client, url: str, name: str) -> float:

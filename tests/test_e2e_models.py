@@ -30,8 +30,8 @@ from p2pkv.tools import demo
 from p2pkv.tools.deploy.engines import EngineSpec, start_engine
 from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
-from tests.conftest import MODES, free_ports, start_mode_proxy
-from tests.legs import assert_decode_refused, prefill_then_decode
+from tests.conftest import FAULT_MARK, FAULTS, MODES, free_ports, start_mode_proxy
+from tests.legs import assert_decode_refused, metric_sum, prefill_then_decode, wait_metric_above
 from tests.pod_launch import PodLaunch
 
 pytestmark = pytest.mark.engines
@@ -127,9 +127,11 @@ def kind_pair(request, tmp_path_factory):
     logs = tmp_path_factory.mktemp(f"logs-{kind}")
     proxy, prefill, decode, side = free_ports(4)
     stats = logs / "pulls.jsonl"
+    # the decode engine verifies every load and recomputes one that fails; the requests FAULTS aims at corrupted
     pair = LocalPair(model=str(model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      side_channel_port=side, block_size=BLOCK[kind], log_dir=logs, max_model_len=1024,
-                     decode_extra_config={"stats_file": str(stats)},
+                     decode_extra_config={"stats_file": str(stats), "verify_kv": True},
+                     decode_load_failure_policy="recompute", env=FAULTS,
                      engine_args=ENGINE_ARGS.get(kind, ()))
     children, extra, pod = [], None, None
     if kind == "hybrid":  # started as a pod is: `p2pkv launch prefill` (tests/pod_launch.py)
@@ -149,7 +151,7 @@ def kind_pair(request, tmp_path_factory):
         spec = EngineSpec(name=name, model=str(model), port=port, role="both", side_channel_port=extra_side,
                           side_channel_host="127.0.0.1", block_size=block, max_model_len=1024,
                           extra_config={"stats_file": str(extra.stats)},
-                          env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": pair.secret}, **args)
+                          env={"UCX_NET_DEVICES": "lo", **FAULTS, "P2PKV_SECRET": pair.secret}, **args)
         children.append(start_engine(spec, logs))
     try:
         pair.start(timeout_s=900)
@@ -384,9 +386,10 @@ def test_sliding_window_larger_decode_block_is_refused(kind_pair, dp2, slow_clie
     assert ok.token_ids == demo.complete(slow_client, pair.url("prefill"), "still serving?", max_tokens=4).token_ids
 
 
-def _on_rank(slow_client: httpx.Client, url: str, rank: int, body: dict) -> dict:
+def _on_rank(slow_client: httpx.Client, url: str, rank: int, body: dict, request_id: str = "") -> dict:
+    headers = {"X-data-parallel-rank": str(rank), **({"X-Request-Id": request_id} if request_id else {})}
     resp = slow_client.post(f"{url}/v1/completions", json={"model": "model", "temperature": 0.0, **body},
-                       headers={"X-data-parallel-rank": str(rank)})
+                            headers=headers)
     resp.raise_for_status()
     return resp.json()
 
@@ -425,6 +428,40 @@ def test_negative_control_other_kv_changes_the_answer(kind_pair, slow_client) ->
     ref_c = demo.complete(slow_client, pair.url("prefill"), c, max_tokens=8)
     assert right.token_ids == ref_a.token_ids and demo.max_logprob_diff(right, ref_a) <= TOLERANCE[kind]
     assert wrong.token_ids != ref_c.token_ids or demo.max_logprob_diff(wrong, ref_c) > 100 * TOLERANCE[kind]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_corrupted_load_is_recomputed(kind_pair, slow_client, mode) -> None:
+    """Every kind's decode engine verifies its loads (``verify_kv``) and recomputes one that fails (vLLM's
+    ``kv_load_failure_policy`` recompute): a decode leg whose KV the fault knob overwrites as it lands (its
+    ``X-Request-Id`` carries :data:`FAULT_MARK`) gets one engine's tokens all the same, the mismatch counted by
+    direction, and the prefill engine holds nothing afterwards."""
+    kind, pair, _, _, _ = kind_pair
+    mismatch = ("p2pkv:kv_checks_total{", f'direction="{mode}"', 'outcome="mismatch"')
+    before = metric_sum(slow_client, pair.url("decode"), *mismatch)
+    prompt = prompt_of(9000 + (0 if mode == "pull" else 77))[:150]
+    got = prefill_then_decode(slow_client, pair.url("prefill"), pair.url("decode"), prompt, mode=mode,
+                              request_id=f"{FAULT_MARK}-{kind}-{mode}")
+    ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
+    assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE[kind]
+    assert wait_metric_above(slow_client, pair.url("decode"), before, *mismatch) == before + 1
+    assert demo.wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
+
+
+def test_without_the_check_a_corrupted_load_changes_the_answer(dp2, slow_client) -> None:
+    """The same fault on an engine that does not verify (the sliding-window kind's third engine, DP 2): the decode
+    rank serves what landed and the answer departs from one engine's, so the check is what keeps it right."""
+    prompt = prompt_of(9500)[:150]
+    params = _on_rank(slow_client, dp2.url, 0, {"prompt": prompt, "max_tokens": 1,
+                                               "kv_transfer_params": {"do_remote_decode": True}})
+    body = {"prompt": prompt, "max_tokens": 8, "logprobs": 1, "return_token_ids": True, "ignore_eos": True}
+    got = _on_rank(slow_client, dp2.url, 1, {**body, "kv_transfer_params": params["kv_transfer_params"]},
+                   request_id=f"{FAULT_MARK}-unverified")["choices"][0]
+    ref = _on_rank(slow_client, dp2.url, 0, body)["choices"][0]
+    assert got["token_ids"] != ref["token_ids"] or demo.max_logprob_diff(
+        demo.Answer(got["text"], got["token_ids"], got["logprobs"]["token_logprobs"]),
+        demo.Answer(ref["text"], ref["token_ids"], ref["logprobs"]["token_logprobs"])) > 100 * demo.LOGPROB_TOLERANCE
+    assert demo.wait_blocks_released(slow_client, dp2.url, timeout_s=30) == 0.0
 
 
 def test_decode_log_shows_the_pairing(kind_pair) -> None:

@@ -198,3 +198,36 @@ def test_a_load_restores_every_transfer_group_so_vllm_zeroes_none_of_them() -> N
     request = _request("r", 40, {})
     assert KVConnectorBase_V1.get_loaded_kv_cache_group_ids(connector, request) == (0, 2)  # the base's
     assert P2pKvConnector.get_loaded_kv_cache_group_ids(connector, request) == (0, 1, 2)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("model", "by_request"), [
+    (ModelInfo("LBHNC", "float32", 2, 16, 16), False),
+    (ModelInfo("LBHNC", "float32", 2, 16, 16, local_attention=True), True),
+    (ModelInfo("LBHNC", "float32", 2, 16, 16, kv_groups=2), True),
+])
+def test_a_failed_load_is_told_to_vllm_by_request_where_blocks_cannot_say_it(model: ModelInfo,
+                                                                             by_request: bool) -> None:
+    """vLLM recomputes a block-level load failure from the first failed block on, with the KV before it: right for a
+    load from the prompt's first token, wrong behind an attention window (the load starts later), refused with
+    several KV cache groups. There a failed load goes as the request (``failed_recving``: the whole prompt is
+    recomputed), and no block id; elsewhere as its blocks."""
+    class Worker:
+        def __init__(self) -> None:
+            self.model = model
+            self.receiver = SimpleNamespace(take_load_errors=lambda: {4, 5})
+
+        def get_finished(self) -> tuple[set[str], set[str]]:
+            return set(), {"req-1"}
+
+        def take_failed(self) -> set[str]:
+            return {"req-1"}
+
+    from p2pkv.worker import WorkerSide
+
+    connector = P2pKvConnector.__new__(P2pKvConnector)
+    connector.worker = Worker()  # type: ignore[assignment]
+    results = connector.get_transfer_results(set())
+    assert results.finished_recving == {"req-1"}
+    assert results.failed_recving == ({"req-1"} if by_request else set())
+    blocks = WorkerSide.get_block_ids_with_load_errors(connector.worker)  # type: ignore[arg-type]
+    assert blocks == (set() if by_request else {4, 5})

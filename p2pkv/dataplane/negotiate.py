@@ -75,6 +75,16 @@ class ModelInfo:
     kv_groups: int = 1
     state_groups: bool = False
 
+    @property
+    def load_fails_by_request(self) -> bool:
+        """Whether vLLM must be told of a failed load by request (``failed_recving``: it recomputes the whole
+        prompt) rather than by block: with several KV cache groups block ids are unique only within a group
+        (vLLM stops the engine on block ids there), and behind an attention window a load does not begin at
+        the prompt's first token, while vLLM recomputes a block-level failure from the first failed block on,
+        which needs the KV before it (measured: a corrupted sliding-window load recomputed by block got other
+        tokens than one engine's)."""
+        return self.kv_groups > 1 or self.local_attention
+
 
 def layout_desc(layout: KVLayout, model: ModelInfo, attn_layout: str, *, mem_type: str,
                 device_id: int = 0) -> KVLayoutDesc:

@@ -161,7 +161,10 @@ class ReadMover(Mover):
         self.faults = faults
 
     def post(self, part: Part) -> None:
-        part.handle = self.agent.start_read(part.peer.agent_name, part.local_descs, part.remote_descs)
+        local, remote = part.local_descs, part.remote_descs
+        if self.faults is not None:  # an operator's injected fault may drop most of the READ
+            local, remote = self.faults.read_rows(local, remote, part.transfer.request_id)
+        part.handle = self.agent.start_read(part.peer.agent_name, local, remote)
         self.fence.add(part, Phase.BEFORE)
 
     def polled_soon(self, part: Part) -> bool:

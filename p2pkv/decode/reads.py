@@ -142,8 +142,8 @@ def land(stager: Stager, read: Part, now: float, num_bytes: int, num_descriptors
     read.done = now
     read.transfer.num_bytes += num_bytes
     read.transfer.num_descriptors += num_descriptors
-    if faults is not None and faults.corrupt(read.local_descs):
-        logger.warning("p2pkv: fault injected (P2PKV_FAULT_CORRUPT_LANDED): a byte of request %s flipped as it "
+    if faults is not None and faults.corrupt(read.local_descs, read.transfer.request_id):
+        logger.warning("p2pkv: fault injected (P2PKV_FAULT_CORRUPT_LANDED): request %s's KV overwritten as it "
                        "landed", read.transfer.request_id)
     if read.transfer.verify:
         try:

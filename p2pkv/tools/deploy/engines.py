@@ -43,6 +43,9 @@ class EngineSpec:
             tests and CPU runs; GPU pods leave it off).
         gpu_memory_utilization: share of the GPU's memory this engine may
             take (None: vLLM's default); engines sharing one GPU split it.
+        kv_load_failure_policy: vLLM's ``kv_load_failure_policy`` in the KV transfer config: what a
+            load p2pkv reports failed does (``recompute`` the blocks here, or ``fail`` the request);
+            None: vLLM's default (``fail``).
         attention_backend: ``--attention-backend`` (None: vLLM's choice); on a CPU
             :func:`p2pkv.tools.deploy.cpu_backend.fit_to_cpu` sets it where the choice
             depends on the CPU.
@@ -82,6 +85,7 @@ class EngineSpec:
     local_defaults: bool = True
     gpu_memory_utilization: float | None = None
     attention_backend: str | None = None
+    kv_load_failure_policy: str | None = None
 
     def kv_transfer_config(self) -> dict[str, object] | None:
         """The ``--kv-transfer-config`` JSON for this engine (None: no connector)."""
@@ -99,6 +103,8 @@ class EngineSpec:
         extra.update(self.extra_config)
         config: dict[str, object] = {"kv_connector": "P2pKvConnector", "kv_role": "kv_both",
                                      "kv_connector_extra_config": extra}
+        if self.kv_load_failure_policy is not None:
+            config["kv_load_failure_policy"] = self.kv_load_failure_policy
         if self.module_path:
             config["kv_connector_module_path"] = self.module_path
         return config

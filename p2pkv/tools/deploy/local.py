@@ -33,6 +33,9 @@ class LocalPair:
         log_dir: where each process writes ``<name>.log``.
         extra_config: more ``kv_connector_extra_config`` keys for both engines.
         decode_extra_config: keys for the decode engine only.
+        decode_load_failure_policy: the decode engine's vLLM ``kv_load_failure_policy`` (``recompute`` or
+            ``fail``; None: vLLM's default, ``fail``).
+        env: more environment variables for every engine (e.g. p2pkv's fault knobs, :mod:`p2pkv.faults`).
         connector: ``"p2pkv"`` or ``"nixl"`` (vLLM's NixlConnector, for comparisons).
         tensor_parallel_size: TP size of every engine.
         engine_args: more ``vllm serve`` flags for every engine.
@@ -58,6 +61,8 @@ class LocalPair:
     log_dir: Path = Path(".p2pkv/logs")
     extra_config: dict[str, object] = field(default_factory=dict)
     decode_extra_config: dict[str, object] = field(default_factory=dict)
+    decode_load_failure_policy: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
     connector: str = "p2pkv"
     tensor_parallel_size: int = 1
     engine_args: tuple[str, ...] = ()
@@ -80,7 +85,7 @@ class LocalPair:
 
     def engine_specs(self) -> list[EngineSpec]:
         """The engines this pair starts, fitted to this machine's CPU (:func:`fit_to_cpu`: it logs each choice)."""
-        env = {"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": self.secret}
+        env = {"UCX_NET_DEVICES": "lo", **self.env, "P2PKV_SECRET": self.secret}
         engine_args, extra = tuple(self.engine_args), dict(self.extra_config)
         if self.otlp_traces_endpoint:
             env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"  # vLLM's own exporter (grpc otherwise)
@@ -96,7 +101,8 @@ class LocalPair:
                        side_channel_port=self.side_channel_port, extra_config=extra, **common),
             EngineSpec(name="decode", port=self.decode_port, role="decode",
                        side_channel_port=self.side_channel_port + 100,
-                       extra_config={**extra, **self.decode_extra_config}, **common),
+                       extra_config={**extra, **self.decode_extra_config},
+                       kv_load_failure_policy=self.decode_load_failure_policy, **common),
         ]
         if self.aggregated_port is not None:
             specs.append(EngineSpec(name="aggregated", port=self.aggregated_port, role=None, **common))
