@@ -344,7 +344,7 @@ def request_stream(to: Destination, grant: str, block_ids: list[int], first_bloc
                    secret: bytes | None = None, timeout_s: float = 1.0, cancel: threading.Event | None = None,
                    link: HoldLink | None = None, staging_addrs: list[int] | None = None,
                    readers: int = 1, group_blocks: list[GroupBlocks] | None = None,
-                   head_slice: HeadSlice | None = None) -> PushReply:
+                   head_slice: HeadSlice | None = None, kv_digest: bool = False) -> PushReply:
     """Give prefill rank ``to`` this rank's destination for a granted stream (:class:`StreamRequest`: its
     fields, units and checks).
 
@@ -359,16 +359,16 @@ def request_stream(to: Destination, grant: str, block_ids: list[int], first_bloc
                         first_block=first_block, num_tokens=num_tokens, prompt_digest=prompt_digest,
                         push_id=push_id, agent=agent, window_s=window_s, staging_addrs=list(staging_addrs or []),
                         readers=readers, group_blocks=list(group_blocks or []), head_slice=head_slice,
-                        **_fresh())  # type: ignore[arg-type]
+                        kv_digest=kv_digest, **_fresh())  # type: ignore[arg-type]
     return _push_exchange(to, msg, secret, timeout_s, cancel, link)
 
 
 def request_push(to: Destination, request_id: str, block_ids: list[int], push_id: bytes, agent: AgentInfo,
                  source_rows: bytes, target_rows: bytes, window_s: float, requester_engine_id: str,
                  secret: bytes | None = None, timeout_s: float = 1.0, cancel: threading.Event | None = None,
-                 link: HoldLink | None = None, digest: bool = False) -> PushReply:
+                 link: HoldLink | None = None, kv_digest: bool = False) -> PushReply:
     """Ask prefill rank ``to`` to WRITE ``request_id``'s blocks into this rank's memory
-    (:class:`PushRequest`: its fields, units and checks; ``digest``: its notification carries the WRITE's
+    (:class:`PushRequest`: its fields, units and checks; ``kv_digest``: its notification carries the WRITE's
     digest, verified KV).
 
     With ``link`` (to ``to``'s side channel) the request goes over that long-lived connection.
@@ -387,7 +387,7 @@ def request_push(to: Destination, request_id: str, block_ids: list[int], push_id
     msg = PushRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
                       requester_engine_id=requester_engine_id, request_id=request_id, block_ids=block_ids,
                       push_id=push_id, agent=agent, source_rows=source_rows, target_rows=target_rows,
-                      window_s=window_s, digest=digest, **_fresh())  # type: ignore[arg-type]
+                      window_s=window_s, kv_digest=kv_digest, **_fresh())  # type: ignore[arg-type]
     return _push_exchange(to, msg, secret, timeout_s, cancel, link)
 
 

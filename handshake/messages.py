@@ -49,8 +49,8 @@ PROTOCOL_VERSION = 15
 * 14: :class:`StreamRequest` carries ``head_slice``: a decode rank of another TP size over head-major pages
   (HND) has the stream WRITE its heads' slice of each page straight into its own pages, without staging.
 * 15: verified KV: :class:`HoldQuery` may carry ``digest_rows`` (the rows a READ reads, per request) and
-  :class:`HoldsReply` their ``digests``; :class:`PushRequest` carries ``digest`` (the WRITE's digest asked
-  for, in its "pushed" notification).
+  :class:`HoldsReply` their ``digests``; :class:`PushRequest` and :class:`StreamRequest` carry ``kv_digest``
+  (the digest of what the WRITEs read asked for, in the "pushed" notification).
 """
 
 MAX_ID_CHARS = 256
@@ -470,7 +470,7 @@ class PushRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True
         window_s: seconds from receipt within which the WRITE may start; past
             it the sender has given up (its blocks may be reused), so a WRITE
             not yet posted is dropped and one in flight cancelled.
-        digest: verified KV: the "pushed" notification carries the digest of ``source_rows`` as the WRITE
+        kv_digest: verified KV: the "pushed" notification carries the digest of ``source_rows`` as the WRITE
             reads them (:func:`p2pkv.dataplane.digest.digest_rows`); a prefill rank that cannot digest its
             KV memory refuses the request.
     """
@@ -482,7 +482,7 @@ class PushRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True
     source_rows: Rows
     target_rows: Rows
     window_s: WindowS
-    digest: bool = False
+    kv_digest: bool = False
 
 
 class PushReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="push_reply"):
@@ -579,6 +579,8 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
         head_slice: None: the stream moves this rank's pages whole. Else (head-major pages of the same block
             size and bytes per head on both ranks, TP sizes differing) each of this rank's pages gives the
             slice of heads it names, WRITTEN into that slice of the decode rank's own page (no staging).
+        kv_digest: verified KV: the final "pushed" notification carries the digest of what the stream's WRITEs
+            read (:func:`p2pkv.dataplane.digest.combine`); a prefill rank that cannot digest refuses it.
     """
 
     grant: Grant
@@ -595,6 +597,7 @@ class StreamRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     group_blocks: Annotated[list[GroupBlocks], msgspec.Meta(max_length=MAX_KV_GROUPS - 1)] = msgspec.field(
         default_factory=list)
     head_slice: HeadSlice | None = None
+    kv_digest: bool = False
 
 
 Message = (MetadataRequest | MetadataReply | ErrorReply | LeaseHeartbeat | HoldQuery | ReleaseHolds | HoldsReply

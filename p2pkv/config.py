@@ -173,14 +173,15 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             thread); empty: they keep the affinity they inherit from the
             engine thread, so an engine limited to its forward's cores sends
             from those cores (:mod:`p2pkv.transfer_threads`).
-        verify_kv: decode side: check every pulled or pushed part against the
-            prefill rank's digest of what it sent before vLLM reads it (XXH3-64
-            over the same descriptor rows on both sides: :mod:`p2pkv.decode.verify`);
+        verify_kv: decode side: check every pulled, pushed or streamed part
+            against the prefill rank's digest of what it sent before vLLM reads it
+            (XXH3-64 over the same bytes on both sides: :mod:`p2pkv.decode.verify`);
             a mismatch fails the load (vLLM recomputes or fails the request by
             ``kv_load_failure_policy``). Off by default: on a CPU host it adds
             about 3 % to a pull and 7 % to a push over a 2 Gbit/s link, 1.7-2.6x
             over ``cma`` on one host (docs/benchmarks/verify-cpu.md). KV caches
-            in host memory only; layer-streamed loads are not checked yet.
+            in host memory only; streams into staging or head slices, or of
+            several KV cache groups, are not checked yet.
     """
 
     side_channel_host: str = ""

@@ -77,8 +77,8 @@ class PushedNotification(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         push_id: the push request's ``push_id`` (16–32 bytes).
         ok: the WRITE's bytes have landed (False: it did not happen, or failed).
         reason: why not, when ``ok`` is False (at most :data:`MAX_REASON_CHARS`; the encoder cuts it).
-        digest: verified KV (a push request that asked for it, ``digest``): the digest of the rows the WRITE
-            read (:func:`p2pkv.dataplane.digest.digest_rows`); ``b""``: none.
+        digest: verified KV (a push or stream request that asked for it, ``kv_digest``): the digest of what the
+            WRITEs read (:mod:`p2pkv.dataplane.digest`); ``b""``: none.
     """
 
     push_id: PushId

@@ -80,7 +80,7 @@ class Way:
         prefill_writes: the prefill rank WRITEs into this rank's memory (its
             agent stays loaded while a part may still land).
         verified: ``verify_kv`` checks its parts against the prefill rank's digests
-            (:mod:`p2pkv.decode.verify`; False: its parts carry no rows on the decode rank to digest).
+            (:mod:`p2pkv.decode.verify`; False: it cannot).
     """
 
     name: str
@@ -110,8 +110,7 @@ PUSH = Way("push", (PushRequest,), "on_push", "PushMover", prefill_writes=True)
 """The prefill rank WRITEs the rows of a :class:`handshake.PushRequest` after the prefill."""
 
 STREAM = Way("stream", (StreamRequest,), "on_stream", "StreamMover", notifies_done=False, retried=False,
-             lasts_prefill=True, watched=True, given_up_at_request_end=True, prefill_writes=True,
-             verified=False)
+             lasts_prefill=True, watched=True, given_up_at_request_end=True, prefill_writes=True)
 """The prefill rank WRITEs each layer into the blocks of a :class:`handshake.StreamRequest` as it computes it."""
 
 WAYS: dict[str, Way] = {way.name: way for way in (PULL, PUSH, STREAM)}

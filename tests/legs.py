@@ -51,15 +51,22 @@ def prefill_then_decode(client: httpx.Client, prefill: str, decode: str, prompt:
     return Answer(choice["text"], choice["token_ids"], choice["logprobs"]["token_logprobs"])
 
 
-def assert_decode_refused(client: httpx.Client, prefill: str, decode: str, prompt: str) -> None:
+def assert_decode_refused(client: httpx.Client, prefill: str, decode: str, prompt: str,
+                          recomputed_like: str = "") -> None:
     """Prefill ``prompt`` on one engine, then send its decode leg (4 tokens, greedy) to the other, and check that
     the decode engine did not answer it as a finished completion: an HTTP error, or a finish reason other than
-    ``length``/``stop`` (vLLM's answer to a load it refused)."""
+    ``length``/``stop`` (vLLM's answer to a load it refused, ``kv_load_failure_policy`` fail). With
+    ``recomputed_like`` (a decode engine whose policy is recompute): it answered with that engine's tokens."""
     body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
             "kv_transfer_params": {"do_remote_decode": True}}
     params = client.post(f"{prefill}/v1/completions", json=body).json()["kv_transfer_params"]
     body = {"model": "model", "prompt": prompt, "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": params}
     resp = client.post(f"{decode}/v1/completions", json=body)
+    if recomputed_like:
+        alone = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        ref = client.post(f"{recomputed_like}/v1/completions", json=alone).json()
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == ref["choices"][0]["text"]
+        return
     assert resp.status_code >= 400 or resp.json()["choices"][0]["finish_reason"] not in ("length", "stop")
 
 

@@ -253,11 +253,13 @@ def test_the_hybrid_third_engine_runs_as_a_pod(kind_pair, block128) -> None:
 
 @pytest.mark.parametrize("direction", ["64 -> 128", "128 -> 64"])
 def test_hybrid_other_block_size_is_refused(kind_pair, block128, slow_client, direction) -> None:
-    """SSM state pages move whole, block for block: another block size is refused naming both; both keep serving."""
+    """SSM state pages move whole, block for block: another block size is refused naming both (the pair's decode
+    engine, whose ``kv_load_failure_policy`` is recompute, then computes the prompt itself); both keep serving."""
     _, pair, _, _, _ = kind_pair
     prefill, decode, log = ((pair.url("prefill"), block128.url, block128.log) if direction == "64 -> 128" else
                             (block128.url, pair.url("decode"), pair.log_dir / "decode.log"))
-    assert_decode_refused(slow_client, prefill, decode, prompt_of(5000 + len(direction))[:150])
+    assert_decode_refused(slow_client, prefill, decode, prompt_of(5000 + len(direction))[:150],
+                          recomputed_like=pair.url("prefill") if decode == pair.url("decode") else "")
     small, large = (64, 128) if direction == "64 -> 128" else (128, 64)
     assert (f"prefill block_size={small}, decode block_size={large}; start both engines with the same --block-size"
             in log.read_text())
@@ -465,11 +467,12 @@ def test_without_the_check_a_corrupted_load_changes_the_answer(dp2, slow_client)
 
 
 def test_decode_log_shows_the_pairing(kind_pair) -> None:
-    """No pull of the pair failed but the one refused on purpose (each test also checked its answer)."""
+    """No pull of the pair failed but those failed on purpose (each test also checked its answer): the one refused,
+    and the corrupted ones (their request ids carry :data:`FAULT_MARK`)."""
     kind, pair, _, _, _ = kind_pair
     log = (pair.log_dir / "decode.log").read_text()
     assert "Initialized NIXL agent: p2pkv-" in log
-    failed = [line for line in log.splitlines() if "p2pkv: pull failed" in line]
+    failed = [line for line in log.splitlines() if "p2pkv: pull failed" in line and FAULT_MARK not in line]
     if kind == "hybrid":  # only the 128 -> 64 block-size refusal
         assert len(failed) == 1 and "kind=refused" in failed[0] and "decode block_size=64" in failed[0]
     else:

@@ -285,3 +285,69 @@ def test_a_prompt_under_the_measured_threshold_lands_in_one_write_after_its_last
         prefill.wait_for_save()
         assert not decode.pump({"d-1"}, 10.0) and decode.take_errors() == set()
         assert torch.equal(decode.base[list(TARGET)], source[list(SOURCE)])
+
+
+def _chunked(pair: Pair, prefill_request: str, decode_request: str) -> tuple[P2pKvMetadata, P2pKvMetadata]:
+    """Stream ``prefill_request`` in two prefill chunks: blocks 0-1 to token 1.5 blocks, then blocks 1-2 to the end
+    (block 1, half filled by the first chunk, is computed further and sent again, as vLLM's chunked prefill does);
+    the two steps' metadata, the decode's load started."""
+    first, load = _stream(prefill_request, decode_request, pair.port)
+    half = BLOCK_SIZE + BLOCK_SIZE // 2
+    first = StreamChunk(prefill_request, first.stream_id, 0, SOURCE[:2], half, False, first.prompt_digest,
+                        first.loaded_tokens)
+    second = StreamChunk(prefill_request, first.stream_id, 1, SOURCE[1:], PROMPT, True)
+    one, two = P2pKvMetadata(streams=[first]), P2pKvMetadata(streams=[second])
+    pair.prefill.start_load_kv(one)
+    pair.decode.start(load)
+    return one, two
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_a_verified_stream_is_checked_against_what_the_prefill_wrote(chunks: int) -> None:
+    """``verify_kv`` on a layer stream: the prefill rank digests each page of each destination block as its WRITE
+    is posted, a block sent again by a later chunk (filled further meanwhile) replacing its digest, and the decode
+    rank digests its pages once all landed: equal, the load verified and handed over, bytes equal."""
+    with _pair(21, {"verify_kv": True}, stream_min_tokens=0) as pair:
+        prefill, decode, source = pair.prefill, pair.decode, pair.source
+        if chunks == 1:
+            step = _started(pair, "p-1", "d-1")
+            for layer in range(LAYERS):
+                prefill.save_kv_layer(f"layers.{layer}", step)
+        else:
+            one, two = _chunked(pair, "p-1", "d-1")
+            for layer in range(LAYERS):
+                prefill.save_kv_layer(f"layers.{layer}", one)
+            prefill.wait_for_save()
+            deadline = time.monotonic() + 10  # the first chunk's blocks landed: their digests were taken then
+            while not torch.equal(decode.base[list(TARGET[:2])], source[list(SOURCE[:2])]):
+                assert time.monotonic() < deadline, "the first chunk never landed"
+                decode.step()
+                time.sleep(0.002)
+            source[SOURCE[1]] += 1.0  # the second chunk's forward fills the rest of block 1
+            prefill.start_load_kv(two)
+            for layer in range(LAYERS):
+                prefill.save_kv_layer(f"layers.{layer}", two)
+        prefill.wait_for_save()
+        assert not decode.pump({"d-1"}, 10.0) and decode.take_errors() == set()
+        assert torch.equal(decode.base[list(TARGET)], source[list(SOURCE)])
+        assert decode.worker.stats.data["kv_checks"] == {"stream:verified": 1}
+
+
+def test_a_corrupted_stream_fails_its_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fault knob overwrites a streamed load's first page as it lands: the digests differ, every block is a
+    load error (``digest_mismatch``), and the next stream, nothing injected, is verified."""
+    monkeypatch.setenv("P2PKV_FAULT_CORRUPT_LANDED", "1")
+    monkeypatch.setenv("P2PKV_ALLOW_FAULTS", "1")
+    monkeypatch.setenv("P2PKV_FAULT_REQUESTS", "d-bad")
+    with _pair(22, {"verify_kv": True}, stream_min_tokens=0) as pair:
+        prefill, decode = pair.prefill, pair.decode
+        for prefill_request, decode_request in (("p-1", "d-bad"), ("p-2", "d-good")):
+            step = _started(pair, prefill_request, decode_request)
+            for layer in range(LAYERS):
+                prefill.save_kv_layer(f"layers.{layer}", step)
+            prefill.wait_for_save()
+            assert not decode.pump({decode_request}, 10.0)
+            assert decode.take_errors() == (set(TARGET) if decode_request == "d-bad" else set())
+        stats = decode.worker.stats.data
+        assert stats["kv_checks"] == {"stream:mismatch": 1, "stream:verified": 1}
+        assert stats["failures"] == {"digest_mismatch": 1}

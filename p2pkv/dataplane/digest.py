@@ -16,6 +16,13 @@ same digest since the bytes are the same. About 0.6-0.7 of a copy of the same
 bytes on one CPU core (docs/benchmarks/digest-cpu.md). A digest is 8 bytes,
 big-endian (:data:`DIGEST_BYTES`).
 
+A layer stream's bytes come chunk by chunk, a block sent again when a later
+chunk fills it further, so its digest is not taken over rows in order but
+per page of each destination block (:func:`page_block_digest`; the last one
+taken of a page and block stands), the pieces then digested in (page, block)
+order (:func:`combine`); the consumer takes the same over its pages and
+blocks once everything landed (:func:`pages_digest`).
+
 Only host memory is read here (a KV cache on the CPU, and its staging): the
 caller checks that the rows lie in memory of its own KV cache or staging on
 the host before asking (:func:`check_host`). Reading a device pointer as host
@@ -25,13 +32,16 @@ memory would crash the process.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import xxhash
 
 from handshake.messages import DIGEST_BYTES
+from p2pkv.dataplane.layout import Segment
 
-__all__ = ["ALGORITHM", "DIGEST_BYTES", "DigestError", "check_host", "digest_rows", "merged_ranges"]
+__all__ = ["ALGORITHM", "DIGEST_BYTES", "DigestError", "check_host", "combine", "digest_rows", "merged_ranges",
+           "page_block_digest", "pages_digest"]
 
 ALGORITHM = "xxh3-64"
 """The digest's algorithm, as docs and log lines name it."""
@@ -97,3 +107,33 @@ def digest_rows(rows: np.ndarray) -> bytes:
     for addr, length in zip(*merged_ranges(rows), strict=True):
         hasher.update((ctypes.c_char * int(length)).from_address(int(addr)))
     return hasher.digest()
+
+
+def page_block_digest(page: Segment, block: int) -> bytes:
+    """The XXH3-64 digest of page ``page`` of block ``block``: bytes ``[page.addr + block * page.block_stride,
+    + page.length)`` (host memory of this process; the caller checked ``block`` against its cache).
+
+    Returns:
+        :data:`DIGEST_BYTES` bytes.
+    """
+    start = page.addr + block * page.block_stride
+    return xxhash.xxh3_64((ctypes.c_char * page.length).from_address(start)).digest()
+
+
+def combine(pieces: Mapping[tuple[int, int], bytes]) -> bytes:
+    """One digest of per-(page, block) digests: XXH3-64 over them in ``(page index, block index)`` order.
+
+    Args:
+        pieces: ``(page index, destination block index)`` → :func:`page_block_digest`.
+    """
+    hasher = xxhash.xxh3_64()
+    for key in sorted(pieces):
+        hasher.update(pieces[key])
+    return hasher.digest()
+
+
+def pages_digest(pages: Sequence[Segment], block_ids: Sequence[int]) -> bytes:
+    """:func:`combine` of every page of every block: ``(i, j)`` → ``page_block_digest(pages[i], block_ids[j])``
+    (what a layer stream's producer sends when it WROTE each of ``pages`` into each of ``block_ids``)."""
+    return combine({(i, j): page_block_digest(page, block) for i, page in enumerate(pages)
+                    for j, block in enumerate(block_ids)})

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from handshake import KVLayoutDesc
 from p2pkv.dataplane.layout import LayoutError, Segment
+from p2pkv.dataplane.negotiate import page_bytes, remote_segments
 from p2pkv.dataplane.plan import PlanError, build_descriptors, coalesce_runs
 
 
@@ -75,6 +77,16 @@ def page_segments(segments: Sequence[Segment], page_bytes: int) -> list[Segment]
         out.extend(Segment(seg.addr + q * page_bytes, page_bytes, seg.block_stride, seg.layer_start + q, 1,
                            seg.kv_index) for q in range(pages))
     return out
+
+
+def pages_of(desc: KVLayoutDesc) -> list[Segment]:
+    """A rank's pages (:func:`page_segments`) from its :class:`handshake.KVLayoutDesc` (the segments it declares,
+    never its bytes), as a layer stream sees that rank.
+
+    Raises:
+        LayoutError: its segments are not one page per layer (an interleaved layout).
+    """
+    return page_segments(remote_segments(desc), page_bytes(desc))
 
 
 def layer_rows(source_pages: Sequence[Segment], target_pages: Sequence[Segment],

@@ -247,8 +247,7 @@ class PushMover(Mover):
         if not part.arrived:
             release_stage(self.stager, part)
             return ReadEvent.FAILED, RuntimeError(part.failure or "the prefill rank's WRITE failed")
-        return land(self.stager, part, now, part.num_bytes, int(part.local_descs.shape[0]),
-                    None if self.direction is Direction.STREAM else self.faults)
+        return land(self.stager, part, now, part.num_bytes, int(part.local_descs.shape[0]), self.faults)
 
     def landed(self, part: Part) -> None:
         part.confirmed = True
@@ -298,6 +297,7 @@ def movers(agent: NixlTransferAgent, stager: Stager, fence: Fence, pushes: Pushe
     """The mover of each direction for one decode rank: the class :data:`p2pkv.ways.WAYS` names for its way
     (``faults``: an operator's injected faults, :mod:`p2pkv.faults`, applied where parts land with rows)."""
     made = {ReadMover: lambda: ReadMover(agent, stager, fence, quarantine_s, faults),
-            PushMover: lambda: PushMover(pushes, stager, faults), StreamMover: lambda: StreamMover(pushes, stager)}
+            PushMover: lambda: PushMover(pushes, stager, faults),
+            StreamMover: lambda: StreamMover(pushes, stager, faults)}
     by_name = {cls.__name__: make for cls, make in made.items()}
     return {direction: by_name[direction.way.mover]() for direction in Direction}

@@ -130,7 +130,7 @@ class Pushes:
         remote = read.transfer.spec.remote
         self.send(read, _send_push, remote.request_id, list(remote.block_ids), read.push_id, info,
                   read.remote_descs.astype("<u8").tobytes(), read.local_descs.astype("<u8").tobytes(), self.engine_id,
-                  digest=read.transfer.verify)
+                  kv_digest=read.transfer.verify)
 
     def open(self, part: Part) -> AgentInfo:
         """Open ``part`` for a request asking its prefill rank to WRITE it: its push id drawn (its notification

@@ -22,7 +22,7 @@ from p2pkv.dataplane.stager import Stage, Stager
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.decode.peers import Peer, PeerId
 from p2pkv.decode.transfer import Part, Transfer
-from p2pkv.decode.verify import landed
+from p2pkv.decode.verify import landed, landed_rows
 from p2pkv.faults import Faults
 from p2pkv.metadata import LoadSpec
 
@@ -142,12 +142,12 @@ def land(stager: Stager, read: Part, now: float, num_bytes: int, num_descriptors
     read.done = now
     read.transfer.num_bytes += num_bytes
     read.transfer.num_descriptors += num_descriptors
-    if faults is not None and faults.corrupt(read.local_descs, read.transfer.request_id):
+    if faults is not None and faults.any and faults.corrupt(landed_rows(read, stager.desc), read.transfer.request_id):
         logger.warning("p2pkv: fault injected (P2PKV_FAULT_CORRUPT_LANDED): request %s's KV overwritten as it "
                        "landed", read.transfer.request_id)
     if read.transfer.verify:
         try:
-            landed(read)
+            landed(read, stager.desc)
         except DigestError as exc:
             release_stage(stager, read)
             return ReadEvent.FIXUP_FAILED, exc

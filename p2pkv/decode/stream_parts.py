@@ -24,7 +24,9 @@ group's blocks after the previous group's
 (:func:`p2pkv.dataplane.blockmap.grouped_streamed_read`).
 
 Its request (:func:`post_stream`): a :class:`handshake.StreamRequest` with
-the grant, this rank's blocks (or staging) and the prompt's digest, sent on
+the grant, this rank's blocks (or staging), the prompt's digest and, when
+the load is verified (``verify_kv``: a stream of one KV cache group into
+this rank's own pages, whole), a request for the digest of what it WROTE, sent on
 the prefill rank's lane as a push request is (:meth:`p2pkv.decode.pushes.Pushes.send`);
 everything after it is a push's.
 """
@@ -102,6 +104,8 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
             return False
         counted = np.array([[0, stage.size, device_id]], dtype=np.uint64)
         transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, stage, readers=count))
+    if spec.stream_groups or any(p.stage is not None or p.head_slice is not None for p in transfer.parts):
+        transfer.verify = False  # verified KV checks a stream into this rank's own pages, whole, of one group
     return True
 
 
@@ -131,7 +135,8 @@ def post_stream(pushes: Pushes, part: Part) -> None:
             group_blocks = list(staged[1:])
     pushes.send(part, _send_stream, spec.stream_grant, block_ids, first_block, spec.remote.num_tokens,
                 spec.remote.prompt_digest, part.push_id, info, pushes.engine_id, staging_addrs=staging_addrs,
-                readers=part.readers, group_blocks=group_blocks, head_slice=_head_slice(part))
+                readers=part.readers, group_blocks=group_blocks, head_slice=_head_slice(part),
+                kv_digest=part.transfer.verify)
 
 
 def _head_slice(part: Part) -> HeadSlice | None:

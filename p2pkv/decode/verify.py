@@ -14,8 +14,13 @@ before ``DONE``); a mismatch, or a producer that gave no digest where one
 was asked (fail closed), fails the load: its blocks are load errors, so vLLM
 recomputes or fails the request by ``kv_load_failure_policy``. Never served.
 
-Not verified yet: layer-streamed loads (their parts carry no rows here: the
-prefill rank plans them as it computes), and KV caches in device memory.
+A layer stream's part has no rows here (its prefill rank plans them as it
+computes): its prefill rank digests each page of each destination block as
+it posts its WRITE and sends the combined digest in the stream's last word;
+this rank takes the same over its own pages once it landed. Only a stream of
+one KV cache group into this rank's own pages, whole, is checked
+(:func:`p2pkv.decode.stream_parts.plan_streams`): into staging or slices of
+heads it is not yet. KV caches in device memory are not either.
 """
 
 from __future__ import annotations
@@ -23,7 +28,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from p2pkv.dataplane.digest import digest_rows
+import numpy as np
+
+from handshake import KVLayoutDesc
+from p2pkv.dataplane.digest import digest_rows, pages_digest
+from p2pkv.dataplane.layers import pages_of
+from p2pkv.decode.direction import Direction
 from p2pkv.decode.transfer import Part, Transfer
 
 
@@ -40,13 +50,32 @@ class Check(str, enum.Enum):
     """The producer answered without a digest (it could not compute one, or held nothing): fail closed."""
 
 
-def landed(part: Part) -> None:
-    """``part``'s bytes have landed (before any fixup): its digest over its local rows, kept for :func:`judge`.
+def landed_rows(part: Part, desc: KVLayoutDesc) -> np.ndarray:
+    """The rows ``part``'s bytes landed in: its local rows, or, for a layer stream (no rows here), one per page of
+    each of its blocks, in (page, block) order (uint64 ``[n, 3]``)."""
+    if part.direction is not Direction.STREAM:
+        return part.local_descs
+    blocks = part.transfer.spec.local_block_ids
+    return np.array([[page.addr + block * page.block_stride, page.length, 0] for page in pages_of(desc)
+                     for block in blocks], dtype=np.uint64).reshape(-1, 3)
+
+
+def landed(part: Part, desc: KVLayoutDesc) -> None:
+    """``part``'s bytes have landed (before any fixup): its digest over what landed, kept for :func:`judge`: over
+    its local rows (a READ or push), or, for a layer stream (whose part has no rows here), over every page of its
+    blocks (:func:`p2pkv.dataplane.digest.pages_digest`, as its prefill rank took it).
+
+    Args:
+        part: the part.
+        desc: this rank's KV layout (a stream's pages).
 
     Raises:
         p2pkv.dataplane.digest.DigestError: its rows cannot be digested (malformed, or not host memory).
     """
-    part.landed_digest = digest_rows(part.local_descs)
+    if part.direction is Direction.STREAM:
+        part.landed_digest = pages_digest(pages_of(desc), part.transfer.spec.local_block_ids)
+    else:
+        part.landed_digest = digest_rows(part.local_descs)
 
 
 def judge(part: Part) -> Check:
@@ -74,10 +103,10 @@ class Finding:
         """The failure's reason: request, prefill rank, direction, what moved, both digests."""
         p = self.part
         spec = p.transfer.spec
-        rows, nbytes = int(p.local_descs.shape[0]), p.num_bytes
+        rows = "every page" if p.direction is Direction.STREAM else f"{int(p.local_descs.shape[0])} rows"
         moved = (f"request {spec.request_id!r} (prefill request {spec.remote.request_id!r}), "
                  f"{len(spec.local_block_ids)} blocks from prefill rank {p.peer.agent_name}, "
-                 f"{p.direction.value if p.direction else 'unposted'}, {rows} rows, {nbytes} bytes"
+                 f"{p.direction.value if p.direction else 'unposted'}, {rows}, {p.num_bytes} bytes"
                  f"{', into staging' if p.stage is not None else ''}")
         if self.check is Check.MISSING:
             return (f"verify_kv: no digest from the prefill rank for {moved}: it could not digest its KV "

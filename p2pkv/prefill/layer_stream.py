@@ -53,6 +53,7 @@ import numpy as np
 
 from handshake import GroupBlocks
 from p2pkv.dataplane.agent import TransferError
+from p2pkv.dataplane.digest import combine, page_block_digest
 from p2pkv.dataplane.layers import LayerRows, layer_rows
 from p2pkv.dataplane.plan import PlanError, check_block_ids
 from p2pkv.notification import PushedNotification, encode_pushed
@@ -130,6 +131,9 @@ class StreamTarget:
             and ``first_block`` are group 0's); a layer's pages of group ``g``'s blocks go to group ``g``'s.
         source_pages: the pages of the stream's :class:`StreamSide` this destination takes, in its order (a slice
             of heads of each: :func:`p2pkv.prefill.stream_requests.slice_sides`); empty: the pages whole.
+        digest: verified KV: the final word carries the digest of what the stream WROTE, each page of each
+            destination block digested from this rank's memory as its WRITE is posted
+            (:func:`p2pkv.dataplane.digest.combine`; one KV cache group).
     """
 
     agent: str
@@ -141,6 +145,7 @@ class StreamTarget:
     whole: bool = False
     group_blocks: tuple[GroupBlocks, ...] = ()
     source_pages: tuple[Segment, ...] = ()
+    digest: bool = False
 
     def blocks(self, group: int) -> tuple[int, Sequence[int]]:
         """``(first_block, block_ids)`` of KV cache group ``group`` (no blocks for a group it does not name)."""
@@ -236,6 +241,7 @@ class LayerStream:
     counters: StreamCounters = field(default_factory=StreamCounters, init=False)
     handed_back: bool = field(default=False, init=False)
     _target: StreamTarget | None = field(default=None, init=False, repr=False)
+    _pieces: dict[tuple[int, int], bytes] = field(default_factory=dict, init=False, repr=False)
     _waiting: list[_Chunk] = field(default_factory=list, init=False, repr=False)
     _inflight: list[tuple[XferHandle, frozenset[tuple[int, int]]]] = field(default_factory=list, init=False,
                                                                             repr=False)
@@ -347,7 +353,7 @@ class LayerStream:
                     return not self.ended
                 self._post_ready()
                 if self._finished and not self._waiting and not self._inflight and not self._notify_with_write:
-                    self._notify(PushedNotification(self._target.push_id, True))
+                    self._notify(self._landed_note())
             except (TransferError, PlanError) as exc:
                 self._fail(str(exc))
             except Exception as exc:  # a ready test that raised (a CUDA error): the stream ends, never hangs
@@ -379,10 +385,13 @@ class LayerStream:
         rows = [r for chunk in ready for r in self._rows(chunk)]
         if not rows:
             return
+        if self._target.digest:  # verified KV: what these WRITEs read, as they are posted
+            for chunk in ready:
+                self._digest(chunk)
         source = np.concatenate([r.source for r in rows])
         target = np.concatenate([r.target for r in rows])
         last = self._finished and not self._waiting and not self._inflight
-        note = encode_pushed(PushedNotification(self._target.push_id, True), self.secret) if last else b""
+        note = encode_pushed(self._landed_note(), self.secret) if last else b""
         xfer = self.writer.start_write(self._target.agent, source, target, note)
         self._inflight.append((xfer, frozenset((chunk.layer, chunk.group) for chunk in ready)))
         self._notify_with_write = last
@@ -412,6 +421,23 @@ class LayerStream:
         return layer_rows([pages[i] for i in pick], [dst.pages[i] for i in pick], source_ids, target_ids,
                           source_num_blocks=src.num_blocks, target_num_blocks=dst.num_blocks,
                           source_device=src.device_id, target_device=dst.device_id)
+
+    def _digest(self, chunk: _Chunk) -> None:
+        """Digest each page of each destination block ``chunk`` WRITEs, from this rank's memory (a block sent
+        again by a later chunk, filled further, replaces its earlier digest)."""
+        t = self._target
+        first, block_ids = t.blocks(chunk.group)
+        lo = max(chunk.first_block, first)
+        hi = min(chunk.first_block + len(chunk.source_ids), first + len(block_ids))
+        for i, page in enumerate(t.source_pages or self.source.pages):
+            if page.layer_start == chunk.layer:
+                for k in range(lo, hi):
+                    self._pieces[(i, k - first)] = page_block_digest(page, chunk.source_ids[k - chunk.first_block])
+
+    def _landed_note(self) -> PushedNotification:
+        """The word that every WRITE has landed (with the digest of what they read, when asked)."""
+        digest = combine(self._pieces) if self._target.digest else b""
+        return PushedNotification(self._target.push_id, True, digest=digest)
 
     def _poll(self) -> None:
         """Drop the WRITEs that have ended; a failed one is dropped too (NIXL has released it) and raises

@@ -28,7 +28,7 @@ staging registered since; a new agent name: the decode worker restarted).
 The WRITE's NIXL notification (:func:`p2pkv.notification.encode_pushed`)
 reaches the decode rank after its bytes; a WRITE that never happens or fails is reported with a
 "push_failed" notification instead. A request that asks for the WRITE's digest (verified KV,
-``PushRequest.digest``) gets it in that notification, computed over the source rows just before the WRITE
+``PushRequest.kv_digest``) gets it in that notification, computed over the source rows just before the WRITE
 is posted (:func:`p2pkv.dataplane.digest.digest_rows`), while the hold is pinned; a rank whose KV cache is
 not in host memory refuses such a request (the decode rank's load fails closed).
 """
@@ -150,7 +150,7 @@ class Pusher:
         if isinstance(checked, str):
             return "refused", checked
         identity = checked.identity
-        if msg.digest:
+        if msg.kv_digest:
             try:
                 check_host(self.device)
             except DigestError as exc:
@@ -160,7 +160,7 @@ class Pusher:
         if held != "held":
             return held, ""
         job = PushJob(msg.request_id, msg.push_id, msg.agent.agent_name, checked.source, checked.target,
-                      self.engine.clock(), checked.window_s, msg.agent, digest=msg.digest)
+                      self.engine.clock(), checked.window_s, msg.agent, digest=msg.kv_digest)
         with self._lock:  # room, pin and queue at once: the pusher thread sees all of it or none
             known = self._agents.get(identity)
             if known is not None and len(known.queued) >= self.max_queued:

@@ -97,6 +97,8 @@ class StreamDestinations:
                                        self.max_lifetime_s)
         if isinstance(checked, str):
             return "refused", checked
+        if msg.kv_digest and self._on_gpu:  # type: ignore[attr-defined]  # PrefillStreams's
+            return "refused", "digest: verify_kv digests KV in host memory only, and this rank's is on the GPU"
         stream_id = checked.grant.stream_id
         with self._lock:
             self._ledger.forget_expired(now)
@@ -115,7 +117,7 @@ class StreamDestinations:
         deadline = self._clock() + checked.window_s  # the decode rank gives the load up then: no WRITE after it
         target = StreamTarget(msg.agent.agent_name, checked.side, tuple(msg.block_ids), msg.first_block,
                               msg.push_id, deadline, not self.measures.per_layer(rank_name(checked.identity)),
-                              tuple(msg.group_blocks), checked.source_pages)
+                              tuple(msg.group_blocks), checked.source_pages, msg.kv_digest)
         dest = Destination(target, checked.identity, msg.num_tokens, msg.prompt_digest, deadline, msg.readers)
         with self._lock:
             request_id = self._by_stream.get(stream_id)
