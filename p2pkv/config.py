@@ -180,8 +180,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             ``kv_load_failure_policy``). Off by default: on a CPU host it adds
             about 3 % to a pull and 7 % to a push over a 2 Gbit/s link, 1.7-2.6x
             over ``cma`` on one host (docs/benchmarks/verify-cpu.md). KV caches
-            in host memory only; streams into staging or head slices, or of
-            several KV cache groups, are not checked yet.
+            in host memory only; streams of several KV cache groups are not
+            checked yet.
     """
 
     side_channel_host: str = ""

@@ -93,11 +93,13 @@ def _direct(row: str) -> bool:
     return ROWS[row][2] in ("direct", "paged")
 
 
-def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cpu", late: bool = False) -> None:
+def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cpu", late: bool = False,
+                      verify_kv: bool = False) -> None:
     """Stream a ``tokens``-token prompt from the row's prefill engine into every rank of its decode engine, which
     has the first ``first_token`` tokens cached (a multiple of its block size), both caches on ``device``, and
     compare each decode rank's blocks. ``late``: the decode ranks after the first start their loads only once
-    the prefill has computed every layer and the first rank's load has landed (their streams replay it all)."""
+    the prefill has computed every layer and the first rank's load has landed (their streams replay it all).
+    ``verify_kv``: the decode ranks check every part against its prefill rank's digest, each part verified."""
     prefill_side, decode_side, how = ROWS[row]
     loaded = tokens - 1  # the decode engine computes the last prompt token itself
     rng = np.random.default_rng(len(row) + tokens)
@@ -108,7 +110,8 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
     port = free_ports(1, run=prefill_side.tp_size)[0]
     prefills = make_workers("prefill", prefill_side, port, device, remote_ids, tokens, secret=SECRET,
                             stream_min_tokens=0)
-    decodes = make_workers("decode", decode_side, free_ports(1, run=decode_side.tp_size)[0], device, secret=SECRET)
+    decodes = make_workers("decode", decode_side, free_ports(1, run=decode_side.tp_size)[0], device, secret=SECRET,
+                           verify_kv=verify_kv)
     deadline = time.monotonic() + 20
     try:
         granted = granted_stream(remote_ids, tokens, port, prefill_side.tp_size)
@@ -123,6 +126,8 @@ def _stream_and_check(row: str, tokens: int, first_token: int, device: str = "cp
             if late and rank > 0:
                 decode.start_load_kv(load)
             stats = streamed_stats(decode, rank, how, deadline)
+            checks = stats.get("kv_checks", {})
+            assert set(checks) == ({"stream:verified"} if verify_kv else set()), f"decode rank {rank}: {checks}"
             if _direct(row):  # this rank's blocks, or its heads' slice of the prefill's pages, and nothing more
                 assert stats.get("pull_bytes") == [len(local_ids) * decode.receiver.rank.layout.block_bytes]
             # A stream into the decode blocks moves whole blocks, the last prompt token's slot too (the decode
@@ -178,6 +183,14 @@ def _zero_cached(cache: torch.Tensor, side: object, cached: list[int]) -> None:
 @pytest.mark.parametrize("row", STREAM_ROWS)
 def test_a_stream_between_engines_whose_pages_differ_lands_every_token_in_its_slot(row: str) -> None:
     _stream_and_check(row, tokens=150, first_token=0)
+
+
+@pytest.mark.parametrize("row", ["block 16 -> 32", "block 64 -> 16", "HND -> NHD", "cross-layer -> layer-compact",
+                                 "CPU attention block 32 -> 64", "TP 2 -> 1", "TP 2 -> 1, NHD", "TP 1 -> 2"])
+def test_a_verified_stream_lands_checked_in_every_placement(row: str) -> None:
+    """``verify_kv`` on streams that land in staging (before its fixup), in a slice of heads of each page, or in
+    pages whole from two prefill ranks: every part's digest of what landed equals its prefill rank's."""
+    _stream_and_check(row, tokens=150, first_token=0, verify_kv=True)
 
 
 GPU_STREAM_ROWS = ["block 16 -> 64", "HND -> NHD", "TP 2 -> 1, NHD", "cross-layer -> layer-compact",

@@ -89,6 +89,14 @@ def pages_of(desc: KVLayoutDesc) -> list[Segment]:
     return page_segments(remote_segments(desc), page_bytes(desc))
 
 
+def heads_of(page: Segment, heads: int, start: int, count: int) -> Segment:
+    """Heads ``start .. start + count - 1`` of a head-major ``page`` of ``heads`` heads (each ``page.length / heads``
+    bytes, one contiguous run): the slice of it a stream between TP sizes moves."""
+    per_head = page.length // heads
+    return Segment(page.addr + start * per_head, count * per_head, page.block_stride, page.layer_start,
+                   page.num_layers, page.kv_index)
+
+
 def layer_rows(source_pages: Sequence[Segment], target_pages: Sequence[Segment],
                source_ids: Sequence[int] | np.ndarray, target_ids: Sequence[int] | np.ndarray, *,
                source_num_blocks: int, target_num_blocks: int, source_device: int = 0,

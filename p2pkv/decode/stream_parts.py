@@ -25,8 +25,8 @@ group's blocks after the previous group's
 
 Its request (:func:`post_stream`): a :class:`handshake.StreamRequest` with
 the grant, this rank's blocks (or staging), the prompt's digest and, when
-the load is verified (``verify_kv``: a stream of one KV cache group into
-this rank's own pages, whole), a request for the digest of what it WROTE, sent on
+the load is verified (``verify_kv``: a stream of one KV cache group), a
+request for the digest of what it WROTE, sent on
 the prefill rank's lane as a push request is (:meth:`p2pkv.decode.pushes.Pushes.send`);
 everything after it is a push's.
 """
@@ -104,8 +104,8 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
             return False
         counted = np.array([[0, stage.size, device_id]], dtype=np.uint64)
         transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, stage, readers=count))
-    if spec.stream_groups or any(p.stage is not None or p.head_slice is not None for p in transfer.parts):
-        transfer.verify = False  # verified KV checks a stream into this rank's own pages, whole, of one group
+    if spec.stream_groups:
+        transfer.verify = False  # verified KV checks a stream of one KV cache group (its digest's keys)
     return True
 
 

@@ -17,22 +17,26 @@ recomputes or fails the request by ``kv_load_failure_policy``. Never served.
 A layer stream's part has no rows here (its prefill rank plans them as it
 computes): its prefill rank digests each page of each destination block as
 it posts its WRITE and sends the combined digest in the stream's last word;
-this rank takes the same over its own pages once it landed. Only a stream of
-one KV cache group into this rank's own pages, whole, is checked
-(:func:`p2pkv.decode.stream_parts.plan_streams`): into staging or slices of
-heads it is not yet. KV caches in device memory are not either.
+this rank takes the same over the pages it landed in once it landed
+(:func:`stream_pages`: its own pages, a slice of heads of each, or its
+staging before the fixup). A stream of several KV cache groups is not
+checked yet (:func:`p2pkv.decode.stream_parts.plan_streams`), nor KV
+caches in device memory.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from handshake import KVLayoutDesc
 from p2pkv.dataplane.digest import digest_rows, pages_digest
-from p2pkv.dataplane.layers import pages_of
+from p2pkv.dataplane.layers import heads_of, page_segments, pages_of
+from p2pkv.dataplane.layout import Segment
+from p2pkv.dataplane.negotiate import page_bytes
 from p2pkv.decode.direction import Direction
 from p2pkv.decode.transfer import Part, Transfer
 
@@ -50,13 +54,33 @@ class Check(str, enum.Enum):
     """The producer answered without a digest (it could not compute one, or held nothing): fail closed."""
 
 
+def stream_pages(part: Part, desc: KVLayoutDesc) -> tuple[list[Segment], Sequence[int]]:
+    """Where a layer stream's part landed, as its prefill rank WROTE it: ``(pages, blocks)``, each page of each
+    block (the prefill rank's page ``i`` into page ``i``): into staging, the staging's pages in the prefill rank's
+    geometry and staging blocks ``0 ..``; a slice of heads, that slice of each of this rank's pages; else this
+    rank's pages whole; in the last two, the load's local blocks.
+
+    Args:
+        part: a layer stream's part (one KV cache group).
+        desc: this rank's KV layout.
+    """
+    if part.stage is not None:
+        pages = page_segments(list(part.stage.segments), page_bytes(part.peer.info.layout))
+        return pages, range(len(part.stage.read.remote_block_ids))
+    pages = pages_of(desc)
+    cut = part.head_slice
+    if cut is not None:
+        pages = [heads_of(page, desc.num_kv_heads, cut.local_head_start, cut.num_heads) for page in pages]
+    return pages, part.transfer.spec.local_block_ids
+
+
 def landed_rows(part: Part, desc: KVLayoutDesc) -> np.ndarray:
     """The rows ``part``'s bytes landed in: its local rows, or, for a layer stream (no rows here), one per page of
-    each of its blocks, in (page, block) order (uint64 ``[n, 3]``)."""
+    each of its blocks (:func:`stream_pages`), in (page, block) order (uint64 ``[n, 3]``)."""
     if part.direction is not Direction.STREAM:
         return part.local_descs
-    blocks = part.transfer.spec.local_block_ids
-    return np.array([[page.addr + block * page.block_stride, page.length, 0] for page in pages_of(desc)
+    pages, blocks = stream_pages(part, desc)
+    return np.array([[page.addr + block * page.block_stride, page.length, 0] for page in pages
                      for block in blocks], dtype=np.uint64).reshape(-1, 3)
 
 
@@ -73,7 +97,7 @@ def landed(part: Part, desc: KVLayoutDesc) -> None:
         p2pkv.dataplane.digest.DigestError: its rows cannot be digested (malformed, or not host memory).
     """
     if part.direction is Direction.STREAM:
-        part.landed_digest = pages_digest(pages_of(desc), part.transfer.spec.local_block_ids)
+        part.landed_digest = pages_digest(*stream_pages(part, desc))
     else:
         part.landed_digest = digest_rows(part.local_descs)
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from handshake import HeadSlice, KVLayoutDesc, KVRegion, StreamRequest
 from p2pkv.dataplane.agent import check_peer_info
-from p2pkv.dataplane.layers import page_segments
+from p2pkv.dataplane.layers import heads_of, page_segments
 from p2pkv.dataplane.layout import LayoutError, Segment
 from p2pkv.dataplane.negotiate import HEAD_MAJOR, page_bytes, remote_segments
 from p2pkv.dataplane.plan import PlanError, check_block_ids, check_rows_in_regions
@@ -121,18 +121,10 @@ def slice_sides(source: StreamSide, side: StreamSide, cut: HeadSlice) -> tuple[S
             for p, q in zip(source.pages, side.pages, strict=True)):
         return (f"head_slice: the decode rank's {len(side.pages)} pages per block are not this rank's "
                 f"{len(order)} in the same layer and K/V order with the same bytes per head; send staging_addrs")
-    mine = tuple(_heads(p, heads, cut.prefill_head_start, cut.num_heads) for p in source.pages)
-    theirs = tuple(_heads(p, their_heads, cut.decode_head_start, cut.num_heads) for p in side.pages)
+    mine = tuple(heads_of(p, heads, cut.prefill_head_start, cut.num_heads) for p in source.pages)
+    theirs = tuple(heads_of(p, their_heads, cut.decode_head_start, cut.num_heads) for p in side.pages)
     return (StreamSide(mine, source.num_blocks, source.device_id, source.segments, source.geometry),
             StreamSide(theirs, side.num_blocks, side.device_id, side.segments, side.geometry))
-
-
-def _heads(page: Segment, heads: int, start: int, count: int) -> Segment:
-    """Heads ``start .. start + count - 1`` of ``page``, one of ``heads`` heads (each ``page.length / heads``
-    bytes)."""
-    per_head = page.length // heads
-    return Segment(page.addr + start * per_head, count * per_head, page.block_stride, page.layer_start,
-                   page.num_layers, page.kv_index)
 
 
 @dataclass(frozen=True)
