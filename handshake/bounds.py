@@ -1,5 +1,6 @@
 """Upper bounds (bytes) of each side-channel message's msgpack encoding, derived from the field bounds of
-:mod:`handshake.messages`, and the largest message a server or client accepts (:data:`MAX_MESSAGE_BYTES`).
+:mod:`handshake.fields` and :mod:`handshake.messages`, and the largest message a server or client accepts
+(:data:`MAX_MESSAGE_BYTES`).
 
 msgspec writes a Struct as a map of its field names (and its tag); a str bounded in characters takes at most 4
 bytes per character (UTF-8).
@@ -7,17 +8,19 @@ bytes per character (UTF-8).
 
 from __future__ import annotations
 
-from handshake.messages import (
-    DIGEST_BYTES,
+from handshake.fields import (
     MAX_AGENT_METADATA_BYTES,
     MAX_COMPAT_CHARS,
-    MAX_HEARTBEAT_IDS,
     MAX_HOLD_BLOCK_IDS,
     MAX_ID_CHARS,
     MAX_NAME_CHARS,
-    MAX_PUSH_ROWS,
     MAX_REGIONS,
     MAX_WORD_CHARS,
+)
+from handshake.messages import (
+    DIGEST_BYTES,
+    MAX_HEARTBEAT_IDS,
+    MAX_PUSH_ROWS,
     ROW_BYTES,
 )
 

@@ -35,9 +35,9 @@ from handshake.errors import (
     MetadataDigestError,
     ProtocolVersionError,
 )
+from handshake.fields import MAX_TEXT_CHARS
 from handshake.messages import (
     MAX_ID_CHARS,
-    MAX_TEXT_CHARS,
     PROTOCOL_VERSION,
     AgentInfo,
     ErrorReply,

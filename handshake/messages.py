@@ -15,6 +15,26 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from handshake.fields import (
+    MAX_AGENT_METADATA_BYTES,
+    MAX_GROUP_BLOCK_IDS,
+    MAX_HOLD_BLOCK_IDS,
+    MAX_ID_CHARS,
+    MAX_KV_GROUPS,
+    MAX_NAME_CHARS,
+    MAX_READERS,
+    MAX_REGIONS,
+    BlockId,
+    CompatHash,
+    EchoedNonce,
+    Id,
+    Nonce,
+    Rank,
+    RefusalCode,
+    Text,
+    Word,
+)
+
 PROTOCOL_VERSION = 15
 """Bumped on any incompatible change to the Structs in this module. History:
 
@@ -52,74 +72,6 @@ PROTOCOL_VERSION = 15
   :class:`HoldsReply` their ``digests``; :class:`PushRequest` and :class:`StreamRequest` carry ``kv_digest``
   (the digest of what the WRITEs read asked for, in the "pushed" notification).
 """
-
-MAX_ID_CHARS = 256
-"""Longest engine id or request id on the wire (characters)."""
-
-MAX_NAME_CHARS = 512
-"""Longest NIXL agent name (characters; p2pkv's embed the engine id)."""
-
-MAX_WORD_CHARS = 64
-"""Longest layout name, attention layout, dtype or memory type (characters)."""
-
-MAX_COMPAT_CHARS = 16384
-"""Longest compatibility fingerprint (characters; p2pkv's are under 2048)."""
-
-MAX_TEXT_CHARS = 2048
-"""Longest refusal message or push reply message (characters)."""
-
-MAX_READERS = 1024
-"""Most decode ranks that may read one prefill rank's stream (a :class:`StreamRequest`'s ``readers``)."""
-
-MAX_KV_GROUPS = 16
-"""Most KV cache groups a :class:`StreamRequest` names (vLLM's hybrid models have two or three)."""
-
-MAX_GROUP_BLOCK_IDS = 1 << 16
-"""Most block ids one :class:`GroupBlocks` carries (a 1M-token prompt in blocks of 16 tokens), so that a
-:class:`StreamRequest` with every group stays within :data:`MAX_MESSAGE_BYTES`."""
-
-MAX_AGENT_METADATA_BYTES = 4 * 1024 * 1024
-"""Largest NIXL agent metadata (bytes). Measured with UCX: about 45 bytes per registered region over TCP
-(1024 regions: 45 KiB), more with RDMA and GPU keys; a worker registers one region per KV cache tensor and
-one for staging."""
-
-MAX_REGIONS = 4096
-"""Most memory regions one :class:`KVLayoutDesc` (and one ``staging`` list) describes."""
-
-MAX_HOLD_BLOCK_IDS = 1 << 20
-"""Most block ids one :class:`HoldQuery` or :class:`ReleaseHolds` carries, all its lists together: one
-request's hold at its largest (p2pkv's ``MAX_BLOCK_IDS``, every KV cache group), which a release must name
-whole. Senders split longer batches (:func:`handshake.client.query_holds`)."""
-
-Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
-"""Random bytes (16..64) a request carries and its reply echoes: a reply answers that request only, and a
-server refuses a nonce it has seen within its freshness window."""
-
-EchoedNonce = Annotated[bytes, msgspec.Meta(max_length=64)]
-"""A request's nonce echoed in a reply (empty only in a refusal of a request that did not decode)."""
-
-Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
-"""An engine id or request id."""
-
-Word = Annotated[str, msgspec.Meta(max_length=MAX_WORD_CHARS)]
-"""A layout name, dtype or memory type."""
-
-Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
-"""A human-readable message."""
-
-CompatHash = Annotated[str, msgspec.Meta(max_length=MAX_COMPAT_CHARS)]
-"""A compatibility fingerprint (:mod:`handshake.fingerprints`)."""
-
-Rank = Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)]
-"""A tensor-parallel rank."""
-
-BlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
-"""A KV block id (blocks of one engine fit in 31 bits)."""
-
-RefusalCode = Literal["malformed", "version", "incompatible", "unknown_rank", "too_large", "auth",
-                      "wrong_destination", "stale", "replayed", "internal"]
-"""Why a server refused a request (:class:`ErrorReply`); a closed set."""
-
 
 class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One registered memory region holding KV blocks.
@@ -278,7 +230,7 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="e
         field: the offending field (``""`` when not about one field; at most
             256 characters).
         message: human-readable explanation that names the fix (at most
-            :data:`MAX_TEXT_CHARS`).
+            :data:`handshake.fields.MAX_TEXT_CHARS`).
         nonce: the refused request's nonce (empty when it did not decode).
     """
 

@@ -30,6 +30,7 @@ from handshake import (
     query_holds,
 )
 from handshake import bounds as b
+from handshake import fields as f
 from handshake import messages as m
 from handshake.client import _hold_requests
 from handshake.codec import FRAME_BYTES, MAC_BYTES
@@ -53,15 +54,15 @@ def block_lists(total: int, lists: int) -> list[list[int]]:
 
 def largest_agent_info() -> AgentInfo:
     region = KVRegion(base_addr=BIG, length=BIG, device_id=BIG, layer_start=BIG, num_layers=BIG, kv_index=-BIG)
-    layout = KVLayoutDesc(kv_layout=WIDE * m.MAX_WORD_CHARS, attn_layout=WIDE * m.MAX_WORD_CHARS,
-                          dtype=WIDE * m.MAX_WORD_CHARS, num_layers=BIG, num_kv_heads=BIG, head_dim=BIG,
+    layout = KVLayoutDesc(kv_layout=WIDE * f.MAX_WORD_CHARS, attn_layout=WIDE * f.MAX_WORD_CHARS,
+                          dtype=WIDE * f.MAX_WORD_CHARS, num_layers=BIG, num_kv_heads=BIG, head_dim=BIG,
                           block_size=BIG, num_blocks=BIG, block_len=BIG, block_stride=BIG,
-                          mem_type=WIDE * m.MAX_WORD_CHARS, regions=[region] * m.MAX_REGIONS, total_num_kv_heads=BIG,
+                          mem_type=WIDE * f.MAX_WORD_CHARS, regions=[region] * m.MAX_REGIONS, total_num_kv_heads=BIG,
                           is_mla=True)
     metadata = b"m" * m.MAX_AGENT_METADATA_BYTES
     extra = {"staging": [region] * m.MAX_REGIONS} if "staging" in AgentInfo.__struct_fields__ else {}
     return AgentInfo(engine_id=WIDE * m.MAX_ID_CHARS, tp_rank=BIG, tp_size=BIG, agent_name=WIDE * m.MAX_NAME_CHARS,
-                     agent_metadata=metadata, metadata_digest=b"d" * 64, compat_hash=WIDE * m.MAX_COMPAT_CHARS,
+                     agent_metadata=metadata, metadata_digest=b"d" * 64, compat_hash=WIDE * f.MAX_COMPAT_CHARS,
                      layout=layout, **extra)
 
 
@@ -82,7 +83,7 @@ LARGEST = {
                                          target_rows=b"r" * (m.MAX_PUSH_ROWS * 24), window_s=3600.0),
                      b.PUSH_REQUEST_BYTES),
     "error": (lambda: ErrorReply(protocol_version=PROTOCOL_VERSION, code="internal", field=WIDE * m.MAX_ID_CHARS,
-                                 message=WIDE * m.MAX_TEXT_CHARS, nonce=b"n" * 64), b._FIXED + 1029 + 8197 + 69),
+                                 message=WIDE * f.MAX_TEXT_CHARS, nonce=b"n" * 64), b._FIXED + 1029 + 8197 + 69),
 }
 
 
@@ -117,7 +118,7 @@ def info_with(**fields: object) -> AgentInfo:
     (lambda: MetadataReply(protocol_version=PROTOCOL_VERSION, info=info_with(
         agent_metadata=b"m" * (m.MAX_AGENT_METADATA_BYTES + 1))), "info.agent_metadata"),
     (lambda: MetadataReply(protocol_version=PROTOCOL_VERSION,
-                           info=info_with(compat_hash="c" * (m.MAX_COMPAT_CHARS + 1))), "info.compat_hash"),
+                           info=info_with(compat_hash="c" * (f.MAX_COMPAT_CHARS + 1))), "info.compat_hash"),
     (lambda: MetadataReply(protocol_version=PROTOCOL_VERSION, info=info_with(layout=msgspec.structs.replace(
         make_agent_info(0).layout, regions=[KVRegion(base_addr=0, length=1)] * (m.MAX_REGIONS + 1)))),
      "info.layout.regions"),
@@ -126,7 +127,7 @@ def info_with(**fields: object) -> AgentInfo:
     (lambda: ReleaseHolds(**small_head(), request_ids=["a"] * (m.MAX_HEARTBEAT_IDS + 1),
                           block_ids=[[1]] * (m.MAX_HEARTBEAT_IDS + 1)), "request_ids"),
     (lambda: ErrorReply(protocol_version=PROTOCOL_VERSION, code="internal", field="f",
-                        message="x" * (m.MAX_TEXT_CHARS + 1)), "message"),
+                        message="x" * (f.MAX_TEXT_CHARS + 1)), "message"),
 ], ids=["agent_metadata", "compat_hash", "regions", "hold_block_ids", "hold_ids", "error_message"])
 def test_one_past_a_bound_is_refused_naming_the_field(msg: object, field: str) -> None:
     value = msg()  # type: ignore[operator]
