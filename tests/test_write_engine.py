@@ -10,12 +10,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
 
-from p2pkv.prefill.write_engine import IDLE_S, LINGER_S, Pace, WriteEngine, past_window
+from p2pkv.prefill.write_engine import (
+    IDLE_S,
+    LINGER_S,
+    NOTIFY_POLL_S,
+    NOTIFY_PROGRESS_S,
+    POLL_S,
+    Pace,
+    WriteEngine,
+    past_window,
+)
 
 
 class Recorder:
@@ -99,7 +107,8 @@ def test_a_call_wakes_an_idle_engine_at_once() -> None:
 
 
 def test_a_source_that_fails_its_turn_leaves_the_others_and_the_thread_running(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     class Broken(Recorder):
         def turn(self, now: float, stopping: bool) -> Pace:
             super().turn(now, stopping)
@@ -138,27 +147,29 @@ def test_a_notification_keeps_nixl_progressed_while_nothing_else_would() -> None
 
 def test_a_streams_last_word_lingers_briefly_and_a_failure_word_for_seconds() -> None:
     """After a stream's last word the engine turns fast for LINGER_S only (its decode agent's connection is up);
-    after a "push_failed" it keeps progressing NIXL for NOTIFY_PROGRESS_S (the agent may be loaded just now)."""
+    after a "push_failed" it keeps progressing NIXL for NOTIFY_PROGRESS_S (the agent may be loaded just now).
+    The decision is read on the engine's own windows at chosen instants, not by counting turns in wall time."""
     agent = Progressed()
     engine = WriteEngine(agent, None)  # type: ignore[arg-type]
-
-    def progressed_after(call: Callable[[], None]) -> tuple[int, int]:
-        """Progress calls within LINGER_S of ``call``, and over the 0.5 s from 2 × LINGER_S on."""
-        start = agent.calls
-        call()
-        time.sleep(LINGER_S)
-        first = agent.calls - start
-        time.sleep(LINGER_S)
-        start = agent.calls
-        time.sleep(0.5)
-        return first, agent.calls - start
-
     try:
-        time.sleep(0.1)
-        fast, later = progressed_after(engine.linger)
-        assert fast > 20, f"{fast} turns in the linger"
-        fast_n, later_n = progressed_after(engine.notified)
-        assert fast_n > 20 and later_n > 3 * max(later, 1), (later, later_n)
+        start = time.monotonic()
+        assert engine.sleep_s(Pace.IDLE, start) == IDLE_S
+        engine.linger()
+        assert engine.sleep_s(Pace.IDLE, start) == POLL_S
+        assert engine.sleep_s(Pace.WRITING, start) == POLL_S
+        after_linger = time.monotonic() + LINGER_S + 0.001
+        assert engine.sleep_s(Pace.IDLE, after_linger) == IDLE_S, "a last word lingers past LINGER_S"
+        engine.notified()
+        now = time.monotonic()
+        assert engine.sleep_s(Pace.IDLE, now) == POLL_S
+        assert engine.sleep_s(Pace.IDLE, now + LINGER_S + 0.001) == NOTIFY_POLL_S
+        assert engine.sleep_s(Pace.URGENT, now + LINGER_S + 0.001) == POLL_S, "a window never slows a source"
+        assert engine.sleep_s(Pace.IDLE, now + NOTIFY_PROGRESS_S + 0.001) == IDLE_S
+        calls = agent.calls
+        deadline = time.monotonic() + 10.0
+        while agent.calls < calls + 3 and time.monotonic() < deadline:  # the thread runs on these windows
+            time.sleep(0.01)
+        assert agent.calls >= calls + 3, "the engine's thread stopped progressing NIXL"
     finally:
         engine.close()
 

@@ -136,10 +136,18 @@ class WriteEngine:
         loader: loads them into NIXL and unloads them.
     """
 
-    def __init__(self, agent: NixlTransferAgent, secret: bytes | None, *, max_agents: int = MAX_AGENTS,
-                 agent_idle_s: float = AGENT_IDLE_S, on_start: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, poll_s: float = POLL_S,
-                 writes_poll_s: float = WRITES_POLL_S) -> None:
+    def __init__(
+        self,
+        agent: NixlTransferAgent,
+        secret: bytes | None,
+        *,
+        max_agents: int = MAX_AGENTS,
+        agent_idle_s: float = AGENT_IDLE_S,
+        on_start: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        poll_s: float = POLL_S,
+        writes_poll_s: float = WRITES_POLL_S,
+    ) -> None:
         self.agent = agent
         self.secret = secret
         self.clock = clock
@@ -196,8 +204,9 @@ class WriteEngine:
         reloaded) until :meth:`release_agent`; ``(False, why)`` when there is no room or NIXL refused it."""
         with self.lock:
             if not self.agents.has_room(identity):
-                return False, (f"{self.agents.max_agents} decode ranks already have WRITEs queued or in flight "
-                               "here (MAX_AGENTS)")
+                return False, (
+                    f"{self.agents.max_agents} decode ranks already have WRITEs queued or in flight here (MAX_AGENTS)"
+                )
             entry = self.agents.admit(identity)
             assert entry is not None  # has_room, under the same lock
             entry.streams += 1
@@ -238,13 +247,18 @@ class WriteEngine:
             pace = self._turn(stopping)
             if stopping and pace is Pace.IDLE:
                 return
-            now = time.monotonic()
-            if now < self._linger_until:
-                pace = Pace.URGENT
-            sleep_s = self._sleeps[pace]
-            if now < self._notify_until:
-                sleep_s = min(sleep_s, NOTIFY_POLL_S)
-            self._wake.wait(sleep_s)
+            self._wake.wait(self.sleep_s(pace, time.monotonic()))
+
+    def sleep_s(self, pace: Pace, now: float) -> float:
+        """How long the thread sleeps after a turn whose most pressing source asked ``pace``, at ``now``
+        (``time.monotonic()``, seconds): :data:`POLL_S` within a :meth:`linger`, at most :data:`NOTIFY_POLL_S`
+        within a :meth:`notified` window, else the pace's own sleep (seconds). Pure given the two windows."""
+        if now < self._linger_until:
+            pace = Pace.URGENT
+        sleep_s = self._sleeps[pace]
+        if now < self._notify_until:
+            sleep_s = min(sleep_s, NOTIFY_POLL_S)
+        return sleep_s
 
     def _turn(self, stopping: bool) -> Pace:
         """One turn: unload idle decode agents, every source's turn, then progress NIXL once."""
