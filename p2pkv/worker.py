@@ -37,6 +37,7 @@ from p2pkv.dataplane.stager import Stager
 from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.receiver import Receiver
 from p2pkv.decode.transfer import streams_only
+from p2pkv.faults import load_faults
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.notification import parse_done
 from p2pkv.prefill.hold_digests import HoldDigests
@@ -236,7 +237,7 @@ class WorkerSide:
         assert self.agent is not None and self.desc is not None and self.layout is not None
         secret = self._secret
         cpus = parse_cpus(self.config.transfer_cpus)
-        self.writes = WriteEngine(self.agent, secret,
+        self.writes = WriteEngine(self.agent, secret, faults=load_faults(),
                                   on_start=lambda: start_transfer_thread(mem_type, device_id, cpus))
         device = "cuda" if mem_type == "VRAM" else "cpu"
         self.pusher = Pusher(self.writes, self.holds, self.layout, device=device)

@@ -84,7 +84,7 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
                      settings={"secret": SECRET, "stream_min_tokens": 0})
     pf.start()
     d = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=1.0,
-                   handshake_retries=1)
+                   handshake_retries=1, verify_kv=True)  # no false mismatch under churn and preemption
     n_batches = -(-n_streams // BATCH)
     kill_batch = next(b for b in range(n_batches // 2 + 1, n_batches + 1) if b % FAULT_EVERY)
     counts: dict = dict(streams=0, completed=0, given_up=0, prefill_aborted=0, failed=0, late_destinations=0,
@@ -185,11 +185,12 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
                 pf.drain(0.01)
             assert not pf.unreleased(), f"batch {batch_no}: holds never released: {sorted(pf.unreleased())[:10]}"
         held = pf.stop()
+        checks = dict(d.worker.stats.data.get("kv_checks", {}))  # verified KV: every landed stream's check
     finally:
         d.close()
         pf.stop()
     counts.update(seconds=round(time.monotonic() - t_start, 1), seed=seed, kill_batch=kill_batch,
-                  held_at_end=len(held))
+                  held_at_end=len(held), kv_checks=checks)
     print("CHURN_STREAM " + json.dumps(counts, sort_keys=True))
     assert counts["hung"] == 0 and counts["reported_twice"] == 0, counts
     assert counts["completed"] + counts["failed"] + counts["given_up"] == counts["streams"] >= n_streams, counts
@@ -198,3 +199,8 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
     assert counts["failed"] == (counts["prefill_aborted"] + counts["failed_in_fault_batches"]
                                 + counts["failed_in_kill_batch"]), counts
     assert held == [], f"held at the end: {held[:10]}"
+    # Every stream handed over was verified, preempted ones computed again included; a check failed only where a
+    # fault or the kill explains it.
+    assert checks.get("stream:verified", 0) == counts["completed"], counts
+    explained = counts["failed_in_fault_batches"] + counts["failed_in_kill_batch"]
+    assert checks.get("stream:mismatch", 0) + checks.get("stream:missing", 0) <= explained, counts

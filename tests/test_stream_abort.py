@@ -351,3 +351,25 @@ def test_a_corrupted_stream_fails_its_load(monkeypatch: pytest.MonkeyPatch) -> N
         stats = decode.worker.stats.data
         assert stats["kv_checks"] == {"stream:mismatch": 1, "stream:verified": 1}
         assert stats["failures"] == {"digest_mismatch": 1}
+
+
+def test_a_dropped_stream_write_fails_its_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``P2PKV_FAULT_DROP_WRITE`` on the prefill rank, aimed at one request: each of its layers' WRITEs moves one
+    byte while its pages' digests are of what the WRITE was to move: the decode rank's digest differs, every
+    block is a load error (``digest_mismatch``); the next stream, not aimed at, is verified and lands whole."""
+    monkeypatch.setenv("P2PKV_FAULT_DROP_WRITE", "1")
+    monkeypatch.setenv("P2PKV_ALLOW_FAULTS", "1")
+    monkeypatch.setenv("P2PKV_FAULT_REQUESTS", "p-dropped")
+    with _pair(23, {"verify_kv": True}, stream_min_tokens=0) as pair:
+        prefill, decode = pair.prefill, pair.decode
+        for prefill_request, decode_request in (("p-dropped", "d-1"), ("p-kept", "d-2")):
+            step = _started(pair, prefill_request, decode_request)
+            for layer in range(LAYERS):
+                prefill.save_kv_layer(f"layers.{layer}", step)
+            prefill.wait_for_save()
+            assert not decode.pump({decode_request}, 10.0)
+            assert decode.take_errors() == (set(TARGET) if decode_request == "d-1" else set())
+        assert torch.equal(decode.base[list(TARGET)], pair.source[list(SOURCE)])  # the second stream's, whole
+        stats = decode.worker.stats.data
+        assert stats["kv_checks"] == {"stream:mismatch": 1, "stream:verified": 1}
+        assert stats["failures"] == {"digest_mismatch": 1}

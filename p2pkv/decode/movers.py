@@ -159,6 +159,8 @@ class ReadMover(Mover):
         self.fence = fence
         self.quarantine_s = quarantine_s
         self.faults = faults
+        self._held_back: dict[int, float] = {}
+        """``id(part)`` → ``time.monotonic()`` until which a landed READ is reported in flight (``delay_read``)."""
 
     def post(self, part: Part) -> None:
         local, remote = part.local_descs, part.remote_descs
@@ -177,14 +179,31 @@ class ReadMover(Mover):
             part.handle, part.live = None, False  # NIXL released it
             release_stage(self.stager, part)
             return ReadEvent.FAILED, exc
-        if not done:
+        if not done or self._delayed(part, now):
             return ReadEvent.IN_FLIGHT, None
         return land(self.stager, part, now, part.handle.num_bytes, part.handle.num_descriptors, self.faults)
+
+    def _delayed(self, part: Part, now: float) -> bool:
+        """Whether ``part``'s landed READ is still held back by an injected ``delay_read`` (drawn once, when it
+        is first seen landed)."""
+        if self.faults is None or not self.faults.delay_read:
+            return False
+        until = self._held_back.get(id(part))
+        if until is None:
+            delay = self.faults.delay(part.transfer.request_id)
+            if not delay:
+                return False
+            until = self._held_back[id(part)] = now + delay
+        if now < until:
+            return True
+        del self._held_back[id(part)]
+        return False
 
     def landed(self, part: Part) -> None:
         self.fence.add(part, Phase.AFTER)
 
     def give_up(self, part: Part, now: float) -> tuple[float | None, float]:
+        self._held_back.pop(id(part), None)
         if self.agent.cancel(part.handle):
             return None, self.quarantine_s
         return now + self.quarantine_s, self.quarantine_s
@@ -196,6 +215,7 @@ class ReadMover(Mover):
             return True
 
     def stop(self, part: Part) -> None:
+        self._held_back.pop(id(part), None)
         self.agent.cancel(part.handle)
 
 

@@ -62,6 +62,7 @@ from p2pkv.prefill.write_engine import past_window
 if TYPE_CHECKING:
     from p2pkv.dataplane.agent import XferHandle
     from p2pkv.dataplane.layout import Segment
+    from p2pkv.faults import Faults
 
 logger = logging.getLogger(__name__)
 
@@ -224,6 +225,8 @@ class LayerStream:
         clock: monotonic seconds (tests pass a fake).
         bulk: post nothing before :meth:`finish`, then every layer in one WRITE (a prompt too short for a WRITE
             per layer to pay: ``stream_min_tokens``); the destination, checks and notification are a stream's.
+        faults: the operator's injected faults applied to its WRITEs (the rank's
+            :attr:`p2pkv.prefill.write_engine.WriteEngine.faults`; None: none).
         state: where the stream is.
         failure: why it stopped (None: it has not).
         counters: what it did.
@@ -236,6 +239,7 @@ class LayerStream:
     secret: bytes | None = None
     clock: Callable[[], float] = time.monotonic
     bulk: bool = False
+    faults: Faults | None = None
     state: StreamState = field(default=StreamState.WAITING, init=False)
     failure: str | None = field(default=None, init=False)
     counters: StreamCounters = field(default_factory=StreamCounters, init=False)
@@ -392,6 +396,8 @@ class LayerStream:
         target = np.concatenate([r.target for r in rows])
         last = self._finished and not self._waiting and not self._inflight
         note = encode_pushed(self._landed_note(), self.secret) if last else b""
+        if self.faults is not None:  # an operator's injected fault may drop most of the WRITE
+            source, target = self.faults.write_rows(source, target, self.request_id)
         xfer = self.writer.start_write(self._target.agent, source, target, note)
         self._inflight.append((xfer, frozenset((chunk.layer, chunk.group) for chunk in ready)))
         self._notify_with_write = last

@@ -173,7 +173,8 @@ class PrefillStreams(StreamDestinations, StreamReleases):
         if (grant_ends := self._admits.open(chunk.request_id, chunk.stream_id)) is None:
             return
         bulk = chunk.loaded_tokens < self._min_tokens
-        stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret, self._clock, bulk=bulk)
+        stream = LayerStream(chunk.request_id, self.source, self.agent, self._secret, self._clock, bulk=bulk,
+                             faults=self.engine.faults)
         self.poster.add(chunk.request_id, stream, keep=True)
         self._live[chunk.request_id] = LiveRequest(chunk.stream_id, chunk.prompt_digest, chunk.loaded_tokens, bulk,
                                              grant_ends=grant_ends)

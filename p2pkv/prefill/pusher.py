@@ -258,8 +258,11 @@ class Pusher:
         job finished as failed) when NIXL refused it."""
         digest = digest_rows(job.source_rows) if job.digest else b""
         notif = encode_pushed(PushedNotification(job.push_id, True, digest=digest), self.engine.secret)
+        source, target = job.source_rows, job.target_rows
+        if self.engine.faults is not None:  # an operator's injected fault may drop most of the WRITE
+            source, target = self.engine.faults.write_rows(source, target, job.request_id)
         try:
-            job.handle = self.engine.agent.start_write(job.agent_name, job.source_rows, job.target_rows, notif)
+            job.handle = self.engine.agent.start_write(job.agent_name, source, target, notif)
         except Exception as exc:
             self._finish(agent, job, f"WRITE could not start: {exc}", broken=True)
             return False

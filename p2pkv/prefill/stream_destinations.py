@@ -146,7 +146,7 @@ class StreamDestinations:
         else:
             live.streams += 1
             self.poster.fork(request_id, LayerStream(request_id, self.source, self.agent, self._secret, self._clock,
-                                                     bulk=live.bulk), dest.target)
+                                                     bulk=live.bulk, faults=self.engine.faults), dest.target)
         if (dest.num_tokens, dest.digest) != (live.loaded_tokens, live.digest):
             self.poster.abort_one(request_id, dest.target.agent, f"the decode engine loads {dest.num_tokens} prompt "
                                   f"tokens of another prompt than the {live.loaded_tokens} this engine computed "

@@ -44,6 +44,7 @@ from p2pkv.prefill.loading import DecodeAgentLoader
 if TYPE_CHECKING:
     from handshake import AgentInfo
     from p2pkv.dataplane.agent import NixlTransferAgent
+    from p2pkv.faults import Faults
 
 __all__ = ["AGENT_IDLE_S", "MAX_AGENTS", "POLL_S", "Pace", "WriteEngine", "WriteSource", "past_window"]
 
@@ -128,6 +129,8 @@ class WriteEngine:
         clock: monotonic clock in seconds for windows and idle times (``time.monotonic``; tests pass a fake);
             the thread's own pacing uses ``time.monotonic``.
         poll_s: :data:`POLL_S`, writes_poll_s: :data:`WRITES_POLL_S` (seconds; tests slow them).
+        faults: the operator's injected faults every source applies to its WRITEs
+            (:meth:`p2pkv.faults.Faults.write_rows`; None: none).
 
     Attributes:
         lock: guards :attr:`agents` and their entries (held only around reads and writes of them, never around a
@@ -147,8 +150,10 @@ class WriteEngine:
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = POLL_S,
         writes_poll_s: float = WRITES_POLL_S,
+        faults: Faults | None = None,
     ) -> None:
         self.agent = agent
+        self.faults = faults if faults is not None and faults.drop_write else None
         self.secret = secret
         self.clock = clock
         self.lock = threading.Lock()
