@@ -354,6 +354,10 @@ def fresh_decode(agents: Agents) -> Iterator[tuple[NixlTransferAgent, AgentInfo]
         agent.close()
 
 
+WINDOW_S = 2.0
+"""The late push's window (seconds): long enough for a loaded host's side channel to accept it first."""
+
+
 def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(
         push_server: Prefill, agents: Agents, fresh_decode: tuple[NixlTransferAgent, AgentInfo]) -> None:
     """Queued behind a held-back pusher past its ``window_s``: never written, a "push_failed" note, unpinned,
@@ -367,12 +371,12 @@ def test_a_push_that_misses_its_window_is_dropped_unpinned_and_reported(
     try:
         wire = [descs(layout, [6]).astype("<u8").tobytes() for layout in (agents.layout, agents.decode_layout)]
         reply = request_push(Destination(HOST, push_server.server.port, ENGINE, 0), "late", [6], PID, decode_info,
-                             wire[0], wire[1], 0.2, "decode-engine", secret=KEY, timeout_s=5.0)
+                             wire[0], wire[1], WINDOW_S, "decode-engine", secret=KEY, timeout_s=5.0)
         assert reply.status == "accepted"
         assert holds.on_release(["late"], [[6]]) == 1
         stats = {"leases_expired": 0, "leases_notified": 0}
         assert holds.released([], stats) == set(), "released while a WRITE from it was queued"
-        time.sleep(0.3)
+        time.sleep(WINDOW_S + 0.1)
     finally:
         del pusher._post_in_turn
     pusher.engine.wake()

@@ -90,6 +90,7 @@ def refused_at_handshake(prefill: PrefillProc, request_id: str, change: Callable
         assert run_until_received(worker, "d-1") == {1, 2}
         assert torch.count_nonzero(next(iter(views.values()))) == 0
         assert worker.receiver.peers.peers == {}
+        released_once_not_expired(prefill, request_id)  # before the worker closes: closing cancels the release
     finally:
         worker.shutdown()
 
