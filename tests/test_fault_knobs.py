@@ -108,20 +108,22 @@ def _load(worker: WorkerSide, decode_request: str, prefill_request: str, port: i
     return errors, worker.take_stats() or {}
 
 
-def _caught_then_unharmed(prefill: PrefillProc, mode: str, bad: tuple[str, str], good: tuple[str, str]) -> None:
+def _caught_then_unharmed(prefill: PrefillProc, mode: str, bad: tuple[str, str], good: tuple[str, str]
+                          ) -> tuple[dict, dict]:
     """A verified ``mode`` load of ``bad`` (decode request, prefill request) fails as a digest mismatch, its hold
-    freed; then one of ``good`` is verified and lands the prefill's bytes, its hold freed."""
+    freed; then one of ``good`` is verified and lands the prefill's bytes, its hold freed. The two loads'
+    ``kv_checks`` counts."""
     _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
     worker = _decode(mode, verify_kv=True)
     worker.register_kv_caches(views, NUM_BLOCKS)
     try:
-        errors, stats = _load(worker, *bad, prefill.port)
-        assert errors == set(LOCAL) and stats["failures"] == {"digest_mismatch": 1}
-        assert stats["kv_checks"] == {f"{mode}:mismatch": 1}
+        errors, caught = _load(worker, *bad, prefill.port)
+        assert errors == set(LOCAL) and caught["failures"] == {"digest_mismatch": 1}
         released_once_not_expired(prefill, bad[1], timeout_s=30)
-        errors, stats = _load(worker, *good, prefill.port)
-        assert errors == set() and stats["kv_checks"] == {f"{mode}:verified": 1} and _landed_as_sent(views)
+        errors, unharmed = _load(worker, *good, prefill.port)
+        assert errors == set() and _landed_as_sent(views)
         released_once_not_expired(prefill, good[1], timeout_s=30)
+        return caught["kv_checks"], unharmed["kv_checks"]
     finally:
         worker.shutdown()
 
@@ -140,7 +142,8 @@ def test_a_stale_read_is_caught_and_the_next_read_is_unharmed(prefill: PrefillPr
     prefill.lease(["stale-bad", "stale-good"])
     for name, value in {"P2PKV_FAULT_STALE_READ": "1", "P2PKV_FAULT_REQUESTS": "d-stale", **ALLOW}.items():
         monkeypatch.setenv(name, value)
-    _caught_then_unharmed(prefill, "pull", ("d-stale", "stale-bad"), ("d-next", "stale-good"))
+    checks = _caught_then_unharmed(prefill, "pull", ("d-stale", "stale-bad"), ("d-next", "stale-good"))
+    assert checks == ({"pull:mismatch": 1}, {"pull:verified": 1})
 
 
 def test_without_the_check_a_stale_read_is_served(prefill: PrefillProc, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,4 +206,5 @@ def test_a_dropped_push_write_is_caught_and_the_next_push_is_unharmed(prefill: P
     digest of the whole rows: the decode rank's digest of what landed differs, the load fails (never served) and
     the hold is freed; the next push, not aimed at, is verified and lands whole."""
     prefill.lease(["dropped-push", "kept-push"])
-    _caught_then_unharmed(prefill, "push", ("d-1", "dropped-push"), ("d-2", "kept-push"))
+    checks = _caught_then_unharmed(prefill, "push", ("d-1", "dropped-push"), ("d-2", "kept-push"))
+    assert checks == ({"push:mismatch": 1}, {"push:verified": 1})
