@@ -18,7 +18,7 @@ from handshake.fields import (
     MAX_WORD_CHARS,
 )
 from handshake.messages import (
-    DIGEST_BYTES,
+    KV_DIGEST_BYTES,
     MAX_HEARTBEAT_IDS,
     MAX_PUSH_ROWS,
     ROW_BYTES,
@@ -59,8 +59,8 @@ HOLD_REQUEST_BYTES = (_REQUEST + _blob(MAX_HEARTBEAT_IDS * _text(MAX_ID_CHARS))
 15,793,246 (15.06 MiB)."""
 
 HOLDS_REPLY_BYTES = (_FIXED + 4 * _blob(MAX_HEARTBEAT_IDS * _text(MAX_ID_CHARS)) + _blob(64)
-                     + _blob(MAX_HEARTBEAT_IDS * (DIGEST_BYTES + 5)))
-"""The largest :class:`HoldsReply`: four lists of 4096 ids, 4096 digests: 16,913,502 (16.13 MiB)."""
+                     + _blob(MAX_HEARTBEAT_IDS * (KV_DIGEST_BYTES + 5)))
+"""The largest :class:`HoldsReply`: four lists of 4096 ids, 4096 digests of 264 bytes: 17,962,078 (17.13 MiB)."""
 
 PUSH_REQUEST_BYTES = (_REQUEST + _text(MAX_ID_CHARS) + _blob(5 * MAX_HOLD_BLOCK_IDS) + _blob(32) + AGENT_INFO_BYTES
                       + 2 * _blob(MAX_PUSH_ROWS * 24))

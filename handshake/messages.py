@@ -35,7 +35,7 @@ from handshake.fields import (
     Word,
 )
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -71,6 +71,8 @@ PROTOCOL_VERSION = 15
 * 15: verified KV: :class:`HoldQuery` may carry ``digest_rows`` (the rows a READ reads, per request) and
   :class:`HoldsReply` their ``digests``; :class:`PushRequest` and :class:`StreamRequest` carry ``kv_digest``
   (the digest of what the WRITEs read asked for, in the "pushed" notification).
+* 16: a KV digest carries, after its :data:`DIGEST_BYTES`, the digests of up to :data:`DIGEST_BUCKETS` buckets of
+  what it covers (:data:`BUCKET_BYTES` each): where a mismatch lies, named in the log by layer and block.
 """
 
 class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -260,10 +262,19 @@ Rows = Annotated[bytes, msgspec.Meta(max_length=MAX_PUSH_ROWS * ROW_BYTES)]
 """Descriptor rows: uint64 ``[n, 3]`` ``(addr, bytes, device_id)``, little-endian, row-major (``n * 24`` bytes)."""
 
 DIGEST_BYTES = 8
-"""Bytes of one KV digest (:mod:`p2pkv.dataplane.digest`)."""
+"""Bytes of the digest of everything a KV digest covers (:mod:`p2pkv.dataplane.digest`)."""
 
-KVDigest = Annotated[bytes, msgspec.Meta(max_length=DIGEST_BYTES)]
-"""A KV digest of :data:`DIGEST_BYTES` bytes, or ``b""``: none."""
+DIGEST_BUCKETS = 64
+"""Most buckets a KV digest cuts what it covers into (consecutive rows or pieces), each digested apart."""
+
+BUCKET_BYTES = 4
+"""Bytes of one bucket's digest on the wire (it only locates a mismatch; :data:`DIGEST_BYTES` decide it)."""
+
+KV_DIGEST_BYTES = DIGEST_BYTES + DIGEST_BUCKETS * BUCKET_BYTES
+"""Largest KV digest: the whole's and every bucket's (264 bytes)."""
+
+KVDigest = Annotated[bytes, msgspec.Meta(max_length=KV_DIGEST_BYTES)]
+"""A KV digest (:data:`DIGEST_BYTES` bytes, then :data:`BUCKET_BYTES` per bucket), or ``b""``: none."""
 
 
 def _check_block_ids(block_ids: list[list[int]]) -> None:
@@ -367,7 +378,7 @@ class HoldsReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="h
         request_ids: the request's ids, echoed.
         nonce: the request's nonce, echoed.
         digests: a :class:`HoldQuery` with ``digest_rows``: one per request id, the digest of its rows
-            (:data:`DIGEST_BYTES` bytes), or ``b""`` (none asked, not held, or rows outside the held blocks).
+            (:data:`KVDigest`), or ``b""`` (none asked, not held, or rows outside the held blocks).
     """
 
     protocol_version: int

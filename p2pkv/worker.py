@@ -23,6 +23,7 @@ from handshake import AgentInfo, HandshakeServer, KVLayoutDesc, compute_digest
 from p2pkv.config import P2pKvConfig, Role
 from p2pkv.dataplane.agent import NixlTransferAgent, unique_agent_name
 from p2pkv.dataplane.digest import check_host
+from p2pkv.dataplane.layers import groups_by_layer
 from p2pkv.dataplane.layout import (
     KVLayout,
     LayoutError,
@@ -205,7 +206,8 @@ class WorkerSide:
         stager = self._stager = Stager(self.agent, tensors, self.layout, self.desc,
                                        int(self.config.staging_mib * 2**20))
         if self.role != "prefill":  # a prefill rank loads nothing
-            rank = LocalRank(self.engine_id, self.tp_rank, self.tp_size, self.layout, self.desc, device_id)
+            groups = groups_by_layer(layer_indices(tensors), layer_groups or {}, state_groups)
+            rank = LocalRank(self.engine_id, self.tp_rank, self.tp_size, self.layout, self.desc, device_id, groups)
             self.receiver = Receiver(rank, self.config, self.agent, stager, self.compat_hash, self.stats, m,
                                      secret=self._secret)
             self.receiver.pushes.make_info = self._agent_info

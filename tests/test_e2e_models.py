@@ -308,17 +308,20 @@ def test_each_kind_streams_layer_by_layer(kind_pair, slow_client) -> None:
     measured threshold, tokens equal to one engine's: the sliding-window model its window's blocks, MLA every
     block, the interleaved-window model (two KV cache groups) its full-attention group's blocks and its window
     group's in-window ones, the hybrid model (attention and Mamba groups) its attention blocks and its SSM state
-    block, which goes after the prompt's last step; the bytes are the pull's; the prefill engine holds nothing
-    afterwards. The interleaved-window pair also streams a 600-token prompt in 3 chunks, its window group's
-    blocks freed between them."""
+    block, which goes after the prompt's last step; the bytes are the pull's; each stream verified (``verify_kv``:
+    each page's blocks of every KV cache group in it); the prefill engine holds nothing afterwards. The
+    interleaved-window pair also streams a 600-token prompt in 3 chunks, its window group's blocks freed between
+    them."""
     kind, pair, stats, _, _ = kind_pair
     url, proxy = start_mode_proxy(pair, "stream")
+    verified = ("p2pkv:kv_checks_total{", 'direction="stream"', 'outcome="verified"')
     try:
         demo.complete(slow_client, url, prompt_of(30 + 3000)[:30], max_tokens=2)  # pushed: the proxy learns the address
         # 150: over stream_min_tokens' measured 128 for these engines' per-layer caches
         for length in (150, 600) if kind == "interleaved-window" else (150,):
             prompt = prompt_of(length + 3000)[:length]
             before = len(demo.read_pull_stats(stats))
+            checked = metric_sum(slow_client, pair.url("decode"), *verified)
             got = demo.complete(slow_client, url, prompt, max_tokens=8)
             ref = demo.complete(slow_client, pair.url("prefill"), prompt, max_tokens=8)
             assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE[kind]
@@ -326,6 +329,7 @@ def test_each_kind_streams_layer_by_layer(kind_pair, slow_client) -> None:
             blocks = pulled_blocks(kind, length)
             assert [(p["direction"], p["blocks"], p["bytes"]) for p in pulls] == [
                 ("stream", blocks, blocks * BLOCK_BYTES[kind])]
+            assert wait_metric_above(slow_client, pair.url("decode"), checked, *verified) == checked + 1
             assert demo.wait_blocks_released(slow_client, pair.url("prefill"), timeout_s=30) == 0.0
     finally:
         stop_children([proxy])

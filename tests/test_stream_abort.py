@@ -35,6 +35,7 @@ stream from the rank's next incarnation lands whole.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -334,16 +335,19 @@ def test_a_verified_stream_is_checked_against_what_the_prefill_wrote(chunks: int
 
 
 @pytest.mark.parametrize("fault", ["CORRUPT_LANDED", "DROP_WRITE"])
-def test_a_corrupted_or_dropped_stream_fails_its_load(fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_corrupted_or_dropped_stream_fails_its_load(fault: str, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     """A fault knob aimed at one request: ``CORRUPT_LANDED`` overwrites its first page as it lands (decode rank);
     ``DROP_WRITE`` posts each of its WRITEs as one byte, its pages' digests still of what the WRITE was to move
     (prefill rank). The digests differ, every block is a load error (``digest_mismatch``), and the next stream,
-    not aimed at, is verified and lands whole."""
+    not aimed at, is verified and lands whole. The log names where the bytes differ: layer 0's page of the first
+    block at least (the one a corrupted landing overwrites, and the first a dropped WRITE leaves unwritten)."""
     monkeypatch.setenv(f"P2PKV_FAULT_{fault}", "1")
     monkeypatch.setenv("P2PKV_ALLOW_FAULTS", "1")
     monkeypatch.setenv("P2PKV_FAULT_REQUESTS", "-bad")
     with _pair(22, {"verify_kv": True}, stream_min_tokens=0) as pair:
         prefill, decode = pair.prefill, pair.decode
+        caplog.set_level(logging.WARNING, logger="p2pkv")
         for prefill_request, decode_request in (("p-bad", "d-bad"), ("p-good", "d-good")):
             step = _started(pair, prefill_request, decode_request)
             for layer in range(LAYERS):
@@ -355,3 +359,5 @@ def test_a_corrupted_or_dropped_stream_fails_its_load(fault: str, monkeypatch: p
         stats = decode.worker.stats.data
         assert stats["kv_checks"] == {"stream:mismatch": 1, "stream:verified": 1}
         assert stats["failures"] == {"digest_mismatch": 1}
+        [line] = [r.getMessage() for r in caplog.records if "KV digest mismatch" in r.getMessage()]
+        assert f"differs at layer 0, block{'s' if fault == 'DROP_WRITE' else ''} {TARGET[0]}" in line

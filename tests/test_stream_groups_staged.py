@@ -47,11 +47,12 @@ def _workers(engine: str, side: Side, port: int, full: list[int] | None = None, 
              tokens: int = 0) -> Workers:
     """One worker per rank of ``side`` for a model of two KV cache groups sharing each tensor (``full.i`` and
     ``window.i``), its cache holding the codes of ``tokens`` prompt tokens: the full group's in ``full``, the
-    window group's from prompt block :data:`WINDOW_FIRST` in ``window``."""
+    window group's from prompt block :data:`WINDOW_FIRST` in ``window``; a decode engine verifies what lands
+    (``verify_kv``)."""
     out = []
     for rank in range(side.tp_size):
         config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, staging_mib=4, secret=SECRET,
-                             stream_min_tokens=0)
+                             stream_min_tokens=0, verify_kv=engine == "decode")
         info = dataclasses.replace(model_info(side, rank), kv_groups=2)
         worker = WorkerSide(engine, config, rank, side.tp_size, "127.0.0.1", port + rank, "compat", info)
         base, views = make_cache(side, rank, "cpu", full, tokens)
@@ -69,7 +70,8 @@ def test_a_grouped_stream_between_engines_whose_pages_differ_lands_each_group_in
     """A 60-token prompt (4 blocks of 16): the full group's 4 blocks and the window group's blocks of prompt
     blocks 2 and 3 stream from every prefill rank into every decode rank's staging, then into its blocks of the
     same group, or, across TP sizes, each rank's heads straight into its blocks of the same group; whole blocks
-    either way (as a pull of such a model moves them)."""
+    either way (as a pull of such a model moves them). Every part is verified (``verify_kv``): each page's
+    digests of both groups' blocks, taken apart, agree on both sides."""
     prefill_side, decode_side, how = ROWS[row]
     tokens = 60
     loaded = tokens - 1
@@ -96,6 +98,7 @@ def test_a_grouped_stream_between_engines_whose_pages_differ_lands_each_group_in
         forward_streamed(prefills, granted.step)
         for rank, (decode, base, _) in enumerate(decodes):
             stats = streamed_stats(decode, rank, how, deadline)
+            assert set(stats.get("kv_checks", {})) == {"stream:verified"}, f"decode rank {rank}"
             if how == "paged":  # sliced: this rank's blocks of both groups, and nothing more
                 block_bytes = decode.receiver.rank.layout.block_bytes
                 assert stats.get("pull_bytes") == [len(full_local + window_local) * block_bytes]

@@ -17,10 +17,21 @@ import pytest
 import torch
 import xxhash
 
-from handshake.messages import DIGEST_BYTES
+from handshake.messages import BUCKET_BYTES, DIGEST_BUCKETS, DIGEST_BYTES
 from p2pkv.config import ConfigError
-from p2pkv.dataplane.digest import DigestError, check_host, digest_rows, merged_ranges
-from p2pkv.dataplane.layout import describe_torch_kv_caches
+from p2pkv.dataplane.digest import (
+    DigestError,
+    bucket_items,
+    check_host,
+    combine,
+    differing_items,
+    digest_rows,
+    merged_ranges,
+    page_block_digest,
+    pages_digest,
+)
+from p2pkv.dataplane.layers import groups_by_layer
+from p2pkv.dataplane.layout import Segment, describe_torch_kv_caches
 from p2pkv.decode import fence
 from p2pkv.decode.transfer import Part
 from p2pkv.decode.verify import Check, judge
@@ -40,19 +51,57 @@ def _rows(*ranges: tuple[int, int]) -> np.ndarray:
 
 
 def test_a_digest_is_the_bytes_in_row_order() -> None:
-    """XXH3-64 of the rows' bytes, in order: rows cut differently over the same bytes agree (touching rows are
-    one range), another order or one byte changed disagree."""
+    """XXH3-64 of the rows' bytes, in order, bucket by bucket (one row each here), then each bucket's: touching
+    rows of one bucket are one range; another order or one byte changed disagree."""
     data = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
     a = data.data_ptr()
+    raw = data.numpy()
     whole = digest_rows(_rows((a, 300), (a + 1000, 40)))
-    assert whole == xxhash.xxh3_64(data.numpy()[:300].tobytes() + data.numpy()[1000:1040].tobytes()).digest()
-    assert len(whole) == DIGEST_BYTES
-    assert digest_rows(_rows((a, 100), (a + 100, 200), (a + 1000, 40))) == whole
+    parts = [xxhash.xxh3_64(raw[:300].tobytes()).digest(), xxhash.xxh3_64(raw[1000:1040].tobytes()).digest()]
+    assert whole == xxhash.xxh3_64(b"".join(parts)).digest() + parts[0][:BUCKET_BYTES] + parts[1][:BUCKET_BYTES]
+    assert len(whole) == DIGEST_BYTES + 2 * BUCKET_BYTES
     assert merged_ranges(_rows((a, 100), (a + 100, 200), (a + 1000, 40)))[1].tolist() == [300, 40]
+    assert merged_ranges(_rows((a, 100), (a + 100, 200)), np.array([0, 1]))[1].tolist() == [100, 200]
     assert digest_rows(_rows((a + 1000, 40), (a, 300))) != whole  # the same bytes, landed in other places
     data[5] += 1
     assert digest_rows(_rows((a, 300), (a + 1000, 40))) != whole
     assert digest_rows(np.zeros((0, 3), dtype=np.uint64)) == xxhash.xxh3_64(b"").digest()
+
+
+def test_a_mismatch_is_located_by_the_buckets_that_differ() -> None:
+    """Rows cut into at most 64 buckets of consecutive rows: one byte changed in row 100 of 200 changes only its
+    bucket (rows 100-103), many rows one bucket each; a digest without buckets locates nothing finer."""
+    data = torch.zeros(200 * 64, dtype=torch.uint8)
+    rows = _rows(*[(data.data_ptr() + 64 * i, 32) for i in range(200)])
+    sent = digest_rows(rows)
+    assert len(sent) == DIGEST_BYTES + DIGEST_BUCKETS * BUCKET_BYTES
+    assert bucket_items(200)[[0, 3, 4, 100, 103, 199]].tolist() == [0, 0, 1, 32, 32, 63]
+    data[64 * 101 + 7] = 1
+    landed = digest_rows(rows)
+    assert landed[:DIGEST_BYTES] != sent[:DIGEST_BYTES]
+    assert differing_items(sent, landed, 200) == [range(100, 104)]
+    assert differing_items(sent[:DIGEST_BYTES], landed, 200) == [range(200)]
+    assert differing_items(digest_rows(rows[99:102]), digest_rows(rows[100:103]), 3) == [range(1, 2), range(2, 3)]
+
+
+def test_a_streams_digest_tells_each_groups_blocks_in_a_page_apart() -> None:
+    """A layer of vLLM's hybrid KV cache holds blocks of several KV cache groups in one page (tensors shared):
+    the digest the decode rank takes over each page's groups' blocks equals the prefill rank's pieces keyed by
+    (page, group, block) whatever order they came in, and differs when two groups' blocks landed swapped."""
+    data = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
+    pages = [Segment(data.data_ptr(), 64, 256, 0, 1, 0), Segment(data.data_ptr() + 128, 64, 256, 0, 1, 1)]
+    landed = [{0: [1, 2], 1: [5]}, {0: [1, 2], 1: [5]}]
+    sent = {(i, g, j): page_block_digest(pages[i], block) for i in (1, 0) for g, ids in ((1, [5]), (0, [1, 2]))
+            for j, block in enumerate(ids)}
+    assert pages_digest(pages, landed) == combine(sent)
+    assert pages_digest(pages, [{0: [1, 5], 1: [2]}, landed[1]]) != combine(sent)
+
+
+def test_each_layers_pages_hold_its_attention_groups_blocks_and_every_state_groups() -> None:
+    layer_of = {"full.0": 0, "window.0": 0, "full.1": 1, "window.1": 1}
+    group_of = {"full.0": 0, "window.0": 1, "full.1": 0, "window.1": 1, "mamba.0": 2}
+    assert groups_by_layer(layer_of, group_of, frozenset({2})) == {0: (0, 1, 2), 1: (0, 1, 2)}
+    assert groups_by_layer({"layers.0": 0, "layers.1": 1}, {}, frozenset()) == {0: (0,), 1: (0,)}
 
 
 @pytest.mark.parametrize("rows", [np.zeros((2, 2), dtype=np.uint64), _rows((4096, 0)), _rows((0, 16)),
@@ -189,8 +238,9 @@ def test_a_corrupted_landing_fails_its_load_and_the_next_is_unharmed(prefill: Pr
                                                                     monkeypatch: pytest.MonkeyPatch,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """A part's bytes overwritten as it lands (the operator's fault knob): the digests differ, the load fails
-    (``digest_mismatch``, every block a load error, counted by direction, logged naming the request and both
-    digests) and the prefill engine frees its hold; the next request, nothing injected, is verified and lands."""
+    (``digest_mismatch``, every block a load error, counted by direction, logged naming the request, the layer
+    and blocks where the bytes differ, and both digests) and the prefill engine frees its hold; the next
+    request, nothing injected, is verified and lands."""
     prefill.lease([f"{mode}-bad", f"{mode}-good"])
     _corrupting(monkeypatch)
     _, expected = make_kv_caches("LBHNC", seed=1, **SHAPE)
@@ -203,6 +253,7 @@ def test_a_corrupted_landing_fails_its_load_and_the_next_is_unharmed(prefill: Pr
             assert run_until_received(worker, "d-bad") == set(LOCAL)
         assert "kind=digest_mismatch" in caplog.text and "KV digest mismatch for request 'd-bad'" in caplog.text
         assert f"prefill request '{mode}-bad'" in caplog.text and ": landed " in caplog.text
+        assert "differs at layer 0, blocks 3, 4, 5: landed" in caplog.text  # the first row: layer 0, blocks 3-5
         stats = worker.take_stats() or {}
         assert stats["failures"] == {"digest_mismatch": 1}
         assert stats["kv_checks"] == {f"{mode}:mismatch": 1}

@@ -19,7 +19,7 @@ block is one row per page. Vectorised with numpy: no Python loop per block.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,6 +87,26 @@ def pages_of(desc: KVLayoutDesc) -> list[Segment]:
         LayoutError: its segments are not one page per layer (an interleaved layout).
     """
     return page_segments(remote_segments(desc), page_bytes(desc))
+
+
+def groups_by_layer(layer_of: Mapping[str, int], group_of: Mapping[str, int],
+                 state_groups: frozenset[int]) -> dict[int, tuple[int, ...]]:
+    """Layer index → the KV cache groups whose blocks a layer stream WRITEs into that layer's pages: the groups of
+    the attention layers sharing its tensor (vLLM's hybrid KV cache: tensor ``i`` holds layer ``i`` of each
+    attention group), and every state (Mamba/SSM) group, whose blocks are pages of every tensor
+    (:class:`p2pkv.prefill.prefill_streams.PrefillStreams` WRITEs them so).
+
+    Args:
+        layer_of: attention layer name → its layer index (:func:`p2pkv.prefill.prefill_streams.layer_indices`).
+        group_of: layer name → its KV cache group (a name not in it: group 0).
+        state_groups: the indices of the groups that hold Mamba/SSM state.
+
+    Example: ``{"full.0": 0, "window.0": 0}``, ``{"full.0": 0, "window.0": 1}``, ``{2}`` → ``{0: (0, 1, 2)}``.
+    """
+    out: dict[int, set[int]] = {}
+    for name, layer in layer_of.items():
+        out.setdefault(layer, set(state_groups)).add(group_of.get(name, 0))
+    return {layer: tuple(sorted(groups)) for layer, groups in out.items()}
 
 
 def heads_of(page: Segment, heads: int, start: int, count: int) -> Segment:

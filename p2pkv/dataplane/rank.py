@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from handshake import KVLayoutDesc
 from p2pkv.dataplane.layout import KVLayout
@@ -20,6 +21,8 @@ class LocalRank:
         layout: the KV cache's segments and regions (bytes).
         desc: its wire description (:class:`handshake.KVLayoutDesc`).
         device_id: GPU index of the KV cache (0 for DRAM).
+        layer_groups: layer index → the KV cache groups whose blocks lie in that layer's pages
+            (:func:`p2pkv.dataplane.layers.groups_by_layer`); empty: one group.
     """
 
     engine_id: str
@@ -28,6 +31,7 @@ class LocalRank:
     layout: KVLayout
     desc: KVLayoutDesc
     device_id: int = 0
+    layer_groups: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from handshake import KVLayoutDesc
 from p2pkv.decode.drain import Drain
 from p2pkv.decode.endings import Endings
 from p2pkv.decode.failures import FailureKind
@@ -35,10 +36,12 @@ class Confirmations:
         notifier: queues the "done" notifications to the prefill ranks of a finished pull.
         stats: the worker's statistics.
         stats_file: JSON-lines file each finished pull is appended to ("": none).
+        desc: this rank's KV layout (where a verified part's bytes differ, in its log line).
     """
 
     def __init__(self, drain: Drain, endings: Endings, notifier: Notifier, stats: StatsBuffer,
-                 stats_file: str) -> None:
+                 stats_file: str, desc: KVLayoutDesc) -> None:
+        self.desc = desc
         self.drain = drain
         self.endings = endings
         self.notifier = notifier
@@ -70,7 +73,8 @@ class Confirmations:
 
     def _verified(self, transfer: Transfer) -> bool:
         """Every part of ``transfer`` verified (True); else False, and a part that failed its check fails it
-        (logged naming request, prefill rank and both digests; counted by direction and outcome)."""
+        (logged naming request, prefill rank, where the bytes differ and both digests; counted by direction and
+        outcome)."""
         failed, decided = findings(transfer)
         if not decided and not failed:
             return False  # a digest still to come: the fence's answer, or the push's word, brings it
@@ -82,7 +86,7 @@ class Confirmations:
         if not failed:
             return True
         self.drain.abandon(transfer)
-        self.endings.fail(transfer, FailureKind.DIGEST_MISMATCH, failed[0].describe())
+        self.endings.fail(transfer, FailureKind.DIGEST_MISMATCH, failed[0].describe(self.desc))
         return False
 
 

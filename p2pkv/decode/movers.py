@@ -304,8 +304,8 @@ class StreamMover(PushMover):
         ranks this rank answers for but reads nothing from are told at once, since their streams have no
         destination."""
         read = sorted({r.remote_rank for r in reads})
-        planned = plan_streams(transfer, read, rank.notifiers(transfer.spec.remote.tp_size, read), peers,
-                               rank.layout, rank.desc.block_size, rank.device_id, self.stager)
+        planned = plan_streams(transfer, read, rank.notifiers(transfer.spec.remote.tp_size, read), peers, rank,
+                               self.stager)
         return planned, sorted(set(notify) - set(read)) if planned else []
 
     def post(self, part: Part) -> None:

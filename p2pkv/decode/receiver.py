@@ -129,7 +129,8 @@ class Receiver:
         self.peers.keep_agent = lambda name: agent_in_use(name, self.drain, self.transfers)
         self.endings = Endings(rank, config, self._secret, self.transfers, self._staging_wait, self.outcomes,
                                self.peers, self.keeper, self.drain, self.background, stats, self.spans)
-        self.confirmations = Confirmations(self.drain, self.endings, self.notifier, stats, config.stats_file)
+        self.confirmations = Confirmations(self.drain, self.endings, self.notifier, stats, config.stats_file,
+                                           rank.desc)
 
     # ---- public surface -----------------------------------------------------
     def start(self, specs: list[LoadSpec], failed: dict[str, tuple[int, ...]] | None = None,

@@ -25,8 +25,8 @@ group's blocks after the previous group's
 
 Its request (:func:`post_stream`): a :class:`handshake.StreamRequest` with
 the grant, this rank's blocks (or staging), the prompt's digest and, when
-the load is verified (``verify_kv``: a stream of one KV cache group), a
-request for the digest of what it WROTE, sent on
+the load is verified (``verify_kv``), a request for the digest of what it
+WROTE, sent on
 the prefill rank's lane as a push request is (:meth:`p2pkv.decode.pushes.Pushes.send`);
 everything after it is a push's.
 """
@@ -39,8 +39,8 @@ import numpy as np
 
 from handshake import AgentInfo, Destination, HeadSlice, PushReply, request_stream
 from p2pkv.dataplane.blockmap import grouped_streamed_read, staged_groups, streamed_read
-from p2pkv.dataplane.layout import KVLayout
 from p2pkv.dataplane.negotiate import Placement
+from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
 from p2pkv.decode.peers import Peer, PeerId
 from p2pkv.decode.pushes import Pushes, PushNotSent
@@ -51,7 +51,7 @@ _NO_ROWS = np.zeros((0, 3), dtype=np.uint64)
 
 
 def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers: dict[PeerId, Peer],
-                 layout: KVLayout, block_size: int, device_id: int, stager: Stager) -> bool:
+                 local: LocalRank, stager: Stager) -> bool:
     """Put ``transfer``'s stream parts, one per prefill rank this rank reads, in ``transfer.parts``.
 
     Args:
@@ -59,9 +59,8 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
         ranks: the prefill ranks this rank reads (:meth:`p2pkv.dataplane.rank.LocalRank.topology`).
         readers: for each of ``ranks``, how many decode ranks read it (its stream request says so).
         peers: the handshaken prefill ranks.
-        layout: this rank's KV layout (``block_bytes``: bytes of one block over every layer).
-        block_size: tokens per block here.
-        device_id: this rank's device id.
+        local: this rank (its layout's ``block_bytes``: bytes of one block over every layer; its block size,
+            device id, and which KV cache groups' blocks lie in each layer's pages, for verified KV).
         stager: this rank's staging (a stream into staging takes its room now).
 
     Returns:
@@ -76,6 +75,7 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
     spec = transfer.spec
     if not spec.local_block_ids:
         return True
+    block_size, device_id, groups = local.desc.block_size, local.device_id, local.layer_groups
     for rank, count in zip(ranks, readers, strict=True):
         pid = PeerId.of(spec.remote, rank)
         peer = peers[pid]
@@ -83,14 +83,16 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
         same_heads = peer.info.layout.is_mla or (len(ranks) == 1 and peer.plan.read.num_heads
                                                  == peer.info.layout.num_kv_heads)
         if peer.plan.placement is Placement.DIRECT or (peer.plan.placement is Placement.PAGED and same_heads):
-            counted = np.array([[0, len(spec.local_block_ids) * layout.block_bytes, device_id]], dtype=np.uint64)
-            transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count))
+            counted = np.array([[0, len(spec.local_block_ids) * local.layout.block_bytes, device_id]],
+                               dtype=np.uint64)
+            transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count,
+                                       layer_groups=groups))
             continue
         if peer.plan.placement is Placement.PAGED and peer.local_slices:
             sliced = sum(page.length for page in peer.local_slices)  # bytes of this rank's heads, per block
             counted = np.array([[0, len(spec.local_block_ids) * sliced, device_id]], dtype=np.uint64)
             transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count,
-                                       head_slice=peer.plan.read))
+                                       head_slice=peer.plan.read, layer_groups=groups))
             continue
         if spec.stream_groups:  # one block size on both engines: whole blocks, each group's into its own
             read = grouped_streamed_read(spec, block_size)
@@ -103,9 +105,8 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
             release_unposted(transfer, stager)
             return False
         counted = np.array([[0, stage.size, device_id]], dtype=np.uint64)
-        transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, stage, readers=count))
-    if spec.stream_groups:
-        transfer.verify = False  # verified KV checks a stream of one KV cache group (its digest's keys)
+        transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, stage, readers=count,
+                                   layer_groups=groups))
     return True
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,9 @@ class Part:
         readers: a layer stream's: how many decode ranks read its prefill rank (each sends its destination).
         head_slice: a layer stream's slice of heads, WRITTEN from each of its prefill rank's pages straight into
             this rank's (``PAGED`` plans of another TP size); None: pages whole, or into ``stage``.
+        layer_groups: a layer stream's: layer index → the KV cache groups whose blocks its prefill rank WRITEs
+            into that layer's pages (:attr:`p2pkv.dataplane.rank.LocalRank.layer_groups`; a layer not named:
+            group 0 only).
         direction: which way it moves, once posted (None: not posted).
         live: posted and not released (NIXL releases a failed READ's handle: nothing of it is left to
             cancel or wait for); with ``done`` and ``abandoned``, whether it is in flight.
@@ -95,6 +99,7 @@ class Part:
     stage: Stage | None = None
     readers: int = 1
     head_slice: RankRead | None = None
+    layer_groups: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
     direction: Direction | None = None
     live: bool = False
     handle: XferHandle | None = None

@@ -19,23 +19,23 @@ computes): its prefill rank digests each page of each destination block as
 it posts its WRITE and sends the combined digest in the stream's last word;
 this rank takes the same over the pages it landed in once it landed
 (:func:`stream_pages`: its own pages, a slice of heads of each, or its
-staging before the fixup). A stream of several KV cache groups is not
-checked yet (:func:`p2pkv.decode.stream_parts.plan_streams`), nor KV
-caches in device memory.
+staging before the fixup; with several KV cache groups, each page with the
+blocks of every group whose blocks lie in it, ``Part.layer_groups``). KV
+caches in device memory are not checked yet.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from handshake import KVLayoutDesc
-from p2pkv.dataplane.digest import digest_rows, pages_digest
+from p2pkv.dataplane.blockmap import staged_groups
+from p2pkv.dataplane.digest import DIGEST_BYTES, differing_items, digest_rows, pages_digest
 from p2pkv.dataplane.layers import heads_of, page_segments, pages_of
-from p2pkv.dataplane.layout import Segment
+from p2pkv.dataplane.layout import LayoutError, Segment
 from p2pkv.dataplane.negotiate import page_bytes
 from p2pkv.decode.direction import Direction
 from p2pkv.decode.transfer import Part, Transfer
@@ -54,34 +54,44 @@ class Check(str, enum.Enum):
     """The producer answered without a digest (it could not compute one, or held nothing): fail closed."""
 
 
-def stream_pages(part: Part, desc: KVLayoutDesc) -> tuple[list[Segment], Sequence[int]]:
-    """Where a layer stream's part landed, as its prefill rank WROTE it: ``(pages, blocks)``, each page of each
-    block (the prefill rank's page ``i`` into page ``i``): into staging, the staging's pages in the prefill rank's
-    geometry and staging blocks ``0 ..``; a slice of heads, that slice of each of this rank's pages; else this
-    rank's pages whole; in the last two, the load's local blocks.
+def stream_pages(part: Part, desc: KVLayoutDesc) -> tuple[list[Segment], list[dict[int, list[int]]]]:
+    """Where a layer stream's part landed, as its prefill rank WROTE it: ``(pages, blocks)``, page ``i`` into
+    ``blocks[i][g]`` for each KV cache group ``g`` whose blocks lie in it (the prefill rank's page ``i`` into page
+    ``i``): into staging, the staging's pages in the prefill rank's geometry and staging blocks ``0 ..`` (each
+    group's after the previous group's); a slice of heads, that slice of each of this rank's pages; else this
+    rank's pages whole; in the last two, the load's local blocks (each group's its own).
 
     Args:
-        part: a layer stream's part (one KV cache group).
+        part: a layer stream's part.
         desc: this rank's KV layout.
     """
+    spec = part.transfer.spec
+    groups = [list(g.block_ids) for g in spec.stream_groups] or [list(spec.local_block_ids)]
     if part.stage is not None:
         pages = page_segments(list(part.stage.segments), page_bytes(part.peer.info.layout))
-        return pages, range(len(part.stage.read.remote_block_ids))
-    pages = pages_of(desc)
-    cut = part.head_slice
-    if cut is not None:
-        pages = [heads_of(page, desc.num_kv_heads, cut.local_head_start, cut.num_heads) for page in pages]
-    return pages, part.transfer.spec.local_block_ids
+        if spec.stream_groups:
+            groups = [list(g.block_ids) for g in staged_groups(spec.stream_groups)]
+        else:
+            groups = [list(range(len(part.stage.read.remote_block_ids)))]
+    else:
+        pages = pages_of(desc)
+        cut = part.head_slice
+        if cut is not None:
+            pages = [heads_of(page, desc.num_kv_heads, cut.local_head_start, cut.num_heads) for page in pages]
+    blocks = [{g: groups[g] for g in part.layer_groups.get(page.layer_start, (0,)) if g < len(groups)}
+              for page in pages]
+    return pages, blocks
 
 
 def landed_rows(part: Part, desc: KVLayoutDesc) -> np.ndarray:
     """The rows ``part``'s bytes landed in: its local rows, or, for a layer stream (no rows here), one per page of
-    each of its blocks (:func:`stream_pages`), in (page, block) order (uint64 ``[n, 3]``)."""
+    each of its blocks (:func:`stream_pages`), in (page, group, block) order (uint64 ``[n, 3]``)."""
     if part.direction is not Direction.STREAM:
         return part.local_descs
     pages, blocks = stream_pages(part, desc)
-    return np.array([[page.addr + block * page.block_stride, page.length, 0] for page in pages
-                     for block in blocks], dtype=np.uint64).reshape(-1, 3)
+    rows = [[page.addr + block * page.block_stride, page.length, 0]
+            for page, groups in zip(pages, blocks, strict=True) for ids in groups.values() for block in ids]
+    return np.array(rows, dtype=np.uint64).reshape(-1, 3)
 
 
 def landed(part: Part, desc: KVLayoutDesc) -> None:
@@ -111,6 +121,87 @@ def judge(part: Part) -> Check:
     return Check.VERIFIED if part.digest == part.landed_digest else Check.MISMATCH
 
 
+MAX_PLACES = 4
+"""Most layers (with their blocks) a mismatch's log line names."""
+
+
+def places(part: Part, desc: KVLayoutDesc) -> list[str]:
+    """Where ``part``'s two digests differ (:func:`p2pkv.dataplane.digest.differing_items`): for each of the first
+    :data:`MAX_PLACES` layers (K/V) in the buckets that differ, the blocks they cover there (this rank's, or its
+    staging's before the fixup); ``[]`` when neither digest says (pure apart from reading ``desc``'s pages).
+
+    Args:
+        part: a part whose check is :attr:`Check.MISMATCH`.
+        desc: this rank's KV layout.
+    """
+    if not part.digest or not part.landed_digest:
+        return []
+    try:
+        items = _stream_items(part, desc) if part.direction is Direction.STREAM else _row_items(part, desc)
+    except LayoutError:
+        return []
+    where = "staging block" if part.stage is not None else "block"
+    by_layer: dict[str, set[int]] = {}
+    unplaced = []
+    for span in differing_items(part.digest, part.landed_digest, len(items)):
+        for i in span:
+            item = items[i]
+            if item is None:
+                unplaced.append(i)
+                continue
+            layer, kv, blocks = item
+            by_layer.setdefault(f"{layer}{'KV'[kv] if kv >= 0 else ''}", set()).update(blocks)
+    out = [f"layer {name}, {where}{'s' if len(ids) > 1 else ''} {_listed(sorted(ids))}"
+           for name, ids in sorted(by_layer.items(), key=lambda kv: _layer_key(kv[0]))[:MAX_PLACES]]
+    if len(by_layer) > MAX_PLACES:
+        out.append(f"{len(by_layer) - MAX_PLACES} more layers")
+    if unplaced:
+        out.append(f"rows {_listed(unplaced)} (in no page)")
+    return out
+
+
+Place = tuple[int, int, tuple[int, ...]]
+"""One row's or piece's place: ``(layer, kv index (-1: K and V together), block ids)``."""
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    digits = name.rstrip("KV")
+    return int(digits), name[len(digits):]
+
+
+def _listed(values: list[int]) -> str:
+    """``values`` joined, at most 8 of them (then how many more)."""
+    more = f" and {len(values) - 8} more" if len(values) > 8 else ""
+    return ", ".join(map(str, values[:8])) + more
+
+
+def _stream_items(part: Part, desc: KVLayoutDesc) -> list[Place | None]:
+    """A layer stream's pieces in :func:`p2pkv.dataplane.digest.combine`'s order, each a page of one block."""
+    pages, blocks = stream_pages(part, desc)
+    keys = sorted((i, g, j) for i, groups in enumerate(blocks) for g, ids in groups.items() for j in range(len(ids)))
+    return [(pages[i].layer_start, pages[i].kv_index, (blocks[i][g][j],)) for i, g, j in keys]
+
+
+def _row_items(part: Part, desc: KVLayoutDesc) -> list[Place | None]:
+    """Each of ``part``'s local rows: the page it lies in (this rank's, or its staging's in the prefill rank's
+    geometry) and the blocks it spans (None: in no page)."""
+    if part.stage is not None:
+        pages = page_segments(list(part.stage.segments), page_bytes(part.peer.info.layout))
+        num_blocks = len(part.stage.read.remote_block_ids)
+    else:
+        pages, num_blocks = pages_of(desc), desc.num_blocks
+    out: list[Place | None] = []
+    for addr, length, _ in part.local_descs.tolist():
+        out.append(None)
+        for page in pages:
+            block, offset = divmod(addr - page.addr, page.block_stride)
+            if 0 <= block < num_blocks and offset < page.length:
+                last = block + (offset + length - 1) // page.block_stride
+                out[-1] = (page.layer_start, page.kv_index, tuple(range(block, last + 1)))
+                break
+    return out
+
+
 @dataclass(frozen=True)
 class Finding:
     """A part whose check failed, as the log line and the load's failure name it.
@@ -123,8 +214,9 @@ class Finding:
     part: Part
     check: Check
 
-    def describe(self) -> str:
-        """The failure's reason: request, prefill rank, direction, what moved, both digests."""
+    def describe(self, desc: KVLayoutDesc) -> str:
+        """The failure's reason: request, prefill rank, direction, what moved, both digests and, for a mismatch,
+        where the bytes differ (:func:`places`; ``desc``: this rank's KV layout)."""
         p = self.part
         spec = p.transfer.spec
         rows = "every page" if p.direction is Direction.STREAM else f"{int(p.local_descs.shape[0])} rows"
@@ -135,9 +227,12 @@ class Finding:
         if self.check is Check.MISSING:
             return (f"verify_kv: no digest from the prefill rank for {moved}: it could not digest its KV "
                     "(see its log); the load fails closed")
-        landed_hex = p.landed_digest.hex() if p.landed_digest else ""
-        return (f"verify_kv: KV digest mismatch for {moved}: landed {landed_hex}, prefill sent "
-                f"{(p.digest or b'').hex()}; the bytes that landed are not the prefill's")
+        landed = p.landed_digest or b""
+        sent = p.digest or b""
+        where = places(p, desc)
+        return (f"verify_kv: KV digest mismatch for {moved}"
+                f"{': differs at ' + '; '.join(where) if where else ''}: landed {landed[:DIGEST_BYTES].hex()}, "
+                f"prefill sent {sent[:DIGEST_BYTES].hex()}; the bytes that landed are not the prefill's")
 
 
 def findings(transfer: Transfer) -> tuple[list[Finding], bool]:

@@ -134,7 +134,7 @@ class StreamTarget:
             of heads of each: :func:`p2pkv.prefill.stream_requests.slice_sides`); empty: the pages whole.
         digest: verified KV: the final word carries the digest of what the stream WROTE, each page of each
             destination block digested from this rank's memory as its WRITE is posted
-            (:func:`p2pkv.dataplane.digest.combine`; one KV cache group).
+            (:func:`p2pkv.dataplane.digest.combine`, keyed by page, KV cache group and block).
     """
 
     agent: str
@@ -245,7 +245,7 @@ class LayerStream:
     counters: StreamCounters = field(default_factory=StreamCounters, init=False)
     handed_back: bool = field(default=False, init=False)
     _target: StreamTarget | None = field(default=None, init=False, repr=False)
-    _pieces: dict[tuple[int, int], bytes] = field(default_factory=dict, init=False, repr=False)
+    _pieces: dict[tuple[int, int, int], bytes] = field(default_factory=dict, init=False, repr=False)
     _waiting: list[_Chunk] = field(default_factory=list, init=False, repr=False)
     _inflight: list[tuple[XferHandle, frozenset[tuple[int, int]]]] = field(default_factory=list, init=False,
                                                                             repr=False)
@@ -438,7 +438,8 @@ class LayerStream:
         for i, page in enumerate(t.source_pages or self.source.pages):
             if page.layer_start == chunk.layer:
                 for k in range(lo, hi):
-                    self._pieces[(i, k - first)] = page_block_digest(page, chunk.source_ids[k - chunk.first_block])
+                    source = chunk.source_ids[k - chunk.first_block]
+                    self._pieces[(i, chunk.group, k - first)] = page_block_digest(page, source)
 
     def _landed_note(self) -> PushedNotification:
         """The word that every WRITE has landed (with the digest of what they read, when asked)."""
