@@ -120,3 +120,27 @@ def test_background_calls_get_cancel_lanes_run_in_order_and_close_ends_them() ->
     assert time.monotonic() - t0 < 2.0
     assert hung[0].result(timeout=1) == "cancelled" and hung[1].cancelled() and hung[2].cancelled()
     assert len(woken) >= 21
+
+
+def test_close_lets_flushed_calls_end_first_and_cancels_those_that_do_not() -> None:
+    """A release queued just before the worker closes (``flush=True``) still runs, uncancelled, and so frees its
+    prefill hold at once; one that would not end is cancelled once ``flush_s`` has passed, as every other call."""
+    bg = Background(call_threads=2, per_key=1)
+    seen: list[bool] = []
+
+    def release(cancel: threading.Event) -> str:
+        time.sleep(0.05)  # a side-channel round trip
+        seen.append(cancel.is_set())
+        return "freed"
+
+    def stuck(cancel: threading.Event) -> str:
+        cancel.wait(30)
+        return "cancelled"
+
+    freed = bg.call("p2pkv-release-a", release, key="a", flush=True)
+    hung = bg.call("p2pkv-release-b", stuck, key="b", flush=True)
+    other = [bg.call(f"p2pkv-handshake-{i}", stuck, key="c") for i in range(2)]
+    bg.close(flush_s=0.5)
+    assert freed.result(timeout=1) == "freed" and seen == [False]
+    assert hung.result(timeout=1) == "cancelled"
+    assert other[0].result(timeout=1) == "cancelled" and other[1].cancelled()

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, TypeVar
 
 from p2pkv.decode.pool import FairPool
@@ -21,6 +21,10 @@ LANE_THREADS = 16
 """Most threads running lane calls (fence questions) at once."""
 MAX_QUEUED = 1024
 """Most calls waiting per destination or lane; more fail at once (:class:`p2pkv.decode.pool.PoolFull`)."""
+FLUSH_S = 0.5
+"""Seconds :meth:`Background.close` gives the calls queued with ``flush=True`` (releases of prefill holds) before
+it cancels them: a worker stopped right after a failed pull still frees that pull's hold at once, unless the prefill
+rank is slow to answer (its lease frees it then)."""
 
 
 Pending = TypeVar("Pending", bound=tuple)
@@ -44,7 +48,8 @@ class Background:
     """Runs blocking side-channel calls (handshakes, releases, fence questions) off the engine thread.
 
     Every call gets ``cancel=`` :attr:`stop`, so :meth:`close` ends it within
-    the side channel's poll interval (about 0.1 s). One-off calls share a pool
+    the side channel's poll interval (about 0.1 s), after giving the calls
+    queued with ``flush=True`` up to :data:`FLUSH_S` to end. One-off calls share a pool
     of at most ``call_threads`` threads, at most ``per_key`` of them for one
     ``key`` (a destination host): an unreachable host delays only the calls to
     itself until ``call_threads / per_key`` such hosts have calls queued (see
@@ -67,9 +72,11 @@ class Background:
         self._on_done = on_done
         self._calls = FairPool("p2pkv-calls", call_threads, per_key, max_queued)
         self._lanes = FairPool("p2pkv-lanes", lane_threads, 1, max_queued)
+        self._flushed: set[Future] = set()
+        self._flushed_lock = threading.Lock()
 
     def call(self, name: str, fn: Callable[..., Any], *args: Any, lane: str | None = None, key: str | None = None,
-             **kwargs: Any) -> Future:
+             flush: bool = False, **kwargs: Any) -> Future:
         """Queue ``fn(*args, cancel=self.stop, **kwargs)``; the thread running it is named ``name``.
 
         Args:
@@ -78,6 +85,7 @@ class Background:
             lane: run in order after the lane's earlier calls (one at a time).
             key: the destination (host) the call goes to, for the per-host bound;
                 None: one shared key for every call without one.
+            flush: :meth:`close` waits for it (at most ``flush_s``) before it cancels the calls.
 
         Returns:
             A Future holding the result, or the exception ``fn`` raised, or
@@ -89,9 +97,17 @@ class Background:
 
         pool, k = (self._lanes, lane) if lane is not None else (self._calls, key or "")
         future = pool.submit(k, name, run)
+        if flush:
+            with self._flushed_lock:
+                self._flushed.add(future)
+            future.add_done_callback(self._unflush)
         if self._on_done is not None:
             future.add_done_callback(self._done)
         return future
+
+    def _unflush(self, future: Future) -> None:
+        with self._flushed_lock:
+            self._flushed.discard(future)
 
     def _done(self, _: Future) -> None:
         try:
@@ -99,8 +115,13 @@ class Background:
         except Exception:
             logger.exception("p2pkv: a side-channel call's completion hook failed")
 
-    def close(self, timeout_s: float = 2.0) -> None:
-        """Cancel every call and wait for the threads (at most ``timeout_s`` seconds in all). Idempotent."""
+    def close(self, timeout_s: float = 2.0, flush_s: float = FLUSH_S) -> None:
+        """Give the calls queued with ``flush=True`` up to ``flush_s`` seconds to end, then cancel every call and
+        wait for the threads (at most ``timeout_s`` seconds more in all). Idempotent."""
+        with self._flushed_lock:
+            flushed = set(self._flushed)
+        if flushed and not self.stop.is_set():
+            wait(flushed, timeout=flush_s)
         self.stop.set()
         end = time.monotonic() + timeout_s
         for pool in (self._calls, self._lanes):

@@ -10,9 +10,10 @@ prefill rank it answers for (those its "done" notifications go to) to free
 the request now, over the side channel (:func:`handshake.release_holds`),
 on the worker's bounded pool of side-channel calls
 (:class:`p2pkv.decode.background.Background`: at most
-:data:`~p2pkv.decode.background.CALLS_PER_HOST` at once per host; cancelled
-when the worker closes). A prefill rank that cannot be reached keeps the
-lease as its fallback.
+:data:`~p2pkv.decode.background.CALLS_PER_HOST` at once per host; when the
+worker closes, given :data:`~p2pkv.decode.background.FLUSH_S` to end, then
+cancelled). A prefill rank that cannot be reached keeps the lease as its
+fallback.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def release_failed(background: Background, remote: RemotePrefill, ranks: list[in
     """Ask prefill ranks ``ranks`` of ``remote`` to free ``remote.request_id`` now (asynchronously).
 
     Args:
-        background: where the side-channel calls run (cancelled with the worker).
+        background: where the side-channel calls run (flushed, then cancelled, with the worker).
         remote: the failed pull's source.
         ranks: prefill tp_ranks to tell (port = ``remote.port`` + rank).
         reader: this decode rank's name, sent as the requester.
@@ -41,7 +42,7 @@ def release_failed(background: Background, remote: RemotePrefill, ranks: list[in
     """
     for rank in ranks:
         background.call(f"p2pkv-release-{remote.host}:{remote.port + rank}", free_hold, remote, rank, reader,
-                        secret, timeout_s, key=remote.host)
+                        secret, timeout_s, key=remote.host, flush=True)
 
 
 def free_hold(remote: RemotePrefill, rank: int, requester: str, secret: bytes | None, timeout_s: float,
