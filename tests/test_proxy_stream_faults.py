@@ -248,3 +248,34 @@ def test_a_streamed_list_whose_prefill_engine_restarted_sends_each_decode_leg_ag
     assert texts == ["again", "again"] and not any("error" in e for e in events if e != "[DONE]"), events
     assert [GRANT_KEY in d["kv_transfer_params"] for d in proxy.decodes].count(False) == 2, proxy.decodes
     assert proxy.stream.closed and proxy.released == [], "a hold the legs sent again load was freed"
+
+
+@pytest.mark.parametrize("error", [httpx.ReadError, httpx.RemoteProtocolError])
+def test_a_prefill_leg_whose_connection_drops_is_sent_once_more(error: type[httpx.TransportError]) -> None:
+    """The prefill engine's server drops the connection once (a pooled connection closed under load): the leg is
+    sent again and answered; dropped twice, the client gets a 502 naming the engine."""
+    sent: list[httpx.Request] = []
+
+    def drops(times: int):  # type: ignore[no-untyped-def]
+        async def engine(request: httpx.Request) -> httpx.Response:
+            sent.append(request)
+            if len(sent) <= times:
+                raise error("", request=request)
+            return httpx.Response(200, json={"choices": [{"index": 0, "text": "x"}],
+                                             "kv_transfer_params": _answer_params("p0", 7000)})
+        return engine
+
+    async def leg(times: int) -> Any:
+        sent.clear()
+        proxy = Proxy(URLS[:1], ["http://127.0.0.1:3"], 30.0, SECRET)
+        async with httpx.AsyncClient(transport=httpx.MockTransport(drops(times))) as client:
+            try:
+                return await proxy.run_prefill(client, "/v1/completions", dict(BODY), {})
+            except UpstreamError as exc:
+                return exc
+
+    answer = asyncio.run(leg(1))
+    assert answer["kv_transfer_params"]["remote_engine_id"] == "p0" and len(sent) == 2
+    failed = asyncio.run(leg(2))
+    assert isinstance(failed, UpstreamError) and failed.status == 502 and URLS[0] in failed.message
+    assert len(sent) == 2

@@ -66,6 +66,11 @@ TRACE_FLUSH_S = 2.0
 KEEPALIVE_S = 2.0
 """How long (seconds) the proxy keeps an idle connection to an engine: well below the 5 s after which vLLM's HTTP
 server (uvicorn, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``) closes it."""
+RESENT_ERRORS = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""Transport errors after which a prefill leg is sent once more, on another connection: the engine's server dropped
+the connection as the request went out or before it answered (seen under load: 1 of 1,536 prefill legs at 512
+concurrent requests on a 2-core host, docs/reliability.md). A prefill leg asks for one token and a hold, so sending it
+again gives the same answer; if the first one reached the engine, its hold is never pulled and its lease frees it."""
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 """The proxied OpenAI endpoints."""
 
@@ -168,7 +173,12 @@ class Proxy:
                        headers: dict[str, str], leg: ProxySpan | None) -> dict[str, Any]:
         start = time.perf_counter()
         try:
-            resp = await client.post(f"{url}{path}", json=sent, headers=headers)
+            try:
+                resp = await client.post(f"{url}{path}", json=sent, headers=headers)
+            except RESENT_ERRORS as exc:
+                log.warning("prefill engine %s dropped the connection of a prefill leg (%s: %s); sending it again",
+                            url, type(exc).__name__, exc)
+                resp = await client.post(f"{url}{path}", json=sent, headers=headers)
         except httpx.HTTPError as exc:
             raise transport_error("prefill", url, exc, self.timeout_s) from exc
         finally:
