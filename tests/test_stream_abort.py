@@ -46,6 +46,7 @@ import torch
 from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
 from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
 from p2pkv.params import RemotePrefill, prompt_digest
+from p2pkv.prefill import stream_pending
 from p2pkv.prefill.prefill_streams import measured_min_tokens
 from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
@@ -361,3 +362,22 @@ def test_a_corrupted_or_dropped_stream_fails_its_load(fault: str, monkeypatch: p
         assert stats["failures"] == {"digest_mismatch": 1}
         [line] = [r.getMessage() for r in caplog.records if "KV digest mismatch" in r.getMessage()]
         assert f"differs at layer 0, block{'s' if fault == 'DROP_WRITE' else ''} {TARGET[0]}" in line
+
+
+def test_a_stream_request_answered_busy_is_sent_again_and_lands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A burst of streams whose prefill legs have not reached the prefill engine's scheduler: the prefill rank keeps
+    no more destinations for unknown streams (here: none) and answers ``busy``. The decode rank sends its request
+    again (``RETRY_BUSY_S``) until the stream is known there, and the load lands whole, no error."""
+    monkeypatch.setattr(stream_pending, "MAX_UNKNOWN_PER_RANK", 0)
+    with _pair(23, stream_min_tokens=0) as pair:
+        prefill, decode = pair.prefill, pair.decode
+        chunk, load = _stream("p-busy", "d-busy", pair.port)
+        decode.start(load)  # its destination comes before the prefill engine knows the stream: busy
+        assert decode.pump({"d-busy"}, 0.3) == {"d-busy"}, "the load ended while its stream was unknown there"
+        step = P2pKvMetadata(streams=[chunk])
+        prefill.start_load_kv(step)
+        for layer in range(LAYERS):
+            prefill.save_kv_layer(f"layers.{layer}", step)
+        prefill.wait_for_save()
+        assert not decode.pump({"d-busy"}, 10.0) and decode.take_errors() == set()
+        assert torch.equal(decode.base[list(TARGET)], pair.source[list(SOURCE)])

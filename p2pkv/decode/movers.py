@@ -315,9 +315,12 @@ class StreamMover(PushMover):
 def movers(agent: NixlTransferAgent, stager: Stager, fence: Fence, pushes: Pushes,
            quarantine_s: float, faults: Faults | None = None) -> dict[Direction, Mover]:
     """The mover of each direction for one decode rank: the class :data:`p2pkv.ways.WAYS` names for its way
-    (``faults``: an operator's injected faults, :mod:`p2pkv.faults`, applied where parts land with rows)."""
+    (``faults``: an operator's injected faults, :mod:`p2pkv.faults`, applied where parts land with rows); a request
+    ``pushes`` sends again goes by its way's mover (:attr:`p2pkv.decode.pushes.Pushes.posters`)."""
     made = {ReadMover: lambda: ReadMover(agent, stager, fence, quarantine_s, faults),
             PushMover: lambda: PushMover(pushes, stager, faults),
             StreamMover: lambda: StreamMover(pushes, stager, faults)}
     by_name = {cls.__name__: make for cls, make in made.items()}
-    return {direction: by_name[direction.way.mover]() for direction in Direction}
+    ways = {direction: by_name[direction.way.mover]() for direction in Direction}
+    pushes.posters = {d.value: m.post for d, m in ways.items() if isinstance(m, PushMover)}  # asked again
+    return ways

@@ -58,6 +58,10 @@ seconds), so a minute is well past any WRITE of a live link."""
 RETRY_UNKNOWN_S = 0.002
 """Pause (seconds) before asking again a prefill rank that does not know the hold yet (it learns of a
 finished request at its engine's next step, which may come after its HTTP answer reached the proxy)."""
+RETRY_BUSY_S = 0.5
+"""Pause (seconds) before sending again a stream request its prefill rank answered ``busy`` (as many destinations
+for streams it does not know yet wait there as it keeps for one decode rank: a burst of streams whose prefill legs
+have not reached its scheduler); asked again until the stream's window ends."""
 
 
 class PushNotSent(RuntimeError):
@@ -117,6 +121,10 @@ class Pushes:
         self._open: dict[bytes, Part] = {}  # push id → its READ part, until notified or given up
         self._replies: list[tuple[Future, Part]] = []
         self._again: list[tuple[float, Part]] = []  # (time.monotonic() to send again at, part)
+        self.posters: dict[str, Callable[[Part], None]] = {}
+        """A part's direction (its value) → how a part moved that way is sent again
+        (:func:`p2pkv.decode.movers.movers` sets each mover's ``post``); a direction not named: as a push
+        (:meth:`post`)."""
         self.watch = StreamWatch(background, fence, engine_id, secret, timeout_s)
         agent.take_notifs(PUSH_PREFIX)  # from now on the engine thread's get_notifs leaves these to us
 
@@ -176,7 +184,8 @@ class Pushes:
         return self._info
 
     def again(self, read: Part, delay_s: float = RETRY_UNKNOWN_S) -> None:
-        """Send ``read``'s push request again after ``delay_s`` seconds (its hold was not known yet there)."""
+        """Send ``read``'s request again after ``delay_s`` seconds (its hold was not known yet there, or its
+        prefill rank was busy)."""
         self._again.append((time.monotonic() + delay_s, read))
 
     def send_due(self, now: float) -> None:
@@ -184,7 +193,7 @@ class Pushes:
         due, self._again = [r for t, r in self._again if t <= now], [(t, r) for t, r in self._again if t > now]
         for read in due:
             if read.attempt == read.transfer.attempt and not read.transfer.finished:
-                self.post(read)
+                self.posters.get(read.direction.value if read.direction else "", self.post)(read)
 
     def unknown_for(self, read: Part, now: float) -> float:
         """Seconds since ``read``'s first push request (how long its hold has been unknown there)."""
@@ -195,7 +204,9 @@ class Pushes:
 
         A notification sets its part's ``arrived`` (and ``failure``). A reply
         ``unknown`` within ``grace_s`` seconds of the first request is asked
-        again (the prefill rank is told of a hold at its next engine step).
+        again (the prefill rank is told of a hold at its next engine step); a
+        ``busy`` one of a way that lasts the prefill (a stream) after
+        :data:`RETRY_BUSY_S`, until its window fails the pull.
 
         Returns:
             The parts of the current attempts whose request failed: the part,
@@ -210,6 +221,9 @@ class Pushes:
             if (isinstance(reply, PushReply) and reply.status == "unknown"
                     and self.unknown_for(read, now) < grace_s):
                 self.again(read)
+                continue
+            if isinstance(reply, PushReply) and reply.status == "busy" and read.transfer.way.lasts_prefill:
+                self.again(read, RETRY_BUSY_S)
                 continue
             why = failure_of_push(reply, read.transfer.spec.remote.request_id, retried=read.transfer.way.retried)
             if why is not None:
