@@ -10,6 +10,7 @@ import re
 import time
 import types
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -40,11 +41,15 @@ def test_one_direction_per_way() -> None:
 
 
 def test_movers_builds_the_class_each_way_names() -> None:
-    built = movers(None, None, None, None, 1.0)  # type: ignore[arg-type]
+    """One mover per direction, of the class its way names; a request the pushes send again goes by the mover of
+    its part's direction (a stream request as a stream request, not as a push)."""
+    pushes = SimpleNamespace()
+    built = movers(None, None, None, pushes, 1.0)  # type: ignore[arg-type]
     assert set(built) == set(Direction)
     for direction, mover in built.items():
         assert isinstance(mover, Mover) and type(mover).__name__ == direction.way.mover
         assert mover.direction is direction
+    assert pushes.posters == {d.value: built[d].post for d in (Direction.PUSH, Direction.STREAM)}
 
 
 def test_each_request_belongs_to_one_way_and_the_server_serves_them_all() -> None:
