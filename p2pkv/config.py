@@ -180,8 +180,16 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             ``kv_load_failure_policy``). Off by default: on a CPU host it adds
             about 3 % to a pull and 7 % to a push over a 2 Gbit/s link, 1.7-2.6x
             over ``cma`` on one host (docs/benchmarks/verify-cpu.md). KV caches
-            in host memory only; streams of several KV cache groups are not
-            checked yet.
+            in host memory only.
+        keep_turns_s: multi-turn reuse (docs/multi-turn.md): seconds a decode
+            engine keeps a finished request's blocks (its prompt's and the
+            tokens it generated) for the conversation's next turn, whose
+            prefill engine loads them instead of computing them again (vLLM's
+            ``bidirectional_kv_xfer``); counted against ``max_held_fraction``,
+            freed once loaded or at the end. 0 (the default): off. Needs
+            ``role`` both on the engines that keep and load turns (each holds
+            blocks for the other and loads from it), and at most
+            ``max_lifetime_s`` (8 × ``lease_s``: 480 s by default).
     """
 
     side_channel_host: str = ""
@@ -205,6 +213,7 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transfer_mode: Literal["pull", "push", "auto", "stream"] = "auto"
     transfer_cpus: str = ""
     verify_kv: bool = False
+    keep_turns_s: float = 0.0
 
     def secret_bytes(self) -> bytes | None:
         """The side-channel HMAC key: ``secret``, else the contents of ``secret_file``, else None.
@@ -303,6 +312,13 @@ def _check_settings(config: P2pKvConfig) -> None:
         raise ConfigError(f"handshake_retries must be >= 1, got {config.handshake_retries}")
     if not config.nixl_backends:
         raise ConfigError('nixl_backends must name at least one backend, e.g. ["UCX"]')
+    if not 0 <= config.keep_turns_s <= config.max_lifetime_s:
+        raise ConfigError(f"keep_turns_s must be 0 (off) .. max_lifetime_s={config.max_lifetime_s:g} seconds "
+                          f"(8 x lease_s: what a capability may last), got {config.keep_turns_s}")
+    if config.keep_turns_s and config.role not in ("both", ""):
+        raise ConfigError(f"keep_turns_s={config.keep_turns_s:g} needs role both (this engine keeps turns for "
+                          f"prefill engines and they load from it), got role {config.role}; set role both on the "
+                          "engines of a multi-turn deployment")
 
 
 REMOVED: dict[str, str] = {

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from p2pkv.config import P2pKvConfig, Role
+from p2pkv.config import ConfigError, P2pKvConfig, Role
 from p2pkv.grant import STREAMED_KEY, wants_stream
 from p2pkv.metadata import P2pKvMetadata
 from p2pkv.params import MAX_BLOCK_IDS, wants_remote_decode, wants_remote_prefill
@@ -17,6 +17,7 @@ from p2pkv.scheduling.hold_scheduling import PrefillScheduling
 from p2pkv.scheduling.load_scheduling import DecodeScheduling, group_pairs
 from p2pkv.scheduling.stream_steps import StreamSteps
 from p2pkv.telemetry.tracing import traces_endpoint
+from p2pkv.turns import mark_loaded, wants_load
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -84,6 +85,10 @@ class SchedulerSide:
         state_groups: frozenset[int] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if config.keep_turns_s and role != "both":
+            raise ConfigError(f"keep_turns_s={config.keep_turns_s:g} needs role both, and this engine's role is "
+                              f"{role} (from vLLM's kv_role): set role both on the engines of a multi-turn "
+                              "deployment (each keeps turns for the other and loads from it)")
         self.engine_id = engine_id
         self.config = config
         self.role = role
@@ -114,15 +119,17 @@ class SchedulerSide:
         return self.decode.send_heartbeats(now)
 
     def _load_nothing_on_prefill(self, request: Request) -> None:
-        """On a ``prefill`` engine, a request that asks to load KV is computed here (no load, no heartbeats)."""
-        if self.role == "prefill" and wants_remote_prefill(request.kv_transfer_params):
-            request.kv_transfer_params["do_remote_prefill"] = False
+        """On a ``prefill`` engine, a request that asks to load KV (a decode leg's, or a kept turn's) is computed here
+        (no load, no heartbeats)."""
+        if self.role == "prefill" and wants_load(request.kv_transfer_params):
+            mark_loaded(request.kv_transfer_params)
             if not self._told_prefill_loads:
                 self._told_prefill_loads = True
                 logger.warning("p2pkv: request %s asks this prefill engine (role prefill) to load KV "
-                               "(do_remote_prefill): it computes the prompt itself; send decode legs to a decode "
-                               "engine (role decode or both). Further such requests are not logged.",
-                               request.request_id[:64])
+                               "(do_remote_prefill, or a kept turn's remote_block_ids): it computes the prompt "
+                               "itself; send decode legs to a decode engine (role decode or both), and run a "
+                               "multi-turn deployment's engines with role both. Further such requests are not "
+                               "logged.", request.request_id[:64])
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """See :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.get_num_new_matched_tokens` (a ``prefill``
@@ -166,7 +173,9 @@ class SchedulerSide:
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """A request ends: a decode leg drops what was kept for it (see
-        :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.request_finished`); a prefill leg may hold its blocks
+        :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.request_finished`) and, with ``keep_turns_s``,
+        may keep its blocks for the conversation's next turn (see
+        :meth:`p2pkv.scheduling.hold_scheduling.PrefillScheduling.keep_turn`); a prefill leg may hold its blocks
         (every KV cache group's) for a decode engine (see
         :meth:`p2pkv.scheduling.hold_scheduling.PrefillScheduling.request_finished`).
 
@@ -177,9 +186,12 @@ class SchedulerSide:
 
         remote_prefill = wants_remote_prefill(request.kv_transfer_params)
         self.decode.request_finished(request)
+        finished = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if remote_prefill or not wants_remote_decode(request.kv_transfer_params):
+            if self.config.keep_turns_s and request.kv_transfer_params:  # a decode leg: kept for the next turn
+                return self.prefill.keep_turn(request, block_ids, not remote_prefill and request.status in finished)
             return False, None
-        completed = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        completed = request.status in finished
         streamed = self.streams.finished(request.request_id, completed)
         hold, answer = self.prefill.request_finished(request, block_ids, completed, streamed=streamed,
                                                      refusal=self.streams.refusal(request.request_id))

@@ -138,8 +138,9 @@ def test_bad_params_name_the_key(change, field) -> None:
         parse_remote_prefill({**good, **change}, secret=None)
 
 
-MOST_SETTINGS = 21
-"""The seam's handful (20), and ``verify_kv``: verified KV's switch, which must be a setting an operator sees."""
+MOST_SETTINGS = 22
+"""The seam's handful (20), ``verify_kv`` (verified KV's switch) and ``keep_turns_s`` (multi-turn reuse's: how long
+a decode engine keeps a conversation's blocks), which an operator must see."""
 
 
 def test_a_handful_of_settings() -> None:

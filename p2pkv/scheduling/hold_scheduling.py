@@ -20,6 +20,7 @@ from p2pkv.params import make_prefill_response_params, prompt_digest, wants_remo
 from p2pkv.scheduling.hold_ledger import HoldLedger
 from p2pkv.telemetry.hold_spans import HoldEnd, emit_hold_span
 from p2pkv.telemetry.tracing import TRACEPARENT_KEY, Tracing, parse_traceparent, traces_endpoint
+from p2pkv.turns import make_turn_params
 
 logger = logging.getLogger("p2pkv.scheduler")
 
@@ -139,10 +140,52 @@ class PrefillScheduling:
             first_token=self.recompute_tokens == 0, prompt_digest=computed_digest(request), secret=self._secret)
         return True, answer
 
-    def _hold(self, request: Request, flat: tuple[int, ...], params: dict[str, Any]) -> None:
-        """Hold ``flat`` (every group's block ids) for ``request``: counted, leased, traced."""
+    def keep_turn(self, request: Request, block_ids: tuple[list[int], ...],
+                  completed: bool) -> tuple[bool, dict[str, Any] | None]:
+        """Keep a finished request's blocks (its prompt's and generated tokens' KV) for its conversation's next
+        turn (``keep_turns_s``), whose prefill engine loads them (:func:`p2pkv.params.wants_turn_load`).
+
+        Counted against ``max_held_fraction`` with every other hold, leased for ``keep_turns_s``, freed when the
+        next turn's prefill engine has loaded them, or tells this engine that it will not (a conversation that
+        moved on), or the lease ends. Not kept: an aborted request, a prompt given as embeddings, a model whose
+        decode engine computes prompt tokens itself (``recompute_tokens``: attention windows, Mamba state; not
+        supported yet), or past the cap.
+
+        Args:
+            request: the finished request (a decode leg, or a request with no remote prefill at all).
+            block_ids: its block ids per KV cache group, in token order.
+            completed: it finished by length or stop.
+
+        Returns:
+            ``(hold, params)``: the params that name the kept blocks and bind their tokens
+            (:func:`p2pkv.params.make_turn_params`), for the client's next turn; ``(False, None)`` when not kept.
+        """
+        flat = tuple(b for group in block_ids for b in group)
+        tokens = request.all_token_ids
+        kept = request.num_computed_tokens
+        if not completed or not any(flat) or request.prompt_token_ids is None or not 0 < kept <= len(tokens):
+            return False, None
+        refusal = ("its model needs the last prompt token computed where the KV lands (attention windows, Mamba "
+                   "state): multi-turn reuse does not apply yet" if self.recompute_tokens else
+                   self.ledger.refusal(len(flat)))
+        if refusal is not None:
+            logger.info("p2pkv: request %s: its blocks are not kept for a next turn: %s", request.request_id, refusal)
+            return False, None
+        params = request.kv_transfer_params or {}
+        self._hold(request, flat, params, self.config.keep_turns_s)
+        answer = make_turn_params(
+            engine_id=self.engine_id, request_id=request.request_id, host=self.host, port=self.port,
+            block_ids=flat, group_sizes=tuple(len(g) for g in block_ids) if len(block_ids) > 1 else (),
+            tp_size=self.tp_size, num_tokens=kept, expiry_time=time.time() + self.config.keep_turns_s,
+            prompt_digest=prompt_digest(list(tokens[:kept])), secret=self._secret)
+        return True, answer
+
+    def _hold(self, request: Request, flat: tuple[int, ...], params: dict[str, Any],
+              lease_s: float | None = None) -> None:
+        """Hold ``flat`` (every group's block ids) for ``request``: counted, leased (``lease_s``, default the
+        setting's), traced."""
         self.ledger.count(request.request_id, len(flat))
-        self.leases[request.request_id] = self._clock() + self.config.lease_s
+        self.leases[request.request_id] = self._clock() + (lease_s or self.config.lease_s)
         self.blocks[request.request_id] = flat
         if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
             self.traces[request.request_id] = (trace, time.time_ns())

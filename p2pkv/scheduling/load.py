@@ -113,3 +113,34 @@ class DecodeLoad:
                 "the params belong to another prompt (send each prompt with its own params)")
         check_kv_groups(len(remote.groups()), kv_groups)  # the decode scheduler's parse checked it already
         return cls(remote, prompt, loaded)
+
+    @classmethod
+    def turn(cls, remote: RemotePrefill, prompt_token_ids: Sequence[int], kv_groups: int) -> DecodeLoad:
+        """The load of the KV a decode engine kept for a conversation's earlier turns (``remote.num_tokens``
+        tokens: those turns' prompt and answer) into this turn's prefill, which computes the tokens after them.
+
+        Args:
+            remote: the prefill leg's parsed (and capability-checked) turn params.
+            prompt_token_ids: this turn's prompt token ids.
+            kv_groups: KV cache groups of this engine.
+
+        Raises:
+            KVTransferParamsError: the params bind no tokens (``remote_prompt_digest`` missing), the prompt does not
+                extend the kept tokens by at least one (the client edited an earlier message, or the params are
+                another conversation's), or they name another number of KV cache groups. The message names the
+                key.
+        """
+        kept, prompt = remote.num_tokens, len(prompt_token_ids)
+        if not remote.prompt_digest:
+            raise KVTransferParamsError(f"kv_transfer_params.{DIGEST_KEY} is missing: a kept turn's params must "
+                                        "bind the tokens its blocks hold")
+        if not 0 < kept < prompt:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.remote_num_tokens={kept} but this prompt has {prompt} tokens: a turn reuses "
+                "kept tokens only for a prompt that extends them")
+        if prompt_digest(prompt_token_ids[:kept]) != remote.prompt_digest:
+            raise KVTransferParamsError(
+                f"kv_transfer_params.{DIGEST_KEY} does not match this request's first {kept} prompt tokens: the "
+                "conversation changed since that turn (an earlier message edited), or the params are another's")
+        check_kv_groups(len(remote.groups()), kv_groups)
+        return cls(remote, prompt, kept)

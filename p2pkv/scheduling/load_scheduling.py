@@ -33,6 +33,7 @@ from p2pkv.params import (
 from p2pkv.scheduling.heartbeat import HeartbeatBatch, HeartbeatSender
 from p2pkv.scheduling.load import DecodeLoad
 from p2pkv.telemetry.tracing import TRACEPARENT_KEY, parse_traceparent
+from p2pkv.turns import mark_loaded, wants_load, wants_turn_load
 
 logger = logging.getLogger("p2pkv.scheduler")
 
@@ -92,7 +93,7 @@ class DecodeScheduling:
     def on_new_request(self, request: Request) -> None:
         """Track a request whose KV waits on a prefill engine, for lease heartbeats (its params checked now)."""
         params = request.kv_transfer_params
-        if wants_remote_prefill(params) and not wants_stream(params):
+        if wants_load(params) and not (wants_remote_prefill(params) and wants_stream(params)):
             try:
                 self._queued[request.request_id] = self._parse(request)
             except KVTransferParamsError as exc:
@@ -133,7 +134,7 @@ class DecodeScheduling:
         None (logged, prefilled locally instead) when they are refused."""
         try:
             params = request.kv_transfer_params
-            if wants_stream(params):
+            if wants_stream(params) and not wants_turn_load(params):
                 remote, grant = parse_stream_leg(params, self._secret, decode_engine_id=self.engine_id,
                                                  now=time.time(), max_lifetime_s=self.config.max_lifetime_s)
                 try:
@@ -146,13 +147,29 @@ class DecodeScheduling:
             remote = self._queued.get(request.request_id)
             if remote is None:
                 remote = self._parse(request)
-            load = DecodeLoad.of(remote, request.prompt_token_ids or (), self.recompute_tokens, self.kv_groups)
+            if wants_turn_load(params):
+                load = self._turn(request, remote)
+            else:
+                load = DecodeLoad.of(remote, request.prompt_token_ids or (), self.recompute_tokens, self.kv_groups)
             self._bind(self.bound, _capability_key(params, remote), request.request_id,
                        _capability_expiry(params, time.time() + self.config.max_lifetime_s))
             return load
         except KVTransferParamsError as exc:
             self._refuse(request, exc)
             return None
+
+    def _turn(self, request: Request, remote: RemotePrefill) -> DecodeLoad:
+        """The load of a kept turn into this prefill leg (:meth:`DecodeLoad.turn`); one that does not apply (the
+        conversation changed) tells the engine that kept it to free it now: its conversation moved on.
+
+        Raises:
+            KVTransferParamsError: as :meth:`DecodeLoad.turn`.
+        """
+        try:
+            return DecodeLoad.turn(remote, request.prompt_token_ids or (), self.kv_groups)
+        except KVTransferParamsError:
+            self.transfers.append(LoadSpec(request.request_id, (), (), remote, report=False))
+            raise
 
     def _bind(self, bound: Bindings, key: str, request_id: str, expiry: float) -> None:
         """Bind ``key`` to ``request_id`` until ``expiry`` (``time.time()`` seconds, plus the clock skew allowed).
@@ -171,7 +188,7 @@ class DecodeScheduling:
     def _refuse(self, request: Request, exc: KVTransferParamsError) -> None:
         """Params refused: logged, and the request prefilled locally instead."""
         logger.error("p2pkv: request %s: %s; prefilling it locally instead", request.request_id, exc)
-        request.kv_transfer_params["do_remote_prefill"] = False
+        mark_loaded(request.kv_transfer_params)
         self._queued.pop(request.request_id, None)  # prefilled here: no more lease heartbeats for it
 
     def _load(self, request: Request) -> DecodeLoad | None:
@@ -183,13 +200,14 @@ class DecodeScheduling:
         return load
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Prompt tokens to load from the prefill engine, asynchronously: all but ``recompute_tokens``.
+        """Prompt tokens to load from the prefill engine, asynchronously: all but ``recompute_tokens``; for a
+        prefill leg that reuses a kept turn, the kept tokens.
 
         The first call for a request checks its params and keeps the outcome
         (:class:`p2pkv.scheduling.load.DecodeLoad`); later calls and
         :meth:`update_state_after_alloc` use what it kept and check nothing again.
         """
-        if not wants_remote_prefill(request.kv_transfer_params):
+        if not wants_load(request.kv_transfer_params):
             return 0, False
         load = self._load(request)
         if load is None:
@@ -206,9 +224,9 @@ class DecodeScheduling:
         as load errors), never left unanswered.
         """
         params = request.kv_transfer_params
-        if not wants_remote_prefill(params):
+        if not wants_load(params):
             return
-        params["do_remote_prefill"] = False  # a second call (more blocks) must not pull again
+        mark_loaded(params)  # a second call (more blocks) must not pull again
         self._queued.pop(request.request_id, None)
         load = self._loads.pop(request.request_id, None)
         if load is None:
@@ -250,7 +268,7 @@ class DecodeScheduling:
         """A pull that could not be set up: the workers report it failed (its blocks as load errors)."""
         self._loads.pop(request.request_id, None)
         if isinstance(request.kv_transfer_params, dict):
-            request.kv_transfer_params["do_remote_prefill"] = False
+            mark_loaded(request.kv_transfer_params)
         if num_external_tokens > 0:
             try:
                 ids = tuple(b for group in blocks.get_unhashed_block_ids_all_groups() for b in group)
@@ -277,8 +295,8 @@ class DecodeScheduling:
                 self._decline(request.request_id, *parse_stream_leg(
                     params, self._secret, decode_engine_id=self.engine_id, now=time.time(),
                     max_lifetime_s=self.config.max_lifetime_s))
-        elif wants_remote_prefill(params):
-            params["do_remote_prefill"] = False
+        elif wants_load(params):
+            mark_loaded(params)
             remote = load.remote if load is not None else queued or self._source_of_unloaded(request)
             if remote is not None:
                 self.transfers.append(LoadSpec(request.request_id, (), (), remote, report=False))
