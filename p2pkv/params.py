@@ -582,4 +582,3 @@ def make_prefill_response_params(
                                tuple(group_sizes) if len(group_sizes) > 1 else (), prompt_digest=prompt_digest)
         params[CAPABILITY_KEY] = _capability(remote, expiry_time, secret)
     return params
-
