@@ -188,7 +188,8 @@ class SchedulerSide:
         self.decode.request_finished(request)
         finished = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if remote_prefill or not wants_remote_decode(request.kv_transfer_params):
-            if self.config.keep_turns_s and request.kv_transfer_params:  # a decode leg: kept for the next turn
+            if self.config.keep_turns_s and request.kv_transfer_params and _answered_whole(request):
+                # a decode leg answered whole (a streamed answer carries no params): kept for the next turn
                 return self.prefill.keep_turn(request, block_ids, not remote_prefill and request.status in finished)
             return False, None
         completed = request.status in finished
@@ -204,3 +205,10 @@ class SchedulerSide:
         self.decode.shutdown()
 
 
+def _answered_whole(request: Request) -> bool:
+    """vLLM's answer to ``request`` carries its ``kv_transfer_params`` (those that name a kept turn): not a streamed
+    HTTP answer (``RequestOutputKind.DELTA``), whose chunks carry none."""
+    from vllm.sampling_params import RequestOutputKind
+
+    sampling = request.sampling_params
+    return sampling is None or sampling.output_kind is not RequestOutputKind.DELTA

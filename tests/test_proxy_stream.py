@@ -44,7 +44,7 @@ class Recorded(Proxy):
         self.prefills.append((url, sent))
         return {"kv_transfer_params": {}}
 
-    async def run_prefill(self, client, path, body, headers, leg=None):  # type: ignore[override]
+    async def run_prefill(self, client, path, body, headers, leg=None, turn=None):  # type: ignore[override]
         url = self.prefill.next()
         self.prefills.append((url, body))
         return {"kv_transfer_params": {"pushed": url}}

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
@@ -48,8 +49,9 @@ def engine(engine_id: str, num_blocks: int = 64, **settings: object) -> Iterator
         sched.shutdown()
 
 
-def _request(rid: str, tokens: list[int], params: dict) -> Request:
-    req = Request(rid, tokens, SamplingParams(max_tokens=ANSWER), None)
+def _request(rid: str, tokens: list[int], params: dict,
+             output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> Request:
+    req = Request(rid, tokens, SamplingParams(max_tokens=ANSWER, output_kind=output_kind), None)
     req.kv_transfer_params = params
     return req
 
@@ -58,14 +60,14 @@ def _blocks(*ids: int) -> KVCacheBlocks:
     return KVCacheBlocks(([KVCacheBlock(i) for i in ids],))
 
 
-def _turn_one(decode: SchedulerSide, status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED
-              ) -> tuple[Request, bool, dict | None]:
+def _turn_one(decode: SchedulerSide, status: RequestStatus = RequestStatus.FINISHED_LENGTH_CAPPED,
+              output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> tuple[Request, bool, dict | None]:
     """Turn 1's decode leg on ``decode``: loads 40 prompt tokens from a prefill engine, generates 12, finishes."""
     prompt = list(range(100, 100 + PROMPT))
     loaded = make_prefill_response_params(
         engine_id="prefill", request_id="t1-prefill", host="127.0.0.1", port=5600, block_ids=[7, 8, 9], tp_size=1,
         num_tokens=PROMPT, expiry_time=time.time() + 30, prompt_digest=prompt_digest(prompt), secret=SECRET.encode())
-    req = _request("t1", prompt, loaded)
+    req = _request("t1", prompt, loaded, output_kind)
     decode.on_new_request(req)
     assert decode.get_num_new_matched_tokens(req, 0) == (PROMPT, True)
     decode.update_state_after_alloc(req, _blocks(1, 2, 3), PROMPT)
@@ -160,9 +162,12 @@ def test_a_kept_turn_serves_one_request_and_a_changed_conversation_loads_nothing
             assert (release.local_block_ids, release.report, release.remote.request_id) == ((), False, "t1")
 
 
-def test_nothing_is_kept_for_an_aborted_request_past_the_cap_or_without_role_both() -> None:
+def test_nothing_is_kept_for_an_aborted_or_streamed_request_past_the_cap_or_without_role_both() -> None:
     with engine("decode") as decode:
         _, hold, params = _turn_one(decode, RequestStatus.FINISHED_ABORTED)
+        assert (hold, params, decode.prefill.held_blocks) == (False, None, 0)
+    with engine("decode") as decode:  # a streamed answer's chunks carry no params: nobody could use them
+        _, hold, params = _turn_one(decode, output_kind=RequestOutputKind.DELTA)
         assert (hold, params, decode.prefill.held_blocks) == (False, None, 0)
     with engine("decode", num_blocks=6) as decode:  # max_held_fraction 0.5: 3 blocks at most
         _, hold, params = _turn_one(decode)

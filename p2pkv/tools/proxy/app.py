@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -39,6 +40,7 @@ from p2pkv.tools.proxy.proxy_spans import (
 from p2pkv.tools.proxy.service import add_service_routes
 from p2pkv.tools.proxy.stream import StreamLegs
 from p2pkv.tools.proxy.stream_route import stream_prompt
+from p2pkv.tools.proxy.turns import TurnMemory
 from p2pkv.tools.proxy.unpulled_holds import release_all
 from p2pkv.tools.proxy.upstream import (
     RelayedStream,
@@ -140,18 +142,24 @@ class Proxy:
         self.transfer_mode = transfer_mode
         self.seed_streams = seed_streams
         self.streams = StreamLegs(secret, timeout_s) if transfer_mode == "stream" and secret else None
+        self.turns = TurnMemory()
         self._background: set[asyncio.Task] = set()
 
     async def run_prefill(self, client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                          headers: dict[str, str], leg: ProxySpan | None = None) -> dict[str, Any]:
+                          headers: dict[str, str], leg: ProxySpan | None = None,
+                          turn: dict[str, Any] | None = None) -> dict[str, Any]:
         """Ask a prefill engine for one token; its answer (with ``kv_transfer_params``). Raises UpstreamError.
 
         ``leg`` (tracing on): the prompt's ``p2pkv.proxy.prefill`` span; its
         context goes with the request, the outcome is recorded on it, and it
-        is ended here.
+        is ended here. ``turn``: the params of the conversation's last kept turn
+        (:mod:`p2pkv.tools.proxy.turns`), sent with the leg so that its engine loads
+        that turn's blocks first.
         """
         url = self.prefill.next()
         sent = prefill_body(body)
+        if turn is not None:
+            sent["kv_transfer_params"] = {**sent["kv_transfer_params"], **turn}
         return await self._prefill_leg(client, url, path, sent, headers, leg)
 
     async def _prefill_leg(self, client: httpx.AsyncClient, url: str, path: str, sent: dict[str, Any],
@@ -369,15 +377,29 @@ class Proxy:
         caller frees them if the client leaves). Raises UpstreamError."""
         fallback = request_fallback(path, body, self.first_token_from)  # a request not streamed: REQUEST
         asked = body if fallback is not None else {**body, "return_token_ids": True}
-        answer = await self.run_prefill(client, path, asked, headers, leg_of(trace, "prefill"))
+        turn = self.turns.take(path, body)
+        answer = await self.run_prefill(client, path, asked, headers, leg_of(trace, "prefill"), turn)
         params.append(answer["kv_transfer_params"])
         first = fallback if fallback is not None else first_token_or_fallback(path, body, answer)
         if body.get("stream") is True:
             self.metrics.count_first_token(first)
         if isinstance(first, FirstToken):
             return hand_over_stream(self, client, path, body, first, params[-1], headers, out_headers, trace)
-        return await self.decode_one(client, path, {**body, "kv_transfer_params": params[-1]}, headers, out_headers,
+        resp = await self.decode_one(client, path, {**body, "kv_transfer_params": params[-1]}, headers, out_headers,
                                      trace)
+        self._remember_turn(path, body, resp)
+        return resp
+
+    def _remember_turn(self, path: str, body: dict[str, Any], resp: Response) -> None:
+        """A whole decode answer's params for the conversation's next turn, when its engine kept the blocks
+        (:class:`p2pkv.tools.proxy.turns.TurnMemory`; a streamed answer carries none)."""
+        if resp.status_code != 200 or isinstance(resp, RelayedStream) or b"kv_transfer_params" not in getattr(
+                resp, "body", b""):
+            return
+        with contextlib.suppress(ValueError):
+            answer = json.loads(resp.body)
+            if isinstance(answer, dict):
+                self.turns.remember(path, body, answer)
 
     async def decode_one(self, client: httpx.AsyncClient, path: str, leg: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], trace: RequestTrace | None = None) -> Response:
