@@ -64,6 +64,12 @@ with a window of 40 and blocks of 32, at 135 a full load would free the block of
 that the recomputed last token attends to, at 136 the window starts on a block boundary."""
 
 
+TURNS_KIND = "mla"
+"""The kind whose pair also runs multi-turn reuse (full attention, where it applies: docs/multi-turn.md): both
+engines ``role`` both, the decode engine keeping turns for :data:`KEEP_TURNS_S`."""
+KEEP_TURNS_S = 60.0
+
+
 def prompt_of(length: int) -> str:
     """A prompt of ``length`` tokens (one per byte), sharing no first block with another length's."""
     text = "".join(f"{length * 7 + i} sheep jump the fence; " for i in range(length))
@@ -128,9 +134,12 @@ def kind_pair(request, tmp_path_factory):
     proxy, prefill, decode, side = free_ports(4)
     stats = logs / "pulls.jsonl"
     # the decode engine verifies every load and recomputes one that fails; the requests FAULTS aims at corrupted
+    turns = kind == TURNS_KIND  # both engines role both, the decode engine keeping turns (multi-turn reuse)
     pair = LocalPair(model=str(model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      side_channel_port=side, block_size=BLOCK[kind], log_dir=logs, max_model_len=1024,
-                     decode_extra_config={"stats_file": str(stats), "verify_kv": True},
+                     extra_config={"role": "both"} if turns else {},
+                     decode_extra_config={"stats_file": str(stats), "verify_kv": True,
+                                          **({"keep_turns_s": KEEP_TURNS_S} if turns else {})},
                      decode_load_failure_policy="recompute", env=FAULTS,
                      engine_args=ENGINE_ARGS.get(kind, ()))
     children, extra, pod = [], None, None
@@ -484,3 +493,29 @@ def test_decode_log_shows_the_pairing(kind_pair) -> None:
     assert "Turning off hybrid kv cache manager" not in log  # p2pkv supports HMA
     if kind == "mla":
         assert "Using CPU_MLA backend" in log
+
+
+def test_a_conversations_next_turn_loads_what_the_decode_engine_kept(kind_pair, slow_client) -> None:
+    """Multi-turn reuse through the pair's proxy (the MLA pair: docs/multi-turn.md): turn 1's decode engine keeps
+    its blocks and answers with their params; the proxy sends them with turn 2's prefill leg (its prompt is turn 1's
+    prompt, answer and a new message), whose engine loads them from the decode engine (one load on the prefill
+    engine) instead of computing them; turn 2's answer equals one engine's. A turn whose earlier message was
+    edited loads nothing and is answered right all the same."""
+    kind, pair, _, _, _ = kind_pair
+    if kind != TURNS_KIND:
+        pytest.skip(f"multi-turn reuse runs on the {TURNS_KIND} pair")
+    loads = ("p2pkv:pulls_total{",)
+    ids = slow_client.post(f"{pair.url('prefill')}/tokenize",
+                           json={"model": "model", "prompt": prompt_of(7000)[:200]}).json()["tokens"]
+    first = demo.complete(slow_client, pair.url("proxy"), ids, max_tokens=24)
+    before = metric_sum(slow_client, pair.url("prefill"), *loads)
+    second = [*ids, *first.token_ids, *ids[:16]]
+    got = demo.complete(slow_client, pair.url("proxy"), second, max_tokens=8)
+    ref = demo.complete(slow_client, pair.url("prefill"), second, max_tokens=8)
+    assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE[kind]
+    assert wait_metric_above(slow_client, pair.url("prefill"), before, *loads) == before + 1
+    edited = [ids[0] + 1, *second[1:], *got.token_ids]
+    again = demo.complete(slow_client, pair.url("proxy"), edited, max_tokens=8)
+    alone = demo.complete(slow_client, pair.url("prefill"), edited, max_tokens=8)
+    assert again.token_ids == alone.token_ids
+    assert metric_sum(slow_client, pair.url("prefill"), *loads) == before + 1  # the edited turn loaded nothing

@@ -1,0 +1,124 @@
+"""Multi-turn reuse through real engines and `p2pkv proxy` (docs/multi-turn.md), with and without it.
+
+Starts `p2pkv launch local` (the tiny model; both engines role both, the decode engine keeping turns for
+``--keep-turns-s``, 0: no reuse; an aggregated engine with prefix caching beside them), then runs
+``--conversations`` conversations of ``--turns`` turns through the proxy: each turn's prompt is the last turn's
+prompt, its answer and a new message (token ids: they round-trip exactly). Each answer is compared with the
+aggregated engine's, token for token; counted: the turns the prefill engine loaded from the decode engine
+(``p2pkv:pulls_total``), its prompt tokens by source (vLLM's ``vllm:prompt_tokens_by_source``: computed there,
+its prefix cache, loaded), and the latency of turns 2 and later (whole answers of ``--answer-tokens`` tokens; the
+aggregated engine's too). Prints one JSON line; exits 1 when an answer differs, or, reusing, no turn was loaded.
+
+    python scripts/multi_turn_check.py [--conversations 3] [--turns 3] [--keep-turns-s 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE = 18700
+
+
+def _metric(client: httpx.Client, url: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in client.get(f"{url}/metrics").text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def _complete(client: httpx.Client, url: str, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """The answer's token ids and its latency (seconds)."""
+    body = {"model": "model", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    start = time.perf_counter()
+    resp = client.post(f"{url}/v1/completions", json=body)
+    resp.raise_for_status()
+    return resp.json()["choices"][0]["token_ids"], time.perf_counter() - start
+
+
+def _sources(client: httpx.Client, url: str) -> dict[str, float]:
+    return {source: _metric(client, url, f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="model",'
+                                         f'source="{source}"}}')
+            for source in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1) if ordered else 0.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conversations", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--answer-tokens", type=int, default=32)
+    ap.add_argument("--keep-turns-s", type=float, default=120.0)
+    ap.add_argument("--log-dir", default="/tmp/p2pkv-multi-turn")
+    args = ap.parse_args()
+    model = ROOT / ".p2pkv" / "tiny-model"
+    p2pkv = str(ROOT / ".venv" / "bin" / "p2pkv")
+    if not model.exists():
+        subprocess.run([p2pkv, "make-tiny-model", str(model)], check=True)
+    env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+           "P2PKV_SECRET": secrets.token_hex(32)}
+    proxy, prefill, aggregated = (f"http://127.0.0.1:{BASE + i}" for i in (0, 1, 3))
+    launch = subprocess.Popen(
+        [p2pkv, "launch", "local", "--model", str(model), "--proxy-port", str(BASE), "--prefill-port",
+         str(BASE + 1), "--decode-port", str(BASE + 2), "--aggregated-port", str(BASE + 3),
+         "--side-channel-port", str(BASE + 10), "--log-dir", args.log_dir,
+         "--kv-connector-extra-config", json.dumps({"role": "both"}),
+         "--decode-extra-config", json.dumps({"keep_turns_s": args.keep_turns_s})],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(timeout=120) as client:
+            deadline = time.monotonic() + 600
+            while True:
+                try:
+                    if all(client.get(f"{u}/health").status_code == 200 for u in (proxy, aggregated)):
+                        break
+                except httpx.HTTPError:
+                    pass
+                if launch.poll() is not None or time.monotonic() > deadline:
+                    print(f"the pair did not start: see {args.log_dir}", file=sys.stderr)
+                    return 1
+                time.sleep(2)
+            text = {"model": "model", "prompt": "Tell me about KV caches. " * 4}
+            opening = client.post(f"{prefill}/tokenize", json=text).json()["tokens"]
+            pulls0, sources0 = _metric(client, prefill, "p2pkv:pulls_total"), _sources(client, prefill)
+            turns = differ = 0
+            later: list[float] = []
+            alone: list[float] = []
+            for c in range(args.conversations):
+                ids = [*opening, *range(10 + c, 20 + c)]
+                for turn in range(args.turns):
+                    got, seconds = _complete(client, proxy, ids, args.answer_tokens)
+                    ref, ref_seconds = _complete(client, aggregated, ids, args.answer_tokens)
+                    turns += 1
+                    differ += got != ref
+                    if turn:
+                        later.append(seconds)
+                        alone.append(ref_seconds)
+                    ids = [*ids, *got, *opening[:12]]
+            pulls = _metric(client, prefill, "p2pkv:pulls_total") - pulls0
+            sources = {k: v - sources0[k] for k, v in _sources(client, prefill).items()}
+        print(json.dumps({"keep_turns_s": args.keep_turns_s, "turns": turns, "answers_differing": differ,
+                          "later_turns": len(later), "turns_loaded_from_decode": pulls,
+                          "prefill_prompt_tokens": sources,
+                          "later_turn_latency_ms": {"p50": _p(later, 0.5), "p90": _p(later, 0.9)},
+                          "aggregated_later_turn_latency_ms": {"p50": _p(alone, 0.5), "p90": _p(alone, 0.9)}}))
+        return 1 if differ or (args.keep_turns_s and pulls < 1) else 0
+    finally:
+        launch.terminate()
+        launch.wait(60)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
