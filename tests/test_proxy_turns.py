@@ -84,6 +84,10 @@ def test_only_kept_turns_are_remembered_and_the_memory_is_bounded(monkeypatch: p
     prefill_answer.update(do_remote_decode=False, do_remote_prefill=True)  # a prefill engine's: not a kept turn
     assert not memory.remember("/v1/completions", {"prompt": "a"}, _text_answer("b", prefill_answer))
     assert not memory.remember("/v1/completions", {"prompt": "a"}, _text_answer("b", None))
+    assert not memory.remember_body("/v1/completions", {"prompt": "a"}, b"kv_transfer_params: not JSON")
+    assert memory.remember_body("/v1/completions", {"prompt": "a"},
+                                json.dumps(_text_answer("b", _kept("whole"))).encode())
+    assert memory.take("/v1/completions", {"prompt": "abc"})["remote_request_id"] == "whole"  # type: ignore[index]
     monkeypatch.setattr(turns_module, "MAX_TURNS", 3)
     for i in range(5):
         memory.remember("/v1/completions", {"prompt": f"p{i}"}, _text_answer("x" * i, _kept(f"t{i}")))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -387,19 +386,9 @@ class Proxy:
             return hand_over_stream(self, client, path, body, first, params[-1], headers, out_headers, trace)
         resp = await self.decode_one(client, path, {**body, "kv_transfer_params": params[-1]}, headers, out_headers,
                                      trace)
-        self._remember_turn(path, body, resp)
+        if resp.status_code == 200 and not isinstance(resp, RelayedStream):  # a streamed answer names no turn
+            self.turns.remember_body(path, body, resp.body)
         return resp
-
-    def _remember_turn(self, path: str, body: dict[str, Any], resp: Response) -> None:
-        """A whole decode answer's params for the conversation's next turn, when its engine kept the blocks
-        (:class:`p2pkv.tools.proxy.turns.TurnMemory`; a streamed answer carries none)."""
-        if resp.status_code != 200 or isinstance(resp, RelayedStream) or b"kv_transfer_params" not in getattr(
-                resp, "body", b""):
-            return
-        with contextlib.suppress(ValueError):
-            answer = json.loads(resp.body)
-            if isinstance(answer, dict):
-                self.turns.remember(path, body, answer)
 
     async def decode_one(self, client: httpx.AsyncClient, path: str, leg: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], trace: RequestTrace | None = None) -> Response:

@@ -132,6 +132,17 @@ class TurnMemory:
                 del lengths[key[1]]
         return params
 
+    def remember_body(self, path: str, body: dict[str, Any], content: bytes) -> bool:
+        """:meth:`remember` of a decode engine's answer as it came (``content``: its JSON bytes; anything else is
+        not remembered)."""
+        if b"kv_transfer_params" not in content:
+            return False
+        try:
+            answer = json.loads(content)
+        except ValueError:
+            return False
+        return isinstance(answer, dict) and self.remember(path, body, answer)
+
     def take(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         """The params of the longest kept turn ``body``'s prompt extends (forgotten here: they serve one request),
         or None."""
