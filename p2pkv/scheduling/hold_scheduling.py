@@ -143,7 +143,7 @@ class PrefillScheduling:
     def keep_turn(self, request: Request, block_ids: tuple[list[int], ...],
                   completed: bool) -> tuple[bool, dict[str, Any] | None]:
         """Keep a finished request's blocks (its prompt's and generated tokens' KV) for its conversation's next
-        turn (``keep_turns_s``), whose prefill engine loads them (:func:`p2pkv.params.wants_turn_load`).
+        turn (``keep_turns_s``), whose prefill engine loads them (:func:`p2pkv.turns.wants_turn_load`).
 
         Counted against ``max_held_fraction`` with every other hold, leased for ``keep_turns_s``, freed when the
         next turn's prefill engine has loaded them, or tells this engine that it will not (a conversation that
@@ -158,7 +158,7 @@ class PrefillScheduling:
 
         Returns:
             ``(hold, params)``: the params that name the kept blocks and bind their tokens
-            (:func:`p2pkv.params.make_turn_params`), for the client's next turn; ``(False, None)`` when not kept.
+            (:func:`p2pkv.turns.make_turn_params`), for the client's next turn; ``(False, None)`` when not kept.
         """
         flat = tuple(b for group in block_ids for b in group)
         tokens = request.all_token_ids
