@@ -7,9 +7,13 @@ prompt, its answer and a new message (token ids: they round-trip exactly). Each 
 aggregated engine's, token for token; counted: the turns the prefill engine loaded from the decode engine
 (``p2pkv:pulls_total``), its prompt tokens by source (vLLM's ``vllm:prompt_tokens_by_source``: computed there,
 its prefix cache, loaded), and the latency of turns 2 and later (whole answers of ``--answer-tokens`` tokens; the
-aggregated engine's too). Prints one JSON line; exits 1 when an answer differs, or, reusing, no turn was loaded.
+aggregated engine's too). With ``--via legs`` the script is the router instead of the proxy: it sends each
+turn's prefill leg itself, with the last decode answer's params, and times it (the turn's first token: the proxy
+hands the client the prefill engine's token), then the decode leg; the aggregated engine's first token is timed on
+a streamed request. Prints one JSON line; exits 1 when an answer differs, or, reusing, no turn was loaded.
 
-    python scripts/multi_turn_check.py [--conversations 3] [--turns 3] [--keep-turns-s 120]
+    python scripts/multi_turn_check.py [--conversations 3] [--turns 3] [--keep-turns-s 120] [--via proxy|legs]
+        [--model DIR]
 """
 
 from __future__ import annotations
@@ -44,6 +48,36 @@ def _complete(client: httpx.Client, url: str, ids: list[int], max_tokens: int) -
     return resp.json()["choices"][0]["token_ids"], time.perf_counter() - start
 
 
+def _legs(client: httpx.Client, prefill: str, decode: str, ids: list[int], max_tokens: int,
+          kept: dict | None) -> tuple[list[int], float, dict | None]:
+    """One turn as a router sends it: the prefill leg (with the conversation's kept turn, if any), timed: the
+    turn's first token; then the decode leg. ``(answer ids, first-token seconds, the decode answer's params)``."""
+    body = {"model": "model", "prompt": ids, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True, **(kept or {})}}
+    start = time.perf_counter()
+    resp = client.post(f"{prefill}/v1/completions", json=body)
+    resp.raise_for_status()
+    first = time.perf_counter() - start
+    body = {"model": "model", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True, "kv_transfer_params": resp.json()["kv_transfer_params"]}
+    resp = client.post(f"{decode}/v1/completions", json=body)
+    resp.raise_for_status()
+    answer = resp.json()
+    return answer["choices"][0]["token_ids"], first, answer.get("kv_transfer_params")
+
+
+def _first_token_s(client: httpx.Client, url: str, ids: list[int], max_tokens: int) -> float:
+    """Seconds to the first streamed token of a greedy completion of ``ids``."""
+    body = {"model": "model", "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    start = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                return time.perf_counter() - start
+    return time.perf_counter() - start
+
+
 def _sources(client: httpx.Client, url: str) -> dict[str, float]:
     return {source: _metric(client, url, f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="model",'
                                          f'source="{source}"}}')
@@ -61,15 +95,18 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("--keep-turns-s", type=float, default=120.0)
+    ap.add_argument("--via", choices=("proxy", "legs"), default="proxy")
+    ap.add_argument("--model", default=str(ROOT / ".p2pkv" / "tiny-model"),
+                    help="model directory (default: the tiny model, made on first use)")
     ap.add_argument("--log-dir", default="/tmp/p2pkv-multi-turn")
     args = ap.parse_args()
-    model = ROOT / ".p2pkv" / "tiny-model"
+    model = Path(args.model)
     p2pkv = str(ROOT / ".venv" / "bin" / "p2pkv")
     if not model.exists():
         subprocess.run([p2pkv, "make-tiny-model", str(model)], check=True)
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
            "P2PKV_SECRET": secrets.token_hex(32)}
-    proxy, prefill, aggregated = (f"http://127.0.0.1:{BASE + i}" for i in (0, 1, 3))
+    proxy, prefill, decode, aggregated = (f"http://127.0.0.1:{BASE + i}" for i in range(4))
     launch = subprocess.Popen(
         [p2pkv, "launch", "local", "--model", str(model), "--proxy-port", str(BASE), "--prefill-port",
          str(BASE + 1), "--decode-port", str(BASE + 2), "--aggregated-port", str(BASE + 3),
@@ -97,10 +134,15 @@ def main() -> int:
             later: list[float] = []
             alone: list[float] = []
             for c in range(args.conversations):
-                ids = [*opening, *range(10 + c, 20 + c)]
+                ids, kept = [*opening, *range(10 + c, 20 + c)], None
                 for turn in range(args.turns):
-                    got, seconds = _complete(client, proxy, ids, args.answer_tokens)
-                    ref, ref_seconds = _complete(client, aggregated, ids, args.answer_tokens)
+                    if args.via == "legs":
+                        got, seconds, kept = _legs(client, prefill, decode, ids, args.answer_tokens, kept)
+                        ref_seconds = _first_token_s(client, aggregated, ids, args.answer_tokens)  # its cache first
+                        ref, _ = _complete(client, aggregated, ids, args.answer_tokens)
+                    else:
+                        got, seconds = _complete(client, proxy, ids, args.answer_tokens)
+                        ref, ref_seconds = _complete(client, aggregated, ids, args.answer_tokens)
                     turns += 1
                     differ += got != ref
                     if turn:
@@ -109,11 +151,12 @@ def main() -> int:
                     ids = [*ids, *got, *opening[:12]]
             pulls = _metric(client, prefill, "p2pkv:pulls_total") - pulls0
             sources = {k: v - sources0[k] for k, v in _sources(client, prefill).items()}
-        print(json.dumps({"keep_turns_s": args.keep_turns_s, "turns": turns, "answers_differing": differ,
-                          "later_turns": len(later), "turns_loaded_from_decode": pulls,
+        timed = "first_token" if args.via == "legs" else "latency"
+        print(json.dumps({"keep_turns_s": args.keep_turns_s, "via": args.via, "turns": turns,
+                          "answers_differing": differ, "later_turns": len(later), "turns_loaded_from_decode": pulls,
                           "prefill_prompt_tokens": sources,
-                          "later_turn_latency_ms": {"p50": _p(later, 0.5), "p90": _p(later, 0.9)},
-                          "aggregated_later_turn_latency_ms": {"p50": _p(alone, 0.5), "p90": _p(alone, 0.9)}}))
+                          f"later_turn_{timed}_ms": {"p50": _p(later, 0.5), "p90": _p(later, 0.9)},
+                          f"aggregated_later_turn_{timed}_ms": {"p50": _p(alone, 0.5), "p90": _p(alone, 0.9)}}))
         return 1 if differ or (args.keep_turns_s and pulls < 1) else 0
     finally:
         launch.terminate()
