@@ -98,7 +98,8 @@ def test_only_kept_turns_are_remembered_and_the_memory_is_bounded(monkeypatch: p
 
 def test_the_proxy_sends_a_kept_turns_params_with_the_next_turns_prefill_leg() -> None:
     """Through the proxy: turn 1's decode answer carries a kept turn's params; turn 2's prefill leg carries them
-    (with the prefill leg's own flags), turn 3 of another conversation does not."""
+    (with the prefill leg's own flags), turn 3 of another conversation does not; ``p2pkv_proxy_turns_total`` counts
+    the three kept turns remembered and the one sent."""
     prefills: list[dict[str, Any]] = []
 
     async def engines(request: httpx.Request) -> httpx.Response:
@@ -112,8 +113,9 @@ def test_the_proxy_sends_a_kept_turns_params_with_the_next_turns_prefill_leg() -
             return httpx.Response(200, json=_text_answer("x", params))
         return httpx.Response(200, json=_text_answer(" answer", _kept(f"kept-{len(prefills)}")))
 
+    proxy = Proxy([PREFILL], [DECODE], 30.0, SECRET)
+
     async def run() -> None:
-        proxy = Proxy([PREFILL], [DECODE], 30.0, SECRET)
         async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as client:
             for prompt in ("Turn one.", "Turn one. answer Turn two.", "Another talk."):
                 resp = await proxy.serve(client, "/v1/completions", {"model": "m", "prompt": prompt,
@@ -121,6 +123,8 @@ def test_the_proxy_sends_a_kept_turns_params_with_the_next_turns_prefill_leg() -
                 assert resp.status_code == 200
 
     asyncio.run(run())
+    counted = {event: proxy.metrics.turns.labels(event)._value.get() for event in ("kept", "sent")}
+    assert counted == {"kept": 3, "sent": 1}
     first, second, third = (p["kv_transfer_params"] for p in prefills)
     assert "remote_block_ids" not in first or not first["remote_block_ids"]
     assert second["remote_request_id"] == "kept-1" and second["remote_block_ids"] == [[1, 2, 3]]

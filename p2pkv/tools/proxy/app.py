@@ -377,6 +377,8 @@ class Proxy:
         fallback = request_fallback(path, body, self.first_token_from)  # a request not streamed: REQUEST
         asked = body if fallback is not None else {**body, "return_token_ids": True}
         turn = self.turns.take(path, body)
+        if turn is not None:
+            self.metrics.turns.labels("sent").inc()
         answer = await self.run_prefill(client, path, asked, headers, leg_of(trace, "prefill"), turn)
         params.append(answer["kv_transfer_params"])
         first = fallback if fallback is not None else first_token_or_fallback(path, body, answer)
@@ -386,8 +388,9 @@ class Proxy:
             return hand_over_stream(self, client, path, body, first, params[-1], headers, out_headers, trace)
         resp = await self.decode_one(client, path, {**body, "kv_transfer_params": params[-1]}, headers, out_headers,
                                      trace)
-        if resp.status_code == 200 and not isinstance(resp, RelayedStream):  # a streamed answer names no turn
-            self.turns.remember_body(path, body, resp.body)
+        if (resp.status_code == 200 and not isinstance(resp, RelayedStream)  # a streamed answer names no turn
+                and self.turns.remember_body(path, body, resp.body)):
+            self.metrics.turns.labels("kept").inc()
         return resp
 
     async def decode_one(self, client: httpx.AsyncClient, path: str, leg: dict[str, Any], headers: dict[str, str],

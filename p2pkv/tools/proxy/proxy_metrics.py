@@ -41,6 +41,9 @@ class ProxyMetrics:
             token than the prefill engine's, which the client already had (the
             decode engine was asked again to continue after the client's:
             :mod:`p2pkv.tools.proxy.stream_hand_over`).
+        turns: ``p2pkv_proxy_turns_total{event}``, multi-turn reuse (:mod:`p2pkv.tools.proxy.turns`):
+            ``kept`` (a decode answer named blocks kept for the next turn, remembered), ``sent`` (a prefill leg
+            went with a kept turn's params: its engine loads that turn instead of computing it).
 
     With tracing on, the histograms' observations carry an exemplar
     (``trace_id`` of the request's trace), which ``/metrics`` serves to a
@@ -85,6 +88,10 @@ class ProxyMetrics:
             "p2pkv_proxy_first_token_mismatches",
             "Layer-streamed requests whose decode engine's first token differed from the handed-over one "
             "(continued after the client's)", registry=r)
+        self.turns = Counter("p2pkv_proxy_turns", "Multi-turn reuse: turns kept by a decode engine and remembered "
+                             "(kept), prefill legs sent with a kept turn (sent)", ["event"], registry=r)
+        for event in ("kept", "sent"):  # both series exist from the start, at 0
+            self.turns.labels(event)
 
     def count_first_token(self, first: FirstToken | Fallback) -> None:
         """Count a streaming request's first token: from the prefill answer (``first`` the token), or from the
