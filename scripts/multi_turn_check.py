@@ -10,10 +10,16 @@ its prefix cache, loaded), and the latency of turns 2 and later (whole answers o
 aggregated engine's too). With ``--via legs`` the script is the router instead of the proxy: it sends each
 turn's prefill leg itself, with the last decode answer's params, and times it (the turn's first token: the proxy
 hands the client the prefill engine's token), then the decode leg; the aggregated engine's first token is timed on
-a streamed request. Prints one JSON line; exits 1 when an answer differs, or, reusing, no turn was loaded.
+a streamed request. With ``--trace`` the conversations are shaped like a trace's instead: Mooncake's public
+conversation trace (``FAST25-release/traces/conversation_trace.jsonl`` in github.com/kvcache-ai/Mooncake: per
+request its input and output lengths and the hashes of its 512-token prompt blocks); a request whose prompt blocks
+start with an earlier request's full blocks is that conversation's next turn. The first ``--conversations`` of at
+least ``--turns`` turns are taken, their lengths divided by ``--trace-scale`` (what the model's context holds), each
+turn's new message the tokens its prompt adds to the last prompt and answer. Prints one JSON line; exits 1 when an
+answer differs, or, reusing, no turn was loaded.
 
     python scripts/multi_turn_check.py [--conversations 3] [--turns 3] [--keep-turns-s 120] [--via proxy|legs]
-        [--model DIR]
+        [--model DIR] [--trace conversation_trace.jsonl --trace-scale 16]
 """
 
 from __future__ import annotations
@@ -78,6 +84,55 @@ def _first_token_s(client: httpx.Client, url: str, ids: list[int], max_tokens: i
     return time.perf_counter() - start
 
 
+Plan = list[tuple[int, int]]
+"""A conversation: per turn, the tokens its new message adds and the tokens of its answer."""
+
+
+def synthetic_plans(conversations: int, turns: int, answer: int, opening: int) -> list[Plan]:
+    """Conversations that open with ``opening`` tokens, each later turn adding 12, every answer ``answer`` long."""
+    return [[(opening if t == 0 else 12, answer) for t in range(turns)] for _ in range(conversations)]
+
+
+def trace_plans(path: Path, conversations: int, turns: int, scale: float, max_tokens: int) -> list[Plan]:
+    """The first ``conversations`` conversations of at least ``turns`` turns of a Mooncake-format trace (see the
+    module docstring), lengths divided by ``scale``, each cut before a turn that would pass ``max_tokens``."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_blocks: dict[tuple[int, ...], int] = {}
+    parent: dict[int, int] = {}
+    for i, row in enumerate(rows):
+        blocks = tuple(row["hash_ids"])
+        for n in range(len(blocks), 2, -1):  # the longest earlier prompt (its full blocks) this one extends
+            if blocks[:n] in by_blocks:
+                parent[i] = by_blocks[blocks[:n]]
+                break
+        if len(blocks) > 2:
+            by_blocks.setdefault(blocks[:-1], i)
+    child: dict[int, int] = {}
+    for i, p in sorted(parent.items()):
+        child.setdefault(p, i)  # a conversation follows its first continuation
+    plans: list[Plan] = []
+    for root in (i for i in range(len(rows)) if i not in parent):
+        chain, at = [root], root
+        while at in child:
+            at = child[at]
+            chain.append(at)
+        plan, total = [], 0
+        for k, i in enumerate(chain):
+            row = rows[i]
+            added = row["input_length"] - (0 if k == 0 else rows[chain[k - 1]]["input_length"]
+                                          + rows[chain[k - 1]]["output_length"])
+            new, answer = max(4, round(added / scale)), max(1, round(row["output_length"] / scale))
+            if total + new + answer > max_tokens:
+                break
+            plan.append((new, answer))
+            total += new + answer
+        if len(plan) >= turns:
+            plans.append(plan)
+        if len(plans) == conversations:
+            break
+    return plans
+
+
 def _sources(client: httpx.Client, url: str) -> dict[str, float]:
     return {source: _metric(client, url, f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="model",'
                                          f'source="{source}"}}')
@@ -98,6 +153,10 @@ def main() -> int:
     ap.add_argument("--via", choices=("proxy", "legs"), default="proxy")
     ap.add_argument("--model", default=str(ROOT / ".p2pkv" / "tiny-model"),
                     help="model directory (default: the tiny model, made on first use)")
+    ap.add_argument("--trace", type=Path, help="a Mooncake-format conversation trace (JSON lines)")
+    ap.add_argument("--trace-scale", type=float, default=16.0,
+                    help="the trace's lengths are divided by this (default 16: a 512-token block is 32 tokens)")
+    ap.add_argument("--max-tokens", type=int, default=1900, help="longest conversation (tokens; the context)")
     ap.add_argument("--log-dir", default="/tmp/p2pkv-multi-turn")
     args = ap.parse_args()
     model = Path(args.model)
@@ -127,32 +186,39 @@ def main() -> int:
                     print(f"the pair did not start: see {args.log_dir}", file=sys.stderr)
                     return 1
                 time.sleep(2)
-            text = {"model": "model", "prompt": "Tell me about KV caches. " * 4}
-            opening = client.post(f"{prefill}/tokenize", json=text).json()["tokens"]
+            text = {"model": "model", "prompt": "Tell me about KV caches and the turns of a conversation. " * 40}
+            pool = client.post(f"{prefill}/tokenize", json=text).json()["tokens"]
+            if args.trace is not None:
+                plans = trace_plans(args.trace, args.conversations, args.turns, args.trace_scale, args.max_tokens)
+            else:
+                plans = synthetic_plans(args.conversations, args.turns, args.answer_tokens, 38)
             pulls0, sources0 = _metric(client, prefill, "p2pkv:pulls_total"), _sources(client, prefill)
             turns = differ = 0
             later: list[float] = []
             alone: list[float] = []
-            for c in range(args.conversations):
-                ids, kept = [*opening, *range(10 + c, 20 + c)], None
-                for turn in range(args.turns):
+            for c, plan in enumerate(plans):
+                ids: list[int] = [10 + c]  # the conversation's own first token: no two share a prefix
+                kept = None
+                for turn, (new, answer) in enumerate(plan):
+                    ids = [*ids, *(pool[(c * 31 + turn * 7 + j) % len(pool)] for j in range(new))]
                     if args.via == "legs":
-                        got, seconds, kept = _legs(client, prefill, decode, ids, args.answer_tokens, kept)
-                        ref_seconds = _first_token_s(client, aggregated, ids, args.answer_tokens)  # its cache first
-                        ref, _ = _complete(client, aggregated, ids, args.answer_tokens)
+                        got, seconds, kept = _legs(client, prefill, decode, ids, answer, kept)
+                        ref_seconds = _first_token_s(client, aggregated, ids, answer)  # its cache first
+                        ref, _ = _complete(client, aggregated, ids, answer)
                     else:
-                        got, seconds = _complete(client, proxy, ids, args.answer_tokens)
-                        ref, ref_seconds = _complete(client, aggregated, ids, args.answer_tokens)
+                        got, seconds = _complete(client, proxy, ids, answer)
+                        ref, ref_seconds = _complete(client, aggregated, ids, answer)
                     turns += 1
                     differ += got != ref
                     if turn:
                         later.append(seconds)
                         alone.append(ref_seconds)
-                    ids = [*ids, *got, *opening[:12]]
+                    ids = [*ids, *got]
             pulls = _metric(client, prefill, "p2pkv:pulls_total") - pulls0
             sources = {k: v - sources0[k] for k, v in _sources(client, prefill).items()}
         timed = "first_token" if args.via == "legs" else "latency"
-        print(json.dumps({"keep_turns_s": args.keep_turns_s, "via": args.via, "turns": turns,
+        print(json.dumps({"keep_turns_s": args.keep_turns_s, "via": args.via, "conversations": len(plans),
+                          "trace": str(args.trace or ""), "turns": turns,
                           "answers_differing": differ, "later_turns": len(later), "turns_loaded_from_decode": pulls,
                           "prefill_prompt_tokens": sources,
                           f"later_turn_{timed}_ms": {"p50": _p(later, 0.5), "p90": _p(later, 0.9)},
