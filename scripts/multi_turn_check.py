@@ -158,6 +158,8 @@ def main() -> int:
                     help="the trace's lengths are divided by this (default 16: a 512-token block is 32 tokens)")
     ap.add_argument("--max-tokens", type=int, default=1900, help="longest conversation (tokens; the context)")
     ap.add_argument("--log-dir", default="/tmp/p2pkv-multi-turn")
+    ap.add_argument("--block-size", type=int, default=32, help="tokens per block")
+    ap.add_argument("--extra-vllm-args", default="", help="more `vllm serve` flags for every engine")
     args = ap.parse_args()
     model = Path(args.model)
     p2pkv = str(ROOT / ".venv" / "bin" / "p2pkv")
@@ -169,7 +171,8 @@ def main() -> int:
     launch = subprocess.Popen(
         [p2pkv, "launch", "local", "--model", str(model), "--proxy-port", str(BASE), "--prefill-port",
          str(BASE + 1), "--decode-port", str(BASE + 2), "--aggregated-port", str(BASE + 3),
-         "--side-channel-port", str(BASE + 10), "--log-dir", args.log_dir,
+         "--side-channel-port", str(BASE + 10), "--log-dir", args.log_dir, "--block-size", str(args.block_size),
+         *((f"--extra-vllm-args={args.extra_vllm_args}",) if args.extra_vllm_args else ()),
          "--kv-connector-extra-config", json.dumps({"role": "both"}),
          "--decode-extra-config", json.dumps({"keep_turns_s": args.keep_turns_s})],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)

@@ -147,9 +147,10 @@ class PrefillScheduling:
 
         Counted against ``max_held_fraction`` with every other hold, leased for ``keep_turns_s``, freed when the
         next turn's prefill engine has loaded them, or tells this engine that it will not (a conversation that
-        moved on), or the lease ends. Not kept: an aborted request, a prompt given as embeddings, a model whose
-        decode engine computes prompt tokens itself (``recompute_tokens``: attention windows, Mamba state; not
-        supported yet), or past the cap.
+        moved on), or the lease ends. Not kept: an aborted request, a prompt given as embeddings, or past the cap.
+        Every model kind keeps them as they are: vLLM freed the blocks behind an attention window for the
+        ``num_computed_tokens`` kept (the next turn's prefill engine, loading exactly those tokens, skips the same
+        blocks), and a Mamba state block holds the state after exactly those tokens (docs/multi-turn.md).
 
         Args:
             request: the finished request (a decode leg, or a request with no remote prefill at all).
@@ -165,9 +166,7 @@ class PrefillScheduling:
         kept = request.num_computed_tokens
         if not completed or not any(flat) or request.prompt_token_ids is None or not 0 < kept <= len(tokens):
             return False, None
-        refusal = ("its model needs the last prompt token computed where the KV lands (attention windows, Mamba "
-                   "state): multi-turn reuse does not apply yet" if self.recompute_tokens else
-                   self.ledger.refusal(len(flat)))
+        refusal = self.ledger.refusal(len(flat))
         if refusal is not None:
             logger.info("p2pkv: request %s: its blocks are not kept for a next turn: %s", request.request_id, refusal)
             return False, None
