@@ -130,3 +130,45 @@ def test_the_proxy_sends_a_kept_turns_params_with_the_next_turns_prefill_leg() -
     assert second["remote_request_id"] == "kept-1" and second["remote_block_ids"] == [[1, 2, 3]]
     assert second["do_remote_decode"] is True and second["do_remote_prefill"] is False
     assert not third.get("remote_block_ids")
+
+
+def test_a_prefill_leg_that_fails_with_a_kept_turn_is_sent_again_without_it() -> None:
+    """Turn 2's prefill engine fails the leg carrying turn 1's params (the decode engine that kept them is gone, or
+    their hold ended: vLLM fails the request under ``kv_load_failure_policy`` fail): the proxy sends the leg once
+    more without them, the client gets its answer, and ``p2pkv_proxy_turns_total{event="failed"}`` counts it. A leg
+    without a turn that fails is not sent again."""
+    prefills: list[dict[str, Any]] = []
+
+    async def engines(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if str(request.url).startswith(PREFILL):
+            prefills.append(body)
+            if body["kv_transfer_params"].get("remote_block_ids") or body["prompt"] == "Fails alone.":
+                return httpx.Response(500, json={"error": {"message": "KV load failed"}})
+            params = make_turn_params(engine_id="prefill", request_id="p", host="127.0.0.1", port=5600,
+                                      block_ids=[4], tp_size=1, num_tokens=10, expiry_time=time.time() + 60,
+                                      secret=SECRET)
+            params.update(do_remote_decode=False, do_remote_prefill=True)
+            return httpx.Response(200, json=_text_answer("x", params))
+        return httpx.Response(200, json=_text_answer(" answer", _kept(f"kept-{len(prefills)}")))
+
+    proxy = Proxy([PREFILL], [DECODE], 30.0, SECRET)
+    statuses: list[int] = []
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(engines)) as client:
+            for prompt in ("Turn one.", "Turn one. answer Turn two.", "Fails alone."):
+                try:
+                    resp = await proxy.serve(client, "/v1/completions", {"model": "m", "prompt": prompt,
+                                                                         "max_tokens": 4}, {}, {}, [0.0])
+                    statuses.append(resp.status_code)
+                except Exception as exc:  # UpstreamError: the client's 5xx
+                    statuses.append(getattr(exc, "status", 0))
+
+    asyncio.run(run())
+    assert statuses[:2] == [200, 200] and statuses[2] >= 500
+    with_turn, again = (p["kv_transfer_params"] for p in prefills[1:3])
+    assert with_turn["remote_request_id"] == "kept-1" and not again.get("remote_block_ids")
+    assert len(prefills) == 4  # turn 1, turn 2 twice, the failing prompt once
+    counted = {event: proxy.metrics.turns.labels(event)._value.get() for event in ("kept", "sent", "failed")}
+    assert counted == {"kept": 2, "sent": 1, "failed": 1}

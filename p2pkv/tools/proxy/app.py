@@ -157,8 +157,9 @@ class Proxy:
         """
         url = self.prefill.next()
         sent = prefill_body(body)
-        if turn is not None:
-            sent["kv_transfer_params"] = {**sent["kv_transfer_params"], **turn}
+        if turn is not None:  # loaded in this proxy's mode, as its decode legs are (else as the engine picks)
+            mode = {TRANSFER_MODE_KEY: self.transfer_mode} if self.transfer_mode in ("pull", "push") else {}
+            sent["kv_transfer_params"] = {**sent["kv_transfer_params"], **turn, **mode}
         return await self._prefill_leg(client, url, path, sent, headers, leg)
 
     async def _prefill_leg(self, client: httpx.AsyncClient, url: str, path: str, sent: dict[str, Any],
@@ -376,10 +377,8 @@ class Proxy:
         caller frees them if the client leaves). Raises UpstreamError."""
         fallback = request_fallback(path, body, self.first_token_from)  # a request not streamed: REQUEST
         asked = body if fallback is not None else {**body, "return_token_ids": True}
-        turn = self.turns.take(path, body)
-        if turn is not None:
-            self.metrics.turns.labels("sent").inc()
-        answer = await self.run_prefill(client, path, asked, headers, leg_of(trace, "prefill"), turn)
+        answer = await self.turns.prefill(path, body, lambda turn: self.run_prefill(
+            client, path, asked, headers, leg_of(trace, "prefill"), turn), self.metrics.turns.labels)
         params.append(answer["kv_transfer_params"])
         first = fallback if fallback is not None else first_token_or_fallback(path, body, answer)
         if body.get("stream") is True:

@@ -43,7 +43,8 @@ class ProxyMetrics:
             :mod:`p2pkv.tools.proxy.stream_hand_over`).
         turns: ``p2pkv_proxy_turns_total{event}``, multi-turn reuse (:mod:`p2pkv.tools.proxy.turns`):
             ``kept`` (a decode answer named blocks kept for the next turn, remembered), ``sent`` (a prefill leg
-            went with a kept turn's params: its engine loads that turn instead of computing it).
+            went with a kept turn's params: its engine loads that turn instead of computing it), ``failed`` (such
+            a leg failed, the decode engine that kept the turn gone or its hold ended: sent again without them).
 
     With tracing on, the histograms' observations carry an exemplar
     (``trace_id`` of the request's trace), which ``/metrics`` serves to a
@@ -89,8 +90,9 @@ class ProxyMetrics:
             "Layer-streamed requests whose decode engine's first token differed from the handed-over one "
             "(continued after the client's)", registry=r)
         self.turns = Counter("p2pkv_proxy_turns", "Multi-turn reuse: turns kept by a decode engine and remembered "
-                             "(kept), prefill legs sent with a kept turn (sent)", ["event"], registry=r)
-        for event in ("kept", "sent"):  # both series exist from the start, at 0
+                             "(kept), prefill legs sent with a kept turn (sent), such legs that failed and "
+                             "were sent again without it (failed)", ["event"], registry=r)
+        for event in ("kept", "sent", "failed"):  # every series exists from the start, at 0
             self.turns.labels(event)
 
     def count_first_token(self, first: FirstToken | Fallback) -> None:

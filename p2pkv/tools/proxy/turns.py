@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from p2pkv.tools.proxy.upstream import UpstreamError
 from p2pkv.turns import wants_turn_load
 
 __all__ = ["MAX_TURNS", "TurnMemory"]
+
+log = logging.getLogger("p2pkv.tools.proxy")
 
 MAX_TURNS = 1024
 """Most conversations whose last turn's params the proxy keeps at once."""
@@ -157,6 +161,33 @@ class TurnMemory:
             self.found += 1
             return params
         return None
+
+    async def prefill(self, path: str, body: dict[str, Any],
+                      send: Callable[[dict[str, Any] | None], Awaitable[dict[str, Any]]],
+                      count: Callable[[str], Any]) -> dict[str, Any]:
+        """``body``'s prefill leg, sent by ``send`` with the params of the conversation's last kept turn
+        (:meth:`take`; ``send(None)``: none). A leg that fails with them (the decode engine that kept the turn is
+        gone or restarted, or its hold ended: the prefill engine's load fails, and vLLM fails the request under
+        ``kv_load_failure_policy`` fail) is sent once more without them: its engine computes the whole prompt.
+
+        Args:
+            send: sends the leg with these turn params (or none); returns the prefill engine's answer.
+            count: the proxy's ``p2pkv_proxy_turns_total`` series of an event (``sent``, ``failed``).
+
+        Raises:
+            UpstreamError: the leg failed without a turn's params (or again without them).
+        """
+        turn = self.take(path, body)
+        if turn is None:
+            return await send(None)
+        count("sent").inc()
+        try:
+            return await send(turn)
+        except UpstreamError as exc:
+            count("failed").inc()
+            log.warning("a prefill leg loading a kept turn from decode engine %s failed (%s); sending it again "
+                        "without the turn: its engine computes the whole prompt", turn.get("remote_engine_id"), exc)
+            return await send(None)
 
     def _answer_key(self, path: str, body: dict[str, Any], choice: dict[str, Any]) -> Key | None:
         """The key the next turn of ``body`` answered with ``choice`` finds it by (None: not keyed)."""
