@@ -38,11 +38,13 @@ KEEP_S = 120.0
 
 
 @contextlib.contextmanager
-def engine(engine_id: str, num_blocks: int = 64, **settings: object) -> Iterator[SchedulerSide]:
-    """An engine's scheduler side (role both, turns kept ``KEEP_S`` unless ``settings`` say otherwise)."""
+def engine(engine_id: str, num_blocks: int = 64, recompute_tokens: int = 0,
+           **settings: object) -> Iterator[SchedulerSide]:
+    """An engine's scheduler side (role both, turns kept ``KEEP_S`` unless ``settings`` say otherwise;
+    ``recompute_tokens`` 1: a sliding-window or Mamba model's)."""
     config = P2pKvConfig(lease_s=30.0, secret=SECRET, role="both", **{"keep_turns_s": KEEP_S, **settings})
     sched = SchedulerSide(engine_id, config, BLOCK, "127.0.0.1", 5700 if engine_id == "decode" else 5600, 1,
-                          role="both", num_blocks=num_blocks)
+                          role="both", num_blocks=num_blocks, recompute_tokens=recompute_tokens)
     try:
         yield sched
     finally:
@@ -117,6 +119,36 @@ def test_the_next_turns_prefill_loads_the_kept_tokens_computes_the_rest_then_hol
         hold, answer = prefill.request_finished(turn, [11, 12, 13, 14, 15])
         assert hold and answer is not None and answer["do_remote_prefill"] and answer["remote_engine_id"] == "prefill"
         assert answer["remote_num_tokens"] == len(prompt)
+
+
+def test_a_window_or_mamba_models_turn_is_kept_as_it_is_and_loaded_to_its_last_kept_token() -> None:
+    """A model whose decode engine computes the last prompt token itself (``recompute_tokens`` 1: sliding window,
+    Mamba state) keeps its turn too: the blocks as vLLM left them (the null block behind the window) and the tokens
+    computed, which the next turn's prefill loads whole, backing off nothing (vLLM freed the window for that very
+    count, and a state block holds the state after it); that prefill leaves its own last prompt token to its decode
+    engine as any prefill leg of such a model."""
+    with engine("decode", recompute_tokens=1) as decode, engine("prefill", recompute_tokens=1) as prefill:
+        prompt = list(range(100, 100 + PROMPT))
+        loaded = make_prefill_response_params(
+            engine_id="prefill", request_id="t1-prefill", host="127.0.0.1", port=5600, block_ids=[7, 8, 9],
+            tp_size=1, num_tokens=PROMPT - 1, expiry_time=time.time() + 30,
+            prompt_digest=prompt_digest(prompt[:-1]), secret=SECRET.encode())
+        req = _request("t1", prompt, loaded)
+        decode.on_new_request(req)
+        assert decode.get_num_new_matched_tokens(req, 0) == (PROMPT - 1, True)
+        decode.update_state_after_alloc(req, _blocks(1, 2, 3), PROMPT - 1)
+        req.append_output_token_ids(list(range(500, 500 + ANSWER)))
+        kept = PROMPT + ANSWER - 1
+        req.num_computed_tokens = kept
+        req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        hold, params = decode.request_finished(req, [0, 2, 3, 4])  # block 1 behind the window: vLLM's null block
+        assert hold and params is not None and params["remote_block_ids"] == [[0, 2, 3, 4]]
+        assert params["remote_num_tokens"] == kept
+        new = [*req.all_token_ids, *range(900, 920)]
+        turn = _request("t2", list(new), dict(params))
+        prefill.on_new_request(turn)
+        assert turn.num_prompt_tokens == len(new) - 1  # its last token left to its own decode engine
+        assert prefill.get_num_new_matched_tokens(turn, 0) == (kept, True)
 
 
 def test_a_prefix_cached_on_the_prefill_engine_loads_only_the_kept_tokens_after_it() -> None:
