@@ -32,7 +32,7 @@ from p2pkv.tools.deploy.engines import EngineSpec, start_engine
 from p2pkv.tools.deploy.processes import stop_children, wait_healthy
 from p2pkv.tools.tiny_model import TinyModelSpec, make_tiny_model
 from tests.chat import chat
-from tests.conftest import FAULT_MARK, FAULTS, MODES, free_ports, start_mode_proxy
+from tests.conftest import FAULT_MARK, FAULTS, MODES, ROUTE_MODES, free_ports, start_mode_proxy
 from tests.legs import assert_decode_refused, metric_sum, prefill_then_decode, wait_metric_above
 from tests.pod_launch import PodLaunch
 
@@ -498,22 +498,36 @@ def test_decode_log_shows_the_pairing(kind_pair) -> None:
         assert "Using CPU_MLA backend" in log
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ROUTE_MODES)
 def test_a_conversations_next_turn_loads_what_the_decode_engine_kept(kind_pair, slow_client, mode) -> None:
-    """Multi-turn reuse through the pair's proxy, every kind (docs/multi-turn.md): turn 1's decode engine keeps its
-    blocks (a window's, the Mamba state after them) and answers with their params; the proxy sends them with turn 2's
-    prefill leg (its prompt is turn 1's prompt, answer and a new message), whose engine loads them from the decode
-    engine (one load on the prefill engine, in the proxy's mode: it READs, or the decode engine WRITEs) instead of
-    computing them; turn 2's answer equals one engine's. A turn
-    whose earlier message was edited loads nothing and is answered right all the same. A turn whose kept blocks
-    were freed before it came (the decode engine restarted, or its hold ended) fails its load on the prefill engine
-    (``kv_load_failure_policy`` fail, this pair's): the proxy sends the leg again without them, and the answer is
-    one engine's."""
+    """Multi-turn reuse through the pair's proxy, every kind and proxy mode (docs/multi-turn.md): turn 1's decode
+    engine keeps its blocks (a window's, the Mamba state after them) and answers with their params; the proxy sends
+    them with turn 2's prefill leg (its prompt is turn 1's prompt, answer and a new message), whose engine loads them
+    from the decode engine (one load on the prefill engine, in the proxy's mode: it READs, or the decode engine
+    WRITEs; a stream proxy streams turn 1 and has turn 2 loaded, then pushed) instead of computing them; turn 2's
+    answer equals one engine's. A turn whose earlier message was edited loads nothing and is answered right all the
+    same. A turn whose kept blocks were freed before it came (the decode engine restarted, or its hold ended) fails
+    its load on the prefill engine (``kv_load_failure_policy`` fail, this pair's): the proxy sends the leg again
+    without them, and the answer is one engine's."""
     kind, pair, _, _, push_url = kind_pair
-    proxy = pair.url("proxy") if mode == "pull" else push_url
-    loads = ("p2pkv:pulls_by_direction_total{", f'direction="{mode}"')
+    if mode == "stream":
+        proxy, child = start_mode_proxy(pair, "stream")
+        demo.complete(slow_client, proxy, prompt_of(3100)[:30], max_tokens=2)  # pushed: the proxy learns the address
+    else:
+        proxy, child = (pair.url("proxy") if mode == "pull" else push_url), None
+    try:
+        _next_turn_loads_what_was_kept(slow_client, pair, kind, mode, proxy)
+    finally:
+        if child is not None:
+            stop_children([child])
+
+
+def _next_turn_loads_what_was_kept(slow_client: httpx.Client, pair, kind: str, mode: str, proxy: str) -> None:
+    """The conversation of :func:`test_a_conversations_next_turn_loads_what_the_decode_engine_kept` through
+    ``proxy``."""
+    loads = ("p2pkv:pulls_by_direction_total{", f'direction="{mode}"') if mode != "stream" else ("p2pkv:pulls_total{",)
     failed = ("p2pkv_proxy_turns_total{", 'event="failed"')
-    text = prompt_of(7000 + 100 * MODES.index(mode))[:200]  # each mode its own: no prefix cache hit from the other
+    text = prompt_of(7000 + 100 * ROUTE_MODES.index(mode))[:200]  # each mode its own: no prefix cache hit from another
     ids = slow_client.post(f"{pair.url('prefill')}/tokenize", json={"model": "model", "prompt": text}).json()["tokens"]
     first = demo.complete(slow_client, proxy, ids, max_tokens=24)
     before = metric_sum(slow_client, pair.url("prefill"), *loads)

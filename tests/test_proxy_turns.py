@@ -43,9 +43,11 @@ def test_a_completions_turn_is_found_by_a_prompt_that_extends_it_once() -> None:
     nxt = {"model": "m", "prompt": "Hello, who are you? I am a model. And what do you do?"}
     assert memory.take("/v1/completions", {**nxt, "cache_salt": "other tenant"}) is None
     assert memory.take("/v1/completions", {**nxt, "model": "other"}) is None
+    assert memory.has("/v1/completions", nxt) and memory.has("/v1/completions", nxt)  # looking forgets nothing
     found = memory.take("/v1/completions", nxt)
     assert found is not None and found["remote_request_id"] == "t1"
     assert memory.take("/v1/completions", nxt) is None  # used once: a capability serves one request
+    assert not memory.has("/v1/completions", nxt)
     assert memory.remember("/v1/completions", body, _text_answer(" I am a model.", _kept("t1b")))
     assert memory.take("/v1/completions", {"model": "m", "prompt": "Hello, who are you? I was edited."}) is None
     assert memory.take("/v1/completions", {"model": "m", "prompt": "Hello, who are you? I am a model."}) is None
@@ -56,6 +58,9 @@ def test_the_longest_kept_turn_a_prompt_extends_wins_and_expired_ones_are_skippe
     memory.remember("/v1/completions", {"prompt": "a"}, _text_answer("b", _kept("short")))
     memory.remember("/v1/completions", {"prompt": "ab"}, _text_answer("cd", _kept("long")))
     memory.remember("/v1/completions", {"prompt": "abcd"}, _text_answer("ef", _kept("gone", expiry_s=-1)))
+    expired = TurnMemory()
+    expired.remember("/v1/completions", {"prompt": "abcd"}, _text_answer("ef", _kept("gone", expiry_s=-1)))
+    assert not expired.has("/v1/completions", {"prompt": "abcdefg"})  # an expired turn is not found
     assert memory.take("/v1/completions", {"prompt": "abcdefg"})["remote_request_id"] == "long"  # type: ignore[index]
     assert memory.take("/v1/completions", {"prompt": "abz"})["remote_request_id"] == "short"  # type: ignore[index]
 

@@ -387,10 +387,14 @@ class Proxy:
             return hand_over_stream(self, client, path, body, first, params[-1], headers, out_headers, trace)
         resp = await self.decode_one(client, path, {**body, "kv_transfer_params": params[-1]}, headers, out_headers,
                                      trace)
-        if (resp.status_code == 200 and not isinstance(resp, RelayedStream)  # a streamed answer names no turn
-                and self.turns.remember_body(path, body, resp.body)):
-            self.metrics.turns.labels("kept").inc()
+        self.remember_turn(path, body, resp)
         return resp
+
+    def remember_turn(self, path: str, body: dict[str, Any], resp: Response) -> None:
+        """Remember the kept turn a whole decode answer to ``body`` names, for the conversation's next turn (a
+        streamed answer names none)."""
+        self.turns.remember_answer(path, body, resp.status_code,
+                                   None if isinstance(resp, RelayedStream) else resp.body, self.metrics.turns.labels)
 
     async def decode_one(self, client: httpx.AsyncClient, path: str, leg: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], trace: RequestTrace | None = None) -> Response:

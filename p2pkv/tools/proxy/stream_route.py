@@ -21,6 +21,7 @@ from p2pkv.tools.proxy.proxy_spans import RequestTrace, leg_of
 from p2pkv.tools.proxy.stream import StreamLegs
 from p2pkv.tools.proxy.stream_faults import Recovery, relay_again, whole_decode
 from p2pkv.tools.proxy.stream_hand_over import hand_over_legs, stream_fallback, stream_hand_over
+from p2pkv.tools.proxy.turns import TurnMemory
 
 
 class Proxy(DecodeLegs, Protocol):
@@ -28,6 +29,7 @@ class Proxy(DecodeLegs, Protocol):
 
     streams: StreamLegs | None
     seed_streams: bool
+    turns: TurnMemory
     first_token_from: FirstTokenSource
     timeout_s: float
 
@@ -35,6 +37,8 @@ class Proxy(DecodeLegs, Protocol):
                      trace: RequestTrace | None = None, index: int = 0) -> dict[str, Any] | None: ...
 
     def decode_ended(self, body: dict[str, Any]) -> None: ...
+
+    def remember_turn(self, path: str, body: dict[str, Any], resp: Response) -> None: ...
 
     async def one_prompt(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str],
                          out_headers: dict[str, str], trace: RequestTrace | None,
@@ -57,7 +61,9 @@ async def stream_prompt(proxy: Proxy, client: httpx.AsyncClient, path: str, body
     """
     handed = hand_over_legs(path, body, proxy.seed_streams) if proxy.first_token_from == "prefill" else None
     sent = handed or body
-    granted = proxy.start_stream(client, path, sent, headers, trace)
+    # a conversation's next turn whose last turn a decode engine kept: its prefill engine loads that turn and
+    # computes only the rest, so there is little to stream; the turn is loaded, then the prompt pushed
+    granted = None if proxy.turns.has(path, body) else proxy.start_stream(client, path, sent, headers, trace)
     if granted is None:  # its prefill engine's address is not known yet: a push teaches it
         return await proxy.one_prompt(client, path, body, headers, out_headers, trace,
                                       [] if params is None else params)
@@ -74,8 +80,10 @@ async def stream_prompt(proxy: Proxy, client: httpx.AsyncClient, path: str, body
             return await proxy.decode_one(client, path, {**body, "kv_transfer_params": p}, headers, out_headers,
                                           trace)
 
-        return await whole_decode(proxy.run_decode(client, path, decode_body, headers, out_headers, leg=leg),
+        resp = await whole_decode(proxy.run_decode(client, path, decode_body, headers, out_headers, leg=leg),
                                   prefill_leg, recovery, again)
+        proxy.remember_turn(path, body, resp)
+        return resp
     if handed is None:
         proxy.metrics.count_first_token(stream_fallback(path, body, proxy.seed_streams, proxy.first_token_from))
     resp = await proxy.run_decode(client, path, decode_body, headers, out_headers, relay=False, leg=leg)

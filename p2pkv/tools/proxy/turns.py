@@ -189,6 +189,23 @@ class TurnMemory:
                         "without the turn: its engine computes the whole prompt", turn.get("remote_engine_id"), exc)
             return await send(None)
 
+    def has(self, path: str, body: dict[str, Any]) -> bool:
+        """Whether :meth:`take` would find a kept turn for ``body`` now (nothing is forgotten here)."""
+        now = self._clock()
+        for key in self._request_keys(path, body):
+            params = self._turns.get(key)
+            expiry = None if params is None else params.get("remote_blocks_expiry_time")
+            if params is not None and not (isinstance(expiry, int | float) and expiry <= now):
+                return True
+        return False
+
+    def remember_answer(self, path: str, body: dict[str, Any], status_code: int, content: Any,
+                        count: Callable[[str], Any]) -> None:
+        """:meth:`remember_body` of a decode leg's answer to ``body`` as the proxy relays it (``content``: its
+        bytes; None for a streamed answer, which names no turn); ``count("kept")`` when remembered."""
+        if status_code == 200 and isinstance(content, bytes) and self.remember_body(path, body, content):
+            count("kept").inc()
+
     def _answer_key(self, path: str, body: dict[str, Any], choice: dict[str, Any]) -> Key | None:
         """The key the next turn of ``body`` answered with ``choice`` finds it by (None: not keyed)."""
         scope = _scope(body)
