@@ -143,6 +143,7 @@ def test_a_window_or_mamba_models_turn_is_kept_as_it_is_and_loaded_to_its_last_k
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         hold, params = decode.request_finished(req, [0, 2, 3, 4])  # block 1 behind the window: vLLM's null block
         assert hold and params is not None and params["remote_block_ids"] == [[0, 2, 3, 4]]
+        assert decode.prefill.held_blocks == 3  # the null block is no block of the pool's: not counted
         assert params["remote_num_tokens"] == kept
         new = [*req.all_token_ids, *range(900, 920)]
         turn = _request("t2", list(new), dict(params))

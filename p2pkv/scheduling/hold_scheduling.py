@@ -126,7 +126,7 @@ class PrefillScheduling:
         if not any(flat):
             return False, None
         if refusal is None and not streamed:
-            refusal = self._refusal(len(flat))
+            refusal = self._refusal(held_count(flat))
         if refusal is not None:
             logger.warning("p2pkv: request %s asks for a remote decode; answered without a hold: %s",
                            request.request_id, refusal)
@@ -166,7 +166,7 @@ class PrefillScheduling:
         kept = request.num_computed_tokens
         if not completed or not any(flat) or request.prompt_token_ids is None or not 0 < kept <= len(tokens):
             return False, None
-        refusal = self.ledger.refusal(len(flat))
+        refusal = self.ledger.refusal(held_count(flat))
         if refusal is not None:
             logger.info("p2pkv: request %s: its blocks are not kept for a next turn: %s", request.request_id, refusal)
             return False, None
@@ -183,7 +183,7 @@ class PrefillScheduling:
               lease_s: float | None = None) -> None:
         """Hold ``flat`` (every group's block ids) for ``request``: counted, leased (``lease_s``, default the
         setting's), traced."""
-        self.ledger.count(request.request_id, len(flat))
+        self.ledger.count(request.request_id, held_count(flat))
         self.leases[request.request_id] = self._clock() + (lease_s or self.config.lease_s)
         self.blocks[request.request_id] = flat
         if self._tracing and (trace := parse_traceparent(params.get(TRACEPARENT_KEY))):
@@ -204,6 +204,12 @@ class PrefillScheduling:
             if tracing is not None:
                 emit_hold_span(tracing, request.request_id, trace, time.time_ns(), HoldEnd.ABORTED, self.engine_id,
                                None, 0)
+
+
+def held_count(block_ids: tuple[int, ...]) -> int:
+    """Blocks a hold of ``block_ids`` (every KV cache group's) keeps from vLLM's pool: all but vLLM's null block
+    (id 0: behind a sliding window, freed already), which a window model's long request has many of."""
+    return sum(1 for block_id in block_ids if block_id)
 
 
 def leave_tail_to_decode(request: Request, tokens: int) -> None:
