@@ -510,48 +510,42 @@ def test_a_conversations_next_turn_loads_what_the_decode_engine_kept(kind_pair, 
     its load on the prefill engine (``kv_load_failure_policy`` fail, this pair's): the proxy sends the leg again
     without them, and the answer is one engine's."""
     kind, pair, _, _, push_url = kind_pair
+    loads = ("p2pkv:pulls_by_direction_total{", f'direction="{mode}"') if mode != "stream" else ("p2pkv:pulls_total{",)
+    failed = ("p2pkv_proxy_turns_total{", 'event="failed"')
+    text = prompt_of(7000 + 100 * ROUTE_MODES.index(mode))[:200]  # each mode its own: no prefix cache hit from another
+    ids = slow_client.post(f"{pair.url('prefill')}/tokenize", json={"model": "model", "prompt": text}).json()["tokens"]
     if mode == "stream":
         proxy, child = start_mode_proxy(pair, "stream")
         demo.complete(slow_client, proxy, prompt_of(3100)[:30], max_tokens=2)  # pushed: the proxy learns the address
     else:
         proxy, child = (pair.url("proxy") if mode == "pull" else push_url), None
     try:
-        _next_turn_loads_what_was_kept(slow_client, pair, kind, mode, proxy)
+        first = demo.complete(slow_client, proxy, ids, max_tokens=24)
+        before = metric_sum(slow_client, pair.url("prefill"), *loads)
+        second = [*ids, *first.token_ids, *ids[:16]]
+        got = demo.complete(slow_client, proxy, second, max_tokens=8)
+        ref = demo.complete(slow_client, pair.url("prefill"), second, max_tokens=8)
+        assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE[kind]
+        assert wait_metric_above(slow_client, pair.url("prefill"), before, *loads) == before + 1
+        edited = [ids[0] + 1, *second[1:], *got.token_ids]
+        body = {"model": "model", "prompt": edited, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                "return_token_ids": True}
+        again = slow_client.post(f"{proxy}/v1/completions", json=body).json()
+        alone = demo.complete(slow_client, pair.url("prefill"), edited, max_tokens=8)
+        assert again["choices"][0]["token_ids"] == alone.token_ids
+        assert metric_sum(slow_client, pair.url("prefill"), *loads) == before + 1  # the edited turn loaded nothing
+        kept = again["kv_transfer_params"]  # what the proxy remembered for the next turn: its hold freed now
+        remote = parse_remote_prefill(kept, secret=pair.secret.encode())
+        assert free_hold(remote, 0, "test", pair.secret.encode(), 5.0) == 1
+        fails = metric_sum(slow_client, proxy, *failed)
+        third = [*edited, *again["choices"][0]["token_ids"], *ids[20:30]]
+        late = demo.complete(slow_client, proxy, third, max_tokens=8)
+        ref = demo.complete(slow_client, pair.url("prefill"), third, max_tokens=8)
+        assert late.token_ids == ref.token_ids and demo.max_logprob_diff(late, ref) <= TOLERANCE[kind]
+        assert metric_sum(slow_client, proxy, *failed) == fails + 1
     finally:
         if child is not None:
             stop_children([child])
-
-
-def _next_turn_loads_what_was_kept(slow_client: httpx.Client, pair, kind: str, mode: str, proxy: str) -> None:
-    """The conversation of :func:`test_a_conversations_next_turn_loads_what_the_decode_engine_kept` through
-    ``proxy``."""
-    loads = ("p2pkv:pulls_by_direction_total{", f'direction="{mode}"') if mode != "stream" else ("p2pkv:pulls_total{",)
-    failed = ("p2pkv_proxy_turns_total{", 'event="failed"')
-    text = prompt_of(7000 + 100 * ROUTE_MODES.index(mode))[:200]  # each mode its own: no prefix cache hit from another
-    ids = slow_client.post(f"{pair.url('prefill')}/tokenize", json={"model": "model", "prompt": text}).json()["tokens"]
-    first = demo.complete(slow_client, proxy, ids, max_tokens=24)
-    before = metric_sum(slow_client, pair.url("prefill"), *loads)
-    second = [*ids, *first.token_ids, *ids[:16]]
-    got = demo.complete(slow_client, proxy, second, max_tokens=8)
-    ref = demo.complete(slow_client, pair.url("prefill"), second, max_tokens=8)
-    assert got.token_ids == ref.token_ids and demo.max_logprob_diff(got, ref) <= TOLERANCE[kind]
-    assert wait_metric_above(slow_client, pair.url("prefill"), before, *loads) == before + 1
-    edited = [ids[0] + 1, *second[1:], *got.token_ids]
-    body = {"model": "model", "prompt": edited, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
-            "return_token_ids": True}
-    again = slow_client.post(f"{proxy}/v1/completions", json=body).json()
-    alone = demo.complete(slow_client, pair.url("prefill"), edited, max_tokens=8)
-    assert again["choices"][0]["token_ids"] == alone.token_ids
-    assert metric_sum(slow_client, pair.url("prefill"), *loads) == before + 1  # the edited turn loaded nothing
-    kept = again["kv_transfer_params"]  # what the proxy remembered for the next turn: its hold freed now
-    remote = parse_remote_prefill(kept, secret=pair.secret.encode())
-    assert free_hold(remote, 0, "test", pair.secret.encode(), 5.0) == 1
-    fails = metric_sum(slow_client, proxy, *failed)
-    third = [*edited, *again["choices"][0]["token_ids"], *ids[20:30]]
-    late = demo.complete(slow_client, proxy, third, max_tokens=8)
-    ref = demo.complete(slow_client, pair.url("prefill"), third, max_tokens=8)
-    assert late.token_ids == ref.token_ids and demo.max_logprob_diff(late, ref) <= TOLERANCE[kind]
-    assert metric_sum(slow_client, proxy, *failed) == fails + 1
 
 
 def test_a_chat_of_four_turns_streamed_or_not_loads_each_kept_turn(kind_pair, slow_client) -> None:

@@ -32,6 +32,14 @@ def _kept(request_id: str, expiry_s: float = 60.0) -> dict[str, Any]:
                             prompt_digest="0" * 32, secret=SECRET)
 
 
+def _prefill_params() -> dict[str, Any]:
+    """What a prefill engine answers a prefill leg with."""
+    params = make_turn_params(engine_id="prefill", request_id="p", host="127.0.0.1", port=5600, block_ids=[4],
+                              tp_size=1, num_tokens=10, expiry_time=time.time() + 60, secret=SECRET)
+    params.update(do_remote_decode=False, do_remote_prefill=True)
+    return params
+
+
 def _text_answer(text: str, params: dict[str, Any] | None) -> dict[str, Any]:
     return {"choices": [{"index": 0, "text": text}], **({"kv_transfer_params": params} if params else {})}
 
@@ -111,11 +119,7 @@ def test_the_proxy_sends_a_kept_turns_params_with_the_next_turns_prefill_leg() -
         body = json.loads(request.content)
         if str(request.url).startswith(PREFILL):
             prefills.append(body)
-            params = make_turn_params(engine_id="prefill", request_id="p", host="127.0.0.1", port=5600,
-                                      block_ids=[4], tp_size=1, num_tokens=10, expiry_time=time.time() + 60,
-                                      secret=SECRET)
-            params.update(do_remote_decode=False, do_remote_prefill=True)
-            return httpx.Response(200, json=_text_answer("x", params))
+            return httpx.Response(200, json=_text_answer("x", _prefill_params()))
         return httpx.Response(200, json=_text_answer(" answer", _kept(f"kept-{len(prefills)}")))
 
     proxy = Proxy([PREFILL], [DECODE], 30.0, SECRET)
@@ -150,11 +154,7 @@ def test_a_prefill_leg_that_fails_with_a_kept_turn_is_sent_again_without_it() ->
             prefills.append(body)
             if body["kv_transfer_params"].get("remote_block_ids") or body["prompt"] == "Fails alone.":
                 return httpx.Response(500, json={"error": {"message": "KV load failed"}})
-            params = make_turn_params(engine_id="prefill", request_id="p", host="127.0.0.1", port=5600,
-                                      block_ids=[4], tp_size=1, num_tokens=10, expiry_time=time.time() + 60,
-                                      secret=SECRET)
-            params.update(do_remote_decode=False, do_remote_prefill=True)
-            return httpx.Response(200, json=_text_answer("x", params))
+            return httpx.Response(200, json=_text_answer("x", _prefill_params()))
         return httpx.Response(200, json=_text_answer(" answer", _kept(f"kept-{len(prefills)}")))
 
     proxy = Proxy([PREFILL], [DECODE], 30.0, SECRET)
