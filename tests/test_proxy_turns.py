@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -38,6 +39,22 @@ def _prefill_params() -> dict[str, Any]:
                               tp_size=1, num_tokens=10, expiry_time=time.time() + 60, secret=SECRET)
     params.update(do_remote_decode=False, do_remote_prefill=True)
     return params
+
+
+def _engines(prefills: list[dict[str, Any]], fails: Callable[[dict[str, Any]], bool]
+             ) -> Callable[[httpx.Request], Awaitable[httpx.Response]]:
+    """A mock transport's handler: prefill legs recorded in ``prefills`` and answered (500 where ``fails``), every
+    decode leg answered with a kept turn's params."""
+    async def engines(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if str(request.url).startswith(PREFILL):
+            prefills.append(body)
+            if fails(body):
+                return httpx.Response(500, json={"error": {"message": "KV load failed"}})
+            return httpx.Response(200, json=_text_answer("x", _prefill_params()))
+        return httpx.Response(200, json=_text_answer(" answer", _kept(f"kept-{len(prefills)}")))
+
+    return engines
 
 
 def _text_answer(text: str, params: dict[str, Any] | None) -> dict[str, Any]:
@@ -114,13 +131,7 @@ def test_the_proxy_sends_a_kept_turns_params_with_the_next_turns_prefill_leg() -
     (with the prefill leg's own flags), turn 3 of another conversation does not; ``p2pkv_proxy_turns_total`` counts
     the three kept turns remembered and the one sent."""
     prefills: list[dict[str, Any]] = []
-
-    async def engines(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        if str(request.url).startswith(PREFILL):
-            prefills.append(body)
-            return httpx.Response(200, json=_text_answer("x", _prefill_params()))
-        return httpx.Response(200, json=_text_answer(" answer", _kept(f"kept-{len(prefills)}")))
+    engines = _engines(prefills, lambda body: False)
 
     proxy = Proxy([PREFILL], [DECODE], 30.0, SECRET)
 
@@ -147,15 +158,8 @@ def test_a_prefill_leg_that_fails_with_a_kept_turn_is_sent_again_without_it() ->
     more without them, the client gets its answer, and ``p2pkv_proxy_turns_total{event="failed"}`` counts it. A leg
     without a turn that fails is not sent again."""
     prefills: list[dict[str, Any]] = []
-
-    async def engines(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        if str(request.url).startswith(PREFILL):
-            prefills.append(body)
-            if body["kv_transfer_params"].get("remote_block_ids") or body["prompt"] == "Fails alone.":
-                return httpx.Response(500, json={"error": {"message": "KV load failed"}})
-            return httpx.Response(200, json=_text_answer("x", _prefill_params()))
-        return httpx.Response(200, json=_text_answer(" answer", _kept(f"kept-{len(prefills)}")))
+    engines = _engines(prefills, lambda body: bool(body["kv_transfer_params"].get("remote_block_ids"))
+                       or body["prompt"] == "Fails alone.")
 
     proxy = Proxy([PREFILL], [DECODE], 30.0, SECRET)
     statuses: list[int] = []
