@@ -155,8 +155,7 @@ class TurnMemory:
             params = self._drop(key)
             if params is None:
                 continue
-            expiry = params.get("remote_blocks_expiry_time")
-            if isinstance(expiry, int | float) and expiry <= now:
+            if _expired(params, now):
                 continue
             self.found += 1
             return params
@@ -194,8 +193,7 @@ class TurnMemory:
         now = self._clock()
         for key in self._request_keys(path, body):
             params = self._turns.get(key)
-            expiry = None if params is None else params.get("remote_blocks_expiry_time")
-            if params is not None and not (isinstance(expiry, int | float) and expiry <= now):
+            if params is not None and not _expired(params, now):
                 return True
         return False
 
@@ -239,6 +237,12 @@ class TurnMemory:
         lengths = [n for n in self._lengths[kind] if n < len(prompt)]
         digests = _prefix_digests(kind, scope, prompt, lengths)
         return [(kind, n, digests[n]) for n in sorted(lengths, reverse=True)]
+
+
+def _expired(params: dict[str, Any], now: float) -> bool:
+    """Whether kept-turn ``params`` have expired at ``now`` (seconds since the Unix epoch)."""
+    expiry = params.get("remote_blocks_expiry_time")
+    return isinstance(expiry, int | float) and expiry <= now
 
 
 def _token_ids(value: Any) -> bool:
