@@ -129,7 +129,7 @@ def fetch_agent_info(
                 break
             if attempt > 1 and cancel is None:
                 time.sleep(backoff_s * 2 ** (attempt - 2))
-            request = MetadataRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=to.tp_rank,
+            request = MetadataRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=engine_id, to_rank=to.rank,
                                       requester_engine_id=requester_engine_id, compat_hash=compat_hash,
                                       **_fresh())  # type: ignore[arg-type]
             reply = exchange(ctx, host, endpoint, encode(request, secret), timeout_s, cancel,
@@ -148,7 +148,7 @@ def fetch_agent_info(
     if cancel is not None and cancel.is_set():
         raise HandshakeCancelledError(f"handshake with {host}:{port} cancelled (shutting down)")
     raise HandshakeTimeoutError(
-        f"no reply from the handshake server at {host}:{port} for tp_rank {to.tp_rank} after "
+        f"no reply from the handshake server at {host}:{port} for rank {to.rank} after "
         f"{retries} attempt(s) of {timeout_s:g} s each; check that the prefill engine is up "
         f"and that its side-channel port {port} is reachable from this host "
         "(host name, firewall, port number)"
@@ -165,7 +165,7 @@ def _check_reply(
     secret: bytes | None,
     max_message_bytes: int,
 ) -> AgentInfo:
-    tp_rank, compat_hash = request.to_rank, request.compat_hash
+    rank, compat_hash = request.to_rank, request.compat_hash
     try:
         msg = decode(frames, secret, max_message_bytes)
     except AuthenticationError as exc:
@@ -186,10 +186,10 @@ def _check_reply(
     if msg.nonce != request.nonce:
         raise MalformedMessageError(f"reply from {endpoint} answers another request (nonce differs)", field="nonce")
     info = msg.info
-    if info.tp_rank != tp_rank:
+    if info.rank != rank:
         raise IncompatiblePeerError(
-            f"reply from {endpoint}: info.tp_rank is {info.tp_rank} but tp_rank {tp_rank} was "
-            "asked for; the server is misbehaving, restart the prefill engine",
+            f"reply from {endpoint}: info.tp_rank {info.tp_rank} and info.pp_rank {info.pp_rank} make rank "
+            f"{info.rank}, but rank {rank} was asked for; the server is misbehaving, restart the prefill engine",
             field="info.tp_rank",
         )
     diffs = mismatches(compat_hash, info.compat_hash)
@@ -354,7 +354,7 @@ def request_stream(to: Destination, grant: str, block_ids: list[int], first_bloc
     Raises:
         The errors of :func:`request_push`.
     """
-    msg = StreamRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
+    msg = StreamRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.rank,
                         requester_engine_id=requester_engine_id, grant=grant, block_ids=block_ids,
                         first_block=first_block, num_tokens=num_tokens, prompt_digest=prompt_digest,
                         push_id=push_id, agent=agent, window_s=window_s, staging_addrs=list(staging_addrs or []),
@@ -384,7 +384,7 @@ def request_push(to: Destination, request_id: str, block_ids: list[int], push_id
             rank, stale, or a server that takes no pushes).
         HandshakeError: any other failure (bad reply, authentication, a reply to another request).
     """
-    msg = PushRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
+    msg = PushRequest(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.rank,
                       requester_engine_id=requester_engine_id, request_id=request_id, block_ids=block_ids,
                       push_id=push_id, agent=agent, source_rows=source_rows, target_rows=target_rows,
                       window_s=window_s, kv_digest=kv_digest, **_fresh())  # type: ignore[arg-type]
@@ -458,7 +458,7 @@ def _hold_requests(kind: type[HoldRequest], to: Destination, request_ids: list[s
         extra: dict[str, object] = {} if block_ids is None else {"block_ids": block_ids[a:b]}
         if digest_rows is not None:
             extra["digest_rows"] = digest_rows[a:b]
-        out.append(kind(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.tp_rank,
+        out.append(kind(protocol_version=PROTOCOL_VERSION, to_engine_id=to.engine_id, to_rank=to.rank,
                         requester_engine_id=requester_engine_id, request_ids=request_ids[a:b],
                         **extra, **fields, **_fresh()))  # type: ignore[arg-type]
     return out

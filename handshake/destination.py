@@ -13,7 +13,7 @@ __all__ = ["Destination"]
 class Destination:
     """One rank's side channel and the names a request to it carries.
 
-    Every request names ``engine_id`` and ``tp_rank`` as its destination
+    Every request names ``engine_id`` and ``rank`` as its destination
     (``to_engine_id``, ``to_rank``); the server at ``host:port`` refuses a
     request that names another engine or a rank it does not serve.
 
@@ -21,13 +21,14 @@ class Destination:
         host: the side channel's host name or address.
         port: its TCP port.
         engine_id: the engine the request is for (a prefill's ``remote_engine_id``).
-        tp_rank: the tensor-parallel rank the request is for.
+        rank: the worker the request is for: its rank in its engine, ``pp_rank * tp_size + tp_rank``
+            (its tensor-parallel rank without pipeline parallelism; :attr:`handshake.AgentInfo.rank`).
     """
 
     host: str
     port: int
     engine_id: str
-    tp_rank: int
+    rank: int
 
     @property
     def endpoint(self) -> str:
@@ -36,4 +37,4 @@ class Destination:
 
     def describe(self) -> str:
         """For messages: ``rank R of 'engine' at host:port``."""
-        return f"rank {self.tp_rank} of {self.engine_id[:64]!r} at {self.host}:{self.port}"
+        return f"rank {self.rank} of {self.engine_id[:64]!r} at {self.host}:{self.port}"

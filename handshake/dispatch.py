@@ -122,7 +122,7 @@ class Dispatcher:
         }
 
     def set_info(self, info: AgentInfo) -> None:
-        """Publish (or replace) the :class:`AgentInfo` of ``info.tp_rank``; any thread.
+        """Publish (or replace) the :class:`AgentInfo` of worker ``info.rank``; any thread.
 
         Raises:
             MalformedMessageError: ``info`` exceeds a bound of the wire contract; ``field`` names it.
@@ -133,12 +133,12 @@ class Dispatcher:
         verify_agent_info(info)
         if info.compat_hash != self._compat_hash:
             raise IncompatiblePeerError(
-                f"AgentInfo for rank {info.tp_rank} has compat_hash {info.compat_hash!r} but the "
+                f"AgentInfo for rank {info.rank} has compat_hash {info.compat_hash!r} but the "
                 f"server was created with {self._compat_hash!r}; build both from the same config",
                 field="compat_hash",
             )
         with self._lock:
-            self._infos[info.tp_rank] = info
+            self._infos[info.rank] = info
 
     def respond(self, body: list[bytes], times: RequestTimes | None = None) -> list[bytes]:
         """Reply frames for one request (its frames after the ROUTER's identity); never raises.
@@ -217,7 +217,7 @@ class Dispatcher:
         if info is None:
             raise UnknownRankError(
                 f"no AgentInfo for to_rank {msg.to_rank} (requested by {requester!r}); this server "
-                f"has ranks {known}; check the tensor-parallel sizes and that the rank has started",
+                f"has ranks {known}; check the tensor- and pipeline-parallel sizes and that the rank has started",
                 field="to_rank",
             )
         if msg.to_engine_id != info.engine_id:

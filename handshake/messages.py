@@ -35,7 +35,7 @@ from handshake.fields import (
     Word,
 )
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 """Bumped on any incompatible change to the Structs in this module. History:
 
 * 1: ``MetadataRequest`` / ``MetadataReply`` / ``ErrorReply``.
@@ -73,6 +73,9 @@ PROTOCOL_VERSION = 16
   (the digest of what the WRITEs read asked for, in the "pushed" notification).
 * 16: a KV digest carries, after its :data:`DIGEST_BYTES`, the digests of up to :data:`DIGEST_BUCKETS` buckets of
   what it covers (:data:`BUCKET_BYTES` each): where a mismatch lies, named in the log by layer and block.
+* 17: pipeline-parallel prefill: :class:`AgentInfo` carries ``pp_rank`` and ``pp_size`` and a request's ``to_rank``
+  names a worker by its rank in its engine (``pp_rank * tp_size + tp_rank``, :attr:`AgentInfo.rank`);
+  :class:`KVLayoutDesc` carries ``first_layer``, the first of the model's layers a stage's worker holds.
 """
 
 class KVRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -124,6 +127,8 @@ class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         regions: the registered regions, in a fixed order both peers agree on.
         total_num_kv_heads: the model's KV heads over all ranks (0: unknown).
         is_mla: an MLA latent cache (no head split across ranks).
+        first_layer: the model's layer this cache's layer 0 is (0 but on a pipeline stage after the first,
+            which holds layers ``[first_layer, first_layer + num_layers)``).
     """
 
     kv_layout: Word
@@ -140,15 +145,18 @@ class KVLayoutDesc(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     regions: Regions
     total_num_kv_heads: int = 0
     is_mla: bool = False
+    first_layer: Rank = 0
 
 
 class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Everything a peer needs to pull from one worker (one tp_rank).
+    """Everything a peer needs to pull from one worker (one tp_rank of one pipeline stage).
 
     Attributes:
         engine_id: the vLLM engine id of the worker's engine.
         tp_rank: tensor-parallel rank of the worker.
         tp_size: tensor-parallel size of the engine.
+        pp_rank: the worker's pipeline stage (0-based).
+        pp_size: the engine's pipeline-parallel size (its stages; 1 without pipeline parallelism).
         agent_name: NIXL agent name (unique per process incarnation).
         agent_metadata: opaque NIXL agent metadata (``get_agent_metadata()``).
         metadata_digest: SHA-256 of ``agent_metadata``, checked before the
@@ -173,6 +181,14 @@ class AgentInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     compat_hash: CompatHash
     layout: KVLayoutDesc
     staging: Regions = msgspec.field(default_factory=list)
+    pp_rank: Rank = 0
+    pp_size: Annotated[int, msgspec.Meta(ge=1, lt=1 << 16)] = 1
+
+    @property
+    def rank(self) -> int:
+        """The worker's rank in its engine, ``pp_rank * tp_size + tp_rank``: what a request's ``to_rank`` names and
+        what its side-channel port adds to the engine's base port."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
 
 class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -186,7 +202,8 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
     Attributes:
         protocol_version: the sender's :data:`PROTOCOL_VERSION`.
         to_engine_id: the engine id of the worker the request is for.
-        to_rank: the tensor-parallel rank of the worker it is for.
+        to_rank: the worker it is for, by its rank in its engine (:attr:`AgentInfo.rank`:
+            ``pp_rank * tp_size + tp_rank``, its tensor-parallel rank without pipeline parallelism).
         sent_at: when it was sent (seconds since the Unix epoch, the sender's clock).
         nonce: 16..64 random bytes, echoed in the reply.
         requester_engine_id: the sending side's engine id (for logs; a
@@ -202,7 +219,7 @@ class Request(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=T
 
 
 class MetadataRequest(Request, frozen=True, forbid_unknown_fields=True, kw_only=True, tag="metadata_request"):
-    """Ask a server for one rank's :class:`AgentInfo` (``to_rank``).
+    """Ask a server for one worker's :class:`AgentInfo` (``to_rank``).
 
     Attributes:
         compat_hash: the asking side's compatibility fingerprint; the

@@ -188,7 +188,7 @@ class HandshakeServer:
         return tcp_endpoint(self._host, self._port)
 
     def set_info(self, info: AgentInfo) -> None:
-        """Publish (or replace) the :class:`AgentInfo` of ``info.tp_rank``.
+        """Publish (or replace) the :class:`AgentInfo` of worker ``info.rank``.
 
         May be called before or after :meth:`start`, from any thread.
 

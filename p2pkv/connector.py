@@ -31,6 +31,7 @@ from p2pkv.config import engine_role as p2pkv_role
 from p2pkv.engine_facts import (
     check_kv_cache_supported,
     check_parallelism_supported,
+    check_stages_supported,
     compat_fields,
     layer_groups,
     model_info,
@@ -140,7 +141,7 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
         p2pkv.config.ConfigError: a bad setting (names the key).
         p2pkv.engine_facts.UnsupportedKVCacheError: a KV cache group p2pkv cannot
             move (see :func:`p2pkv.engine_facts.check_kv_cache_supported`).
-        p2pkv.engine_facts.UnsupportedParallelismError: a pipeline-parallel engine
+        p2pkv.engine_facts.UnsupportedParallelismError: a pipeline-parallel engine that loads KV
             (see :func:`p2pkv.engine_facts.check_parallelism_supported`).
     """
 
@@ -148,18 +149,21 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         check_kv_cache_supported(kv_cache_config)
-        check_parallelism_supported(vllm_config.parallel_config.pipeline_parallel_size)
         ktc = vllm_config.kv_transfer_config
         self.config = load_config(ktc.kv_connector_extra_config)
-        self.engine_id: str = str(ktc.engine_id)
+        engine_role, warning = p2pkv_role(self.config, ktc.kv_role)
         pc = vllm_config.parallel_config
+        check_parallelism_supported(pc.pipeline_parallel_size, engine_role)
+        if pc.pipeline_parallel_size > 1:
+            check_stages_supported(kv_cache_config)
+        self.engine_id: str = str(ktc.engine_id)
         self.tp_size = pc.tensor_parallel_size
-        base_port = self.config.side_channel_port + pc.data_parallel_index * self.tp_size
+        self.pp_size = pc.pipeline_parallel_size
+        base_port = self.config.side_channel_port + pc.data_parallel_index * self.tp_size * self.pp_size
         host = side_channel_host(self.config)
         block_size = vllm_config.cache_config.block_size
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
-        engine_role, warning = p2pkv_role(self.config, ktc.kv_role)
         if role == KVConnectorRole.SCHEDULER:
             if warning:
                 logger.warning(warning)
@@ -169,15 +173,18 @@ class P2pKvConnector(KVConnectorBase_V1, SupportsHMA):
                                            num_kv_cache_groups(kv_cache_config),
                                            max_blocks=max_blocks(vllm_config), role=engine_role,
                                            num_blocks=getattr(kv_cache_config, "num_blocks", None),
-                                           state_groups=state_group_indices(kv_cache_config))
+                                           state_groups=state_group_indices(kv_cache_config),
+                                           pp_size=self.pp_size)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
+            pp_rank = get_pp_group().rank_in_group if self.pp_size > 1 else 0
             compat = fingerprint(compat_fields(vllm_config, kv_cache_config))
             self.worker = WorkerSide(self.engine_id, self.config, tp_rank, self.tp_size, host,
-                                     base_port + tp_rank, compat,
-                                     model_info(vllm_config, kv_cache_config), role=engine_role)
+                                     base_port + pp_rank * self.tp_size + tp_rank, compat,
+                                     model_info(vllm_config, kv_cache_config), role=engine_role,
+                                     pp_rank=pp_rank, pp_size=self.pp_size)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

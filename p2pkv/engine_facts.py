@@ -85,27 +85,45 @@ class UnsupportedParallelismError(ValueError):
     """An engine parallelism p2pkv cannot move KV for; the message names the setting and what to do."""
 
 
-def check_parallelism_supported(pipeline_parallel_size: int) -> None:
-    """Refuse, at engine start, a pipeline-parallel engine.
+def check_parallelism_supported(pipeline_parallel_size: int, role: str = "both") -> None:
+    """Refuse, at engine start, a pipeline-parallel engine that would load KV.
 
-    Each pipeline stage's workers hold only that stage's layers, while every
-    p2pkv plan (pull, push, stream) and handshake describes one rank's KV for
-    every layer of the model, and the ``kv_transfer_params`` name one
-    ``tp_size`` and ``pp_size`` 1. A PP engine would hand out params for a
-    part of the model's layers as if they were all of them. Tensor, data and
-    expert parallelism are supported.
+    A prefill engine may run pipeline stages: each stage's workers serve their own layers (their handshake
+    names the stage and its first layer, the ``kv_transfer_params`` the ``pp_size``), and a decode rank reads,
+    or has pushed, each stage's layers into its matching layers (:mod:`p2pkv.dataplane.stages`). A decode
+    engine (role ``decode`` or ``both``) with stages would have to split each load over its own stages: not
+    supported. Tensor, data and expert parallelism are supported on both sides.
 
     Args:
         pipeline_parallel_size: vLLM's ``parallel_config.pipeline_parallel_size``.
+        role: the engine's p2pkv role (:func:`p2pkv.config.engine_role`).
 
     Raises:
-        UnsupportedParallelismError: ``pipeline_parallel_size`` > 1.
+        UnsupportedParallelismError: ``pipeline_parallel_size`` > 1 on an engine whose role is not ``prefill``.
     """
-    if pipeline_parallel_size > 1:
+    if pipeline_parallel_size > 1 and role != "prefill":
         raise UnsupportedParallelismError(
-            f"pipeline_parallel_size={pipeline_parallel_size}: p2pkv does not move the KV of a pipeline-parallel "
-            "engine yet (each stage holds only its own layers); start this engine with --pipeline-parallel-size 1 "
-            "and spread it over its GPUs with --tensor-parallel-size, or use vLLM's NixlConnector for PP prefill")
+            f"pipeline_parallel_size={pipeline_parallel_size} with role {role}: p2pkv loads KV only into an engine "
+            "without pipeline stages; run the decode engine with --pipeline-parallel-size 1 (spread it with "
+            "--tensor-parallel-size), or give this engine role prefill (kv_role kv_producer) if it only prefills")
+
+
+def check_stages_supported(kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, at the start of a pipeline-parallel prefill engine, a KV cache of several groups.
+
+    A stage's layers pair with the decode rank's matching layers by their place in the model
+    (:mod:`p2pkv.dataplane.stages`); a hybrid KV cache (sliding-window and full-attention groups, Mamba state)
+    spreads a stage's layers over groups whose layers are numbered per group, which stages do not pair yet.
+
+    Raises:
+        UnsupportedParallelismError: more than one KV cache group.
+    """
+    groups = num_kv_cache_groups(kv_cache_config)
+    if groups > 1:
+        raise UnsupportedParallelismError(
+            f"pipeline_parallel_size > 1 with {groups} KV cache groups (a hybrid model: sliding-window or Mamba "
+            "layers): p2pkv moves a pipeline stage's KV for models of one KV cache group only; run this prefill "
+            "engine with --pipeline-parallel-size 1")
 
 
 def check_kv_cache_supported(kv_cache_config: KVCacheConfig | None) -> None:

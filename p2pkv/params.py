@@ -49,6 +49,9 @@ SENDER = "P2pKvConnector"
 a p2pkv hold over p2pkv's side channel, and leaves NixlConnector's to its lease)."""
 MAX_TP_SIZE = 512
 """Largest ``tp_size`` accepted from a request (a sane bound: no engine has more ranks)."""
+MAX_PP_SIZE = 64
+"""Largest ``pp_size`` (pipeline stages) accepted from a request (vLLM splits a model's layers over at most that
+many stages in any deployment seen; every stage is one more rank the decode side contacts)."""
 MAX_ID_CHARS = 256
 """Longest ``remote_engine_id`` / ``remote_request_id`` accepted (characters)."""
 ID_PATTERN = re.compile(rf"[A-Za-z0-9._:@+=/-]{{1,{MAX_ID_CHARS}}}")
@@ -84,6 +87,8 @@ class RemotePrefill:
             (a sliding-window group's blocks behind the window are vLLM's
             null block, id 0).
         tp_size: the prefill engine's tensor-parallel size.
+        pp_size: the prefill engine's pipeline-parallel size (``pp_size``): its workers are ranks
+            ``0 .. tp_size * pp_size - 1``, stage ``s`` holding its layers on ranks ``s * tp_size ..``.
         num_tokens: prompt tokens whose KV the prefill engine computed
             (0 when the sender did not say).
         group_sizes: block ids per KV cache group, in group order; empty for
@@ -114,6 +119,12 @@ class RemotePrefill:
     appended_tokens: int = 0
     transfer_mode: str = ""
     prompt_digest: str = ""
+    pp_size: int = 1
+
+    @property
+    def num_ranks(self) -> int:
+        """The prefill engine's workers (``tp_size * pp_size``), each with its side channel at ``port + rank``."""
+        return self.tp_size * self.pp_size
 
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """``block_ids`` split into one tuple per KV cache group."""
@@ -285,7 +296,8 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None, now: f
     :data:`CLOCK_SKEW_S` ago, or expiring more than ``max_lifetime_s`` + :data:`CLOCK_SKEW_S` after ``now``;
     2. the counts of ``remote_block_ids``, no id looked at: KV cache groups (at most :data:`MAX_KV_CACHE_GROUPS`,
     exactly ``kv_groups`` when given), ids per group (at most ``max_blocks``), ids in all (:data:`MAX_BLOCK_IDS`);
-    3. the other keys (ids, host, port, ``tp_size``, token counts, transfer mode, prompt digest; each O(1));
+    3. the other keys (ids, host, port, ``tp_size``, ``pp_size``, token counts, transfer mode, prompt digest; each
+    O(1));
     4. (with ``secret``) the MAC over the lists as they came: one msgpack encoding, byte for byte what
     :func:`capability_mac` signs for valid params (an encoding longer than valid ids' is refused before the HMAC);
     5. each block id's type and range (an int in ``0..MAX_BLOCK_ID``); only now is a tuple of ids built.
@@ -313,41 +325,45 @@ def parse_remote_prefill(params: dict[str, Any], *, secret: bytes | None, now: f
     expiry = _capability_expiry(params.get(CAPABILITY_KEY), now, max_lifetime_s) if secret else 0
     groups, nested = _block_groups(_require(params, "remote_block_ids", (list, tuple)),
                                    min(max_blocks, MAX_BLOCK_IDS), kv_groups)
-    port, tp_size = _port_and_ranks(params)
+    port, tp_size, pp_size = _port_and_ranks(params)
     engine_id, request_id = _text(params, "remote_engine_id"), _text(params, "remote_request_id")
     host = _text(params, "remote_host", HOST_PATTERN)
     num_tokens = _optional_int(params, "remote_num_tokens", 0, 0, MAX_BLOCK_IDS * 1024)
     appended_tokens = _optional_int(params, "appended_tokens", 0, 0, MAX_APPENDED_TOKENS)
     transfer_mode, digest = _transfer_mode(params), _digest(params)
     if secret:
-        fields = [engine_id, request_id, host, port, tp_size, groups, num_tokens, appended_tokens, digest, expiry]
+        fields = [engine_id, request_id, host, port, tp_size, pp_size, groups, num_tokens, appended_tokens, digest,
+                  expiry]
         if not hmac.compare_digest(params[CAPABILITY_KEY].rpartition(".")[2], _fields_mac(fields, secret)):
             raise _mac_mismatch()
     block_ids, group_sizes = _block_ids(groups, nested)
     return RemotePrefill(engine_id=engine_id, request_id=request_id, host=host, port=port, block_ids=block_ids,
                          tp_size=tp_size, num_tokens=num_tokens, group_sizes=group_sizes,
-                         appended_tokens=appended_tokens, transfer_mode=transfer_mode, prompt_digest=digest)
+                         appended_tokens=appended_tokens, transfer_mode=transfer_mode, prompt_digest=digest,
+                         pp_size=pp_size)
 
 
-def _port_and_ranks(params: dict[str, Any]) -> tuple[int, int]:
-    """``(remote_port, tp_size)``, checked. Raises KVTransferParamsError."""
+def _port_and_ranks(params: dict[str, Any]) -> tuple[int, int, int]:
+    """``(remote_port, tp_size, pp_size)``, checked (every rank's port, ``port + rank`` for ranks
+    ``0 .. tp_size * pp_size - 1``, a TCP port). Raises KVTransferParamsError."""
     port = _require(params, "remote_port", int)
     tp_size = _optional_int(params, "tp_size", 1, 1, MAX_TP_SIZE)
-    if not 0 < port < 65536 or port + tp_size > 65536:
+    pp_size = _optional_int(params, "pp_size", 1, 1, MAX_PP_SIZE)
+    if not 0 < port < 65536 or port + tp_size * pp_size > 65536:
         raise KVTransferParamsError(f"kv_transfer_params.remote_port={port} is not a TCP port (with tp_size "
-                                    f"{tp_size}: base port + rank must be below 65536)")
-    return port, tp_size
+                                    f"{tp_size} and pp_size {pp_size}: base port + rank must be below 65536)")
+    return port, tp_size, pp_size
 
 
-def parse_prefill_address(params: dict[str, Any]) -> tuple[str, str, int, int]:
-    """``(remote_engine_id, remote_host, remote_port, tp_size)`` of a decode leg's params, checked as
+def parse_prefill_address(params: dict[str, Any]) -> tuple[str, str, int, int, int]:
+    """``(remote_engine_id, remote_host, remote_port, tp_size, pp_size)`` of a decode leg's params, checked as
     :func:`parse_remote_prefill` checks them (a stream's decode leg names no request or blocks).
 
     Raises:
         KVTransferParamsError: a missing or bad key (the message names it).
     """
-    port, tp_size = _port_and_ranks(params)
-    return _text(params, "remote_engine_id"), _text(params, "remote_host", HOST_PATTERN), port, tp_size
+    port, tp_size, pp_size = _port_and_ranks(params)
+    return _text(params, "remote_engine_id"), _text(params, "remote_host", HOST_PATTERN), port, tp_size, pp_size
 
 
 TRANSFER_MODE_KEY = "p2pkv_transfer_mode"
@@ -366,7 +382,7 @@ def _transfer_mode(params: dict[str, Any]) -> str:
     return "push" if value == "stream" else value  # params a prefill engine answered: its KV is whole, push it
 
 
-MAC_LABEL = "p2pkv kv_transfer_params v2"
+MAC_LABEL = "p2pkv kv_transfer_params v3"
 """The first item of the list a capability's MAC covers (:func:`capability_mac`)."""
 
 _MAX_ID_BYTES = 5
@@ -377,7 +393,7 @@ def capability_mac(remote: RemotePrefill, expiry: int, secret: bytes) -> str:
     """HMAC-SHA256 (hex) of everything a pull of ``remote`` uses, and ``expiry`` (Unix seconds).
 
     The message is the msgpack encoding of a list (a label, engine id,
-    request id, host, port, tp_size, block ids per KV cache group, token
+    request id, host, port, tp_size, pp_size, block ids per KV cache group, token
     count, appended tokens, prompt digest, expiry): one byte string per
     value, with no room for ambiguity. Everything that decides what the KV
     means is in it; the flags proxies and routers rewrite
@@ -386,27 +402,28 @@ def capability_mac(remote: RemotePrefill, expiry: int, secret: bytes) -> str:
     bytes from the params' lists as they came.
     """
     fields = [MAC_LABEL, remote.engine_id, remote.request_id, remote.host, remote.port,
-              remote.tp_size, [list(g) for g in remote.groups()], remote.num_tokens, remote.appended_tokens,
+              remote.tp_size, remote.pp_size, [list(g) for g in remote.groups()], remote.num_tokens,
+              remote.appended_tokens,
               remote.prompt_digest, expiry]
     return hmac.new(secret, msgspec.msgpack.encode(fields), hashlib.sha256).hexdigest()
 
 
 def _fields_mac(fields: list[Any], secret: bytes) -> str:
-    """HMAC-SHA256 (hex) of ``[MAC_LABEL, *fields]`` as :func:`capability_mac` encodes it, ``fields[5]`` the block
+    """HMAC-SHA256 (hex) of ``[MAC_LABEL, *fields]`` as :func:`capability_mac` encodes it, ``fields[6]`` the block
     id lists as they came (counted, not looked into): one msgpack encoding and one HMAC, no Python loop over ids.
 
     Raises:
         KVTransferParamsError: the lists hold what msgpack cannot encode (an int beyond 64 bits, an object), or
             encode longer than valid block ids could (floats, strings: nobody signed those), before the HMAC.
     """
-    groups = fields[5]
+    groups = fields[6]
     message_fields = [MAC_LABEL, *fields]
     try:
         message = msgspec.msgpack.encode(message_fields)
     except (TypeError, ValueError, OverflowError, RecursionError) as exc:
         raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids holds a value that is no block id "
                                     f"({type(exc).__name__}); block ids are ints in 0..{MAX_BLOCK_ID}") from None
-    message_fields[6] = []
+    message_fields[7] = []
     longest = (len(msgspec.msgpack.encode(message_fields)) + _MAX_ID_BYTES
                + sum(_MAX_ID_BYTES * (1 + len(g)) for g in groups))
     if len(message) > longest:
@@ -534,6 +551,7 @@ def make_prefill_response_params(
     tp_size: int,
     num_tokens: int,
     expiry_time: float | None,
+    pp_size: int = 1,
     group_sizes: Sequence[int] = (),
     first_token: bool = True,
     prompt_digest: str = "",
@@ -567,7 +585,7 @@ def make_prefill_response_params(
         "remote_port": port,
         "tp_size": tp_size,
         "dcp_size": 1,
-        "pp_size": 1,
+        "pp_size": pp_size,
         "remote_num_tokens": num_tokens,
         "remote_blocks_expiry_time": expiry_time,
         "transfer_mode": "pull",
@@ -579,6 +597,7 @@ def make_prefill_response_params(
         if expiry_time is None:
             raise ValueError("a signed answer needs expiry_time")
         remote = RemotePrefill(engine_id, request_id, host, port, tuple(block_ids), tp_size, num_tokens,
-                               tuple(group_sizes) if len(group_sizes) > 1 else (), prompt_digest=prompt_digest)
+                               tuple(group_sizes) if len(group_sizes) > 1 else (), prompt_digest=prompt_digest,
+                               pp_size=pp_size)
         params[CAPABILITY_KEY] = _capability(remote, expiry_time, secret)
     return params

@@ -67,6 +67,9 @@ class SchedulerSide:
         state_groups: the indices of its KV cache groups that hold Mamba/SSM state
             (:func:`p2pkv.engine_facts.state_group_indices`): a stream sends their blocks after the prompt's last step.
         clock: monotonic seconds of the holds' leases (``time.monotonic``; tests pass a fake).
+        pp_size: this engine's pipeline-parallel size: its answers name it (``pp_size``), and a prefill engine of
+            several stages streams nothing (a request with a stream grant is held for a pull or push, as without
+            one; the proxy then sends its decode leg the answer).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class SchedulerSide:
         num_blocks: int | None = None,
         state_groups: frozenset[int] = frozenset(),
         clock: Callable[[], float] = time.monotonic,
+        pp_size: int = 1,
     ) -> None:
         if config.keep_turns_s and role != "both":
             raise ConfigError(f"keep_turns_s={config.keep_turns_s:g} needs role both, and this engine's role is "
@@ -98,7 +102,7 @@ class SchedulerSide:
         self.decode = DecodeScheduling(engine_id, config, block_size, secret, recompute_tokens, kv_groups,
                                        max_blocks, tracing)
         self.prefill = PrefillScheduling(engine_id, config, role, side_channel_host, side_channel_port, tp_size,
-                                         secret, recompute_tokens, num_blocks, clock)
+                                         secret, recompute_tokens, num_blocks, clock, pp_size)
         self.streams = StreamSteps(engine_id, secret, block_size, recompute_tokens, kv_groups, state_groups,
                                    ledger=self.prefill.ledger, max_lifetime_s=config.max_lifetime_s)
 
@@ -112,7 +116,12 @@ class SchedulerSide:
         self.decode.on_new_request(request)
         params = request.kv_transfer_params
         if self.role != "decode" and wants_remote_decode(params) and wants_stream(params):
-            self.streams.on_new_request(request)
+            if self.prefill.pp_size > 1:
+                logger.warning("p2pkv: request %s asks to stream; not streamed (held for a pull or push): the "
+                               "stages of this pipeline-parallel engine (pp_size=%d) do not stream their layers",
+                               request.request_id, self.prefill.pp_size)
+            else:
+                self.streams.on_new_request(request)
 
     def send_heartbeats(self, now: float | None = None) -> int:
         """See :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.send_heartbeats`."""

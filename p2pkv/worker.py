@@ -1,4 +1,4 @@
-"""The connector's worker side for one tp_rank: what vLLM calls on each worker process.
+"""The connector's worker side for one tp_rank (of one pipeline stage): what vLLM calls on each worker process.
 
 Registers the KV memory with NIXL and serves its description on the side
 channel; on the decode side hands each step's pulls to
@@ -35,6 +35,7 @@ from p2pkv.dataplane.layout import (
 from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
 from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
+from p2pkv.dataplane.stages import stage_desc
 from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.receiver import Receiver
 from p2pkv.decode.transfer import streams_only
@@ -111,7 +112,7 @@ def way_handlers(pusher: Pusher, streams: PrefillStreams) -> dict[str, Callable[
 
 
 class WorkerSide:
-    """The connector's worker-side half for one tp_rank.
+    """The connector's worker-side half for one tp_rank (of one pipeline stage).
 
     Args:
         engine_id: this engine's id.
@@ -122,6 +123,9 @@ class WorkerSide:
         side_channel_port: this rank's side-channel port.
         compat_hash: the compatibility fingerprint peers must match (:func:`p2pkv.engine_facts.compat_fields`).
         model: this rank's model and KV cache facts.
+        pp_rank / pp_size: this worker's pipeline stage and the engine's stages (a prefill engine only,
+            :func:`p2pkv.engine_facts.check_parallelism_supported`): it registers and serves its stage's layers,
+            its handshake naming the stage and its first layer.
         role: what this engine does (:func:`p2pkv.config.engine_role`): a ``decode`` rank holds nothing for
             anyone, so it builds no :class:`~p2pkv.prefill.pusher.Pusher` and no
             :class:`~p2pkv.prefill.prefill_streams.PrefillStreams` (its side channel refuses push and stream
@@ -135,12 +139,14 @@ class WorkerSide:
 
     def __init__(self, engine_id: str, config: P2pKvConfig, tp_rank: int, tp_size: int,
                  side_channel_host: str, side_channel_port: int, compat_hash: str, model: ModelInfo,
-                 role: Role = "both") -> None:
+                 role: Role = "both", *, pp_rank: int = 0, pp_size: int = 1) -> None:
         self.engine_id = engine_id
         self.role = role
         self.config = config
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
         self.host = side_channel_host
         self.port = side_channel_port
         self.compat_hash = compat_hash
@@ -162,6 +168,11 @@ class WorkerSide:
         self._idle = False  # this step scheduled no tokens
         self.hold_traces = HoldTraces(engine_id, tp_rank)
 
+    @property
+    def rank(self) -> int:
+        """This worker's rank in its engine, ``pp_rank * tp_size + tp_rank`` (:attr:`handshake.AgentInfo.rank`)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
     def register_kv_caches(self, kv_caches: dict[str, Any], num_blocks: int,
                            state_layers: frozenset[str] = frozenset(), layer_groups: dict[str, int] | None = None,
                            state_groups: frozenset[int] = frozenset()) -> None:
@@ -177,8 +188,8 @@ class WorkerSide:
             state_groups: the indices of the groups of ``state_layers``.
 
         Raises:
-            p2pkv.dataplane.layout.LayoutError: a layout p2pkv cannot describe, or state views outside
-                the attention pages.
+            p2pkv.dataplane.layout.LayoutError: a layout p2pkv cannot describe, state views outside
+                the attention pages, or a pipeline stage whose layers are not consecutive model layers.
             p2pkv.dataplane.agent.TransferError: NIXL could not register the memory.
         """
         if 0 < SWITCH_INTERVAL_S < sys.getswitchinterval():
@@ -195,7 +206,7 @@ class WorkerSide:
         states = [tensor_info(name, view) for name, kv in kv_caches.items() if name in state_layers
                   for view in (kv if isinstance(kv, list | tuple) else [kv])]
         check_state_views(self.layout, states)
-        self.agent = NixlTransferAgent(unique_agent_name(self.engine_id, self.tp_rank), self.config.nixl_backends,
+        self.agent = NixlTransferAgent(unique_agent_name(self.engine_id, self.rank), self.config.nixl_backends,
                                        NIXL_PROGRESS_THREAD, self.config.nixl_num_threads,
                                        split_bytes=int(READ_SPLIT_MIB * 2**20))
         self.agent.register(self.layout.regions, mem_type, device_id)
@@ -203,6 +214,8 @@ class WorkerSide:
         m = self.model
         attn = attn_layout_of(first, m.num_kv_heads, m.block_size, m.kv_layout, m.attn_layout)
         self.desc = layout_desc(self.layout, m, attn, mem_type=mem_type, device_id=device_id)
+        if self.pp_size > 1:  # a stage's layers: where they start in the model
+            self.desc = stage_desc(self.desc, list(tensors), bool(states))
         stager = self._stager = Stager(self.agent, tensors, self.layout, self.desc,
                                        int(self.config.staging_mib * 2**20))
         if self.role != "prefill":  # a prefill rank loads nothing
@@ -266,7 +279,8 @@ class WorkerSide:
         staging = self._stager.regions() if self._stager is not None else []
         return AgentInfo(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
                          agent_name=self.agent.name, agent_metadata=meta, metadata_digest=compute_digest(meta),
-                         compat_hash=self.compat_hash, layout=self.desc, staging=staging)
+                         compat_hash=self.compat_hash, layout=self.desc, staging=staging, pp_rank=self.pp_rank,
+                         pp_size=self.pp_size)
 
     def _on_transport(self, report: TransportReport) -> None:
         """UCX said how a peer's READs move: counted, and (``transfer_mode: auto``) the peer's direction.

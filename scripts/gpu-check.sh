@@ -84,6 +84,6 @@ for pair in ${MATCHED//,/ }; do
     --forward-stream "${FORWARD_STREAM:-current}" --json "$OUT/stream-matched-${pair%%:*}.json"
 done
 step tests 240 bash -c "$PY -m pytest -m gpu -p no:cacheprovider -q -rA -o addopts= tests/test_hetero.py \
-  tests/test_doctor.py tests/test_transport.py tests/test_bench_transfer.py tests/test_fixup.py \
+  tests/test_pipeline_stages.py tests/test_doctor.py tests/test_transport.py tests/test_bench_transfer.py tests/test_fixup.py \
   tests/test_streamer.py > '$OUT/tests.log' 2>&1"
 tail -n 3 "$OUT/tests.log"

@@ -16,6 +16,7 @@ from p2pkv.params import (
     CLOCK_SKEW_S,
     DEFAULT_MAX_LIFETIME_S,
     MAX_BLOCK_ID,
+    MAX_PP_SIZE,
     KVTransferParamsError,
     check_capability,
     make_prefill_response_params,
@@ -51,6 +52,7 @@ def test_signed_params_parse_and_carry_one_extra_field() -> None:
     ("remote_host", "127.0.0.2"),
     ("remote_port", 5601),
     ("tp_size", 1),
+    ("pp_size", 2),  # which workers hold the KV, each stage its layers
     ("remote_num_tokens", 89),
     ("remote_block_ids", [[3, 4, 8], [0, 0, 7]]),
     ("remote_block_ids", [[3, 4], [9, 0, 0, 7]]),  # same ids, other groups
@@ -214,6 +216,22 @@ def test_block_lists_longer_than_the_engine_takes_are_refused_by_their_length() 
     with pytest.raises(KVTransferParamsError, match=r"remote_block_ids\[1\] must be a list of at most 2"):
         parse_remote_prefill({**params, "remote_block_ids": [[1], Untouchable(range(3))]}, secret=SECRET, now=NOW,
                              max_blocks=2)
+
+
+def test_a_pipeline_parallel_answer_names_its_stages_and_bounds_every_stage_port() -> None:
+    """``pp_size`` is made, signed and parsed; a pp_size past :data:`MAX_PP_SIZE`, below 1, or one whose last
+    worker's port (``port + tp_size * pp_size - 1``) is no TCP port is refused naming the key."""
+    params = make_prefill_response_params(engine_id="prefill-0", request_id="r", host="127.0.0.1", port=5600,
+                                          block_ids=[1, 2], tp_size=2, pp_size=4, num_tokens=20,
+                                          expiry_time=NOW + 60, secret=SECRET)
+    remote = parse_remote_prefill(params, secret=SECRET, now=NOW)
+    assert (params["pp_size"], remote.pp_size, remote.num_ranks) == (4, 4, 8)
+    assert parse_remote_prefill(_signed(), secret=SECRET, now=NOW).pp_size == 1
+    for value in (0, MAX_PP_SIZE + 1, "2"):
+        with pytest.raises(KVTransferParamsError, match=r"kv_transfer_params\.pp_size"):
+            parse_remote_prefill({**params, "pp_size": value}, secret=None)
+    with pytest.raises(KVTransferParamsError, match=r"remote_port=65530.*tp_size 2 and pp_size 4"):
+        parse_remote_prefill({**params, "remote_port": 65530}, secret=None)
 
 
 @pytest.mark.parametrize("key", ["tp_size", "appended_tokens", "remote_num_tokens", "remote_block_ids",

@@ -66,6 +66,11 @@ def test_only_an_answer_signed_with_the_secret_teaches_an_address() -> None:
     proxy.streams.learn(URLS[0], _answer_params("p0", 7000))
     address = proxy.streams.addresses[URLS[0]]
     assert (address.engine_id, address.host, address.port, address.tp_size) == ("p0", "127.0.0.1", 7000, 1)
+    staged = make_prefill_response_params(engine_id="p0", request_id="r2", host="127.0.0.1", port=7000,
+                                          block_ids=[1, 2], tp_size=1, pp_size=2, num_tokens=20,
+                                          expiry_time=time.time() + 60, secret=SECRET)
+    proxy.streams.learn(URLS[0], staged)
+    assert proxy.streams.addresses == {}, "a pipeline-parallel prefill engine (its stages do not stream) is forgotten"
 
 
 def test_an_engine_not_learned_yet_gets_the_push_that_teaches_it() -> None:

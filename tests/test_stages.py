@@ -11,14 +11,23 @@ from __future__ import annotations
 
 import ctypes
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
-from p2pkv.dataplane.layout import describe_torch_kv_caches
+from handshake import AgentInfo
+from p2pkv.dataplane.layout import LayoutError, describe_torch_kv_caches
 from p2pkv.dataplane.negotiate import ModelInfo, PairRefused, Placement, layout_desc, plan_peer, remote_segments
 from p2pkv.dataplane.plan import build_descriptors
-from p2pkv.dataplane.stages import StageLayers, check_stages, stage_view
+from p2pkv.dataplane.stages import (
+    StageLayers,
+    check_peer_stages,
+    check_stages,
+    first_layer_of,
+    stage_desc,
+    stage_view,
+)
 from p2pkv.testing import make_kv_caches
 
 LAYERS, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM = 4, 8, 2, 4, 4
@@ -112,3 +121,59 @@ def test_stages_must_tile_the_decode_engines_layers_in_stage_order(stages, pp_si
         return
     with pytest.raises(PairRefused, match=match):
         check_stages(stages, pp_size, layers)
+
+
+@pytest.mark.parametrize(("names", "num_layers", "first"), [
+    (["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"], 2, 0),
+    ([f"model.layers.{i}.self_attn.attn" for i in range(13, 26)], 13, 13),
+    (["model.layers.7.attn"], 1, 7),
+])
+def test_a_stages_first_layer_is_read_from_its_layer_names(names: list[str], num_layers: int, first: int) -> None:
+    assert first_layer_of(names, num_layers) == first
+
+
+@pytest.mark.parametrize(("names", "num_layers", "match"), [
+    (["model.layers.2.attn", "model.layers.4.attn"], 2, "not 2 consecutive model layers"),
+    (["model.layers.3.attn", "model.layers.2.attn"], 2, "not 2 consecutive"),
+    (["model.layers.2.attn", "model.layers.3.attn"], 3, "not 3 consecutive"),
+    (["model.attn"], 1, "0 integer parts"),
+    (["model.layers.2.experts.3.attn"], 1, "2 integer parts"),
+])
+def test_layer_names_that_do_not_place_a_stage_in_the_model_are_refused(names: list[str], num_layers: int,
+                                                                        match: str) -> None:
+    with pytest.raises(LayoutError, match=match):
+        first_layer_of(names, num_layers)
+
+
+def _info(pp_rank: int, first: int, n: int, pp_size: int = 2, tp_rank: int = 0, tp_size: int = 1) -> AgentInfo:
+    _, views = make_kv_caches("LBHNC", n, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM, fill=0.0)
+    _, desc = _describe(views, "LBHNC")
+    return AgentInfo(engine_id="prefill", tp_rank=tp_rank, tp_size=tp_size, agent_name="a", agent_metadata=b"",
+                     metadata_digest=b"", compat_hash="c", layout=msgspec.structs.replace(desc, first_layer=first),
+                     pp_rank=pp_rank, pp_size=pp_size)
+
+
+def test_a_stage_description_carries_its_first_layer_and_a_stage_with_ssm_state_is_refused() -> None:
+    _, views = make_kv_caches("LBHNC", 2, BLOCKS, HEADS, BLOCK_SIZE, HEAD_DIM, fill=0.0)
+    _, desc = _describe(views, "LBHNC")
+    names = ["model.layers.6.self_attn.attn", "model.layers.7.self_attn.attn"]
+    assert stage_desc(desc, names).first_layer == 6
+    assert stage_desc(desc, names) == msgspec.structs.replace(desc, first_layer=6)
+    with pytest.raises(LayoutError, match="Mamba/SSM state"):
+        stage_desc(desc, names, has_state=True)
+
+
+def test_the_workers_a_pull_reads_must_be_the_stages_its_params_name() -> None:
+    """Every TP rank of every stage; the params' pp_size; one layer range per stage; together the decode layers."""
+    check_peer_stages([_info(0, 0, 2, tp_rank=0, tp_size=2), _info(0, 0, 2, tp_rank=1, tp_size=2),
+                       _info(1, 2, 2, tp_rank=0, tp_size=2), _info(1, 2, 2, tp_rank=1, tp_size=2)], 2, LAYERS)
+    check_peer_stages([_info(0, 0, 4, pp_size=1)], 1, LAYERS)
+    with pytest.raises(PairRefused, match=r"pp_size=3, but prefill rank 0 of 'prefill' runs pp_size=2"):
+        check_peer_stages([_info(0, 0, 2), _info(1, 2, 2)], 3, LAYERS)
+    with pytest.raises(PairRefused, match=r"stage 1's ranks hold different layers \(2..3 and 1..3\)"):
+        check_peer_stages([_info(0, 0, 2), _info(1, 2, 2, tp_rank=0, tp_size=2), _info(1, 1, 3, tp_rank=1,
+                                                                                        tp_size=2)], 2, LAYERS)
+    with pytest.raises(PairRefused, match="do not tile"):
+        check_peer_stages([_info(0, 0, 2), _info(1, 2, 1)], 2, LAYERS)
+    with pytest.raises(PairRefused, match=r"stages \[0\] declared for pp_size=2"):
+        check_peer_stages([_info(0, 0, 2)], 2, LAYERS)

@@ -122,3 +122,14 @@ def test_the_proxy_signs_grants_for_at_most_the_grant_lifetime(grant_s: float, l
     assert GRANT_LIFETIME_S <= DEFAULT_MAX_LIFETIME_S
     assert check_stream_grant(made[1][GRANT_KEY], KEY, prefill_engine_id="prefill-a",
                               decode_engine_id=ANY_DECODE, now=before).expiry == expiry
+
+
+def test_a_stream_leg_naming_a_pipeline_parallel_prefill_engine_is_refused_naming_pp_size() -> None:
+    """A PP prefill engine's stages do not stream (its scheduler holds such a request for a pull or push); a
+    decode leg that names one is refused before its grant is used."""
+    params = {"remote_engine_id": "prefill-a", "remote_host": "127.0.0.1", "remote_port": 5600, "pp_size": 2,
+              GRANT_KEY: _grant()}
+    with pytest.raises(StreamGrantError, match=r"kv_transfer_params.pp_size=2: a pipeline-parallel prefill"):
+        parse_stream_leg(params, KEY, decode_engine_id="decode-b", now=NOW)
+    remote, _ = parse_stream_leg({**params, "pp_size": 1}, KEY, decode_engine_id="decode-b", now=NOW)
+    assert remote.pp_size == 1

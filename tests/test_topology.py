@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -88,3 +90,30 @@ def test_a_streams_readers_are_the_decode_ranks_that_send_it_a_destination(heads
             assert set(told_by) == readers and notifiers_of(r, tp_d, tp_p, heads, mla) == len(readers)
         else:
             assert len(told_by) == 1 and notifiers_of(r, tp_d, tp_p, heads, mla) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(heads=st.sampled_from([1, 2, 4, 8]), tp_d=sizes, tp_p=sizes, pp=st.sampled_from([1, 2, 3]))
+def test_each_stage_is_read_and_notified_as_a_whole_model_prefill_engine_is(heads: int, tp_d: int, tp_p: int,
+                                                                             pp: int) -> None:
+    """A decode rank reads the same head slices from every stage, whose workers are ranks ``stage * tp + r``;
+    every prefill worker of every stage is notified, each by as many decode ranks as without stages."""
+    from p2pkv.dataplane.rank import LocalRank
+
+    def local(rank: int) -> LocalRank:
+        desc = SimpleNamespace(is_mla=False, num_kv_heads=max(1, heads // tp_d), total_num_kv_heads=heads)
+        return LocalRank("decode", rank, tp_d, None, desc)  # type: ignore[arg-type]
+
+    notified: dict[int, int] = {}
+    for d in range(tp_d):
+        rank = local(d)
+        reads, notify = rank.topology(tp_p, pp)
+        one_stage = read_plan(d, tp_d, tp_p, heads)
+        assert [(r.remote_rank, r.remote_head_start, r.local_head_start, r.num_heads) for r in reads] == [
+            (s * tp_p + r.remote_rank, r.remote_head_start, r.local_head_start, r.num_heads)
+            for s in range(pp) for r in one_stage]
+        for r, n in zip(notify, rank.notifiers(tp_p, notify), strict=True):
+            assert n == notifiers_of(r % tp_p, tp_d, tp_p, heads)
+            notified[r] = notified.get(r, 0) + 1
+        assert rank.answered_ranks(tp_p, pp) == notify
+    assert notified == {r: notifiers_of(r % tp_p, tp_d, tp_p, heads) for r in range(tp_p * pp)}

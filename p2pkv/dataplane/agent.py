@@ -98,26 +98,27 @@ def _strict_sync() -> object | None:
     return None
 
 
-def unique_agent_name(engine_id: str, tp_rank: int) -> str:
-    """A NIXL agent name unique per process incarnation.
+def unique_agent_name(engine_id: str, rank: int) -> str:
+    """A NIXL agent name unique per process incarnation, for worker ``rank`` of ``engine_id`` (its rank in its
+    engine, ``pp_rank * tp_size + tp_rank``: :attr:`handshake.AgentInfo.rank`).
 
     NIXL keeps a remote name poisoned after bad metadata, and a restarted
     engine must not be confused with its previous life, so every agent gets
     a fresh suffix (12 hex digits).
     """
-    return f"p2pkv-{engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:12]}"
+    return f"p2pkv-{engine_id}-tp{rank}-{uuid.uuid4().hex[:12]}"
 
 
-def is_agent_name_of(name: str, engine_id: str, tp_rank: int) -> bool:
-    """True when ``name`` is one :func:`unique_agent_name` gives rank ``tp_rank`` of ``engine_id``.
+def is_agent_name_of(name: str, engine_id: str, rank: int) -> bool:
+    """True when ``name`` is one :func:`unique_agent_name` gives worker ``rank`` of ``engine_id``.
 
     No other (engine id, rank) pair has such a name (the rank's digits run
     from the last ``-tp`` to the 12-digit suffix), so a check of this binds an
     agent name to one identity.
     """
-    prefix = f"p2pkv-{engine_id}-tp{tp_rank}-"
+    prefix = f"p2pkv-{engine_id}-tp{rank}-"
     suffix = name[len(prefix):]
-    return (tp_rank >= 0 and name.startswith(prefix) and len(suffix) == 12
+    return (rank >= 0 and name.startswith(prefix) and len(suffix) == 12
             and all(c in "0123456789abcdef" for c in suffix))
 
 

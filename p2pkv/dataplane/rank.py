@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -38,29 +39,36 @@ class LocalRank:
         """``<engine_id>:<tp_rank>``, as notifications and logs name a rank."""
         return f"{self.engine_id}:{self.tp_rank}"
 
-    def topology(self, remote_tp: int) -> tuple[list[RankRead], list[int]]:
-        """The prefill ranks (of an engine with TP size ``remote_tp``) this rank reads, with head slices, and
-        those it notifies (:mod:`p2pkv.dataplane.topology`).
+    def topology(self, remote_tp: int, remote_pp: int = 1) -> tuple[list[RankRead], list[int]]:
+        """The prefill ranks (of an engine with TP size ``remote_tp`` and ``remote_pp`` pipeline stages) this
+        rank reads, with head slices, and those it notifies (:mod:`p2pkv.dataplane.topology`).
+
+        Every stage holds its own layers of the same heads, so this rank reads the same head slices from each
+        stage: prefill ranks are numbered ``pp_rank * remote_tp + tp_rank`` (:attr:`handshake.AgentInfo.rank`),
+        stage by stage.
 
         Raises:
             PairRefused: the heads cannot be mapped between the two TP sizes.
         """
         args = (self.tp_rank, self.tp_size, remote_tp, total_heads(self.desc, self.tp_size), self.desc.is_mla)
         try:
-            return read_plan(*args), notify_ranks(*args)
+            reads, notify = read_plan(*args), notify_ranks(*args)
         except TopologyError as exc:
             raise PairRefused(f"prefill tp_size={remote_tp}, decode tp_size={self.tp_size}: {exc}") from exc
+        return ([dataclasses.replace(r, remote_rank=stage * remote_tp + r.remote_rank)
+                 for stage in range(remote_pp) for r in reads],
+                [stage * remote_tp + r for stage in range(remote_pp) for r in notify])
 
-    def answered_ranks(self, remote_tp: int) -> list[int]:
+    def answered_ranks(self, remote_tp: int, remote_pp: int = 1) -> list[int]:
         """The prefill ranks this rank tells about a request: those it notifies, or all of them when the TP
         sizes cannot pair."""
         try:
-            return self.topology(remote_tp)[1]
+            return self.topology(remote_tp, remote_pp)[1]
         except PairRefused:
-            return list(range(remote_tp))
+            return list(range(remote_tp * remote_pp))
 
     def notifiers(self, remote_tp: int, ranks: list[int]) -> list[int]:
-        """For each prefill rank in ``ranks``, how many decode ranks notify it about a request
-        (:func:`p2pkv.dataplane.topology.notifiers_of`)."""
+        """For each prefill rank in ``ranks`` (of any stage), how many decode ranks notify it about a request
+        (:func:`p2pkv.dataplane.topology.notifiers_of` of its tensor-parallel rank, ``rank % remote_tp``)."""
         args = (self.tp_size, remote_tp, total_heads(self.desc, self.tp_size), self.desc.is_mla)
-        return [notifiers_of(r, *args) for r in ranks]
+        return [notifiers_of(r % remote_tp, *args) for r in ranks]

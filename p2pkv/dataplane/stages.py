@@ -16,9 +16,9 @@ own layers into the matching range of the decode's regions).
 Layers are counted as :func:`p2pkv.dataplane.layout.describe_kv_caches`
 counts them (attention layers in ``kv_caches`` order). Pure: no NIXL, no I/O.
 
-Nothing in the connector pairs with stages yet (a pipeline-parallel engine is
-refused at start, :func:`p2pkv.engine_facts.check_parallelism_supported`);
-this is the decode side's part of that pairing.
+A decode rank pairs with each stage's workers at their handshake
+(:meth:`p2pkv.decode.peers.PeerTable.add`) and checks, before a pull's first
+READ, that the stages it reads tile its layers (:func:`check_peer_stages`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from handshake import KVLayoutDesc, KVRegion
-from p2pkv.dataplane.layout import Segment
+from handshake import AgentInfo, KVLayoutDesc, KVRegion
+from p2pkv.dataplane.layout import LayoutError, Segment
 from p2pkv.dataplane.negotiate import INTERLEAVED_LAYOUTS, PairRefused, page_bytes
 
 
@@ -51,6 +51,82 @@ class StageLayers:
     def end_layer(self) -> int:
         """One past its last layer."""
         return self.first_layer + self.num_layers
+
+    @classmethod
+    def of(cls, info: AgentInfo) -> StageLayers:
+        """The layers the worker ``info`` describes holds (its stage, ``layout.first_layer``, ``layout.num_layers``)."""
+        return cls(info.pp_rank, info.layout.first_layer, info.layout.num_layers)
+
+
+def first_layer_of(layer_names: Sequence[str], num_layers: int) -> int:
+    """The model layer a pipeline stage's KV starts at, from the names of its KV tensors (vLLM's
+    ``model.layers.<i>.self_attn.attn``: the one integer among the dot-separated parts, as vLLM's
+    ``extract_layer_index`` reads it).
+
+    Args:
+        layer_names: the stage's attention layer names, in ``kv_caches`` order.
+        num_layers: the layers its KV description counts (``KVLayoutDesc.num_layers``).
+
+    Returns:
+        The first name's layer index.
+
+    Raises:
+        LayoutError: a name without exactly one integer part, or indices that are not ``num_layers``
+            consecutive ascending layers.
+    """
+    indices: list[int] = []
+    for name in layer_names:
+        ints = [int(part) for part in name.split(".") if part.isdigit()]
+        if len(ints) != 1:
+            raise LayoutError(f"KV cache layer name {name[:128]!r} has {len(ints)} integer parts, not one layer "
+                              "index: a pipeline stage's layers cannot be placed in the model")
+        if not indices or indices[-1] != ints[0]:
+            indices.append(ints[0])
+    if not indices or indices != list(range(indices[0], indices[0] + num_layers)):
+        raise LayoutError(f"this pipeline stage's KV cache layers {indices[:8]}{'...' if len(indices) > 8 else ''} "
+                          f"are not {num_layers} consecutive model layers: p2pkv pairs a stage's layers by their "
+                          "place in the model (a model whose attention layers interleave with others is not "
+                          "supported with --pipeline-parallel-size > 1)")
+    return indices[0]
+
+
+def stage_desc(desc: KVLayoutDesc, layer_names: Sequence[str], has_state: bool = False) -> KVLayoutDesc:
+    """A pipeline stage worker's KV description: ``desc`` with its ``first_layer`` (:func:`first_layer_of`).
+
+    Args:
+        desc: the description of the stage's KV cache (its ``num_layers``: the stage's layers).
+        layer_names: its attention layer names, in ``kv_caches`` order.
+        has_state: the stage holds Mamba/SSM state layers too.
+
+    Raises:
+        LayoutError: Mamba/SSM state on a stage (only attention KV pairs by layer), or as :func:`first_layer_of`.
+    """
+    if has_state:
+        raise LayoutError("a pipeline stage with Mamba/SSM state layers: p2pkv moves a stage's attention KV only; "
+                          "run this engine with --pipeline-parallel-size 1")
+    return msgspec.structs.replace(desc, first_layer=first_layer_of(layer_names, desc.num_layers))
+
+
+def check_peer_stages(infos: Sequence[AgentInfo], pp_size: int, num_layers: int) -> None:
+    """Check the workers of one prefill engine a pull reads (``infos``, from their handshakes) against the
+    ``pp_size`` its ``kv_transfer_params`` name: each says that ``pp_size``, and their stages' layers tile this
+    engine's ``num_layers`` (:func:`check_stages`; the workers of one stage, its TP ranks, hold one range).
+
+    Raises:
+        PairRefused: a worker of another ``pp_size``, two ranks of one stage with different layers, or stages
+            that do not tile (the message names each side's values).
+    """
+    stages: dict[int, StageLayers] = {}
+    for info in infos:
+        if info.pp_size != pp_size:
+            raise PairRefused(f"kv_transfer_params.pp_size={pp_size}, but prefill rank {info.rank} of "
+                              f"{info.engine_id[:64]!r} runs pp_size={info.pp_size}")
+        stage = stages.setdefault(info.pp_rank, StageLayers.of(info))
+        if stage != StageLayers.of(info):
+            raise PairRefused(f"prefill stage {info.pp_rank}'s ranks hold different layers ({stage.first_layer}.."
+                              f"{stage.end_layer - 1} and {info.layout.first_layer}.."
+                              f"{info.layout.first_layer + info.layout.num_layers - 1})")
+    check_stages(list(stages.values()), pp_size, num_layers)
 
 
 def check_stages(stages: Sequence[StageLayers], pp_size: int, num_layers: int) -> None:
@@ -159,4 +235,5 @@ def stage_view(desc: KVLayoutDesc, segments: Sequence[Segment], stage: StageLaye
     return view, cut
 
 
-__all__ = ["StageLayers", "check_stages", "stage_segments", "stage_view"]
+__all__ = ["StageLayers", "check_peer_stages", "check_stages", "first_layer_of", "stage_desc", "stage_segments",
+           "stage_view"]

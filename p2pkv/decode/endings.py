@@ -118,8 +118,8 @@ class Endings:
         if handshaking:
             self.keeper.cancel_unneeded()
         spec = transfer.spec
-        release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size), self.rank.name,
-                       self._secret, self.config.handshake_timeout_s)
+        release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size, spec.remote.pp_size),
+                       self.rank.name, self._secret, self.config.handshake_timeout_s)
 
 
 def _log_failure(spec: LoadSpec, kind: FailureKind, why: str) -> bool:

@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING
 
 from handshake import AgentInfo, Destination, KVLayoutDesc, fetch_agent_info
 from p2pkv.dataplane.layout import Segment
-from p2pkv.dataplane.negotiate import ModelInfo, PeerPlan, Placement, page_slices, plan_peer, remote_segments
+from p2pkv.dataplane.negotiate import (
+    ModelInfo,
+    PairRefused,
+    PeerPlan,
+    Placement,
+    page_slices,
+    plan_peer,
+    remote_segments,
+)
+from p2pkv.dataplane.stages import StageLayers, stage_view
 from p2pkv.decode.background import Background
 from p2pkv.params import RemotePrefill
 
@@ -68,7 +77,9 @@ def handshake_budget_s(timeout_s: float, retries: int) -> float:
 
 @dataclass(frozen=True, order=True)
 class PeerId:
-    """One prefill rank: engine id, side-channel address of that rank, tensor-parallel rank.
+    """One prefill worker: engine id, side-channel address of that worker, its rank in its engine
+    (``pp_rank * tp_size + tp_rank``, :attr:`handshake.AgentInfo.rank`; its tensor-parallel rank without pipeline
+    parallelism).
 
     A request naming a known engine id at another address is another peer: its
     handshake must show that engine id there (:func:`handshake.fetch_agent_info`).
@@ -77,21 +88,21 @@ class PeerId:
     engine_id: str
     host: str
     port: int
-    tp_rank: int
+    rank: int
 
     @classmethod
-    def of(cls, remote: RemotePrefill, tp_rank: int) -> PeerId:
-        """Prefill rank ``tp_rank`` of the engine ``remote`` names (its port: base port + rank; its host
+    def of(cls, remote: RemotePrefill, rank: int) -> PeerId:
+        """Prefill worker ``rank`` of the engine ``remote`` names (its port: base port + rank; its host
         canonical, :func:`canonical_host`)."""
-        return cls(remote.engine_id, canonical_host(remote.host), remote.port + tp_rank, tp_rank)
+        return cls(remote.engine_id, canonical_host(remote.host), remote.port + rank, rank)
 
     @property
     def destination(self) -> Destination:
         """Where a side-channel request for this rank goes, and whom it names."""
-        return Destination(self.host, self.port, self.engine_id, self.tp_rank)
+        return Destination(self.host, self.port, self.engine_id, self.rank)
 
     def __str__(self) -> str:
-        return f"{self.engine_id} rank {self.tp_rank} at {self.host}:{self.port}"
+        return f"{self.engine_id} rank {self.rank} at {self.host}:{self.port}"
 
 
 @dataclass
@@ -103,6 +114,8 @@ class Peer:
         agent_name: the NIXL remote agent name.
         segments: its KV segments, rebuilt from the typed layout.
         plan: how this rank pulls from it (:func:`p2pkv.dataplane.negotiate.plan_peer`).
+        local_segments: this rank's KV segments it fills: all of them, or for a pipeline stage those of the
+            stage's layers (:func:`p2pkv.dataplane.stages.stage_view`).
         local_slices / remote_slices: per-page head slices (``PAGED`` plans only).
     """
 
@@ -110,6 +123,7 @@ class Peer:
     agent_name: str
     segments: list[Segment]
     plan: PeerPlan
+    local_segments: list[Segment]
     local_slices: list[Segment] = field(default_factory=list)
     remote_slices: list[Segment] = field(default_factory=list)
 
@@ -192,18 +206,30 @@ class PeerTable:
     def add(self, peer_id: PeerId, info: AgentInfo) -> Peer:
         """Plan the pairing with a handshaken prefill rank and load its metadata into NIXL.
 
+        A worker of a pipeline stage (``info.pp_size`` > 1) pairs with this rank's layers of its stage
+        (:func:`p2pkv.dataplane.stages.stage_view`): its blocks land there, whole pages or head slices of pages;
+        a stage whose pages differ from this rank's (block size, HND/NHD, a fixup through staging) is refused.
+
         Raises:
             p2pkv.dataplane.negotiate.PairRefused: the two ranks cannot pair.
             handshake.MetadataDigestError / p2pkv.dataplane.agent.TransferError: bad or refused metadata.
         """
-        plan = plan_peer(self.local, self.tp_rank, self.tp_size, info.layout, peer_id.tp_rank, info.tp_size,
-                         self.model)
+        local, local_segments = self.local, self.local_segments
+        if info.pp_size > 1:
+            local, local_segments = stage_view(local, local_segments, StageLayers.of(info))
+        plan = plan_peer(local, self.tp_rank, self.tp_size, info.layout, info.tp_rank, info.tp_size, self.model)
+        if info.pp_size > 1 and plan.placement is Placement.STAGED:
+            raise PairRefused(f"prefill stage {info.pp_rank} (pp_size={info.pp_size}) has block_size="
+                              f"{info.layout.block_size}, {info.layout.attn_layout} pages and this decode rank "
+                              f"block_size={self.local.block_size}, {self.local.attn_layout} pages: a pipeline "
+                              "stage's KV lands only in pages of its own geometry; run both engines with the same "
+                              "--block-size and attention backend")
         name = self.agent.add_peer(info)
-        peer = self.peers[peer_id] = Peer(info, name, remote_segments(info.layout), plan)
+        peer = self.peers[peer_id] = Peer(info, name, remote_segments(info.layout), plan, list(local_segments))
         self.touch([peer_id])
         if plan.placement is Placement.PAGED:
             r = plan.read
-            peer.local_slices = page_slices(self.local, self.local_segments, r.local_head_start, r.num_heads)
+            peer.local_slices = page_slices(local, local_segments, r.local_head_start, r.num_heads)
             peer.remote_slices = page_slices(info.layout, peer.segments, r.remote_head_start, r.num_heads)
         return peer
 

@@ -92,7 +92,7 @@ class TransferSpans:
             "p2pkv.request_id": spec.request_id, "p2pkv.remote_request_id": remote.request_id,
             "p2pkv.engine_id": self.engine_id, "p2pkv.tp_rank": self.tp_rank,
             "p2pkv.peer.engine_id": remote.engine_id, "p2pkv.peer.host": remote.host,
-            "p2pkv.peer.ranks": sorted({r.peer_id.tp_rank for r in reads}),
+            "p2pkv.peer.ranks": sorted({r.peer_id.rank for r in reads}),
             "p2pkv.blocks": len(spec.local_block_ids), "p2pkv.bytes": transfer.num_bytes,
             "p2pkv.descriptors": transfer.num_descriptors, "p2pkv.attempts": transfer.attempt + 1,
             "p2pkv.mode": transfer.direction().value,

@@ -38,8 +38,9 @@ def plan_read(spec: LoadSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, 
               stager: Stager) -> Descriptors | None:
     """Descriptors for ``peer``'s share of ``spec`` (None: no room in staging yet).
 
-    ``DIRECT``: coalesced runs of whole blocks, local ← remote. ``PAGED``:
-    per-page head slices (coalesced when every slice is block-contiguous).
+    ``DIRECT``: coalesced runs of whole blocks, local ← remote (a pipeline stage's: of its layers' pages). ``PAGED``:
+    per-page head slices. Runs coalesce only where every segment on both sides is block-contiguous; else one
+    row per block.
     ``STAGED``: whole remote blocks into a reserved range of staging.
 
     Every block id is first checked against its cache's ``num_blocks`` (the
@@ -60,13 +61,14 @@ def plan_read(spec: LoadSpec, peer: Peer, layout: KVLayout, desc: KVLayoutDesc, 
         local_ids, remote_ids = direct_pairs(spec, desc.block_size)
         loc, rem, lengths = coalesce_runs(local_ids, remote_ids, layout.num_blocks, remote.num_blocks)
         if peer.plan.placement is Placement.DIRECT:
-            return (build_descriptors(layout.segments, loc, lengths, device_id),
-                    build_descriptors(peer.segments, rem, lengths, peer.device_id), None)
-        if not all(seg.blocks_contiguous for seg in (*peer.local_slices, *peer.remote_slices)):
+            mine, theirs = peer.local_segments, peer.segments
+        else:
+            mine, theirs = peer.local_slices, peer.remote_slices
+        if not all(seg.blocks_contiguous for seg in (*mine, *theirs)):  # a page slice, or a stage's layers
             loc, rem = np.asarray(local_ids, dtype=np.int64), np.asarray(remote_ids, dtype=np.int64)
             lengths = np.ones(loc.size, dtype=np.int64)  # one row per block on both sides
-        return (build_descriptors(peer.local_slices, loc, lengths, device_id),
-                build_descriptors(peer.remote_slices, rem, lengths, peer.device_id), None)
+        return (build_descriptors(mine, loc, lengths, device_id),
+                build_descriptors(theirs, rem, lengths, peer.device_id), None)
     read = staged_read(spec, desc.block_size, remote.block_size)
     n = len(read.remote_block_ids)
     coalesce_runs(read.dst_block_ids, read.dst_block_ids, layout.num_blocks, layout.num_blocks)  # validates ids

@@ -42,6 +42,7 @@ from p2pkv.dataplane.negotiate import ModelInfo, PairRefused
 from p2pkv.dataplane.plan import PlanError
 from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
+from p2pkv.dataplane.stages import check_peer_stages
 from p2pkv.dataplane.staging import StagingFull
 from p2pkv.dataplane.topology import RankRead
 from p2pkv.decode import keeper as peer_keeping
@@ -147,8 +148,9 @@ class Receiver:
                 self.outcomes.add(request_id, blocks, failed=True)
                 self.stats.record_failure(FailureKind.REFUSED.value)
             for spec in [s for s in specs if _declines(s)]:
-                release_failed(self.background, spec.remote, self.rank.answered_ranks(spec.remote.tp_size),
-                               self.rank.name, self._secret, self.config.handshake_timeout_s)
+                answered = self.rank.answered_ranks(spec.remote.tp_size, spec.remote.pp_size)
+                release_failed(self.background, spec.remote, answered, self.rank.name, self._secret,
+                               self.config.handshake_timeout_s)
             specs = [s for s in specs if not _declines(s)]
             new = [Transfer.taken(spec, self.config.verify_kv) for spec in specs]
             waiting = self._staging_wait[:]  # begun again below (the list is shared with self.endings)
@@ -263,8 +265,15 @@ class Receiver:
                 self._contained(transfer, "starting the pull after its handshake", self._begin, transfer)
 
     def _post(self, transfer: Transfer, reads: list[RankRead], notify: list[int]) -> None:
-        """Plan every READ of ``pull`` and post them (or wait for staging, or finish at once)."""
+        """Plan every READ of ``pull`` and post them (or wait for staging, or finish at once); a pull from stages
+        that do not tile this rank's layers is refused first (:func:`p2pkv.dataplane.stages.check_peer_stages`)."""
         spec = transfer.spec
+        try:
+            check_peer_stages([self.peers.peers[pid].info for pid in transfer.peers], spec.remote.pp_size,
+                              self.rank.desc.num_layers)
+        except PairRefused as exc:
+            self.endings.fail(transfer, FailureKind.REFUSED, f"refused: {exc}")
+            return
         counts = self.rank.notifiers(spec.remote.tp_size, notify)
         transfer.notify = [(PeerId.of(spec.remote, r), n) for r, n in zip(notify, counts, strict=True)]
         transfer.parts, transfer.started, transfer.num_bytes, transfer.num_descriptors = [], time.monotonic(), 0, 0
@@ -387,14 +396,14 @@ def _needs(spec: LoadSpec, rank: LocalRank, peers: PeerTable) -> tuple[list[Rank
     if (why := _refusal(spec, rank.engine_id)) is not None:
         return why
     try:
-        reads, notify = rank.topology(spec.remote.tp_size)
+        reads, notify = rank.topology(spec.remote.tp_size, spec.remote.pp_size)
     except PairRefused as exc:
         return f"refused: {exc}"
     ids = sorted(PeerId.of(spec.remote, r) for r in {r.remote_rank for r in reads} | set(notify))
     known = next((peers.peers[pid].info for pid in ids if pid in peers.peers), None)
-    if known is not None and known.tp_size != spec.remote.tp_size:
-        return (f"kv_transfer_params.tp_size={spec.remote.tp_size}, but prefill engine {known.engine_id!r} runs "
-                f"tp_size={known.tp_size}")
+    if known is not None and (known.tp_size, known.pp_size) != (spec.remote.tp_size, spec.remote.pp_size):
+        return (f"kv_transfer_params.tp_size={spec.remote.tp_size} and pp_size={spec.remote.pp_size}, but prefill "
+                f"engine {known.engine_id!r} runs tp_size={known.tp_size} and pp_size={known.pp_size}")
     return reads, notify, ids
 
 

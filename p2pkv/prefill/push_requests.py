@@ -86,10 +86,10 @@ def check_push_request(msg: PushRequest, layout: KVLayout, now: float) -> Checke
 
 
 def requester_identity(msg: PushRequest | StreamRequest) -> tuple[Identity | None, str]:
-    """The decode rank a push or stream request comes from, ``(engine id, tp rank)``, if its agent is its own.
+    """The decode rank a push or stream request comes from, ``(engine id, rank)``, if its agent is its own.
 
     Its agent's ``engine_id`` must be the request's ``requester_engine_id``
-    and its ``agent_name`` one p2pkv gives rank ``agent.tp_rank`` of that
+    and its ``agent_name`` one p2pkv gives rank ``agent.rank`` of that
     engine (``p2pkv-<engine id>-tp<rank>-<12 hex>``), so a request loads,
     replaces and writes into only its own engine's agents.
 
@@ -100,11 +100,13 @@ def requester_identity(msg: PushRequest | StreamRequest) -> tuple[Identity | Non
     if info.engine_id != msg.requester_engine_id:
         return None, (f"agent.engine_id {info.engine_id[:64]!r} is not the requester's engine id "
                       f"{msg.requester_engine_id[:64]!r}: a push writes only into the requester's own agent")
-    if not 0 <= info.tp_rank < info.tp_size or not is_agent_name_of(info.agent_name, info.engine_id, info.tp_rank):
-        return None, (f"agent.agent_name {info.agent_name[:96]!r} is not the agent of rank {info.tp_rank} (of "
-                      f"{info.tp_size}) of engine {info.engine_id[:64]!r} (p2pkv-<engine id>-tp<rank>-<12 hex>): "
-                      "a push writes only into the requester's own agent")
-    return (info.engine_id, info.tp_rank), ""
+    in_range = 0 <= info.tp_rank < info.tp_size and info.pp_rank < info.pp_size
+    if not in_range or not is_agent_name_of(info.agent_name, info.engine_id, info.rank):
+        return None, (f"agent.agent_name {info.agent_name[:96]!r} is not the agent of rank {info.rank} (tp_rank "
+                      f"{info.tp_rank} of {info.tp_size}, pp_rank {info.pp_rank} of {info.pp_size}) of engine "
+                      f"{info.engine_id[:64]!r} (p2pkv-<engine id>-tp<rank>-<12 hex>): a push writes only into the "
+                      "requester's own agent")
+    return (info.engine_id, info.rank), ""
 
 
 def rows_of(data: bytes) -> np.ndarray | None:

@@ -30,7 +30,7 @@ class HeartbeatBatch:
         request_ids: prefill-side request ids.
         extend_s: lease length asked for (seconds from receipt).
         engine_id: the prefill engine's id (the request's destination).
-        tp_rank: the prefill rank listening on ``port``.
+        rank: the prefill worker listening on ``port`` (:attr:`handshake.Destination.rank`).
     """
 
     host: str
@@ -38,7 +38,7 @@ class HeartbeatBatch:
     request_ids: tuple[str, ...]
     extend_s: float
     engine_id: str
-    tp_rank: int
+    rank: int
 
 
 class HeartbeatSender:
@@ -72,7 +72,7 @@ class HeartbeatSender:
     def _run(self) -> None:
         while (batch := self._queue.get()) is not None:
             try:
-                send_heartbeat(Destination(batch.host, batch.port, batch.engine_id, batch.tp_rank),
+                send_heartbeat(Destination(batch.host, batch.port, batch.engine_id, batch.rank),
                                list(batch.request_ids), self.engine_id, batch.extend_s, secret=self.secret,
                                timeout_s=self.timeout_s)
                 self.sent += 1

@@ -46,17 +46,20 @@ class PrefillScheduling:
             token is not handed to the client from here.
         num_blocks: blocks of this engine's KV cache (None or 0: unknown, no cap).
         clock: monotonic seconds, the leases' clock (the workers' holds read the same one).
+        pp_size: this engine's pipeline-parallel size (its answers' ``pp_size``: every stage's workers hold the
+            blocks, each its own layers).
     """
 
     def __init__(self, engine_id: str, config: P2pKvConfig, role: Role, host: str, port: int, tp_size: int,
                  secret: bytes | None, recompute_tokens: int = 0, num_blocks: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pp_size: int = 1) -> None:
         self.engine_id = engine_id
         self.config = config
         self.role = role
         self.host = host
         self.port = port
         self.tp_size = tp_size
+        self.pp_size = pp_size
         self.recompute_tokens = recompute_tokens
         self._secret = secret
         self.ledger = HoldLedger.of(num_blocks, config.max_held_fraction)
@@ -136,7 +139,7 @@ class PrefillScheduling:
         answer = make_prefill_response_params(
             engine_id=self.engine_id, request_id=request.request_id, host=self.host, port=self.port,
             block_ids=flat, group_sizes=tuple(len(g) for g in block_ids) if len(block_ids) > 1 else (),
-            tp_size=self.tp_size, num_tokens=request.num_computed_tokens, expiry_time=expiry,
+            tp_size=self.tp_size, pp_size=self.pp_size, num_tokens=request.num_computed_tokens, expiry_time=expiry,
             first_token=self.recompute_tokens == 0, prompt_digest=computed_digest(request), secret=self._secret)
         return True, answer
 

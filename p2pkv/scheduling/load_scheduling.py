@@ -103,7 +103,8 @@ class DecodeScheduling:
         """Every ``heartbeat_every_s``: extend the prefill leases of queued requests.
 
         Returns:
-            The number of batches queued for sending (one per prefill rank).
+            The number of batches queued for sending (one per prefill worker: every tensor-parallel rank of every
+            pipeline stage holds the blocks).
         """
         now = time.monotonic() if now is None else now
         if not self._queued or now < self._next_heartbeat:
@@ -111,11 +112,11 @@ class DecodeScheduling:
         self._next_heartbeat = now + self.config.heartbeat_every_s
         by_peer: dict[tuple[str, str, int, int], list[str]] = {}
         for remote in self._queued.values():
-            key = (remote.engine_id, remote.host, remote.port, remote.tp_size)
+            key = (remote.engine_id, remote.host, remote.port, remote.num_ranks)
             by_peer.setdefault(key, []).append(remote.request_id)
         batches = 0
-        for (engine_id, host, port, tp_size), ids in by_peer.items():
-            for rank in range(tp_size):
+        for (engine_id, host, port, num_ranks), ids in by_peer.items():
+            for rank in range(num_ranks):
                 self.heartbeats.submit(HeartbeatBatch(host, port + rank, tuple(ids), self.config.lease_s,
                                                       engine_id, rank))
                 batches += 1

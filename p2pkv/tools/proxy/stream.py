@@ -58,12 +58,17 @@ class StreamLegs:
 
     def learn(self, url: str, params: Any) -> None:
         """A p2pkv prefill engine at ``url`` answered with ``params``: remember its address when their capability
-        checks under the secret (params without a hold, or signed with another secret, teach nothing)."""
+        checks under the secret (params without a hold, or signed with another secret, teach nothing). A
+        pipeline-parallel engine's (``pp_size`` > 1) is forgotten: its stages do not stream, its answers are
+        pulled or pushed."""
         if not isinstance(params, dict) or params.get("kv_connector") != SENDER:
             return
         try:
             remote = parse_remote_prefill(params, secret=self._secret)
         except KVTransferParamsError:
+            return
+        if remote.pp_size > 1:
+            self.addresses.pop(url, None)
             return
         self.addresses[url] = PrefillAddress(remote.engine_id, remote.host, remote.port, remote.tp_size)
 

@@ -41,7 +41,7 @@ def _release(params: dict[str, Any], secret: bytes | None) -> int:
     except KVTransferParamsError as exc:
         logger.warning("p2pkv proxy: not releasing a prefill hold: %s", exc)
         return 0
-    return sum(free_hold(remote, rank, "p2pkv-proxy", secret, RELEASE_TIMEOUT_S) for rank in range(remote.tp_size))
+    return sum(free_hold(remote, rank, "p2pkv-proxy", secret, RELEASE_TIMEOUT_S) for rank in range(remote.num_ranks))
 
 
 async def release_all(params_list: list[dict[str, Any]], secret: bytes | None) -> int:

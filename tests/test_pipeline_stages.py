@@ -1,0 +1,283 @@
+"""A pipeline-parallel prefill engine's stages move their layers into a decode engine's, over real NIXL agents.
+
+The prefill process runs one :class:`p2pkv.worker.WorkerSide` per (stage, tp_rank), role ``prefill``, each
+registering only its stage's layers (named ``model.layers.<i>.self_attn.attn`` as vLLM names them) and serving
+on ``port + pp_rank * tp_size + tp_rank``; this process runs one decode WorkerSide per decode tp_rank holding
+every layer. Every cache element holds a code unique to (model layer, token, global head, element). After the
+load each decode rank must hold exactly the codes of its own heads for every layer and prompt token (another
+stage's layers in a stage's place, or a layer left out, show as wrong codes or zeros), and every prefill worker
+of every stage must release the request on notifications alone. vLLM's CPU build cannot run a PP engine's
+forward (``tests/test_pipeline_parallel.py``), so the stages' caches are built here, shaped as vLLM allocates
+them per stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from p2pkv.config import P2pKvConfig
+from p2pkv.dataplane.negotiate import ModelInfo
+from p2pkv.metadata import LoadSpec, P2pKvMetadata
+from p2pkv.params import RemotePrefill
+from p2pkv.worker import WorkerSide
+from tests.conftest import free_ports
+from tests.p2p_harness import PrefillProc
+
+LAYERS, HEADS, HEAD_DIM, NUM_BLOCKS, TOKENS = 4, 4, 4, 40, 150
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A PP prefill engine and a decode engine: layers per stage, TP sizes, block sizes, decode layout."""
+
+    stages: tuple[int, ...] = (2, 2)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    block_size: int = 16
+    decode_block_size: int = 16
+    cross_layer: bool = False
+    """The decode cache is cross-layer (``BLHNC``: one block holds every layer's page)."""
+    device: str = "cpu"
+    """Where both engines' caches lie (``cuda``: NIXL VRAM registration)."""
+
+    def stage_layers(self) -> list[range]:
+        """Model layers of each stage, in stage order."""
+        out, first = [], 0
+        for n in self.stages:
+            out.append(range(first, first + n))
+            first += n
+        return out
+
+
+def code(layer: int, token: int, head: int, elem: int) -> int:
+    return 1 + ((layer * 8 + head) * 4096 + token) * HEAD_DIM + elem
+
+
+def rank_heads(rank: int, tp: int) -> range:
+    per = HEADS // tp
+    return range(rank * per, (rank + 1) * per)
+
+
+def make_cache(layers: range, rank: int, tp: int, block_size: int, cross_layer: bool = False,
+               block_ids: list[int] | None = None, device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """int32 storage of ``layers`` (HND pages of rank ``rank``'s heads) on ``device`` and its per-layer float32 views
+    named as vLLM names layers; zero except, with ``block_ids``, the codes of :data:`TOKENS` prompt tokens in them."""
+    heads = rank_heads(rank, tp)
+    page = (len(heads), block_size, HEAD_DIM)
+    shape = (NUM_BLOCKS, len(layers), *page) if cross_layer else (len(layers), NUM_BLOCKS, *page)
+    base = torch.zeros(shape, dtype=torch.int32)
+    per_layer = [base[:, i] if cross_layer else base[i] for i in range(len(layers))]
+    if block_ids is not None:
+        tokens = torch.arange(TOKENS)
+        blocks = torch.tensor(block_ids)[tokens // block_size]
+        slots = tokens % block_size
+        for i, layer in enumerate(layers):
+            for j, head in enumerate(heads):
+                rows = torch.tensor([[code(layer, t, head, e) for e in range(HEAD_DIM)] for t in range(TOKENS)],
+                                    dtype=torch.int32)
+                per_layer[i][blocks, j, slots] = rows
+    base = base.to(device)
+    per_layer = [base[:, i] if cross_layer else base[i] for i in range(len(layers))]
+    views = {f"model.layers.{layer}.self_attn.attn": view.view(torch.float32)
+             for layer, view in zip(layers, per_layer, strict=True)}
+    return base, views
+
+
+def model_info(tp: int, block_size: int, cross_layer: bool = False) -> ModelInfo:
+    return ModelInfo(kv_layout="BLHNC" if cross_layer else "LBHNC", attn_layout="HND", dtype="float32",
+                     num_kv_heads=HEADS // tp, head_dim=HEAD_DIM, block_size=block_size, total_num_kv_heads=HEADS)
+
+
+def stage_ranks(pair: Pair, block_ids: list[int], declared_pp: int, only_stages: tuple[int, ...] | None,
+                port: int) -> list[tuple[WorkerSide, object]]:
+    """The prefill workers of ``pair``, ordered by rank (``pp_rank * tp + tp_rank``), each cache holding its
+    stage's layers' codes in ``block_ids``; ``declared_pp``: the ``pp_size`` they declare; ``only_stages``: run
+    these stages only (the others' ports stay closed: dead stages)."""
+    out = []
+    tp = pair.prefill_tp
+    for stage, layers in enumerate(pair.stage_layers()):
+        if only_stages is not None and stage not in only_stages:
+            continue
+        for r in range(tp):
+            config = P2pKvConfig(side_channel_host=HOST, side_channel_port=port, insecure=True, staging_mib=4)
+            worker = WorkerSide("prefill", config, r, tp, HOST, port + stage * tp + r, "compat",
+                                model_info(tp, pair.block_size), role="prefill", pp_rank=stage, pp_size=declared_pp)
+            base, views = make_cache(layers, r, tp, pair.block_size, block_ids=block_ids, device=pair.device)
+            worker.register_kv_caches(views, NUM_BLOCKS)
+            out.append((worker, (base, views)))
+    return out
+
+
+def ids_for(block_size: int, offset: int) -> list[int]:
+    """Block ids for :data:`TOKENS` tokens: a run, then scattered ones."""
+    count = -(-TOKENS // block_size)
+    run = list(range(offset, offset + count // 2))
+    rest = [b for b in range(NUM_BLOCKS - 1, -1, -3) if b not in run]
+    return run + rest[: count - len(run)]
+
+
+@contextlib.contextmanager
+def running_prefill(pair: Pair, block_ids: list[int], declared_pp: int | None = None,
+                    only_stages: tuple[int, ...] | None = None) -> Iterator[PrefillProc]:
+    ranks = pair.prefill_tp * len(pair.stages)
+    pf = PrefillProc(free_ports(1, run=ranks)[0],
+                     ranks=functools.partial(stage_ranks, pair, block_ids, declared_pp or len(pair.stages),
+                                             only_stages))
+    pf.start({"req": 120.0})
+    try:
+        yield pf
+    finally:
+        pf.stop()
+
+
+@contextlib.contextmanager
+def decode_workers(pair: Pair, **settings: object) -> Iterator[list[tuple[WorkerSide, torch.Tensor]]]:
+    workers: list[tuple[WorkerSide, torch.Tensor]] = []
+    port = free_ports(1, run=pair.decode_tp)[0]
+    try:
+        for r in range(pair.decode_tp):
+            config = P2pKvConfig(side_channel_host=HOST, side_channel_port=port, insecure=True, staging_mib=4,
+                                 **settings)
+            worker = WorkerSide("decode", config, r, pair.decode_tp, HOST, port + r, "compat",
+                                model_info(pair.decode_tp, pair.decode_block_size, pair.cross_layer), role="decode")
+            base, views = make_cache(range(LAYERS), r, pair.decode_tp, pair.decode_block_size, pair.cross_layer,
+                                     device=pair.device)
+            worker.register_kv_caches(views, NUM_BLOCKS)
+            workers.append((worker, base))
+        yield workers
+    finally:
+        for worker, _ in workers:
+            worker.shutdown()
+
+
+def load(pair: Pair, prefill: PrefillProc, decoders: list[tuple[WorkerSide, torch.Tensor]], remote_ids: list[int],
+         local_ids: list[int], transfer_mode: str, pp_size: int | None = None) -> dict[int, set[int]]:
+    """Start the load of request ``req`` on every decode rank and step them until each finished; each rank's
+    load errors."""
+    remote = RemotePrefill("prefill", "req", HOST, prefill.port, tuple(remote_ids), pair.prefill_tp,
+                           transfer_mode=transfer_mode, pp_size=pp_size or len(pair.stages))
+    task = LoadSpec("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=0, num_tokens=TOKENS)
+    for worker, _ in decoders:
+        worker.start_load_kv(P2pKvMetadata(loads=[task]))
+    errors: dict[int, set[int]] = {}
+    deadline = time.monotonic() + 60
+    while len(errors) < len(decoders) and time.monotonic() < deadline:
+        for rank, (worker, _) in enumerate(decoders):
+            if rank not in errors and "d-req" in worker.get_finished()[1]:
+                errors[rank] = worker.get_block_ids_with_load_errors()
+        time.sleep(0.002)
+    assert len(errors) == len(decoders), f"decode ranks {set(range(len(decoders))) - set(errors)} never finished"
+    return errors
+
+
+def wait_released(prefill: PrefillProc, decoders: list[tuple[WorkerSide, torch.Tensor]], ranks: int) -> None:
+    end = time.monotonic() + 20
+    while len(prefill.released_by_rank) < ranks and time.monotonic() < end:
+        for worker, _ in decoders:  # vLLM steps on: each step progresses NIXL's sends
+            worker.get_finished()
+        prefill.drain(0.02)
+    prefill.drain(0.05)
+
+
+PAIRS = {
+    "PP 2 (2+2) -> TP 1, pull": (Pair(), "pull"),
+    "PP 2 (2+2) -> TP 1, push": (Pair(), "push"),
+    "PP 2 (1+3, uneven) -> TP 1, pull": (Pair(stages=(1, 3)), "pull"),
+    "PP 2 x TP 2 -> TP 1 (head slices), pull": (Pair(prefill_tp=2), "pull"),
+    "PP 2 x TP 2 -> TP 1 (head slices), push": (Pair(prefill_tp=2), "push"),
+    "PP 2 -> TP 2, pull": (Pair(decode_tp=2), "pull"),
+    "PP 2 x TP 2 -> TP 2, push": (Pair(prefill_tp=2, decode_tp=2), "push"),
+    "PP 2 -> cross-layer decode, pull": (Pair(cross_layer=True), "pull"),
+    "PP 3 (1+1+2) -> cross-layer decode, push": (Pair(stages=(1, 1, 2), cross_layer=True), "push"),
+    "PP 3 (1+1+2) -> cross-layer decode, pull": (Pair(stages=(1, 1, 2), cross_layer=True), "pull"),
+    "PP 2 (1+3) -> cross-layer decode, push": (Pair(stages=(1, 3), cross_layer=True), "push"),
+}
+"""A one-layer stage pairs whole blocks with a cross-layer decode rank's page of that layer, which is not
+block-contiguous there: one READ/WRITE row per block (``PP 3``, ``1+3``), where runs of blocks coalesce else."""
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_each_stage_lands_its_layers_in_the_decode_ranks_matching_layers(name: str) -> None:
+    check_pair(*PAIRS[name])
+
+
+GPU_PAIRS = ["PP 2 (2+2) -> TP 1, pull", "PP 2 x TP 2 -> TP 1 (head slices), push", "PP 2 -> cross-layer decode, pull"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_PAIRS)
+def test_each_stage_lands_its_layers_on_cuda(name: str) -> None:
+    """The same with both engines' caches in GPU memory (NIXL VRAM descriptors of a stage's layers)."""
+    pair, transfer_mode = PAIRS[name]
+    check_pair(dataclasses.replace(pair, device="cuda"), transfer_mode)
+
+
+def check_pair(pair: Pair, transfer_mode: str) -> None:
+    """Load request ``req`` from ``pair``'s stages, compare every decode rank's cache with every layer's codes,
+    and see every prefill worker release it on notifications."""
+    remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
+    with running_prefill(pair, remote_ids) as prefill, decode_workers(pair) as decoders:
+        errors = load(pair, prefill, decoders, remote_ids, local_ids, transfer_mode)
+        assert errors == {r: set() for r in range(pair.decode_tp)}
+        for rank, (worker, base) in enumerate(decoders):
+            expected, _ = make_cache(range(LAYERS), rank, pair.decode_tp, pair.decode_block_size, pair.cross_layer,
+                                     block_ids=local_ids)
+            assert torch.equal(base.cpu(), expected), f"decode rank {rank}: blocks differ from every layer's codes"
+            stats = worker.take_stats() or {}
+            assert stats.get("directions", {}) == {transfer_mode: 1}, stats.get("directions")
+            stages = {p.info.pp_rank for p in worker.receiver.peers.peers.values()}
+            assert stages == set(range(len(pair.stages)))
+        ranks = pair.prefill_tp * len(pair.stages)
+        wait_released(prefill, decoders, ranks)
+        assert prefill.expired == {}
+        assert prefill.released_by_rank == {r: ["req"] for r in range(ranks)}
+
+
+REFUSALS = {  # name: (pair, kv_transfer_params.pp_size (None: the pair's), what the log names)
+    "a stage's block size differs": (Pair(block_size=32), None, "a pipeline stage's KV lands only in pages"),
+    "the stages leave a layer out": (Pair(stages=(2, 1)), None, "do not tile the decode engine's 4 layers"),
+    "params name pp_size 1 for a staged engine": (Pair(), 1, "pp_size=1, but prefill engine 'prefill' runs "
+                                                  "tp_size=1 and pp_size=2"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSALS))
+def test_a_pairing_the_stages_cannot_make_fails_the_load_naming_both_sides(name: str, caplog) -> None:
+    """Each refusal reports the request's blocks as load errors with a reason naming the values, writes nothing
+    into the decode cache, and frees the hold at once on every prefill worker the params name (no lease left to
+    expire; params naming one stage of two reach that stage only: the other's hold ends with its lease)."""
+    pair, pp_size, why = REFUSALS[name]
+    remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
+    with running_prefill(pair, remote_ids) as prefill, decode_workers(pair) as decoders:
+        errors = load(pair, prefill, decoders, remote_ids, local_ids, "pull", pp_size=pp_size)
+        assert errors == {0: set(local_ids)}
+        assert why in caplog.text
+        assert not decoders[0][1].any(), "a refused load wrote into the decode cache"
+        ranks = pair.prefill_tp * (pp_size or len(pair.stages))
+        wait_released(prefill, decoders, ranks)
+        assert prefill.expired == {}
+        assert prefill.released_by_rank == {r: ["req"] for r in range(ranks)}
+
+
+def test_a_dead_stage_fails_the_load_as_a_dead_rank_does_and_the_live_stage_frees_its_hold(caplog) -> None:
+    """Stage 1's workers are gone (nothing listens on their ports): the decode rank's handshake with them fails,
+    the load fails with its blocks reported, and stage 0 is told to free the request."""
+    pair = Pair()
+    remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
+    with running_prefill(pair, remote_ids, only_stages=(0,)) as prefill, \
+            decode_workers(pair, handshake_timeout_s=1.0, handshake_retries=1) as decoders:
+        errors = load(pair, prefill, decoders, remote_ids, local_ids, "pull")
+        assert errors == {0: set(local_ids)}
+        assert f"rank 1 at {HOST}:{prefill.port + 1}" in caplog.text
+        wait_released(prefill, decoders, 1)
+        assert prefill.expired == {}
+        assert prefill.released_by_rank == {0: ["req"]}
