@@ -185,8 +185,8 @@ def parse_stream_leg(params: dict[str, Any], secret: bytes | None, *, decode_eng
     ``max_lifetime_s``, seconds).
 
     Raises:
-        StreamGrantError: no secret (a grant cannot be checked without one), a pipeline-parallel prefill engine
-            (``pp_size`` > 1: its stages do not stream yet), or the grant's own refusals (:func:`check_stream_grant`).
+        StreamGrantError: no secret (a grant cannot be checked without one), or the grant's own refusals
+            (:func:`check_stream_grant`).
         KVTransferParamsError: a missing or bad ``remote_engine_id``, ``remote_host``, ``remote_port`` or
             ``tp_size`` (:func:`p2pkv.params.parse_prefill_address`; the message names it).
     """
@@ -194,12 +194,8 @@ def parse_stream_leg(params: dict[str, Any], secret: bytes | None, *, decode_eng
         raise StreamGrantError(f"kv_transfer_params.{GRANT_KEY}: this engine runs without a side-channel secret, so "
                                "it cannot check a stream grant; stream only between engines that share a secret")
     engine_id, host, port, tp_size, pp_size = parse_prefill_address(params)
-    if pp_size > 1:
-        raise StreamGrantError(f"kv_transfer_params.pp_size={pp_size}: a pipeline-parallel prefill engine's stages "
-                               "do not stream their layers yet; send the decode leg the prefill's answer instead "
-                               "(p2pkv proxy does: it grants no stream to such an engine)")
     grant = check_stream_grant(params.get(GRANT_KEY), secret, prefill_engine_id=engine_id,
                                decode_engine_id=decode_engine_id, now=now, max_lifetime_s=max_lifetime_s)
     remote = RemotePrefill(engine_id=engine_id, request_id=grant.stream_id, host=host, port=port, block_ids=(),
-                           tp_size=tp_size, transfer_mode="stream")
+                           tp_size=tp_size, transfer_mode="stream", pp_size=pp_size)
     return remote, params[GRANT_KEY]

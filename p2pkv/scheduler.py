@@ -67,9 +67,8 @@ class SchedulerSide:
         state_groups: the indices of its KV cache groups that hold Mamba/SSM state
             (:func:`p2pkv.engine_facts.state_group_indices`): a stream sends their blocks after the prompt's last step.
         clock: monotonic seconds of the holds' leases (``time.monotonic``; tests pass a fake).
-        pp_size: this engine's pipeline-parallel size: its answers name it (``pp_size``), and a prefill engine of
-            several stages streams nothing (a request with a stream grant is held for a pull or push, as without
-            one; the proxy then sends its decode leg the answer).
+        pp_size: this engine's pipeline-parallel size: its answers name it (``pp_size``); each stage's workers
+            stream their own layers.
     """
 
     def __init__(
@@ -116,12 +115,7 @@ class SchedulerSide:
         self.decode.on_new_request(request)
         params = request.kv_transfer_params
         if self.role != "decode" and wants_remote_decode(params) and wants_stream(params):
-            if self.prefill.pp_size > 1:
-                logger.warning("p2pkv: request %s asks to stream; not streamed (held for a pull or push): the "
-                               "stages of this pipeline-parallel engine (pp_size=%d) do not stream their layers",
-                               request.request_id, self.prefill.pp_size)
-            else:
-                self.streams.on_new_request(request)
+            self.streams.on_new_request(request)
 
     def send_heartbeats(self, now: float | None = None) -> int:
         """See :meth:`p2pkv.scheduling.load_scheduling.DecodeScheduling.send_heartbeats`."""

@@ -35,7 +35,7 @@ from p2pkv.dataplane.layout import (
 from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
 from p2pkv.dataplane.rank import LocalRank
 from p2pkv.dataplane.stager import Stager
-from p2pkv.dataplane.stages import stage_desc
+from p2pkv.dataplane.stages import StageLayers, stage_desc
 from p2pkv.dataplane.transport import TransportReport
 from p2pkv.decode.receiver import Receiver
 from p2pkv.decode.transfer import streams_only
@@ -109,6 +109,25 @@ def way_handlers(pusher: Pusher, streams: PrefillStreams) -> dict[str, Callable[
     by_way: dict[str, Callable[..., Any]] = {"pull": streams.on_heartbeat, "push": pusher.on_push,
                                              "stream": streams.on_stream}
     return {way.handler: by_way[name] for name, way in WAYS.items()}
+
+
+def rank_streams(engine_id: str, config: P2pKvConfig, secret: bytes | None, writes: WriteEngine, holds: PrefillHolds,
+                 desc: KVLayoutDesc, tensors: dict[str, Any], *, on_gpu: bool, layer_groups: dict[str, int] | None,
+                 state_groups: frozenset[int], stage: StageLayers | None) -> PrefillStreams:
+    """A prefill rank's layer streams: its pages (``desc``) as their source, or why they cannot stream (an
+    interleaved layout: such requests go without a grant), the layers of ``tensors`` (layer name → KV tensor)
+    as vLLM saves them, the settings that shape them (``stream_min_tokens``, ``max_lifetime_s``) and ``secret``
+    (checks grants; None: nothing streams).
+    ``stage``: the rank's pipeline stage (None: every layer)."""
+    try:
+        source: StreamSide | str = stream_side(desc)
+    except LayoutError as exc:
+        source = f"this rank's KV layout cannot be streamed layer by layer ({exc}); send without a grant (push)"
+    return PrefillStreams(engine_id, writes, holds, source, layer_indices(tensors), secret,
+                          on_gpu=on_gpu, min_tokens=config.stream_min_tokens,
+                          min_link_share=0.0 if config.stream_min_tokens == 0 else MIN_LINK_SHARE,
+                          group_of=layer_groups, state_groups=state_groups, max_lifetime_s=config.max_lifetime_s,
+                          stage=stage)
 
 
 class WorkerSide:
@@ -257,16 +276,10 @@ class WorkerSide:
         device = "cuda" if mem_type == "VRAM" else "cpu"
         self.pusher = Pusher(self.writes, self.holds, self.layout, device=device)
         digests = HoldDigests(self.holds, self.layout, device)  # verified KV: pull's digests
-        try:
-            source: StreamSide | str = stream_side(self.desc)
-        except LayoutError as exc:
-            source = f"this rank's KV layout cannot be streamed layer by layer ({exc}); send without a grant (push)"
-        self.streams = PrefillStreams(self.engine_id, self.writes, self.holds, source,
-                                      layer_indices(tensors), secret, on_gpu=mem_type == "VRAM",
-                                      min_tokens=self.config.stream_min_tokens,
-                                      min_link_share=0.0 if self.config.stream_min_tokens == 0 else MIN_LINK_SHARE,
-                                      group_of=layer_groups, state_groups=state_groups,
-                                      max_lifetime_s=self.config.max_lifetime_s)
+        stage = StageLayers(self.pp_rank, self.desc.first_layer, self.desc.num_layers) if self.pp_size > 1 else None
+        self.streams = rank_streams(self.engine_id, self.config, secret, self.writes, self.holds, self.desc, tensors,
+                                    on_gpu=mem_type == "VRAM", layer_groups=layer_groups, state_groups=state_groups,
+                                    stage=stage)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
                                       on_release=self.streams.on_release, stall_s=SIDE_CHANNEL_STALL_S,
                                       on_digest=digests.on_digest, **way_handlers(self.pusher, self.streams))

@@ -1,11 +1,10 @@
 """A pipeline-parallel engine at start: a prefill engine's stages are served, a loading engine's are refused.
 
 A PP prefill engine's stages each serve their own layers (``tests/test_pipeline_stages.py`` moves them over
-real NIXL); its answers name ``pp_size``, and a stream grant sent to it is not streamed (held for a pull or a
-push, which the proxy then sends). A decode (or ``both``) engine with stages would have to split each load over
-them: refused at start, naming the role and the fix. vLLM's CPU build (0.32.0) starts a PP=2 engine of the tiny
-model but fails its first forward (the second stage's ``intermediate_tensors`` are never allocated), so the
-connector is checked on a real vLLM config here.
+real NIXL: pulled, pushed and streamed); its answers name ``pp_size``. A decode (or ``both``) engine with
+stages would have to split each load over them: refused at start, naming the role and the fix. vLLM's CPU
+build (0.32.0) starts a PP=2 engine of the tiny model but fails its first forward (the second stage's
+``intermediate_tensors`` are never allocated), so the connector is checked on a real vLLM config here.
 """
 
 from __future__ import annotations
@@ -82,22 +81,21 @@ def _sched() -> SchedulerSide:
                          pp_size=2)
 
 
-def test_a_staged_engines_answer_names_pp_size_and_a_stream_grant_is_held_for_a_pull_instead(caplog) -> None:
+def test_a_staged_engines_answer_names_pp_size_and_a_stream_grant_is_streamed() -> None:
     """The answer's ``pp_size`` is signed (the decode engine parses it under the secret) and its workers are the
-    tp x pp ranks; a request carrying a stream grant is not streamed, its answer has no streamed mark (so the
-    proxy sends the decode leg these params) and its blocks are held as a pull's."""
+    tp x pp ranks; a request carrying a stream grant is admitted for every stage's workers (each streams its
+    layers) and its answer carries the streamed mark."""
     sched = _sched()
     try:
         grant = make_stream_grant("prefill-engine", ANY_DECODE, SECRET.encode(), time.time() + 60)
         req = Request("s-1", list(range(3, 3 + 32)), SamplingParams(max_tokens=1), None)
         req.kv_transfer_params = {"do_remote_decode": True, GRANT_KEY: grant}
         sched.on_new_request(req)
-        assert "s-1" not in sched.streams and sched.build_connector_meta().stream_admits == {}
-        assert "stages of this pipeline-parallel engine (pp_size=2) do not stream" in caplog.text
+        assert "s-1" in sched.streams and list(sched.build_connector_meta().stream_admits) == ["s-1"]
         req.num_computed_tokens = req.num_prompt_tokens
         req.status = RequestStatus.FINISHED_LENGTH_CAPPED
         hold, answer = sched.request_finished_all_groups(req, ([1, 2],))
-        assert hold and STREAMED_KEY not in answer and answer["pp_size"] == 2
+        assert hold and answer[STREAMED_KEY] is True and answer["pp_size"] == 2
         remote = parse_remote_prefill(answer, secret=SECRET.encode())
         assert (remote.tp_size, remote.pp_size, remote.num_ranks) == (2, 2, 4)
     finally:

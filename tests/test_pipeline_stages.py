@@ -17,19 +17,22 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
 
 from p2pkv.config import P2pKvConfig
 from p2pkv.dataplane.negotiate import ModelInfo
+from p2pkv.decode import progress as pull_progress
 from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.params import RemotePrefill
 from p2pkv.worker import WorkerSide
 from tests.conftest import free_ports
 from tests.p2p_harness import PrefillProc
+from tests.test_stream_hetero import SECRET, forward_streamed, granted_stream, release_prefills
 
 LAYERS, HEADS, HEAD_DIM, NUM_BLOCKS, TOKENS = 4, 4, 4, 40, 150
 HOST = "127.0.0.1"
@@ -98,17 +101,19 @@ def model_info(tp: int, block_size: int, cross_layer: bool = False) -> ModelInfo
 
 
 def stage_ranks(pair: Pair, block_ids: list[int], declared_pp: int, only_stages: tuple[int, ...] | None,
-                port: int) -> list[tuple[WorkerSide, object]]:
+                port: int, *, secret: str | None = None) -> list[tuple[WorkerSide, object]]:
     """The prefill workers of ``pair``, ordered by rank (``pp_rank * tp + tp_rank``), each cache holding its
     stage's layers' codes in ``block_ids``; ``declared_pp``: the ``pp_size`` they declare; ``only_stages``: run
-    these stages only (the others' ports stay closed: dead stages)."""
+    these stages only (the others' ports stay closed: dead stages); ``secret``: secured ranks that stream every
+    request layer by layer (else insecure)."""
     out = []
     tp = pair.prefill_tp
     for stage, layers in enumerate(pair.stage_layers()):
         if only_stages is not None and stage not in only_stages:
             continue
         for r in range(tp):
-            config = P2pKvConfig(side_channel_host=HOST, side_channel_port=port, insecure=True, staging_mib=4)
+            security = {"secret": secret, "stream_min_tokens": 0} if secret else {"insecure": True}
+            config = P2pKvConfig(side_channel_host=HOST, side_channel_port=port, staging_mib=4, **security)
             worker = WorkerSide("prefill", config, r, tp, HOST, port + stage * tp + r, "compat",
                                 model_info(tp, pair.block_size), role="prefill", pp_rank=stage, pp_size=declared_pp)
             base, views = make_cache(layers, r, tp, pair.block_size, block_ids=block_ids, device=pair.device)
@@ -140,18 +145,22 @@ def running_prefill(pair: Pair, block_ids: list[int], declared_pp: int | None = 
 
 
 @contextlib.contextmanager
-def decode_workers(pair: Pair, **settings: object) -> Iterator[list[tuple[WorkerSide, torch.Tensor]]]:
+def decode_workers(pair: Pair, pull_thread: bool = True,
+                   **settings: object) -> Iterator[list[tuple[WorkerSide, torch.Tensor]]]:
+    """One decode WorkerSide per decode rank of ``pair`` (``settings``: more :class:`P2pKvConfig` fields; without
+    ``pull_thread`` its pulls advance only when stepped), shut down on exit."""
     workers: list[tuple[WorkerSide, torch.Tensor]] = []
     port = free_ports(1, run=pair.decode_tp)[0]
     try:
         for r in range(pair.decode_tp):
-            config = P2pKvConfig(side_channel_host=HOST, side_channel_port=port, insecure=True, staging_mib=4,
-                                 **settings)
+            config = P2pKvConfig(side_channel_host=HOST, side_channel_port=port, staging_mib=4,
+                                 **{"insecure": "secret" not in settings, **settings})
             worker = WorkerSide("decode", config, r, pair.decode_tp, HOST, port + r, "compat",
                                 model_info(pair.decode_tp, pair.decode_block_size, pair.cross_layer), role="decode")
             base, views = make_cache(range(LAYERS), r, pair.decode_tp, pair.decode_block_size, pair.cross_layer,
                                      device=pair.device)
-            worker.register_kv_caches(views, NUM_BLOCKS)
+            with mock.patch.object(pull_progress, "INTERVAL_S", pull_progress.INTERVAL_S if pull_thread else 0.0):
+                worker.register_kv_caches(views, NUM_BLOCKS)
             workers.append((worker, base))
         yield workers
     finally:
@@ -160,19 +169,22 @@ def decode_workers(pair: Pair, **settings: object) -> Iterator[list[tuple[Worker
 
 
 def load(pair: Pair, prefill: PrefillProc, decoders: list[tuple[WorkerSide, torch.Tensor]], remote_ids: list[int],
-         local_ids: list[int], transfer_mode: str, pp_size: int | None = None) -> dict[int, set[int]]:
-    """Start the load of request ``req`` on every decode rank and step them until each finished; each rank's
-    load errors."""
-    remote = RemotePrefill("prefill", "req", HOST, prefill.port, tuple(remote_ids), pair.prefill_tp,
+         local_ids: list[int], transfer_mode: str, pp_size: int | None = None, request: str = "req",
+         started: Callable[[], None] | None = None) -> dict[int, set[int]]:
+    """Start the load of prefill request ``request`` (decode request ``d-<request>``) on every decode rank, call
+    ``started`` (if any), and step them until each finished; each rank's load errors."""
+    remote = RemotePrefill("prefill", request, HOST, prefill.port, tuple(remote_ids), pair.prefill_tp,
                            transfer_mode=transfer_mode, pp_size=pp_size or len(pair.stages))
-    task = LoadSpec("d-req", tuple(local_ids), tuple(remote_ids), remote, first_token=0, num_tokens=TOKENS)
+    task = LoadSpec(f"d-{request}", tuple(local_ids), tuple(remote_ids), remote, first_token=0, num_tokens=TOKENS)
     for worker, _ in decoders:
         worker.start_load_kv(P2pKvMetadata(loads=[task]))
+    if started is not None:
+        started()
     errors: dict[int, set[int]] = {}
     deadline = time.monotonic() + 60
     while len(errors) < len(decoders) and time.monotonic() < deadline:
         for rank, (worker, _) in enumerate(decoders):
-            if rank not in errors and "d-req" in worker.get_finished()[1]:
+            if rank not in errors and f"d-{request}" in worker.get_finished()[1]:
                 errors[rank] = worker.get_block_ids_with_load_errors()
         time.sleep(0.002)
     assert len(errors) == len(decoders), f"decode ranks {set(range(len(decoders))) - set(errors)} never finished"
@@ -281,3 +293,77 @@ def test_a_dead_stage_fails_the_load_as_a_dead_rank_does_and_the_live_stage_free
         wait_released(prefill, decoders, 1)
         assert prefill.expired == {}
         assert prefill.released_by_rank == {0: ["req"]}
+
+
+STREAM_PAIRS = ["PP 2 (2+2) -> TP 1, pull", "PP 2 (1+3, uneven) -> TP 1, pull",
+                "PP 2 x TP 2 -> TP 1 (head slices), pull", "PP 2 x TP 2 -> TP 2, push",
+                "PP 3 (1+1+2) -> cross-layer decode, pull"]
+"""Pairs streamed: straight into the decode blocks (whole pages of each stage's layers, a cross-layer decode
+block's pages of them) or each stage's heads into their slice of the decode rank's pages (``head_slice``)."""
+
+
+@pytest.mark.parametrize("name", STREAM_PAIRS)
+def test_each_stage_streams_its_layers_into_the_matching_layers_as_it_computes_them(name: str) -> None:
+    """Granted streams: every stage's workers take the decode ranks' destinations and WRITE each of their layers
+    when vLLM reports it saved (stage 0's forward, then stage 1's, as a pipeline runs them); every decode rank's
+    blocks then hold every layer's codes, and every worker of every stage frees its hold."""
+    pair = PAIRS[name][0]
+    remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
+    port = free_ports(1, run=pair.prefill_tp * len(pair.stages))[0]
+    stages = stage_ranks(pair, remote_ids, len(pair.stages), None, port, secret=SECRET)
+    deadline = time.monotonic() + 30
+    try:
+        with decode_workers(pair, secret=SECRET) as decoders:
+            granted = granted_stream(remote_ids, TOKENS, port, pair.prefill_tp)
+            remote = dataclasses.replace(granted.remote, pp_size=len(pair.stages))
+            load = P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), remote, num_tokens=TOKENS - 1,
+                                                 stream_grant=granted.grant)])
+            for worker, _ in stages:
+                worker.start_load_kv(granted.step)
+            for worker, _ in decoders:
+                worker.start_load_kv(load)
+            forward_streamed([(worker, None, views) for worker, (_, views) in stages], granted.step)
+            for rank, (worker, base) in enumerate(decoders):
+                while "d-req" not in worker.get_finished()[1]:
+                    assert time.monotonic() < deadline, f"the streamed load of decode rank {rank} never finished"
+                    time.sleep(0.002)
+                assert worker.get_block_ids_with_load_errors() == set()
+                stats = worker.take_stats() or {}
+                assert stats.get("directions") == {"stream": 1}
+                assert stats.get("pull_bytes") == [len(local_ids) * worker.receiver.rank.layout.block_bytes]
+                expected, _ = make_cache(range(LAYERS), rank, pair.decode_tp, pair.decode_block_size,
+                                         pair.cross_layer, block_ids=local_ids)
+                assert torch.equal(base, expected), f"decode rank {rank}'s blocks differ from every layer's codes"
+            release_prefills([(worker, None, None) for worker, _ in stages], remote_ids, deadline)
+    finally:
+        for worker, _ in stages:
+            worker.shutdown()
+
+
+def test_a_stage_killed_with_its_reads_posted_fails_the_load_and_the_live_stage_frees_its_hold(caplog) -> None:
+    """Each stage in its own process; a first load lands. The second load's READs are posted (the decode rank
+    polls them only when stepped), then stage 1's process is killed: the load fails as a pull from any dead
+    rank does (its retry's handshake finds nobody), its blocks reported, and stage 0 frees both requests on
+    notifications, none by its lease."""
+    pair = Pair()
+    remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
+    port = free_ports(1, run=2)[0]
+    stages = [PrefillProc(port, ranks=functools.partial(stage_ranks, pair, remote_ids, 2, (stage,)))
+              for stage in (0, 1)]
+    try:
+        for stage in stages:
+            stage.start({"req": 120.0, "req-2": 120.0})
+        with decode_workers(pair, handshake_timeout_s=1.0, handshake_retries=1, pull_thread=False) as decoders:
+            assert load(pair, stages[0], decoders, remote_ids, local_ids, "pull") == {0: set()}
+            errors = load(pair, stages[0], decoders, remote_ids, local_ids, "pull", request="req-2",
+                          started=stages[1].kill)
+            assert errors == {0: set(local_ids)}
+            assert "request=d-req-2" in caplog.text
+            end = time.monotonic() + 20
+            while stages[0].released_by_rank.get(0, []) != ["req", "req-2"] and time.monotonic() < end:
+                decoders[0][0].get_finished()
+                stages[0].drain(0.02)
+            assert stages[0].released_by_rank == {0: ["req", "req-2"]} and stages[0].expired == {}
+    finally:
+        stages[0].stop()
+

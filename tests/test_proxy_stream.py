@@ -70,7 +70,9 @@ def test_only_an_answer_signed_with_the_secret_teaches_an_address() -> None:
                                           block_ids=[1, 2], tp_size=1, pp_size=2, num_tokens=20,
                                           expiry_time=time.time() + 60, secret=SECRET)
     proxy.streams.learn(URLS[0], staged)
-    assert proxy.streams.addresses == {}, "a pipeline-parallel prefill engine (its stages do not stream) is forgotten"
+    assert proxy.streams.addresses[URLS[0]].pp_size == 2  # its decode legs name every stage's workers
+    legs = proxy.streams.legs(URLS[0], {"prompt": "x", "max_tokens": 4})
+    assert legs is not None and legs[1]["pp_size"] == 2
 
 
 def test_an_engine_not_learned_yet_gets_the_push_that_teaches_it() -> None:

@@ -124,12 +124,12 @@ def test_the_proxy_signs_grants_for_at_most_the_grant_lifetime(grant_s: float, l
                               decode_engine_id=ANY_DECODE, now=before).expiry == expiry
 
 
-def test_a_stream_leg_naming_a_pipeline_parallel_prefill_engine_is_refused_naming_pp_size() -> None:
-    """A PP prefill engine's stages do not stream (its scheduler holds such a request for a pull or push); a
-    decode leg that names one is refused before its grant is used."""
+def test_a_stream_leg_names_the_prefill_engines_stages_and_bounds_their_ports() -> None:
+    """A PP prefill engine's decode leg names its ``pp_size``: the load streams from every stage's workers (ranks
+    ``0 .. tp_size * pp_size - 1``, each port ``remote_port + rank`` a TCP port)."""
     params = {"remote_engine_id": "prefill-a", "remote_host": "127.0.0.1", "remote_port": 5600, "pp_size": 2,
-              GRANT_KEY: _grant()}
-    with pytest.raises(StreamGrantError, match=r"kv_transfer_params.pp_size=2: a pipeline-parallel prefill"):
-        parse_stream_leg(params, KEY, decode_engine_id="decode-b", now=NOW)
-    remote, _ = parse_stream_leg({**params, "pp_size": 1}, KEY, decode_engine_id="decode-b", now=NOW)
-    assert remote.pp_size == 1
+              "tp_size": 2, GRANT_KEY: _grant()}
+    remote, _ = parse_stream_leg(params, KEY, decode_engine_id="decode-b", now=NOW)
+    assert (remote.pp_size, remote.num_ranks) == (2, 4)
+    with pytest.raises(KVTransferParamsError, match=r"remote_port=65533.*pp_size 2"):
+        parse_stream_leg({**params, "remote_port": 65533}, KEY, decode_engine_id="decode-b", now=NOW)

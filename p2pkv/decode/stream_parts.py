@@ -83,8 +83,8 @@ def plan_streams(transfer: Transfer, ranks: list[int], readers: list[int], peers
         same_heads = peer.info.layout.is_mla or (len(ranks) == 1 and peer.plan.read.num_heads
                                                  == peer.info.layout.num_kv_heads)
         if peer.plan.placement is Placement.DIRECT or (peer.plan.placement is Placement.PAGED and same_heads):
-            counted = np.array([[0, len(spec.local_block_ids) * local.layout.block_bytes, device_id]],
-                               dtype=np.uint64)
+            per_block = sum(seg.length for seg in peer.local_segments)  # a stage's: its layers' pages
+            counted = np.array([[0, len(spec.local_block_ids) * per_block, device_id]], dtype=np.uint64)
             transfer.parts.append(Part(transfer, transfer.attempt, pid, peer, counted, _NO_ROWS, readers=count,
                                        layer_groups=groups))
             continue

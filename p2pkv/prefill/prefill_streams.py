@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from p2pkv.dataplane.stages import StageLayers
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.prefill.agents import rank_name
 from p2pkv.prefill.holds import PrefillHolds
@@ -85,18 +86,21 @@ class PrefillStreams(StreamDestinations, StreamReleases):
         clock: monotonic seconds.
         max_lifetime_s: how far past this rank's clock a grant's expiry may lie (seconds;
             :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
+        stage: this rank's pipeline stage (None: it holds every layer): its layers stream into the decode
+            ranks' matching layers.
     """
 
     def __init__(self, engine_id: str, engine: WriteEngine, holds: PrefillHolds,
                  source: StreamSide | str, layer_of: dict[str, int], secret: bytes | None, *, on_gpu: bool = False,
                  min_tokens: int = 0, min_link_share: float = 0.0, group_of: dict[str, int] | None = None,
                  state_groups: frozenset[int] = frozenset(), clock: Callable[[], float] = time.monotonic,
-                 max_lifetime_s: float = 480.0) -> None:
+                 max_lifetime_s: float = 480.0, stage: StageLayers | None = None) -> None:
         self.engine_id = engine_id
         self.engine = engine
         self.agent = engine.agent
         self.holds = holds
         self.source = source
+        self.stage = stage
         self.layer_of = layer_of
         self._secret = secret
         self._on_gpu = on_gpu

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from handshake import StreamRequest
 from handshake.messages import PushStatus
 from p2pkv.dataplane.agent import NixlTransferAgent
+from p2pkv.dataplane.stages import StageLayers
 from p2pkv.prefill.agents import Identity, rank_name
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.layer_stream import LayerStream, StreamSide, StreamTarget
@@ -71,6 +72,7 @@ class StreamDestinations:
     engine: WriteEngine
     poster: StreamPoster
     source: StreamSide | str
+    stage: StageLayers | None
     measures: StreamMeasures
     kv_groups: int
     max_lifetime_s: float
@@ -94,7 +96,7 @@ class StreamDestinations:
     def _accept(self, msg: StreamRequest) -> tuple[PushStatus, str]:
         now = time.time()
         checked = check_stream_request(msg, self.source, self._secret, self.engine_id, now, self.kv_groups,
-                                       self.max_lifetime_s)
+                                       self.max_lifetime_s, self.stage)
         if isinstance(checked, str):
             return "refused", checked
         if msg.kv_digest and self._on_gpu:  # type: ignore[attr-defined]  # PrefillStreams's

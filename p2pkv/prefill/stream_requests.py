@@ -5,7 +5,8 @@ or kept for a refused request (:func:`check_stream_request`): the rank can
 stream at all (its pages cut one per layer, a secret to check grants); the
 agent is the requester's own (:func:`p2pkv.prefill.push_requests.requester_identity`);
 the grant names this engine and the requester (or any decode engine) and
-has not expired; the agent's metadata is well formed and its pages are this
+has not expired; the agent's metadata (on a pipeline stage: its pages of the
+stage's layers) is well formed and its pages are this
 rank's (same page size, layer and K/V order, heads, HND/NHD, dtype and block
 size: a stream moves pages as they are), or, with ``head_slice``, both
 ranks' pages are head-major with the same block size and bytes per head and
@@ -30,8 +31,9 @@ from handshake import HeadSlice, KVLayoutDesc, KVRegion, StreamRequest
 from p2pkv.dataplane.agent import check_peer_info
 from p2pkv.dataplane.layers import heads_of, page_segments
 from p2pkv.dataplane.layout import LayoutError, Segment
-from p2pkv.dataplane.negotiate import HEAD_MAJOR, page_bytes, remote_segments
+from p2pkv.dataplane.negotiate import HEAD_MAJOR, PairRefused, page_bytes, remote_segments
 from p2pkv.dataplane.plan import PlanError, check_block_ids, check_rows_in_regions
+from p2pkv.dataplane.stages import StageLayers, stage_view
 from p2pkv.grant import StreamGrant, StreamGrantError, check_stream_grant
 from p2pkv.prefill.agents import Identity
 from p2pkv.prefill.layer_stream import StreamSide
@@ -148,7 +150,8 @@ class CheckedStream:
 
 
 def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: bytes | None, engine_id: str,
-                         now: float, kv_groups: int = 1, max_lifetime_s: float = 480.0) -> CheckedStream | str:
+                         now: float, kv_groups: int = 1, max_lifetime_s: float = 480.0,
+                         stage: StageLayers | None = None) -> CheckedStream | str:
     """Check ``msg`` against this rank (see the module docstring for the order).
 
     Args:
@@ -159,6 +162,8 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         now: ``time.time()`` seconds (the grant's expiry and the request's window).
         kv_groups: KV cache groups of this engine (``group_blocks`` names the ones after the first).
         max_lifetime_s: how far past ``now`` the grant's expiry may lie (seconds).
+        stage: this rank's pipeline stage (None: it holds every layer): the decode rank's pages it streams into
+            are those of the stage's layers (:func:`p2pkv.dataplane.stages.stage_view` of the agent's layout).
 
     Returns:
         The checked request, or why it is refused (a message naming the field).
@@ -175,8 +180,11 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         return str(exc)
     try:
         check_peer_info(msg.agent)
-        side = stream_side(msg.agent.layout)
-    except LayoutError as exc:
+        layout = msg.agent.layout
+        if stage is not None:  # a pipeline stage WRITEs its layers into the decode rank's matching layers
+            layout = stage_view(layout, remote_segments(layout), stage)[0]
+        side = stream_side(layout)
+    except (LayoutError, PairRefused) as exc:
         return f"agent.layout: {exc}"
     except Exception as exc:
         return f"agent: {exc}"

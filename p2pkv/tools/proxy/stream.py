@@ -36,6 +36,7 @@ class PrefillAddress:
     host: str
     port: int
     tp_size: int
+    pp_size: int = 1
 
 
 class StreamLegs:
@@ -58,19 +59,15 @@ class StreamLegs:
 
     def learn(self, url: str, params: Any) -> None:
         """A p2pkv prefill engine at ``url`` answered with ``params``: remember its address when their capability
-        checks under the secret (params without a hold, or signed with another secret, teach nothing). A
-        pipeline-parallel engine's (``pp_size`` > 1) is forgotten: its stages do not stream, its answers are
-        pulled or pushed."""
+        checks under the secret (params without a hold, or signed with another secret, teach nothing)."""
         if not isinstance(params, dict) or params.get("kv_connector") != SENDER:
             return
         try:
             remote = parse_remote_prefill(params, secret=self._secret)
         except KVTransferParamsError:
             return
-        if remote.pp_size > 1:
-            self.addresses.pop(url, None)
-            return
-        self.addresses[url] = PrefillAddress(remote.engine_id, remote.host, remote.port, remote.tp_size)
+        self.addresses[url] = PrefillAddress(remote.engine_id, remote.host, remote.port, remote.tp_size,
+                                             remote.pp_size)
 
     def legs(self, url: str, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """``(prefill leg's body, decode leg's kv_transfer_params)`` streaming the prompt of ``body`` from the
@@ -84,6 +81,7 @@ class StreamLegs:
         prefill["kv_transfer_params"][GRANT_KEY] = grant
         decode = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": address.engine_id,
                   "remote_host": address.host, "remote_port": address.port, "tp_size": address.tp_size,
+                  "pp_size": address.pp_size,
                   GRANT_KEY: grant, TRANSFER_MODE_KEY: "stream"}
         return prefill, decode
 
