@@ -94,7 +94,8 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             advertises to peers; ``""`` picks the host's primary IP (the pod
             IP), never loopback unless that is all there is.
         side_channel_port: base TCP port of the side channel; tp_rank ``r``
-            of data-parallel rank ``d`` listens on ``port + d * tp_size + r``.
+            of pipeline stage ``s`` of data-parallel rank ``d`` listens on
+            ``port + d * tp_size * pp_size + s * tp_size + r``.
         lease_s: seconds a prefill engine holds a finished request's blocks
             for a decode engine to pull them before releasing them anyway.
         role: what this engine does: ``prefill`` (holds blocks for decode

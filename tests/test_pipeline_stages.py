@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from unittest import mock
 
@@ -169,17 +169,15 @@ def decode_workers(pair: Pair, pull_thread: bool = True,
 
 
 def load(pair: Pair, prefill: PrefillProc, decoders: list[tuple[WorkerSide, torch.Tensor]], remote_ids: list[int],
-         local_ids: list[int], transfer_mode: str, pp_size: int | None = None, request: str = "req",
-         started: Callable[[], None] | None = None) -> dict[int, set[int]]:
-    """Start the load of prefill request ``request`` (decode request ``d-<request>``) on every decode rank, call
-    ``started`` (if any), and step them until each finished; each rank's load errors."""
+         local_ids: list[int], transfer_mode: str, pp_size: int | None = None,
+         request: str = "req") -> dict[int, set[int]]:
+    """Start the load of prefill request ``request`` (decode request ``d-<request>``) on every decode rank and
+    step them until each finished; each rank's load errors."""
     remote = RemotePrefill("prefill", request, HOST, prefill.port, tuple(remote_ids), pair.prefill_tp,
                            transfer_mode=transfer_mode, pp_size=pp_size or len(pair.stages))
     task = LoadSpec(f"d-{request}", tuple(local_ids), tuple(remote_ids), remote, first_token=0, num_tokens=TOKENS)
     for worker, _ in decoders:
         worker.start_load_kv(P2pKvMetadata(loads=[task]))
-    if started is not None:
-        started()
     errors: dict[int, set[int]] = {}
     deadline = time.monotonic() + 60
     while len(errors) < len(decoders) and time.monotonic() < deadline:
@@ -307,13 +305,23 @@ def test_each_stage_streams_its_layers_into_the_matching_layers_as_it_computes_t
     """Granted streams: every stage's workers take the decode ranks' destinations and WRITE each of their layers
     when vLLM reports it saved (stage 0's forward, then stage 1's, as a pipeline runs them); every decode rank's
     blocks then hold every layer's codes, and every worker of every stage frees its hold."""
-    pair = PAIRS[name][0]
+    stream_and_check(PAIRS[name][0])
+
+
+def test_a_verified_stream_checks_every_stages_part() -> None:
+    """``verify_kv``: each stage's streamed part is checked against the digest of what that stage WROTE."""
+    stream_and_check(PAIRS["PP 2 x TP 2 -> TP 1 (head slices), pull"][0], verify_kv=True)
+
+
+def stream_and_check(pair: Pair, verify_kv: bool = False) -> None:
+    """Stream request ``p-req`` from ``pair``'s stages (all in this process) into every decode rank and compare
+    their blocks with every layer's codes; ``verify_kv``: every part checked and verified."""
     remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
     port = free_ports(1, run=pair.prefill_tp * len(pair.stages))[0]
     stages = stage_ranks(pair, remote_ids, len(pair.stages), None, port, secret=SECRET)
     deadline = time.monotonic() + 30
     try:
-        with decode_workers(pair, secret=SECRET) as decoders:
+        with decode_workers(pair, secret=SECRET, verify_kv=verify_kv) as decoders:
             granted = granted_stream(remote_ids, TOKENS, port, pair.prefill_tp)
             remote = dataclasses.replace(granted.remote, pp_size=len(pair.stages))
             load = P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), remote, num_tokens=TOKENS - 1,
@@ -331,6 +339,8 @@ def test_each_stage_streams_its_layers_into_the_matching_layers_as_it_computes_t
                 stats = worker.take_stats() or {}
                 assert stats.get("directions") == {"stream": 1}
                 assert stats.get("pull_bytes") == [len(local_ids) * worker.receiver.rank.layout.block_bytes]
+                checks = stats.get("kv_checks", {})
+                assert set(checks) == ({"stream:verified"} if verify_kv else set()), checks
                 expected, _ = make_cache(range(LAYERS), rank, pair.decode_tp, pair.decode_block_size,
                                          pair.cross_layer, block_ids=local_ids)
                 assert torch.equal(base, expected), f"decode rank {rank}'s blocks differ from every layer's codes"
@@ -340,11 +350,14 @@ def test_each_stage_streams_its_layers_into_the_matching_layers_as_it_computes_t
             worker.shutdown()
 
 
-def test_a_stage_killed_with_its_reads_posted_fails_the_load_and_the_live_stage_frees_its_hold(caplog) -> None:
-    """Each stage in its own process; a first load lands. The second load's READs are posted (the decode rank
-    polls them only when stepped), then stage 1's process is killed: the load fails as a pull from any dead
-    rank does (its retry's handshake finds nobody), its blocks reported, and stage 0 frees both requests on
-    notifications, none by its lease."""
+def test_a_stage_killed_after_its_handshake_fails_the_load_and_the_live_stage_frees_its_hold(caplog) -> None:
+    """Each stage in its own process; a first load lands, so the decode rank knows both stages' agents. Stage 1's
+    process is then killed (and reaped) before the second load: that load's READs from stage 0 land, those from
+    stage 1's dead agent fail, and the load fails as a pull from any dead rank does (its retry's handshake finds
+    nobody), its blocks reported, while stage 0 frees both requests on notifications, none by its lease.
+
+    The kill comes before the READs are posted, not after: a READ over shared memory may complete before a kill
+    sent after its post takes effect, and a load whose bytes all landed rightly succeeds."""
     pair = Pair()
     remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
     port = free_ports(1, run=2)[0]
@@ -355,8 +368,8 @@ def test_a_stage_killed_with_its_reads_posted_fails_the_load_and_the_live_stage_
             stage.start({"req": 120.0, "req-2": 120.0})
         with decode_workers(pair, handshake_timeout_s=1.0, handshake_retries=1, pull_thread=False) as decoders:
             assert load(pair, stages[0], decoders, remote_ids, local_ids, "pull") == {0: set()}
-            errors = load(pair, stages[0], decoders, remote_ids, local_ids, "pull", request="req-2",
-                          started=stages[1].kill)
+            stages[1].kill()
+            errors = load(pair, stages[0], decoders, remote_ids, local_ids, "pull", request="req-2")
             assert errors == {0: set(local_ids)}
             assert "request=d-req-2" in caplog.text
             end = time.monotonic() + 20
@@ -367,3 +380,18 @@ def test_a_stage_killed_with_its_reads_posted_fails_the_load_and_the_live_stage_
     finally:
         stages[0].stop()
 
+
+
+@pytest.mark.parametrize("transfer_mode", ["pull", "push"])
+def test_verified_kv_checks_every_stages_part_against_that_stages_digest(transfer_mode: str) -> None:
+    """With ``verify_kv``, each stage's part (its layers, head slices of pages here) is digested on the stage
+    and where it landed: every part verified, no false mismatch, the same bytes as unverified."""
+    pair = Pair(prefill_tp=2)
+    remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
+    with running_prefill(pair, remote_ids) as prefill, decode_workers(pair, verify_kv=True) as decoders:
+        assert load(pair, prefill, decoders, remote_ids, local_ids, transfer_mode) == {0: set()}
+        worker, base = decoders[0]
+        expected, _ = make_cache(range(LAYERS), 0, 1, pair.decode_block_size, block_ids=local_ids)
+        assert torch.equal(base, expected)
+        checks = (worker.take_stats() or {}).get("kv_checks", {})
+        assert set(checks) == {f"{transfer_mode}:verified"} and checks[f"{transfer_mode}:verified"] >= 4, checks

@@ -59,7 +59,8 @@ def stream_pages(part: Part, desc: KVLayoutDesc) -> tuple[list[Segment], list[di
     ``blocks[i][g]`` for each KV cache group ``g`` whose blocks lie in it (the prefill rank's page ``i`` into page
     ``i``): into staging, the staging's pages in the prefill rank's geometry and staging blocks ``0 ..`` (each
     group's after the previous group's); a slice of heads, that slice of each of this rank's pages; else this
-    rank's pages whole; in the last two, the load's local blocks (each group's its own).
+    rank's pages whole (a pipeline stage's: the pages of its layers); in the last two, the load's local blocks
+    (each group's its own).
 
     Args:
         part: a layer stream's part.
@@ -75,6 +76,8 @@ def stream_pages(part: Part, desc: KVLayoutDesc) -> tuple[list[Segment], list[di
             groups = [list(range(len(part.stage.read.remote_block_ids)))]
     else:
         pages = pages_of(desc)
+        if part.peer.info.pp_size > 1:  # a pipeline stage's part: the pages of its layers (its view of this rank)
+            pages = page_segments(part.peer.local_segments, page_bytes(desc))
         cut = part.head_slice
         if cut is not None:
             pages = [heads_of(page, desc.num_kv_heads, cut.local_head_start, cut.num_heads) for page in pages]
