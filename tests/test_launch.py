@@ -220,7 +220,7 @@ def test_pod_every_tp_rank_side_channel_port_is_checked(tmp_path, capsys, monkey
         s.bind(("127.0.0.1", base + 1))
         s.listen()
         err = _failure(_pod(tmp_path, "--side-channel-port", str(base), "--tensor-parallel-size", "2"), capsys)
-    assert "--side-channel-port" in err and "tp_rank 1" in err and str(base + 1) in err
+    assert "--side-channel-port" in err and "rank 1 of 2" in err and str(base + 1) in err
 
 
 def test_pod_http_port_inside_side_channel_ports_is_refused(tmp_path, capsys) -> None:
@@ -246,6 +246,37 @@ def test_pod_tp_larger_than_gpus_names_the_flag(tmp_path, capsys, monkeypatch) -
     assert "--tensor-parallel-size=4" in _failure(_pod(tmp_path, "--tensor-parallel-size", "4"), capsys)
     err = _failure(_pod(tmp_path, "--tensor-parallel-size", "2", "--gpu-ids", "1"), capsys)
     assert "--tensor-parallel-size=2" in err and "--gpu-ids=1 names 1 GPU" in err
+
+
+def test_pod_pipeline_stages_are_a_prefill_engines_only(tmp_path, capsys, monkeypatch) -> None:
+    """PP on a decode engine is refused naming the flag and the role; without CUDA, PP 1 only."""
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 4)
+    err = _failure(_pod(tmp_path, "--pipeline-parallel-size", "2", role="decode"), capsys)
+    assert "--pipeline-parallel-size=2 with launch decode" in err and "prefill engine only" in err
+    assert "--pipeline-parallel-size=0: must be >= 1" in _failure(_pod(tmp_path, "-pp", "0"), capsys)
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 0)
+    err = _failure(_pod(tmp_path, "--pipeline-parallel-size", "2"), capsys)
+    assert "--pipeline-parallel-size=2" in err and "no CUDA device" in err
+
+
+def test_pod_pipeline_stages_need_a_gpu_and_a_side_channel_port_per_worker_rank(tmp_path, capsys,
+                                                                                monkeypatch) -> None:
+    """TP 2 x PP 2 needs 4 GPUs (both sizes named when short) and 4 consecutive side-channel ports (the last,
+    stage 1's tp_rank 1, checked too); with both, the engine runs with ``--pipeline-parallel-size 2``."""
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 2)
+    err = _failure(_pod(tmp_path, "-tp", "2", "-pp", "2"), capsys)
+    assert "--tensor-parallel-size=2 x --pipeline-parallel-size=2 = 4 GPUs: this machine has 2" in err
+    monkeypatch.setattr(checks, "cuda_device_count", lambda: 4)
+    (base,) = free_ports(1, run=4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", base + 3))
+        s.listen()
+        err = _failure(_pod(tmp_path, "--side-channel-port", str(base), "-tp", "2", "-pp", "2"), capsys)
+    assert "rank 3 of 4" in err and str(base + 3) in err
+    out, argv, _ = _dry_run(_pod(tmp_path, "--side-channel-port", str(base), "-tp", "2", "-pp", "2",
+                                 "--block-size", "16"), capsys)
+    assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"
+    assert f"{base}..{base + 3} (port + pp_rank * 2 + tp_rank)" in out
 
 
 @pytest.mark.parametrize(("gpu_ids", "gpus", "expected"), [
@@ -279,6 +310,7 @@ def test_pod_bad_block_size_names_the_flag(tmp_path, capsys, block) -> None:
     ("--kv-connector-extra-config", '{"no_such_key": 1}', "no_such_key"),
     ("--kv-connector-extra-config", '{"side_channel_port": 1}', "--side-channel-port"),
     ("--extra-vllm-args", "--port=9", "use --port"),
+    ("--extra-vllm-args", "-pp 2", "use --pipeline-parallel-size"),
     ("--extra-vllm-args", "--seed '3", "quotes"),
     ("--proxy-url", "ftp://x", "http://HOST:PORT"),
 ])

@@ -140,10 +140,10 @@ def check_port_run(host: str, base: int, count: int, flag: str) -> None:
         LaunchError: a port is out of range or in use; names ``flag`` and the rank.
     """
     if base + count - 1 > 65535:
-        raise LaunchError(f"{flag}={base}: needs {count} consecutive ports (one per tp_rank) "
+        raise LaunchError(f"{flag}={base}: needs {count} consecutive ports (one per worker rank, TP x PP) "
                           f"but {base + count - 1} > 65535; pick a lower port")
     for rank in range(count):
-        label = flag if count == 1 else f"{flag} (+{rank}, tp_rank {rank} of {count}: needs {count} free ports)"
+        label = flag if count == 1 else f"{flag} (+{rank}, rank {rank} of {count}: needs {count} free ports)"
         check_port_free(host, base + rank, label)
 
 
@@ -184,18 +184,20 @@ def parse_gpu_ids(text: str) -> list[int]:
     return ids
 
 
-def plan_gpus(tensor_parallel_size: int, gpu_ids: str | None, environ: dict[str, str]) -> GpuPlan:
-    """Check the TP size against the GPUs and pick the engine's ``CUDA_VISIBLE_DEVICES``.
+def plan_gpus(tensor_parallel_size: int, gpu_ids: str | None, environ: dict[str, str],
+              pipeline_parallel_size: int = 1) -> GpuPlan:
+    """Check TP x PP (one GPU per worker rank) against the GPUs and pick the engine's ``CUDA_VISIBLE_DEVICES``.
 
     ``--gpu-ids`` index the devices visible to the launcher: under an
     inherited ``CUDA_VISIBLE_DEVICES=4,5``, ``--gpu-ids 1`` gives the engine
-    device 5. Without CUDA, only TP 1 is supported.
+    device 5. Without CUDA, only TP 1 and PP 1 are supported (vLLM's CPU
+    build runs one worker per engine here).
 
     Raises:
-        LaunchError: TP < 1, TP larger than the GPUs, ``--gpu-ids`` naming
-            GPUs that do not exist; names the flag.
+        LaunchError: TP < 1, TP x PP larger than the GPUs, ``--gpu-ids`` naming
+            GPUs that do not exist; names the flag(s).
     """
-    tp = tensor_parallel_size
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
     if tp < 1:
         raise LaunchError(f"--tensor-parallel-size={tp}: must be >= 1")
     available = cuda_device_count()
@@ -208,12 +210,17 @@ def plan_gpus(tensor_parallel_size: int, gpu_ids: str | None, environ: dict[str,
     if available == 0 and tp > 1:
         raise LaunchError(f"--tensor-parallel-size={tp}: no CUDA device here, and engines without one "
                           "run with TP 1 only; use --tensor-parallel-size 1")
+    if available == 0 and pp > 1:
+        raise LaunchError(f"--pipeline-parallel-size={pp}: no CUDA device here, and engines without one "
+                          "run with PP 1 only; use --pipeline-parallel-size 1")
     if available == 0:
         return GpuPlan(0, None)
     usable = len(ids) if ids is not None else available
-    if tp > usable:
+    if tp * pp > usable:
         source = f"--gpu-ids={gpu_ids} names" if ids is not None else "this machine has"
-        raise LaunchError(f"--tensor-parallel-size={tp}: {source} {usable} GPU(s); lower the TP size"
+        asked = f"--tensor-parallel-size={tp}" if pp == 1 else \
+            f"--tensor-parallel-size={tp} x --pipeline-parallel-size={pp} = {tp * pp} GPUs"
+        raise LaunchError(f"{asked}: {source} {usable} GPU(s); lower the TP or PP size"
                           + (" or list more GPUs in --gpu-ids" if ids is not None else ""))
     if ids is None:
         return GpuPlan(available, None)

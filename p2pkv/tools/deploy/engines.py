@@ -32,6 +32,7 @@ class EngineSpec:
         max_model_len: longest sequence (tokens; None: the model's own).
         kv_cache_gib: KV cache size on CPU (GiB; ``VLLM_CPU_KVCACHE_SPACE``).
         tensor_parallel_size: TP size.
+        pipeline_parallel_size: pipeline stages (``--pipeline-parallel-size``, passed when > 1).
         extra_config: more ``kv_connector_extra_config`` keys.
         connector: ``"p2pkv"`` or ``"nixl"`` (vLLM's own NixlConnector).
         module_path: p2pkv only: load the connector from this module
@@ -76,6 +77,7 @@ class EngineSpec:
     max_model_len: int | None = 2048
     kv_cache_gib: int = 1
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     extra_config: dict[str, object] = field(default_factory=dict)
     connector: str = "p2pkv"
     module_path: str = ""
@@ -122,6 +124,8 @@ class EngineSpec:
             "--tensor-parallel-size", str(self.tensor_parallel_size),
             "--served-model-name", "model",
         ]
+        if self.pipeline_parallel_size > 1:
+            argv += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
         if self.enforce_eager:
             argv.append("--enforce-eager")
         if self.attention_backend is not None:
@@ -153,7 +157,8 @@ class EngineSpec:
         defaults, eager (nothing compiled at run time holds the process's GIL while p2pkv's threads wait),
         threads left unbound and TP 1 (each DP rank is an EngineCore of its own)."""
         bind = self.env.get("VLLM_CPU_OMP_THREADS_BIND") or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "nobind"
-        return self.local_defaults and self.enforce_eager and bind == "nobind" and self.tensor_parallel_size == 1
+        return (self.local_defaults and self.enforce_eager and bind == "nobind" and self.tensor_parallel_size == 1
+                and self.pipeline_parallel_size == 1)
 
     def environment(self) -> dict[str, str]:
         """Environment for the engine process (inherits ours)."""

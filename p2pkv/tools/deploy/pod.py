@@ -36,9 +36,11 @@ class PodOptions:
         port: HTTP port.
         side_channel_host: side-channel address as given (None: pick the pod IP).
         side_channel_host_flag: where it came from, for messages.
-        side_channel_port: side-channel base port; tp_rank r uses port + r.
+        side_channel_port: side-channel base port; tp_rank r of pipeline stage s uses
+            port + s * tensor_parallel_size + r.
         port_flag / side_channel_port_flag: where the ports came from.
         tensor_parallel_size: TP size.
+        pipeline_parallel_size: pipeline stages (a prefill engine's only).
         gpu_ids: ``"0,1"`` or None.
         block_size: tokens per KV block.
         dtype: model dtype (``auto``: the model's).
@@ -59,6 +61,7 @@ class PodOptions:
     port_flag: str = "--port"
     side_channel_port_flag: str = "--side-channel-port"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     gpu_ids: str | None = None
     block_size: int = 32
     dtype: str = "auto"
@@ -124,10 +127,12 @@ def _check_secret(extra_config: dict[str, object], environ: dict[str, str]) -> N
 def prepare(opts: PodOptions) -> PodPlan:
     """Validate everything and build the engine; starts nothing.
 
-    Checks, in order: the model directory, the GPUs and TP size, the block
+    Checks, in order: the model directory, the pipeline stages against the
+    role (only a prefill engine runs PP), the GPUs against TP x PP, the block
     size, the side-channel address (``POD_IP`` or the outward interface by
-    default, never loopback), the HTTP port and every tp_rank's side-channel
-    port, and ``--proxy-url``. The engine inherits this process's environment.
+    default, never loopback), the HTTP port and every worker rank's
+    side-channel port, and ``--proxy-url``. The engine inherits this
+    process's environment.
 
     Raises:
         LaunchError: the first failed check; the message names the flag and the fix.
@@ -137,7 +142,14 @@ def prepare(opts: PodOptions) -> PodPlan:
         raise LaunchError(f"--model {opts.model}: no such directory; pass the model directory "
                           "(for a test, make one with `p2pkv make-tiny-model DIR`)")
     _check_secret(opts.extra_config, environ)
-    gpus = checks.plan_gpus(opts.tensor_parallel_size, opts.gpu_ids, environ)
+    pp = opts.pipeline_parallel_size
+    if pp < 1:
+        raise LaunchError(f"--pipeline-parallel-size={pp}: must be >= 1")
+    if pp > 1 and opts.role != "prefill":
+        raise LaunchError(f"--pipeline-parallel-size={pp} with launch {opts.role}: p2pkv runs pipeline stages on "
+                          "a prefill engine only (a decode engine's ranks each hold every layer); use "
+                          "--pipeline-parallel-size 1 here, or TP / DP for the decode engine")
+    gpus = checks.plan_gpus(opts.tensor_parallel_size, opts.gpu_ids, environ, pipeline_parallel_size=pp)
     checks.check_block_size(opts.block_size, gpus.available > 0)
     if opts.max_model_len is not None and opts.max_model_len <= 0:
         raise LaunchError(f"--max-model-len={opts.max_model_len}: must be > 0 tokens")
@@ -154,16 +166,18 @@ def prepare(opts: PodOptions) -> PodPlan:
                         "on this machine can pull from it; give the pod IP for a pair across nodes")
     checks.check_port_free(opts.host, opts.port, opts.port_flag)
     tp = opts.tensor_parallel_size
+    ranks = tp * pp
     scp = opts.side_channel_port
-    checks.check_port_run(sc_host, scp, tp, opts.side_channel_port_flag)
-    if scp <= opts.port < scp + tp:
-        raise LaunchError(f"{opts.port_flag}={opts.port} collides with the side-channel ports {scp}..{scp + tp - 1}"
-                          f" ({opts.side_channel_port_flag}); pick ports that differ")
+    checks.check_port_run(sc_host, scp, ranks, opts.side_channel_port_flag)
+    if scp <= opts.port < scp + ranks:
+        raise LaunchError(f"{opts.port_flag}={opts.port} collides with the side-channel ports {scp}.."
+                          f"{scp + ranks - 1} ({opts.side_channel_port_flag}); pick ports that differ")
     proxy_url = checks.check_proxy_url(opts.proxy_url) if opts.proxy_url else None
     engine_env = {} if gpus.visible_devices is None else {"CUDA_VISIBLE_DEVICES": gpus.visible_devices}
     spec = EngineSpec(name=opts.role, model=opts.model, port=opts.port, host=opts.host, role=opts.role,
                       side_channel_host=sc_host, side_channel_port=scp, block_size=opts.block_size,
                       dtype=opts.dtype, max_model_len=opts.max_model_len, tensor_parallel_size=tp,
+                      pipeline_parallel_size=pp,
                       extra_config=dict(opts.extra_config), env=engine_env, extra_args=opts.extra_args,
                       enforce_eager=gpus.available == 0, local_defaults=gpus.available == 0)
     if gpus.available == 0:
@@ -186,9 +200,10 @@ def shown_command(spec: EngineSpec) -> str:
 def describe(plan: PodPlan) -> list[str]:
     """What the launcher prints before starting: side channel, env, command."""
     spec = plan.spec
-    tp = spec.tensor_parallel_size
-    ports = str(spec.side_channel_port) if tp == 1 else \
-        f"{spec.side_channel_port}..{spec.side_channel_port + tp - 1} (port + tp_rank)"
+    tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
+    rule = "port + tp_rank" if pp == 1 else f"port + pp_rank * {tp} + tp_rank"
+    ports = str(spec.side_channel_port) if tp * pp == 1 else \
+        f"{spec.side_channel_port}..{spec.side_channel_port + tp * pp - 1} ({rule})"
     lines = [f"side channel: {_url_host(spec.side_channel_host)}:{ports} ({plan.side_channel_reason})"]
     lines += [f"warning: {w}" for w in plan.warnings]
     lines.append("env:")

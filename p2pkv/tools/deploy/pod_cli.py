@@ -15,6 +15,7 @@ from p2pkv.tools.deploy.processes import LaunchError
 #: ``vllm serve`` flags the launcher sets and checks itself → the launcher flag to use instead.
 _OWN_FLAGS = {"--model": "--model", "--host": "--host", "--port": "--port",
               "--tensor-parallel-size": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
+              "--pipeline-parallel-size": "--pipeline-parallel-size", "-pp": "--pipeline-parallel-size",
               "--block-size": "--block-size", "--dtype": "--dtype", "--max-model-len": "--max-model-len",
               "--kv-transfer-config": "--kv-connector-extra-config"}
 
@@ -27,9 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser, role: str) -> None:
     p("--port", type=int, help=f"HTTP port (env P2PKV_PORT; default {DEFAULT_PORTS[role]})")
     p("--side-channel-host", metavar="ADDR", help="address the side channel binds to and advertises to peers "
       "(env P2PKV_SIDE_CHANNEL_HOST; default: POD_IP, else the outward interface's address)")
-    p("--side-channel-port", type=int, metavar="PORT", help="side-channel base port; tp_rank r uses port + r, so TP N "
-      f"needs N consecutive free ports (env P2PKV_SIDE_CHANNEL_PORT; default {DEFAULT_SIDE_CHANNEL_PORT})")
+    p("--side-channel-port", type=int, metavar="PORT", help="side-channel base port; tp_rank r of pipeline stage s "
+      "uses port + s*TP + r, so TP N x PP M needs N*M consecutive free ports (env P2PKV_SIDE_CHANNEL_PORT; default "
+      f"{DEFAULT_SIDE_CHANNEL_PORT})")
     p("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N", help="TP size (1 without CUDA)")
+    p("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+      help="pipeline stages (prefill engines only; 1 without CUDA)")
     p("--gpu-ids", metavar="IDS", help="GPUs for the engine, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
     p("--block-size", type=int, default=32, metavar="TOKENS",
       help="tokens per KV block (a multiple of 32 without CUDA)")
@@ -113,7 +117,8 @@ def options_from_args(args: argparse.Namespace) -> PodOptions:
     if not model:
         raise LaunchError("--model: required; pass the model directory or set P2PKV_MODEL")
     opts = PodOptions(role=role, model=model, host=args.host, port=DEFAULT_PORTS[role],
-                      tensor_parallel_size=args.tensor_parallel_size, gpu_ids=args.gpu_ids,
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      pipeline_parallel_size=args.pipeline_parallel_size, gpu_ids=args.gpu_ids,
                       block_size=args.block_size, dtype=args.dtype, max_model_len=args.max_model_len,
                       extra_config=parse_extra_config(args.kv_connector_extra_config),
                       extra_args=parse_extra_args(args.extra_vllm_args), proxy_url=args.proxy_url,
