@@ -6,14 +6,17 @@ The proxy, which holds the side channel's secret, signs a grant instead and
 puts the same grant in both legs' ``kv_transfer_params`` under
 :data:`GRANT_KEY`. It names a ``stream_id`` the proxy draws (vLLM appends
 each engine's own random suffix to request ids, so the legs cannot name the
-request by its id), the prefill engine, the decode engine and an expiry;
-each engine checks it against its own engine id and the peer's before
-anything moves.
+request by its id), the prefill engine and its pipeline stages
+(``pp_size``, which decides which of its workers WRITE which layers), the
+decode engine and an expiry; each engine checks it against its own engine
+id, its own stages (a prefill engine) or the leg's (a decode engine), and
+the peer's before anything moves.
 
-Wire form: ``v1.<stream_id: 32 hex>.<expiry: Unix seconds>.<HMAC-SHA256: 64 hex>``,
+Wire form: ``v2.<stream_id: 32 hex>.<expiry: Unix seconds>.<HMAC-SHA256: 64 hex>``,
 the MAC over the msgpack list (label, stream id, prefill engine id, decode
-engine id, expiry). Checks, in this order: form, expiry (with
-:data:`p2pkv.params.CLOCK_SKEW_S`), MAC (constant time).
+engine id, expiry, pp_size). Checks, in this order: form, expiry (with
+:data:`p2pkv.params.CLOCK_SKEW_S`), MAC (constant time). A ``v1`` grant (an
+older proxy's, whose MAC named no stages) is refused naming the fix.
 
 A proxy that does not know the decode engine's id signs for
 :data:`ANY_DECODE`: the prefill rank then streams into whichever decode
@@ -22,7 +25,7 @@ engine presents the grant first, and into no other (one destination per
 
 The decode leg's ``kv_transfer_params`` for a stream
 (:func:`parse_stream_leg`): ``do_remote_prefill``, ``remote_engine_id``,
-``remote_host``, ``remote_port``, ``tp_size`` and the grant; no
+``remote_host``, ``remote_port``, ``tp_size``, ``pp_size`` and the grant; no
 ``remote_block_ids`` or ``remote_request_id`` (the prefill engine has not
 answered yet).
 """
@@ -60,11 +63,11 @@ the receivers' ``max_lifetime_s`` (4 × the default ``lease_s`` of 120 s: 480 s)
 minutes fast still has its grants accepted. What an engine remembers of a grant (a served or declined stream
 id) lasts as long as the grant."""
 
-GRANT_FORM = re.compile(r"v1\.([0-9a-f]{32})\.([0-9]{1,12})\.([0-9a-f]{64})")
+GRANT_FORM = re.compile(r"v2\.([0-9a-f]{32})\.([0-9]{1,12})\.([0-9a-f]{64})")
 STREAM_ID_FORM = re.compile(r"[0-9a-f]{32}")
 """A grant's wire form: version, stream id, expiry, MAC."""
 
-_LABEL = "p2pkv stream grant v1"
+_LABEL = "p2pkv stream grant v2"
 
 
 class StreamGrantError(KVTransferParamsError):
@@ -84,14 +87,15 @@ class StreamGrant:
     expiry: int
 
 
-def grant_mac(stream_id: str, prefill_engine_id: str, decode_engine_id: str, expiry: int, secret: bytes) -> str:
+def grant_mac(stream_id: str, prefill_engine_id: str, decode_engine_id: str, expiry: int, pp_size: int,
+              secret: bytes) -> str:
     """HMAC-SHA256 (hex) over a grant's fields, as the msgpack encoding of one list (no ambiguity between fields)."""
-    message = msgspec.msgpack.encode([_LABEL, stream_id, prefill_engine_id, decode_engine_id, expiry])
+    message = msgspec.msgpack.encode([_LABEL, stream_id, prefill_engine_id, decode_engine_id, expiry, pp_size])
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 def make_stream_grant(prefill_engine_id: str, decode_engine_id: str, secret: bytes, expiry: float,
-                      stream_id: str | None = None) -> str:
+                      stream_id: str | None = None, *, pp_size: int = 1) -> str:
     """A grant's wire form for streaming from ``prefill_engine_id`` into ``decode_engine_id`` until ``expiry``.
 
     Args:
@@ -100,23 +104,27 @@ def make_stream_grant(prefill_engine_id: str, decode_engine_id: str, secret: byt
         secret: the side channel's secret (every engine and the proxy share it).
         expiry: when the grant ends (seconds since the Unix epoch; rounded up to a whole second).
         stream_id: 32 hex digits (None: 128 random bits).
+        pp_size: the prefill engine's pipeline stages (its signed ``kv_transfer_params.pp_size``).
 
     Raises:
-        ValueError: an empty secret or engine id, or a ``stream_id`` not of 32 hex digits.
+        ValueError: an empty secret or engine id, a ``stream_id`` not of 32 hex digits, or ``pp_size`` < 1.
     """
     stream_id = secrets.token_hex(16) if stream_id is None else stream_id
     if not secret or not prefill_engine_id or not decode_engine_id:
         raise ValueError("a stream grant needs the secret and both engine ids")
     if not is_stream_id(stream_id):
         raise ValueError(f"stream_id must be 32 hex digits, got {stream_id!r}")
+    if pp_size < 1:
+        raise ValueError(f"pp_size must be >= 1, got {pp_size}")
     deadline = math.ceil(expiry)
-    return f"v1.{stream_id}.{deadline}.{grant_mac(stream_id, prefill_engine_id, decode_engine_id, deadline, secret)}"
+    mac = grant_mac(stream_id, prefill_engine_id, decode_engine_id, deadline, pp_size, secret)
+    return f"v2.{stream_id}.{deadline}.{mac}"
 
 
 def check_stream_grant(grant: Any, secret: bytes, *, prefill_engine_id: str, decode_engine_id: str,
-                       now: float, max_lifetime_s: float = DEFAULT_MAX_LIFETIME_S) -> StreamGrant:
-    """Check a grant for a stream from ``prefill_engine_id`` into ``decode_engine_id`` (or, signed so, into
-    :data:`ANY_DECODE`) at time ``now``.
+                       now: float, max_lifetime_s: float = DEFAULT_MAX_LIFETIME_S, pp_size: int = 1) -> StreamGrant:
+    """Check a grant for a stream from ``prefill_engine_id``, an engine of ``pp_size`` pipeline stages, into
+    ``decode_engine_id`` (or, signed so, into :data:`ANY_DECODE`) at time ``now``.
 
     Checks, in this order: form (before anything else is read), expiry (past, then future), MAC (constant time).
 
@@ -128,19 +136,24 @@ def check_stream_grant(grant: Any, secret: bytes, *, prefill_engine_id: str, dec
         now: this engine's clock (seconds since the Unix epoch).
         max_lifetime_s: how far past ``now`` the expiry may lie (seconds; engines pass
             :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
+        pp_size: the prefill engine's pipeline stages: its own (a prefill engine), or what the decode leg says
+            they are (a decode engine).
 
     Raises:
-        StreamGrantError: missing or malformed, expired more than :data:`p2pkv.params.CLOCK_SKEW_S` ago,
-            expiring more than ``max_lifetime_s`` + that skew after ``now``, or its MAC does not cover these two
-            engines (made for others, altered, or made with another secret).
+        StreamGrantError: missing or malformed (a ``v1`` grant: an older proxy), expired more than
+            :data:`p2pkv.params.CLOCK_SKEW_S` ago, expiring more than ``max_lifetime_s`` + that skew after ``now``,
+            or its MAC does not cover these two engines and these stages (made for others, altered, made for
+            another ``pp_size`` of the prefill engine, or made with another secret).
     """
     key = f"kv_transfer_params.{GRANT_KEY}"
     stream_id, expiry, mac = _read(grant, now, max_lifetime_s)
-    if not any(hmac.compare_digest(mac, grant_mac(stream_id, prefill_engine_id, decode, expiry, secret))
+    if not any(hmac.compare_digest(mac, grant_mac(stream_id, prefill_engine_id, decode, expiry, pp_size, secret))
                for decode in (decode_engine_id, ANY_DECODE)):
-        raise StreamGrantError(f"{key} does not cover a stream from prefill engine {prefill_engine_id!r} into "
-                               f"decode engine {decode_engine_id!r}: made for other engines, altered, or signed "
-                               "with another secret (every engine and the proxy must share one secret)")
+        raise StreamGrantError(f"{key} does not cover a stream from prefill engine {prefill_engine_id!r} "
+                               f"(pp_size {pp_size}) into decode engine {decode_engine_id!r}: made for other "
+                               "engines or another pp_size (the prefill engine restarted with other pipeline "
+                               "stages), altered, or signed with another secret (every engine and the proxy must "
+                               "share one secret)")
     return StreamGrant(stream_id, expiry)
 
 
@@ -148,8 +161,11 @@ def _read(grant: Any, now: float, max_lifetime_s: float) -> tuple[str, int, str]
     """``(stream_id, expiry, mac)`` of a grant's wire form. Raises StreamGrantError (form, expiry past and future)."""
     key = f"kv_transfer_params.{GRANT_KEY}"
     match = GRANT_FORM.fullmatch(grant) if isinstance(grant, str) else None
+    if match is None and isinstance(grant, str) and grant.startswith("v1."):
+        raise StreamGrantError(f"{key} is a v1 grant, from a proxy older than this engine (its MAC names no "
+                               "pipeline stages): upgrade the proxy to this p2pkv version")
     if match is None:
-        raise StreamGrantError(f"{key}={shown(grant)} is malformed: expected v1.<stream id: 32 hex digits>."
+        raise StreamGrantError(f"{key}={shown(grant)} is malformed: expected v2.<stream id: 32 hex digits>."
                                "<expiry>.<64 hex digits>, as the proxy signs it")
     stream_id, expiry_text, mac = match.groups()
     expiry = int(expiry_text)
@@ -181,8 +197,9 @@ def parse_stream_leg(params: dict[str, Any], secret: bytes | None, *, decode_eng
     ``stream_id`` as ``request_id``, has no block ids (the prefill rank
     WRITEs into this engine's blocks) and ``transfer_mode`` ``"stream"``.
     Checks, in this order: a secret, the prefill engine's address, the grant
-    (:func:`check_stream_grant`, at ``now``, seconds since the Unix epoch, with
-    ``max_lifetime_s``, seconds).
+    (:func:`check_stream_grant` for the leg's ``pp_size``, at ``now``, seconds
+    since the Unix epoch, with ``max_lifetime_s``, seconds): a leg that names
+    other stages than the proxy signed is refused.
 
     Raises:
         StreamGrantError: no secret (a grant cannot be checked without one), or the grant's own refusals
@@ -195,7 +212,8 @@ def parse_stream_leg(params: dict[str, Any], secret: bytes | None, *, decode_eng
                                "it cannot check a stream grant; stream only between engines that share a secret")
     engine_id, host, port, tp_size, pp_size = parse_prefill_address(params)
     grant = check_stream_grant(params.get(GRANT_KEY), secret, prefill_engine_id=engine_id,
-                               decode_engine_id=decode_engine_id, now=now, max_lifetime_s=max_lifetime_s)
+                               decode_engine_id=decode_engine_id, now=now, max_lifetime_s=max_lifetime_s,
+                               pp_size=pp_size)
     remote = RemotePrefill(engine_id=engine_id, request_id=grant.stream_id, host=host, port=port, block_ids=(),
                            tp_size=tp_size, transfer_mode="stream", pp_size=pp_size)
     return remote, params[GRANT_KEY]

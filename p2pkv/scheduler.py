@@ -103,7 +103,7 @@ class SchedulerSide:
         self.prefill = PrefillScheduling(engine_id, config, role, side_channel_host, side_channel_port, tp_size,
                                          secret, recompute_tokens, num_blocks, clock, pp_size)
         self.streams = StreamSteps(engine_id, secret, block_size, recompute_tokens, kv_groups, state_groups,
-                                   ledger=self.prefill.ledger, max_lifetime_s=config.max_lifetime_s)
+                                   ledger=self.prefill.ledger, max_lifetime_s=config.max_lifetime_s, pp_size=pp_size)
 
     def on_new_request(self, request: Request) -> None:
         """A request arrives: a prefill leg leaves its tail to the decode engine, a decode leg is tracked for

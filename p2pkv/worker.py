@@ -113,12 +113,12 @@ def way_handlers(pusher: Pusher, streams: PrefillStreams) -> dict[str, Callable[
 
 def rank_streams(engine_id: str, config: P2pKvConfig, secret: bytes | None, writes: WriteEngine, holds: PrefillHolds,
                  desc: KVLayoutDesc, tensors: dict[str, Any], *, on_gpu: bool, layer_groups: dict[str, int] | None,
-                 state_groups: frozenset[int], stage: StageLayers | None) -> PrefillStreams:
+                 state_groups: frozenset[int], stage: StageLayers | None, pp_size: int) -> PrefillStreams:
     """A prefill rank's layer streams: its pages (``desc``) as their source, or why they cannot stream (an
     interleaved layout: such requests go without a grant), the layers of ``tensors`` (layer name → KV tensor)
     as vLLM saves them, the settings that shape them (``stream_min_tokens``, ``max_lifetime_s``) and ``secret``
     (checks grants; None: nothing streams).
-    ``stage``: the rank's pipeline stage (None: every layer)."""
+    ``stage``: the rank's pipeline stage (None: every layer) of the engine's ``pp_size`` stages."""
     try:
         source: StreamSide | str = stream_side(desc)
     except LayoutError as exc:
@@ -127,7 +127,7 @@ def rank_streams(engine_id: str, config: P2pKvConfig, secret: bytes | None, writ
                           on_gpu=on_gpu, min_tokens=config.stream_min_tokens,
                           min_link_share=0.0 if config.stream_min_tokens == 0 else MIN_LINK_SHARE,
                           group_of=layer_groups, state_groups=state_groups, max_lifetime_s=config.max_lifetime_s,
-                          stage=stage)
+                          stage=stage, pp_size=pp_size)
 
 
 class WorkerSide:
@@ -279,7 +279,7 @@ class WorkerSide:
         stage = StageLayers(self.pp_rank, self.desc.first_layer, self.desc.num_layers) if self.pp_size > 1 else None
         self.streams = rank_streams(self.engine_id, self.config, secret, self.writes, self.holds, self.desc, tensors,
                                     on_gpu=mem_type == "VRAM", layer_groups=layer_groups, state_groups=state_groups,
-                                    stage=stage)
+                                    stage=stage, pp_size=self.pp_size)
         self.server = HandshakeServer(self.host, self.port, self.compat_hash, secret=secret,
                                       on_release=self.streams.on_release, stall_s=SIDE_CHANNEL_STALL_S,
                                       on_digest=digests.on_digest, **way_handlers(self.pusher, self.streams))

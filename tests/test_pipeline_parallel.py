@@ -84,10 +84,20 @@ def _sched() -> SchedulerSide:
 def test_a_staged_engines_answer_names_pp_size_and_a_stream_grant_is_streamed() -> None:
     """The answer's ``pp_size`` is signed (the decode engine parses it under the secret) and its workers are the
     tp x pp ranks; a request carrying a stream grant is admitted for every stage's workers (each streams its
-    layers) and its answer carries the streamed mark."""
+    layers) and its answer carries the streamed mark. A grant signed for one stage (``pp_size`` 1) is not
+    streamed here: that request is held for a pull or push, its answer without the mark."""
     sched = _sched()
     try:
-        grant = make_stream_grant("prefill-engine", ANY_DECODE, SECRET.encode(), time.time() + 60)
+        one_stage = make_stream_grant("prefill-engine", ANY_DECODE, SECRET.encode(), time.time() + 60)
+        other = Request("s-0", list(range(3, 3 + 32)), SamplingParams(max_tokens=1), None)
+        other.kv_transfer_params = {"do_remote_decode": True, GRANT_KEY: one_stage}
+        sched.on_new_request(other)
+        assert "s-0" not in sched.streams
+        other.num_computed_tokens = other.num_prompt_tokens
+        other.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        hold, answer = sched.request_finished_all_groups(other, ([3, 4],))
+        assert hold and STREAMED_KEY not in answer and answer["pp_size"] == 2
+        grant = make_stream_grant("prefill-engine", ANY_DECODE, SECRET.encode(), time.time() + 60, pp_size=2)
         req = Request("s-1", list(range(3, 3 + 32)), SamplingParams(max_tokens=1), None)
         req.kv_transfer_params = {"do_remote_decode": True, GRANT_KEY: grant}
         sched.on_new_request(req)

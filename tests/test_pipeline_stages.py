@@ -313,6 +313,34 @@ def test_a_verified_stream_checks_every_stages_part() -> None:
     stream_and_check(PAIRS["PP 2 x TP 2 -> TP 1 (head slices), pull"][0], verify_kv=True)
 
 
+def test_a_grant_signed_for_other_stages_is_refused_by_every_stage_and_nothing_is_written(caplog) -> None:
+    """The grant names the prefill engine's stages: one the proxy signed for ``pp_size`` 1 (an incarnation of the
+    engine before it ran stages) presented with a leg naming 2 is refused by each stage before any WRITE, naming
+    ``pp_size``: the load fails, its blocks reported, and the decode rank's blocks keep their bytes."""
+    pair = PAIRS["PP 2 (2+2) -> TP 1, pull"][0]
+    remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
+    port = free_ports(1, run=len(pair.stages))[0]
+    stages = stage_ranks(pair, remote_ids, len(pair.stages), None, port, secret=SECRET)
+    deadline = time.monotonic() + 30
+    try:
+        with decode_workers(pair, secret=SECRET) as decoders:
+            granted = granted_stream(remote_ids, TOKENS, port, pair.prefill_tp, pp_size=1)
+            remote = dataclasses.replace(granted.remote, pp_size=len(pair.stages))
+            load = P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), remote, num_tokens=TOKENS - 1,
+                                                 stream_grant=granted.grant)])
+            (worker, base), before = decoders[0], decoders[0][1].clone()
+            worker.start_load_kv(load)
+            while "d-req" not in worker.get_finished()[1]:
+                assert time.monotonic() < deadline, "the refused streamed load never finished"
+                time.sleep(0.002)
+            assert worker.get_block_ids_with_load_errors() == set(local_ids)
+            assert "(pp_size 2)" in caplog.text and "another pp_size" in caplog.text
+            assert torch.equal(base, before), "a refused stream wrote into the decode rank's blocks"
+    finally:
+        for worker, _ in stages:
+            worker.shutdown()
+
+
 def stream_and_check(pair: Pair, verify_kv: bool = False) -> None:
     """Stream request ``p-req`` from ``pair``'s stages (all in this process) into every decode rank and compare
     their blocks with every layer's codes; ``verify_kv``: every part checked and verified."""
@@ -322,10 +350,9 @@ def stream_and_check(pair: Pair, verify_kv: bool = False) -> None:
     deadline = time.monotonic() + 30
     try:
         with decode_workers(pair, secret=SECRET, verify_kv=verify_kv) as decoders:
-            granted = granted_stream(remote_ids, TOKENS, port, pair.prefill_tp)
-            remote = dataclasses.replace(granted.remote, pp_size=len(pair.stages))
-            load = P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), remote, num_tokens=TOKENS - 1,
-                                                 stream_grant=granted.grant)])
+            granted = granted_stream(remote_ids, TOKENS, port, pair.prefill_tp, pp_size=len(pair.stages))
+            load = P2pKvMetadata(loads=[LoadSpec("d-req", tuple(local_ids), (), granted.remote,
+                                                 num_tokens=TOKENS - 1, stream_grant=granted.grant)])
             for worker, _ in stages:
                 worker.start_load_kv(granted.step)
             for worker, _ in decoders:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fastapi.responses import Response
 
-from p2pkv.grant import ANY_DECODE, GRANT_KEY, check_stream_grant
+from p2pkv.grant import ANY_DECODE, GRANT_KEY, StreamGrantError, check_stream_grant
 from p2pkv.params import make_prefill_response_params
 from p2pkv.tools.proxy.app import Proxy
 from p2pkv.tools.proxy.fanout import Batch
@@ -73,6 +73,12 @@ def test_only_an_answer_signed_with_the_secret_teaches_an_address() -> None:
     assert proxy.streams.addresses[URLS[0]].pp_size == 2  # its decode legs name every stage's workers
     legs = proxy.streams.legs(URLS[0], {"prompt": "x", "max_tokens": 4})
     assert legs is not None and legs[1]["pp_size"] == 2
+    for leg in legs:  # the grant both legs carry names the stages: the engine and the decode leg check it so
+        check_stream_grant(leg["kv_transfer_params"][GRANT_KEY] if "kv_transfer_params" in leg else leg[GRANT_KEY],
+                           SECRET, prefill_engine_id="p0", decode_engine_id=ANY_DECODE, now=time.time(), pp_size=2)
+    with pytest.raises(StreamGrantError, match=r"\(pp_size 1\)"):
+        check_stream_grant(legs[1][GRANT_KEY], SECRET, prefill_engine_id="p0", decode_engine_id=ANY_DECODE,
+                           now=time.time())
 
 
 def test_an_engine_not_learned_yet_gets_the_push_that_teaches_it() -> None:

@@ -32,7 +32,7 @@ def _grant(**kw: object) -> str:
 
 def test_a_grant_checks_for_its_two_engines_until_it_expires() -> None:
     grant = _grant()
-    assert grant.startswith(f"v1.{SID}.{int(NOW) + 31}.")
+    assert grant.startswith(f"v2.{SID}.{int(NOW) + 31}.")
     assert check_stream_grant(grant, KEY, now=NOW, **ENGINES) == StreamGrant(SID, int(NOW) + 31)
     assert check_stream_grant(grant, KEY, now=NOW + 31 + CLOCK_SKEW_S, **ENGINES).stream_id == SID
     with pytest.raises(StreamGrantError, match=f"kv_transfer_params.{GRANT_KEY} expired 6 s ago"):
@@ -64,14 +64,40 @@ def test_a_grant_altered_anywhere_is_refused() -> None:
             check_stream_grant(grant, KEY, now=NOW, **ENGINES)
 
 
-@pytest.mark.parametrize("grant", [None, 7, "", "v2" + _grant()[2:], _grant() + "0", _grant().upper(),
-                                   _grant().replace(".", ":"), f"v1.{SID}.1234567890123.{'0' * 64}",
-                                   ["v1", SID], {"grant": _grant()}, "v1." + "0" * 1_000_000])
+@pytest.mark.parametrize("grant", [None, 7, "", "v3" + _grant()[2:], _grant() + "0", _grant().upper(),
+                                   _grant().replace(".", ":"), f"v2.{SID}.1234567890123.{'0' * 64}",
+                                   ["v2", SID], {"grant": _grant()}, "v2." + "0" * 1_000_000])
 def test_a_malformed_grant_is_refused_before_anything_is_read(grant: object) -> None:
     with pytest.raises(StreamGrantError, match=f"kv_transfer_params.{GRANT_KEY}=.* is malformed") as info:
         check_stream_grant(grant, KEY, now=NOW, **ENGINES)
     assert isinstance(info.value, KVTransferParamsError)  # the engines' answer to bad params: a clear 400
     assert len(str(info.value)) < 400  # a huge value is not echoed whole
+
+
+def test_a_v1_grant_from_an_older_proxy_is_refused_naming_the_upgrade() -> None:
+    """A v1 grant's MAC named no pipeline stages: refused before its MAC is read, naming the fix."""
+    with pytest.raises(StreamGrantError, match=r"is a v1 grant, from a proxy older than this engine.*upgrade the "
+                                               r"proxy"):
+        check_stream_grant(f"v1.{SID}.{int(NOW) + 30}.{'0' * 64}", KEY, now=NOW, **ENGINES)
+
+
+def test_a_grant_names_the_prefill_engines_stages() -> None:
+    """The MAC covers the prefill engine's ``pp_size``: a grant made for 2 stages checks for 2 only, so a prefill
+    engine running another number of stages (restarted so) refuses it, and a decode leg that names other stages
+    than the proxy signed is refused, naming ``pp_size``, before anything moves."""
+    grant = _grant(pp_size=2)
+    assert check_stream_grant(grant, KEY, now=NOW, pp_size=2, **ENGINES).stream_id == SID
+    for pp_size in (1, 3):
+        with pytest.raises(StreamGrantError, match=rf"\(pp_size {pp_size}\).*another pp_size"):
+            check_stream_grant(grant, KEY, now=NOW, pp_size=pp_size, **ENGINES)
+    with pytest.raises(StreamGrantError, match=r"\(pp_size 2\)"):
+        check_stream_grant(_grant(), KEY, now=NOW, pp_size=2, **ENGINES)
+    leg = {"remote_engine_id": "prefill-a", "remote_host": "127.0.0.1", "remote_port": 5600, GRANT_KEY: grant}
+    with pytest.raises(StreamGrantError, match=r"\(pp_size 1\)"):
+        parse_stream_leg(leg, KEY, decode_engine_id="decode-b", now=NOW)  # no pp_size: one stage
+    assert parse_stream_leg({**leg, "pp_size": 2}, KEY, decode_engine_id="decode-b", now=NOW)[0].pp_size == 2
+    with pytest.raises(ValueError, match="pp_size must be >= 1"):
+        make_stream_grant("p", "d", KEY, NOW, pp_size=0)
 
 
 def test_making_a_grant_needs_a_secret_both_engines_and_a_well_formed_stream_id() -> None:
@@ -87,7 +113,7 @@ def test_making_a_grant_needs_a_secret_both_engines_and_a_well_formed_stream_id(
 def test_a_grant_expiring_too_far_ahead_is_refused_naming_the_field(ahead: float) -> None:
     """A proxy whose clock runs a day fast would make the engines remember its stream ids for a day: refused
     before the MAC, naming the field, how far ahead, the limit and the fix."""
-    grant = f"v1.{SID}.{int(NOW + ahead)}.{'0' * 64}"
+    grant = f"v2.{SID}.{int(NOW + ahead)}.{'0' * 64}"
     with pytest.raises(StreamGrantError) as info:
         check_stream_grant(grant, KEY, now=NOW, **ENGINES)
     message = str(info.value)
@@ -128,7 +154,7 @@ def test_a_stream_leg_names_the_prefill_engines_stages_and_bounds_their_ports() 
     """A PP prefill engine's decode leg names its ``pp_size``: the load streams from every stage's workers (ranks
     ``0 .. tp_size * pp_size - 1``, each port ``remote_port + rank`` a TCP port)."""
     params = {"remote_engine_id": "prefill-a", "remote_host": "127.0.0.1", "remote_port": 5600, "pp_size": 2,
-              "tp_size": 2, GRANT_KEY: _grant()}
+              "tp_size": 2, GRANT_KEY: _grant(pp_size=2)}
     remote, _ = parse_stream_leg(params, KEY, decode_engine_id="decode-b", now=NOW)
     assert (remote.pp_size, remote.num_ranks) == (2, 4)
     with pytest.raises(KVTransferParamsError, match=r"remote_port=65533.*pp_size 2"):

@@ -62,19 +62,19 @@ class GrantedStream:
 
 
 def granted_stream(remote_ids: list[int], tokens: int, port: int, tp_size: int,
-                   group_blocks: tuple[GroupBlocks, ...] = ()) -> GrantedStream:
+                   group_blocks: tuple[GroupBlocks, ...] = (), pp_size: int = 1) -> GrantedStream:
     """A grant for any decode engine, for a ``tokens``-token prompt in prefill blocks ``remote_ids`` (and, for a
-    model with several KV cache groups, ``group_blocks`` of groups 1 ..), from the prefill engine whose rank 0
-    serves ``port``; the decode engine loads all but the last token."""
+    model with several KV cache groups, ``group_blocks`` of groups 1 ..), from the prefill engine of ``pp_size``
+    stages whose rank 0 serves ``port``; the decode engine loads all but the last token."""
     loaded = tokens - 1
-    grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60)
+    grant = make_stream_grant("prefill", ANY_DECODE, SECRET.encode(), time.time() + 60, pp_size=pp_size)
     stream_id = check_stream_grant(grant, SECRET.encode(), prefill_engine_id="prefill", decode_engine_id="decode",
-                                   now=time.time()).stream_id
+                                   now=time.time(), pp_size=pp_size).stream_id
     digest = prompt_digest(list(range(loaded)))
     step = P2pKvMetadata(streams=[StreamChunk("p-req", stream_id, 0, tuple(remote_ids), tokens, True, digest,
                                               loaded, group_blocks)])
     remote = RemotePrefill("prefill", stream_id, "127.0.0.1", port, (), tp_size, num_tokens=loaded,
-                           prompt_digest=digest, transfer_mode="stream")
+                           prompt_digest=digest, transfer_mode="stream", pp_size=pp_size)
     return GrantedStream(grant, step, remote)
 
 

@@ -88,19 +88,21 @@ class PrefillStreams(StreamDestinations, StreamReleases):
             :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
         stage: this rank's pipeline stage (None: it holds every layer): its layers stream into the decode
             ranks' matching layers.
+        pp_size: the engine's pipeline stages (a grant must name them).
     """
 
     def __init__(self, engine_id: str, engine: WriteEngine, holds: PrefillHolds,
                  source: StreamSide | str, layer_of: dict[str, int], secret: bytes | None, *, on_gpu: bool = False,
                  min_tokens: int = 0, min_link_share: float = 0.0, group_of: dict[str, int] | None = None,
                  state_groups: frozenset[int] = frozenset(), clock: Callable[[], float] = time.monotonic,
-                 max_lifetime_s: float = 480.0, stage: StageLayers | None = None) -> None:
+                 max_lifetime_s: float = 480.0, stage: StageLayers | None = None, pp_size: int = 1) -> None:
         self.engine_id = engine_id
         self.engine = engine
         self.agent = engine.agent
         self.holds = holds
         self.source = source
         self.stage = stage
+        self.pp_size = pp_size
         self.layer_of = layer_of
         self._secret = secret
         self._on_gpu = on_gpu

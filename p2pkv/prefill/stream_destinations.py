@@ -73,6 +73,7 @@ class StreamDestinations:
     poster: StreamPoster
     source: StreamSide | str
     stage: StageLayers | None
+    pp_size: int
     measures: StreamMeasures
     kv_groups: int
     max_lifetime_s: float
@@ -96,7 +97,7 @@ class StreamDestinations:
     def _accept(self, msg: StreamRequest) -> tuple[PushStatus, str]:
         now = time.time()
         checked = check_stream_request(msg, self.source, self._secret, self.engine_id, now, self.kv_groups,
-                                       self.max_lifetime_s, self.stage)
+                                       self.max_lifetime_s, self.stage, self.pp_size)
         if isinstance(checked, str):
             return "refused", checked
         if msg.kv_digest and self._on_gpu:  # type: ignore[attr-defined]  # PrefillStreams's

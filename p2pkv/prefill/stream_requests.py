@@ -4,8 +4,8 @@ Each check refuses with a message naming the field, and nothing is loaded
 or kept for a refused request (:func:`check_stream_request`): the rank can
 stream at all (its pages cut one per layer, a secret to check grants); the
 agent is the requester's own (:func:`p2pkv.prefill.push_requests.requester_identity`);
-the grant names this engine and the requester (or any decode engine) and
-has not expired; the agent's metadata (on a pipeline stage: its pages of the
+the grant names this engine, its pipeline stages (``pp_size``) and the
+requester (or any decode engine) and has not expired; the agent's metadata (on a pipeline stage: its pages of the
 stage's layers) is well formed and its pages are this
 rank's (same page size, layer and K/V order, heads, HND/NHD, dtype and block
 size: a stream moves pages as they are), or, with ``head_slice``, both
@@ -151,7 +151,7 @@ class CheckedStream:
 
 def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: bytes | None, engine_id: str,
                          now: float, kv_groups: int = 1, max_lifetime_s: float = 480.0,
-                         stage: StageLayers | None = None) -> CheckedStream | str:
+                         stage: StageLayers | None = None, pp_size: int = 1) -> CheckedStream | str:
     """Check ``msg`` against this rank (see the module docstring for the order).
 
     Args:
@@ -164,6 +164,7 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         max_lifetime_s: how far past ``now`` the grant's expiry may lie (seconds).
         stage: this rank's pipeline stage (None: it holds every layer): the decode rank's pages it streams into
             are those of the stage's layers (:func:`p2pkv.dataplane.stages.stage_view` of the agent's layout).
+        pp_size: this engine's pipeline stages (the grant must name them).
 
     Returns:
         The checked request, or why it is refused (a message naming the field).
@@ -175,7 +176,8 @@ def check_stream_request(msg: StreamRequest, source: StreamSide | str, secret: b
         return why
     try:
         grant = check_stream_grant(msg.grant, secret, prefill_engine_id=engine_id,
-                                   decode_engine_id=msg.requester_engine_id, now=now, max_lifetime_s=max_lifetime_s)
+                                   decode_engine_id=msg.requester_engine_id, now=now, max_lifetime_s=max_lifetime_s,
+                                   pp_size=pp_size)
     except StreamGrantError as exc:
         return str(exc)
     try:

@@ -93,11 +93,12 @@ class StreamSteps:
         ledger: the engine's hold ledger (None: a ledger of its own with no cap).
         max_lifetime_s: how far past this engine's clock a grant's expiry may lie (seconds;
             :attr:`p2pkv.config.P2pKvConfig.max_lifetime_s`).
+        pp_size: this engine's pipeline stages (the grant must name them).
     """
 
     def __init__(self, engine_id: str, secret: bytes | None, block_size: int, recompute_tokens: int,
                  kv_groups: int, state_groups: frozenset[int] = frozenset(), ledger: HoldLedger | None = None,
-                 max_lifetime_s: float = 480.0) -> None:
+                 max_lifetime_s: float = 480.0, pp_size: int = 1) -> None:
         self.engine_id = engine_id
         self._secret = secret
         self.block_size = block_size
@@ -106,6 +107,7 @@ class StreamSteps:
         self.state_groups = state_groups
         self.ledger = HoldLedger(None, 1.0) if ledger is None else ledger
         self.max_lifetime_s = max_lifetime_s
+        self.pp_size = pp_size
         self._requests: dict[str, _Streamed] = {}
         self.bound = Bindings("stream id")
         self.aborts: dict[str, str] = {}
@@ -130,7 +132,8 @@ class StreamSteps:
         now = time.time() if now is None else now
         try:
             grant = check_stream_grant(params.get(GRANT_KEY), self._secret, prefill_engine_id=self.engine_id,
-                                       decode_engine_id=ANY_DECODE, now=now, max_lifetime_s=self.max_lifetime_s)
+                                       decode_engine_id=ANY_DECODE, now=now, max_lifetime_s=self.max_lifetime_s,
+                                       pp_size=self.pp_size)
         except StreamGrantError as exc:
             logger.warning("p2pkv: request %s: %s; not streamed (held for a pull or push)", request.request_id, exc)
             return

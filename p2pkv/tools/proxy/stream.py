@@ -1,7 +1,7 @@
 """The proxy's layer-streamed dispatch (``--transfer-mode stream``): both legs at once, under one grant.
 
-A prefill engine's address (engine id, side-channel host and port, TP size)
-is learned from its first answer's ``kv_transfer_params`` whose capability
+A prefill engine's address (engine id, side-channel host and port, TP and
+PP sizes) is learned from its first answer's ``kv_transfer_params`` whose capability
 checks under the proxy's secret (an answer nobody signed teaches nothing);
 until then requests go to that engine as pushes. Once it is known,
 :meth:`StreamLegs.legs` makes a grant (:func:`p2pkv.grant.make_stream_grant`,
@@ -76,7 +76,8 @@ class StreamLegs:
         if address is None:
             return None
         lifetime = min(self.grant_s, GRANT_LIFETIME_S)
-        grant = make_stream_grant(address.engine_id, ANY_DECODE, self._secret, time.time() + lifetime)
+        grant = make_stream_grant(address.engine_id, ANY_DECODE, self._secret, time.time() + lifetime,
+                                  pp_size=address.pp_size)  # the grant names the engine's stages
         prefill = prefill_body(body)
         prefill["kv_transfer_params"][GRANT_KEY] = grant
         decode = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": address.engine_id,
