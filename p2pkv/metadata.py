@@ -80,7 +80,7 @@ class StreamChunk:
             first chunk starts at block 0, so a prefix this engine had cached goes with it).
         num_tokens: prompt tokens computed once this step ends (tokens, from token 0).
         last: the step computes the prompt's last token: after its last layer the stream finishes.
-        prompt_digest: :func:`p2pkv.params.prompt_digest` of the first ``loaded_tokens`` prompt tokens
+        prompt_digest: :func:`p2pkv.prompt_digest.prompt_digest` of the first ``loaded_tokens`` prompt tokens
             (set on the request's first chunk, "" after).
         loaded_tokens: prompt tokens a decode engine streaming it loads (all but the last; first chunk only).
         group_blocks: a model with several KV cache groups: the blocks of groups 1 .. the step writes

@@ -29,7 +29,6 @@ import hmac
 import itertools
 import math
 import re
-import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any
 import msgspec
 
 from p2pkv.lifetime import CLOCK_SKEW_S, DEFAULT_MAX_LIFETIME_S, lifetime_refusal
+from p2pkv.prompt_digest import DIGEST_FORM, DIGEST_KEY
 
 
 class KVTransferParamsError(ValueError):
@@ -98,7 +98,7 @@ class RemotePrefill:
             the client): the decode request's prompt is the prefill prompt
             plus these, and the decode engine computes them itself (tokens;
             0 when nothing was appended).
-        prompt_digest: :func:`prompt_digest` of the ``num_tokens`` prompt token ids
+        prompt_digest: :func:`p2pkv.prompt_digest.prompt_digest` of the ``num_tokens`` prompt token ids
             the prefill engine computed (``remote_prompt_digest``; "" when the
             sender gave none): the decode engine loads only into a prompt that
             starts with exactly those tokens.
@@ -164,24 +164,6 @@ def _text(params: dict[str, Any], key: str, pattern: re.Pattern[str] = ID_PATTER
         raise KVTransferParamsError(f"kv_transfer_params.{key}={head!r}{'...' if len(value) > SHOWN_CHARS else ''} "
                                     f"({len(value)} characters) must match {pattern.pattern}")
     return value
-
-
-DIGEST_KEY = "remote_prompt_digest"
-"""``kv_transfer_params`` key of the prefill prompt's :func:`prompt_digest`."""
-DIGEST_FORM = re.compile(r"[0-9a-f]{32}")
-
-
-def prompt_digest(token_ids: Sequence[int]) -> str:
-    """SHA-256 (first 128 bits, hex) of prompt token ids as little-endian int64s: which tokens a hold's KV is of.
-
-    Raises:
-        OverflowError: a token id beyond int64 (no tokenizer makes one).
-    """
-    try:
-        packed = struct.pack(f"<{len(token_ids)}q", *token_ids)  # the fastest packing of a list of ints here
-    except struct.error as exc:
-        raise OverflowError(f"a prompt token id does not fit an int64: {exc}") from exc
-    return hashlib.sha256(packed).hexdigest()[:32]
 
 
 def _digest(params: dict[str, Any]) -> str:
@@ -566,7 +548,7 @@ def make_prefill_response_params(
     the client at once and append it to the decode request's prompt (see
     ``appended_tokens``); False when the engine computed only part of the
     prompt (an attention-window model, see ``recompute_tokens``).
-    ``prompt_digest``: :func:`prompt_digest` of the ``num_tokens`` prompt token
+    ``prompt_digest``: :func:`p2pkv.prompt_digest.prompt_digest` of the ``num_tokens`` prompt token
     ids computed (sent as ``remote_prompt_digest`` when given).
     ``secret``: sign them (``p2pkv_capability``, expiring at ``expiry_time``),
     as :func:`sign_params` would, from these arguments rather than by parsing

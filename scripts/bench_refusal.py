@@ -80,7 +80,8 @@ def case_params(case: str, max_model_len: int, block_size: int, prompt: list[int
     Raises:
         ValueError: an unknown case.
     """
-    from p2pkv.params import CAPABILITY_KEY, make_prefill_response_params, prompt_digest
+    from p2pkv.params import CAPABILITY_KEY, make_prefill_response_params
+    from p2pkv.prompt_digest import prompt_digest
 
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")

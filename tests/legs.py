@@ -6,7 +6,8 @@ import time
 
 import httpx
 
-from p2pkv.params import CAPABILITY_KEY, DIGEST_KEY, TRANSFER_MODE_KEY, prompt_digest, sign_params
+from p2pkv.params import CAPABILITY_KEY, TRANSFER_MODE_KEY, sign_params
+from p2pkv.prompt_digest import DIGEST_KEY, prompt_digest
 from p2pkv.tools.demo import Answer
 
 

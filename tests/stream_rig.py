@@ -19,13 +19,13 @@ from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
 from p2pkv.grant import make_stream_grant
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.notification import PUSH_PREFIX, PushedNotification, parse_pushed
-from p2pkv.params import prompt_digest
 from p2pkv.prefill.holds import PrefillHolds
 from p2pkv.prefill.layer_stream import LayerStream
 from p2pkv.prefill.prefill_streams import PrefillStreams
 from p2pkv.prefill.pusher import Pusher
 from p2pkv.prefill.stream_requests import stream_side
 from p2pkv.prefill.write_engine import WriteEngine
+from p2pkv.prompt_digest import prompt_digest
 from tests.clock import FakeClock
 from tests.push_support import DECODE, ENGINE, KEY, SHAPE, Agents
 

@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONTRACTS = {"p2pkv.config", "p2pkv.params", "p2pkv.metadata", "p2pkv.notification", "p2pkv.grant",
-             "p2pkv.lifetime", "p2pkv.bindings", "p2pkv.ways"}
+CONTRACTS = {"p2pkv.config", "p2pkv.params", "p2pkv.prompt_digest", "p2pkv.metadata", "p2pkv.notification",
+             "p2pkv.grant", "p2pkv.lifetime", "p2pkv.bindings", "p2pkv.ways"}
 SIDES = {"p2pkv.connector", "p2pkv.engine_facts", "p2pkv.plugin", "p2pkv.scheduler", "p2pkv.worker"}
 WORKER_FOLDERS = ("p2pkv.decode", "p2pkv.prefill", "p2pkv.dataplane")
 """What runs in vLLM's workers; ``p2pkv.scheduling`` runs in its scheduler, and neither imports the other."""

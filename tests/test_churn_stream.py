@@ -43,7 +43,8 @@ import torch
 
 from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
 from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
-from p2pkv.params import RemotePrefill, prompt_digest
+from p2pkv.params import RemotePrefill
+from p2pkv.prompt_digest import prompt_digest
 from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, free_port, shape
 
 SECRET = "stream-churn-test-secret-32bytes"

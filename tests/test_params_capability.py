@@ -21,10 +21,10 @@ from p2pkv.params import (
     check_capability,
     make_prefill_response_params,
     parse_remote_prefill,
-    prompt_digest,
     sign_params,
     with_appended_tokens,
 )
+from p2pkv.prompt_digest import prompt_digest
 from p2pkv.scheduling.load import DecodeLoad
 
 SECRET = b"a-side-channel-secret-of-32-byte"

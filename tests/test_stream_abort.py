@@ -45,9 +45,10 @@ import torch
 
 from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
 from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
-from p2pkv.params import RemotePrefill, prompt_digest
+from p2pkv.params import RemotePrefill
 from p2pkv.prefill import stream_pending
 from p2pkv.prefill.prefill_streams import measured_min_tokens
+from p2pkv.prompt_digest import prompt_digest
 from p2pkv.testing import make_kv_caches
 from p2pkv.worker import WorkerSide
 from tests.faults import inject, restore

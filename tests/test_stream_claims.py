@@ -23,8 +23,9 @@ import pytest
 
 from p2pkv.metadata import P2pKvMetadata, StreamChunk
 from p2pkv.notification import PushedNotification
-from p2pkv.params import CLOCK_SKEW_S, prompt_digest
+from p2pkv.params import CLOCK_SKEW_S
 from p2pkv.prefill.stream_pending import MAX_UNKNOWN_PER_RANK, UNKNOWN_WAIT_S
+from p2pkv.prompt_digest import prompt_digest
 from tests.push_support import Agents
 from tests.stream_rig import LAYERS, PID, REQ, Rig, open_rig
 

@@ -27,8 +27,9 @@ from handshake import PROTOCOL_VERSION, GroupBlocks, KVRegion, StreamRequest
 from p2pkv.dataplane.negotiate import ModelInfo, layout_desc
 from p2pkv.grant import ANY_DECODE, check_stream_grant, make_stream_grant
 from p2pkv.metadata import LoadSpec, P2pKvMetadata, StreamChunk
-from p2pkv.params import RemotePrefill, prompt_digest
+from p2pkv.params import RemotePrefill
 from p2pkv.prefill.stream_requests import CheckedStream, check_stream_request, stream_side
+from p2pkv.prompt_digest import prompt_digest
 from tests.conftest import free_ports
 from tests.push_support import DECODE, ENGINE, KEY, SHAPE, Agents
 from tests.test_hetero import ROWS, block_ids, make_cache, make_workers, mode

@@ -7,7 +7,7 @@ import time
 from types import SimpleNamespace
 
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, make_stream_grant
-from p2pkv.params import prompt_digest
+from p2pkv.prompt_digest import prompt_digest
 from p2pkv.scheduling.stream_steps import StreamSteps
 
 SECRET = b"s" * 32

@@ -24,7 +24,8 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.request import Request, RequestStatus
 
 from p2pkv.config import ConfigError, P2pKvConfig
-from p2pkv.params import CAPABILITY_KEY, make_prefill_response_params, prompt_digest
+from p2pkv.params import CAPABILITY_KEY, make_prefill_response_params
+from p2pkv.prompt_digest import prompt_digest
 from p2pkv.scheduler import SchedulerSide
 from p2pkv.turns import TURN_LOADED_KEY, wants_turn_load
 

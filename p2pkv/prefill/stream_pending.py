@@ -47,7 +47,7 @@ class Destination:
         target: where the stream WRITEs.
         identity: the decode rank ``(engine id, tp rank)``.
         num_tokens: prompt tokens it loads (tokens).
-        digest: :func:`p2pkv.params.prompt_digest` of them.
+        digest: :func:`p2pkv.prompt_digest.prompt_digest` of them.
         deadline: when its window passes (seconds on the streams' clock).
         readers: how many decode ranks of its engine read this rank (each sends a destination).
         wait_until: until when it waits here for its request (seconds on the streams' clock): its ``deadline``

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from p2pkv.config import P2pKvConfig, Role
-from p2pkv.params import make_prefill_response_params, prompt_digest, wants_remote_decode
+from p2pkv.params import make_prefill_response_params, wants_remote_decode
+from p2pkv.prompt_digest import prompt_digest
 from p2pkv.scheduling.hold_ledger import HoldLedger
 from p2pkv.telemetry.hold_spans import HoldEnd, emit_hold_span
 from p2pkv.telemetry.tracing import TRACEPARENT_KEY, Tracing, parse_traceparent, traces_endpoint
@@ -232,7 +233,7 @@ def leave_tail_to_decode(request: Request, tokens: int) -> None:
 
 
 def computed_digest(request: Request) -> str:
-    """:func:`p2pkv.params.prompt_digest` of the prompt tokens this engine computed for ``request`` (its first
+    """:func:`p2pkv.prompt_digest.prompt_digest` of the prompt tokens this engine computed for ``request`` (its first
     ``num_computed_tokens`` prompt token ids); "" for a prompt given as embeddings (no token ids)."""
     ids = request.prompt_token_ids
     return "" if ids is None else prompt_digest(ids[:request.num_computed_tokens])

@@ -20,7 +20,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from p2pkv.params import DIGEST_KEY, KVTransferParamsError, RemotePrefill, check_kv_groups, prompt_digest
+from p2pkv.params import KVTransferParamsError, RemotePrefill, check_kv_groups
+from p2pkv.prompt_digest import DIGEST_KEY, prompt_digest
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,8 @@ from handshake import GroupBlocks
 from p2pkv.bindings import Bindings
 from p2pkv.grant import ANY_DECODE, GRANT_KEY, StreamGrantError, check_stream_grant
 from p2pkv.metadata import StreamChunk
-from p2pkv.params import CLOCK_SKEW_S, prompt_digest
+from p2pkv.params import CLOCK_SKEW_S
+from p2pkv.prompt_digest import prompt_digest
 from p2pkv.scheduling.hold_ledger import HoldLedger
 
 logger = logging.getLogger("p2pkv.scheduler")
