@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -313,6 +314,20 @@ def test_a_verified_stream_checks_every_stages_part() -> None:
     stream_and_check(PAIRS["PP 2 x TP 2 -> TP 1 (head slices), pull"][0], verify_kv=True)
 
 
+def test_a_stage_whose_writes_are_dropped_fails_the_verified_stream_naming_the_models_layer(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Stage 1's WRITEs posted as one byte each (``P2PKV_FAULT_DROP_WRITE`` on its workers only), their digests
+    still of what they were to move: the verified stream fails, every block reported, and the mismatch names the
+    decode engine's layer: stage 1's first page is the model's layer 2 (layers 2..3 of a 2+2 split), not its
+    stage-local 0."""
+    monkeypatch.setenv("P2PKV_FAULT_DROP_WRITE", "1")
+    monkeypatch.setenv("P2PKV_ALLOW_FAULTS", "1")
+    caplog.set_level(logging.WARNING, logger="p2pkv")
+    stream_and_check(PAIRS["PP 2 (2+2) -> TP 1, pull"][0], verify_kv=True, dropped_stage=1)
+    [line] = [r.getMessage() for r in caplog.records if "KV digest mismatch" in r.getMessage()]
+    assert "from prefill rank p2pkv-prefill-tp1-" in line and "differs at layer 2, blocks 11, 12" in line, line
+
+
 def test_a_grant_signed_for_other_stages_is_refused_by_every_stage_and_nothing_is_written(caplog) -> None:
     """The grant names the prefill engine's stages: one the proxy signed for ``pp_size`` 1 (an incarnation of the
     engine before it ran stages) presented with a leg naming 2 is refused by each stage before any WRITE, naming
@@ -341,12 +356,16 @@ def test_a_grant_signed_for_other_stages_is_refused_by_every_stage_and_nothing_i
             worker.shutdown()
 
 
-def stream_and_check(pair: Pair, verify_kv: bool = False) -> None:
+def stream_and_check(pair: Pair, verify_kv: bool = False, dropped_stage: int | None = None) -> None:
     """Stream request ``p-req`` from ``pair``'s stages (all in this process) into every decode rank and compare
-    their blocks with every layer's codes; ``verify_kv``: every part checked and verified."""
+    their blocks with every layer's codes; ``verify_kv``: every part checked and verified; ``dropped_stage``: only
+    that stage's workers keep the injected faults (a dropped WRITE), so every load fails, found by its check."""
     remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
     port = free_ports(1, run=pair.prefill_tp * len(pair.stages))[0]
     stages = stage_ranks(pair, remote_ids, len(pair.stages), None, port, secret=SECRET)
+    for worker, _ in stages:
+        if dropped_stage is not None and worker.pp_rank != dropped_stage:
+            worker.writes.faults = None
     deadline = time.monotonic() + 30
     try:
         with decode_workers(pair, secret=SECRET, verify_kv=verify_kv) as decoders:
@@ -362,6 +381,10 @@ def stream_and_check(pair: Pair, verify_kv: bool = False) -> None:
                 while "d-req" not in worker.get_finished()[1]:
                     assert time.monotonic() < deadline, f"the streamed load of decode rank {rank} never finished"
                     time.sleep(0.002)
+                if dropped_stage is not None:
+                    assert worker.get_block_ids_with_load_errors() == set(local_ids)
+                    assert "stream:mismatch" in (worker.take_stats() or {}).get("kv_checks", {})
+                    continue
                 assert worker.get_block_ids_with_load_errors() == set()
                 stats = worker.take_stats() or {}
                 assert stats.get("directions") == {"stream": 1}

@@ -179,10 +179,12 @@ def _listed(values: list[int]) -> str:
 
 
 def _stream_items(part: Part, desc: KVLayoutDesc) -> list[Place | None]:
-    """A layer stream's pieces in :func:`p2pkv.dataplane.digest.combine`'s order, each a page of one block."""
+    """A layer stream's pieces in :func:`p2pkv.dataplane.digest.combine`'s order, each a page of one block, named
+    by this rank's layer (a pipeline stage's pages count its layers from 0: its first layer is added)."""
     pages, blocks = stream_pages(part, desc)
+    first = part.peer.info.layout.first_layer if part.peer.info.pp_size > 1 else 0
     keys = sorted((i, g, j) for i, groups in enumerate(blocks) for g, ids in groups.items() for j in range(len(ids)))
-    return [(pages[i].layer_start, pages[i].kv_index, (blocks[i][g][j],)) for i, g, j in keys]
+    return [(first + pages[i].layer_start, pages[i].kv_index, (blocks[i][g][j],)) for i, g, j in keys]
 
 
 def _row_items(part: Part, desc: KVLayoutDesc) -> list[Place | None]:
