@@ -3,15 +3,17 @@
 Driven as vLLM's scheduler calls the connector, with vLLM's own ``Request``: pulls and pushes hold when their
 request finishes, a layer stream from its request's arrival, all against one ``max_held_fraction``; a grant's
 stream id serves the first request that names it for the grant's whole life (a replay of it, after the first
-request finished too, gets no stream and no hold). The property test at the end drives random interleavings of
-every way with replays, aborts, client departures, lease expiry and engine restarts through the scheduler side
-and the workers' holds, and checks the cap and the leases after every step.
+request finished too, gets no stream and no hold), on an engine without pipeline stages and on one with two
+(its one scheduler counts a request's blocks once for every stage's workers). The property test at the end
+drives random interleavings of every way with replays, aborts, client departures, lease expiry and engine
+restarts through the scheduler side and the workers' holds, and checks the cap and the leases after every step.
 """
 
 from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.sampling_params import SamplingParams
@@ -31,15 +33,21 @@ ENGINE = "prefill-engine"
 LEASE_S = 30.0
 
 
-def _sched(num_blocks: int = 10, clock: FakeClock | None = None) -> SchedulerSide:
+def _sched(num_blocks: int = 10, clock: FakeClock | None = None, pp_size: int = 1) -> SchedulerSide:
+    """A prefill engine's scheduler side; ``pp_size`` > 1: a pipeline-parallel engine, whose one scheduler holds
+    each request's blocks once for all its stages' workers (the same ledger, the same cap)."""
     config = P2pKvConfig(lease_s=LEASE_S, max_held_fraction=0.5, secret=SECRET,
                          role="prefill")
     return SchedulerSide(ENGINE, config, BLOCK, "127.0.0.1", 5600, 1, role="prefill", num_blocks=num_blocks,
-                         clock=clock or time.monotonic)
+                         clock=clock or time.monotonic, pp_size=pp_size)
 
 
-def _grant() -> str:
-    return make_stream_grant(ENGINE, ANY_DECODE, SECRET.encode(), time.time() + 60)
+def _grant(pp_size: int = 1) -> str:
+    return make_stream_grant(ENGINE, ANY_DECODE, SECRET.encode(), time.time() + 60, pp_size=pp_size)
+
+
+STAGES = pytest.mark.parametrize("pp_size", [1, 2], ids=["one stage", "PP 2"])
+"""The guarantees of holds and grants on an engine without and with pipeline stages."""
 
 
 def _arrive(sched: SchedulerSide, rid: str, blocks: int, grant: str | None = None) -> Request:
@@ -56,12 +64,13 @@ def _end(sched: SchedulerSide, req: Request, block_ids: list[int], completed: bo
     return sched.request_finished_all_groups(req, (block_ids,))
 
 
-def test_a_stream_counts_against_the_cap_from_its_arrival() -> None:
+@STAGES
+def test_a_stream_counts_against_the_cap_from_its_arrival(pp_size: int) -> None:
     """5 of 10 blocks may be held. A 4-block stream counts from its arrival (its destination, once it has one,
     keeps its blocks until the stream ends, whatever else happens), so a 2-block pull finishing meanwhile is
     answered without a hold; once the stream's hold has ended, the pull is held again."""
-    sched = _sched()
-    stream = _arrive(sched, "s-1", 4, _grant())
+    sched = _sched(pp_size=pp_size)
+    stream = _arrive(sched, "s-1", 4, _grant(pp_size))
     assert sched.prefill.held_blocks == 4
     meta = sched.build_connector_meta()
     assert list(meta.stream_admits) == ["s-1"] and meta.stream_refusals == {}
@@ -75,10 +84,11 @@ def test_a_stream_counts_against_the_cap_from_its_arrival() -> None:
     assert _end(sched, _arrive(sched, "p-2", 2), [1, 2])[0]
 
 
-def test_a_stream_that_would_pass_the_cap_is_not_streamed_and_its_destination_is_refused_at_once() -> None:
-    sched = _sched()
+@STAGES
+def test_a_stream_that_would_pass_the_cap_is_not_streamed_and_its_destination_is_refused_at_once(pp_size: int) -> None:
+    sched = _sched(pp_size=pp_size)
     assert _end(sched, _arrive(sched, "p-1", 3), [1, 2, 3])[0]
-    grant = _grant()
+    grant = _grant(pp_size)
     req = _arrive(sched, "s-1", 4, grant)
     meta = sched.build_connector_meta()
     assert meta.stream_admits == {} and sched.prefill.held_blocks == 3
@@ -88,11 +98,12 @@ def test_a_stream_that_would_pass_the_cap_is_not_streamed_and_its_destination_is
     assert not hold and "max_held_fraction" in params[NO_HOLD_KEY], "a refused stream holds nothing"
 
 
-def test_a_replayed_grant_serves_no_second_request_even_after_the_first_has_finished() -> None:
+@STAGES
+def test_a_replayed_grant_serves_no_second_request_even_after_the_first_has_finished(pp_size: int) -> None:
     """A grant is seen by logs, traces, routers and the plaintext proxy → engine hop. Sent again once its first
     request has finished, it used to stream again (a hold no cap refused, pinned until the lease)."""
-    sched = _sched(num_blocks=100)
-    grant = _grant()
+    sched = _sched(num_blocks=100, pp_size=pp_size)
+    grant = _grant(pp_size)
     first = _arrive(sched, "s-1", 4, grant)
     assert _end(sched, first, [5, 6, 7, 8])[0]
     sched.on_sent({"s-1"})
@@ -105,9 +116,10 @@ def test_a_replayed_grant_serves_no_second_request_even_after_the_first_has_fini
     assert sched.prefill.held_blocks == 0
 
 
-def test_a_replayed_grant_while_its_request_runs_is_refused_and_the_first_keeps_its_stream() -> None:
-    sched = _sched(num_blocks=100)
-    grant = _grant()
+@STAGES
+def test_a_replayed_grant_while_its_request_runs_is_refused_and_the_first_keeps_its_stream(pp_size: int) -> None:
+    sched = _sched(num_blocks=100, pp_size=pp_size)
+    grant = _grant(pp_size)
     first = _arrive(sched, "s-1", 2, grant)
     replay = _arrive(sched, "s-2", 2, grant)
     assert "s-1" in sched.streams and "s-2" not in sched.streams
