@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from p2pkv.config import P2pKvConfig
-from p2pkv.dataplane.negotiate import ModelInfo
+from p2pkv.dataplane.negotiate import ModelInfo, Placement
 from p2pkv.decode import progress as pull_progress
 from p2pkv.metadata import LoadSpec, P2pKvMetadata
 from p2pkv.params import RemotePrefill
@@ -72,21 +72,23 @@ def rank_heads(rank: int, tp: int) -> range:
 
 
 def make_cache(layers: range, rank: int, tp: int, block_size: int, cross_layer: bool = False,
-               block_ids: list[int] | None = None, device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               block_ids: list[int] | None = None, device: str = "cpu",
+               tokens: int = TOKENS) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """int32 storage of ``layers`` (HND pages of rank ``rank``'s heads) on ``device`` and its per-layer float32 views
-    named as vLLM names layers; zero except, with ``block_ids``, the codes of :data:`TOKENS` prompt tokens in them."""
+    named as vLLM names layers; zero except, with ``block_ids``, the codes of the first ``tokens`` of the
+    :data:`TOKENS` prompt tokens in them."""
     heads = rank_heads(rank, tp)
     page = (len(heads), block_size, HEAD_DIM)
     shape = (NUM_BLOCKS, len(layers), *page) if cross_layer else (len(layers), NUM_BLOCKS, *page)
     base = torch.zeros(shape, dtype=torch.int32)
     per_layer = [base[:, i] if cross_layer else base[i] for i in range(len(layers))]
     if block_ids is not None:
-        tokens = torch.arange(TOKENS)
-        blocks = torch.tensor(block_ids)[tokens // block_size]
-        slots = tokens % block_size
+        positions = torch.arange(tokens)
+        blocks = torch.tensor(block_ids)[positions // block_size]
+        slots = positions % block_size
         for i, layer in enumerate(layers):
             for j, head in enumerate(heads):
-                rows = torch.tensor([[code(layer, t, head, e) for e in range(HEAD_DIM)] for t in range(TOKENS)],
+                rows = torch.tensor([[code(layer, t, head, e) for e in range(HEAD_DIM)] for t in range(tokens)],
                                     dtype=torch.int32)
                 per_layer[i][blocks, j, slots] = rows
     base = base.to(device)
@@ -211,6 +213,12 @@ PAIRS = {
     "PP 3 (1+1+2) -> cross-layer decode, push": (Pair(stages=(1, 1, 2), cross_layer=True), "push"),
     "PP 3 (1+1+2) -> cross-layer decode, pull": (Pair(stages=(1, 1, 2), cross_layer=True), "pull"),
     "PP 2 (1+3) -> cross-layer decode, push": (Pair(stages=(1, 3), cross_layer=True), "push"),
+    "PP 2 (block 32) -> TP 1 (block 16), pull: staged": (Pair(block_size=32), "pull"),
+    "PP 2 (block 32) -> TP 1 (block 16), push: staged": (Pair(block_size=32), "push"),
+    "PP 2 x TP 2 (block 32) -> cross-layer decode (block 16), pull: staged": (
+        Pair(prefill_tp=2, block_size=32, cross_layer=True), "pull"),
+    "PP 3 (1+1+2, block 16) -> TP 2 (block 32), push: staged": (
+        Pair(stages=(1, 1, 2), decode_tp=2, decode_block_size=32), "push"),
 }
 """A one-layer stage pairs whole blocks with a cross-layer decode rank's page of that layer, which is not
 block-contiguous there: one READ/WRITE row per block (``PP 3``, ``1+3``), where runs of blocks coalesce else."""
@@ -218,10 +226,12 @@ block-contiguous there: one READ/WRITE row per block (``PP 3``, ``1+3``), where 
 
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_each_stage_lands_its_layers_in_the_decode_ranks_matching_layers(name: str) -> None:
-    check_pair(*PAIRS[name])
+    placements = check_pair(*PAIRS[name])
+    assert (Placement.STAGED in placements) == name.endswith("staged"), placements
 
 
-GPU_PAIRS = ["PP 2 (2+2) -> TP 1, pull", "PP 2 x TP 2 -> TP 1 (head slices), push", "PP 2 -> cross-layer decode, pull"]
+GPU_PAIRS = ["PP 2 (2+2) -> TP 1, pull", "PP 2 x TP 2 -> TP 1 (head slices), push", "PP 2 -> cross-layer decode, pull",
+             "PP 2 (block 32) -> TP 1 (block 16), pull: staged"]
 
 
 @pytest.mark.gpu
@@ -232,9 +242,9 @@ def test_each_stage_lands_its_layers_on_cuda(name: str) -> None:
     check_pair(dataclasses.replace(pair, device="cuda"), transfer_mode)
 
 
-def check_pair(pair: Pair, transfer_mode: str) -> None:
+def check_pair(pair: Pair, transfer_mode: str) -> set[Placement]:
     """Load request ``req`` from ``pair``'s stages, compare every decode rank's cache with every layer's codes,
-    and see every prefill worker release it on notifications."""
+    and see every prefill worker release it on notifications; the placements the decode ranks planned."""
     remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
     with running_prefill(pair, remote_ids) as prefill, decode_workers(pair) as decoders:
         errors = load(pair, prefill, decoders, remote_ids, local_ids, transfer_mode)
@@ -247,14 +257,15 @@ def check_pair(pair: Pair, transfer_mode: str) -> None:
             assert stats.get("directions", {}) == {transfer_mode: 1}, stats.get("directions")
             stages = {p.info.pp_rank for p in worker.receiver.peers.peers.values()}
             assert stages == set(range(len(pair.stages)))
+        placements = {p.plan.placement for worker, _ in decoders for p in worker.receiver.peers.peers.values()}
         ranks = pair.prefill_tp * len(pair.stages)
         wait_released(prefill, decoders, ranks)
         assert prefill.expired == {}
         assert prefill.released_by_rank == {r: ["req"] for r in range(ranks)}
+    return placements
 
 
 REFUSALS = {  # name: (pair, kv_transfer_params.pp_size (None: the pair's), what the log names)
-    "a stage's block size differs": (Pair(block_size=32), None, "a pipeline stage's KV lands only in pages"),
     "the stages leave a layer out": (Pair(stages=(2, 1)), None, "do not tile the decode engine's 4 layers"),
     "params name pp_size 1 for a staged engine": (Pair(), 1, "pp_size=1, but prefill engine 'prefill' runs "
                                                   "tp_size=1 and pp_size=2"),
@@ -296,7 +307,8 @@ def test_a_dead_stage_fails_the_load_as_a_dead_rank_does_and_the_live_stage_free
 
 STREAM_PAIRS = ["PP 2 (2+2) -> TP 1, pull", "PP 2 (1+3, uneven) -> TP 1, pull",
                 "PP 2 x TP 2 -> TP 1 (head slices), pull", "PP 2 x TP 2 -> TP 2, push",
-                "PP 3 (1+1+2) -> cross-layer decode, pull"]
+                "PP 3 (1+1+2) -> cross-layer decode, pull", "PP 2 (block 32) -> TP 1 (block 16), pull: staged",
+                "PP 3 (1+1+2, block 16) -> TP 2 (block 32), push: staged"]
 """Pairs streamed: straight into the decode blocks (whole pages of each stage's layers, a cross-layer decode
 block's pages of them) or each stage's heads into their slice of the decode rank's pages (``head_slice``)."""
 
@@ -309,9 +321,12 @@ def test_each_stage_streams_its_layers_into_the_matching_layers_as_it_computes_t
     stream_and_check(PAIRS[name][0])
 
 
-def test_a_verified_stream_checks_every_stages_part() -> None:
-    """``verify_kv``: each stage's streamed part is checked against the digest of what that stage WROTE."""
-    stream_and_check(PAIRS["PP 2 x TP 2 -> TP 1 (head slices), pull"][0], verify_kv=True)
+@pytest.mark.parametrize("name", ["PP 2 x TP 2 -> TP 1 (head slices), pull",
+                                  "PP 3 (1+1+2, block 16) -> TP 2 (block 32), push: staged"])
+def test_a_verified_stream_checks_every_stages_part(name: str) -> None:
+    """``verify_kv``: each stage's streamed part (head slices of the decode pages, or whole blocks into staging)
+    is checked against the digest of what that stage WROTE."""
+    stream_and_check(PAIRS[name][0], verify_kv=True)
 
 
 def test_a_stage_whose_writes_are_dropped_fails_the_verified_stream_naming_the_models_layer(
@@ -356,6 +371,14 @@ def test_a_grant_signed_for_other_stages_is_refused_by_every_stage_and_nothing_i
             worker.shutdown()
 
 
+def staged_bytes(pair: Pair) -> int:
+    """Bytes a decode rank's staged stream of ``pair`` moves: every stage's whole prefill blocks holding the
+    loaded ``TOKENS - 1`` tokens, of every layer, of the heads it reads (``HEADS / min(TP sizes)``), int32s."""
+    blocks = -(-(TOKENS - 1) // pair.block_size)
+    heads = HEADS // min(pair.prefill_tp, pair.decode_tp)
+    return blocks * LAYERS * heads * pair.block_size * HEAD_DIM * 4
+
+
 def stream_and_check(pair: Pair, verify_kv: bool = False, dropped_stage: int | None = None) -> None:
     """Stream request ``p-req`` from ``pair``'s stages (all in this process) into every decode rank and compare
     their blocks with every layer's codes; ``verify_kv``: every part checked and verified; ``dropped_stage``: only
@@ -388,11 +411,14 @@ def stream_and_check(pair: Pair, verify_kv: bool = False, dropped_stage: int | N
                 assert worker.get_block_ids_with_load_errors() == set()
                 stats = worker.take_stats() or {}
                 assert stats.get("directions") == {"stream": 1}
-                assert stats.get("pull_bytes") == [len(local_ids) * worker.receiver.rank.layout.block_bytes]
+                staged = {p.plan.placement for p in worker.receiver.peers.peers.values()} == {Placement.STAGED}
+                assert stats.get("pull_bytes") == [staged_bytes(pair) if staged
+                                                   else len(local_ids) * worker.receiver.rank.layout.block_bytes]
                 checks = stats.get("kv_checks", {})
                 assert set(checks) == ({"stream:verified"} if verify_kv else set()), checks
                 expected, _ = make_cache(range(LAYERS), rank, pair.decode_tp, pair.decode_block_size,
-                                         pair.cross_layer, block_ids=local_ids)
+                                         pair.cross_layer, block_ids=local_ids,
+                                         tokens=TOKENS - 1 if staged else TOKENS)  # staged: the loaded tokens
                 assert torch.equal(base, expected), f"decode rank {rank}'s blocks differ from every layer's codes"
             release_prefills([(worker, None, None) for worker, _ in stages], remote_ids, deadline)
     finally:
@@ -432,11 +458,13 @@ def test_a_stage_killed_after_its_handshake_fails_the_load_and_the_live_stage_fr
 
 
 
+@pytest.mark.parametrize("block_size", [16, 32], ids=["head slices", "staged"])
 @pytest.mark.parametrize("transfer_mode", ["pull", "push"])
-def test_verified_kv_checks_every_stages_part_against_that_stages_digest(transfer_mode: str) -> None:
-    """With ``verify_kv``, each stage's part (its layers, head slices of pages here) is digested on the stage
-    and where it landed: every part verified, no false mismatch, the same bytes as unverified."""
-    pair = Pair(prefill_tp=2)
+def test_verified_kv_checks_every_stages_part_against_that_stages_digest(transfer_mode: str, block_size: int) -> None:
+    """With ``verify_kv``, each stage's part (its layers: head slices of pages, or whole blocks of another size
+    into staging) is digested on the stage and where it landed: every part verified, no false mismatch, the same
+    bytes as unverified."""
+    pair = Pair(prefill_tp=2, block_size=block_size)
     remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
     with running_prefill(pair, remote_ids) as prefill, decode_workers(pair, verify_kv=True) as decoders:
         assert load(pair, prefill, decoders, remote_ids, local_ids, transfer_mode) == {0: set()}

@@ -150,8 +150,17 @@ class Stager:
                 keep.append((event, offset, size))
         self._releases = keep
 
-    def fixup(self, stage: Stage, remote: KVLayoutDesc, read: RankRead) -> None:
+    def fixup(self, stage: Stage, remote: KVLayoutDesc, read: RankRead,
+              local_segments: Sequence[Segment] | None = None) -> None:
         """Move a finished staged READ's tokens into the local blocks (in place, on the device).
+
+        Args:
+            stage: the READ's staging (``stage.segments``: where each remote segment's blocks landed).
+            remote: the prefill rank's layout (its pages' geometry).
+            read: which heads go where (:class:`p2pkv.dataplane.topology.RankRead`).
+            local_segments: the local segments the remote pages pair with, page ``i`` with page ``i``: a
+                pipeline stage's view of this rank (:func:`p2pkv.dataplane.stages.stage_view`, its layers
+                only); None: every local segment.
 
         Raises:
             ValueError: shapes that do not fit (a bug: negotiation checked them).
@@ -159,18 +168,19 @@ class Stager:
         from p2pkv.dataplane.fixup import PageFormat, fixup_pages
 
         rp, lp = page_bytes(remote), page_bytes(self.desc)
+        local_groups = self._local_groups if local_segments is None else page_groups(list(local_segments), lp)
         if self.desc.attn_layout == "CPU":  # rows of one element: the view must be the cache's own dtype
             dtype = self.cache_dtype
         else:
-            dtype = _elem_dtype(head_bytes(self.desc), rp, lp, *(g.page_stride for g in self._local_groups),
-                                *(g.block_stride for g in self._local_groups), *(s.length for s in stage.segments))
+            dtype = _elem_dtype(head_bytes(self.desc), rp, lp, *(g.page_stride for g in local_groups),
+                                *(g.block_stride for g in local_groups), *(s.length for s in stage.segments))
         isz = torch.empty(0, dtype=dtype).element_size()
         buf = self._area().view(dtype)
         src_groups = page_groups(stage.segments, rp)
         n_src = len(stage.read.remote_block_ids)
         ids = torch.tensor(stage.read.dst_block_ids, dtype=torch.int64, device=self.device)
         moves = _moves(remote, self.desc, read, isz, PageFormat)
-        for lo, hi, sg, lg in _overlaps(src_groups, self._local_groups):
+        for lo, hi, sg, lg in _overlaps(src_groups, local_groups):
             src = page_view(buf, self._buffer.data_ptr(), sg, n_src, rp)[lo - sg.start:hi - sg.start]
             base_ptr, base = self._base_for(lg)
             dst = page_view(base.view(dtype), base_ptr, lg, self.layout.num_blocks, lp)[lo - lg.start:hi - lg.start]

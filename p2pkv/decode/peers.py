@@ -23,7 +23,6 @@ from handshake import AgentInfo, Destination, KVLayoutDesc, fetch_agent_info
 from p2pkv.dataplane.layout import Segment
 from p2pkv.dataplane.negotiate import (
     ModelInfo,
-    PairRefused,
     PeerPlan,
     Placement,
     page_slices,
@@ -207,8 +206,9 @@ class PeerTable:
         """Plan the pairing with a handshaken prefill rank and load its metadata into NIXL.
 
         A worker of a pipeline stage (``info.pp_size`` > 1) pairs with this rank's layers of its stage
-        (:func:`p2pkv.dataplane.stages.stage_view`): its blocks land there, whole pages or head slices of pages;
-        a stage whose pages differ from this rank's (block size, HND/NHD, a fixup through staging) is refused.
+        (:func:`p2pkv.dataplane.stages.stage_view`): its blocks land there, whole pages or head slices of pages,
+        or, where its pages differ from this rank's (block size, HND/NHD), through staging, fixed up into the
+        pages of those layers (:attr:`Peer.local_segments`).
 
         Raises:
             p2pkv.dataplane.negotiate.PairRefused: the two ranks cannot pair.
@@ -218,12 +218,6 @@ class PeerTable:
         if info.pp_size > 1:
             local, local_segments = stage_view(local, local_segments, StageLayers.of(info))
         plan = plan_peer(local, self.tp_rank, self.tp_size, info.layout, info.tp_rank, info.tp_size, self.model)
-        if info.pp_size > 1 and plan.placement is Placement.STAGED:
-            raise PairRefused(f"prefill stage {info.pp_rank} (pp_size={info.pp_size}) has block_size="
-                              f"{info.layout.block_size}, {info.layout.attn_layout} pages and this decode rank "
-                              f"block_size={self.local.block_size}, {self.local.attn_layout} pages: a pipeline "
-                              "stage's KV lands only in pages of its own geometry; run both engines with the same "
-                              "--block-size and attention backend")
         name = self.agent.add_peer(info)
         peer = self.peers[peer_id] = Peer(info, name, remote_segments(info.layout), plan, list(local_segments))
         self.touch([peer_id])

@@ -155,7 +155,8 @@ def land(stager: Stager, read: Part, now: float, num_bytes: int, num_descriptors
             return ReadEvent.FIXUP_FAILED, exc
     if read.stage is not None:
         try:
-            stager.fixup(read.stage, read.peer.info.layout, read.peer.plan.read)
+            stage_pages = read.peer.local_segments if read.peer.info.pp_size > 1 else None  # a stage's layers
+            stager.fixup(read.stage, read.peer.info.layout, read.peer.plan.read, stage_pages)
         except Exception as exc:  # never let one request's fixup take the engine down
             return ReadEvent.FIXUP_FAILED, exc
         finally:
