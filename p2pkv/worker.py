@@ -130,6 +130,33 @@ def rank_streams(engine_id: str, config: P2pKvConfig, secret: bytes | None, writ
                           stage=stage, pp_size=pp_size)
 
 
+def released_holds(agent: NixlTransferAgent, secret: bytes | None, holds: PrefillHolds,
+                   streams: PrefillStreams | None, stats: StatsBuffer, traces: HoldTraces) -> set[str]:
+    """The request ids a rank's holds free now: those every decode reader has notified "done" (NIXL
+    notifications read from ``agent``, their MAC checked with ``secret``; others dropped and counted in a log
+    line), or whose lease expired (:meth:`p2pkv.prefill.holds.PrefillHolds.released`, counted in ``stats``). A
+    rank's layer ``streams`` (None on a decode rank) collect their WRITEs' ends first and are told which holds
+    ended; every hold that ended closes its span in ``traces``. Never raises for a broken peer: a notification
+    read that fails is logged and the step goes on."""
+    try:
+        notifs = agent.get_notifs()
+    except Exception as exc:  # a broken peer must not lose this step's results
+        logger.warning("p2pkv: reading NIXL notifications failed: %s", exc)
+        notifs = []
+    notes = [n for n in (parse_done(m, secret) for m in notifs) if n is not None]
+    if len(notes) < len(notifs):
+        logger.warning("p2pkv: %d NIXL notification(s) dropped: not p2pkv \"done\" messages, or their MAC "
+                       "is wrong (a decode engine with another secret?)", len(notifs) - len(notes))
+    if streams is not None:
+        streams.collect()
+    released = holds.released(notes, stats.data)
+    if streams is not None and released:
+        streams.holds_ended(released)
+    endings, holds.endings = holds.endings, {}
+    traces.ended(endings)
+    return released
+
+
 class WorkerSide:
     """The connector's worker-side half for one tp_rank (of one pipeline stage).
 
@@ -378,23 +405,7 @@ class WorkerSide:
     def _released(self) -> set[str]:
         """Held requests to free now: notified by every decode reader, or lease expired."""
         assert self.agent is not None
-        try:
-            notifs = self.agent.get_notifs()
-        except Exception as exc:  # a broken peer must not lose this step's results
-            logger.warning("p2pkv: reading NIXL notifications failed: %s", exc)
-            notifs = []
-        notes = [n for n in (parse_done(m, self._secret) for m in notifs) if n is not None]
-        if len(notes) < len(notifs):
-            logger.warning("p2pkv: %d NIXL notification(s) dropped: not p2pkv \"done\" messages, or their MAC "
-                           "is wrong (a decode engine with another secret?)", len(notifs) - len(notes))
-        if self.streams is not None:
-            self.streams.collect()
-        released = self.holds.released(notes, self.stats.data)
-        if self.streams is not None and released:
-            self.streams.holds_ended(released)
-        endings, self.holds.endings = self.holds.endings, {}
-        self.hold_traces.ended(endings)
-        return released
+        return released_holds(self.agent, self._secret, self.holds, self.streams, self.stats, self.hold_traces)
 
     def take_stats(self) -> dict | None:
         """Transfer and push statistics since the last call (see :mod:`p2pkv.telemetry.stats`), or None if none."""
