@@ -27,6 +27,10 @@ def compat_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     (EAGLE, MTP, draft model). Block size, page order (HND/NHD) and TP size
     are negotiated at handshake instead. Sent as a :func:`handshake.fingerprints.fingerprint`; the
     decode side refuses a prefill rank whose fields differ, naming them.
+
+    A worker of a pipeline stage holds only its stage's layers, but its fields are the whole model's (its
+    layers and its one KV cache group's layers: :func:`check_stages_supported`), as an engine without stages
+    says them: the stages' layer ranges are negotiated at the handshake (``first_layer``).
     """
     import vllm
 
@@ -37,13 +41,15 @@ def compat_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         draft = spec.draft_model_config
         drafter = (f"{spec.method} {draft.model if draft else ''} "
                    f"kv_cache_dtype={spec.kv_cache_dtype or cc.cache_dtype} parallel_drafting={spec.parallel_drafting}")
+    staged = pc.pipeline_parallel_size > 1
+    num_layers = mc.get_total_num_hidden_layers() if staged else mc.get_num_layers(pc)
     groups = "unknown"
     if kv_cache_config is not None:
-        groups = " + ".join(_group(g) for g in kv_cache_config.kv_cache_groups)
+        groups = " + ".join(_group(g, num_layers if staged else None) for g in kv_cache_config.kv_cache_groups)
     return {
         "vllm": ".".join(vllm.__version__.split(".")[:2]),
         "architecture": ",".join(getattr(mc.hf_config, "architectures", None) or []),
-        "num_layers": str(mc.get_num_layers(pc)),
+        "num_layers": str(num_layers),
         "total_num_kv_heads": str(mc.get_total_num_kv_heads()),
         "head_size": str(mc.get_head_size()),
         "model_dtype": str(mc.dtype).removeprefix("torch."),
@@ -54,8 +60,9 @@ def compat_fields(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     }
 
 
-def _group(group: Any) -> str:
-    """One KV cache group as ``SpecType(window=W)x<layers>`` (block size left out: it is negotiated).
+def _group(group: Any, num_layers: int | None = None) -> str:
+    """One KV cache group as ``SpecType(window=W)x<layers>`` (block size left out: it is negotiated); ``num_layers``:
+    the group's layers in the whole model where this worker holds a pipeline stage's (None: its own).
 
     A Mamba group also names its state shapes and dtypes (per rank), cache mode and speculative blocks."""
     spec = group.kv_cache_spec
@@ -63,7 +70,8 @@ def _group(group: Any) -> str:
                                                           "dtypes", "mamba_cache_mode", "num_speculative_blocks")
              if getattr(spec, name, None) is not None]
     draft = " draft" if getattr(group, "is_eagle_group", False) else ""
-    return f"{type(spec).__name__}({', '.join(extra)}){draft}x{len(group.layer_names)}"
+    layers = len(group.layer_names) if num_layers is None else num_layers
+    return f"{type(spec).__name__}({', '.join(extra)}){draft}x{layers}"
 
 
 class UnsupportedKVCacheError(ValueError):

@@ -22,8 +22,8 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 ENGINE_MODULES = frozenset({
     "tests/test_bench_serve.py", "tests/test_e2e.py", "tests/test_e2e_faults.py", "tests/test_e2e_first_token.py",
-    "tests/test_e2e_models.py", "tests/test_e2e_stream.py", "tests/test_e2e_tracing.py", "tests/test_hostile.py",
-    "tests/test_launch.py",
+    "tests/test_e2e_models.py", "tests/test_e2e_pipeline.py", "tests/test_e2e_stream.py", "tests/test_e2e_tracing.py",
+    "tests/test_hostile.py", "tests/test_launch.py",
 })
 """Test modules with tests that start or use real engines (marked ``engines``): under pytest-xdist they all run
 in one worker, which starts the session's engines once (:func:`pytest_xdist_make_scheduler`)."""

@@ -132,3 +132,17 @@ def test_server_serves_a_mismatched_requester_and_logs_why(caplog) -> None:
     err = _refusal(mine, theirs)
     assert err.field == "info.compat_hash.kv_cache_dtype"
     assert "kv_cache_dtype: the requester has 'auto', this engine has 'fp8_e5m2'" in caplog.text
+
+
+def test_a_pipeline_stages_fields_are_the_whole_models(configs, monkeypatch) -> None:
+    """A worker of stage 0 of two holds 2 of the tiny model's 4 layers (its own ``KVCacheConfig``), but says the
+    whole model's layers, as the decode engine (every layer) does: the fields match, and the stages' layer
+    ranges are negotiated at the handshake instead (``first_layer``)."""
+    import vllm
+
+    from p2pkv.engine_facts import compat_fields
+
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    staged = configs(pipeline_parallel_size=2, distributed_executor_backend="mp")
+    assert staged.model_config.get_num_layers(staged.parallel_config) == 2
+    assert compat_fields(staged, _groups(None, layers=2)) == compat_fields(configs(), _groups(None))

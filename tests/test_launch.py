@@ -17,7 +17,7 @@ import pytest
 
 from p2pkv.tools.cli import main
 from p2pkv.tools.deploy import checks
-from p2pkv.tools.deploy.engines import EngineSpec
+from p2pkv.tools.deploy.engines import CPU_STAGES_COMPILATION_MODE, EngineSpec
 from p2pkv.tools.deploy.local import LocalPair
 from p2pkv.tools.deploy.processes import LaunchError
 from p2pkv.tools.deploy.supervise import supervise
@@ -249,14 +249,17 @@ def test_pod_tp_larger_than_gpus_names_the_flag(tmp_path, capsys, monkeypatch) -
 
 
 def test_pod_pipeline_stages_are_a_prefill_engines_only(tmp_path, capsys, monkeypatch) -> None:
-    """PP on a decode engine is refused naming the flag and the role; without CUDA, PP 1 only."""
+    """PP on a decode engine is refused naming the flag and the role. Without CUDA a prefill engine's stages run
+    (``tests/test_e2e_pipeline.py``): no ``--enforce-eager`` there, vLLM's CPU warm-up on and nothing compiled."""
     monkeypatch.setattr(checks, "cuda_device_count", lambda: 4)
     err = _failure(_pod(tmp_path, "--pipeline-parallel-size", "2", role="decode"), capsys)
     assert "--pipeline-parallel-size=2 with launch decode" in err and "prefill engine only" in err
     assert "--pipeline-parallel-size=0: must be >= 1" in _failure(_pod(tmp_path, "-pp", "0"), capsys)
     monkeypatch.setattr(checks, "cuda_device_count", lambda: 0)
-    err = _failure(_pod(tmp_path, "--pipeline-parallel-size", "2"), capsys)
-    assert "--pipeline-parallel-size=2" in err and "no CUDA device" in err
+    out, argv, _ = _dry_run(_pod(tmp_path, "--pipeline-parallel-size", "2"), capsys)
+    assert argv[argv.index("--pipeline-parallel-size") + 1] == "2" and "--enforce-eager" not in argv
+    assert json.loads(argv[argv.index("--compilation-config") + 1]) == {"mode": CPU_STAGES_COMPILATION_MODE}
+    assert "  TORCHDYNAMO_DISABLE=1" in out.splitlines()
 
 
 def test_pod_pipeline_stages_need_a_gpu_and_a_side_channel_port_per_worker_rank(tmp_path, capsys,

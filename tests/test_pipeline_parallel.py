@@ -2,9 +2,9 @@
 
 A PP prefill engine's stages each serve their own layers (``tests/test_pipeline_stages.py`` moves them over
 real NIXL: pulled, pushed and streamed); its answers name ``pp_size``. A decode (or ``both``) engine with
-stages would have to split each load over them: refused at start, naming the role and the fix. vLLM's CPU
-build (0.32.0) starts a PP=2 engine of the tiny model but fails its first forward (the second stage's
-``intermediate_tensors`` are never allocated), so the connector is checked on a real vLLM config here.
+stages would have to split each load over them: refused at start, naming the role and the fix. The connector
+is checked on a real vLLM config here; a real PP=2 prefill engine serves the session's decode engine in
+``tests/test_e2e_pipeline.py``.
 """
 
 from __future__ import annotations

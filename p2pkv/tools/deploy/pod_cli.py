@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser, role: str) -> None:
       f"{DEFAULT_SIDE_CHANNEL_PORT})")
     p("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N", help="TP size (1 without CUDA)")
     p("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
-      help="pipeline stages (prefill engines only; 1 without CUDA)")
+      help="pipeline stages (prefill engines only)")
     p("--gpu-ids", metavar="IDS", help="GPUs for the engine, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
     p("--block-size", type=int, default=32, metavar="TOKENS",
       help="tokens per KV block (a multiple of 32 without CUDA)")
