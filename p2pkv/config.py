@@ -107,8 +107,9 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         max_held_fraction: most of this engine's KV cache (a fraction of its
             blocks) held for decode engines at once; past it a prefill request
             is answered without a hold (the decode engine prefills it).
-        handshake_timeout_s: seconds one side-channel request may take.
-        handshake_retries: side-channel attempts before a pull is failed.
+        handshake_timeout_s: seconds one side-channel request may take (a
+            handshake makes :data:`p2pkv.decode.peers.HANDSHAKE_ATTEMPTS`
+            attempts of it before its pull fails).
         transfer_timeout_s: seconds a NIXL READ may stay in flight before
             its blocks are reported as load errors.
         secret: shared secret: every side-channel message is HMAC-SHA256
@@ -130,12 +131,6 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             (layer-compact, what vLLM's NixlConnector asks for), or
             ``"auto"`` (ask for nothing).
         nixl_backends: NIXL backends to create (``["UCX"]``).
-        nixl_num_threads: worker threads of the backends (0: NIXL default,
-            none). With UCX, a thread pool of this size moves each READ,
-            split into pieces of :data:`p2pkv.worker.READ_SPLIT_MIB` (on one host with
-            ``cma``, 2 threads READ about 1.3× faster than one where two
-            cores are free: ``docs/benchmarks/transfer-cpu.md``); the threads
-            spin while a READ is in flight and sleep otherwise.
         stats_file: when set, every finished pull appends one JSON line
             (request id, peer, bytes, descriptors, seconds) to this file.
         stream_timeout_s: decode side: seconds a layer-streamed load may wait
@@ -173,7 +168,9 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             for p2pkv's transfer threads (stream poster, push thread, pulls
             thread); empty: they keep the affinity they inherit from the
             engine thread, so an engine limited to its forward's cores sends
-            from those cores (:mod:`p2pkv.transfer_threads`).
+            from those cores (:mod:`p2pkv.transfer_threads`). Two cores or
+            more also give NIXL's UCX backend a thread pool there, one thread
+            per core, sharing each READ (:func:`p2pkv.transfer_threads.nixl_threads`).
         verify_kv: decode side: check every pulled, pushed or streamed part
             against the prefill rank's digest of what it sent before vLLM reads it
             (XXH3-64 over the same bytes on both sides: :mod:`p2pkv.decode.verify`);
@@ -199,14 +196,12 @@ class P2pKvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: Literal["prefill", "decode", "both", ""] = ""
     max_held_fraction: float = 0.5
     handshake_timeout_s: float = 5.0
-    handshake_retries: int = 3
     transfer_timeout_s: float = 60.0
     secret: str = ""
     secret_file: str = ""
     insecure: bool = False
     kv_layout: Literal["BLHNC", "LBHNC", "auto"] = "BLHNC"
     nixl_backends: list[str] = msgspec.field(default_factory=lambda: ["UCX"])
-    nixl_num_threads: int = 0
     stats_file: str = ""
     staging_mib: float = 256.0
     stream_min_tokens: int = -1
@@ -295,8 +290,6 @@ def _check_settings(config: P2pKvConfig) -> None:
     if not 0 < config.max_held_fraction <= 1:
         raise ConfigError(f"max_held_fraction must be in (0, 1] (a share of the KV cache's blocks), got "
                           f"{config.max_held_fraction}")
-    if config.nixl_num_threads < 0:
-        raise ConfigError(f"nixl_num_threads must be >= 0 (0: NIXL's default), got {config.nixl_num_threads}")
     if not -1 <= config.stream_min_tokens < 1 << 31:
         raise ConfigError("stream_min_tokens must be a whole number of tokens >= 0 (-1: as measured for the "
                           f"cache's kind), got {config.stream_min_tokens!r}")
@@ -309,8 +302,6 @@ def _check_settings(config: P2pKvConfig) -> None:
         raise ConfigError(f"transfer_cpus={config.transfer_cpus!r}: {exc}") from exc
     if config.staging_mib < 0.0625:
         raise ConfigError(f"staging_mib must be >= 0.0625 (MiB, 64 KiB), got {config.staging_mib}")
-    if config.handshake_retries < 1:
-        raise ConfigError(f"handshake_retries must be >= 1, got {config.handshake_retries}")
     if not config.nixl_backends:
         raise ConfigError('nixl_backends must name at least one backend, e.g. ["UCX"]')
     if not 0 <= config.keep_turns_s <= config.max_lifetime_s:
@@ -333,8 +324,12 @@ REMOVED: dict[str, str] = {
     "max_clock_skew_s": "a side-channel request may be dated at most 5 s ahead, a constant "
                         "(handshake.replay.DEFAULT_FUTURE_SKEW_S)",
     "nixl_progress_thread": "NIXL's progress thread is always off (p2pkv.worker.NIXL_PROGRESS_THREAD)",
-    "nixl_split_mib": "READs are cut into 4 MiB pieces for nixl_num_threads, a constant "
+    "nixl_num_threads": "NIXL's UCX thread pool has one thread per transfer_cpus core when it names two or more "
+                        "(p2pkv.transfer_threads.nixl_threads); name the free cores in transfer_cpus",
+    "nixl_split_mib": "READs are cut into 4 MiB pieces for NIXL's thread pool, a constant "
                       "(p2pkv.worker.READ_SPLIT_MIB)",
+    "handshake_retries": "a handshake makes 3 attempts of handshake_timeout_s each, a constant "
+                         "(p2pkv.decode.peers.HANDSHAKE_ATTEMPTS); set handshake_timeout_s",
     "ucx_num_workers": "UCX keeps NIXL's default number of workers",
     "ucx_error_handling_mode": "UCX keeps NIXL's default error handling (peer: a dead peer is detected)",
     "report_transport": "the transport of each peer's READs is always reported (docs/transport.md)",

@@ -19,16 +19,30 @@ the serving framework (vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` /
 ``VLLM_CPU_NUM_OF_RESERVED_CPU``). Measured in
 ``docs/benchmarks/stream-prefill-ab.md``. Linux only (``os.sched_setaffinity``
 of the calling thread).
+
+The same cores host NIXL's UCX thread pool (:func:`nixl_threads`): one READ
+from one thread runs at the host's single-thread ``process_vm_readv``
+ceiling; two threads sharing it, each READ cut into 4 MiB pieces
+(:data:`p2pkv.worker.READ_SPLIT_MIB`), read about 1.3x faster on one host
+(``docs/benchmarks/transfer-cpu.md``). The pool's threads spin while a
+READ is in flight, so they go only where a core is free for them: the
+cores ``transfer_cpus`` names, one thread per core, two at least.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from p2pkv.config import parse_cpus
 
-__all__ = ["bind_device", "parse_cpus", "pin_thread", "start_transfer_thread"]
+__all__ = ["bind_device", "nixl_threads", "parse_cpus", "pin_thread", "pinned", "start_transfer_thread"]
+
+MIN_POOL_THREADS = 2
+"""Fewest ``transfer_cpus`` cores that get NIXL a thread pool: one pool thread moves a READ no faster than the
+calling thread does without a pool (``docs/benchmarks/transfer-cpu.md``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -58,3 +72,24 @@ def start_transfer_thread(mem_type: str, device_id: int, cpus: frozenset[int]) -
     """Run first on each transfer thread: bind the KV cache's GPU, then pin the thread to ``cpus``."""
     bind_device(mem_type, device_id)
     pin_thread(cpus)
+
+
+def nixl_threads(cpus: frozenset[int]) -> int:
+    """Threads of NIXL's UCX thread pool for a rank whose ``transfer_cpus`` are ``cpus``: one per core when they
+    are at least :data:`MIN_POOL_THREADS`, else 0 (no pool: NIXL's default)."""
+    return len(cpus) if len(cpus) >= MIN_POOL_THREADS else 0
+
+
+@contextmanager
+def pinned(cpus: frozenset[int]) -> Iterator[None]:
+    """Run the calling thread on ``cpus`` inside the block (threads it starts there keep them, as NIXL's thread
+    pool does), then on the cores it had before; none: unchanged."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    pin_thread(cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

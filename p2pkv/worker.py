@@ -52,7 +52,7 @@ from p2pkv.prefill.stream_requests import stream_side
 from p2pkv.prefill.write_engine import WriteEngine
 from p2pkv.telemetry.hold_spans import HoldTraces
 from p2pkv.telemetry.stats import StatsBuffer, add_counts
-from p2pkv.transfer_threads import parse_cpus, start_transfer_thread
+from p2pkv.transfer_threads import nixl_threads, parse_cpus, pinned, start_transfer_thread
 from p2pkv.ways import WAYS
 
 logger = logging.getLogger("p2pkv.worker")
@@ -91,9 +91,9 @@ the cost of posting WRITEs and made ``cuda_ipc`` streams slower (docs/streaming.
 forward's"); p2pkv progresses transfers from its own threads."""
 
 READ_SPLIT_MIB = 4.0
-"""With ``nixl_num_threads`` > 0, READ descriptors are cut into pieces of at most this many MiB so NIXL's UCX
-thread pool shares one READ: 2 threads READ host memory about 1.3x faster than one where a core is free
-(docs/benchmarks/transfer-cpu.md, measured with 4 MiB pieces)."""
+"""With a thread pool (``transfer_cpus`` of two cores or more), READ descriptors are cut into pieces of at most
+this many MiB so NIXL's UCX thread pool shares one READ: 2 threads READ host memory about 1.3x faster than one
+where a core is free (docs/benchmarks/transfer-cpu.md, measured with 4 MiB pieces)."""
 
 
 def way_handlers(pusher: Pusher, streams: PrefillStreams) -> dict[str, Callable[..., Any]]:
@@ -252,9 +252,11 @@ class WorkerSide:
         states = [tensor_info(name, view) for name, kv in kv_caches.items() if name in state_layers
                   for view in (kv if isinstance(kv, list | tuple) else [kv])]
         check_state_views(self.layout, states)
-        self.agent = NixlTransferAgent(unique_agent_name(self.engine_id, self.rank), self.config.nixl_backends,
-                                       NIXL_PROGRESS_THREAD, self.config.nixl_num_threads,
-                                       split_bytes=int(READ_SPLIT_MIB * 2**20))
+        cpus = parse_cpus(self.config.transfer_cpus)
+        with pinned(cpus):  # NIXL's thread pool starts here: on the transfer cores
+            self.agent = NixlTransferAgent(unique_agent_name(self.engine_id, self.rank), self.config.nixl_backends,
+                                           NIXL_PROGRESS_THREAD, nixl_threads(cpus),
+                                           split_bytes=int(READ_SPLIT_MIB * 2**20))
         self.agent.register(self.layout.regions, mem_type, device_id)
         self.agent.set_auto_push(self.config.transfer_mode == "auto")
         m = self.model

@@ -21,7 +21,7 @@ same requests (same block ids, same bytes) four ways:
 * ``layer_coalesced``: ``LBHNC`` + coalescing: one descriptor per run per layer.
 * ``cross_layer_pool`` (``--pool-threads`` > 0, default 2): ``cross_layer``
   on a second decode agent whose READs NIXL's UCX thread pool moves, each
-  cut into ``--split-mib`` pieces (p2pkv's ``nixl_num_threads`` setting
+  cut into ``--split-mib`` pieces (what p2pkv's ``transfer_cpus`` of two cores or more give
   with its ``p2pkv.worker.READ_SPLIT_MIB`` pieces).
 
 Directions (``--mode``, a comma-separated list, default ``pull``):

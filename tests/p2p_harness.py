@@ -53,7 +53,7 @@ __all__ = [
 ENGINE = "prefill-engine"
 LAYOUT = "BLHNC"  # one contiguous run of bytes per block: cheap exact comparisons
 MAX_LIFE_S = 170.0  # a prefill process never outlives this, whatever the test does
-DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=10.0, pull_thread=False)
+DECODE_CFG = dict(handshake_timeout_s=2.0, handshake_attempts=1, transfer_timeout_s=10.0, pull_thread=False)
 """A :class:`DecodeSide`'s settings in the ``decode`` fixtures (``tests/conftest.py``): faults are injected per
 call, so only the test steps the pulls (no pulls' thread)."""
 

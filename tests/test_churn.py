@@ -63,7 +63,7 @@ BATCH = 50
 ABORT_RATE = 0.1
 MAX_BLOCKS_PER_REQUEST = 4  # 50 x 4 <= 256: a batch's local ids never repeat
 LEASE_S = 6.0
-HANDSHAKE_TIMEOUT_S, HANDSHAKE_RETRIES = 1.0, 2
+HANDSHAKE_TIMEOUT_S, HANDSHAKE_ATTEMPTS = 1.0, 2
 BATCH_TIMEOUT_S = 30.0
 FAULT_EVERY = 3  # batches
 FAULTS = [
@@ -82,7 +82,7 @@ def test_churn_pulls_aborts_faults_and_prefill_restarts(mode: str) -> None:
     rng = random.Random(seed)
     pf = PrefillProc(free_port(), seed=1, num_blocks=NUM_BLOCKS, lease_s=LEASE_S)
     pf.start()
-    d = DecodeSide(NUM_BLOCKS, handshake_timeout_s=HANDSHAKE_TIMEOUT_S, handshake_retries=HANDSHAKE_RETRIES,
+    d = DecodeSide(NUM_BLOCKS, handshake_timeout_s=HANDSHAKE_TIMEOUT_S, handshake_attempts=HANDSHAKE_ATTEMPTS,
                    transfer_timeout_s=10.0, transfer_mode=mode, verify_kv=True)  # no false mismatch under churn
     counts = dict(pulls=0, aborts=0, completed=0, verified_blocks=0, failed=0, failed_blocks=0, hung=0,
                   reported_twice=0, restarts=0, faults_injected=0, faults_fired=0, failed_in_kill_batches=0,

@@ -85,7 +85,7 @@ def test_streams_under_aborts_faults_late_destinations_and_a_prefill_restart() -
                      settings={"secret": SECRET, "stream_min_tokens": 0})
     pf.start()
     d = DecodeSide(NUM_BLOCKS, secret=SECRET, transfer_timeout_s=WINDOW_S, handshake_timeout_s=1.0,
-                   handshake_retries=1, verify_kv=True)  # no false mismatch under churn and preemption
+                   handshake_attempts=1, verify_kv=True)  # no false mismatch under churn and preemption
     n_batches = -(-n_streams // BATCH)
     kill_batch = next(b for b in range(n_batches // 2 + 1, n_batches + 1) if b % FAULT_EVERY)
     counts: dict = dict(streams=0, completed=0, given_up=0, prefill_aborted=0, failed=0, late_destinations=0,

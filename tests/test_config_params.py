@@ -16,7 +16,7 @@ from p2pkv.params import (
 
 def test_config_defaults_env_and_extra_config() -> None:
     cfg = load_config(None, environ={})
-    assert cfg.side_channel_port == 5600 and cfg.kv_layout == "BLHNC" and cfg.nixl_num_threads == 0
+    assert cfg.side_channel_port == 5600 and cfg.kv_layout == "BLHNC" and cfg.transfer_cpus == ""
     cfg = load_config({"lease_s": 5}, environ={"P2PKV_LEASE_S": "9", "P2PKV_NIXL_BACKENDS": "UCX, GDS"})
     assert cfg.lease_s == 5.0 and cfg.nixl_backends == ["UCX", "GDS"]
 
@@ -27,8 +27,6 @@ def test_config_defaults_env_and_extra_config() -> None:
     ({"side_channel_port": "abc"}, "side_channel_port"),
     ({"lease_s": 0}, "lease_s"),
     ({"kv_layout": "XYZ"}, "kv_layout"),
-    ({"handshake_retries": 0}, "handshake_retries"),
-    ({"nixl_num_threads": -1}, "nixl_num_threads"),
     ({"stream_min_tokens": -2}, "stream_min_tokens"),
     ({"stream_min_tokens": 1.5}, "stream_min_tokens"),
     ({"transfer_cpus": "1-0"}, "transfer_cpus"),

@@ -49,7 +49,7 @@ def test_a_late_reply_to_the_first_question_after_the_read_confirms_the_pull(
     """Every fence answer comes 1.4 s after its question, the timeout is 1 s: the pull is confirmed by the
     reply to its first question after the READ, and moves the prefill bytes."""
     caplog.set_level(logging.ERROR, logger="p2pkv.decode")
-    d = DecodeSide(64, handshake_timeout_s=TIMEOUT_S, handshake_retries=1, transfer_timeout_s=10.0,
+    d = DecodeSide(64, handshake_timeout_s=TIMEOUT_S, handshake_attempts=1, transfer_timeout_s=10.0,
                    transfer_mode="pull")
     try:
         prefill.lease(["p-late"])

@@ -34,6 +34,7 @@ from p2pkv.worker import WorkerSide
 from tests.conftest import free_ports
 from tests.p2p_harness import PrefillProc
 from tests.test_stream_hetero import SECRET, forward_streamed, granted_stream, release_prefills
+from tests.workers import set_handshake_attempts
 
 LAYERS, HEADS, HEAD_DIM, NUM_BLOCKS, TOKENS = 4, 4, 4, 40, 150
 HOST = "127.0.0.1"
@@ -44,10 +45,15 @@ class Pair:
     """A PP prefill engine and a decode engine: layers per stage, TP sizes, block sizes, decode layout."""
 
     stages: tuple[int, ...] = (2, 2)
+    """Layers of each pipeline stage of the prefill engine, in stage order (uneven splits allowed)."""
     prefill_tp: int = 1
+    """Tensor-parallel ranks of each prefill stage."""
     decode_tp: int = 1
+    """Tensor-parallel ranks of the decode engine."""
     block_size: int = 16
+    """Tokens per block of the prefill cache."""
     decode_block_size: int = 16
+    """Tokens per block of the decode cache (another size: staged)."""
     cross_layer: bool = False
     """The decode cache is cross-layer (``BLHNC``: one block holds every layer's page)."""
     device: str = "cpu"
@@ -148,10 +154,11 @@ def running_prefill(pair: Pair, block_ids: list[int], declared_pp: int | None = 
 
 
 @contextlib.contextmanager
-def decode_workers(pair: Pair, pull_thread: bool = True,
+def decode_workers(pair: Pair, pull_thread: bool = True, handshake_attempts: int | None = None,
                    **settings: object) -> Iterator[list[tuple[WorkerSide, torch.Tensor]]]:
     """One decode WorkerSide per decode rank of ``pair`` (``settings``: more :class:`P2pKvConfig` fields; without
-    ``pull_thread`` its pulls advance only when stepped), shut down on exit."""
+    ``pull_thread`` its pulls advance only when stepped; ``handshake_attempts``: each handshake's, see
+    :func:`tests.workers.set_handshake_attempts`), shut down on exit."""
     workers: list[tuple[WorkerSide, torch.Tensor]] = []
     port = free_ports(1, run=pair.decode_tp)[0]
     try:
@@ -160,6 +167,8 @@ def decode_workers(pair: Pair, pull_thread: bool = True,
                                  **{"insecure": "secret" not in settings, **settings})
             worker = WorkerSide("decode", config, r, pair.decode_tp, HOST, port + r, "compat",
                                 model_info(pair.decode_tp, pair.decode_block_size, pair.cross_layer), role="decode")
+            if handshake_attempts is not None:
+                set_handshake_attempts(worker, handshake_attempts)
             base, views = make_cache(range(LAYERS), r, pair.decode_tp, pair.decode_block_size, pair.cross_layer,
                                      device=pair.device)
             with mock.patch.object(pull_progress, "INTERVAL_S", pull_progress.INTERVAL_S if pull_thread else 0.0):
@@ -296,7 +305,7 @@ def test_a_dead_stage_fails_the_load_as_a_dead_rank_does_and_the_live_stage_free
     pair = Pair()
     remote_ids, local_ids = ids_for(pair.block_size, 3), ids_for(pair.decode_block_size, 11)
     with running_prefill(pair, remote_ids, only_stages=(0,)) as prefill, \
-            decode_workers(pair, handshake_timeout_s=1.0, handshake_retries=1) as decoders:
+            decode_workers(pair, handshake_timeout_s=1.0, handshake_attempts=1) as decoders:
         errors = load(pair, prefill, decoders, remote_ids, local_ids, "pull")
         assert errors == {0: set(local_ids)}
         assert f"rank 1 at {HOST}:{prefill.port + 1}" in caplog.text
@@ -442,7 +451,7 @@ def test_a_stage_killed_after_its_handshake_fails_the_load_and_the_live_stage_fr
     try:
         for stage in stages:
             stage.start({"req": 120.0, "req-2": 120.0})
-        with decode_workers(pair, handshake_timeout_s=1.0, handshake_retries=1, pull_thread=False) as decoders:
+        with decode_workers(pair, handshake_timeout_s=1.0, handshake_attempts=1, pull_thread=False) as decoders:
             assert load(pair, stages[0], decoders, remote_ids, local_ids, "pull") == {0: set()}
             stages[1].kill()
             errors = load(pair, stages[0], decoders, remote_ids, local_ids, "pull", request="req-2")

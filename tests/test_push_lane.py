@@ -56,7 +56,7 @@ def test_pushes_queued_behind_an_unanswered_one_are_retried_at_once(prefill: Pre
     """Handshakes outlast the stall (6 attempts): every pull of the batch moves its bytes, none times out with
     its request still waiting for the lane (before: the 5th and 6th did, ``READ still in flight``)."""
     caplog.set_level(logging.ERROR, logger="p2pkv.decode")
-    d = DecodeSide(64, handshake_retries=6, **PUSH_CFG)
+    d = DecodeSide(64, handshake_attempts=6, **PUSH_CFG)
     try:
         warm(d, prefill, "retried")
         pulls = batch(d, prefill, "retried")
@@ -73,7 +73,7 @@ def test_a_push_request_that_waited_for_its_lane_never_writes_blocks_handed_back
     """Handshakes give up within the stall (one attempt): the pulls fail and their blocks go back to vLLM.
     No WRITE from their holds may end after that (before: the requests sent late were granted a full window
     from when they left, and the prefill rank wrote into blocks handed back half a second earlier)."""
-    d = DecodeSide(64, handshake_retries=1, **PUSH_CFG)
+    d = DecodeSide(64, handshake_attempts=1, **PUSH_CFG)
     try:
         warm(d, prefill, "given-up")
         pulls = batch(d, prefill, "given-up")

@@ -36,7 +36,7 @@ from tests.faults import inject, restore
 from tests.p2p_harness import ENGINE, DecodeSide, PrefillProc, free_port, pull_task
 from tests.polling import eventually
 
-DECODE_CFG = dict(handshake_timeout_s=1.0, handshake_retries=1, transfer_timeout_s=10.0)
+DECODE_CFG = dict(handshake_timeout_s=1.0, handshake_attempts=1, transfer_timeout_s=10.0)
 """This module's decode workers (the ``decode`` fixtures' too): the pulls' thread polls, as in an engine."""
 
 
@@ -140,8 +140,12 @@ def test_the_pulls_thread_survives_any_exception() -> None:
 def test_a_handshake_that_never_completes_times_out(decode: DecodeSide, caplog: pytest.LogCaptureFixture,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A handshake call that never returns (until shutdown): the pull fails ``timeout`` after the
-    handshake's budget (1 attempt of 1 s + 2 s margin), its blocks reported as load errors. Before: no
-    deadline in HANDSHAKE, it waited forever."""
+    handshake's budget (3 attempts of 1 s, the pauses between them, 2 s margin: 5.6 s), its blocks reported as load
+    errors. Before: no deadline in HANDSHAKE, it waited forever."""
+    from p2pkv.decode.deadlines import Deadlines
+
+    limit = Deadlines.of(decode.worker.config).handshake_s
+    assert limit == pytest.approx(5.6)
     caplog.set_level(logging.ERROR, logger="p2pkv.decode")
     started = threading.Event()
 
@@ -154,10 +158,10 @@ def test_a_handshake_that_never_completes_times_out(decode: DecodeSide, caplog: 
     t0 = time.monotonic()
     decode.start(spec("d-stuck", "p-stuck", free_port(), [7, 8], [7, 8]))
     assert started.wait(5)
-    assert decode.pump({"d-stuck"}, 8.0) == set(), "the pull never left HANDSHAKE"
+    assert decode.pump({"d-stuck"}, limit + 4.0) == set(), "the pull never left HANDSHAKE"
     seconds = time.monotonic() - t0
     assert decode.take_errors() == {7, 8}
-    assert 3.0 <= seconds < 6.0, seconds
+    assert limit <= seconds < limit + 3.0, seconds
     (line,) = failure_lines(caplog, "d-stuck")
     assert "kind=timeout" in line and "handshake" in line
     assert decode.worker.receiver.in_state(TransferState.HANDSHAKE) == []
@@ -167,7 +171,7 @@ def test_every_waiting_state_has_a_deadline() -> None:
     from p2pkv.config import P2pKvConfig
     from p2pkv.decode.deadlines import HANDSHAKE_MARGIN_S, Deadlines
 
-    cfg = P2pKvConfig(handshake_timeout_s=2.0, handshake_retries=3, transfer_timeout_s=30.0, insecure=True)
+    cfg = P2pKvConfig(handshake_timeout_s=2.0, transfer_timeout_s=30.0, insecure=True)
     d = Deadlines.of(cfg)
     assert d.limit(TransferState.HANDSHAKE) == pytest.approx(3 * 2.0 + 0.2 + 0.4 + HANDSHAKE_MARGIN_S)
     assert d.limit(TransferState.STAGING) == d.limit(TransferState.READING) == d.limit(TransferState.FENCING) == 30.0
@@ -309,7 +313,7 @@ def test_tp_size_512_at_an_unreachable_host_never_runs_more_threads_than_the_cap
     from p2pkv.decode.background import CALL_THREADS, LANE_THREADS
 
     monkeypatch.setattr(keeper_module, "MAX_PEERS", 1024)
-    d = DecodeSide(64, handshake_timeout_s=0.5, handshake_retries=1, transfer_timeout_s=10.0)
+    d = DecodeSide(64, handshake_timeout_s=0.5, handshake_attempts=1, transfer_timeout_s=10.0)
     try:
         before = threading.active_count()
         d.start(spec("d-512", "p-512", 20000, [1, 2], [1, 2], host="127.0.0.2", tp_size=512))

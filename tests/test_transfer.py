@@ -126,7 +126,7 @@ def test_incompatible_engine_is_refused_before_any_read(prefill: PrefillProc,
 
 def test_unreachable_prefill_marks_blocks_failed() -> None:
     _, views = make_kv_caches("LBHNC", fill=0.0, **SHAPE)
-    worker = make_worker("decode-engine", free_port(), handshake_timeout_s=0.3, handshake_retries=1)
+    worker = make_worker("decode-engine", free_port(), handshake_timeout_s=0.3, handshake_attempts=1)
     worker.model = model_info("LBHNC")
     worker.register_kv_caches(views, NUM_BLOCKS)
     try:

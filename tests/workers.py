@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from handshake import KVLayoutDesc, KVRegion
 from handshake.fingerprints import fingerprint
@@ -42,10 +43,29 @@ def model_info(layout: str) -> ModelInfo:
     return ModelInfo(kv_layout=layout, dtype="float32", num_kv_heads=2, head_dim=16, block_size=32, attn_layout="HND")
 
 
-def make_worker(engine_id: str, port: int, layout: str = "BLHNC", **cfg) -> WorkerSide:
+def make_worker(engine_id: str, port: int, layout: str = "BLHNC", handshake_attempts: int | None = None,
+                **cfg) -> WorkerSide:
+    """A rank-0 :class:`WorkerSide` on loopback with settings ``cfg``; ``handshake_attempts``: what its handshakes
+    make instead of :data:`p2pkv.decode.peers.HANDSHAKE_ATTEMPTS` (1: a dead peer fails fast)."""
     cfg.setdefault("insecure", "secret" not in cfg)  # synthetic caches on loopback; secured pairs: tests pass one
     config = P2pKvConfig(side_channel_host="127.0.0.1", side_channel_port=port, **cfg)
-    return WorkerSide(engine_id, config, 0, 1, "127.0.0.1", port, fingerprint(COMPAT_FIELDS), model_info(layout))
+    worker = WorkerSide(engine_id, config, 0, 1, "127.0.0.1", port, fingerprint(COMPAT_FIELDS), model_info(layout))
+    if handshake_attempts is not None:
+        set_handshake_attempts(worker, handshake_attempts)
+    return worker
+
+
+def set_handshake_attempts(worker: WorkerSide, attempts: int) -> None:
+    """Make ``worker``'s handshakes ``attempts`` attempts each, once its receiver exists (it is built when its KV
+    caches are registered)."""
+    register = worker.register_kv_caches
+
+    def registered(*args: Any, **kwargs: Any) -> None:
+        register(*args, **kwargs)
+        if worker.receiver is not None:
+            worker.receiver.keeper.attempts = attempts
+
+    worker.register_kv_caches = registered  # type: ignore[method-assign]
 
 
 def run_until_received(worker: WorkerSide, request_id: str, timeout_s: float = 30) -> set[int]:

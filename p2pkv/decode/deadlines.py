@@ -46,7 +46,7 @@ class Deadlines:
     @classmethod
     def of(cls, config: P2pKvConfig) -> Deadlines:
         """The deadlines ``config``'s timeouts give."""
-        hs = handshake_budget_s(config.handshake_timeout_s, config.handshake_retries) + HANDSHAKE_MARGIN_S
+        hs = handshake_budget_s(config.handshake_timeout_s) + HANDSHAKE_MARGIN_S
         t = config.transfer_timeout_s
         return cls(handshake_s=hs, staging_s=t, reading_s=t, fencing_s=t, streaming_s=config.stream_window_s)
 

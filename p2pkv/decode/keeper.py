@@ -24,7 +24,7 @@ from p2pkv.dataplane.negotiate import PairRefused
 from p2pkv.decode.background import Background
 from p2pkv.decode.failures import FailureKind
 from p2pkv.decode.fence import Fence
-from p2pkv.decode.peers import Peer, PeerId, PeerTable
+from p2pkv.decode.peers import HANDSHAKE_ATTEMPTS, Peer, PeerId, PeerTable
 from p2pkv.decode.transfer import Transfer, TransferState
 
 logger = logging.getLogger("p2pkv.decode")
@@ -51,13 +51,18 @@ class PeerKeeper:
         fence: the worker's fence (a dropped peer's connection is closed).
         background: where handshakes run.
         engine_id / compat_hash / secret: what a handshake sends and checks.
-        config: ``handshake_timeout_s``, ``handshake_retries``.
+        config: ``handshake_timeout_s``.
+
+    Attributes:
+        attempts: attempts each handshake makes (:data:`p2pkv.decode.peers.HANDSHAKE_ATTEMPTS`; fault tests
+            make it 1 to fail fast).
     """
 
     def __init__(self, peers: PeerTable, fence: Fence, background: Background, *, engine_id: str,
                  compat_hash: str, secret: bytes | None, config: P2pKvConfig) -> None:
         self.peers, self.fence, self.background, self.config = peers, fence, background, config
         self.engine_id, self.compat_hash, self.secret = engine_id, compat_hash, secret
+        self.attempts = HANDSHAKE_ATTEMPTS
         self._idle_check_at = 0.0  # time.monotonic() of the next look for idle peers
         self._waiting: dict[PeerId, list[Transfer]] = {}  # handshake in flight → the pulls begun again after it
         self.on_peer: Callable[[Peer], None] | None = None
@@ -82,7 +87,7 @@ class PeerKeeper:
         for pid in new:
             self.peers.handshake(pid, self.background, engine_id=self.engine_id, compat_hash=self.compat_hash,
                                  secret=self.secret, timeout_s=self.config.handshake_timeout_s,
-                                 retries=self.config.handshake_retries)
+                                 attempts=self.attempts)
         return True
 
     def wait(self, pid: PeerId, transfer: Transfer) -> None:

@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("p2pkv.decode.peers")
 
+HANDSHAKE_ATTEMPTS = 3
+"""Attempts a handshake makes (each of ``handshake_timeout_s``, on a fresh socket) before its pull fails: a
+prefill engine restarting on the same port answers a later one. A bound, not a measured optimum: with the default
+5 s a dead peer fails its pull after 15.6 s (:func:`handshake_budget_s`)."""
 HANDSHAKE_BACKOFF_S = 0.2
 """First pause (seconds) between two handshake attempts, doubled each time (see :func:`handshake_budget_s`)."""
 _IPV4_SPELLING = re.compile(r"[0-9a-fx.]+")
@@ -69,9 +73,9 @@ def canonical_host(host: str) -> str:
     return h
 
 
-def handshake_budget_s(timeout_s: float, retries: int) -> float:
-    """Longest a handshake can take (seconds): ``retries`` attempts of ``timeout_s`` and the pauses between."""
-    return timeout_s * retries + HANDSHAKE_BACKOFF_S * (2 ** max(0, retries - 1) - 1)
+def handshake_budget_s(timeout_s: float, attempts: int = HANDSHAKE_ATTEMPTS) -> float:
+    """Longest a handshake can take (seconds): ``attempts`` attempts of ``timeout_s`` and the pauses between."""
+    return timeout_s * attempts + HANDSHAKE_BACKOFF_S * (2 ** max(0, attempts - 1) - 1)
 
 
 @dataclass(frozen=True, order=True)
@@ -173,7 +177,7 @@ class PeerTable:
         return len(self.peers) + len(self.handshakes)
 
     def handshake(self, peer_id: PeerId, background: Background, *, engine_id: str, compat_hash: str,
-                  secret: bytes | None, timeout_s: float, retries: int) -> Handshake:
+                  secret: bytes | None, timeout_s: float, attempts: int) -> Handshake:
         """The handshake with ``peer_id``, started now unless one is in flight; it verifies the engine id.
 
         It runs on ``background``'s pool under the peer's host (calls to one
@@ -183,7 +187,7 @@ class PeerTable:
         if hs is None:
             future = background.call(f"p2pkv-handshake-{peer_id.host}:{peer_id.port}", fetch_agent_info,
                                      peer_id.destination, engine_id, compat_hash, secret=secret,
-                                     timeout_s=timeout_s, retries=retries, backoff_s=HANDSHAKE_BACKOFF_S,
+                                     timeout_s=timeout_s, retries=attempts, backoff_s=HANDSHAKE_BACKOFF_S,
                                      key=peer_id.host)
             hs = self.handshakes[peer_id] = Handshake(future)
         return hs

@@ -100,7 +100,7 @@ class Decode:
             self.pool_agent.register(self.layouts["BLHNC"].regions, self.mem_type, self.device_id)
             self.labels["cross_layer_pool"] = (
                 f"p2pkv cross-layer READs (as cross_layer) on NIXL's UCX thread pool: {opts.pool_threads} threads, "
-                f"descriptors cut into {opts.split_mib:g} MiB pieces (nixl_num_threads / READ_SPLIT_MIB)")
+                f"descriptors cut into {opts.split_mib:g} MiB pieces (a thread pool: transfer_cpus / READ_SPLIT_MIB)")
         self.peers: dict[str, dict[str, float]] = {}
         self.sides: dict[str, _Side] = {}
         self.pusher: PushClient | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 from dataclasses import dataclass, field, fields
@@ -131,8 +132,10 @@ class TransferBenchOptions:
     def nixl_settings(self) -> dict[str, Any]:
         """How both sides' NIXL agents are made: ``progress_thread`` (p2pkv's is a constant,
         ``p2pkv.worker.NIXL_PROGRESS_THREAD``, set in the prefill process) and the
-        :class:`p2pkv.config.P2pKvConfig` setting ``nixl_num_threads``."""
-        return {"progress_thread": self.progress_thread, "nixl_num_threads": self.num_threads}
+        prefill side's ``transfer_cpus``: ``num_threads`` of this process's cores, which give the prefill rank a
+        thread pool of that size (:func:`p2pkv.transfer_threads.nixl_threads`; none: ``""``)."""
+        cores = sorted(os.sched_getaffinity(0))[:self.num_threads] if self.num_threads >= 2 else []
+        return {"progress_thread": self.progress_thread, "transfer_cpus": ",".join(map(str, cores))}
 
 
 def _token_list(text: str) -> tuple[int, ...]:

@@ -58,7 +58,7 @@ def _prefill_main(shape_d: dict[str, Any], num_blocks: int, seed: int, nixl: dic
         if cuda:
             torch.cuda.set_device(dev)
         worker_module.NIXL_PROGRESS_THREAD = nixl["progress_thread"]  # this process only
-        config = P2pKvConfig(nixl_num_threads=nixl["nixl_num_threads"], insecure=True)  # synthetic: no secret
+        config = P2pKvConfig(transfer_cpus=nixl["transfer_cpus"], insecure=True)  # synthetic: no secret
         shape, caches, ready = KVShape(**shape_d), [], {}
         for layout in PREFILL_CACHE_LAYOUTS:
             base, views = make_shaped_kv_caches(layout, shape, num_blocks, seed=remote_seed(seed, layout), device=dev)

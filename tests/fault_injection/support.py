@@ -73,7 +73,7 @@ def clean_pull_succeeds(d: DecodeSide, pf: PrefillProc) -> None:
     assert released(d, pf, {prid}) and pf.times_released(prid) == 1
 
 
-PUSH_CFG = dict(transfer_mode="push", handshake_timeout_s=1.0, handshake_retries=1, pull_thread=False)
+PUSH_CFG = dict(transfer_mode="push", handshake_timeout_s=1.0, handshake_attempts=1, pull_thread=False)
 
 
 def failure_lines(caplog: pytest.LogCaptureFixture, rid: str) -> list[str]:

@@ -122,7 +122,7 @@ def test_shutdown_is_idempotent_and_leaves_no_threads(prefill: PrefillProc, mode
 
 def test_shutdown_during_a_handshake_leaves_no_threads() -> None:
     before = set(threading.enumerate())
-    d = DecodeSide(64, handshake_timeout_s=3.0, handshake_retries=1)
+    d = DecodeSide(64, handshake_timeout_s=3.0, handshake_attempts=1)
     try:
         with fake_side_channel(None) as (port, seen):
             d.start(pull_task("d-hs", "p-hs", port, [1], [1], engine="fake-silent"))

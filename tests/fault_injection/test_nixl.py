@@ -259,7 +259,7 @@ def test_stale_failure_keeps_the_new_peer(prefill: PrefillProc, decode: DecodeSi
 
 def test_stuck_read_times_out_as_load_error(prefill: PrefillProc) -> None:
     """A READ that never reports done is given up after ``transfer_timeout_s``: load errors, no retry."""
-    d = DecodeSide(64, handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=0.5)
+    d = DecodeSide(64, handshake_timeout_s=2.0, handshake_attempts=1, transfer_timeout_s=0.5)
     try:
         faulty = inject(d.worker, "check_xfer_state", 1, "proc", times=None)
         local, remote = [30, 31], [32, 33]
@@ -277,7 +277,7 @@ def test_cancelled_read_nixl_keeps_active_holds_its_blocks_until_it_ends(prefill
     """A stuck READ is given up after ``transfer_timeout_s``, but NIXL refuses to release it (still
     active: its bytes may still land). Its blocks go back to vLLM (load errors, finished) only after the
     READ ends or another ``transfer_timeout_s`` passed, never while it may still write them."""
-    d = DecodeSide(64, handshake_timeout_s=2.0, handshake_retries=1, transfer_timeout_s=0.5)
+    d = DecodeSide(64, handshake_timeout_s=2.0, handshake_attempts=1, transfer_timeout_s=0.5)
     try:
         assert d.worker.agent is not None
         stuck = FaultyNixlAgent(d.worker.agent._agent, "check_xfer_state", 1, mode="proc", times=None)

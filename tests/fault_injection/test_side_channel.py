@@ -70,8 +70,8 @@ def test_notification_poll_failure_does_not_escape_get_finished(prefill: Prefill
 
 
 
-ZMQ_TIMEOUT_S, ZMQ_RETRIES = 0.4, 2
-ZMQ_BOUND_S = ZMQ_RETRIES * ZMQ_TIMEOUT_S + 0.2 + 2.0  # attempts + backoff + slack for a loaded machine
+ZMQ_TIMEOUT_S, ZMQ_ATTEMPTS = 0.4, 2
+ZMQ_BOUND_S = ZMQ_ATTEMPTS * ZMQ_TIMEOUT_S + 0.2 + 2.0  # attempts + backoff + slack for a loaded machine
 
 ZMQ_CASES = {
     "silent": (None, 0.0),
@@ -88,7 +88,7 @@ def test_side_channel_fault_fails_the_pull_cleanly(prefill: PrefillProc, case: s
     respond, delay = ZMQ_CASES[case]
     if respond in ("real", "replayed"):
         respond = real_reply(prefill, None if respond == "real" else b"nonce of an earlier exchange")
-    d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_retries=ZMQ_RETRIES, transfer_mode="pull")
+    d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_attempts=ZMQ_ATTEMPTS, transfer_mode="pull")
     try:
         with fake_side_channel(respond, delay) as (port, seen):  # type: ignore[arg-type]
             local, remote = [11, 12, 13], [1, 2, 3]
@@ -113,7 +113,7 @@ def test_fake_side_channel_with_a_prompt_real_reply_pulls(prefill: PrefillProc) 
         return encode(HoldsReply(protocol_version=PROTOCOL_VERSION, accepted=len(msg.request_ids),
                                      request_ids=msg.request_ids, nonce=msg.nonce), None)
 
-    d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_retries=ZMQ_RETRIES, transfer_mode="pull")
+    d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_attempts=ZMQ_ATTEMPTS, transfer_mode="pull")
     try:
         with fake_side_channel(respond) as (port, _):
             local, remote = [11, 12, 13], [1, 2, 3]
@@ -145,7 +145,7 @@ def _fence_dropping(prefill: PrefillProc, drop: Callable[[int], bool]) -> Callab
 def test_unanswered_fence_question(prefill: PrefillProc, drop: Callable[[int], bool], ok: bool) -> None:
     """The question after the READ gets no answer: asked once more; a second silence fails the pull
     (kind=unconfirmed), exactly its blocks as load errors, within two side-channel timeouts."""
-    d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_retries=ZMQ_RETRIES, transfer_mode="pull")
+    d = DecodeSide(64, handshake_timeout_s=ZMQ_TIMEOUT_S, handshake_attempts=ZMQ_ATTEMPTS, transfer_mode="pull")
     try:
         with fake_side_channel(_fence_dropping(prefill, drop)) as (port, seen):
             local, remote = [21, 22], [5, 6]
