@@ -119,7 +119,15 @@ def test_engine_metric_names_match_what_the_engine_exposes() -> None:
                   "failures": {"timeout": 1}, "transports": {"DRAM:cma": 1}, "phase_seconds": {"read": [0.001]},
                   "directions": {"push": 1}, "push_requests": {"accepted": 1}, "push_writes": {"written": 1},
                   "push_bytes": 4096, "push_agents_unloaded": 1, "streams_landed": {"whole": 1},
-                  "kv_checks": {"pull:verified": 1}})
+                  "kv_checks": {"pull:verified": 1}, "stream_tail_seconds": [0.003, 0.004]})
+    engine = {"model_name": "model", "engine": "0"}
+    counted = {("p2pkv:kv_checks_total", (("direction", "pull"), ("outcome", "verified"))): 1,
+               ("p2pkv:peer_transport_total", (("mem_type", "DRAM"), ("transport", "cma"))): 1,
+               ("p2pkv:pull_failures_total", (("kind", "timeout"),)): 1,
+               ("p2pkv:leases_notified_total", ()): 2, ("p2pkv:push_bytes_total", ()): 4096,
+               ("p2pkv:pulls_total", ()): 1, ("p2pkv:pull_bytes_total", ()): 4096,
+               ("p2pkv:stream_tail_seconds_count", ()): 2, ("p2pkv:pull_phase_seconds_count", (("phase", "read"),)): 1}
+    assert {key: reg.get_sample_value(key[0], {**engine, **dict(key[1])}) for key in counted} == counted
     exposed = {s.name for fam in reg.collect() for s in fam.samples if not s.name.endswith("_created")}
     assert exposed == series_names(engine_metric_definitions())
     labels = {tuple(sorted(s.labels)) for fam in reg.collect() for s in fam.samples if s.name.endswith("_total")}

@@ -165,44 +165,35 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
             labelnames=[*labelnames, "how"])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Count one :class:`p2pkv.telemetry.stats.P2pKvStats` ``data`` of engine ``engine_idx`` (vLLM's
+        ``KVConnectorPromMetrics.observe``)."""
         data = transfer_stats_data
-        for s in data.get("stream_tail_seconds", []):
-            self.stream_tail_seconds[engine_idx].observe(s)
-        for n in data.get("pull_bytes", []):
-            self.pull_bytes[engine_idx].inc(n)
+        for name in OBSERVED:
+            for value in data.get(name, []):
+                getattr(self, name)[engine_idx].observe(value)
         if data.get("pull_seconds"):
             self.pulls[engine_idx].inc(len(data["pull_seconds"]))
-        for s in data.get("pull_seconds", []):
-            self.pull_seconds[engine_idx].observe(s)
-        for d in data.get("pull_descriptors", []):
-            self.pull_descriptors[engine_idx].observe(d)
-        for s in data.get("handshake_seconds", []):
-            self.handshake_seconds[engine_idx].observe(s)
-        if data.get("leases_expired"):
-            self.leases_expired[engine_idx].inc(data["leases_expired"])
-        if data.get("leases_notified"):
-            self.leases_notified[engine_idx].inc(data["leases_notified"])
+        for n in data.get("pull_bytes", []):
+            self.pull_bytes[engine_idx].inc(n)
+        for name in TOTALS:
+            if data.get(name):
+                getattr(self, name)[engine_idx].inc(data[name])
         labels = self.per_engine_labelvalues[engine_idx]
         for phase, values in data.get("phase_seconds", {}).items():
             for s in values:
                 self.phase_seconds.labels(*labels, phase).observe(s)
-        for kind, n in data.get("failures", {}).items():
-            self.failures.labels(*labels, kind).inc(n)
-        for key, n in data.get("transports", {}).items():
-            mem_type, _, transport = key.partition(":")
-            self.transports.labels(*labels, mem_type, transport).inc(n)
-        for direction, n in data.get("directions", {}).items():
-            self.directions.labels(*labels, direction).inc(n)
-        for status, n in data.get("push_requests", {}).items():
-            self.push_requests.labels(*labels, status).inc(n)
-        for outcome, n in data.get("push_writes", {}).items():
-            self.push_writes.labels(*labels, outcome).inc(n)
-        for key, n in data.get("kv_checks", {}).items():
-            direction, _, outcome = key.partition(":")
-            self.kv_checks.labels(*labels, direction, outcome).inc(n)
-        for how, n in data.get("streams_landed", {}).items():
-            self.streams_landed.labels(*labels, how).inc(n)
-        if data.get("push_bytes"):
-            self.push_bytes[engine_idx].inc(data["push_bytes"])
-        if data.get("push_agents_unloaded"):
-            self.push_agents_unloaded[engine_idx].inc(data["push_agents_unloaded"])
+        for name, parts in COUNTED_BY_LABEL.items():
+            for key, n in data.get(name, {}).items():
+                getattr(self, name).labels(*labels, *(key.partition(":")[::2] if parts == 2 else (key,))).inc(n)
+
+
+OBSERVED = ("stream_tail_seconds", "pull_seconds", "pull_descriptors", "handshake_seconds")
+"""Stats that are lists of values, each observed by the per-engine histogram of the same name."""
+
+TOTALS = ("leases_expired", "leases_notified", "push_bytes", "push_agents_unloaded")
+"""Stats that are one count, added to the per-engine counter of the same name."""
+
+COUNTED_BY_LABEL: dict[str, int] = {"failures": 1, "transports": 2, "directions": 1, "push_requests": 1,
+                                    "push_writes": 1, "kv_checks": 2, "streams_landed": 1}
+"""Stats that are counts by label value → how many labels a key names (two: ``"DRAM:cma"`` is mem_type and
+transport, ``"pull:verified"`` direction and outcome), added to the labelled counter of the same name."""
