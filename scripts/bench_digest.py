@@ -27,7 +27,7 @@ import json
 import platform
 import statistics
 import sys
-import time
+import timeit
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -79,13 +79,9 @@ def _candidates() -> dict[str, Callable[[torch.Tensor], object]]:
 
 
 def _time(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
+    """Seconds of each of ``repeats`` calls of ``fn``, after one untimed call (the warm-up)."""
+    fn()
+    return timeit.repeat(fn, number=1, repeat=repeats)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ On CUDA the device memory one call allocates beyond its inputs is recorded
 (``peak_extra_bytes``: the index grids; the source view is never copied).
 On CUDA each iteration is timed with CUDA events (start recorded, the call
 made, end recorded and waited for: the host's launch overhead counts); on CPU
-with ``time.perf_counter``. On CUDA a second figure, "back to back", times
+with ``timeit`` (``time.perf_counter``). On CUDA a second figure, "back to back", times
 ``--iters`` calls queued without waiting (one event pair around them), as a
 pipelined caller sees it. Before timing, each implementation's output is
 compared bitwise with :func:`p2pkv.testing.fixup_reference` on the first and
@@ -42,7 +42,7 @@ import os
 import platform
 import statistics
 import sys
-import time
+import timeit
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,12 +94,7 @@ def _timed(fn: Any, device: Any, warmup: int, iters: int, queued: bool = False) 
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
-        out = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-        return out
+        return timeit.repeat(fn, number=1, repeat=iters)
     torch.cuda.synchronize(device)
     out = []
     for _ in range(1 if queued else iters):
