@@ -20,10 +20,8 @@ from p2pkv.tools.proxy.first_token import (
     read_first_token,
     request_fallback,
 )
-from tests.fake_engines import PROMPT_IDS, FakeEngine, Served, p2pkv_prefill_answer
+from tests.fake_engines import CHAT, COMPLETIONS, PROMPT_IDS, FakeEngine, Served, p2pkv_prefill_answer
 from tests.test_proxy import metric
-
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.mark.parametrize(("body", "reason"), [

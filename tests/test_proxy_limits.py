@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from p2pkv.tools.proxy import create_app
-from tests.fake_engines import CHUNKS, ERROR_BODY, Concurrency, FakeEngine, Served, fresh, stop_all
+from tests.fake_engines import CHAT, CHUNKS, COMPLETIONS, ERROR_BODY, Concurrency, FakeEngine, Served, fresh, stop_all
 
 LIMIT = 4096
 """The test proxy's --max-body-bytes."""
@@ -122,7 +122,6 @@ def test_a_413_closes_the_connection_so_the_client_stops_sending(limited_pair: P
 
 # ---- JSON types ---------------------------------------------------------------------------------------------
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BAD_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, {"prompt": ["a", "b"], "stream": 1}, "stream"),  # was a 500: the engines streamed, json.loads broke
     (COMPLETIONS, {"prompt": "a", "stream": "yes"}, "stream"),

@@ -27,11 +27,9 @@ from p2pkv.tools.proxy.stream_hand_over import (
     stream_blocker,
     stream_hand_over,
 )
-from tests.fake_engines import PROMPT_IDS, p2pkv_prefill_answer
+from tests.fake_engines import CHAT, COMPLETIONS, PROMPT_IDS, p2pkv_prefill_answer
 from tests.test_proxy import metric
 from tests.test_proxy_stream import SECRET, URLS, _answer_params
-
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 @pytest.mark.parametrize(("body", "reason"), [
