@@ -53,9 +53,13 @@ class Hold(str, enum.Enum):
     """What the prefill rank said of one READ's request and blocks."""
 
     HELD = "held"
+    """Still held, its block ids among the held ones: what the READ read stayed the request's."""
     EXPIRED = "expired"
+    """Its lease ran out before the answer: the blocks may have been reused, so the READ counts as failed."""
     NOT_HELD = "not_held"
+    """Released already (notified or released), or the hold has other block ids."""
     UNKNOWN = "unknown"
+    """The prefill rank was never told to hold it (a restarted process, or ids it never had)."""
 
 
 def hold_of(request_id: str, reply: HoldsReply) -> Hold:
