@@ -183,8 +183,10 @@ class P2pKvPromMetrics(KVConnectorPromMetrics):
             for s in values:
                 self.phase_seconds.labels(*labels, phase).observe(s)
         for name, parts in COUNTED_BY_LABEL.items():
+            counter = getattr(self, name)
             for key, n in data.get(name, {}).items():
-                getattr(self, name).labels(*labels, *(key.partition(":")[::2] if parts == 2 else (key,))).inc(n)
+                values = key.partition(":")[::2] if parts == 2 else (key,)
+                counter.labels(*labels, *values).inc(n)
 
 
 OBSERVED = ("stream_tail_seconds", "pull_seconds", "pull_descriptors", "handshake_seconds")
