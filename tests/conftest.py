@@ -199,7 +199,7 @@ def launched(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, otlp) -
     # short test prompts stream, and layer by layer on a link as fast against the forward as cma is here
     extra = {"stats_file": str(logs / "prefill.jsonl"), "stream_min_tokens": 0}
     # every load verified (no false mismatch under every request shape); FAULTS corrupt only requests aimed at
-    decode_extra = {"stats_file": str(stats), "handshake_timeout_s": 1.5, "verify_kv": True}
+    decode_extra = {"stats_file": str(stats), "handshake_timeout_s": 3.0, "verify_kv": True}
     pair = LocalPair(model=str(tiny_model), proxy_port=proxy, prefill_port=prefill, decode_port=decode,
                      aggregated_port=agg, side_channel_port=side, block_size=BLOCK, log_dir=logs,
                      extra_config=extra, decode_extra_config=decode_extra, max_model_len=1024,

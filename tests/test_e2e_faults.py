@@ -312,7 +312,7 @@ def own_decode(rig: Rig) -> Iterator[tuple[EngineSpec, list[Child], dict[str, st
     port, side = free_ports(2)
     spec = EngineSpec(name="decode-faults", model=p.model, port=port, role="decode", side_channel_port=side,
                       side_channel_host="127.0.0.1", block_size=BLOCK, max_model_len=1024,
-                      extra_config={"handshake_timeout_s": 1.0,
+                      extra_config={"handshake_timeout_s": 1.5,
                                     "transfer_timeout_s": LEASE_S},  # its pushes' and streams' window
                       env={"UCX_NET_DEVICES": "lo", "P2PKV_SECRET": p.secret})
     children = [start_engine(spec, rig.logs)]
