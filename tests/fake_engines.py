@@ -14,9 +14,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 T = TypeVar("T")
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-"""The OpenAI routes the proxy serves and the fake engines answer."""
-
 KV_PARAMS: dict[str, Any] = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1, 2]],
                              "remote_host": "127.0.0.1", "remote_port": 5600, "remote_request_id": "<id>",
                              "tp_size": 1}

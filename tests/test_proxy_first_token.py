@@ -20,7 +20,8 @@ from p2pkv.tools.proxy.first_token import (
     read_first_token,
     request_fallback,
 )
-from tests.fake_engines import CHAT, COMPLETIONS, PROMPT_IDS, FakeEngine, Served, p2pkv_prefill_answer
+from p2pkv.tools.proxy.validate import CHAT, COMPLETIONS
+from tests.fake_engines import PROMPT_IDS, FakeEngine, Served, p2pkv_prefill_answer
 from tests.test_proxy import metric
 
 

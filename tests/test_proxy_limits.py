@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from p2pkv.tools.proxy import create_app
-from tests.fake_engines import CHAT, CHUNKS, COMPLETIONS, ERROR_BODY, Concurrency, FakeEngine, Served, fresh, stop_all
+from p2pkv.tools.proxy.validate import CHAT, COMPLETIONS
+from tests.fake_engines import CHUNKS, ERROR_BODY, Concurrency, FakeEngine, Served, fresh, stop_all
 
 LIMIT = 4096
 """The test proxy's --max-body-bytes."""

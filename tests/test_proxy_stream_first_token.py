@@ -27,7 +27,8 @@ from p2pkv.tools.proxy.stream_hand_over import (
     stream_blocker,
     stream_hand_over,
 )
-from tests.fake_engines import CHAT, COMPLETIONS, PROMPT_IDS, p2pkv_prefill_answer
+from p2pkv.tools.proxy.validate import CHAT, COMPLETIONS
+from tests.fake_engines import PROMPT_IDS, p2pkv_prefill_answer
 from tests.test_proxy import metric
 from tests.test_proxy_stream import SECRET, URLS, _answer_params
 

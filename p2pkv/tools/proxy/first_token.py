@@ -27,11 +27,10 @@ from enum import Enum
 from typing import Any, Literal
 
 from p2pkv.params import SENDER, with_appended_tokens
+from p2pkv.tools.proxy.validate import CHAT, COMPLETIONS
 
 FirstTokenSource = Literal["prefill", "decode"]
 """Where a streaming request's first token comes from: the prefill engine's answer, or the decode engine."""
-
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 class Fallback(str, Enum):
